@@ -1,0 +1,20 @@
+"""tandv: track and visualize the numerics of neural-network training.
+
+The public face: read and validate logs here; trackers live in ``tandv.track.torch``
+and ``tandv.track.jax``, figures in ``tandv.viz``.
+"""
+
+from .schema import SchemaError, read_log, read_parquet, read_pickle, validate, write_parquet, write_pickle
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SchemaError",
+    "read_log",
+    "read_parquet",
+    "read_pickle",
+    "validate",
+    "write_parquet",
+    "write_pickle",
+    "__version__",
+]

@@ -1,0 +1,1 @@
+"""Trackers: ``tandv.track.torch`` (PyTorch) and ``tandv.track.jax`` (JAX/Flax)."""

@@ -1,0 +1,201 @@
+"""Framework-neutral step bookkeeping shared by the PyTorch and JAX trackers.
+
+An adapter hands the :class:`StepRecorder` one *device* summary vector per tensor
+observation (:meth:`StepRecorder.add`); at the end of a step it passes a ``to_host``
+function that moves all of them to the host in one transfer. Everything after that
+(merging several observations of one tensor, finalizing statistics, building rows,
+streaming them to disk) happens here, once, for both frameworks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from ...schema.columns import (
+    EXPONENT_COUNTS,
+    META_COLUMNS,
+    METADATA,
+    OVERFLOW,
+    SCALAR_STATS,
+    TENSOR_TYPES,
+    UNDERFLOW,
+)
+from ...schema.io import concat_logs
+from ...schema.writer import FORMATS, LogWriter, open_writer
+from ...stats.summary import COUNT_STATS, DEFAULT_STATS, Layout, exponent_labels, finalize, merge_all
+
+__all__ = ["TensorKey", "StepRecorder", "build_rows", "resolve_out", "DEFAULT_LOG_DIR"]
+
+#: Where logs go when a tracker is given no ``out``.
+DEFAULT_LOG_DIR = Path("tandv_logs")
+
+
+@dataclass(frozen=True)
+class TensorKey:
+    """Identity of one row of a step: which tensor, of which kind, from which module class."""
+
+    name: str
+    tensor_type: str
+    module_type: str
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.tensor_type not in TENSOR_TYPES:
+            raise ValueError(f"tensor_type {self.tensor_type!r} is not one of {TENSOR_TYPES}")
+
+
+def build_rows(step: int, entries: Sequence[tuple[TensorKey, Layout, np.ndarray]]) -> pd.DataFrame:
+    """Log rows for one step from merged host summaries, one row per entry, in order.
+
+    Exponent columns are the union over the entries' formats; a format that lacks an
+    exponent contributes a zero count there.
+    """
+    n = len(entries)
+    finals = [finalize(v, layout) for _, layout, v in entries]
+    data: dict[tuple[str, Any], Any] = {
+        (METADATA, "name"): [k.name for k, _, _ in entries],
+        (METADATA, "type"): [k.module_type for k, _, _ in entries],
+        (METADATA, "tensor_type"): [k.tensor_type for k, _, _ in entries],
+        (METADATA, "step"): np.full(n, step, dtype=np.int64),
+        (METADATA, "dtype"): [k.dtype for k, _, _ in entries],
+    }
+    stat_names = list(DEFAULT_STATS)
+    for stats, _ in finals:
+        stat_names += [s for s in stats if s not in stat_names]
+    for s in stat_names:
+        col = [st.get(s, np.nan) for st, _ in finals]
+        data[(SCALAR_STATS, s)] = np.asarray(col, dtype=np.int64 if s in COUNT_STATS else np.float64)
+    labels: dict[Any, int] = {}
+    for _, layout, _ in entries:
+        for lab in exponent_labels(layout.format):
+            labels.setdefault(lab, len(labels))
+    counts = np.zeros((n, len(labels)), dtype=np.int64)
+    for i, ((_, layout, _), (_, c)) in enumerate(zip(entries, finals)):
+        counts[i, [labels[lab] for lab in exponent_labels(layout.format)]] = c
+    for lab in [UNDERFLOW, *sorted(l for l in labels if l not in (UNDERFLOW, OVERFLOW)), OVERFLOW]:
+        data[(EXPONENT_COUNTS, lab)] = counts[:, labels[lab]] if lab in labels else np.zeros(n, np.int64)
+    df = pd.DataFrame(data)
+    df.columns = pd.MultiIndex.from_tuples(list(data))
+    return df
+
+
+def resolve_out(out: str | os.PathLike | None, out_format: str, run_name: str) -> Path:
+    """The log path: ``out`` as given, else ``tandv_logs/<run_name>-<timestamp>`` (a directory
+    for parquet, a ``.pkl`` file for pickle)."""
+    if out_format not in FORMATS:
+        raise ValueError(f"out_format={out_format!r}: expected one of {FORMATS}")
+    if out is not None:
+        return Path(out)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = DEFAULT_LOG_DIR / f"{run_name}-{stamp}"
+    path = base if out_format == "parquet" else base.with_suffix(".pkl")
+    k = 1
+    while path.exists():
+        k += 1
+        path = base.with_name(f"{base.name}-{k}")
+        path = path if out_format == "parquet" else path.with_suffix(".pkl")
+    return path
+
+
+class StepRecorder:
+    """Collects one step's summaries, merges and finalizes them, and streams rows to disk.
+
+    Arguments:
+        out: log path (see :func:`resolve_out`); ``None`` for the default folder.
+        out_format: ``"parquet"`` (a directory of part files, streamed) or ``"pickle"``
+            (one file written at close).
+        run_name: readable name used in the default path.
+        flush_every: write buffered rows after this many recorded steps ...
+        flush_seconds: ... or once this many seconds have passed since the last write.
+        verbose: print the log path once when the recorder opens.
+    """
+
+    def __init__(
+        self,
+        out: str | os.PathLike | None = None,
+        out_format: str = "parquet",
+        run_name: str = "run",
+        *,
+        flush_every: int = 10,
+        flush_seconds: float = 30.0,
+        verbose: bool = True,
+    ) -> None:
+        if not isinstance(flush_every, int) or flush_every < 1:
+            raise ValueError(f"flush_every={flush_every!r}: expected an int >= 1")
+        self.path = resolve_out(out, out_format, run_name)
+        self.writer: LogWriter = open_writer(self.path, out_format)  # type: ignore[arg-type]
+        if verbose:
+            print(f"tandv: logging to {self.path}", file=sys.stderr)
+        self.flush_every = flush_every
+        self.flush_seconds = flush_seconds
+        self._pending: list[tuple[TensorKey, Layout, Any]] = []
+        self._buffer: list[pd.DataFrame] = []
+        self._last_flush = time.monotonic()
+        self.steps_recorded = 0
+        self.closed = False
+
+    def add(self, key: TensorKey, layout: Layout, summary: Any) -> None:
+        """Record one observation of a tensor in the current step (a device summary)."""
+        self._pending.append((key, layout, summary))
+
+    def discard(self) -> None:
+        """Drop the current step's observations (a step that will not be recorded)."""
+        self._pending = []
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether observations await :meth:`end_step`."""
+        return bool(self._pending)
+
+    def end_step(self, step: int, to_host: Callable[[list[Any]], Sequence[np.ndarray]]) -> int:
+        """Close step ``step``: move its summaries to the host with one ``to_host`` call,
+        merge observations of the same tensor, and buffer the rows. Returns the row count."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return 0
+        host = to_host([s for _, _, s in pending])
+        groups: dict[TensorKey, tuple[Layout, list[np.ndarray]]] = {}
+        for (key, layout, _), v in zip(pending, host):
+            if key in groups and groups[key][0] != layout:
+                raise ValueError(
+                    f"tensor {key.name!r} ({key.tensor_type}) changed its summary layout within "
+                    f"step {step}; it must keep one number format and one set of custom statistics"
+                )
+            groups.setdefault(key, (layout, []))[1].append(np.asarray(v, dtype=np.float64))
+        entries = [(k, layout, merge_all(vs, layout) if len(vs) > 1 else vs[0])
+                   for k, (layout, vs) in groups.items()]
+        self._buffer.append(build_rows(step, entries))
+        self.steps_recorded += 1
+        if (len(self._buffer) >= self.flush_every
+                or time.monotonic() - self._last_flush >= self.flush_seconds):
+            self.flush()
+        return len(entries)
+
+    def flush(self) -> None:
+        """Write buffered rows now."""
+        if self._buffer:
+            self.writer.write(concat_logs(self._buffer))
+            self._buffer = []
+        self._last_flush = time.monotonic()
+
+    def close(self) -> Path:
+        """Flush and finish the log (idempotent); returns its path.
+
+        A run that recorded no step writes a valid log with no rows (default columns)."""
+        if not self.closed:
+            self._pending = []
+            self.flush()
+            if self.writer.rows_written == 0:
+                self.writer.write(build_rows(0, []), allow_empty=True)
+            self.writer.close()
+            self.closed = True
+        return self.path
