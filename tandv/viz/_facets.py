@@ -1,0 +1,39 @@
+"""A grid of panels on a matplotlib Figure (built without pyplot, so figures made in a
+loop, e.g. by the report, are not kept alive by pyplot's figure registry)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+__all__ = ["facet_grid"]
+
+
+def facet_grid(
+    n: int,
+    col_wrap: int | None,
+    panel_size: tuple[float, float] = (4.8, 3.2),
+    figsize: tuple[float, float] | None = None,
+    sharex: bool = False,
+    sharey: bool = False,
+) -> tuple[Figure, list[Axes]]:
+    """A Figure with ``n`` panels, ``col_wrap`` per row (all in one row when ``None``).
+
+    Panels beyond ``n`` in the last row are removed, so ``fig.axes`` holds exactly the
+    panels (plus any colorbars added later)."""
+    if col_wrap is not None and (isinstance(col_wrap, bool) or not isinstance(col_wrap, (int, np.integer)) or col_wrap < 1):
+        raise ValueError(f"col_wrap={col_wrap!r}: expected None or an int >= 1")
+    ncols = n if col_wrap is None else min(int(col_wrap), n)
+    ncols = max(ncols, 1)
+    nrows = max(math.ceil(n / ncols), 1)
+    if figsize is None:
+        figsize = (panel_size[0] * ncols, panel_size[1] * nrows + 0.4)
+    fig = Figure(figsize=figsize, layout="constrained")
+    grid = fig.subplots(nrows, ncols, squeeze=False, sharex=sharex, sharey=sharey)
+    axes = list(grid.ravel())
+    for ax in axes[n:]:
+        ax.remove()
+    return fig, axes[:n]

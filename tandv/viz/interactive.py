@@ -1,0 +1,1 @@
+def interactive(*a, **k): raise NotImplementedError

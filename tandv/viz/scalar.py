@@ -1,0 +1,219 @@
+"""Scalar statistics over training: line plots per tensor, and the layers x steps heatmap."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.colors import LogNorm, Normalize
+from matplotlib.figure import Figure
+
+from ..schema import METADATA, NAME, SCALAR_STATS, STEP, TENSOR_TYPE
+from ._data import (
+    VizArgumentError,
+    check_log,
+    rows_for,
+    select_layers,
+    select_metrics,
+    select_steps,
+    select_tensor_types,
+)
+from ._facets import facet_grid
+
+__all__ = ["scalar_line", "scalar_global_heatmap", "spans_decades", "HeatmapPanel", "heatmap_panels"]
+
+#: A metric is drawn on a log scale when its positive values span at least this ratio.
+DECADES_RATIO = 100.0
+
+
+def spans_decades(values: np.ndarray) -> bool:
+    """True when all finite values are positive and the largest is at least
+    :data:`DECADES_RATIO` times the smallest: then a log scale shows them best."""
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    return bool(v.size and (v > 0).all() and v.max() >= DECADES_RATIO * v.min())
+
+
+def scalar_line(
+    df: pd.DataFrame,
+    layer: str | re.Pattern[str] | Sequence[str] | None,
+    tt: str | Sequence[str],
+    scalar_metric: str | Sequence[str],
+    x: str = "step",
+    col_wrap: int | None = None,
+    kind: Literal["line", "scatter"] = "line",
+    logy: bool | None = None,
+    figsize: tuple[float, float] | None = None,
+) -> Figure:
+    """One or more scalar statistics of each selected tensor over training.
+
+    One panel per tensor name; in it one curve per (metric, tensor type), so e.g. the
+    RMS of a layer's weight and of its gradient can be read off together.
+
+    Arguments:
+        df: a tandv log.
+        layer: a name, a list of names, a regular expression, or ``None`` for all.
+        tt: a tensor type or a list of them.
+        scalar_metric: a scalar statistic (``"rm2"``) or a list of them.
+        x: ``"step"`` or another scalar statistic to plot against.
+        col_wrap: panels per row (default: all in one row).
+        kind: ``"line"`` or ``"scatter"``.
+        logy: log-scale y axis; default when the plotted values are positive and span
+            two decades or more.
+        figsize: figure size in inches.
+
+    Raises:
+        tandv.SchemaError: if ``df`` is not a valid log.
+        VizArgumentError: for an unknown layer, tensor type, metric or ``x``.
+    """
+    check_log(df)
+    if kind not in ("line", "scatter"):
+        raise VizArgumentError(f"kind={kind!r}: expected 'line' or 'scatter'")
+    tts = select_tensor_types(df, tt)
+    metrics = select_metrics(df, scalar_metric)
+    if x != STEP:
+        try:
+            select_metrics(df, x)
+        except VizArgumentError as e:
+            raise VizArgumentError(f"x={x!r}: expected 'step' or a scalar statistic; {e}") from None
+    names = select_layers(df, layer, tts)
+    sel = rows_for(df, names, tts)
+    xcol = (METADATA, STEP) if x == STEP else (SCALAR_STATS, x)
+    values = sel[[(SCALAR_STATS, m) for m in metrics]].to_numpy(dtype=np.float64)
+    use_log = spans_decades(values) if logy is None else bool(logy)
+    fig, axes = facet_grid(len(names), col_wrap, figsize=figsize)
+    several_tt = len(tts) > 1
+    for ax, name in zip(axes, names):
+        for m_i, m in enumerate(metrics):
+            for t_i, t in enumerate(tts):
+                rows = sel[(sel[(METADATA, NAME)] == name) & (sel[(METADATA, TENSOR_TYPE)] == t)]
+                if rows.empty:
+                    continue
+                rows = rows.sort_values(xcol)
+                xs = rows[xcol].to_numpy()
+                ys = rows[(SCALAR_STATS, m)].to_numpy(dtype=np.float64)
+                label = f"{m} ({t})" if several_tt else m
+                color = f"C{m_i * len(tts) + t_i}"
+                if kind == "line":
+                    ax.plot(xs, ys, label=label, color=color, marker="." if len(xs) < 30 else None)
+                else:
+                    ax.scatter(xs, ys, label=label, color=color, s=10)
+        if use_log:
+            ax.set_yscale("log")
+        ax.set_title(name if several_tt else f"{name} ({tts[0]})", fontsize=9)
+        ax.set_xlabel(x)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7, loc="best")
+    fig.suptitle(", ".join(metrics))
+    return fig
+
+
+@dataclass
+class HeatmapPanel:
+    """One heatmap panel: its axes, tensor type, and the layers (rows) and steps (columns)
+    its cells stand for, so a click at data coordinates maps back to a tensor and a step."""
+
+    ax: Axes
+    tt: str
+    layers: list[str]
+    steps: list[int]
+    values: np.ndarray  # layers x steps, NaN where a tensor has no row at a step
+
+    def cell_at(self, xdata: float, ydata: float) -> tuple[str, int] | None:
+        """The (layer, step) of the cell at data coordinates, or None outside the grid."""
+        col, row = int(np.floor(xdata)), int(np.floor(ydata))
+        if 0 <= row < len(self.layers) and 0 <= col < len(self.steps):
+            return self.layers[row], self.steps[col]
+        return None
+
+
+def heatmap_panels(
+    df: pd.DataFrame,
+    tt: str | Sequence[str],
+    scalar_metric: str,
+    inc: int = 1,
+    col_wrap: int | None = None,
+    log_scale: bool | None = None,
+    layer: str | re.Pattern[str] | Sequence[str] | None = None,
+    figsize: tuple[float, float] | None = None,
+) -> tuple[Figure, list[HeatmapPanel]]:
+    """:func:`scalar_global_heatmap`, also returning the panels' cell maps (for clicks)."""
+    check_log(df)
+    tts = select_tensor_types(df, tt)
+    if not isinstance(scalar_metric, str):
+        raise VizArgumentError(f"scalar_metric={scalar_metric!r}: the heatmap shows one metric; pass a name")
+    (metric,) = select_metrics(df, scalar_metric)
+    grids = []
+    for t in tts:
+        names = select_layers(df, layer, [t])
+        rows = rows_for(df, names, [t])
+        steps = select_steps(rows, inc)
+        rows = rows[rows[(METADATA, STEP)].isin(steps)]
+        flat = pd.DataFrame({"name": rows[(METADATA, NAME)].to_numpy(), "step": rows[(METADATA, STEP)].to_numpy(),
+                             "value": rows[(SCALAR_STATS, metric)].to_numpy(dtype=np.float64)})
+        wide = flat.pivot(index="name", columns="step", values="value")
+        wide = wide.reindex(index=names, columns=steps)
+        grids.append((t, names, steps, wide.to_numpy(dtype=np.float64)))
+    n_layers = max(len(g[1]) for g in grids)
+    panel = (max(5.0, min(14.0, 0.12 * max(len(g[2]) for g in grids) + 3.5)), max(2.6, min(14.0, 0.28 * n_layers + 1.2)))
+    fig, axes = facet_grid(len(grids), col_wrap, panel_size=panel, figsize=figsize)
+    panels = []
+    for ax, (t, names, steps, mat) in zip(axes, grids):
+        use_log = spans_decades(mat) if log_scale is None else bool(log_scale)
+        finite = mat[np.isfinite(mat)]
+        if use_log:
+            positive = finite[finite > 0]
+            norm = LogNorm(positive.min(), positive.max()) if positive.size else LogNorm()
+            shown = np.ma.masked_where(~np.isfinite(mat) | (mat <= 0), mat)
+        else:
+            norm = Normalize(finite.min(), finite.max()) if finite.size else Normalize()
+            shown = np.ma.masked_invalid(mat)
+        mesh = ax.pcolormesh(np.arange(len(steps) + 1), np.arange(len(names) + 1), shown, norm=norm,
+                             cmap="viridis", gid="heatmap")
+        fig.colorbar(mesh, ax=ax, label=metric + (" (log scale)" if use_log else ""))
+        ax.set_ylim(len(names), 0)  # first layer at the top
+        ax.set_yticks(np.arange(len(names)) + 0.5, names, fontsize=7 if len(names) < 40 else 5)
+        stride = max(1, int(np.ceil(len(steps) / 12)))
+        ax.set_xticks(np.arange(0, len(steps), stride) + 0.5, [str(s) for s in steps[::stride]], fontsize=7)
+        ax.set_xlabel("step")
+        ax.set_title(f"{t}: {metric}", fontsize=10)
+        panels.append(HeatmapPanel(ax, t, names, steps, mat))
+    return fig, panels
+
+
+def scalar_global_heatmap(
+    df: pd.DataFrame,
+    tt: str | Sequence[str],
+    scalar_metric: str,
+    inc: int = 1,
+    col_wrap: int | None = None,
+    log_scale: bool | None = None,
+    layer: str | re.Pattern[str] | Sequence[str] | None = None,
+    figsize: tuple[float, float] | None = None,
+) -> Figure:
+    """A scalar statistic of every tensor at every step, as a layers x steps heatmap.
+
+    The global view of a run: which layers drift, blow up or collapse, and when.
+    Layers run top to bottom in the order the log first holds them (the model's
+    order); blank cells are steps at which a tensor was not logged.
+
+    Arguments:
+        df: a tandv log.
+        tt: a tensor type, or a list of them for one panel each.
+        scalar_metric: the statistic coloured, e.g. ``"rm2"``.
+        inc: show every ``inc``-th logged step (the first always).
+        col_wrap: panels per row (default: all in one row).
+        log_scale: colour on a log scale; default when the panel's values are positive
+            and span two decades or more.
+        layer: restrict the rows to these tensors (name, list or regex); default all.
+        figsize: figure size in inches.
+
+    Raises:
+        tandv.SchemaError: if ``df`` is not a valid log.
+        VizArgumentError: for an unknown tensor type, metric or layer, or a bad ``inc``.
+    """
+    return heatmap_panels(df, tt, scalar_metric, inc, col_wrap, log_scale, layer, figsize)[0]
