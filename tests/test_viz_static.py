@@ -1,0 +1,297 @@
+"""Static figures, checked by content: plotted values against the log's own values,
+format markers against ml_dtypes, facet counts and axes."""
+
+from __future__ import annotations
+
+import re
+
+import matplotlib
+import ml_dtypes
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+
+from tandv import SchemaError, viz
+from tandv.schema import EXPONENT_COUNTS, OVERFLOW, UNDERFLOW
+from viz_logs import LAYERS, log_from_arrays, training_log
+
+matplotlib.use("Agg")
+
+
+@pytest.fixture(scope="module")
+def df() -> pd.DataFrame:
+    return training_log(steps=6)
+
+
+def row(df: pd.DataFrame, name: str, tt: str, step: int) -> pd.Series:
+    m = (df[("metadata", "name")] == name) & (df[("metadata", "tensor_type")] == tt) & (df[("metadata", "step")] == step)
+    assert m.sum() == 1
+    return df[m].iloc[0]
+
+
+def bars(ax, label: str) -> dict[float, float]:
+    """x centre -> height of the bars of the container labelled ``label``."""
+    (c,) = [c for c in ax.containers if c.get_label() == label]
+    return {round(p.get_x() + p.get_width() / 2, 6): p.get_height() for p in c.patches}
+
+
+def exponent_of(value: float) -> int:
+    """floor(log2(value)), computed independently of tandv."""
+    return int(np.frexp(np.float64(value))[1]) - 1
+
+
+# ------------------------------------------------------------------ exp_hist
+
+
+def test_exp_hist_bars_are_the_logged_counts_with_empty_ends_trimmed(df):
+    fig = viz.exp_hist(df, "layers.0.attn", "Gradient", 3, dtype_annotation=False)
+    assert isinstance(fig, Figure) and len(fig.axes) == 1
+    ax = fig.axes[0]
+    r = row(df, "layers.0.attn", "Gradient", 3)[EXPONENT_COUNTS]
+    nonzero = [int(e) for e, c in r.items() if e not in (UNDERFLOW, OVERFLOW) and c > 0]
+    heights = bars(ax, "exponent counts")
+    # Exactly the exponents from the lowest to the highest non-zero one, with their counts.
+    assert sorted(heights) == list(range(min(nonzero), max(nonzero) + 1))
+    for e, h in heights.items():
+        assert h == r[int(e)]
+    assert sum(heights.values()) == r.drop([UNDERFLOW, OVERFLOW]).sum()
+    # Underflow and overflow columns are drawn beyond either end.
+    assert bars(ax, "underflow") == {min(nonzero) - 2: r[UNDERFLOW]}
+    assert bars(ax, "overflow") == {max(nonzero) + 2: r[OVERFLOW]}
+    # The x axis is labelled with powers of two.
+    labels = {round(t, 6): lab.get_text() for t, lab in zip(ax.get_xticks(), ax.get_xticklabels())}
+    assert labels[min(nonzero)] == f"$2^{{{min(nonzero)}}}$"
+    assert labels[min(nonzero) - 2] == "under" and labels[max(nonzero) + 2] == "over"
+
+
+def test_exp_hist_underflow_and_overflow_counts_are_visible():
+    fmt = "float8_e4m3fn"
+    x = np.array([2.0**-12, 2.0**-11, 0.5, 1.0, 1.5, 3.0, 500.0, 1000.0, np.inf, 0.0, np.nan], np.float32)
+    log = log_from_arrays({("w", "Weight", 0): x}, fmt=fmt)
+    ax = viz.exp_hist(log, "w", "Weight", 0, dtype_annotation=False).axes[0]
+    # 2**-12 and 2**-11 lie below float8_e4m3fn's smallest subnormal 2**-9; 500, 1000 and
+    # inf above its max 448. Zero and NaN are not counted.
+    assert list(bars(ax, "underflow").values()) == [2]
+    assert list(bars(ax, "overflow").values()) == [3]
+    assert bars(ax, "exponent counts") == {-1.0: 1, 0.0: 2, 1.0: 1}
+
+
+def test_exp_hist_markers_sit_at_the_format_exponents():
+    x = np.float32(2.0) ** np.arange(-10, 9, dtype=np.float32)
+    log = log_from_arrays({("a", "Activation", 0): x})
+    for fmt in ("float8_e4m3fn", "float8_e5m2", "float16"):
+        ax = viz.exp_hist(log, "a", "Activation", 0, dtype_annotation=fmt).axes[0]
+        info = ml_dtypes.finfo(fmt)
+        expected = {
+            "max": exponent_of(float(info.max)),
+            "smallest normal": exponent_of(float(info.smallest_normal)),
+            "smallest subnormal": exponent_of(float(info.smallest_subnormal)),
+        }
+        lines = {l.get_gid(): l.get_xdata()[0] for l in ax.get_lines() if (l.get_gid() or "").startswith("marker:")}
+        assert lines == {f"marker:{k}": v for k, v in expected.items()}, fmt
+        # The axis was widened to show every marker as a line.
+        lo, hi = ax.get_xlim()
+        assert lo < min(expected.values()) and max(expected.values()) < hi
+
+
+def test_exp_hist_far_markers_become_edge_notes(df):
+    """float32's range (2**-149 .. 2**127) is far wider than the data: its markers are
+    notes at the panel edges naming the exponent, not lines far off the view."""
+    ax = viz.exp_hist(df, "embed", "Activation", 0).axes[0]  # default: the logged dtype
+    assert not [l for l in ax.get_lines() if (l.get_gid() or "").startswith("marker:")]
+    notes = {t.get_gid(): t.get_text() for t in ax.texts}
+    info = ml_dtypes.finfo("float32")
+    assert f"$2^{{{exponent_of(float(info.max))}}}$" in notes["marker:max"]
+    assert notes["marker:max"].endswith("\u2192")
+    assert f"$2^{{{exponent_of(float(info.smallest_subnormal))}}}$" in notes["marker:smallest subnormal"]
+    assert notes["marker:smallest subnormal"].startswith("\u2190")
+
+
+def test_exp_hist_line_kind_plots_the_counts(df):
+    ax = viz.exp_hist(df, "head", "Weight", 2, kind="line", dtype_annotation=None).axes[0]
+    (line,) = [l for l in ax.get_lines() if l.get_label() == "exponent counts"]
+    r = row(df, "head", "Weight", 2)[EXPONENT_COUNTS]
+    for e, c in zip(line.get_xdata(), line.get_ydata()):
+        assert c == r[int(e)]
+    assert line.get_ydata().sum() == r.drop([UNDERFLOW, OVERFLOW]).sum()
+
+
+def test_exp_hist_facets_by_regex_list_and_tensor_types(df):
+    fig = viz.exp_hist(df, r"^layers\.\d\.mlp$", ["Activation", "Gradient"], 1, col_wrap=3)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == [f"{n} ({t})" for n in ("layers.0.mlp", "layers.1.mlp") for t in ("Activation", "Gradient")]
+    # col_wrap=3 makes a 2 x 3 grid with four panels in it.
+    assert {ax.get_subplotspec().get_geometry()[:2] for ax in fig.axes} == {(2, 3)}
+    fig = viz.exp_hist(df, ["head", "embed"], "Weight", 1)
+    assert [ax.get_title() for ax in fig.axes] == ["embed (Weight)", "head (Weight)"]  # log order
+    assert {ax.get_subplotspec().get_geometry()[:2] for ax in fig.axes} == {(1, 2)}
+
+
+# ------------------------------------------------------------------ scalar_line
+
+
+def test_scalar_line_plots_each_metric_over_steps(df):
+    fig = viz.scalar_line(df, "layers.1", "Weight", ["rm2", "max_abs"], col_wrap=1)
+    assert [ax.get_title() for ax in fig.axes] == ["layers.1.attn (Weight)", "layers.1.mlp (Weight)"]
+    for ax in fig.axes:
+        name = ax.get_title().split(" ")[0]
+        lines = {l.get_label(): l for l in ax.get_lines()}
+        assert set(lines) == {"rm2", "max_abs"}
+        for metric, line in lines.items():
+            assert list(line.get_xdata()) == list(range(6))
+            expected = [row(df, name, "Weight", s)[("scalar_stats", metric)] for s in range(6)]
+            np.testing.assert_array_equal(line.get_ydata(), expected)
+
+
+def test_scalar_line_several_types_scatter_and_log_scale(df):
+    fig = viz.scalar_line(df, "head", ["Activation", "Gradient"], "rm2", kind="scatter")
+    (ax,) = fig.axes
+    offsets = {c.get_label(): c.get_offsets() for c in ax.collections}
+    assert set(offsets) == {"rm2 (Activation)", "rm2 (Gradient)"}
+    got = offsets["rm2 (Activation)"]
+    np.testing.assert_array_equal(got[:, 1], [row(df, "head", "Activation", s)[("scalar_stats", "rm2")] for s in range(6)])
+    assert ax.get_yscale() == "log"  # head activations grow ten-fold a step
+    assert viz.scalar_line(df, "embed", "Weight", "rm2").axes[0].get_yscale() == "linear"
+
+
+def test_scalar_line_against_another_metric(df):
+    (ax,) = viz.scalar_line(df, "embed", "Weight", "rm4", x="rm2").axes
+    (line,) = ax.get_lines()
+    w = df[(df[("metadata", "name")] == "embed") & (df[("metadata", "tensor_type")] == "Weight")]
+    w = w.sort_values(("scalar_stats", "rm2"))
+    np.testing.assert_array_equal(line.get_xdata(), w[("scalar_stats", "rm2")])
+    np.testing.assert_array_equal(line.get_ydata(), w[("scalar_stats", "rm4")])
+
+
+# ------------------------------------------------------------------ heatmap
+
+
+def expected_grid(df, tt, metric, steps):
+    names = list(dict.fromkeys(df.loc[df[("metadata", "tensor_type")] == tt, ("metadata", "name")]))
+    out = np.full((len(names), len(steps)), np.nan)
+    for i, n in enumerate(names):
+        for j, s in enumerate(steps):
+            m = ((df[("metadata", "name")] == n) & (df[("metadata", "tensor_type")] == tt)
+                 & (df[("metadata", "step")] == s))
+            if m.any():
+                out[i, j] = df.loc[m, ("scalar_stats", metric)].iloc[0]
+    return names, out
+
+
+def test_heatmap_cells_are_the_logged_values_one_panel_per_type(df):
+    fig = viz.scalar_global_heatmap(df, ["Activation", "Gradient", "Weight"], "rm2", inc=2, col_wrap=2)
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title() for ax in panels] == ["Activation: rm2", "Gradient: rm2", "Weight: rm2"]
+    for ax in panels:
+        tt = ax.get_title().split(":")[0]
+        names, grid = expected_grid(df, tt, "rm2", [0, 2, 4])
+        (mesh,) = [c for c in ax.collections if c.get_gid() == "heatmap"]
+        np.testing.assert_array_equal(np.ma.filled(mesh.get_array(), np.nan).reshape(grid.shape), grid)
+        assert [t.get_text() for t in ax.get_yticklabels()] == names == list(LAYERS)
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "2", "4"]
+        # Activations span decades (the head grows ten-fold a step): log colours.
+        assert isinstance(mesh.norm, LogNorm) == (tt == "Activation")
+
+
+def test_heatmap_blank_where_a_tensor_was_not_logged():
+    x = np.ones(8, np.float32)
+    log = log_from_arrays({("a", "Weight", 0): x, ("b", "Weight", 0): 2 * x, ("a", "Weight", 1): 3 * x})
+    (ax, _) = viz.scalar_global_heatmap(log, "Weight", "max_abs").axes
+    (mesh,) = ax.collections
+    arr = mesh.get_array().reshape(2, 2)
+    assert arr[0, 0] == 1 and arr[1, 0] == 2 and arr[0, 1] == 3 and np.ma.is_masked(arr[1, 1])
+
+
+def test_heatmap_cell_lookup_maps_clicks_to_layer_and_step(df):
+    from tandv.viz.scalar import heatmap_panels
+
+    _, (panel,) = heatmap_panels(df, "Gradient", "std", inc=2)
+    assert panel.cell_at(0.5, 0.5) == (LAYERS[0], 0)
+    assert panel.cell_at(2.2, 5.9) == (LAYERS[5], 4)
+    assert panel.cell_at(3.1, 0.5) is None and panel.cell_at(0.5, -0.1) is None
+
+
+# ------------------------------------------------------------------ percentile bands
+
+
+def counts_frame(rows: list[dict]) -> pd.DataFrame:
+    labels = sorted({k for r in rows for k in r if k not in (UNDERFLOW, OVERFLOW)})
+    return pd.DataFrame([[r.get(k, 0) for k in [UNDERFLOW, *labels, OVERFLOW]] for r in rows],
+                        columns=[UNDERFLOW, *labels, OVERFLOW])
+
+
+def test_percentiles_from_counts_interpolate_within_bins():
+    c = counts_frame([{3: 10}, {-2: 5, 4: 5}, {0: 0, 1: 0}, {1: 2, UNDERFLOW: 2}])
+    p = viz.log2_percentiles(c, [0, 25, 50, 100])
+    np.testing.assert_allclose(p[0], [3, 3.25, 3.5, 4])          # one bin: uniform in log2
+    np.testing.assert_allclose(p[1], [-2, -1.5, -1, 5])          # the median at the upper edge of 2**-2
+    assert np.isnan(p[2]).all()                                   # nothing counted
+    np.testing.assert_allclose(p[3, [0, 2, 3]], [-2, -2, 2])      # underflow at the lowest column's edge
+
+
+def test_percentiles_agree_with_numpy_within_a_bin():
+    rng = np.random.default_rng(3)
+    x = rng.lognormal(0, 3, 20000).astype(np.float32)
+    log = log_from_arrays({("w", "Weight", 0): x})
+    qs = [2.28, 15.87, 50, 84.13, 97.72]
+    got = viz.log2_percentiles(pd.DataFrame(log[EXPONENT_COUNTS].to_numpy(), columns=list(log[EXPONENT_COUNTS].columns)), qs)[0]
+    want = np.percentile(np.log2(x.astype(np.float64)), qs)
+    assert np.all(np.abs(got - want) < 1.0)
+
+
+def test_percentile_bands_whole_model_and_per_layer(df):
+    fig = viz.percentile_bands(df, ["Activation", "Weight"])
+    assert [ax.get_title() for ax in fig.axes] == ["whole model (Activation)", "whole model (Weight)"]
+    ax = fig.axes[1]
+    (median,) = [l for l in ax.get_lines() if l.get_gid() == "line:50"]
+    # The median of all Weight tensors' counts added up, per step.
+    w = df[df[("metadata", "tensor_type")] == "Weight"]
+    summed = w.groupby(("metadata", "step"))[list(w[EXPONENT_COUNTS].columns.map(lambda c: (EXPONENT_COUNTS, c)))].sum()
+    summed.columns = [c[1] for c in summed.columns]
+    np.testing.assert_allclose(median.get_ydata(), np.exp2(viz.log2_percentiles(summed, [50])[:, 0]))
+    assert list(median.get_xdata()) == list(range(6))
+    assert ax.get_yscale() == "log"
+    bands = [c.get_gid() for c in ax.collections]
+    assert bands == ["band:0-100", "band:0.13-99.87", "band:2.28-97.72", "band:15.87-84.13"]
+
+    fig = viz.percentile_bands(df, tt="Gradient", layer="layers.0", percentiles=[10, 50, 90], inc=3)
+    assert [ax.get_title() for ax in fig.axes] == ["layers.0.attn (Gradient)", "layers.0.mlp (Gradient)"]
+    (median,) = [l for l in fig.axes[0].get_lines() if l.get_gid() == "line:50"]
+    assert list(median.get_xdata()) == [0, 3]
+
+
+# ------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda d: viz.exp_hist(d, "nope", "Activation", 0), r"layer='nope' matches no tensor.*'embed', 'layers.0.attn'"),
+        (lambda d: viz.exp_hist(d, "embed", "Activations", 0), r"tt='Activations' is not a tensor type.*'Optimiser_State'"),
+        (lambda d: viz.exp_hist(d, "embed", "Optimiser_State", 0), r"no Optimiser_State rows.*'Activation', 'Gradient', 'Weight'"),
+        (lambda d: viz.exp_hist(d, "embed", "Weight", 99), r"step=99.*logged steps: 0, 1, 2, 3, 4, 5"),
+        (lambda d: viz.exp_hist(d, "embed", "Weight", 0, dtype_annotation="float7"), r"float8_e4m3fn"),
+        (lambda d: viz.scalar_line(d, "embed", "Weight", "rms"), r"scalar_metric='rms' is not in the log.*'rm2'"),
+        (lambda d: viz.scalar_line(d, "embed", "Weight", "rm2", x="epoch"), r"x='epoch'.*'step'"),
+        (lambda d: viz.scalar_global_heatmap(d, "Weight", "rm2", inc=0), r"inc=0"),
+        (lambda d: viz.scalar_global_heatmap(d, "Weight", ["rm2", "std"]), r"one metric"),
+        (lambda d: viz.percentile_bands(d, "Weight", "[unclosed"), r"not a valid regular expression.*'embed'"),
+        (lambda d: viz.percentile_bands(d, "Weight", percentiles=[50, 10]), r"ascending"),
+    ],
+)
+def test_bad_arguments_list_what_is_available(df, call, message):
+    with pytest.raises(viz.VizArgumentError, match=message):
+        call(df)
+
+
+def test_unvalidated_frames_are_refused(df):
+    broken = df.drop(columns=[(EXPONENT_COUNTS, OVERFLOW)])
+    with pytest.raises(SchemaError, match=re.escape("'+inf'")):
+        viz.exp_hist(broken, "embed", "Weight", 0)
+    flat = pd.DataFrame({"name": ["a"], "rm2": [1.0]})
+    with pytest.raises(SchemaError, match="MultiIndex"):
+        viz.scalar_line(flat, "a", "Weight", "rm2")
+    with pytest.raises(viz.VizArgumentError, match="no rows"):
+        viz.scalar_global_heatmap(df.iloc[:0], "Weight", "rm2")
