@@ -35,8 +35,13 @@ def is_exponent_label(label: object) -> bool:
     return isinstance(label, (int, np.integer)) and not isinstance(label, (bool, np.bool_))
 
 
+def _plain(v: object) -> object:
+    """numpy scalars as Python values, so messages read ``-1`` rather than ``np.int64(-1)``."""
+    return v.item() if isinstance(v, np.generic) else v
+
+
 def _examples(values: pd.Series | list, limit: int = 3) -> str:
-    vals = list(dict.fromkeys(values))[:limit]
+    vals = list(dict.fromkeys(_plain(v) for v in values))[:limit]
     return ", ".join(repr(v) for v in vals)
 
 
@@ -143,7 +148,7 @@ def validate(df: pd.DataFrame) -> pd.DataFrame:
     key = [(METADATA, NAME), (METADATA, TENSOR_TYPE), (METADATA, STEP)]
     dup = df.duplicated(subset=key, keep=False)
     if dup.any():
-        first = df.loc[dup, key].iloc[0].tolist()
+        first = [_plain(v) for v in df.loc[dup, key].iloc[0].tolist()]
         raise SchemaError(
             f"metadata: duplicate rows for (name, tensor_type, step) = {tuple(first)}; "
             f"each tensor has at most one row per step"

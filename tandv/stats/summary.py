@@ -249,9 +249,10 @@ def merge(a: np.ndarray, b: np.ndarray, layout: Layout) -> np.ndarray:
     for name, fn in (("min", np.minimum), ("min_abs", np.minimum), ("max", np.maximum),
                      ("max_abs", np.maximum)):
         out[_I[name]] = fn(a[_I[name]], b[_I[name]])
-    sa, sb = _scale(a[_I["max_abs"]]), _scale(b[_I["max_abs"]])
+    # Rescale each part's sums from its own scale to the merged one. A part whose
+    # largest magnitude is 0 has all-zero scaled sums, so its ratio may be 0.
     s = _scale(out[_I["max_abs"]])
-    ra, rb = sa / s, sb / s
+    ra, rb = a[_I["max_abs"]] / s, b[_I["max_abs"]] / s
     ma, mb = a[_I["mean"]], b[_I["mean"]]
     if n > 0:
         out[_I["mean"]] = ma + (mb - ma) * (nb / n)

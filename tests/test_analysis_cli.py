@@ -1,0 +1,85 @@
+"""Log analysis helpers and the `tandv validate` / `tandv summary` commands."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import tandv
+from tandv.analysis import exponent_range, first_nonfinite, format_shares, text_summary
+from tandv.cli import main
+
+from logs import make_log
+
+
+def row(df, name, tt, step):
+    m = df["metadata"]
+    return df[(m["name"] == name) & (m["tensor_type"] == tt) & (m["step"] == step)].iloc[0]
+
+
+def test_format_shares_match_a_real_cast(tmp_path):
+    df, arrays = make_log(tmp_path / "log")
+    shares = format_shares(df, "float8_e4m3fn")
+    for (name, tt, step), x in arrays.items():
+        s = shares[(shares.name == name) & (shares.tensor_type == tt) & (shares.step == step)].iloc[0]
+        a = np.abs(x.astype(np.float64))
+        fin = np.isfinite(a)
+        under = ((a > 0) & (a < 2.0**-9) & fin).sum()
+        # values in binades above float8_e4m3fn's top binade [256, 512) overflow
+        over = (fin & (a >= 512)).sum()
+        assert s.underflow == pytest.approx(under / x.size)
+        assert s.overflow == pytest.approx(over / x.size)
+
+
+def test_exponent_range_and_first_nonfinite(tmp_path):
+    df, arrays = make_log(tmp_path / "log")
+    rg = exponent_range(df)
+    x = arrays[("a", "Weight", 1)]
+    e = np.floor(np.log2(np.abs(x[x != 0].astype(np.float64)))).astype(int)
+    r = rg[(rg.name == "a") & (rg.tensor_type == "Weight") & (rg.step == 1)].iloc[0]
+    assert (r.min_exponent, r.max_exponent, r.width) == (e.min(), e.max(), e.max() - e.min() + 1)
+    first = first_nonfinite(df)
+    assert set(zip(first.name, first.tensor_type, first.step)) == {("b", "Weight", 2), ("b", "Activation", 2)}
+    assert (first.nan_count == 3).all()
+
+
+def test_text_summary_mentions_what_matters(tmp_path):
+    df, arrays = make_log(tmp_path / "log")
+    text = text_summary(df)
+    assert "Activation: 2 tensors, steps 0..3" in text
+    assert "NaN/inf: first in b at step 2 (3 NaN, 0 inf)" in text
+    last = {n: np.sqrt(np.mean(arrays[(n, "Weight", 3)].astype(np.float64) ** 2)) for n in "ab"}
+    top = max(last, key=last.get)
+    assert f"largest rm2 at step 3: {top} {last[top]:.3g}" in text
+    assert "float8_e4m3fn:" in text and "bfloat16:" in text
+
+
+def test_cli_validate_and_summary(tmp_path, capsys):
+    make_log(tmp_path / "log")
+    assert main(["validate", str(tmp_path / "log")]) == 0
+    assert "valid tandv log (16 rows, 4 steps, 2 tensors)" in capsys.readouterr().out
+    assert main(["summary", str(tmp_path / "log")]) == 0
+    assert "Weight: 2 tensors" in capsys.readouterr().out
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    (tmp_path / "bad.pkl").write_bytes(b"not a pickle")
+    env = {**os.environ, "PYTHONPATH": str(Path(tandv.__file__).parents[1])}
+    for args in (["validate", str(tmp_path / "missing")], ["summary", str(tmp_path / "bad.pkl")]):
+        p = subprocess.run([sys.executable, "-m", "tandv", *args], capture_output=True, text=True, env=env)
+        assert p.returncode == 1
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("tandv: error:"), p.stderr
+        assert "Traceback" not in p.stderr
+
+
+def test_cli_validate_reports_schema_error(tmp_path, capsys):
+    df, _ = make_log(tmp_path / "log.pkl", out_format="pickle")
+    df = df.drop(columns=[("exponent_counts", "+inf")])
+    df.to_pickle(tmp_path / "broken.pkl")
+    assert main(["validate", str(tmp_path / "broken.pkl")]) == 1
+    assert "('exponent_counts', '+inf'): missing" in capsys.readouterr().err

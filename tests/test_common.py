@@ -1,0 +1,161 @@
+"""Tracker core: schedules, selection, the step recorder and its streaming writers."""
+
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from tandv.schema import read_parquet, read_pickle
+from tandv.stats import finalize, merge_all, summarize
+from tandv.track.common import Selector, StepRecorder, TensorKey, linear, make_schedule
+
+
+# ------------------------------------------------------------------ schedules
+
+
+def steps(schedule, n=30):
+    return [s for s in range(n) if schedule(s)]
+
+
+def test_every_and_linear_and_ranges():
+    assert steps(make_schedule()) == list(range(30))
+    assert steps(make_schedule(every=10)) == [0, 10, 20]
+    assert steps(make_schedule(schedule="linear(5, 2)")) == [2, 7, 12, 17, 22, 27]
+    assert steps(make_schedule(schedule="linear(4)")) == [0, 4, 8, 12, 16, 20, 24, 28]
+    assert steps(make_schedule(every=3, start=5, end=15)) == [6, 9, 12]
+    assert steps(make_schedule(schedule=lambda s: s in (1, 29))) == [1, 29]
+    assert steps(make_schedule(schedule=[3, 4, 100])) == [3, 4]
+    assert steps(linear(7, 1)) == [1, 8, 15, 22, 29]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"every": 0}, "every=0: expected an int >= 1"),
+    ({"schedule": "cosine(3)"}, "expected 'linear(interval, offset)'"),
+    ({"schedule": "linear(0, 1)"}, "interval must be an int >= 1"),
+    ({"start": -1}, "start=-1"),
+    ({"start": 5, "end": 2}, "end=2: expected None or an int >= start"),
+    ({"schedule": 3.5}, "expected a callable"),
+])
+def test_schedule_errors_name_the_argument(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+        make_schedule(**kwargs)
+
+
+# ------------------------------------------------------------------ selection
+
+
+class Linear:  # stand-ins for module classes
+    pass
+
+
+class LoRALinear(Linear):
+    pass
+
+
+def test_selector_regex_class_and_class_name():
+    mro = LoRALinear.__mro__
+    assert Selector.build()("anything")
+    assert Selector.build(include="attn")("layers.0.attn.wq")
+    assert not Selector.build(include="attn")("layers.0.mlp")
+    assert Selector.build(include=Linear)("x", mro)  # isinstance semantics
+    assert Selector.build(include="Linear")("x", mro)  # class name of a base
+    assert not Selector.build(include="Linear")("x", (object,))
+    assert not Selector.build(include=r"layers\.\d", exclude=["bias$"])("layers.1.bias")
+    assert Selector.build(include=[re.compile("^emb"), "head"])("embed.weight")
+
+
+def test_selector_bad_arguments():
+    with pytest.raises(ValueError, match=r"include: '\(' is not a valid regular expression"):
+        Selector.build(include="(")
+    with pytest.raises(TypeError, match="exclude: expected regex strings"):
+        Selector.build(exclude=[3])
+
+
+# ------------------------------------------------------------------ recorder
+
+
+def key(name, tt="Activation", dtype="float32"):
+    return TensorKey(name, tt, "Linear", dtype)
+
+
+def test_recorder_merges_observations_of_one_step(tmp_path):
+    rng = np.random.default_rng(0)
+    micro = [rng.standard_normal(50).astype(np.float32) for _ in range(3)]
+    rec = StepRecorder(tmp_path / "log", verbose=False)
+    for m in micro:  # e.g. three micro-batches through one module
+        v, layout = summarize(m)
+        rec.add(key("fc"), layout, v)
+    transfers = []
+    rec.end_step(0, lambda xs: transfers.append(len(xs)) or xs)
+    rec.close()
+    assert transfers == [3]  # one host transfer for the step
+    df = read_parquet(tmp_path / "log")
+    assert len(df) == 1
+    whole = np.concatenate(micro)
+    ref, layout = summarize(whole)
+    s, c = finalize(ref, layout)
+    for k, v in s.items():
+        assert df[("scalar_stats", k)].iloc[0] == pytest.approx(v, rel=1e-12)
+
+
+def test_recorder_streams_parts_and_pickle_once(tmp_path):
+    x = np.arange(1, 9, dtype=np.float32)
+    v, layout = summarize(x)
+    rec = StepRecorder(tmp_path / "log", verbose=False, flush_every=2)
+    for step in range(5):
+        rec.add(key("a"), layout, v)
+        rec.end_step(step, lambda xs: xs)
+        # parts appear while the run goes: after steps 1 and 3
+        assert len(list((tmp_path / "log").glob("*.parquet"))) == (step + 1) // 2
+    rec.close()
+    assert len(list((tmp_path / "log").glob("*.parquet"))) == 3
+    assert list(read_parquet(tmp_path / "log")[("metadata", "step")]) == [0, 1, 2, 3, 4]
+
+    rec = StepRecorder(tmp_path / "log.pkl", "pickle", verbose=False)
+    rec.add(key("a"), layout, v)
+    rec.end_step(0, lambda xs: xs)
+    assert not (tmp_path / "log.pkl").exists()
+    rec.close()
+    assert list(read_pickle(tmp_path / "log.pkl")[("metadata", "name")]) == ["a"]
+
+
+def test_recorder_empty_run_writes_valid_empty_log(tmp_path):
+    for fmt, path in (("parquet", tmp_path / "e"), ("pickle", tmp_path / "e.pkl")):
+        rec = StepRecorder(path, fmt, verbose=False)
+        rec.close()
+        df = read_parquet(path) if fmt == "parquet" else read_pickle(path)
+        assert len(df) == 0 and ("scalar_stats", "rm2") in df.columns
+
+
+def test_recorder_default_path_printed_once(tmp_path, capsys):
+    rec = StepRecorder(None, run_name="GPT")
+    rec.close()
+    err = capsys.readouterr().err
+    assert err.count("tandv: logging to") == 1
+    assert rec.path.parent.name == "tandv_logs" and rec.path.name.startswith("GPT-")
+    assert rec.path.is_dir()
+
+
+def test_recorder_refuses_to_overwrite_and_bad_format(tmp_path):
+    rec = StepRecorder(tmp_path / "log", verbose=False)
+    rec.close()
+    with pytest.raises(FileExistsError, match="already holds a log"):
+        StepRecorder(tmp_path / "log", verbose=False)
+    with pytest.raises(ValueError, match="out_format='csv'"):
+        StepRecorder(tmp_path / "x", "csv", verbose=False)
+
+
+def test_rows_mix_formats_with_zero_fill(tmp_path):
+    a = np.array([1.0, 2.0**-140], np.float32)  # float32 subnormal
+    b = np.array([1.0, 2.0**-130], "bfloat16")
+    rec = StepRecorder(tmp_path / "log", verbose=False)
+    for name, x in (("a", a), ("b", b)):
+        v, layout = summarize(x)
+        rec.add(key(name, dtype=str(x.dtype)), layout, v)
+    rec.end_step(0, lambda xs: xs)
+    rec.close()
+    df = read_parquet(tmp_path / "log").set_index(("metadata", "name"))
+    assert df.loc["a", ("exponent_counts", -140)] == 1 and df.loc["b", ("exponent_counts", -140)] == 0
+    assert df.loc["b", ("exponent_counts", -130)] == 1 and df.loc["a", ("exponent_counts", -130)] == 0
+    assert list(df[("metadata", "dtype")]) == ["float32", "bfloat16"]
