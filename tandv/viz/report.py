@@ -1,0 +1,222 @@
+"""A self-contained HTML report of a run: ``tandv report LOG -o report.html``.
+
+One file, figures embedded as PNG data URIs, styles inline, no scripts and no
+network access, so it can be mailed, attached to an issue or opened offline.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from ..analysis import exponent_range, first_nonfinite, format_shares, text_summary
+from ..schema import METADATA, NAME, SCALAR_STATS, STEP, TENSOR_TYPE, TENSOR_TYPES
+from ..schema.io import atomic_write
+from ._data import check_log
+from .bands import percentile_bands
+from .exp_hist import exp_hist
+from .scalar import scalar_global_heatmap
+
+__all__ = ["write_report", "REPORT_FORMATS", "render_report"]
+
+#: The low-precision formats whose underflow/overflow shares the report tabulates.
+REPORT_FORMATS: tuple[str, ...] = ("float8_e4m3fn", "float8_e5m2", "bfloat16")
+#: Heatmaps show at most this many step columns (every k-th step beyond that).
+MAX_HEATMAP_STEPS = 120
+#: Rows in the "widest or most worrying" table, and histograms drawn per tensor type.
+TOP_TENSORS = 10
+TOP_HISTOGRAMS = 4
+
+_CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:2rem auto;max-width:1200px;
+padding:0 1rem;color:#1d1d1f;background:#fff}
+h1{margin-bottom:.2rem}h2{border-bottom:1px solid #ccc;padding-bottom:.2rem;margin-top:2.2rem}
+table{border-collapse:collapse;font-size:.85rem;margin:.6rem 0}
+th,td{border:1px solid #d0d0d0;padding:.25rem .5rem;text-align:right}
+th{background:#f2f2f2}td:first-child,th:first-child{text-align:left}
+img{max-width:100%;height:auto;display:block;margin:.6rem 0}
+pre{background:#f7f7f7;padding:.8rem;overflow-x:auto;font-size:.8rem}
+.muted{color:#666}.bad{color:#b00020;font-weight:600}nav a{margin-right:1rem}
+"""
+
+
+def _png(fig: Figure, dpi: int = 80) -> str:
+    """An <img> holding ``fig`` as a base64 PNG data URI."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    data = base64.b64encode(buf.getvalue()).decode("ascii")
+    alt = html.escape(fig.get_suptitle() or "figure")
+    return f'<img alt="{alt}" src="data:image/png;base64,{data}">'
+
+
+def _table(df: pd.DataFrame) -> str:
+    return df.to_html(index=False, escape=True, border=0, na_rep="")
+
+
+def _pct(x: float) -> str:
+    return "0" if x == 0 else f"{100 * x:.3g}%"
+
+
+def _overview(df: pd.DataFrame) -> str:
+    rows = []
+    for tt in TENSOR_TYPES:
+        sub = df[df[(METADATA, TENSOR_TYPE)] == tt]
+        if sub.empty:
+            continue
+        steps = sub[(METADATA, STEP)]
+        rows.append({
+            "tensor type": tt,
+            "tensors": sub[(METADATA, NAME)].nunique(),
+            "steps logged": steps.nunique(),
+            "first step": int(steps.min()),
+            "last step": int(steps.max()),
+            "dtypes": ", ".join(sorted(pd.unique(sub[(METADATA, "dtype")]))),
+        })
+    return _table(pd.DataFrame(rows))
+
+
+def _nonfinite(df: pd.DataFrame) -> str:
+    first = first_nonfinite(df)
+    if first.empty:
+        return '<p>No NaN or inf was logged in any tensor.</p>'
+    head = (f'<p class="bad">{len(first)} tensor(s) held NaN or inf; the first at step '
+            f'{int(first["step"].min())}. Each tensor\'s first such step:</p>')
+    return head + _table(first.rename(columns={"name": "tensor", "tensor_type": "tensor type",
+                                               "step": "first step", "nan_count": "NaN", "inf_count": "inf"}))
+
+
+def _shares(df: pd.DataFrame, formats: Sequence[str]) -> str:
+    """Per tensor type the share of all logged values (every tensor, every step) that
+    would underflow / overflow each format, then the worst tensors per format."""
+    numel = df[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64) if (SCALAR_STATS, "numel") in df.columns else np.ones(len(df))
+    tts = df[(METADATA, TENSOR_TYPE)].to_numpy()
+    summary, worst = [], []
+    for fmt in formats:
+        sh = format_shares(df, fmt)
+        entry = {"format": fmt}
+        for tt in TENSOR_TYPES:
+            m = tts == tt
+            if not m.any():
+                continue
+            total = numel[m].sum()
+            u = float((sh["underflow"].to_numpy()[m] * numel[m]).sum() / total) if total else 0.0
+            o = float((sh["overflow"].to_numpy()[m] * numel[m]).sum() / total) if total else 0.0
+            entry[f"{tt} underflow"] = _pct(u)
+            entry[f"{tt} overflow"] = _pct(o)
+        summary.append(entry)
+        sh = sh.assign(lost=sh["underflow"] + sh["overflow"])
+        top = sh[sh["lost"] > 0].sort_values("lost", ascending=False, kind="stable")
+        top = top.drop_duplicates(["name", "tensor_type"]).head(5)
+        for _, r in top.iterrows():
+            worst.append({"format": fmt, "tensor": r["name"], "tensor type": r["tensor_type"],
+                          "worst step": int(r["step"]), "underflow": _pct(r["underflow"]),
+                          "overflow": _pct(r["overflow"])})
+    out = ('<p>Share of logged values (all tensors, all steps, weighted by size) that would '
+           'underflow to zero or overflow if cast to each format without scaling, estimated from '
+           'the exponent counts (overflow is a lower bound: values between a format\'s max and the '
+           'next power of two count as representable).</p>')
+    out += _table(pd.DataFrame(summary))
+    if worst:
+        out += "<h3>Tensors losing the most values, per format (at their worst step)</h3>" + _table(pd.DataFrame(worst))
+    else:
+        out += "<p>No logged value would underflow or overflow any of these formats.</p>"
+    return out
+
+
+def _ranges(df: pd.DataFrame) -> tuple[str, list[str]]:
+    """The tensors with the widest exponent ranges, or holding NaN/inf, and histograms of
+    the top ones per tensor type at the step where their range is widest."""
+    rg = exponent_range(df)
+    rg["nonfinite"] = (df[(SCALAR_STATS, "nan_count")] + df[(SCALAR_STATS, "inf_count")]).to_numpy() \
+        if {(SCALAR_STATS, "nan_count"), (SCALAR_STATS, "inf_count")} <= set(df.columns) else 0
+    e4m3 = format_shares(df, REPORT_FORMATS[0])
+    rg["lost"] = (e4m3["underflow"] + e4m3["overflow"]).to_numpy()
+    per_tensor = (rg.sort_values(["width", "step"], ascending=[False, True], kind="stable")
+                  .groupby(["name", "tensor_type"], sort=False)
+                  .agg(width=("width", "first"), step=("step", "first"), lo=("min_exponent", "first"),
+                       hi=("max_exponent", "first"), nonfinite=("nonfinite", "sum"), lost=("lost", "max"))
+                  .reset_index())
+    # Worrying first (NaN/inf, then values lost in float8_e4m3fn), then the widest ranges.
+    per_tensor = per_tensor.sort_values(["nonfinite", "lost", "width"], ascending=False, kind="stable")
+    top = per_tensor.head(TOP_TENSORS)
+    table = pd.DataFrame({
+        "tensor": top["name"], "tensor type": top["tensor_type"],
+        "widest at step": top["step"].astype(int),
+        "exponent range": [f"2^{lo} .. 2^{hi}" if pd.notna(lo) else "" for lo, hi in zip(top["lo"], top["hi"])],
+        "binades": top["width"].astype(int),
+        f"max {REPORT_FORMATS[0]} loss": [_pct(x) for x in top["lost"]],
+        "NaN+inf (all steps)": top["nonfinite"].astype(int),
+    })
+    figs = []
+    for tt in TENSOR_TYPES:
+        cand = per_tensor[per_tensor["tensor_type"] == tt].head(TOP_HISTOGRAMS)
+        if cand.empty:
+            continue
+        # One figure per tensor type at the step where its top tensor is widest.
+        step = int(cand["step"].iloc[0])
+        names = [n for n, s in zip(cand["name"], cand["step"]) if
+                 ((df[(METADATA, NAME)] == n) & (df[(METADATA, TENSOR_TYPE)] == tt) & (df[(METADATA, STEP)] == step)).any()]
+        fig = exp_hist(df, names, tt, step, dtype_annotation=REPORT_FORMATS[0], col_wrap=min(len(names), 4))
+        fig.suptitle(f"{tt}: exponent histograms at step {step} (markers: {REPORT_FORMATS[0]})")
+        figs.append(_png(fig))
+    return _table(table), figs
+
+
+def render_report(df: pd.DataFrame, title: str) -> str:
+    """The report of log ``df`` as one HTML string (see :func:`write_report`)."""
+    check_log(df)
+    tts = [t for t in TENSOR_TYPES if (df[(METADATA, TENSOR_TYPE)] == t).any()]
+    metric = "rm2" if (SCALAR_STATS, "rm2") in df.columns else next(c for g, c in df.columns if g == SCALAR_STATS)
+    heatmaps = []
+    for tt in tts:
+        nsteps = df.loc[df[(METADATA, TENSOR_TYPE)] == tt, (METADATA, STEP)].nunique()
+        inc = max(1, int(np.ceil(nsteps / MAX_HEATMAP_STEPS)))
+        fig = scalar_global_heatmap(df, tt, metric, inc=inc)
+        heatmaps.append(f"<h3>{html.escape(tt)}</h3>" + _png(fig))
+    range_table, hists = _ranges(df)
+    bands = _png(percentile_bands(df, tts, col_wrap=2), dpi=80)
+    esc = html.escape
+    sections = [
+        ("overview", "Overview", _overview(df) + f"<pre>{esc(text_summary(df))}</pre>"),
+        ("nonfinite", "Where NaN/inf first appeared", _nonfinite(df)),
+        ("formats", "Underflow and overflow in low-precision formats", _shares(df, REPORT_FORMATS)),
+        ("ranges", "Widest or most worrying exponent ranges", range_table + "".join(hists)),
+        ("heatmaps", f"{metric} per layer and step", "".join(heatmaps)),
+        ("bands", "Percentiles of |x| over training (whole model)", bands),
+    ]
+    nav = " ".join(f'<a href="#{sid}">{esc(name)}</a>' for sid, name, _ in sections)
+    body = "\n".join(f'<section id="{sid}"><h2>{esc(name)}</h2>\n{content}</section>' for sid, name, content in sections)
+    steps = df[(METADATA, STEP)]
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>\n"
+        f"<h1>{esc(title)}</h1><p class=\"muted\">tandv report: {len(df)} rows, steps {int(steps.min())}"
+        f"..{int(steps.max())}, {df[(METADATA, NAME)].nunique()} tensors</p>\n<nav>{nav}</nav>\n{body}\n"
+        "</body></html>\n"
+    )
+
+
+def write_report(df: pd.DataFrame, path: str | os.PathLike, title: str = "tandv report") -> Path:
+    """Write a self-contained HTML report of the log ``df`` to ``path`` and return the path.
+
+    Sections: an overview and text summary; where NaN/inf first appeared; the share of
+    values that would underflow/overflow float8_e4m3fn, float8_e5m2 and bfloat16; the
+    tensors with the widest or most worrying exponent ranges, with their histograms;
+    a heatmap of ``rm2`` per tensor type; percentile bands for the whole model.
+
+    Raises:
+        tandv.SchemaError: if ``df`` is not a valid log.
+        VizArgumentError: if the log has no rows.
+    """
+    text = render_report(df, title)
+    out = atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    out.chmod(0o644)  # a report is for sharing (the temporary file it was renamed from is private)
+    return out
