@@ -10,7 +10,7 @@ the log holds.
 from ._data import VizArgumentError, select_layers
 from .bands import SIGMA_PERCENTILES, log2_percentiles, percentile_bands
 from .exp_hist import exp_hist, format_markers
-from .interactive import interactive
+from .interact import InteractiveView, NotInNotebookError, interactive
 from .scalar import scalar_global_heatmap, scalar_line
 
 __all__ = [
@@ -20,6 +20,8 @@ __all__ = [
     "scalar_global_heatmap",
     "percentile_bands",
     "interactive",
+    "InteractiveView",
+    "NotInNotebookError",
     "format_markers",
     "log2_percentiles",
     "select_layers",
