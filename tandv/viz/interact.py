@@ -22,7 +22,7 @@ from matplotlib.backend_bases import MouseEvent
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ..schema import METADATA, NAME, SCALAR_STATS, STEP, TENSOR_TYPE, TENSOR_TYPES
+from ..schema import METADATA, SCALAR_STATS, STEP, TENSOR_TYPE, TENSOR_TYPES
 from ._data import VizArgumentError, check_log, layer_order, select_layers, select_metrics, select_tensor_types
 from .bands import percentile_bands
 from .exp_hist import exp_hist
