@@ -140,3 +140,16 @@ def test_crosshair_spans_every_line_plot(df, notebook):
     # A redraw from a control keeps the crosshair.
     view.controls["scalar_metric"].value = ("std",)
     assert all([l.get_xdata()[0] for l in ax.get_lines() if l.get_gid() == "crosshair"] == [2] for ax in view.figure.axes)
+
+
+def test_percentile_bands_switch_between_whole_model_and_layers(df, notebook):
+    view = viz.interactive(viz.percentile_bands, df=df, tt="Weight")
+    assert view.controls["layer"].value == ()
+    assert [a.get_title() for a in view.figure.axes] == ["whole model (Weight)"]
+    view.controls["layer"].value = ("head", "embed")
+    assert [a.get_title() for a in view.figure.axes] == ["embed (Weight)", "head (Weight)"]
+    view.controls["layer"].value = ()
+    assert [a.get_title() for a in view.figure.axes] == ["whole model (Weight)"]
+    view.controls["inc"].value = 2
+    (median,) = [l for l in view.figure.axes[0].get_lines() if l.get_gid() == "line:50"]
+    assert list(median.get_xdata()) == [0, 2, 4]

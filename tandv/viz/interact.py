@@ -14,6 +14,7 @@ the layer/step controls do what clicks would.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -85,7 +86,10 @@ def _figure_widget(fig: Figure) -> Any:
     # The backend protocol's exports: a canvas widget for the figure, and its manager
     # (which gives it a toolbar), without registering the figure with pyplot.
     canvas = backend.FigureCanvas(fig)
-    backend.FigureManager(canvas, 0)
+    with warnings.catch_warnings():
+        # ipympl's toolbar passes its canvas on to traitlets, which warns; nothing to act on.
+        warnings.filterwarnings("ignore", "Passing unrecognized arguments", DeprecationWarning)
+        backend.FigureManager(canvas, 0)
     canvas.header_visible = False
     canvas.resizable = False
     return canvas
@@ -244,8 +248,10 @@ class InteractiveView:
         (e.g. a step at which a chosen layer was not logged) shows as a message."""
         kw = self._current_kwargs()
         if "layer" in kw and not kw["layer"]:
-            self.message.value = "<b>Choose at least one layer.</b>"
-            return
+            if self.kind != "percentile_bands":
+                self.message.value = "<b>Choose at least one layer.</b>"
+                return
+            kw["layer"] = None  # no layer chosen: the bands of the whole model
         try:
             fig = self._call(kw)
         except VizArgumentError as e:
