@@ -178,3 +178,23 @@ def test_browser_check_catches_errors_network_and_blank_pages(tmp_path, browser)
     blank.write_text("<html><body></body></html>")
     dominant, ncolours = blank_fraction(browser.open(blank.as_uri()).screenshot_png)
     assert dominant > 0.99 and ncolours < 5
+
+
+def test_report_of_a_minimal_custom_log():
+    """A hand-made log with only a custom statistic (no rm2, numel or NaN counts) still
+    gets a report: the heatmap shows that statistic, shares are of the counted values."""
+    import pandas as pd
+
+    cols = pd.MultiIndex.from_tuples([
+        ("metadata", "name"), ("metadata", "type"), ("metadata", "tensor_type"), ("metadata", "step"),
+        ("metadata", "dtype"), ("scalar_stats", "foo"),
+        ("exponent_counts", "-inf"), ("exponent_counts", -12), ("exponent_counts", 0), ("exponent_counts", "+inf")])
+    df = pd.DataFrame([["a", "", "Weight", 0, "float32", 1.0, 0, 1, 3, 0],
+                       ["a", "", "Weight", 1, "float32", 2.0, 0, 0, 4, 0]], columns=cols)
+    text = Path(write_report(df, "min.html", "minimal")).read_text()
+    page = Page(text)
+    assert page.section_imgs["heatmaps"] == 1 and "foo per layer and step" in text
+    shares = {r["format"]: r for r in find_table(page, "format", "Weight underflow")}
+    # 1 of the 8 counted values (2**-12) underflows float8_e4m3fn; none underflows e5m2.
+    assert shares["float8_e4m3fn"]["Weight underflow"] == "12.5%"
+    assert shares["float8_e5m2"]["Weight underflow"] == "0"
