@@ -3,6 +3,7 @@ format markers against ml_dtypes, facet counts and axes."""
 
 from __future__ import annotations
 
+import io
 import re
 
 import matplotlib
@@ -295,3 +296,19 @@ def test_unvalidated_frames_are_refused(df):
         viz.scalar_line(flat, "a", "Weight", "rm2")
     with pytest.raises(viz.VizArgumentError, match="no rows"):
         viz.scalar_global_heatmap(df.iloc[:0], "Weight", "rm2")
+
+
+def test_degenerate_tensors_all_nan_all_zero_or_constant():
+    nan = np.full(4, np.nan, np.float32)
+    log = log_from_arrays({("a", "Weight", 0): nan, ("a", "Weight", 1): nan, ("b", "Weight", 0): np.ones(4, np.float32),
+                           ("z", "Gradient", 0): np.zeros(4, np.float32)})
+    for log_scale in (None, True, False):
+        fig = viz.scalar_global_heatmap(log, "Weight", "rm2", log_scale=log_scale)
+        fig.savefig(io.BytesIO())  # the colorbar of a constant panel draws
+        mesh = fig.axes[0].collections[0]
+        arr = mesh.get_array().reshape(2, 2)
+        assert arr[1, 0] == 1 and np.ma.is_masked(arr[0, 0]) and np.ma.is_masked(arr[0, 1])
+    ax = viz.percentile_bands(log, "Gradient").axes[0]  # only zeros: nothing counted
+    assert [t.get_text() for t in ax.texts] == ["no finite non-zero values logged"]
+    ax = viz.exp_hist(log, "a", "Weight", 0, dtype_annotation=False).axes[0]
+    assert sum(bars(ax, "exponent counts").values()) == 0

@@ -127,7 +127,10 @@ def percentile_bands(
                             label=f"{qs[k]:g}\u2013{qs[-1 - k]:g}%", gid=f"band:{qs[k]:g}-{qs[-1 - k]:g}")
         if len(qs) % 2:
             ax.plot(steps, p[:, npairs], color="k", linewidth=1.2, label=f"{qs[npairs]:g}%", gid=f"line:{qs[npairs]:g}")
-        ax.set_yscale("log", base=2)
+        if np.isfinite(p).any():
+            ax.set_yscale("log", base=2)
+        else:
+            ax.text(0.5, 0.5, "no finite non-zero values logged", transform=ax.transAxes, ha="center", va="center")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("|x| percentiles")

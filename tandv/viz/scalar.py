@@ -112,6 +112,19 @@ def scalar_line(
     return fig
 
 
+def _colour_scale(mat: np.ndarray, use_log: bool) -> tuple[Normalize, np.ma.MaskedArray]:
+    """The colour norm of a heatmap and its values with the unplottable cells masked
+    (non-finite, and non-positive on a log scale). A constant or empty panel gets a
+    small range around its value so the colorbar stays valid."""
+    shown = np.ma.masked_where(~np.isfinite(mat) | ((mat <= 0) if use_log else False), mat)
+    vals = shown.compressed()
+    if use_log:
+        lo, hi = (vals.min(), vals.max()) if vals.size else (1.0, 10.0)
+        return (LogNorm(lo, hi) if hi > lo else LogNorm(lo / 2, hi * 2)), shown
+    lo, hi = (vals.min(), vals.max()) if vals.size else (0.0, 1.0)
+    return (Normalize(lo, hi) if hi > lo else Normalize(lo - 0.5, hi + 0.5)), shown
+
+
 @dataclass
 class HeatmapPanel:
     """One heatmap panel: its axes, tensor type, and the layers (rows) and steps (columns)
@@ -164,14 +177,7 @@ def heatmap_panels(
     panels = []
     for ax, (t, names, steps, mat) in zip(axes, grids):
         use_log = spans_decades(mat) if log_scale is None else bool(log_scale)
-        finite = mat[np.isfinite(mat)]
-        if use_log:
-            positive = finite[finite > 0]
-            norm = LogNorm(positive.min(), positive.max()) if positive.size else LogNorm()
-            shown = np.ma.masked_where(~np.isfinite(mat) | (mat <= 0), mat)
-        else:
-            norm = Normalize(finite.min(), finite.max()) if finite.size else Normalize()
-            shown = np.ma.masked_invalid(mat)
+        norm, shown = _colour_scale(mat, use_log)
         mesh = ax.pcolormesh(np.arange(len(steps) + 1), np.arange(len(names) + 1), shown, norm=norm,
                              cmap="viridis", gid="heatmap")
         fig.colorbar(mesh, ax=ax, label=metric + (" (log scale)" if use_log else ""))
