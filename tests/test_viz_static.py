@@ -229,7 +229,10 @@ def test_percentiles_from_counts_interpolate_within_bins():
     np.testing.assert_allclose(p[0], [3, 3.25, 3.5, 4])          # one bin: uniform in log2
     np.testing.assert_allclose(p[1], [-2, -1.5, -1, 5])          # the median at the upper edge of 2**-2
     assert np.isnan(p[2]).all()                                   # nothing counted
-    np.testing.assert_allclose(p[3, [0, 2, 3]], [-2, -2, 2])      # underflow at the lowest column's edge
+    np.testing.assert_allclose(p[3], [1, 1, 1, 2])               # underflow at the lowest non-empty bin's edge
+    # Stored empty exponent columns change nothing (parquet logs drop them).
+    wide = counts_frame([{1: 2, UNDERFLOW: 2, OVERFLOW: 1, -30: 0, 40: 0}])
+    np.testing.assert_allclose(viz.log2_percentiles(wide, [0, 50, 100])[0], [1, 1.25, 2])  # 2.5 of 5: a quarter into 2**1
 
 
 def test_percentiles_agree_with_numpy_within_a_bin():
@@ -256,6 +259,11 @@ def test_percentile_bands_whole_model_and_per_layer(df):
     assert ax.get_yscale() == "log"
     bands = [c.get_gid() for c in ax.collections]
     assert bands == ["band:0-100", "band:0.13-99.87", "band:2.28-97.72", "band:15.87-84.13"]
+    # The head's gradient holds an inf from step 5: those steps are marked, nothing else.
+    grad = viz.percentile_bands(df, "Gradient").axes[0]
+    (marks,) = [c for c in grad.collections if c.get_gid() == "marks:+inf"]
+    assert list(marks.get_offsets()[:, 0]) == [5]
+    assert not [c for c in ax.collections if (c.get_gid() or "").startswith("marks:")]
 
     fig = viz.percentile_bands(df, tt="Gradient", layer="layers.0", percentiles=[10, 50, 90], inc=3)
     assert [ax.get_title() for ax in fig.axes] == ["layers.0.attn (Gradient)", "layers.0.mlp (Gradient)"]

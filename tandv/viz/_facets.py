@@ -9,7 +9,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-__all__ = ["facet_grid"]
+__all__ = ["facet_grid", "figure_legend"]
 
 
 def facet_grid(
@@ -37,3 +37,15 @@ def facet_grid(
     for ax in axes[n:]:
         ax.remove()
     return fig, axes[:n]
+
+
+def figure_legend(fig: Figure, axes: list[Axes]) -> None:
+    """One legend for the whole figure, below the panels, with each label once (in the
+    order first met across the panels)."""
+    seen: dict[str, object] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    if seen:
+        fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncols=min(len(seen), 6),
+                   fontsize=7, frameon=False)

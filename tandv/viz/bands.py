@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 
 from ..schema import METADATA, OVERFLOW, STEP, UNDERFLOW
 from ._data import VizArgumentError, check_log, exponent_table, rows_for, select_layers, select_tensor_types, thin_steps
-from ._facets import facet_grid
+from ._facets import facet_grid, figure_legend
 
 __all__ = ["percentile_bands", "log2_percentiles", "SIGMA_PERCENTILES"]
 
@@ -31,33 +31,34 @@ def log2_percentiles(counts: pd.DataFrame, percentiles: Sequence[float]) -> np.n
     """Percentiles of log2|x| for each row of exponent counts.
 
     Arguments:
-        counts: rows of counts with columns ``-inf``, ascending int exponents, ``+inf``
-            (as :func:`tandv.viz._data.exponent_table` gives).
+        counts: rows of counts with columns ``-inf``, int exponents, ``+inf`` (any order;
+            missing exponents count zero).
         percentiles: values in [0, 100].
 
     Returns:
-        A float array, rows x percentiles; NaN for a row with no counted values.
-        Underflowed values are placed at the lower edge of the lowest exponent column
-        and overflowed ones at the upper edge of the highest, since the log does not say
-        how far beyond the format they went.
+        A float array, rows x percentiles; NaN for a row with no counted value in an
+        exponent bin. The log does not say how far beyond the format underflowed and
+        overflowed values went, so they are placed at the lower edge of the row's lowest
+        non-empty bin and the upper edge of its highest (:func:`percentile_bands` marks
+        the steps where that happens). This keeps the result independent of which empty
+        exponent columns a log happens to store.
     """
     qs = np.asarray(percentiles, dtype=np.float64)
     if qs.size == 0 or (qs < 0).any() or (qs > 100).any():
         raise VizArgumentError(f"percentiles={list(percentiles)!r}: expected values in [0, 100]")
-    ints = np.array([c for c in counts.columns if c not in (UNDERFLOW, OVERFLOW)], dtype=np.int64)
+    ints = np.array(sorted(c for c in counts.columns if c not in (UNDERFLOW, OVERFLOW)), dtype=np.int64)
     c = counts[[UNDERFLOW, *ints.tolist(), OVERFLOW]].to_numpy(dtype=np.float64)
-    lo = ints.min() if ints.size else 0
-    hi = ints.max() + 1 if ints.size else 1
-    # Bin i spans [left[i], left[i] + width[i]) in log2|x|; the under/overflow bins have
-    # zero width at the edges of the exponent range.
-    left = np.concatenate([[lo], ints, [hi]]).astype(np.float64)
+    # Bin i spans [left[i], left[i] + width[i]) in log2|x|; underflow and overflow have
+    # zero width, at the row's edges.
     width = np.concatenate([[0.0], np.ones(ints.size), [0.0]])
     out = np.full((c.shape[0], qs.size), np.nan)
     for r in range(c.shape[0]):
         row = c[r]
-        total = row.sum()
-        if total <= 0:
+        inner = np.flatnonzero(row[1:-1])
+        if inner.size == 0:
             continue
+        left = np.concatenate([[ints[inner[0]]], ints, [ints[inner[-1]] + 1]]).astype(np.float64)
+        total = row.sum()
         cum = np.cumsum(row)
         before = cum - row
         nz = np.flatnonzero(row)
@@ -83,6 +84,8 @@ def percentile_bands(
 
     Percentiles pair up from the outside in (first with last, ...) into shaded bands,
     darker towards the middle; an odd middle one (the median by default) is a line.
+    Triangles mark steps holding values that overflowed (or were inf) or underflowed
+    the logged format.
 
     Arguments:
         df: a tandv log.
@@ -127,6 +130,13 @@ def percentile_bands(
                             label=f"{qs[k]:g}\u2013{qs[-1 - k]:g}%", gid=f"band:{qs[k]:g}-{qs[-1 - k]:g}")
         if len(qs) % 2:
             ax.plot(steps, p[:, npairs], color="k", linewidth=1.2, label=f"{qs[npairs]:g}%", gid=f"line:{qs[npairs]:g}")
+        # Steps with values beyond the logged format, at the band's edge where they are placed.
+        for label, col, edge, mark, colour in (("overflow / inf", OVERFLOW, -1, "^", "tab:red"),
+                                               ("underflow", UNDERFLOW, 0, "v", "0.4")):
+            hit = table[col].to_numpy() > 0
+            if hit.any():
+                ax.scatter(np.asarray(steps)[hit], p[hit, edge], marker=mark, color=colour, zorder=3,
+                           label=label, gid=f"marks:{col}")
         if np.isfinite(p).any():
             ax.set_yscale("log", base=2)
         else:
@@ -135,6 +145,6 @@ def percentile_bands(
         ax.set_xlabel("step")
         ax.set_ylabel("|x| percentiles")
         ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=7, loc="best")
+    figure_legend(fig, axes)
     fig.suptitle("Percentiles of |x| (from exponent counts)")
     return fig

@@ -22,7 +22,7 @@ from ._data import (
     select_layers,
     select_tensor_types,
 )
-from ._facets import facet_grid
+from ._facets import facet_grid, figure_legend
 
 __all__ = ["exp_hist", "format_markers", "MAX_VIEW_SPAN"]
 
@@ -63,7 +63,7 @@ def _view_range(counts: pd.DataFrame, markers: Sequence[Marker]) -> tuple[int, i
     in any panel (empty columns at either end trimmed), widened to take in the markers
     while that keeps the axis at most :data:`MAX_VIEW_SPAN` exponents wide."""
     ints = [c for c in counts.columns if c not in (UNDERFLOW, OVERFLOW)]
-    used = [c for c in ints if counts[c].any()] or ints or [0]
+    used = [c for c in ints if counts[c].any()] or [0]
     lo, hi = min(used), max(used)
     for m in sorted(markers, key=lambda m: abs(m.exponent - (lo + hi) / 2)):
         nlo, nhi = min(lo, m.exponent), max(hi, m.exponent)
@@ -191,6 +191,6 @@ def exp_hist(
     for ax, (name, t, idx) in zip(axes, keys):
         _draw_panel(ax, counts.loc[idx], lo, hi, kind, fmts[idx], colors[t])
         ax.set_title(f"{name} ({t})", fontsize=9)
-    axes[0].legend(fontsize=7, loc="best")
+    figure_legend(fig, axes)
     fig.suptitle(f"Exponent histogram at step {step}")
     return fig

@@ -22,7 +22,7 @@ from ._data import (
     select_steps,
     select_tensor_types,
 )
-from ._facets import facet_grid
+from ._facets import facet_grid, figure_legend
 
 __all__ = ["scalar_line", "scalar_global_heatmap", "spans_decades", "HeatmapPanel", "heatmap_panels"]
 
@@ -107,7 +107,7 @@ def scalar_line(
         ax.set_title(name if several_tt else f"{name} ({tts[0]})", fontsize=9)
         ax.set_xlabel(x)
         ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=7, loc="best")
+    figure_legend(fig, axes)
     fig.suptitle(", ".join(metrics))
     return fig
 
