@@ -320,3 +320,13 @@ def test_degenerate_tensors_all_nan_all_zero_or_constant():
     assert [t.get_text() for t in ax.texts] == ["no finite non-zero values logged"]
     ax = viz.exp_hist(log, "a", "Weight", 0, dtype_annotation=False).axes[0]
     assert sum(bars(ax, "exponent counts").values()) == 0
+
+
+def test_log_scale_rule():
+    from tandv.viz.scalar import spans_decades
+
+    assert not spans_decades(np.array([1.0, 19.9]))
+    assert spans_decades(np.array([1.0, 20.0]))
+    assert spans_decades(np.array([np.nan, 0.01, 0.5, np.inf]))  # non-finite values are ignored
+    assert not spans_decades(np.array([0.0, 1.0, 100.0]))  # a zero cannot go on a log scale
+    assert not spans_decades(np.array([-1.0, 100.0]))

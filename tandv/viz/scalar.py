@@ -26,8 +26,9 @@ from ._facets import facet_grid, figure_legend
 
 __all__ = ["scalar_line", "scalar_global_heatmap", "spans_decades", "HeatmapPanel", "heatmap_panels"]
 
-#: A metric is drawn on a log scale when its positive values span at least this ratio.
-DECADES_RATIO = 100.0
+#: A metric is drawn on a log scale when its positive values span at least this ratio
+#: (a bit over a decade: e.g. LayerNorm weights near 1 beside projections near 0.02).
+DECADES_RATIO = 20.0
 
 
 def spans_decades(values: np.ndarray) -> bool:
@@ -62,8 +63,8 @@ def scalar_line(
         x: ``"step"`` or another scalar statistic to plot against.
         col_wrap: panels per row (default: all in one row).
         kind: ``"line"`` or ``"scatter"``.
-        logy: log-scale y axis; default when the plotted values are positive and span
-            two decades or more.
+        logy: log-scale y axis; default when the plotted values are positive and the
+            largest is :data:`DECADES_RATIO` (20) times the smallest or more.
         figsize: figure size in inches.
 
     Raises:
@@ -214,7 +215,7 @@ def scalar_global_heatmap(
         inc: show every ``inc``-th logged step (the first always).
         col_wrap: panels per row (default: all in one row).
         log_scale: colour on a log scale; default when the panel's values are positive
-            and span two decades or more.
+            and the largest is :data:`DECADES_RATIO` (20) times the smallest or more.
         layer: restrict the rows to these tensors (name, list or regex); default all.
         figsize: figure size in inches.
 
