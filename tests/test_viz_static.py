@@ -328,5 +328,20 @@ def test_log_scale_rule():
     assert not spans_decades(np.array([1.0, 19.9]))
     assert spans_decades(np.array([1.0, 20.0]))
     assert spans_decades(np.array([np.nan, 0.01, 0.5, np.inf]))  # non-finite values are ignored
-    assert not spans_decades(np.array([0.0, 1.0, 100.0]))  # a zero cannot go on a log scale
+    assert spans_decades(np.array([0.0, 1.0, 100.0]))  # zeros get their own colour
+    assert not spans_decades(np.array([0.0, 0.0]))
     assert not spans_decades(np.array([-1.0, 100.0]))
+
+
+def test_heatmap_zeros_on_a_log_scale_take_the_under_colour():
+    x = np.ones(4, np.float32)
+    log = log_from_arrays({("bias", "Weight", 0): 0 * x, ("bias", "Weight", 1): 0.01 * x, ("w", "Weight", 0): x,
+                           ("w", "Weight", 1): 2 * x})
+    fig = viz.scalar_global_heatmap(log, "Weight", "rm2")
+    ax, cbar = fig.axes
+    (mesh,) = ax.collections
+    assert isinstance(mesh.norm, LogNorm) and (mesh.norm.vmin, mesh.norm.vmax) == (np.float32(0.01), 2.0)
+    arr = mesh.get_array().reshape(2, 2)
+    assert arr[0, 0] < mesh.norm.vmin  # the zero: below the range, drawn in the "under" grey
+    np.testing.assert_allclose([arr[0, 1], arr[1, 0], arr[1, 1]], [0.01, 1, 2], rtol=1e-6)
+    assert "grey = 0" in cbar.get_ylabel()

@@ -9,6 +9,7 @@ from typing import Literal, Sequence
 import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
+from matplotlib import colormaps
 from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 
@@ -32,11 +33,13 @@ DECADES_RATIO = 20.0
 
 
 def spans_decades(values: np.ndarray) -> bool:
-    """True when all finite values are positive and the largest is at least
-    :data:`DECADES_RATIO` times the smallest: then a log scale shows them best."""
+    """True when no finite value is negative and the largest positive one is at least
+    :data:`DECADES_RATIO` times the smallest: then a log scale shows them best. Zeros
+    (a bias initialised to zero) do not prevent it; the heatmap gives them their own colour."""
     v = np.asarray(values, dtype=np.float64)
     v = v[np.isfinite(v)]
-    return bool(v.size and (v > 0).all() and v.max() >= DECADES_RATIO * v.min())
+    pos = v[v > 0]
+    return bool(pos.size and not (v < 0).any() and pos.max() >= DECADES_RATIO * pos.min())
 
 
 def scalar_line(
@@ -113,17 +116,28 @@ def scalar_line(
     return fig
 
 
-def _colour_scale(mat: np.ndarray, use_log: bool) -> tuple[Normalize, np.ma.MaskedArray]:
-    """The colour norm of a heatmap and its values with the unplottable cells masked
-    (non-finite, and non-positive on a log scale). A constant or empty panel gets a
-    small range around its value so the colorbar stays valid."""
-    shown = np.ma.masked_where(~np.isfinite(mat) | ((mat <= 0) if use_log else False), mat)
-    vals = shown.compressed()
+def _colour_scale(mat: np.ndarray, use_log: bool) -> tuple[Normalize, np.ma.MaskedArray, bool]:
+    """The colour norm of a heatmap, its values with the cells that cannot be coloured
+    masked (non-finite; negative on a log scale), and whether it has zeros on a log scale.
+
+    Zeros on a log scale are moved below the norm's minimum so they take the colour map's
+    "under" colour. A constant or empty panel gets a small range around its value so the
+    colorbar stays valid."""
+    finite = np.isfinite(mat)
     if use_log:
-        lo, hi = (vals.min(), vals.max()) if vals.size else (1.0, 10.0)
-        return (LogNorm(lo, hi) if hi > lo else LogNorm(lo / 2, hi * 2)), shown
+        shown = np.ma.masked_where(~finite | (mat < 0), mat)
+        pos = shown.compressed()
+        pos = pos[pos > 0]
+        lo, hi = (pos.min(), pos.max()) if pos.size else (1.0, 10.0)
+        norm = LogNorm(lo, hi) if hi > lo else LogNorm(lo / 2, hi * 2)
+        zeros = bool((shown == 0).any())
+        if zeros:
+            shown = np.ma.where(shown == 0, norm.vmin / 10, shown)
+        return norm, shown, zeros
+    shown = np.ma.masked_where(~finite, mat)
+    vals = shown.compressed()
     lo, hi = (vals.min(), vals.max()) if vals.size else (0.0, 1.0)
-    return (Normalize(lo, hi) if hi > lo else Normalize(lo - 0.5, hi + 0.5)), shown
+    return (Normalize(lo, hi) if hi > lo else Normalize(lo - 0.5, hi + 0.5)), shown, False
 
 
 @dataclass
@@ -178,10 +192,12 @@ def heatmap_panels(
     panels = []
     for ax, (t, names, steps, mat) in zip(axes, grids):
         use_log = spans_decades(mat) if log_scale is None else bool(log_scale)
-        norm, shown = _colour_scale(mat, use_log)
+        norm, shown, zeros = _colour_scale(mat, use_log)
+        cmap = colormaps["viridis"].with_extremes(under="0.55", bad="white")
         mesh = ax.pcolormesh(np.arange(len(steps) + 1), np.arange(len(names) + 1), shown, norm=norm,
-                             cmap="viridis", gid="heatmap")
-        fig.colorbar(mesh, ax=ax, label=metric + (" (log scale)" if use_log else ""))
+                             cmap=cmap, gid="heatmap")
+        label = metric + (" (log scale" + ("; grey = 0)" if zeros else ")") if use_log else "")
+        fig.colorbar(mesh, ax=ax, label=label, extend="min" if zeros else "neither")
         ax.set_ylim(len(names), 0)  # first layer at the top
         ax.set_yticks(np.arange(len(names)) + 0.5, names, fontsize=7 if len(names) < 40 else 5)
         stride = max(1, int(np.ceil(len(steps) / 12)))
