@@ -102,7 +102,8 @@ def _draw_panel(
     ax.bar([lo - 2], [int(counts[UNDERFLOW])], width=0.85, color="0.6", hatch="//", label="underflow")
     ax.bar([hi + 2], [int(counts[OVERFLOW])], width=0.85, color="tab:red", hatch="\\\\", label="overflow")
     stride = max(1, int(np.ceil(len(exps) / _MAX_TICKS)))
-    ticks = [e for e in exps if (e - lo) % stride == 0]
+    # Ticks at multiples of the stride, keeping clear of the "under"/"over" labels.
+    ticks = [e for e in exps if e % stride == 0 and min(e - (lo - 2), hi + 2 - e) >= max(2, 0.8 * stride)]
     ax.set_xticks([lo - 2, *ticks, hi + 2], ["under", *[_pow2(int(e)) for e in ticks], "over"])
     ax.tick_params(axis="x", labelrotation=45, labelsize=8)
     ax.set_xlim(lo - 2.6, hi + 2.6)
