@@ -62,7 +62,7 @@ def test_view_displays_as_a_widget(df, notebook):
     view = viz.interactive(viz.scalar_line, df=df, layer="layers.0", tt="Weight", scalar_metric=["rm2", "std"], col_wrap=2)
     bundle = view._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
-    assert set(view.controls) == {"tt", "layer", "scalar_metric"}
+    assert set(view.controls) == {"tt", "layer", "step", "scalar_metric"}
     assert view.controls["layer"].value == ("layers.0.attn", "layers.0.mlp")
     assert view.controls["scalar_metric"].value == ("rm2", "std")
 
@@ -153,3 +153,27 @@ def test_percentile_bands_switch_between_whole_model_and_layers(df, notebook):
     view.controls["inc"].value = 2
     (median,) = [l for l in view.figure.axes[0].get_lines() if l.get_gid() == "line:50"]
     assert list(median.get_xdata()) == [0, 2, 4]
+
+
+def test_heatmap_step_control_moves_the_crosshair_and_the_open_histogram(df, notebook):
+    view = viz.interactive(viz.scalar_global_heatmap, df=df, tt="Weight", scalar_metric="std")
+    (panel,) = view.panels
+    click(view.figure, panel.ax, 2.5, 1.5)
+    assert view.selected == ("Weight", LAYERS[1], 2)
+    view.controls["step"].value = 5
+    (cross,) = [l for l in panel.ax.get_lines() if l.get_gid() == "crosshair"]
+    assert cross.get_xdata()[0] == 5.5  # the middle of column 5 (step 5)
+    assert view.selected == ("Weight", LAYERS[1], 5)
+    assert view.detail_figure.get_suptitle() == "Exponent histogram at step 5"
+    (outline,) = [p for p in panel.ax.patches if p.get_gid() == "selected"]
+    assert outline.get_xy() == (5, 1)
+
+
+def test_clicking_the_current_step_still_draws_the_crosshair(df, notebook):
+    stats = pd.DataFrame({"step": range(6), "loss": np.linspace(3, 1, 6)})
+    view = viz.interactive(viz.percentile_bands, df=df, train_stats=stats, tt="Gradient")
+    assert view.controls["step"].value == 0 and view.step is None
+    click(view.stats_figure, view.stats_figure.axes[0], 0.2, 2.0)
+    for ax in (view.stats_figure.axes[0], view.figure.axes[0]):
+        (cross,) = [l for l in ax.get_lines() if l.get_gid() == "crosshair"]
+        assert cross.get_xdata()[0] == 0

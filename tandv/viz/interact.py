@@ -179,10 +179,11 @@ class InteractiveView:
             layer = kw.get("layer")
             chosen = select_layers(df, layer, tts) if layer is not None else []
             controls["layer"] = w.SelectMultiple(options=names, value=tuple(chosen), description="layer", rows=6)
+        # The histogram's step; elsewhere the crosshair's (and the opened histogram's).
+        steps = sorted(int(s) for s in pd.unique(df[(METADATA, STEP)]))
+        start = int(kw["step"]) if self.kind == "exp_hist" else steps[0]
+        controls["step"] = w.SelectionSlider(options=steps, value=start, description="step", continuous_update=False)
         if self.kind == "exp_hist":
-            steps = sorted(int(s) for s in pd.unique(df[(METADATA, STEP)]))
-            controls["step"] = w.SelectionSlider(options=steps, value=int(kw["step"]), description="step",
-                                                 continuous_update=False)
             current = kw.get("dtype_annotation", True)
             label = next((k for k, v in _ANNOTATIONS.items() if v == current and type(v) is type(current)), None)
             options = list(_ANNOTATIONS) if label else [*_ANNOTATIONS, str(current)]
@@ -201,6 +202,8 @@ class InteractiveView:
     def _current_kwargs(self) -> dict[str, Any]:
         kw = dict(self.kwargs)
         for key, c in self.controls.items():
+            if key == "step" and self.kind != "exp_hist":
+                continue  # the crosshair's step is not an argument of the figure
             value = c.value
             if key in ("tt", "layer", "scalar_metric") and isinstance(value, tuple):
                 value = list(value)
@@ -239,8 +242,11 @@ class InteractiveView:
                 layers.value = keep or tuple(names[:1])
             finally:
                 self._updating = False
-        if owner is self.controls.get("step"):
+        if owner is self.controls["step"]:
             self.step = int(owner.value)
+            if self.kind != "exp_hist":  # only the crosshair moves
+                self._step_changed()
+                return
         self.redraw()
 
     def redraw(self) -> None:
@@ -325,11 +331,16 @@ class InteractiveView:
         return int(steps[np.argmin(np.abs(steps - x))])
 
     def set_step(self, step: int) -> None:
-        """Move the crosshair to ``step``: the histogram shows that step, other views mark it."""
-        self.step = int(step)
-        if "step" in self.controls:
-            self.controls["step"].value = self.step  # redraws via the observer
-        elif self.kind == "scalar_global_heatmap" and self.selected is not None:
+        """Move the crosshair to ``step`` (through the step control, so it shows there):
+        the histogram shows that step, the other views mark it."""
+        control = self.controls["step"]
+        if control.value == int(step):  # no change event: act on it here
+            self._on_control({"owner": control})
+        else:
+            control.value = int(step)  # the observer does the rest
+
+    def _step_changed(self) -> None:
+        if self.kind == "scalar_global_heatmap" and self.selected is not None:
             self.select_cell(self.selected[0], self.selected[1], self.step)
         self._mark_step()
         for fig in (self.figure, self.stats_figure):
@@ -337,21 +348,26 @@ class InteractiveView:
                 fig.canvas.draw_idle()
 
     def _mark_step(self) -> None:
-        """Draw the crosshair (a vertical line at ``step``) on the curve and line plots."""
+        """Draw the crosshair at ``step``: a vertical line on the curve and line plots, and
+        around the step's column on the heatmap."""
         if self.step is None:
             return
-        figs = [self.stats_figure]
-        if self.kind in ("scalar_line", "percentile_bands"):
-            figs.append(self.figure)
-        for fig in figs:
+        for fig in (self.stats_figure, self.figure if self.kind != "exp_hist" else None):
             if fig is None:
                 continue
             for ax in fig.axes:
-                if ax.get_label() == "<colorbar>":
-                    continue
                 for line in [l for l in ax.get_lines() if l.get_gid() == "crosshair"]:
                     line.remove()
+        if self.stats_figure is not None:
+            self.stats_figure.axes[0].axvline(self.step, color="k", linestyle="--", linewidth=1, gid="crosshair")
+        if self.kind in ("scalar_line", "percentile_bands") and self.figure is not None:
+            for ax in self.figure.axes:
                 ax.axvline(self.step, color="k", linestyle="--", linewidth=1, gid="crosshair")
+        if self.kind == "scalar_global_heatmap":
+            for p in self.panels:
+                if self.step in p.steps:  # heatmap x runs over column indices
+                    p.ax.axvline(p.steps.index(self.step) + 0.5, color="red", linestyle="--", linewidth=1,
+                                 gid="crosshair")
 
     # ------------------------------------------------------------------ display
 
@@ -366,8 +382,9 @@ def interactive(f: Callable[..., Figure], df: pd.DataFrame, train_stats: pd.Data
     Pass a plotting function of :mod:`tandv.viz` (``exp_hist``, ``scalar_line``,
     ``scalar_global_heatmap`` or ``percentile_bands``) and its keyword arguments; the
     view adds controls for tensor type, layer, step and metric (those the function
-    takes). On the heatmap, click a cell to open the exponent histogram of that layer
-    at that step. With ``train_stats`` (a DataFrame with a ``step`` column, or index,
+    takes). The step control sets the histogram's step and elsewhere moves a crosshair.
+    On the heatmap, click a cell to open the exponent histogram of that layer at that
+    step (it then follows the step control). With ``train_stats`` (a DataFrame with a ``step`` column, or index,
     and numeric columns such as ``loss``) a linked curve is drawn: clicking it sets the
     step, shown as a crosshair on line plots and as the histogram's step.
 
