@@ -150,7 +150,7 @@ class InteractiveView:
         self.stats = w.Box()
         self._show_main(first)
         self._draw_stats()
-        self.widget = w.VBox([w.HBox(list(self.controls.values())), self.message, self.stats, self.main, self.detail])
+        self.widget = w.VBox([w.HBox(list(self.controls.values()), layout=w.Layout(flex_flow="row wrap")), self.message, self.stats, self.main, self.detail])
         for c in self.controls.values():
             c.observe(self._on_control, names="value")
 

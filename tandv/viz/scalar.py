@@ -199,7 +199,9 @@ def heatmap_panels(
         label = metric + (" (log scale" + ("; grey = 0)" if zeros else ")") if use_log else "")
         fig.colorbar(mesh, ax=ax, label=label, extend="min" if zeros else "neither")
         ax.set_ylim(len(names), 0)  # first layer at the top
-        ax.set_yticks(np.arange(len(names)) + 0.5, names, fontsize=7 if len(names) < 40 else 5)
+        # Every layer named while they fit; beyond 80 rows every k-th, to stay legible.
+        ystride = max(1, int(np.ceil(len(names) / 80)))
+        ax.set_yticks(np.arange(0, len(names), ystride) + 0.5, names[::ystride], fontsize=7 if len(names) < 40 else 5)
         stride = max(1, int(np.ceil(len(steps) / 12)))
         ax.set_xticks(np.arange(0, len(steps), stride) + 0.5, [str(s) for s in steps[::stride]], fontsize=7)
         ax.set_xlabel("step")
