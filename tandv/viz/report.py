@@ -218,5 +218,4 @@ def write_report(df: pd.DataFrame, path: str | os.PathLike, title: str = "tandv 
     """
     text = render_report(df, title)
     out = atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-    out.chmod(0o644)  # a report is for sharing (the temporary file it was renamed from is private)
     return out
