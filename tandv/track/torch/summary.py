@@ -87,7 +87,7 @@ def _ones(n: int, device: torch.device) -> torch.Tensor:
 
 
 def _scratch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Three reusable 8-byte scratch buffers of ``n`` elements (two float64, one int64).
+    """Reusable scratch buffers of ``n`` elements: two float32 and one float64.
 
     Allocating fresh multi-megabyte buffers for every tensor costs more than the
     arithmetic (page faults), so each thread keeps one growing workspace per device.
@@ -99,16 +99,17 @@ def _scratch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, 
     key = str(device)
     buf = spaces.get(key)
     if buf is None or buf.shape[1] < n:
-        buf = torch.empty(3, max(n, 1 << 12), dtype=torch.float64, device=device)
+        buf = torch.empty(2, max(n, 1 << 12), dtype=torch.float64, device=device)
         spaces[key] = buf
-    return buf[0, :n], buf[1, :n], buf[2, :n].view(torch.int64)
+    f32 = buf[0].view(torch.float32)
+    return f32[:n], f32[n:2 * n], buf[1, :n]
 
 
-def _key_counts(ad: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """Counts of the 4096 (exponent, top mantissa bit) keys of the float64 magnitudes ``ad``
-    (``key`` is an int64 scratch buffer of the same size)."""
+def _key_counts(ad: torch.Tensor) -> torch.Tensor:
+    """Counts of the 4096 (exponent, top mantissa bit) keys of the float64 magnitudes
+    ``ad`` (overwritten with the keys)."""
     n = ad.numel()
-    torch.bitwise_right_shift(ad.view(torch.int64), 51, out=key)
+    key = ad.view(torch.int64).bitwise_right_shift_(51)
     rows = _SCATTER_ROWS if n % _SCATTER_ROWS == 0 and n >= 1 << 14 else 1
     table = torch.zeros(rows, _NUM_KEYS, dtype=torch.int64, device=ad.device)
     table.scatter_add_(1, key.view(rows, -1), _ones(n, ad.device).view(rows, -1))
@@ -156,81 +157,138 @@ def summarize_torch(
                         f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of ' + str(x.dtype)}")
     fmt = layout.format
     dev = x.device
-    f64 = torch.float64
     n = x.numel()
     if n == 0:
-        out = torch.tensor(layout.empty(), dtype=f64, device=dev)
-        return _put_extras(out, layout, extras, n)
-    x = x.detach()
-    native64 = x.dtype == f64
-    xd, ad, key = _scratch(n, dev)
-    xd.copy_(x.reshape(-1))
-    torch.abs(xd, out=ad)
-    if native64:
-        bins = _exponent_counts_f64(ad, fmt)
-        nan_c = torch.isnan(ad).sum()
-        inf_c = torch.isinf(ad).sum()
-        zero_c = (ad == 0).sum()
-        counts = bins[: fmt.num_bins + 2]
+        out = torch.tensor(layout.empty(), dtype=torch.float64, device=dev)
+        return _put_extras(out, layout, extras)
+    x = x.detach().reshape(-1)
+    if x.dtype == torch.float64:
+        out = _summarize_f64(x, layout)
     else:
-        keys = _key_counts(ad, key)
-        counts = torch.zeros(fmt.num_bins + 3, dtype=torch.int64, device=dev)
-        counts.index_add_(0, _fold_index(fmt, dev), keys)
-        counts = counts[: fmt.num_bins + 2]
-        nan_c, inf_c, zero_c = keys[_NAN_KEY], keys[_INF_KEY], keys[0]
-        if fmt.name != dtype_name(x.dtype) and fmt.max < 2.0 ** (fmt.max_exponent + 1):
-            # Simulated format whose max is inside its top binade: values above the max
-            # but below 2**(max_exponent+1) were counted in the top exponent; move them.
-            over_all = (ad > fmt.max).sum()
-            moved = over_all - counts[-1]
-            counts = counts.clone()
-            counts[-2] -= moved
-            counts[-1] = over_all
-    # Smallest finite magnitude: the int64 view orders non-negative floats by magnitude
+        out = _summarize_f32(x, layout)
+    return _put_extras(out, layout, extras)
+
+
+def _summarize_f32(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Summary of a float32/bfloat16/float16/float8 vector: elementwise passes in float32
+    with float32 cascade sums (relative error ~1e-7), exponent keys in float64."""
+    fmt = layout.format
+    dev = x.device
+    n = x.numel()
+    f32, f64, i32 = torch.float32, torch.float64, torch.int32
+    A, B, K = _scratch(n, dev)
+    if x.dtype == f32:
+        src = x
+    else:
+        B.copy_(x)
+        src = B
+    torch.abs(src, out=A)
+    # Smallest finite magnitude: the int view orders non-negative floats by magnitude
     # with inf and NaN above every finite value, so amin needs no masking.
-    min_abs_bits = ad.view(torch.int64).amin()
-    min_abs = min_abs_bits.reshape(1).view(f64)[0]
-    xc = xd.nan_to_num_(0.0, 0.0, 0.0)
+    min_abs = A.view(i32).amin().reshape(1).view(f32)[0].to(f64)
+    simulated = fmt.name != dtype_name(x.dtype)
+    K.copy_(A)
+    keys = _key_counts(K)
+    if simulated and fmt.max < 2.0 ** (fmt.max_exponent + 1):
+        over = (A > fmt.max).sum()
+    else:
+        over = None
+    counts = torch.zeros(fmt.num_bins + 3, dtype=torch.int64, device=dev)
+    counts.index_add_(0, _fold_index(fmt, dev), keys)
+    counts = counts[: fmt.num_bins + 2]
+    if over is not None:
+        # Values above the format's max but below 2**(max_exponent+1) were counted in the
+        # top exponent; move them to the overflow bin.
+        counts[-2] -= over - counts[-1]
+        counts[-1] = over
+    nan_c, inf_c, zero_c = keys[_NAN_KEY], keys[_INF_KEY], keys[0]
+    torch.nan_to_num(src, 0.0, 0.0, 0.0, out=B)
+    mn, mx = torch.aminmax(B)
+    s = torch.maximum(-mn, mx)
+    # Scale by a power of two P >= s (exact, no rounding), clamped so 1/P stays finite.
+    e = torch.frexp(s).exponent.clamp_(min=-126)
+    q = B.mul_(torch.ldexp(torch.ones((), dtype=f32, device=dev), -e))
+    sums = torch.stack([q.sum(dtype=f64), torch.abs(q, out=A).sum(), A.square_().sum(),
+                        A.square_().sum(), A.square_().sum()]).to(f64)
+    nonfin = (nan_c + inf_c).to(f64)
+    nfin = n - nonfin
+    safe_n = torch.where(nfin > 0, nfin, 1.0)
+    mean_q = sums[0] / safe_n
+    m32 = mean_q.to(f32)
+    # Centred second moment around the float32 mean m32; the non-finite slots hold 0 and
+    # each contributed m32**2; the offset of m32 from the mean adds nfin*(mean-m32)**2.
+    m64 = m32.to(f64)
+    m2 = q.sub_(m32).square_().sum().to(f64) - nonfin * m64 * m64 - nfin * (mean_q - m64) ** 2
+    s64 = s.to(f64)
+    P = torch.ldexp(torch.ones((), dtype=f64, device=dev), e)
+    scale = torch.where(s64 > 0, s64, 1.0)
+    r = P / scale
+    moments = torch.stack([m2.clamp(min=0.0), sums[1], sums[2], sums[3], sums[4]]) * torch.stack(
+        [r * r, r, r * r, r ** 4, r ** 8])
+    return _assemble(layout, n, nan_c, inf_c, zero_c, mn.to(f64), mx.to(f64), min_abs, s64,
+                     mean_q * P, moments, counts)
+
+
+def _summarize_f64(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Summary of a float64 vector (its subnormals and signalling NaNs need ``frexp`` and
+    ``isnan``; elementwise passes in float64)."""
+    fmt = layout.format
+    dev = x.device
+    n = x.numel()
+    f64 = torch.float64
+    bins = _exponent_counts_f64(x.abs(), fmt)
+    counts = bins[: fmt.num_bins + 2]
+    nan_c = torch.isnan(x).sum()
+    inf_c = torch.isinf(x).sum()
+    zero_c = (x == 0).sum()
+    min_abs = x.abs().view(torch.int64).amin().reshape(1).view(f64)[0]
+    xc = torch.nan_to_num(x, 0.0, 0.0, 0.0)
     mn, mx = torch.aminmax(xc)
-    nfin = (n - nan_c - inf_c).to(f64)
-    has_fin = nfin > 0
     s = torch.maximum(-mn, mx)
     scale = torch.where(s > 0, s, 1.0)
-    q = xc.div_(scale)  # scaled finite values, non-finite -> 0
-    safe_n = torch.where(has_fin, nfin, 1.0)
-    mean_q = q.sum() / safe_n
-    torch.abs(q, out=ad)
-    p1 = ad.sum()
-    p2 = ad.square_().sum()
-    p4 = ad.square_().sum()
-    p8 = ad.square_().sum()
-    # Centred second moment; the non-finite slots hold 0 and contributed mean_q**2 each.
-    m2 = q.sub_(mean_q).square_().sum() - (n - nfin) * mean_q * mean_q
-    m2 = torch.clamp(m2, min=0.0)
-    # Extrema over finite values: mn/mx came from data with non-finite -> 0. They are
-    # exact unless non-finite values exist and the finite ones are all > 0 (min is then
-    # min_abs) or all < 0 (max is then -min_abs), or there is no finite value.
-    has_nonfin = nfin < n
-    real_zero = zero_c > 0
-    true_min = torch.where(has_nonfin & (mn >= 0) & ~real_zero, min_abs, mn)
-    true_max = torch.where(has_nonfin & (mx <= 0) & ~real_zero, -min_abs, mx)
-    pos_inf = torch.full((), float("inf"), dtype=f64, device=dev)
-    true_min = torch.where(has_fin, true_min, pos_inf)
-    true_max = torch.where(has_fin, true_max, -pos_inf)
-    min_abs = torch.where(has_fin, min_abs, pos_inf)
+    q = xc.div_(scale)
+    nonfin = (nan_c + inf_c).to(f64)
+    nfin = n - nonfin
+    mean_q = q.sum() / torch.where(nfin > 0, nfin, 1.0)
+    a = q.abs()
+    p1 = a.sum()
+    p2 = a.square_().sum()
+    p4 = a.square_().sum()
+    p8 = a.square_().sum()
+    m2 = q.sub_(mean_q).square_().sum() - nonfin * mean_q * mean_q
+    moments = torch.stack([m2.clamp(min=0.0), p1, p2, p4, p8])
+    return _assemble(layout, n, nan_c, inf_c, zero_c, mn, mx, min_abs, s, mean_q * scale,
+                     moments, counts)
+
+
+def _assemble(layout: Layout, n: int, nan_c: torch.Tensor, inf_c: torch.Tensor,
+              zero_c: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, min_abs: torch.Tensor,
+              max_abs: torch.Tensor, mean: torch.Tensor, moments: torch.Tensor,
+              counts: torch.Tensor) -> torch.Tensor:
+    """The layout vector from device scalars, repairing the extrema of inputs with
+    non-finite values (``mn``/``mx`` were taken with non-finite values replaced by 0)."""
+    f64 = torch.float64
+    dev = mn.device
+    nonfin = nan_c + inf_c
+    has_fin = nonfin < n
+    # mn/mx are exact unless non-finite values exist and the finite ones are all > 0 (the
+    # min is then min_abs) or all < 0 (the max is then -min_abs), or none is finite.
+    patched = (nonfin > 0) & (zero_c == 0)
+    inf = torch.full((), float("inf"), dtype=f64, device=dev)
+    true_min = torch.where(has_fin, torch.where(patched & (mn >= 0), min_abs, mn), inf)
+    true_max = torch.where(has_fin, torch.where(patched & (mx <= 0), -min_abs, mx), -inf)
     head = torch.stack([
         torch.full((), float(n), dtype=f64, device=dev),
         nan_c.to(f64), inf_c.to(f64), zero_c.to(f64),
-        true_min, true_max, min_abs, s,
-        torch.where(has_fin, mean_q * scale, 0.0), m2,
-        p1, p2, p4, p8,
+        true_min, true_max, torch.where(has_fin, min_abs, inf), max_abs,
+        torch.where(has_fin, mean, 0.0),
     ])
-    out = torch.cat([head, counts.to(f64), torch.zeros(len(layout.extras), dtype=f64, device=dev)])
-    return _put_extras(out, layout, extras, n)
+    tail = torch.zeros(len(layout.extras), dtype=f64, device=dev)
+    return torch.cat([head, moments, counts.to(f64), tail])
 
 
 def _put_extras(out: torch.Tensor, layout: Layout,
-                extras: Mapping[str, torch.Tensor | float] | None, n: int) -> torch.Tensor:
+                extras: Mapping[str, torch.Tensor | float] | None) -> torch.Tensor:
     names = [name for name, _ in layout.extras]
     given = dict(extras or {})
     if sorted(given) != sorted(names):
