@@ -205,10 +205,15 @@ def _summarize_f32(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     torch.nan_to_num(src, 0.0, 0.0, 0.0, out=B)
     mn, mx = torch.aminmax(B)
     s = torch.maximum(-mn, mx)
-    # Scale by a power of two P >= s (exact, no rounding), clamped so 1/P stays finite.
-    e = torch.frexp(s).exponent.clamp_(min=-126)
-    q = B.mul_(torch.ldexp(torch.ones((), dtype=f32, device=dev), -e))
-    sums = torch.stack([q.sum(dtype=f64), torch.abs(q, out=A).sum(), A.square_().sum(),
+    # Scale by powers of two (exact): q = x / 2**e1 with 2**-e1 a finite float32, and the
+    # magnitudes further to |x| / 2**e <= 1, where s < 2**e. e1 == e unless every finite
+    # value is a float32 subnormal.
+    e = torch.frexp(s).exponent
+    e1 = e.clamp(min=-126)
+    one = torch.ones((), dtype=f32, device=dev)
+    q = B.mul_(torch.ldexp(one, -e1))
+    torch.abs(q, out=A).mul_(torch.ldexp(one, e1 - e))
+    sums = torch.stack([q.sum(dtype=f64), A.sum(), A.square_().sum(),
                         A.square_().sum(), A.square_().sum()]).to(f64)
     nonfin = (nan_c + inf_c).to(f64)
     nfin = n - nonfin
@@ -220,11 +225,13 @@ def _summarize_f32(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     m64 = m32.to(f64)
     m2 = q.sub_(m32).square_().sum().to(f64) - nonfin * m64 * m64 - nfin * (mean_q - m64) ** 2
     s64 = s.to(f64)
-    P = torch.ldexp(torch.ones((), dtype=f64, device=dev), e)
+    one64 = torch.ones((), dtype=f64, device=dev)
+    P1, P = torch.ldexp(one64, e1), torch.ldexp(one64, e)
     scale = torch.where(s64 > 0, s64, 1.0)
-    r = P / scale
+    r1, r = P1 / scale, P / scale
     moments = torch.stack([m2.clamp(min=0.0), sums[1], sums[2], sums[3], sums[4]]) * torch.stack(
-        [r * r, r, r * r, r ** 4, r ** 8])
+        [r1 * r1, r, r * r, r ** 4, r ** 8])
+    mean_q = mean_q * P1 / P
     return _assemble(layout, n, nan_c, inf_c, zero_c, mn.to(f64), mx.to(f64), min_abs, s64,
                      mean_q * P, moments, counts)
 
