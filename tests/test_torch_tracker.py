@@ -306,8 +306,8 @@ def test_schedules(options, steps):
 
 def test_unscheduled_steps_compute_nothing(monkeypatch):
     calls = []
-    real = tracker_module.summarize_torch
-    monkeypatch.setattr(tracker_module, "summarize_torch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = tracker_module.raw_summary_torch
+    monkeypatch.setattr(tracker_module, "raw_summary_torch", lambda *a, **k: calls.append(1) or real(*a, **k))
     net, opt = make()
     with track(net, opt, out="log", schedule=[0]) as tr:
         train(net, opt, 1, tr)

@@ -28,14 +28,16 @@ sums) and the extrema are repaired on the device from counts that are already kn
 from __future__ import annotations
 
 import threading
-from typing import Mapping
+from typing import Any, Mapping
+
+import numpy as np
 
 import torch
 
 from ...stats.formats import NumberFormat, format_name
 from ...stats.summary import CORE_FIELDS, Layout
 
-__all__ = ["summarize_torch", "dtype_name"]
+__all__ = ["summarize_torch", "raw_summary_torch", "finish_head", "RAW_HEAD", "dtype_name"]
 
 _I = {name: i for i, name in enumerate(CORE_FIELDS)}
 _F64_BIAS = 1023
@@ -86,8 +88,10 @@ def _ones(n: int, device: torch.device) -> torch.Tensor:
     return buf[:n]
 
 
-def _scratch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reusable scratch buffers of ``n`` elements: two float32 and one float64.
+def _scratch(n: int, device: torch.device, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reusable scratch buffers of ``n`` elements: two of ``dtype`` (float32 or float64)
+    and one float64.
 
     Allocating fresh multi-megabyte buffers for every tensor costs more than the
     arithmetic (page faults), so each thread keeps one growing workspace per device.
@@ -99,10 +103,12 @@ def _scratch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, 
     key = str(device)
     buf = spaces.get(key)
     if buf is None or buf.shape[1] < n:
-        buf = torch.empty(2, max(n, 1 << 12), dtype=torch.float64, device=device)
+        buf = torch.empty(3, max(n, 1 << 12), dtype=torch.float64, device=device)
         spaces[key] = buf
+    if dtype == torch.float64:
+        return buf[0, :n], buf[1, :n], buf[2, :n]
     f32 = buf[0].view(torch.float32)
-    return f32[:n], f32[n:2 * n], buf[1, :n]
+    return f32[:n], f32[n:2 * n], buf[2, :n]
 
 
 def _key_counts(ad: torch.Tensor) -> torch.Tensor:
@@ -131,6 +137,10 @@ def _exponent_counts_f64(ad: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
     return out
 
 
+#: Length of the raw head of a device summary (see :func:`raw_summary_torch`).
+RAW_HEAD = 18
+
+
 def summarize_torch(
     x: torch.Tensor,
     layout: Layout,
@@ -152,32 +162,57 @@ def summarize_torch(
         TypeError: if ``x`` is not a floating-point tensor.
         ValueError: if ``extras`` does not match ``layout.extras``.
     """
+    raw = raw_summary_torch(x, layout, extras)
+    return torch.cat([finish_head(raw[:RAW_HEAD], torch), raw[RAW_HEAD:]])
+
+
+def raw_summary_torch(
+    x: torch.Tensor,
+    layout: Layout,
+    extras: Mapping[str, torch.Tensor | float] | None = None,
+) -> torch.Tensor:
+    """Like :func:`summarize_torch`, but the first :data:`RAW_HEAD` entries are raw
+    partial results that :func:`finish_head` turns into the layout's core fields.
+
+    The tracker keeps these raw vectors on the device and finishes a whole step's worth
+    of them at once on the host, after the single transfer, which saves about twenty
+    tiny device operations per tensor. The exponent counts and extras are final."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"summarize_torch: expected a floating-point tensor; got "
-                        f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of ' + str(x.dtype)}")
-    fmt = layout.format
+        what = type(x).__name__ if not isinstance(x, torch.Tensor) else f"tensor of {x.dtype}"
+        raise TypeError(f"summarize_torch: expected a floating-point tensor; got {what}")
+    names = [name for name, _ in layout.extras]
+    given = dict(extras or {})
+    if sorted(given) != sorted(names):
+        raise ValueError(f"summarize_torch: extras {sorted(given)} do not match the layout's "
+                         f"custom statistics {names}")
     dev = x.device
-    n = x.numel()
-    if n == 0:
-        out = torch.tensor(layout.empty(), dtype=torch.float64, device=dev)
-        return _put_extras(out, layout, extras)
-    x = x.detach().reshape(-1)
-    if x.dtype == torch.float64:
-        out = _summarize_f64(x, layout)
+    f64 = torch.float64
+    if x.numel() == 0:
+        head = torch.zeros(RAW_HEAD, dtype=f64, device=dev)
+        counts = torch.zeros(layout.num_counts, dtype=f64, device=dev)
     else:
-        out = _summarize_f32(x, layout)
-    return _put_extras(out, layout, extras)
+        head, counts = _raw_core(x.detach().reshape(-1), layout.format)
+    parts = [head, counts.to(f64)]
+    if names:
+        parts.append(torch.stack([
+            given[k].detach().to(device=dev, dtype=f64).reshape(()) if isinstance(given[k], torch.Tensor)
+            else torch.full((), float(given[k]), dtype=f64, device=dev) for k in names]))
+    return torch.cat(parts)
 
 
-def _summarize_f32(x: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """Summary of a float32/bfloat16/float16/float8 vector: elementwise passes in float32
-    with float32 cascade sums (relative error ~1e-7), exponent keys in float64."""
-    fmt = layout.format
+def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw head and layout counts of a non-empty 1-D floating vector.
+
+    Elementwise passes run in float32 (float64 for float64 inputs) in reusable scratch
+    buffers; sums are float32 cascade sums (relative error ~1e-7) except the plain sum
+    for the mean, which accumulates in float64."""
     dev = x.device
     n = x.numel()
-    f32, f64, i32 = torch.float32, torch.float64, torch.int32
-    A, B, K = _scratch(n, dev)
-    if x.dtype == f32:
+    f32, f64 = torch.float32, torch.float64
+    native64 = x.dtype == f64
+    cd = f64 if native64 else f32
+    A, B, K = _scratch(n, dev, cd)
+    if x.dtype == cd:
         src = x
     else:
         B.copy_(x)
@@ -185,127 +220,84 @@ def _summarize_f32(x: torch.Tensor, layout: Layout) -> torch.Tensor:
     torch.abs(src, out=A)
     # Smallest finite magnitude: the int view orders non-negative floats by magnitude
     # with inf and NaN above every finite value, so amin needs no masking.
-    min_abs = A.view(i32).amin().reshape(1).view(f32)[0].to(f64)
-    simulated = fmt.name != dtype_name(x.dtype)
-    K.copy_(A)
-    keys = _key_counts(K)
-    if simulated and fmt.max < 2.0 ** (fmt.max_exponent + 1):
-        over = (A > fmt.max).sum()
+    ibits = torch.int64 if native64 else torch.int32
+    min_abs = A.view(ibits).amin().reshape(1).view(cd)
+    if native64:
+        bins = _exponent_counts_f64(A, fmt)
+        counts = bins[: fmt.num_bins + 2]
+        nan_c = torch.isnan(A).sum()
+        inf_c = torch.isinf(A).sum()
+        zero_c = (A == 0).sum()
+        low_e = -1022
     else:
-        over = None
-    counts = torch.zeros(fmt.num_bins + 3, dtype=torch.int64, device=dev)
-    counts.index_add_(0, _fold_index(fmt, dev), keys)
-    counts = counts[: fmt.num_bins + 2]
-    if over is not None:
-        # Values above the format's max but below 2**(max_exponent+1) were counted in the
-        # top exponent; move them to the overflow bin.
-        counts[-2] -= over - counts[-1]
-        counts[-1] = over
-    nan_c, inf_c, zero_c = keys[_NAN_KEY], keys[_INF_KEY], keys[0]
+        K.copy_(A)
+        keys = _key_counts(K)
+        counts = torch.zeros(fmt.num_bins + 3, dtype=torch.int64, device=dev)
+        counts.index_add_(0, _fold_index(fmt, dev), keys)
+        counts = counts[: fmt.num_bins + 2]
+        if fmt.name != dtype_name(x.dtype) and fmt.max < 2.0 ** (fmt.max_exponent + 1):
+            # Simulated format whose max lies inside its top binade (float8_e4m3fn: 448 <
+            # 512): values above the max were counted in the top exponent; move them.
+            over = (A > fmt.max).sum()
+            counts[-2] -= over - counts[-1]
+            counts[-1] = over
+        nan_c, inf_c, zero_c = keys[_NAN_KEY], keys[_INF_KEY], keys[0]
+        low_e = -126
     torch.nan_to_num(src, 0.0, 0.0, 0.0, out=B)
     mn, mx = torch.aminmax(B)
     s = torch.maximum(-mn, mx)
-    # Scale by powers of two (exact): q = x / 2**e1 with 2**-e1 a finite float32, and the
-    # magnitudes further to |x| / 2**e <= 1, where s < 2**e. e1 == e unless every finite
-    # value is a float32 subnormal.
+    # Scale by powers of two (exact): q = x / 2**e1 with 2**-e1 finite in the compute
+    # dtype, and magnitudes further to |x| / 2**e <= 1, where s < 2**e. e1 == e unless
+    # every finite value is subnormal.
     e = torch.frexp(s).exponent
-    e1 = e.clamp(min=-126)
-    one = torch.ones((), dtype=f32, device=dev)
+    e1 = e.clamp(min=low_e)
+    one = torch.ones((), dtype=cd, device=dev)
     q = B.mul_(torch.ldexp(one, -e1))
     torch.abs(q, out=A).mul_(torch.ldexp(one, e1 - e))
-    sums = torch.stack([q.sum(dtype=f64), A.sum(), A.square_().sum(),
-                        A.square_().sum(), A.square_().sum()]).to(f64)
-    nonfin = (nan_c + inf_c).to(f64)
-    nfin = n - nonfin
-    safe_n = torch.where(nfin > 0, nfin, 1.0)
-    mean_q = sums[0] / safe_n
-    m32 = mean_q.to(f32)
-    # Centred second moment around the float32 mean m32; the non-finite slots hold 0 and
-    # each contributed m32**2; the offset of m32 from the mean adds nfin*(mean-m32)**2.
-    m64 = m32.to(f64)
-    m2 = q.sub_(m32).square_().sum().to(f64) - nonfin * m64 * m64 - nfin * (mean_q - m64) ** 2
-    s64 = s.to(f64)
-    one64 = torch.ones((), dtype=f64, device=dev)
-    P1, P = torch.ldexp(one64, e1), torch.ldexp(one64, e)
-    scale = torch.where(s64 > 0, s64, 1.0)
-    r1, r = P1 / scale, P / scale
-    moments = torch.stack([m2.clamp(min=0.0), sums[1], sums[2], sums[3], sums[4]]) * torch.stack(
-        [r1 * r1, r, r * r, r ** 4, r ** 8])
-    mean_q = mean_q * P1 / P
-    return _assemble(layout, n, nan_c, inf_c, zero_c, mn.to(f64), mx.to(f64), min_abs, s64,
-                     mean_q * P, moments, counts)
-
-
-def _summarize_f64(x: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """Summary of a float64 vector (its subnormals and signalling NaNs need ``frexp`` and
-    ``isnan``; elementwise passes in float64)."""
-    fmt = layout.format
-    dev = x.device
-    n = x.numel()
-    f64 = torch.float64
-    bins = _exponent_counts_f64(x.abs(), fmt)
-    counts = bins[: fmt.num_bins + 2]
-    nan_c = torch.isnan(x).sum()
-    inf_c = torch.isinf(x).sum()
-    zero_c = (x == 0).sum()
-    min_abs = x.abs().view(torch.int64).amin().reshape(1).view(f64)[0]
-    xc = torch.nan_to_num(x, 0.0, 0.0, 0.0)
-    mn, mx = torch.aminmax(xc)
-    s = torch.maximum(-mn, mx)
-    scale = torch.where(s > 0, s, 1.0)
-    q = xc.div_(scale)
-    nonfin = (nan_c + inf_c).to(f64)
-    nfin = n - nonfin
-    mean_q = q.sum() / torch.where(nfin > 0, nfin, 1.0)
-    a = q.abs()
-    p1 = a.sum()
-    p2 = a.square_().sum()
-    p4 = a.square_().sum()
-    p8 = a.square_().sum()
-    m2 = q.sub_(mean_q).square_().sum() - nonfin * mean_q * mean_q
-    moments = torch.stack([m2.clamp(min=0.0), p1, p2, p4, p8])
-    return _assemble(layout, n, nan_c, inf_c, zero_c, mn, mx, min_abs, s, mean_q * scale,
-                     moments, counts)
-
-
-def _assemble(layout: Layout, n: int, nan_c: torch.Tensor, inf_c: torch.Tensor,
-              zero_c: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, min_abs: torch.Tensor,
-              max_abs: torch.Tensor, mean: torch.Tensor, moments: torch.Tensor,
-              counts: torch.Tensor) -> torch.Tensor:
-    """The layout vector from device scalars, repairing the extrema of inputs with
-    non-finite values (``mn``/``mx`` were taken with non-finite values replaced by 0)."""
-    f64 = torch.float64
-    dev = mn.device
-    nonfin = nan_c + inf_c
-    has_fin = nonfin < n
-    # mn/mx are exact unless non-finite values exist and the finite ones are all > 0 (the
-    # min is then min_abs) or all < 0 (the max is then -min_abs), or none is finite.
-    patched = (nonfin > 0) & (zero_c == 0)
-    inf = torch.full((), float("inf"), dtype=f64, device=dev)
-    true_min = torch.where(has_fin, torch.where(patched & (mn >= 0), min_abs, mn), inf)
-    true_max = torch.where(has_fin, torch.where(patched & (mx <= 0), -min_abs, mx), -inf)
+    sum_q = q.sum(dtype=f64)
+    p1 = A.sum()
+    p2 = A.square_().sum()
+    p4 = A.square_().sum()
+    p8 = A.square_().sum()
+    # Centre on the mean rounded to the compute dtype (finish_head corrects for it).
+    m_c = (sum_q / (n - nan_c - inf_c).clamp(min=1)).to(cd)
+    m2raw = q.sub_(m_c).square_().sum()
     head = torch.stack([
-        torch.full((), float(n), dtype=f64, device=dev),
-        nan_c.to(f64), inf_c.to(f64), zero_c.to(f64),
-        true_min, true_max, torch.where(has_fin, min_abs, inf), max_abs,
-        torch.where(has_fin, mean, 0.0),
-    ])
-    tail = torch.zeros(len(layout.extras), dtype=f64, device=dev)
-    return torch.cat([head, moments, counts.to(f64), tail])
+        torch.full((), float(n), dtype=f64, device=dev), nan_c, inf_c, zero_c,
+        mn, mx, min_abs[0], s, e, e1, sum_q, p1, p2, p4, p8, m2raw, m_c, m_c * m_c,
+    ]).to(f64)
+    return head, counts
 
 
-def _put_extras(out: torch.Tensor, layout: Layout,
-                extras: Mapping[str, torch.Tensor | float] | None) -> torch.Tensor:
-    names = [name for name, _ in layout.extras]
-    given = dict(extras or {})
-    if sorted(given) != sorted(names):
-        raise ValueError(f"summarize_torch: extras {sorted(given)} do not match the layout's "
-                         f"custom statistics {names}")
-    if not names:
-        return out
-    vals = [v.detach().to(device=out.device, dtype=torch.float64).reshape(())
-            if isinstance(v, torch.Tensor)
-            else torch.full((), float(v), dtype=torch.float64, device=out.device)
-            for v in (given[k] for k in names)]
-    out[layout.extras_start:] = torch.stack(vals)
-    return out
+def finish_head(raw: Any, xp: Any = np) -> Any:
+    """The layout's core fields (``CORE_FIELDS``) from raw heads.
+
+    Arguments:
+        raw: one raw head (:data:`RAW_HEAD` values) or a 2-D array of them, one per row.
+        xp: the array module, ``numpy`` (host) or ``torch`` (device, no sync).
+    """
+    (n, nan_c, inf_c, zero_c, mn, mx, min_abs, s, e, e1, sum_q, p1, p2, p4, p8, m2raw,
+     m_c, m_c2) = (raw[..., i] for i in range(RAW_HEAD))
+    nonfin = nan_c + inf_c
+    nfin = n - nonfin
+    has_fin = nfin > 0
+    mean_q = sum_q / xp.where(has_fin, nfin, 1.0)
+    # sum over finite of (q - mean)^2 = sum over all slots of (q - m_c)^2, less the
+    # non-finite slots (which held 0 and added m_c**2 as rounded on the device, m_c2),
+    # less the offset of m_c from the mean. With non-finite values present the result
+    # carries the rounding of that larger sum: relative error ~1e-7 * nonfin * m_c**2 / m2.
+    m2 = xp.maximum(m2raw - nonfin * m_c2 - nfin * (mean_q - m_c) ** 2, 0.0 * m2raw)
+    p_1, p = 2.0 ** e1, 2.0 ** e
+    scale = xp.where(s > 0, s, 1.0)
+    r1, r = p_1 / scale, p / scale
+    inf = float("inf")
+    # mn/mx were taken with non-finite values replaced by 0: exact unless non-finite
+    # values exist and the finite ones are all > 0 (the min is then min_abs) or all < 0
+    # (the max is then -min_abs), or none is finite.
+    patched = (nonfin > 0) & (zero_c == 0)
+    true_min = xp.where(has_fin, xp.where(patched & (mn >= 0), min_abs, mn), inf)
+    true_max = xp.where(has_fin, xp.where(patched & (mx <= 0), -min_abs, mx), -inf)
+    fields = [n, nan_c, inf_c, zero_c, true_min, true_max, xp.where(has_fin, min_abs, inf), s,
+              xp.where(has_fin, mean_q * p_1, 0.0), m2 * r1 * r1, p1 * r, p2 * r ** 2, p4 * r ** 4,
+              p8 * r ** 8]
+    return xp.stack(fields, -1) if xp is torch else np.stack(fields, axis=-1)

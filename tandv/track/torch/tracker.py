@@ -44,7 +44,7 @@ from ...schema.columns import ACTIVATION, GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...stats.formats import format_name
 from ...stats.summary import MERGE_RULES, Layout
 from ..common import Pattern, Selector, StepRecorder, TensorKey, make_schedule
-from .summary import dtype_name, summarize_torch
+from .summary import RAW_HEAD, dtype_name, finish_head, raw_summary_torch
 
 __all__ = ["Tracker", "track", "StatFn"]
 
@@ -259,7 +259,7 @@ class Tracker:
             extras.update(got)
         lay = self._layout(x, tuple(extras))
         key = TensorKey(name, kind, type(owner).__name__, dtype_name(x.dtype))
-        return key, lay, summarize_torch(x, lay, extras)
+        return key, lay, raw_summary_torch(x, lay, extras)
 
     def _observe(self, name: str, kind: str, owner: nn.Module, x: torch.Tensor) -> None:
         assert self.recorder is not None
@@ -419,7 +419,8 @@ class Tracker:
 
 
 def _to_host(vectors: list[torch.Tensor]) -> list[np.ndarray]:
-    """All of a step's device summaries to the host: one concatenation and one copy per device."""
+    """All of a step's raw device summaries to the host (one concatenation and one copy per
+    device), finished there into layout vectors in one vectorized pass."""
     by_device: dict[torch.device, list[int]] = {}
     for i, v in enumerate(vectors):
         by_device.setdefault(v.device, []).append(i)
@@ -431,6 +432,9 @@ def _to_host(vectors: list[torch.Tensor]) -> list[np.ndarray]:
             size = vectors[i].numel()
             out[i] = host[pos:pos + size]
             pos += size
+    if out:
+        core = finish_head(np.stack([v[:RAW_HEAD] for v in out]), np)
+        out = [np.concatenate([c, v[RAW_HEAD:]]) for c, v in zip(core, out)]
     return out
 
 
