@@ -49,7 +49,6 @@ _NAN_KEY = 2047 * 2 + 1  # quiet NaN
 _SCATTER_ROWS = 4
 
 _fold_cache: dict[tuple[str, str], torch.Tensor] = {}
-_ones_cache: dict[str, torch.Tensor] = {}
 _workspace = threading.local()
 
 
@@ -78,48 +77,56 @@ def _fold_index(fmt: NumberFormat, device: torch.device) -> torch.Tensor:
     return idx
 
 
-def _ones(n: int, device: torch.device) -> torch.Tensor:
-    """A cached int64 ones buffer of at least ``n`` elements on ``device`` (scatter source)."""
-    key = str(device)
-    buf = _ones_cache.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.ones(max(n, 1 << 16), dtype=torch.int64, device=device)
-        _ones_cache[key] = buf
-    return buf[:n]
-
-
-def _scratch(n: int, device: torch.device, dtype: torch.dtype
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reusable scratch buffers of ``n`` elements: two of ``dtype`` (float32 or float64)
-    and one float64.
+class _Scratch:
+    """Reusable buffers and views for summarizing vectors of one length on one device.
 
     Allocating fresh multi-megabyte buffers for every tensor costs more than the
-    arithmetic (page faults), so each thread keeps one growing workspace per device.
-    Reuse is safe: on CPU every op has finished when it returns, and on an accelerator
-    all kernels of one thread's hooks run in stream order."""
+    arithmetic (page faults), and building the same views again costs Python time, so
+    each thread keeps, per device, one growing float64 workspace and, per vector length
+    and compute dtype, the views into it. Reuse is safe: on CPU every op has finished
+    when it returns, and on an accelerator one thread's kernels run in stream order."""
+
+    def __init__(self, base: torch.Tensor, ones: torch.Tensor, n: int, dtype: torch.dtype) -> None:
+        if dtype == torch.float64:
+            self.A, self.B = base[0, :n], base[1, :n]
+            self.A_bits = self.A.view(torch.int64)
+        else:
+            f32 = base[0].view(torch.float32)
+            self.A, self.B = f32[:n], f32[n:2 * n]
+            self.A_bits = self.A.view(torch.int32)
+        self.K = base[2, :n]
+        rows = _SCATTER_ROWS if n % _SCATTER_ROWS == 0 and n >= 1 << 14 else 1
+        self.keys = self.K.view(torch.int64).view(rows, -1)
+        self.ones = ones[:n].view(rows, -1)
+        self.rows = rows
+        self.one = torch.ones((), dtype=dtype, device=base.device)
+
+
+def _scratch(n: int, device: torch.device, dtype: torch.dtype) -> _Scratch:
+    """The thread's :class:`_Scratch` for ``n`` elements of ``dtype`` on ``device``."""
     spaces = getattr(_workspace, "spaces", None)
     if spaces is None:
         spaces = _workspace.spaces = {}
     key = str(device)
-    buf = spaces.get(key)
-    if buf is None or buf.shape[1] < n:
-        buf = torch.empty(3, max(n, 1 << 12), dtype=torch.float64, device=device)
-        spaces[key] = buf
-    if dtype == torch.float64:
-        return buf[0, :n], buf[1, :n], buf[2, :n]
-    f32 = buf[0].view(torch.float32)
-    return f32[:n], f32[n:2 * n], buf[2, :n]
+    space = spaces.get(key)
+    if space is None or space[0].shape[1] < n:
+        size = max(n, 1 << 12)
+        space = (torch.empty(3, size, dtype=torch.float64, device=device),
+                 torch.ones(size, dtype=torch.int64, device=device), {})
+        spaces[key] = space
+    views = space[2].get((n, dtype))
+    if views is None:
+        views = space[2][(n, dtype)] = _Scratch(space[0], space[1], n, dtype)
+    return views
 
 
-def _key_counts(ad: torch.Tensor) -> torch.Tensor:
-    """Counts of the 4096 (exponent, top mantissa bit) keys of the float64 magnitudes
-    ``ad`` (overwritten with the keys)."""
-    n = ad.numel()
-    key = ad.view(torch.int64).bitwise_right_shift_(51)
-    rows = _SCATTER_ROWS if n % _SCATTER_ROWS == 0 and n >= 1 << 14 else 1
-    table = torch.zeros(rows, _NUM_KEYS, dtype=torch.int64, device=ad.device)
-    table.scatter_add_(1, key.view(rows, -1), _ones(n, ad.device).view(rows, -1))
-    return table.sum(0) if rows > 1 else table[0]
+def _key_counts(w: _Scratch) -> torch.Tensor:
+    """Counts of the 4096 (exponent, top mantissa bit) keys of the float64 magnitudes in
+    ``w.K`` (overwritten with the keys)."""
+    keys = w.keys.bitwise_right_shift_(51)
+    table = torch.zeros(w.rows, _NUM_KEYS, dtype=torch.int64, device=keys.device)
+    table.scatter_add_(1, keys, w.ones)
+    return table.sum(0) if w.rows > 1 else table[0]
 
 
 def _exponent_counts_f64(ad: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
@@ -133,7 +140,7 @@ def _exponent_counts_f64(ad: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
     idx = torch.where(over, nb + 1, idx)
     idx = torch.where(nan | (ad == 0), nb + 2, idx)
     out = torch.zeros(nb + 3, dtype=torch.int64, device=ad.device)
-    out.scatter_add_(0, idx, _ones(ad.numel(), ad.device))
+    out.scatter_add_(0, idx, torch.ones_like(idx))
     return out
 
 
@@ -211,7 +218,8 @@ def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.T
     f32, f64 = torch.float32, torch.float64
     native64 = x.dtype == f64
     cd = f64 if native64 else f32
-    A, B, K = _scratch(n, dev, cd)
+    w = _scratch(n, dev, cd)
+    A, B, K = w.A, w.B, w.K
     if x.dtype == cd:
         src = x
     else:
@@ -220,8 +228,7 @@ def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.T
     torch.abs(src, out=A)
     # Smallest finite magnitude: the int view orders non-negative floats by magnitude
     # with inf and NaN above every finite value, so amin needs no masking.
-    ibits = torch.int64 if native64 else torch.int32
-    min_abs = A.view(ibits).amin().reshape(1).view(cd)
+    min_abs = w.A_bits.amin().reshape(1).view(cd)
     if native64:
         bins = _exponent_counts_f64(A, fmt)
         counts = bins[: fmt.num_bins + 2]
@@ -231,7 +238,7 @@ def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.T
         low_e = -1022
     else:
         K.copy_(A)
-        keys = _key_counts(K)
+        keys = _key_counts(w)
         counts = torch.zeros(fmt.num_bins + 3, dtype=torch.int64, device=dev)
         counts.index_add_(0, _fold_index(fmt, dev), keys)
         counts = counts[: fmt.num_bins + 2]
@@ -251,7 +258,7 @@ def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.T
     # every finite value is subnormal.
     e = torch.frexp(s).exponent
     e1 = e.clamp(min=low_e)
-    one = torch.ones((), dtype=cd, device=dev)
+    one = w.one
     q = B.mul_(torch.ldexp(one, -e1))
     torch.abs(q, out=A).mul_(torch.ldexp(one, e1 - e))
     sum_q = q.sum(dtype=f64)
