@@ -100,6 +100,8 @@ class _Scratch:
         self.ones = ones[:n].view(rows, -1)
         self.rows = rows
         self.one = torch.ones((), dtype=dtype, device=base.device)
+        self.numel = torch.full((1,), float(n), dtype=torch.float64, device=base.device)
+        self.special_keys = torch.tensor([_NAN_KEY, _INF_KEY, 0], device=base.device)
 
 
 def _scratch(n: int, device: torch.device, dtype: torch.dtype) -> _Scratch:
@@ -232,9 +234,7 @@ def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.T
     if native64:
         bins = _exponent_counts_f64(A, fmt)
         counts = bins[: fmt.num_bins + 2]
-        nan_c = torch.isnan(A).sum()
-        inf_c = torch.isinf(A).sum()
-        zero_c = (A == 0).sum()
+        special = torch.stack([torch.isnan(A).sum(), torch.isinf(A).sum(), (A == 0).sum()])
         low_e = -1022
     else:
         K.copy_(A)
@@ -248,7 +248,7 @@ def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.T
             over = (A > fmt.max).sum()
             counts[-2] -= over - counts[-1]
             counts[-1] = over
-        nan_c, inf_c, zero_c = keys[_NAN_KEY], keys[_INF_KEY], keys[0]
+        special = keys.index_select(0, w.special_keys)  # NaN, inf and zero counts
         low_e = -126
     torch.nan_to_num(src, 0.0, 0.0, 0.0, out=B)
     mn, mx = torch.aminmax(B)
@@ -267,12 +267,12 @@ def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.T
     p4 = A.square_().sum()
     p8 = A.square_().sum()
     # Centre on the mean rounded to the compute dtype (finish_head corrects for it).
-    m_c = (sum_q / (n - nan_c - inf_c).clamp(min=1)).to(cd)
+    m_c = (sum_q / (n - special[:2].sum()).clamp(min=1)).to(cd)
     m2raw = q.sub_(m_c).square_().sum()
-    head = torch.stack([
-        torch.full((), float(n), dtype=f64, device=dev), nan_c, inf_c, zero_c,
-        mn, mx, min_abs[0], s, e, e1, sum_q, p1, p2, p4, p8, m2raw, m_c, m_c * m_c,
-    ]).to(f64)
+    head = torch.cat([  # one promoting concatenation to float64, in RAW order
+        w.numel, special,
+        torch.stack([mn, mx, min_abs[0], s, p1, p2, p4, p8, m2raw, m_c, m_c * m_c]),
+        torch.stack([e, e1]), sum_q.reshape(1)])
     return head, counts
 
 
@@ -283,8 +283,8 @@ def finish_head(raw: Any, xp: Any = np) -> Any:
         raw: one raw head (:data:`RAW_HEAD` values) or a 2-D array of them, one per row.
         xp: the array module, ``numpy`` (host) or ``torch`` (device, no sync).
     """
-    (n, nan_c, inf_c, zero_c, mn, mx, min_abs, s, e, e1, sum_q, p1, p2, p4, p8, m2raw,
-     m_c, m_c2) = (raw[..., i] for i in range(RAW_HEAD))
+    (n, nan_c, inf_c, zero_c, mn, mx, min_abs, s, p1, p2, p4, p8, m2raw, m_c, m_c2, e, e1,
+     sum_q) = (raw[..., i] for i in range(RAW_HEAD))
     nonfin = nan_c + inf_c
     nfin = n - nonfin
     has_fin = nfin > 0

@@ -181,6 +181,7 @@ class Tracker:
             self._params.append((full, p, owner))
         self._layouts: dict[tuple[str, tuple], Layout] = {}
         self._select_cache: dict[tuple[str, int], bool] = {}
+        self._keys: dict[tuple, TensorKey] = {}
 
         self.step_index = 0
         self.out_path = None
@@ -258,7 +259,10 @@ class Tracker:
                                 f"{type(got).__name__}; it must return a mapping name -> scalar")
             extras.update(got)
         lay = self._layout(x, tuple(extras))
-        key = TensorKey(name, kind, type(owner).__name__, dtype_name(x.dtype))
+        ck = (name, kind, id(owner), x.dtype)
+        key = self._keys.get(ck)
+        if key is None:
+            key = self._keys[ck] = TensorKey(name, kind, type(owner).__name__, dtype_name(x.dtype))
         return key, lay, raw_summary_torch(x, lay, extras)
 
     def _observe(self, name: str, kind: str, owner: nn.Module, x: torch.Tensor) -> None:
