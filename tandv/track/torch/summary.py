@@ -1,28 +1,33 @@
 """``summarize_torch``: the summary vector of a tensor, computed on the tensor's own device.
 
 The result equals :func:`tandv.stats.summarize` (the numpy reference) applied to the
-same values: counts, extrema and exponent counts exactly, moments to float64
-rounding of float64 sums. Nothing here waits for the device (no ``.item()``,
-``.cpu()`` or ``bool(tensor)``), so it can run inside forward and backward hooks.
+same values: counts, extrema and exponent counts exactly, moments to ~1e-6 relative.
+Nothing here waits for the device (no ``.item()``, ``.cpu()`` or ``bool(tensor)``), so
+it can run inside forward and backward hooks.
 
-How the exponent counts are built in one pass
----------------------------------------------
-The tensor is converted to float64 once. Every float32, bfloat16, float16 and float8
-value is a *normal* float64 (its subnormals included), so the biased float64 exponent
-field ``bits >> 52`` is exactly ``floor(log2|x|) + 1023``. We take one more bit,
-``bits >> 51``: the top mantissa bit, which separates ``inf`` (mantissa 0) from NaN
-(the float64 conversion always yields a quiet NaN, top mantissa bit 1). One
-``scatter_add_`` of these 4096 keys into a fixed-size table then gives the zero, NaN,
-inf and per-exponent counts at once; a cached index folds the table into the
-layout's bins (underflow, one per exponent of the format, overflow). Only two
-cases need extra passes: float64 inputs (their subnormals and signalling NaNs do not
-fit the trick; ``torch.frexp`` and ``isnan`` handle them) and a simulated format whose
-largest value is not the top of its binade (``float8_e4m3fn``: 448 < 512), where
-one comparison counts the values above the format's max.
+Exponent counts in one scatter
+------------------------------
+The magnitudes are copied to float64 once. Every float32, bfloat16, float16 and float8
+value is a *normal* float64 (its subnormals included), so the float64 exponent field
+``bits >> 52`` is exactly ``floor(log2|x|) + 1023``. We keep one more bit, ``bits >> 51``:
+the top mantissa bit separates ``inf`` (mantissa 0) from NaN (conversion to float64
+always yields a quiet NaN, top mantissa bit 1). One ``scatter_add_`` of these keys into
+a fixed 4096-entry table (no data-dependent size, so no sync, unlike ``bincount``) gives
+the zero, NaN, inf and per-exponent counts at once; a cached index folds the table into
+the layout's bins. Two cases need more: float64 inputs (their subnormals and signalling
+NaNs do not fit the trick; ``torch.frexp`` and ``isnan`` handle them) and a simulated
+format whose max is not the top of its binade (``float8_e4m3fn``: 448 < 512), where one
+comparison counts the values above the max.
 
-Moments are scaled by the largest finite magnitude, as the layout documents, and
-accumulated in float64; non-finite elements are replaced by 0 (neutral for the power
-sums) and the extrema are repaired on the device from counts that are already known.
+Moments
+-------
+Elementwise passes run in float32 in reusable scratch buffers, non-finite values
+replaced by 0 (neutral for the power sums). Values are scaled by a power of two
+``2**e >= max|x|`` (exact) so that no power overflows, squared repeatedly for the 2nd,
+4th and 8th powers, and summed with float32 cascade sums (the plain sum for the mean in
+float64). The second moment is centred on the mean. The device produces a *raw* head
+(:func:`raw_summary_torch`) that :func:`finish_head` turns into the layout's fields;
+the tracker finishes all of a step's heads on the host after its single transfer.
 """
 
 from __future__ import annotations
@@ -31,15 +36,13 @@ import threading
 from typing import Any, Mapping
 
 import numpy as np
-
 import torch
 
-from ...stats.formats import NumberFormat, format_name
-from ...stats.summary import CORE_FIELDS, Layout
+from ...stats.formats import NumberFormat
+from ...stats.summary import Layout
 
 __all__ = ["summarize_torch", "raw_summary_torch", "finish_head", "RAW_HEAD", "dtype_name"]
 
-_I = {name: i for i, name in enumerate(CORE_FIELDS)}
 _F64_BIAS = 1023
 _NUM_KEYS = 4096  # (biased float64 exponent, top mantissa bit)
 _INF_KEY = 2047 * 2  # exponent field all ones, top mantissa bit 0: +-inf

@@ -51,13 +51,11 @@ __all__ = ["Tracker", "track", "StatFn"]
 #: A custom statistic: a function of a tensor returning named 0-dim tensors (or numbers).
 StatFn = Callable[[torch.Tensor], Mapping[str, Any]]
 
-_KINDS = (ACTIVATION, GRADIENT, WEIGHT, OPTIMISER_STATE)
-
 
 def _check_not_compiled(module: nn.Module) -> None:
     """Refuse compiled modules: their hooks are traced away or cause graph breaks."""
-    dynamo_cls = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    opt_cls = getattr(dynamo_cls, "OptimizedModule", None)
+    # Only look if dynamo was imported (importing it just to check would cost seconds).
+    opt_cls = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     if opt_cls is not None and isinstance(module, opt_cls):
         raise TypeError(
             "track(module=...): got a torch.compile'd module (OptimizedModule). Hooks do not "
@@ -168,8 +166,9 @@ class Tracker:
         self._modules: list[tuple[str, nn.Module]] = []
         self._param_names: dict[int, tuple[str, nn.Module]] = {}
         for mpath, m in module.named_modules():
-            name = mpath or root_name
-            self._modules.append((name, m))
+            # containers without a forward (ModuleList, ModuleDict) never produce outputs
+            if type(m).forward is not nn.Module.forward:
+                self._modules.append((mpath or root_name, m))
         for mpath, m in module.named_modules():
             for pname, p in m.named_parameters(recurse=False):
                 if id(p) not in self._param_names:
@@ -182,6 +181,7 @@ class Tracker:
         self._layouts: dict[tuple[str, tuple], Layout] = {}
         self._select_cache: dict[tuple[str, int], bool] = {}
         self._keys: dict[tuple, TensorKey] = {}
+        self._last: tuple[torch.Tensor, int, Layout, torch.Tensor] | None = None
 
         self.step_index = 0
         self.out_path = None
@@ -250,20 +250,28 @@ class Tracker:
 
     def _summary(self, name: str, kind: str, owner: nn.Module, x: torch.Tensor
                  ) -> tuple[TensorKey, Layout, torch.Tensor]:
-        x = x.detach()
-        extras: dict[str, Any] = {}
-        for fn in self.stat_fns:
-            got = fn(x)
-            if not isinstance(got, MappingABC):
-                raise TypeError(f"custom statistic {getattr(fn, '__name__', fn)!r} returned "
-                                f"{type(got).__name__}; it must return a mapping name -> scalar")
-            extras.update(got)
-        lay = self._layout(x, tuple(extras))
         ck = (name, kind, id(owner), x.dtype)
         key = self._keys.get(ck)
         if key is None:
             key = self._keys[ck] = TensorKey(name, kind, type(owner).__name__, dtype_name(x.dtype))
-        return key, lay, raw_summary_torch(x, lay, extras)
+        last = self._last
+        if last is not None and last[0] is x and last[1] == x._version:
+            # The same tensor again, unchanged: a container returning its last child's
+            # output (``mlp`` and ``mlp.fc2``, the root and its head) or the gradient both
+            # receive. Reuse its summary instead of reducing it twice.
+            return key, last[2], last[3]
+        d = x.detach()
+        extras: dict[str, Any] = {}
+        for fn in self.stat_fns:
+            got = fn(d)
+            if not isinstance(got, MappingABC):
+                raise TypeError(f"custom statistic {getattr(fn, '__name__', fn)!r} returned "
+                                f"{type(got).__name__}; it must return a mapping name -> scalar")
+            extras.update(got)
+        lay = self._layout(d, tuple(extras))
+        raw = raw_summary_torch(d, lay, extras)
+        self._last = (x, x._version, lay, raw)  # held until the next observation or step end
+        return key, lay, raw
 
     def _observe(self, name: str, kind: str, owner: nn.Module, x: torch.Tensor) -> None:
         assert self.recorder is not None
@@ -372,6 +380,7 @@ class Tracker:
         self._active = bool(self.schedule(step))
         self._weights_done = False
         self._grads = {}
+        self._last = None
 
     def step(self) -> None:
         """End the current training step (call it after the optimizer update).
@@ -407,6 +416,7 @@ class Tracker:
             return
         self._closed = True
         self._active = False
+        self._last = None
         self._remove()
         if self.recorder is not None:
             self.recorder.discard()
