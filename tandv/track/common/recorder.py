@@ -75,12 +75,17 @@ def build_rows(step: int, entries: Sequence[tuple[TensorKey, Layout, np.ndarray]
         col = [st.get(s, np.nan) for st, _ in finals]
         data[(SCALAR_STATS, s)] = np.asarray(col, dtype=np.int64 if s in COUNT_STATS else np.float64)
     labels: dict[Any, int] = {}
+    format_labels: dict[Any, list] = {}  # each distinct format's labels, computed once
     for _, layout, _ in entries:
-        for lab in exponent_labels(layout.format):
-            labels.setdefault(lab, len(labels))
+        if layout.format not in format_labels:
+            format_labels[layout.format] = exponent_labels(layout.format)
+            for lab in format_labels[layout.format]:
+                labels.setdefault(lab, len(labels))
+    positions = {f: np.array([labels[lab] for lab in labs], dtype=np.intp)
+                 for f, labs in format_labels.items()}
     counts = np.zeros((n, len(labels)), dtype=np.int64)
     for i, ((_, layout, _), (_, c)) in enumerate(zip(entries, finals)):
-        counts[i, [labels[lab] for lab in exponent_labels(layout.format)]] = c
+        counts[i, positions[layout.format]] = c
     for lab in [UNDERFLOW, *sorted(l for l in labels if l not in (UNDERFLOW, OVERFLOW)), OVERFLOW]:
         data[(EXPONENT_COUNTS, lab)] = counts[:, labels[lab]] if lab in labels else np.zeros(n, np.int64)
     df = pd.DataFrame(data)

@@ -1,0 +1,1 @@
+"""Runnable demos: ``tandv demo`` trains a small transformer and tracks it."""

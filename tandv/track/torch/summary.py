@@ -1,0 +1,313 @@
+"""``summarize_torch``: the summary vector of a tensor, computed on the tensor's own device.
+
+The result equals :func:`tandv.stats.summarize` (the numpy reference) applied to the
+same values: counts, extrema and exponent counts exactly, moments to ~1e-6 relative.
+Nothing here waits for the device (no ``.item()``, ``.cpu()`` or ``bool(tensor)``), so
+it can run inside forward and backward hooks.
+
+Exponent counts in one scatter
+------------------------------
+The magnitudes are copied to float64 once. Every float32, bfloat16, float16 and float8
+value is a *normal* float64 (its subnormals included), so the float64 exponent field
+``bits >> 52`` is exactly ``floor(log2|x|) + 1023``. We keep one more bit, ``bits >> 51``:
+the top mantissa bit separates ``inf`` (mantissa 0) from NaN (conversion to float64
+always yields a quiet NaN, top mantissa bit 1). One ``scatter_add_`` of these keys into
+a fixed 4096-entry table (no data-dependent size, so no sync, unlike ``bincount``) gives
+the zero, NaN, inf and per-exponent counts at once; a cached index folds the table into
+the layout's bins. Two cases need more: float64 inputs (their subnormals and signalling
+NaNs do not fit the trick; ``torch.frexp`` and ``isnan`` handle them) and a simulated
+format whose max is not the top of its binade (``float8_e4m3fn``: 448 < 512), where one
+comparison counts the values above the max.
+
+Moments
+-------
+Elementwise passes run in float32 in reusable scratch buffers, non-finite values
+replaced by 0 (neutral for the power sums). Values are scaled by a power of two
+``2**e >= max|x|`` (exact) so that no power overflows, squared repeatedly for the 2nd,
+4th and 8th powers, and summed with float32 cascade sums (the plain sum for the mean in
+float64). The second moment is centred on the mean. The device produces a *raw* head
+(:func:`raw_summary_torch`) that :func:`finish_head` turns into the layout's fields;
+the tracker finishes all of a step's heads on the host after its single transfer.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ...stats.formats import NumberFormat
+from ...stats.summary import Layout
+
+__all__ = ["summarize_torch", "raw_summary_torch", "finish_head", "RAW_HEAD", "dtype_name"]
+
+_F64_BIAS = 1023
+_NUM_KEYS = 4096  # (biased float64 exponent, top mantissa bit)
+_INF_KEY = 2047 * 2  # exponent field all ones, top mantissa bit 0: +-inf
+_NAN_KEY = 2047 * 2 + 1  # quiet NaN
+#: Rows of the scatter table: the key tensor is split into this many rows so that
+#: scatter_add_ runs in parallel on CPU (one row per thread), then the rows are summed.
+_SCATTER_ROWS = 4
+
+_fold_cache: dict[tuple[str, str], torch.Tensor] = {}
+_workspace = threading.local()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The log's name of a torch floating dtype: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _fold_index(fmt: NumberFormat, device: torch.device) -> torch.Tensor:
+    """Index mapping each of the 4096 keys to a layout count bin (``num_bins + 2`` is a
+    discard bin for zeros and NaN)."""
+    ck = (fmt.name, str(device))
+    idx = _fold_cache.get(ck)
+    if idx is None:
+        nb = fmt.num_bins
+        discard = nb + 2
+        biased = torch.arange(_NUM_KEYS) // 2
+        exp = biased - _F64_BIAS
+        idx = torch.where(exp < fmt.min_exponent, 0, exp - fmt.min_exponent + 1)
+        idx = idx.clamp(max=nb + 1)  # above max_exponent: overflow
+        idx[0:2] = discard  # biased exponent 0: zeros (no float64 subnormals arise here)
+        idx[_INF_KEY] = nb + 1
+        idx[_NAN_KEY] = discard
+        idx = idx.to(device)
+        _fold_cache[ck] = idx
+    return idx
+
+
+class _Scratch:
+    """Reusable buffers and views for summarizing vectors of one length on one device.
+
+    Allocating fresh multi-megabyte buffers for every tensor costs more than the
+    arithmetic (page faults), and building the same views again costs Python time, so
+    each thread keeps, per device, one growing float64 workspace and, per vector length
+    and compute dtype, the views into it. Reuse is safe: on CPU every op has finished
+    when it returns, and on an accelerator one thread's kernels run in stream order."""
+
+    def __init__(self, base: torch.Tensor, ones: torch.Tensor, n: int, dtype: torch.dtype) -> None:
+        if dtype == torch.float64:
+            self.A, self.B = base[0, :n], base[1, :n]
+            self.A_bits = self.A.view(torch.int64)
+        else:
+            f32 = base[0].view(torch.float32)
+            self.A, self.B = f32[:n], f32[n:2 * n]
+            self.A_bits = self.A.view(torch.int32)
+        self.K = base[2, :n]
+        rows = _SCATTER_ROWS if n % _SCATTER_ROWS == 0 and n >= 1 << 14 else 1
+        self.keys = self.K.view(torch.int64).view(rows, -1)
+        self.ones = ones[:n].view(rows, -1)
+        self.rows = rows
+        self.one = torch.ones((), dtype=dtype, device=base.device)
+        self.numel = torch.full((1,), float(n), dtype=torch.float64, device=base.device)
+        self.special_keys = torch.tensor([_NAN_KEY, _INF_KEY, 0], device=base.device)
+
+
+def _scratch(n: int, device: torch.device, dtype: torch.dtype) -> _Scratch:
+    """The thread's :class:`_Scratch` for ``n`` elements of ``dtype`` on ``device``."""
+    spaces = getattr(_workspace, "spaces", None)
+    if spaces is None:
+        spaces = _workspace.spaces = {}
+    key = str(device)
+    space = spaces.get(key)
+    if space is None or space[0].shape[1] < n:
+        size = max(n, 1 << 12)
+        space = (torch.empty(3, size, dtype=torch.float64, device=device),
+                 torch.ones(size, dtype=torch.int64, device=device), {})
+        spaces[key] = space
+    views = space[2].get((n, dtype))
+    if views is None:
+        views = space[2][(n, dtype)] = _Scratch(space[0], space[1], n, dtype)
+    return views
+
+
+def _key_counts(w: _Scratch) -> torch.Tensor:
+    """Counts of the 4096 (exponent, top mantissa bit) keys of the float64 magnitudes in
+    ``w.K`` (overwritten with the keys)."""
+    keys = w.keys.bitwise_right_shift_(51)
+    table = torch.zeros(w.rows, _NUM_KEYS, dtype=torch.int64, device=keys.device)
+    table.scatter_add_(1, keys, w.ones)
+    return table.sum(0) if w.rows > 1 else table[0]
+
+
+def _exponent_counts_f64(ad: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+    """Layout count bins of float64 magnitudes that may hold float64 subnormals or
+    signalling NaNs (float64 inputs): exact via ``torch.frexp``."""
+    nb = fmt.num_bins
+    nan = torch.isnan(ad)
+    over = ad > fmt.max  # includes inf
+    exp = torch.frexp(ad).exponent.to(torch.int64) - 1
+    idx = torch.where(exp < fmt.min_exponent, 0, exp - fmt.min_exponent + 1).clamp_(max=nb + 1)
+    idx = torch.where(over, nb + 1, idx)
+    idx = torch.where(nan | (ad == 0), nb + 2, idx)
+    out = torch.zeros(nb + 3, dtype=torch.int64, device=ad.device)
+    out.scatter_add_(0, idx, torch.ones_like(idx))
+    return out
+
+
+#: Length of the raw head of a device summary (see :func:`raw_summary_torch`).
+RAW_HEAD = 18
+
+
+def summarize_torch(
+    x: torch.Tensor,
+    layout: Layout,
+    extras: Mapping[str, torch.Tensor | float] | None = None,
+) -> torch.Tensor:
+    """The float64 summary vector of ``x`` in ``layout``, on ``x``'s device.
+
+    Arguments:
+        x: a floating-point tensor of any shape, dtype and device (not modified).
+        layout: the summary layout; ``layout.format`` decides the exponent bins and what
+            counts as underflow/overflow, ``layout.extras`` the custom statistics.
+        extras: the custom statistics' values for ``x``, one per ``layout.extras`` name
+            (0-dim tensors or numbers), in any order.
+
+    Returns:
+        A 1-D float64 tensor of ``layout.size`` elements on ``x.device``.
+
+    Raises:
+        TypeError: if ``x`` is not a floating-point tensor.
+        ValueError: if ``extras`` does not match ``layout.extras``.
+    """
+    raw = raw_summary_torch(x, layout, extras)
+    return torch.cat([finish_head(raw[:RAW_HEAD], torch), raw[RAW_HEAD:]])
+
+
+def raw_summary_torch(
+    x: torch.Tensor,
+    layout: Layout,
+    extras: Mapping[str, torch.Tensor | float] | None = None,
+) -> torch.Tensor:
+    """Like :func:`summarize_torch`, but the first :data:`RAW_HEAD` entries are raw
+    partial results that :func:`finish_head` turns into the layout's core fields.
+
+    The tracker keeps these raw vectors on the device and finishes a whole step's worth
+    of them at once on the host, after the single transfer, which saves about twenty
+    tiny device operations per tensor. The exponent counts and extras are final."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        what = type(x).__name__ if not isinstance(x, torch.Tensor) else f"tensor of {x.dtype}"
+        raise TypeError(f"summarize_torch: expected a floating-point tensor; got {what}")
+    names = [name for name, _ in layout.extras]
+    given = dict(extras or {})
+    if sorted(given) != sorted(names):
+        raise ValueError(f"summarize_torch: extras {sorted(given)} do not match the layout's "
+                         f"custom statistics {names}")
+    dev = x.device
+    f64 = torch.float64
+    if x.numel() == 0:
+        head = torch.zeros(RAW_HEAD, dtype=f64, device=dev)
+        counts = torch.zeros(layout.num_counts, dtype=f64, device=dev)
+    else:
+        head, counts = _raw_core(x.detach().reshape(-1), layout.format)
+    parts = [head, counts.to(f64)]
+    if names:
+        parts.append(torch.stack([
+            given[k].detach().to(device=dev, dtype=f64).reshape(()) if isinstance(given[k], torch.Tensor)
+            else torch.full((), float(given[k]), dtype=f64, device=dev) for k in names]))
+    return torch.cat(parts)
+
+
+def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw head and layout counts of a non-empty 1-D floating vector.
+
+    Elementwise passes run in float32 (float64 for float64 inputs) in reusable scratch
+    buffers; sums are float32 cascade sums (relative error ~1e-7) except the plain sum
+    for the mean, which accumulates in float64."""
+    dev = x.device
+    n = x.numel()
+    f32, f64 = torch.float32, torch.float64
+    native64 = x.dtype == f64
+    cd = f64 if native64 else f32
+    w = _scratch(n, dev, cd)
+    A, B, K = w.A, w.B, w.K
+    if x.dtype == cd:
+        src = x
+    else:
+        B.copy_(x)
+        src = B
+    torch.abs(src, out=A)
+    # Smallest finite magnitude: the int view orders non-negative floats by magnitude
+    # with inf and NaN above every finite value, so amin needs no masking.
+    min_abs = w.A_bits.amin().reshape(1).view(cd)
+    if native64:
+        bins = _exponent_counts_f64(A, fmt)
+        counts = bins[: fmt.num_bins + 2]
+        special = torch.stack([torch.isnan(A).sum(), torch.isinf(A).sum(), (A == 0).sum()])
+        low_e = -1022
+    else:
+        K.copy_(A)
+        keys = _key_counts(w)
+        counts = torch.zeros(fmt.num_bins + 3, dtype=torch.int64, device=dev)
+        counts.index_add_(0, _fold_index(fmt, dev), keys)
+        counts = counts[: fmt.num_bins + 2]
+        if fmt.name != dtype_name(x.dtype) and fmt.max < 2.0 ** (fmt.max_exponent + 1):
+            # Simulated format whose max lies inside its top binade (float8_e4m3fn: 448 <
+            # 512): values above the max were counted in the top exponent; move them.
+            over = (A > fmt.max).sum()
+            counts[-2] -= over - counts[-1]
+            counts[-1] = over
+        special = keys.index_select(0, w.special_keys)  # NaN, inf and zero counts
+        low_e = -126
+    torch.nan_to_num(src, 0.0, 0.0, 0.0, out=B)
+    mn, mx = torch.aminmax(B)
+    s = torch.maximum(-mn, mx)
+    # Scale by powers of two (exact): q = x / 2**e1 with 2**-e1 finite in the compute
+    # dtype, and magnitudes further to |x| / 2**e <= 1, where s < 2**e. e1 == e unless
+    # every finite value is subnormal.
+    e = torch.frexp(s).exponent
+    e1 = e.clamp(min=low_e)
+    one = w.one
+    q = B.mul_(torch.ldexp(one, -e1))
+    torch.abs(q, out=A).mul_(torch.ldexp(one, e1 - e))
+    sum_q = q.sum(dtype=f64)
+    p1 = A.sum()
+    p2 = A.square_().sum()
+    p4 = A.square_().sum()
+    p8 = A.square_().sum()
+    # Centre on the mean rounded to the compute dtype (finish_head corrects for it).
+    m_c = (sum_q / (n - special[:2].sum()).clamp(min=1)).to(cd)
+    m2raw = q.sub_(m_c).square_().sum()
+    head = torch.cat([  # one promoting concatenation to float64, in RAW order
+        w.numel, special,
+        torch.stack([mn, mx, min_abs[0], s, p1, p2, p4, p8, m2raw, m_c, m_c * m_c]),
+        torch.stack([e, e1]), sum_q.reshape(1)])
+    return head, counts
+
+
+def finish_head(raw: Any, xp: Any = np) -> Any:
+    """The layout's core fields (``CORE_FIELDS``) from raw heads.
+
+    Arguments:
+        raw: one raw head (:data:`RAW_HEAD` values) or a 2-D array of them, one per row.
+        xp: the array module, ``numpy`` (host) or ``torch`` (device, no sync).
+    """
+    (n, nan_c, inf_c, zero_c, mn, mx, min_abs, s, p1, p2, p4, p8, m2raw, m_c, m_c2, e, e1,
+     sum_q) = (raw[..., i] for i in range(RAW_HEAD))
+    nonfin = nan_c + inf_c
+    nfin = n - nonfin
+    has_fin = nfin > 0
+    mean_q = sum_q / xp.where(has_fin, nfin, 1.0)
+    # sum over finite of (q - mean)^2 = sum over all slots of (q - m_c)^2, less the
+    # non-finite slots (which held 0 and added m_c**2 as rounded on the device, m_c2),
+    # less the offset of m_c from the mean. With non-finite values present the result
+    # carries the rounding of that larger sum: relative error ~1e-7 * nonfin * m_c**2 / m2.
+    m2 = xp.maximum(m2raw - nonfin * m_c2 - nfin * (mean_q - m_c) ** 2, 0.0 * m2raw)
+    p_1, p = 2.0 ** e1, 2.0 ** e
+    scale = xp.where(s > 0, s, 1.0)
+    r1, r = p_1 / scale, p / scale
+    inf = float("inf")
+    # mn/mx were taken with non-finite values replaced by 0: exact unless non-finite
+    # values exist and the finite ones are all > 0 (the min is then min_abs) or all < 0
+    # (the max is then -min_abs), or none is finite.
+    patched = (nonfin > 0) & (zero_c == 0)
+    true_min = xp.where(has_fin, xp.where(patched & (mn >= 0), min_abs, mn), inf)
+    true_max = xp.where(has_fin, xp.where(patched & (mx <= 0), -min_abs, mx), -inf)
+    fields = [n, nan_c, inf_c, zero_c, true_min, true_max, xp.where(has_fin, min_abs, inf), s,
+              xp.where(has_fin, mean_q * p_1, 0.0), m2 * r1 * r1, p1 * r, p2 * r ** 2, p4 * r ** 4,
+              p8 * r ** 8]
+    return xp.stack(fields, -1) if xp is torch else np.stack(fields, axis=-1)

@@ -1,0 +1,492 @@
+"""The PyTorch tracker: hooks that summarize activations, gradients, weights and
+optimizer state on the device, and a step boundary that moves them to the host once.
+
+What a row at step ``k`` (counting from 0) holds:
+
+``Activation``
+    the output of each selected module in step ``k``'s training-mode forward passes,
+    named by module path (the root module is named ``root_name``, default ``"root"``).
+    Structured outputs are flattened: a tuple/list element ``i`` is ``<path>[i]``, a
+    dict/dataclass entry ``key`` is ``<path>[key]`` (nested: ``<path>[0][logits]``).
+``Gradient``
+    the gradient w.r.t. each selected module's output (same names as the
+    activations), from tensor hooks registered on the outputs; and each parameter's
+    ``.grad`` (full parameter path, ``layers.0.attention.wq.weight``) as the optimizer
+    sees it just before update ``k`` (after all backward passes of the step, after any
+    clipping or unscaling); with no optimizer, ``.grad`` at :meth:`Tracker.step`.
+``Weight``
+    each parameter as used by step ``k``'s forward pass: captured in a forward
+    pre-hook of the root module at the first training-mode forward of the step.
+``Optimiser_State``
+    every non-scalar floating tensor in ``optimizer.state[p]`` after update ``k``,
+    named ``<parameter path>.<state key>`` from the parameter's identity.
+
+Several forward/backward passes in one step (gradient accumulation) give several
+observations of a tensor; the recorder merges them into one row per tensor and step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import weakref
+from collections.abc import Mapping as MappingABC
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from ...schema.columns import ACTIVATION, GRADIENT, OPTIMISER_STATE, WEIGHT
+from ...stats.formats import format_name
+from ...stats.summary import MERGE_RULES, Layout
+from ..common import Pattern, Selector, StepRecorder, TensorKey, make_schedule
+from .summary import RAW_HEAD, dtype_name, finish_head, raw_summary_torch
+
+__all__ = ["Tracker", "track", "StatFn"]
+
+#: A custom statistic: a function of a tensor returning named 0-dim tensors (or numbers).
+StatFn = Callable[[torch.Tensor], Mapping[str, Any]]
+
+
+def _check_not_compiled(module: nn.Module) -> None:
+    """Refuse compiled modules: their hooks are traced away or cause graph breaks."""
+    # Only look if dynamo was imported (importing it just to check would cost seconds).
+    opt_cls = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    if opt_cls is not None and isinstance(module, opt_cls):
+        raise TypeError(
+            "track(module=...): got a torch.compile'd module (OptimizedModule). Hooks do not "
+            "run reliably inside compiled graphs, so tandv cannot track it. Pass the original "
+            "module (`compiled._orig_mod`, or track before calling torch.compile) and train it "
+            "uncompiled while tracking."
+        )
+    for name, m in module.named_modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            where = f"submodule {name!r}" if name else "the module"
+            raise TypeError(
+                f"track(module=...): {where} was compiled in place with .compile(). Hooks do not "
+                f"run reliably inside compiled graphs; track an uncompiled module."
+            )
+
+
+def _flatten(value: Any, name: str, out: list[tuple[str, torch.Tensor]], depth: int = 0) -> None:
+    """Collect the floating tensors inside a (possibly nested) module output with their names."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            out.append((name, value))
+        return
+    if depth > 8:
+        return
+    if isinstance(value, MappingABC):
+        for k, v in value.items():
+            _flatten(v, f"{name}[{k}]", out, depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _flatten(getattr(value, f.name), f"{name}[{f.name}]", out, depth + 1)
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            _flatten(v, f"{name}[{i}]", out, depth + 1)
+
+
+class Tracker:
+    """Tracks one module (and optionally its optimizers) during training.
+
+    Create it with :func:`track` (same arguments) and use it as a context manager;
+    call :meth:`step` once per training step, after the optimizer update. See
+    :func:`track` for the arguments.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        *,
+        track_activations: bool = True,
+        track_gradients: bool = True,
+        track_weights: bool = True,
+        track_optimizer: bool = True,
+        include: Pattern | Sequence[Pattern] | None = None,
+        exclude: Pattern | Sequence[Pattern] | None = None,
+        every: int = 1,
+        schedule: Callable[[int], bool] | str | Iterable[int] | None = None,
+        start: int = 0,
+        end: int | None = None,
+        stats: StatFn | Sequence[StatFn] | None = None,
+        stats_merge: Mapping[str, str] | None = None,
+        number_format: Any = None,
+        out: str | os.PathLike | None = None,
+        out_format: str = "parquet",
+        run_name: str | None = None,
+        root_name: str = "root",
+        track_eval: bool = False,
+        flush_every: int = 10,
+        verbose: bool = True,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"track(module=...): expected a torch.nn.Module; got {type(module).__name__}")
+        _check_not_compiled(module)
+        if optimizer is None:
+            optimizers: tuple[torch.optim.Optimizer, ...] = ()
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            optimizers = (optimizer,)
+        else:
+            optimizers = tuple(optimizer)
+            bad = [o for o in optimizers if not isinstance(o, torch.optim.Optimizer)]
+            if bad:
+                raise TypeError(f"track(optimizer=...): expected a torch.optim.Optimizer or a sequence "
+                                f"of them; got {type(bad[0]).__name__}")
+        if not isinstance(root_name, str) or not root_name:
+            raise ValueError(f"root_name={root_name!r}: expected a non-empty string")
+        if out_format not in ("parquet", "pickle"):
+            raise ValueError(f"out_format={out_format!r}: expected 'parquet' or 'pickle'")
+        self.module = module
+        self.optimizers = optimizers
+        self.kinds = {ACTIVATION: track_activations, GRADIENT: track_gradients,
+                      WEIGHT: track_weights, OPTIMISER_STATE: track_optimizer}
+        self.selector = Selector.build(include, exclude)
+        self.schedule = make_schedule(every, schedule, start, end)
+        self.format = None if number_format is None else format_name(number_format)
+        self.stat_fns = self._check_stats(stats)
+        self.stats_merge = dict(stats_merge or {})
+        for k, rule in self.stats_merge.items():
+            if rule not in MERGE_RULES:
+                raise ValueError(f"stats_merge[{k!r}]={rule!r}: expected one of {MERGE_RULES}")
+        self.root_name = root_name
+        self.track_eval = bool(track_eval)
+        self._out = out
+        self._out_format = out_format
+        self._run_name = run_name or re.sub(r"[^A-Za-z0-9_.-]+", "_", type(module).__name__.lower())
+        self._flush_every = flush_every
+        self._verbose = verbose
+
+        # Names from identity: module path -> module, parameter object -> full path.
+        self._modules: list[tuple[str, nn.Module]] = []
+        self._param_names: dict[int, tuple[str, nn.Module]] = {}
+        for mpath, m in module.named_modules():
+            # containers without a forward (ModuleList, ModuleDict) never produce outputs
+            if type(m).forward is not nn.Module.forward:
+                self._modules.append((mpath or root_name, m))
+        for mpath, m in module.named_modules():
+            for pname, p in m.named_parameters(recurse=False):
+                if id(p) not in self._param_names:
+                    full = f"{mpath}.{pname}" if mpath else pname
+                    self._param_names[id(p)] = (full, m)
+        self._params: list[tuple[str, nn.Parameter, nn.Module]] = []
+        for full, p in module.named_parameters():
+            owner = self._param_names[id(p)][1]
+            self._params.append((full, p, owner))
+        self._layouts: dict[tuple[str, tuple], Layout] = {}
+        self._select_cache: dict[tuple[str, int], bool] = {}
+        self._keys: dict[tuple, TensorKey] = {}
+        self._last: tuple[torch.Tensor, int, Layout, torch.Tensor] | None = None
+
+        self.step_index = 0
+        self.out_path = None
+        self.recorder: StepRecorder | None = None
+        self._handles: list[Any] = []
+        self._active = False
+        self._weights_done = False
+        self._grads: dict[str, tuple[TensorKey, Layout, torch.Tensor]] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ options
+
+    @staticmethod
+    def _check_stats(stats: StatFn | Sequence[StatFn] | None) -> tuple[StatFn, ...]:
+        if stats is None:
+            return ()
+        fns = (stats,) if callable(stats) else tuple(stats)
+        for f in fns:
+            if not callable(f):
+                raise TypeError(f"track(stats=...): expected functions tensor -> {{name: scalar}}; got {f!r}")
+        return fns
+
+    def _selected(self, name: str, owner: nn.Module) -> bool:
+        key = (name, id(owner))
+        hit = self._select_cache.get(key)
+        if hit is None:
+            hit = self._select_cache[key] = self.selector(name, type(owner).__mro__)
+        return hit
+
+    # ------------------------------------------------------------------ dry run
+
+    def plan(self) -> pd.DataFrame:
+        """What would be tracked, without training: one row per (name, tensor_type, type).
+
+        Activations and output gradients are listed by module path; a module whose output
+        is a tuple/dict gets one row per floating tensor inside (``path[i]``/``path[key]``)
+        once it runs, which a dry run cannot know. Optimizer state is listed for the state
+        that exists now (most optimizers create it lazily at their first step)."""
+        rows = []
+        for name, m in self._modules:
+            if self._selected(name, m):
+                for kind in (ACTIVATION, GRADIENT):
+                    if self.kinds[kind]:
+                        rows.append((name, kind, type(m).__name__))
+        for full, p, owner in self._params:
+            if self._selected(full, owner):
+                for kind in (WEIGHT, GRADIENT):
+                    if self.kinds[kind] and (kind == WEIGHT or p.requires_grad):
+                        rows.append((full, kind, type(owner).__name__))
+        if self.kinds[OPTIMISER_STATE]:
+            for name, value, owner in self._optimizer_state():
+                if self._selected(name, owner):
+                    rows.append((name, OPTIMISER_STATE, type(owner).__name__))
+        return pd.DataFrame(rows, columns=["name", "tensor_type", "type"])
+
+    # ------------------------------------------------------------------ observing
+
+    def _layout(self, x: torch.Tensor, extra_names: tuple[str, ...]) -> Layout:
+        fmt = self.format or dtype_name(x.dtype)
+        key = (fmt, extra_names)
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = Layout(
+                fmt, tuple((n, self.stats_merge.get(n, "mean")) for n in extra_names))
+        return lay
+
+    def _summary(self, name: str, kind: str, owner: nn.Module, x: torch.Tensor
+                 ) -> tuple[TensorKey, Layout, torch.Tensor]:
+        ck = (name, kind, id(owner), x.dtype)
+        key = self._keys.get(ck)
+        if key is None:
+            key = self._keys[ck] = TensorKey(name, kind, type(owner).__name__, dtype_name(x.dtype))
+        last = self._last
+        if last is not None and last[0] is x and last[1] == x._version:
+            # The same tensor again, unchanged: a container returning its last child's
+            # output (``mlp`` and ``mlp.fc2``, the root and its head) or the gradient both
+            # receive. Reuse its summary instead of reducing it twice.
+            return key, last[2], last[3]
+        d = x.detach()
+        extras: dict[str, Any] = {}
+        for fn in self.stat_fns:
+            got = fn(d)
+            if not isinstance(got, MappingABC):
+                raise TypeError(f"custom statistic {getattr(fn, '__name__', fn)!r} returned "
+                                f"{type(got).__name__}; it must return a mapping name -> scalar")
+            extras.update(got)
+        lay = self._layout(d, tuple(extras))
+        raw = raw_summary_torch(d, lay, extras)
+        self._last = (x, x._version, lay, raw)  # held until the next observation or step end
+        return key, lay, raw
+
+    def _observe(self, name: str, kind: str, owner: nn.Module, x: torch.Tensor) -> None:
+        assert self.recorder is not None
+        self.recorder.add(*self._summary(name, kind, owner, x))
+
+    def _capture_weights(self) -> None:
+        self._weights_done = True
+        if not self.kinds[WEIGHT]:
+            return
+        for full, p, owner in self._params:
+            if p.is_floating_point() and self._selected(full, owner):
+                self._observe(full, WEIGHT, owner, p)
+
+    def _capture_grads(self) -> None:
+        """Summarize each selected parameter's current ``.grad`` (overwrites earlier captures
+        of this step: the last optimizer to look at a gradient defines it)."""
+        for full, p, owner in self._params:
+            g = p.grad
+            if g is not None and g.is_floating_point() and self._selected(full, owner):
+                self._grads[full] = self._summary(full, GRADIENT, owner, g)
+
+    def _optimizer_state(self) -> Iterator[tuple[str, torch.Tensor, nn.Module]]:
+        for oi, opt in enumerate(self.optimizers):
+            for gi, group in enumerate(opt.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    state = opt.state.get(p)
+                    if not state:
+                        continue
+                    known = self._param_names.get(id(p))
+                    if known is None:
+                        base, owner = f"optimizer{oi}.param_groups.{gi}.{pi}", self.module
+                    else:
+                        base, owner = known
+                    for k, v in state.items():
+                        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0:
+                            yield f"{base}.{k}", v, owner
+
+    # ------------------------------------------------------------------ hooks
+
+    def _make_forward_hook(self, name: str, module: nn.Module) -> Callable:
+        want_act = self.kinds[ACTIVATION]
+        want_grad = self.kinds[GRADIENT]
+        ref = weakref.ref(self)
+
+        def hook(mod: nn.Module, args: Any, output: Any) -> None:
+            tr = ref()
+            if tr is None or not tr._active or not (mod.training or tr.track_eval):
+                return
+            tensors: list[tuple[str, torch.Tensor]] = []
+            _flatten(output, name, tensors)
+            for tname, t in tensors:
+                if want_act:
+                    tr._observe(tname, ACTIVATION, mod, t)
+                if want_grad and t.requires_grad:
+                    t.register_hook(tr._make_grad_hook(tname, mod))
+
+        return hook
+
+    def _make_grad_hook(self, name: str, module: nn.Module) -> Callable:
+        def grad_hook(g: torch.Tensor) -> None:
+            if self._active and g is not None and g.is_floating_point():
+                self._observe(name, GRADIENT, module, g)
+
+        return grad_hook
+
+    def _root_pre_hook(self, mod: nn.Module, args: Any) -> None:
+        if self._active and not self._weights_done and (mod.training or self.track_eval):
+            self._capture_weights()
+
+    def _optimizer_pre_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if not self._active:
+            return
+        if not self._weights_done:
+            self._capture_weights()
+        if self.kinds[GRADIENT]:
+            self._capture_grads()
+
+    def _install(self) -> None:
+        if self.kinds[ACTIVATION] or self.kinds[GRADIENT]:
+            for name, m in self._modules:
+                if self._selected(name, m):
+                    self._handles.append(m.register_forward_hook(self._make_forward_hook(name, m)))
+        self._handles.append(self.module.register_forward_pre_hook(self._root_pre_hook))
+        for opt in self.optimizers:
+            self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))
+
+    def _remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> "Tracker":
+        if self.recorder is not None:
+            raise RuntimeError("this tracker was already started; create a new one with track(...)")
+        self.recorder = StepRecorder(self._out, self._out_format, self._run_name,
+                                     flush_every=self._flush_every, verbose=self._verbose)
+        self.out_path = self.recorder.path
+        self._install()
+        self._begin(0)
+        return self
+
+    def _begin(self, step: int) -> None:
+        self.step_index = step
+        self._active = bool(self.schedule(step))
+        self._weights_done = False
+        self._grads = {}
+        self._last = None
+
+    def step(self) -> None:
+        """End the current training step (call it after the optimizer update).
+
+        On a scheduled step this summarizes parameter gradients (if no optimizer
+        captured them), weights (if no forward pass did), and the optimizer state, then
+        moves all of the step's summaries to the host in one transfer and buffers the rows."""
+        if self.recorder is None or self._closed:
+            raise RuntimeError("tracker.step() called outside the `with track(...)` block")
+        if self._active:
+            if not self._weights_done:
+                self._capture_weights()
+            if self.kinds[GRADIENT]:
+                for full, p, owner in self._params:
+                    if full not in self._grads and p.grad is not None and p.grad.is_floating_point() \
+                            and self._selected(full, owner):
+                        self._grads[full] = self._summary(full, GRADIENT, owner, p.grad)
+                for entry in self._grads.values():
+                    self.recorder.add(*entry)
+            if self.kinds[OPTIMISER_STATE]:
+                for name, value, owner in self._optimizer_state():
+                    if self._selected(name, owner):
+                        self._observe(name, OPTIMISER_STATE, owner, value)
+            self.recorder.end_step(self.step_index, _to_host)
+        else:
+            self.recorder.discard()
+        self._begin(self.step_index + 1)
+
+    def close(self) -> None:
+        """Remove all hooks and finish the log (idempotent). Observations of a step that
+        was not ended with :meth:`step` are dropped."""
+        if self._closed:
+            return
+        self._closed = True
+        self._active = False
+        self._last = None
+        self._remove()
+        if self.recorder is not None:
+            self.recorder.discard()
+            self.out_path = self.recorder.close()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        try:
+            self.close()
+        except Exception as close_error:
+            if exc is None:
+                raise
+            print(f"tandv: could not finish the log after an error: {close_error!r}", file=sys.stderr)
+        return False
+
+
+def _to_host(vectors: list[torch.Tensor]) -> list[np.ndarray]:
+    """All of a step's raw device summaries to the host (one concatenation and one copy per
+    device), finished there into layout vectors in one vectorized pass."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(vectors):
+        by_device.setdefault(v.device, []).append(i)
+    out: list[np.ndarray] = [None] * len(vectors)  # type: ignore[list-item]
+    for idx in by_device.values():
+        host = torch.cat([vectors[i] for i in idx]).cpu().numpy()
+        pos = 0
+        for i in idx:
+            size = vectors[i].numel()
+            out[i] = host[pos:pos + size]
+            pos += size
+    if out:
+        core = finish_head(np.stack([v[:RAW_HEAD] for v in out]), np)
+        out = [np.concatenate([c, v[RAW_HEAD:]]) for c, v in zip(core, out)]
+    return out
+
+
+def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
+    """Track a PyTorch module's training numerics; use as ``with track(model, opt) as tracker:``.
+
+    Arguments:
+        module: the model (not ``torch.compile``'d).
+        optimizer: an optimizer or a sequence of them, for ``Optimiser_State`` rows and to
+            capture gradients just before each update; ``None`` tracks no optimizer state.
+        track_activations, track_gradients, track_weights, track_optimizer: which tensor
+            types to record (all ``True`` by default).
+        include, exclude: regexes searched in tensor names, class names (``"Linear"``) or
+            classes (``nn.LayerNorm``) of the owning module; apply to every tensor type.
+        every: record every N-th step (0, N, 2N, ...).
+        schedule: instead of ``every``: a callable ``step -> bool``, a string
+            ``"linear(interval, offset)"``, or a collection of step numbers.
+        start, end: record only steps ``start <= step < end``.
+        stats: custom statistics: a function (or list of functions) ``tensor ->
+            {name: 0-dim tensor}``; each name becomes a ``scalar_stats`` column. Keep them
+            on the device (no ``.item()``).
+        stats_merge: ``{name: "sum" | "min" | "max" | "mean"}``: how a custom statistic of
+            several observations in one step combines (default ``"mean"``, numel-weighted).
+        number_format: format for the exponent counts of every tensor (e.g.
+            ``"float8_e4m3fn"`` to see what would underflow/overflow); default each
+            tensor's own dtype.
+        out: log path (a directory for parquet, a file for pickle); default a new folder
+            ``tandv_logs/<run_name>-<timestamp>``.
+        out_format: ``"parquet"`` (part files streamed during the run) or ``"pickle"``
+            (one file written at exit).
+        run_name: readable name for the default path (default: the module's class name).
+        root_name: the name of the root module's rows (default ``"root"``).
+        track_eval: also record forwards of modules in eval mode (default ``False``).
+        flush_every: write buffered rows to disk every N recorded steps (default 10).
+        verbose: print the log path once when tracking starts.
+
+    Returns:
+        A :class:`Tracker`; call ``tracker.step()`` after each optimizer update.
+        ``tracker.out_path`` is the log's path.
+    """
+    return Tracker(module, optimizer, **options)

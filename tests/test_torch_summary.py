@@ -1,0 +1,140 @@
+"""summarize_torch against the numpy reference tandv.stats.summarize."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandv.stats.summary import CORE_FIELDS, Layout, finalize, merge, summarize
+from tandv.track.torch import summarize_torch
+
+EXACT = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "min_abs", "max_abs")
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """The tensor's values as numpy, in the same format (ml_dtypes for bf16/fp8)."""
+    name = str(t.dtype).removeprefix("torch.")
+    if name in ("float32", "float64", "float16"):
+        return t.detach().numpy()
+    return t.detach().float().numpy().astype(getattr(ml_dtypes, name))
+
+
+def assert_matches_reference(x: torch.Tensor, fmt=None, rtol=2e-6):
+    ref, layout = summarize(to_numpy(x), fmt)
+    got = summarize_torch(x, layout)
+    assert got.dtype == torch.float64 and got.shape == (layout.size,)
+    got = got.numpy()
+    for i, name in enumerate(CORE_FIELDS):
+        if name in EXACT:
+            assert got[i] == ref[i] or (np.isnan(got[i]) and np.isnan(ref[i])), (name, got[i], ref[i])
+        else:
+            # moments: relative to the summary's own scale (they are sums of terms <= 1)
+            tol = rtol * max(abs(ref[i]), ref[0] * 1e-9, 1e-300)
+            nonfinite = ref[1] + ref[2]
+            if name == "m2" and nonfinite:
+                # documented: with NaN/inf present, m2 is accurate relative to the sum it is
+                # taken from, which also holds nonfinite * (mean/scale)**2
+                tol += rtol * nonfinite * (ref[8] / (ref[7] or 1.0)) ** 2
+            assert abs(got[i] - ref[i]) <= tol, (name, got[i], ref[i])
+    np.testing.assert_array_equal(got[layout.counts_start:], ref[layout.counts_start:])
+
+
+SPECIAL = [1.0, -2.5, 0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, -3e-39, 3e38, 448.0,
+           449.0, 500.0, 1e-9, 65504.0, 70000.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16,
+                                   torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("fmt", [None, "float8_e4m3fn", "bfloat16", "float16", "float32"])
+def test_random_and_special_values(dtype, fmt):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3000, generator=g) * torch.exp(torch.randn(3000, generator=g) * 4)
+    x = torch.cat([x, torch.tensor(SPECIAL)]).to(dtype)
+    assert_matches_reference(x, fmt)
+
+
+@pytest.mark.parametrize("values", [
+    [float("nan"), 2.0, 3.0],          # non-finite with all finite values > 0
+    [float("inf"), -2.0, -3.0],        # non-finite with all finite values < 0
+    [float("nan"), float("inf")],      # nothing finite
+    [0.0, 0.0, 0.0],
+    [3e38] * 7,                        # constant near the float32 max: std exactly 0
+    [1.0] * 5,
+    [-1e-40, 2e-39, 1e-45],            # float32 subnormals only
+])
+def test_edge_cases(values):
+    assert_matches_reference(torch.tensor(values, dtype=torch.float32))
+
+
+def test_large_mean_small_std_keeps_variance():
+    g = torch.Generator().manual_seed(2)
+    x = 1000.0 + 1e-2 * torch.randn(200_000, generator=g)
+    assert_matches_reference(x)
+    ref, layout = summarize(x.numpy())
+    stats, _ = finalize(summarize_torch(x, layout).numpy(), layout)
+    assert stats["std"] == pytest.approx(float(np.std(x.numpy().astype(np.float64))), rel=1e-5)
+
+
+def test_float64_subnormals():
+    x = torch.tensor([1e-310, -4e-320, 5e-324, 1.0, float("nan")], dtype=torch.float64)
+    assert_matches_reference(x)
+    assert_matches_reference(x, "float32")
+
+
+def test_empty_non_contiguous_and_large():
+    assert_matches_reference(torch.empty(0))
+    g = torch.Generator().manual_seed(3)
+    assert_matches_reference(torch.randn(64, 48, generator=g).t())  # non-contiguous
+    assert_matches_reference(torch.randn(3, 70_000, generator=g)[:, ::3])
+    assert_matches_reference(torch.randn(1 << 18, generator=g))  # the parallel scatter path
+
+
+def test_input_is_not_modified():
+    x = torch.tensor([1.0, float("nan"), -3.0, float("inf")])
+    before = x.clone()
+    summarize_torch(x, Layout("float32"))
+    torch.testing.assert_close(x, before, equal_nan=True)
+
+
+def test_hand_computed_case():
+    x = torch.tensor([1.0, -2.0, 4.0, 0.0])
+    layout = Layout("float32")
+    stats, counts = finalize(summarize_torch(x, layout).numpy(), layout)
+    assert stats["mean"] == 0.75
+    assert stats["max_abs"] == 4.0 and stats["min_abs"] == 0.0 and stats["min"] == -2.0
+    assert stats["rm2"] == pytest.approx(np.sqrt(21 / 4))
+    assert stats["std"] == pytest.approx(np.std([1.0, -2.0, 4.0, 0.0]))
+    labels = ["-inf", *layout.format.exponents, "+inf"]
+    assert {labels[i]: c for i, c in enumerate(counts) if c} == {0: 1, 1: 1, 2: 1}
+
+
+def test_extras_values_and_validation():
+    layout = Layout("float32", (("frac_pos", "mean"), ("peak", "max")))
+    x = torch.tensor([1.0, -1.0, 2.0, 3.0])
+    v = summarize_torch(x, layout, {"peak": torch.tensor(3.0), "frac_pos": 0.75}).numpy()
+    assert list(v[layout.extras_start:]) == [0.75, 3.0]
+    with pytest.raises(ValueError, match="extras"):
+        summarize_torch(x, layout, {"peak": 1.0})
+    with pytest.raises(TypeError, match="floating-point"):
+        summarize_torch(torch.arange(3), Layout("float32"))
+
+
+def test_merged_summaries_equal_the_whole():
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(500, generator=g), torch.randn(300, generator=g) * 5 + 2
+    layout = Layout("float32")
+    merged = merge(summarize_torch(a, layout).numpy(), summarize_torch(b, layout).numpy(), layout)
+    whole, _ = summarize(torch.cat([a, b]).numpy())
+    np.testing.assert_allclose(merged, whole, rtol=1e-6)
+
+
+finite_floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(finite_floats, min_size=1, max_size=60),
+       st.sampled_from([None, "float8_e4m3fn", "bfloat16", "float16"]))
+def test_property_any_float32_values(values, fmt):
+    assert_matches_reference(torch.tensor(values, dtype=torch.float32), fmt)

@@ -1,0 +1,598 @@
+"""The PyTorch tracker on small models, checked against tensors the tests capture themselves
+and summarize with the numpy reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandv.schema import read_log, validate
+from tandv.stats.summary import DEFAULT_STATS, exponent_labels, finalize, merge_all, summarize
+from tandv.track.torch import track
+from tandv.track.torch import tracker as tracker_module
+
+KINDS = ("Activation", "Gradient", "Weight", "Optimiser_State")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.act = nn.Tanh()
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+MODULES = ("root", "fc1", "act", "fc2")
+PARAMS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+
+
+def make(seed: int = 0, opt_cls=torch.optim.Adam, **opt_kw):
+    torch.manual_seed(seed)
+    net = Net()
+    opt = opt_cls(net.parameters(), **({"lr": 1e-2} | opt_kw))
+    return net, opt
+
+
+def batch(i: int, n: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+
+
+class Capture:
+    """Independent capture of module outputs and output gradients with the test's own hooks."""
+
+    def __init__(self, net: nn.Module) -> None:
+        self.acts: dict[str, list[torch.Tensor]] = {}
+        self.grads: dict[str, list[torch.Tensor]] = {}
+        self.handles = []
+        for name, m in net.named_modules():
+            self.handles.append(m.register_forward_hook(self._hook(name or "root")))
+
+    def _hook(self, name):
+        def hook(mod, args, out):
+            if not mod.training:
+                return
+            self.acts.setdefault(name, []).append(out.detach().clone())
+            if out.requires_grad:
+                out.register_hook(lambda g: self.grads.setdefault(name, []).append(g.clone()))
+        return hook
+
+    def reset(self) -> None:
+        self.acts, self.grads = {}, {}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def index(df):
+    m = df["metadata"]
+    return {(n, t, int(s)): i for i, (n, t, s) in enumerate(zip(m["name"], m["tensor_type"], m["step"]))}
+
+
+def assert_row(df, idx, key, tensors, fmt=None, rtol=1e-5):
+    """The log row ``key`` equals the numpy reference summary of ``tensors`` (merged)."""
+    assert key in idx, f"missing row {key}"
+    row = df.iloc[idx[key]]
+    arrays = [t.detach().double().numpy() for t in tensors]
+    f = fmt or str(tensors[0].dtype).removeprefix("torch.")
+    parts = [summarize(a.astype(np.float32) if f == "float32" else a, f) for a in arrays]
+    layout = parts[0][1]
+    stats, counts = finalize(merge_all([p[0] for p in parts], layout), layout)
+    for s in DEFAULT_STATS:
+        got, want = row[("scalar_stats", s)], stats[s]
+        if s in ("numel", "zero_count", "nan_count", "inf_count", "min", "max", "min_abs", "max_abs"):
+            assert got == want, (key, s, got, want)
+        else:
+            assert got == pytest.approx(want, rel=rtol, abs=1e-12), (key, s, got, want)
+    expected = dict(zip(exponent_labels(f), counts))
+    exp_cols = {c[1]: row[c] for c in df.columns if c[0] == "exponent_counts"}
+    for label, c in expected.items():
+        assert exp_cols.get(label, 0) == c, (key, label, exp_cols.get(label, 0), c)
+    assert all(v == 0 for lab, v in exp_cols.items() if lab not in expected)
+
+
+def train(net, opt, steps, tracker=None, capture=None, record=None, micro=1):
+    """A plain training loop; ``record`` collects the test's own copies per step."""
+    losses = []
+    for i in range(steps):
+        if capture:
+            capture.reset()
+        weights = {n: p.detach().clone() for n, p in net.named_parameters()}
+        opt.zero_grad()
+        for j in range(micro):
+            x, y = batch(i * micro + j)
+            loss = F.mse_loss(net(x), y)
+            loss.backward()
+            losses.append(loss.detach().clone())
+        grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+        opt.step()
+        state = {f"{n}.{k}": v.clone() for n, p in net.named_parameters()
+                 for k, v in opt.state.get(p, {}).items()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0}
+        if tracker:
+            tracker.step()
+        if record is not None:
+            record.append({"weights": weights, "grads": grads, "state": state,
+                           "acts": dict(capture.acts) if capture else {},
+                           "out_grads": dict(capture.grads) if capture else {}})
+    return losses
+
+
+def test_every_row_equals_the_reference_on_captured_tensors():
+    net, opt = make()
+    cap = Capture(net)
+    rec = []
+    with track(net, opt, out="log") as tr:
+        train(net, opt, 3, tr, cap, rec)
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for k, r in enumerate(rec):
+        for name in MODULES:
+            assert_row(df, idx, (name, "Activation", k), r["acts"][name])
+            assert_row(df, idx, (name, "Gradient", k), r["out_grads"][name])
+        for name in PARAMS:
+            assert_row(df, idx, (name, "Weight", k), [r["weights"][name]])
+            assert_row(df, idx, (name, "Gradient", k), [r["grads"][name]])
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert_row(df, idx, (f"{name}.{key}", "Optimiser_State", k), [r["state"][f"{name}.{key}"]])
+    # nothing else: exactly the expected (name, tensor_type) at every step, the last included
+    expected = {(n, "Activation") for n in MODULES} | {(n, "Gradient") for n in MODULES + PARAMS} \
+        | {(n, "Weight") for n in PARAMS} \
+        | {(f"{n}.{k}", "Optimiser_State") for n in PARAMS for k in ("exp_avg", "exp_avg_sq")}
+    for k in range(3):
+        got = {(n, t) for (n, t, s) in idx if s == k}
+        assert got == expected
+    types = dict(zip(df[("metadata", "name")], df[("metadata", "type")]))
+    assert types["fc1"] == "Linear" and types["act"] == "Tanh" and types["root"] == "Net"
+    assert types["fc1.weight.exp_avg"] == "Linear"
+    assert set(df[("metadata", "dtype")]) == {"float32"}
+
+
+def test_weight_row_at_next_step_is_the_weight_after_the_update():
+    net, opt = make()
+    after = []
+    with track(net, opt, out="log") as tr:
+        for i in range(3):
+            x, y = batch(i)
+            opt.zero_grad()
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+            after.append({n: p.detach().clone() for n, p in net.named_parameters()})
+            tr.step()
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for k in range(2):
+        for name in PARAMS:
+            assert_row(df, idx, (name, "Weight", k + 1), [after[k][name]])
+    # and it differs from the weight before the update (the update is not a no-op)
+    w0 = df.iloc[idx[("fc1.weight", "Weight", 0)]][("scalar_stats", "mean")]
+    w1 = df.iloc[idx[("fc1.weight", "Weight", 1)]][("scalar_stats", "mean")]
+    assert w0 != w1
+
+
+def test_losses_bit_identical_with_and_without_tracking():
+    net, opt = make(3)
+    plain = train(net, opt, 20)
+    net, opt = make(3)
+    with track(net, opt, out="log", number_format="float8_e4m3fn") as tr:
+        tracked = train(net, opt, 20, tr)
+    assert all(torch.equal(a, b) for a, b in zip(plain, tracked))
+
+
+def test_gradient_accumulation_merges_micro_batches():
+    net, opt = make()
+    cap = Capture(net)
+    rec = []
+    with track(net, opt, out="log") as tr:
+        train(net, opt, 2, tr, cap, rec, micro=3)
+    df = read_log(tr.out_path)
+    validate(df)  # no duplicate (name, tensor_type, step)
+    idx = index(df)
+    for k, r in enumerate(rec):
+        assert len(r["acts"]["fc1"]) == 3
+        for name in MODULES:
+            assert_row(df, idx, (name, "Activation", k), r["acts"][name])
+            assert_row(df, idx, (name, "Gradient", k), r["out_grads"][name])
+        for name in PARAMS:
+            assert_row(df, idx, (name, "Gradient", k), [r["grads"][name]])  # accumulated
+            assert_row(df, idx, (name, "Weight", k), [r["weights"][name]])
+    assert df.iloc[idx[("fc1", "Activation", 0)]][("scalar_stats", "numel")] == 3 * 5 * 8
+
+
+def test_two_param_groups_in_shuffled_order_name_state_by_identity():
+    torch.manual_seed(0)
+    net = Net()
+    frozen = nn.Parameter(torch.ones(4))  # in a group, but never gets a gradient: no state
+    net.register_parameter("unused", frozen)
+    params = dict(net.named_parameters())
+    order = ["fc2.bias", "unused", "fc1.weight", "fc2.weight", "fc1.bias"]
+    random.Random(5).shuffle(order)
+    opt = torch.optim.AdamW([{"params": [params[n] for n in order[:3]], "lr": 1e-2},
+                             {"params": [params[n] for n in order[3:]], "lr": 1e-3}])
+    rec = []
+    with track(net, opt, out="log") as tr:
+        train(net, opt, 2, tr, record=rec)
+    df = read_log(tr.out_path)
+    idx = index(df)
+    state_names = {n for (n, t, s) in idx if t == "Optimiser_State" and s == 1}
+    assert state_names == set(rec[1]["state"]) == {f"{n}.{k}" for n in PARAMS for k in ("exp_avg", "exp_avg_sq")}
+    for name, value in rec[1]["state"].items():
+        assert_row(df, idx, (name, "Optimiser_State", 1), [value])
+    assert ("unused", "Weight", 0) in idx and ("unused", "Gradient", 0) not in idx
+
+
+@pytest.mark.parametrize("opt_cls, kw, keys", [
+    (torch.optim.SGD, {"momentum": 0.9}, ("momentum_buffer",)),
+    (torch.optim.Adam, {}, ("exp_avg", "exp_avg_sq")),
+    (torch.optim.AdamW, {"amsgrad": True}, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
+    (torch.optim.Adagrad, {}, ("sum",)),
+    (torch.optim.RMSprop, {"momentum": 0.5}, ("square_avg", "momentum_buffer")),
+])
+def test_optimizer_state_names_and_values(opt_cls, kw, keys):
+    net, opt = make(1, opt_cls, **kw)
+    rec = []
+    with track(net, opt, out="log") as tr:
+        train(net, opt, 2, tr, record=rec)
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for k in range(2):
+        names = {n for (n, t, s) in idx if t == "Optimiser_State" and s == k}
+        assert names == {f"{p}.{key}" for p in PARAMS for key in keys}  # no scalar 'step'
+        for name in names:
+            assert_row(df, idx, (name, "Optimiser_State", k), [rec[k]["state"][name]])
+
+
+def test_exception_mid_run_propagates_removes_hooks_and_keeps_completed_steps():
+    net, opt = make()
+    with pytest.raises(RuntimeError, match="boom"):
+        with track(net, opt, out="log", flush_every=100) as tr:
+            for i in range(10):
+                x, y = batch(i)
+                opt.zero_grad()
+                F.mse_loss(net(x), y).backward()
+                if i == 4:
+                    raise RuntimeError("boom")
+                opt.step()
+                tr.step()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
+    assert not opt._optimizer_step_pre_hooks
+    df = read_log(tr.out_path)
+    assert sorted(set(df[("metadata", "step")])) == [0, 1, 2, 3]
+    for k in range(4):
+        assert set(df[df[("metadata", "step")] == k][("metadata", "tensor_type")]) == set(KINDS)
+    # the module still trains normally afterwards
+    F.mse_loss(net(batch(0)[0]), batch(0)[1]).backward()
+
+
+def test_keyboard_interrupt_keeps_completed_steps():
+    net, opt = make()
+    with pytest.raises(KeyboardInterrupt):
+        with track(net, opt, out="log.pkl", out_format="pickle") as tr:
+            train(net, opt, 2, tr)
+            raise KeyboardInterrupt
+    df = read_log(tr.out_path)
+    assert sorted(set(df[("metadata", "step")])) == [0, 1]
+
+
+@pytest.mark.parametrize("options, steps", [
+    ({"every": 3}, [0, 3, 6, 9]),
+    ({"schedule": "linear(4, 1)"}, [1, 5, 9]),
+    ({"schedule": lambda s: s in (2, 7)}, [2, 7]),
+    ({"schedule": [0, 8]}, [0, 8]),
+    ({"start": 6, "end": 9}, [6, 7, 8]),
+    ({"every": 2, "start": 3}, [4, 6, 8]),
+])
+def test_schedules(options, steps):
+    net, opt = make()
+    with track(net, opt, out="log", **options) as tr:
+        train(net, opt, 10, tr)
+    df = read_log(tr.out_path)
+    assert sorted(set(df[("metadata", "step")])) == steps
+    for k in steps:
+        assert set(df[df[("metadata", "step")] == k][("metadata", "tensor_type")]) == set(KINDS)
+
+
+def test_unscheduled_steps_compute_nothing(monkeypatch):
+    calls = []
+    real = tracker_module.raw_summary_torch
+    monkeypatch.setattr(tracker_module, "raw_summary_torch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    net, opt = make()
+    with track(net, opt, out="log", schedule=[0]) as tr:
+        train(net, opt, 1, tr)
+        n0 = len(calls)
+        train(net, opt, 3, tr)
+    assert n0 > 0 and len(calls) == n0
+
+
+def test_no_host_sync_inside_hooks(monkeypatch):
+    """Forward, backward and the optimizer update run with every host-sync method disabled."""
+    net, opt = make(0, torch.optim.SGD, momentum=0.9)
+
+    def forbidden(*a, **k):
+        raise AssertionError("host sync inside a hook")
+
+    with track(net, opt, out="log") as tr:
+        for i in range(2):
+            x, y = batch(i)
+            with monkeypatch.context() as m:
+                for attr in ("item", "cpu", "tolist", "numpy", "__bool__"):
+                    m.setattr(torch.Tensor, attr, forbidden)
+                opt.zero_grad()
+                F.mse_loss(net(x), y).backward()
+                opt.step()
+            tr.step()
+    df = read_log(tr.out_path)
+    assert set(df[("metadata", "tensor_type")]) == set(KINDS)
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    hidden: tuple
+    mask: torch.Tensor | None = None
+
+
+class DictNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = self.enc(x)
+        return {"logits": h * 2, "aux": (h.sum(-1), [h.exp()]), "ids": h.argmax(-1),
+                "out": Out(h + 1, (h - 1,), mask=torch.ones(3, dtype=torch.bool))}
+
+
+def test_structured_outputs_are_flattened_with_unambiguous_names():
+    torch.manual_seed(0)
+    net = DictNet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(5, 6)
+    with track(net, opt, out="log") as tr:
+        out = net(x)
+        loss = out["logits"].pow(2).mean() + out["aux"][1][0].mean() + out["out"].logits.sum()
+        loss.backward()
+        h = net.enc(x).detach()  # before the update
+        opt.step()
+        tr.step()
+    df = read_log(tr.out_path)
+    idx = index(df)
+    acts = {n for (n, t, s) in idx if t == "Activation"}
+    assert acts == {"enc", "root[logits]", "root[aux][0]", "root[aux][1][0]", "root[out][logits]",
+                    "root[out][hidden][0]"}
+    assert_row(df, idx, ("root[aux][1][0]", "Activation", 0), [h.exp()])
+    assert_row(df, idx, ("root[out][hidden][0]", "Activation", 0), [h - 1])
+    # gradient of the loss w.r.t. outputs that take part in it
+    assert_row(df, idx, ("root[logits]", "Gradient", 0), [2 * (h * 2) / h.numel()])
+    assert ("root[aux][0]", "Gradient", 0) not in idx  # not used by the loss: no gradient
+
+
+def test_eval_forwards_are_skipped_unless_asked():
+    for track_eval in (False, True):
+        net, opt = make()
+        cap = Capture(net)
+        with track(net, opt, out=f"log{track_eval}", track_eval=track_eval) as tr:
+            x, y = batch(0)
+            opt.zero_grad()
+            F.mse_loss(net(x), y).backward()
+            net.eval()
+            with torch.no_grad():
+                ev = net(batch(1)[0]).detach()
+            net.train()
+            opt.step()
+            tr.step()
+        df = read_log(tr.out_path)
+        idx = index(df)
+        expected = cap.acts["root"] + ([ev] if track_eval else [])
+        assert_row(df, idx, ("root", "Activation", 0), expected)
+        assert_row(df, idx, ("root", "Gradient", 0), cap.grads["root"])
+
+
+class InplaceNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h.mul_(2).add_(1)  # in place on a hooked module's output
+        return self.fc2(F.relu(h))
+
+
+def test_inplace_ops_after_a_hooked_module_keep_autograd_correct():
+    torch.manual_seed(0)
+    ref = InplaceNet()
+    net = InplaceNet()
+    net.load_state_dict(ref.state_dict())
+    cap = Capture(ref)
+    x, y = batch(0)
+    F.mse_loss(ref(x), y).backward()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with track(net, opt, out="log") as tr:
+        F.mse_loss(net(x), y).backward()
+        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+        opt.step()
+        tr.step()
+    for n, p in ref.named_parameters():
+        assert torch.equal(grads[n], p.grad)
+    df = read_log(tr.out_path)
+    idx = index(df)
+    # the gradient w.r.t. fc1's output as produced (before the in-place ops)
+    pre = ref.fc1(x).detach()
+    h = pre * 2 + 1
+    out = ref.fc2(h.relu())
+    g_out = 2 * (out - y) / out.numel()
+    g_pre = (g_out @ ref.fc2.weight) * (h > 0) * 2
+    torch.testing.assert_close(cap.grads["fc1"][0], g_pre.detach())
+    assert_row(df, idx, ("fc1", "Gradient", 0), cap.grads["fc1"])
+
+
+def test_compiled_module_is_refused_clearly():
+    net, opt = make()
+    with pytest.raises(TypeError, match="torch.compile"):
+        track(torch.compile(net), opt)
+
+
+def test_bad_arguments_name_the_argument():
+    net, opt = make()
+    with pytest.raises(TypeError, match="module"):
+        track("not a module")
+    with pytest.raises(TypeError, match="optimizer"):
+        track(net, "adam")
+    with pytest.raises(ValueError, match="every"):
+        track(net, every=0)
+    with pytest.raises(ValueError, match="out_format"):
+        track(net, out_format="csv")
+    with pytest.raises(ValueError, match="unknown number format"):
+        track(net, number_format="float7")
+    with pytest.raises(ValueError, match="stats_merge"):
+        track(net, stats_merge={"x": "median"})
+    with pytest.raises(ValueError, match="include"):
+        track(net, include="(")
+    tr = track(net, opt, out="log")
+    with pytest.raises(RuntimeError, match="outside"):
+        tr.step()
+
+
+def test_run_without_steps_writes_a_valid_empty_log():
+    net, opt = make()
+    with track(net, opt, out="log") as tr:
+        pass
+    df = read_log(tr.out_path)
+    assert len(df) == 0
+    validate(df)
+
+
+def test_pickle_format_and_default_folder_printed_once(capfd):
+    net, opt = make()
+    with track(net, opt, out_format="pickle") as tr:
+        train(net, opt, 2, tr)
+    err = capfd.readouterr().err
+    assert tr.out_path.suffix == ".pkl" and tr.out_path.is_file()
+    assert tr.out_path.parent == Path("tandv_logs") and tr.out_path.name.startswith("net-")
+    assert err.count(str(tr.out_path)) == 1
+    assert list(Path("tandv_logs").iterdir()) == [tr.out_path]
+    assert sorted(set(read_log(tr.out_path)[("metadata", "step")])) == [0, 1]
+
+
+def test_streaming_writes_part_files_during_the_run():
+    net, opt = make()
+    with track(net, opt, out="log", flush_every=2) as tr:
+        train(net, opt, 5, tr)
+        parts = sorted(p.name for p in Path("log").glob("*.parquet"))
+        assert parts == ["part-000000.parquet", "part-000001.parquet"]
+        assert sorted(set(read_log("log")[("metadata", "step")])) == [0, 1, 2, 3]
+    assert len(list(Path("log").glob("*.parquet"))) == 3
+    assert sorted(set(read_log(tr.out_path)[("metadata", "step")])) == [0, 1, 2, 3, 4]
+
+
+def test_selection_by_regex_and_module_type_applies_to_every_type():
+    for options, expect in [
+        ({"include": r"^fc1"}, lambda n: n.startswith("fc1")),
+        ({"exclude": "Linear"}, lambda n: n in ("root", "act")),
+        ({"include": nn.Tanh}, lambda n: n == "act"),
+        ({"include": [r"\.bias"], "exclude": ["fc2"]}, lambda n: n.startswith("fc1.bias")),
+    ]:
+        net, opt = make()
+        with track(net, opt, verbose=False, **options) as tr:
+            train(net, opt, 2, tr)
+            plan = tr.plan()  # optimizer state exists now
+        df = read_log(tr.out_path)
+        names = set(df[("metadata", "name")])
+        assert names and all(expect(n) for n in names), (options, names)
+        logged = set(zip(df[("metadata", "name")], df[("metadata", "tensor_type")]))
+        assert set(zip(plan["name"], plan["tensor_type"])) == logged
+
+
+def test_dry_run_plan_lists_what_will_be_tracked_without_training():
+    net, opt = make()
+    tr = track(net, opt, track_optimizer=False)
+    plan = tr.plan()
+    assert set(zip(plan["name"], plan["tensor_type"])) == (
+        {(n, "Activation") for n in MODULES} | {(n, "Gradient") for n in MODULES + PARAMS}
+        | {(n, "Weight") for n in PARAMS})
+    assert not Path("tandv_logs").exists()  # nothing written
+
+
+def test_custom_statistics_and_merge_rules():
+    def frac_pos(t):
+        return {"frac_pos": (t > 0).float().mean(), "peak": t.abs().amax()}
+
+    net, opt = make()
+    cap = Capture(net)
+    rec = []
+    with track(net, opt, out="log", stats=[frac_pos], stats_merge={"peak": "max"}) as tr:
+        train(net, opt, 1, tr, cap, rec, micro=2)
+    df = read_log(tr.out_path)
+    idx = index(df)
+    a, b = cap.acts["fc1"]
+    row = df.iloc[idx[("fc1", "Activation", 0)]]
+    both = torch.cat([a.flatten(), b.flatten()])
+    assert row[("scalar_stats", "frac_pos")] == pytest.approx(float((both > 0).float().mean()))
+    assert row[("scalar_stats", "peak")] == pytest.approx(float(both.abs().max()))
+    w = rec[0]["weights"]["fc2.weight"]
+    wrow = df.iloc[idx[("fc2.weight", "Weight", 0)]]
+    assert wrow[("scalar_stats", "frac_pos")] == pytest.approx(float((w > 0).float().mean()))
+    with pytest.raises(TypeError, match="mapping"):
+        with track(net, opt, out="log2", stats=lambda t: t.mean()) as tr:
+            train(net, opt, 1, tr)
+
+
+def test_number_format_sets_exponent_bins_for_every_tensor():
+    net, opt = make()
+    cap = Capture(net)
+    rec = []
+    with track(net, opt, out="log", number_format="float8_e4m3fn") as tr:
+        train(net, opt, 1, tr, cap, rec)
+    df = read_log(tr.out_path)
+    idx = index(df)
+    assert_row(df, idx, ("fc1", "Activation", 0), cap.acts["fc1"], fmt="float8_e4m3fn")
+    assert_row(df, idx, ("fc1.weight", "Weight", 0), [rec[0]["weights"]["fc1.weight"]], fmt="float8_e4m3fn")
+    labels = {c[1] for c in df.columns if c[0] == "exponent_counts"}
+    assert labels <= {"-inf", "+inf", *range(-9, 9)}
+    assert df[("exponent_counts", "-inf")].sum() > 0  # small gradients underflow float8
+
+
+def test_bfloat16_module_rows_carry_their_dtype():
+    torch.manual_seed(0)
+    net = Net().to(torch.bfloat16)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    cap = Capture(net)
+    with track(net, opt, out="log") as tr:
+        x, y = batch(0)
+        F.mse_loss(net(x.bfloat16()), y.bfloat16()).backward()
+        opt.step()
+        tr.step()
+    df = read_log(tr.out_path)
+    assert set(df[("metadata", "dtype")]) == {"bfloat16"}
+    idx = index(df)
+    row = df.iloc[idx[("fc1", "Activation", 0)]]
+    ref, layout = summarize(cap.acts["fc1"][0].float().numpy().astype("float32"), "bfloat16")
+    stats, counts = finalize(ref, layout)
+    assert row[("scalar_stats", "rm2")] == pytest.approx(stats["rm2"], rel=1e-6)
+    assert counts[1] == row.get(("exponent_counts", -133), 0)  # bf16 subnormal range: -133..
+    assert exponent_labels("bfloat16")[1] == -133
+
+
+def test_tracker_cannot_be_reused_and_close_is_idempotent():
+    net, opt = make()
+    tr = track(net, opt, out="log")
+    with tr:
+        train(net, opt, 1, tr)
+    tr.close()
+    with pytest.raises(RuntimeError, match="already"):
+        tr.__enter__()
+    assert re.search("log$", str(tr.out_path))
