@@ -145,13 +145,15 @@ def summarize_jax(
     pow2 = jnp.where(j < 1 - bias, 0, as_float((jnp.clip(j, 1 - bias, bias) + bias).astype(idt) << mb))
     xs = jnp.where(fin, m_full.astype(cdt) * pow2, 0)
     s_scaled = jnp.where(s_mag > 0, jnp.max(xs, initial=0), 1)  # s * 2**k, in [1, 2)
-    u = xs / s_scaled  # |x| / s
-    y = jnp.where(bits < 0, -u, u)  # x / s
+    xs = jnp.where(bits < 0, -xs, xs)  # x * 2**k
     n = jnp.maximum(jnp.sum(fin, dtype=jnp.int32), 1).astype(cdt)
-    mean_s = jnp.sum(y) / n
-    d = jnp.where(fin, y - mean_s, 0)
-    # Corrected two-pass: the second term removes the rounding error of mean_s.
-    m2 = jnp.sum(d * d) - jnp.sum(d) ** 2 / n
+    mean_k = jnp.sum(xs) / n
+    # Deviations are taken before dividing by s_scaled, so values close to the mean
+    # subtract exactly; the corrected two-pass term removes the rounding error of mean_k.
+    d = jnp.where(fin, xs - mean_k, 0)
+    m2 = (jnp.sum(d * d) - jnp.sum(d) ** 2 / n) / (s_scaled * s_scaled)
+    mean_s = mean_k / s_scaled
+    u = jnp.abs(xs) / s_scaled  # |x| / s
     powers = []
     uk = u
     for order in range(1, max(POWERS) + 1):
