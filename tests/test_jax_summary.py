@@ -86,3 +86,18 @@ def test_custom_statistic_is_appended():
        st.sampled_from([None, "bfloat16", "float8_e5m2"]))
 def test_matches_reference_property(x, fmt):
     assert_matches(x, fmt)
+
+
+def test_summarize_many_equals_one_by_one():
+    from tandv.track.jax import summarize_many_jax
+
+    arrays = [rng.normal(size=(3, 4)).astype(np.float32), SPECIALS, np.zeros((0,), np.float32),
+              rng.normal(size=7).astype(np.float32) * 1e-39]
+    layout = Layout("float32")
+    many = jax.jit(lambda xs: summarize_many_jax(xs, layout))([jnp.asarray(a) for a in arrays])
+    for a, got in zip(arrays, jax.device_get(many)):
+        ref = summarize(a)[0]
+        got = to_vector(got)
+        np.testing.assert_array_equal(got[EXACT], ref[EXACT])
+        np.testing.assert_array_equal(got[layout.counts_start:], ref[layout.counts_start:])
+        np.testing.assert_allclose(got[MOMENTS], ref[MOMENTS], rtol=2e-5, atol=1e-6)

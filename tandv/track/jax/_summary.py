@@ -13,7 +13,7 @@ when ``|mean| >> std``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,7 @@ import numpy as np
 
 from ...stats.summary import CORE_FIELDS, POWERS, Layout
 
-__all__ = ["DeviceSummary", "summarize_jax", "to_vector", "CustomStat"]
+__all__ = ["DeviceSummary", "summarize_jax", "summarize_many_jax", "to_vector", "CustomStat"]
 
 #: A custom statistic: a traceable function of the array returning a scalar.
 CustomStat = Callable[[jax.Array], Any]
@@ -92,17 +92,67 @@ def summarize_jax(
         ``tandv.stats.summarize(x, layout.format)[0]`` (counts, extrema and exponent counts
         exactly, moments to float32 rounding).
     """
+    _check_custom(layout, custom)
+    x = jnp.asarray(x)
+    counts, values = _summarize_flat(x.reshape(-1), layout, None, 1)
+    extra = [jnp.asarray(fn(x), values.dtype).reshape(1) for fn in (custom or {}).values()]
+    return DeviceSummary(counts[0], jnp.concatenate([values[0], *extra]))
+
+
+def summarize_many_jax(
+    arrays: Sequence[Any],
+    layout: Layout,
+    custom: Mapping[str, CustomStat] | None = None,
+) -> list[DeviceSummary]:
+    """Summaries of several arrays of one dtype, computed together (traceable).
+
+    The arrays are flattened into one vector and reduced by segment, so the compiled
+    program has the size of one summary whatever the number of arrays.
+    """
+    _check_custom(layout, custom)
+    arrays = [jnp.asarray(a) for a in arrays]
+    if not arrays:
+        return []
+    sizes = [a.size for a in arrays]
+    flat = jnp.concatenate([a.reshape(-1) for a in arrays])
+    segments = jnp.asarray(np.repeat(np.arange(len(arrays), dtype=np.int32), sizes))
+    counts, values = _summarize_flat(flat, layout, segments, len(arrays))
+    out = []
+    for i, a in enumerate(arrays):
+        extra = [jnp.asarray(fn(a), values.dtype).reshape(1) for fn in (custom or {}).values()]
+        out.append(DeviceSummary(counts[i], jnp.concatenate([values[i], *extra])))
+    return out
+
+
+def _check_custom(layout: Layout, custom: Mapping[str, CustomStat] | None) -> None:
     names = [name for name, _ in layout.extras]
     if list(custom or {}) != names:
         raise ValueError(
             f"custom statistics {sorted(custom or {})} do not match the layout's extras {names}"
         )
-    x = jnp.asarray(x)
-    fb = _bits_for(x.dtype)
+
+
+def _summarize_flat(flat: Any, layout: Layout, segments: Any, num: int) -> tuple[Any, Any]:
+    """Counts ``[num, 4 + bins]`` and values ``[num, 10]`` of the segments of ``flat``
+    (``segments=None``: one segment, reduced without scatter)."""
+    fb = _bits_for(flat.dtype)
     cdt, idt = fb.float_dtype, fb.int_dtype
     width = np.dtype(idt).itemsize * 8
     mb, bias, mask = fb.mantissa_bits, fb.exponent_bias, fb.magnitude_mask
-    flat = x.reshape(-1).astype(cdt)
+    flat = flat.astype(cdt)
+
+    def reduce(kind: str, cols: list[Any]) -> Any:  # [num, len(cols)]
+        data = jnp.stack(cols, axis=1)
+        if segments is None:
+            if kind == "sum":
+                return jnp.sum(data, axis=0, keepdims=True)
+            return jnp.min(data, axis=0, keepdims=True, initial=jnp.iinfo(data.dtype).max)
+        op = {"sum": jax.ops.segment_sum, "min": jax.ops.segment_min}[kind]
+        return op(data, segments, num_segments=num, indices_are_sorted=True)
+
+    def spread(v: Any) -> Any:  # one value per segment -> one per element
+        return v[0] if segments is None else v[segments]
+
     # Classification, extrema and exponents are computed on the bit patterns: integer
     # operations are exact where float ones are not (XLA:CPU treats subnormal inputs as
     # zero in float comparisons and arithmetic).
@@ -126,41 +176,47 @@ def summarize_jax(
         sub = (width - 1 - jax.lax.clz(m)) - (bias + mb - 1)
         return jnp.where(efield > 0, efield - bias, sub)
 
-    key_inf, key_ninf = inf_bits, int(order_key(np.array(inf_bits | ~mask, idt)))
-    vmin = as_float(order_key(jnp.min(jnp.where(fin, order_key(bits), key_inf), initial=key_inf)))
-    vmax = as_float(order_key(jnp.max(jnp.where(fin, order_key(bits), key_ninf), initial=key_ninf)))
-    min_abs = as_float(jnp.min(jnp.where(fin, mag, inf_bits), initial=inf_bits))
-    s_mag = jnp.max(jnp.where(fin, mag, 0), initial=0)
+    n_int = reduce("sum", [c.astype(jnp.int32) for c in (nan, inf, zero, fin)])
+    key = order_key(bits)
+    key_ninf = order_key(np.array(inf_bits | ~mask, idt))
+    # Maxima as minima of the bitwise complement (exact, no overflow). Segments without a
+    # finite value get the neutral extrema (+inf, -inf, +inf, 0) whatever the reduction's
+    # identity element.
+    neutral = jnp.array([inf_bits, ~key_ninf, inf_bits, ~0], idt)
+    ext = reduce("min", [jnp.where(fin, key, neutral[0]), ~jnp.where(fin, key, key_ninf),
+                         jnp.where(fin, mag, inf_bits), ~jnp.where(fin, mag, 0)])
+    ext = jnp.where(n_int[:, 3:4] > 0, ext, neutral)
+    vmin, vmax = as_float(order_key(ext[:, 0])), as_float(order_key(~ext[:, 1]))
+    min_abs, s_mag = as_float(ext[:, 2]), ~ext[:, 3]
     s = as_float(s_mag)
 
     # Moments are sums over x / s. Dividing a subnormal by s on XLA:CPU would flush it to
     # zero, so x is first rescaled by 2**k (k = -floor(log2 s)) in the integer domain:
     # |x| = m * 2**(e - mb) is rebuilt as float(m) * 2**(e - mb + k), all normal numbers.
-    efield = mag >> mb
-    normal = efield > 0
-    e_unb = jnp.where(normal, efield - bias, 1 - bias)
-    m_full = jnp.where(normal, (mag & ((1 << mb) - 1)) | (1 << mb), mag)
-    k = jnp.where(s_mag > 0, -floor_log2(s_mag), 0)
-    j = e_unb - mb + k
-    pow2 = jnp.where(j < 1 - bias, 0, as_float((jnp.clip(j, 1 - bias, bias) + bias).astype(idt) << mb))
-    xs = jnp.where(fin, m_full.astype(cdt) * pow2, 0)
-    s_scaled = jnp.where(s_mag > 0, jnp.max(xs, initial=0), 1)  # s * 2**k, in [1, 2)
+    def rescaled(m: Any, k: Any) -> Any:
+        efield = m >> mb
+        normal = efield > 0
+        e_unb = jnp.where(normal, efield - bias, 1 - bias)
+        m_full = jnp.where(normal, (m & ((1 << mb) - 1)) | (1 << mb), m)
+        j = e_unb - mb + k
+        pow2 = jnp.where(j < 1 - bias, 0, as_float((jnp.clip(j, 1 - bias, bias) + bias).astype(idt) << mb))
+        return m_full.astype(cdt) * pow2
+
+    k_seg = jnp.where(s_mag > 0, -floor_log2(s_mag), 0)
+    s_scaled = jnp.where(s_mag > 0, rescaled(s_mag, k_seg), 1)  # s * 2**k, in [1, 2)
+    xs = jnp.where(fin, rescaled(mag, spread(k_seg)), 0)
     xs = jnp.where(bits < 0, -xs, xs)  # x * 2**k
-    n = jnp.maximum(jnp.sum(fin, dtype=jnp.int32), 1).astype(cdt)
-    mean_k = jnp.sum(xs) / n
+    n = jnp.maximum(n_int[:, 3], 1).astype(cdt)
+    mean_k = reduce("sum", [xs])[:, 0] / n
     # Deviations are taken before dividing by s_scaled, so values close to the mean
     # subtract exactly; the corrected two-pass term removes the rounding error of mean_k.
-    d = jnp.where(fin, xs - mean_k, 0)
-    m2 = (jnp.sum(d * d) - jnp.sum(d) ** 2 / n) / (s_scaled * s_scaled)
-    mean_s = mean_k / s_scaled
-    u = jnp.abs(xs) / s_scaled  # |x| / s
-    powers = []
-    uk = u
-    for order in range(1, max(POWERS) + 1):
-        if order > 1:
-            uk = uk * u
-        if order in POWERS:
-            powers.append(jnp.sum(uk))
+    d = jnp.where(fin, xs - spread(mean_k), 0)
+    u = jnp.abs(xs) / spread(s_scaled)  # |x| / s
+    u2 = u * u
+    u4 = u2 * u2
+    sums = reduce("sum", [d * d, d, u, u2, u4, u4 * u4])
+    m2 = (sums[:, 0] - sums[:, 1] ** 2 / n) / (s_scaled * s_scaled)
+    mean = mean_k / s_scaled * s
 
     fmt = layout.format
     nbins = layout.num_counts
@@ -170,17 +226,15 @@ def summarize_jax(
     idx = jnp.where(under, 0, idx)
     idx = jnp.where(over, nbins - 1, idx)
     idx = jnp.where(nonzero | over, idx, nbins)  # zeros and NaN go to a dropped bin
-    bins = jnp.bincount(idx.astype(jnp.int32), length=nbins + 1)[:nbins].astype(jnp.int32)
+    if segments is not None:
+        idx = idx + segments * (nbins + 1)
+    bins = jnp.bincount(idx.astype(jnp.int32), length=num * (nbins + 1))
+    bins = bins.reshape(num, nbins + 1)[:, :nbins].astype(jnp.int32)
 
-    head = jnp.stack([
-        jnp.asarray(flat.size, jnp.int32),
-        jnp.sum(nan, dtype=jnp.int32),
-        jnp.sum(inf, dtype=jnp.int32),
-        jnp.sum(zero, dtype=jnp.int32),
-    ])
-    values = [vmin, vmax, min_abs, s, mean_s * s, m2, *powers]
-    values += [jnp.asarray(fn(x), cdt).reshape(()) for fn in (custom or {}).values()]
-    return DeviceSummary(jnp.concatenate([head, bins]), jnp.stack([jnp.asarray(v, cdt) for v in values]))
+    sizes = n_int[:, 0] + n_int[:, 1] + n_int[:, 3]  # nan + inf + finite
+    counts = jnp.concatenate([jnp.stack([sizes, n_int[:, 0], n_int[:, 1], n_int[:, 2]], axis=1), bins], axis=1)
+    values = jnp.stack([vmin, vmax, min_abs, s, mean, m2, sums[:, 2], sums[:, 3], sums[:, 4], sums[:, 5]], axis=1)
+    return counts, values
 
 
 def to_vector(summary: DeviceSummary) -> np.ndarray:

@@ -13,7 +13,7 @@ from ...stats.formats import format_name, number_format as _number_format
 from ...stats.summary import MERGE_RULES, Layout
 from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_schedule
 from ._intercept import ROOT_NAME, Probe, interception, register, tap
-from ._summary import CustomStat, DeviceSummary, summarize_jax, to_vector
+from ._summary import CustomStat, DeviceSummary, summarize_jax, summarize_many_jax, to_vector
 from ._trees import Leaf, is_float_array, key_name, optimizer_state_leaves, param_leaves
 
 __all__ = ["JaxTracker", "track"]
@@ -102,6 +102,9 @@ class JaxTracker:
         self._module_types: dict[str, type] = {}
         self._names_cache: dict[Any, Any] = {}
         self._summarize_many = jax.jit(self._summaries)
+        # Taps call a jitted summary: compiled once per shape and dtype when the update runs
+        # eagerly, and traced once per shape (then inlined) when it is jitted.
+        self._summarize_one = jax.jit(self._summarize)
         self._token = next(_tokens)
         self._intercepted = False
         self._next_weights: list[tuple[Leaf, Any, DeviceSummary]] = []
@@ -151,7 +154,16 @@ class JaxTracker:
         return summarize_jax(x, self._layout(x.dtype), self._custom)
 
     def _summaries(self, arrays: list[jax.Array]) -> list[DeviceSummary]:
-        return [self._summarize(x) for x in arrays]
+        """Summaries of many arrays; arrays of one dtype are reduced together by segment."""
+        groups: dict[str, list[int]] = {}
+        for i, x in enumerate(arrays):
+            groups.setdefault(format_name(x.dtype), []).append(i)
+        out: list[Any] = [None] * len(arrays)
+        for dtype, idx in groups.items():
+            parts = summarize_many_jax([arrays[i] for i in idx], self._layout(dtype), self._custom)
+            for i, summary in zip(idx, parts):
+                out[i] = summary
+        return out
 
     def _types_of(self, name: str) -> Sequence[type]:
         module = name.rpartition(".")[0] if "." in name else ROOT_NAME
@@ -194,7 +206,7 @@ class JaxTracker:
                 leaf_name = ".".join(parts)
                 if self._selector(leaf_name, cls.__mro__):
                     probe = Probe(self._token, leaf_name, cls.__name__, self._track_activations,
-                                  self._track_gradients, self._summarize)
+                                  self._track_gradients, self._summarize_one)
                     leaf = tap(probe, leaf)
             wrapped.append(leaf)
         return jax.tree_util.tree_unflatten(treedef, wrapped)
