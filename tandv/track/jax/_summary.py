@@ -164,11 +164,13 @@ def _summarize_rows(block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: L
     seg = jnp.asarray(row_seg)
 
     def per_array(v: Any, kind: str) -> Any:  # combine per-row partials into per-array values
+        if num == 1:  # a plain reduction: no scatter
+            return (jnp.sum if kind == "sum" else jnp.min)(v, axis=0, keepdims=True)
         op = jax.ops.segment_sum if kind == "sum" else jax.ops.segment_min
         return op(v, seg, num_segments=num, indices_are_sorted=True)
 
     def per_row(v: Any) -> Any:  # one value per array -> broadcastable per row
-        return v[seg][:, None]
+        return v[:, None] if num == 1 else v[seg][:, None]
 
     # Classification, extrema and exponents are computed on the bit patterns: integer
     # operations are exact where float ones are not (XLA:CPU treats subnormal inputs as
