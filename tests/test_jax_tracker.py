@@ -344,6 +344,8 @@ def test_step_argument_errors(tmp_path):
         track(params, out=tmp_path / "e", every=0, verbose=False)
     with pytest.raises(ValueError, match=r"stats\['bad'\]"):
         track(params, out=tmp_path / "f", stats={"bad": (len, "median")}, verbose=False)
+    with pytest.raises(ValueError, match="model_state has no floating-point leaves"):
+        track({"step": jnp.zeros((), jnp.int32)}, out=tmp_path / "g", verbose=False)
     with pytest.raises(RuntimeError, match="closed"):
         tracker.step()
 

@@ -20,6 +20,8 @@ __all__ = ["JaxTracker", "track"]
 
 T = TypeVar("T")
 _tokens = itertools.count(1)
+#: Arrays with at least this many elements are summarized by a program of their own.
+_OWN_PROGRAM_SIZE = 1 << 16
 
 
 def _is_nnx_module(x: Any) -> bool:
@@ -45,7 +47,12 @@ def _parse_stats(stats: Mapping[str, Any] | None) -> tuple[dict[str, CustomStat]
     fns: dict[str, CustomStat] = {}
     extras = []
     for name, spec in stats.items():
-        fn, rule = (spec, "mean") if callable(spec) else (tuple(spec) + (None,))[:2] if isinstance(spec, tuple) else (None, None)
+        if callable(spec):
+            fn, rule = spec, "mean"
+        elif isinstance(spec, tuple) and len(spec) == 2:
+            fn, rule = spec
+        else:
+            fn, rule = None, None
         if not isinstance(name, str) or not callable(fn) or rule not in MERGE_RULES:
             raise ValueError(
                 f"stats[{name!r}]: expected a function array -> scalar, or (function, rule) with rule "
@@ -87,6 +94,12 @@ class JaxTracker:
                 "track(): optimizer_state was given without model_state; optimizer-state leaves are "
                 "named after the parameters they mirror, so pass model_state too"
             )
+        if model_state is not None and not param_leaves(self._params_of(model_state))[0]:
+            raise ValueError(
+                f"track(): model_state has no floating-point leaves to track (got "
+                f"{type(model_state).__name__}); pass the parameters, e.g. the dict from "
+                f"model.init(...) or an nnx module"
+            )
         for arg, value in (("track_activations", track_activations), ("track_gradients", track_gradients)):
             if not isinstance(value, bool):
                 raise TypeError(f"track(): {arg}={value!r}: expected True or False")
@@ -114,7 +127,7 @@ class JaxTracker:
         register(self._token, self)
         if model_state is not None:
             self._learn_nnx_types(model_state)
-            self._prepare_weights(self._params_of(model_state, "model_state"), 0)
+            self._prepare_weights(self._params_of(model_state), 0)
 
     # ------------------------------------------------------------------ context manager
 
@@ -160,8 +173,14 @@ class JaxTracker:
             groups.setdefault(format_name(x.dtype), []).append(i)
         out: list[Any] = [None] * len(arrays)
         for dtype, idx in groups.items():
-            parts = summarize_many_jax([arrays[i] for i in idx], self._layout(dtype), self._custom)
-            for i, summary in zip(idx, parts):
+            layout = self._layout(dtype)
+            # Large arrays run faster through their own program (no copy into a shared
+            # block); small ones share one, which keeps compile time down.
+            small = [i for i in idx if arrays[i].size < _OWN_PROGRAM_SIZE]
+            for i in idx:
+                if arrays[i].size >= _OWN_PROGRAM_SIZE:
+                    out[i] = summarize_jax(arrays[i], layout, self._custom)
+            for i, summary in zip(small, summarize_many_jax([arrays[i] for i in small], layout, self._custom)):
                 out[i] = summary
         return out
 
@@ -220,7 +239,8 @@ class JaxTracker:
 
     # ------------------------------------------------------------------ step
 
-    def _params_of(self, model_state: Any, arg: str) -> Any:
+    @staticmethod
+    def _params_of(model_state: Any) -> Any:
         if _is_nnx_module(model_state):
             from flax import nnx
 
@@ -305,11 +325,11 @@ class JaxTracker:
         self._check_open("step")
         self._check_step_args(model_state, optimizer_state, gradients)
         k = self.step_count
-        params = None if model_state is None else self._params_of(model_state, "model_state")
+        params = None if model_state is None else self._params_of(model_state)
         if self._schedule(k):
             named: list[tuple[Leaf, str, Any]] = []
             if gradients is not None:
-                leaves, arrays = self._named(GRADIENT, self._params_of(gradients, "gradients"))
+                leaves, arrays = self._named(GRADIENT, self._params_of(gradients))
                 named += [(n, GRADIENT, a) for n, a in zip(leaves, arrays)]
             if optimizer_state is not None:
                 leaves, arrays = self._named(OPTIMISER_STATE, self._opt_of(optimizer_state), params)
