@@ -370,7 +370,6 @@ def test_include_exclude_number_format_and_custom_stats(tmp_path):
     r = row(df, "Dense_0.kernel", "Weight", 0)
     assert r[("metadata", "dtype")] == "float32"
     assert r[("scalar_stats", "l1")] == pytest.approx(float(np.abs(np.asarray(kernel)).sum()), rel=1e-5)
-    assert r[("exponent_counts", -10)] == 0 if ("exponent_counts", -10) in r.index else True
 
 
 # ----------------------------------------------------------------------------- nnx
@@ -400,6 +399,7 @@ def test_nnx_model_and_optimizer(tmp_path):
         return grads
 
     history = []
+    linear_call = nnx.Linear.__dict__["__call__"]
     with track(model, optimizer, out=tmp_path / "log", verbose=False) as tracker:
         for _ in range(3):
             before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
@@ -407,6 +407,7 @@ def test_nnx_model_and_optimizer(tmp_path):
             tracker.step(model, optimizer, grads)
             history.append((before, grads))
     assert len(traces) == 1
+    assert nnx.Linear.__dict__["__call__"] is linear_call  # nnx classes restored on close
     df = read_log(tmp_path / "log")
     pnames = {"l1.kernel", "l1.bias", "norm.scale", "norm.bias", "l2.kernel", "l2.bias"}
     assert names(df, "Weight") == pnames

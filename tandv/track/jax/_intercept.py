@@ -19,7 +19,7 @@ keyed by the context value.
 
 Modules are found through Flax's own method interception for linen
 (``nn.intercept_methods``) and, for nnx (which has none), by wrapping ``__call__`` of the nnx
-module classes only while an intercepted step runs.
+module classes while a tracker is open; the wrapper does nothing outside an intercepted step.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import jax
 
 from ._summary import DeviceSummary, summarize_jax
 
-__all__ = ["TRACKING", "Probe", "tap", "register", "interception", "ROOT_NAME"]
+__all__ = ["TRACKING", "Probe", "tap", "register", "interception", "ROOT_NAME", "acquire_nnx", "release_nnx"]
 
 #: The jit-cache-sensitive switch: its value is the active tracker's token, or None.
 TRACKING = jax.make_user_context(None)
@@ -106,6 +106,8 @@ tap.defvjp(_tap_fwd, _tap_bwd)
 # ----------------------------------------------------------------------------- nnx
 
 _nnx_local = threading.local()
+_nnx_originals: dict[type, Callable] = {}  # patched class -> its own __call__
+_nnx_users = 0  # open trackers; the patches stay while there is one
 
 
 def _nnx_call_owners() -> list[type]:
@@ -126,44 +128,69 @@ def _nnx_call_owners() -> list[type]:
     return owners
 
 
-@contextlib.contextmanager
-def _nnx_scope(on_output: Callable[[str, type, Any], Any]) -> Iterator[None]:
+def _wrap_nnx_call(original: Callable) -> Callable:
     from flax import nnx
 
-    def wrap(original: Callable) -> Callable:
-        @functools.wraps(original)
-        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-            state = _nnx_local
-            depth = getattr(state, "depth", 0)
-            if depth == 0:
-                # The outermost call names every module below it by its graph path.
-                state.paths = {id(node): path for path, node in nnx.iter_graph(self)
-                               if isinstance(node, nnx.Module)}
-            state.depth = depth + 1
-            try:
-                out = original(self, *args, **kwargs)
-            finally:
-                state.depth = depth
-            path = state.paths.get(id(self))
-            if path is None:  # a module created during the call; not part of the tree
-                return out
-            return on_output(".".join(str(p) for p in path) or ROOT_NAME, type(self), out)
+    @functools.wraps(original)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        state = _nnx_local
+        on_output = getattr(state, "on_output", None)
+        if on_output is None:  # no intercepted step running: the module's own call
+            return original(self, *args, **kwargs)
+        depth = getattr(state, "depth", 0)
+        if depth == 0:
+            # The outermost call names every module below it by its graph path.
+            state.paths = {id(node): path for path, node in nnx.iter_graph(self)
+                           if isinstance(node, nnx.Module)}
+        state.depth = depth + 1
+        try:
+            out = original(self, *args, **kwargs)
+        finally:
+            state.depth = depth
+        path = state.paths.get(id(self))
+        if path is None:  # a module created during the call; not part of the tree
+            return out
+        return on_output(".".join(str(p) for p in path) or ROOT_NAME, type(self), out)
 
-        __call__._tandv_original = original  # type: ignore[attr-defined]
-        return __call__
+    return __call__
 
-    patched = []
-    try:
-        for cls in _nnx_call_owners():
+
+def _patch_nnx_classes() -> None:
+    """Wrap ``__call__`` of every nnx module class not wrapped yet (idempotent and cheap when
+    nothing is new: setting class attributes is what costs, so it is done once per class)."""
+    for cls in _nnx_call_owners():
+        if cls not in _nnx_originals:
             original = cls.__dict__["__call__"]
-            if getattr(original, "_tandv_original", None) is not None:
-                continue  # already wrapped by an enclosing tracker
-            cls.__call__ = wrap(original)
-            patched.append((cls, original))
+            _nnx_originals[cls] = original
+            cls.__call__ = _wrap_nnx_call(original)
+
+
+def acquire_nnx() -> None:
+    """A tracker opens: nnx module calls become interceptable (wrapped until the last closes)."""
+    global _nnx_users
+    _nnx_users += 1
+    _patch_nnx_classes()
+
+
+def release_nnx() -> None:
+    """A tracker closes: when it was the last, restore every wrapped ``__call__``."""
+    global _nnx_users
+    _nnx_users = max(0, _nnx_users - 1)
+    if _nnx_users == 0:
+        for cls, original in _nnx_originals.items():
+            cls.__call__ = original
+        _nnx_originals.clear()
+
+
+@contextlib.contextmanager
+def _nnx_scope(on_output: Callable[[str, type, Any], Any]) -> Iterator[None]:
+    _patch_nnx_classes()  # nnx classes defined after the tracker opened
+    previous = getattr(_nnx_local, "on_output", None)
+    _nnx_local.on_output = on_output
+    try:
         yield
     finally:
-        for cls, original in reversed(patched):
-            cls.__call__ = original
+        _nnx_local.on_output = previous
 
 
 @contextlib.contextmanager

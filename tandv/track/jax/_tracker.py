@@ -12,7 +12,7 @@ from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...stats.formats import format_name, number_format as _number_format
 from ...stats.summary import MERGE_RULES, Layout
 from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_schedule
-from ._intercept import ROOT_NAME, Probe, interception, register, tap
+from ._intercept import ROOT_NAME, Probe, acquire_nnx, interception, register, release_nnx, tap
 from ._summary import CustomStat, DeviceSummary, summarize_jax, summarize_many_jax, to_vector
 from ._trees import Leaf, is_float_array, key_name, optimizer_state_leaves, param_leaves
 
@@ -125,6 +125,7 @@ class JaxTracker:
         self._recorder = StepRecorder(out, out_format, run_name, verbose=verbose)
         self.path = self._recorder.path
         register(self._token, self)
+        acquire_nnx()
         if model_state is not None:
             self._learn_nnx_types(model_state)
             self._prepare_weights(self._params_of(model_state), 0)
@@ -141,6 +142,8 @@ class JaxTracker:
         """Write what is buffered and finish the log (idempotent); returns its path.
 
         An unfinished step (intercepted but not closed by :meth:`step`) is dropped."""
+        if not self._recorder.closed:
+            release_nnx()
         self._recorder.close()
         return self.path
 
