@@ -235,7 +235,7 @@ class JaxTracker:
 
     def _receive(self, name: str, module_type: str, tensor_type: str, dtype: str,
                  summary: DeviceSummary) -> None:
-        """A tap's summary arriving from the device (called by ``jax.debug.callback``)."""
+        """A tap's summary arriving from the device (called by the tap's ``io_callback``)."""
         if not self._recorder.closed:
             self._recorder.add(TensorKey(name, tensor_type, module_type, format_name(dtype)),
                                self._layout(dtype), summary)
