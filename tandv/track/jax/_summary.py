@@ -1,0 +1,274 @@
+"""On-device summaries of JAX arrays, matching the numpy reference :func:`tandv.stats.summarize`.
+
+:func:`summarize_jax` is traceable: it runs inside ``jax.jit``/``jax.grad`` and returns a
+:class:`DeviceSummary`, two small arrays (exact int32 counts, float32 extrema and scaled
+moments). Only these leave the device; :func:`to_vector` turns a fetched one into the
+float64 summary vector of :class:`tandv.stats.summary.Layout`.
+
+JAX runs without x64 by default, so moments are computed in float32 (float64 when the input
+is float64) on values scaled by the largest magnitude, exactly as the layout defines them,
+and the centred second moment uses a corrected two-pass sum so the variance stays accurate
+when ``|mean| >> std``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...stats.summary import CORE_FIELDS, POWERS, Layout
+
+__all__ = ["DeviceSummary", "summarize_jax", "summarize_many_jax", "to_vector", "CustomStat"]
+
+#: A custom statistic: a traceable function of the array returning a scalar.
+CustomStat = Callable[[jax.Array], Any]
+
+_N_INT = 4  # numel, nan_count, inf_count, zero_count lead CORE_FIELDS
+_N_FLOAT = len(CORE_FIELDS) - _N_INT  # min .. p8
+
+
+class DeviceSummary(NamedTuple):
+    """A summary as it leaves the device: ``counts`` (int32: numel, nan, inf, zero, then the
+    exponent counts) and ``values`` (float: min, max, min_abs, max_abs, mean, m2, p1, p2, p4,
+    p8, then custom statistics)."""
+
+    counts: Any
+    values: Any
+
+
+class _Bits(NamedTuple):
+    """Bit layout of an IEEE binary float type used for exact integer-domain reductions."""
+
+    float_dtype: Any
+    int_dtype: Any
+    mantissa_bits: int
+    exponent_bias: int
+
+    @property
+    def magnitude_mask(self) -> int:
+        return (1 << (np.dtype(self.int_dtype).itemsize * 8 - 1)) - 1
+
+    @property
+    def inf_bits(self) -> int:
+        return int(np.array(np.inf, self.float_dtype).view(self.int_dtype))
+
+    def bits_of(self, value: float) -> int:
+        """Bit pattern of ``value`` rounded to this type (clamped: beyond range -> inf / 0)."""
+        with np.errstate(over="ignore", under="ignore"):
+            return int(np.array(value, self.float_dtype).view(self.int_dtype))
+
+
+_F32 = _Bits(np.float32, np.int32, 23, 127)
+_F64 = _Bits(np.float64, np.int64, 52, 1023)
+
+
+def _bits_for(dtype: Any) -> _Bits:
+    # float64 stays float64 (only possible with jax_enable_x64); every other type
+    # (bfloat16, float16, float8_*, float32, ints) is widened to float32, which holds
+    # each of their values exactly.
+    return _F64 if jnp.dtype(dtype) == jnp.float64 else _F32
+
+
+#: Elements per row: arrays are reduced as rows of this many elements (NaN-padded), first
+#: along each row, then rows are combined per array. One program thus serves any number of
+#: arrays, and row reductions are contiguous, which XLA:CPU vectorizes.
+ROW = 1024
+
+
+def summarize_jax(
+    x: Any,
+    layout: Layout,
+    custom: Mapping[str, CustomStat] | None = None,
+) -> DeviceSummary:
+    """Summary of the array ``x`` for ``layout``, computed where ``x`` lives (traceable).
+
+    Arguments:
+        x: a JAX array (any float dtype; it may be sharded, the summary is that of the
+            global array).
+        layout: the summary layout; its format decides the exponent range and the
+            underflow/overflow thresholds.
+        custom: functions for ``layout.extras``, by name, in the same order; each maps the
+            array to a scalar.
+
+    Returns:
+        A :class:`DeviceSummary`; :func:`to_vector` of its host copy equals
+        ``tandv.stats.summarize(x, layout.format)[0]`` (counts, extrema and exponent counts
+        exactly, moments to float32 rounding).
+    """
+    return summarize_many_jax([x], layout, custom)[0]
+
+
+def summarize_many_jax(
+    arrays: Sequence[Any],
+    layout: Layout,
+    custom: Mapping[str, CustomStat] | None = None,
+) -> list[DeviceSummary]:
+    """Summaries of several arrays of one dtype, computed together (traceable).
+
+    The compiled program has the size of one summary whatever the number of arrays.
+    """
+    names = [name for name, _ in layout.extras]
+    if list(custom or {}) != names:
+        raise ValueError(
+            f"custom statistics {sorted(custom or {})} do not match the layout's extras {names}"
+        )
+    arrays = [jnp.asarray(a) for a in arrays]
+    if not arrays:
+        return []
+    fb = _bits_for(arrays[0].dtype)
+    if any(_bits_for(a.dtype) != fb for a in arrays):
+        raise ValueError("summarize_many_jax: arrays must share one compute dtype (float64 or not)")
+    parts, row_seg, pads = [], [], []
+    for i, a in enumerate(arrays):
+        rows = max(1, -(-a.size // ROW))
+        pad = rows * ROW - a.size
+        parts.append(a.reshape(-1).astype(fb.float_dtype))
+        if pad:
+            parts.append(jnp.full(pad, np.nan, fb.float_dtype))
+        row_seg += [i] * rows
+        pads.append(pad)
+    block = (jnp.concatenate(parts) if len(parts) > 1 else parts[0]).reshape(-1, ROW)
+    counts, values = _summarize_rows(block, np.asarray(row_seg, np.int32), np.asarray(pads, np.int32),
+                                     layout, fb)
+    out = []
+    for i, a in enumerate(arrays):
+        extra = [jnp.asarray(fn(a), values.dtype).reshape(1) for fn in (custom or {}).values()]
+        out.append(DeviceSummary(counts[i], jnp.concatenate([values[i], *extra])))
+    return out
+
+
+def _reduce_rows(ops: list[tuple[Any, str]]) -> list[Any]:
+    """Row-wise (axis 1) sums / minima of several ``[rows, ROW]`` arrays in one variadic
+    reduction (XLA:CPU runs one variadic reduce far faster than many fused ones)."""
+    inits = tuple(np.array(0 if kind == "sum" else np.iinfo(np.dtype(a.dtype)).max, a.dtype)
+                  for a, kind in ops)
+    kinds = [kind for _, kind in ops]
+
+    def combine(x: tuple, y: tuple) -> tuple:
+        return tuple(a + b if k == "sum" else jnp.minimum(a, b) for a, b, k in zip(x, y, kinds))
+
+    return list(jax.lax.reduce(tuple(a for a, _ in ops), inits, combine, (1,)))
+
+
+def _summarize_rows(block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: Layout,
+                    fb: _Bits) -> tuple[Any, Any]:
+    """Counts ``[num, 4 + bins]`` and values ``[num, 10]`` of the arrays laid out in ``block``
+    (``[rows, ROW]``; row r belongs to array ``row_seg[r]``, padded with ``pads`` NaNs)."""
+    cdt, idt = fb.float_dtype, fb.int_dtype
+    width = np.dtype(idt).itemsize * 8
+    mb, bias, mask = fb.mantissa_bits, fb.exponent_bias, fb.magnitude_mask
+    num = len(pads)
+    seg = jnp.asarray(row_seg)
+
+    def per_array(v: Any, kind: str) -> Any:  # combine per-row partials into per-array values
+        if num == 1:  # a plain reduction: no scatter
+            return (jnp.sum if kind == "sum" else jnp.min)(v, axis=0, keepdims=True)
+        op = jax.ops.segment_sum if kind == "sum" else jax.ops.segment_min
+        return op(v, seg, num_segments=num, indices_are_sorted=True)
+
+    def per_row(v: Any) -> Any:  # one value per array -> broadcastable per row
+        return v[:, None] if num == 1 else v[seg][:, None]
+
+    # Classification, extrema and exponents are computed on the bit patterns: integer
+    # operations are exact where float ones are not (XLA:CPU treats subnormal inputs as
+    # zero in float comparisons and arithmetic).
+    bits = jax.lax.bitcast_convert_type(block, idt)
+    mag = bits & mask  # |x| as bits; for non-negative floats, integer order == float order
+    inf_bits = fb.inf_bits
+    nan = mag > inf_bits
+    inf = mag == inf_bits
+    fin = mag < inf_bits
+    zero = mag == 0
+    nonzero = fin & ~zero
+
+    def as_float(b: Any) -> Any:
+        return jax.lax.bitcast_convert_type(jnp.asarray(b, idt), cdt)
+
+    def order_key(b: Any) -> Any:  # involution mapping float bits to an order-preserving int
+        return b ^ ((b >> (width - 1)) & mask)
+
+    def floor_log2(m: Any) -> Any:  # exact floor(log2|x|) of a finite non-zero magnitude
+        efield = m >> mb
+        sub = (width - 1 - jax.lax.clz(m)) - (bias + mb - 1)
+        return jnp.where(efield > 0, efield - bias, sub)
+
+    key = order_key(bits)
+    key_ninf = order_key(np.array(inf_bits | ~mask, idt))
+    # Maxima as minima of the bitwise complement (exact, no overflow).
+    one = jnp.ones((), jnp.int32)
+    r_nan, r_inf, r_zero, r_kmin, r_nkmax, r_amin, r_namax = _reduce_rows([
+        (jnp.where(nan, one, 0), "sum"), (jnp.where(inf, one, 0), "sum"), (jnp.where(zero, one, 0), "sum"),
+        (jnp.where(fin, key, inf_bits), "min"), (~jnp.where(fin, key, key_ninf), "min"),
+        (jnp.where(fin, mag, inf_bits), "min"), (~jnp.where(fin, mag, 0), "min"),
+    ])
+    n_nan = per_array(r_nan, "sum") - jnp.asarray(pads)
+    n_inf, n_zero = per_array(r_inf, "sum"), per_array(r_zero, "sum")
+    n_fin = jnp.asarray([int(c) for c in np.bincount(row_seg, minlength=num)], jnp.int32) * ROW \
+        - jnp.asarray(pads) - n_nan - n_inf
+    # Arrays without a finite value get the neutral extrema (+inf, -inf, +inf, 0) whatever
+    # the reductions' identity elements.
+    neutral = jnp.array([inf_bits, ~key_ninf, inf_bits, ~0], idt)
+    ext = jnp.stack([per_array(r, "min") for r in (r_kmin, r_nkmax, r_amin, r_namax)], axis=1)
+    ext = jnp.where(n_fin[:, None] > 0, ext, neutral)
+    vmin, vmax = as_float(order_key(ext[:, 0])), as_float(order_key(~ext[:, 1]))
+    min_abs, s_mag = as_float(ext[:, 2]), ~ext[:, 3]
+    s = as_float(s_mag)
+
+    # Moments are sums over x / s. Dividing a subnormal by s on XLA:CPU would flush it to
+    # zero, so x is first rescaled by 2**k (k = -floor(log2 s)) in the integer domain:
+    # |x| = m * 2**(e - mb) is rebuilt as float(m) * 2**(e - mb + k), all normal numbers.
+    def rescaled(m: Any, k: Any) -> Any:
+        efield = m >> mb
+        normal = efield > 0
+        e_unb = jnp.where(normal, efield - bias, 1 - bias)
+        m_full = jnp.where(normal, (m & ((1 << mb) - 1)) | (1 << mb), m)
+        j = e_unb - mb + k
+        pow2 = jnp.where(j < 1 - bias, 0, as_float((jnp.clip(j, 1 - bias, bias) + bias).astype(idt) << mb))
+        return m_full.astype(cdt) * pow2
+
+    k_arr = jnp.where(s_mag > 0, -floor_log2(s_mag), 0)
+    s_scaled = jnp.where(s_mag > 0, rescaled(s_mag, k_arr), 1)  # s * 2**k, in [1, 2)
+    xs = jnp.where(fin, rescaled(mag, per_row(k_arr)), 0)
+    xs = jnp.where(bits < 0, -xs, xs)  # x * 2**k
+    n = jnp.maximum(n_fin, 1).astype(cdt)
+    mean_k = per_array(jnp.sum(xs, axis=1), "sum") / n
+    # Deviations are taken before dividing by s_scaled, so values close to the mean
+    # subtract exactly; the corrected two-pass term removes the rounding error of mean_k.
+    d = jnp.where(fin, xs - per_row(mean_k), 0)
+    u = jnp.abs(xs) / per_row(s_scaled)  # |x| / s
+    u2 = u * u
+    u4 = u2 * u2
+    sums = [per_array(r, "sum") for r in _reduce_rows(
+        [(d * d, "sum"), (d, "sum"), (u, "sum"), (u2, "sum"), (u4, "sum"), (u4 * u4, "sum")])]
+    m2 = (sums[0] - sums[1] ** 2 / n) / (s_scaled * s_scaled)
+    mean = mean_k / s_scaled * s
+
+    fmt = layout.format
+    nbins = layout.num_counts
+    over = ~nan & ((mag > fb.bits_of(fmt.overflow_threshold)) | inf)
+    under = nonzero & ~over & (mag < fb.bits_of(fmt.underflow_threshold))
+    idx = jnp.clip(floor_log2(mag) - fmt.min_exponent + 1, 1, nbins - 2)
+    idx = jnp.where(under, 0, idx)
+    idx = jnp.where(over, nbins - 1, idx)
+    idx = jnp.where(nonzero | over, idx, nbins)  # zeros and NaN go to a dropped bin
+    # One small histogram per array (static row ranges): XLA:CPU scatters into a small
+    # histogram much faster than into one long histogram of all arrays.
+    starts = np.searchsorted(row_seg, np.arange(num + 1))
+    idx = idx.astype(jnp.int32)
+    bins = jnp.stack([jnp.bincount(idx[starts[i]:starts[i + 1]].reshape(-1), length=nbins + 1)[:nbins]
+                      for i in range(num)]).astype(jnp.int32)
+
+    numel = n_fin + n_nan + n_inf
+    counts = jnp.concatenate([jnp.stack([numel, n_nan, n_inf, n_zero], axis=1), bins], axis=1)
+    values = jnp.stack([vmin, vmax, min_abs, s, mean, m2, *sums[2:]], axis=1)
+    return counts, values
+
+
+def to_vector(summary: DeviceSummary) -> np.ndarray:
+    """The float64 summary vector (layout order) of a summary fetched to the host."""
+    counts = np.asarray(summary.counts, dtype=np.float64)
+    values = np.asarray(summary.values, dtype=np.float64)
+    return np.concatenate([counts[:_N_INT], values[:_N_FLOAT], counts[_N_INT:], values[_N_FLOAT:]])

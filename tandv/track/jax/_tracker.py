@@ -1,0 +1,400 @@
+"""The JAX/Flax tracker: ``track(...)`` context manager, ``intercept`` and ``step``."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, Callable, Collection, Mapping, Sequence, TypeVar
+
+import jax
+
+from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
+from ...stats.formats import format_name, number_format as _number_format
+from ...stats.summary import MERGE_RULES, Layout
+from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_schedule
+from ._intercept import ROOT_NAME, Probe, acquire_nnx, interception, register, release_nnx, tap
+from ._summary import CustomStat, DeviceSummary, summarize_jax, summarize_many_jax, to_vector
+from ._trees import Leaf, is_float_array, key_name, optimizer_state_leaves, param_leaves
+
+__all__ = ["JaxTracker", "track"]
+
+T = TypeVar("T")
+_tokens = itertools.count(1)
+#: Arrays with at least this many elements are summarized by a program of their own.
+_OWN_PROGRAM_SIZE = 1 << 16
+
+
+def _is_nnx_module(x: Any) -> bool:
+    from flax import nnx
+
+    return isinstance(x, nnx.Module)
+
+
+def _is_nnx_optimizer(x: Any) -> bool:
+    from flax import nnx
+
+    return isinstance(x, nnx.Optimizer)
+
+
+def _parse_stats(stats: Mapping[str, Any] | None) -> tuple[dict[str, CustomStat], tuple[tuple[str, str], ...]]:
+    if stats is None:
+        return {}, ()
+    if not isinstance(stats, Mapping):
+        raise TypeError(
+            f"stats={stats!r}: expected a mapping {{name: fn}} or {{name: (fn, merge_rule)}} of custom "
+            f"statistics (the default statistics are always logged)"
+        )
+    fns: dict[str, CustomStat] = {}
+    extras = []
+    for name, spec in stats.items():
+        if callable(spec):
+            fn, rule = spec, "mean"
+        elif isinstance(spec, tuple) and len(spec) == 2:
+            fn, rule = spec
+        else:
+            fn, rule = None, None
+        if not isinstance(name, str) or not callable(fn) or rule not in MERGE_RULES:
+            raise ValueError(
+                f"stats[{name!r}]: expected a function array -> scalar, or (function, rule) with rule "
+                f"one of {MERGE_RULES}; got {spec!r}"
+            )
+        fns[name] = fn
+        extras.append((name, rule))
+    return fns, tuple(extras)
+
+
+class JaxTracker:
+    """Tracks one JAX/Flax training run; create it with :func:`track`.
+
+    Attributes:
+        path: where the log is written.
+        step_count: the index of the current step (the number of :meth:`step` calls so far).
+    """
+
+    def __init__(
+        self,
+        model_state: Any = None,
+        optimizer_state: Any = None,
+        *,
+        track_activations: bool = True,
+        track_gradients: bool = True,
+        include: Pattern | Sequence[Pattern] | None = None,
+        exclude: Pattern | Sequence[Pattern] | None = None,
+        every: int = 1,
+        schedule: Schedule | str | Collection[int] | None = None,
+        stats: Mapping[str, Any] | None = None,
+        number_format: Any = None,
+        out: str | os.PathLike | None = None,
+        out_format: str = "parquet",
+        run_name: str = "jax",
+        verbose: bool = True,
+    ) -> None:
+        if optimizer_state is not None and model_state is None:
+            raise ValueError(
+                "track(): optimizer_state was given without model_state; optimizer-state leaves are "
+                "named after the parameters they mirror, so pass model_state too"
+            )
+        if model_state is not None and not param_leaves(self._params_of(model_state))[0]:
+            raise ValueError(
+                f"track(): model_state has no floating-point leaves to track (got "
+                f"{type(model_state).__name__}); pass the parameters, e.g. the dict from "
+                f"model.init(...) or an nnx module"
+            )
+        for arg, value in (("track_activations", track_activations), ("track_gradients", track_gradients)):
+            if not isinstance(value, bool):
+                raise TypeError(f"track(): {arg}={value!r}: expected True or False")
+        self._selector = Selector.build(include, exclude)
+        self._schedule = make_schedule(every, schedule)
+        self._custom, self._extras = _parse_stats(stats)
+        self._format = None if number_format is None else _number_format(number_format)
+        self._track_activations = track_activations
+        self._track_gradients = track_gradients
+        self._has_model = model_state is not None
+        self._has_optimizer = optimizer_state is not None
+        self._layouts: dict[str, Layout] = {}
+        self._module_types: dict[str, type] = {}
+        self._names_cache: dict[Any, Any] = {}
+        self._summarize_many = jax.jit(self._summaries)
+        # Taps call a jitted summary: compiled once per shape and dtype when the update runs
+        # eagerly, and traced once per shape (then inlined) when it is jitted.
+        self._summarize_one = jax.jit(self._summarize)
+        self._token = next(_tokens)
+        self._intercepted = False
+        self._next_weights: list[tuple[Leaf, Any, DeviceSummary]] = []
+        self.step_count = 0
+        self._recorder = StepRecorder(out, out_format, run_name, verbose=verbose)
+        self.path = self._recorder.path
+        register(self._token, self)
+        acquire_nnx()
+        if model_state is not None:
+            self._learn_nnx_types(model_state)
+            self._prepare_weights(self._params_of(model_state), 0)
+
+    # ------------------------------------------------------------------ context manager
+
+    def __enter__(self) -> "JaxTracker":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> os.PathLike:
+        """Write what is buffered and finish the log (idempotent); returns its path.
+
+        An unfinished step (intercepted but not closed by :meth:`step`) is dropped."""
+        if not self._recorder.closed:
+            release_nnx()
+        self._recorder.close()
+        return self.path
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._recorder.closed
+
+    def _check_open(self, method: str) -> None:
+        if self._recorder.closed:
+            raise RuntimeError(f"tracker.{method}(): the tracker is closed (its `with` block has ended)")
+
+    # ------------------------------------------------------------------ summaries
+
+    def _layout(self, dtype: Any) -> Layout:
+        name = format_name(dtype)
+        layout = self._layouts.get(name)
+        if layout is None:
+            layout = Layout(self._format or _number_format(name), self._extras)
+            self._layouts[name] = layout
+        return layout
+
+    def _summarize(self, x: jax.Array) -> DeviceSummary:
+        return summarize_jax(x, self._layout(x.dtype), self._custom)
+
+    def _summaries(self, arrays: list[jax.Array]) -> list[DeviceSummary]:
+        """Summaries of many arrays; arrays of one dtype are reduced together by segment."""
+        groups: dict[str, list[int]] = {}
+        for i, x in enumerate(arrays):
+            groups.setdefault(format_name(x.dtype), []).append(i)
+        out: list[Any] = [None] * len(arrays)
+        for dtype, idx in groups.items():
+            layout = self._layout(dtype)
+            # Large arrays run faster through their own program (no copy into a shared
+            # block); small ones share one, which keeps compile time down.
+            small = [i for i in idx if arrays[i].size < _OWN_PROGRAM_SIZE]
+            for i in idx:
+                if arrays[i].size >= _OWN_PROGRAM_SIZE:
+                    out[i] = summarize_jax(arrays[i], layout, self._custom)
+            for i, summary in zip(small, summarize_many_jax([arrays[i] for i in small], layout, self._custom)):
+                out[i] = summary
+        return out
+
+    def _types_of(self, name: str) -> Sequence[type]:
+        module = name.rpartition(".")[0] if "." in name else ROOT_NAME
+        cls = self._module_types.get(module)
+        return cls.__mro__ if cls is not None else ()
+
+    def _key(self, leaf: Leaf, tensor_type: str, dtype: Any) -> TensorKey:
+        types = self._types_of(leaf.param)
+        return TensorKey(leaf.name, tensor_type, types[0].__name__ if types else "", format_name(dtype))
+
+    # ------------------------------------------------------------------ activations
+
+    def intercept(self, f: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``f(*args, **kwargs)`` and return exactly what it returns, summarizing every Flax
+        module output (``Activation``) and its cotangent (``Gradient``) on tracked steps.
+
+        ``f`` may be plain Python, ``jax.jit``/``nnx.jit``-compiled, or call jitted code; it is
+        traced at most twice (with and without tracking), not once per step. Exceptions from
+        ``f`` propagate unchanged.
+        """
+        self._check_open("intercept")
+        if not callable(f):
+            raise TypeError(f"tracker.intercept(f, ...): f must be the update function; got {f!r}")
+        if not (self._track_activations or self._track_gradients) or not self._schedule(self.step_count):
+            return f(*args, **kwargs)
+        self._intercepted = True
+        with interception(self._token, self._on_output):
+            return f(*args, **kwargs)
+
+    def _on_output(self, name: str, cls: type, out: Any) -> Any:
+        """Wrap the float leaves of one module output in taps (called while tracing)."""
+        self._module_types.setdefault(name, cls)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(out)
+        wrapped = []
+        for path, leaf in flat:
+            if is_float_array(leaf):
+                parts = [name] if name else []
+                if len(flat) > 1:
+                    parts += [key_name(k) for k in path]
+                leaf_name = ".".join(parts)
+                if self._selector(leaf_name, cls.__mro__):
+                    probe = Probe(self._token, leaf_name, cls.__name__, self._track_activations,
+                                  self._track_gradients, self._summarize_one)
+                    leaf = tap(probe, leaf)
+            wrapped.append(leaf)
+        return jax.tree_util.tree_unflatten(treedef, wrapped)
+
+    def _receive(self, name: str, module_type: str, tensor_type: str, dtype: str,
+                 summary: DeviceSummary) -> None:
+        """A tap's summary arriving from the device (called by the tap's ``io_callback``)."""
+        if not self._recorder.closed:
+            self._recorder.add(TensorKey(name, tensor_type, module_type, format_name(dtype)),
+                               self._layout(dtype), summary)
+
+    # ------------------------------------------------------------------ step
+
+    @staticmethod
+    def _params_of(model_state: Any) -> Any:
+        if _is_nnx_module(model_state):
+            from flax import nnx
+
+            return nnx.state(model_state, nnx.Param)
+        return model_state
+
+    @staticmethod
+    def _opt_of(optimizer_state: Any) -> Any:
+        return optimizer_state.opt_state if _is_nnx_optimizer(optimizer_state) else optimizer_state
+
+    def _learn_nnx_types(self, model_state: Any) -> None:
+        if _is_nnx_module(model_state):
+            from flax import nnx
+
+            for path, node in nnx.iter_graph(model_state):
+                if isinstance(node, nnx.Module):
+                    self._module_types.setdefault(".".join(map(str, path)) or ROOT_NAME, type(node))
+
+    def _named(self, kind: str, tree: Any, params: Any = None) -> tuple[list[Leaf], list[Any]]:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        cache_key = (kind, treedef, None if params is None else jax.tree_util.tree_structure(params))
+        named = self._names_cache.get(cache_key)
+        if named is None:
+            if kind == OPTIMISER_STATE:
+                named = optimizer_state_leaves(tree, params)
+            else:
+                named = [leaf for _, leaf in param_leaves(tree)[0]]
+            self._names_cache[cache_key] = named
+        named = [n for n in named if self._selector(n.name, self._types_of(n.param))]
+        return named, [leaves[n.index] for n in named]
+
+    def _prepare_weights(self, params: Any, step: int) -> None:
+        """Start summarizing the weights that step ``step``'s forward pass will use (now, so a
+        later buffer donation cannot delete them)."""
+        self._next_weights = []
+        if not self._schedule(step):
+            return
+        named, arrays = self._named(WEIGHT, params)
+        summaries = self._summarize_many(arrays)
+        self._next_weights = [(n, a.dtype, s) for n, a, s in zip(named, arrays, summaries)]
+
+    def _check_step_args(self, model_state: Any, optimizer_state: Any, gradients: Any) -> None:
+        for arg, given, told in (("model_state", model_state is not None, self._has_model),
+                                 ("optimizer_state", optimizer_state is not None, self._has_optimizer)):
+            if given and not told:
+                raise ValueError(
+                    f"tracker.step(): got {arg}, but track() was not given {arg}; pass {arg}= to "
+                    f"track() to track it, or leave it out of step()"
+                )
+            if told and not given:
+                raise ValueError(
+                    f"tracker.step(): {arg} is missing; track() was given {arg}, so pass the updated "
+                    f"one after each update: tracker.step({arg}=...)"
+                )
+        if gradients is not None and not self._track_gradients:
+            raise ValueError(
+                "tracker.step(): got gradients, but track(track_gradients=False); leave gradients out "
+                "or enable track_gradients"
+            )
+        if gradients is None and self._track_gradients and self._has_model:
+            raise ValueError(
+                "tracker.step(): gradients is missing; with model_state and track_gradients=True, pass "
+                "the step's parameter gradients: tracker.step(model_state, optimizer_state, gradients) "
+                "(or track(track_gradients=False))"
+            )
+
+    def step(self, model_state: Any = None, optimizer_state: Any = None, gradients: Any = None) -> None:
+        """Close the current step, after the update.
+
+        Arguments:
+            model_state: the *updated* parameters (or nnx module), when ``track`` was given
+                ``model_state``. The Weight rows of step k hold the weights that step k's
+                forward pass used, so these become the Weight rows of the next step.
+            optimizer_state: the optimizer state after this update (or ``nnx.Optimizer``), when
+                ``track`` was given ``optimizer_state``.
+            gradients: this step's parameter gradients (same tree as the parameters), required
+                when ``track`` was given ``model_state`` and ``track_gradients`` is on.
+
+        Raises:
+            ValueError: naming an argument that is missing or that ``track`` was not told about.
+        """
+        self._check_open("step")
+        self._check_step_args(model_state, optimizer_state, gradients)
+        k = self.step_count
+        params = None if model_state is None else self._params_of(model_state)
+        if self._schedule(k):
+            named: list[tuple[Leaf, str, Any]] = []
+            if gradients is not None:
+                leaves, arrays = self._named(GRADIENT, self._params_of(gradients))
+                named += [(n, GRADIENT, a) for n, a in zip(leaves, arrays)]
+            if optimizer_state is not None:
+                leaves, arrays = self._named(OPTIMISER_STATE, self._opt_of(optimizer_state), params)
+                named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
+            summaries = self._summarize_many([a for _, _, a in named])
+            if self._intercepted:
+                jax.effects_barrier()  # every tap callback of this step has run
+            for leaf, dtype, s in self._next_weights:  # keys now: module types may be known
+                self._recorder.add(self._key(leaf, WEIGHT, dtype), self._layout(dtype), s)
+            for (leaf, tt, a), s in zip(named, summaries):
+                self._recorder.add(self._key(leaf, tt, a.dtype), self._layout(a.dtype), s)
+            self._recorder.end_step(k, lambda xs: [to_vector(s) for s in jax.device_get(xs)])
+        else:
+            self._recorder.discard()
+        self._intercepted = False
+        self.step_count = k + 1
+        if params is not None:
+            self._prepare_weights(params, k + 1)
+
+
+def track(
+    model_state: Any = None,
+    optimizer_state: Any = None,
+    *,
+    track_activations: bool = True,
+    track_gradients: bool = True,
+    include: Pattern | Sequence[Pattern] | None = None,
+    exclude: Pattern | Sequence[Pattern] | None = None,
+    every: int = 1,
+    schedule: Schedule | str | Collection[int] | None = None,
+    stats: Mapping[str, Any] | None = None,
+    number_format: Any = None,
+    out: str | os.PathLike | None = None,
+    out_format: str = "parquet",
+    run_name: str = "jax",
+    verbose: bool = True,
+) -> JaxTracker:
+    """Track a JAX/Flax training run; use as a context manager around the training loop.
+
+    Arguments:
+        model_state: the parameters (linen variables dict / params pytree, an nnx module, or an
+            ``nnx.State``); their leaves give Weight rows and name gradients and optimizer state.
+        optimizer_state: the optax state (or an ``nnx.Optimizer``); leaves that mirror a
+            parameter give Optimiser_State rows ``<param>.<field>``.
+        track_activations: summarize module outputs inside :meth:`JaxTracker.intercept`.
+        track_gradients: summarize the cotangents of module outputs and the parameter
+            gradients passed to :meth:`JaxTracker.step`.
+        include, exclude: regexes searched in tensor names, or module class names/classes.
+        every: track every N-th step (0, N, 2N, ...); ignored when ``schedule`` is given.
+        schedule: a callable ``step -> bool``, ``"linear(interval, offset)"`` or a set of steps.
+        stats: custom statistics ``{name: fn}`` or ``{name: (fn, merge_rule)}``; ``fn`` maps an
+            array to a scalar inside the traced computation (default rule ``"mean"``).
+        number_format: a format name (e.g. ``"float8_e4m3fn"``) for simulated low precision:
+            exponent counts, underflow (``-inf``) and overflow (``+inf``) are those of that
+            format; default each tensor's own dtype.
+        out, out_format: log path and ``"parquet"`` (streamed part files) or ``"pickle"``.
+        run_name: used in the default log path ``tandv_logs/<run_name>-<time>``.
+        verbose: print the log path when the tracker opens.
+    """
+    return JaxTracker(
+        model_state, optimizer_state, track_activations=track_activations,
+        track_gradients=track_gradients, include=include, exclude=exclude, every=every,
+        schedule=schedule, stats=stats, number_format=number_format, out=out,
+        out_format=out_format, run_name=run_name, verbose=verbose,
+    )

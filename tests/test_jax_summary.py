@@ -1,0 +1,103 @@
+"""summarize_jax against the numpy reference tandv.stats.summarize."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.extra import numpy as hnp  # noqa: E402
+
+from tandv.stats import Layout, finalize, summarize  # noqa: E402
+from tandv.stats.summary import CORE_FIELDS  # noqa: E402
+from tandv.track.jax import summarize_jax, to_vector  # noqa: E402
+
+EXACT = [CORE_FIELDS.index(f) for f in ("numel", "nan_count", "inf_count", "zero_count",
+                                         "min", "max", "min_abs", "max_abs")]
+MOMENTS = [CORE_FIELDS.index(f) for f in ("mean", "m2", "p1", "p2", "p4", "p8")]
+
+
+_jitted = {}
+
+
+def _device(x, fmt=None):
+    ref, layout = summarize(np.asarray(x), fmt)
+    if layout not in _jitted:  # one compile per layout (and shape), not per call
+        _jitted[layout] = jax.jit(lambda a: summarize_jax(a, layout))
+    return ref, layout, to_vector(jax.device_get(_jitted[layout](jnp.asarray(x))))
+
+
+def assert_matches(x, fmt=None):
+    ref, layout, got = _device(x, fmt)
+    np.testing.assert_array_equal(got[EXACT], ref[EXACT])
+    np.testing.assert_array_equal(got[layout.counts_start:layout.extras_start],
+                                  ref[layout.counts_start:layout.extras_start])
+    np.testing.assert_allclose(got[MOMENTS], ref[MOMENTS], rtol=2e-5, atol=1e-6 * max(1.0, ref[8]))
+    return ref, layout, got
+
+
+rng = np.random.default_rng(0)
+SPECIALS = np.array([1e-45, 3e-42, -1e-40, 1.2e-38, 0.0, -0.0, np.nan, np.inf, -np.inf,
+                     1.0, -2.0, 3.4e38, -7.5], np.float32)
+
+
+@pytest.mark.parametrize("x, fmt", [
+    (rng.normal(size=(16, 33)).astype(np.float32), None),
+    (rng.normal(size=(16, 33)).astype(np.float32), "float8_e4m3fn"),
+    (rng.normal(size=(16, 33)).astype(np.float32) * 1e30, "bfloat16"),
+    (rng.normal(size=(16, 33)).astype(np.float32) * 1e-38, None),  # mostly float32 subnormals
+    (SPECIALS, None),
+    (SPECIALS, "float16"),
+    (SPECIALS, "float64"),
+    (rng.normal(size=500).astype(ml_dtypes.bfloat16), None),
+    (rng.normal(size=500).astype(np.float16) * np.float16(1e-6), None),  # float16 subnormals
+    (rng.normal(size=64).astype(ml_dtypes.float8_e4m3fn), None),
+    (np.zeros((0, 3), np.float32), None),
+    (np.array([np.nan, np.inf], np.float32), None),
+], ids=["f32", "f32-as-e4m3", "f32-as-bf16", "f32-subnormal", "specials", "specials-as-f16",
+        "specials-as-f64", "bf16", "f16-subnormal", "e4m3", "empty", "no-finite"])
+def test_matches_reference(x, fmt):
+    assert_matches(x, fmt)
+
+
+def test_variance_accurate_when_mean_dominates():
+    x = (np.float32(1000.0) + rng.normal(size=4096).astype(np.float32) * np.float32(1e-3))
+    ref, layout, got = assert_matches(x)
+    std_ref = finalize(ref, layout)[0]["std"]
+    std_got = finalize(got, layout)[0]["std"]
+    assert std_got == pytest.approx(std_ref, rel=1e-3)
+    assert std_ref == pytest.approx(np.std(x.astype(np.float64)), rel=1e-6)
+
+
+def test_custom_statistic_is_appended():
+    x = rng.normal(size=100).astype(np.float32)
+    layout = Layout("float32", (("l1", "sum"),))
+    fn = jax.jit(lambda a: summarize_jax(a, layout, {"l1": lambda v: jnp.sum(jnp.abs(v))}))
+    got = to_vector(jax.device_get(fn(jnp.asarray(x))))
+    assert got[layout.extras_start] == pytest.approx(np.abs(x).sum(), rel=1e-5)
+    with pytest.raises(ValueError, match="do not match the layout's extras"):
+        summarize_jax(jnp.asarray(x), layout, {})
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(np.float32, 41, elements=st.floats(width=32, allow_nan=True, allow_infinity=True)),
+       st.sampled_from([None, "bfloat16", "float8_e5m2"]))
+def test_matches_reference_property(x, fmt):
+    assert_matches(x, fmt)
+
+
+def test_summarize_many_equals_one_by_one():
+    from tandv.track.jax import summarize_many_jax
+
+    arrays = [rng.normal(size=(3, 4)).astype(np.float32), SPECIALS, np.zeros((0,), np.float32),
+              rng.normal(size=7).astype(np.float32) * 1e-39]
+    layout = Layout("float32")
+    many = jax.jit(lambda xs: summarize_many_jax(xs, layout))([jnp.asarray(a) for a in arrays])
+    for a, got in zip(arrays, jax.device_get(many)):
+        ref = summarize(a)[0]
+        got = to_vector(got)
+        np.testing.assert_array_equal(got[EXACT], ref[EXACT])
+        np.testing.assert_array_equal(got[layout.counts_start:], ref[layout.counts_start:])
+        np.testing.assert_allclose(got[MOMENTS], ref[MOMENTS], rtol=2e-5, atol=1e-6)
