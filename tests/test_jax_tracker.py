@@ -447,3 +447,27 @@ def test_sharded_run_logs_global_statistics(tmp_path, linen_runs):
     sharded, history = captured_run(tmp_path / "sharded", True, shard)
     assert len(history[-1][0]["params"]["Dense_0"]["kernel"].sharding.device_set) == 2
     assert_same_log(sharded, linen_runs["jit"][0])
+
+
+def test_param_names_skip_other_linen_collections_and_non_float_leaves():
+    from tandv.track.jax._trees import param_leaves
+
+    variables = {"params": {"BatchNorm_0": {"scale": jnp.ones(3), "bias": jnp.zeros(3)},
+                            "layers": [{"kernel": jnp.ones((2, 2))}], "ids": jnp.arange(3)},
+                 "batch_stats": {"BatchNorm_0": {"mean": jnp.zeros(3), "var": jnp.ones(3)}}}
+    leaves, _ = param_leaves(variables)
+    assert {leaf.name for _, leaf in leaves} == {"BatchNorm_0.scale", "BatchNorm_0.bias", "layers.0.kernel"}
+    flat = jax.tree_util.tree_leaves(variables)
+    for _, leaf in leaves:  # indices point at the right leaves
+        assert flat[leaf.index].dtype == jnp.float32
+
+
+def test_bfloat16_parameters_are_summarized_in_their_own_format(tmp_path):
+    params = {"params": {"w": (jnp.arange(-6, 6, dtype=jnp.float32) / 7).astype(jnp.bfloat16)}}
+    with track(params, out=tmp_path / "log", verbose=False, track_gradients=False) as tracker:
+        with pytest.raises(TypeError, match="f must be the update function"):
+            tracker.intercept(None)
+        tracker.step(params)
+    df = read_log(tmp_path / "log")
+    assert row(df, "w", "Weight", 0)[("metadata", "dtype")] == "bfloat16"
+    assert_row_matches(df, "w", "Weight", 0, np.asarray(params["params"]["w"]))
