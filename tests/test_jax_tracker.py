@@ -201,8 +201,14 @@ def test_jitted_update_is_traced_once_per_tracking_mode(tmp_path):
     df = read_log(tmp_path / "every2")
     assert sorted(df[("metadata", "step")].unique()) == [0, 2, 4]
     # Calling the jitted update outside a tracker runs the untracked version: no retrace.
-    update(params, state, x, y)
+    # And tracking never changes training: the same 8 steps untracked give identical bits.
+    p = model.init(jax.random.key(1), x)
+    s = opt.init(p)
+    for _ in range(8):
+        p, s, _ = update(p, s, x, y)
     assert len(traces) == 3
+    for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((p, s))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_exception_in_update_propagates_and_completed_steps_are_on_disk(tmp_path):
