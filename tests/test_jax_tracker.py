@@ -201,8 +201,14 @@ def test_jitted_update_is_traced_once_per_tracking_mode(tmp_path):
     df = read_log(tmp_path / "every2")
     assert sorted(df[("metadata", "step")].unique()) == [0, 2, 4]
     # Calling the jitted update outside a tracker runs the untracked version: no retrace.
-    update(params, state, x, y)
+    # And tracking never changes training: the same 8 steps untracked give identical bits.
+    p = model.init(jax.random.key(1), x)
+    s = opt.init(p)
+    for _ in range(8):
+        p, s, _ = update(p, s, x, y)
     assert len(traces) == 3
+    for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((p, s))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_exception_in_update_propagates_and_completed_steps_are_on_disk(tmp_path):
@@ -416,11 +422,11 @@ def test_nnx_model_and_optimizer(tmp_path):
     assert row(df, "l1", "Activation", 0)[("metadata", "type")] == "Linear"
     assert row(df, "l1.kernel", "Weight", 0)[("metadata", "type")] == "Linear"
     for step, (before, grads) in enumerate(history):
-        assert_row_matches(df, "l1.kernel", "Weight", step, before["l1"]["kernel"].value)
-        assert_row_matches(df, "l2.bias", "Gradient", step, grads["l2"]["bias"].value)
-        h = x @ before["l1"]["kernel"].value + before["l1"]["bias"].value
+        assert_row_matches(df, "l1.kernel", "Weight", step, before["l1"]["kernel"].get_value())
+        assert_row_matches(df, "l2.bias", "Gradient", step, grads["l2"]["bias"].get_value())
+        h = x @ before["l1"]["kernel"].get_value() + before["l1"]["bias"].get_value()
         assert_row_matches(df, "l1", "Activation", step, h)
-    mu = optimizer.opt_state[0].mu["l2"]["kernel"].value
+    mu = optimizer.opt_state[0].mu["l2"]["kernel"].get_value()
     assert_row_matches(df, "l2.kernel.mu", "Optimiser_State", 2, mu)
 
 
@@ -447,3 +453,27 @@ def test_sharded_run_logs_global_statistics(tmp_path, linen_runs):
     sharded, history = captured_run(tmp_path / "sharded", True, shard)
     assert len(history[-1][0]["params"]["Dense_0"]["kernel"].sharding.device_set) == 2
     assert_same_log(sharded, linen_runs["jit"][0])
+
+
+def test_param_names_skip_other_linen_collections_and_non_float_leaves():
+    from tandv.track.jax._trees import param_leaves
+
+    variables = {"params": {"BatchNorm_0": {"scale": jnp.ones(3), "bias": jnp.zeros(3)},
+                            "layers": [{"kernel": jnp.ones((2, 2))}], "ids": jnp.arange(3)},
+                 "batch_stats": {"BatchNorm_0": {"mean": jnp.zeros(3), "var": jnp.ones(3)}}}
+    leaves, _ = param_leaves(variables)
+    assert {leaf.name for _, leaf in leaves} == {"BatchNorm_0.scale", "BatchNorm_0.bias", "layers.0.kernel"}
+    flat = jax.tree_util.tree_leaves(variables)
+    for _, leaf in leaves:  # indices point at the right leaves
+        assert flat[leaf.index].dtype == jnp.float32
+
+
+def test_bfloat16_parameters_are_summarized_in_their_own_format(tmp_path):
+    params = {"params": {"w": (jnp.arange(-6, 6, dtype=jnp.float32) / 7).astype(jnp.bfloat16)}}
+    with track(params, out=tmp_path / "log", verbose=False, track_gradients=False) as tracker:
+        with pytest.raises(TypeError, match="f must be the update function"):
+            tracker.intercept(None)
+        tracker.step(params)
+    df = read_log(tmp_path / "log")
+    assert row(df, "w", "Weight", 0)[("metadata", "dtype")] == "bfloat16"
+    assert_row_matches(df, "w", "Weight", 0, np.asarray(params["params"]["w"]))

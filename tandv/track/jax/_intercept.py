@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 import jax
 from jax.experimental import io_callback
 
-from ._summary import DeviceSummary, summarize_jax
+from ._summary import DeviceSummary
 
 __all__ = ["TRACKING", "Probe", "tap", "register", "interception", "ROOT_NAME", "acquire_nnx", "release_nnx"]
 

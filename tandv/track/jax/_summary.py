@@ -239,10 +239,8 @@ def _summarize_rows(block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: L
     # subtract exactly; the corrected two-pass term removes the rounding error of mean_k.
     d = jnp.where(fin, xs - per_row(mean_k), 0)
     u = jnp.abs(xs) / per_row(s_scaled)  # |x| / s
-    u2 = u * u
-    u4 = u2 * u2
     sums = [per_array(r, "sum") for r in _reduce_rows(
-        [(d * d, "sum"), (d, "sum"), (u, "sum"), (u2, "sum"), (u4, "sum"), (u4 * u4, "sum")])]
+        [(d * d, "sum"), (d, "sum"), *[(u**k, "sum") for k in POWERS]])]
     m2 = (sums[0] - sums[1] ** 2 / n) / (s_scaled * s_scaled)
     mean = mean_k / s_scaled * s
 

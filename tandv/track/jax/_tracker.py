@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, Callable, Collection, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence, TypeVar
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...stats.formats import format_name, number_format as _number_format
@@ -22,6 +24,27 @@ T = TypeVar("T")
 _tokens = itertools.count(1)
 #: Arrays with at least this many elements are summarized by a program of their own.
 _OWN_PROGRAM_SIZE = 1 << 16
+
+
+class _StackRow(NamedTuple):
+    """Row ``row`` of a stacked device summary ``(counts, values)`` of several tensors."""
+
+    stack: tuple[Any, Any]
+    row: int
+
+
+def _to_host(summaries: list[Any]) -> list[np.ndarray]:
+    """Summary vectors of one step's observations, fetched with one ``jax.device_get``:
+    stacked step-time summaries (:class:`_StackRow`) and tap summaries (already on the host)."""
+    stacks = {id(s.stack): s.stack for s in summaries if isinstance(s, _StackRow)}
+    fetched = dict(zip(stacks, jax.device_get(list(stacks.values()))))
+    out = []
+    for s in summaries:
+        if isinstance(s, _StackRow):
+            counts, values = fetched[id(s.stack)]
+            s = DeviceSummary(counts[s.row], values[s.row])
+        out.append(to_vector(s))
+    return out
 
 
 def _is_nnx_module(x: Any) -> bool:
@@ -120,7 +143,7 @@ class JaxTracker:
         self._summarize_one = jax.jit(self._summarize)
         self._token = next(_tokens)
         self._intercepted = False
-        self._next_weights: list[tuple[Leaf, Any, DeviceSummary]] = []
+        self._next_weights: list[tuple[Leaf, Any, _StackRow]] = []
         self.step_count = 0
         self._recorder = StepRecorder(out, out_format, run_name, verbose=verbose)
         self.path = self._recorder.path
@@ -169,23 +192,38 @@ class JaxTracker:
     def _summarize(self, x: jax.Array) -> DeviceSummary:
         return summarize_jax(x, self._layout(x.dtype), self._custom)
 
-    def _summaries(self, arrays: list[jax.Array]) -> list[DeviceSummary]:
-        """Summaries of many arrays; arrays of one dtype are reduced together by segment."""
+    @staticmethod
+    def _groups(arrays: Sequence[Any]) -> list[tuple[str, list[int]]]:
+        """Indices of ``arrays`` by dtype name, in first-seen order."""
         groups: dict[str, list[int]] = {}
         for i, x in enumerate(arrays):
             groups.setdefault(format_name(x.dtype), []).append(i)
-        out: list[Any] = [None] * len(arrays)
-        for dtype, idx in groups.items():
+        return list(groups.items())
+
+    def _summaries(self, arrays: list[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
+        """Traced: per dtype group, the stacked counts and values of its arrays' summaries
+        (stacked so that the host fetches a few arrays, not two per tensor)."""
+        out = []
+        for dtype, idx in self._groups(arrays):
             layout = self._layout(dtype)
             # Large arrays run faster through their own program (no copy into a shared
             # block); small ones share one, which keeps compile time down.
             small = [i for i in idx if arrays[i].size < _OWN_PROGRAM_SIZE]
+            parts = dict(zip(small, summarize_many_jax([arrays[i] for i in small], layout, self._custom)))
             for i in idx:
-                if arrays[i].size >= _OWN_PROGRAM_SIZE:
-                    out[i] = summarize_jax(arrays[i], layout, self._custom)
-            for i, summary in zip(small, summarize_many_jax([arrays[i] for i in small], layout, self._custom)):
-                out[i] = summary
+                if i not in parts:
+                    parts[i] = summarize_jax(arrays[i], layout, self._custom)
+            out.append((jnp.stack([parts[i].counts for i in idx]), jnp.stack([parts[i].values for i in idx])))
         return out
+
+    def _summarize_arrays(self, arrays: list[jax.Array]) -> list[_StackRow]:
+        """Start summarizing ``arrays`` on device (one jitted call); one handle per array."""
+        stacks = self._summarize_many(arrays)
+        rows: list[Any] = [None] * len(arrays)
+        for (_, idx), stack in zip(self._groups(arrays), stacks):
+            for r, i in enumerate(idx):
+                rows[i] = _StackRow(stack, r)
+        return rows
 
     def _types_of(self, name: str) -> Sequence[type]:
         module = name.rpartition(".")[0] if "." in name else ROOT_NAME
@@ -282,7 +320,7 @@ class JaxTracker:
         if not self._schedule(step):
             return
         named, arrays = self._named(WEIGHT, params)
-        summaries = self._summarize_many(arrays)
+        summaries = self._summarize_arrays(arrays)
         self._next_weights = [(n, a.dtype, s) for n, a, s in zip(named, arrays, summaries)]
 
     def _check_step_args(self, model_state: Any, optimizer_state: Any, gradients: Any) -> None:
@@ -337,14 +375,14 @@ class JaxTracker:
             if optimizer_state is not None:
                 leaves, arrays = self._named(OPTIMISER_STATE, self._opt_of(optimizer_state), params)
                 named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
-            summaries = self._summarize_many([a for _, _, a in named])
+            summaries = self._summarize_arrays([a for _, _, a in named])
             if self._intercepted:
                 jax.effects_barrier()  # every tap callback of this step has run
             for leaf, dtype, s in self._next_weights:  # keys now: module types may be known
                 self._recorder.add(self._key(leaf, WEIGHT, dtype), self._layout(dtype), s)
             for (leaf, tt, a), s in zip(named, summaries):
                 self._recorder.add(self._key(leaf, tt, a.dtype), self._layout(a.dtype), s)
-            self._recorder.end_step(k, lambda xs: [to_vector(s) for s in jax.device_get(xs)])
+            self._recorder.end_step(k, _to_host)
         else:
             self._recorder.discard()
         self._intercepted = False
