@@ -17,6 +17,6 @@ def test_jax_demo_writes_a_log_with_every_tensor_type(tmp_path):
     assert set(m["tensor_type"]) == {"Activation", "Gradient", "Weight", "Optimiser_State"}
     step0 = set(m["name"][m["step"] == 0])
     assert {"layers_0.attn.query.kernel", "layers_0.attn.query.kernel.mu", "embed.embedding",
-            "pos_embedding", "layers_0.attn", "head", ""} <= step0
+            "pos_embedding", "layers_0.attn", "head", "root"} <= step0
     with pytest.raises(ValueError, match="steps=0"):
         run(steps=0, out=tmp_path / "bad")

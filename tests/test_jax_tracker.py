@@ -139,11 +139,11 @@ def test_linen_rows_match_reference(linen_runs, mode):
               "Dense_1.kernel", "Dense_1.bias"}
     assert names(df, "Weight") == pnames
     assert names(df, "Optimiser_State") == {f"{p}.{f}" for p in pnames for f in ("mu", "nu")}
-    assert names(df, "Activation") == {"Dense_0", "LayerNorm_0", "Dense_1", ""}
-    assert names(df, "Gradient") == pnames | {"Dense_0", "LayerNorm_0", "Dense_1", ""}
+    assert names(df, "Activation") == {"Dense_0", "LayerNorm_0", "Dense_1", "root"}
+    assert names(df, "Gradient") == pnames | {"Dense_0", "LayerNorm_0", "Dense_1", "root"}
     assert row(df, "Dense_0.kernel", "Weight", 0)[("metadata", "type")] == "Dense"
     assert row(df, "Dense_0", "Activation", 0)[("metadata", "type")] == "Dense"
-    assert row(df, "", "Activation", 0)[("metadata", "type")] == "MLP"
+    assert row(df, "root", "Activation", 0)[("metadata", "type")] == "MLP"
 
     for step, (before, grads, state, (inter, cot, cot_out, out)) in enumerate(history):
         # Weights used in this step's forward pass, gradients of this step, state after it.
@@ -156,8 +156,8 @@ def test_linen_rows_match_reference(linen_runs, mode):
         for k in mods:
             assert_row_matches(df, k, "Activation", step, inter["intermediates"][k]["__call__"][0])
             assert_row_matches(df, k, "Gradient", step, cot[f"at_{k}"])
-        assert_row_matches(df, "", "Activation", step, out)
-        assert_row_matches(df, "", "Gradient", step, cot_out)
+        assert_row_matches(df, "root", "Activation", step, out)
+        assert_row_matches(df, "root", "Gradient", step, cot_out)
 
 
 def _get(tree, path):
@@ -191,7 +191,7 @@ def test_jitted_update_is_traced_once_per_tracking_mode(tmp_path):
             params, state, grads = tracker.intercept(update, params, state, x, y)
             tracker.step(params, state, grads)
     assert len(traces) == 1
-    assert names(read_log(tmp_path / "every1"), "Activation", step=2) == {""}
+    assert names(read_log(tmp_path / "every1"), "Activation", step=2) == {"root"}
     with track(params, state, out=tmp_path / "every2", every=2, verbose=False) as tracker:
         for _ in range(5):
             params, state, grads = tracker.intercept(update, params, state, x, y)
@@ -271,7 +271,7 @@ def test_setup_style_linen_module_names(tmp_path):
     assert names(df, "Gradient") == set()
     assert names(df, "Weight") == {"embed.embedding", "block.proj.kernel", "block.proj.bias",
                                    "block.norm.scale", "block.norm.bias", "head.kernel", "head.bias"}
-    assert names(df, "Activation") == {"embed", "block.proj", "block.norm", "block", "head", ""}
+    assert names(df, "Activation") == {"embed", "block.proj", "block.norm", "block", "head", "root"}
     assert_row_matches(df, "embed.embedding", "Weight", 0, params["params"]["embed"]["embedding"])
     assert_row_matches(df, "head.kernel.mu", "Optimiser_State", 0, state[0].mu["params"]["head"]["kernel"])
     assert row(df, "embed", "Activation", 0)[("metadata", "type")] == "Embed"
@@ -418,7 +418,7 @@ def test_nnx_model_and_optimizer(tmp_path):
     pnames = {"l1.kernel", "l1.bias", "norm.scale", "norm.bias", "l2.kernel", "l2.bias"}
     assert names(df, "Weight") == pnames
     assert names(df, "Optimiser_State") == {f"{p}.{f}" for p in pnames for f in ("mu", "nu")}
-    assert names(df, "Activation") == {"l1", "norm", "l2", ""}
+    assert names(df, "Activation") == {"l1", "norm", "l2", "root"}
     assert row(df, "l1", "Activation", 0)[("metadata", "type")] == "Linear"
     assert row(df, "l1.kernel", "Weight", 0)[("metadata", "type")] == "Linear"
     for step, (before, grads) in enumerate(history):

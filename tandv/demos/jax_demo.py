@@ -101,4 +101,4 @@ def run(steps: int | None = None, out: str | os.PathLike | None = None, seed: in
             tracker.step(params, opt_state, grads)
             if step % 20 == 0 or step == steps - 1:
                 bar.set_postfix(loss=f"{float(loss):.3f}")
-    return Path(tracker.path)
+    return Path(tracker.out_path)

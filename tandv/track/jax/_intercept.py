@@ -47,7 +47,7 @@ TRACKING = jax.make_user_context(None)
 
 #: Name of the outermost module's output (the root of the module tree has an empty path,
 #: as the root module does in PyTorch's ``named_modules``).
-ROOT_NAME = ""
+ROOT_NAME = "root"
 
 _TRACKERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 

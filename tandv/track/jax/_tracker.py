@@ -146,7 +146,7 @@ class JaxTracker:
         self._next_weights: list[tuple[Leaf, Any, _StackRow]] = []
         self.step_count = 0
         self._recorder = StepRecorder(out, out_format, run_name, verbose=verbose)
-        self.path = self._recorder.path
+        self.out_path = self._recorder.path
         register(self._token, self)
         acquire_nnx()
         if model_state is not None:
@@ -168,7 +168,7 @@ class JaxTracker:
         if not self._recorder.closed:
             release_nnx()
         self._recorder.close()
-        return self.path
+        return self.out_path
 
     @property
     def closed(self) -> bool:
@@ -260,10 +260,8 @@ class JaxTracker:
         wrapped = []
         for path, leaf in flat:
             if is_float_array(leaf):
-                parts = [name] if name else []
-                if len(flat) > 1:
-                    parts += [key_name(k) for k in path]
-                leaf_name = ".".join(parts)
+                # elements of structured outputs as name[0], name[key] (as in PyTorch)
+                leaf_name = name + "".join(f"[{key_name(k)}]" for k in path)
                 if self._selector(leaf_name, cls.__mro__):
                     probe = Probe(self._token, leaf_name, cls.__name__, self._track_activations,
                                   self._track_gradients, self._summarize_one)
