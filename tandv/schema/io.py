@@ -75,8 +75,11 @@ def drop_empty_exponents(df: pd.DataFrame) -> pd.DataFrame:
     """Drop exponent columns that are zero in every row (``-inf``/``+inf`` are kept).
 
     Allowed by the schema because a missing exponent column means a count of zero."""
-    drop = [c for c in df.columns
-            if c[0] == EXPONENT_COUNTS and c[1] not in (UNDERFLOW, OVERFLOW) and not df[c].any()]
+    cols = [c for c in df.columns if c[0] == EXPONENT_COUNTS and c[1] not in (UNDERFLOW, OVERFLOW)]
+    if not cols:
+        return df
+    empty = ~df[cols].to_numpy().any(axis=0)
+    drop = [c for c, e in zip(cols, empty) if e]
     return df.drop(columns=drop) if drop else df
 
 

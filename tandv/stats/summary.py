@@ -49,6 +49,7 @@ __all__ = [
     "merge",
     "merge_all",
     "finalize",
+    "finalize_many",
     "exponent_bins",
     "exponent_labels",
 ]
@@ -281,6 +282,42 @@ def merge_all(parts: Iterable[np.ndarray], layout: Layout) -> np.ndarray:
     return out
 
 
+def finalize_many(v: np.ndarray, layout: Layout) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """:func:`finalize` of a stack of summaries of one layout (rows of ``v``), vectorized.
+
+    Returns:
+        ``(stats, counts)``: ``stats`` maps each statistic name to an array over the rows
+        (int64 for counts, float64 otherwise); ``counts`` is the ``(rows, num_counts)`` int64
+        array of exponent counts.
+    """
+    v = np.atleast_2d(np.asarray(v, dtype=np.float64))
+    col = {name: v[:, i] for i, name in enumerate(CORE_FIELDS)}
+    numel, nan, inf, zero = (np.rint(col[k]).astype(np.int64)
+                             for k in ("numel", "nan_count", "inf_count", "zero_count"))
+    n = numel - nan - inf
+    has = n > 0
+    nf = np.where(has, n, 1).astype(np.float64)
+    s = _scale(col["max_abs"])
+    with np.errstate(invalid="ignore"):
+        moments = {
+            "mean": col["mean"],
+            "std": s * np.sqrt(np.maximum(col["m2"], 0.0) / nf),
+            "mean_abs": s * col["p1"] / nf,
+            "min_abs": col["min_abs"],
+            "max_abs": col["max_abs"],
+            **{f"rm{k}": s * (col[f"p{k}"] / nf) ** (1.0 / k) for k in (2, 4, 8)},
+            "min": col["min"],
+            "max": col["max"],
+        }
+    stats: dict[str, np.ndarray] = {k: np.where(has, moments[k], np.nan) for k in moments}
+    stats.update(numel=numel, zero_count=zero, nan_count=nan, inf_count=inf)
+    stats = {k: stats[k] for k in DEFAULT_STATS}
+    for j, (name, _) in enumerate(layout.extras):
+        stats[name] = v[:, layout.extras_start + j].copy()
+    counts = np.rint(v[:, layout.counts_start : layout.extras_start]).astype(np.int64)
+    return stats, counts
+
+
 def finalize(v: np.ndarray, layout: Layout) -> tuple[dict[str, float | int], np.ndarray]:
     """Scalar statistics and exponent counts of a summary.
 
@@ -290,27 +327,5 @@ def finalize(v: np.ndarray, layout: Layout) -> tuple[dict[str, float | int], np.
         when there are none. ``counts`` is the int64 exponent-count array in the order of
         :func:`exponent_labels`.
     """
-    v = np.asarray(v, dtype=np.float64)
-    numel, nan, inf, zero = (int(v[_I[k]]) for k in ("numel", "nan_count", "inf_count", "zero_count"))
-    n = numel - nan - inf
-    nanv = float("nan")
-    stats: dict[str, float | int] = {}
-    if n > 0:
-        s = float(_scale(v[_I["max_abs"]]))
-        stats["mean"] = float(v[_I["mean"]])
-        stats["std"] = s * float(np.sqrt(max(v[_I["m2"]], 0.0) / n))
-        stats["mean_abs"] = s * float(v[_I["p1"]] / n)
-        stats["min_abs"] = float(v[_I["min_abs"]])
-        stats["max_abs"] = float(v[_I["max_abs"]])
-        for k in (2, 4, 8):
-            stats[f"rm{k}"] = s * float((v[_I[f"p{k}"]] / n) ** (1.0 / k))
-        stats["min"] = float(v[_I["min"]])
-        stats["max"] = float(v[_I["max"]])
-    stats = {k: stats.get(k, nanv) for k in DEFAULT_STATS if k not in COUNT_STATS}
-    stats.update(numel=numel, zero_count=zero, nan_count=nan, inf_count=inf)
-    stats = {k: stats[k] for k in DEFAULT_STATS}
-    for j, (name, _) in enumerate(layout.extras):
-        stats[name] = float(v[layout.extras_start + j])
-    counts = np.rint(v[layout.counts_start : layout.extras_start]).astype(np.int64)
-    return stats, counts
-
+    stats, counts = finalize_many(np.asarray(v, dtype=np.float64)[None, :], layout)
+    return {k: (int(a[0]) if a.dtype.kind == "i" else float(a[0])) for k, a in stats.items()}, counts[0]

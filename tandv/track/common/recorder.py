@@ -31,7 +31,7 @@ from ...schema.columns import (
 )
 from ...schema.io import concat_logs
 from ...schema.writer import FORMATS, LogWriter, open_writer
-from ...stats.summary import COUNT_STATS, DEFAULT_STATS, Layout, exponent_labels, finalize, merge_all
+from ...stats.summary import COUNT_STATS, DEFAULT_STATS, Layout, exponent_labels, finalize_many, merge_all
 
 __all__ = ["TensorKey", "StepRecorder", "build_rows", "resolve_out", "DEFAULT_LOG_DIR"]
 
@@ -56,40 +56,41 @@ class TensorKey:
 def build_rows(step: int, entries: Sequence[tuple[TensorKey, Layout, np.ndarray]]) -> pd.DataFrame:
     """Log rows for one step from merged host summaries, one row per entry, in order.
 
-    Exponent columns are the union over the entries' formats; a format that lacks an
-    exponent contributes a zero count there.
+    Entries sharing a layout are finalized together (vectorized). Exponent columns are the
+    union over the entries' formats; a format that lacks an exponent contributes a zero
+    count there.
     """
     n = len(entries)
-    finals = [finalize(v, layout) for _, layout, v in entries]
-    data: dict[tuple[str, Any], Any] = {
-        (METADATA, "name"): [k.name for k, _, _ in entries],
-        (METADATA, "type"): [k.module_type for k, _, _ in entries],
-        (METADATA, "tensor_type"): [k.tensor_type for k, _, _ in entries],
-        (METADATA, "step"): np.full(n, step, dtype=np.int64),
-        (METADATA, "dtype"): [k.dtype for k, _, _ in entries],
-    }
+    groups: dict[Layout, list[int]] = {}
+    for i, (_, layout, _) in enumerate(entries):
+        groups.setdefault(layout, []).append(i)
     stat_names = list(DEFAULT_STATS)
-    for stats, _ in finals:
-        stat_names += [s for s in stats if s not in stat_names]
-    for s in stat_names:
-        col = [st.get(s, np.nan) for st, _ in finals]
-        data[(SCALAR_STATS, s)] = np.asarray(col, dtype=np.int64 if s in COUNT_STATS else np.float64)
+    for layout in groups:
+        stat_names += [name for name, _ in layout.extras if name not in stat_names]
     labels: dict[Any, int] = {}
-    format_labels: dict[Any, list] = {}  # each distinct format's labels, computed once
-    for _, layout, _ in entries:
-        if layout.format not in format_labels:
-            format_labels[layout.format] = exponent_labels(layout.format)
-            for lab in format_labels[layout.format]:
-                labels.setdefault(lab, len(labels))
-    positions = {f: np.array([labels[lab] for lab in labs], dtype=np.intp)
-                 for f, labs in format_labels.items()}
+    for layout in groups:
+        for lab in exponent_labels(layout.format):
+            labels.setdefault(lab, len(labels))
+    stats = {k: np.full(n, np.nan) for k in stat_names if k not in COUNT_STATS}
+    stats.update({k: np.zeros(n, np.int64) for k in COUNT_STATS})
     counts = np.zeros((n, len(labels)), dtype=np.int64)
-    for i, ((_, layout, _), (_, c)) in enumerate(zip(entries, finals)):
-        counts[i, positions[layout.format]] = c
-    for lab in [UNDERFLOW, *sorted(l for l in labels if l not in (UNDERFLOW, OVERFLOW)), OVERFLOW]:
-        data[(EXPONENT_COUNTS, lab)] = counts[:, labels[lab]] if lab in labels else np.zeros(n, np.int64)
-    df = pd.DataFrame(data)
-    df.columns = pd.MultiIndex.from_tuples(list(data))
+    for layout, rows in groups.items():
+        idx = np.asarray(rows, dtype=np.intp)
+        st, c = finalize_many(np.stack([entries[r][2] for r in rows]), layout)
+        for k, a in st.items():
+            stats[k][idx] = a
+        counts[np.ix_(idx, [labels[lab] for lab in exponent_labels(layout.format)])] = c
+    order = [UNDERFLOW, *sorted(l for l in labels if l not in (UNDERFLOW, OVERFLOW)), OVERFLOW]
+    counts = counts[:, [labels[lab] for lab in order]] if labels else np.zeros((n, 2), np.int64)
+    meta = pd.DataFrame({
+        "name": [k.name for k, _, _ in entries],
+        "type": [k.module_type for k, _, _ in entries],
+        "tensor_type": [k.tensor_type for k, _, _ in entries],
+        "step": np.full(n, step, dtype=np.int64),
+        "dtype": [k.dtype for k, _, _ in entries],
+    }, columns=list(META_COLUMNS))
+    parts = [meta, pd.DataFrame({k: stats[k] for k in stat_names}), pd.DataFrame(counts, columns=order)]
+    df = pd.concat(parts, axis=1, keys=[METADATA, SCALAR_STATS, EXPONENT_COUNTS])
     return df
 
 
