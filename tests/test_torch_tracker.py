@@ -625,3 +625,16 @@ def test_activation_checkpointing_recompute_is_not_counted_twice(reentrant):
     df = read_log(tr.out_path)
     idx = index(df)
     assert_row(df, idx, ("fc1", "Activation", 0), [expected])
+
+
+def test_tensor_type_switches_and_root_name():
+    net, opt = make()
+    with track(net, opt, out="log", track_activations=False, track_optimizer=False,
+               root_name="model") as tr:
+        train(net, opt, 2, tr)
+    df = read_log(tr.out_path)
+    pairs = set(zip(df[("metadata", "name")], df[("metadata", "tensor_type")]))
+    assert {t for _, t in pairs} == {"Gradient", "Weight"}
+    assert ("model", "Gradient") in pairs and ("root", "Gradient") not in pairs
+    assert set(track(net, opt, track_gradients=False, track_weights=False).plan()["tensor_type"]) == {
+        "Activation", "Optimiser_State"}
