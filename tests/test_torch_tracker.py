@@ -596,3 +596,45 @@ def test_tracker_cannot_be_reused_and_close_is_idempotent():
     with pytest.raises(RuntimeError, match="already"):
         tr.__enter__()
     assert re.search("log$", str(tr.out_path))
+
+
+class CheckpointNet(Net):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.fc1, x, use_reentrant=self.reentrant)
+        return self.fc2(self.act(h))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_recompute_is_not_counted_twice(reentrant):
+    torch.manual_seed(0)
+    net = CheckpointNet(reentrant)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = batch(0)
+    x.requires_grad_(True)
+    with track(net, opt, out="log") as tr:
+        F.mse_loss(net(x), y).backward()
+        expected = F.linear(x, net.fc1.weight, net.fc1.bias).detach()  # not via the module
+        opt.step()
+        tr.step()
+    df = read_log(tr.out_path)
+    idx = index(df)
+    assert_row(df, idx, ("fc1", "Activation", 0), [expected])
+
+
+def test_tensor_type_switches_and_root_name():
+    net, opt = make()
+    with track(net, opt, out="log", track_activations=False, track_optimizer=False,
+               root_name="model") as tr:
+        train(net, opt, 2, tr)
+    df = read_log(tr.out_path)
+    pairs = set(zip(df[("metadata", "name")], df[("metadata", "tensor_type")]))
+    assert {t for _, t in pairs} == {"Gradient", "Weight"}
+    assert ("model", "Gradient") in pairs and ("root", "Gradient") not in pairs
+    assert set(track(net, opt, track_gradients=False, track_weights=False).plan()["tensor_type"]) == {
+        "Activation", "Optimiser_State"}

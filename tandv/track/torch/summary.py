@@ -98,8 +98,11 @@ class _Scratch:
             self.A, self.B = f32[:n], f32[n:2 * n]
             self.A_bits = self.A.view(torch.int32)
         self.K = base[2, :n]
+        self.K_bits = self.K.view(torch.int64)
         rows = _SCATTER_ROWS if n % _SCATTER_ROWS == 0 and n >= 1 << 14 else 1
-        self.keys = self.K.view(torch.int64).view(rows, -1)
+        # float32 inputs leave row 1 free (A and B share row 0): the keys go there
+        self.keys_flat = base[1, :n].view(torch.int64)
+        self.keys = self.keys_flat.view(rows, -1)
         self.ones = ones[:n].view(rows, -1)
         self.rows = rows
         self.one = torch.ones((), dtype=dtype, device=base.device)
@@ -127,10 +130,10 @@ def _scratch(n: int, device: torch.device, dtype: torch.dtype) -> _Scratch:
 
 def _key_counts(w: _Scratch) -> torch.Tensor:
     """Counts of the 4096 (exponent, top mantissa bit) keys of the float64 magnitudes in
-    ``w.K`` (overwritten with the keys)."""
-    keys = w.keys.bitwise_right_shift_(51)
-    table = torch.zeros(w.rows, _NUM_KEYS, dtype=torch.int64, device=keys.device)
-    table.scatter_add_(1, keys, w.ones)
+    ``w.K`` (float32 inputs only: the keys are written to row 1 of the workspace)."""
+    torch.bitwise_right_shift(w.K_bits, 51, out=w.keys_flat)
+    table = torch.zeros(w.rows, _NUM_KEYS, dtype=torch.int64, device=w.K.device)
+    table.scatter_add_(1, w.keys, w.ones)
     return table.sum(0) if w.rows > 1 else table[0]
 
 

@@ -72,6 +72,13 @@ def _check_not_compiled(module: nn.Module) -> None:
             )
 
 
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread (a forward
+    seen now is a recomputation by activation checkpointing)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
 def _flatten(value: Any, name: str, out: list[tuple[str, torch.Tensor]], depth: int = 0) -> None:
     """Collect the floating tensors inside a (possibly nested) module output with their names."""
     if isinstance(value, torch.Tensor):
@@ -320,6 +327,8 @@ class Tracker:
             tr = ref()
             if tr is None or not tr._active or not (mod.training or tr.track_eval):
                 return
+            if _in_backward():
+                return  # activation checkpointing recomputing the forward: already seen
             tensors: list[tuple[str, torch.Tensor]] = []
             _flatten(output, name, tensors)
             for tname, t in tensors:
