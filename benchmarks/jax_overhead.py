@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +21,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tandv.track.jax import track
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from tandv.track.jax import track  # noqa: E402
 
 
 class MLP(nn.Module):

@@ -9,6 +9,7 @@ import pytest
 from tandv.schema import read_parquet, read_pickle
 from tandv.stats import finalize, merge_all, summarize
 from tandv.track.common import Selector, StepRecorder, TensorKey, linear, make_schedule
+from tandv.track.common.custom import parse_custom_stats
 
 
 # ------------------------------------------------------------------ schedules
@@ -159,3 +160,29 @@ def test_rows_mix_formats_with_zero_fill(tmp_path):
     assert df.loc["a", ("exponent_counts", -140)] == 1 and df.loc["b", ("exponent_counts", -140)] == 0
     assert df.loc["b", ("exponent_counts", -130)] == 1 and df.loc["a", ("exponent_counts", -130)] == 0
     assert list(df[("metadata", "dtype")]) == ["float32", "bfloat16"]
+
+
+# ------------------------------------------------------------------ custom statistics
+
+
+def test_custom_stats_forms_normalize_to_functions_and_rules():
+    x = np.array([1.0, -3.0])
+    fns, rules = parse_custom_stats({"peak": (lambda a: np.abs(a).max(), "max"), "total": np.sum},
+                                    {"total": "sum"})
+    assert [f(x) for f in fns] == [{"peak": 3.0, "total": -2.0}]
+    assert rules == {"peak": "max", "total": "sum"}
+    fns, rules = parse_custom_stats([lambda a: {"a": 1}, lambda a: {"b": 2}])
+    assert [f(x) for f in fns] == [{"a": 1}, {"b": 2}] and rules == {}
+    assert parse_custom_stats(None) == ((), {})
+
+
+@pytest.mark.parametrize("stats, merge, message", [
+    ({"q": (np.max, "median")}, None, "stats_merge['q']='median'"),
+    (None, {"q": "avg"}, "stats_merge['q']='avg'"),
+    ({"q": 3}, None, "stats['q']: expected a function"),
+    ([np.max, 3], None, "stats: expected functions"),
+    ({"rm2": np.max}, {"rm2": "max"}, "clashes with a default statistic"),
+])
+def test_custom_stats_errors(stats, merge, message):
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        parse_custom_stats(stats, merge)

@@ -378,6 +378,31 @@ def test_include_exclude_number_format_and_custom_stats(tmp_path):
     assert r[("scalar_stats", "l1")] == pytest.approx(float(np.abs(np.asarray(kernel)).sum()), rel=1e-5)
 
 
+def test_torch_style_custom_stats_and_step_window(tmp_path):
+    """The PyTorch tracker's option forms work here too: stats functions returning
+    {name: scalar}, stats_merge rules, and start/end."""
+    model, opt = MLP(), optax.sgd(0.1)
+    x, y = data()
+    params = model.init(jax.random.key(2), x)
+    state = opt.init(params)
+    update = make_update(model, opt, jit=True)
+    seen = []
+    with track(params, state, out=tmp_path / "log", verbose=False, start=1, end=3,
+               stats=lambda a: {"peak": jnp.max(jnp.abs(a)), "sq": jnp.sum(a * a)},
+               stats_merge={"peak": "max", "sq": "sum"}) as t:
+        for _ in range(4):
+            seen.append(params)
+            params, state, grads = t.intercept(update, params, state, x, y)
+            t.step(params, state, grads)
+    df = read_log(tmp_path / "log")
+    assert sorted(set(df[("metadata", "step")])) == [1, 2]
+    for step in (1, 2):
+        kernel = np.asarray(seen[step]["params"]["Dense_0"]["kernel"], dtype=np.float64)
+        r = row(df, "Dense_0.kernel", "Weight", step)
+        assert r[("scalar_stats", "peak")] == pytest.approx(np.abs(kernel).max(), rel=1e-6)
+        assert r[("scalar_stats", "sq")] == pytest.approx((kernel**2).sum(), rel=1e-5)
+
+
 # ----------------------------------------------------------------------------- nnx
 
 

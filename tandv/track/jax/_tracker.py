@@ -12,8 +12,9 @@ import numpy as np
 
 from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...stats.formats import format_name, number_format as _number_format
-from ...stats.summary import MERGE_RULES, Layout
+from ...stats.summary import Layout
 from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_schedule
+from ..common.custom import StatsSpec, parse_custom_stats
 from ._intercept import ROOT_NAME, Probe, acquire_nnx, interception, register, release_nnx, tap
 from ._summary import CustomStat, DeviceSummary, summarize_jax, summarize_many_jax, to_vector
 from ._trees import Leaf, is_float_array, key_name, optimizer_state_leaves, param_leaves
@@ -59,31 +60,26 @@ def _is_nnx_optimizer(x: Any) -> bool:
     return isinstance(x, nnx.Optimizer)
 
 
-def _parse_stats(stats: Mapping[str, Any] | None) -> tuple[dict[str, CustomStat], tuple[tuple[str, str], ...]]:
-    if stats is None:
-        return {}, ()
-    if not isinstance(stats, Mapping):
-        raise TypeError(
-            f"stats={stats!r}: expected a mapping {{name: fn}} or {{name: (fn, merge_rule)}} of custom "
-            f"statistics (the default statistics are always logged)"
-        )
-    fns: dict[str, CustomStat] = {}
-    extras = []
-    for name, spec in stats.items():
-        if callable(spec):
-            fn, rule = spec, "mean"
-        elif isinstance(spec, tuple) and len(spec) == 2:
-            fn, rule = spec
-        else:
-            fn, rule = None, None
-        if not isinstance(name, str) or not callable(fn) or rule not in MERGE_RULES:
-            raise ValueError(
-                f"stats[{name!r}]: expected a function array -> scalar, or (function, rule) with rule "
-                f"one of {MERGE_RULES}; got {spec!r}"
-            )
-        fns[name] = fn
-        extras.append((name, rule))
-    return fns, tuple(extras)
+def _parse_stats(stats: StatsSpec, stats_merge: Mapping[str, str] | None
+                 ) -> tuple[dict[str, CustomStat], tuple[tuple[str, str], ...]]:
+    """Custom statistics as ``{name: array -> scalar}`` plus their merge rules.
+
+    Functions returning ``{name: scalar}`` are traced once on a small abstract array
+    (``jax.eval_shape``, no computation) to learn their names."""
+    fns, rules = parse_custom_stats(stats, stats_merge)
+    custom: dict[str, CustomStat] = {}
+    for fn in fns:
+        try:
+            shape = jax.eval_shape(fn, jax.ShapeDtypeStruct((2,), jnp.float32))
+        except Exception as e:
+            raise ValueError(f"stats: calling {fn!r} on a float32 array failed: {e}") from e
+        if not isinstance(shape, Mapping):
+            raise TypeError(f"stats: {fn!r} must return a mapping {{name: scalar}}; got {type(shape).__name__}")
+        for name in shape:
+            if name in custom:
+                raise ValueError(f"stats: custom statistic {name!r} is returned by two functions")
+            custom[name] = lambda x, _f=fn, _k=name: _f(x)[_k]
+    return custom, tuple((name, rules.get(name, "mean")) for name in custom)
 
 
 class JaxTracker:
@@ -105,11 +101,15 @@ class JaxTracker:
         exclude: Pattern | Sequence[Pattern] | None = None,
         every: int = 1,
         schedule: Schedule | str | Collection[int] | None = None,
-        stats: Mapping[str, Any] | None = None,
+        start: int = 0,
+        end: int | None = None,
+        stats: StatsSpec = None,
+        stats_merge: Mapping[str, str] | None = None,
         number_format: Any = None,
         out: str | os.PathLike | None = None,
         out_format: str = "parquet",
         run_name: str = "jax",
+        flush_every: int = 10,
         verbose: bool = True,
     ) -> None:
         if optimizer_state is not None and model_state is None:
@@ -127,8 +127,8 @@ class JaxTracker:
             if not isinstance(value, bool):
                 raise TypeError(f"track(): {arg}={value!r}: expected True or False")
         self._selector = Selector.build(include, exclude)
-        self._schedule = make_schedule(every, schedule)
-        self._custom, self._extras = _parse_stats(stats)
+        self._schedule = make_schedule(every, schedule, start, end)
+        self._custom, self._extras = _parse_stats(stats, stats_merge)
         self._format = None if number_format is None else _number_format(number_format)
         self._track_activations = track_activations
         self._track_gradients = track_gradients
@@ -145,7 +145,7 @@ class JaxTracker:
         self._intercepted = False
         self._next_weights: list[tuple[Leaf, Any, _StackRow]] = []
         self.step_count = 0
-        self._recorder = StepRecorder(out, out_format, run_name, verbose=verbose)
+        self._recorder = StepRecorder(out, out_format, run_name, flush_every=flush_every, verbose=verbose)
         self.out_path = self._recorder.path
         register(self._token, self)
         acquire_nnx()
@@ -389,23 +389,7 @@ class JaxTracker:
             self._prepare_weights(params, k + 1)
 
 
-def track(
-    model_state: Any = None,
-    optimizer_state: Any = None,
-    *,
-    track_activations: bool = True,
-    track_gradients: bool = True,
-    include: Pattern | Sequence[Pattern] | None = None,
-    exclude: Pattern | Sequence[Pattern] | None = None,
-    every: int = 1,
-    schedule: Schedule | str | Collection[int] | None = None,
-    stats: Mapping[str, Any] | None = None,
-    number_format: Any = None,
-    out: str | os.PathLike | None = None,
-    out_format: str = "parquet",
-    run_name: str = "jax",
-    verbose: bool = True,
-) -> JaxTracker:
+def track(model_state: Any = None, optimizer_state: Any = None, **options: Any) -> JaxTracker:
     """Track a JAX/Flax training run; use as a context manager around the training loop.
 
     Arguments:
@@ -419,18 +403,18 @@ def track(
         include, exclude: regexes searched in tensor names, or module class names/classes.
         every: track every N-th step (0, N, 2N, ...); ignored when ``schedule`` is given.
         schedule: a callable ``step -> bool``, ``"linear(interval, offset)"`` or a set of steps.
-        stats: custom statistics ``{name: fn}`` or ``{name: (fn, merge_rule)}``; ``fn`` maps an
-            array to a scalar inside the traced computation (default rule ``"mean"``).
+        start, end: track only steps ``start <= step < end`` (``end=None``: no end).
+        stats: custom statistics, as in the PyTorch tracker: a function (or list of them)
+            ``array -> {name: scalar}``, or ``{name: fn}`` / ``{name: (fn, merge_rule)}`` with
+            ``fn(array) -> scalar``; they run on device inside the traced computation.
+        stats_merge: ``{name: "sum" | "min" | "max" | "mean"}``: how observations of one tensor
+            in one step combine (default ``"mean"``, weighted by element count).
         number_format: a format name (e.g. ``"float8_e4m3fn"``) for simulated low precision:
             exponent counts, underflow (``-inf``) and overflow (``+inf``) are those of that
             format; default each tensor's own dtype.
         out, out_format: log path and ``"parquet"`` (streamed part files) or ``"pickle"``.
         run_name: used in the default log path ``tandv_logs/<run_name>-<time>``.
+        flush_every: write buffered rows to disk every N recorded steps (default 10).
         verbose: print the log path when the tracker opens.
     """
-    return JaxTracker(
-        model_state, optimizer_state, track_activations=track_activations,
-        track_gradients=track_gradients, include=include, exclude=exclude, every=every,
-        schedule=schedule, stats=stats, number_format=number_format, out=out,
-        out_format=out_format, run_name=run_name, verbose=verbose,
-    )
+    return JaxTracker(model_state, optimizer_state, **options)

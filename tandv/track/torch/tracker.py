@@ -42,14 +42,12 @@ from torch import nn
 
 from ...schema.columns import ACTIVATION, GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...stats.formats import format_name
-from ...stats.summary import MERGE_RULES, Layout
+from ...stats.summary import Layout
 from ..common import Pattern, Selector, StepRecorder, TensorKey, make_schedule
+from ..common.custom import StatFn, StatsSpec, parse_custom_stats
 from .summary import RAW_HEAD, dtype_name, finish_head, raw_summary_torch
 
 __all__ = ["Tracker", "track", "StatFn"]
-
-#: A custom statistic: a function of a tensor returning named 0-dim tensors (or numbers).
-StatFn = Callable[[torch.Tensor], Mapping[str, Any]]
 
 
 def _check_not_compiled(module: nn.Module) -> None:
@@ -121,7 +119,7 @@ class Tracker:
         schedule: Callable[[int], bool] | str | Iterable[int] | None = None,
         start: int = 0,
         end: int | None = None,
-        stats: StatFn | Sequence[StatFn] | None = None,
+        stats: StatsSpec = None,
         stats_merge: Mapping[str, str] | None = None,
         number_format: Any = None,
         out: str | os.PathLike | None = None,
@@ -156,11 +154,7 @@ class Tracker:
         self.selector = Selector.build(include, exclude)
         self.schedule = make_schedule(every, schedule, start, end)
         self.format = None if number_format is None else format_name(number_format)
-        self.stat_fns = self._check_stats(stats)
-        self.stats_merge = dict(stats_merge or {})
-        for k, rule in self.stats_merge.items():
-            if rule not in MERGE_RULES:
-                raise ValueError(f"stats_merge[{k!r}]={rule!r}: expected one of {MERGE_RULES}")
+        self.stat_fns, self.stats_merge = parse_custom_stats(stats, stats_merge)
         self.root_name = root_name
         self.track_eval = bool(track_eval)
         self._out = out
@@ -200,16 +194,6 @@ class Tracker:
         self._closed = False
 
     # ------------------------------------------------------------------ options
-
-    @staticmethod
-    def _check_stats(stats: StatFn | Sequence[StatFn] | None) -> tuple[StatFn, ...]:
-        if stats is None:
-            return ()
-        fns = (stats,) if callable(stats) else tuple(stats)
-        for f in fns:
-            if not callable(f):
-                raise TypeError(f"track(stats=...): expected functions tensor -> {{name: scalar}}; got {f!r}")
-        return fns
 
     def _selected(self, name: str, owner: nn.Module) -> bool:
         key = (name, id(owner))
@@ -477,8 +461,9 @@ def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
             ``"linear(interval, offset)"``, or a collection of step numbers.
         start, end: record only steps ``start <= step < end``.
         stats: custom statistics: a function (or list of functions) ``tensor ->
-            {name: 0-dim tensor}``; each name becomes a ``scalar_stats`` column. Keep them
-            on the device (no ``.item()``).
+            {name: 0-dim tensor}``, or a mapping ``{name: tensor -> 0-dim tensor}`` (values
+            may be ``(function, merge_rule)``); each name becomes a ``scalar_stats`` column.
+            Keep them on the device (no ``.item()``).
         stats_merge: ``{name: "sum" | "min" | "max" | "mean"}``: how a custom statistic of
             several observations in one step combines (default ``"mean"``, numel-weighted).
         number_format: format for the exponent counts of every tensor (e.g.

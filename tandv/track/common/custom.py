@@ -1,0 +1,65 @@
+"""Custom statistics: the ``stats`` / ``stats_merge`` options shared by both trackers."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence, Union
+
+from ...stats.summary import DEFAULT_STATS, MERGE_RULES
+
+__all__ = ["StatFn", "StatsSpec", "parse_custom_stats"]
+
+#: A custom statistic function: one tensor/array in, ``{name: scalar}`` out.
+StatFn = Callable[[Any], Mapping[str, Any]]
+#: What ``track(stats=...)`` accepts (see :func:`parse_custom_stats`).
+StatsSpec = Union[StatFn, Sequence[StatFn], Mapping[str, Any], None]
+
+
+def parse_custom_stats(
+    stats: StatsSpec, stats_merge: Mapping[str, str] | None = None
+) -> tuple[tuple[StatFn, ...], dict[str, str]]:
+    """Normalize the trackers' ``stats`` and ``stats_merge`` options.
+
+    ``stats`` may be
+
+    - a function ``f(x) -> {name: scalar}``, or a list of them (several names per function);
+    - a mapping ``{name: f}`` with ``f(x) -> scalar``, or ``{name: (f, rule)}``.
+
+    ``stats_merge`` maps names to how observations of one tensor in one step combine:
+    ``"sum"``, ``"min"``, ``"max"`` or ``"mean"`` (weighted by element count; the default).
+
+    Returns:
+        ``(functions, rules)``: functions each returning ``{name: scalar}``, and the merge
+        rule of every name given a rule (others default to ``"mean"``).
+
+    Raises:
+        TypeError / ValueError: naming the entry that is wrong.
+    """
+    rules: dict[str, str] = {}
+    fns: list[StatFn] = []
+    if stats is None:
+        pass
+    elif isinstance(stats, Mapping):
+        singles: dict[str, Callable[[Any], Any]] = {}
+        for name, spec in stats.items():
+            fn, rule = (spec, None) if callable(spec) else (spec if isinstance(spec, tuple) and len(spec) == 2 else (None, None))
+            if not isinstance(name, str) or not callable(fn):
+                raise TypeError(f"stats[{name!r}]: expected a function x -> scalar, or (function, rule); got {spec!r}")
+            singles[name] = fn
+            if rule is not None:
+                rules[name] = rule
+        fns.append(lambda x, _s=singles: {k: f(x) for k, f in _s.items()})
+    else:
+        items = (stats,) if callable(stats) else tuple(stats)
+        for f in items:
+            if not callable(f):
+                raise TypeError(f"stats: expected functions x -> {{name: scalar}} (or a mapping name -> "
+                                f"function); got {f!r}")
+        fns.extend(items)
+    for name, rule in (stats_merge or {}).items():
+        rules[name] = rule
+    for name, rule in rules.items():
+        if rule not in MERGE_RULES:
+            raise ValueError(f"stats_merge[{name!r}]={rule!r}: expected one of {MERGE_RULES}")
+        if name in DEFAULT_STATS:
+            raise ValueError(f"custom statistic {name!r} clashes with a default statistic; rename it")
+    return tuple(fns), rules
