@@ -177,7 +177,7 @@ def test_custom_stats_forms_normalize_to_functions_and_rules():
 
 
 @pytest.mark.parametrize("stats, merge, message", [
-    ({"q": (np.max, "median")}, None, "stats_merge['q']='median'"),
+    ({"q": (np.max, "median")}, None, "stats['q']: merge rule 'median'"),
     (None, {"q": "avg"}, "stats_merge['q']='avg'"),
     ({"q": 3}, None, "stats['q']: expected a function"),
     ([np.max, 3], None, "stats: expected functions"),

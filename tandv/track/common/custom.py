@@ -55,11 +55,13 @@ def parse_custom_stats(
                 raise TypeError(f"stats: expected functions x -> {{name: scalar}} (or a mapping name -> "
                                 f"function); got {f!r}")
         fns.extend(items)
+    where = {name: f"stats[{name!r}]: merge rule {rule!r}" for name, rule in rules.items()}
     for name, rule in (stats_merge or {}).items():
         rules[name] = rule
+        where[name] = f"stats_merge[{name!r}]={rule!r}"
     for name, rule in rules.items():
         if rule not in MERGE_RULES:
-            raise ValueError(f"stats_merge[{name!r}]={rule!r}: expected one of {MERGE_RULES}")
+            raise ValueError(f"{where[name]}: expected one of {MERGE_RULES}")
         if name in DEFAULT_STATS:
             raise ValueError(f"custom statistic {name!r} clashes with a default statistic; rename it")
     return tuple(fns), rules
