@@ -82,10 +82,24 @@ class NumberFormat:
 def format_name(spec: Any) -> str:
     """The canonical ml_dtypes name of a dtype given as a string, numpy/torch/jax dtype or type.
 
+    Called for every tracked tensor, so answers are cached per (hashable) spec.
+
     Raises:
         ValueError: if ``spec`` does not name a floating-point format; the message lists
             the accepted names.
     """
+    try:
+        return _format_name_cached(spec)
+    except TypeError:  # unhashable spec
+        return _format_name(spec)
+
+
+@lru_cache(maxsize=1024)
+def _format_name_cached(spec: Any) -> str:
+    return _format_name(spec)
+
+
+def _format_name(spec: Any) -> str:
     if isinstance(spec, NumberFormat):
         return spec.name
     if isinstance(spec, str):
