@@ -137,7 +137,7 @@ def text_summary(df: pd.DataFrame, formats: Sequence[str] = ("float8_e4m3fn", "b
             w = sub.loc[nonfin.idxmax()]
             lines.append(
                 f"  NaN/inf: first in {r['name']} at step {r['step']} ({r['nan_count']} NaN, "
-                f"{r['inf_count']} inf); {len(f_tt)} tensors affected; worst {w[(METADATA, 'name')]} "
+                f"{r['inf_count']} inf); {len(f_tt)} tensor{'s' if len(f_tt) != 1 else ''} affected; worst {w[(METADATA, 'name')]} "
                 f"at step {w[(METADATA, 'step')]} ({int(nonfin.max())} of {int(w[(SCALAR_STATS, 'numel')])})")
         rg = ranges[mask]
         if rg["width"].max() > 0:
