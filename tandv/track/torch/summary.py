@@ -267,7 +267,10 @@ def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.T
     one = w.one
     q = B.mul_(torch.ldexp(one, -e1))
     torch.abs(q, out=A).mul_(torch.ldexp(one, e1 - e))
-    sum_q = q.sum(dtype=f64)
+    # float64 sum of q via the persistent float64 row K (free once the keys are counted):
+    # sum(dtype=float64) would allocate a fresh float64 copy per call, whose page faults
+    # cost more than the arithmetic.
+    sum_q = q.sum() if native64 else K.copy_(q).sum()
     p1 = A.sum()
     p2 = A.square_().sum()
     p4 = A.square_().sum()
