@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 

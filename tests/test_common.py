@@ -3,11 +3,10 @@
 import re
 
 import numpy as np
-import pandas as pd
 import pytest
 
 from tandv.schema import read_parquet, read_pickle
-from tandv.stats import finalize, merge_all, summarize
+from tandv.stats import finalize, summarize
 from tandv.track.common import Selector, StepRecorder, TensorKey, linear, make_schedule
 from tandv.track.common.custom import parse_custom_stats
 

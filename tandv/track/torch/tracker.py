@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ...schema.columns import ACTIVATION, GRADIENT, OPTIMISER_STATE, WEIGHT
+from ...schema.writer import FORMATS
 from ...stats.formats import format_name
 from ...stats.summary import Layout
 from ..common import Pattern, Selector, StepRecorder, TensorKey, make_schedule
@@ -145,8 +146,8 @@ class Tracker:
                                 f"of them; got {type(bad[0]).__name__}")
         if not isinstance(root_name, str) or not root_name:
             raise ValueError(f"root_name={root_name!r}: expected a non-empty string")
-        if out_format not in ("parquet", "pickle"):
-            raise ValueError(f"out_format={out_format!r}: expected 'parquet' or 'pickle'")
+        if out_format not in FORMATS:  # checked here too, so track() fails before training starts
+            raise ValueError(f"out_format={out_format!r}: expected one of {FORMATS}")
         self.module = module
         self.optimizers = optimizers
         self.kinds = {ACTIVATION: track_activations, GRADIENT: track_gradients,
