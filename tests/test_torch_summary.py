@@ -4,11 +4,20 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandv.stats.summary import CORE_FIELDS, Layout, finalize, merge, summarize
 from tandv.track.torch import summarize_torch
+from tandv.track.torch import summary as kernel
+
+
+@pytest.fixture(autouse=True, params=["host", "device"])
+def kernel_path(request, monkeypatch):
+    """Every test runs both kernels: the host path CPU tensors take, and the device path
+    accelerators take (forced here on CPU)."""
+    monkeypatch.setattr(kernel, "HOST_PATH", request.param == "host")
+    return request.param
 
 EXACT = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "min_abs", "max_abs")
 
@@ -133,8 +142,52 @@ def test_merged_summaries_equal_the_whole():
 finite_floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(finite_floats, min_size=1, max_size=60),
        st.sampled_from([None, "float8_e4m3fn", "bfloat16", "float16"]))
 def test_property_any_float32_values(values, fmt):
     assert_matches_reference(torch.tensor(values, dtype=torch.float32), fmt)
+
+
+def test_host_path_is_taken_exactly_when_it_applies(kernel_path):
+    calls = []
+    real = kernel._raw_host
+
+    def spy(*args):
+        got = real(*args)
+        calls.append(got is not None)
+        return got
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernel, "_raw_host", spy)
+        for values in ([1.0, -2.0], [1.0, float("nan")], [0.0, 0.0], [2.0 ** 41, 1.0], [2.0 ** -41]):
+            summarize_torch(torch.tensor(values), Layout("float32"))
+        summarize_torch(torch.tensor([1.0], dtype=torch.float64), Layout("float64"))
+    expected = [True, False, False, False, False] if kernel_path == "host" else []
+    assert calls == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zeros_subnormals_and_normals_together(dtype):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5000, generator=g)
+    x[::7] = 0.0
+    x[1::11] = torch.tensor([1e-40, -3e-42, 1.4e-45, 9e-39]).repeat(455)[: len(x[1::11])]
+    assert_matches_reference(x.to(dtype))
+    assert_matches_reference(x.to(dtype), "float8_e5m2")
+
+
+def test_zero_count_beyond_exact_float32_counting(monkeypatch):
+    monkeypatch.setattr(kernel, "_EXACT_F32_COUNT", 100)
+    x = torch.tensor([0.0, 1.0, -0.0, 3.0] * 50)
+    assert_matches_reference(x)
+
+
+@pytest.mark.parametrize("offset", [0.0, 0.5, 1.0, 3.0, 1e3])
+def test_variance_either_side_of_the_centring_threshold(offset):
+    g = torch.Generator().manual_seed(6)
+    x = offset + torch.randn(10_000, generator=g)
+    ref, layout = summarize(x.numpy())
+    stats, _ = finalize(summarize_torch(x, layout).numpy(), layout)
+    assert stats["std"] == pytest.approx(float(np.std(x.numpy().astype(np.float64))), rel=1e-6)
+    assert stats["mean"] == pytest.approx(float(np.mean(x.numpy().astype(np.float64))), rel=1e-6, abs=1e-9)

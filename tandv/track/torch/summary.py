@@ -2,8 +2,17 @@
 
 The result equals :func:`tandv.stats.summarize` (the numpy reference) applied to the
 same values: counts, extrema and exponent counts exactly, moments to ~1e-6 relative.
-Nothing here waits for the device (no ``.item()``, ``.cpu()`` or ``bool(tensor)``), so
-it can run inside forward and backward hooks.
+
+Two paths
+---------
+The *device path* (accelerators, and float64 or unusual CPU inputs) never waits for the
+device (no ``.item()``, ``.cpu()`` or ``bool(tensor)``), so it can run inside forward
+and backward hooks without stalling the accelerator's queue; every choice it makes is
+branch-free arithmetic on device tensors. The *host path* (:func:`_raw_host`, CPU
+tensors of at most float32 precision whose values are all finite) reads reduced values
+as Python numbers, because on the CPU that waits for nothing, and uses them to skip
+work: about half the passes over the data. Both give the same results; the tests run
+each on the same inputs. The rest of this note describes the device path.
 
 Exponent counts in one scatter
 ------------------------------
@@ -32,6 +41,7 @@ the tracker finishes all of a step's heads on the host after its single transfer
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Mapping
 
@@ -99,6 +109,9 @@ class _Scratch:
             self.A_bits = self.A.view(torch.int32)
         self.K = base[2, :n]
         self.K_bits = self.K.view(torch.int64)
+        if dtype != torch.float64:  # the host path's views (see _raw_core_host)
+            self.keys32 = base[1].view(torch.int32)[:n]
+            self.C = base[2].view(torch.float32)[:n]
         rows = _SCATTER_ROWS if n % _SCATTER_ROWS == 0 and n >= 1 << 14 else 1
         # float32 inputs leave row 1 free (A and B share row 0): the keys go there
         self.keys_flat = base[1, :n].view(torch.int64)
@@ -106,6 +119,7 @@ class _Scratch:
         self.ones = ones[:n].view(rows, -1)
         self.rows = rows
         self.one = torch.ones((), dtype=dtype, device=base.device)
+        self.zero32 = torch.zeros((), dtype=torch.float32, device=base.device)
         self.numel = torch.full((1,), float(n), dtype=torch.float64, device=base.device)
         self.special_keys = torch.tensor([_NAN_KEY, _INF_KEY, 0], device=base.device)
 
@@ -206,7 +220,12 @@ def raw_summary_torch(
         head = torch.zeros(RAW_HEAD, dtype=f64, device=dev)
         counts = torch.zeros(layout.num_counts, dtype=f64, device=dev)
     else:
-        head, counts = _raw_core(x.detach().reshape(-1), layout.format)
+        flat = x.detach().reshape(-1)
+        if HOST_PATH and dev.type == "cpu" and x.dtype != f64:
+            vec = _raw_host(flat, layout, [given[k] for k in names])
+            if vec is not None:
+                return vec
+        head, counts = _raw_core(flat, layout.format)
     parts = [head, counts.to(f64)]
     if names:
         parts.append(torch.stack([
@@ -283,6 +302,107 @@ def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.T
         torch.stack([mn, mx, min_abs[0], s, p1, p2, p4, p8, m2raw, m_c, m_c * m_c]),
         torch.stack([e, e1]), sum_q.reshape(1)])
     return head, counts
+
+
+#: Whether CPU tensors take :func:`_raw_core_host` (tests switch it off to run the device
+#: path on CPU).
+HOST_PATH = True
+#: The host path runs when every value is finite and ``2**-40 <= max|x| <= 2**40``: then
+#: its unscaled float32 sums can neither overflow nor lose the squares of the values
+#: that matter to underflow. Anything else takes the device path.
+_HOST_RANGE = (2.0 ** -40, 2.0 ** 40)
+#: float32 values below this are subnormal (or zero).
+_F32_MIN_NORMAL = 2.0 ** -126
+#: Counts up to this are exact as float32 sums of ones.
+_EXACT_F32_COUNT = 1 << 24
+_host_fold_cache: dict[str, torch.Tensor] = {}
+
+
+def _host_fold(fmt: NumberFormat) -> np.ndarray:
+    """Layout count bin of each float32 exponent field (0..255); field 0 (zeros and
+    subnormals, counted apart) and 255 (never seen: inputs are finite) go to the discard
+    bin ``num_bins + 2``."""
+    idx = _host_fold_cache.get(fmt.name)
+    if idx is None:
+        nb = fmt.num_bins
+        exp = np.arange(256) - 127
+        idx = np.where(exp < fmt.min_exponent, 0, exp - fmt.min_exponent + 1).clip(max=nb + 1)
+        idx[0] = idx[255] = nb + 2
+        _host_fold_cache[fmt.name] = idx
+    return idx
+
+
+def _raw_host(x: torch.Tensor, layout: Layout, extras: list[Any]) -> torch.Tensor | None:
+    """The raw summary of a non-empty CPU vector of at most float32 precision, or
+    ``None`` when it needs the device path: a non-finite value, or ``max|x|`` outside
+    :data:`_HOST_RANGE` (zero included).
+
+    On the CPU the values already live on the host, so reading a reduced number costs
+    nothing (there is no device to wait for) and lets the kernel choose its work: about
+    half the passes of the device path. Exponents come from the float32 bit pattern with
+    a 256-entry ``bincount`` (no float64 copy); subnormals, whose exponent is not in the
+    field, are counted exactly apart when present. The variance is ``p2 - n*mean**2``
+    when the mean is small enough for that to lose at most two bits, otherwise
+    ``sum((x - m)**2)`` around the float32-rounded mean ``m``, corrected by the residual
+    ``sum(x - m)``. Sums are float32 cascade sums (relative error ~1e-7); the result is a
+    float64 vector assembled in numpy."""
+    n = x.numel()
+    fmt = layout.format
+    w = _scratch(n, x.device, torch.float32)
+    src = x if x.dtype == torch.float32 else w.B.copy_(x)
+    mn_t, mx_t = torch.aminmax(src)
+    mn, mx = mn_t.item(), mx_t.item()  # NaN propagates; inf shows as such
+    s = max(-mn, mx)
+    if not _HOST_RANGE[0] <= s <= _HOST_RANGE[1]:
+        return None
+    e = math.frexp(s)[1]  # s < 2**e <= 2*s
+    c = math.ldexp(1.0, -e)
+    if mn > 0.0:  # |x| is x: no copy, and the smallest magnitude is the minimum
+        A, min_abs = src, mn
+    else:
+        A = torch.abs(src, out=w.A)
+        min_abs = -mx if mx <= 0.0 else A.amin().item()
+    A_bits = A.view(torch.int32)
+    field_counts = torch.bincount(torch.bitwise_right_shift(A_bits, 23, out=w.keys32),
+                                  minlength=256).numpy()
+    zero_c = 0
+    if min_abs == 0.0:
+        # n - (number of non-zero values), by the float32 sum of signs where that is exact
+        zero_c = n - int(torch.sign(A, out=w.C).sum().item()) if n <= _EXACT_F32_COUNT else \
+            n - int(torch.count_nonzero(A))
+    nb = fmt.num_bins
+    counts = np.bincount(_host_fold(fmt), weights=field_counts, minlength=nb + 3)
+    if field_counts[0] > zero_c:  # subnormals: their exponents, exactly
+        sub = A[(A > 0) & (A < _F32_MIN_NORMAL)].double()
+        counts += _exponent_counts_f64(sub, fmt).numpy()
+    if fmt.name != dtype_name(x.dtype) and fmt.max < 2.0 ** (fmt.max_exponent + 1):
+        # as in the device path: values above a max inside the top binade overflow
+        over = (A > fmt.max).sum().item()
+        counts[nb] -= over - counts[nb + 1]
+        counts[nb + 1] = over
+    sum_abs = A.sum().item()
+    sum_x = sum_abs if mn > 0.0 else -sum_abs if mx <= 0.0 else src.sum().item()
+    C = torch.addcmul(w.zero32, A, A, value=c * c, out=w.C)  # (|x| / 2**e)**2, all <= 1
+    p2 = C.sum().item()
+    p4 = C.square_().sum().item()
+    p8 = C.square_().sum().item()
+    mean = sum_x / n
+    if n * (mean * c) ** 2 <= 0.75 * p2:
+        # m2 = p2 - n*mean**2 >= p2/4: the subtraction loses at most two bits
+        m_c, m2raw, sum_q = 0.0, p2, sum_x * c
+    else:
+        m = float(np.float32(mean))
+        d = torch.sub(src, m, out=w.C)
+        res = d.sum().item()
+        m2raw = d.square_().sum().item() * c * c
+        m_c, sum_q = m * c, (n * m + res) * c
+    out = np.empty(RAW_HEAD + nb + 2 + len(extras))
+    out[:RAW_HEAD] = (n, 0, 0, zero_c, mn, mx, min_abs, s, sum_abs * c, p2, p4, p8, m2raw, m_c,
+                      m_c * m_c, e, e, sum_q)
+    out[RAW_HEAD:RAW_HEAD + nb + 2] = counts[: nb + 2]
+    for i, v in enumerate(extras):
+        out[RAW_HEAD + nb + 2 + i] = float(v)
+    return torch.from_numpy(out)
 
 
 def finish_head(raw: Any, xp: Any = np) -> Any:
