@@ -29,7 +29,6 @@ from ...schema.columns import (
     TENSOR_TYPES,
     UNDERFLOW,
 )
-from ...schema.io import concat_logs
 from ...schema.writer import FORMATS, LogWriter, open_writer
 from ...stats.summary import COUNT_STATS, DEFAULT_STATS, Layout, exponent_labels, finalize_many, merge_all
 
@@ -53,14 +52,20 @@ class TensorKey:
             raise ValueError(f"tensor_type {self.tensor_type!r} is not one of {TENSOR_TYPES}")
 
 
-def build_rows(step: int, entries: Sequence[tuple[TensorKey, Layout, np.ndarray]]) -> pd.DataFrame:
-    """Log rows for one step from merged host summaries, one row per entry, in order.
+def build_rows(step: int | Sequence[int], entries: Sequence[tuple[TensorKey, Layout, np.ndarray]]
+               ) -> pd.DataFrame:
+    """Log rows from merged host summaries, one row per entry, in order.
 
-    Entries sharing a layout are finalized together (vectorized). Exponent columns are the
-    union over the entries' formats; a format that lacks an exponent contributes a zero
-    count there.
+    ``step`` is the step of every entry, or one step per entry (the recorder builds the
+    rows of several buffered steps at once). Entries sharing a layout are finalized
+    together (vectorized). Exponent columns are the union over the entries' formats; a
+    format that lacks an exponent contributes a zero count there.
     """
     n = len(entries)
+    steps = np.full(n, step, dtype=np.int64) if isinstance(step, (int, np.integer)) \
+        else np.asarray(step, dtype=np.int64)
+    if steps.shape != (n,):
+        raise ValueError(f"build_rows: {len(steps)} steps for {n} entries")
     groups: dict[Layout, list[int]] = {}
     for i, (_, layout, _) in enumerate(entries):
         groups.setdefault(layout, []).append(i)
@@ -86,7 +91,7 @@ def build_rows(step: int, entries: Sequence[tuple[TensorKey, Layout, np.ndarray]
         "name": [k.name for k, _, _ in entries],
         "type": [k.module_type for k, _, _ in entries],
         "tensor_type": [k.tensor_type for k, _, _ in entries],
-        "step": np.full(n, step, dtype=np.int64),
+        "step": steps,
         "dtype": [k.dtype for k, _, _ in entries],
     }, columns=list(META_COLUMNS))
     parts = [meta, pd.DataFrame({k: stats[k] for k in stat_names}), pd.DataFrame(counts, columns=order)]
@@ -144,7 +149,11 @@ class StepRecorder:
         self.flush_every = flush_every
         self.flush_seconds = flush_seconds
         self._pending: list[tuple[TensorKey, Layout, Any]] = []
-        self._buffer: list[pd.DataFrame] = []
+        # merged host summaries of the recorded steps not yet written, and their steps:
+        # rows are built at flush time, for all buffered steps at once
+        self._buffer: list[tuple[TensorKey, Layout, np.ndarray]] = []
+        self._buffer_steps: list[int] = []
+        self._buffered_steps = 0
         self._last_flush = time.monotonic()
         self.steps_recorded = 0
         self.closed = False
@@ -179,9 +188,11 @@ class StepRecorder:
             groups.setdefault(key, (layout, []))[1].append(np.asarray(v, dtype=np.float64))
         entries = [(k, layout, merge_all(vs, layout) if len(vs) > 1 else vs[0])
                    for k, (layout, vs) in groups.items()]
-        self._buffer.append(build_rows(step, entries))
+        self._buffer += entries
+        self._buffer_steps += [step] * len(entries)
+        self._buffered_steps += 1
         self.steps_recorded += 1
-        if (len(self._buffer) >= self.flush_every
+        if (self._buffered_steps >= self.flush_every
                 or time.monotonic() - self._last_flush >= self.flush_seconds):
             self.flush()
         return len(entries)
@@ -189,8 +200,9 @@ class StepRecorder:
     def flush(self) -> None:
         """Write buffered rows now."""
         if self._buffer:
-            self.writer.write(concat_logs(self._buffer))
-            self._buffer = []
+            rows = build_rows(self._buffer_steps, self._buffer)
+            self._buffer, self._buffer_steps, self._buffered_steps = [], [], 0
+            self.writer.write(rows)
         self._last_flush = time.monotonic()
 
     def close(self) -> Path:
