@@ -191,3 +191,35 @@ def test_variance_either_side_of_the_centring_threshold(offset):
     stats, _ = finalize(summarize_torch(x, layout).numpy(), layout)
     assert stats["std"] == pytest.approx(float(np.std(x.numpy().astype(np.float64))), rel=1e-6)
     assert stats["mean"] == pytest.approx(float(np.mean(x.numpy().astype(np.float64))), rel=1e-6, abs=1e-9)
+
+
+def test_batched_small_tensors_equal_the_reference(kernel_path):
+    """raw_summaries_torch: small CPU tensors summarized together (host path) or one by one
+    (device path) agree with the numpy reference tensor by tensor, specials included."""
+    g = torch.Generator().manual_seed(7)
+    special = torch.tensor(SPECIAL)
+    tensors = [torch.randn(300, generator=g) * 1e-3, special, torch.tensor([float("nan")] * 3),
+               torch.zeros(5), torch.tensor([-2.0, -3.0, float("inf")]), torch.randn(4096, generator=g) + 50,
+               torch.randn(5000, generator=g),  # above SMALL_NUMEL: summarized on its own
+               special.to(torch.bfloat16)]
+    batches = []
+    real = kernel._raw_small_batch
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(kernel, "_raw_small_batch", lambda ts, fmt: batches.append(len(ts)) or real(ts, fmt))
+    for fmt in ("float32", "float8_e4m3fn"):
+        layout = Layout(fmt, (("peak", "max"),))
+        raws = kernel.raw_summaries_torch(tensors, layout, [{"peak": float(i)} for i in range(len(tensors))])
+        for i, (t, raw) in enumerate(zip(tensors, raws)):
+            got = torch.cat([kernel.finish_head(raw[:kernel.RAW_HEAD], torch), raw[kernel.RAW_HEAD:]]).numpy()
+            ref, _ = summarize(to_numpy(t), fmt, {"peak": (float(i), "max")})
+            for j, name in enumerate(CORE_FIELDS):
+                if name in EXACT:
+                    assert got[j] == ref[j] or (np.isnan(got[j]) and np.isnan(ref[j])), (i, name)
+                else:
+                    tol = 2e-6 * max(abs(ref[j]), ref[0] * 1e-9, 1e-300)
+                    if name == "m2" and ref[1] + ref[2]:
+                        tol += 2e-6 * (ref[1] + ref[2]) * (ref[8] / (ref[7] or 1.0)) ** 2
+                    assert abs(got[j] - ref[j]) <= tol, (i, name, got[j], ref[j])
+            np.testing.assert_array_equal(got[layout.counts_start:], ref[layout.counts_start:])
+    monkeypatch.undo()
+    assert batches == ([len(tensors) - 1] * 2 if kernel_path == "host" else [])

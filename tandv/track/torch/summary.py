@@ -51,7 +51,7 @@ import torch
 from ...stats.formats import NumberFormat
 from ...stats.summary import Layout
 
-__all__ = ["summarize_torch", "raw_summary_torch", "finish_head", "RAW_HEAD", "dtype_name"]
+__all__ = ["summarize_torch", "raw_summary_torch", "raw_summaries_torch", "finish_head", "RAW_HEAD", "dtype_name"]
 
 _F64_BIAS = 1023
 _NUM_KEYS = 4096  # (biased float64 exponent, top mantissa bit)
@@ -403,6 +403,96 @@ def _raw_host(x: torch.Tensor, layout: Layout, extras: list[Any]) -> torch.Tenso
     for i, v in enumerate(extras):
         out[RAW_HEAD + nb + 2 + i] = float(v)
     return torch.from_numpy(out)
+
+
+#: CPU tensors up to this many elements are summarized together by
+#: :func:`raw_summaries_torch` (fixed per-call costs dominate below it).
+SMALL_NUMEL = 4096
+
+
+def raw_summaries_torch(
+    tensors: list[torch.Tensor],
+    layout: Layout,
+    extras: list[Mapping[str, torch.Tensor | float]] | None = None,
+) -> list[torch.Tensor]:
+    """:func:`raw_summary_torch` of several tensors sharing ``layout`` (one result each).
+
+    Small CPU tensors (at most :data:`SMALL_NUMEL` elements, at most float32 precision)
+    are summarized together in float64 numpy, a few segmented reductions for all of them,
+    instead of a few dozen tiny operations each; that matters for the many biases,
+    norm scales and their gradients and optimizer state of a model. The rest go one by
+    one. Results are the same either way (float64 reductions of float32-exact values)."""
+    extras = extras if extras is not None else [{}] * len(tensors)
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    small = [i for i, t in enumerate(tensors)
+             if HOST_PATH and t.device.type == "cpu" and 0 < t.numel() <= SMALL_NUMEL
+             and t.is_floating_point() and t.dtype != torch.float64]
+    if len(small) > 1:
+        names = [name for name, _ in layout.extras]
+        for i in small:
+            if sorted(extras[i]) != sorted(names):
+                raise ValueError(f"summarize_torch: extras {sorted(extras[i])} do not match the "
+                                 f"layout's custom statistics {names}")
+        rows = _raw_small_batch([tensors[i] for i in small], layout.format)
+        for r, i in zip(rows, small):
+            vals = [float(extras[i][k]) for k in names]
+            out[i] = torch.from_numpy(np.concatenate([r, vals]) if vals else r)
+    for i, t in enumerate(tensors):
+        if out[i] is None:
+            out[i] = raw_summary_torch(t, layout, extras[i])
+    return out  # type: ignore[return-value]
+
+
+def _raw_small_batch(tensors: list[torch.Tensor], fmt: NumberFormat) -> list[np.ndarray]:
+    """Raw heads and counts (no extras) of small CPU tensors, by segmented float64 numpy
+    reductions over their concatenation. Every float32 (and narrower) value is a normal
+    float64, so ``frexp`` gives exact exponents; non-finite values are masked out of the
+    extrema and sums exactly as the reference does."""
+    lens = np.array([t.numel() for t in tensors])
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    X = torch.cat([t.detach().reshape(-1).float() for t in tensors]).numpy().astype(np.float64)
+    nan = np.isnan(X)
+    inf = np.isinf(X)
+    fin = ~(nan | inf)
+    A = np.abs(X)
+    seg_sum = np.add.reduceat
+    nan_c, inf_c = seg_sum(nan, starts), seg_sum(inf, starts)
+    nfin = lens - nan_c - inf_c
+    mn = np.minimum.reduceat(np.where(fin, X, np.inf), starts)
+    mx = np.maximum.reduceat(np.where(fin, X, -np.inf), starts)
+    min_abs = np.minimum.reduceat(np.where(fin, A, np.inf), starts)
+    s = np.maximum(-mn, mx)
+    s = np.where(nfin > 0, s, 0.0)
+    e = np.frexp(s)[1]  # s < 2**e (e = 0 when s = 0)
+    c = np.ldexp(1.0, -e)  # exact powers of two
+    Xf = np.where(fin, X, 0.0)
+    q = Xf * np.repeat(c, lens)  # x / 2**e, all in [-1, 1]
+    sum_q = seg_sum(q, starts)
+    m_c = sum_q / np.maximum(nfin, 1)
+    # centred on m_c over every slot, non-finite ones (which hold 0) included, as the
+    # device path does: finish_head removes their nonfinite * m_c**2
+    d = q - np.repeat(m_c, lens)
+    m2 = seg_sum(d * d, starts)
+    u = np.abs(q)
+    p1 = seg_sum(u, starts)
+    u *= u
+    p2 = seg_sum(u, starts)
+    u *= u
+    p4 = seg_sum(u, starts)
+    u *= u
+    p8 = seg_sum(u, starts)
+    # exponent counts, value-based at both ends exactly as the reference
+    nb = fmt.num_bins
+    exps = np.frexp(A)[1] - 1
+    idx = np.clip(exps - fmt.min_exponent + 1, 0, nb + 1)
+    idx = np.where(A > fmt.max, nb + 1, idx)  # inf included
+    idx = np.where(nan | (A == 0), nb + 2, idx)
+    seg = np.repeat(np.arange(len(lens)), lens)
+    counts = np.bincount(seg * (nb + 3) + idx, minlength=len(lens) * (nb + 3)).reshape(-1, nb + 3)
+    zero_c = counts[:, nb + 2] - nan_c
+    head = np.stack([lens, nan_c, inf_c, zero_c, mn, mx, min_abs, s, p1, p2, p4, p8, m2, m_c,
+                     m_c * m_c, e, e, sum_q], axis=1).astype(np.float64)
+    return list(np.concatenate([head, counts[:, : nb + 2]], axis=1))
 
 
 def finish_head(raw: Any, xp: Any = np) -> Any:

@@ -46,7 +46,7 @@ from ...stats.formats import format_name
 from ...stats.summary import Layout
 from ..common import Pattern, Selector, StepRecorder, TensorKey, make_schedule
 from ..common.custom import StatFn, StatsSpec, parse_custom_stats
-from .summary import RAW_HEAD, dtype_name, finish_head, raw_summary_torch
+from .summary import RAW_HEAD, dtype_name, finish_head, raw_summaries_torch, raw_summary_torch
 
 __all__ = ["Tracker", "track", "StatFn"]
 
@@ -253,6 +253,39 @@ class Tracker:
             # receive. Reuse its summary instead of reducing it twice.
             return key, last[2], last[3]
         d = x.detach()
+        extras = self._extras(d)
+        lay = self._layout(d, tuple(extras))
+        raw = raw_summary_torch(d, lay, extras)
+        self._last = (x, x._version, lay, raw)  # held until the next observation or step end
+        return key, lay, raw
+
+    def _summaries(self, items: list[tuple[str, str, nn.Module, torch.Tensor]]
+                   ) -> list[tuple[TensorKey, Layout, torch.Tensor]]:
+        """:meth:`_summary` of several distinct tensors (parameters, their gradients,
+        optimizer state) at once: tensors sharing a layout are reduced together, which
+        summarizes the small ones in one batch (:func:`raw_summaries_torch`)."""
+        keys, layouts, extras = [], [], []
+        for name, kind, owner, x in items:
+            ck = (name, kind, id(owner), x.dtype)
+            key = self._keys.get(ck)
+            if key is None:
+                key = self._keys[ck] = TensorKey(name, kind, type(owner).__name__, dtype_name(x.dtype))
+            ex = self._extras(x.detach())
+            keys.append(key)
+            extras.append(ex)
+            layouts.append(self._layout(x, tuple(ex)))
+        by_layout: dict[Layout, list[int]] = {}
+        for i, lay in enumerate(layouts):
+            by_layout.setdefault(lay, []).append(i)
+        raws: list[Any] = [None] * len(items)
+        for lay, idx in by_layout.items():
+            got = raw_summaries_torch([items[i][3].detach() for i in idx], lay, [extras[i] for i in idx])
+            for i, raw in zip(idx, got):
+                raws[i] = raw
+        return list(zip(keys, layouts, raws))
+
+    def _extras(self, d: torch.Tensor) -> dict[str, Any]:
+        """The custom statistics of ``d``, by name."""
         extras: dict[str, Any] = {}
         for fn in self.stat_fns:
             got = fn(d)
@@ -260,10 +293,7 @@ class Tracker:
                 raise TypeError(f"custom statistic {getattr(fn, '__name__', fn)!r} returned "
                                 f"{type(got).__name__}; it must return a mapping name -> scalar")
             extras.update(got)
-        lay = self._layout(d, tuple(extras))
-        raw = raw_summary_torch(d, lay, extras)
-        self._last = (x, x._version, lay, raw)  # held until the next observation or step end
-        return key, lay, raw
+        return extras
 
     def _observe(self, name: str, kind: str, owner: nn.Module, x: torch.Tensor) -> None:
         assert self.recorder is not None
@@ -273,17 +303,20 @@ class Tracker:
         self._weights_done = True
         if not self.kinds[WEIGHT]:
             return
-        for full, p, owner in self._params:
-            if p.is_floating_point() and self._selected(full, owner):
-                self._observe(full, WEIGHT, owner, p)
+        items = [(full, WEIGHT, owner, p) for full, p, owner in self._params
+                 if p.is_floating_point() and self._selected(full, owner)]
+        for entry in self._summaries(items):
+            self.recorder.add(*entry)  # type: ignore[union-attr]
 
-    def _capture_grads(self) -> None:
+    def _capture_grads(self, missing_only: bool = False) -> None:
         """Summarize each selected parameter's current ``.grad`` (overwrites earlier captures
-        of this step: the last optimizer to look at a gradient defines it)."""
-        for full, p, owner in self._params:
-            g = p.grad
-            if g is not None and g.is_floating_point() and self._selected(full, owner):
-                self._grads[full] = self._summary(full, GRADIENT, owner, g)
+        of this step: the last optimizer to look at a gradient defines it), or with
+        ``missing_only`` only those not captured yet."""
+        items = [(full, GRADIENT, owner, p.grad) for full, p, owner in self._params
+                 if p.grad is not None and p.grad.is_floating_point() and self._selected(full, owner)
+                 and not (missing_only and full in self._grads)]
+        for item, entry in zip(items, self._summaries(items)):
+            self._grads[item[0]] = entry
 
     def _optimizer_state(self) -> Iterator[tuple[str, torch.Tensor, nn.Module]]:
         for oi, opt in enumerate(self.optimizers):
@@ -388,16 +421,15 @@ class Tracker:
             if not self._weights_done:
                 self._capture_weights()
             if self.kinds[GRADIENT]:
-                for full, p, owner in self._params:
-                    if full not in self._grads and p.grad is not None and p.grad.is_floating_point() \
-                            and self._selected(full, owner):
-                        self._grads[full] = self._summary(full, GRADIENT, owner, p.grad)
+                # gradients no optimizer looked at: as they are now
+                self._capture_grads(missing_only=True)
                 for entry in self._grads.values():
                     self.recorder.add(*entry)
             if self.kinds[OPTIMISER_STATE]:
-                for name, value, owner in self._optimizer_state():
-                    if self._selected(name, owner):
-                        self._observe(name, OPTIMISER_STATE, owner, value)
+                items = [(name, OPTIMISER_STATE, owner, value) for name, value, owner in self._optimizer_state()
+                         if self._selected(name, owner)]
+                for entry in self._summaries(items):
+                    self.recorder.add(*entry)
             self.recorder.end_step(self.step_index, _to_host)
         else:
             self.recorder.discard()
