@@ -110,8 +110,10 @@ class _Scratch:
         self.K = base[2, :n]
         self.K_bits = self.K.view(torch.int64)
         if dtype != torch.float64:  # the host path's views (see _raw_core_host)
-            self.keys32 = base[1].view(torch.int32)[:n]
+            # the keys and the powers share memory (the keys are counted before the powers
+            # are formed): a smaller working set stays in cache
             self.C = base[2].view(torch.float32)[:n]
+            self.keys32 = self.C.view(torch.int32)
         rows = _SCATTER_ROWS if n % _SCATTER_ROWS == 0 and n >= 1 << 14 else 1
         # float32 inputs leave row 1 free (A and B share row 0): the keys go there
         self.keys_flat = base[1, :n].view(torch.int64)
