@@ -1,10 +1,11 @@
-"""Overhead of the JAX tracker on a jitted Flax MLP update (CPU by default).
+"""Overhead of the JAX tracker on a jitted Flax MLP or transformer update (CPU by default).
 
 Runs blocks of training steps without tracking, tracking everything every step, and
 tracking everything every 10th step, interleaved round by round so that machine noise hits
 all three alike, and reports each tracked variant's median block time over the untracked one.
 
     python benchmarks/jax_overhead.py [--width 512] [--depth 4] [--batch 256] [--rounds 15]
+    python benchmarks/jax_overhead.py --model transformer --rounds 5
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from tandv.demos.jax_demo import Transformer  # noqa: E402
 from tandv.track.jax import track  # noqa: E402
 
 
@@ -44,19 +46,38 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--block", type=int, default=20, help="steps per timed block (a multiple of 10)")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--model", choices=("mlp", "transformer"), default="mlp",
+                    help="mlp: --width/--depth/--batch; transformer: the GPT-style decoder of the "
+                         "PyTorch benchmark (4 layers, d_model 256, 4 heads, MLP 1024, vocab 512, "
+                         "seq 128, batch 8)")
     args = ap.parse_args()
 
-    model, opt = MLP(args.width, args.depth), optax.adam(1e-3)
     kx, ky, kp = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(kx, (args.batch, args.width))
-    y = jax.random.normal(ky, (args.batch, 1))
+    if args.model == "mlp":
+        model, opt = MLP(args.width, args.depth), optax.adam(1e-3)
+        x = jax.random.normal(kx, (args.batch, args.width))
+        y = jax.random.normal(ky, (args.batch, 1))
+
+        def loss(p, x, y):
+            return jnp.mean((model.apply(p, x) - y) ** 2)
+
+        what = f"jitted Flax MLP update: width {args.width}, depth {args.depth}, batch {args.batch}"
+    else:
+        model, opt = Transformer(vocab=512, dim=256, heads=4, depth=4), optax.adamw(1e-3)
+        x = jax.random.randint(kx, (8, 128), 0, 512)
+        y = jax.random.randint(ky, (8, 128), 0, 512)
+
+        def loss(p, x, y):
+            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+
+        what = "jitted Flax transformer update: 4 layers, d_model 256, 4 heads, seq 128, batch 8"
     params = model.init(kp, x)
     state = opt.init(params)
     n_params = sum(a.size for a in jax.tree.leaves(params))
 
     @jax.jit
     def update(p, s, x, y):
-        grads = jax.grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(p)
+        grads = jax.grad(loss)(p, x, y)
         updates, s = opt.update(grads, s, p)
         return optax.apply_updates(p, updates), s, grads
 
@@ -90,8 +111,8 @@ def main() -> None:
         t10.close()
 
     base = statistics.median(times["untracked"])
-    print(f"jitted Flax MLP update: width {args.width}, depth {args.depth}, batch {args.batch}, "
-          f"{n_params:,} parameters, adam; {jax.devices()[0].platform}, "
+    print(f"{what}, {n_params:,} parameters, {'adam' if args.model == 'mlp' else 'adamw'}; "
+          f"{jax.devices()[0].platform}, "
           f"{args.rounds} interleaved rounds of {args.block} steps")
     print(f"  untracked  median step {1e3 * base / args.block:8.3f} ms")
     for name in ("every=1", "every=10"):

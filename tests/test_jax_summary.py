@@ -101,3 +101,11 @@ def test_summarize_many_equals_one_by_one():
         np.testing.assert_array_equal(got[EXACT], ref[EXACT])
         np.testing.assert_array_equal(got[layout.counts_start:], ref[layout.counts_start:])
         np.testing.assert_allclose(got[MOMENTS], ref[MOMENTS], rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", [None, "float8_e4m3fn"])
+def test_large_array_counted_in_pairs(fmt):
+    """Arrays of 32 rows or more take the pairwise histogram; odd specials included."""
+    x = (rng.normal(size=40_000) * np.exp(rng.normal(size=40_000) * 6)).astype(np.float32)
+    x[rng.integers(0, x.size, 200)] = rng.choice(SPECIALS, 200)
+    assert_matches(x, fmt)

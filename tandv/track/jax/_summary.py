@@ -153,6 +153,25 @@ def _reduce_rows(ops: list[tuple[Any, str]]) -> list[Any]:
     return list(jax.lax.reduce(tuple(a for a, _ in ops), inits, combine, (1,)))
 
 
+#: Arrays with at least this many rows are histogrammed in pairs (see :func:`_histogram`).
+_PAIR_ROWS = 32
+
+
+def _histogram(idx: Any, length: int) -> Any:
+    """Counts of the values ``0 <= idx < length`` in ``idx`` (``[rows, ROW]``).
+
+    XLA:CPU's scatter costs about a nanosecond per update whatever the table size, so large
+    inputs are counted in pairs: one update per two elements into a ``length**2`` table of
+    (first, second) combinations, whose row and column sums are the counts. That halves the
+    cost; the table's size (~300 KB for float32 layouts) pays off only for large inputs."""
+    if idx.shape[0] < _PAIR_ROWS or length > 512:  # small input, or a float64 layout
+        return jnp.bincount(idx.reshape(-1), length=length)
+    pairs = idx.reshape(-1, 2)
+    table = jnp.zeros(length * length, jnp.int32).at[pairs[:, 0] * length + pairs[:, 1]].add(
+        1, mode="promise_in_bounds").reshape(length, length)
+    return table.sum(0) + table.sum(1)
+
+
 def _summarize_rows(block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: Layout,
                     fb: _Bits) -> tuple[Any, Any]:
     """Counts ``[num, 4 + bins]`` and values ``[num, 10]`` of the arrays laid out in ``block``
@@ -256,7 +275,7 @@ def _summarize_rows(block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: L
     # histogram much faster than into one long histogram of all arrays.
     starts = np.searchsorted(row_seg, np.arange(num + 1))
     idx = idx.astype(jnp.int32)
-    bins = jnp.stack([jnp.bincount(idx[starts[i]:starts[i + 1]].reshape(-1), length=nbins + 1)[:nbins]
+    bins = jnp.stack([_histogram(idx[starts[i]:starts[i + 1]], nbins + 1)[:nbins]
                       for i in range(num)]).astype(jnp.int32)
 
     numel = n_fin + n_nan + n_inf
