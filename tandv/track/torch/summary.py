@@ -110,9 +110,10 @@ class _Scratch:
         self.K = base[2, :n]
         self.K_bits = self.K.view(torch.int64)
         if dtype != torch.float64:  # the host path's views (see _raw_core_host)
-            # the host path's scratch vector and byte keys (see _raw_host)
+            # the keys and the powers share memory (the keys are counted before the powers
+            # are formed): a smaller working set stays in cache
             self.C = base[2].view(torch.float32)[:n]
-            self.keys8 = base[1].view(torch.uint8)[:n]
+            self.keys32 = self.C.view(torch.int32)
         rows = _SCATTER_ROWS if n % _SCATTER_ROWS == 0 and n >= 1 << 14 else 1
         # float32 inputs leave row 1 free (A and B share row 0): the keys go there
         self.keys_flat = base[1, :n].view(torch.int64)
@@ -358,27 +359,24 @@ def _raw_host(x: torch.Tensor, layout: Layout, extras: list[Any]) -> torch.Tenso
         return None
     e = math.frexp(s)[1]  # s < 2**e <= 2*s
     c = math.ldexp(1.0, -e)
-    # One float32 scratch vector K holds |x|, then the powers; the exponent keys are bytes.
-    # A small working set (the input, K and the keys) stays in cache.
-    K = w.C
     if mn > 0.0:  # |x| is x: no copy, and the smallest magnitude is the minimum
         A, min_abs = src, mn
     else:
-        A = torch.abs(src, out=K)
+        A = torch.abs(src, out=w.A)
         min_abs = -mx if mx <= 0.0 else A.amin().item()
-    # exponent fields of finite values are 0..254: uint8 keys (bincount reads a quarter
-    # of the bytes; about 30% faster than int32 keys)
-    keys = torch.bitwise_right_shift(A.view(torch.int32), 23, out=w.keys8)
-    field_counts = torch.bincount(keys, minlength=256).numpy()
+    A_bits = A.view(torch.int32)
+    field_counts = torch.bincount(torch.bitwise_right_shift(A_bits, 23, out=w.keys32),
+                                  minlength=256).numpy()
     zero_c = 0
     if min_abs == 0.0:
         # n - (number of non-zero values), by the float32 sum of signs where that is exact
-        zero_c = n - int(torch.sign(A, out=w.A).sum().item()) if n <= _EXACT_F32_COUNT else \
+        zero_c = n - int(torch.sign(A, out=w.C).sum().item()) if n <= _EXACT_F32_COUNT else \
             n - int(torch.count_nonzero(A))
     nb = fmt.num_bins
     counts = np.bincount(_host_fold(fmt), weights=field_counts, minlength=nb + 3)
     if field_counts[0] > zero_c:  # subnormals: their exponents, exactly
-        counts += _exponent_counts_f64(A[(A > 0) & (A < _F32_MIN_NORMAL)].double(), fmt).numpy()
+        sub = A[(A > 0) & (A < _F32_MIN_NORMAL)].double()
+        counts += _exponent_counts_f64(sub, fmt).numpy()
     if fmt.name != dtype_name(x.dtype) and fmt.max < 2.0 ** (fmt.max_exponent + 1):
         # as in the device path: values above a max inside the top binade overflow
         over = (A > fmt.max).sum().item()
@@ -386,7 +384,7 @@ def _raw_host(x: torch.Tensor, layout: Layout, extras: list[Any]) -> torch.Tenso
         counts[nb + 1] = over
     sum_abs = A.sum().item()
     sum_x = sum_abs if mn > 0.0 else -sum_abs if mx <= 0.0 else src.sum().item()
-    C = torch.addcmul(w.zero32, A, A, value=c * c, out=K)  # (|x| / 2**e)**2, all <= 1
+    C = torch.addcmul(w.zero32, A, A, value=c * c, out=w.C)  # (|x| / 2**e)**2, all <= 1
     p2 = C.sum().item()
     p4 = C.square_().sum().item()
     p8 = C.square_().sum().item()
