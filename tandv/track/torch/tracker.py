@@ -240,12 +240,17 @@ class Tracker:
                 fmt, tuple((n, self.stats_merge.get(n, "mean")) for n in extra_names))
         return lay
 
-    def _summary(self, name: str, kind: str, owner: nn.Module, x: torch.Tensor
-                 ) -> tuple[TensorKey, Layout, torch.Tensor]:
+    def _key(self, name: str, kind: str, owner: nn.Module, x: torch.Tensor) -> TensorKey:
+        """The row identity of tensor ``x`` (cached: built once per tensor)."""
         ck = (name, kind, id(owner), x.dtype)
         key = self._keys.get(ck)
         if key is None:
             key = self._keys[ck] = TensorKey(name, kind, type(owner).__name__, dtype_name(x.dtype))
+        return key
+
+    def _summary(self, name: str, kind: str, owner: nn.Module, x: torch.Tensor
+                 ) -> tuple[TensorKey, Layout, torch.Tensor]:
+        key = self._key(name, kind, owner, x)
         last = self._last
         if last is not None and last[0] is x and last[1] == x._version:
             # The same tensor again, unchanged: a container returning its last child's
@@ -266,12 +271,8 @@ class Tracker:
         summarizes the small ones in one batch (:func:`raw_summaries_torch`)."""
         keys, layouts, extras = [], [], []
         for name, kind, owner, x in items:
-            ck = (name, kind, id(owner), x.dtype)
-            key = self._keys.get(ck)
-            if key is None:
-                key = self._keys[ck] = TensorKey(name, kind, type(owner).__name__, dtype_name(x.dtype))
             ex = self._extras(x.detach())
-            keys.append(key)
+            keys.append(self._key(name, kind, owner, x))
             extras.append(ex)
             layouts.append(self._layout(x, tuple(ex)))
         by_layout: dict[Layout, list[int]] = {}
