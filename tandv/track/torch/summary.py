@@ -109,7 +109,7 @@ class _Scratch:
             self.A_bits = self.A.view(torch.int32)
         self.K = base[2, :n]
         self.K_bits = self.K.view(torch.int64)
-        if dtype != torch.float64:  # the host path's views (see _raw_core_host)
+        if dtype != torch.float64:  # the host path's views (see _raw_host)
             # the keys and the powers share memory (the keys are counted before the powers
             # are formed): a smaller working set stays in cache
             self.C = base[2].view(torch.float32)[:n]
@@ -306,7 +306,7 @@ def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.T
     return head, counts
 
 
-#: Whether CPU tensors take :func:`_raw_core_host` (tests switch it off to run the device
+#: Whether CPU tensors take :func:`_raw_host` (tests switch it off to run the device
 #: path on CPU).
 HOST_PATH = True
 #: The host path runs when every value is finite and ``2**-40 <= max|x| <= 2**40``: then
@@ -317,7 +317,7 @@ _HOST_RANGE = (2.0 ** -40, 2.0 ** 40)
 _F32_MIN_NORMAL = 2.0 ** -126
 #: Counts up to this are exact as float32 sums of ones.
 _EXACT_F32_COUNT = 1 << 24
-_host_fold_cache: dict[str, torch.Tensor] = {}
+_host_fold_cache: dict[str, np.ndarray] = {}
 
 
 def _host_fold(fmt: NumberFormat) -> np.ndarray:
