@@ -149,11 +149,9 @@ class StepRecorder:
         self.flush_every = flush_every
         self.flush_seconds = flush_seconds
         self._pending: list[tuple[TensorKey, Layout, Any]] = []
-        # merged host summaries of the recorded steps not yet written, and their steps:
-        # rows are built at flush time, for all buffered steps at once
-        self._buffer: list[tuple[TensorKey, Layout, np.ndarray]] = []
-        self._buffer_steps: list[int] = []
-        self._buffered_steps = 0
+        # (step, merged host summaries) of the recorded steps not yet written: rows are
+        # built at flush time, for all buffered steps at once
+        self._buffer: list[tuple[int, list[tuple[TensorKey, Layout, np.ndarray]]]] = []
         self._last_flush = time.monotonic()
         self.steps_recorded = 0
         self.closed = False
@@ -188,11 +186,9 @@ class StepRecorder:
             groups.setdefault(key, (layout, []))[1].append(np.asarray(v, dtype=np.float64))
         entries = [(k, layout, merge_all(vs, layout) if len(vs) > 1 else vs[0])
                    for k, (layout, vs) in groups.items()]
-        self._buffer += entries
-        self._buffer_steps += [step] * len(entries)
-        self._buffered_steps += 1
+        self._buffer.append((step, entries))
         self.steps_recorded += 1
-        if (self._buffered_steps >= self.flush_every
+        if (len(self._buffer) >= self.flush_every
                 or time.monotonic() - self._last_flush >= self.flush_seconds):
             self.flush()
         return len(entries)
@@ -200,8 +196,9 @@ class StepRecorder:
     def flush(self) -> None:
         """Write buffered rows now."""
         if self._buffer:
-            rows = build_rows(self._buffer_steps, self._buffer)
-            self._buffer, self._buffer_steps, self._buffered_steps = [], [], 0
+            rows = build_rows([step for step, entries in self._buffer for _ in entries],
+                              [entry for _, entries in self._buffer for entry in entries])
+            self._buffer = []
             self.writer.write(rows)
         self._last_flush = time.monotonic()
 

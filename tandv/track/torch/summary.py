@@ -197,6 +197,20 @@ def summarize_torch(
     return torch.cat([finish_head(raw[:RAW_HEAD], torch), raw[RAW_HEAD:]])
 
 
+def _extra_names(layout: Layout, extras: Mapping[str, Any] | None) -> list[str]:
+    """The layout's custom statistic names, after checking that ``extras`` gives each."""
+    names = [name for name, _ in layout.extras]
+    if sorted(extras or {}) != sorted(names):
+        raise ValueError(f"summarize_torch: extras {sorted(extras or {})} do not match the "
+                         f"layout's custom statistics {names}")
+    return names
+
+
+def _host_vector(raw: np.ndarray, extras: list[Any]) -> torch.Tensor:
+    """A host-path raw vector (head and counts) with the custom statistics' values appended."""
+    return torch.from_numpy(np.concatenate([raw, [float(v) for v in extras]]) if extras else raw)
+
+
 def raw_summary_torch(
     x: torch.Tensor,
     layout: Layout,
@@ -211,11 +225,8 @@ def raw_summary_torch(
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         what = type(x).__name__ if not isinstance(x, torch.Tensor) else f"tensor of {x.dtype}"
         raise TypeError(f"summarize_torch: expected a floating-point tensor; got {what}")
-    names = [name for name, _ in layout.extras]
+    names = _extra_names(layout, extras)
     given = dict(extras or {})
-    if sorted(given) != sorted(names):
-        raise ValueError(f"summarize_torch: extras {sorted(given)} do not match the layout's "
-                         f"custom statistics {names}")
     dev = x.device
     f64 = torch.float64
     if x.numel() == 0:
@@ -224,9 +235,9 @@ def raw_summary_torch(
     else:
         flat = x.detach().reshape(-1)
         if HOST_PATH and dev.type == "cpu" and x.dtype != f64:
-            vec = _raw_host(flat, layout, [given[k] for k in names])
-            if vec is not None:
-                return vec
+            raw = _raw_host(flat, layout.format)
+            if raw is not None:
+                return _host_vector(raw, [given[k] for k in names])
         head, counts = _raw_core(flat, layout.format)
     parts = [head, counts.to(f64)]
     if names:
@@ -334,8 +345,8 @@ def _host_fold(fmt: NumberFormat) -> np.ndarray:
     return idx
 
 
-def _raw_host(x: torch.Tensor, layout: Layout, extras: list[Any]) -> torch.Tensor | None:
-    """The raw summary of a non-empty CPU vector of at most float32 precision, or
+def _raw_host(x: torch.Tensor, fmt: NumberFormat) -> np.ndarray | None:
+    """The raw head and counts of a non-empty CPU vector of at most float32 precision, or
     ``None`` when it needs the device path: a non-finite value, or ``max|x|`` outside
     :data:`_HOST_RANGE` (zero included).
 
@@ -347,9 +358,8 @@ def _raw_host(x: torch.Tensor, layout: Layout, extras: list[Any]) -> torch.Tenso
     when the mean is small enough for that to lose at most two bits, otherwise
     ``sum((x - m)**2)`` around the float32-rounded mean ``m``, corrected by the residual
     ``sum(x - m)``. Sums are float32 cascade sums (relative error ~1e-7); the result is a
-    float64 vector assembled in numpy."""
+    float64 numpy vector."""
     n = x.numel()
-    fmt = layout.format
     w = _scratch(n, x.device, torch.float32)
     src = x if x.dtype == torch.float32 else w.B.copy_(x)
     mn_t, mx_t = torch.aminmax(src)
@@ -398,13 +408,11 @@ def _raw_host(x: torch.Tensor, layout: Layout, extras: list[Any]) -> torch.Tenso
         res = d.sum().item()
         m2raw = d.square_().sum().item() * c * c
         m_c, sum_q = m * c, (n * m + res) * c
-    out = np.empty(RAW_HEAD + nb + 2 + len(extras))
+    out = np.empty(RAW_HEAD + nb + 2)
     out[:RAW_HEAD] = (n, 0, 0, zero_c, mn, mx, min_abs, s, sum_abs * c, p2, p4, p8, m2raw, m_c,
                       m_c * m_c, e, e, sum_q)
-    out[RAW_HEAD:RAW_HEAD + nb + 2] = counts[: nb + 2]
-    for i, v in enumerate(extras):
-        out[RAW_HEAD + nb + 2 + i] = float(v)
-    return torch.from_numpy(out)
+    out[RAW_HEAD:] = counts[: nb + 2]
+    return out
 
 
 #: CPU tensors up to this many elements are summarized together by
@@ -430,15 +438,11 @@ def raw_summaries_torch(
              if HOST_PATH and t.device.type == "cpu" and 0 < t.numel() <= SMALL_NUMEL
              and t.is_floating_point() and t.dtype != torch.float64]
     if len(small) > 1:
-        names = [name for name, _ in layout.extras]
-        for i in small:
-            if sorted(extras[i]) != sorted(names):
-                raise ValueError(f"summarize_torch: extras {sorted(extras[i])} do not match the "
-                                 f"layout's custom statistics {names}")
+        for i in small:  # every tensor must give every custom statistic
+            names = _extra_names(layout, extras[i])
         rows = _raw_small_batch([tensors[i] for i in small], layout.format)
         for r, i in zip(rows, small):
-            vals = [float(extras[i][k]) for k in names]
-            out[i] = torch.from_numpy(np.concatenate([r, vals]) if vals else r)
+            out[i] = _host_vector(r, [extras[i][k] for k in names])
     for i, t in enumerate(tensors):
         if out[i] is None:
             out[i] = raw_summary_torch(t, layout, extras[i])
