@@ -5,14 +5,15 @@ same values: counts, extrema and exponent counts exactly, moments to ~1e-6 relat
 
 Two paths
 ---------
-The *device path* (accelerators, and float64 or unusual CPU inputs) never waits for the
-device (no ``.item()``, ``.cpu()`` or ``bool(tensor)``), so it can run inside forward
-and backward hooks without stalling the accelerator's queue; every choice it makes is
-branch-free arithmetic on device tensors. The *host path* (:func:`_raw_host`, CPU
-tensors of at most float32 precision whose values are all finite) reads reduced values
-as Python numbers, because on the CPU that waits for nothing, and uses them to skip
-work: about half the passes over the data. Both give the same results; the tests run
-each on the same inputs. The rest of this note describes the device path.
+The *device path* (accelerators, float64, and CPU tensors whose largest magnitude is
+beyond ``2**±100``) never waits for the device (no ``.item()``, ``.cpu()`` or
+``bool(tensor)``), so it can run inside forward and backward hooks without stalling the
+accelerator's queue; every choice it makes is branch-free arithmetic on device tensors.
+The *host path* (CPU tensors of at most float32 precision) hands the tensor's memory to
+the compiled one-pass kernel :func:`tandv.stats.host.host_summaries`: on the CPU there
+is no device to wait for, and one pass costs a fraction of the dozen framework
+operations below. Both give the same results; the tests run each on the same inputs.
+The rest of this note describes the device path.
 
 Exponent counts in one scatter
 ------------------------------
@@ -41,14 +42,15 @@ the tracker finishes all of a step's heads on the host after its single transfer
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Any, Mapping
 
+import ml_dtypes
 import numpy as np
 import torch
 
 from ...stats.formats import NumberFormat
+from ...stats.host import host_summaries
 from ...stats.summary import Layout
 
 __all__ = ["summarize_torch", "raw_summary_torch", "raw_summaries_torch", "finish_head", "RAW_HEAD", "dtype_name"]
@@ -109,11 +111,6 @@ class _Scratch:
             self.A_bits = self.A.view(torch.int32)
         self.K = base[2, :n]
         self.K_bits = self.K.view(torch.int64)
-        if dtype != torch.float64:  # the host path's views (see _raw_host)
-            # the keys and the powers share memory (the keys are counted before the powers
-            # are formed): a smaller working set stays in cache
-            self.C = base[2].view(torch.float32)[:n]
-            self.keys32 = self.C.view(torch.int32)
         rows = _SCATTER_ROWS if n % _SCATTER_ROWS == 0 and n >= 1 << 14 else 1
         # float32 inputs leave row 1 free (A and B share row 0): the keys go there
         self.keys_flat = base[1, :n].view(torch.int64)
@@ -194,6 +191,8 @@ def summarize_torch(
         ValueError: if ``extras`` does not match ``layout.extras``.
     """
     raw = raw_summary_torch(x, layout, extras)
+    if isinstance(raw, np.ndarray):  # the host kernel's vectors are finished
+        return torch.from_numpy(raw)
     return torch.cat([finish_head(raw[:RAW_HEAD], torch), raw[RAW_HEAD:]])
 
 
@@ -206,22 +205,29 @@ def _extra_names(layout: Layout, extras: Mapping[str, Any] | None) -> list[str]:
     return names
 
 
-def _host_vector(raw: np.ndarray, extras: list[Any]) -> torch.Tensor:
-    """A host-path raw vector (head and counts) with the custom statistics' values appended."""
-    return torch.from_numpy(np.concatenate([raw, [float(v) for v in extras]]) if extras else raw)
-
-
 def raw_summary_torch(
     x: torch.Tensor,
     layout: Layout,
     extras: Mapping[str, torch.Tensor | float] | None = None,
-) -> torch.Tensor:
-    """Like :func:`summarize_torch`, but the first :data:`RAW_HEAD` entries are raw
-    partial results that :func:`finish_head` turns into the layout's core fields.
+) -> torch.Tensor | np.ndarray:
+    """Like :func:`summarize_torch`, but unfinished where that saves work: a CPU tensor of
+    at most float32 precision gives its finished summary vector as a numpy array (the
+    host kernel); any other tensor gives a *raw* device vector whose first
+    :data:`RAW_HEAD` entries are partial results that :func:`finish_head` turns into the
+    layout's core fields.
 
-    The tracker keeps these raw vectors on the device and finishes a whole step's worth
-    of them at once on the host, after the single transfer, which saves about twenty
-    tiny device operations per tensor. The exponent counts and extras are final."""
+    The tracker keeps raw vectors on the device and finishes a whole step's worth of them
+    at once on the host, after the single transfer, which saves about twenty tiny device
+    operations per tensor. Their exponent counts and extras are final."""
+    return raw_summaries_torch([x], layout, [extras or {}])[0]
+
+
+def _raw_device(
+    x: torch.Tensor,
+    layout: Layout,
+    extras: Mapping[str, torch.Tensor | float] | None = None,
+) -> torch.Tensor:
+    """The raw device vector of ``x`` (see :func:`raw_summary_torch`)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         what = type(x).__name__ if not isinstance(x, torch.Tensor) else f"tensor of {x.dtype}"
         raise TypeError(f"summarize_torch: expected a floating-point tensor; got {what}")
@@ -233,12 +239,7 @@ def raw_summary_torch(
         head = torch.zeros(RAW_HEAD, dtype=f64, device=dev)
         counts = torch.zeros(layout.num_counts, dtype=f64, device=dev)
     else:
-        flat = x.detach().reshape(-1)
-        if HOST_PATH and dev.type == "cpu" and x.dtype != f64:
-            raw = _raw_host(flat, layout.format)
-            if raw is not None:
-                return _host_vector(raw, [given[k] for k in names])
-        head, counts = _raw_core(flat, layout.format)
+        head, counts = _raw_core(x.detach().reshape(-1), layout.format)
     parts = [head, counts.to(f64)]
     if names:
         parts.append(torch.stack([
@@ -317,188 +318,60 @@ def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.T
     return head, counts
 
 
-#: Whether CPU tensors take :func:`_raw_host` (tests switch it off to run the device
-#: path on CPU).
+#: Whether CPU tensors take the host kernel (tests switch it off to run the device path on
+#: CPU).
 HOST_PATH = True
-#: The host path runs when every value is finite and ``2**-40 <= max|x| <= 2**40``: then
-#: its unscaled float32 sums can neither overflow nor lose the squares of the values
-#: that matter to underflow. Anything else takes the device path.
-_HOST_RANGE = (2.0 ** -40, 2.0 ** 40)
-#: float32 values below this are subnormal (or zero).
-_F32_MIN_NORMAL = 2.0 ** -126
-#: Counts up to this are exact as float32 sums of ones.
-_EXACT_F32_COUNT = 1 << 24
-_host_fold_cache: dict[str, np.ndarray] = {}
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+_BIT_DTYPES = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16)}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _BIT_DTYPES[getattr(torch, _name)] = (torch.uint8, getattr(ml_dtypes, _name))
 
 
-def _host_fold(fmt: NumberFormat) -> np.ndarray:
-    """Layout count bin of each float32 exponent field (0..255); field 0 (zeros and
-    subnormals, counted apart) and 255 (never seen: inputs are finite) go to the discard
-    bin ``num_bins + 2``."""
-    idx = _host_fold_cache.get(fmt.name)
-    if idx is None:
-        nb = fmt.num_bins
-        exp = np.arange(256) - 127
-        idx = np.where(exp < fmt.min_exponent, 0, exp - fmt.min_exponent + 1).clip(max=nb + 1)
-        idx[0] = idx[255] = nb + 2
-        _host_fold_cache[fmt.name] = idx
-    return idx
-
-
-def _raw_host(x: torch.Tensor, fmt: NumberFormat) -> np.ndarray | None:
-    """The raw head and counts of a non-empty CPU vector of at most float32 precision, or
-    ``None`` when it needs the device path: a non-finite value, or ``max|x|`` outside
-    :data:`_HOST_RANGE` (zero included).
-
-    On the CPU the values already live on the host, so reading a reduced number costs
-    nothing (there is no device to wait for) and lets the kernel choose its work: about
-    half the passes of the device path. Exponents come from the float32 bit pattern with
-    a 256-entry ``bincount`` (no float64 copy); subnormals, whose exponent is not in the
-    field, are counted exactly apart when present. The variance is ``p2 - n*mean**2``
-    when the mean is small enough for that to lose at most two bits, otherwise
-    ``sum((x - m)**2)`` around the float32-rounded mean ``m``, corrected by the residual
-    ``sum(x - m)``. Sums are float32 cascade sums (relative error ~1e-7); the result is a
-    float64 numpy vector."""
-    n = x.numel()
-    w = _scratch(n, x.device, torch.float32)
-    src = x if x.dtype == torch.float32 else w.B.copy_(x)
-    mn_t, mx_t = torch.aminmax(src)
-    mn, mx = mn_t.item(), mx_t.item()  # NaN propagates; inf shows as such
-    s = max(-mn, mx)
-    if not _HOST_RANGE[0] <= s <= _HOST_RANGE[1]:
+def _host_array(x: torch.Tensor) -> np.ndarray | None:
+    """A flat numpy array sharing the memory of CPU tensor ``x`` (a copy only when ``x`` is
+    not contiguous), in an ml_dtypes type for bfloat16 and float8; ``None`` for a dtype the
+    host kernel does not read (float64) or a tensor not on the CPU."""
+    if not HOST_PATH or x.device.type != "cpu":
         return None
-    e = math.frexp(s)[1]  # s < 2**e <= 2*s
-    c = math.ldexp(1.0, -e)
-    if mn > 0.0:  # |x| is x: no copy, and the smallest magnitude is the minimum
-        A, min_abs = src, mn
-    else:
-        A = torch.abs(src, out=w.A)
-        min_abs = -mx if mx <= 0.0 else A.amin().item()
-    A_bits = A.view(torch.int32)
-    field_counts = torch.bincount(torch.bitwise_right_shift(A_bits, 23, out=w.keys32),
-                                  minlength=256).numpy()
-    zero_c = 0
-    if min_abs == 0.0:
-        # n - (number of non-zero values), by the float32 sum of signs where that is exact
-        zero_c = n - int(torch.sign(A, out=w.C).sum().item()) if n <= _EXACT_F32_COUNT else \
-            n - int(torch.count_nonzero(A))
-    nb = fmt.num_bins
-    counts = np.bincount(_host_fold(fmt), weights=field_counts, minlength=nb + 3)
-    if field_counts[0] > zero_c:  # subnormals: their exponents, exactly
-        sub = A[(A > 0) & (A < _F32_MIN_NORMAL)].double()
-        counts += _exponent_counts_f64(sub, fmt).numpy()
-    if fmt.name != dtype_name(x.dtype) and fmt.max < 2.0 ** (fmt.max_exponent + 1):
-        # as in the device path: values above a max inside the top binade overflow
-        over = (A > fmt.max).sum().item()
-        counts[nb] -= over - counts[nb + 1]
-        counts[nb + 1] = over
-    sum_abs = A.sum().item()
-    sum_x = sum_abs if mn > 0.0 else -sum_abs if mx <= 0.0 else src.sum().item()
-    C = torch.addcmul(w.zero32, A, A, value=c * c, out=w.C)  # (|x| / 2**e)**2, all <= 1
-    p2 = C.sum().item()
-    p4 = C.square_().sum().item()
-    p8 = C.square_().sum().item()
-    mean = sum_x / n
-    if n * (mean * c) ** 2 <= 0.75 * p2:
-        # m2 = p2 - n*mean**2 >= p2/4: the subtraction loses at most two bits
-        m_c, m2raw, sum_q = 0.0, p2, sum_x * c
-    else:
-        m = float(np.float32(mean))
-        d = torch.sub(src, m, out=w.C)
-        res = d.sum().item()
-        m2raw = d.square_().sum().item() * c * c
-        m_c, sum_q = m * c, (n * m + res) * c
-    out = np.empty(RAW_HEAD + nb + 2)
-    out[:RAW_HEAD] = (n, 0, 0, zero_c, mn, mx, min_abs, s, sum_abs * c, p2, p4, p8, m2raw, m_c,
-                      m_c * m_c, e, e, sum_q)
-    out[RAW_HEAD:] = counts[: nb + 2]
-    return out
-
-
-#: CPU tensors up to this many elements are summarized together by
-#: :func:`raw_summaries_torch` (fixed per-call costs dominate below it).
-SMALL_NUMEL = 4096
+    flat = x.detach().reshape(-1)
+    if x.dtype in _NUMPY_DTYPES:
+        return flat.numpy()
+    bits = _BIT_DTYPES.get(x.dtype)
+    return None if bits is None else flat.view(bits[0]).numpy().view(bits[1])
 
 
 def raw_summaries_torch(
     tensors: list[torch.Tensor],
     layout: Layout,
     extras: list[Mapping[str, torch.Tensor | float]] | None = None,
-) -> list[torch.Tensor]:
+) -> list[torch.Tensor | np.ndarray]:
     """:func:`raw_summary_torch` of several tensors sharing ``layout`` (one result each).
 
-    Small CPU tensors (at most :data:`SMALL_NUMEL` elements, at most float32 precision)
-    are summarized together in float64 numpy, a few segmented reductions for all of them,
-    instead of a few dozen tiny operations each; that matters for the many biases,
-    norm scales and their gradients and optimizer state of a model. The rest go one by
-    one. Results are the same either way (float64 reductions of float32-exact values)."""
+    CPU tensors of at most float32 precision go to the host kernel
+    (:func:`tandv.stats.host.host_summaries`) together: one pass over each, and the small
+    ones (biases, norm scales and their gradients and optimizer state) in one call. Its
+    results are *finished* summary vectors, returned as numpy arrays; the others are raw
+    device vectors (tensors) for :func:`finish_head`."""
     extras = extras if extras is not None else [{}] * len(tensors)
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    small = [i for i, t in enumerate(tensors)
-             if HOST_PATH and t.device.type == "cpu" and 0 < t.numel() <= SMALL_NUMEL
-             and t.is_floating_point() and t.dtype != torch.float64]
-    if len(small) > 1:
-        for i in small:  # every tensor must give every custom statistic
-            names = _extra_names(layout, extras[i])
-        rows = _raw_small_batch([tensors[i] for i in small], layout.format)
-        for r, i in zip(rows, small):
-            out[i] = _host_vector(r, [extras[i][k] for k in names])
+    out: list[torch.Tensor | np.ndarray | None] = [None] * len(tensors)
+    host = []
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            continue  # _raw_device raises the error
+        arr = _host_array(t)
+        if arr is not None:
+            host.append((i, arr))
+    if host:
+        names = [_extra_names(layout, extras[i]) for i, _ in host][0]
+        vectors, ok = host_summaries([a for _, a in host], layout, torch.get_num_threads())
+        for (i, _), v, good in zip(host, vectors, ok):
+            if good:
+                out[i] = np.concatenate([v, [float(extras[i][k]) for k in names]]) if names else v
     for i, t in enumerate(tensors):
         if out[i] is None:
-            out[i] = raw_summary_torch(t, layout, extras[i])
+            out[i] = _raw_device(t, layout, extras[i])
     return out  # type: ignore[return-value]
-
-
-def _raw_small_batch(tensors: list[torch.Tensor], fmt: NumberFormat) -> list[np.ndarray]:
-    """Raw heads and counts (no extras) of small CPU tensors, by segmented float64 numpy
-    reductions over their concatenation. Every float32 (and narrower) value is a normal
-    float64, so ``frexp`` gives exact exponents; non-finite values are masked out of the
-    extrema and sums exactly as the reference does."""
-    lens = np.array([t.numel() for t in tensors])
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-    X = torch.cat([t.detach().reshape(-1).float() for t in tensors]).numpy().astype(np.float64)
-    nan = np.isnan(X)
-    inf = np.isinf(X)
-    fin = ~(nan | inf)
-    A = np.abs(X)
-    seg_sum = np.add.reduceat
-    nan_c, inf_c = seg_sum(nan, starts), seg_sum(inf, starts)
-    nfin = lens - nan_c - inf_c
-    mn = np.minimum.reduceat(np.where(fin, X, np.inf), starts)
-    mx = np.maximum.reduceat(np.where(fin, X, -np.inf), starts)
-    min_abs = np.minimum.reduceat(np.where(fin, A, np.inf), starts)
-    s = np.maximum(-mn, mx)
-    s = np.where(nfin > 0, s, 0.0)
-    e = np.frexp(s)[1]  # s < 2**e (e = 0 when s = 0)
-    c = np.ldexp(1.0, -e)  # exact powers of two
-    Xf = np.where(fin, X, 0.0)
-    q = Xf * np.repeat(c, lens)  # x / 2**e, all in [-1, 1]
-    sum_q = seg_sum(q, starts)
-    m_c = sum_q / np.maximum(nfin, 1)
-    # centred on m_c over every slot, non-finite ones (which hold 0) included, as the
-    # device path does: finish_head removes their nonfinite * m_c**2
-    d = q - np.repeat(m_c, lens)
-    m2 = seg_sum(d * d, starts)
-    u = np.abs(q)
-    p1 = seg_sum(u, starts)
-    u *= u
-    p2 = seg_sum(u, starts)
-    u *= u
-    p4 = seg_sum(u, starts)
-    u *= u
-    p8 = seg_sum(u, starts)
-    # exponent counts, value-based at both ends exactly as the reference
-    nb = fmt.num_bins
-    exps = np.frexp(A)[1] - 1
-    idx = np.clip(exps - fmt.min_exponent + 1, 0, nb + 1)
-    idx = np.where(A > fmt.max, nb + 1, idx)  # inf included
-    idx = np.where(nan | (A == 0), nb + 2, idx)
-    seg = np.repeat(np.arange(len(lens)), lens)
-    counts = np.bincount(seg * (nb + 3) + idx, minlength=len(lens) * (nb + 3)).reshape(-1, nb + 3)
-    zero_c = counts[:, nb + 2] - nan_c
-    head = np.stack([lens, nan_c, inf_c, zero_c, mn, mx, min_abs, s, p1, p2, p4, p8, m2, m_c,
-                     m_c * m_c, e, e, sum_q], axis=1).astype(np.float64)
-    return list(np.concatenate([head, counts[:, : nb + 2]], axis=1))
 
 
 def finish_head(raw: Any, xp: Any = np) -> Any:

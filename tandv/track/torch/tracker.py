@@ -459,23 +459,21 @@ class Tracker:
         return False
 
 
-def _to_host(vectors: list[torch.Tensor]) -> list[np.ndarray]:
-    """All of a step's raw device summaries to the host (one concatenation and one copy per
-    device), finished there into layout vectors in one vectorized pass."""
+def _to_host(vectors: list[torch.Tensor | np.ndarray]) -> list[np.ndarray]:
+    """A step's summaries as finished layout vectors on the host. Numpy vectors (the host
+    kernel's) are finished already; raw device vectors go to the host in one
+    concatenation and one copy per device and are finished there in one vectorized pass."""
+    out: list[np.ndarray] = [v if isinstance(v, np.ndarray) else None for v in vectors]  # type: ignore[misc]
     by_device: dict[torch.device, list[int]] = {}
     for i, v in enumerate(vectors):
-        by_device.setdefault(v.device, []).append(i)
-    out: list[np.ndarray] = [None] * len(vectors)  # type: ignore[list-item]
+        if out[i] is None:
+            by_device.setdefault(v.device, []).append(i)
     for idx in by_device.values():
         host = torch.cat([vectors[i] for i in idx]).cpu().numpy()
-        pos = 0
-        for i in idx:
-            size = vectors[i].numel()
-            out[i] = host[pos:pos + size]
-            pos += size
-    if out:
-        core = finish_head(np.stack([v[:RAW_HEAD] for v in out]), np)
-        out = [np.concatenate([c, v[RAW_HEAD:]]) for c, v in zip(core, out)]
+        bounds = np.cumsum([0] + [vectors[i].numel() for i in idx])
+        core = finish_head(np.stack([host[p:p + RAW_HEAD] for p in bounds[:-1]]), np)
+        for c, i, p, q in zip(core, idx, bounds[:-1], bounds[1:]):
+            out[i] = np.concatenate([c, host[p + RAW_HEAD:q]])
     return out
 
 

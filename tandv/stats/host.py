@@ -1,0 +1,371 @@
+"""One-pass summaries of arrays in host memory, compiled with numba.
+
+When a framework runs on the CPU, its tensors already live in host memory and a summary
+costs only the passes over the data. Built from framework operations it costs a dozen
+(extrema, magnitudes, exponent keys, their counts, three powers, their sums, the centred
+sum), each streaming the whole tensor through memory. :func:`host_summaries` reads each
+value once: in blocks that stay in the L1 cache it first accumulates the extrema, the
+counts of special values and the float64 sums, then counts the exponent fields of the
+same block. The trackers call it for their CPU tensors (PyTorch) and arrays (JAX).
+
+Exactness: counts, extrema and exponent counts are exact. The power sums are plain
+float64 sums of ``|x|**K`` (relative error ~n * 2**-53), scaled by ``max|x|**K`` at the
+end, which is exact enough and cannot overflow while ``max|x|`` lies in
+:data:`SAFE_RANGE`; arrays outside it (or of float64) are left to the caller's other
+path and flagged in the result. The variance comes from float64 sums of ``x - p`` and
+``(x - p)**2`` shifted by a pivot ``p``, the array's first finite value: the shift keeps
+the subtraction ``S2 - S1**2 / n`` well conditioned even when ``|mean| >> std``.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from typing import Sequence
+
+import ml_dtypes
+import numba
+import numpy as np
+
+from .formats import NumberFormat
+from .summary import CORE_FIELDS, Layout
+
+__all__ = ["host_summaries", "SAFE_RANGE", "HOST_DTYPES"]
+
+#: The largest magnitude of an array must lie in this range (or be 0) for the unscaled
+#: float64 power sums to neither overflow nor lose the powers that matter to underflow.
+SAFE_RANGE = (2.0 ** -100, 2.0 ** 100)
+#: Input dtypes the kernel reads (narrower floats are widened to float32 first).
+HOST_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(t) for t in (
+    np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz, ml_dtypes.float8_e4m3b11fnuz,
+    ml_dtypes.float8_e4m3, ml_dtypes.float8_e3m4))
+
+# Columns of the kernel's per-item partial results.
+_INF, _ZERO, _OVER, _MIN, _MAX, _MINABS, _S1, _S2, _A1, _A2, _A4, _A8, _PIVOT = range(13)
+_NPART = 13
+_NSUB = 23  # float32 subnormal exponents -149 .. -127
+#: Arrays are cut into items of at most this many elements, which threads share.
+_CHUNK = 1 << 16
+#: Arrays of at most this many elements are copied into one buffer and run together
+#: (per-call costs dominate below it).
+_SMALL = 1 << 12
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+# The kernel is three loops over each item, not one: one loop doing everything compiles to
+# scalar code (2.4 ns per element), while these three compile to vector code (the first
+# two) and to four interleaved tables (the histogram): 0.95 ns per element together.
+_FAST = {"reassoc", "contract"}  # lets sums vectorize; NaN and inf semantics are kept
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def _bit_reductions(bits):  # pragma: no cover - compiled
+    """Integer reductions of float32 bit patterns: counts of inf and of zeros, and the
+    order keys of the finite minimum and maximum and the bits of the smallest finite
+    magnitude (int32 compares vectorize where float min/max would not)."""
+    inf = 0
+    zero = 0
+    kmin = np.int32(0x7FFFFFFF)
+    kmax = np.int32(-0x7FFFFFFF - 1)
+    amin = np.int32(0x7F800000)
+    for i in range(bits.size):
+        b = np.int32(bits[i])
+        m = b & np.int32(0x7FFFFFFF)  # magnitude bits; finite below the inf pattern
+        fin = m < np.int32(0x7F800000)
+        inf += m == np.int32(0x7F800000)
+        zero += m == np.int32(0)
+        key = b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF))  # orders floats as int32
+        kmin = min(kmin, key if fin else np.int32(0x7FFFFFFF))
+        kmax = max(kmax, key if fin else np.int32(-0x7FFFFFFF - 1))
+        amin = min(amin, m if fin else np.int32(0x7F800000))
+    return inf, zero, kmin, kmax, amin
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def _float_sums(x, pivot, over_at):  # pragma: no cover - compiled
+    """float64 sums over the finite values: of ``x - pivot`` and its square, of ``|x|``
+    to the powers 1, 2, 4, 8; and the count of finite magnitudes above ``over_at``."""
+    s1 = 0.0
+    s2 = 0.0
+    a1 = 0.0
+    a2 = 0.0
+    a4 = 0.0
+    a8 = 0.0
+    over = 0
+    for i in range(x.size):
+        v = np.float64(x[i])
+        a = abs(v)
+        fin = a <= 3.4028234663852886e38  # false for inf and NaN
+        af = a if fin else 0.0
+        d = v - pivot if fin else 0.0
+        s1 += d
+        s2 += d * d
+        q = af * af
+        a1 += af
+        a2 += q
+        q = q * q
+        a4 += q
+        a8 += q * q
+        over += fin & (a > over_at)
+    return s1, s2, a1, a2, a4, a8, over
+
+
+@numba.njit(cache=True, nogil=True)
+def _field_counts(bits, hist):  # pragma: no cover - compiled
+    """Adds the counts of the exponent fields to ``hist`` (int64[4, 256]): four tables
+    so that consecutive increments of one field do not wait for each other."""
+    n = bits.size // 4 * 4
+    for h in range(0, n, 4):
+        hist[0, (bits[h] >> 23) & 0xFF] += 1
+        hist[1, (bits[h + 1] >> 23) & 0xFF] += 1
+        hist[2, (bits[h + 2] >> 23) & 0xFF] += 1
+        hist[3, (bits[h + 3] >> 23) & 0xFF] += 1
+    for h in range(n, bits.size):
+        hist[0, (bits[h] >> 23) & 0xFF] += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _item(x, bits, pivot, over_at, part, hist, sub):  # pragma: no cover - compiled
+    """Partials of one item ``x`` (with ``bits``, its uint32 view) into ``part``
+    (float64[_NPART]), ``hist`` (int64[4, 256]) and ``sub`` (subnormal exponent counts)."""
+    inf, zero, kmin, kmax, amin = _bit_reductions(bits)
+    s1, s2, a1, a2, a4, a8, over = _float_sums(x, pivot, over_at)
+    _field_counts(bits, hist)
+    if hist[0, 0] + hist[1, 0] + hist[2, 0] + hist[3, 0] > zero:
+        for i in range(bits.size):  # subnormals: their exponents, exactly
+            if (bits[i] & 0x7FFFFFFF) != 0 and (bits[i] & 0x7F800000) == 0:
+                sub[math.frexp(np.float64(abs(x[i])))[1] + 148] += 1
+    part[_INF] = inf
+    part[_ZERO] = zero
+    part[_OVER] = over
+    part[_MIN] = kmin
+    part[_MAX] = kmax
+    part[_MINABS] = amin
+    part[_S1] = s1
+    part[_S2] = s2
+    part[_A1] = a1
+    part[_A2] = a2
+    part[_A4] = a4
+    part[_A8] = a8
+
+
+@numba.njit(cache=True, nogil=True)
+def _run(x, starts, stops, pivots, over_at, part, hist, sub):  # pragma: no cover - compiled
+    """:func:`_item` of the items ``x[starts[j]:stops[j]]`` with their pivots, into row
+    ``j`` of ``part``, ``hist`` and ``sub``. Releases the GIL: threads run these in
+    parallel."""
+    bits = x.view(np.uint32)
+    for j in range(starts.size):
+        a, b = starts[j], stops[j]
+        _item(x[a:b], bits[a:b], pivots[j], over_at, part[j], hist[j], sub[j])
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_finite(x, starts, stops):  # pragma: no cover - compiled
+    """The first finite value of each segment ``x[starts[j]:stops[j]]`` (0 if none)."""
+    out = np.zeros(starts.size)
+    for j in range(starts.size):
+        for i in range(starts[j], stops[j]):
+            if abs(np.float64(x[i])) <= 3.4028234663852886e38:
+                out[j] = x[i]
+                break
+    return out
+
+
+def _as_float32(a: np.ndarray) -> np.ndarray:
+    """A flat float32 view (float32 input) or widened copy (narrower floats) of ``a``."""
+    a = np.ascontiguousarray(a).reshape(-1)
+    if a.dtype == np.float32:
+        return a
+    if a.dtype == ml_dtypes.bfloat16:  # the top half of a float32: a shift, no rounding
+        return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+@lru_cache(maxsize=None)
+def _fold(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray]:
+    """The layout count bin of each float32 exponent field and of each subnormal
+    exponent (-149 .. -127). Fields 0 (zeros and subnormals, the latter counted apart) and
+    255 (inf, counted apart, and NaN) go to the discard bin ``num_bins + 2``."""
+    nb = fmt.num_bins
+
+    def bins(exp: np.ndarray) -> np.ndarray:
+        return np.where(exp < fmt.min_exponent, 0, exp - fmt.min_exponent + 1).clip(max=nb + 1)
+
+    field = bins(np.arange(256) - 127)
+    field[0] = field[255] = nb + 2
+    return field, bins(np.arange(_NSUB) - 149)
+
+
+_I = {name: i for i, name in enumerate(CORE_FIELDS)}
+_NCORE = len(CORE_FIELDS)
+
+
+@numba.njit(cache=True, nogil=True)
+def _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, nb, out, ok):  # pragma: no cover
+    """Combines the items of each array and writes its summary vector to ``out`` (core
+    fields, then the ``nb + 2`` exponent counts); ``ok`` marks the rows whose largest
+    magnitude lies in :data:`SAFE_RANGE` (or is 0)."""
+    k = lens.size
+    P = np.zeros((k, _NPART))
+    keys = np.empty((k, 3), dtype=np.int32)  # min key, max key, min |x| bits
+    keys[:, 0] = 0x7FFFFFFF
+    keys[:, 1] = -0x7FFFFFFF - 1
+    keys[:, 2] = 0x7F800000
+    counts = np.zeros((k, nb + 3))
+    field255 = np.zeros(k)  # inf and NaN
+    for j in range(item_seg.size):
+        r = item_seg[j]
+        field255[r] += hist[j, 0, 255] + hist[j, 1, 255] + hist[j, 2, 255] + hist[j, 3, 255]
+        for c in (_INF, _ZERO, _OVER, _S1, _S2, _A1, _A2, _A4, _A8):
+            P[r, c] += part[j, c]
+        P[r, _PIVOT] = part[j, _PIVOT]
+        keys[r, 0] = min(keys[r, 0], np.int32(part[j, _MIN]))
+        keys[r, 1] = max(keys[r, 1], np.int32(part[j, _MAX]))
+        keys[r, 2] = min(keys[r, 2], np.int32(part[j, _MINABS]))
+        for t in range(4):
+            for f in range(256):
+                counts[r, field_bin[f]] += hist[j, t, f]
+        for e in range(_NSUB):
+            counts[r, sub_bin[e]] += sub[j, e]
+    for r in range(k):  # order keys back to float bits
+        for c in range(2):
+            keys[r, c] = keys[r, c] ^ ((keys[r, c] >> 31) & 0x7FFFFFFF)
+    ext = keys.view(np.float32)
+    for r in range(k):
+        inf = P[r, _INF]
+        nan = field255[r] - inf
+        nfin = lens[r] - nan - inf
+        out[r, 0] = lens[r]
+        out[r, 1] = nan
+        out[r, 2] = inf
+        out[r, 3] = P[r, _ZERO]
+        if nfin > 0:
+            mn = np.float64(ext[r, 0])
+            mx = np.float64(ext[r, 1])
+            s = max(-mn, mx)
+            out[r, 4] = mn
+            out[r, 5] = mx
+            out[r, 6] = np.float64(ext[r, 2])
+        else:
+            s = 0.0
+            out[r, 4] = np.inf
+            out[r, 5] = -np.inf
+            out[r, 6] = np.inf
+        out[r, 7] = s
+        ok[r] = s == 0.0 or (s >= 2.0 ** -100 and s <= 2.0 ** 100)
+        scale = s if s > 0.0 else 1.0
+        nf = nfin if nfin > 0 else 1.0
+        s1 = P[r, _S1]
+        out[r, 8] = P[r, _PIVOT] + s1 / nf if nfin > 0 else 0.0
+        out[r, 9] = max(P[r, _S2] - s1 * s1 / nf, 0.0) / (scale * scale)
+        if ok[r]:
+            out[r, 10] = P[r, _A1] / scale
+            out[r, 11] = P[r, _A2] / scale ** 2
+            out[r, 12] = P[r, _A4] / scale ** 4
+            out[r, 13] = P[r, _A8] / scale ** 8
+        # values above a format max inside its top binade (float8_e4m3fn: 448 < 512) were
+        # counted in the top exponent: move them to the overflow bin, with the infinities
+        over = P[r, _OVER]
+        counts[r, nb] -= over - counts[r, nb + 1]
+        counts[r, nb + 1] = over + inf
+        for c in range(nb + 2):
+            out[r, _NCORE + c] = counts[r, c]
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _run_all(sources: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], over_at: float,
+             part: np.ndarray, hist: np.ndarray, sub: np.ndarray, threads: int) -> None:
+    """Runs every item of ``sources`` (``(x, starts, stops, pivots)``, rows numbered in
+    order), split into ``threads`` runs of about equal numbers of elements."""
+    global _pool
+    sizes = np.concatenate([sp - st for _, st, sp, _ in sources])
+    total = int(sizes.sum())
+    threads = max(1, min(threads, total // _CHUNK))
+    # cut the item sequence where the running element count crosses k * total / threads
+    ends = np.searchsorted(np.cumsum(sizes), np.arange(1, threads) * total / threads) + 1
+    bounds = [0, *sorted(set(ends.tolist()) - {0, sizes.size}), sizes.size]
+    offsets = np.cumsum([0] + [st.size for _, st, _, _ in sources])
+
+    def work(j0: int, j1: int) -> None:
+        for s, (x, st, sp, pv) in enumerate(sources):
+            a, b = max(j0, offsets[s]), min(j1, offsets[s + 1])
+            if a < b:
+                lo, hi = a - offsets[s], b - offsets[s]
+                _run(x, st[lo:hi], sp[lo:hi], pv[lo:hi], over_at, part[a:b], hist[a:b], sub[a:b])
+
+    if len(bounds) == 2:
+        work(0, sizes.size)
+        return
+    if _pool is None or _pool._max_workers < len(bounds) - 2:
+        _pool = ThreadPoolExecutor(max_workers=len(bounds) - 2, thread_name_prefix="tandv-host")
+    futures = [_pool.submit(work, bounds[t], bounds[t + 1]) for t in range(1, len(bounds) - 1)]
+    work(bounds[0], bounds[1])
+    for f in futures:
+        f.result()
+
+
+def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 1
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Summary vectors of host arrays, all in one layout (custom statistics excluded).
+
+    Arguments:
+        arrays: numpy arrays of a dtype in :data:`HOST_DTYPES`, any shape.
+        layout: gives the number format of the exponent counts.
+        threads: how many threads may share the work (the calling thread and a pool of
+            ``threads - 1`` workers); arrays of at most :data:`_CHUNK` elements in total
+            run on the calling thread alone.
+
+    Returns:
+        ``(vectors, ok)``: a float64 array with one row per input, the fields of
+        ``CORE_FIELDS`` then the exponent counts (``layout.extras_start`` columns), and a
+        bool array saying which rows are valid. A row is invalid when the array's largest
+        finite magnitude lies outside :data:`SAFE_RANGE`; the caller summarizes those
+        arrays another way.
+
+    Raises:
+        TypeError: if an array's dtype is not one of :data:`HOST_DTYPES`.
+    """
+    flats = []
+    for a in arrays:
+        if a.dtype not in HOST_DTYPES:
+            raise TypeError(f"host_summaries: dtype {a.dtype} is not one of "
+                            f"{', '.join(str(d) for d in HOST_DTYPES)}")
+        flats.append(_as_float32(a))
+    k = len(flats)
+    out = np.zeros((k, len(CORE_FIELDS) + layout.num_counts))
+    if k == 0:
+        return out, np.zeros(0, dtype=bool)
+    lens = np.array([f.size for f in flats], dtype=np.int64)
+    # Items: each array cut in chunks (read in place, all with the array's pivot), except
+    # the small ones, concatenated into one buffer, one item and pivot each.
+    sources: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    small = lens <= _SMALL
+    for i in np.flatnonzero(~small):
+        x = flats[i]
+        st = np.arange(0, lens[i], _CHUNK)
+        pivot = _first_finite(x, np.zeros(1, np.int64), np.array([x.size]))[0]
+        sources.append((x, st, np.minimum(st + _CHUNK, lens[i]), np.full(st.size, pivot),
+                        np.full(st.size, i)))
+    if small.any():
+        idx = np.flatnonzero(small)
+        sp = np.cumsum(lens[idx])
+        st = sp - lens[idx]
+        x = np.concatenate([flats[i] for i in idx]) if idx.size > 1 else flats[idx[0]]
+        sources.append((x, st, sp, _first_finite(x, st, sp), idx))
+    item_seg = np.concatenate([src[4] for src in sources])
+    n_items = item_seg.size
+    part = np.zeros((n_items, _NPART))
+    hist = np.zeros((n_items, 4, 256), dtype=np.int64)
+    sub = np.zeros((n_items, _NSUB), dtype=np.int64)
+    part[:, _PIVOT] = np.concatenate([src[3] for src in sources])
+    fmt = layout.format
+    _run_all([src[:4] for src in sources], min(fmt.max, _F32_MAX), part, hist, sub, threads)
+    field_bin, sub_bin = _fold(fmt)
+    ok = np.zeros(k, dtype=np.bool_)
+    _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, fmt.num_bins, out, ok)
+    return out, ok

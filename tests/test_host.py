@@ -1,0 +1,90 @@
+"""The compiled host kernel (tandv.stats.host) against the numpy reference summarize."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tandv.stats import host
+from tandv.stats.summary import CORE_FIELDS, Layout, summarize
+
+EXACT = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "min_abs", "max_abs")
+
+
+def assert_rows_match(arrays, fmt, rows, ok):
+    assert rows.shape == (len(arrays), len(CORE_FIELDS) + Layout(fmt).num_counts)
+    for a, row, good in zip(arrays, rows, ok):
+        assert good
+        ref, layout = summarize(a, fmt)
+        for i, name in enumerate(CORE_FIELDS):
+            if name in EXACT:
+                assert row[i] == ref[i] or (np.isnan(row[i]) and np.isnan(ref[i])), (a.size, name)
+            else:
+                assert row[i] == pytest.approx(ref[i], rel=1e-9, abs=1e-300), (a.size, name, row[i], ref[i])
+        np.testing.assert_array_equal(row[len(CORE_FIELDS):], ref[layout.counts_start:layout.extras_start])
+
+
+def mixed_arrays():
+    rng = np.random.default_rng(11)
+    specials = np.array([0.0, -0.0, 1e-45, -3e-42, 9e-39, np.nan, np.inf, -np.inf, 448.0, 449.0,
+                         500.0, -1e-20, 65504.0], np.float32)
+    big = rng.standard_normal(host._CHUNK * 2 + 123).astype(np.float32)  # three chunks
+    big[::1001] = 0.0
+    big[5::3001] = 2e-41  # subnormals in several chunks
+    big[7::50_000] = np.nan
+    return [
+        big,
+        specials,
+        rng.standard_normal(host._SMALL + 1).astype(np.float32),  # read in place
+        np.zeros(5, np.float32),
+        np.array([], np.float32),
+        np.array([np.nan, np.inf], np.float32),  # nothing finite
+        -np.abs(rng.standard_normal(300)).astype(np.float32),  # all negative
+        rng.standard_normal(host._CHUNK + 7).astype(ml_dtypes.bfloat16),
+        specials.astype(np.float16),
+        (rng.standard_normal(999) * 100).astype(ml_dtypes.float8_e4m3fn),
+        rng.standard_normal(50).astype(ml_dtypes.float8_e5m2),
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["float32", "float8_e4m3fn", "bfloat16", "float64"])
+def test_matches_the_reference(fmt):
+    arrays = mixed_arrays()
+    rows, ok = host.host_summaries(arrays, Layout(fmt))
+    assert_rows_match(arrays, fmt, rows, ok)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_give_the_same_rows(threads):
+    arrays = mixed_arrays()
+    one, _ = host.host_summaries(arrays, Layout("float8_e5m2"))
+    many, ok = host.host_summaries(arrays, Layout("float8_e5m2"), threads=threads)
+    assert ok.all()
+    np.testing.assert_allclose(many, one, rtol=1e-12)
+    counts = slice(len(CORE_FIELDS), None)
+    np.testing.assert_array_equal(many[:, counts], one[:, counts])
+
+
+def test_variance_far_from_zero():
+    """The pivot keeps the variance exact when |mean| >> std (a plain sum of squares
+    would lose every digit here)."""
+    rng = np.random.default_rng(3)
+    x = (1e4 + 1e-2 * rng.standard_normal(300_000)).astype(np.float32)
+    rows, ok = host.host_summaries([x], Layout("float32"))
+    ref = x.astype(np.float64)
+    i = {n: k for k, n in enumerate(CORE_FIELDS)}
+    std = rows[0, i["max_abs"]] * np.sqrt(rows[0, i["m2"]] / x.size)
+    assert ok[0]
+    assert std == pytest.approx(ref.std(), rel=1e-6)
+    assert rows[0, i["mean"]] == pytest.approx(ref.mean(), rel=1e-12)
+
+
+def test_magnitudes_outside_the_safe_range_are_flagged():
+    arrays = [np.array([2.0 ** 101, 1.0], np.float32), np.array([2.0 ** -101], np.float32),
+              np.array([2.0 ** 100, -(2.0 ** -100)], np.float32), np.zeros(3, np.float32)]
+    _, ok = host.host_summaries(arrays, Layout("float32"))
+    assert ok.tolist() == [False, False, True, True]
+
+
+def test_other_dtypes_are_refused_with_the_accepted_list():
+    with pytest.raises(TypeError, match=r"dtype float64 is not one of float32, float16, bfloat16"):
+        host.host_summaries([np.zeros(3)], Layout("float32"))
