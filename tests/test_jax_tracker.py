@@ -15,6 +15,7 @@ from flax import nnx  # noqa: E402
 from tandv.schema import read_log  # noqa: E402
 from tandv.stats import exponent_labels, finalize, summarize  # noqa: E402
 from tandv.track.jax import track  # noqa: E402
+from tandv.track.jax import _tracker as jax_tracker_module  # noqa: E402
 from tandv.track.jax._trees import optimizer_state_leaves  # noqa: E402
 
 EXACT_STATS = ["min", "max", "min_abs", "max_abs", "numel", "zero_count", "nan_count", "inf_count"]
@@ -125,12 +126,18 @@ def captured_run(out, jit: bool, shard=None):
 
 @pytest.fixture(scope="module")
 def linen_runs(tmp_path_factory):
-    """The jitted and the plain run (shared by several tests: compiles are the cost)."""
+    """The jitted and the plain run, and a jitted run whose step-time arrays take the XLA
+    summaries instead of the host kernel, as arrays on accelerators do (shared by several
+    tests: compiles are the cost)."""
     tmp = tmp_path_factory.mktemp("linen")
-    return {"jit": captured_run(tmp / "jit", True), "plain": captured_run(tmp / "plain", False)}
+    runs = {"jit": captured_run(tmp / "jit", True), "plain": captured_run(tmp / "plain", False)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax_tracker_module, "_in_host_memory", lambda x: False)
+        runs["device"] = captured_run(tmp / "device", True)
+    return runs
 
 
-@pytest.mark.parametrize("mode", ["jit", "plain"])
+@pytest.mark.parametrize("mode", ["jit", "plain", "device"])
 def test_linen_rows_match_reference(linen_runs, mode):
     df, history = linen_runs[mode]
     mods = ("Dense_0", "LayerNorm_0", "Dense_1")
@@ -177,6 +184,10 @@ def assert_same_log(a: pd.DataFrame, b: pd.DataFrame) -> None:
 
 def test_jit_and_plain_give_the_same_log(linen_runs):
     assert_same_log(linen_runs["jit"][0], linen_runs["plain"][0])
+
+
+def test_host_kernel_and_xla_summaries_give_the_same_log(linen_runs):
+    assert_same_log(linen_runs["jit"][0], linen_runs["device"][0])
 
 
 def test_jitted_update_is_traced_once_per_tracking_mode(tmp_path):
@@ -502,3 +513,12 @@ def test_bfloat16_parameters_are_summarized_in_their_own_format(tmp_path):
     df = read_log(tmp_path / "log")
     assert row(df, "w", "Weight", 0)[("metadata", "dtype")] == "bfloat16"
     assert_row_matches(df, "w", "Weight", 0, np.asarray(params["params"]["w"]))
+
+
+def test_cpu_arrays_go_to_the_host_kernel():
+    """Step-time arrays on CPU devices take the host kernel (see the "device" run for the
+    XLA summaries); other values, and dtypes it does not read, do not."""
+    assert jax_tracker_module._in_host_memory(jnp.ones(3))
+    assert jax_tracker_module._in_host_memory(jnp.ones(3, jnp.bfloat16))
+    assert not jax_tracker_module._in_host_memory(np.ones(3, np.float32))  # not a JAX array
+    assert not jax_tracker_module._in_host_memory(jnp.ones(3, jnp.int32))

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -75,12 +76,14 @@ def drop_empty_exponents(df: pd.DataFrame) -> pd.DataFrame:
     """Drop exponent columns that are zero in every row (``-inf``/``+inf`` are kept).
 
     Allowed by the schema because a missing exponent column means a count of zero."""
-    cols = [c for c in df.columns if c[0] == EXPONENT_COUNTS and c[1] not in (UNDERFLOW, OVERFLOW)]
-    if not cols:
+    droppable = np.array([c[0] == EXPONENT_COUNTS and c[1] not in (UNDERFLOW, OVERFLOW)
+                          for c in df.columns], dtype=bool)
+    if not droppable.any():
         return df
-    empty = ~df[cols].to_numpy().any(axis=0)
-    drop = [c for c, e in zip(cols, empty) if e]
-    return df.drop(columns=drop) if drop else df
+    empty = np.zeros(len(droppable), dtype=bool)
+    empty[droppable] = ~df.iloc[:, np.flatnonzero(droppable)].to_numpy().any(axis=0)
+    # by position: DataFrame.drop on MultiIndex columns costs ~80 ms for 300 columns
+    return df.iloc[:, np.flatnonzero(~empty)] if empty.any() else df
 
 
 def atomic_write(path: PathLike, write: Any) -> Path:

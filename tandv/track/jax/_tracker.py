@@ -12,6 +12,7 @@ import numpy as np
 
 from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...stats.formats import format_name, number_format as _number_format
+from ...stats.host import HOST_DTYPES, host_summaries
 from ...stats.summary import Layout
 from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_schedule
 from ..common.custom import StatsSpec, parse_custom_stats
@@ -25,6 +26,9 @@ T = TypeVar("T")
 _tokens = itertools.count(1)
 #: Arrays with at least this many elements are summarized by a program of their own.
 _OWN_PROGRAM_SIZE = 1 << 16
+#: Threads the host kernel may use: the cores this process may run on (XLA:CPU uses them
+#: all as well).
+_HOST_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class _StackRow(NamedTuple):
@@ -34,13 +38,25 @@ class _StackRow(NamedTuple):
     row: int
 
 
+def _in_host_memory(x: Any) -> bool:
+    """Whether the host kernel can read ``x`` where it lies: a JAX array on CPU devices, of
+    a dtype the kernel reads (``np.asarray`` then shares its buffer; a sharded array is
+    gathered)."""
+    return (isinstance(x, jax.Array) and np.dtype(x.dtype) in HOST_DTYPES and x.is_fully_addressable
+            and all(d.platform == "cpu" for d in x.devices()))
+
+
 def _to_host(summaries: list[Any]) -> list[np.ndarray]:
     """Summary vectors of one step's observations, fetched with one ``jax.device_get``:
-    stacked step-time summaries (:class:`_StackRow`) and tap summaries (already on the host)."""
+    stacked step-time summaries (:class:`_StackRow`); tap summaries and the host kernel's
+    vectors are on the host already."""
     stacks = {id(s.stack): s.stack for s in summaries if isinstance(s, _StackRow)}
     fetched = dict(zip(stacks, jax.device_get(list(stacks.values()))))
     out = []
     for s in summaries:
+        if isinstance(s, np.ndarray):
+            out.append(s)
+            continue
         if isinstance(s, _StackRow):
             counts, values = fetched[id(s.stack)]
             s = DeviceSummary(counts[s.row], values[s.row])
@@ -216,13 +232,29 @@ class JaxTracker:
             out.append((jnp.stack([parts[i].counts for i in idx]), jnp.stack([parts[i].values for i in idx])))
         return out
 
-    def _summarize_arrays(self, arrays: list[jax.Array]) -> list[_StackRow]:
-        """Start summarizing ``arrays`` on device (one jitted call); one handle per array."""
-        stacks = self._summarize_many(arrays)
+    def _summarize_arrays(self, arrays: list[jax.Array]) -> list[_StackRow | np.ndarray]:
+        """Summaries of ``arrays``: one handle per array.
+
+        Arrays in CPU memory (of at most float32 precision, without custom statistics) are
+        summarized at once by the host kernel, reading the arrays' own buffers: finished
+        vectors. The others start on device, in one jitted call: stack rows that
+        :func:`_to_host` fetches at the end of the step."""
         rows: list[Any] = [None] * len(arrays)
-        for (_, idx), stack in zip(self._groups(arrays), stacks):
-            for r, i in enumerate(idx):
-                rows[i] = _StackRow(stack, r)
+        if not self._custom:
+            for dtype, idx in self._groups(arrays):
+                idx = [i for i in idx if _in_host_memory(arrays[i])]
+                if idx:
+                    vectors, ok = host_summaries([np.asarray(arrays[i]) for i in idx], self._layout(dtype),
+                                                 _HOST_THREADS)
+                    for i, v, good in zip(idx, vectors, ok):
+                        rows[i] = v if good else None
+        rest = [i for i, r in enumerate(rows) if r is None]
+        if rest:
+            device = [arrays[i] for i in rest]
+            stacks = self._summarize_many(device)
+            for (_, idx), stack in zip(self._groups(device), stacks):
+                for r, i in enumerate(idx):
+                    rows[rest[i]] = _StackRow(stack, r)
         return rows
 
     def _types_of(self, name: str) -> Sequence[type]:
