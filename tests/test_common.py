@@ -1,6 +1,7 @@
 """Tracker core: schedules, selection, the step recorder and its streaming writers."""
 
 import re
+import time
 
 import numpy as np
 import pytest
@@ -106,7 +107,11 @@ def test_recorder_streams_parts_and_pickle_once(tmp_path):
     for step in range(5):
         rec.add(key("a"), layout, v)
         rec.end_step(step, lambda xs: xs)
-        # parts appear while the run goes: after steps 1 and 3
+        # parts appear while the run goes, written by the writer thread: after steps 1 and 3
+        deadline = time.monotonic() + 10
+        while len(list((tmp_path / "log").glob("*.parquet"))) < (step + 1) // 2 < 3:
+            assert time.monotonic() < deadline, f"no part file after step {step}"
+            time.sleep(0.01)
         assert len(list((tmp_path / "log").glob("*.parquet"))) == (step + 1) // 2
     rec.close()
     assert len(list((tmp_path / "log").glob("*.parquet"))) == 3
@@ -118,6 +123,31 @@ def test_recorder_streams_parts_and_pickle_once(tmp_path):
     assert not (tmp_path / "log.pkl").exists()
     rec.close()
     assert list(read_pickle(tmp_path / "log.pkl")[("metadata", "name")]) == ["a"]
+
+
+def test_recorder_write_failure_reaches_the_training_thread(tmp_path):
+    """A part the writer thread cannot write fails the next step (and close) with the
+    cause attached; the parts written before stay readable."""
+    v, layout = summarize(np.arange(1, 9, dtype=np.float32))
+    rec = StepRecorder(tmp_path / "log", verbose=False)
+    rec.add(key("a"), layout, v)
+    rec.end_step(0, lambda xs: xs)
+    rec.flush()
+    real = rec.writer.write
+
+    def full_disk(df, **kw):
+        raise OSError(28, "No space left on device")
+
+    rec.writer.write = full_disk
+    rec.add(key("a"), layout, v)
+    rec.end_step(1, lambda xs: xs)
+    with pytest.raises(RuntimeError, match="writing the log to .* failed") as err:
+        rec.flush()
+    assert isinstance(err.value.__cause__, OSError)
+    with pytest.raises(RuntimeError):
+        rec.close()
+    rec.writer.write = real
+    assert list(read_parquet(tmp_path / "log")[("metadata", "step")]) == [0]
 
 
 def test_recorder_empty_run_writes_valid_empty_log(tmp_path):

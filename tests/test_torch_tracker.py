@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -498,6 +499,9 @@ def test_streaming_writes_part_files_during_the_run():
     net, opt = make()
     with track(net, opt, out="log", flush_every=2) as tr:
         train(net, opt, 5, tr)
+        deadline = time.monotonic() + 10  # parts are written by the recorder's writer thread
+        while len(list(Path("log").glob("*.parquet"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         parts = sorted(p.name for p in Path("log").glob("*.parquet"))
         assert parts == ["part-000000.parquet", "part-000001.parquet"]
         assert sorted(set(read_log("log")[("metadata", "step")])) == [0, 1, 2, 3]

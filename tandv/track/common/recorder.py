@@ -10,7 +10,9 @@ streaming them to disk) happens here, once, for both frameworks.
 from __future__ import annotations
 
 import os
+import queue
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -153,6 +155,9 @@ class StepRecorder:
         # built at flush time, for all buffered steps at once
         self._buffer: list[tuple[int, list[tuple[TensorKey, Layout, np.ndarray]]]] = []
         self._last_flush = time.monotonic()
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
         self.steps_recorded = 0
         self.closed = False
 
@@ -190,27 +195,68 @@ class StepRecorder:
         self.steps_recorded += 1
         if (len(self._buffer) >= self.flush_every
                 or time.monotonic() - self._last_flush >= self.flush_seconds):
-            self.flush()
+            self._hand_over()
+            self._raise_writer_error()
         return len(entries)
 
     def flush(self) -> None:
-        """Write buffered rows now."""
+        """Write buffered rows now, and wait until they are on disk."""
+        self._hand_over()
+        if self._thread is not None:
+            self._queue.join()
+        self._raise_writer_error()
+
+    def _hand_over(self) -> None:
+        """Pass the buffered steps to the writer thread, which builds their rows and writes
+        them while training goes on (building, validating and writing a part costs tens of
+        milliseconds). The queue holds at most two batches: a slow disk slows training
+        down instead of filling memory."""
         if self._buffer:
-            rows = build_rows([step for step, entries in self._buffer for _ in entries],
-                              [entry for _, entries in self._buffer for entry in entries])
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._write_loop, name="tandv-writer", daemon=True)
+                self._thread.start()
+            self._queue.put(self._buffer)  # only then dropped here: an interrupted put loses nothing
             self._buffer = []
-            self.writer.write(rows)
         self._last_flush = time.monotonic()
+
+    def _write_loop(self) -> None:
+        while True:
+            batch = self._queue.get()
+            try:
+                if batch is None:
+                    return
+                if self._error is None:  # after a failure, later batches are not written
+                    self.writer.write(build_rows([step for step, entries in batch for _ in entries],
+                                                 [entry for _, entries in batch for entry in entries]))
+            except BaseException as e:  # handed to the training thread
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def _raise_writer_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"tandv: writing the log to {str(self.path)!r} failed; steps from the "
+                               f"failed part on are not on disk") from self._error
 
     def close(self) -> Path:
         """Flush and finish the log (idempotent); returns its path.
 
-        A run that recorded no step writes a valid log with no rows (default columns)."""
+        A run that recorded no step writes a valid log with no rows (default columns).
+
+        Raises:
+            RuntimeError: if writing failed (the cause attached); the log keeps the parts
+                written before the failure.
+        """
         if not self.closed:
             self._pending = []
-            self.flush()
+            self._hand_over()
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join()
+                self._thread = None
+            self.closed = True
+            self._raise_writer_error()
             if self.writer.rows_written == 0:
                 self.writer.write(build_rows(0, []), allow_empty=True)
             self.writer.close()
-            self.closed = True
         return self.path
