@@ -26,9 +26,10 @@ T = TypeVar("T")
 _tokens = itertools.count(1)
 #: Arrays with at least this many elements are summarized by a program of their own.
 _OWN_PROGRAM_SIZE = 1 << 16
-#: Threads the host kernel may use: the cores this process may run on (XLA:CPU uses them
-#: all as well).
-_HOST_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+#: Threads the host kernel uses. One: with two (numba's threads), the kernel itself ran
+#: faster, but those threads kept a core busy into the next XLA update, and tracked steps of
+#: the MLP benchmark took longer (28.2-28.4 ms against 25.5-26.4 ms, instrumented runs).
+_HOST_THREADS = 1
 
 
 class _StackRow(NamedTuple):
