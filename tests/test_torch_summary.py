@@ -221,3 +221,19 @@ def test_batched_small_tensors_equal_the_reference(kernel_path):
             np.testing.assert_array_equal(got[layout.counts_start:], ref[layout.counts_start:])
     monkeypatch.undo()
     assert batches == ([len(tensors)] * 2 if kernel_path == "host" else [])
+
+
+class _Wrapped(torch.Tensor):
+    """A tensor subclass standing in for DTensor and the like."""
+
+
+def test_tensor_subclasses_and_negative_views_on_the_host_path(kernel_path):
+    """Subclasses (a DTensor holds one shard) take the device path; a lazily negated view
+    (negative bit set, which ``.numpy()`` refuses) is read correctly."""
+    x = torch.linspace(-3, 5, 101)
+    assert kernel._host_array(x.as_subclass(_Wrapped)) is None
+    assert_matches_reference(x.as_subclass(_Wrapped))
+    neg = torch._neg_view(x)
+    assert neg.is_neg()
+    ref, layout = summarize(-x.numpy())
+    np.testing.assert_allclose(summarize_torch(neg, layout).numpy(), ref, rtol=2e-6)

@@ -331,10 +331,12 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
 def _host_array(x: torch.Tensor) -> np.ndarray | None:
     """A flat numpy array sharing the memory of CPU tensor ``x`` (a copy only when ``x`` is
     not contiguous), in an ml_dtypes type for bfloat16 and float8; ``None`` for a dtype the
-    host kernel does not read (float64) or a tensor not on the CPU."""
-    if not HOST_PATH or x.device.type != "cpu":
+    host kernel does not read (float64), a tensor not on the CPU, or a tensor subclass
+    (``DTensor`` and the like hold only a shard: their own operations give the global
+    statistics)."""
+    if not HOST_PATH or x.device.type != "cpu" or type(x) not in (torch.Tensor, torch.nn.Parameter):
         return None
-    flat = x.detach().reshape(-1)
+    flat = x.detach().reshape(-1).resolve_neg()
     if x.dtype in _NUMPY_DTYPES:
         return flat.numpy()
     bits = _BIT_DTYPES.get(x.dtype)
