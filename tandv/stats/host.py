@@ -4,9 +4,10 @@ When a framework runs on the CPU, its tensors already live in host memory and a 
 costs only the passes over the data. Built from framework operations it costs a dozen
 (extrema, magnitudes, exponent keys, their counts, three powers, their sums, the centred
 sum), each streaming the whole tensor through memory. :func:`host_summaries` reads each
-value once: in blocks that stay in the L1 cache it first accumulates the extrema, the
-counts of special values and the float64 sums, then counts the exponent fields of the
-same block. The trackers call it for their CPU tensors (PyTorch) and arrays (JAX).
+value from memory once: per 64K-element chunk (which stays in the L2 cache) one loop
+accumulates the extrema and the counts of special values, a second the float64 sums, a
+third counts the exponent fields. The trackers call it for their CPU tensors (PyTorch)
+and arrays (JAX).
 
 Exactness: counts, extrema and exponent counts are exact. The power sums are plain
 float64 sums of ``|x|**K`` (relative error ~n * 2**-53), scaled by ``max|x|**K`` at the
@@ -36,6 +37,7 @@ __all__ = ["host_summaries", "SAFE_RANGE", "HOST_DTYPES"]
 #: The largest magnitude of an array must lie in this range (or be 0) for the unscaled
 #: float64 power sums to neither overflow nor lose the powers that matter to underflow.
 SAFE_RANGE = (2.0 ** -100, 2.0 ** 100)
+_SAFE_LO, _SAFE_HI = SAFE_RANGE
 #: Input dtypes the kernel reads (narrower floats are widened to float32 first).
 HOST_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(t) for t in (
     np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
@@ -207,7 +209,11 @@ def _fold(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray]:
     return field, bins(np.arange(_NSUB) - 149)
 
 
-_I = {name: i for i, name in enumerate(CORE_FIELDS)}
+# Where :func:`_finish` writes each core field (module-level ints: constants to numba).
+(_O_NUMEL, _O_NAN, _O_INF, _O_ZERO, _O_MIN, _O_MAX, _O_MINABS, _O_MAXABS, _O_MEAN, _O_M2,
+ _O_P1, _O_P2, _O_P4, _O_P8) = (CORE_FIELDS.index(f) for f in (
+    "numel", "nan_count", "inf_count", "zero_count", "min", "max", "min_abs", "max_abs", "mean",
+    "m2", "p1", "p2", "p4", "p8"))
 _NCORE = len(CORE_FIELDS)
 
 
@@ -246,34 +252,34 @@ def _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, nb, out, ok):  
         inf = P[r, _INF]
         nan = field255[r] - inf
         nfin = lens[r] - nan - inf
-        out[r, 0] = lens[r]
-        out[r, 1] = nan
-        out[r, 2] = inf
-        out[r, 3] = P[r, _ZERO]
+        out[r, _O_NUMEL] = lens[r]
+        out[r, _O_NAN] = nan
+        out[r, _O_INF] = inf
+        out[r, _O_ZERO] = P[r, _ZERO]
         if nfin > 0:
             mn = np.float64(ext[r, 0])
             mx = np.float64(ext[r, 1])
             s = max(-mn, mx)
-            out[r, 4] = mn
-            out[r, 5] = mx
-            out[r, 6] = np.float64(ext[r, 2])
+            out[r, _O_MIN] = mn
+            out[r, _O_MAX] = mx
+            out[r, _O_MINABS] = np.float64(ext[r, 2])
         else:
             s = 0.0
-            out[r, 4] = np.inf
-            out[r, 5] = -np.inf
-            out[r, 6] = np.inf
-        out[r, 7] = s
-        ok[r] = s == 0.0 or (s >= 2.0 ** -100 and s <= 2.0 ** 100)
+            out[r, _O_MIN] = np.inf
+            out[r, _O_MAX] = -np.inf
+            out[r, _O_MINABS] = np.inf
+        out[r, _O_MAXABS] = s
+        ok[r] = s == 0.0 or (s >= _SAFE_LO and s <= _SAFE_HI)
         scale = s if s > 0.0 else 1.0
         nf = nfin if nfin > 0 else 1.0
         s1 = P[r, _S1]
-        out[r, 8] = P[r, _PIVOT] + s1 / nf if nfin > 0 else 0.0
-        out[r, 9] = max(P[r, _S2] - s1 * s1 / nf, 0.0) / (scale * scale)
+        out[r, _O_MEAN] = P[r, _PIVOT] + s1 / nf if nfin > 0 else 0.0
+        out[r, _O_M2] = max(P[r, _S2] - s1 * s1 / nf, 0.0) / (scale * scale)
         if ok[r]:
-            out[r, 10] = P[r, _A1] / scale
-            out[r, 11] = P[r, _A2] / scale ** 2
-            out[r, 12] = P[r, _A4] / scale ** 4
-            out[r, 13] = P[r, _A8] / scale ** 8
+            out[r, _O_P1] = P[r, _A1] / scale
+            out[r, _O_P2] = P[r, _A2] / scale ** 2
+            out[r, _O_P4] = P[r, _A4] / scale ** 4
+            out[r, _O_P8] = P[r, _A8] / scale ** 8
         # values above a format max inside its top binade (float8_e4m3fn: 448 < 512) were
         # counted in the top exponent: move them to the overflow bin, with the infinities
         over = P[r, _OVER]

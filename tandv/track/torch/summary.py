@@ -321,7 +321,7 @@ def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.T
 #: Whether CPU tensors take the host kernel (tests switch it off to run the device path on
 #: CPU).
 HOST_PATH = True
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+_NUMPY_DTYPES = frozenset({torch.float32, torch.float16})  # .numpy() gives these as they are
 _BIT_DTYPES = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16)}
 for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
     if hasattr(torch, _name):
