@@ -44,7 +44,7 @@ HOST_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(t) for t in (
     ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz, ml_dtypes.float8_e4m3b11fnuz,
     ml_dtypes.float8_e4m3, ml_dtypes.float8_e3m4))
 
-# Columns of the kernel's per-item partial results.
+# Columns of the kernel's per-item partial results (:func:`_item` writes them in this order).
 _INF, _ZERO, _OVER, _MIN, _MAX, _MINABS, _S1, _S2, _A1, _A2, _A4, _A8, _PIVOT = range(13)
 _NPART = 13
 _NSUB = 23  # float32 subnormal exponents -149 .. -127
@@ -139,18 +139,10 @@ def _item(x, bits, pivot, over_at, part, hist, sub):  # pragma: no cover - compi
         for i in range(bits.size):  # subnormals: their exponents, exactly
             if (bits[i] & 0x7FFFFFFF) != 0 and (bits[i] & 0x7F800000) == 0:
                 sub[math.frexp(np.float64(abs(x[i])))[1] + 148] += 1
-    part[_INF] = inf
-    part[_ZERO] = zero
-    part[_OVER] = over
-    part[_MIN] = kmin
-    part[_MAX] = kmax
-    part[_MINABS] = amin
-    part[_S1] = s1
-    part[_S2] = s2
-    part[_A1] = a1
-    part[_A2] = a2
-    part[_A4] = a4
-    part[_A8] = a8
+    f = np.float64
+    got = (f(inf), f(zero), f(over), f(kmin), f(kmax), f(amin), s1, s2, a1, a2, a4, a8)
+    for c in range(_PIVOT):  # the columns _INF .. _A8 are 0 .. 11, in this order
+        part[c] = got[c]
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
