@@ -1,4 +1,5 @@
-"""summarize_jax against the numpy reference tandv.stats.summarize."""
+"""The JAX summaries against the numpy reference tandv.stats.summarize: summarize_jax (XLA
+operations, any backend) and the host kernel called from inside XLA:CPU programs (_ffi)."""
 
 import ml_dtypes
 import numpy as np
@@ -12,7 +13,7 @@ from hypothesis.extra import numpy as hnp  # noqa: E402
 
 from tandv.stats import Layout, finalize, summarize  # noqa: E402
 from tandv.stats.summary import CORE_FIELDS  # noqa: E402
-from tandv.track.jax import summarize_jax, to_vector  # noqa: E402
+from tandv.track.jax import _ffi, summarize_jax, to_vector  # noqa: E402
 
 EXACT = [CORE_FIELDS.index(f) for f in ("numel", "nan_count", "inf_count", "zero_count",
                                          "min", "max", "min_abs", "max_abs")]
@@ -20,17 +21,25 @@ MOMENTS = [CORE_FIELDS.index(f) for f in ("mean", "m2", "p1", "p2", "p4", "p8")]
 
 
 _jitted = {}
+PATHS = ["xla", pytest.param("ffi", marks=pytest.mark.skipif(
+    not _ffi.SUPPORTED, reason="no in-program kernel on this machine"))]
 
 
-def _device(x, fmt=None):
+def _in_program(layout):
+    """summarize_jax's twin on XLA:CPU: the host kernel as a custom call."""
+    return lambda a: _ffi.ffi_summary(a, layout.format, layout.num_counts)
+
+
+def _device(x, fmt=None, path="xla"):
     ref, layout = summarize(np.asarray(x), fmt)
-    if layout not in _jitted:  # one compile per layout (and shape), not per call
-        _jitted[layout] = jax.jit(lambda a: summarize_jax(a, layout))
-    return ref, layout, to_vector(jax.device_get(_jitted[layout](jnp.asarray(x))))
+    if (layout, path) not in _jitted:  # one compile per layout (and shape), not per call
+        fn = _in_program(layout) if path == "ffi" else (lambda a: summarize_jax(a, layout))
+        _jitted[layout, path] = jax.jit(fn)
+    return ref, layout, to_vector(jax.device_get(_jitted[layout, path](jnp.asarray(x))))
 
 
-def assert_matches(x, fmt=None):
-    ref, layout, got = _device(x, fmt)
+def assert_matches(x, fmt=None, path="xla"):
+    ref, layout, got = _device(x, fmt, path)
     np.testing.assert_array_equal(got[EXACT], ref[EXACT])
     np.testing.assert_array_equal(got[layout.counts_start:layout.extras_start],
                                   ref[layout.counts_start:layout.extras_start])
@@ -58,8 +67,18 @@ SPECIALS = np.array([1e-45, 3e-42, -1e-40, 1.2e-38, 0.0, -0.0, np.nan, np.inf, -
     (np.array([np.nan, np.inf], np.float32), None),
 ], ids=["f32", "f32-as-e4m3", "f32-as-bf16", "f32-subnormal", "specials", "specials-as-f16",
         "specials-as-f64", "bf16", "f16-subnormal", "e4m3", "empty", "no-finite"])
-def test_matches_reference(x, fmt):
-    assert_matches(x, fmt)
+@pytest.mark.parametrize("path", PATHS)
+def test_matches_reference(x, fmt, path):
+    assert_matches(x, fmt, path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("scale", [1e-40, 1e-33, 1e35], ids=["all-subnormal", "below-2^-100", "above-2^100"])
+def test_extreme_ranges_match_reference(path, scale):
+    """Arrays whose values are all float32 subnormals (XLA:CPU's threads flush those to zero
+    unless the kernel says otherwise) and arrays whose largest magnitude lies outside the
+    kernel's one-pass range (2**±100: its moments then take a second, scaled pass)."""
+    assert_matches((rng.normal(size=3000) * scale).astype(np.float32), None, path)
 
 
 def test_variance_accurate_when_mean_dominates():
@@ -83,9 +102,11 @@ def test_custom_statistic_is_appended():
 
 @settings(max_examples=60, deadline=None)
 @given(hnp.arrays(np.float32, 41, elements=st.floats(width=32, allow_nan=True, allow_infinity=True)),
-       st.sampled_from([None, "bfloat16", "float8_e5m2"]))
-def test_matches_reference_property(x, fmt):
-    assert_matches(x, fmt)
+       st.sampled_from([None, "bfloat16", "float8_e5m2"]), st.sampled_from(["xla", "ffi"]))
+def test_matches_reference_property(x, fmt, path):
+    if path == "ffi" and not _ffi.SUPPORTED:
+        return
+    assert_matches(x, fmt, path)
 
 
 def test_summarize_many_equals_one_by_one():
@@ -103,9 +124,11 @@ def test_summarize_many_equals_one_by_one():
         np.testing.assert_allclose(got[MOMENTS], ref[MOMENTS], rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fmt", [None, "float8_e4m3fn"])
-def test_large_array_counted_in_pairs(fmt):
-    """Arrays of 32 rows or more take the pairwise histogram; odd specials included."""
-    x = (rng.normal(size=40_000) * np.exp(rng.normal(size=40_000) * 6)).astype(np.float32)
+def test_large_array_counted_in_pairs(fmt, path):
+    """Arrays of 32 rows or more take the pairwise histogram (XLA), several 64K chunks (the
+    kernel); odd specials included."""
+    x = (rng.normal(size=140_000) * np.exp(rng.normal(size=140_000) * 6)).astype(np.float32)
     x[rng.integers(0, x.size, 200)] = rng.choice(SPECIALS, 200)
-    assert_matches(x, fmt)
+    assert_matches(x, fmt, path)

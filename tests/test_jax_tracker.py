@@ -126,13 +126,14 @@ def captured_run(out, jit: bool, shard=None):
 
 @pytest.fixture(scope="module")
 def linen_runs(tmp_path_factory):
-    """The jitted and the plain run, and a jitted run whose step-time arrays take the XLA
-    summaries instead of the host kernel, as arrays on accelerators do (shared by several
-    tests: compiles are the cost)."""
+    """The jitted and the plain run, and a jitted run where every summary takes the XLA
+    operations instead of the host kernel (at the step and inside the program), as arrays on
+    accelerators do (shared by several tests: compiles are the cost)."""
     tmp = tmp_path_factory.mktemp("linen")
     runs = {"jit": captured_run(tmp / "jit", True), "plain": captured_run(tmp / "plain", False)}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(jax_tracker_module, "_in_host_memory", lambda x: False)
+        mp.setattr(jax_tracker_module._ffi, "SUPPORTED", False)
         runs["device"] = captured_run(tmp / "device", True)
     return runs
 
@@ -220,6 +221,107 @@ def test_jitted_update_is_traced_once_per_tracking_mode(tmp_path):
     assert len(traces) == 3
     for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((p, s))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_forward_only_function_logs_activations(tmp_path):
+    """An evaluation function (no jax.grad) intercepted under jit: activations are logged
+    (written to mailboxes outside any custom_vjp), no cotangents exist to log."""
+    model = MLP()
+    x, _ = data()
+    params = model.init(jax.random.key(1), x)
+    evaluate = jax.jit(lambda p, x: model.apply(p, x, capture_intermediates=True))
+    with track(params, out=tmp_path / "log", track_gradients=False, verbose=False) as tracker:
+        for _ in range(2):
+            out, inter = tracker.intercept(evaluate, params, x)
+            tracker.step(params)
+    df = read_log(tmp_path / "log")
+    assert names(df, "Activation", step=1) == {"Dense_0", "LayerNorm_0", "Dense_1", "root"}
+    for step in (0, 1):
+        for k in ("Dense_0", "LayerNorm_0", "Dense_1"):
+            assert_row_matches(df, k, "Activation", step, inter["intermediates"][k]["__call__"][0])
+        assert_row_matches(df, "root", "Activation", step, out)
+
+
+class RematMLP(nn.Module):
+    """MLP's layers under nn.remat: their forward passes run again in the backward pass."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.remat(nn.Dense)(8, name="Dense_0")(x)
+        h = nn.relu(nn.remat(nn.LayerNorm)(name="LayerNorm_0")(h))
+        return nn.Dense(3, name="Dense_1")(h)
+
+
+def test_rematerialized_modules_are_logged_once_per_step(tmp_path):
+    """With nn.remat the forward pass of a layer runs twice; its rows equal those of the same
+    layers without remat (one observation per step, nothing counted twice), up to the
+    rounding XLA's different fusion of the recomputation brings (a value may cross into the
+    next binade)."""
+    opt = optax.adam(1e-2)
+    x, y = data()
+    logs = {}
+    for name, model in (("remat", RematMLP()), ("plain", MLP())):
+        params = model.init(jax.random.key(1), x)
+        state = opt.init(params)
+        update = make_update(model, opt, jit=True)
+        with track(params, state, out=tmp_path / name, verbose=False) as tracker:
+            for _ in range(2):
+                params, state, grads = tracker.intercept(update, params, state, x, y)
+                tracker.step(params, state, grads)
+        logs[name] = read_log(tmp_path / name)
+    assert names(logs["remat"], "Activation") == {"Dense_0", "LayerNorm_0", "Dense_1", "root"}
+    assert names(logs["remat"], "Gradient") == names(logs["plain"], "Gradient")
+    assert names(logs["remat"], "Gradient", step=1) == names(logs["plain"], "Gradient", step=1)
+    # Step 0 only: Adam turns the rounding differences of near-zero gradients into different
+    # updates, so the two runs part after it.
+    key = [("metadata", c) for c in ("step", "tensor_type", "name")]
+    remat, plain = (logs[k][logs[k][("metadata", "step")] == 0].sort_values(key).reset_index(drop=True)
+                    for k in ("remat", "plain"))
+    pd.testing.assert_frame_equal(remat["metadata"].drop(columns="type"), plain["metadata"].drop(columns="type"))
+    pd.testing.assert_frame_equal(remat["scalar_stats"], plain["scalar_stats"], rtol=1e-4, atol=1e-6)
+    counts = remat["exponent_counts"].fillna(0) - plain["exponent_counts"].fillna(0)
+    assert (counts.sum(axis=1) == 0).all() and counts.abs().to_numpy().max() <= 2
+
+
+def test_taps_inside_a_loop_report_every_iteration(tmp_path):
+    """A module applied in lax.scan: each iteration's output (and cotangent) is one
+    observation of the step, merged into one row, as three calls in Python would be."""
+    model = nn.Dense(5)
+    x, _ = data()
+    params = model.init(jax.random.key(1), x)
+
+    def run(p, x):
+        def body(h, _):
+            h = jnp.tanh(model.apply(p, h))
+            return h, h
+        return jax.lax.scan(body, x, None, length=3)[1]
+
+    def loss(p, x):
+        outs = run(p, x)
+        return jnp.sum(outs ** 2), outs
+
+    update = jax.jit(jax.grad(loss, has_aux=True))
+    with track(params, out=tmp_path / "log", verbose=False) as tracker:
+        grads, outs = tracker.intercept(update, params, x)
+        tracker.step(params, gradients=grads)
+    df = read_log(tmp_path / "log")
+    # The Dense outputs are arctanh of the tanh'd outputs collected by the scan.
+    dense_out = np.arctanh(np.asarray(outs, np.float64)).astype(np.float32)
+    r = row(df, "root", "Activation", 0)
+    assert r[("scalar_stats", "numel")] == dense_out.size
+    assert r[("scalar_stats", "mean")] == pytest.approx(dense_out.mean(), rel=1e-4)
+    assert r[("scalar_stats", "max_abs")] == pytest.approx(np.abs(dense_out).max(), rel=1e-5)
+    assert row(df, "root", "Gradient", 0)[("scalar_stats", "numel")] == dense_out.size
+
+
+def test_mailbox_arena_grows_when_a_trace_needs_more_room(tmp_path, monkeypatch, linen_runs):
+    """With a tiny first arena the first trace overflows: its remaining taps report by host
+    callback, the next step gets a larger arena and a new trace; nothing is lost."""
+    from tandv.track.jax._intercept import Mailboxes
+
+    monkeypatch.setattr(Mailboxes, "CAPACITY", 400)  # about one float32 report
+    df, _ = captured_run(tmp_path / "log", True)
+    assert_same_log(df, linen_runs["jit"][0])
 
 
 def test_exception_in_update_propagates_and_completed_steps_are_on_disk(tmp_path):

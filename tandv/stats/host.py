@@ -32,7 +32,7 @@ import numpy as np
 from .formats import NumberFormat
 from .summary import CORE_FIELDS, Layout
 
-__all__ = ["host_summaries", "SAFE_RANGE", "HOST_DTYPES"]
+__all__ = ["host_summaries", "summary_serial", "serial_tables", "SAFE_RANGE", "HOST_DTYPES"]
 
 #: The largest magnitude of an array must lie in this range (or be 0) for the unscaled
 #: float64 power sums to neither overflow nor lose the powers that matter to underflow.
@@ -271,6 +271,64 @@ def _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, nb, out, ok):  
         counts[r, nb + 1] = over + inf
         for c in range(nb + 2):
             out[r, _NCORE + c] = counts[r, c]
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def _scaled_powers(x, s, out):  # pragma: no cover - compiled
+    """Writes the power sums of ``|x| / s`` over the finite values to ``out``'s p1 .. p8:
+    a second pass for arrays whose largest magnitude ``s`` lies outside :data:`SAFE_RANGE`."""
+    a1 = 0.0
+    a2 = 0.0
+    a4 = 0.0
+    a8 = 0.0
+    for i in range(x.size):
+        a = abs(np.float64(x[i]))
+        u = a / s if a <= 3.4028234663852886e38 else 0.0
+        q = u * u
+        a1 += u
+        a2 += q
+        q = q * q
+        a4 += q
+        a8 += q * q
+    out[_O_P1] = a1
+    out[_O_P2] = a2
+    out[_O_P4] = a4
+    out[_O_P8] = a8
+
+
+@numba.njit(cache=True, nogil=True)
+def summary_serial(x, field_bin, sub_bin, nb, over_at, out):  # pragma: no cover - compiled
+    """The summary vector of one float32 array ``x`` into ``out`` on the calling thread,
+    valid whatever its range (out-of-range arrays take a second, scaled pass).
+
+    For callers that run inside another runtime's thread (XLA:CPU's custom calls): no
+    numba threads, no Python. ``field_bin``, ``sub_bin`` and ``nb`` come from :func:`_fold`
+    and the format; ``over_at`` is the format's largest finite value (at most float32's)."""
+    n = x.size
+    bits = x.view(np.uint32)
+    items = max(1, (n + _CHUNK - 1) // _CHUNK)
+    part = np.zeros((items, _NPART))
+    hist = np.zeros((items, 4, 256), dtype=np.int64)
+    sub = np.zeros((items, _NSUB), dtype=np.int64)
+    pivot = _first_finite(x, np.zeros(1, np.int64), np.full(1, n, np.int64))[0]
+    for j in range(items):
+        a = j * _CHUNK
+        b = min(n, a + _CHUNK)
+        part[j, _PIVOT] = pivot
+        _item(x[a:b], bits[a:b], pivot, over_at, part[j], hist[j], sub[j])
+    ok = np.zeros(1, dtype=np.bool_)
+    row = out.reshape(1, out.size)
+    _finish(part, hist, sub, np.zeros(items, np.int64), np.full(1, n, np.int64), field_bin, sub_bin,
+            nb, row, ok)
+    if not ok[0]:
+        _scaled_powers(x, out[_O_MAXABS], out)
+
+
+def serial_tables(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """The arguments after ``x`` of :func:`summary_serial` for format ``fmt``:
+    ``(field_bin, sub_bin, nb, over_at)``, the tables as int32."""
+    field_bin, sub_bin = _fold(fmt)
+    return field_bin.astype(np.int32), sub_bin.astype(np.int32), fmt.num_bins, min(fmt.max, _F32_MAX)
 
 
 #: numba's simplest threading layer (workqueue, used when no OpenMP or TBB runtime is

@@ -16,7 +16,8 @@ from ...stats.host import HOST_DTYPES, host_summaries
 from ...stats.summary import Layout
 from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_schedule
 from ..common.custom import StatsSpec, parse_custom_stats
-from ._intercept import ROOT_NAME, Probe, acquire_nnx, interception, register, release_nnx, tap
+from . import _ffi
+from ._intercept import ROOT_NAME, Mailboxes, Probe, acquire_nnx, interception, register, release_nnx, tap
 from ._summary import CustomStat, DeviceSummary, summarize_jax, summarize_many_jax, to_vector
 from ._trees import Leaf, is_float_array, key_name, optimizer_state_leaves, param_leaves
 
@@ -45,6 +46,21 @@ def _in_host_memory(x: Any) -> bool:
     gathered)."""
     return (isinstance(x, jax.Array) and np.dtype(x.dtype) in HOST_DTYPES and x.is_fully_addressable
             and all(d.platform == "cpu" for d in x.devices()))
+
+
+def _devices_of(tree: Any) -> list[Any]:
+    """The devices holding the JAX arrays of ``tree`` (those the update will run on), in id order."""
+    devices = {d for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array) for d in x.devices()}
+    return sorted(devices, key=lambda d: d.id)
+
+
+def _replicated(devices: list[Any]) -> Any:
+    """A sharding that replicates over ``devices`` (None for at most one device: the default)."""
+    if len(devices) < 2:
+        return None
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    return NamedSharding(Mesh(np.array(devices), ("tandv",)), PartitionSpec())
 
 
 def _to_host(summaries: list[Any]) -> list[np.ndarray]:
@@ -156,10 +172,14 @@ class JaxTracker:
         self._names_cache: dict[Any, Any] = {}
         self._summarize_many = jax.jit(self._summaries)
         # Taps call a jitted summary: compiled once per shape and dtype when the update runs
-        # eagerly, and traced once per shape (then inlined) when it is jitted.
-        self._summarize_one = jax.jit(self._summarize)
+        # eagerly, and traced once per shape (then inlined) when it is jitted. On the CPU it
+        # is the host kernel called from inside the program (see ``_ffi``).
+        self._summarize_xla = jax.jit(self._summarize)
+        self._summarize_cpu = jax.jit(self._summarize_in_program)
+        self._mailboxes = Mailboxes()
+        self._used_callbacks = False
         self._token = next(_tokens)
-        self._intercepted = False
+        self._on_cpu = False
         self._next_weights: list[tuple[Leaf, Any, _StackRow]] = []
         self.step_count = 0
         self._recorder = StepRecorder(out, out_format, run_name, flush_every=flush_every, verbose=verbose)
@@ -208,6 +228,18 @@ class JaxTracker:
 
     def _summarize(self, x: jax.Array) -> DeviceSummary:
         return summarize_jax(x, self._layout(x.dtype), self._custom)
+
+    def _summarize_in_program(self, x: jax.Array) -> DeviceSummary:
+        """Traceable summary for XLA:CPU: the host kernel as a custom call (float64 arrays
+        take the XLA path); custom statistics are XLA operations appended to its values."""
+        if jnp.dtype(x.dtype) == jnp.float64:
+            return self._summarize(x)
+        layout = self._layout(x.dtype)
+        core = _ffi.ffi_summary(x, layout.format, layout.num_counts)
+        if not self._custom:
+            return core
+        extra = [jnp.asarray(fn(x), core.values.dtype).reshape(1) for fn in self._custom.values()]
+        return DeviceSummary(core.counts, jnp.concatenate([core.values, *extra]))
 
     @staticmethod
     def _groups(arrays: Sequence[Any]) -> list[tuple[str, list[int]]]:
@@ -282,8 +314,12 @@ class JaxTracker:
             raise TypeError(f"tracker.intercept(f, ...): f must be the update function; got {f!r}")
         if not (self._track_activations or self._track_gradients) or not self._schedule(self.step_count):
             return f(*args, **kwargs)
-        self._intercepted = True
-        with interception(self._token, self._on_output):
+        devices = _devices_of((args, kwargs))
+        # The update runs where its arrays are (JAX's default backend when it is given none).
+        platforms = {d.platform for d in devices} or {jax.default_backend()}
+        self._on_cpu = _ffi.SUPPORTED and platforms == {"cpu"}
+        self._mailboxes.prepare(_replicated(devices))
+        with interception((self._token, self._on_cpu, self._mailboxes.generation), self._on_output):
             return f(*args, **kwargs)
 
     def _on_output(self, name: str, cls: type, out: Any) -> Any:
@@ -297,14 +333,16 @@ class JaxTracker:
                 leaf_name = name + "".join(f"[{key_name(k)}]" for k in path)
                 if self._selector(leaf_name, cls.__mro__):
                     probe = Probe(self._token, leaf_name, cls.__name__, self._track_activations,
-                                  self._track_gradients, self._summarize_one)
+                                  self._track_gradients,
+                                  self._summarize_cpu if self._on_cpu else self._summarize_xla)
                     leaf = tap(probe, leaf)
             wrapped.append(leaf)
         return jax.tree_util.tree_unflatten(treedef, wrapped)
 
     def _receive(self, name: str, module_type: str, tensor_type: str, dtype: str,
                  summary: DeviceSummary) -> None:
-        """A tap's summary arriving from the device (called by the tap's ``io_callback``)."""
+        """A tap's summary arriving from the device (directly, from a mailbox or from the tap's
+        ``io_callback``)."""
         if not self._recorder.closed:
             self._recorder.add(TensorKey(name, tensor_type, module_type, format_name(dtype)),
                                self._layout(dtype), summary)
@@ -407,7 +445,9 @@ class JaxTracker:
                 leaves, arrays = self._named(OPTIMISER_STATE, self._opt_of(optimizer_state), params)
                 named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
             summaries = self._summarize_arrays([a for _, _, a in named])
-            if self._intercepted:
+            for report in self._mailboxes.collect():
+                self._receive(*report)
+            if self._used_callbacks:
                 jax.effects_barrier()  # every tap callback of this step has run
             for leaf, dtype, s in self._next_weights:  # keys now: module types may be known
                 self._recorder.add(self._key(leaf, WEIGHT, dtype), self._layout(dtype), s)
@@ -416,7 +456,7 @@ class JaxTracker:
             self._recorder.end_step(k, _to_host)
         else:
             self._recorder.discard()
-        self._intercepted = False
+        self._used_callbacks = False
         self.step_count = k + 1
         if params is not None:
             self._prepare_weights(params, k + 1)
