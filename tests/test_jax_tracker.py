@@ -133,7 +133,7 @@ def linen_runs(tmp_path_factory):
     runs = {"jit": captured_run(tmp / "jit", True), "plain": captured_run(tmp / "plain", False)}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(jax_tracker_module, "_in_host_memory", lambda x: False)
-        mp.setattr(jax_tracker_module._ffi, "SUPPORTED", False)
+        mp.setattr(jax_tracker_module._ffi, "available", lambda: False)
         runs["device"] = captured_run(tmp / "device", True)
     return runs
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import platform
 import threading
+import warnings
 from functools import lru_cache
 from typing import Any
 
@@ -45,7 +46,7 @@ from ...stats.host import serial_tables, summary_serial
 from ...stats.summary import CORE_FIELDS
 from ._summary import DeviceSummary
 
-__all__ = ["ffi_summary", "TARGET"]
+__all__ = ["available", "ffi_summary", "TARGET", "SUPPORTED"]
 
 #: The custom-call target's name.
 TARGET = "tandv_summary_f32"
@@ -124,8 +125,9 @@ def _buffer(address):  # pragma: no cover - compiled
     return b[3], n
 
 
-@numba.cfunc(types.voidptr(types.voidptr), cache=True, nogil=True)
-def _handler(frame):  # pragma: no cover - compiled
+def _handle(frame):  # pragma: no cover - compiled by available()
+    """The FFI handler: XLA calls it with a pointer to its call frame; it returns a null
+    ``XLA_FFI_Error*`` (success)."""
     words = carray(frame, (15,), np.int64)
     if words[1] != 0:  # an extension: XLA asks which FFI version we speak
         if carray(_pointer(words[1]), (4,), np.int32)[2] == _METADATA:
@@ -165,20 +167,43 @@ def _handler(frame):  # pragma: no cover - compiled
     return _pointer(0)
 
 
-_registered = threading.Lock()
-_done: list[bool] = []
+_lock = threading.Lock()
+_built: list[bool] = []  # [whether the target is registered], once tried
 
 
-def _register() -> None:
-    """Register the custom-call target with XLA, once per process."""
-    with _registered:
-        if _done:
-            return
+def available() -> bool:
+    """Whether the in-program kernel can serve on this machine: its handler compiles (numba
+    caches it: seconds once per install) and XLA accepts it as a custom-call target. Tried
+    once per process; a failure is reported in a warning, and JAX's taps on the CPU then use
+    XLA's summary operations (the same results, about twice as slow)."""
+    with _lock:
+        if not _built:
+            _built.append(_build())
+        return _built[0]
+
+
+def _build() -> bool:
+    if not SUPPORTED:
+        warnings.warn(f"tandv: no in-program summary kernel for {platform.machine()!r} processors; "
+                      f"JAX taps on the CPU use XLA's summary operations (same results, slower)",
+                      RuntimeWarning, stacklevel=4)
+        return False
+    try:
+        handler = numba.cfunc(types.voidptr(types.voidptr), cache=True, nogil=True)(_handle)
         new_capsule = ctypes.pythonapi.PyCapsule_New
         new_capsule.restype = ctypes.py_object
         new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
-        jax.ffi.register_ffi_target(TARGET, new_capsule(_handler.address, None, None), platform="cpu")
-        _done.append(True)
+        jax.ffi.register_ffi_target(TARGET, new_capsule(handler.address, None, None), platform="cpu")
+        _keep.append(handler)  # the compiled code must outlive every program that calls it
+    except Exception as e:  # noqa: BLE001 - numba and XLA raise many kinds; all mean "cannot"
+        warnings.warn(f"tandv: the in-program summary kernel could not be built ({type(e).__name__}: {e}); "
+                      f"JAX taps on the CPU use XLA's summary operations (same results, slower)",
+                      RuntimeWarning, stacklevel=4)
+        return False
+    return True
+
+
+_keep: list[Any] = []
 
 
 @lru_cache(maxsize=None)
@@ -190,8 +215,8 @@ def _tables(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def ffi_summary(x: Any, fmt: NumberFormat, num_counts: int) -> DeviceSummary:
     """The core summary of ``x`` (any float dtype but float64) for format ``fmt``, computed
     by the host kernel inside the XLA:CPU program (traceable; CPU only). Its ``values`` hold
-    the core fields only: the caller appends custom statistics."""
-    _register()
+    the core fields only: the caller appends custom statistics. Call only where
+    :func:`available` said True."""
     field_bin, sub_bin, params = _tables(fmt)
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((_N_INT + num_counts,), jnp.int32),
                                      jax.ShapeDtypeStruct((_N_VALUES,), jnp.float32)),

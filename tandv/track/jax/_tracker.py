@@ -317,7 +317,7 @@ class JaxTracker:
         devices = _devices_of((args, kwargs))
         # The update runs where its arrays are (JAX's default backend when it is given none).
         platforms = {d.platform for d in devices} or {jax.default_backend()}
-        self._on_cpu = _ffi.SUPPORTED and platforms == {"cpu"}
+        self._on_cpu = platforms == {"cpu"} and _ffi.available()
         self._mailboxes.prepare(_replicated(devices))
         with interception((self._token, self._on_cpu, self._mailboxes.generation), self._on_output):
             return f(*args, **kwargs)
