@@ -132,7 +132,7 @@ def linen_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("linen")
     runs = {"jit": captured_run(tmp / "jit", True), "plain": captured_run(tmp / "plain", False)}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(jax_tracker_module, "_in_host_memory", lambda x: False)
+        mp.setattr(jax_tracker_module, "_in_host_memory", lambda x, placements=None: False)
         mp.setattr(jax_tracker_module._ffi, "available", lambda: False)
         runs["device"] = captured_run(tmp / "device", True)
     return runs
@@ -312,6 +312,20 @@ def test_taps_inside_a_loop_report_every_iteration(tmp_path):
     assert r[("scalar_stats", "mean")] == pytest.approx(dense_out.mean(), rel=1e-4)
     assert r[("scalar_stats", "max_abs")] == pytest.approx(np.abs(dense_out).max(), rel=1e-5)
     assert row(df, "root", "Gradient", 0)[("scalar_stats", "numel")] == dense_out.size
+
+
+def test_two_intercepted_calls_in_one_step_are_both_observed(tmp_path):
+    """Gradient accumulation: two micro-batches through intercept() before one step(); each
+    module's rows hold both calls' outputs (the first call's mailboxes are read before the
+    second reuses them)."""
+    model = nn.Dense(4)
+    x, _ = data(n=6)
+    params = model.init(jax.random.key(1), x)
+    forward = jax.jit(model.apply)
+    with track(params, out=tmp_path / "log", track_gradients=False, verbose=False) as tracker:
+        outs = [tracker.intercept(forward, params, x[:3]), tracker.intercept(forward, params, x[3:])]
+        tracker.step(params)
+    assert_row_matches(read_log(tmp_path / "log"), "root", "Activation", 0, np.concatenate(outs))
 
 
 def test_mailbox_arena_grows_when_a_trace_needs_more_room(tmp_path, monkeypatch, linen_runs):

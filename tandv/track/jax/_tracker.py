@@ -40,12 +40,20 @@ class _StackRow(NamedTuple):
     row: int
 
 
-def _in_host_memory(x: Any) -> bool:
+def _in_host_memory(x: Any, placements: dict[int, bool] | None = None) -> bool:
     """Whether the host kernel can read ``x`` where it lies: a JAX array on CPU devices, of
     a dtype the kernel reads (``np.asarray`` then shares its buffer; a sharded array is
-    gathered)."""
-    return (isinstance(x, jax.Array) and np.dtype(x.dtype) in HOST_DTYPES and x.is_fully_addressable
-            and all(d.platform == "cpu" for d in x.devices()))
+    gathered). ``placements`` memoizes the answer per sharding object (arrays of one step
+    share a few: asking each array costs ~10 us)."""
+    if not isinstance(x, jax.Array) or np.dtype(x.dtype) not in HOST_DTYPES:
+        return False
+    sharding = x.sharding
+    known = None if placements is None else placements.get(id(sharding))
+    if known is None:
+        known = sharding.is_fully_addressable and all(d.platform == "cpu" for d in sharding.device_set)
+        if placements is not None:
+            placements[id(sharding)] = known
+    return known
 
 
 def _devices_of(tree: Any) -> list[Any]:
@@ -180,6 +188,7 @@ class JaxTracker:
         self._used_callbacks = False
         self._token = next(_tokens)
         self._on_cpu = False
+        self._intercepted = False  # whether intercept() ran in the current step
         self._next_weights: list[tuple[Leaf, Any, _StackRow]] = []
         self.step_count = 0
         self._recorder = StepRecorder(out, out_format, run_name, flush_every=flush_every, verbose=verbose)
@@ -274,8 +283,9 @@ class JaxTracker:
         :func:`_to_host` fetches at the end of the step."""
         rows: list[Any] = [None] * len(arrays)
         if not self._custom:
+            placements: dict[int, bool] = {}
             for dtype, idx in self._groups(arrays):
-                idx = [i for i in idx if _in_host_memory(arrays[i])]
+                idx = [i for i in idx if _in_host_memory(arrays[i], placements)]
                 if idx:
                     vectors, ok = host_summaries([np.asarray(arrays[i]) for i in idx], self._layout(dtype),
                                                  _HOST_THREADS)
@@ -318,9 +328,16 @@ class JaxTracker:
         # The update runs where its arrays are (JAX's default backend when it is given none).
         platforms = {d.platform for d in devices} or {jax.default_backend()}
         self._on_cpu = platforms == {"cpu"} and _ffi.available()
+        if self._intercepted:  # a second call in this step (e.g. gradient accumulation): the
+            self._collect_mailboxes()  # first one's mailboxes are read before they are reused
         self._mailboxes.prepare(_replicated(devices))
+        self._intercepted = True
         with interception((self._token, self._on_cpu, self._mailboxes.generation), self._on_output):
             return f(*args, **kwargs)
+
+    def _collect_mailboxes(self) -> None:
+        for report in self._mailboxes.collect():
+            self._receive(*report)
 
     def _on_output(self, name: str, cls: type, out: Any) -> Any:
         """Wrap the float leaves of one module output in taps (called while tracing)."""
@@ -445,8 +462,7 @@ class JaxTracker:
                 leaves, arrays = self._named(OPTIMISER_STATE, self._opt_of(optimizer_state), params)
                 named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
             summaries = self._summarize_arrays([a for _, _, a in named])
-            for report in self._mailboxes.collect():
-                self._receive(*report)
+            self._collect_mailboxes()
             if self._used_callbacks:
                 jax.effects_barrier()  # every tap callback of this step has run
             for leaf, dtype, s in self._next_weights:  # keys now: module types may be known
@@ -457,6 +473,7 @@ class JaxTracker:
         else:
             self._recorder.discard()
         self._used_callbacks = False
+        self._intercepted = False
         self.step_count = k + 1
         if params is not None:
             self._prepare_weights(params, k + 1)
