@@ -314,6 +314,50 @@ def test_taps_inside_a_loop_report_every_iteration(tmp_path):
     assert row(df, "root", "Gradient", 0)[("scalar_stats", "numel")] == dense_out.size
 
 
+class ScanBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return jnp.tanh(nn.Dense(4, name="Dense_0")(h)), None
+
+
+class ScannedMLP(nn.Module):
+    """Three Dense layers as one nn.scan over stacked parameters."""
+
+    @nn.compact
+    def __call__(self, x):
+        blocks = nn.scan(ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        h, _ = blocks(name="blocks")(x, None)
+        return h.sum(axis=-1)
+
+
+@pytest.mark.parametrize("gradients", [True, False])
+def test_nn_scan_layers_are_observed_every_iteration(tmp_path, gradients):
+    """A module inside nn.scan: its row merges the three iterations' outputs (computed here
+    from the stacked parameters), with or without cotangents."""
+    model = ScannedMLP()
+    x, _ = data()
+    x = x[:, :4]
+    params = model.init(jax.random.key(1), x)
+    update = jax.jit(jax.grad(lambda p, x: jnp.sum(model.apply(p, x) ** 2)))
+    with track(params, out=tmp_path / "log", track_gradients=gradients, verbose=False) as tracker:
+        grads = tracker.intercept(update, params, x)
+        tracker.step(params, gradients=grads if gradients else None)
+    df = read_log(tmp_path / "log")
+    layer = params["params"]["blocks"]["Dense_0"]
+    h, outs = np.asarray(x), []
+    for i in range(3):
+        outs.append(h @ np.asarray(layer["kernel"][i]) + np.asarray(layer["bias"][i]))
+        h = np.tanh(outs[-1])
+    outs = np.concatenate(outs)  # rounding differs from XLA's matmul: compare to 1e-5
+    r = row(df, "blocks.Dense_0", "Activation", 0)
+    assert r[("scalar_stats", "numel")] == outs.size
+    for stat, want in (("mean", outs.mean()), ("max_abs", np.abs(outs).max()), ("std", outs.std())):
+        assert r[("scalar_stats", stat)] == pytest.approx(want, rel=1e-5), stat
+    assert (names(df, "Gradient") >= {"blocks.Dense_0", "root"}) == gradients
+    if gradients:
+        assert row(df, "blocks.Dense_0", "Gradient", 0)[("scalar_stats", "numel")] == outs.size
+
+
 def test_two_intercepted_calls_in_one_step_are_both_observed(tmp_path):
     """Gradient accumulation: two micro-batches through intercept() before one step(); each
     module's rows hold both calls' outputs (the first call's mailboxes are read before the

@@ -336,7 +336,7 @@ _cotangent_tap_ref.defvjp(_cotangent_ref_fwd, _cotangent_ref_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _callback_tap(probe: Probe, x: jax.Array) -> jax.Array:
+def _callback_tap(probe: Probe, x: jax.Array) -> jax.Array:  # the primal: not differentiated
     """:func:`tap` for loop bodies, every report by host callback from the rules of a
     ``custom_vjp``, which JAX never differentiates (a callback of the activation made in the
     differentiated body of a scan is dropped)."""
@@ -346,22 +346,18 @@ def _callback_tap(probe: Probe, x: jax.Array) -> jax.Array:
 
 
 def _callback_fwd(probe: Probe, x: jax.Array) -> tuple[jax.Array, Any]:
-    if not probe.forward:
-        return x, None
-    if not probe.backward:
-        probe.send([("Activation", x.dtype, probe.summarize(x))])
-        return x, None
-    # Both wanted: the activation's summary rides to the backward rule as a residual and
-    # leaves with the cotangent's (a callback made in this rule inside a differentiated scan
-    # was dropped). A cotangent has its primal's dtype, which names the activation's too.
-    return x, probe.summarize(x)
+    # The activation's summary rides to the backward rule as a residual and leaves from
+    # there (with the cotangent's, when wanted): a callback made in this rule inside a
+    # differentiated scan is dropped. A cotangent has its primal's dtype, which names the
+    # activation's too.
+    return x, probe.summarize(x) if probe.forward else None
 
 
 def _callback_bwd(probe: Probe, res: Any, g: jax.Array) -> tuple[jax.Array]:
-    if probe.backward:
-        reports = [("Gradient", g.dtype, probe.summarize(g))]
-        if res is not None:
-            reports.insert(0, ("Activation", g.dtype, res))
+    reports = [("Gradient", g.dtype, probe.summarize(g))] if probe.backward else []
+    if res is not None:
+        reports.insert(0, ("Activation", g.dtype, res))
+    if reports:
         probe.send(reports)
     return (g,)
 
