@@ -56,6 +56,10 @@ def _in_host_memory(x: Any, placements: dict[int, bool] | None = None) -> bool:
     return known
 
 
+#: What JAX says when a batched value is written to an unbatched ref (a tap's mailbox under vmap).
+_VMAP_REFUSAL = "vmapped value on an unbatched array reference"
+
+
 def _devices_of(tree: Any) -> list[Any]:
     """The devices holding the JAX arrays of ``tree`` (those the update will run on), in id order."""
     devices = {d for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array) for d in x.devices()}
@@ -333,7 +337,16 @@ class JaxTracker:
         self._mailboxes.prepare(_replicated(devices))
         self._intercepted = True
         with interception((self._token, self._on_cpu, self._mailboxes.generation), self._on_output):
-            return f(*args, **kwargs)
+            try:
+                return f(*args, **kwargs)
+            except Exception as e:
+                if _VMAP_REFUSAL not in str(e):
+                    raise
+                raise ValueError(
+                    "tandv: module outputs computed under jax.vmap (also inside jax.hessian and "
+                    "jax.jacfwd) cannot be tracked: their summaries would be batched. Apply vmap "
+                    "outside tracker.intercept(), or track(..., track_activations=False, "
+                    "track_gradients=False) to keep weights and optimizer state") from e
 
     def _collect_mailboxes(self) -> None:
         for report in self._mailboxes.collect():
