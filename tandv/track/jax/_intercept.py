@@ -1,23 +1,26 @@
 """Capturing module outputs and their cotangents inside traced JAX code.
 
-Each module output is passed through :func:`tap`, a ``jax.custom_vjp`` identity. Its forward
-rule summarizes the output, its backward rule the incoming cotangent, both on device, and
-only the small summaries leave the computation.
+Each module output is passed through :func:`tap`: it summarizes the output and wraps it in a
+``jax.custom_vjp`` identity whose backward rule summarizes the incoming cotangent, both on
+device; only the small summaries leave the computation.
 
-How they leave: through a *mailbox*, a ``jax.Ref`` (a mutable array) made for each tap when it
-is traced and written by the running computation; :meth:`Mailboxes.collect` reads them all
-in one jitted call after the step. The cotangents exist only inside ``jax.grad``'s backward
-pass of the user's own loss, and a ``custom_vjp`` backward rule can return nothing but
-cotangents, so there is no traced value to return them through without changing the user's
-code (values traced inside a user's inner ``jax.jit`` cannot escape it either); a ref
-written inside the program needs no such path. It replaced one unordered ``io_callback`` per
-tap: on XLA:CPU each callback that waits for a value computed mid-update stalled the update
-(a transformer step: 44 callbacks carrying 8-element summaries cost ~90 ms of 220; the same
-summaries written to refs ~5 ms). Inside a loop body (``lax.scan``/``fori_loop``) a tap
-falls back to the callback: a ref would keep the last iteration only, and scan's transpose
-cannot hold one. Under ``jax.vmap`` neither works (a batched value cannot be written to an
-unbatched ref; JAX says so). A summary computed outside any trace (an update that is not
-jitted) is handed over directly.
+How they leave: through a *mailbox*, a slice of the tracker's arena, one int32 ``jax.Ref``
+(a mutable array) made before the update runs and written by the running computation;
+:meth:`Mailboxes.collect` reads it in one jitted call after the step. The cotangents exist
+only inside ``jax.grad``'s backward pass of the user's own loss, and a ``custom_vjp``
+backward rule can return nothing but cotangents, so there is no traced value to return
+them through without changing the user's code (values traced inside a user's inner
+``jax.jit`` cannot escape it either); a ref written inside the program needs no such path.
+It replaced one unordered ``io_callback`` per tap: on XLA:CPU each callback that waits for
+a value computed mid-update stalled the update (a transformer step: 44 callbacks carrying
+8-element summaries cost ~90 ms of 220; the same summaries written to refs ~5 ms).
+
+Where refs cannot serve, a tap reports by callback instead: inside a loop body
+(``lax.scan``/``fori_loop``, ``nn.scan``; a ref would keep the last iteration only, and
+scan's transpose cannot hold one), and when the arena is full. Under ``jax.vmap`` neither
+works (a batched value cannot be written to an unbatched ref; the tracker turns JAX's error
+into one that says what to do). A summary computed outside any trace (an update that is
+not jitted) is handed over directly.
 
 A mailbox also counts its writes: one the computation skipped (a tap dropped by dead-code
 elimination, a branch not taken) is not reported, and one written twice in a step is
@@ -27,8 +30,9 @@ reported once (its last write), with a warning naming it unless the tap lies ins
 Why no retracing: tracking is switched on with a ``jax.make_user_context`` value, which is part
 of every ``jax.jit`` cache key. A jitted update is therefore traced once with taps (the context
 set: tracked steps) and once without (unscheduled steps, or any call outside the tracker), and
-each compiled version is reused from then on, with its mailboxes. Callbacks find their
-tracker through a registry keyed by the context value's token.
+each compiled version is reused from then on, with its mailboxes (a new arena comes with a
+new context value: one more trace). Callbacks find their tracker through a registry keyed
+by the token.
 
 Modules are found through Flax's own method interception for linen
 (``nn.intercept_methods``) and, for nnx (which has none), by wrapping ``__call__`` of the nnx

@@ -320,8 +320,11 @@ class JaxTracker:
         module output (``Activation``) and its cotangent (``Gradient``) on tracked steps.
 
         ``f`` may be plain Python, ``jax.jit``/``nnx.jit``-compiled, or call jitted code; it is
-        traced at most twice (with and without tracking), not once per step. Exceptions from
-        ``f`` propagate unchanged.
+        traced twice (with and without tracking; once more if its taps outgrow the first
+        mailbox arena), not once per step. Exceptions from ``f`` propagate unchanged, except
+        JAX's refusal to write a batched summary (module outputs under ``jax.vmap``), which
+        becomes a ``ValueError`` that says what to do. Several calls in one step (gradient
+        accumulation) are all observed.
         """
         self._check_open("intercept")
         if not callable(f):
