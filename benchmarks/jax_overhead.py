@@ -5,7 +5,7 @@ tracking everything every 10th step, interleaved round by round so that machine 
 all three alike, and reports each tracked variant's median block time over the untracked one.
 
     python benchmarks/jax_overhead.py [--width 512] [--depth 4] [--batch 256] [--rounds 15]
-    python benchmarks/jax_overhead.py --model transformer --rounds 5
+    python benchmarks/jax_overhead.py --model transformer --rounds 5 [--by-position 4]
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--block", type=int, default=20, help="steps per timed block (a multiple of 10)")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--by-position", type=int, default=0, metavar="CYCLES",
+                    help="also time CYCLES cycles of 10 single steps of the every=10 tracker, each "
+                         "step next to an untracked one, and report the median of each position in "
+                         "the cycle (which steps cost what; block medians blur it)")
     ap.add_argument("--model", choices=("mlp", "transformer"), default="mlp",
                     help="mlp: --width/--depth/--batch; transformer: the GPT-style decoder of the "
                          "PyTorch benchmark (4 layers, d_model 256, 4 heads, MLP 1024, vocab 512, "
@@ -107,6 +111,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name in variants:
                 times[name].append(block(name))
+        positions = by_position(t10, update, carry, x, y, args.by_position)
         t1.close()
         t10.close()
 
@@ -118,6 +123,34 @@ def main() -> None:
     for name in ("every=1", "every=10"):
         med = statistics.median(times[name])
         print(f"  {name:9s}  median step {1e3 * med / args.block:8.3f} ms   ratio of medians {med / base:.3f}")
+    if positions:
+        tracked, untracked = positions
+        print(f"  every=10 step by step ({args.by_position} cycles), median ms by position "
+              f"(untracked {1e3 * untracked:.1f}): " + ", ".join(f"{1e3 * t:.1f}" for t in tracked)
+              + f"; sum over one cycle / 10 untracked: {sum(tracked) / (10 * untracked):.3f}")
+
+
+def by_position(tracker, update, carry, x, y, cycles):
+    """Median time of each step position in the every=10 cycle, and of an untracked step run
+    after each (``None`` when ``cycles`` is 0)."""
+    if not cycles:
+        return None
+    p, s = carry["every=10"]
+    while tracker.step_count % 10:  # start at a tracked step
+        p, s, g = tracker.intercept(update, p, s, x, y)
+        tracker.step(p, s, g)
+    tracked: list[list[float]] = [[] for _ in range(10)]
+    untracked = []
+    for i in range(10 * cycles):
+        start = time.perf_counter()
+        p, s, g = tracker.intercept(update, p, s, x, y)
+        tracker.step(p, s, g)
+        jax.block_until_ready(p)
+        middle = time.perf_counter()
+        jax.block_until_ready(update(p, s, x, y))
+        tracked[i % 10].append(middle - start)
+        untracked.append(time.perf_counter() - middle)
+    return [statistics.median(t) for t in tracked], statistics.median(untracked)
 
 
 if __name__ == "__main__":
