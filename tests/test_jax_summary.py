@@ -132,3 +132,10 @@ def test_large_array_counted_in_pairs(fmt, path):
     x = (rng.normal(size=140_000) * np.exp(rng.normal(size=140_000) * 6)).astype(np.float32)
     x[rng.integers(0, x.size, 200)] = rng.choice(SPECIALS, 200)
     assert_matches(x, fmt, path)
+
+
+def test_in_program_kernel_is_available_on_x86_and_arm():
+    """Where the kernel is meant to serve, it must: its self-test (the custom call against the
+    host kernel on specials) passing is what keeps the ffi cases above from being skipped."""
+    if _ffi.SUPPORTED:
+        assert _ffi.available()

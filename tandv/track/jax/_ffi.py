@@ -54,6 +54,12 @@ _N_INT = 4  # numel, nan_count, inf_count, zero_count lead CORE_FIELDS
 _N_VALUES = len(CORE_FIELDS) - _N_INT
 _EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
 _METADATA = 1  # XLA_FFI_Extension_Metadata
+# Bytes of the structs as this module reads them: XLA_FFI_CallFrame through its results
+# list (jaxlib 0.10 reports 168: its attributes follow), XLA_FFI_Args / XLA_FFI_Rets,
+# XLA_FFI_Buffer.
+_FRAME_SIZE = 120
+_LIST_SIZE = 40
+_BUFFER_SIZE = 48
 
 
 @intrinsic
@@ -139,8 +145,20 @@ def _handle(frame):  # pragma: no cover - compiled by available()
         return _pointer(0)
     if carray(frame, (10,), np.int32)[8] != _EXECUTE:
         return _pointer(0)
+    # The layout read here, checked where the frame says it: struct sizes (a later API may
+    # append fields, never move them), 4 arguments, 2 results. Otherwise nothing is written,
+    # and available()'s self-test turns the kernel off.
+    if words[0] < _FRAME_SIZE or words[5] < _LIST_SIZE or words[10] < _LIST_SIZE or words[7] != 4 \
+            or words[12] != 2:
+        return _pointer(0)
     args = carray(_pointer(words[9]), (4,), np.int64)
     rets = carray(_pointer(words[14]), (2,), np.int64)
+    for i in range(4):
+        if carray(_pointer(args[i]), (1,), np.int64)[0] < _BUFFER_SIZE:
+            return _pointer(0)
+    for i in range(2):
+        if carray(_pointer(rets[i]), (1,), np.int64)[0] < _BUFFER_SIZE:
+            return _pointer(0)
     data, n = _buffer(args[0])
     x = carray(_pointer(data), (n,), np.float32)
     data, m = _buffer(args[1])
@@ -195,12 +213,31 @@ def _build() -> bool:
         new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
         jax.ffi.register_ffi_target(TARGET, new_capsule(handler.address, None, None), platform="cpu")
         _keep.append(handler)  # the compiled code must outlive every program that calls it
+        _self_test()
     except Exception as e:  # noqa: BLE001 - numba and XLA raise many kinds; all mean "cannot"
         warnings.warn(f"tandv: the in-program summary kernel could not be built ({type(e).__name__}: {e}); "
                       f"JAX taps on the CPU use XLA's summary operations (same results, slower)",
                       RuntimeWarning, stacklevel=4)
         return False
     return True
+
+
+def _self_test() -> None:
+    """Run the custom call once on a CPU device against the host kernel run directly: a
+    jaxlib whose call frame this handler misreads is caught here, not in a user's log."""
+    from ...stats.formats import number_format
+    from ...stats.host import host_summaries
+    from ...stats.summary import Layout
+    from ._summary import to_vector
+
+    x = np.array([-3.5, 0.0, 1e-45, np.inf, np.nan, 7.25, -0.125, 2.0 ** 60], np.float32)
+    layout = Layout(number_format("float32"))
+    on_cpu = jax.device_put(x, jax.devices("cpu")[0])
+    got = to_vector(jax.device_get(jax.jit(lambda a: ffi_summary(a, layout.format, layout.num_counts))(on_cpu)))
+    want = host_summaries([x], layout)[0][0]
+    if not np.allclose(got, want, rtol=1e-6, atol=0, equal_nan=True):
+        raise RuntimeError("its results on a test array differ from the host kernel's (an XLA FFI "
+                           "call frame this version of tandv does not know?)")
 
 
 _keep: list[Any] = []
