@@ -12,10 +12,10 @@ and arrays (JAX).
 Exactness: counts, extrema and exponent counts are exact. The power sums are plain
 float64 sums of ``|x|**K`` (relative error ~n * 2**-53), scaled by ``max|x|**K`` at the
 end, which is exact enough and cannot overflow while ``max|x|`` lies in
-:data:`SAFE_RANGE`; arrays outside it (or of float64) are left to the caller's other
-path and flagged in the result. The variance comes from float64 sums of ``x - p`` and
-``(x - p)**2`` shifted by a pivot ``p``, the array's first finite value: the shift keeps
-the subtraction ``S2 - S1**2 / n`` well conditioned even when ``|mean| >> std``.
+:data:`SAFE_RANGE`; an array outside it takes a second pass that sums
+``(|x| / max|x|)**K``. The variance comes from float64 sums of ``x - p`` and ``(x - p)**2``
+shifted by a pivot ``p``, the array's first finite value: the shift keeps the subtraction
+``S2 - S1**2 / n`` well conditioned even when ``|mean| >> std``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from .summary import CORE_FIELDS, Layout
 __all__ = ["host_summaries", "summary_serial", "serial_tables", "SAFE_RANGE", "HOST_DTYPES"]
 
 #: The largest magnitude of an array must lie in this range (or be 0) for the unscaled
-#: float64 power sums to neither overflow nor lose the powers that matter to underflow.
+#: float64 power sums to neither overflow nor lose the powers that matter to underflow;
+#: outside it the power sums take a second, scaled pass.
 SAFE_RANGE = (2.0 ** -100, 2.0 ** 100)
 _SAFE_LO, _SAFE_HI = SAFE_RANGE
 #: Input dtypes the kernel reads (narrower floats are widened to float32 first).
@@ -205,7 +206,8 @@ _NCORE = len(CORE_FIELDS)
 def _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, nb, out, ok):  # pragma: no cover
     """Combines the items of each array and writes its summary vector to ``out`` (core
     fields, then the ``nb + 2`` exponent counts); ``ok`` marks the rows whose largest
-    magnitude lies in :data:`SAFE_RANGE` (or is 0)."""
+    magnitude lies in :data:`SAFE_RANGE` (or is 0): the others' power sums are left to
+    :func:`_scaled_powers`."""
     k = lens.size
     P = np.zeros((k, _NPART))
     keys = np.empty((k, 3), dtype=np.int32)  # min key, max key, min |x| bits
@@ -353,8 +355,7 @@ def _run_all(sources: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
             _run(x, st, sp, pv, over_at, part[rows], hist[rows], sub[rows])
 
 
-def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 1
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 1) -> np.ndarray:
     """Summary vectors of host arrays, all in one layout (custom statistics excluded).
 
     Arguments:
@@ -365,11 +366,8 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
             (:data:`_CHUNK`) run on the calling thread alone.
 
     Returns:
-        ``(vectors, ok)``: a float64 array with one row per input, the fields of
-        ``CORE_FIELDS`` then the exponent counts (``layout.extras_start`` columns), and a
-        bool array saying which rows are valid. A row is invalid when the array's largest
-        finite magnitude lies outside :data:`SAFE_RANGE`; the caller summarizes those
-        arrays another way.
+        A float64 array with one row per input: the fields of ``CORE_FIELDS``, then the
+        exponent counts (``layout.extras_start`` columns).
 
     Raises:
         TypeError: if an array's dtype is not one of :data:`HOST_DTYPES`.
@@ -383,7 +381,7 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     k = len(flats)
     out = np.zeros((k, len(CORE_FIELDS) + layout.num_counts))
     if k == 0:
-        return out, np.zeros(0, dtype=bool)
+        return out
     lens = np.array([f.size for f in flats], dtype=np.int64)
     # Items: each array cut in chunks (read in place, all with the array's pivot), except
     # the small ones, concatenated into one buffer, one item and pivot each.
@@ -412,4 +410,6 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     field_bin, sub_bin = _fold(fmt)
     ok = np.zeros(k, dtype=np.bool_)
     _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, fmt.num_bins, out, ok)
-    return out, ok
+    for i in np.flatnonzero(~ok):  # largest magnitude outside SAFE_RANGE
+        _scaled_powers(flats[i], out[i, _O_MAXABS], out[i])
+    return out

@@ -234,7 +234,7 @@ def _self_test() -> None:
     layout = Layout(number_format("float32"))
     on_cpu = jax.device_put(x, jax.devices("cpu")[0])
     got = to_vector(jax.device_get(jax.jit(lambda a: ffi_summary(a, layout.format, layout.num_counts))(on_cpu)))
-    want = host_summaries([x], layout)[0][0]
+    want = host_summaries([x], layout)[0]
     if not np.allclose(got, want, rtol=1e-6, atol=0, equal_nan=True):
         raise RuntimeError("its results on a test array differ from the host kernel's (an XLA FFI "
                            "call frame this version of tandv does not know?)")

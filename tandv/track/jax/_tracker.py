@@ -291,10 +291,10 @@ class JaxTracker:
             for dtype, idx in self._groups(arrays):
                 idx = [i for i in idx if _in_host_memory(arrays[i], placements)]
                 if idx:
-                    vectors, ok = host_summaries([np.asarray(arrays[i]) for i in idx], self._layout(dtype),
-                                                 _HOST_THREADS)
-                    for i, v, good in zip(idx, vectors, ok):
-                        rows[i] = v if good else None
+                    vectors = host_summaries([np.asarray(arrays[i]) for i in idx], self._layout(dtype),
+                                             _HOST_THREADS)
+                    for i, v in zip(idx, vectors):
+                        rows[i] = v
         rest = [i for i, r in enumerate(rows) if r is None]
         if rest:
             device = [arrays[i] for i in rest]

@@ -5,10 +5,9 @@ same values: counts, extrema and exponent counts exactly, moments to ~1e-6 relat
 
 Two paths
 ---------
-The *device path* (accelerators, float64, and CPU tensors whose largest magnitude is
-beyond ``2**±100``) never waits for the device (no ``.item()``, ``.cpu()`` or
-``bool(tensor)``), so it can run inside forward and backward hooks without stalling the
-accelerator's queue; every choice it makes is branch-free arithmetic on device tensors.
+The *device path* (accelerators, float64, tensor subclasses) never waits for the device
+(no ``.item()``, ``.cpu()`` or ``bool(tensor)``), so it can run inside forward and
+backward hooks without stalling the accelerator's queue; every choice it makes is branch-free arithmetic on device tensors.
 The *host path* (CPU tensors of at most float32 precision) hands the tensor's memory to
 the compiled one-pass kernel :func:`tandv.stats.host.host_summaries`: on the CPU there
 is no device to wait for, and one pass costs a fraction of the dozen framework
@@ -366,10 +365,9 @@ def raw_summaries_torch(
             host.append((i, arr))
     if host:
         names = [_extra_names(layout, extras[i]) for i, _ in host][0]
-        vectors, ok = host_summaries([a for _, a in host], layout, torch.get_num_threads())
-        for (i, _), v, good in zip(host, vectors, ok):
-            if good:
-                out[i] = np.concatenate([v, [float(extras[i][k]) for k in names]]) if names else v
+        vectors = host_summaries([a for _, a in host], layout, torch.get_num_threads())
+        for (i, _), v in zip(host, vectors):
+            out[i] = np.concatenate([v, [float(extras[i][k]) for k in names]]) if names else v
     for i, t in enumerate(tensors):
         if out[i] is None:
             out[i] = _raw_device(t, layout, extras[i])
