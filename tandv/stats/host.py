@@ -87,9 +87,10 @@ def _bit_reductions(bits):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _float_sums(x, pivot, over_at):  # pragma: no cover - compiled
-    """float64 sums over the finite values: of ``x - pivot`` and its square, of ``|x|``
-    to the powers 1, 2, 4, 8; and the count of finite magnitudes above ``over_at``."""
+def _float_sums(x, pivot, over_at, scale):  # pragma: no cover - compiled
+    """float64 sums over the finite values: of ``x - pivot`` and its square, of
+    ``|x| * scale`` to the powers 1, 2, 4, 8; and the count of finite magnitudes above
+    ``over_at``."""
     s1 = 0.0
     s2 = 0.0
     a1 = 0.0
@@ -101,7 +102,7 @@ def _float_sums(x, pivot, over_at):  # pragma: no cover - compiled
         v = np.float64(x[i])
         a = abs(v)
         fin = a <= 3.4028234663852886e38  # false for inf and NaN
-        af = a if fin else 0.0
+        af = a * scale if fin else 0.0
         d = v - pivot if fin else 0.0
         s1 += d
         s2 += d * d
@@ -134,7 +135,7 @@ def _item(x, bits, pivot, over_at, part, hist, sub):  # pragma: no cover - compi
     """Partials of one item ``x`` (with ``bits``, its uint32 view) into ``part``
     (float64[_NPART]), ``hist`` (int64[4, 256]) and ``sub`` (subnormal exponent counts)."""
     inf, zero, kmin, kmax, amin = _bit_reductions(bits)
-    s1, s2, a1, a2, a4, a8, over = _float_sums(x, pivot, over_at)
+    s1, s2, a1, a2, a4, a8, over = _float_sums(x, pivot, over_at, 1.0)
     _field_counts(bits, hist)
     if hist[0, 0] + hist[1, 0] + hist[2, 0] + hist[3, 0] > zero:
         for i in range(bits.size):  # subnormals: their exponents, exactly
@@ -275,27 +276,11 @@ def _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, nb, out, ok):  
             out[r, _NCORE + c] = counts[r, c]
 
 
-@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+@numba.njit(cache=True, nogil=True)
 def _scaled_powers(x, s, out):  # pragma: no cover - compiled
     """Writes the power sums of ``|x| / s`` over the finite values to ``out``'s p1 .. p8:
     a second pass for arrays whose largest magnitude ``s`` lies outside :data:`SAFE_RANGE`."""
-    a1 = 0.0
-    a2 = 0.0
-    a4 = 0.0
-    a8 = 0.0
-    for i in range(x.size):
-        a = abs(np.float64(x[i]))
-        u = a / s if a <= 3.4028234663852886e38 else 0.0
-        q = u * u
-        a1 += u
-        a2 += q
-        q = q * q
-        a4 += q
-        a8 += q * q
-    out[_O_P1] = a1
-    out[_O_P2] = a2
-    out[_O_P4] = a4
-    out[_O_P8] = a8
+    _, _, out[_O_P1], out[_O_P2], out[_O_P4], out[_O_P8], _ = _float_sums(x, 0.0, np.inf, 1.0 / s)
 
 
 @numba.njit(cache=True, nogil=True)
