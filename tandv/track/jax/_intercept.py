@@ -114,6 +114,7 @@ class _Box:
     name: str
     module_type: str
     reports: list[tuple[str, str, Any, Any]]  # (tensor_type, dtype name, counts, values shapes)
+    words: list[int]  # int32 words of each counts / values part, in order
     offset: int
     rematerialized: bool  # inside jax.checkpoint: the forward pass runs again, writing again
 
@@ -194,8 +195,8 @@ class Mailboxes:
             if generation == self.generation:
                 self._boxes.append(_Box(name, module_type, [
                     (t, str(d), jax.ShapeDtypeStruct(s.counts.shape, s.counts.dtype),
-                     jax.ShapeDtypeStruct(s.values.shape, s.values.dtype)) for t, d, s in reports], offset,
-                    _traced_inside(_REMAT)))
+                     jax.ShapeDtypeStruct(s.values.shape, s.values.dtype)) for t, d, s in reports],
+                    [w.shape[0] for w in words], offset, _traced_inside(_REMAT)))
         return True
 
     def collect(self) -> list[tuple[str, str, str, str, DeviceSummary]]:
@@ -205,11 +206,11 @@ class Mailboxes:
             boxes, arena = list(self._boxes), self._arena
         if not boxes:
             return []
-        words = jax.device_get(self._read(arena))
+        got = jax.device_get(self._read(arena))
         out = []
         for box in boxes:
             at = box.offset
-            times = int(words[at])
+            times = int(got[at])
             if times == 0:
                 continue
             if times > 1 and not box.rematerialized and box.name not in self._warned:
@@ -218,11 +219,12 @@ class Mailboxes:
                               f"step at one place in the program (a loop tandv did not recognize?); its rows "
                               f"hold the last one", RuntimeWarning, stacklevel=3)
             at += 1
+            sizes = iter(box.words)
             for tensor_type, dtype, counts, values in box.reports:
                 parts = []
-                for shape in (counts, values):
-                    n = int(np.prod(shape.shape)) * np.dtype(shape.dtype).itemsize // 4
-                    parts.append(_unwords(words[at:at + n], shape))
+                for like in (counts, values):
+                    n = next(sizes)
+                    parts.append(_unwords(got[at:at + n], like))
                     at += n
                 out.append((box.name, box.module_type, tensor_type, dtype, DeviceSummary(*parts)))
         return out

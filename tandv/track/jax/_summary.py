@@ -21,7 +21,7 @@ import numpy as np
 
 from ...stats.summary import CORE_FIELDS, POWERS, Layout
 
-__all__ = ["DeviceSummary", "summarize_jax", "summarize_many_jax", "to_vector", "CustomStat"]
+__all__ = ["DeviceSummary", "summarize_jax", "summarize_many_jax", "to_vector", "with_custom", "CustomStat"]
 
 #: A custom statistic: a traceable function of the array returning a scalar.
 CustomStat = Callable[[jax.Array], Any]
@@ -135,9 +135,17 @@ def summarize_many_jax(
                                      layout, fb)
     out = []
     for i, a in enumerate(arrays):
-        extra = [jnp.asarray(fn(a), values.dtype).reshape(1) for fn in (custom or {}).values()]
-        out.append(DeviceSummary(counts[i], jnp.concatenate([values[i], *extra])))
+        out.append(with_custom(DeviceSummary(counts[i], values[i]), a, custom))
     return out
+
+
+def with_custom(core: DeviceSummary, x: Any, custom: Mapping[str, CustomStat] | None) -> DeviceSummary:
+    """``core`` (the layout's core fields of ``x``) with the custom statistics of ``x``
+    appended to its values, in ``custom``'s order (traceable)."""
+    if not custom:
+        return core
+    extra = [jnp.asarray(fn(x), core.values.dtype).reshape(1) for fn in custom.values()]
+    return DeviceSummary(core.counts, jnp.concatenate([core.values, *extra]))
 
 
 def _reduce_rows(ops: list[tuple[Any, str]]) -> list[Any]:

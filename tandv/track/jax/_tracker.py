@@ -18,7 +18,7 @@ from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_
 from ..common.custom import StatsSpec, parse_custom_stats
 from . import _ffi
 from ._intercept import ROOT_NAME, Mailboxes, Probe, acquire_nnx, interception, register, release_nnx, tap
-from ._summary import CustomStat, DeviceSummary, summarize_jax, summarize_many_jax, to_vector
+from ._summary import CustomStat, DeviceSummary, summarize_jax, summarize_many_jax, to_vector, with_custom
 from ._trees import Leaf, is_float_array, key_name, optimizer_state_leaves, param_leaves
 
 __all__ = ["JaxTracker", "track"]
@@ -248,11 +248,7 @@ class JaxTracker:
         if jnp.dtype(x.dtype) == jnp.float64:
             return self._summarize(x)
         layout = self._layout(x.dtype)
-        core = _ffi.ffi_summary(x, layout.format, layout.num_counts)
-        if not self._custom:
-            return core
-        extra = [jnp.asarray(fn(x), core.values.dtype).reshape(1) for fn in self._custom.values()]
-        return DeviceSummary(core.counts, jnp.concatenate([core.values, *extra]))
+        return with_custom(_ffi.ffi_summary(x, layout.format, layout.num_counts), x, self._custom)
 
     @staticmethod
     def _groups(arrays: Sequence[Any]) -> list[tuple[str, list[int]]]:
