@@ -15,6 +15,16 @@ except ImportError:  # JAX tests skip themselves
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
+# Without a GPU, tandv's Triton kernels run in Triton's interpreter on CPU tensors; this
+# must be set before they are imported.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # torch tests skip themselves
+    pass
+
 
 @pytest.fixture(autouse=True)
 def _run_in_tmp(tmp_path, monkeypatch):

@@ -10,14 +10,26 @@ from hypothesis import strategies as st
 from tandv.stats.summary import CORE_FIELDS, Layout, finalize, merge, summarize
 from tandv.track.torch import summarize_torch
 from tandv.track.torch import summary as kernel
+from tandv.track.torch._workspace import Workspace, to_host
 
 
-@pytest.fixture(autouse=True, params=["host", "device"])
+try:
+    import triton  # noqa: F401
+
+    PATHS = ["host", "ops", "fused"]
+except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
+    PATHS = ["host", "ops"]
+
+
+@pytest.fixture(autouse=True, params=PATHS)
 def kernel_path(request, monkeypatch):
-    """Every test runs both kernels: the host path CPU tensors take, and the device path
-    accelerators take (forced here on CPU)."""
+    """Every test runs each path: the host kernel CPU tensors take, the torch-op path of
+    float64 and tensor subclasses, and the fused Triton kernel of CUDA tensors (forced here
+    on CPU tensors, in Triton's interpreter when no GPU is present)."""
     monkeypatch.setattr(kernel, "HOST_PATH", request.param == "host")
+    monkeypatch.setattr(kernel, "FUSED_ON_CPU", request.param == "fused")
     return request.param
+
 
 EXACT = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "min_abs", "max_abs")
 
@@ -189,25 +201,31 @@ def test_variance_either_side_of_the_centring_threshold(offset):
 
 
 def test_batched_small_tensors_equal_the_reference(kernel_path):
-    """raw_summaries_torch: small CPU tensors summarized together (host path) or one by one
-    (device path) agree with the numpy reference tensor by tensor, specials included."""
+    """A tracker's batch of tensors (small CPU tensors summarized together on the host path,
+    one launch for all on the fused path) agrees with the numpy reference tensor by tensor,
+    specials included."""
     g = torch.Generator().manual_seed(7)
     special = torch.tensor(SPECIAL)
     tensors = [torch.randn(300, generator=g) * 1e-3, special, torch.tensor([float("nan")] * 3),
                torch.zeros(5), torch.tensor([-2.0, -3.0, float("inf")]), torch.randn(4096, generator=g) + 50,
                torch.randn(5000, generator=g),  # read in place, not copied with the small ones
-               special.to(torch.bfloat16)]
-    batches = []
+               torch.empty(0), special.to(torch.bfloat16)]
+    batches, launches = [], []
     real = kernel.host_summaries
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(kernel, "host_summaries", lambda ts, *a: batches.append(len(ts)) or real(ts, *a))
+    if kernel_path == "fused":
+        from tandv.track.torch import _fused
+
+        real_many = _fused.launch_many
+        monkeypatch.setattr(_fused, "launch_many", lambda ts, *a: launches.append(len(ts)) or real_many(ts, *a))
     for fmt in ("float32", "float8_e4m3fn"):
         layout = Layout(fmt, (("peak", "max"),))
-        raws = kernel.raw_summaries_torch(tensors, layout, [{"peak": float(i)} for i in range(len(tensors))])
-        for i, (t, raw) in enumerate(zip(tensors, raws)):
-            got = raw if isinstance(raw, np.ndarray) else torch.cat(
-                [kernel.finish_head(raw[:kernel.RAW_HEAD], torch), raw[kernel.RAW_HEAD:]]).numpy()
+        ws = Workspace()
+        summaries = ws.summaries(tensors, layout, [{"peak": float(i)} for i in range(len(tensors))])
+        for i, (t, got) in enumerate(zip(tensors, to_host(summaries, ws.end_step()))):
             ref, _ = summarize(to_numpy(t), fmt, {"peak": (float(i), "max")})
+            assert got.shape == ref.shape
             for j, name in enumerate(CORE_FIELDS):
                 if name in EXACT:
                     assert got[j] == ref[j] or (np.isnan(got[j]) and np.isnan(ref[j])), (i, name)
@@ -219,6 +237,8 @@ def test_batched_small_tensors_equal_the_reference(kernel_path):
             np.testing.assert_array_equal(got[layout.counts_start:], ref[layout.counts_start:])
     monkeypatch.undo()
     assert batches == ([len(tensors)] * 2 if kernel_path == "host" else [])
+    # float32 tensors (the empty one excluded) in one launch; the bfloat16 one alone
+    assert launches == ([len(tensors) - 2] * 2 if kernel_path == "fused" else [])
 
 
 class _Wrapped(torch.Tensor):

@@ -18,10 +18,21 @@ from torch import nn
 from tandv.schema import read_log, validate
 from tandv.stats.summary import DEFAULT_STATS, exponent_labels, finalize, merge_all, summarize
 from tandv.track.torch import track
-from tandv.track.torch import tracker as tracker_module
+from tandv.track.torch._workspace import Workspace
 from tandv.track.torch import summary as kernel
 
 KINDS = ("Activation", "Gradient", "Weight", "Optimiser_State")
+
+
+@pytest.fixture(params=["host", "fused"])
+def any_path(request, monkeypatch):
+    """Runs a test with CPU tensors on the host kernel, and again on the fused Triton kernel
+    that CUDA tensors take (in Triton's interpreter when no GPU is present)."""
+    if request.param == "fused":
+        pytest.importorskip("triton")
+        monkeypatch.setattr(kernel, "HOST_PATH", False)
+        monkeypatch.setattr(kernel, "FUSED_ON_CPU", True)
+    return request.param
 
 
 class Net(nn.Module):
@@ -132,7 +143,7 @@ def train(net, opt, steps, tracker=None, capture=None, record=None, micro=1):
     return losses
 
 
-def test_every_row_equals_the_reference_on_captured_tensors():
+def test_every_row_equals_the_reference_on_captured_tensors(any_path):
     net, opt = make()
     cap = Capture(net)
     rec = []
@@ -184,7 +195,7 @@ def test_weight_row_at_next_step_is_the_weight_after_the_update():
     assert w0 != w1
 
 
-def test_losses_bit_identical_with_and_without_tracking():
+def test_losses_bit_identical_with_and_without_tracking(any_path):
     net, opt = make(3)
     plain = train(net, opt, 20)
     net, opt = make(3)
@@ -193,7 +204,7 @@ def test_losses_bit_identical_with_and_without_tracking():
     assert all(torch.equal(a, b) for a, b in zip(plain, tracked))
 
 
-def test_gradient_accumulation_merges_micro_batches():
+def test_gradient_accumulation_merges_micro_batches(any_path):
     net, opt = make()
     cap = Capture(net)
     rec = []
@@ -306,25 +317,42 @@ def test_schedules(options, steps):
         assert set(df[df[("metadata", "step")] == k][("metadata", "tensor_type")]) == set(KINDS)
 
 
-def test_unscheduled_steps_compute_nothing(monkeypatch):
+def test_unscheduled_steps_run_without_hooks(monkeypatch):
+    """Hooks exist only during scheduled steps, and nothing is summarized outside them."""
     calls = []
-    real = tracker_module.raw_summary_torch
-    monkeypatch.setattr(tracker_module, "raw_summary_torch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = Workspace.summaries
+    monkeypatch.setattr(Workspace, "summaries", lambda self, *a: calls.append(1) or real(self, *a))
     net, opt = make()
-    with track(net, opt, out="log", schedule=[0]) as tr:
-        train(net, opt, 1, tr)
+
+    def hooks():
+        return (sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net.modules())
+                + len(opt._optimizer_step_pre_hooks))
+
+    with track(net, opt, out="log", schedule=[0, 3]) as tr:
+        assert hooks() > 0
+        train(net, opt, 1, tr)  # step 0
         n0 = len(calls)
-        train(net, opt, 3, tr)
-    assert n0 > 0 and len(calls) == n0
+        assert n0 > 0 and hooks() == 0  # step 1 is not scheduled
+        train(net, opt, 2, tr)  # steps 1 and 2
+        assert len(calls) == n0 and hooks() > 0  # step 3 is
+        train(net, opt, 1, tr)
+        assert len(calls) > n0
+    assert hooks() == 0
+    assert sorted(set(read_log(tr.out_path)[("metadata", "step")])) == [0, 3]
 
 
-def test_no_host_sync_inside_hooks(monkeypatch):
+@pytest.mark.parametrize("path", ["ops", "fused"])
+def test_no_host_sync_inside_hooks(monkeypatch, path):
     """Forward, backward and the optimizer update run with every host-sync method disabled.
 
-    This is the device path, which accelerator tensors take (forced here on CPU); CPU
-    tensors take the host path, which reads reduced values because on the CPU that waits
-    for nothing."""
+    These are the paths accelerator tensors take (forced here on CPU): the fused kernel,
+    and the torch-op path of float64 and tensor subclasses; CPU tensors take the host
+    path, which reads reduced values because on the CPU that waits for nothing. On a GPU,
+    the fused path also runs under CUDA's sync debug mode set to raise."""
+    if path == "fused":
+        pytest.importorskip("triton")
     monkeypatch.setattr(kernel, "HOST_PATH", False)
+    monkeypatch.setattr(kernel, "FUSED_ON_CPU", path == "fused")
     net, opt = make(0, torch.optim.SGD, momentum=0.9)
 
     def forbidden(*a, **k):
@@ -369,6 +397,8 @@ def test_structured_outputs_are_flattened_with_unambiguous_names():
     x = torch.randn(5, 6)
     with track(net, opt, out="log") as tr:
         out = net(x)
+        seen = []  # the gradient as autograd computes it (its rounding depends on the CPU)
+        out["logits"].register_hook(lambda g: seen.append(g.clone()))
         loss = out["logits"].pow(2).mean() + out["aux"][1][0].mean() + out["out"].logits.sum()
         loss.backward()
         h = net.enc(x).detach()  # before the update
@@ -382,7 +412,8 @@ def test_structured_outputs_are_flattened_with_unambiguous_names():
     assert_row(df, idx, ("root[aux][1][0]", "Activation", 0), [h.exp()])
     assert_row(df, idx, ("root[out][hidden][0]", "Activation", 0), [h - 1])
     # gradient of the loss w.r.t. outputs that take part in it
-    assert_row(df, idx, ("root[logits]", "Gradient", 0), [2 * (h * 2) / h.numel()])
+    torch.testing.assert_close(seen[0], 2 * (h * 2) / h.numel())
+    assert_row(df, idx, ("root[logits]", "Gradient", 0), seen)
     assert ("root[aux][0]", "Gradient", 0) not in idx  # not used by the loss: no gradient
 
 
@@ -537,7 +568,7 @@ def test_dry_run_plan_lists_what_will_be_tracked_without_training():
     assert not Path("tandv_logs").exists()  # nothing written
 
 
-def test_custom_statistics_and_merge_rules():
+def test_custom_statistics_and_merge_rules(any_path):
     def frac_pos(t):
         return {"frac_pos": (t > 0).float().mean(), "peak": t.abs().amax()}
 
@@ -561,7 +592,7 @@ def test_custom_statistics_and_merge_rules():
             train(net, opt, 1, tr)
 
 
-def test_number_format_sets_exponent_bins_for_every_tensor():
+def test_number_format_sets_exponent_bins_for_every_tensor(any_path):
     net, opt = make()
     cap = Capture(net)
     rec = []
@@ -576,7 +607,7 @@ def test_number_format_sets_exponent_bins_for_every_tensor():
     assert df[("exponent_counts", "-inf")].sum() > 0  # small gradients underflow float8
 
 
-def test_bfloat16_module_rows_carry_their_dtype():
+def test_bfloat16_module_rows_carry_their_dtype(any_path):
     torch.manual_seed(0)
     net = Net().to(torch.bfloat16)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
@@ -621,7 +652,7 @@ class CheckpointNet(Net):
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_activation_checkpointing_recompute_is_not_counted_twice(reentrant):
+def test_activation_checkpointing_recompute_is_not_counted_twice(reentrant, any_path):
     torch.manual_seed(0)
     net = CheckpointNet(reentrant)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)

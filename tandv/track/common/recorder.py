@@ -177,7 +177,19 @@ class StepRecorder:
     def end_step(self, step: int, to_host: Callable[[list[Any]], Sequence[np.ndarray]]) -> int:
         """Close step ``step``: move its summaries to the host with one ``to_host`` call,
         merge observations of the same tensor, and buffer the rows. Returns the row count."""
+        return self.commit(step, self.take(), to_host)
+
+    def take(self) -> list[tuple[TensorKey, Layout, Any]]:
+        """The current step's observations, handed to the caller (who passes them to
+        :meth:`commit` once their summaries can reach the host without waiting)."""
         pending, self._pending = self._pending, []
+        return pending
+
+    def commit(self, step: int, pending: list[tuple[TensorKey, Layout, Any]],
+               to_host: Callable[[list[Any]], Sequence[np.ndarray]]) -> int:
+        """Record observations taken (:meth:`take`) at step ``step``: move their summaries
+        to the host with one ``to_host`` call, merge observations of the same tensor, and
+        buffer the rows. Steps must be committed in order. Returns the row count."""
         if not pending:
             return 0
         host = to_host([s for _, _, s in pending])

@@ -390,6 +390,11 @@ def _summarize_many(table_ptr, rows_ptr, scratch_ptr, lut_ptr, fmax,
                lut_ptr, fmax, MODE, SUB, DMIN, NBD, NBP, BLOCK, WINDOW, GROUP)
 
 
+#: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when this module
+#: was imported), which reads CPU tensors; compiled kernels read CUDA tensors.
+INTERPRETED = not isinstance(_summarize_one, triton.runtime.JITFunction)
+
+
 # ---------------------------------------------------------------------------- host side
 
 
@@ -489,13 +494,16 @@ def scratch_rows(n: int, max_parts: int) -> int:
 
 def _consts(spec: Spec) -> dict[str, Any]:
     return dict(MODE=spec.mode, SUB=spec.sub, DMIN=spec.dmin, NBD=spec.nbd, NBP=spec.nbp,
-                BLOCK=BLOCK, WINDOW=WINDOW, GROUP=GROUP, num_warps=NUM_WARPS)
+                BLOCK=BLOCK, WINDOW=WINDOW, GROUP=GROUP, num_warps=NUM_WARPS, enable_fp_fusion=True)
 
 
 def _flat(x: torch.Tensor, spec: Spec) -> torch.Tensor:
     """``x``'s elements as one dense range of memory: ``x`` itself when it covers its
     memory without gaps in any order (the statistics ignore order), else a contiguous
-    copy. 8-bit formats are viewed as bytes."""
+    copy (and a lazily negated view, whose memory holds the values' negatives, is resolved
+    into one). 8-bit formats are viewed as bytes."""
+    if x.is_neg():
+        x = x.resolve_neg()
     if not (x.is_contiguous() or _dense(x)):
         x = x.contiguous()
     if spec.mode == 3:
@@ -528,14 +536,13 @@ def launch_one(x: torch.Tensor, spec: Spec, layout: Layout, rows: torch.Tensor, 
 
 
 def launch_many(tensors: Sequence[torch.Tensor], spec: Spec, layout: Layout, rows: torch.Tensor,
-                offsets: Sequence[int], scratch_for: Any, max_parts: int) -> list[torch.Tensor]:
+                offsets: Sequence[int], scratch_for: Any, max_parts: int) -> None:
     """Summarize non-empty tensors of dtype ``spec.dtype`` on one device into
     ``rows[offsets[i]:]`` in one launch, on the current stream.
 
-    ``scratch_for(k)`` must return a float64 tensor of at least ``k`` partial rows.
-    Returns the tensors the launch reads (contiguous copies of gappy views, the table):
-    keep them alive until the launch has run (the caching allocator reuses memory only
-    after work queued on this stream, so dropping them afterwards is safe)."""
+    ``scratch_for(k)`` must return a float64 tensor of at least ``k`` partial rows. The
+    table (and any contiguous copy of a gappy view) may be dropped once launched: the
+    caching allocator reuses memory only for work queued after it on this stream."""
     flats = [_flat(t, spec) for t in tensors]
     ns = np.array([f.numel() for f in flats], dtype=np.int64)
     split = [_parts(int(k), max_parts) for k in ns]
@@ -558,7 +565,6 @@ def launch_many(tensors: Sequence[torch.Tensor], spec: Spec, layout: Layout, row
     dev_table = torch.from_numpy(table).to(rows.device, non_blocking=True)
     _summarize_many[(owner.size,)](dev_table, rows, scratch, _lut(spec, rows.device, rows),
                                    _fmax(layout), **_consts(spec))
-    return [*flats, dev_table]
 
 
 def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:

@@ -1,18 +1,24 @@
-"""``summarize_torch``: the summary vector of a tensor, computed on the tensor's own device.
+"""``summarize_torch``: the summary vector of a tensor, computed where the tensor lies.
 
 The result equals :func:`tandv.stats.summarize` (the numpy reference) applied to the
 same values: counts, extrema and exponent counts exactly, moments to ~1e-6 relative.
 
-Two paths
----------
-The *device path* (accelerators, float64, tensor subclasses) never waits for the device
-(no ``.item()``, ``.cpu()`` or ``bool(tensor)``), so it can run inside forward and
-backward hooks without stalling the accelerator's queue; every choice it makes is branch-free arithmetic on device tensors.
-The *host path* (CPU tensors of at most float32 precision) hands the tensor's memory to
-the compiled one-pass kernel :func:`tandv.stats.host.host_summaries`: on the CPU there
-is no device to wait for, and one pass costs a fraction of the dozen framework
-operations below. Both give the same results; the tests run each on the same inputs.
-The rest of this note describes the device path.
+Three paths
+-----------
+- The *fused path* (CUDA tensors of float32, float16, bfloat16 and 8-bit formats):
+  one Triton kernel reads the tensor once in its own dtype (:mod:`._fused`); the tracker
+  batches a step's parameters, gradients and optimizer state into one launch per dtype.
+- The *host path* (CPU tensors of at most float32 precision) hands the tensor's memory to
+  the compiled one-pass kernel :func:`tandv.stats.host.host_summaries`: on the CPU there
+  is no device to wait for.
+- The *torch-op path* (everything else: float64, tensor subclasses such as ``DTensor``,
+  devices other than CUDA, CUDA without Triton) builds the summary from a dozen torch
+  operations, in scratch buffers as large as the largest such tensor. It never waits for
+  the device (no ``.item()``, ``.cpu()`` or ``bool(tensor)``): every choice it makes is
+  branch-free arithmetic on device tensors. The rest of this note describes it.
+
+All paths give the same results; the tests run each on the same inputs (the fused kernel
+in Triton's interpreter on the CPU).
 
 Exponent counts in one scatter
 ------------------------------
@@ -35,13 +41,15 @@ replaced by 0 (neutral for the power sums). Values are scaled by a power of two
 ``2**e >= max|x|`` (exact) so that no power overflows, squared repeatedly for the 2nd,
 4th and 8th powers, and summed with float32 cascade sums (the plain sum for the mean in
 float64). The second moment is centred on the mean. The device produces a *raw* head
-(:func:`raw_summary_torch`) that :func:`finish_head` turns into the layout's fields;
+(:func:`raw_device`) that :func:`finish_head` turns into the layout's fields;
 the tracker finishes all of a step's heads on the host after its single transfer.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
+from contextlib import nullcontext
 from typing import Any, Mapping
 
 import ml_dtypes
@@ -52,7 +60,8 @@ from ...stats.formats import NumberFormat
 from ...stats.host import host_summaries
 from ...stats.summary import Layout
 
-__all__ = ["summarize_torch", "raw_summary_torch", "raw_summaries_torch", "finish_head", "RAW_HEAD", "dtype_name"]
+__all__ = ["summarize_torch", "raw_device", "host_vectors", "fused_spec", "finish_head", "RAW_HEAD",
+           "dtype_name"]
 
 _F64_BIAS = 1023
 _NUM_KEYS = 4096  # (biased float64 exponent, top mantissa bit)
@@ -164,7 +173,7 @@ def _exponent_counts_f64(ad: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
     return out
 
 
-#: Length of the raw head of a device summary (see :func:`raw_summary_torch`).
+#: Length of the raw head of a torch-op path vector (see :func:`raw_device`).
 RAW_HEAD = 18
 
 
@@ -173,7 +182,8 @@ def summarize_torch(
     layout: Layout,
     extras: Mapping[str, torch.Tensor | float] | None = None,
 ) -> torch.Tensor:
-    """The float64 summary vector of ``x`` in ``layout``, on ``x``'s device.
+    """The float64 summary vector of ``x`` in ``layout``, on ``x``'s device (never waits
+    for the device).
 
     Arguments:
         x: a floating-point tensor of any shape, dtype and device (not modified).
@@ -189,10 +199,41 @@ def summarize_torch(
         TypeError: if ``x`` is not a floating-point tensor.
         ValueError: if ``extras`` does not match ``layout.extras``.
     """
-    raw = raw_summary_torch(x, layout, extras)
-    if isinstance(raw, np.ndarray):  # the host kernel's vectors are finished
-        return torch.from_numpy(raw)
+    _check_tensor(x)
+    names = _extra_names(layout, extras)
+    spec = fused_spec(x)
+    if spec is not None:
+        from . import _fused
+
+        rows = torch.zeros(_fused.row_size(spec, layout), dtype=torch.float64, device=x.device)
+        max_parts = 16 if x.device.type == "cpu" else 1024
+        if x.numel():
+            scratch = torch.empty(max(1, _fused.scratch_rows(x.numel(), max_parts)) * _fused.PART,
+                                  dtype=torch.float64, device=x.device)
+            with torch.cuda.device(x.device) if x.device.type == "cuda" else nullcontext():
+                _fused.launch_one(x.detach(), spec, layout, rows, 0, scratch, max_parts)
+        if names:
+            rows[spec.row_size:] = _extras_tensor(extras or {}, names, x.device)
+        return _fused.finish_rows(rows[None], spec, layout, torch)[0]
+    host = host_vectors([x], layout, [extras or {}])[0]
+    if host is not None:
+        return torch.from_numpy(host)
+    raw = raw_device(x, layout, extras)
     return torch.cat([finish_head(raw[:RAW_HEAD], torch), raw[RAW_HEAD:]])
+
+
+def _check_tensor(x: Any) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        what = type(x).__name__ if not isinstance(x, torch.Tensor) else f"tensor of {x.dtype}"
+        raise TypeError(f"summarize_torch: expected a floating-point tensor; got {what}")
+
+
+def _extras_tensor(extras: Mapping[str, Any], names: list[str], device: torch.device) -> torch.Tensor:
+    """The custom statistics as one float64 vector on ``device``, in ``names`` order."""
+    return torch.stack([
+        extras[k].detach().to(device=device, dtype=torch.float64).reshape(())
+        if isinstance(extras[k], torch.Tensor)
+        else torch.full((), float(extras[k]), dtype=torch.float64, device=device) for k in names])
 
 
 def _extra_names(layout: Layout, extras: Mapping[str, Any] | None) -> list[str]:
@@ -204,34 +245,17 @@ def _extra_names(layout: Layout, extras: Mapping[str, Any] | None) -> list[str]:
     return names
 
 
-def raw_summary_torch(
-    x: torch.Tensor,
-    layout: Layout,
-    extras: Mapping[str, torch.Tensor | float] | None = None,
-) -> torch.Tensor | np.ndarray:
-    """Like :func:`summarize_torch`, but unfinished where that saves work: a CPU tensor of
-    at most float32 precision gives its finished summary vector as a numpy array (the
-    host kernel); any other tensor gives a *raw* device vector whose first
-    :data:`RAW_HEAD` entries are partial results that :func:`finish_head` turns into the
-    layout's core fields.
-
-    The tracker keeps raw vectors on the device and finishes a whole step's worth of them
-    at once on the host, after the single transfer, which saves about twenty tiny device
-    operations per tensor. Their exponent counts and extras are final."""
-    return raw_summaries_torch([x], layout, [extras or {}])[0]
-
-
-def _raw_device(
+def raw_device(
     x: torch.Tensor,
     layout: Layout,
     extras: Mapping[str, torch.Tensor | float] | None = None,
 ) -> torch.Tensor:
-    """The raw device vector of ``x`` (see :func:`raw_summary_torch`)."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        what = type(x).__name__ if not isinstance(x, torch.Tensor) else f"tensor of {x.dtype}"
-        raise TypeError(f"summarize_torch: expected a floating-point tensor; got {what}")
+    """The torch-op path's *raw* vector of ``x``, on ``x``'s device: its first
+    :data:`RAW_HEAD` entries are partial results that :func:`finish_head` turns into the
+    layout's core fields (a tracker finishes a whole step's heads at once on the host);
+    the exponent counts and custom statistics that follow are final."""
+    _check_tensor(x)
     names = _extra_names(layout, extras)
-    given = dict(extras or {})
     dev = x.device
     f64 = torch.float64
     if x.numel() == 0:
@@ -241,9 +265,7 @@ def _raw_device(
         head, counts = _raw_core(x.detach().reshape(-1), layout.format)
     parts = [head, counts.to(f64)]
     if names:
-        parts.append(torch.stack([
-            given[k].detach().to(device=dev, dtype=f64).reshape(()) if isinstance(given[k], torch.Tensor)
-            else torch.full((), float(given[k]), dtype=f64, device=dev) for k in names]))
+        parts.append(_extras_tensor(extras or {}, names, dev))
     return torch.cat(parts)
 
 
@@ -342,36 +364,59 @@ def _host_array(x: torch.Tensor) -> np.ndarray | None:
     return None if bits is None else flat.view(bits[0]).numpy().view(bits[1])
 
 
-def raw_summaries_torch(
+def host_vectors(
     tensors: list[torch.Tensor],
     layout: Layout,
-    extras: list[Mapping[str, torch.Tensor | float]] | None = None,
-) -> list[torch.Tensor | np.ndarray]:
-    """:func:`raw_summary_torch` of several tensors sharing ``layout`` (one result each).
-
-    CPU tensors of at most float32 precision go to the host kernel
-    (:func:`tandv.stats.host.host_summaries`) together: one pass over each, and the small
-    ones (biases, norm scales and their gradients and optimizer state) in one call. Its
-    results are *finished* summary vectors, returned as numpy arrays; the others are raw
-    device vectors (tensors) for :func:`finish_head`."""
-    extras = extras if extras is not None else [{}] * len(tensors)
-    out: list[torch.Tensor | np.ndarray | None] = [None] * len(tensors)
+    extras: list[Mapping[str, torch.Tensor | float]],
+) -> list[np.ndarray | None]:
+    """Finished summary vectors of the tensors the host path takes (``None`` for the
+    others): all in one call of :func:`tandv.stats.host.host_summaries`, which summarizes
+    the small ones (biases, norm scales and their gradients and state) together."""
+    out: list[np.ndarray | None] = [None] * len(tensors)
     host = []
     for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            continue  # _raw_device raises the error
         arr = _host_array(t)
         if arr is not None:
             host.append((i, arr))
     if host:
-        names = [_extra_names(layout, extras[i]) for i, _ in host][0]
+        names = _extra_names(layout, extras[host[0][0]])
         vectors = host_summaries([a for _, a in host], layout, torch.get_num_threads())
         for (i, _), v in zip(host, vectors):
             out[i] = np.concatenate([v, [float(extras[i][k]) for k in names]]) if names else v
-    for i, t in enumerate(tensors):
-        if out[i] is None:
-            out[i] = _raw_device(t, layout, extras[i])
-    return out  # type: ignore[return-value]
+    return out
+
+
+#: CPU tensors take the fused kernel (in Triton's interpreter) instead of the host path:
+#: the tests switch it on to check the kernel against the reference without a GPU.
+FUSED_ON_CPU = False
+_fused_state: dict[str, Any] = {}
+
+
+def fused_spec(x: torch.Tensor) -> Any:
+    """The fused kernel's :class:`~._fused.Spec` for ``x`` if ``x`` takes the fused path,
+    else ``None``. Without Triton, CUDA tensors take the torch-op path, with one warning."""
+    if type(x) not in (torch.Tensor, torch.nn.Parameter):
+        return None  # tensor subclasses: DTensor and the like hold a shard
+    kind = x.device.type
+    if kind != "cuda" and not (kind == "cpu" and FUSED_ON_CPU):
+        return None
+    fused = _fused_state.get("module")
+    if fused is None:
+        if "module" in _fused_state:  # Triton failed to import: warned already
+            return None
+        try:
+            from . import _fused as fused
+        except ImportError as e:
+            _fused_state["module"] = None
+            warnings.warn(f"tandv: Triton could not be imported ({e}); CUDA tensors are summarized "
+                          f"by the slower torch-op path. `pip install triton` to get the fused "
+                          f"kernel.", RuntimeWarning, stacklevel=3)
+            return None
+        if kind == "cpu" and not fused.INTERPRETED:
+            raise RuntimeError("FUSED_ON_CPU needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                               "before tandv's fused kernels are imported")
+        _fused_state["module"] = fused
+    return fused.spec_for(x.dtype)
 
 
 def finish_head(raw: Any, xp: Any = np) -> Any:

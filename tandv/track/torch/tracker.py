@@ -32,10 +32,10 @@ import os
 import re
 import sys
 import weakref
+from collections import deque
 from collections.abc import Mapping as MappingABC
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-import numpy as np
 import pandas as pd
 import torch
 from torch import nn
@@ -46,7 +46,8 @@ from ...stats.formats import format_name
 from ...stats.summary import Layout
 from ..common import Pattern, Selector, StepRecorder, TensorKey, make_schedule
 from ..common.custom import StatFn, StatsSpec, parse_custom_stats
-from .summary import RAW_HEAD, dtype_name, finish_head, raw_summaries_torch, raw_summary_torch
+from ._workspace import Flight, Workspace, to_host
+from .summary import dtype_name
 
 __all__ = ["Tracker", "track", "StatFn"]
 
@@ -188,6 +189,9 @@ class Tracker:
         self.step_index = 0
         self.out_path = None
         self.recorder: StepRecorder | None = None
+        self._workspace = Workspace()
+        # recorded steps whose device summaries are on their way to the host
+        self._flights: deque[tuple[int, list[Any], Flight | None]] = deque()
         self._handles: list[Any] = []
         self._active = False
         self._weights_done = False
@@ -260,15 +264,15 @@ class Tracker:
         d = x.detach()
         extras = self._extras(d)
         lay = self._layout(d, tuple(extras))
-        raw = raw_summary_torch(d, lay, extras)
-        self._last = (x, x._version, lay, raw)  # held until the next observation or step end
-        return key, lay, raw
+        summary = self._workspace.summaries([d], lay, [extras])[0]
+        self._last = (x, x._version, lay, summary)  # held until the next observation or step end
+        return key, lay, summary
 
     def _summaries(self, items: list[tuple[str, str, nn.Module, torch.Tensor]]
                    ) -> list[tuple[TensorKey, Layout, torch.Tensor]]:
         """:meth:`_summary` of several distinct tensors (parameters, their gradients,
-        optimizer state) at once: tensors sharing a layout are reduced together, which
-        summarizes the small ones in one batch (:func:`raw_summaries_torch`)."""
+        optimizer state) at once: tensors sharing a layout are reduced together (one host
+        kernel call for the CPU tensors, one fused launch per device and dtype)."""
         keys, layouts, extras = [], [], []
         for name, kind, owner, x in items:
             ex = self._extras(x.detach())
@@ -280,7 +284,7 @@ class Tracker:
             by_layout.setdefault(lay, []).append(i)
         raws: list[Any] = [None] * len(items)
         for lay, idx in by_layout.items():
-            got = raw_summaries_torch([items[i][3].detach() for i in idx], lay, [extras[i] for i in idx])
+            got = self._workspace.summaries([items[i][3].detach() for i in idx], lay, [extras[i] for i in idx])
             for i, raw in zip(idx, got):
                 raws[i] = raw
         return list(zip(keys, layouts, raws))
@@ -378,6 +382,8 @@ class Tracker:
             self._capture_grads()
 
     def _install(self) -> None:
+        """Hooks exist only while a scheduled step runs: unscheduled steps run the user's
+        own code (a module with no hooks takes PyTorch's fast call path)."""
         if self.kinds[ACTIVATION] or self.kinds[GRADIENT]:
             for name, m in self._modules:
                 if self._selected(name, m):
@@ -399,7 +405,6 @@ class Tracker:
         self.recorder = StepRecorder(self._out, self._out_format, self._run_name,
                                      flush_every=self._flush_every, verbose=self._verbose)
         self.out_path = self.recorder.path
-        self._install()
         self._begin(0)
         return self
 
@@ -409,13 +414,19 @@ class Tracker:
         self._weights_done = False
         self._grads = {}
         self._last = None
+        if self._active and not self._handles:
+            self._install()
+        elif not self._active and self._handles:
+            self._remove()
 
     def step(self) -> None:
         """End the current training step (call it after the optimizer update).
 
         On a scheduled step this summarizes parameter gradients (if no optimizer
         captured them), weights (if no forward pass did), and the optimizer state, then
-        moves all of the step's summaries to the host in one transfer and buffers the rows."""
+        starts one non-blocking copy of the step's device summaries to the host; the rows
+        of a step are built once its copy has landed (at the latest at the next step, or
+        when the tracker closes), so the device never waits for the host."""
         if self.recorder is None or self._closed:
             raise RuntimeError("tracker.step() called outside the `with track(...)` block")
         if self._active:
@@ -431,10 +442,23 @@ class Tracker:
                          if self._selected(name, owner)]
                 for entry in self._summaries(items):
                     self.recorder.add(*entry)
-            self.recorder.end_step(self.step_index, _to_host)
+            self._flights.append((self.step_index, self.recorder.take(), self._workspace.end_step()))
         else:
             self.recorder.discard()
+        self._land()
         self._begin(self.step_index + 1)
+
+    def _land(self, wait: bool = False) -> None:
+        """Record the steps whose summaries have reached the host, in order. A step's
+        device copy is waited for only once the next step has been queued (the device
+        always has work) or with ``wait``."""
+        assert self.recorder is not None
+        while self._flights:
+            step, pending, flight = self._flights[0]
+            if not (wait or len(self._flights) > 1 or flight is None or flight.ready()):
+                return
+            self._flights.popleft()
+            self.recorder.commit(step, pending, lambda summaries: to_host(summaries, flight))
 
     def close(self) -> None:
         """Remove all hooks and finish the log (idempotent). Observations of a step that
@@ -447,7 +471,11 @@ class Tracker:
         self._remove()
         if self.recorder is not None:
             self.recorder.discard()
-            self.out_path = self.recorder.close()
+            try:
+                self._land(wait=True)
+            finally:
+                self._flights.clear()
+                self.out_path = self.recorder.close()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         try:
@@ -457,24 +485,6 @@ class Tracker:
                 raise
             print(f"tandv: could not finish the log after an error: {close_error!r}", file=sys.stderr)
         return False
-
-
-def _to_host(vectors: list[torch.Tensor | np.ndarray]) -> list[np.ndarray]:
-    """A step's summaries as finished layout vectors on the host. Numpy vectors (the host
-    kernel's) are finished already; raw device vectors go to the host in one
-    concatenation and one copy per device and are finished there in one vectorized pass."""
-    out: list[np.ndarray] = [v if isinstance(v, np.ndarray) else None for v in vectors]  # type: ignore[misc]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, v in enumerate(vectors):
-        if out[i] is None:
-            by_device.setdefault(v.device, []).append(i)
-    for idx in by_device.values():
-        host = torch.cat([vectors[i] for i in idx]).cpu().numpy()
-        bounds = np.cumsum([0] + [vectors[i].numel() for i in idx])
-        core = finish_head(np.stack([host[p:p + RAW_HEAD] for p in bounds[:-1]]), np)
-        for c, i, p, q in zip(core, idx, bounds[:-1], bounds[1:]):
-            out[i] = np.concatenate([c, host[p + RAW_HEAD:q]])
-    return out
 
 
 def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
