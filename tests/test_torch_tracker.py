@@ -197,10 +197,10 @@ def test_weight_row_at_next_step_is_the_weight_after_the_update():
 
 def test_losses_bit_identical_with_and_without_tracking(any_path):
     net, opt = make(3)
-    plain = train(net, opt, 20)
+    plain = train(net, opt, 10)
     net, opt = make(3)
     with track(net, opt, out="log", number_format="float8_e4m3fn") as tr:
-        tracked = train(net, opt, 20, tr)
+        tracked = train(net, opt, 10, tr)
     assert all(torch.equal(a, b) for a, b in zip(plain, tracked))
 
 

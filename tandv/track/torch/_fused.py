@@ -39,6 +39,7 @@ which the tests use against the numpy reference.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -52,6 +53,10 @@ import triton.language as tl
 
 from ...stats.formats import number_format
 from ...stats.summary import CORE_FIELDS, Layout
+
+if not hasattr(tl, "gather") or "mask" not in inspect.signature(tl.histogram).parameters:
+    raise ImportError(f"tandv's fused kernels need Triton >= 3.4 (tl.gather, masked tl.histogram); "
+                      f"found {triton.__version__}")
 
 __all__ = ["HEADER", "Spec", "spec_for", "launch_one", "launch_many", "finish_rows", "row_size",
            "scratch_rows"]

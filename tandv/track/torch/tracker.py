@@ -450,12 +450,12 @@ class Tracker:
 
     def _land(self, wait: bool = False) -> None:
         """Record the steps whose summaries have reached the host, in order. A step's
-        device copy is waited for only once the next step has been queued (the device
-        always has work) or with ``wait``."""
+        device copy is waited for only once a later step has been queued (the device
+        always has work), or with ``wait``."""
         assert self.recorder is not None
         while self._flights:
             step, pending, flight = self._flights[0]
-            if not (wait or len(self._flights) > 1 or flight is None or flight.ready()):
+            if not (wait or step < self.step_index or flight is None or flight.ready()):
                 return
             self._flights.popleft()
             self.recorder.commit(step, pending, lambda summaries: to_host(summaries, flight))
