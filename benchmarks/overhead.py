@@ -1,18 +1,26 @@
-"""Overhead of the PyTorch tracker on a GPT-style decoder, on CPU.
+"""Overhead of the PyTorch tracker on a GPT-style decoder, on the CPU or a CUDA GPU.
 
 Two identical models train side by side in one process; their steps are interleaved
 (tracked, untracked, tracked, ...) so that machine noise hits both alike, and the
 script prints the ratio of median step times (and of means, which for ``every > 1``
 include the amortized cost of the scheduled steps).
 
+On a GPU (``--device cuda``) it also prints, from the same run:
+
+- kernel launches per tracked and untracked step (torch profiler), and the extra
+  launches per tracked activation or activation gradient;
+- peak GPU memory of a tracked and an untracked step (``torch.cuda.max_memory_allocated``
+  over one step of the same model, the other copy moved off the GPU);
+- the floor: one read pass over every tensor a tracked step summarizes
+  (``torch._foreach_norm``), as a ratio to the untracked step, and the fused kernel alone
+  over the same tensors (one launch per dtype), with the bandwidth each reaches.
+
 Usage::
 
-    python benchmarks/overhead.py                      # every=1 and every=10, small model
-    python benchmarks/overhead.py --layers 8 --d-model 512 --mlp 2048 --heads 8 --steps 8
-    python benchmarks/overhead.py --memory             # RSS growth and close time
-
-Also measures (``--memory``) resident-memory growth per tracked step over a long run
-of a tiny model, and the time to close the tracker after short and long runs.
+    python benchmarks/overhead.py                                 # CPU, every=1 and every=10
+    python benchmarks/overhead.py --device cuda                   # the 4-layer model on a GPU
+    python benchmarks/overhead.py --device cuda --preset gpt2-small --steps 10
+    python benchmarks/overhead.py --memory                        # CPU: RSS growth and close time
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -33,6 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tandv.demos.torch_gpt import GPT, GPTConfig  # noqa: E402
 from tandv.track.torch import track  # noqa: E402
+
+PRESETS = {
+    "small": dict(layers=4, d_model=256, heads=4, mlp=1024, vocab=512, seq=128, batch=8),
+    # GPT-2 small's shape: 124M parameters, logits of 8 x 1024 x 50304
+    "gpt2-small": dict(layers=12, d_model=768, heads=12, mlp=3072, vocab=50304, seq=1024, batch=8),
+}
 
 
 def _rss_kib() -> int:
@@ -43,12 +58,12 @@ def _rss_kib() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def _trainer(cfg: GPTConfig, batch: int, seed: int):
+def _trainer(cfg: GPTConfig, batch: int, seed: int, device: str):
     torch.manual_seed(seed)
-    model = GPT(cfg)
+    model = GPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, cfg.vocab_size, (16, batch, cfg.seq_len + 1), generator=gen)
+    data = torch.randint(0, cfg.vocab_size, (4, batch, cfg.seq_len + 1), generator=gen).to(device)
     return model, opt, data
 
 
@@ -60,20 +75,29 @@ def _step(model: GPT, opt: torch.optim.Optimizer, data: torch.Tensor, i: int) ->
     opt.step()
 
 
-def overhead(cfg: GPTConfig, batch: int, steps: int, warmup: int, every: int) -> dict[str, float]:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def overhead(cfg: GPTConfig, batch: int, steps: int, warmup: int, every: int, device: str
+             ) -> dict[str, float]:
     """Interleaved tracked/untracked step times; returns medians, means and their ratios."""
-    m_a, o_a, data = _trainer(cfg, batch, 0)
+    m_a, o_a, data = _trainer(cfg, batch, 0, device)
     m_b = copy.deepcopy(m_a)
     o_b = torch.optim.AdamW(m_b.parameters(), lr=1e-3)
     tracked, plain = [], []
     with tempfile.TemporaryDirectory() as tmp:
         with track(m_a, o_a, every=every, out=Path(tmp) / "log", verbose=False) as tracker:
             for i in range(warmup + steps):
+                _sync(device)
                 t0 = time.perf_counter()
                 _step(m_a, o_a, data, i)
                 tracker.step()
+                _sync(device)
                 t1 = time.perf_counter()
                 _step(m_b, o_b, data, i)
+                _sync(device)
                 t2 = time.perf_counter()
                 if i >= warmup:
                     tracked.append(t1 - t0)
@@ -85,11 +109,113 @@ def overhead(cfg: GPTConfig, batch: int, steps: int, warmup: int, every: int) ->
             "mean_plain_ms": mean_p * 1e3, "ratio_mean": mean_t / mean_p}
 
 
+def _launches(fn: Callable[[], None]) -> int:
+    """CUDA kernels, memsets and copies that ``fn`` queues (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+             "cudaMemcpyAsync", "cudaMemsetAsync")
+    return sum(e.count for e in prof.key_averages() if e.key in names)
+
+
+def launches_and_memory(cfg: GPTConfig, batch: int) -> dict[str, float]:
+    """Kernel launches and peak memory of one tracked and one untracked step of one model
+    (the only one on the GPU)."""
+    model, opt, data = _trainer(cfg, batch, 0, "cuda")
+    out: dict[str, float] = {}
+
+    def peak(fn: Callable[[], None]) -> float:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() / 2**30
+
+    for i in range(3):
+        _step(model, opt, data, i)
+    out["launches_untracked"] = _launches(lambda: _step(model, opt, data, 3))
+    out["peak_gib_untracked"] = peak(lambda: _step(model, opt, data, 4))
+    with tempfile.TemporaryDirectory() as tmp:
+        with track(model, opt, out=Path(tmp) / "log", verbose=False) as tracker:
+            def tracked(i: int) -> Callable[[], None]:
+                return lambda: (_step(model, opt, data, i), tracker.step())
+
+            for i in range(5, 8):
+                tracked(i)()
+            out["launches_tracked"] = _launches(tracked(8))
+            out["peak_gib_tracked"] = peak(tracked(9))
+            n_act = int((tracker.plan()["tensor_type"] == "Activation").sum())
+    out["tracked_activations_and_grads"] = 2 * n_act
+    return out
+
+
+def floor(cfg: GPTConfig, batch: int, reps: int = 10) -> dict[str, float]:
+    """One read pass over every tensor a tracked step summarizes, against the step."""
+    from tandv.track.torch import _fused
+    from tandv.track.torch._workspace import Workspace
+    from tandv.stats.summary import Layout
+
+    model, opt, data = _trainer(cfg, batch, 0, "cuda")
+    for i in range(3):
+        _step(model, opt, data, i)
+    kept: list[torch.Tensor] = []
+    handles = []
+    for m in model.modules():
+        if type(m).forward is torch.nn.Module.forward:
+            continue
+
+        def hook(mod: Any, args: Any, out: Any) -> None:
+            if isinstance(out, torch.Tensor):
+                kept.append(out.detach())
+                if out.requires_grad:
+                    out.register_hook(lambda g: kept.append(g.detach()))
+        handles.append(m.register_forward_hook(hook))
+    _step(model, opt, data, 3)
+    for h in handles:
+        h.remove()
+    tensors = kept + [p.detach() for p in model.parameters()] + \
+        [p.grad for p in model.parameters() if p.grad is not None] + \
+        [v for s in opt.state.values() for v in s.values() if v.dim() > 0]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    step = timed(lambda: _step(model, opt, data, 4))
+    read = timed(lambda: torch._foreach_norm(tensors))
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    ws = Workspace()
+
+    def fused() -> None:
+        for dtype, ts in by_dtype.items():
+            ws.fused(ts, _fused.spec_for(dtype), Layout(str(dtype).removeprefix("torch.")), [{}] * len(ts))
+        ws.end_step()
+
+    kernel = timed(fused)
+    return {"tensors": len(tensors), "gib": nbytes / 2**30, "step_ms": step * 1e3,
+            "read_ms": read * 1e3, "floor_ratio": (step + read) / step, "read_gbps": nbytes / read / 1e9,
+            "fused_ms": kernel * 1e3, "fused_ratio": (step + kernel) / step,
+            "fused_gbps": nbytes / kernel / 1e9}
+
+
 def memory_and_close(cfg: GPTConfig, batch: int, long_steps: int, short_steps: int) -> dict[str, float]:
     """RSS growth per tracked step (between 20% and 100% of a long run) and close times."""
     out: dict[str, float] = {}
     for n in (short_steps, long_steps):
-        model, opt, data = _trainer(cfg, batch, 1)
+        model, opt, data = _trainer(cfg, batch, 1, "cpu")
         with tempfile.TemporaryDirectory() as tmp:
             tracker = track(model, opt, out=Path(tmp) / "log", verbose=False)
             tracker.__enter__()
@@ -114,23 +240,26 @@ def memory_and_close(cfg: GPTConfig, batch: int, long_steps: int, short_steps: i
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--mlp", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="small",
+                   help="model shape; the size options below override it")
+    for name in ("layers", "d-model", "heads", "mlp", "vocab", "seq", "batch"):
+        p.add_argument(f"--{name}", type=int, default=None)
     p.add_argument("--steps", type=int, default=30, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--every", type=int, nargs="*", default=[1, 10])
+    p.add_argument("--no-extras", action="store_true",
+                   help="GPU: skip launch counts, peak memory and the floor")
     p.add_argument("--memory", action="store_true", help="measure RSS growth and close time instead")
     p.add_argument("--long-steps", type=int, default=1000)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {os.cpu_count()} CPUs"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {where}")
     if args.memory:
         tiny = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_mlp=64)
         # +5: not a multiple of flush_every, so closing has buffered rows to write
@@ -139,14 +268,39 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in res.items():
             print(f"  {k}: {v:.4g}")
         return 0
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model,
-                    n_layers=args.layers, n_heads=args.heads, d_mlp=args.mlp)
-    print(f"{cfg}, batch {args.batch}, AdamW, CPU")
+    size = dict(PRESETS[args.preset])
+    for name in size:
+        given = getattr(args, name.replace("-", "_"))
+        if given is not None:
+            size[name] = given
+    cfg = GPTConfig(vocab_size=size["vocab"], seq_len=size["seq"], d_model=size["d_model"],
+                    n_layers=size["layers"], n_heads=size["heads"], d_mlp=size["mlp"])
+    batch = size["batch"]
+    print(f"{cfg}, batch {batch}, AdamW, {args.device}")
     for every in args.every:
-        r = overhead(cfg, args.batch, args.steps, args.warmup, every)
+        r = overhead(cfg, batch, args.steps, args.warmup, every, args.device)
         print(f"every={every}: tracked {r['median_tracked_ms']:.1f} ms, untracked "
               f"{r['median_plain_ms']:.1f} ms (medians) -> ratio of medians {r['ratio_median']:.3f}; "
-              f"ratio of means {r['ratio_mean']:.3f}")
+              f"ratio of means {r['ratio_mean']:.3f}", flush=True)
+    if args.device == "cuda" and not args.no_extras:
+        gc.collect()
+        torch.cuda.empty_cache()
+        r = launches_and_memory(cfg, batch)
+        extra = (r["launches_tracked"] - r["launches_untracked"]) / r["tracked_activations_and_grads"]
+        print(f"launches per step: tracked {r['launches_tracked']:.0f}, untracked "
+              f"{r['launches_untracked']:.0f} ({extra:.2f} extra per tracked activation or activation "
+              f"gradient, {r['tracked_activations_and_grads']:.0f} of them)")
+        print(f"peak GPU memory of a step: tracked {r['peak_gib_tracked']:.3f} GiB, untracked "
+              f"{r['peak_gib_untracked']:.3f} GiB -> ratio {r['peak_gib_tracked'] / r['peak_gib_untracked']:.4f}",
+              flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        f = floor(cfg, batch)
+        print(f"floor: one read pass (torch._foreach_norm) over the {f['tensors']} tensors a tracked step "
+              f"summarizes ({f['gib']:.2f} GiB): {f['read_ms']:.2f} ms ({f['read_gbps']:.0f} GB/s) on a "
+              f"{f['step_ms']:.1f} ms step -> {f['floor_ratio']:.3f}x")
+        print(f"fused kernel alone over the same tensors: {f['fused_ms']:.2f} ms ({f['fused_gbps']:.0f} GB/s) "
+              f"-> {f['fused_ratio']:.3f}x")
     return 0
 
 

@@ -352,6 +352,8 @@ def _summarize(ptr, start, end, row, part_ptr, parts_ptr, n_parts, lut_ptr, fmax
         _store_part(part_ptr, nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2,
                     p1, p2, p4, p8)
         tl.atomic_add(row + 17 + bins, hist.to(tl.float64), mask=(bins < NBD) & (hist != 0))
+        # every thread's stores before the counter's release (a barrier, then the atomic)
+        tl.debug_barrier()
         done = tl.atomic_add(row + 16, 1.0, sem="acq_rel")
         if done == n_parts - 1:
             # the last program of the tensor (new names: a branch may not retype a value)
@@ -497,7 +499,9 @@ def scratch_rows(n: int, max_parts: int) -> int:
     return parts if parts > 1 else 0
 
 
+@lru_cache(maxsize=None)
 def _consts(spec: Spec) -> dict[str, Any]:
+    """The compile-time arguments and launch options of ``spec``'s kernels."""
     return dict(MODE=spec.mode, SUB=spec.sub, DMIN=spec.dmin, NBD=spec.nbd, NBP=spec.nbp,
                 BLOCK=BLOCK, WINDOW=WINDOW, GROUP=GROUP, num_warps=NUM_WARPS, enable_fp_fusion=True)
 
@@ -567,7 +571,10 @@ def launch_many(tensors: Sequence[torch.Tensor], spec: Spec, layout: Layout, row
     table[:, 5] = parts[owner]
     table[:, 6] = scratch_first[owner]
     scratch = scratch_for(int(parts[multi].sum()))
-    dev_table = torch.from_numpy(table).to(rows.device, non_blocking=True)
+    host_table = torch.from_numpy(table)
+    if rows.device.type == "cuda":  # pinned by the caching host allocator: reused once copied
+        host_table = host_table.pin_memory()
+    dev_table = host_table.to(rows.device, non_blocking=True)
     _summarize_many[(owner.size,)](dev_table, rows, scratch, _lut(spec, rows.device, rows),
                                    _fmax(layout), **_consts(spec))
 
