@@ -21,6 +21,7 @@ the tensors it tracks are summarized (as it must before the optimizer uses them)
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -130,6 +131,10 @@ class Workspace:
         """The summaries of distinct tensors sharing ``layout``, each by its path: finished
         vectors of the host path (CPU tensors), :class:`Slot` s of the fused kernel (one
         launch per device and dtype) and of the torch-op path."""
+        if len(tensors) == 1:  # a hook's tensor: kept short
+            spec = fused_spec(tensors[0])
+            if spec is not None:
+                return self.fused(tensors, spec, layout, extras)  # type: ignore[return-value]
         out: list[Any] = host_vectors(list(tensors), layout, list(extras))
         groups: dict[tuple[torch.device, Any], list[int]] = {}
         for i, t in enumerate(tensors):
@@ -152,8 +157,8 @@ class Workspace:
         from . import _fused
 
         device = tensors[0].device
-        space = self._space(device)
-        size = _fused.row_size(spec, layout)
+        space = self._spaces.get(device) or self._space(device)
+        size = spec.row_size + len(layout.extras)
         slots = [Slot(device, space.reserve(size), size, layout, spec) for _ in tensors]
         live = [(t, s.offset) for t, s in zip(tensors, slots) if t.numel()]
         with _on(device):
@@ -231,18 +236,9 @@ def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> li
     return out
 
 
-class _on:
-    """Make ``device`` current while launching (Triton launches on the current device)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self._guard: Any = None
-
-    def __enter__(self) -> None:
-        if self._device.type == "cuda" and self._device.index != torch.cuda.current_device():
-            self._guard = torch.cuda.device(self._device)
-            self._guard.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._guard is not None:
-            self._guard.__exit__(*exc)
+def _on(device: torch.device) -> Any:
+    """A context that makes ``device`` current while launching (Triton launches on the
+    current device), or does nothing when it already is."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return nullcontext()
