@@ -146,6 +146,13 @@ def _load(ptr, idx, m, lut_ptr, MODE: tl.constexpr):
 
 
 @triton.jit
+def _no_moments():
+    """The moments of no values: scale exponent, count, mean, m2 and the power sums."""
+    zero = tl.full([], 0.0, tl.float64)
+    return tl.full([], -126, tl.int32), zero, zero, zero, zero, zero, zero, zero
+
+
+@triton.jit
 def _merge(E, n, mean, m2, p1, p2, p4, p8, Eb, nb, meanb, m2b, p1b, p2b, p4b, p8b):
     """Merge two partial moment sets, their sums scaled by ``2**-E`` and ``2**-Eb``,
     into one scaled by ``2**-max(E, Eb)`` (Chan et al. for the centred second moment)."""
@@ -185,14 +192,7 @@ def _scan(ptr, start, end, lut_ptr, fmax, MODE: tl.constexpr, SUB: tl.constexpr,
     mx = tl.full([], float("-inf"), tl.float32)
     amin = tl.full([], 0x7F800000, tl.int32)  # bits of the smallest finite magnitude
     amax = tl.full([], 0, tl.int32)
-    E = tl.full([], -126, tl.int32)
-    n = tl.full([], 0.0, tl.float64)
-    mean = tl.full([], 0.0, tl.float64)
-    m2 = tl.full([], 0.0, tl.float64)
-    p1 = tl.full([], 0.0, tl.float64)
-    p2 = tl.full([], 0.0, tl.float64)
-    p4 = tl.full([], 0.0, tl.float64)
-    p8 = tl.full([], 0.0, tl.float64)
+    E, n, mean, m2, p1, p2, p4, p8 = _no_moments()
     hist = tl.zeros([NBP], tl.int32)
     for off in range(start, end, BLOCK):
         idx = off + ar
@@ -296,14 +296,7 @@ def _merge_parts(base, n_parts, GROUP: tl.constexpr):
     mx = tl.full([], float("-inf"), tl.float64)
     amin = tl.full([], float("inf"), tl.float64)
     amax = tl.full([], 0.0, tl.float64)
-    E = tl.full([], -126, tl.int32)
-    n = tl.full([], 0.0, tl.float64)
-    mean = tl.full([], 0.0, tl.float64)
-    m2 = tl.full([], 0.0, tl.float64)
-    p1 = tl.full([], 0.0, tl.float64)
-    p2 = tl.full([], 0.0, tl.float64)
-    p4 = tl.full([], 0.0, tl.float64)
-    p8 = tl.full([], 0.0, tl.float64)
+    E, n, mean, m2, p1, p2, p4, p8 = _no_moments()
     for i0 in range(0, n_parts, GROUP):
         ok = (i0 + g) < n_parts
         tile = tl.load(base + (i0 + g)[:, None] * 16 + cols[None, :], mask=ok[:, None], other=0.0,
