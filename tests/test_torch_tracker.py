@@ -4,8 +4,11 @@ and summarize with the numpy reference."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -679,3 +682,151 @@ def test_tensor_type_switches_and_root_name():
     assert ("model", "Gradient") in pairs and ("root", "Gradient") not in pairs
     assert set(track(net, opt, track_gradients=False, track_weights=False).plan()["tensor_type"]) == {
         "Activation", "Optimiser_State"}
+
+
+@pytest.mark.parametrize("how", ["positional", "keyword"])
+def test_step_with_a_closure_logs_the_gradients_of_that_update(how):
+    """``optimizer.step(closure)`` (PyTorch Lightning's way) computes the gradients inside
+    the step: the rows hold those, not the previous step's."""
+    net, opt = make(0, torch.optim.SGD, momentum=0.9)
+    used = []
+    with track(net, opt, out="log") as tr:
+        for i in range(3):
+            x, y = batch(i)
+
+            def closure():
+                opt.zero_grad()
+                loss = F.mse_loss(net(x), y)
+                loss.backward()
+                return loss
+
+            opt.step(closure) if how == "positional" else opt.step(closure=closure)
+            used.append({n: p.grad.clone() for n, p in net.named_parameters()})
+            tr.step()
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for k in range(3):
+        for name in PARAMS:
+            assert_row(df, idx, (name, "Gradient", k), [used[k][name]])
+
+
+def test_lbfgs_closure_called_several_times():
+    net, opt = make(0, torch.optim.LBFGS, lr=0.5, max_iter=3)
+    x, y = batch(0)
+    last = {}
+
+    def closure():
+        opt.zero_grad()
+        loss = F.mse_loss(net(x), y)
+        loss.backward()
+        last.update({n: p.grad.clone() for n, p in net.named_parameters()})
+        return loss
+
+    with track(net, opt, out="log", track_activations=False) as tr:
+        opt.step(closure)
+        tr.step()
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for name in PARAMS:  # the gradient of the closure's last call
+        assert_row(df, idx, (name, "Gradient", 0), [last[name]])
+
+
+class _AcceleratedLike(torch.optim.Optimizer):
+    """Like accelerate's AcceleratedOptimizer: an Optimizer subclass that never runs
+    ``Optimizer.__init__`` (so it has no hook registry) and forwards to ``.optimizer``."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none)
+
+
+class _LightningLike:
+    """Like Lightning's LightningOptimizer: not an Optimizer, wraps ``_optimizer``."""
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+
+    @property
+    def state(self):
+        return self._optimizer.state
+
+    def step(self, closure=None):
+        return self._optimizer.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self._optimizer.zero_grad(set_to_none)
+
+
+@pytest.mark.parametrize("wrap", [_AcceleratedLike, _LightningLike])
+def test_wrapped_optimizers_are_tracked_through_what_they_wrap(wrap):
+    net, opt = make()
+    rec = []
+    wrapped = wrap(opt)
+    with track(net, wrapped, out="log") as tr:
+        train(net, wrapped, 2, tr, record=rec)
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for k in range(2):
+        for name in PARAMS:
+            assert_row(df, idx, (name, "Gradient", k), [rec[k]["grads"][name]])
+            assert_row(df, idx, (f"{name}.exp_avg", "Optimiser_State", k), [rec[k]["state"][f"{name}.exp_avg"]])
+    with pytest.raises(TypeError, match="optimizer=.*got object"):
+        track(net, object())
+
+
+def test_a_failed_start_leaves_no_hook(monkeypatch):
+    net, opt = make()
+
+    def refuse(*a, **k):
+        raise RuntimeError("no hooks here")
+
+    monkeypatch.setattr(torch.optim.Optimizer, "register_step_pre_hook", refuse)
+    with pytest.raises(RuntimeError, match="no hooks here"):
+        with track(net, opt, out="log"):
+            pass
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
+
+
+_THREADS = """
+import torch
+torch.set_num_threads({torch_threads})
+{numba_setup}
+from tandv.track.torch import track
+net = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512))
+opt = torch.optim.Adam(net.parameters())
+with track(net, opt, out="log", verbose=False) as tr:
+    for _ in range(2):
+        net(torch.randn(512, 512)).square().mean().backward()
+        opt.step(); opt.zero_grad(); tr.step()
+import numba
+print(torch.get_num_threads(), numba.get_num_threads())
+"""
+
+
+@pytest.mark.parametrize("torch_threads, numba_threads", [(1, None), (2, 1)])
+def test_tracking_leaves_thread_settings_as_found(tmp_path, torch_threads, numba_threads):
+    """numba's OpenMP threading layer, starting inside the first tracked step, used to
+    reset torch's thread count (1 became 2), which changes training's numerics."""
+    setup = "" if numba_threads is None else f"import numba; numba.set_num_threads({numba_threads})"
+    code = _THREADS.format(torch_threads=torch_threads, numba_setup=setup)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got_torch, got_numba = map(int, run.stdout.split()[-2:])
+    assert got_torch == torch_threads
+    if numba_threads is not None:
+        assert got_numba == numba_threads

@@ -333,11 +333,15 @@ def _run_all(sources: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     total = sum(int(sp[-1] - st[0]) for _, st, sp, _ in sources if st.size)
     row = 0
     with _launch:
+        before = numba.get_num_threads()  # the caller's setting, restored below
         numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS, total // _CHUNK)))
-        for x, st, sp, pv in sources:
-            rows = slice(row, row + st.size)
-            row += st.size
-            _run(x, st, sp, pv, over_at, part[rows], hist[rows], sub[rows])
+        try:
+            for x, st, sp, pv in sources:
+                rows = slice(row, row + st.size)
+                row += st.size
+                _run(x, st, sp, pv, over_at, part[rows], hist[rows], sub[rows])
+        finally:
+            numba.set_num_threads(before)
 
 
 def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 1) -> np.ndarray:

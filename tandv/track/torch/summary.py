@@ -380,7 +380,10 @@ def host_vectors(
             host.append((i, arr))
     if host:
         names = _extra_names(layout, extras[host[0][0]])
-        vectors = host_summaries([a for _, a in host], layout, torch.get_num_threads())
+        threads = torch.get_num_threads()
+        vectors = host_summaries([a for _, a in host], layout, threads)
+        if torch.get_num_threads() != threads:  # numba's OpenMP layer, starting, resets it
+            torch.set_num_threads(threads)
         for (i, _), v in zip(host, vectors):
             out[i] = np.concatenate([v, [float(extras[i][k]) for k in names]]) if names else v
     return out

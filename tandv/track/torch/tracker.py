@@ -137,14 +137,11 @@ class Tracker:
         _check_not_compiled(module)
         if optimizer is None:
             optimizers: tuple[torch.optim.Optimizer, ...] = ()
-        elif isinstance(optimizer, torch.optim.Optimizer):
-            optimizers = (optimizer,)
+        elif isinstance(optimizer, (list, tuple)) or (
+                not hasattr(optimizer, "step") and hasattr(optimizer, "__iter__")):
+            optimizers = tuple(_unwrap_optimizer(o) for o in optimizer)
         else:
-            optimizers = tuple(optimizer)
-            bad = [o for o in optimizers if not isinstance(o, torch.optim.Optimizer)]
-            if bad:
-                raise TypeError(f"track(optimizer=...): expected a torch.optim.Optimizer or a sequence "
-                                f"of them; got {type(bad[0]).__name__}")
+            optimizers = (_unwrap_optimizer(optimizer),)
         if not isinstance(root_name, str) or not root_name:
             raise ValueError(f"root_name={root_name!r}: expected a non-empty string")
         if out_format not in FORMATS:  # checked here too, so track() fails before training starts
@@ -373,13 +370,32 @@ class Tracker:
         if self._active and not self._weights_done and (mod.training or self.track_eval):
             self._capture_weights()
 
-    def _optimizer_pre_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
+    def _optimizer_pre_hook(self, opt: Any, args: Any, kwargs: Any) -> Any:
         if not self._active:
-            return
+            return None
         if not self._weights_done:
             self._capture_weights()
-        if self.kinds[GRADIENT]:
-            self._capture_grads()
+        # ``args`` holds the optimizer itself, then ``step``'s positional arguments
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            if self.kinds[GRADIENT]:
+                self._capture_grads()
+            return None
+        # ``step(closure)``: the closure computes the gradients (PyTorch Lightning always
+        # steps this way), so they are captured after it, each time the optimizer calls it
+        # (the last call's gradients are those of the update).
+        ref = weakref.ref(self)
+
+        def capturing_closure() -> Any:
+            loss = closure()
+            tr = ref()
+            if tr is not None and tr._active and tr.kinds[GRADIENT]:
+                tr._capture_grads()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": capturing_closure}
+        return (args[0], capturing_closure, *args[2:]), kwargs
 
     def _install(self) -> None:
         """Hooks exist only while a scheduled step runs: unscheduled steps run the user's
@@ -405,7 +421,12 @@ class Tracker:
         self.recorder = StepRecorder(self._out, self._out_format, self._run_name,
                                      flush_every=self._flush_every, verbose=self._verbose)
         self.out_path = self.recorder.path
-        self._begin(0)
+        try:
+            self._begin(0)
+        except BaseException:
+            self._remove()  # a failed start leaves no hook behind
+            self.recorder.close()
+            raise
         return self
 
     def _begin(self, step: int) -> None:
@@ -485,6 +506,25 @@ class Tracker:
                 raise
             print(f"tandv: could not finish the log after an error: {close_error!r}", file=sys.stderr)
         return False
+
+
+def _unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
+    """The ``torch.optim.Optimizer`` that ``opt`` is or wraps: accelerate's
+    ``AcceleratedOptimizer`` (an Optimizer subclass that never initializes its hooks) and
+    Lightning's ``LightningOptimizer`` hold the real one as ``optimizer``/``_optimizer``;
+    hooks go on the real one, which every wrapper's ``step`` ends in."""
+    seen = opt
+    for _ in range(8):
+        if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_optimizer_step_pre_hooks"):
+            return opt
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            inner = getattr(opt, "_optimizer", None)
+        if inner is None or inner is opt:
+            break
+        opt = inner
+    raise TypeError(f"track(optimizer=...): expected a torch.optim.Optimizer (or a wrapper of one "
+                    f"holding it as .optimizer), or a list of them; got {type(seen).__name__}")
 
 
 def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
