@@ -215,3 +215,26 @@ def test_custom_stats_forms_normalize_to_functions_and_rules():
 def test_custom_stats_errors(stats, merge, message):
     with pytest.raises((TypeError, ValueError), match=re.escape(message)):
         parse_custom_stats(stats, merge)
+
+
+def test_rows_of_one_tensor_in_two_dtypes_merge_into_the_widest_or_stay_apart():
+    """The recorder merges a tensor's float16 and float32 summaries of one step into the
+    float32 layout exactly; a summary it cannot re-bin exactly keeps a row named by dtype."""
+    from tandv.stats.summary import Layout, merge_all, summarize
+    from tandv.track.common.recorder import _merge_dtypes
+
+    a = np.array([1.5, -2.0, 0.0, 6.0e-5, np.inf], dtype=np.float16)
+    b = np.array([3.0e-30, -7.0, 1e30], dtype=np.float32)
+    va, la = summarize(a)
+    vb, lb = summarize(b)
+    ka = TensorKey("fc", "Activation", "Linear", "float16")
+    kb = TensorKey("fc", "Activation", "Linear", "float32")
+    (key, layout, v), = _merge_dtypes([(ka, la, va), (kb, lb, vb)])
+    assert key == kb and layout == lb
+    want = merge_all([summarize(a.astype(np.float32), "float32")[0], vb], lb)
+    np.testing.assert_array_equal(v, want)
+    # a float16-format summary that counted an underflow cannot be re-binned exactly
+    vc, lc = summarize(np.array([1e-9, 2.0], dtype=np.float32), "float16")
+    kc = TensorKey("fc", "Activation", "Linear", "float16")
+    got = _merge_dtypes([(kc, lc, vc), (kb, lb, vb)])
+    assert sorted(k.name for k, _, _ in got) == ["fc", "fc@float16"]

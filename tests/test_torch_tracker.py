@@ -830,3 +830,32 @@ def test_tracking_leaves_thread_settings_as_found(tmp_path, torch_threads, numba
     assert got_torch == torch_threads
     if numba_threads is not None:
         assert got_numba == numba_threads
+
+
+def test_a_module_seen_in_two_dtypes_in_one_step_gives_one_row(any_path):
+    """A shared module fed float32 and (under autocast) bfloat16 in one step: its rows
+    merge into the widest dtype's layout, exactly (the log used to be lost at close)."""
+    torch.manual_seed(0)
+    net = nn.Linear(6, 4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(5, 6)
+    with track(net, opt, out="log", track_gradients=False) as tr:
+        y32 = net(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y16 = net(x)
+        (y32.sum() + y16.float().sum()).backward()
+        opt.step()
+        tr.step()
+    df = read_log(tr.out_path)
+    rows = df[df[("metadata", "tensor_type")] == "Activation"]
+    assert len(rows) == 1 and rows[("metadata", "dtype")].iloc[0] == "float32"
+    row = rows.iloc[0]
+    layout = summarize(np.zeros(1, np.float32))[1]
+    parts = [summarize(y32.detach().numpy())[0],
+             summarize(y16.detach().float().numpy().astype(np.float32), "float32")[0]]
+    stats, counts = finalize(merge_all(parts, layout), layout)
+    for s in DEFAULT_STATS:
+        assert row[("scalar_stats", s)] == pytest.approx(stats[s], rel=1e-6), s
+    labels = exponent_labels("float32")
+    got = {lab: row[("exponent_counts", lab)] for lab in labels if ("exponent_counts", lab) in row.index}
+    assert all(got.get(lab, 0) == c for lab, c in zip(labels, counts))

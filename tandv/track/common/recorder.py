@@ -32,7 +32,8 @@ from ...schema.columns import (
     UNDERFLOW,
 )
 from ...schema.writer import FORMATS, LogWriter, open_writer
-from ...stats.summary import COUNT_STATS, DEFAULT_STATS, Layout, exponent_labels, finalize_many, merge_all
+from ...stats.summary import (CORE_FIELDS, COUNT_STATS, DEFAULT_STATS, Layout, exponent_labels,
+                              finalize_many, merge_all)
 
 __all__ = ["TensorKey", "StepRecorder", "build_rows", "resolve_out", "DEFAULT_LOG_DIR"]
 
@@ -99,6 +100,59 @@ def build_rows(step: int | Sequence[int], entries: Sequence[tuple[TensorKey, Lay
     parts = [meta, pd.DataFrame({k: stats[k] for k in stat_names}), pd.DataFrame(counts, columns=order)]
     df = pd.concat(parts, axis=1, keys=[METADATA, SCALAR_STATS, EXPONENT_COUNTS])
     return df
+
+
+def _merge_dtypes(entries: list[tuple[TensorKey, Layout, np.ndarray]]
+                  ) -> list[tuple[TensorKey, Layout, np.ndarray]]:
+    """One row per tensor even when it was seen in several dtypes within a step (a shared
+    module fed float32 and bfloat16): the observations merge into the layout of the widest
+    format, which the row's dtype names. An observation that cannot be re-binned exactly
+    (formats that do not nest, or a summary that counted values outside its own format)
+    keeps a row of its own, named ``<name>@<dtype>``."""
+    by_tensor: dict[tuple[str, str, str], list[int]] = {}
+    for i, (key, _, _) in enumerate(entries):
+        by_tensor.setdefault((key.name, key.tensor_type, key.module_type), []).append(i)
+    if len(by_tensor) == len(entries):
+        return entries
+    out = []
+    for idx in by_tensor.values():
+        if len(idx) == 1:
+            out.append(entries[idx[0]])
+            continue
+        wide = max(idx, key=lambda i: entries[i][1].format.num_bins)
+        key, target, _ = entries[wide]
+        merged = []
+        for i in idx:
+            k, layout, v = entries[i]
+            moved = _rebin(v, layout, target)
+            if moved is None:
+                out.append((TensorKey(f"{k.name}@{k.dtype}", k.tensor_type, k.module_type, k.dtype), layout, v))
+            else:
+                merged.append(moved)
+        out.append((key, target, merge_all(merged, target)))
+    return out
+
+
+def _rebin(v: np.ndarray, src: Layout, dst: Layout) -> np.ndarray | None:
+    """Summary ``v`` of layout ``src`` in layout ``dst``, or ``None`` where that is not
+    exact: the formats' exponent ranges must nest and ``v`` must count no underflow and no
+    finite overflow of its own format."""
+    if src == dst:
+        return v
+    f, g = src.format, dst.format
+    nested = (src.extras == dst.extras and g.min_exponent <= f.min_exponent
+              and g.max_exponent >= f.max_exponent and g.max >= f.max)
+    counts = v[src.counts_start:src.extras_start]
+    inf = v[CORE_FIELDS.index("inf_count")]
+    if not nested or counts[0] != 0 or counts[-1] != inf:
+        return None
+    out = dst.empty()
+    out[:src.counts_start] = v[:src.counts_start]
+    first = dst.counts_start + 1 + f.min_exponent - g.min_exponent
+    out[first:first + f.num_bins] = counts[1:-1]
+    out[dst.extras_start - 1] = inf
+    out[dst.extras_start:] = v[src.extras_start:]
+    return out
 
 
 def resolve_out(out: str | os.PathLike | None, out_format: str, run_name: str) -> Path:
@@ -201,8 +255,8 @@ class StepRecorder:
                     f"step {step}; it must keep one number format and one set of custom statistics"
                 )
             groups.setdefault(key, (layout, []))[1].append(np.asarray(v, dtype=np.float64))
-        entries = [(k, layout, merge_all(vs, layout) if len(vs) > 1 else vs[0])
-                   for k, (layout, vs) in groups.items()]
+        entries = _merge_dtypes([(k, layout, merge_all(vs, layout) if len(vs) > 1 else vs[0])
+                                 for k, (layout, vs) in groups.items()])
         self._buffer.append((step, entries))
         self.steps_recorded += 1
         if (len(self._buffer) >= self.flush_every
