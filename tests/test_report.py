@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -148,8 +149,13 @@ def blank_fraction(png: bytes) -> tuple[float, int]:
 @pytest.fixture(scope="module")
 def browser():
     if chromium_path() is None:
-        pytest.fail("chromium is not installed: the report's browser test needs Debian's `chromium` "
-                    "package (.ci/run installs it; locally: apt-get install chromium)")
+        # `make test` must pass on a machine with only python3 and make; CI (.ci/run)
+        # installs chromium and sets TANDV_REQUIRE_BROWSER=1, which makes the test required
+        message = ("chromium is not installed: the report's browser test needs Debian's `chromium` "
+                   "package (apt-get install chromium; .ci/run installs it)")
+        if os.environ.get("TANDV_REQUIRE_BROWSER") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
     with Browser() as b:
         yield b
 
