@@ -656,19 +656,26 @@ class CheckpointNet(Net):
 
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_activation_checkpointing_recompute_is_not_counted_twice(reentrant, any_path):
+    """Activations are counted once, and the gradients of outputs inside a checkpointed
+    block are logged in both modes (reentrant checkpointing runs the first forward without
+    grad: its gradients flow through the recomputed outputs)."""
     torch.manual_seed(0)
     net = CheckpointNet(reentrant)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     x, y = batch(0)
     x.requires_grad_(True)
+    h = F.linear(x, net.fc1.weight, net.fc1.bias)  # the same computation, not via the module
+    h.retain_grad()
+    F.mse_loss(net.fc2(net.act(h)), y).backward()
+    opt.zero_grad()
     with track(net, opt, out="log") as tr:
         F.mse_loss(net(x), y).backward()
-        expected = F.linear(x, net.fc1.weight, net.fc1.bias).detach()  # not via the module
         opt.step()
         tr.step()
     df = read_log(tr.out_path)
     idx = index(df)
-    assert_row(df, idx, ("fc1", "Activation", 0), [expected])
+    assert_row(df, idx, ("fc1", "Activation", 0), [h.detach()])
+    assert_row(df, idx, ("fc1", "Gradient", 0), [h.grad])
 
 
 def test_tensor_type_switches_and_root_name():

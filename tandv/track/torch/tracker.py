@@ -347,10 +347,18 @@ class Tracker:
             tr = ref()
             if tr is None or not tr._active or not (mod.training or tr.track_eval):
                 return
-            if _in_backward():
-                return  # activation checkpointing recomputing the forward: already seen
             tensors: list[tuple[str, torch.Tensor]] = []
             _flatten(output, name, tensors)
+            if _in_backward():
+                # activation checkpointing recomputing the forward: its activations were seen
+                # already. Reentrant checkpointing ran the first forward without grad, so the
+                # output gradients flow through these recomputed outputs (non-reentrant
+                # checkpointing never backpropagates through them: their hooks stay silent).
+                if want_grad:
+                    for tname, t in tensors:
+                        if t.requires_grad:
+                            t.register_hook(tr._make_grad_hook(tname, mod))
+                return
             for tname, t in tensors:
                 if want_act:
                     tr._observe(tname, ACTIVATION, mod, t)
