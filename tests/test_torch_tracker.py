@@ -329,7 +329,7 @@ def test_unscheduled_steps_run_without_hooks(monkeypatch):
 
     def hooks():
         return (sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net.modules())
-                + len(opt._optimizer_step_pre_hooks))
+                + len(opt._optimizer_step_pre_hooks) + len(nn.modules.module._global_forward_pre_hooks))
 
     with track(net, opt, out="log", schedule=[0, 3]) as tr:
         assert hooks() > 0
@@ -866,3 +866,26 @@ def test_a_module_seen_in_two_dtypes_in_one_step_gives_one_row(any_path):
     labels = exponent_labels("float32")
     got = {lab: row[("exponent_counts", lab)] for lab in labels if ("exponent_counts", lab) in row.index}
     assert all(got.get(lab, 0) == c for lab, c in zip(labels, counts))
+
+
+def test_weights_are_those_of_the_forward_when_the_root_is_never_called():
+    """A loop that calls submodules directly and updates weights by hand (no root forward,
+    no optimizer): Weight rows hold the weights the step's forward used, not the updated ones."""
+    net, _ = make()
+    before = []
+    with track(net, out="log", track_activations=False, track_gradients=False) as tr:
+        for i in range(2):
+            x, y = batch(i)
+            before.append({n: p.detach().clone() for n, p in net.named_parameters()})
+            loss = F.mse_loss(net.fc2(net.act(net.fc1(x))), y)
+            loss.backward()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+            tr.step()
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for k in range(2):
+        for name in PARAMS:
+            assert_row(df, idx, (name, "Weight", k), [before[k][name]])

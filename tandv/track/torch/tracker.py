@@ -15,8 +15,9 @@ What a row at step ``k`` (counting from 0) holds:
     sees it just before update ``k`` (after all backward passes of the step, after any
     clipping or unscaling); with no optimizer, ``.grad`` at :meth:`Tracker.step`.
 ``Weight``
-    each parameter as used by step ``k``'s forward pass: captured in a forward
-    pre-hook of the root module at the first training-mode forward of the step.
+    each parameter as used by step ``k``'s forward pass: captured before the first
+    training-mode forward of any of the model's modules in the step (the root's, or a
+    submodule's when a loop calls those directly).
 ``Optimiser_State``
     every non-scalar floating tensor in ``optimizer.state[p]`` after update ``k``,
     named ``<parameter path>.<state key>`` from the parameter's identity.
@@ -39,6 +40,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import pandas as pd
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ...schema.columns import ACTIVATION, GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...schema.writer import FORMATS
@@ -163,6 +165,7 @@ class Tracker:
         self._verbose = verbose
 
         # Names from identity: module path -> module, parameter object -> full path.
+        self._module_ids = frozenset(id(m) for m in module.modules())
         self._modules: list[tuple[str, nn.Module]] = []
         self._param_names: dict[int, tuple[str, nn.Module]] = {}
         for mpath, m in module.named_modules():
@@ -374,8 +377,12 @@ class Tracker:
 
         return grad_hook
 
-    def _root_pre_hook(self, mod: nn.Module, args: Any) -> None:
-        if self._active and not self._weights_done and (mod.training or self.track_eval):
+    def _first_forward_hook(self, mod: nn.Module, args: Any) -> None:
+        """Global forward pre-hook (scheduled steps only): weights are captured before the
+        first forward of any of the model's modules, so they are those the step used even
+        when a loop never calls the root module."""
+        if (self._active and not self._weights_done and id(mod) in self._module_ids
+                and (mod.training or self.track_eval)):
             self._capture_weights()
 
     def _optimizer_pre_hook(self, opt: Any, args: Any, kwargs: Any) -> Any:
@@ -412,7 +419,8 @@ class Tracker:
             for name, m in self._modules:
                 if self._selected(name, m):
                     self._handles.append(m.register_forward_hook(self._make_forward_hook(name, m)))
-        self._handles.append(self.module.register_forward_pre_hook(self._root_pre_hook))
+        if self.kinds[WEIGHT]:
+            self._handles.append(register_module_forward_pre_hook(self._first_forward_hook))
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))
 
