@@ -889,3 +889,42 @@ def test_weights_are_those_of_the_forward_when_the_root_is_never_called():
     for k in range(2):
         for name in PARAMS:
             assert_row(df, idx, (name, "Weight", k), [before[k][name]])
+
+
+@pytest.mark.parametrize("explicit_unscale", [True, False])
+def test_grad_scaler_skipped_steps_keep_their_gradient_rows(explicit_unscale):
+    """With ``scaler=``, gradients are unscaled in the rows, and the step the scaler skips
+    (an inf gradient) keeps its gradient rows, infinities included, although the README's
+    order zeroes the gradients before ``tracker.step()``."""
+    net, opt = make(0, torch.optim.SGD)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    seen = []
+    with track(net, opt, out="log", scaler=scaler, track_activations=False) as tr:
+        for i in range(3):
+            x, y = batch(i)
+            if i == 1:
+                x[0, 0] = float("inf")  # NaN gradients (0 * inf) in the backward pass
+            opt.zero_grad()
+            scaler.scale(F.mse_loss(net(x), y)).backward()
+            if explicit_unscale:
+                scaler.unscale_(opt)
+            grads = {n: p.grad.clone() / (1.0 if explicit_unscale else scaler.get_scale())
+                     for n, p in net.named_parameters()}
+            seen.append(grads)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            tr.step()
+    assert scaler.get_scale() < 2.0 ** 8  # step 1 was skipped
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for k in range(3):
+        for name in PARAMS:
+            if torch.isfinite(seen[k][name]).all():
+                assert_row(df, idx, (name, "Gradient", k), [seen[k][name]])
+            else:  # the skipped step's non-finite gradients, as they were
+                assert k == 1
+                row = df.iloc[idx[(name, "Gradient", 1)]]
+                want = (~torch.isfinite(seen[k][name])).sum().item()
+                assert row[("scalar_stats", "inf_count")] + row[("scalar_stats", "nan_count")] == want
+    assert "unscale_" not in scaler.__dict__  # the wrapper is gone after the run

@@ -133,6 +133,7 @@ class Tracker:
         track_eval: bool = False,
         flush_every: int = 10,
         verbose: bool = True,
+        scaler: Any = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"track(module=...): expected a torch.nn.Module; got {type(module).__name__}")
@@ -163,6 +164,10 @@ class Tracker:
         self._run_name = run_name or re.sub(r"[^A-Za-z0-9_.-]+", "_", type(module).__name__.lower())
         self._flush_every = flush_every
         self._verbose = verbose
+        if scaler is not None and not callable(getattr(scaler, "unscale_", None)):
+            raise TypeError(f"track(scaler=...): expected a torch.amp.GradScaler (with .unscale_); "
+                            f"got {type(scaler).__name__}")
+        self.scaler = scaler
 
         # Names from identity: module path -> module, parameter object -> full path.
         self._module_ids = frozenset(id(m) for m in module.modules())
@@ -423,6 +428,8 @@ class Tracker:
             self._handles.append(register_module_forward_pre_hook(self._first_forward_hook))
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))
+        if self.scaler is not None and self.kinds[GRADIENT]:
+            self._handles.append(_CaptureAfterUnscale(self))
 
     def _remove(self) -> None:
         for h in self._handles:
@@ -524,6 +531,32 @@ class Tracker:
         return False
 
 
+class _CaptureAfterUnscale:
+    """Wraps the tracker's ``GradScaler.unscale_`` (an instance attribute, removed by
+    :meth:`remove`) to capture the gradients once unscaled: a step the scaler skips (inf or
+    NaN found) never reaches the optimizer's hook, and its gradients are logged as they
+    were. Steps that do update are captured again just before the update (after any
+    clipping)."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        scaler = tracker.scaler
+        original = type(scaler).unscale_
+        ref = weakref.ref(tracker)
+
+        def unscale_(optimizer: Any) -> Any:
+            out = original(scaler, optimizer)
+            tr = ref()
+            if tr is not None and tr._active:
+                tr._capture_grads()
+            return out
+
+        scaler.unscale_ = unscale_
+        self._scaler = scaler
+
+    def remove(self) -> None:
+        self._scaler.__dict__.pop("unscale_", None)
+
+
 def _unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
     """The ``torch.optim.Optimizer`` that ``opt`` is or wraps: accelerate's
     ``AcceleratedOptimizer`` (an Optimizer subclass that never initializes its hooks) and
@@ -576,6 +609,9 @@ def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
         track_eval: also record forwards of modules in eval mode (default ``False``).
         flush_every: write buffered rows to disk every N recorded steps (default 10).
         verbose: print the log path once when tracking starts.
+        scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop: gradients are then
+            also captured when it unscales them, so a step it skips (inf/NaN gradients) is
+            logged as it was. Output (activation) gradients stay in loss-scaled units.
 
     Returns:
         A :class:`Tracker`; call ``tracker.step()`` after each optimizer update.
