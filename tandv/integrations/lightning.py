@@ -1,0 +1,67 @@
+"""PyTorch Lightning: ``trainer = Trainer(callbacks=[TandvCallback(every=10)])``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:  # the older package name
+    from pytorch_lightning import Callback
+
+from ..track.torch import Tracker, track
+
+__all__ = ["TandvCallback"]
+
+
+class TandvCallback(Callback):
+    """Tracks the ``LightningModule`` and its optimizers during ``trainer.fit``.
+
+    Arguments:
+        **options: the keyword options of :func:`tandv.track.torch.track` (``out``,
+            ``every``, ``include``, ...).
+
+    One log step per optimizer update: with ``accumulate_grad_batches=N`` the N
+    micro-batches' activations merge into the step's rows, and the gradients are those of
+    the update (Lightning steps with a closure; the tracker captures after it). Only the
+    global rank 0 process tracks. ``callback.tracker.out_path`` is the log's path.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        if "module" in options or "optimizer" in options:
+            raise TypeError("TandvCallback: the model and optimizers come from the Trainer; pass "
+                            "only track()'s keyword options (out=, every=, include=, ...)")
+        self.options = options
+        self.tracker: Tracker | None = None
+        self._updates = 0
+
+    @property
+    def out_path(self) -> Path | None:
+        """The log's path once tracking has started."""
+        return None if self.tracker is None else self.tracker.out_path
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.global_rank != 0:
+            return
+        self.tracker = track(pl_module, list(trainer.optimizers), **self.options)
+        self.tracker.__enter__()
+        self._updates = trainer.global_step
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        # global_step counts optimizer updates: a batch that only accumulated leaves it
+        if self.tracker is not None and trainer.global_step != self._updates:
+            self._updates = trainer.global_step
+            self.tracker.step()
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()

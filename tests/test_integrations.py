@@ -1,0 +1,125 @@
+"""The Lightning and HuggingFace Trainer callbacks, with the real frameworks on tiny models:
+each log row is checked against the test's own capture (a callback of the framework)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandv.schema import read_log
+from tandv.stats.summary import DEFAULT_STATS, finalize, summarize
+
+
+def assert_row(df, name, tensor_type, step, tensor):
+    sel = df[(df[("metadata", "name")] == name) & (df[("metadata", "tensor_type")] == tensor_type)
+             & (df[("metadata", "step")] == step)]
+    assert len(sel) == 1, (name, tensor_type, step)
+    stats, _ = finalize(*summarize(tensor.detach().numpy()))
+    for s in DEFAULT_STATS:
+        got, want = sel.iloc[0][("scalar_stats", s)], stats[s]
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-12, nan_ok=True), (name, step, s)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def test_lightning_callback_with_accumulation_and_closures(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    from tandv.integrations.lightning import TandvCallback
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Net()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    class Spy(pl.Callback):
+        """The gradients right before each update, and the weights its forwards used."""
+
+        def __init__(self):
+            self.grads, self.weights = [], []
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx % 2 == 0:
+                self.weights.append({n: p.detach().clone() for n, p in module.named_parameters()})
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            self.grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(32, 6, generator=g), torch.randn(32, 3, generator=g)),
+        batch_size=4)
+    cb, spy = TandvCallback(out=tmp_path / "log", verbose=False), Spy()
+    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, accelerator="cpu", devices=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[cb, spy], default_root_dir=tmp_path)
+    trainer.fit(Lit(), data)
+    df = read_log(cb.out_path)
+    assert sorted(set(df[("metadata", "step")])) == [0, 1, 2]
+    for k in range(3):
+        for name in ("net.fc1.weight", "net.fc2.bias"):
+            assert_row(df, name, "Gradient", k, spy.grads[k][name])
+            assert_row(df, name, "Weight", k, spy.weights[k][name])
+        act = df[(df[("metadata", "name")] == "net.fc1") & (df[("metadata", "step")] == k)
+                 & (df[("metadata", "tensor_type")] == "Activation")]
+        assert act[("scalar_stats", "numel")].item() == 2 * 4 * 8  # two micro-batches merged
+
+
+def test_hf_trainer_callback_with_accumulation_and_accelerate(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tandv.integrations.hf import TandvCallback
+
+    class Spy(transformers.TrainerCallback):
+        """The gradients the optimizer sees (after clipping), right before each update."""
+
+        def __init__(self):
+            self.grads = []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg)
+    g = torch.Generator().manual_seed(2)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 32, (16, 8), generator=g)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=3, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, learning_rate=1e-3, report_to=[], use_cpu=True,
+        logging_strategy="no", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    cb, spy = TandvCallback(out=tmp_path / "log", verbose=False), Spy()
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb, spy]).train()
+    df = read_log(cb.out_path)
+    assert sorted(set(df[("metadata", "step")])) == [0, 1, 2]
+    assert cb.tracker is not None and type(cb.tracker.optimizers[0]).__name__ == "AdamW"
+    for k in range(3):
+        for name in ("transformer.h.0.attn.c_attn.weight", "transformer.wpe.weight"):
+            assert_row(df, name, "Gradient", k, spy.grads[k][name])
+    states = set(df[df[("metadata", "tensor_type")] == "Optimiser_State"][("metadata", "name")])
+    assert "transformer.h.0.mlp.c_fc.weight.exp_avg_sq" in states
+
+
+def test_callbacks_refuse_a_model_or_optimizer_argument():
+    pytest.importorskip("lightning.pytorch")
+    from tandv.integrations.lightning import TandvCallback
+
+    with pytest.raises(TypeError, match="keyword options"):
+        TandvCallback(optimizer=None)
