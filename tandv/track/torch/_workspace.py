@@ -21,6 +21,7 @@ the tensors it tracks are summarized (as it must before the optimizer uses them)
 
 from __future__ import annotations
 
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -70,17 +71,20 @@ class _Space:
         else:
             self.max_parts = 16  # Triton's interpreter: one program at a time
         self.pinned: list[torch.Tensor | None] = [None, None]
+        self._lock = threading.Lock()
 
     def reserve(self, size: int) -> int:
-        """The offset of ``size`` fresh (zero) row values."""
-        off = self.used
-        need = off + size
-        if need > self.rows.numel():
-            bigger = torch.zeros(max(2 * self.rows.numel(), need), dtype=_F64, device=self.device)
-            bigger[:off].copy_(self.rows[:off])  # after the kernels already queued: in stream order
-            self.rows = bigger
-        self.used = need
-        return off
+        """The offset of ``size`` fresh (zero) row values (hooks may run on several
+        threads: autograd's device threads, ``nn.DataParallel``'s replicas)."""
+        with self._lock:
+            off = self.used
+            need = off + size
+            if need > self.rows.numel():
+                bigger = torch.zeros(max(2 * self.rows.numel(), need), dtype=_F64, device=self.device)
+                bigger[:off].copy_(self.rows[:off])  # after the kernels already queued: stream order
+                self.rows = bigger
+            self.used = need
+            return off
 
     def scratch_for(self, parts: int) -> torch.Tensor:
         """Scratch for ``parts`` partial rows (memory reuse is stream-ordered: replacing a
