@@ -71,12 +71,12 @@ class _Space:
         else:
             self.max_parts = 16  # Triton's interpreter: one program at a time
         self.pinned: list[torch.Tensor | None] = [None, None]
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()  # held from a reservation through its launch
 
     def reserve(self, size: int) -> int:
         """The offset of ``size`` fresh (zero) row values (hooks may run on several
         threads: autograd's device threads, ``nn.DataParallel``'s replicas)."""
-        with self._lock:
+        with self.lock:
             off = self.used
             need = off + size
             if need > self.rows.numel():
@@ -163,9 +163,9 @@ class Workspace:
         device = tensors[0].device
         space = self._spaces.get(device) or self._space(device)
         size = spec.row_size + len(layout.extras)
-        slots = [Slot(device, space.reserve(size), size, layout, spec) for _ in tensors]
-        live = [(t, s.offset) for t, s in zip(tensors, slots) if t.numel()]
-        with _on(device):
+        with space.lock, _on(device):  # the rows buffer may not be replaced before the launch
+            slots = [Slot(device, space.reserve(size), size, layout, spec) for _ in tensors]
+            live = [(t, s.offset) for t, s in zip(tensors, slots) if t.numel()]
             if len(live) == 1:
                 t, off = live[0]
                 _fused.launch_one(t, spec, layout, space.rows, off,
@@ -184,8 +184,9 @@ class Workspace:
     def raw(self, vector: torch.Tensor, layout: Layout) -> Slot:
         """Keep a raw vector of the torch-op path (on its device) with this step's rows."""
         space = self._space(vector.device)
-        off = space.reserve(vector.numel())
-        space.rows[off:off + vector.numel()].copy_(vector)
+        with space.lock:
+            off = space.reserve(vector.numel())
+            space.rows[off:off + vector.numel()].copy_(vector)
         return Slot(vector.device, off, vector.numel(), layout, None)
 
     def end_step(self) -> Flight | None:
