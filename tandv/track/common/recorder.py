@@ -184,6 +184,9 @@ class StepRecorder:
         flush_every: write buffered rows after this many recorded steps ...
         flush_seconds: ... or once this many seconds have passed since the last write.
         verbose: print the log path once when the recorder opens.
+        sinks: callables that receive each batch of rows (a DataFrame) after it is written,
+            on the writer thread (e.g. :class:`tandv.export.TensorBoardSink`); closed with
+            the recorder when they have a ``close`` method.
     """
 
     def __init__(
@@ -195,7 +198,13 @@ class StepRecorder:
         flush_every: int = 10,
         flush_seconds: float = 30.0,
         verbose: bool = True,
+        sinks: Sequence[Callable[[pd.DataFrame], Any]] = (),
     ) -> None:
+        self.sinks = tuple(sinks)  # checked before anything is created
+        for sink in self.sinks:
+            if not callable(sink):
+                raise TypeError(f"sinks: expected callables taking a DataFrame of rows; got "
+                                f"{type(sink).__name__}")
         if not isinstance(flush_every, int) or flush_every < 1:
             raise ValueError(f"flush_every={flush_every!r}: expected an int >= 1")
         self.path = resolve_out(out, out_format, run_name)
@@ -292,8 +301,11 @@ class StepRecorder:
                 if batch is None:
                     return
                 if self._error is None:  # after a failure, later batches are not written
-                    self.writer.write(build_rows([step for step, entries in batch for _ in entries],
-                                                 [entry for _, entries in batch for entry in entries]))
+                    rows = build_rows([step for step, entries in batch for _ in entries],
+                                      [entry for _, entries in batch for entry in entries])
+                    self.writer.write(rows)
+                    for sink in self.sinks:
+                        sink(rows)
             except BaseException as e:  # handed to the training thread
                 self._error = e
             finally:
@@ -325,4 +337,8 @@ class StepRecorder:
             if self.writer.rows_written == 0:
                 self.writer.write(build_rows(0, []), allow_empty=True)
             self.writer.close()
+            for sink in self.sinks:
+                close = getattr(sink, "close", None)
+                if close is not None:
+                    close()
         return self.path

@@ -134,6 +134,7 @@ class Tracker:
         flush_every: int = 10,
         verbose: bool = True,
         scaler: Any = None,
+        sinks: Sequence[Callable[[pd.DataFrame], Any]] = (),
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"track(module=...): expected a torch.nn.Module; got {type(module).__name__}")
@@ -168,6 +169,7 @@ class Tracker:
             raise TypeError(f"track(scaler=...): expected a torch.amp.GradScaler (with .unscale_); "
                             f"got {type(scaler).__name__}")
         self.scaler = scaler
+        self._sinks = tuple(sinks)
 
         # Names from identity: module path -> module, parameter object -> full path.
         self._module_ids = frozenset(id(m) for m in module.modules())
@@ -442,7 +444,8 @@ class Tracker:
         if self.recorder is not None:
             raise RuntimeError("this tracker was already started; create a new one with track(...)")
         self.recorder = StepRecorder(self._out, self._out_format, self._run_name,
-                                     flush_every=self._flush_every, verbose=self._verbose)
+                                     flush_every=self._flush_every, verbose=self._verbose,
+                                     sinks=self._sinks)
         self.out_path = self.recorder.path
         try:
             self._begin(0)
@@ -609,6 +612,8 @@ def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
         track_eval: also record forwards of modules in eval mode (default ``False``).
         flush_every: write buffered rows to disk every N recorded steps (default 10).
         verbose: print the log path once when tracking starts.
+        sinks: callables that also receive each batch of rows as it is written, e.g.
+            ``[tandv.export.TensorBoardSink("runs/x")]``; closed with the tracker.
         scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop: gradients are then
             also captured when it unscales them, so a step it skips (inf/NaN gradients) is
             logged as it was. Output (activation) gradients stay in loss-scaled units.

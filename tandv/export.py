@@ -1,0 +1,119 @@
+"""Send a log's rows to TensorBoard, live from a tracker or after the fact from a log.
+
+``tensorboard(log, logdir)`` writes a finished log; ``TensorBoardSink(logdir)`` passed as
+``track(..., sinks=[sink])`` writes each batch of rows as the tracker flushes them. Each
+row gives one scalar per statistic, tagged ``<tensor_type>/<name>/<statistic>``, and its
+exponent counts as a histogram of magnitudes, tagged ``<tensor_type>/<name>/exponents``,
+whose bucket edges are powers of two: the bucket ending at ``2**(n+1)`` counts the values
+with ``2**n <= |x| < 2**(n+1)``. Values that underflow the log's number format fill one
+bucket below the lowest exponent column, values that overflow it one bucket ending at the
+largest double. Needs the ``tensorboard`` package (not TensorFlow).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from .schema.columns import EXPONENT_COUNTS, METADATA, OVERFLOW, SCALAR_STATS, UNDERFLOW
+
+__all__ = ["TensorBoardSink", "tensorboard", "DEFAULT_SCALARS"]
+
+#: The statistics written as scalars by default.
+DEFAULT_SCALARS: tuple[str, ...] = ("mean", "std", "rm2", "max_abs", "min_abs", "zero_count",
+                                    "nan_count", "inf_count")
+
+
+class TensorBoardSink:
+    """Writes log rows as TensorBoard scalars and magnitude histograms into ``logdir``.
+
+    Arguments:
+        logdir: the TensorBoard log directory (created if absent).
+        scalars: the statistics to write as scalars (``None``: every statistic column).
+        histograms: also write the exponent counts as histograms.
+
+    Call it with a DataFrame of rows (the tracker does, at each flush), then :meth:`close`.
+    """
+
+    def __init__(self, logdir: str | os.PathLike, scalars: Sequence[str] | None = DEFAULT_SCALARS,
+                 histograms: bool = True) -> None:
+        try:
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        except ImportError as e:
+            raise ImportError("TensorBoardSink needs the `tensorboard` package: pip install tensorboard") from e
+        self.logdir = Path(logdir)
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self._writer = EventFileWriter(str(self.logdir))
+        self.scalars = None if scalars is None else tuple(scalars)
+        self.histograms = histograms
+
+    def __call__(self, rows: pd.DataFrame) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+
+        if rows.empty:
+            return
+        stat_cols = [c for c in rows[SCALAR_STATS].columns
+                     if self.scalars is None or c in self.scalars]
+        labels = list(rows[EXPONENT_COUNTS].columns) if self.histograms else []
+        exps = [lab for lab in labels if lab not in (UNDERFLOW, OVERFLOW)]
+        # bucket upper edges: underflow below the lowest exponent, then 2**(n+1), then overflow
+        edges = {lab: 2.0 ** (int(lab) + 1) for lab in exps}
+        if exps:
+            edges[UNDERFLOW] = 2.0 ** min(int(lab) for lab in exps)
+        edges[OVERFLOW] = sys.float_info.max
+        order = sorted((lab for lab in labels if lab in edges), key=lambda lab: edges[lab])
+        meta = rows[METADATA]
+        stats = rows[SCALAR_STATS][stat_cols].to_numpy(dtype=np.float64)
+        counts = rows[EXPONENT_COUNTS][order].to_numpy(dtype=np.float64) if order else None
+        limits = [edges[lab] for lab in order]
+        wall = time.time()
+        for i, (name, kind, step) in enumerate(zip(meta["name"], meta["tensor_type"], meta["step"])):
+            values = [Summary.Value(tag=f"{kind}/{name}/{s}", simple_value=float(v))
+                      for s, v in zip(stat_cols, stats[i])]
+            if counts is not None and counts[i].any():
+                values.append(Summary.Value(tag=f"{kind}/{name}/exponents",
+                                            histo=_histogram(HistogramProto, rows.iloc[i], counts[i], limits)))
+            self._writer.add_event(Event(wall_time=wall, step=int(step), summary=Summary(value=values)))
+
+    def close(self) -> None:
+        """Write everything to disk and close the event file."""
+        self._writer.close()
+
+
+def _histogram(proto: Any, row: pd.Series, counts: np.ndarray, limits: list[float]) -> Any:
+    """The magnitude histogram of one row: buckets from the first to the last non-empty."""
+    nz = np.flatnonzero(counts)
+    lo, hi = nz[0], nz[-1] + 1
+    n = counts.sum()
+    stat = row[SCALAR_STATS]
+    finite = float(stat["numel"] - stat["nan_count"] - stat["inf_count"])
+    lower = limits[lo - 1] if lo > 0 else 0.0
+    return proto(min=lower, max=float(stat["max_abs"]) if stat["max_abs"] > 0 else limits[hi - 1],
+                 num=float(n), sum=float(stat["mean_abs"]) * finite,
+                 sum_squares=float(stat["rm2"]) ** 2 * finite,
+                 bucket_limit=limits[lo:hi], bucket=[float(c) for c in counts[lo:hi]])
+
+
+def tensorboard(log: str | os.PathLike | pd.DataFrame, logdir: str | os.PathLike,
+                scalars: Sequence[str] | None = DEFAULT_SCALARS, histograms: bool = True) -> Path:
+    """Write a log (a path or a DataFrame) as TensorBoard events into ``logdir``; returns
+    ``logdir``. See :class:`TensorBoardSink` for what is written."""
+    if isinstance(log, pd.DataFrame):
+        df = log
+    else:
+        from .schema import read_log
+
+        df = read_log(log)
+    sink = TensorBoardSink(logdir, scalars, histograms)
+    try:
+        sink(df)
+    finally:
+        sink.close()
+    return Path(logdir)

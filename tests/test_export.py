@@ -1,0 +1,70 @@
+"""TensorBoard export, read back with TensorBoard's own event reader."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+from tandv.export import TensorBoardSink, tensorboard  # noqa: E402
+from tandv.schema import read_log  # noqa: E402
+from tandv.track.torch import track  # noqa: E402
+
+
+def _train(sinks=(), out="log", steps=3, flush_every=2):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    with track(net, opt, out=out, sinks=sinks, flush_every=flush_every, verbose=False) as tr:
+        for i in range(steps):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+            opt.zero_grad()
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+            tr.step()
+    return read_log(tr.out_path)
+
+
+def _events(logdir):
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    return acc
+
+
+def _check(df, acc):
+    tags = acc.Tags()
+    for _, row in df.iterrows():
+        kind, name, step = row[("metadata", "tensor_type")], row[("metadata", "name")], row[("metadata", "step")]
+        for stat in ("mean", "max_abs", "nan_count"):
+            got = {e.step: e.value for e in acc.Scalars(f"{kind}/{name}/{stat}")}
+            assert got[step] == pytest.approx(row[("scalar_stats", stat)], rel=1e-6)  # float32 in events
+        counts = row["exponent_counts"]
+        exps = {lab: c for lab, c in counts.items() if c and lab not in ("-inf", "+inf")}
+        hist = {e.step: e.histogram_value for e in acc.Histograms(f"{kind}/{name}/exponents")}[step]
+        assert hist.num == counts.sum()
+        # each exponent's count sits in the bucket whose upper edge is 2**(n+1)
+        by_edge = dict(zip(hist.bucket_limit, hist.bucket))
+        for lab, c in exps.items():
+            assert by_edge[2.0 ** (int(lab) + 1)] == c
+    assert len(tags["scalars"]) == len({(r[("metadata", "tensor_type")], r[("metadata", "name")])
+                                        for _, r in df.iterrows()}) * 8
+
+
+def test_tensorboard_export_of_a_log(tmp_path):
+    df = _train(out=tmp_path / "log")
+    logdir = tensorboard(tmp_path / "log", tmp_path / "tb")
+    _check(df, _events(logdir))
+
+
+def test_tensorboard_sink_live_from_the_tracker(tmp_path):
+    sink = TensorBoardSink(tmp_path / "tb")
+    df = _train(sinks=[sink], out=tmp_path / "log", steps=5, flush_every=2)
+    _check(df, _events(tmp_path / "tb"))
+    with pytest.raises(TypeError, match="sinks"):
+        _train(sinks=["not callable"], out=tmp_path / "log2")
