@@ -347,3 +347,49 @@ def test_heatmap_zeros_on_a_log_scale_take_the_under_colour():
     assert arr[0, 0] < mesh.norm.vmin  # the zero: below the range, drawn in the "under" grey
     np.testing.assert_allclose([arr[0, 1], arr[1, 0], arr[1, 1]], [0.01, 1, 2], rtol=1e-6)
     assert "grey = 0" in cbar.get_ylabel()
+
+
+def test_many_tensors_wrap_and_heatmap_panels_size_to_their_layers():
+    """23 per-layer panels wrap four to a row (they used to make one 8,800-pixel row); the
+    heatmap stacks its panels, each as tall as its own layers need."""
+    rng = np.random.default_rng(0)
+    arrays = {(f"layers.{i}", tt, s): rng.standard_normal(64).astype(np.float32)
+              for i in range(23) for tt in ("Activation",) for s in range(3)}
+    arrays.update({(f"g.{i}", "Gradient", s): rng.standard_normal(64).astype(np.float32)
+                   for i in range(60) for s in range(3)})
+    log = log_from_arrays(arrays)
+    fig = viz.percentile_bands(log, "Activation", layer=r"^layers\.")
+    rows = {round(ax.get_position().y0, 3) for ax in fig.axes}
+    cols = {round(ax.get_position().x0, 3) for ax in fig.axes}
+    assert len(fig.axes) == 23 and len(cols) == 4 and len(rows) == 6
+    fig = viz.scalar_global_heatmap(log, ["Activation", "Gradient"], "rm2")
+    act, grad = [ax for ax in fig.axes if any(c.get_gid() == "heatmap" for c in ax.collections)]
+    assert len(grad.get_yticklabels()) == 60
+    assert grad.get_position().height > 2 * act.get_position().height  # 60 rows against 23
+
+
+def test_heatmap_colours_are_not_saturated_by_one_outlier():
+    """One tensor far off the others (the loss's gradient) takes the end colour; the
+    colour range spans the others' values, and the colorbar shows the clipping."""
+    rng = np.random.default_rng(1)
+    arrays = {(f"t{i}", "Gradient", s): (rng.standard_normal(64) * (1 + i / 10)).astype(np.float32)
+              for i in range(30) for s in range(4)}
+    for s in range(4):
+        arrays[("root[loss]", "Gradient", s)] = np.full(64, 1e6, np.float32)
+    log = log_from_arrays(arrays)
+    fig = viz.scalar_global_heatmap(log, "Gradient", "rm2", log_scale=False)
+    ax, cbar = fig.axes
+    (mesh,) = ax.collections
+    others = log[log[("metadata", "name")] != "root[loss]"][("scalar_stats", "rm2")]
+    # every ordinary cell keeps its own colour; the outlier is far above the range
+    assert others.max() <= mesh.norm.vmax < 1e6 / 1000 and mesh.norm.vmin <= others.min()
+    assert mesh.colorbar.extend in ("max", "both")
+
+
+def test_step_axes_tick_whole_steps_only():
+    log = training_log(steps=4)
+    for fig in (viz.scalar_line(log, "embed", "Weight", "rm2"),
+                viz.percentile_bands(log, "Weight", layer="embed")):
+        ax = fig.axes[0]
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks)

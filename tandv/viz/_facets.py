@@ -8,8 +8,12 @@ import math
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-__all__ = ["facet_grid", "figure_legend"]
+__all__ = ["facet_grid", "figure_legend", "step_axis", "AUTO_COLUMNS"]
+
+#: Panels per row when a figure's ``col_wrap`` is not given.
+AUTO_COLUMNS = 4
 
 
 def facet_grid(
@@ -20,13 +24,14 @@ def facet_grid(
     sharex: bool = False,
     sharey: bool = False,
 ) -> tuple[Figure, list[Axes]]:
-    """A Figure with ``n`` panels, ``col_wrap`` per row (all in one row when ``None``).
+    """A Figure with ``n`` panels, ``col_wrap`` per row (``None``: at most
+    :data:`AUTO_COLUMNS`, so 20-60 panels wrap into a readable grid).
 
     Panels beyond ``n`` in the last row are removed, so ``fig.axes`` holds exactly the
     panels (plus any colorbars added later)."""
     if col_wrap is not None and (isinstance(col_wrap, bool) or not isinstance(col_wrap, (int, np.integer)) or col_wrap < 1):
         raise ValueError(f"col_wrap={col_wrap!r}: expected None or an int >= 1")
-    ncols = n if col_wrap is None else min(int(col_wrap), n)
+    ncols = min(n, AUTO_COLUMNS) if col_wrap is None else min(int(col_wrap), n)
     ncols = max(ncols, 1)
     nrows = max(math.ceil(n / ncols), 1)
     if figsize is None:
@@ -49,3 +54,9 @@ def figure_legend(fig: Figure, axes: list[Axes]) -> None:
     if seen:
         fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncols=min(len(seen), 6),
                    fontsize=7, frameon=False)
+
+
+def step_axis(ax: Axes) -> None:
+    """Label the x axis ``step`` and tick it at whole steps only."""
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))

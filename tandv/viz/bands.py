@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 
 from ..schema import METADATA, OVERFLOW, STEP, UNDERFLOW
 from ._data import VizArgumentError, check_log, exponent_table, rows_for, select_layers, select_tensor_types, thin_steps
-from ._facets import facet_grid, figure_legend
+from ._facets import facet_grid, figure_legend, step_axis
 
 __all__ = ["percentile_bands", "log2_percentiles", "SIGMA_PERCENTILES"]
 
@@ -95,7 +95,7 @@ def percentile_bands(
             (tensor, type).
         percentiles: ascending values in [0, 100]; default :data:`SIGMA_PERCENTILES`.
         inc: use every ``inc``-th logged step.
-        col_wrap: panels per row.
+        col_wrap: panels per row (default: at most four).
         figsize: figure size in inches.
 
     Raises:
@@ -142,7 +142,7 @@ def percentile_bands(
         else:
             ax.text(0.5, 0.5, "no finite non-zero values logged", transform=ax.transAxes, ha="center", va="center")
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step")
+        step_axis(ax)
         ax.set_ylabel("|x| percentiles")
         ax.grid(True, alpha=0.3)
     figure_legend(fig, axes)

@@ -160,7 +160,7 @@ def exp_hist(
             and smallest subnormal: ``True`` for each tensor's logged dtype, a format
             name (``"float8_e4m3fn"``) or dtype for that format, ``False``/``None`` for none.
             Markers beyond the shown range are drawn as arrows at the panel's edge.
-        col_wrap: panels per row (default: all in one row).
+        col_wrap: panels per row (default: at most four).
         figsize: figure size in inches (default: from the number of panels).
 
     The x axis spans the exponents with non-zero counts (empty columns at both ends

@@ -25,6 +25,7 @@ from matplotlib.patches import Rectangle
 
 from ..schema import METADATA, SCALAR_STATS, STEP, TENSOR_TYPE, TENSOR_TYPES
 from ._data import VizArgumentError, check_log, layer_order, select_layers, select_metrics, select_tensor_types
+from ._facets import step_axis
 from .bands import percentile_bands
 from .exp_hist import exp_hist
 from .scalar import HeatmapPanel, heatmap_panels, scalar_global_heatmap, scalar_line
@@ -310,7 +311,7 @@ class InteractiveView:
         ax = fig.subplots()
         for c in curves:
             ax.plot(ts["step"].to_numpy(), ts[c].to_numpy(dtype=np.float64), label=str(c))
-        ax.set_xlabel("step")
+        step_axis(ax)
         ax.set_title("training statistics (click to choose a step)", fontsize=9)
         ax.legend(fontsize=7, loc="best")
         ax.grid(True, alpha=0.3)

@@ -23,7 +23,7 @@ from ._data import (
     select_steps,
     select_tensor_types,
 )
-from ._facets import facet_grid, figure_legend
+from ._facets import facet_grid, figure_legend, step_axis
 
 __all__ = ["scalar_line", "scalar_global_heatmap", "spans_decades", "HeatmapPanel", "heatmap_panels"]
 
@@ -64,7 +64,7 @@ def scalar_line(
         tt: a tensor type or a list of them.
         scalar_metric: a scalar statistic (``"rm2"``) or a list of them.
         x: ``"step"`` or another scalar statistic to plot against.
-        col_wrap: panels per row (default: all in one row).
+        col_wrap: panels per row (default: at most four).
         kind: ``"line"`` or ``"scatter"``.
         logy: log-scale y axis; default when the plotted values are positive and the
             largest is :data:`DECADES_RATIO` (20) times the smallest or more.
@@ -109,7 +109,10 @@ def scalar_line(
         if use_log:
             ax.set_yscale("log")
         ax.set_title(name if several_tt else f"{name} ({tts[0]})", fontsize=9)
-        ax.set_xlabel(x)
+        if x == "step":
+            step_axis(ax)
+        else:
+            ax.set_xlabel(x)
         ax.grid(True, alpha=0.3)
     figure_legend(fig, axes)
     fig.suptitle(", ".join(metrics))
@@ -128,16 +131,35 @@ def _colour_scale(mat: np.ndarray, use_log: bool) -> tuple[Normalize, np.ma.Mask
         shown = np.ma.masked_where(~finite | (mat < 0), mat)
         pos = shown.compressed()
         pos = pos[pos > 0]
-        lo, hi = (pos.min(), pos.max()) if pos.size else (1.0, 10.0)
+        lo, hi = _robust_range(np.log10(pos)) if pos.size else (0.0, 1.0)
+        lo, hi = 10.0 ** lo, 10.0 ** hi
         norm = LogNorm(lo, hi) if hi > lo else LogNorm(lo / 2, hi * 2)
         zeros = bool((shown == 0).any())
+        # outliers take the end colours (the colorbar's arrows say so); zeros the "under" grey
+        shown = np.ma.where((shown > 0) & (shown < norm.vmin), norm.vmin, shown)
         if zeros:
             shown = np.ma.where(shown == 0, norm.vmin / 10, shown)
         return norm, shown, zeros
     shown = np.ma.masked_where(~finite, mat)
     vals = shown.compressed()
-    lo, hi = (vals.min(), vals.max()) if vals.size else (0.0, 1.0)
+    lo, hi = _robust_range(vals) if vals.size else (0.0, 1.0)
     return (Normalize(lo, hi) if hi > lo else Normalize(lo - 0.5, hi + 0.5)), shown, False
+
+
+#: A heatmap's colours stop at Tukey's far fences, ROBUST interquartile ranges beyond the
+#: quartiles (of log10 values on a log scale), so that one tensor far off the others (the
+#: loss's gradient, say) does not saturate the scale: cells beyond take the end colours.
+ROBUST = 3.0
+
+
+def _robust_range(vals: np.ndarray) -> tuple[float, float]:
+    """The colour range of ``vals``: their full range, clipped to the far fences."""
+    lo, hi = float(vals.min()), float(vals.max())
+    q1, q3 = (float(v) for v in np.percentile(vals, [25.0, 75.0]))
+    iqr = q3 - q1
+    if iqr <= 0:
+        return lo, hi
+    return max(lo, q1 - ROBUST * iqr), min(hi, q3 + ROBUST * iqr)
 
 
 @dataclass
@@ -186,9 +208,16 @@ def heatmap_panels(
         wide = flat.pivot(index="name", columns="step", values="value")
         wide = wide.reindex(index=names, columns=steps)
         grids.append((t, names, steps, wide.to_numpy(dtype=np.float64)))
-    n_layers = max(len(g[1]) for g in grids)
-    panel = (max(5.0, min(14.0, 0.12 * max(len(g[2]) for g in grids) + 3.5)), max(2.6, min(14.0, 0.28 * n_layers + 1.2)))
-    fig, axes = facet_grid(len(grids), col_wrap, panel_size=panel, figsize=figsize)
+    width = max(5.0, min(14.0, 0.12 * max(len(g[2]) for g in grids) + 3.5))
+    if col_wrap is None:
+        # one panel per row, each as tall as its layers need (a label every 0.2 inch)
+        heights = [max(1.6, min(14.0, 0.2 * len(g[1]) + 1.0)) for g in grids]
+        fig = Figure(figsize=figsize or (width, sum(heights) + 0.4), layout="constrained")
+        axes = list(fig.subplots(len(grids), 1, squeeze=False, height_ratios=heights)[:, 0])
+    else:
+        n_layers = max(len(g[1]) for g in grids)
+        fig, axes = facet_grid(len(grids), col_wrap, panel_size=(width, max(2.6, min(14.0, 0.2 * n_layers + 1.2))),
+                               figsize=figsize)
     panels = []
     for ax, (t, names, steps, mat) in zip(axes, grids):
         use_log = spans_decades(mat) if log_scale is None else bool(log_scale)
@@ -197,14 +226,19 @@ def heatmap_panels(
         mesh = ax.pcolormesh(np.arange(len(steps) + 1), np.arange(len(names) + 1), shown, norm=norm,
                              cmap=cmap, gid="heatmap")
         label = metric + (" (log scale" + ("; grey = 0)" if zeros else ")") if use_log else "")
-        fig.colorbar(mesh, ax=ax, label=label, extend="min" if zeros else "neither")
+        vals = mat[np.isfinite(mat) & ((mat > 0) if use_log else True)]
+        below = vals.size and vals.min() < norm.vmin
+        above = vals.size and vals.max() > norm.vmax
+        extend = {(True, True): "both", (True, False): "min", (False, True): "max"}.get(
+            (bool(below or zeros), bool(above)), "neither")
+        fig.colorbar(mesh, ax=ax, label=label, extend=extend)
         ax.set_ylim(len(names), 0)  # first layer at the top
         # Every layer named while they fit; beyond 80 rows every k-th, to stay legible.
         ystride = max(1, int(np.ceil(len(names) / 80)))
         ax.set_yticks(np.arange(0, len(names), ystride) + 0.5, names[::ystride], fontsize=7 if len(names) < 40 else 5)
         stride = max(1, int(np.ceil(len(steps) / 12)))
         ax.set_xticks(np.arange(0, len(steps), stride) + 0.5, [str(s) for s in steps[::stride]], fontsize=7)
-        ax.set_xlabel("step")
+        ax.set_xlabel("step")  # ticks at whole steps already: one per column
         ax.set_title(f"{t}: {metric}", fontsize=10)
         panels.append(HeatmapPanel(ax, t, names, steps, mat))
     return fig, panels
@@ -231,7 +265,7 @@ def scalar_global_heatmap(
         tt: a tensor type, or a list of them for one panel each.
         scalar_metric: the statistic coloured, e.g. ``"rm2"``.
         inc: show every ``inc``-th logged step (the first always).
-        col_wrap: panels per row (default: all in one row).
+        col_wrap: panels per row (default: one per row, each as tall as its layers need).
         log_scale: colour on a log scale; default when the panel's values are positive
             and the largest is :data:`DECADES_RATIO` (20) times the smallest or more.
         layer: restrict the rows to these tensors (name, list or regex); default all.
