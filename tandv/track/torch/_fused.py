@@ -15,13 +15,10 @@ and the mean and centred second moment by Chan's formula, the block's deviations
 from its own rounded mean (well conditioned even when ``|mean| >> std``). Blocks merge
 into float64 scalars; a larger ``E`` rescales what came before (a power of two: exact).
 
-Exponent counts without contended atomics: each program counts into its own registers.
-Most values of a block lie within a few binades of the block's largest magnitude, so a
-block is counted by ``tl.histogram`` over a :data:`WINDOW` of exponents below its top
-(cheap: the cost of a histogram grows with its bins) and the window is added into the
-program's table at its offset; the rare values further below take an exact histogram
-over all exponents. The dtype's exponent of every finite non-zero value is exact, float32
-subnormals included.
+Exponent counts without contended global atomics: each program counts its blocks with
+``tl.histogram`` (which Triton 3.9 lowers to shared-memory atomics, one per element) into
+its own registers, and adds its table to the tensor's row once. The dtype's exponent of
+every finite non-zero value is exact, float32 subnormals included.
 
 Programs of one tensor
 ----------------------
@@ -54,8 +51,8 @@ import triton.language as tl
 from ...stats.formats import number_format
 from ...stats.summary import CORE_FIELDS, Layout
 
-if not hasattr(tl, "gather") or "mask" not in inspect.signature(tl.histogram).parameters:
-    raise ImportError(f"tandv's fused kernels need Triton >= 3.4 (tl.gather, masked tl.histogram); "
+if "mask" not in inspect.signature(tl.histogram).parameters:
+    raise ImportError(f"tandv's fused kernels need Triton >= 3.4 (masked tl.histogram); "
                       f"found {triton.__version__}")
 
 __all__ = ["HEADER", "Spec", "spec_for", "launch_one", "launch_many", "finish_rows", "row_size",
@@ -73,8 +70,6 @@ HEADER = 17
 
 #: Elements a program holds in registers at once.
 BLOCK = 2048
-#: Exponents a block is counted over before the exact fallback (a power of two).
-WINDOW = 32
 #: A tensor of at most this many elements is one program (a multiple of BLOCK).
 MIN_CHUNK = 8 * BLOCK
 #: Partial rows the last program of a tensor merges per iteration.
@@ -179,11 +174,10 @@ def _merge(E, n, mean, m2, p1, p2, p4, p8, Eb, nb, meanb, m2b, p1b, p2b, p4b, p8
 
 @triton.jit
 def _scan(ptr, start, end, lut_ptr, fmax, MODE: tl.constexpr, SUB: tl.constexpr,
-          DMIN: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr):
+          DMIN: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr):
     """The partial summary of elements ``[start, end)`` of a tensor, and its exponent
     counts (index ``e - DMIN`` for exponent ``e``) in ``NBP`` registers."""
     ar = tl.arange(0, BLOCK)
-    bins = tl.arange(0, NBP)
     nan_c = tl.full([], 0, tl.int64)
     inf_c = tl.full([], 0, tl.int64)
     zero_c = tl.full([], 0, tl.int64)
@@ -234,21 +228,8 @@ def _scan(ptr, start, end, lut_ptr, fmax, MODE: tl.constexpr, SUB: tl.constexpr,
             tl.sum(q4 * q4).to(tl.float64))
 
         # exponent counts
-        valid = fin & ~zero
         ex = _exponent(bits, SUB) - DMIN
-        if NBP <= WINDOW:
-            hist += tl.histogram(ex, NBP, mask=valid)
-        else:
-            top = _exponent(top_bits, SUB) - DMIN
-            below = top - ex
-            inside = valid & (below < WINDOW)
-            win = tl.histogram(below, WINDOW, mask=inside)
-            j = top - bins
-            got = tl.gather(win, tl.minimum(tl.maximum(j, 0), WINDOW - 1), 0)
-            hist += tl.where((j >= 0) & (j < WINDOW), got, 0)
-            rest = valid & (below >= WINDOW)
-            if tl.sum(rest.to(tl.int32)) > 0:
-                hist += tl.histogram(ex, NBP, mask=rest)
+        hist += tl.histogram(ex, NBP, mask=fin & ~zero)
     return (nan_c, inf_c, zero_c, over_c, mn, mx, amin.to(tl.float32, bitcast=True),
             amax.to(tl.float32, bitcast=True), E, n, mean, m2, p1, p2, p4, p8, hist)
 
@@ -330,12 +311,12 @@ def _merge_parts(base, n_parts, GROUP: tl.constexpr):
 @triton.jit
 def _summarize(ptr, start, end, row, part_ptr, parts_ptr, n_parts, lut_ptr, fmax,
                MODE: tl.constexpr, SUB: tl.constexpr, DMIN: tl.constexpr, NBD: tl.constexpr,
-               NBP: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr, GROUP: tl.constexpr):
+               NBP: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """One program's share ``[start, end)`` of a tensor whose row is at ``row``; with
     ``n_parts > 1`` programs, its partial row goes to ``part_ptr`` and the last program
     merges the ``n_parts`` rows at ``parts_ptr`` into ``row``."""
     (nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2, p1, p2, p4, p8,
-     hist) = _scan(ptr, start, end, lut_ptr, fmax, MODE, SUB, DMIN, NBP, BLOCK, WINDOW)
+     hist) = _scan(ptr, start, end, lut_ptr, fmax, MODE, SUB, DMIN, NBP, BLOCK)
     bins = tl.arange(0, NBP)
     if n_parts == 1:
         _store_part(row, nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2,
@@ -344,7 +325,8 @@ def _summarize(ptr, start, end, row, part_ptr, parts_ptr, n_parts, lut_ptr, fmax
     else:
         _store_part(part_ptr, nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2,
                     p1, p2, p4, p8)
-        tl.atomic_add(row + 17 + bins, hist.to(tl.float64), mask=(bins < NBD) & (hist != 0))
+        tl.atomic_add(row + 17 + bins, hist.to(tl.float64), mask=(bins < NBD) & (hist != 0),
+                      sem="relaxed")  # read only by the host, after the kernel
         # every thread's stores before the counter's release (a barrier, then the atomic)
         tl.debug_barrier()
         done = tl.atomic_add(row + 16, 1.0, sem="acq_rel")
@@ -359,8 +341,7 @@ def _summarize(ptr, start, end, row, part_ptr, parts_ptr, n_parts, lut_ptr, fmax
 @triton.jit(do_not_specialize=["n", "row_off"])
 def _summarize_one(x_ptr, n, per_prog, rows_ptr, row_off, scratch_ptr, lut_ptr, fmax,
                    MODE: tl.constexpr, SUB: tl.constexpr, DMIN: tl.constexpr, NBD: tl.constexpr,
-                   NBP: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
-                   GROUP: tl.constexpr):
+                   NBP: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """One tensor ``x_ptr`` of ``n`` elements, ``per_prog`` per program, into the row at
     ``rows_ptr + row_off``."""
     pid = tl.program_id(0)
@@ -371,14 +352,14 @@ def _summarize_one(x_ptr, n, per_prog, rows_ptr, row_off, scratch_ptr, lut_ptr, 
     else:
         ptr = x_ptr
     _summarize(ptr, start, end, rows_ptr + row_off, scratch_ptr + pid * 16, scratch_ptr,
-               tl.num_programs(0), lut_ptr, fmax, MODE, SUB, DMIN, NBD, NBP, BLOCK, WINDOW, GROUP)
+               tl.num_programs(0), lut_ptr, fmax, MODE, SUB, DMIN, NBD, NBP, BLOCK, GROUP)
 
 
 @triton.jit
 def _summarize_many(table_ptr, rows_ptr, scratch_ptr, lut_ptr, fmax,
                     MODE: tl.constexpr, SUB: tl.constexpr, DMIN: tl.constexpr,
                     NBD: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr,
-                    WINDOW: tl.constexpr, GROUP: tl.constexpr):
+                    GROUP: tl.constexpr):
     """Many tensors of one dtype: program ``i`` reads row ``i`` of the table ``(address,
     start, end, row offset, part, parts, first part)``."""
     t = table_ptr + tl.program_id(0) * 7
@@ -387,7 +368,7 @@ def _summarize_many(table_ptr, rows_ptr, scratch_ptr, lut_ptr, fmax,
     first = tl.load(t + 6)
     _summarize(ptr, tl.load(t + 1), tl.load(t + 2), rows_ptr + tl.load(t + 3),
                scratch_ptr + (first + part) * 16, scratch_ptr + first * 16, tl.load(t + 5),
-               lut_ptr, fmax, MODE, SUB, DMIN, NBD, NBP, BLOCK, WINDOW, GROUP)
+               lut_ptr, fmax, MODE, SUB, DMIN, NBD, NBP, BLOCK, GROUP)
 
 
 #: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when this module
@@ -496,7 +477,7 @@ def scratch_rows(n: int, max_parts: int) -> int:
 def _consts(spec: Spec) -> dict[str, Any]:
     """The compile-time arguments and launch options of ``spec``'s kernels."""
     return dict(MODE=spec.mode, SUB=spec.sub, DMIN=spec.dmin, NBD=spec.nbd, NBP=spec.nbp,
-                BLOCK=BLOCK, WINDOW=WINDOW, GROUP=GROUP, num_warps=NUM_WARPS, enable_fp_fusion=True)
+                BLOCK=BLOCK, GROUP=GROUP, num_warps=NUM_WARPS, enable_fp_fusion=True)
 
 
 def _flat(x: torch.Tensor, spec: Spec) -> torch.Tensor:
