@@ -1,4 +1,5 @@
-"""Send a log's rows to TensorBoard, live from a tracker or after the fact from a log.
+"""Send a log's rows to TensorBoard or Weights & Biases, live from a tracker or after the
+fact from a log.
 
 ``tensorboard(log, logdir)`` writes a finished log; ``TensorBoardSink(logdir)`` passed as
 ``track(..., sinks=[sink])`` writes each batch of rows as the tracker flushes them. Each
@@ -8,6 +9,11 @@ whose bucket edges are powers of two: the bucket ending at ``2**(n+1)`` counts t
 with ``2**n <= |x| < 2**(n+1)``. Values that underflow the log's number format fill one
 bucket below the lowest exponent column, values that overflow it one bucket ending at the
 largest double. Needs the ``tensorboard`` package (not TensorFlow).
+
+``WandbSink(run)`` / ``wandb(log, run)`` log the same scalars to a W&B run, one
+``run.log(..., step=step)`` per step, and the exponent counts as a histogram of
+``log2|x|`` with one bin per exponent (a linear axis of magnitudes would crush them),
+underflow and overflow in a bin just below and above.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import pandas as pd
 
 from .schema.columns import EXPONENT_COUNTS, METADATA, OVERFLOW, SCALAR_STATS, UNDERFLOW
 
-__all__ = ["TensorBoardSink", "tensorboard", "DEFAULT_SCALARS"]
+__all__ = ["TensorBoardSink", "tensorboard", "WandbSink", "wandb", "DEFAULT_SCALARS"]
 
 #: The statistics written as scalars by default.
 DEFAULT_SCALARS: tuple[str, ...] = ("mean", "std", "rm2", "max_abs", "min_abs", "zero_count",
@@ -61,23 +67,16 @@ class TensorBoardSink:
             return
         stat_cols = [c for c in rows[SCALAR_STATS].columns
                      if self.scalars is None or c in self.scalars]
-        labels = list(rows[EXPONENT_COUNTS].columns) if self.histograms else []
-        exps = [lab for lab in labels if lab not in (UNDERFLOW, OVERFLOW)]
-        # bucket upper edges: underflow below the lowest exponent, then 2**(n+1), then overflow
-        edges = {lab: 2.0 ** (int(lab) + 1) for lab in exps}
-        if exps:
-            edges[UNDERFLOW] = 2.0 ** min(int(lab) for lab in exps)
-        edges[OVERFLOW] = sys.float_info.max
-        order = sorted((lab for lab in labels if lab in edges), key=lambda lab: edges[lab])
+        exps, counts = _exponent_matrix(rows)
+        # bucket upper edges: underflow below the lowest exponent, 2**(n+1), then overflow
+        limits = [2.0 ** exps[0] if exps else 0.0, *(2.0 ** (e + 1) for e in exps), sys.float_info.max]
         meta = rows[METADATA]
         stats = rows[SCALAR_STATS][stat_cols].to_numpy(dtype=np.float64)
-        counts = rows[EXPONENT_COUNTS][order].to_numpy(dtype=np.float64) if order else None
-        limits = [edges[lab] for lab in order]
         wall = time.time()
         for i, (name, kind, step) in enumerate(zip(meta["name"], meta["tensor_type"], meta["step"])):
             values = [Summary.Value(tag=f"{kind}/{name}/{s}", simple_value=float(v))
                       for s, v in zip(stat_cols, stats[i])]
-            if counts is not None and counts[i].any():
+            if self.histograms and counts[i].any():
                 values.append(Summary.Value(tag=f"{kind}/{name}/exponents",
                                             histo=_histogram(HistogramProto, rows.iloc[i], counts[i], limits)))
             self._writer.add_event(Event(wall_time=wall, step=int(step), summary=Summary(value=values)))
@@ -85,6 +84,20 @@ class TensorBoardSink:
     def close(self) -> None:
         """Write everything to disk and close the event file."""
         self._writer.close()
+
+
+def _exponent_matrix(rows: pd.DataFrame) -> tuple[list[int], np.ndarray]:
+    """The rows' exponent counts over a contiguous range: ``(exponents, counts)`` with
+    ``counts[:, 0]`` the underflow, then one column per exponent of ``exponents`` (a log
+    may omit all-zero columns: they count zero here), then the overflow."""
+    table = rows[EXPONENT_COUNTS]
+    ints = sorted(int(lab) for lab in table.columns if lab not in (UNDERFLOW, OVERFLOW))
+    exps = list(range(ints[0], ints[-1] + 1)) if ints else []
+    out = np.zeros((len(rows), len(exps) + 2))
+    for lab in table.columns:
+        j = 0 if lab == UNDERFLOW else len(exps) + 1 if lab == OVERFLOW else int(lab) - exps[0] + 1
+        out[:, j] = table[lab].to_numpy(dtype=np.float64)
+    return exps, out
 
 
 def _histogram(proto: Any, row: pd.Series, counts: np.ndarray, limits: list[float]) -> Any:
@@ -117,3 +130,54 @@ def tensorboard(log: str | os.PathLike | pd.DataFrame, logdir: str | os.PathLike
     finally:
         sink.close()
     return Path(logdir)
+
+
+class WandbSink:
+    """Logs rows to a Weights & Biases run (see the module notes).
+
+    Arguments:
+        run: a run from ``wandb.init(...)`` (offline mode works); the caller finishes it.
+        scalars: the statistics to log (``None``: every statistic column).
+        histograms: also log the exponent counts as histograms of log2|x|.
+    """
+
+    def __init__(self, run: Any, scalars: Sequence[str] | None = DEFAULT_SCALARS,
+                 histograms: bool = True) -> None:
+        if not callable(getattr(run, "log", None)):
+            raise TypeError(f"WandbSink(run=...): expected a run from wandb.init(); got {type(run).__name__}")
+        self.run = run
+        self.scalars = None if scalars is None else tuple(scalars)
+        self.histograms = histograms
+
+    def __call__(self, rows: pd.DataFrame) -> None:
+        if rows.empty:
+            return
+        import wandb as wb
+
+        stat_cols = [c for c in rows[SCALAR_STATS].columns if self.scalars is None or c in self.scalars]
+        exps, counts = _exponent_matrix(rows)
+        first = exps[0] if exps else 0
+        edges = np.arange(first - 1, first + len(exps) + 2, dtype=np.float64)  # log2|x|
+        meta = rows[METADATA]
+        stats = rows[SCALAR_STATS][stat_cols].to_numpy(dtype=np.float64)
+        steps = meta["step"].to_numpy()
+        for step in np.unique(steps):
+            logged: dict[str, Any] = {}
+            for i in np.flatnonzero(steps == step):
+                base = f"{meta['tensor_type'].iat[i]}/{meta['name'].iat[i]}"
+                logged.update({f"{base}/{s}": float(v) for s, v in zip(stat_cols, stats[i])})
+                if self.histograms and counts[i].any():
+                    logged[f"{base}/log2_abs"] = wb.Histogram(np_histogram=(counts[i], edges))
+            self.run.log(logged, step=int(step))
+
+
+def wandb(log: str | os.PathLike | pd.DataFrame, run: Any, scalars: Sequence[str] | None = DEFAULT_SCALARS,
+          histograms: bool = True) -> None:
+    """Log a log (a path or a DataFrame) to the W&B ``run``; see :class:`WandbSink`."""
+    if isinstance(log, pd.DataFrame):
+        df = log
+    else:
+        from .schema import read_log
+
+        df = read_log(log)
+    WandbSink(run, scalars, histograms)(df)

@@ -68,3 +68,38 @@ def test_tensorboard_sink_live_from_the_tracker(tmp_path):
     _check(df, _events(tmp_path / "tb"))
     with pytest.raises(TypeError, match="sinks"):
         _train(sinks=["not callable"], out=tmp_path / "log2")
+
+
+def test_wandb_sink_offline(tmp_path, monkeypatch):
+    """A real offline W&B run receives one log call per step holding every row's scalars
+    and a log2|x| histogram whose bins are the exponent counts."""
+    wb = pytest.importorskip("wandb")
+    from tandv.export import WandbSink, wandb as to_wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    df = _train(out=tmp_path / "log")
+    run = wb.init(mode="offline", dir=str(tmp_path), project="tandv-test")
+    calls = []
+    real_log = run.log
+    monkeypatch.setattr(run, "log", lambda data, step=None: calls.append((step, data)) or real_log(data, step=step))
+    try:
+        to_wandb(tmp_path / "log", run)
+    finally:
+        run.finish()
+    assert [s for s, _ in calls] == sorted(set(df[("metadata", "step")]))
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # written by W&B
+    for step, data in calls:
+        rows = df[df[("metadata", "step")] == step]
+        for _, row in rows.iterrows():
+            base = f"{row[('metadata', 'tensor_type')]}/{row[('metadata', 'name')]}"
+            assert data[f"{base}/max_abs"] == row[("scalar_stats", "max_abs")]
+            hist = data[f"{base}/log2_abs"]
+            counts = row["exponent_counts"]
+            exps = {int(lab): c for lab, c in counts.items() if lab not in ("-inf", "+inf")}
+            edges = np.asarray(hist.bins)
+            got = dict(zip(edges[:-1].astype(int), hist.histogram))
+            for e, c in exps.items():
+                assert got[e] == c
+    with pytest.raises(TypeError, match="wandb.init"):
+        WandbSink(object())
