@@ -928,3 +928,29 @@ def test_grad_scaler_skipped_steps_keep_their_gradient_rows(explicit_unscale):
                 want = (~torch.isfinite(seen[k][name])).sum().item()
                 assert row[("scalar_stats", "inf_count")] + row[("scalar_stats", "nan_count")] == want
     assert "unscale_" not in scaler.__dict__  # the wrapper is gone after the run
+
+
+def test_buffers_are_tracked_on_request():
+    """BatchNorm's running statistics as Weight rows, as each step's forward found them."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    seen = []
+    with track(net, opt, out="log", track_buffers=True, track_activations=False) as tr:
+        assert {"1.running_mean", "1.running_var"} <= set(tr.plan()["name"])
+        for i in range(3):
+            x, y = batch(i)
+            seen.append({k: getattr(net[1], k).clone() for k in ("running_mean", "running_var")})
+            opt.zero_grad()
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+            tr.step()
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for k in range(3):
+        for b in ("running_mean", "running_var"):
+            assert_row(df, idx, (f"1.{b}", "Weight", k), [seen[k][b]])
+    assert not any("num_batches_tracked" in n for n in df[("metadata", "name")])  # an integer buffer
+    with track(net, opt, out="log2") as tr:
+        train(net, opt, 1, tr)
+    assert not any("running" in n for n in read_log(tr.out_path)[("metadata", "name")])

@@ -117,6 +117,7 @@ class Tracker:
         track_gradients: bool = True,
         track_weights: bool = True,
         track_optimizer: bool = True,
+        track_buffers: bool = False,
         include: Pattern | Sequence[Pattern] | None = None,
         exclude: Pattern | Sequence[Pattern] | None = None,
         every: int = 1,
@@ -160,6 +161,7 @@ class Tracker:
         self.stat_fns, self.stats_merge = parse_custom_stats(stats, stats_merge)
         self.root_name = root_name
         self.track_eval = bool(track_eval)
+        self.track_buffers = bool(track_buffers)
         self._out = out
         self._out_format = out_format
         self._run_name = run_name or re.sub(r"[^A-Za-z0-9_.-]+", "_", type(module).__name__.lower())
@@ -188,6 +190,10 @@ class Tracker:
         for full, p in module.named_parameters():
             owner = self._param_names[id(p)][1]
             self._params.append((full, p, owner))
+        # floating buffers (BatchNorm's running statistics): (path, owner, attribute), read
+        # from the owner at each capture (a module may replace a buffer tensor)
+        self._buffers = [(f"{mpath}.{b}" if mpath else b, m, b) for mpath, m in module.named_modules()
+                         for b, v in m.named_buffers(recurse=False) if v is not None and v.is_floating_point()]
         self._layouts: dict[tuple[str, tuple], Layout] = {}
         self._select_cache: dict[tuple[str, int], bool] = {}
         self._keys: dict[tuple, TensorKey] = {}
@@ -234,6 +240,9 @@ class Tracker:
                 for kind in (WEIGHT, GRADIENT):
                     if self.kinds[kind] and (kind == WEIGHT or p.requires_grad):
                         rows.append((full, kind, type(owner).__name__))
+        if self.kinds[WEIGHT] and self.track_buffers:
+            rows += [(full, WEIGHT, type(owner).__name__) for full, owner, _ in self._buffers
+                     if self._selected(full, owner)]
         if self.kinds[OPTIMISER_STATE]:
             for name, value, owner in self._optimizer_state():
                 if self._selected(name, owner):
@@ -317,6 +326,9 @@ class Tracker:
             return
         items = [(full, WEIGHT, owner, p) for full, p, owner in self._params
                  if p.is_floating_point() and self._selected(full, owner)]
+        if self.track_buffers:
+            items += [(full, WEIGHT, owner, getattr(owner, attr)) for full, owner, attr in self._buffers
+                      if self._selected(full, owner) and getattr(owner, attr, None) is not None]
         for entry in self._summaries(items):
             self.recorder.add(*entry)  # type: ignore[union-attr]
 
@@ -588,6 +600,9 @@ def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
             capture gradients just before each update; ``None`` tracks no optimizer state.
         track_activations, track_gradients, track_weights, track_optimizer: which tensor
             types to record (all ``True`` by default).
+        track_buffers: also record the module's floating buffers (BatchNorm's running
+            mean and variance) as ``Weight`` rows named by buffer path, as the step's forward
+            found them (default ``False``).
         include, exclude: regexes searched in tensor names, class names (``"Linear"``) or
             classes (``nn.LayerNorm``) of the owning module; apply to every tensor type.
         every: record every N-th step (0, N, 2N, ...).
