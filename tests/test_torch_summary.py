@@ -84,6 +84,8 @@ def test_random_and_special_values(dtype, fmt):
     [3e38] * 7,                        # constant near the float32 max: std exactly 0
     [1.0] * 5,
     [-1e-40, 2e-39, 1e-45],            # float32 subnormals only
+    [1e-45],                           # the smallest subnormal alone: its 8th power too
+    [3e-45, -1e-45, 0.0],
 ])
 def test_edge_cases(values):
     assert_matches_reference(torch.tensor(values, dtype=torch.float32))

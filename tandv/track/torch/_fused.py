@@ -142,9 +142,10 @@ def _load(ptr, idx, m, lut_ptr, MODE: tl.constexpr):
 
 @triton.jit
 def _no_moments():
-    """The moments of no values: scale exponent, count, mean, m2 and the power sums."""
+    """The moments of no values: scale exponent (below any float32's), count, mean, m2
+    and the power sums."""
     zero = tl.full([], 0.0, tl.float64)
-    return tl.full([], -126, tl.int32), zero, zero, zero, zero, zero, zero, zero
+    return tl.full([], -149, tl.int32), zero, zero, zero, zero, zero, zero, zero
 
 
 @triton.jit
@@ -207,8 +208,10 @@ def _scan(ptr, start, end, lut_ptr, fmax, MODE: tl.constexpr, SUB: tl.constexpr,
         top_bits = tl.max(tl.where(fin, bits, 0))
         amax = tl.maximum(amax, top_bits)
 
-        # moments of the block, scaled by 2**-Eb (two factors: each stays a normal float32)
-        Eb = tl.maximum(E, (top_bits >> 23) - 126)
+        # moments of the block, scaled by 2**-Eb, Eb the block's largest exponent + 1 (at
+        # least the running E; subnormals exactly: -148 for 2**-149), in two factors that
+        # each stay a normal float32
+        Eb = tl.maximum(E, _exponent(top_bits, SUB) + 1)
         h = Eb >> 1
         q_signed = (xf * _pow2_f32(-h)) * _pow2_f32(h - Eb)
         q = tl.abs(q_signed)
@@ -290,7 +293,7 @@ def _merge_parts(base, n_parts, GROUP: tl.constexpr):
         mx = tl.maximum(mx, tl.max(tl.where(ok, _column(tile, cols, 5), float("-inf"))))
         amin = tl.minimum(amin, tl.min(tl.where(ok, _column(tile, cols, 6), float("inf"))))
         amax = tl.maximum(amax, tl.max(_column(tile, cols, 7)))
-        Ei = tl.where(ok, _column(tile, cols, 8), -126.0).to(tl.int32)
+        Ei = tl.where(ok, _column(tile, cols, 8), -149.0).to(tl.int32)
         ni = _column(tile, cols, 9)
         Eg = tl.max(Ei)
         r = _pow2_f64(Ei - Eg)
