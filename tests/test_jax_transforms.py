@@ -364,3 +364,54 @@ def test_step_with_params_and_gradients_only(tmp_path):
     df = read_log(tmp_path / "log")
     assert_row_matches(df, "kernel", "Gradient", 0, grads["params"]["kernel"])
     assert_row_matches(df, "kernel", "Weight", 0, params["params"]["kernel"])
+
+
+# ----------------------------------------------------------------------------- compilations
+
+
+def test_scheduled_and_unscheduled_steps_compile_once_each(tmp_path):
+    """intercept keeps the user's own program for unscheduled steps and the instrumented one
+    for tracked steps: after the first of each, no step traces or compiles anything, and on
+    the CPU no tap reports by host callback."""
+    from jax import monitoring
+
+    from tandv.track.jax import _intercept
+
+    from test_jax_tracker import MLP
+
+    model, opt = MLP(), optax.adam(1e-2)
+    x, y = data()
+    # Committed to one device from the start, as the update's outputs are: jit compiles
+    # again for arguments whose placement changes, tracked or not.
+    params, x, y = jax.device_put((model.init(jax.random.key(1), x), x, y), jax.devices()[0])
+    state = jax.device_put(opt.init(params), jax.devices()[0])
+    traces, compiles, callbacks = [], [], []
+
+    @jax.jit
+    def update(p, s, x, y):
+        traces.append(1)
+        g = jax.grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, g
+
+    def on_event(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(on_event)
+    deliver = _intercept._deliver
+    try:
+        _intercept._deliver = lambda *a: (callbacks.append(1), deliver(*a))
+        with track(params, state, out=tmp_path / "log", every=2, verbose=False) as tracker:
+            for step in range(8):
+                params, state, grads = tracker.intercept(update, params, state, x, y)
+                tracker.step(params, state, grads)
+                if step == 1:
+                    warm = len(compiles)
+    finally:
+        _intercept._deliver = deliver
+        monitoring.unregister_event_duration_listener(on_event)
+    assert len(traces) == 2  # the instrumented program and the user's own
+    assert len(compiles) == warm  # steps 2..7 compiled nothing
+    assert callbacks == []
+    assert sorted(set(read_log(tmp_path / "log")[("metadata", "step")])) == [0, 2, 4, 6]

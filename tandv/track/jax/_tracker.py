@@ -413,10 +413,9 @@ class JaxTracker:
                 if _VMAP_REFUSAL not in str(e):
                     raise
                 raise ValueError(
-                    "tandv: module outputs computed under jax.vmap (also inside jax.hessian and "
-                    "jax.jacfwd) cannot be tracked: their summaries would be batched. Apply vmap "
-                    "outside tracker.intercept(), or track(..., track_activations=False, "
-                    "track_gradients=False) to keep weights and optimizer state") from e
+                    "tandv: a module output's summary came out batched (a vmap tandv did not "
+                    "see through); exclude that module (track(..., exclude=[...])) or track with "
+                    "track_activations=False, track_gradients=False to keep the other rows") from e
 
     def _collect_mailboxes(self) -> None:
         for report in self._mailboxes.collect():
