@@ -15,12 +15,15 @@ It replaced one unordered ``io_callback`` per tap: on XLA:CPU each callback that
 a value computed mid-update stalled the update (a transformer step: 44 callbacks carrying
 8-element summaries cost ~90 ms of 220; the same summaries written to refs ~5 ms).
 
-Where refs cannot serve, a tap reports by callback instead: inside a loop body
-(``lax.scan``/``fori_loop``, ``nn.scan``; a ref would keep the last iteration only, and
-scan's transpose cannot hold one), and when the arena is full. Under ``jax.vmap`` neither
-works (a batched value cannot be written to an unbatched ref; the tracker turns JAX's error
-into one that says what to do). A summary computed outside any trace (an update that is
-not jitted) is handed over directly.
+Where refs cannot serve, a tap reports by ``jax.debug.callback`` instead: inside a loop
+body (``lax.scan``/``fori_loop``, ``nn.scan``; a ref would keep the last iteration only, and
+scan's transpose cannot hold one), inside ``shard_map``/``pmap`` (no refs there; each
+device reports its shard), inside ``jax.checkpoint`` bodies that JAX stages out again for
+partial evaluation (``nn.scan(nn.remat(...))``), and when the arena is full. Which of these
+encloses a tap is read from JAX's trace chain (:func:`current_scope`). Under ``jax.vmap``
+the summary is taken of the whole batched array, below every vmap, so it is one unbatched
+summary a mailbox can hold. A summary computed outside any trace (an update that is not
+jitted) is handed over directly.
 
 A mailbox also counts its writes: one the computation skipped (a tap dropped by dead-code
 elimination, a branch not taken) is not reported, and one written twice in a step is
