@@ -25,7 +25,30 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from tandv.demos.jax_demo import Transformer  # noqa: E402
-from tandv.track.jax import track  # noqa: E402
+from tandv.track.jax import _intercept, track  # noqa: E402
+
+
+class Counters:
+    """Host callbacks (tap reports delivered by callback) and XLA compilations, counted while
+    ``active``."""
+
+    def __init__(self) -> None:
+        self.callbacks = 0
+        self.compiles = 0
+        self.active = False
+        deliver = _intercept._deliver
+
+        def counted(*args):
+            if self.active:
+                self.callbacks += 1
+            return deliver(*args)
+
+        _intercept._deliver = counted
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        if self.active and event == "/jax/core/compile/backend_compile_duration":
+            self.compiles += 1
 
 
 class MLP(nn.Module):
@@ -107,10 +130,13 @@ def main() -> None:
 
         for name in variants:  # warm-up: compile every version
             block(name)
+        counters = Counters()
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.rounds):
             for name in variants:
+                counters.active = name == "every=1"
                 times[name].append(block(name))
+                counters.active = False
         positions = by_position(t10, update, carry, x, y, args.by_position)
         t1.close()
         t10.close()
@@ -123,6 +149,9 @@ def main() -> None:
     for name in ("every=1", "every=10"):
         med = statistics.median(times[name])
         print(f"  {name:9s}  median step {1e3 * med / args.block:8.3f} ms   ratio of medians {med / base:.3f}")
+    tracked_steps = args.rounds * args.block
+    print(f"  every=1: {counters.callbacks / tracked_steps:.2f} host callbacks and "
+          f"{counters.compiles / tracked_steps:.2f} compilations per tracked step (after warm-up)")
     if positions:
         tracked, untracked = positions
         print(f"  every=10 step by step ({args.by_position} cycles), median ms by position "

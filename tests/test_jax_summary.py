@@ -21,8 +21,21 @@ MOMENTS = [CORE_FIELDS.index(f) for f in ("mean", "m2", "p1", "p2", "p4", "p8")]
 
 
 _jitted = {}
-PATHS = ["xla", pytest.param("ffi", marks=pytest.mark.skipif(
+PATHS = ["xla", "matmul", pytest.param("ffi", marks=pytest.mark.skipif(
     not _ffi.available(), reason="no in-program kernel on this machine"))]
+
+
+def _accelerator_twin(layout):
+    """summarize_jax as it runs on accelerators: exponent counts by one-hot matrix products
+    (no scatter), which JAX picks on every platform but the CPU; forced here while tracing."""
+    from unittest import mock
+
+    from tandv.track.jax import _summary
+
+    def fn(a):
+        with mock.patch.object(_summary, "_histogram", _summary.histogram_by_matmul):
+            return summarize_jax(a, layout)
+    return fn
 
 
 def _in_program(layout):
@@ -33,7 +46,8 @@ def _in_program(layout):
 def _device(x, fmt=None, path="xla"):
     ref, layout = summarize(np.asarray(x), fmt)
     if (layout, path) not in _jitted:  # one compile per layout (and shape), not per call
-        fn = _in_program(layout) if path == "ffi" else (lambda a: summarize_jax(a, layout))
+        fn = (_in_program(layout) if path == "ffi" else _accelerator_twin(layout) if path == "matmul"
+              else (lambda a: summarize_jax(a, layout)))
         _jitted[layout, path] = jax.jit(fn)
     return ref, layout, to_vector(jax.device_get(_jitted[layout, path](jnp.asarray(x))))
 
@@ -63,10 +77,15 @@ SPECIALS = np.array([1e-45, 3e-42, -1e-40, 1.2e-38, 0.0, -0.0, np.nan, np.inf, -
     (rng.normal(size=500).astype(ml_dtypes.bfloat16), None),
     (rng.normal(size=500).astype(np.float16) * np.float16(1e-6), None),  # float16 subnormals
     (rng.normal(size=64).astype(ml_dtypes.float8_e4m3fn), None),
+    (np.array([0.0, -0.0, 1e-45, -3e-42, np.inf, -np.inf, np.nan, 448.0, -0.001953125],
+              np.float32).astype(ml_dtypes.float8_e4m3fn), None),
+    (np.array([0.0, -0.0, 2.0 ** -16, -(2.0 ** -14), 57344.0, -np.inf, np.nan, 1.5],
+              np.float32).astype(ml_dtypes.float8_e5m2), None),
     (np.zeros((0, 3), np.float32), None),
     (np.array([np.nan, np.inf], np.float32), None),
 ], ids=["f32", "f32-as-e4m3", "f32-as-bf16", "f32-subnormal", "specials", "specials-as-f16",
-        "specials-as-f64", "bf16", "f16-subnormal", "e4m3", "empty", "no-finite"])
+        "specials-as-f64", "bf16", "f16-subnormal", "e4m3", "e4m3-specials", "e5m2-specials", "empty",
+        "no-finite"])
 @pytest.mark.parametrize("path", PATHS)
 def test_matches_reference(x, fmt, path):
     assert_matches(x, fmt, path)
@@ -102,7 +121,7 @@ def test_custom_statistic_is_appended():
 
 @settings(max_examples=60, deadline=None)
 @given(hnp.arrays(np.float32, 41, elements=st.floats(width=32, allow_nan=True, allow_infinity=True)),
-       st.sampled_from([None, "bfloat16", "float8_e5m2"]), st.sampled_from(["xla", "ffi"]))
+       st.sampled_from([None, "bfloat16", "float8_e5m2"]), st.sampled_from(["xla", "matmul", "ffi"]))
 def test_matches_reference_property(x, fmt, path):
     if path == "ffi" and not _ffi.available():
         return

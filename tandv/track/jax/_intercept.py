@@ -15,12 +15,15 @@ It replaced one unordered ``io_callback`` per tap: on XLA:CPU each callback that
 a value computed mid-update stalled the update (a transformer step: 44 callbacks carrying
 8-element summaries cost ~90 ms of 220; the same summaries written to refs ~5 ms).
 
-Where refs cannot serve, a tap reports by callback instead: inside a loop body
-(``lax.scan``/``fori_loop``, ``nn.scan``; a ref would keep the last iteration only, and
-scan's transpose cannot hold one), and when the arena is full. Under ``jax.vmap`` neither
-works (a batched value cannot be written to an unbatched ref; the tracker turns JAX's error
-into one that says what to do). A summary computed outside any trace (an update that is
-not jitted) is handed over directly.
+Where refs cannot serve, a tap reports by ``jax.debug.callback`` instead: inside a loop
+body (``lax.scan``/``fori_loop``, ``nn.scan``; a ref would keep the last iteration only, and
+scan's transpose cannot hold one), inside ``shard_map``/``pmap`` (no refs there; each
+device reports its shard), inside ``jax.checkpoint`` bodies that JAX stages out again for
+partial evaluation (``nn.scan(nn.remat(...))``), and when the arena is full. Which of these
+encloses a tap is read from JAX's trace chain (:func:`current_scope`). Under ``jax.vmap``
+the summary is taken of the whole batched array, below every vmap, so it is one unbatched
+summary a mailbox can hold. A summary computed outside any trace (an update that is not
+jitted) is handed over directly.
 
 A mailbox also counts its writes: one the computation skipped (a tap dropped by dead-code
 elimination, a branch not taken) is not reported, and one written twice in a step is
@@ -42,8 +45,8 @@ module classes while a tracker is open; the wrapper does nothing outside an inte
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import sys
 import threading
 import warnings
 import weakref
@@ -53,12 +56,15 @@ from typing import Any, Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
+from jax._src import config as _config
+from jax._src import core as _core
+from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import partial_eval as _pe
 
 from ._summary import DeviceSummary
 
 __all__ = ["TRACKING", "Probe", "Mailboxes", "tap", "register", "interception", "ROOT_NAME", "acquire_nnx",
-           "release_nnx"]
+           "release_nnx", "tag_nnx_paths", "untag_nnx_paths", "current_scope", "Scope"]
 
 #: The jit-cache-sensitive switch: while a tracker intercepts, a tuple that starts with its
 #: token; else None.
@@ -88,22 +94,78 @@ def _deliver(token: int, name: str, module_type: str, dtypes: list[tuple[str, st
 Reports = list[tuple[str, Any, DeviceSummary]]
 
 
-def _traced_inside(jax_file: str) -> bool:
-    """Whether the caller is being traced inside what JAX's module ``jax_file`` implements,
-    read from the Python stack (a traced value does not say)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(jax_file):
-            return True
-        frame = frame.f_back
-    return False
+@dataclass(frozen=True)
+class Scope:
+    """The transforms enclosing the code being traced, read from JAX's own trace chain
+    (each trace records what it was made for and its parent trace).
+
+    Attributes:
+        loop: inside a loop body (``lax.scan``, ``while_loop``, ``fori_loop``, and what is
+            built on them: ``nn.scan``, ``nnx.scan``): a ref would keep the last iteration only.
+        remat: inside ``jax.checkpoint`` (``nn.remat``, ``nnx.remat``): the forward pass runs
+            again in the backward pass, and JAX may reuse the traced body in a later trace.
+        manual: inside ``shard_map`` (also ``jax.pmap``, which JAX builds on it): refs are not
+            available there, and each device sees its own shard.
+        restaged: inside ``jax.checkpoint`` traced for partial evaluation (the
+            differentiated body of a loop, e.g. ``nn.scan(nn.remat(...))``): JAX stages the
+            body out again and again, and a ref closed over by one staging is unknown to the
+            next.
+    """
+
+    loop: bool = False
+    remat: bool = False
+    manual: bool = False
+    restaged: bool = False
 
 
-#: Loop bodies: ``lax.scan``, ``while_loop``, ``fori_loop`` and what is built on them
-#: (``nn.scan``).
-_LOOPS = "/".join(("", "lax", "control_flow", "loops.py"))
-#: Rematerialized functions: ``jax.checkpoint`` (``nn.remat``).
-_REMAT = "/ad_checkpoint.py"
+_LOOP_TRACES = frozenset({"scan", "while_body", "while_cond", "fori_loop"})
+_REMAT_TRACE = "checkpoint / remat"
+_MANUAL_TRACE = "shard_map"
+
+
+def current_scope() -> Scope:
+    """The :class:`Scope` of the code being traced now (all False outside any trace)."""
+    loop = remat = manual = partial = False
+    trace = _core.trace_ctx.trace
+    while trace is not None:
+        info = getattr(getattr(trace, "frame", None), "debug_info", None)
+        kind = getattr(info, "traced_for", None)
+        loop |= kind in _LOOP_TRACES
+        remat |= kind == _REMAT_TRACE
+        manual |= kind == _MANUAL_TRACE
+        partial |= isinstance(trace, _pe.JaxprTrace)
+        trace = getattr(trace, "parent_trace", None)
+    return Scope(loop, remat, manual, remat and partial)
+
+
+def _unbatched(x: Any) -> tuple[Any, Any]:
+    """``(array, trace)``: for a value batched by ``jax.vmap`` (possibly nested), the whole
+    batched array (mapped axes included) and the trace below every vmap, under which it can
+    be summarized as one array; else ``(x, None)``."""
+    if not isinstance(x, _batching.BatchTracer):
+        return x, None
+    while isinstance(x, _batching.BatchTracer):
+        trace = x._trace.parent_trace
+        x = x.val
+    return x, trace
+
+
+def _manual_keep(x: Any) -> Any:
+    """Inside ``shard_map``: whether this device's report of ``x`` counts (traced bool).
+
+    Each device reports the summary of its own shard; the recorder merges the reports into
+    the summary of the whole array. Over a mesh axis along which ``x`` is the same on every
+    device (JAX's varying-axes types say so when the ``shard_map`` checks them), only the
+    device at index 0 counts, so a replicated value is not counted once per device."""
+    axes = _core.get_axis_env().axis_names()
+    varying = getattr(getattr(jax.typeof(x), "mat", None), "varying", None)
+    if varying is None or not _config._check_vma.value:
+        return jnp.ones((), jnp.bool_)  # no varying-axes types: every shard is distinct data
+    keep = jnp.ones((), jnp.bool_)
+    for axis in axes:
+        if axis not in varying:
+            keep &= jax.lax.axis_index(axis) == 0
+    return keep
 
 
 @dataclass(eq=False)
@@ -177,10 +239,12 @@ class Mailboxes:
         """The current arena (a ``jax.Ref``; None before :meth:`prepare`)."""
         return self._arena
 
-    def post(self, name: str, module_type: str, reports: Reports, arena: Any = None) -> bool:
+    def post(self, name: str, module_type: str, reports: Reports, arena: Any = None,
+             remat: bool = False) -> bool:
         """Write ``reports`` (traced) to a new mailbox; False where the arena has no room left
         (the caller then sends them by callback). ``arena``: the current arena as the traced
-        function sees it, when it was passed in as an argument (by default it is closed over)."""
+        function sees it, when it was passed in as an argument (by default it is closed over).
+        ``remat``: written inside ``jax.checkpoint`` (a second write per step is expected)."""
         words = [w for _, _, s in reports for w in (_words(s.counts), _words(s.values))]
         size = 1 + sum(w.shape[0] for w in words)
         with self._lock:
@@ -196,7 +260,7 @@ class Mailboxes:
                 self._boxes.append(_Box(name, module_type, [
                     (t, str(d), jax.ShapeDtypeStruct(s.counts.shape, s.counts.dtype),
                      jax.ShapeDtypeStruct(s.values.shape, s.values.dtype)) for t, d, s in reports],
-                    [w.shape[0] for w in words], offset, _traced_inside(_REMAT)))
+                    [w.shape[0] for w in words], offset, remat))
         return True
 
     def collect(self) -> list[tuple[str, str, str, str, DeviceSummary]]:
@@ -239,7 +303,8 @@ def _unwords(words: np.ndarray, like: jax.ShapeDtypeStruct) -> np.ndarray:
 class Probe:
     """What a tap reports: to which tracker, under which name, and what to summarize.
 
-    Hashed by identity (it is a static argument of the ``custom_vjp``)."""
+    Hashed by identity (it is a static argument of the ``custom_vjp``). ``manual``: the tap
+    lies inside ``shard_map``/``pmap`` (see :func:`_manual_keep`)."""
 
     token: int
     name: str
@@ -247,19 +312,36 @@ class Probe:
     forward: bool
     backward: bool
     summarize: Callable[[jax.Array], DeviceSummary]
+    manual: bool = False
 
-    def emit(self, reports: Reports, arena: Any = None) -> None:
+    def summary(self, x: Any) -> tuple[Any, DeviceSummary, Any]:
+        """``(dtype, summary, keep)`` of ``x``: under ``jax.vmap`` the summary of the whole
+        batched array (the mapped axes are summarized too, as a per-example loss's
+        activations form one tensor), computed below every vmap so that it is one unbatched
+        summary; ``keep`` is :func:`_manual_keep` inside ``shard_map`` (else None)."""
+        whole, below = _unbatched(x)
+        with contextlib.nullcontext() if below is None else _core.set_current_trace(below):
+            return whole.dtype, self.summarize(whole), _manual_keep(whole) if self.manual else None
+
+    def report(self, tensor_type: str, x: Any, arena: Any = None, remat: bool = False) -> None:
+        """Summarize ``x`` and send it to the tracker (see :meth:`emit`)."""
+        whole, below = _unbatched(x)
+        with contextlib.nullcontext() if below is None else _core.set_current_trace(below):
+            self.emit([(tensor_type, whole.dtype, self.summarize(whole))], arena, remat)
+
+    def emit(self, reports: Reports, arena: Any = None, remat: bool = False) -> None:
         """Send ``(tensor_type, dtype, summary)`` reports to the tracker: directly when they are
         concrete, else by mailbox (``arena``: see :meth:`Mailboxes.post`), else (no room left)
         by host callback."""
         tracker = _TRACKERS.get(self.token)
         if (_is_traced(reports) and tracker is not None
-                and tracker._mailboxes.post(self.name, self.module_type, reports, arena)):
+                and tracker._mailboxes.post(self.name, self.module_type, reports, arena, remat)):
             return
         self.send(reports)
 
-    def send(self, reports: Reports) -> None:
-        """Send reports directly when they are concrete, else by one host callback."""
+    def send(self, reports: Reports, keep: Any = None) -> None:
+        """Send reports directly when they are concrete, else by one host callback (dropped
+        there when the traced bool ``keep`` is False)."""
         dtypes = [(tensor_type, str(dtype)) for tensor_type, dtype, _ in reports]
         summaries = [summary for _, _, summary in reports]
         if not _is_traced(reports):
@@ -268,8 +350,13 @@ class Probe:
         tracker = _TRACKERS.get(self.token)
         if tracker is not None:
             tracker._used_callbacks = True
-        io_callback(functools.partial(_deliver, self.token, self.name, self.module_type, dtypes),
-                    None, summaries, ordered=False)
+        deliver = functools.partial(_deliver, self.token, self.name, self.module_type, dtypes)
+        # A debug callback: its effect is one JAX allows inside jax.checkpoint (an
+        # io_callback's is refused there), loops and custom derivatives.
+        if keep is None:
+            jax.debug.callback(deliver, summaries)
+        else:
+            jax.debug.callback(lambda s, k: deliver(s) if bool(k) else None, summaries, keep)
 
 
 def _is_traced(reports: Reports) -> bool:
@@ -291,16 +378,20 @@ def tap(probe: Probe, x: jax.Array) -> jax.Array:
     is closed over (an argument ref fails to compile when the output is not differentiated,
     which a checkpointed function rarely is).
 
-    Inside a loop body, both are reported by host callbacks from the ``custom_vjp`` rules
-    (see :func:`_callback_tap`)."""
-    if _traced_inside(_LOOPS):
+    Inside a loop body or ``shard_map``/``pmap``, both are reported by host callbacks from
+    the ``custom_vjp`` rules (see :func:`_callback_tap`); under ``jax.vmap``, summaries are
+    of the whole batched array (see :meth:`Probe.summary`)."""
+    scope = current_scope()
+    if scope.loop or scope.manual or scope.restaged:
+        if scope.manual:
+            probe = dataclasses.replace(probe, manual=True)
         return _callback_tap(probe, x)
     if probe.forward:
-        probe.emit([("Activation", x.dtype, probe.summarize(jax.lax.stop_gradient(x)))])
+        probe.report("Activation", jax.lax.stop_gradient(x), remat=scope.remat)
     if not probe.backward:
         return x
     tracker = _TRACKERS.get(probe.token)
-    if tracker is not None and tracker._mailboxes.arena is not None and _traced_inside(_REMAT):
+    if tracker is not None and tracker._mailboxes.arena is not None and scope.remat:
         return _cotangent_tap_ref(probe, tracker._mailboxes.arena, x)
     return _cotangent_tap(probe, x)
 
@@ -316,7 +407,7 @@ def _cotangent_fwd(probe: Probe, x: jax.Array) -> tuple[jax.Array, None]:
 
 
 def _cotangent_bwd(probe: Probe, res: None, g: jax.Array) -> tuple[jax.Array]:
-    probe.emit([("Gradient", g.dtype, probe.summarize(g))])
+    probe.report("Gradient", g)
     return (g,)
 
 
@@ -334,7 +425,7 @@ def _cotangent_ref_fwd(probe: Probe, arena: Any, x: jax.Array) -> tuple[jax.Arra
 
 
 def _cotangent_ref_bwd(probe: Probe, arena: Any, g: jax.Array) -> tuple[None, jax.Array]:
-    probe.emit([("Gradient", g.dtype, probe.summarize(g))], arena)
+    probe.report("Gradient", g, arena, remat=True)
     return None, g
 
 
@@ -343,11 +434,12 @@ _cotangent_tap_ref.defvjp(_cotangent_ref_fwd, _cotangent_ref_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _callback_tap(probe: Probe, x: jax.Array) -> jax.Array:  # the primal: not differentiated
-    """:func:`tap` for loop bodies, every report by host callback from the rules of a
-    ``custom_vjp``, which JAX never differentiates (a callback of the activation made in the
-    differentiated body of a scan is dropped)."""
+    """:func:`tap` for loop bodies and ``shard_map``, every report by host callback from the
+    rules of a ``custom_vjp``, which JAX never differentiates (a callback of the activation
+    made in the differentiated body of a scan is dropped)."""
     if probe.forward:
-        probe.send([("Activation", x.dtype, probe.summarize(x))])
+        dtype, summary, keep = probe.summary(x)
+        probe.send([("Activation", dtype, summary)], keep)
     return x
 
 
@@ -356,15 +448,19 @@ def _callback_fwd(probe: Probe, x: jax.Array) -> tuple[jax.Array, Any]:
     # there (with the cotangent's, when wanted): a callback made in this rule inside a
     # differentiated scan is dropped. A cotangent has its primal's dtype, which names the
     # activation's too.
-    return x, probe.summarize(x) if probe.forward else None
+    return x, probe.summary(x)[1:] if probe.forward else None
 
 
 def _callback_bwd(probe: Probe, res: Any, g: jax.Array) -> tuple[jax.Array]:
-    reports = [("Gradient", g.dtype, probe.summarize(g))] if probe.backward else []
+    reports, keep = [], None
+    if probe.backward:
+        dtype, summary, keep = probe.summary(g)
+        reports.append(("Gradient", dtype, summary))
     if res is not None:
-        reports.insert(0, ("Activation", g.dtype, res))
+        reports.insert(0, ("Activation", g.dtype, res[0]))
+        keep = res[1] if keep is None else keep
     if reports:
-        probe.send(reports)
+        probe.send(reports, keep)
     return (g,)
 
 
@@ -396,6 +492,41 @@ def _nnx_call_owners() -> list[type]:
     return owners
 
 
+#: Attribute naming an nnx module's path in the tracked model (set by the tracker while it
+#: is open): plain attributes are static data of the module's graph, so the copies nnx
+#: transforms merge inside a traced function carry it too.
+NNX_PATH_ATTR = "_tandv_path"
+_warned_classes: set[type] = set()
+
+
+def _warn_untracked(cls: type) -> None:
+    if cls not in _warned_classes:
+        _warned_classes.add(cls)
+        warnings.warn(f"tandv: an nnx {cls.__name__} module called inside intercept() is not part of the "
+                      f"tracked model (track(model_state=...)) nor of the outermost module called; its "
+                      f"outputs are not tracked", RuntimeWarning, stacklevel=4)
+
+
+def tag_nnx_paths(model: Any) -> list[Any]:
+    """Tag every module of the nnx ``model`` with its path (see :data:`NNX_PATH_ATTR`);
+    returns the tagged modules, for :func:`untag_nnx_paths`."""
+    from flax import nnx
+
+    tagged = []
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module):
+            object.__setattr__(node, NNX_PATH_ATTR, ".".join(map(str, path)) or ROOT_NAME)
+            tagged.append(node)
+    return tagged
+
+
+def untag_nnx_paths(modules: list[Any]) -> None:
+    """Remove the tags :func:`tag_nnx_paths` set."""
+    for node in modules:
+        if NNX_PATH_ATTR in vars(node):
+            object.__delattr__(node, NNX_PATH_ATTR)
+
+
 def _wrap_nnx_call(original: Callable) -> Callable:
     from flax import nnx
 
@@ -416,9 +547,16 @@ def _wrap_nnx_call(original: Callable) -> Callable:
         finally:
             state.depth = depth
         path = state.paths.get(id(self))
-        if path is None:  # a module created during the call; not part of the tree
-            return out
-        return on_output(".".join(str(p) for p in path) or ROOT_NAME, type(self), out)
+        if path is not None:
+            name = ".".join(str(p) for p in path) or ROOT_NAME
+        else:
+            # A copy made by an nnx transform (nnx.scan, nnx.vmap, nnx.remat split the
+            # module and merge a new one inside): its tag says where the original lies.
+            name = getattr(self, NNX_PATH_ATTR, None)
+            if name is None:
+                _warn_untracked(type(self))
+                return out
+        return on_output(name, type(self), out)
 
     return __call__
 

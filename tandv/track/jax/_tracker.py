@@ -17,9 +17,10 @@ from ...stats.summary import Layout
 from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_schedule
 from ..common.custom import StatsSpec, parse_custom_stats
 from . import _ffi
-from ._intercept import ROOT_NAME, Mailboxes, Probe, acquire_nnx, interception, register, release_nnx, tap
+from ._intercept import (ROOT_NAME, Mailboxes, Probe, acquire_nnx, interception, register, release_nnx, tag_nnx_paths,
+                         tap, untag_nnx_paths)
 from ._summary import CustomStat, DeviceSummary, summarize_jax, summarize_many_jax, to_vector, with_custom
-from ._trees import Leaf, is_float_array, key_name, optimizer_state_leaves, param_leaves
+from ._trees import Leaf, collection_leaves, is_float_array, key_name, optimizer_state_leaves, param_leaves
 
 __all__ = ["JaxTracker", "track"]
 
@@ -105,6 +106,65 @@ def _is_nnx_optimizer(x: Any) -> bool:
     return isinstance(x, nnx.Optimizer)
 
 
+class _Parts(NamedTuple):
+    """What a ``model_state`` holds, by kind: the parameters the forward pass uses, the
+    optimizer state it carries (a ``TrainState``'s ``opt_state``), the model state a
+    ``TrainState`` keeps beside the parameters (``batch_stats``, as a variables dict
+    ``{"params": ..., "batch_stats": ...}``) and ``optax.lookahead``'s slow parameters."""
+
+    params: Any
+    opt_state: Any = None
+    collections: Any = None
+    slow: Any = None
+
+
+def _is_lookahead(x: Any) -> bool:
+    import optax
+
+    return isinstance(x, optax.LookaheadParams)
+
+
+def _is_train_state(x: Any) -> bool:
+    """A ``flax.training.train_state.TrainState`` or any struct like it (attributes
+    ``params`` and ``opt_state``)."""
+    return not isinstance(x, Mapping) and hasattr(x, "params") and hasattr(x, "opt_state")
+
+
+def _parts(model_state: Any) -> _Parts:
+    """Split ``model_state`` into :class:`_Parts` (see ``track``'s docstring for the forms)."""
+    if _is_nnx_module(model_state):
+        from flax import nnx
+
+        return _Parts(nnx.state(model_state, nnx.Param))
+    if _is_train_state(model_state):
+        inner = _parts(model_state.params)
+        stats = getattr(model_state, "batch_stats", None)
+        collections = None if stats is None else {"params": inner.params, "batch_stats": stats}
+        return _Parts(inner.params, model_state.opt_state, collections, inner.slow)
+    if _is_lookahead(model_state):
+        return _Parts(model_state.fast, slow=model_state.slow)
+    return _Parts(model_state)
+
+
+def _gradients_of(gradients: Any) -> Any:
+    """The parameter gradients in ``gradients`` (an nnx ``State``, a pytree, or lookahead
+    parameters, whose ``fast`` part holds them)."""
+    return gradients.fast if _is_lookahead(gradients) else gradients
+
+
+#: The mesh axis JAX names a ``jax.pmap`` without ``axis_name``.
+_PMAP_AXIS = "_internal_pmap_axis_name"
+
+
+def _pmap_stacked(arrays: Sequence[Any]) -> bool:
+    """Whether some array came out of ``jax.pmap`` (its sharding is over pmap's own axis)."""
+    for x in arrays:
+        mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+        if mesh is not None and _PMAP_AXIS in getattr(mesh, "axis_names", ()):
+            return True
+    return False
+
+
 def _parse_stats(stats: StatsSpec, stats_merge: Mapping[str, str] | None
                  ) -> tuple[dict[str, CustomStat], tuple[tuple[str, str], ...]]:
     """Custom statistics as ``{name: array -> scalar}`` plus their merge rules.
@@ -156,19 +216,21 @@ class JaxTracker:
         run_name: str = "jax",
         flush_every: int = 10,
         verbose: bool = True,
+        device_axis: bool = False,
     ) -> None:
         if optimizer_state is not None and model_state is None:
             raise ValueError(
                 "track(): optimizer_state was given without model_state; optimizer-state leaves are "
                 "named after the parameters they mirror, so pass model_state too"
             )
-        if model_state is not None and not param_leaves(self._params_of(model_state))[0]:
+        if model_state is not None and not param_leaves(_parts(model_state).params)[0]:
             raise ValueError(
                 f"track(): model_state has no floating-point leaves to track (got "
                 f"{type(model_state).__name__}); pass the parameters, e.g. the dict from "
                 f"model.init(...) or an nnx module"
             )
-        for arg, value in (("track_activations", track_activations), ("track_gradients", track_gradients)):
+        for arg, value in (("track_activations", track_activations), ("track_gradients", track_gradients),
+                           ("device_axis", device_axis)):
             if not isinstance(value, bool):
                 raise TypeError(f"track(): {arg}={value!r}: expected True or False")
         self._selector = Selector.build(include, exclude)
@@ -178,7 +240,13 @@ class JaxTracker:
         self._track_activations = track_activations
         self._track_gradients = track_gradients
         self._has_model = model_state is not None
-        self._has_optimizer = optimizer_state is not None
+        self._has_optimizer = optimizer_state is not None  # given apart from model_state
+        if model_state is not None and optimizer_state is not None and _parts(model_state).opt_state is not None:
+            raise ValueError(
+                f"track(): model_state ({type(model_state).__name__}) holds the optimizer state "
+                f"already (its opt_state); leave optimizer_state out"
+            )
+        self._device_axis = device_axis
         self._layouts: dict[str, Layout] = {}
         self._module_types: dict[str, type] = {}
         self._names_cache: dict[Any, Any] = {}
@@ -194,6 +262,7 @@ class JaxTracker:
         self._on_cpu = False
         self._intercepted = False  # whether intercept() ran in the current step
         self._next_weights: list[tuple[Leaf, Any, _StackRow]] = []
+        self._nnx_tagged: list[Any] = []
         self.step_count = 0
         self._recorder = StepRecorder(out, out_format, run_name, flush_every=flush_every, verbose=verbose)
         self.out_path = self._recorder.path
@@ -201,7 +270,7 @@ class JaxTracker:
         acquire_nnx()
         if model_state is not None:
             self._learn_nnx_types(model_state)
-            self._prepare_weights(self._params_of(model_state), 0)
+            self._prepare_weights(_parts(model_state), 0)
 
     # ------------------------------------------------------------------ context manager
 
@@ -217,6 +286,8 @@ class JaxTracker:
         An unfinished step (intercepted but not closed by :meth:`step`) is dropped."""
         if not self._recorder.closed:
             release_nnx()
+            untag_nnx_paths(self._nnx_tagged)
+            self._nnx_tagged = []
         self._recorder.close()
         return self.out_path
 
@@ -342,10 +413,9 @@ class JaxTracker:
                 if _VMAP_REFUSAL not in str(e):
                     raise
                 raise ValueError(
-                    "tandv: module outputs computed under jax.vmap (also inside jax.hessian and "
-                    "jax.jacfwd) cannot be tracked: their summaries would be batched. Apply vmap "
-                    "outside tracker.intercept(), or track(..., track_activations=False, "
-                    "track_gradients=False) to keep weights and optimizer state") from e
+                    "tandv: a module output's summary came out batched (a vmap tandv did not "
+                    "see through); exclude that module (track(..., exclude=[...])) or track with "
+                    "track_activations=False, track_gradients=False to keep the other rows") from e
 
     def _collect_mailboxes(self) -> None:
         for report in self._mailboxes.collect():
@@ -379,12 +449,8 @@ class JaxTracker:
     # ------------------------------------------------------------------ step
 
     @staticmethod
-    def _params_of(model_state: Any) -> Any:
-        if _is_nnx_module(model_state):
-            from flax import nnx
-
-            return nnx.state(model_state, nnx.Param)
-        return model_state
+    def _nnx_grads(gradients: Any) -> Any:
+        return _parts(gradients).params if _is_nnx_module(gradients) else gradients
 
     @staticmethod
     def _opt_of(optimizer_state: Any) -> Any:
@@ -394,6 +460,7 @@ class JaxTracker:
         if _is_nnx_module(model_state):
             from flax import nnx
 
+            self._nnx_tagged = tag_nnx_paths(model_state)
             for path, node in nnx.iter_graph(model_state):
                 if isinstance(node, nnx.Module):
                     self._module_types.setdefault(".".join(map(str, path)) or ROOT_NAME, type(node))
@@ -405,19 +472,31 @@ class JaxTracker:
         if named is None:
             if kind == OPTIMISER_STATE:
                 named = optimizer_state_leaves(tree, params)
+            elif kind == "collections":
+                named = collection_leaves(tree)
+            elif kind == "slow":
+                named = [Leaf(leaf.index, f"{leaf.name}.slow", leaf.param) for _, leaf in param_leaves(tree)[0]]
             else:
                 named = [leaf for _, leaf in param_leaves(tree)[0]]
             self._names_cache[cache_key] = named
         named = [n for n in named if self._selector(n.name, self._types_of(n.param))]
-        return named, [leaves[n.index] for n in named]
+        return named, [self._logical(leaves[n.index]) for n in named]
 
-    def _prepare_weights(self, params: Any, step: int) -> None:
-        """Start summarizing the weights that step ``step``'s forward pass will use (now, so a
-        later buffer donation cannot delete them)."""
+    def _logical(self, x: Any) -> Any:
+        """With ``device_axis``, one replica of a per-device stacked array (``jax.pmap``)."""
+        return x[0] if self._device_axis and getattr(x, "ndim", 0) > 0 else x
+
+    def _prepare_weights(self, parts: _Parts, step: int) -> None:
+        """Start summarizing the weights (and model state outside the parameters) that step
+        ``step``'s forward pass will use (now, so a later buffer donation cannot delete them)."""
         self._next_weights = []
         if not self._schedule(step):
             return
-        named, arrays = self._named(WEIGHT, params)
+        named, arrays = self._named(WEIGHT, parts.params)
+        if parts.collections is not None:
+            more, extra = self._named("collections", parts.collections)
+            named, arrays = named + more, arrays + extra
+        self._check_not_stacked(arrays)
         summaries = self._summarize_arrays(arrays)
         self._next_weights = [(n, a.dtype, s) for n, a, s in zip(named, arrays, summaries)]
 
@@ -446,6 +525,13 @@ class JaxTracker:
                 "(or track(track_gradients=False))"
             )
 
+    def _check_not_stacked(self, arrays: Sequence[Any]) -> None:
+        if not self._device_axis and _pmap_stacked(arrays):
+            raise ValueError(
+                "tandv: these arrays come out of jax.pmap: their leading axis holds one copy per "
+                "device; track(..., device_axis=True) gives the rows of the logical arrays (one replica)"
+            )
+
     def step(self, model_state: Any = None, optimizer_state: Any = None, gradients: Any = None) -> None:
         """Close the current step, after the update.
 
@@ -454,7 +540,8 @@ class JaxTracker:
                 ``model_state``. The Weight rows of step k hold the weights that step k's
                 forward pass used, so these become the Weight rows of the next step.
             optimizer_state: the optimizer state after this update (or ``nnx.Optimizer``), when
-                ``track`` was given ``optimizer_state``.
+                ``track`` was given ``optimizer_state``. When it was not, a second positional
+                argument is the gradients: ``step(params, grads)``, ``step(train_state, grads)``.
             gradients: this step's parameter gradients (same tree as the parameters), required
                 when ``track`` was given ``model_state`` and ``track_gradients`` is on.
 
@@ -462,17 +549,29 @@ class JaxTracker:
             ValueError: naming an argument that is missing or that ``track`` was not told about.
         """
         self._check_open("step")
+        if (optimizer_state is not None and gradients is None and not self._has_optimizer
+                and self._has_model and self._track_gradients):
+            # step(params, grads): no optimizer state was announced, so the second
+            # positional argument can only be the gradients
+            optimizer_state, gradients = None, optimizer_state
         self._check_step_args(model_state, optimizer_state, gradients)
         k = self.step_count
-        params = None if model_state is None else self._params_of(model_state)
+        parts = None if model_state is None else _parts(model_state)
+        params = None if parts is None else parts.params
         if self._schedule(k):
             named: list[tuple[Leaf, str, Any]] = []
             if gradients is not None:
-                leaves, arrays = self._named(GRADIENT, self._params_of(gradients))
+                leaves, arrays = self._named(GRADIENT, _gradients_of(self._nnx_grads(gradients)))
                 named += [(n, GRADIENT, a) for n, a in zip(leaves, arrays)]
-            if optimizer_state is not None:
-                leaves, arrays = self._named(OPTIMISER_STATE, self._opt_of(optimizer_state), params)
+            opt_state = parts.opt_state if parts is not None and parts.opt_state is not None else (
+                None if optimizer_state is None else self._opt_of(optimizer_state))
+            if opt_state is not None:
+                leaves, arrays = self._named(OPTIMISER_STATE, opt_state, params)
                 named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
+            if parts is not None and parts.slow is not None:
+                leaves, arrays = self._named("slow", parts.slow)
+                named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
+            self._check_not_stacked([a for _, _, a in named])
             summaries = self._summarize_arrays([a for _, _, a in named])
             self._collect_mailboxes()
             if self._used_callbacks:
@@ -487,8 +586,8 @@ class JaxTracker:
         self._used_callbacks = False
         self._intercepted = False
         self.step_count = k + 1
-        if params is not None:
-            self._prepare_weights(params, k + 1)
+        if parts is not None:
+            self._prepare_weights(parts, k + 1)
 
 
 def track(model_state: Any = None, optimizer_state: Any = None, **options: Any) -> JaxTracker:
@@ -497,8 +596,15 @@ def track(model_state: Any = None, optimizer_state: Any = None, **options: Any) 
     Arguments:
         model_state: the parameters (linen variables dict / params pytree, an nnx module, or an
             ``nnx.State``); their leaves give Weight rows and name gradients and optimizer state.
+            A ``flax.training.train_state.TrainState`` gives its ``params`` (Weight), its
+            ``opt_state`` (Optimiser_State; then leave ``optimizer_state`` out) and, where it
+            has one, its ``batch_stats`` (Weight rows ``batch_stats.<path>``).
+            ``optax.LookaheadParams`` give the fast parameters as Weight rows and the slow
+            ones as Optimiser_State rows ``<param>.slow``.
         optimizer_state: the optax state (or an ``nnx.Optimizer``); leaves that mirror a
             parameter give Optimiser_State rows ``<param>.<field>``.
+        device_axis: the arrays given to ``track`` and ``step`` carry a leading per-device
+            axis (``jax.pmap`` replicas); rows are of one replica, the logical array.
         track_activations: summarize module outputs inside :meth:`JaxTracker.intercept`.
         track_gradients: summarize the cotangents of module outputs and the parameter
             gradients passed to :meth:`JaxTracker.step`.

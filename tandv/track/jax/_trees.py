@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-__all__ = ["Leaf", "key_name", "param_leaves", "optimizer_state_leaves", "is_float_array"]
+__all__ = ["Leaf", "key_name", "param_leaves", "optimizer_state_leaves", "collection_leaves", "is_float_array"]
 
 #: The Flax linen collection whose leaves are the trainable parameters.
 PARAMS_COLLECTION = "params"
@@ -97,21 +97,24 @@ def _field(prefix: Sequence[Any]) -> str:
 def optimizer_state_leaves(opt_state: Any, params: Any) -> list[Leaf]:
     """Name the leaves of an optax state that mirror a parameter.
 
-    A leaf mirrors a parameter when its path *ends with* the parameter's full path and it
-    has the parameter's shape (optax states hold copies of the parameter tree: ``mu``,
-    ``nu``, ``trace``; masked transforms hold it with masked-out leaves removed). Its name is
+    A leaf mirrors a parameter when its path *ends with* the parameter's full path (optax
+    states hold copies of the parameter tree: ``mu``, ``nu``, ``trace``; masked transforms
+    hold it with masked-out leaves removed; factored states such as adafactor's ``v_row`` /
+    ``v_col`` hold per-parameter leaves of other shapes, which are tracked too). Its name is
     ``<parameter name>.<field>``, ``field`` being the last named entry of the path before the
-    parameter tree (``mu`` in ``(0, mu, params, Dense_0, kernel)``). When one state holds
-    several parameter-shaped trees under the same field name (``chain(trace(...),
-    trace(...))``), they are told apart as ``<field>_0``, ``<field>_1``, ... in pytree order.
-    Leaves that mirror no parameter (step counts, injected hyperparameters) are left out.
+    parameter tree (``mu`` in ``(0, mu, params, Dense_0, kernel)``). Only where one parameter
+    has the same field at several places of the state (``chain(trace(...), trace(...))``)
+    are they told apart, as ``<field>_0``, ``<field>_1``, ... in pytree order; the branches
+    of ``multi_transform`` (and ``optax.contrib.muon``, built on it) hold each parameter
+    once, so their names carry no branch. Leaves that mirror no parameter (step counts,
+    injected hyperparameters) are left out.
     """
-    by_path: dict[tuple[Any, ...], tuple[str, Any]] = {}
+    by_path: dict[tuple[Any, ...], str] = {}
     p_flat, _ = jax.tree_util.tree_flatten_with_path(params)
     named = dict(param_leaves(params)[0])
-    for path, leaf in p_flat:
+    for path, _leaf in p_flat:
         if tuple(path) in named:
-            by_path[_strip(path)] = (named[tuple(path)].name, getattr(leaf, "shape", None))
+            by_path[_strip(path)] = named[tuple(path)].name
     flat, _ = jax.tree_util.tree_flatten_with_path(opt_state)
     found: list[tuple[int, str, tuple[Any, ...]]] = []
     for i, (path, leaf) in enumerate(flat):
@@ -120,18 +123,35 @@ def optimizer_state_leaves(opt_state: Any, params: Any) -> list[Leaf]:
         p = _strip(path)
         for start in range(len(p)):
             hit = by_path.get(p[start:])
-            if hit is not None and hit[1] == leaf.shape:
-                found.append((i, hit[0], p[:start]))
+            if hit is not None:
+                found.append((i, hit, p[:start]))
                 break
-    prefixes: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
-    for _, _, prefix in found:
-        field = _field(prefix)
-        if prefix not in prefixes[field]:
-            prefixes[field].append(prefix)
+    prefixes: dict[tuple[str, str], list[tuple[Any, ...]]] = defaultdict(list)
+    for _, pname, prefix in found:
+        places = prefixes[pname, _field(prefix)]
+        if prefix not in places:
+            places.append(prefix)
     out = []
     for i, pname, prefix in found:
         field = _field(prefix)
-        if len(prefixes[field]) > 1:
-            field = f"{field}_{prefixes[field].index(prefix)}"
+        places = prefixes[pname, field]
+        if len(places) > 1:
+            field = f"{field}_{places.index(prefix)}"
         out.append(Leaf(i, f"{pname}.{field}", pname))
+    return out
+
+
+def collection_leaves(variables: Any) -> list[Leaf]:
+    """The float leaves of a linen variables dict outside its ``params`` collection (model
+    state such as ``batch_stats``), named ``<collection>.<path>``; ``param`` is the path
+    without the collection (the module that owns it names its ``type``)."""
+    if not isinstance(variables, Mapping) or PARAMS_COLLECTION not in variables:
+        return []
+    out = []
+    for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(variables)[0]):
+        if _params_root(path) or not is_float_array(leaf):
+            continue
+        p = _strip(path)
+        rest = ".".join(key_name(k) for k in p[1:])
+        out.append(Leaf(i, ".".join(key_name(k) for k in p), rest))
     return out
