@@ -103,3 +103,46 @@ def test_wandb_sink_offline(tmp_path, monkeypatch):
                 assert got[e] == c
     with pytest.raises(TypeError, match="wandb.init"):
         WandbSink(object())
+
+
+def test_jax_tracker_feeds_its_sinks(tmp_path):
+    """The JAX tracker hands every written batch of rows to its sinks, and closes them."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import optax
+    import pandas as pd
+
+    from tandv.track.jax import track as jax_track
+
+    class Recording:
+        def __init__(self):
+            self.batches, self.closed = [], False
+
+        def __call__(self, rows):
+            self.batches.append(rows)
+
+        def close(self):
+            self.closed = True
+
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+    opt = optax.sgd(0.1)
+    state = opt.init(params)
+
+    def update(p, s, x):
+        g = jax.grad(lambda q: jnp.sum((x @ q["w"] + q["b"]) ** 2))(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, g
+
+    sink = Recording()
+    with jax_track(model_state=params, optimizer_state=state, out=tmp_path / "log", sinks=[sink],
+                   flush_every=2, verbose=False) as tr:
+        for i in range(3):
+            params, state, grads = tr.intercept(update, params, state, jnp.full((2, 4), float(i)))
+            tr.step(params, state, grads)
+    df = read_log(tr.out_path)
+    sent = pd.concat(sink.batches, ignore_index=True)
+    assert sink.closed and len(sink.batches) == 2 and len(sent) == len(df)
+    key = [("metadata", "step"), ("metadata", "tensor_type"), ("metadata", "name")]
+    a = sent.sort_values(key).reset_index(drop=True)[("scalar_stats", "max_abs")]
+    b = df.sort_values(key).reset_index(drop=True)[("scalar_stats", "max_abs")]
+    np.testing.assert_array_equal(a.to_numpy(), b.to_numpy())

@@ -217,6 +217,7 @@ class JaxTracker:
         flush_every: int = 10,
         verbose: bool = True,
         device_axis: bool = False,
+        sinks: Sequence[Callable[[Any], Any]] = (),
     ) -> None:
         if optimizer_state is not None and model_state is None:
             raise ValueError(
@@ -264,7 +265,8 @@ class JaxTracker:
         self._next_weights: list[tuple[Leaf, Any, _StackRow]] = []
         self._nnx_tagged: list[Any] = []
         self.step_count = 0
-        self._recorder = StepRecorder(out, out_format, run_name, flush_every=flush_every, verbose=verbose)
+        self._recorder = StepRecorder(out, out_format, run_name, flush_every=flush_every, verbose=verbose,
+                                      sinks=sinks)
         self.out_path = self._recorder.path
         register(self._token, self)
         acquire_nnx()
@@ -624,5 +626,7 @@ def track(model_state: Any = None, optimizer_state: Any = None, **options: Any) 
         run_name: used in the default log path ``tandv_logs/<run_name>-<time>``.
         flush_every: write buffered rows to disk every N recorded steps (default 10).
         verbose: print the log path when the tracker opens.
+        sinks: callables that also receive each batch of rows (a DataFrame) as it is
+            written, e.g. ``[tandv.export.TensorBoardSink("runs/x")]``; closed with the tracker.
     """
     return JaxTracker(model_state, optimizer_state, **options)
