@@ -1,0 +1,10 @@
+"""Snapshots of a model's tensors with arithmetic, norms and statistics (nnstat's workflow).
+
+``tandv.snapshot.torch`` and ``tandv.snapshot.jax`` build them (``from_weight``,
+``from_grad``, ``from_optimizer_state``, ``from_activation``); this package itself needs
+neither framework.
+"""
+
+from ._core import DESCRIBE_COLUMNS, Ops, Snapshot, sqrt
+
+__all__ = ["DESCRIBE_COLUMNS", "Ops", "Snapshot", "sqrt"]

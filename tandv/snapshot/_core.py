@@ -1,0 +1,352 @@
+"""The framework-neutral snapshot: named tensors with arithmetic, norms and ``describe``.
+
+A :class:`Snapshot` maps names (parameter paths, module paths) to tensors of one kind (weights,
+gradients, one optimizer-state entry, activations) or to plain numbers (a layerwise norm). The
+values stay in their own framework and on their own device: arithmetic uses the arrays' own
+operators, and only :meth:`Snapshot.describe` copies to the host, where the statistics are those
+of :func:`tandv.stats.summarize` / :func:`tandv.stats.finalize`, exactly as in a tandv log.
+Which framework a value belongs to is read from its type, so this module imports neither torch
+nor JAX; their operations live in the adapters (:mod:`tandv.snapshot.torch`,
+:mod:`tandv.snapshot.jax`), imported the first time one of their arrays is seen.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from ..stats import DEFAULT_STATS, finalize, merge_all, summarize
+
+__all__ = ["Snapshot", "Ops", "sqrt", "DESCRIBE_COLUMNS"]
+
+#: Columns :meth:`Snapshot.describe` can return, in order: the tensor's shape and dtype, the
+#: log's default statistics (:data:`tandv.stats.DEFAULT_STATS`), and ``norm``, the L2 norm of
+#: the finite elements (``rm2 * sqrt(numel - nan_count - inf_count)``).
+DESCRIBE_COLUMNS: tuple[str, ...] = ("shape", "dtype", *DEFAULT_STATS, "norm")
+
+
+@dataclass(frozen=True)
+class Ops:
+    """What a snapshot needs from one array framework.
+
+    Arguments:
+        sqrt: elementwise square root, result in the same framework and device.
+        norm: ``norm(x, p)``, the vector p-norm of all elements of ``x`` as a Python float
+            (``p = inf`` the largest magnitude).
+        to_numpy: a host copy of ``x`` as a numpy array (float32 for dtypes numpy lacks)
+            and the name of ``x``'s dtype (``"bfloat16"``).
+        clone: an independent copy of ``x`` that later in-place changes do not reach.
+    """
+
+    sqrt: Callable[[Any], Any]
+    norm: Callable[[Any, float], float]
+    to_numpy: Callable[[Any], tuple[np.ndarray, str]]
+    clone: Callable[[Any], Any]
+
+
+def _np_norm(x: Any, p: float) -> float:
+    a = np.abs(np.asarray(x, dtype=np.float64)).ravel()
+    if a.size == 0:
+        return 0.0
+    if math.isinf(p):
+        return float(a.max())
+    return float(np.sum(a**p) ** (1.0 / p))
+
+
+def _np_to_numpy(x: Any) -> tuple[np.ndarray, str]:
+    arr = np.asarray(x)
+    return arr, arr.dtype.name
+
+
+NUMPY_OPS = Ops(sqrt=np.sqrt, norm=_np_norm, to_numpy=_np_to_numpy,
+                clone=lambda x: np.array(x, copy=True) if isinstance(x, np.ndarray) else x)
+
+
+def ops_for(x: Any) -> Ops:
+    """The :class:`Ops` of the framework ``x`` belongs to (numpy for numbers and numpy arrays)."""
+    root = type(x).__module__.split(".")[0]
+    if root == "torch":
+        from .torch import TORCH_OPS
+
+        return TORCH_OPS
+    if root in ("jax", "jaxlib"):
+        from .jax import JAX_OPS
+
+        return JAX_OPS
+    return NUMPY_OPS
+
+
+def _is_scalar(x: Any) -> bool:
+    return isinstance(x, numbers.Number) or (isinstance(x, np.ndarray) and x.ndim == 0)
+
+
+def _check_p(p: float) -> float:
+    if not isinstance(p, numbers.Real) or isinstance(p, bool) or not (p > 0):
+        raise ValueError(f"norm(p=...): p must be a positive number or math.inf, got {p!r}")
+    return float(p)
+
+
+class Snapshot(Mapping[str, Any]):
+    """Named tensors (or numbers) of one kind, in model order, with arithmetic and statistics.
+
+    Build one with the adapters (``tandv.snapshot.torch.from_weight(model)``,
+    ``tandv.snapshot.jax.from_grad(grads)``, ...) or directly from a mapping of arrays.
+
+    * It is a read-only mapping: ``snap["fc1.weight"]``, ``len(snap)``, ``snap.keys()``;
+      :meth:`at` gives the i-th value.
+    * ``+ - * / **``, unary ``-`` and ``abs()`` apply per name between two snapshots with the
+      same names (in any order; the left one's order is kept) or between a snapshot and a
+      number; :func:`sqrt` / :meth:`sqrt` likewise. A snapshot of numbers (a layerwise norm)
+      combines with a snapshot of tensors per name: ``update / weight.norm(layerwise=True)``.
+    * :meth:`norm` and :meth:`describe` reduce it.
+
+    Arguments:
+        values: the name -> value mapping (kept in its order).
+        name: a label for printing and for the whole-snapshot row of :meth:`describe`.
+    """
+
+    def __init__(self, values: Mapping[str, Any], name: str = "snapshot") -> None:
+        if not isinstance(values, Mapping):
+            raise TypeError(f"Snapshot(values=...): expected a mapping of name -> array, got "
+                            f"{type(values).__name__}")
+        self._values: dict[str, Any] = dict(values)
+        self.name = name
+
+    # -- mapping ---------------------------------------------------------------------------
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return self._values[key]
+        except KeyError:
+            raise KeyError(f"{key!r} is not in snapshot {self.name!r}; it holds "
+                           f"{_few(self._values)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def at(self, i: int) -> Any:
+        """The value at position ``i`` in model order (negative counts from the end)."""
+        keys = list(self._values)
+        if not -len(keys) <= i < len(keys):
+            raise IndexError(f"at({i}): snapshot {self.name!r} holds {len(keys)} values")
+        return self._values[keys[i]]
+
+    def filter(self, pattern: str | None = None, include: Iterable[str] | None = None) -> Snapshot:
+        """The values whose names match ``pattern`` (a regular expression, ``re.search``) and
+        are in ``include`` (exact names), in model order. Raises if nothing is left."""
+        keep = list(self._values)
+        if pattern is not None:
+            rx = re.compile(pattern)
+            keep = [k for k in keep if rx.search(k)]
+        if include is not None:
+            wanted = [include] if isinstance(include, str) else list(include)
+            unknown = [k for k in wanted if k not in self._values]
+            if unknown:
+                raise KeyError(f"include={unknown!r}: not in snapshot {self.name!r}; it holds "
+                               f"{_few(self._values)}")
+            keep = [k for k in keep if k in set(wanted)]
+        if not keep:
+            raise ValueError(f"pattern={pattern!r} matches no name of snapshot {self.name!r}; it "
+                             f"holds {_few(self._values)}")
+        return Snapshot({k: self._values[k] for k in keep}, self.name)
+
+    def clone(self) -> Snapshot:
+        """A copy whose tensors later in-place updates (an optimizer step) do not change."""
+        return Snapshot({k: ops_for(v).clone(v) for k, v in self._values.items()}, self.name)
+
+    def numpy(self) -> Snapshot:
+        """The same values on the host as numpy arrays (float32 for dtypes numpy lacks, such as
+        torch's bfloat16). Arrays already in CPU memory may be shared, not copied: call
+        :meth:`clone` first to freeze them."""
+        return Snapshot({k: ops_for(v).to_numpy(v)[0] for k, v in self._values.items()}, self.name)
+
+    # -- arithmetic ------------------------------------------------------------------------
+    def _zip(self, other: Any, op: Callable[[Any, Any], Any], reverse: bool, sym: str) -> Snapshot:
+        if isinstance(other, Snapshot):
+            if set(other._values) != set(self._values):
+                missing = [k for k in self._values if k not in other._values]
+                extra = [k for k in other._values if k not in self._values]
+                raise ValueError(
+                    f"snapshot {self.name!r} {sym} snapshot {other.name!r}: the names differ "
+                    f"(only left: {_few(missing)}; only right: {_few(extra)}); select the same "
+                    f"tensors on both sides, e.g. with .filter(include=other.keys())")
+            pairs = {k: (v, other._values[k]) for k, v in self._values.items()}
+        elif _is_scalar(other):
+            pairs = {k: (v, other) for k, v in self._values.items()}
+        else:
+            raise TypeError(f"snapshot {sym} {type(other).__name__}: a snapshot combines with "
+                            f"another snapshot or a number, not with {type(other).__name__}; "
+                            f"wrap per-name tensors in a Snapshot first")
+        out = {k: (op(b, a) if reverse else op(a, b)) for k, (a, b) in pairs.items()}
+        return Snapshot(out, self.name)
+
+    def __add__(self, o: Any) -> Snapshot:
+        return self._zip(o, operator.add, False, "+")
+
+    def __radd__(self, o: Any) -> Snapshot:
+        return self._zip(o, operator.add, True, "+")
+
+    def __sub__(self, o: Any) -> Snapshot:
+        return self._zip(o, operator.sub, False, "-")
+
+    def __rsub__(self, o: Any) -> Snapshot:
+        return self._zip(o, operator.sub, True, "-")
+
+    def __mul__(self, o: Any) -> Snapshot:
+        return self._zip(o, operator.mul, False, "*")
+
+    def __rmul__(self, o: Any) -> Snapshot:
+        return self._zip(o, operator.mul, True, "*")
+
+    def __truediv__(self, o: Any) -> Snapshot:
+        return self._zip(o, operator.truediv, False, "/")
+
+    def __rtruediv__(self, o: Any) -> Snapshot:
+        return self._zip(o, operator.truediv, True, "/")
+
+    def __pow__(self, o: Any) -> Snapshot:
+        return self._zip(o, operator.pow, False, "**")
+
+    def __rpow__(self, o: Any) -> Snapshot:
+        return self._zip(o, operator.pow, True, "**")
+
+    def __neg__(self) -> Snapshot:
+        return Snapshot({k: -v for k, v in self._values.items()}, self.name)
+
+    def __abs__(self) -> Snapshot:
+        return Snapshot({k: abs(v) for k, v in self._values.items()}, self.name)
+
+    def sqrt(self) -> Snapshot:
+        """Elementwise square root of every value (see :func:`sqrt`)."""
+        return Snapshot({k: ops_for(v).sqrt(v) for k, v in self._values.items()}, self.name)
+
+    # -- reductions ------------------------------------------------------------------------
+    def norm(self, p: float = 2, layerwise: bool = False) -> float | Snapshot:
+        """The p-norm of all elements together, or of each value (``layerwise=True``: a
+        snapshot of floats, which combines with other snapshots per name).
+
+        The norm is taken over the elements as one vector (not an operator norm); ``p`` is a
+        positive number or ``math.inf`` (largest magnitude). The whole-snapshot norm is
+        combined from the per-value norms: ``(sum_i ||x_i||_p**p)**(1/p)``.
+        """
+        p = _check_p(p)
+        per = {k: ops_for(v).norm(v, p) for k, v in self._values.items()}
+        if layerwise:
+            return Snapshot(per, self.name)
+        if not per:
+            return 0.0
+        a = np.array(list(per.values()), dtype=np.float64)
+        if math.isinf(p):
+            return float(a.max())
+        m = a.max()
+        if not np.isfinite(m) or m == 0:
+            return float(m)
+        return float(m * np.sum((a / m) ** p) ** (1.0 / p))
+
+    def describe(self, layerwise: bool = False, pattern: str | None = None,
+                 include: Sequence[str] | None = None) -> pd.DataFrame:
+        """Statistics of the snapshot as a DataFrame, named as in a tandv log.
+
+        Arguments:
+            layerwise: one row per value (indexed by name) instead of one row for all
+                values together (indexed by the snapshot's name). The whole-snapshot row
+                merges the per-value summaries exactly, as the trackers merge micro-batches.
+            pattern: only names matching this regular expression (``re.search``).
+            include: the columns to return, from :data:`DESCRIBE_COLUMNS` (default: all).
+
+        Returns:
+            A DataFrame with the columns of :data:`DESCRIBE_COLUMNS` (or ``include``): the
+            statistics are :func:`tandv.stats.finalize` of :func:`tandv.stats.summarize` of
+            each value, so they agree with a tandv log of the same tensors.
+        """
+        cols = list(DESCRIBE_COLUMNS)
+        if include is not None:
+            wanted = [include] if isinstance(include, str) else list(include)
+            unknown = [c for c in wanted if c not in DESCRIBE_COLUMNS]
+            if unknown:
+                raise ValueError(f"describe(include=...): unknown columns {unknown}; choose from "
+                                 f"{list(DESCRIBE_COLUMNS)}")
+            cols = wanted
+        snap = self if pattern is None else self.filter(pattern)
+        summaries, shapes, dtypes = {}, {}, {}
+        layout = None
+        for k, v in snap._values.items():
+            arr, dtype = ops_for(v).to_numpy(v)
+            # The exponent counts are not reported, so one format serves every value and
+            # lets the whole-snapshot row merge them.
+            summaries[k], layout = summarize(arr, fmt="float64")
+            shapes[k], dtypes[k] = tuple(np.shape(arr)), dtype
+        if layerwise:
+            rows = {k: _row(s, layout, shapes[k], dtypes[k]) for k, s in summaries.items()}
+        else:
+            total = merge_all(summaries.values(), layout) if layout else None
+            n = int(sum(math.prod(s) for s in shapes.values()))
+            kinds = sorted(set(dtypes.values()))
+            rows = {snap.name: _row(total, layout, (n,), kinds[0] if len(kinds) == 1 else "mixed")}
+        df = pd.DataFrame.from_dict(rows, orient="index", columns=list(DESCRIBE_COLUMNS))
+        df.index.name = "name"
+        return df[cols]
+
+    # -- printing --------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return self._text(limit=12)
+
+    def __str__(self) -> str:
+        return self._text(limit=40)
+
+    def _text(self, limit: int) -> str:
+        n = len(self._values)
+        arrays = {k: v for k, v in self._values.items() if not _is_scalar(v)}
+        if arrays:
+            numel = sum(int(np.prod(np.shape(v))) for v in arrays.values())
+            dtypes = sorted({str(getattr(v, "dtype", "?")).replace("torch.", "") for v in arrays.values()})
+            head = (f"Snapshot {self.name!r} [{n} tensors, numel={numel:,}, "
+                    f"L2={self.norm(2):.4g}, dtype={'/'.join(dtypes)}]")
+        else:
+            head = f"Snapshot {self.name!r} [{n} numbers]"
+        width = max((len(k) for k in self._values), default=0)
+        lines = [head]
+        for i, (k, v) in enumerate(self._values.items()):
+            if i == limit and n > limit + 1:
+                lines.append(f"  ... {n - limit} more")
+                break
+            desc = f"{float(v):.6g}" if _is_scalar(v) else str(tuple(np.shape(v)))
+            lines.append(f"  {i:>2}: {k:<{width}}  {desc}")
+        return "\n".join(lines)
+
+
+def _row(summary: np.ndarray | None, layout: Any, shape: tuple[int, ...], dtype: str) -> list[Any]:
+    if summary is None:  # an empty snapshot
+        stats = {k: np.nan for k in DEFAULT_STATS}
+        stats.update(numel=0, zero_count=0, nan_count=0, inf_count=0)
+    else:
+        stats, _ = finalize(summary, layout)
+    finite = stats["numel"] - stats["nan_count"] - stats["inf_count"]
+    norm = stats["rm2"] * math.sqrt(finite) if finite else 0.0
+    return [shape, dtype, *(stats[k] for k in DEFAULT_STATS), norm]
+
+
+def sqrt(x: Snapshot) -> Snapshot:
+    """Elementwise square root of every value of a snapshot, in its own framework
+    (``-lr * m / (sqrt(v) + eps)``)."""
+    if not isinstance(x, Snapshot):
+        raise TypeError(f"sqrt(x): expected a Snapshot, got {type(x).__name__}; use your "
+                        f"framework's sqrt for plain tensors")
+    return x.sqrt()
+
+
+def _few(names: Iterable[str], n: int = 5) -> str:
+    names = list(names)
+    if not names:
+        return "nothing"
+    shown = ", ".join(repr(k) for k in names[:n])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > n else "")

@@ -1,0 +1,156 @@
+"""Snapshots of a PyTorch model: weights, gradients, optimizer state and activations.
+
+Names are those of a tandv log: parameters by their path in ``model.named_parameters()``
+(``layers.0.fc1.weight``), activations by module path (the root module is ``root``; elements
+of structured outputs ``<path>[i]`` / ``<path>[key]``). Optimizer state is keyed by the
+*parameter's* path (not ``<path>.<key>`` as in a log) so that it combines with weights and
+gradients: ``W - lr * m / (sqrt(v) + eps)``.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from ._core import Ops, Snapshot
+
+__all__ = ["from_weight", "from_grad", "from_optimizer_state", "from_activation", "TORCH_OPS"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _norm(x: torch.Tensor, p: float) -> float:
+    x = x.detach()
+    if x.numel() == 0:
+        return 0.0
+    # Half-precision inputs accumulate in float32 (their own sums lose digits fast).
+    dtype = torch.float32 if x.dtype in _HALF else None
+    return float(torch.linalg.vector_norm(x, ord=p if not math.isinf(p) else math.inf, dtype=dtype))
+
+
+def _to_numpy(x: torch.Tensor) -> tuple[np.ndarray, str]:
+    x = x.detach().cpu()
+    name = str(x.dtype).removeprefix("torch.")
+    if x.dtype in _HALF:
+        x = x.float()  # exact: every half value is a float32 value
+    return x.numpy(), name
+
+
+#: The operations a :class:`~tandv.snapshot.Snapshot` of torch tensors uses.
+TORCH_OPS = Ops(sqrt=torch.sqrt, norm=_norm, to_numpy=_to_numpy,
+                clone=lambda x: x.detach().clone())
+
+
+def _check_model(model: Any, fn: str) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn}(model=...): expected a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def from_weight(model: nn.Module, clone: bool = False) -> Snapshot:
+    """The model's parameters by path.
+
+    Arguments:
+        model: the module.
+        clone: copy the tensors. Without a copy the snapshot *shares* storage with the model
+            and follows it through optimizer steps; ``W0 = from_weight(model, clone=True)``
+            before a step and ``from_weight(model) - W0`` after it is the update.
+    """
+    _check_model(model, "from_weight")
+    get = (lambda p: p.detach().clone()) if clone else (lambda p: p.detach())
+    return Snapshot({k: get(p) for k, p in model.named_parameters()},
+                    f"{type(model).__name__}_weights")
+
+
+def from_grad(model: nn.Module, clone: bool = False) -> Snapshot:
+    """The ``.grad`` of each parameter that has one, by parameter path.
+
+    Arguments:
+        model: the module, after ``loss.backward()``.
+        clone: copy the gradients. Without it the snapshot shares them: a later backward pass
+            accumulates into them, and ``zero_grad(set_to_none=False)`` zeroes them.
+    Raises:
+        ValueError: no parameter has a gradient (called before ``backward`` or after
+            ``zero_grad()``).
+    """
+    _check_model(model, "from_grad")
+    get = (lambda g: g.detach().clone()) if clone else (lambda g: g.detach())
+    out = {k: get(p.grad) for k, p in model.named_parameters() if p.grad is not None}
+    if not out:
+        raise ValueError("from_grad(model): no parameter has a .grad; call it after "
+                         "loss.backward() and before optimizer.zero_grad()")
+    return Snapshot(out, f"{type(model).__name__}_grads")
+
+
+def from_optimizer_state(optimizer: torch.optim.Optimizer, key: str, model: nn.Module | None = None,
+                         clone: bool = False) -> Snapshot:
+    """One entry of the optimizer's per-parameter state (``exp_avg``, ``exp_avg_sq``,
+    ``momentum_buffer``, ...), keyed by parameter path.
+
+    Arguments:
+        optimizer: a ``torch.optim.Optimizer``.
+        key: the state entry.
+        model: names the parameters by their path in ``model.named_parameters()`` (matched by
+            identity, so param-group order does not matter); without it, and for parameters
+            the model does not hold, the name is ``param_groups.<g>.<j>``.
+        clone: copy the tensors; without it the snapshot follows the optimizer's in-place
+            updates.
+    Raises:
+        KeyError: no parameter has state ``key`` (the message lists the keys there are).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"from_optimizer_state(optimizer=...): expected a torch.optim.Optimizer, "
+                        f"got {type(optimizer).__name__}")
+    names = {id(p): k for k, p in _check_model(model, "from_optimizer_state").named_parameters()} \
+        if model is not None else {}
+    out, seen = {}, set()
+    for g, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            state = optimizer.state.get(p, {})
+            seen.update(state)
+            if key in state and isinstance(state[key], torch.Tensor):
+                v = state[key].detach()
+                out[names.get(id(p), f"param_groups.{g}.{j}")] = v.clone() if clone else v
+    if not out:
+        have = sorted(str(k) for k in seen)
+        raise KeyError(f"from_optimizer_state(key={key!r}): no parameter has this state entry; "
+                       + (f"the optimizer holds {have}" if have else
+                          "the optimizer has no state yet (take an optimizer step first)"))
+    return Snapshot(out, f"{type(optimizer).__name__}_{key}")
+
+
+@contextmanager
+def from_activation(model: nn.Module, clone: bool = False) -> Iterator[Snapshot]:
+    """Capture the floating outputs of every module in the forward passes inside the block.
+
+    ``with from_activation(model) as acts: model(x)``; afterwards ``acts`` holds each
+    module's output by module path (``root`` for the model itself). A module called several
+    times keeps its last output. Hooks are removed when the block ends.
+
+    Arguments:
+        model: the module whose submodules are observed.
+        clone: copy the outputs (needed if the forward pass changes them in place later).
+    """
+    from tandv.track.torch.tracker import _flatten  # the tracker's naming of structured outputs
+
+    snap = Snapshot({}, f"{type(_check_model(model, 'from_activation')).__name__}_activations")
+
+    def hook_for(path: str) -> Any:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            found: list[tuple[str, torch.Tensor]] = []
+            _flatten(output, path, found)
+            for name, t in found:
+                snap._values[name] = t.detach().clone() if clone else t.detach()
+        return hook
+
+    handles = [m.register_forward_hook(hook_for(path or "root")) for path, m in model.named_modules()]
+    try:
+        yield snap
+    finally:
+        for h in handles:
+            h.remove()
