@@ -167,6 +167,8 @@ def log_update_ratio(df: pd.DataFrame, update_suffix: str = ".update") -> pd.Dat
                     updates[c[: -len(update_suffix)]] = n[c]
     parts = []
     for name in w.columns:
+        if name.endswith(update_suffix):
+            continue  # an update row logged as a Weight is not a parameter
         col = w[name].dropna()
         if len(col) < 2 and name not in updates:
             continue
