@@ -219,7 +219,6 @@ def test_noise_scale_ema_matches_hand_recursion():
     assert math.isnan(ema.value.b_simple)
     first = ema.update(ests[0])
     assert (first.g2, first.trace) == pytest.approx((ests[0].g2, ests[0].trace))  # bias-corrected
-    mg = mt = 0.0
     mg, mt = 0.1 * ests[0].g2, 0.1 * ests[0].trace
     for t, e in enumerate(ests[1:], start=2):
         mg, mt = 0.9 * mg + 0.1 * e.g2, 0.9 * mt + 0.1 * e.trace

@@ -43,6 +43,7 @@ def _numpy_stats(x: np.ndarray) -> dict:
 
 
 def _check_row(row, expected):
+    assert set(DEFAULT_STATS) <= set(expected)  # every statistic of a log is checked
     for k, v in expected.items():
         assert row[k] == pytest.approx(v, rel=1e-12, abs=1e-300), k
 

@@ -153,7 +153,7 @@ class Snapshot(Mapping[str, Any]):
             if unknown:
                 raise KeyError(f"include={unknown!r}: not in snapshot {self.name!r}; it holds "
                                f"{_few(self._values)}")
-            keep = [k for k in keep if k in set(wanted)]
+            keep = [k for k in keep if k in wanted]
         if not keep:
             raise ValueError(f"pattern={pattern!r} matches no name of snapshot {self.name!r}; it "
                              f"holds {_few(self._values)}")

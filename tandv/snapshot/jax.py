@@ -8,7 +8,6 @@ activations by module path (``root`` for the outermost module).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import jax
@@ -27,7 +26,7 @@ def _norm(x: Any, p: float) -> float:
         return 0.0
     # bfloat16/float16 accumulate in float32.
     x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    return float(jnp.linalg.norm(x.ravel(), ord=jnp.inf if math.isinf(p) else p))
+    return float(jnp.linalg.norm(x.ravel(), ord=p))
 
 
 def _to_numpy(x: Any) -> tuple[np.ndarray, str]:

@@ -9,7 +9,6 @@ gradients: ``W - lr * m / (sqrt(v) + eps)``.
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -30,7 +29,7 @@ def _norm(x: torch.Tensor, p: float) -> float:
         return 0.0
     # Half-precision inputs accumulate in float32 (their own sums lose digits fast).
     dtype = torch.float32 if x.dtype in _HALF else None
-    return float(torch.linalg.vector_norm(x, ord=p if not math.isinf(p) else math.inf, dtype=dtype))
+    return float(torch.linalg.vector_norm(x, ord=p, dtype=dtype))
 
 
 def _to_numpy(x: torch.Tensor) -> tuple[np.ndarray, str]:
