@@ -14,12 +14,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
-
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,18 +25,7 @@ from tandv.stats.summary import Layout  # noqa: E402
 from tandv.track.torch import _fused  # noqa: E402
 from tandv.track.torch._workspace import Workspace  # noqa: E402
 
-
-def timed(fn: Callable[[], object], reps: int) -> float:
-    """Median seconds of ``fn`` (synchronized), after one warm-up call."""
-    fn()
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+from overhead import timed  # noqa: E402  (the benchmark beside this one)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
         t_sum = timed(lambda: x.sum(), args.reps) if dtype.itemsize > 1 else float("nan")
         print(f"{str(dtype):22s} {nbytes / 2**20:8.0f} MiB  fused {nbytes / t_fused / 1e9:7.0f} GB/s  "
               f"foreach_norm {nbytes / t_norm / 1e9:7.0f} GB/s  sum {nbytes / t_sum / 1e9:7.0f} GB/s")
-        del x
     small = torch.randn(8 * 128 * 256, device="cuda")  # an activation of the 4-layer model
     ws = Workspace()
     spec = _fused.spec_for(torch.float32)

@@ -109,6 +109,19 @@ def overhead(cfg: GPTConfig, batch: int, steps: int, warmup: int, every: int, de
             "mean_plain_ms": mean_p * 1e3, "ratio_mean": mean_t / mean_p}
 
 
+def timed(fn: Callable[[], Any], reps: int) -> float:
+    """Median seconds of ``fn`` on the GPU (synchronized), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def _launches(fn: Callable[[], None]) -> int:
     """CUDA kernels, memsets and copies that ``fn`` queues (torch profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -181,19 +194,8 @@ def floor(cfg: GPTConfig, batch: int, reps: int = 10) -> dict[str, float]:
         [v for s in opt.state.values() for v in s.values() if v.dim() > 0]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
-    def timed(fn: Callable[[], Any]) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    step = timed(lambda: _step(model, opt, data, 4))
-    read = timed(lambda: torch._foreach_norm(tensors))
+    step = timed(lambda: _step(model, opt, data, 4), reps)
+    read = timed(lambda: torch._foreach_norm(tensors), reps)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -204,7 +206,7 @@ def floor(cfg: GPTConfig, batch: int, reps: int = 10) -> dict[str, float]:
             ws.fused(ts, _fused.spec_for(dtype), Layout(str(dtype).removeprefix("torch.")), [{}] * len(ts))
         ws.end_step()
 
-    kernel = timed(fused)
+    kernel = timed(fused, reps)
     return {"tensors": len(tensors), "gib": nbytes / 2**30, "step_ms": step * 1e3,
             "read_ms": read * 1e3, "floor_ratio": (step + read) / step, "read_gbps": nbytes / read / 1e9,
             "fused_ms": kernel * 1e3, "fused_ratio": (step + kernel) / step,
