@@ -220,7 +220,7 @@ def test_custom_stats_errors(stats, merge, message):
 def test_rows_of_one_tensor_in_two_dtypes_merge_into_the_widest_or_stay_apart():
     """The recorder merges a tensor's float16 and float32 summaries of one step into the
     float32 layout exactly; a summary it cannot re-bin exactly keeps a row named by dtype."""
-    from tandv.stats.summary import Layout, merge_all, summarize
+    from tandv.stats.summary import merge_all, summarize
     from tandv.track.common.recorder import _merge_dtypes
 
     a = np.array([1.5, -2.0, 0.0, 6.0e-5, np.inf], dtype=np.float16)

@@ -3,7 +3,6 @@ each log row is checked against the test's own capture (a callback of the framew
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
