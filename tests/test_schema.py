@@ -73,14 +73,14 @@ def test_metadata_strings_required():
 def test_step_must_be_integer():
     df = good()
     df[("metadata", "step")] = [0.0, 1.5]
-    with pytest.raises(SchemaError, match=r"\('metadata', 'step'\): expected an integer dtype; found float64"):
+    with pytest.raises(SchemaError, match=r"\('metadata', 'step'\): expected an integer dtype of steps; found float64, holding 1.5 at row 1"):
         validate(df)
 
 
 def test_step_must_be_non_negative():
     df = good()
     df[("metadata", "step")] = np.array([0, -1], dtype=np.int64)
-    with pytest.raises(SchemaError, match=r"expected non-negative steps; found -1$"):
+    with pytest.raises(SchemaError, match=r"expected non-negative steps; found -1 \(first at row 1, dtype int64\)$"):
         validate(df)
 
 
