@@ -260,7 +260,7 @@ def _first_bad_count(values: pa.ChunkedArray | pa.Array) -> tuple[int, Any] | No
     bad = [i for i, v in enumerate(a) if v is None or not (v == v) or v < 0 or float(v) != int(v)] \
         if a.dtype == object else np.flatnonzero(~np.isfinite(a) | (a < 0) | (a != np.round(a))).tolist() \
         if a.dtype.kind == "f" else np.flatnonzero(a < 0).tolist()
-    return (bad[0], a[bad[0]]) if bad else None
+    return (bad[0], a[bad[0]].item() if isinstance(a[bad[0]], np.generic) else a[bad[0]]) if bad else None
 
 
 def _check_part(path: Path, schema: pa.Schema) -> None:
@@ -313,22 +313,33 @@ class _ParquetLog:
     def __init__(self, path: PathLike) -> None:
         self.path = Path(path)
         self.files = _parquet_files(self.path)
+        fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(
+            page_checksum_verification=True))
+        found = ds.dataset([str(f) for f in self.files], schema=pa.schema([]), format=fmt)  # no inference
+        fragments = list(found.get_fragments())
         self.part_names: dict[str, frozenset[str]] = {}
-        stat_types: dict[str, list[pa.DataType]] = {}
+        stat_types: dict[str, set[pa.DataType]] = {}
         exps: set[str] = set()
-        for f in self.files:
+        checked: set[pa.Schema] = set()  # parts mostly share a schema: check each once
+        for f, fragment in zip(self.files, fragments):
             try:
-                schema = pq.read_schema(f)
+                # footer read once, kept by the fragment: the scan's statistics use it
+                fragment.ensure_complete_metadata()
+                schema = fragment.physical_schema
             except (OSError, pa.ArrowException) as e:
                 raise SchemaError(f"{str(f)!r} is not a readable parquet file: {e}") from None
-            _check_part(f, schema)
-            self.part_names[str(f)] = frozenset(schema.names)
-            for field in schema:
-                group = field.name.partition(_SEP)[0]
-                if group == SCALAR_STATS:
-                    stat_types.setdefault(field.name, []).append(field.type)
-                elif group == EXPONENT_COUNTS:
-                    exps.add(field.name)
+            if schema not in checked:
+                _check_part(f, schema)
+                if not any(pa.types.is_floating(t.type) for t in schema
+                           if t.name.startswith(EXPONENT_COUNTS + _SEP)):
+                    checked.add(schema)
+                for field in schema:
+                    group = field.name.partition(_SEP)[0]
+                    if group == SCALAR_STATS:
+                        stat_types.setdefault(field.name, set()).add(field.type)
+                    elif group == EXPONENT_COUNTS:
+                        exps.add(field.name)
+            self.part_names[fragment.path] = frozenset(schema.names)
         fields = [pa.field(_flat((METADATA, c)), pa.int64() if c == STEP else pa.string()) for c in META_COLUMNS]
         for name, types in stat_types.items():  # in order of first appearance
             whole = all(pa.types.is_integer(t) for t in types)
@@ -336,9 +347,7 @@ class _ParquetLog:
         for key in canonical_columns(_unflat(n) for n in exps):
             fields.append(pa.field(_flat(key), pa.int64()))
         self.schema = pa.schema(fields)
-        fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(
-            page_checksum_verification=True))
-        self.dataset = ds.dataset([str(f) for f in self.files], schema=self.schema, format=fmt)
+        self.dataset = ds.FileSystemDataset(fragments, self.schema, fmt, found.filesystem)
 
     @property
     def columns(self) -> list[tuple[str, Any]]:
@@ -458,9 +467,10 @@ class _ParquetLog:
     def _damaged(self, names: list[str], last: str | None, err: BaseException) -> SchemaError:
         """The error for a scan that failed: the first part, from the last one read on,
         that fails when read alone (page checksums verified)."""
-        start = 0 if last is None else [str(f) for f in self.files].index(last)
-        for f in self.files[start:]:
-            cols = [n for n in names if n in self.part_names[str(f)]]
+        paths = list(self.part_names)
+        start = 0 if last is None else paths.index(last)
+        for f in paths[start:]:
+            cols = [n for n in names if n in self.part_names[f]]
             try:
                 pq.read_table(f, columns=cols, page_checksum_verification=True)
             except (OSError, pa.ArrowException) as e:

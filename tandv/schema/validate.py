@@ -186,6 +186,10 @@ def validate(df: pd.DataFrame) -> pd.DataFrame:
     stats = [c for t, c in cols if t == SCALAR_STATS]
     if not stats:
         raise SchemaError(f"{SCALAR_STATS!r}: expected at least one scalar statistic column; found none")
+    bad_labels = [c for c in stats if not (isinstance(c, str) and c)]
+    if bad_labels:
+        raise SchemaError(f"{SCALAR_STATS!r}: statistic names must be non-empty str; found "
+                          f"{_examples(bad_labels)}")
     for c in stats:
         col = (SCALAR_STATS, c)
         dt = df[col].dtype
@@ -210,25 +214,18 @@ def validate(df: pd.DataFrame) -> pd.DataFrame:
             f"{EXPONENT_COUNTS!r}: column labels must be integer exponents or "
             f"{UNDERFLOW!r}/{OVERFLOW!r}; found {_examples(bad_labels)}"
         )
-    numpy_ints = [c for c in exps if isinstance(df[(EXPONENT_COUNTS, c)].dtype, np.dtype)
-                  and df[(EXPONENT_COUNTS, c)].dtype.kind in "iu"]
-    if len(numpy_ints) == len(exps):  # the common case: one vectorized check
-        negative = (df[[(EXPONENT_COUNTS, c) for c in exps]].to_numpy() < 0).any(axis=0)
-        check = [c for c, neg in zip(exps, negative) if neg]
-    else:
-        check = exps
-    for c in check:
+    for c in exps:
         col = (EXPONENT_COUNTS, c)
         v = _integer(col, df[col], "counts", "; convert with .astype('int64')")
-        if (v < 0).any():
+        if v.dtype.kind == "i" and v.size and v.min() < 0:
             raise _bad_value(col, df[col], v < 0, "counts >= 0")
 
     key = [(METADATA, NAME), (METADATA, TENSOR_TYPE), step_col]
-    dup = df.duplicated(subset=key, keep=False).to_numpy()
+    dup = df.duplicated(subset=key, keep="first").to_numpy()
     if dup.any():
         row = _first(dup)
         first = [_plain(v) for v in df[key].iloc[row].tolist()]
         raise SchemaError(
             f"metadata: duplicate rows for (name, tensor_type, step) = {tuple(first)} "
-            f"(first at row {row}); each tensor has at most one row per step", row=row)
+            f"(row {row} repeats an earlier row); each tensor has at most one row per step", row=row)
     return df
