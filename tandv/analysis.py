@@ -6,6 +6,8 @@ report and users' notebooks alike.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -19,10 +21,11 @@ from .schema.columns import (
     TENSOR_TYPES,
     UNDERFLOW,
 )
+from .schema.io import CHUNK_ROWS, log_columns, read_log, read_parquet_chunks
 from .schema.validate import is_exponent_label
 from .stats.formats import number_format
 
-__all__ = ["exponent_range", "format_shares", "first_nonfinite", "text_summary"]
+__all__ = ["exponent_range", "format_shares", "first_nonfinite", "text_summary", "summarize_log"]
 
 _KEY = ["name", "tensor_type", "step"]
 
@@ -104,63 +107,157 @@ def _fmt_num(x: float) -> str:
     return "nan" if not np.isfinite(x) else f"{x:.3g}"
 
 
+class _TypeTally:
+    """What :func:`text_summary` reports of one tensor type, gathered chunk by chunk."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.step_min: int | None = None
+        self.step_max: int | None = None
+        self.first: dict[str, tuple[int, int, int]] = {}  # name -> (step, nan, inf), earliest
+        self.worst: tuple[int, str, int, int] | None = None  # (nan + inf, name, step, numel)
+        self.widest: tuple[int, str, int, int, int] | None = None  # (width, name, step, lo, hi)
+        self.last: list[tuple[str, float]] = []  # (name, rm2) at step_max
+        self.lost: dict[str, list[float]] = {}  # format -> [underflow, overflow] counts
+        self.numel = 0.0
+
+
+class _SummaryTally:
+    """Running totals behind :func:`text_summary`: :meth:`add` each chunk of a log (in log
+    order), then :meth:`text`. One definition serves a frame in memory and a parquet log
+    read in chunks."""
+
+    def __init__(self, formats: Sequence[str]) -> None:
+        self.formats = tuple(formats)
+        self.rows = 0
+        self.steps: set[int] = set()
+        self.names: set[str] = set()
+        self.types = {tt: _TypeTally() for tt in TENSOR_TYPES}
+
+    def add(self, df: pd.DataFrame) -> None:
+        if df.empty:
+            return
+        self.rows += len(df)
+        steps_all = df[(METADATA, "step")].to_numpy(dtype=np.int64)
+        self.steps.update(np.unique(steps_all).tolist())
+        self.names.update(pd.unique(df[(METADATA, "name")]).tolist())
+        ranges = exponent_range(df)
+        shares = {f: format_shares(df, f) for f in self.formats}
+        has = {c for g, c in df.columns if g == SCALAR_STATS}
+        tts = df[(METADATA, "tensor_type")].to_numpy()
+        for tt, t in self.types.items():
+            mask = tts == tt
+            if not mask.any():
+                continue
+            sub = df[mask]
+            names = sub[(METADATA, "name")].to_numpy()
+            steps = steps_all[mask]
+            t.names.update(pd.unique(names).tolist())
+            lo, hi = int(steps.min()), int(steps.max())
+            t.step_min = lo if t.step_min is None else min(t.step_min, lo)
+            numel = sub[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64) if "numel" in has else None
+            if {"nan_count", "inf_count"} <= has:
+                nan = sub[(SCALAR_STATS, "nan_count")].to_numpy()
+                inf = sub[(SCALAR_STATS, "inf_count")].to_numpy()
+                bad = np.flatnonzero((nan > 0) | (inf > 0))
+                for i in bad[np.argsort(steps[bad], kind="stable")]:
+                    if names[i] not in t.first or steps[i] < t.first[names[i]][0]:
+                        t.first[names[i]] = (int(steps[i]), int(nan[i]), int(inf[i]))
+                nonfin = nan + inf
+                if bad.size:
+                    i = int(np.argmax(nonfin))
+                    if t.worst is None or nonfin[i] > t.worst[0]:
+                        n = int(numel[i]) if numel is not None else 0
+                        t.worst = (int(nonfin[i]), names[i], int(steps[i]), n)
+            rg = ranges[mask]
+            width = rg["width"].to_numpy()
+            i = int(np.argmax(width))
+            if width[i] > 0 and (t.widest is None or width[i] > t.widest[0]):
+                r = rg.iloc[i]
+                t.widest = (int(width[i]), r["name"], int(r["step"]), int(r["min_exponent"]), int(r["max_exponent"]))
+            if "rm2" in has:
+                if t.step_max is None or hi > t.step_max:
+                    t.last = []
+                if t.step_max is None or hi >= t.step_max:
+                    at = steps == hi
+                    t.last += list(zip(names[at], sub[(SCALAR_STATS, "rm2")].to_numpy(dtype=np.float64)[at]))
+            t.step_max = hi if t.step_max is None else max(t.step_max, hi)
+            if numel is not None:
+                t.numel += numel.sum()
+                for f, sh in shares.items():
+                    s = sh[mask]
+                    acc = t.lost.setdefault(f, [0.0, 0.0])
+                    acc[0] += (s["underflow"].to_numpy() * numel).sum()
+                    acc[1] += (s["overflow"].to_numpy() * numel).sum()
+
+    def text(self, top: int) -> str:
+        if not self.rows:
+            return "empty log: no rows (the run recorded no step)"
+        lines = [f"{self.rows} rows, steps {min(self.steps)}..{max(self.steps)} "
+                 f"({len(self.steps)} recorded), {len(self.names)} tensor names"]
+        for tt, t in self.types.items():
+            if t.step_min is None:
+                continue
+            lines.append("")
+            lines.append(f"{tt}: {len(t.names)} tensors, steps {t.step_min}..{t.step_max}")
+            if not t.first:
+                lines.append("  NaN/inf: none")
+            else:
+                order = sorted(t.first.items(), key=lambda kv: kv[1][0])  # stable: first seen first
+                name, (step, nan, inf) = order[0]
+                n = len(order)
+                w = t.worst
+                lines.append(
+                    f"  NaN/inf: first in {name} at step {step} ({nan} NaN, {inf} inf); {n} tensor"
+                    f"{'s' if n != 1 else ''} affected; worst {w[1]} at step {w[2]} ({w[0]} of {w[3]})")
+            if t.widest is not None:
+                width, name, step, lo, hi = t.widest
+                lines.append(f"  widest exponent range: {name} at step {step}: 2^{lo} .. 2^{hi} ({width} binades)")
+            if t.last:
+                rm2 = pd.Series([v for _, v in t.last], index=[n for n, _ in t.last])
+                order = rm2.reset_index(drop=True).sort_values(ascending=False, na_position="last", kind="stable")
+                names = rm2.index
+                big = ", ".join(f"{names[i]} {_fmt_num(order[i])}" for i in order.index[:top])
+                small = ", ".join(f"{names[i]} {_fmt_num(order[i])}" for i in order.dropna().index[::-1][:top])
+                lines.append(f"  largest rm2 at step {t.step_max}: {big}")
+                lines.append(f"  smallest rm2 at step {t.step_max}: {small}")
+            if t.lost:
+                parts = []
+                for f, (u, o) in t.lost.items():
+                    u, o = (u / t.numel, o / t.numel) if t.numel else (0.0, 0.0)
+                    parts.append(f"{f}: {u:.2%} underflow, {o:.2%} overflow")
+                lines.append("  as " + "; ".join(parts))
+        return "\n".join(lines)
+
+
 def text_summary(df: pd.DataFrame, formats: Sequence[str] = ("float8_e4m3fn", "bfloat16"),
                  top: int = 3) -> str:
     """A readable summary of a log, per tensor type: steps and tensors, the first and
     worst NaN/inf, the widest exponent range, the tensors with the largest and smallest
     ``rm2`` at the last step, and the share of values that would underflow/overflow each
     of ``formats``."""
-    if df.empty:
-        return "empty log: no rows (the run recorded no step)"
-    lines: list[str] = []
-    steps = df[(METADATA, "step")]
-    lines.append(f"{len(df)} rows, steps {steps.min()}..{steps.max()} "
-                 f"({steps.nunique()} recorded), {df[(METADATA, 'name')].nunique()} tensor names")
-    ranges = exponent_range(df)
-    shares = {f: format_shares(df, f) for f in formats}
-    firsts = first_nonfinite(df)
-    has_rm2 = (SCALAR_STATS, "rm2") in df.columns
-    for tt in TENSOR_TYPES:
-        mask = (df[(METADATA, "tensor_type")] == tt).to_numpy()
-        if not mask.any():
-            continue
-        sub = df[mask]
-        st = sub[(METADATA, "step")]
-        lines.append("")
-        lines.append(f"{tt}: {sub[(METADATA, 'name')].nunique()} tensors, steps {st.min()}..{st.max()}")
-        f_tt = firsts[firsts["tensor_type"] == tt]
-        if f_tt.empty:
-            lines.append("  NaN/inf: none")
-        else:
-            r = f_tt.iloc[0]
-            nonfin = sub[(SCALAR_STATS, "nan_count")] + sub[(SCALAR_STATS, "inf_count")]
-            w = sub.loc[nonfin.idxmax()]
-            lines.append(
-                f"  NaN/inf: first in {r['name']} at step {r['step']} ({r['nan_count']} NaN, "
-                f"{r['inf_count']} inf); {len(f_tt)} tensor{'s' if len(f_tt) != 1 else ''} affected; worst {w[(METADATA, 'name')]} "
-                f"at step {w[(METADATA, 'step')]} ({int(nonfin.max())} of {int(w[(SCALAR_STATS, 'numel')])})")
-        rg = ranges[mask]
-        if rg["width"].max() > 0:
-            r = rg.loc[rg["width"].idxmax()]
-            lines.append(f"  widest exponent range: {r['name']} at step {r['step']}: "
-                         f"2^{r['min_exponent']} .. 2^{r['max_exponent']} ({r['width']} binades)")
-        if has_rm2:
-            last = sub[st == st.max()]
-            rm2 = last[(SCALAR_STATS, "rm2")].astype(float)
-            names = last[(METADATA, "name")]
-            order = rm2.sort_values(ascending=False, na_position="last")
-            big = ", ".join(f"{names[i]} {_fmt_num(rm2[i])}" for i in order.index[:top])
-            small = ", ".join(f"{names[i]} {_fmt_num(rm2[i])}" for i in order.dropna().index[::-1][:top])
-            lines.append(f"  largest rm2 at step {st.max()}: {big}")
-            lines.append(f"  smallest rm2 at step {st.max()}: {small}")
-        if (SCALAR_STATS, "numel") in sub.columns:
-            numel = sub[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64)
-            total = numel.sum()
-            parts = []
-            for f, sh in shares.items():
-                s = sh[mask]
-                u = (s["underflow"].to_numpy() * numel).sum() / total if total else 0.0
-                o = (s["overflow"].to_numpy() * numel).sum() / total if total else 0.0
-                parts.append(f"{f}: {u:.2%} underflow, {o:.2%} overflow")
-            lines.append("  as " + "; ".join(parts))
-    return "\n".join(lines)
+    tally = _SummaryTally(formats)
+    tally.add(df)
+    return tally.text(top)
+
+
+def summarize_log(path: str | os.PathLike, formats: Sequence[str] = ("float8_e4m3fn", "bfloat16"),
+                  top: int = 3, chunk_rows: int = CHUNK_ROWS) -> str:
+    """:func:`text_summary` of the log at ``path``. A parquet log is read in chunks of the
+    columns the summary needs (memory stays flat however long the run); a pickle is read
+    whole (it runs code from the file: only for pickles you trust).
+
+    Raises:
+        FileNotFoundError, tandv.SchemaError: as the readers do.
+    """
+    p = Path(path)
+    tally = _SummaryTally(formats)
+    if p.suffix.lower() in (".pkl", ".pickle"):
+        tally.add(read_log(p))
+        return tally.text(top)
+    cols = log_columns(p)
+    wanted = [c for g, c in cols if g == SCALAR_STATS and c in ("rm2", "numel", "nan_count", "inf_count")]
+    wanted += [c for g, c in cols if g == EXPONENT_COUNTS]
+    for chunk in read_parquet_chunks(p, columns=wanted, chunk_rows=chunk_rows):
+        tally.add(chunk)
+    return tally.text(top)

@@ -313,6 +313,10 @@ class _ParquetLog:
     def __init__(self, path: PathLike) -> None:
         self.path = Path(path)
         self.files = _parquet_files(self.path)
+        if self.path.is_file() and _magic(self.path) == "pickle":
+            raise SchemaError(f"{str(self.path)!r} holds a pickle but its name does not end in .pkl or .pickle; "
+                              f"pickles are read only by that suffix (reading one runs code from the file): "
+                              f"rename it if you trust it")
         fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(
             page_checksum_verification=True))
         found = ds.dataset([str(f) for f in self.files], schema=pa.schema([]), format=fmt)  # no inference
@@ -327,7 +331,7 @@ class _ParquetLog:
                 fragment.ensure_complete_metadata()
                 schema = fragment.physical_schema
             except (OSError, pa.ArrowException) as e:
-                raise SchemaError(f"{str(f)!r} is not a readable parquet file: {e}") from None
+                raise SchemaError(f"{str(f)!r} is not a readable parquet file: {' '.join(str(e).split())}") from None
             if schema not in checked:
                 _check_part(f, schema)
                 if not any(pa.types.is_floating(t.type) for t in schema
@@ -474,9 +478,10 @@ class _ParquetLog:
             try:
                 pq.read_table(f, columns=cols, page_checksum_verification=True)
             except (OSError, pa.ArrowException) as e:
-                return SchemaError(f"{str(f)!r}: damaged part, its data cannot be decoded ({e}); "
+                why = " ".join(str(e).split())  # arrow's messages span lines
+                return SchemaError(f"{str(f)!r}: damaged part, its data cannot be decoded ({why}); "
                                    f"restore it or move it out of the log")
-        return SchemaError(f"{str(self.path)!r}: reading the log failed: {err}")
+        return SchemaError(f"{str(self.path)!r}: reading the log failed: {' '.join(str(err).split())}")
 
 
 def _frame(table: pa.Table) -> pd.DataFrame:
@@ -600,8 +605,4 @@ def read_log(path: PathLike, **kwargs: Any) -> pd.DataFrame:
         if kwargs:
             raise TypeError(f"read_log: {sorted(kwargs)} apply to parquet logs only")
         return read_pickle(p)
-    if p.is_file() and _magic(p) == "pickle":
-        raise SchemaError(f"{str(p)!r} holds a pickle but its name does not end in .pkl or .pickle; "
-                          f"pickles are read only by that suffix (reading one runs code from the file): "
-                          f"rename it if you trust it")
     return read_parquet(p, **kwargs)
