@@ -21,7 +21,7 @@ from .schema.columns import (
     TENSOR_TYPES,
     UNDERFLOW,
 )
-from .schema.io import CHUNK_ROWS, log_columns, read_log, read_parquet_chunks
+from .schema.io import CHUNK_ROWS, _ParquetLog, read_log, read_parquet_chunks
 from .schema.validate import is_exponent_label
 from .stats.formats import number_format
 
@@ -107,6 +107,17 @@ def _fmt_num(x: float) -> str:
     return "nan" if not np.isfinite(x) else f"{x:.3g}"
 
 
+class _Names:
+    """``names[i]``: the name of row ``i`` of a tensor type's rows, from factorized codes
+    (no string array per chunk)."""
+
+    def __init__(self, values: np.ndarray, codes: np.ndarray) -> None:
+        self.values, self.codes = values, codes
+
+    def __getitem__(self, i: int) -> str:
+        return self.values[self.codes[i]]
+
+
 class _TypeTally:
     """What :func:`text_summary` reports of one tensor type, gathered chunk by chunk."""
 
@@ -135,60 +146,92 @@ class _SummaryTally:
         self.types = {tt: _TypeTally() for tt in TENSOR_TYPES}
 
     def add(self, df: pd.DataFrame) -> None:
+        """Tally the rows of ``df``, a log or a chunk of one (column by column in numpy:
+        no per-type copies of the chunk, no 2-D copy of its counts)."""
         if df.empty:
             return
-        self.rows += len(df)
+        n = len(df)
+        self.rows += n
         steps_all = df[(METADATA, "step")].to_numpy(dtype=np.int64)
+        name_codes, name_values = pd.factorize(df[(METADATA, "name")])
+        name_values = np.asarray(name_values, dtype=object)
         self.steps.update(np.unique(steps_all).tolist())
-        self.names.update(pd.unique(df[(METADATA, "name")]).tolist())
-        ranges = exponent_range(df)
-        shares = {f: format_shares(df, f) for f in self.formats}
+        self.names.update(name_values.tolist())
+        labels = sorted(int(c) for t, c in df.columns if t == EXPONENT_COUNTS and is_exponent_label(c))
+        cols = [df[(EXPONENT_COUNTS, c)].to_numpy() for c in labels]
+        lo = np.zeros(n, np.int64)
+        hi = np.zeros(n, np.int64)
+        seen = np.zeros(n, dtype=bool)
+        for label, c in zip(labels, cols):  # ascending: the last non-zero label is the highest
+            nz = c > 0
+            np.copyto(hi, label, where=nz)
+            seen |= nz
+        for label, c in zip(reversed(labels), reversed(cols)):  # descending: the lowest
+            np.copyto(lo, label, where=c > 0)
+        width = np.where(seen, hi - lo + 1, 0)
+        under_col = df[(EXPONENT_COUNTS, UNDERFLOW)].to_numpy()
+        over_col = df[(EXPONENT_COUNTS, OVERFLOW)].to_numpy()
         has = {c for g, c in df.columns if g == SCALAR_STATS}
-        tts = df[(METADATA, "tensor_type")].to_numpy()
+        numel_all = df[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64) if "numel" in has else None
+        lost = {}
+        if numel_all is not None:
+            for f in self.formats:
+                fmt = number_format(f)
+                under = under_col.astype(np.float64)
+                over = over_col.astype(np.float64)
+                for label, c in zip(labels, cols):
+                    if label < fmt.min_exponent:
+                        under += c
+                    elif label > fmt.max_exponent:
+                        over += c
+                positive = numel_all > 0  # as format_shares: a row without elements has share 0
+                lost[f] = (np.where(positive, under, 0.0), np.where(positive, over, 0.0))
+        nonfinite = {"nan_count", "inf_count"} <= has
+        if nonfinite:
+            nan_all = df[(SCALAR_STATS, "nan_count")].to_numpy()
+            inf_all = df[(SCALAR_STATS, "inf_count")].to_numpy()
+        rm2_all = df[(SCALAR_STATS, "rm2")].to_numpy(dtype=np.float64) if "rm2" in has else None
+        kind_codes, kind_values = pd.factorize(df[(METADATA, "tensor_type")])
         for tt, t in self.types.items():
-            mask = tts == tt
-            if not mask.any():
+            if tt not in kind_values:
                 continue
-            sub = df[mask]
-            names = sub[(METADATA, "name")].to_numpy()
-            steps = steps_all[mask]
-            t.names.update(pd.unique(names).tolist())
-            lo, hi = int(steps.min()), int(steps.max())
-            t.step_min = lo if t.step_min is None else min(t.step_min, lo)
-            numel = sub[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64) if "numel" in has else None
-            if {"nan_count", "inf_count"} <= has:
-                nan = sub[(SCALAR_STATS, "nan_count")].to_numpy()
-                inf = sub[(SCALAR_STATS, "inf_count")].to_numpy()
+            idx = np.flatnonzero(kind_codes == list(kind_values).index(tt))
+            codes = name_codes[idx]
+            names = _Names(name_values, codes)
+            steps = steps_all[idx]
+            t.names.update(name_values[np.unique(codes)].tolist())
+            first_step, last_step = int(steps.min()), int(steps.max())
+            t.step_min = first_step if t.step_min is None else min(t.step_min, first_step)
+            if nonfinite:
+                nan, inf = nan_all[idx], inf_all[idx]
                 bad = np.flatnonzero((nan > 0) | (inf > 0))
                 for i in bad[np.argsort(steps[bad], kind="stable")]:
                     if names[i] not in t.first or steps[i] < t.first[names[i]][0]:
                         t.first[names[i]] = (int(steps[i]), int(nan[i]), int(inf[i]))
-                nonfin = nan + inf
                 if bad.size:
-                    i = int(np.argmax(nonfin))
-                    if t.worst is None or nonfin[i] > t.worst[0]:
-                        n = int(numel[i]) if numel is not None else 0
-                        t.worst = (int(nonfin[i]), names[i], int(steps[i]), n)
-            rg = ranges[mask]
-            width = rg["width"].to_numpy()
-            i = int(np.argmax(width))
-            if width[i] > 0 and (t.widest is None or width[i] > t.widest[0]):
-                r = rg.iloc[i]
-                t.widest = (int(width[i]), r["name"], int(r["step"]), int(r["min_exponent"]), int(r["max_exponent"]))
-            if "rm2" in has:
-                if t.step_max is None or hi > t.step_max:
+                    total = nan + inf
+                    i = int(np.argmax(total))
+                    if t.worst is None or total[i] > t.worst[0]:
+                        size = int(numel_all[idx[i]]) if numel_all is not None else 0
+                        t.worst = (int(total[i]), names[i], int(steps[i]), size)
+            w = width[idx]
+            i = int(np.argmax(w))
+            if w[i] > 0 and (t.widest is None or w[i] > t.widest[0]):
+                r = idx[i]
+                t.widest = (int(w[i]), names[i], int(steps[i]), int(lo[r]), int(hi[r]))
+            if rm2_all is not None:
+                if t.step_max is None or last_step > t.step_max:
                     t.last = []
-                if t.step_max is None or hi >= t.step_max:
-                    at = steps == hi
-                    t.last += list(zip(names[at], sub[(SCALAR_STATS, "rm2")].to_numpy(dtype=np.float64)[at]))
-            t.step_max = hi if t.step_max is None else max(t.step_max, hi)
-            if numel is not None:
-                t.numel += numel.sum()
-                for f, sh in shares.items():
-                    s = sh[mask]
+                if t.step_max is None or last_step >= t.step_max:
+                    at = steps == last_step
+                    t.last += list(zip(name_values[codes[at]], rm2_all[idx][at]))
+            t.step_max = last_step if t.step_max is None else max(t.step_max, last_step)
+            if numel_all is not None:
+                t.numel += numel_all[idx].sum()
+                for f, (under, over) in lost.items():
                     acc = t.lost.setdefault(f, [0.0, 0.0])
-                    acc[0] += (s["underflow"].to_numpy() * numel).sum()
-                    acc[1] += (s["overflow"].to_numpy() * numel).sum()
+                    acc[0] += under[idx].sum()
+                    acc[1] += over[idx].sum()
 
     def text(self, top: int) -> str:
         if not self.rows:
@@ -255,9 +298,9 @@ def summarize_log(path: str | os.PathLike, formats: Sequence[str] = ("float8_e4m
     if p.suffix.lower() in (".pkl", ".pickle"):
         tally.add(read_log(p))
         return tally.text(top)
-    cols = log_columns(p)
-    wanted = [c for g, c in cols if g == SCALAR_STATS and c in ("rm2", "numel", "nan_count", "inf_count")]
-    wanted += [c for g, c in cols if g == EXPONENT_COUNTS]
-    for chunk in read_parquet_chunks(p, columns=wanted, chunk_rows=chunk_rows):
+    log = _ParquetLog(p, statistics=False)
+    wanted = [c for g, c in log.columns if g == SCALAR_STATS and c in ("rm2", "numel", "nan_count", "inf_count")]
+    wanted += [c for g, c in log.columns if g == EXPONENT_COUNTS]
+    for chunk in read_parquet_chunks(log, columns=wanted, chunk_rows=chunk_rows):
         tally.add(chunk)
     return tally.text(top)

@@ -173,7 +173,9 @@ _MARK = b"tandv.log"
 #: then let a step filter skip whole row groups.
 ROW_GROUP_ROWS = 65536
 #: Rows per frame yielded by :func:`read_parquet_chunks`.
-CHUNK_ROWS = 262144
+CHUNK_ROWS = 131072
+#: Rows per batch of the dataset scan.
+_BATCH_ROWS = 65536
 _FILTER_OPS = {"==": operator.eq, "=": operator.eq, "!=": operator.ne, "<": operator.lt,
                ">": operator.gt, "<=": operator.le, ">=": operator.ge}
 _STRING_META = frozenset(c for c in META_COLUMNS if c != STEP)
@@ -310,7 +312,11 @@ class _ParquetLog:
     """An opened parquet log: its part files, each checked from its footer, and one
     ``pyarrow.dataset`` over them whose schema is the union of the parts' columns."""
 
-    def __init__(self, path: PathLike) -> None:
+    def __init__(self, path: PathLike, *, statistics: bool = True) -> None:
+        """Open the log at ``path``: read and check every part's footer. With
+        ``statistics`` the footers stay in memory (about 0.2 MB per part of 70 columns) for
+        the scan to skip parts and row groups by their statistics; a scan of every row
+        needs none, and reads each footer again as it opens the part."""
         self.path = Path(path)
         self.files = _parquet_files(self.path)
         if self.path.is_file() and _magic(self.path) == "pickle":
@@ -325,11 +331,16 @@ class _ParquetLog:
         stat_types: dict[str, set[pa.DataType]] = {}
         exps: set[str] = set()
         checked: set[pa.Schema] = set()  # parts mostly share a schema: check each once
+        present: dict[str, int] = {}  # column -> parts holding it
+        self.num_rows = 0
         for f, fragment in zip(self.files, fragments):
             try:
-                # footer read once, kept by the fragment: the scan's statistics use it
-                fragment.ensure_complete_metadata()
-                schema = fragment.physical_schema
+                if statistics:  # footer read once, kept by the fragment for the scan
+                    fragment.ensure_complete_metadata()
+                    schema, rows = fragment.physical_schema, fragment.metadata.num_rows
+                else:
+                    footer = pq.read_metadata(f)
+                    schema, rows = footer.schema.to_arrow_schema(), footer.num_rows
             except (OSError, pa.ArrowException) as e:
                 raise SchemaError(f"{str(f)!r} is not a readable parquet file: {' '.join(str(e).split())}") from None
             if schema not in checked:
@@ -344,14 +355,19 @@ class _ParquetLog:
                     elif group == EXPONENT_COUNTS:
                         exps.add(field.name)
             self.part_names[fragment.path] = frozenset(schema.names)
+            self.num_rows += rows
+            for name in schema.names:
+                present[name] = present.get(name, 0) + 1
         fields = [pa.field(_flat((METADATA, c)), pa.int64() if c == STEP else pa.string()) for c in META_COLUMNS]
         for name, types in stat_types.items():  # in order of first appearance
-            whole = all(pa.types.is_integer(t) for t in types)
+            # a statistic some part lacks is NaN there: only a float column can say so
+            whole = all(pa.types.is_integer(t) for t in types) and present[name] == len(fragments)
             fields.append(pa.field(name, pa.int64() if whole else pa.float64()))
         for key in canonical_columns(_unflat(n) for n in exps):
             fields.append(pa.field(_flat(key), pa.int64()))
         self.schema = pa.schema(fields)
-        self.dataset = ds.FileSystemDataset(fragments, self.schema, fmt, found.filesystem)
+        self.dataset = ds.FileSystemDataset(fragments, self.schema, fmt, found.filesystem) if statistics else \
+            ds.dataset([str(f) for f in self.files], schema=self.schema, format=fmt)
 
     @property
     def columns(self) -> list[tuple[str, Any]]:
@@ -423,13 +439,39 @@ class _ParquetLog:
                ) -> Iterator[tuple[pa.Table, list[tuple[int, str, int]]]]:
         """Arrow tables of the selected rows and columns, of at least ``chunk_rows`` rows
         (all rows in one table if None), each with its provenance: ``(first row in the
-        table, part file, rows of that part read before)`` per piece. Exponent columns a
-        part lacks are zeros; a stored null (or a damaged page) is a SchemaError naming
-        the part."""
-        exp_at = [i for i, n in enumerate(names) if n.startswith(EXPONENT_COUNTS + _SEP)]
-        schema = pa.schema([self.schema.field(n) for n in names])
-        scanner = self.dataset.scanner(columns=names, filter=expr)
-        batches: list[pa.RecordBatch] = []
+        table, part file, rows of that part read before)`` per piece.
+
+        Numeric columns are copied, batch by batch as the scan goes, into one contiguous
+        array each (which pandas then takes over without a copy): an exponent column a
+        part lacks is zeros there, a statistic it lacks NaN; a null stored in a count or
+        step column, or a damaged page, is a SchemaError naming the part."""
+        numeric = [(i, n, np.dtype(self.schema.field(n).type.to_pandas_dtype())) for i, n in enumerate(names)
+                   if self.schema.field(n).type != pa.string()]
+        strings = [(i, n) for i, n in enumerate(names) if self.schema.field(n).type == pa.string()]
+        capacity = self.num_rows if chunk_rows is None else min(self.num_rows, chunk_rows + _BATCH_ROWS)
+        # chunks are consumed slower than threads decode: the threads' read-ahead would
+        # hold up to a gigabyte of decoded batches, so chunks are decoded on demand
+        scanner = self.dataset.scanner(columns=names, filter=expr, batch_size=_BATCH_ROWS,
+                                       use_threads=chunk_rows is None)
+
+        def fresh() -> tuple[dict[str, tuple[pa.Buffer, np.ndarray]], dict[str, list[pa.Array]]]:
+            # in arrow's memory pool, which reuses the memory of earlier chunks (numpy's
+            # allocations of this size fragment the C heap and leave resident memory behind);
+            # pages that a filter leaves unwritten are never touched
+            bufs = {}
+            for _, n, dt in numeric:
+                buf = pa.allocate_buffer(capacity * dt.itemsize)
+                bufs[n] = (buf, np.frombuffer(buf, dtype=dt))
+            return bufs, {n: [] for _, n in strings}
+
+        def table(nums: dict[str, tuple[pa.Buffer, np.ndarray]], strs: dict[str, list[pa.Array]],
+                  rows: int) -> pa.Table:
+            cols = {n: (pa.chunked_array(strs[n], pa.string()) if n in strs else
+                        pa.Array.from_buffers(self.schema.field(n).type, rows, [None, nums[n][0]]))
+                    for n in names}
+            return pa.table(cols)
+
+        nums, strs = fresh()
         origin: list[tuple[int, str, int]] = []
         rows = 0
         seen: dict[str, int] = {}
@@ -444,23 +486,31 @@ class _ParquetLog:
                 raise self._damaged(names, last, e) from None
             batch, part = tagged.record_batch, tagged.fragment.path
             last = part
-            if batch.num_rows == 0:
+            n = batch.num_rows
+            if n == 0:
                 continue
-            cols = batch.columns
-            for i in exp_at:
-                if cols[i].null_count:
-                    if names[i] in self.part_names[part]:
-                        raise self._stored_null(part, names[i])
-                    cols[i] = pa.array(np.zeros(batch.num_rows, np.int64))
-            batches.append(pa.RecordBatch.from_arrays(cols, schema=schema))
+            has = self.part_names[part]
+            for i, name, dt in numeric:
+                col = batch.column(i)
+                out = nums[name][1][rows:rows + n]
+                if col.null_count:
+                    if name not in has:
+                        out[:] = np.nan if dt.kind == "f" else 0  # absent from this part
+                        continue
+                    if dt.kind != "f":
+                        raise self._stored_null(part, name)
+                out[:] = col.to_numpy(zero_copy_only=False)  # a stored null statistic reads NaN
+            for i, name in strings:
+                strs[name].append(batch.column(i))
             origin.append((rows, part, seen.get(part, 0)))
-            seen[part] = seen.get(part, 0) + batch.num_rows
-            rows += batch.num_rows
+            seen[part] = seen.get(part, 0) + n
+            rows += n
             if chunk_rows is not None and rows >= chunk_rows:
-                yield pa.Table.from_batches(batches, schema=schema), origin
-                batches, origin, rows = [], [], 0
-        if batches or chunk_rows is None:
-            yield pa.Table.from_batches(batches, schema=schema), origin
+                yield table(nums, strs, rows), origin
+                nums, strs = fresh()
+                origin, rows = [], 0
+        if rows or chunk_rows is None:
+            yield table(nums, strs, rows), origin
 
     def _stored_null(self, part: str, name: str) -> SchemaError:
         col = pq.read_table(part, columns=[name]).column(0)
@@ -487,7 +537,7 @@ class _ParquetLog:
 def _frame(table: pa.Table) -> pd.DataFrame:
     """A log DataFrame from an arrow table of flat columns (arrow's memory handed over)."""
     keys = [_unflat(n) for n in table.column_names]
-    df = table.to_pandas(split_blocks=True, self_destruct=True)
+    df = table.to_pandas(split_blocks=True)  # one block per column: numeric ones are not copied
     df.columns = pd.MultiIndex.from_tuples(keys)
     return df
 
@@ -534,7 +584,7 @@ def read_parquet(
         SchemaError: if a file is not a tandv log, is damaged, or holds a value the
             schema forbids (the message names the file, the column and the row).
     """
-    log = _ParquetLog(path)
+    log = _ParquetLog(path, statistics=bool(filters))
     names = log.projection(columns)
     expr = log.filter_expression(filters)
     table, origin = next(log.tables(names, expr, None))
@@ -551,7 +601,7 @@ def read_parquet_chunks(
     frame, so that a log larger than memory can be summarized. Rows come in the log's
     order; once all are read, a (name, tensor_type, step) seen twice anywhere in the log
     raises SchemaError, as :func:`read_parquet` would."""
-    log = _ParquetLog(path)
+    log = path if isinstance(path, _ParquetLog) else _ParquetLog(path, statistics=bool(filters))
     names = log.projection(columns)
     expr = log.filter_expression(filters)
     ids: dict[tuple[str, str], int] = {}
@@ -559,10 +609,14 @@ def read_parquet_chunks(
     steps: list[np.ndarray] = []
     for table, origin in log.tables(names, expr, chunk_rows):
         df = _validated(_frame(table), origin, expr is not None)
-        codes, uniques = pd.factorize(pd.MultiIndex.from_arrays(
-            [df[(METADATA, "name")], df[(METADATA, "tensor_type")]]))
-        gid = np.array([ids.setdefault(u, len(ids)) for u in uniques], dtype=np.int64)
-        keys.append(gid[codes])
+        # (name, tensor_type) -> an id over the whole log, through the chunk's codes
+        name_codes, name_values = pd.factorize(df[(METADATA, "name")])
+        kind_codes, kind_values = pd.factorize(df[(METADATA, "tensor_type")])
+        pair = name_codes.astype(np.int64) * max(1, len(kind_values)) + kind_codes
+        pairs, inverse = np.unique(pair, return_inverse=True)
+        gid = np.array([ids.setdefault((name_values[p // len(kind_values)], kind_values[p % len(kind_values)]),
+                                       len(ids)) for p in pairs.tolist()], dtype=np.int64)
+        keys.append(gid[inverse.ravel()])
         steps.append(df[(METADATA, STEP)].to_numpy(dtype=np.int64))
         yield df
     if keys:
@@ -580,7 +634,7 @@ def log_columns(path: PathLike) -> list[tuple[str, Any]]:
     p = Path(path)
     if _suffix_format(p) == "pickle":
         return list(read_pickle(p).columns)
-    return _ParquetLog(p).columns
+    return _ParquetLog(p, statistics=False).columns
 
 
 # ----------------------------------------------------------------------------- either

@@ -126,6 +126,21 @@ def _integer(col: Any, s: pd.Series, what: str, hint: str) -> np.ndarray:
     return s.to_numpy()
 
 
+def _duplicates(df: pd.DataFrame, step: np.ndarray) -> np.ndarray:
+    """Rows repeating an earlier row's (name, tensor_type, step): the three as one int64
+    key (name code, type code, step offset), looked up in one hash table."""
+    names, _ = pd.factorize(df[(METADATA, NAME)])
+    kinds, kind_values = pd.factorize(df[(METADATA, TENSOR_TYPE)])
+    if not len(step):
+        return np.zeros(0, dtype=bool)
+    low = int(step.min())
+    span = int(step.max()) - low + 1
+    if (int(names.max()) + 1) * len(kind_values) * span >= 2**62:  # no room: pandas' general way
+        return df.duplicated(subset=[(METADATA, NAME), (METADATA, TENSOR_TYPE), (METADATA, STEP)]).to_numpy()
+    k = (names.astype(np.int64) * len(kind_values) + kinds) * span + (step.astype(np.int64) - low)
+    return pd.Series(k).duplicated().to_numpy()
+
+
 def validate(df: pd.DataFrame) -> pd.DataFrame:
     """Check ``df`` against the log schema and return it unchanged.
 
@@ -221,7 +236,7 @@ def validate(df: pd.DataFrame) -> pd.DataFrame:
             raise _bad_value(col, df[col], v < 0, "counts >= 0")
 
     key = [(METADATA, NAME), (METADATA, TENSOR_TYPE), step_col]
-    dup = df.duplicated(subset=key, keep="first").to_numpy()
+    dup = _duplicates(df, step)
     if dup.any():
         row = _first(dup)
         first = [_plain(v) for v in df[key].iloc[row].tolist()]
