@@ -192,10 +192,11 @@ class _SummaryTally:
             inf_all = df[(SCALAR_STATS, "inf_count")].to_numpy()
         rm2_all = df[(SCALAR_STATS, "rm2")].to_numpy(dtype=np.float64) if "rm2" in has else None
         kind_codes, kind_values = pd.factorize(df[(METADATA, "tensor_type")])
+        kind_values = list(np.asarray(kind_values, dtype=object))
         for tt, t in self.types.items():
             if tt not in kind_values:
                 continue
-            idx = np.flatnonzero(kind_codes == list(kind_values).index(tt))
+            idx = np.flatnonzero(kind_codes == kind_values.index(tt))
             codes = name_codes[idx]
             names = _Names(name_values, codes)
             steps = steps_all[idx]

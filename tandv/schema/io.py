@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from pandas.api import types as ptypes
 
 from .columns import EXPONENT_COUNTS, GROUPS, META_COLUMNS, METADATA, OVERFLOW, SCALAR_STATS, STEP, UNDERFLOW
-from .validate import SchemaError, is_exponent_label, validate
+from .validate import SchemaError, check, is_exponent_label, validate
 
 __all__ = [
     "read_pickle",
@@ -542,10 +542,11 @@ def _frame(table: pa.Table) -> pd.DataFrame:
     return df
 
 
-def _validated(df: pd.DataFrame, origin: list[tuple[int, str, int]], filtered: bool) -> pd.DataFrame:
+def _validated(df: pd.DataFrame, origin: list[tuple[int, str, int]], filtered: bool,
+               duplicates: bool = True) -> pd.DataFrame:
     """``validate(df)``; an error about one row also names the part file and its row there."""
     try:
-        return validate(df)
+        return check(df, duplicates=duplicates)
     except SchemaError as e:
         if e.row is None or not origin:
             raise
@@ -608,25 +609,28 @@ def read_parquet_chunks(
     keys: list[np.ndarray] = []
     steps: list[np.ndarray] = []
     for table, origin in log.tables(names, expr, chunk_rows):
-        df = _validated(_frame(table), origin, expr is not None)
+        df = _validated(_frame(table), origin, expr is not None, duplicates=False)
         # (name, tensor_type) -> an id over the whole log, through the chunk's codes
         name_codes, name_values = pd.factorize(df[(METADATA, "name")])
         kind_codes, kind_values = pd.factorize(df[(METADATA, "tensor_type")])
+        name_values, kind_values = list(np.asarray(name_values, object)), list(np.asarray(kind_values, object))
         pair = name_codes.astype(np.int64) * max(1, len(kind_values)) + kind_codes
         pairs, inverse = np.unique(pair, return_inverse=True)
         gid = np.array([ids.setdefault((name_values[p // len(kind_values)], kind_values[p % len(kind_values)]),
                                        len(ids)) for p in pairs.tolist()], dtype=np.int64)
         keys.append(gid[inverse.ravel()])
-        steps.append(df[(METADATA, STEP)].to_numpy(dtype=np.int64))
+        steps.append(df[(METADATA, STEP)].to_numpy(dtype=np.int64).copy())  # not a view of the chunk
         yield df
     if keys:
-        both = pd.DataFrame({"k": np.concatenate(keys), "s": np.concatenate(steps)})
-        dup = both.duplicated().to_numpy()
+        k, st = np.concatenate(keys), np.concatenate(steps)
+        low, span = int(st.min()), int(st.max()) - int(st.min()) + 1
+        dup = (pd.Series(k * span + (st - low)).duplicated() if len(ids) * span < 2**62
+               else pd.DataFrame({"k": k, "s": st}).duplicated()).to_numpy()
         if dup.any():
             i = int(np.flatnonzero(dup)[0])
-            name = next(k for k, v in ids.items() if v == both["k"].iloc[i])
+            name = next(key for key, v in ids.items() if v == k[i])
             raise SchemaError(f"{str(log.path)!r}: duplicate rows for (name, tensor_type, step) = "
-                              f"{(*name, int(both['s'].iloc[i]))}; each tensor has at most one row per step")
+                              f"{(*name, int(st[i]))}; each tensor has at most one row per step")
 
 
 def log_columns(path: PathLike) -> list[tuple[str, Any]]:

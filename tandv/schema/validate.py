@@ -148,6 +148,12 @@ def validate(df: pd.DataFrame) -> pd.DataFrame:
         SchemaError: naming the offending column, what was expected and what was found,
             and for a bad value the first row (position) holding it.
     """
+    return check(df)
+
+
+def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
+    """:func:`validate`, optionally without the duplicate-row rule (for a reader that
+    checks it across chunks itself)."""
     if not isinstance(df, pd.DataFrame):
         raise SchemaError(f"a log is a pandas DataFrame; found {type(df).__name__}")
     cols = df.columns
@@ -235,6 +241,8 @@ def validate(df: pd.DataFrame) -> pd.DataFrame:
         if v.dtype.kind == "i" and v.size and v.min() < 0:
             raise _bad_value(col, df[col], v < 0, "counts >= 0")
 
+    if not duplicates:
+        return df
     key = [(METADATA, NAME), (METADATA, TENSOR_TYPE), step_col]
     dup = _duplicates(df, step)
     if dup.any():
