@@ -512,3 +512,15 @@ def test_duckdb_reads_our_parts(tmp_path):
                         "rm2": df[("scalar_stats", "rm2")], "e": df[("exponent_counts", -1)]})
     ref = ref.sort_values(["step", "name", "tt"]).reset_index(drop=True)
     pd.testing.assert_frame_equal(got, ref, check_dtype=False)
+
+
+def test_frames_read_are_ordinary_editable_frames(tmp_path):
+    """The reader hands its arrays to pandas without copying them; the frame must still be
+    an ordinary one that users can edit in place."""
+    df, _ = make_log(tmp_path / "log", steps=3, flush_every=1)
+    for back in (read_parquet(tmp_path / "log"), read_parquet(tmp_path / "log", filters=[("step", ">=", 1)]),
+                 next(tandv.schema.read_parquet_chunks(tmp_path / "log"))):
+        back.loc[back.index[0], ("scalar_stats", "rm2")] = 5.0
+        back[("exponent_counts", "-inf")] += 1
+        assert back[("scalar_stats", "rm2")].iloc[0] == 5.0
+        assert (back[("exponent_counts", "-inf")] >= 1).all()

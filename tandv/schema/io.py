@@ -436,13 +436,13 @@ class _ParquetLog:
         return expr
 
     def tables(self, names: list[str], expr: ds.Expression | None, chunk_rows: int | None
-               ) -> Iterator[tuple[pa.Table, list[tuple[int, str, int]]]]:
-        """Arrow tables of the selected rows and columns, of at least ``chunk_rows`` rows
+               ) -> Iterator[tuple[dict[str, np.ndarray | pa.ChunkedArray], list[tuple[int, str, int]]]]:
+        """The selected rows and columns (numpy arrays, arrow strings), of at least ``chunk_rows`` rows
         (all rows in one table if None), each with its provenance: ``(first row in the
         table, part file, rows of that part read before)`` per piece.
 
         Numeric columns are copied, batch by batch as the scan goes, into one contiguous
-        array each (which pandas then takes over without a copy): an exponent column a
+        numpy array each (which pandas then takes over without a copy): an exponent column a
         part lacks is zeros there, a statistic it lacks NaN; a null stored in a count or
         step column, or a damaged page, is a SchemaError naming the part."""
         numeric = [(i, n, np.dtype(self.schema.field(n).type.to_pandas_dtype())) for i, n in enumerate(names)
@@ -454,22 +454,13 @@ class _ParquetLog:
         scanner = self.dataset.scanner(columns=names, filter=expr, batch_size=_BATCH_ROWS,
                                        use_threads=chunk_rows is None)
 
-        def fresh() -> tuple[dict[str, tuple[pa.Buffer, np.ndarray]], dict[str, list[pa.Array]]]:
-            # in arrow's memory pool, which reuses the memory of earlier chunks (numpy's
-            # allocations of this size fragment the C heap and leave resident memory behind);
-            # pages that a filter leaves unwritten are never touched
-            bufs = {}
-            for _, n, dt in numeric:
-                buf = pa.allocate_buffer(capacity * dt.itemsize)
-                bufs[n] = (buf, np.frombuffer(buf, dtype=dt))
-            return bufs, {n: [] for _, n in strings}
+        def fresh() -> tuple[dict[str, np.ndarray], dict[str, list[pa.Array]]]:
+            # np.empty reserves address space only: pages a filter leaves unwritten cost nothing
+            return {n: np.empty(capacity, dt) for _, n, dt in numeric}, {n: [] for _, n in strings}
 
-        def table(nums: dict[str, tuple[pa.Buffer, np.ndarray]], strs: dict[str, list[pa.Array]],
-                  rows: int) -> pa.Table:
-            cols = {n: (pa.chunked_array(strs[n], pa.string()) if n in strs else
-                        pa.Array.from_buffers(self.schema.field(n).type, rows, [None, nums[n][0]]))
-                    for n in names}
-            return pa.table(cols)
+        def table(nums: dict[str, np.ndarray], strs: dict[str, list[pa.Array]], rows: int
+                  ) -> dict[str, np.ndarray | pa.ChunkedArray]:
+            return {n: pa.chunked_array(strs[n], pa.string()) if n in strs else nums[n][:rows] for n in names}
 
         nums, strs = fresh()
         origin: list[tuple[int, str, int]] = []
@@ -492,7 +483,7 @@ class _ParquetLog:
             has = self.part_names[part]
             for i, name, dt in numeric:
                 col = batch.column(i)
-                out = nums[name][1][rows:rows + n]
+                out = nums[name][rows:rows + n]
                 if col.null_count:
                     if name not in has:
                         out[:] = np.nan if dt.kind == "f" else 0  # absent from this part
@@ -534,10 +525,12 @@ class _ParquetLog:
         return SchemaError(f"{str(self.path)!r}: reading the log failed: {' '.join(str(err).split())}")
 
 
-def _frame(table: pa.Table) -> pd.DataFrame:
-    """A log DataFrame from an arrow table of flat columns (arrow's memory handed over)."""
-    keys = [_unflat(n) for n in table.column_names]
-    df = table.to_pandas(split_blocks=True)  # one block per column: numeric ones are not copied
+def _frame(columns: dict[str, np.ndarray | pa.ChunkedArray]) -> pd.DataFrame:
+    """A log DataFrame from flat columns: numpy arrays are taken over as they are (one
+    block each, writable, not copied), arrow strings become pandas' string columns."""
+    keys = [_unflat(n) for n in columns]
+    df = pd.DataFrame({n: c.to_pandas() if isinstance(c, pa.ChunkedArray) else c for n, c in columns.items()},
+                      copy=False)
     df.columns = pd.MultiIndex.from_tuples(keys)
     return df
 
