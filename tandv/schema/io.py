@@ -257,12 +257,16 @@ def _unflat_safe(name: str) -> Any:
 def _first_bad_count(values: pa.ChunkedArray | pa.Array) -> tuple[int, Any] | None:
     """The first row of a stored count column that is not a whole number >= 0 (null, NaN,
     a fraction, a negative value), with that value; None if every value is fine."""
-    a = values.to_numpy(zero_copy_only=False) if values.null_count == 0 else \
-        np.asarray(values.to_pylist(), dtype=object)
-    bad = [i for i, v in enumerate(a) if v is None or not (v == v) or v < 0 or float(v) != int(v)] \
-        if a.dtype == object else np.flatnonzero(~np.isfinite(a) | (a < 0) | (a != np.round(a))).tolist() \
-        if a.dtype.kind == "f" else np.flatnonzero(a < 0).tolist()
-    return (bad[0], a[bad[0]].item() if isinstance(a[bad[0]], np.generic) else a[bad[0]]) if bad else None
+    if values.null_count:
+        nulls = np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))
+        return int(nulls[0]), None
+    a = values.to_numpy(zero_copy_only=False)
+    if a.dtype.kind == "f":
+        bad = ~np.isfinite(a) | (a < 0) | (a != np.round(a))
+    else:
+        bad = a < 0
+    rows = np.flatnonzero(bad)
+    return (int(rows[0]), a[rows[0]].item()) if rows.size else None
 
 
 def _check_part(path: Path, schema: pa.Schema) -> None:
