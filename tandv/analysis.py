@@ -1,7 +1,9 @@
 """Framework-free questions asked of a log: ranges, low-precision shares, first NaN/inf.
 
 These read only the validated log (pandas), so they serve the CLI summary, the HTML
-report and users' notebooks alike.
+report and users' notebooks alike. The text summary is a tally that takes a log in
+chunks (:func:`summarize_log` streams a parquet log through it), so summarizing a long
+run needs memory for one chunk, not for the whole log.
 """
 
 from __future__ import annotations

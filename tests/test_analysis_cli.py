@@ -151,3 +151,26 @@ def test_summary_in_chunks_equals_summary_of_the_whole_log(tmp_path, chunk_rows)
 
     df, _ = make_log(tmp_path / "log", steps=6, flush_every=2)
     assert summarize_log(tmp_path / "log", chunk_rows=chunk_rows) == text_summary(df)
+
+
+def test_summary_tally_agrees_with_the_per_row_functions(tmp_path):
+    """The summary's chunked tally against the per-row functions (each tested against
+    numpy above): widest range per tensor type and the shares weighted by numel."""
+    df, _ = make_log(tmp_path / "log", steps=5, flush_every=2)
+    from tandv.analysis import summarize_log
+
+    text = summarize_log(tmp_path / "log", chunk_rows=3)
+    rg = exponent_range(df)
+    for tt in ("Weight", "Activation"):
+        r = rg[rg.tensor_type == tt]
+        w = r.loc[r["width"].idxmax()]
+        assert (f"widest exponent range: {w['name']} at step {w['step']}: 2^{w['min_exponent']} .. "
+                f"2^{w['max_exponent']} ({w['width']} binades)") in text
+        numel = df.loc[(df[("metadata", "tensor_type")] == tt).to_numpy(), ("scalar_stats", "numel")].to_numpy()
+        parts = []
+        for f in ("float8_e4m3fn", "bfloat16"):
+            sh = format_shares(df, f)
+            sh = sh[sh.tensor_type == tt]
+            parts.append(f"{f}: {(sh['underflow'].to_numpy() * numel).sum() / numel.sum():.2%} underflow, "
+                         f"{(sh['overflow'].to_numpy() * numel).sum() / numel.sum():.2%} overflow")
+        assert "  as " + "; ".join(parts) in text
