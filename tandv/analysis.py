@@ -159,18 +159,16 @@ class _SummaryTally:
         name_values = np.asarray(name_values, dtype=object)
         self.steps.update(np.unique(steps_all).tolist())
         self.names.update(name_values.tolist())
-        labels = sorted(int(c) for t, c in df.columns if t == EXPONENT_COUNTS and is_exponent_label(c))
-        cols = [df[(EXPONENT_COUNTS, c)].to_numpy() for c in labels]
-        lo = np.zeros(n, np.int64)
-        hi = np.zeros(n, np.int64)
-        seen = np.zeros(n, dtype=bool)
-        for label, c in zip(labels, cols):  # ascending: the last non-zero label is the highest
-            nz = c > 0
-            np.copyto(hi, label, where=nz)
-            seen |= nz
-        for label, c in zip(reversed(labels), reversed(cols)):  # descending: the lowest
-            np.copyto(lo, label, where=c > 0)
+        labels, counts = _exponents(df)  # one (rows, exponents) matrix per chunk
+        nz = counts > 0
+        seen = nz.any(axis=1)
+        if labels.size:
+            lo = labels[nz.argmax(axis=1)]
+            hi = labels[labels.size - 1 - nz[:, ::-1].argmax(axis=1)]
+        else:
+            lo = hi = np.zeros(n, np.int64)
         width = np.where(seen, hi - lo + 1, 0)
+        del nz
         under_col = df[(EXPONENT_COUNTS, UNDERFLOW)].to_numpy()
         over_col = df[(EXPONENT_COUNTS, OVERFLOW)].to_numpy()
         has = {c for g, c in df.columns if g == SCALAR_STATS}
@@ -179,13 +177,8 @@ class _SummaryTally:
         if numel_all is not None:
             for f in self.formats:
                 fmt = number_format(f)
-                under = under_col.astype(np.float64)
-                over = over_col.astype(np.float64)
-                for label, c in zip(labels, cols):
-                    if label < fmt.min_exponent:
-                        under += c
-                    elif label > fmt.max_exponent:
-                        over += c
+                under = under_col + counts[:, labels < fmt.min_exponent].sum(axis=1)
+                over = over_col + counts[:, labels > fmt.max_exponent].sum(axis=1)
                 positive = numel_all > 0  # as format_shares: a row without elements has share 0
                 lost[f] = (np.where(positive, under, 0.0), np.where(positive, over, 0.0))
         nonfinite = {"nan_count", "inf_count"} <= has
