@@ -173,7 +173,7 @@ _MARK = b"tandv.log"
 #: then let a step filter skip whole row groups.
 ROW_GROUP_ROWS = 65536
 #: Rows per frame yielded by :func:`read_parquet_chunks`.
-CHUNK_ROWS = 131072
+CHUNK_ROWS = 65536
 #: Rows per batch of the dataset scan.
 _BATCH_ROWS = 65536
 _FILTER_OPS = {"==": operator.eq, "=": operator.eq, "!=": operator.ne, "<": operator.lt,
@@ -459,8 +459,16 @@ class _ParquetLog:
                                        use_threads=chunk_rows is None)
 
         def fresh() -> tuple[dict[str, np.ndarray], dict[str, list[pa.Array]]]:
-            # np.empty reserves address space only: pages a filter leaves unwritten cost nothing
-            return {n: np.empty(capacity, dt) for _, n, dt in numeric}, {n: [] for _, n in strings}
+            # One block per dtype, one row per column: a single large allocation is mapped
+            # and unmapped whole, where many 1 MB arrays per chunk would fragment the C heap
+            # and leave resident memory behind; np.empty reserves address space only, so
+            # pages a filter leaves unwritten cost nothing.
+            nums = {}
+            for dt in {dt for _, _, dt in numeric}:
+                cols = [n for _, n, d in numeric if d == dt]
+                block = np.empty((len(cols), capacity), dt)
+                nums.update(zip(cols, block))
+            return nums, {n: [] for _, n in strings}
 
         def table(nums: dict[str, np.ndarray], strs: dict[str, list[pa.Array]], rows: int
                   ) -> dict[str, np.ndarray | pa.ChunkedArray]:
@@ -603,8 +611,11 @@ def read_parquet_chunks(
     names = log.projection(columns)
     expr = log.filter_expression(filters)
     ids: dict[tuple[str, str], int] = {}
-    keys: list[np.ndarray] = []
-    steps: list[np.ndarray] = []
+    # every row's (name, tensor_type) id and step, for the log-wide duplicate check: one
+    # allocation each (long-lived small arrays, one per chunk, would fragment the C heap)
+    keys = np.empty(log.num_rows, np.int64)
+    steps = np.empty(log.num_rows, np.int64)
+    done = 0
     for table, origin in log.tables(names, expr, chunk_rows):
         df = _validated(_frame(table), origin, expr is not None, duplicates=False)
         # (name, tensor_type) -> an id over the whole log, through the chunk's codes
@@ -615,19 +626,37 @@ def read_parquet_chunks(
         pairs, inverse = np.unique(pair, return_inverse=True)
         gid = np.array([ids.setdefault((name_values[p // len(kind_values)], kind_values[p % len(kind_values)]),
                                        len(ids)) for p in pairs.tolist()], dtype=np.int64)
-        keys.append(gid[inverse.ravel()])
-        steps.append(df[(METADATA, STEP)].to_numpy(dtype=np.int64).copy())  # not a view of the chunk
+        keys[done:done + len(df)] = gid[inverse.ravel()]
+        steps[done:done + len(df)] = df[(METADATA, STEP)].to_numpy(dtype=np.int64)
+        done += len(df)
         yield df
-    if keys:
-        k, st = np.concatenate(keys), np.concatenate(steps)
-        low, span = int(st.min()), int(st.max()) - int(st.min()) + 1
-        dup = (pd.Series(k * span + (st - low)).duplicated() if len(ids) * span < 2**62
-               else pd.DataFrame({"k": k, "s": st}).duplicated()).to_numpy()
-        if dup.any():
-            i = int(np.flatnonzero(dup)[0])
-            name = next(key for key, v in ids.items() if v == k[i])
-            raise SchemaError(f"{str(log.path)!r}: duplicate rows for (name, tensor_type, step) = "
-                              f"{(*name, int(st[i]))}; each tensor has at most one row per step")
+    if done:
+        _check_unique(log.path, ids, keys[:done], steps[:done])
+
+
+def _check_unique(path: Path, ids: dict[tuple[str, str], int], k: np.ndarray, st: np.ndarray) -> None:
+    """SchemaError if a (name, tensor_type) id and step pair occurs twice: the pairs as
+    one int64 key, sorted in place (lean: no hash table over millions of rows)."""
+    low, span = int(st.min()), int(st.max()) - int(st.min()) + 1
+    if len(ids) * span < 2**62:
+        k *= span
+        k += st
+        k -= low
+        k.sort()
+        same = np.flatnonzero(k[1:] == k[:-1])
+        if same.size:
+            key = int(k[same[0]])
+            gid, step = key // span, key % span + low
+            name = next(n for n, v in ids.items() if v == gid)
+            raise SchemaError(f"{str(path)!r}: duplicate rows for (name, tensor_type, step) = "
+                              f"{(*name, step)}; each tensor has at most one row per step")
+        return
+    dup = pd.DataFrame({"k": k, "s": st}).duplicated().to_numpy()  # no room for one key
+    if dup.any():
+        i = int(np.flatnonzero(dup)[0])
+        name = next(n for n, v in ids.items() if v == k[i])
+        raise SchemaError(f"{str(path)!r}: duplicate rows for (name, tensor_type, step) = "
+                          f"{(*name, int(st[i]))}; each tensor has at most one row per step")
 
 
 def log_columns(path: PathLike) -> list[tuple[str, Any]]:
