@@ -1,11 +1,15 @@
 """Framework-free questions asked of a log: ranges, low-precision shares, first NaN/inf.
 
 These read only the validated log (pandas), so they serve the CLI summary, the HTML
-report and users' notebooks alike.
+report and users' notebooks alike. The text summary is a tally that takes a log in
+chunks (:func:`summarize_log` streams a parquet log through it), so summarizing a long
+run needs memory for one chunk, not for the whole log.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -19,10 +23,11 @@ from .schema.columns import (
     TENSOR_TYPES,
     UNDERFLOW,
 )
+from .schema.io import CHUNK_ROWS, _ParquetLog, read_log, read_parquet_chunks
 from .schema.validate import is_exponent_label
 from .stats.formats import number_format
 
-__all__ = ["exponent_range", "format_shares", "first_nonfinite", "text_summary"]
+__all__ = ["exponent_range", "format_shares", "first_nonfinite", "text_summary", "summarize_log"]
 
 _KEY = ["name", "tensor_type", "step"]
 
@@ -104,63 +109,194 @@ def _fmt_num(x: float) -> str:
     return "nan" if not np.isfinite(x) else f"{x:.3g}"
 
 
+class _Names:
+    """``names[i]``: the name of row ``i`` of a tensor type's rows, from factorized codes
+    (no string array per chunk)."""
+
+    def __init__(self, values: np.ndarray, codes: np.ndarray) -> None:
+        self.values, self.codes = values, codes
+
+    def __getitem__(self, i: int) -> str:
+        return self.values[self.codes[i]]
+
+
+class _TypeTally:
+    """What :func:`text_summary` reports of one tensor type, gathered chunk by chunk."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.step_min: int | None = None
+        self.step_max: int | None = None
+        self.first: dict[str, tuple[int, int, int]] = {}  # name -> (step, nan, inf), earliest
+        self.worst: tuple[int, str, int, int] | None = None  # (nan + inf, name, step, numel)
+        self.widest: tuple[int, str, int, int, int] | None = None  # (width, name, step, lo, hi)
+        self.last: list[tuple[str, float]] = []  # (name, rm2) at step_max
+        self.lost: dict[str, list[float]] = {}  # format -> [underflow, overflow] counts
+        self.numel = 0.0
+
+
+class _SummaryTally:
+    """Running totals behind :func:`text_summary`: :meth:`add` each chunk of a log (in log
+    order), then :meth:`text`. One definition serves a frame in memory and a parquet log
+    read in chunks."""
+
+    def __init__(self, formats: Sequence[str]) -> None:
+        self.formats = tuple(formats)
+        self.rows = 0
+        self.steps: set[int] = set()
+        self.names: set[str] = set()
+        self.types = {tt: _TypeTally() for tt in TENSOR_TYPES}
+
+    def add(self, df: pd.DataFrame) -> None:
+        """Tally the rows of ``df``, a log or a chunk of one (column by column in numpy:
+        no per-type copies of the chunk, no 2-D copy of its counts)."""
+        if df.empty:
+            return
+        n = len(df)
+        self.rows += n
+        steps_all = df[(METADATA, "step")].to_numpy(dtype=np.int64)
+        name_codes, name_values = pd.factorize(df[(METADATA, "name")])
+        name_values = np.asarray(name_values, dtype=object)
+        self.steps.update(np.unique(steps_all).tolist())
+        self.names.update(name_values.tolist())
+        labels, counts = _exponents(df)  # one (rows, exponents) matrix per chunk
+        nz = counts > 0
+        seen = nz.any(axis=1)
+        if labels.size:
+            lo = labels[nz.argmax(axis=1)]
+            hi = labels[labels.size - 1 - nz[:, ::-1].argmax(axis=1)]
+        else:
+            lo = hi = np.zeros(n, np.int64)
+        width = np.where(seen, hi - lo + 1, 0)
+        del nz
+        under_col = df[(EXPONENT_COUNTS, UNDERFLOW)].to_numpy()
+        over_col = df[(EXPONENT_COUNTS, OVERFLOW)].to_numpy()
+        has = {c for g, c in df.columns if g == SCALAR_STATS}
+        numel_all = df[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64) if "numel" in has else None
+        lost = {}
+        if numel_all is not None:
+            for f in self.formats:
+                fmt = number_format(f)
+                under = under_col + counts[:, labels < fmt.min_exponent].sum(axis=1)
+                over = over_col + counts[:, labels > fmt.max_exponent].sum(axis=1)
+                positive = numel_all > 0  # as format_shares: a row without elements has share 0
+                lost[f] = (np.where(positive, under, 0.0), np.where(positive, over, 0.0))
+        nonfinite = {"nan_count", "inf_count"} <= has
+        if nonfinite:
+            nan_all = df[(SCALAR_STATS, "nan_count")].to_numpy()
+            inf_all = df[(SCALAR_STATS, "inf_count")].to_numpy()
+        rm2_all = df[(SCALAR_STATS, "rm2")].to_numpy(dtype=np.float64) if "rm2" in has else None
+        kind_codes, kind_values = pd.factorize(df[(METADATA, "tensor_type")])
+        kind_values = list(np.asarray(kind_values, dtype=object))
+        for tt, t in self.types.items():
+            if tt not in kind_values:
+                continue
+            idx = np.flatnonzero(kind_codes == kind_values.index(tt))
+            codes = name_codes[idx]
+            names = _Names(name_values, codes)
+            steps = steps_all[idx]
+            t.names.update(name_values[np.unique(codes)].tolist())
+            first_step, last_step = int(steps.min()), int(steps.max())
+            t.step_min = first_step if t.step_min is None else min(t.step_min, first_step)
+            if nonfinite:
+                nan, inf = nan_all[idx], inf_all[idx]
+                bad = np.flatnonzero((nan > 0) | (inf > 0))
+                for i in bad[np.argsort(steps[bad], kind="stable")]:
+                    if names[i] not in t.first or steps[i] < t.first[names[i]][0]:
+                        t.first[names[i]] = (int(steps[i]), int(nan[i]), int(inf[i]))
+                if bad.size:
+                    total = nan + inf
+                    i = int(np.argmax(total))
+                    if t.worst is None or total[i] > t.worst[0]:
+                        size = int(numel_all[idx[i]]) if numel_all is not None else 0
+                        t.worst = (int(total[i]), names[i], int(steps[i]), size)
+            w = width[idx]
+            i = int(np.argmax(w))
+            if w[i] > 0 and (t.widest is None or w[i] > t.widest[0]):
+                r = idx[i]
+                t.widest = (int(w[i]), names[i], int(steps[i]), int(lo[r]), int(hi[r]))
+            if rm2_all is not None:
+                if t.step_max is None or last_step > t.step_max:
+                    t.last = []
+                if t.step_max is None or last_step >= t.step_max:
+                    at = steps == last_step
+                    t.last += list(zip(name_values[codes[at]], rm2_all[idx][at]))
+            t.step_max = last_step if t.step_max is None else max(t.step_max, last_step)
+            if numel_all is not None:
+                t.numel += numel_all[idx].sum()
+                for f, (under, over) in lost.items():
+                    acc = t.lost.setdefault(f, [0.0, 0.0])
+                    acc[0] += under[idx].sum()
+                    acc[1] += over[idx].sum()
+
+    def text(self, top: int) -> str:
+        if not self.rows:
+            return "empty log: no rows (the run recorded no step)"
+        lines = [f"{self.rows} rows, steps {min(self.steps)}..{max(self.steps)} "
+                 f"({len(self.steps)} recorded), {len(self.names)} tensor names"]
+        for tt, t in self.types.items():
+            if t.step_min is None:
+                continue
+            lines.append("")
+            lines.append(f"{tt}: {len(t.names)} tensors, steps {t.step_min}..{t.step_max}")
+            if not t.first:
+                lines.append("  NaN/inf: none")
+            else:
+                order = sorted(t.first.items(), key=lambda kv: kv[1][0])  # stable: first seen first
+                name, (step, nan, inf) = order[0]
+                n = len(order)
+                w = t.worst
+                lines.append(
+                    f"  NaN/inf: first in {name} at step {step} ({nan} NaN, {inf} inf); {n} tensor"
+                    f"{'s' if n != 1 else ''} affected; worst {w[1]} at step {w[2]} ({w[0]} of {w[3]})")
+            if t.widest is not None:
+                width, name, step, lo, hi = t.widest
+                lines.append(f"  widest exponent range: {name} at step {step}: 2^{lo} .. 2^{hi} ({width} binades)")
+            if t.last:
+                rm2 = pd.Series([v for _, v in t.last], index=[n for n, _ in t.last])
+                order = rm2.reset_index(drop=True).sort_values(ascending=False, na_position="last", kind="stable")
+                names = rm2.index
+                big = ", ".join(f"{names[i]} {_fmt_num(order[i])}" for i in order.index[:top])
+                small = ", ".join(f"{names[i]} {_fmt_num(order[i])}" for i in order.dropna().index[::-1][:top])
+                lines.append(f"  largest rm2 at step {t.step_max}: {big}")
+                lines.append(f"  smallest rm2 at step {t.step_max}: {small}")
+            if t.lost:
+                parts = []
+                for f, (u, o) in t.lost.items():
+                    u, o = (u / t.numel, o / t.numel) if t.numel else (0.0, 0.0)
+                    parts.append(f"{f}: {u:.2%} underflow, {o:.2%} overflow")
+                lines.append("  as " + "; ".join(parts))
+        return "\n".join(lines)
+
+
 def text_summary(df: pd.DataFrame, formats: Sequence[str] = ("float8_e4m3fn", "bfloat16"),
                  top: int = 3) -> str:
     """A readable summary of a log, per tensor type: steps and tensors, the first and
     worst NaN/inf, the widest exponent range, the tensors with the largest and smallest
     ``rm2`` at the last step, and the share of values that would underflow/overflow each
     of ``formats``."""
-    if df.empty:
-        return "empty log: no rows (the run recorded no step)"
-    lines: list[str] = []
-    steps = df[(METADATA, "step")]
-    lines.append(f"{len(df)} rows, steps {steps.min()}..{steps.max()} "
-                 f"({steps.nunique()} recorded), {df[(METADATA, 'name')].nunique()} tensor names")
-    ranges = exponent_range(df)
-    shares = {f: format_shares(df, f) for f in formats}
-    firsts = first_nonfinite(df)
-    has_rm2 = (SCALAR_STATS, "rm2") in df.columns
-    for tt in TENSOR_TYPES:
-        mask = (df[(METADATA, "tensor_type")] == tt).to_numpy()
-        if not mask.any():
-            continue
-        sub = df[mask]
-        st = sub[(METADATA, "step")]
-        lines.append("")
-        lines.append(f"{tt}: {sub[(METADATA, 'name')].nunique()} tensors, steps {st.min()}..{st.max()}")
-        f_tt = firsts[firsts["tensor_type"] == tt]
-        if f_tt.empty:
-            lines.append("  NaN/inf: none")
-        else:
-            r = f_tt.iloc[0]
-            nonfin = sub[(SCALAR_STATS, "nan_count")] + sub[(SCALAR_STATS, "inf_count")]
-            w = sub.loc[nonfin.idxmax()]
-            lines.append(
-                f"  NaN/inf: first in {r['name']} at step {r['step']} ({r['nan_count']} NaN, "
-                f"{r['inf_count']} inf); {len(f_tt)} tensor{'s' if len(f_tt) != 1 else ''} affected; worst {w[(METADATA, 'name')]} "
-                f"at step {w[(METADATA, 'step')]} ({int(nonfin.max())} of {int(w[(SCALAR_STATS, 'numel')])})")
-        rg = ranges[mask]
-        if rg["width"].max() > 0:
-            r = rg.loc[rg["width"].idxmax()]
-            lines.append(f"  widest exponent range: {r['name']} at step {r['step']}: "
-                         f"2^{r['min_exponent']} .. 2^{r['max_exponent']} ({r['width']} binades)")
-        if has_rm2:
-            last = sub[st == st.max()]
-            rm2 = last[(SCALAR_STATS, "rm2")].astype(float)
-            names = last[(METADATA, "name")]
-            order = rm2.sort_values(ascending=False, na_position="last")
-            big = ", ".join(f"{names[i]} {_fmt_num(rm2[i])}" for i in order.index[:top])
-            small = ", ".join(f"{names[i]} {_fmt_num(rm2[i])}" for i in order.dropna().index[::-1][:top])
-            lines.append(f"  largest rm2 at step {st.max()}: {big}")
-            lines.append(f"  smallest rm2 at step {st.max()}: {small}")
-        if (SCALAR_STATS, "numel") in sub.columns:
-            numel = sub[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64)
-            total = numel.sum()
-            parts = []
-            for f, sh in shares.items():
-                s = sh[mask]
-                u = (s["underflow"].to_numpy() * numel).sum() / total if total else 0.0
-                o = (s["overflow"].to_numpy() * numel).sum() / total if total else 0.0
-                parts.append(f"{f}: {u:.2%} underflow, {o:.2%} overflow")
-            lines.append("  as " + "; ".join(parts))
-    return "\n".join(lines)
+    tally = _SummaryTally(formats)
+    tally.add(df)
+    return tally.text(top)
+
+
+def summarize_log(path: str | os.PathLike, formats: Sequence[str] = ("float8_e4m3fn", "bfloat16"),
+                  top: int = 3, chunk_rows: int = CHUNK_ROWS) -> str:
+    """:func:`text_summary` of the log at ``path``. A parquet log is read in chunks of the
+    columns the summary needs (memory stays flat however long the run); a pickle is read
+    whole (it runs code from the file: only for pickles you trust).
+
+    Raises:
+        FileNotFoundError, tandv.SchemaError: as the readers do.
+    """
+    p = Path(path)
+    tally = _SummaryTally(formats)
+    if p.suffix.lower() in (".pkl", ".pickle"):
+        tally.add(read_log(p))
+        return tally.text(top)
+    log = _ParquetLog(p, statistics=False)
+    wanted = [c for g, c in log.columns if g == SCALAR_STATS and c in ("rm2", "numel", "nan_count", "inf_count")]
+    wanted += [c for g, c in log.columns if g == EXPONENT_COUNTS]
+    for chunk in read_parquet_chunks(log, columns=wanted, chunk_rows=chunk_rows):
+        tally.add(chunk)
+    return tally.text(top)

@@ -6,9 +6,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 import tandv
+import tandv.cli
 from tandv.analysis import exponent_range, first_nonfinite, format_shares, text_summary
 from tandv.cli import main
 
@@ -68,7 +70,7 @@ def test_cli_validate_and_summary(tmp_path, capsys):
 def test_cli_errors_are_one_line(tmp_path):
     (tmp_path / "bad.pkl").write_bytes(b"not a pickle")
     env = {**os.environ, "PYTHONPATH": str(Path(tandv.__file__).parents[1])}
-    for args in (["validate", str(tmp_path / "missing")], ["summary", str(tmp_path / "bad.pkl")]):
+    for args in (["validate", str(tmp_path / "missing")], ["summary", str(tmp_path / "bad.pkl"), "--trust-pickle"]):
         p = subprocess.run([sys.executable, "-m", "tandv", *args], capture_output=True, text=True, env=env)
         assert p.returncode == 1
         lines = p.stderr.strip().splitlines()
@@ -80,5 +82,95 @@ def test_cli_validate_reports_schema_error(tmp_path, capsys):
     df, _ = make_log(tmp_path / "log.pkl", out_format="pickle")
     df = df.drop(columns=[("exponent_counts", "+inf")])
     df.to_pickle(tmp_path / "broken.pkl")
-    assert main(["validate", str(tmp_path / "broken.pkl")]) == 1
+    assert main(["validate", str(tmp_path / "broken.pkl"), "--trust-pickle"]) == 1
     assert "('exponent_counts', '+inf'): missing" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ issue 15
+
+
+class _Evil:
+    """Unpickling this creates a file: proof that code ran."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_cli_never_unpickles_without_trust_pickle(tmp_path, capsys):
+    import pickle
+
+    marker = tmp_path / "code-ran"
+    (tmp_path / "evil.pkl").write_bytes(pickle.dumps(_Evil(str(marker))))
+    for cmd in ("validate", "summary", "report"):
+        assert main([cmd, str(tmp_path / "evil.pkl")]) == 1
+        err = capsys.readouterr().err
+        assert "reading a pickle runs code stored in it; pass --trust-pickle" in err
+    assert not marker.exists()
+    assert main(["validate", str(tmp_path / "evil.pkl"), "--trust-pickle"]) == 1  # runs it, as asked
+    assert marker.exists()
+    assert "runs code" in tandv.cli.build_parser().format_help()
+
+
+def test_suffix_decides_the_format_and_a_mismatch_is_clear(tmp_path, capsys):
+    df, _ = make_log(tmp_path / "log.pkl", out_format="pickle")
+    tandv.write_parquet(df, tmp_path / "really-parquet.pkl")
+    with pytest.raises(tandv.SchemaError, match=r"really-parquet\.pkl' holds parquet data, not a pickle; rename it"):
+        tandv.read_log(tmp_path / "really-parquet.pkl")
+    assert main(["validate", str(tmp_path / "really-parquet.pkl"), "--trust-pickle"]) == 1
+    assert "holds parquet data" in capsys.readouterr().err
+    df.to_pickle(tmp_path / "pickle-without-suffix")
+    with pytest.raises(tandv.SchemaError, match=r"holds a pickle but its name does not end in \.pkl"):
+        tandv.read_log(tmp_path / "pickle-without-suffix")
+    assert main(["summary", str(tmp_path / "pickle-without-suffix")]) == 1
+    assert "holds a pickle" in capsys.readouterr().err
+    (tmp_path / "renamed.pkl").write_bytes((tmp_path / "pickle-without-suffix").read_bytes())
+    pd.testing.assert_frame_equal(tandv.read_log(tmp_path / "renamed.pkl"), df)
+
+
+def test_cli_reports_a_damaged_part_in_one_line(tmp_path):
+    make_log(tmp_path / "log", steps=4, flush_every=1)
+    part = sorted((tmp_path / "log").glob("*.parquet"))[2]
+    raw = bytearray(part.read_bytes())
+    raw[40:48] = b"\xff" * 8  # inside the first data page; the footer is intact
+    part.write_bytes(bytes(raw))
+    env = {**os.environ, "PYTHONPATH": str(Path(tandv.__file__).parents[1])}
+    for cmd in ("validate", "summary", "report"):
+        p = subprocess.run([sys.executable, "-m", "tandv", cmd, str(tmp_path / "log")], capture_output=True,
+                           text=True, env=env, cwd=tmp_path)
+        assert p.returncode == 1, (cmd, p.stdout)
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("tandv: error:") and part.name in lines[0], p.stderr
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 7, 1000])
+def test_summary_in_chunks_equals_summary_of_the_whole_log(tmp_path, chunk_rows):
+    from tandv.analysis import summarize_log
+
+    df, _ = make_log(tmp_path / "log", steps=6, flush_every=2)
+    assert summarize_log(tmp_path / "log", chunk_rows=chunk_rows) == text_summary(df)
+
+
+def test_summary_tally_agrees_with_the_per_row_functions(tmp_path):
+    """The summary's chunked tally against the per-row functions (each tested against
+    numpy above): widest range per tensor type and the shares weighted by numel."""
+    df, _ = make_log(tmp_path / "log", steps=5, flush_every=2)
+    from tandv.analysis import summarize_log
+
+    text = summarize_log(tmp_path / "log", chunk_rows=3)
+    rg = exponent_range(df)
+    for tt in ("Weight", "Activation"):
+        r = rg[rg.tensor_type == tt]
+        w = r.loc[r["width"].idxmax()]
+        assert (f"widest exponent range: {w['name']} at step {w['step']}: 2^{w['min_exponent']} .. "
+                f"2^{w['max_exponent']} ({w['width']} binades)") in text
+        numel = df.loc[(df[("metadata", "tensor_type")] == tt).to_numpy(), ("scalar_stats", "numel")].to_numpy()
+        parts = []
+        for f in ("float8_e4m3fn", "bfloat16"):
+            sh = format_shares(df, f)
+            sh = sh[sh.tensor_type == tt]
+            parts.append(f"{f}: {(sh['underflow'].to_numpy() * numel).sum() / numel.sum():.2%} underflow, "
+                         f"{(sh['overflow'].to_numpy() * numel).sum() / numel.sum():.2%} overflow")
+        assert "  as " + "; ".join(parts) in text

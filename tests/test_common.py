@@ -1,9 +1,12 @@
 """Tracker core: schedules, selection, the step recorder and its streaming writers."""
 
+import os
 import re
+import sys
 import time
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from tandv.schema import read_parquet, read_pickle
@@ -238,3 +241,91 @@ def test_rows_of_one_tensor_in_two_dtypes_merge_into_the_widest_or_stay_apart():
     kc = TensorKey("fc", "Activation", "Linear", "float16")
     got = _merge_dtypes([(kc, lc, vc), (kb, lb, vb)])
     assert sorted(k.name for k, _, _ in got) == ["fc", "fc@float16"]
+
+
+# ------------------------------------------------------------------ log paths and forgotten steps (issue 15)
+
+
+@pytest.mark.parametrize("fmt, name", [("pickle", "log.pkl"), ("parquet", "log")])
+def test_log_path_problems_fail_when_tracking_starts(tmp_path, fmt, name):
+    (tmp_path / "afile").write_text("not a directory")
+    with pytest.raises(NotADirectoryError, match=rf"cannot write the log .*afile/{name}.*afile' is a file"):
+        StepRecorder(tmp_path / "afile" / name, fmt, verbose=False)
+    with pytest.raises(NotADirectoryError, match="is a file, not a directory"):
+        StepRecorder(tmp_path / "afile" / "deeper" / name, fmt, verbose=False)
+    if sys.platform.startswith("linux") and os.path.isdir("/sys"):
+        # sysfs refuses new files even to root: a real unwritable directory
+        with pytest.raises(PermissionError, match=rf"cannot write the log '/sys/{name}': cannot create files"):
+            StepRecorder(f"/sys/{name}", fmt, verbose=False)
+
+
+def test_pickle_refuses_an_existing_file(tmp_path):
+    precious = tmp_path / "notes.pkl"
+    precious.write_text("my notes")
+    with pytest.raises(FileExistsError, match=r"pickle log .*notes\.pkl' already exists"):
+        StepRecorder(precious, "pickle", verbose=False)
+    assert precious.read_text() == "my notes"
+
+
+def test_pickle_write_failure_at_close_names_the_log(tmp_path, monkeypatch):
+    v, layout = summarize(np.arange(1, 9, dtype=np.float32))
+    rec = StepRecorder(tmp_path / "run.pkl", "pickle", verbose=False)
+    rec.add(key("a"), layout, v)
+    rec.end_step(0, lambda xs: xs)
+
+    def full_disk(self, path, *a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pd.DataFrame, "to_pickle", full_disk)
+    with pytest.raises(RuntimeError, match=r"writing the log to '.*run\.pkl' failed: OSError: .*No space left"):
+        rec.close()
+    assert not list(tmp_path.glob(".run.pkl.*"))  # no temporary file left behind
+
+
+@pytest.mark.parametrize("fmt", ["pickle", "parquet"])
+def test_default_paths_are_unique_per_recorder(tmp_path, fmt):
+    """Recorders opened in the same second without `out` get different logs; the pickle's
+    default path is reserved at start by an empty file that its close replaces."""
+    recs = [StepRecorder(None, fmt, run_name="same", verbose=False) for _ in range(3)]
+    paths = [r.path for r in recs]
+    assert len(set(paths)) == 3 and all(p.exists() for p in paths)
+    v, layout = summarize(np.arange(1, 9, dtype=np.float32))
+    for i, r in enumerate(recs):
+        r.add(key(f"t{i}"), layout, v)
+        r.end_step(0, lambda xs: xs)
+        r.close()
+    read = read_pickle if fmt == "pickle" else read_parquet
+    assert [list(read(p)[("metadata", "name")]) for p in paths] == [["t0"], ["t1"], ["t2"]]
+
+
+def test_forgotten_step_warns_then_raises(tmp_path):
+    v, layout = summarize(np.arange(1, 9, dtype=np.float32))
+    per = 8 * layout.size
+    rec = StepRecorder(tmp_path / "log", verbose=False, warn_pending_bytes=10 * per, max_pending_bytes=20 * per)
+    for _ in range(10):
+        rec.add(key("a"), layout, v)
+    with pytest.warns(RuntimeWarning, match=r"11 tensor observations .* waiting .* is tracker\.step\(\) called"):
+        rec.add(key("a"), layout, v)
+    for _ in range(9):
+        rec.add(key("a"), layout, v)
+    with pytest.raises(RuntimeError, match=r"21 tensor observations .*call tracker\.step\(\) once per training step"):
+        rec.add(key("a"), layout, v)
+    rec.end_step(0, lambda xs: xs)  # the step ends: the count starts again
+    for _ in range(10):
+        rec.add(key("a"), layout, v)
+    rec.end_step(1, lambda xs: xs)
+    rec.close()
+    assert list(read_parquet(tmp_path / "log")[("metadata", "step")]) == [0, 1]
+
+
+def test_second_step_call_without_activations_warns(tmp_path):
+    v, layout = summarize(np.arange(1, 9, dtype=np.float32))
+    rec = StepRecorder(tmp_path / "log", verbose=False)
+    rec.add(key("a", "Activation"), layout, v)
+    rec.add(key("w", "Weight"), layout, v)
+    rec.end_step(0, lambda xs: xs)
+    rec.add(key("w", "Weight"), layout, v)
+    with pytest.warns(RuntimeWarning, match=r"step 1 observed no activation or gradient .* more than once per "
+                                            r"training step"):
+        rec.end_step(1, lambda xs: xs)
+    rec.close()

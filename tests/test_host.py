@@ -90,3 +90,15 @@ def test_magnitudes_outside_the_one_pass_range_take_the_scaled_pass():
 def test_other_dtypes_are_refused_with_the_accepted_list():
     with pytest.raises(TypeError, match=r"dtype float64 is not one of float32, float16, bfloat16"):
         host.host_summaries([np.zeros(3)], Layout("float32"))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("values", [[0.0] * 5, [-0.0] * 5, [0.0, -0.0, 0.0]])
+def test_max_abs_of_zeros_is_positive_zero(dtype, values):
+    """A zero-initialised bias at step 0: max|x| is +0.0, as in the reference (and as |x|
+    always is), not -0.0; compared bit for bit, since -0.0 == 0.0."""
+    a = np.array(values, dtype)
+    row = host.host_summaries([a], Layout(np.dtype(dtype)))[0]
+    ref, _ = summarize(a)
+    i = CORE_FIELDS.index("max_abs")
+    assert row[i] == 0.0 and not np.signbit(row[i]) and not np.signbit(ref[i])

@@ -1,6 +1,7 @@
 """validate(): one test per rule, each asserting the message; and pickle/parquet IO."""
 
 import pickle
+import re
 
 import numpy as np
 import pandas as pd
@@ -73,14 +74,14 @@ def test_metadata_strings_required():
 def test_step_must_be_integer():
     df = good()
     df[("metadata", "step")] = [0.0, 1.5]
-    with pytest.raises(SchemaError, match=r"\('metadata', 'step'\): expected an integer dtype; found float64"):
+    with pytest.raises(SchemaError, match=r"\('metadata', 'step'\): expected an integer dtype of steps; found float64, holding 1.5 at row 1"):
         validate(df)
 
 
 def test_step_must_be_non_negative():
     df = good()
     df[("metadata", "step")] = np.array([0, -1], dtype=np.int64)
-    with pytest.raises(SchemaError, match=r"expected non-negative steps; found -1$"):
+    with pytest.raises(SchemaError, match=r"expected non-negative steps; found -1 \(first at row 1, dtype int64\)$"):
         validate(df)
 
 
@@ -217,3 +218,309 @@ def test_parquet_rejects_non_log(tmp_path):
     (tmp_path / "junk.parquet").write_text("hello")
     with pytest.raises(SchemaError, match="not a readable parquet file"):
         read_parquet(tmp_path / "junk.parquet")
+
+
+# ------------------------------------------------------------------ strict validate (issue 15)
+
+
+def test_null_metadata_strings_are_rejected():
+    for col in ("name", "type"):
+        df = good()
+        df[("metadata", col)] = pd.Series(["a", np.nan], dtype="str")
+        with pytest.raises(SchemaError, match=rf"\('metadata', '{col}'\): expected str values \(no missing value\); "
+                                              r"found <NA> \(first at row 1"):
+            validate(df)
+    df = good()
+    df[("metadata", "name")] = pd.Series(["a", None], dtype=object)
+    with pytest.raises(SchemaError, match=r"\('metadata', 'name'\): expected str values; found None \(first at row 1"):
+        validate(df)
+
+
+def test_nullable_step_with_missing_value_is_rejected():
+    df = good()
+    df[("metadata", "step")] = pd.array([0, None], dtype="Int64")
+    with pytest.raises(SchemaError, match=r"\('metadata', 'step'\): expected steps \(no missing value\); found <NA> "
+                                          r"\(first at row 1, dtype Int64\)"):
+        validate(df)
+    df[("metadata", "step")] = pd.array([0, 1], dtype="Int64")  # no missing value: a valid log
+    assert validate(df) is df
+
+
+def test_nullable_exponent_count_with_missing_value_is_a_schema_error():
+    df = good()
+    df[("exponent_counts", 0)] = pd.array([1, None], dtype="Int64")
+    with pytest.raises(SchemaError, match=r"\('exponent_counts', 0\): expected counts \(no missing value\); found <NA> "
+                                          r"\(first at row 1"):
+        validate(df)
+
+
+def test_categorical_metadata_is_a_schema_error():
+    df = good()
+    df[("metadata", "type")] = df[("metadata", "type")].astype("category")
+    with pytest.raises(SchemaError, match=r"\('metadata', 'type'\): expected str values; found a categorical column; "
+                                          r"convert it with .astype\(str\)"):
+        validate(df)
+
+
+@pytest.mark.parametrize("values, found", [([1.0, np.nan], "nan at row 1"), ([2.7, 1.0], "2.7 at row 0"),
+                                           ([1.0, 3.0], "; convert")])
+def test_float_counts_name_the_bad_value(values, found):
+    df = good()
+    df[("exponent_counts", 0)] = values
+    with pytest.raises(SchemaError, match=rf"\('exponent_counts', 0\): expected an integer dtype of counts; found "
+                                          rf"float64.*{found}"):
+        validate(df)
+
+
+# ------------------------------------------------------------------ the fuzzer
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_ODD_VALUES = [None, np.nan, pd.NA, -1, 2.7, 1.5, "abc", "", b"x", [1], np.inf, True, 2**70, -0.0, "Weight", 0]
+_ODD_DTYPES = ["category", "Int64", "Float64", "str", "object", "float64", "bool", "uint8", "int32", "boolean"]
+_ODD_LABELS = ["abc", 1.5, "7", None, ("x",), np.int64(9), True, "-inf", -3]
+
+
+def _fuzz_base() -> pd.DataFrame:
+    df = good()
+    df[("scalar_stats", "numel")] = np.array([4, 4], dtype=np.int64)
+    return df[pd.MultiIndex.from_tuples(
+        [c for c in df.columns if c[0] == "metadata"] + [("scalar_stats", "rm2"), ("scalar_stats", "numel")]
+        + [c for c in df.columns if c[0] == "exponent_counts"])]
+
+
+@st.composite
+def mutated_logs(draw):
+    df = _fuzz_base()
+    cols = list(df.columns)
+    touched = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["value", "dtype", "label", "drop", "duplicate_row", "add"]))
+        col = draw(st.sampled_from(cols))
+        if col not in df.columns:
+            continue
+        if kind == "value":
+            v = draw(st.sampled_from(_ODD_VALUES))
+            s = df[col].astype(object)
+            s.iloc[draw(st.integers(0, len(df) - 1))] = v
+            try:
+                df[col] = s.infer_objects() if draw(st.booleans()) else s
+            except (TypeError, ValueError, OverflowError):
+                continue
+        elif kind == "dtype":
+            try:
+                df[col] = df[col].astype(draw(st.sampled_from(_ODD_DTYPES)))
+            except (TypeError, ValueError, OverflowError):
+                continue
+        elif kind == "label":
+            new = (col[0], draw(st.sampled_from(_ODD_LABELS)))
+            if new in df.columns:
+                continue
+            df.columns = pd.MultiIndex.from_tuples([new if c == col else c for c in df.columns])
+            col = new
+        elif kind == "drop":
+            df = df.drop(columns=[col])
+        elif kind == "duplicate_row":
+            df = pd.concat([df, df.iloc[:1]], ignore_index=True)
+        else:
+            group = draw(st.sampled_from(["metadata", "scalar_stats", "exponent_counts", "other"]))
+            col = (group, draw(st.sampled_from(["x", 5, "numel2"])))
+            if col in df.columns:
+                continue
+            df[col] = draw(st.sampled_from([[0, 1], [0.5, 1.0], ["a", "b"]]))[:1] * len(df) if len(df) != 2 \
+                else draw(st.sampled_from([[0, 1], [0.5, 1.0], ["a", "b"]]))
+        touched.append((kind, col))
+    return df, touched
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated_logs())
+def test_fuzzed_logs_are_accepted_and_round_trip_or_rejected_with_a_schema_error(tmp_path_factory, case):
+    """Mutations of a valid log: validate accepts the frame (and then the parquet writer
+    and reader give back the same values) or raises SchemaError, and nothing else; the
+    message names a column or the frame's structure."""
+    df, touched = case
+    try:
+        validate(df)
+    except SchemaError as e:
+        msg = str(e)
+        assert re.match(r"\(|'(metadata|scalar_stats|exponent_counts)'|columns:|metadata:|a log is", msg), msg
+        return
+    path = tmp_path_factory.mktemp("fuzz") / "x.parquet"
+    write_parquet(df, path)
+    back = read_parquet(path)
+    assert list(back.columns) == tandv.schema.canonical_columns(df.columns)
+    for c in df.columns:
+        a, b = df[c].to_numpy(dtype=object), back[c].to_numpy(dtype=object)
+        assert all((x == y) or (x != x and y != y) for x, y in zip(a, b)), (c, a, b)
+
+
+# ------------------------------------------------------------------ strict readers (issue 15)
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+
+def _write_raw(path, **overrides):
+    """A parquet file laid out like a log part, with some flat columns replaced."""
+    cols = {
+        "metadata.name": pa.array(["a", "b"]), "metadata.type": pa.array(["L", "L"]),
+        "metadata.tensor_type": pa.array(["Weight", "Weight"]), "metadata.step": pa.array([0, 0]),
+        "metadata.dtype": pa.array(["float32", "float32"]), "scalar_stats.rm2": pa.array([1.0, 2.0]),
+        "exponent_counts.-inf": pa.array([0, 0]), "exponent_counts.0": pa.array([3, 4]),
+        "exponent_counts.+inf": pa.array([0, 0]),
+    }
+    cols.update(overrides)
+    pq.write_table(pa.table({k: v for k, v in cols.items() if v is not None}), path)
+    return path
+
+
+@pytest.mark.parametrize("values, found, row", [([1.0, float("nan")], "nan", 1), ([2.7, 1.0], "2.7", 0),
+                                                ([1.0, -2.0], "-2.0", 1)])
+def test_read_parquet_rejects_stored_non_counts_naming_file_column_row(tmp_path, values, found, row):
+    path = _write_raw(tmp_path / "p.parquet", **{"exponent_counts.0": pa.array(values)})
+    with pytest.raises(SchemaError, match=rf"p\.parquet', column 'exponent_counts\.0', row {row}: expected a whole "
+                                          rf"count >= 0; found {found}"):
+        read_parquet(path)
+
+
+def test_read_parquet_rejects_negative_and_null_integer_counts(tmp_path):
+    _write_raw(tmp_path / "part-0.parquet", **{"exponent_counts.0": pa.array([3, -4])})
+    with pytest.raises(SchemaError, match=r"part-0\.parquet', row 1: \('exponent_counts', 0\): expected counts >= 0; "
+                                          r"found -4"):
+        read_parquet(tmp_path)
+    d = tmp_path / "nulls"
+    d.mkdir()
+    _write_raw(d / "part-0.parquet", **{"exponent_counts.5": None})  # absent: zeros
+    _write_raw(d / "part-1.parquet", **{"metadata.step": pa.array([1, 1]),
+                                       "exponent_counts.5": pa.array([2, None], pa.int64())})
+    with pytest.raises(SchemaError, match=r"part-1\.parquet', column 'exponent_counts\.5', row 1: expected a count; "
+                                          r"found a missing value"):
+        read_parquet(d)
+
+
+@pytest.mark.parametrize("label", ["abc", "1.5"])
+def test_read_parquet_rejects_non_integer_exponent_labels(tmp_path, label):
+    path = _write_raw(tmp_path / "p.parquet", **{f"exponent_counts.{label}": pa.array([0, 0])})
+    with pytest.raises(SchemaError, match=rf"column 'exponent_counts\.{re.escape(label)}': exponent labels must be "
+                                          r"integers"):
+        read_parquet(path)
+
+
+def test_missing_exponent_columns_are_zero_only_where_absent(tmp_path):
+    _write_raw(tmp_path / "part-0.parquet", **{"exponent_counts.5": None})
+    _write_raw(tmp_path / "part-1.parquet", **{"metadata.step": pa.array([1, 1]),
+                                              "exponent_counts.5": pa.array([2, 0])})
+    df = read_parquet(tmp_path)
+    assert list(df[("exponent_counts", 5)]) == [0, 0, 2, 0]
+    assert df[("exponent_counts", 5)].dtype == np.int64
+
+
+def test_filters_on_an_exponent_column_some_parts_lack(tmp_path):
+    df, _ = make_log(tmp_path / "log", steps=4, flush_every=1)
+    per_part = [set(pq.read_schema(p).names) for p in sorted((tmp_path / "log").glob("*.parquet"))]
+    label = next(int(n.split(".", 1)[1]) for n in sorted(set.union(*per_part) - set.intersection(*per_part))
+                 if n.split(".", 1)[1].lstrip("-").isdigit())
+    counts = df[("exponent_counts", label)]
+    for op, value, keep in ((">", 0, counts > 0), ("==", 0, counts == 0)):
+        sub = read_parquet(tmp_path / "log", filters=[(label, op, value)])
+        expected = df[keep.to_numpy()].reset_index(drop=True)
+        assert 0 < len(sub) < len(df)
+        pd.testing.assert_frame_equal(sub, expected[sub.columns], check_dtype=False)
+
+
+def test_exponent_columns_alone_give_a_valid_log(tmp_path):
+    df, _ = make_log(tmp_path / "log", steps=4)
+    label = next(c for g, c in df.columns if g == "exponent_counts" and c not in ("-inf", "+inf"))
+    sub = read_parquet(tmp_path / "log", columns=[label])
+    assert list(sub.columns) == [c for c in df.columns if c[0] == "metadata"] + [
+        ("scalar_stats", "numel"), ("exponent_counts", "-inf"), ("exponent_counts", label), ("exponent_counts", "+inf")]
+    pd.testing.assert_frame_equal(sub, df[sub.columns])
+    with pytest.raises(SchemaError, match=r"no column \('scalar_stats', 'nope'\) in the log"):
+        read_parquet(tmp_path / "log", columns=["nope"])
+
+
+def test_step_filter_reads_only_matching_parts_and_chunks_agree(tmp_path):
+    df, _ = make_log(tmp_path / "log", steps=4, flush_every=1)
+    sub = read_parquet(tmp_path / "log", filters=[("step", ">=", 3)])
+    pd.testing.assert_frame_equal(sub, df[df[("metadata", "step")] >= 3].reset_index(drop=True)[sub.columns],
+                                  check_dtype=False)
+    # row-group statistics let the scan skip the other parts without decoding them: a
+    # damaged page in an excluded part goes unnoticed by the filtered read only
+    first = sorted((tmp_path / "log").glob("*.parquet"))[0]
+    raw = bytearray(first.read_bytes())
+    raw[40:48] = b"\xff" * 8
+    first.write_bytes(bytes(raw))
+    pd.testing.assert_frame_equal(read_parquet(tmp_path / "log", filters=[("step", ">=", 3)]), sub)
+    with pytest.raises(SchemaError, match=rf"{first.name}': damaged part"):
+        read_parquet(tmp_path / "log")
+    first.unlink()
+    chunks = list(tandv.schema.read_parquet_chunks(tmp_path / "log", chunk_rows=5))
+    assert all(len(c) >= 5 for c in chunks[:-1]) and len(chunks) > 1
+    rest = df[df[("metadata", "step")] >= 1].reset_index(drop=True)
+    got = tandv.schema.concat_logs(chunks)
+    pd.testing.assert_frame_equal(got, rest[got.columns], check_dtype=False)
+    assert (rest[[c for c in rest.columns if c not in got.columns]] == 0).all().all()  # only part 0 had them
+
+
+def test_chunks_detect_duplicates_across_chunks(tmp_path):
+    _write_raw(tmp_path / "part-0.parquet")
+    _write_raw(tmp_path / "part-1.parquet")
+    with pytest.raises(SchemaError, match=r"duplicate rows for \(name, tensor_type, step\) = \('a', 'Weight', 0\)"):
+        list(tandv.schema.read_parquet_chunks(tmp_path, chunk_rows=2))
+    with pytest.raises(SchemaError, match=r"part-1\.parquet', row 0: metadata: duplicate rows"):
+        read_parquet(tmp_path)
+
+
+def test_damaged_pages_are_reported_never_read_as_data(tmp_path):
+    """Flip one byte at many places in the data pages of a part written by tandv (its
+    footer intact): every read either raises SchemaError naming the part or gives back
+    exactly the original log."""
+    df, _ = make_log(tmp_path / "log", steps=2)
+    part = next((tmp_path / "log").glob("*.parquet"))
+    raw = part.read_bytes()
+    footer_len = int.from_bytes(raw[-8:-4], "little")
+    data_end = len(raw) - 8 - footer_len
+    raised = 0
+    for offset in range(4, data_end, max(1, (data_end - 4) // 150)):
+        bad = bytearray(raw)
+        bad[offset] ^= 0xFF
+        target = tmp_path / "bad" / part.name
+        target.parent.mkdir(exist_ok=True)
+        target.write_bytes(bytes(bad))
+        try:
+            back = read_parquet(target.parent)
+        except SchemaError as e:
+            assert str(target) in str(e)
+            raised += 1
+        else:
+            pd.testing.assert_frame_equal(back, df)
+    assert raised > 50
+
+
+def test_duckdb_reads_our_parts(tmp_path):
+    duckdb = pytest.importorskip("duckdb")
+    df, _ = make_log(tmp_path / "log", steps=4, flush_every=1)
+    got = duckdb.sql(
+        f"""SELECT "metadata.name" AS name, "metadata.tensor_type" AS tt, "metadata.step" AS step,
+                   "scalar_stats.rm2" AS rm2, coalesce("exponent_counts.-1", 0) AS e
+            FROM read_parquet('{tmp_path / "log"}/*.parquet', union_by_name = true)
+            ORDER BY step, name, tt""").df()
+    m = df["metadata"]
+    ref = pd.DataFrame({"name": m["name"], "tt": m["tensor_type"], "step": m["step"],
+                        "rm2": df[("scalar_stats", "rm2")], "e": df[("exponent_counts", -1)]})
+    ref = ref.sort_values(["step", "name", "tt"]).reset_index(drop=True)
+    pd.testing.assert_frame_equal(got, ref, check_dtype=False)
+
+
+def test_frames_read_are_ordinary_editable_frames(tmp_path):
+    """The reader hands its arrays to pandas without copying them; the frame must still be
+    an ordinary one that users can edit in place."""
+    df, _ = make_log(tmp_path / "log", steps=3, flush_every=1)
+    for back in (read_parquet(tmp_path / "log"), read_parquet(tmp_path / "log", filters=[("step", ">=", 1)]),
+                 next(tandv.schema.read_parquet_chunks(tmp_path / "log"))):
+        back.loc[back.index[0], ("scalar_stats", "rm2")] = 5.0
+        back[("exponent_counts", "-inf")] += 1
+        assert back[("scalar_stats", "rm2")].iloc[0] == 5.0
+        assert (back[("exponent_counts", "-inf")] >= 1).all()

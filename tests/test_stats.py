@@ -242,3 +242,22 @@ def test_layout_rejects_bad_extras():
         Layout(number_format("float32"), (("q", "median"),))
     with pytest.raises(ValueError, match="clashes with a default statistic"):
         Layout(number_format("float32"), (("rm2", "sum"),))
+
+
+def test_moments_of_float64_values_near_the_max_stay_finite():
+    """Values of magnitude >= 2**1023: every moment is finite and matches the numpy
+    reference computed on values scaled down by 2**1000 (exact for powers of two), both
+    for one summary and for a merge of parts whose means have opposite signs."""
+    x = np.array([2.0**1023, -2.0**1023, 1.5 * 2.0**1023, -1.25 * 2.0**1023, 1.75 * 2.0**1023])
+    y = x / 2.0**1000
+    expected = {"mean": y.mean(), "std": y.std(), "mean_abs": np.abs(y).mean(),
+                **{f"rm{k}": np.mean(np.abs(y) ** k) ** (1 / k) for k in (2, 4, 8)}}
+    whole, layout = summarize(x)
+    a, _ = summarize(x[1::2])
+    b, _ = summarize(x[::2])
+    with np.errstate(over="raise"):
+        for v in (whole, merge(a, b, layout), merge(b, a, layout)):
+            stats, _ = finalize(v, layout)
+            for k, e in expected.items():
+                assert np.isfinite(stats[k]), k
+                assert stats[k] / 2.0**1000 == pytest.approx(e, rel=1e-12), k

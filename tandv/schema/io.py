@@ -4,33 +4,43 @@ Parquet is the safe, portable format: it stores each column under a flat name
 ``"<group>.<label>"`` (``"metadata.step"``, ``"exponent_counts.-3"``) and this module
 rebuilds the two-level columns on read, turning exponent labels back into ints, so
 a log round-trips exactly. A parquet log may be one file or a directory of part files
-(``part-000000.parquet``, ...), read in name order.
+(``part-000000.parquet``, ...), read in name order through one ``pyarrow.dataset``.
 
 Exponent columns may differ between parts: a missing exponent column always means a
-count of zero, and :func:`concat_logs` fills it so.
+count of zero, and the readers (and :func:`concat_logs`) fill it so. Nothing else is
+ever filled in or converted: a value the schema forbids is a :class:`SchemaError`
+naming the file, the column and the row.
 """
 
 from __future__ import annotations
 
+import bisect
+import operator
 import os
+import re
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
+from pandas.api import types as ptypes
 
-from .columns import EXPONENT_COUNTS, GROUPS, META_COLUMNS, METADATA, OVERFLOW, SCALAR_STATS, UNDERFLOW
-from .validate import SchemaError, is_exponent_label, validate
+from .columns import EXPONENT_COUNTS, GROUPS, META_COLUMNS, METADATA, OVERFLOW, SCALAR_STATS, STEP, UNDERFLOW
+from .validate import SchemaError, check, is_exponent_label, validate
 
 __all__ = [
     "read_pickle",
     "write_pickle",
     "read_parquet",
+    "read_parquet_chunks",
     "write_parquet",
     "read_log",
+    "log_columns",
     "concat_logs",
     "canonical_columns",
     "drop_empty_exponents",
@@ -53,21 +63,23 @@ def canonical_columns(columns: Iterable[tuple[str, Any]]) -> list[tuple[str, Any
 
 
 def concat_logs(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
-    """Stack log parts row-wise: exponent columns absent from a part are zero there,
-    columns come in :func:`canonical_columns` order, the index is reset."""
+    """Stack log parts row-wise: an exponent column absent from a part is zero in that
+    part's rows (stored values are kept as they are, so a stored NaN stays for
+    :func:`validate` to reject); columns come in :func:`canonical_columns` order, the index
+    is reset."""
     frames = [f for f in frames if f is not None]
     if not frames:
         raise ValueError("concat_logs: no log parts to combine")
-    if len(frames) == 1:
-        out = frames[0].reset_index(drop=True)
-    else:
-        out = pd.concat(frames, ignore_index=True, sort=False)
-    exp_cols = [c for c in out.columns if c[0] == EXPONENT_COUNTS]
-    if exp_cols and out[exp_cols].isna().any().any():
-        out[exp_cols] = out[exp_cols].fillna(0)
-    for c in exp_cols:
-        if out[c].dtype != "int64":
-            out[c] = out[c].astype("int64")
+    exp_cols = list(dict.fromkeys(c for f in frames for c in f.columns if c[0] == EXPONENT_COUNTS))
+    filled = []
+    for f in frames:
+        absent = [c for c in exp_cols if c not in f.columns]
+        if absent:
+            zeros = pd.DataFrame(np.zeros((len(f), len(absent)), np.int64), index=f.index,
+                                 columns=pd.MultiIndex.from_tuples(absent))
+            f = pd.concat([f, zeros], axis=1)
+        filled.append(f)
+    out = filled[0].reset_index(drop=True) if len(filled) == 1 else pd.concat(filled, ignore_index=True, sort=False)
     order = canonical_columns(out.columns)
     return out[pd.MultiIndex.from_tuples(order)] if list(out.columns) != order else out
 
@@ -114,6 +126,17 @@ def write_pickle(df: pd.DataFrame, path: PathLike) -> Path:
     return atomic_write(path, lambda tmp: df.to_pickle(tmp))
 
 
+def _magic(path: Path) -> str | None:
+    """``"parquet"`` or ``"pickle"`` from a file's first bytes (None for neither)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == b"PAR1":
+        return "parquet"
+    if head[:1] == b"\x80":  # pickle protocol 2 and later
+        return "pickle"
+    return None
+
+
 def read_pickle(path: PathLike) -> pd.DataFrame:
     """Read a pickled log and validate it.
 
@@ -123,22 +146,40 @@ def read_pickle(path: PathLike) -> pd.DataFrame:
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        SchemaError: if the file holds something other than a valid log.
+        SchemaError: if the file holds something other than a valid log (parquet data
+            is recognized and not unpickled).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no log file at {str(path)!r}")
+    if _magic(path) == "parquet":
+        raise SchemaError(f"{str(path)!r} holds parquet data, not a pickle; rename it to end in .parquet "
+                          f"(or read it with read_parquet)")
     try:
         df = pd.read_pickle(path)
     except Exception as e:
-        raise SchemaError(f"{str(path)!r} is not a readable pickle: {e}") from e
-    return validate(df)
+        raise SchemaError(f"{str(path)!r} is not a readable pickle: {type(e).__name__}: {e}") from e
+    try:
+        return validate(df)
+    except SchemaError as e:
+        raise SchemaError(f"{str(path)!r}: {e}", column=e.column, row=e.row) from None
 
 
 # ----------------------------------------------------------------------------- parquet
 
 _SEP = "."
 _MARK = b"tandv.log"
+#: Rows per row group in :func:`write_parquet`: row-group statistics of a step-sorted log
+#: then let a step filter skip whole row groups.
+ROW_GROUP_ROWS = 65536
+#: Rows per frame yielded by :func:`read_parquet_chunks`.
+CHUNK_ROWS = 65536
+#: Rows per batch of the dataset scan.
+_BATCH_ROWS = 65536
+_FILTER_OPS = {"==": operator.eq, "=": operator.eq, "!=": operator.ne, "<": operator.lt,
+               ">": operator.gt, "<=": operator.le, ">=": operator.ge}
+_STRING_META = frozenset(c for c in META_COLUMNS if c != STEP)
+_INT_LABEL = re.compile(r"-?[0-9]+")
 
 
 def _flat(col: tuple[str, Any]) -> str:
@@ -146,24 +187,35 @@ def _flat(col: tuple[str, Any]) -> str:
 
 
 def _unflat(name: str) -> tuple[str, Any]:
+    """The column key of a flat parquet name whose label was checked (:func:`_check_part`)."""
     group, _, label = name.partition(_SEP)
     if group == EXPONENT_COUNTS and label not in (UNDERFLOW, OVERFLOW):
-        try:
-            return (group, int(label))
-        except ValueError:
-            pass
+        return (group, int(label))
     return (group, label)
 
 
 def write_parquet(df: pd.DataFrame, path: PathLike) -> Path:
-    """Validate ``df`` and write it to the parquet file ``path`` (atomically)."""
+    """Validate ``df`` and write it to the parquet file ``path`` (atomically).
+
+    Row order is kept; row groups hold :data:`ROW_GROUP_ROWS` rows, so a log sorted by
+    step can be read by step range without decoding the rest. Data pages carry CRC32
+    checksums, which the readers verify: a damaged file is reported, never read as data.
+    """
     validate(df)
-    # Arrow arrays straight from the columns' numpy values: pa.Table.from_pandas spends
-    # ~0.2 ms per column on pandas bookkeeping (a 300-column flush took 60 ms that way).
-    table = pa.Table.from_arrays([pa.array(df[c].to_numpy()) for c in df.columns],
-                                 names=[_flat(c) for c in df.columns])
+    # Arrow arrays straight from the columns' values: pa.Table.from_pandas spends ~0.2 ms
+    # per column on pandas bookkeeping (a 300-column flush took 60 ms that way).
+    def arrow(c: tuple[str, Any]) -> pa.Array:
+        s = df[c]
+        kind = pa.string() if c[0] == METADATA and c[1] != STEP else None
+        if kind is not None and len(s) == 0:
+            return pa.array([], kind)  # an empty frame's str columns may have any dtype
+        return pa.array(s.array if ptypes.is_extension_array_dtype(s.dtype) else s.to_numpy(), type=kind)
+
+    arrays = [arrow(c) for c in df.columns]
+    table = pa.Table.from_arrays(arrays, names=[_flat(c) for c in df.columns])
     table = table.replace_schema_metadata({_MARK: b"1"})
-    return atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+    return atomic_write(path, lambda tmp: pq.write_table(
+        table, tmp, row_group_size=ROW_GROUP_ROWS, write_page_checksum=True))
 
 
 def _parquet_files(path: Path) -> list[Path]:
@@ -190,6 +242,327 @@ def _flat_key(key: Any) -> str:
     return _flat((SCALAR_STATS, key))
 
 
+def _part_error(path: Path, what: str, row: int | None = None, column: str | None = None) -> SchemaError:
+    where = f"{str(path)!r}" + (f", column {column!r}" if column else "") + (f", row {row}" if row is not None else "")
+    return SchemaError(f"{where}: {what}", column=None if column is None else _unflat_safe(column), row=row)
+
+
+def _unflat_safe(name: str) -> Any:
+    try:
+        return _unflat(name)
+    except ValueError:
+        return name
+
+
+def _first_bad_count(values: pa.ChunkedArray | pa.Array) -> tuple[int, Any] | None:
+    """The first row of a stored count column that is not a whole number >= 0 (null, NaN,
+    a fraction, a negative value), with that value; None if every value is fine."""
+    if values.null_count:
+        nulls = np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))
+        return int(nulls[0]), None
+    a = values.to_numpy(zero_copy_only=False)
+    if a.dtype.kind == "f":
+        bad = ~np.isfinite(a) | (a < 0) | (a != np.round(a))
+    else:
+        bad = a < 0
+    rows = np.flatnonzero(bad)
+    return (int(rows[0]), a[rows[0]].item()) if rows.size else None
+
+
+def _check_part(path: Path, schema: pa.Schema) -> None:
+    """Check one part's columns against the log schema from its footer alone, and the
+    values of any count column stored as floats (read here, for this part only)."""
+    names = schema.names
+    if not any(n.startswith(METADATA + _SEP) for n in names):
+        raise SchemaError(f"{str(path)!r} is not a tandv log: it has no {METADATA!r} columns")
+    for i, name in enumerate(names):
+        group, sep, label = name.partition(_SEP)
+        if not sep or group not in GROUPS:
+            raise _part_error(path, f"not a tandv log column; expected '<group>.<label>' with a group "
+                              f"in {list(GROUPS)}", column=name)
+        t = schema.field(i).type
+        if group == METADATA:
+            if label not in META_COLUMNS:
+                raise _part_error(path, f"unexpected metadata column; expected exactly {list(META_COLUMNS)}",
+                                  column=name)
+            if label == STEP:
+                ok = pa.types.is_integer(t)
+            else:
+                ok = pa.types.is_string(t) or pa.types.is_large_string(t) or (
+                    pa.types.is_dictionary(t) and (pa.types.is_string(t.value_type)
+                                                   or pa.types.is_large_string(t.value_type)))
+            if not ok:
+                raise _part_error(path, f"expected {'integer steps' if label == STEP else 'strings'}; "
+                                  f"stored as {t}", column=name)
+        elif group == SCALAR_STATS:
+            if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
+                raise _part_error(path, f"expected a numeric statistic; stored as {t}", column=name)
+        else:
+            if label not in (UNDERFLOW, OVERFLOW) and not _INT_LABEL.fullmatch(label):
+                raise _part_error(path, f"exponent labels must be integers or {UNDERFLOW!r}/{OVERFLOW!r}; "
+                                  f"found {label!r}", column=name)
+            if pa.types.is_floating(t):
+                bad = _first_bad_count(pq.read_table(path, columns=[name]).column(0))
+                if bad is not None:
+                    raise _part_error(path, f"expected a whole count >= 0; found {bad[1]!r}", bad[0], name)
+            elif not pa.types.is_integer(t):
+                raise _part_error(path, f"expected integer counts; stored as {t}", column=name)
+    missing = [c for c in META_COLUMNS if _flat((METADATA, c)) not in names]
+    if missing:
+        raise _part_error(path, f"missing metadata column(s) {missing}; every part holds {list(META_COLUMNS)}")
+
+
+class _ParquetLog:
+    """An opened parquet log: its part files, each checked from its footer, and one
+    ``pyarrow.dataset`` over them whose schema is the union of the parts' columns."""
+
+    def __init__(self, path: PathLike, *, statistics: bool = True) -> None:
+        """Open the log at ``path``: read and check every part's footer. With
+        ``statistics`` the footers stay in memory (about 0.2 MB per part of 70 columns) for
+        the scan to skip parts and row groups by their statistics; a scan of every row
+        needs none, and reads each footer again as it opens the part."""
+        self.path = Path(path)
+        self.files = _parquet_files(self.path)
+        if self.path.is_file() and _magic(self.path) == "pickle":
+            raise SchemaError(f"{str(self.path)!r} holds a pickle but its name does not end in .pkl or .pickle; "
+                              f"pickles are read only by that suffix (reading one runs code from the file): "
+                              f"rename it if you trust it")
+        fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(
+            page_checksum_verification=True))
+        found = ds.dataset([str(f) for f in self.files], schema=pa.schema([]), format=fmt)  # no inference
+        fragments = list(found.get_fragments())
+        self.part_names: dict[str, frozenset[str]] = {}
+        stat_types: dict[str, set[pa.DataType]] = {}
+        exps: set[str] = set()
+        checked: set[pa.Schema] = set()  # parts mostly share a schema: check each once
+        present: dict[str, int] = {}  # column -> parts holding it
+        self.num_rows = 0
+        for f, fragment in zip(self.files, fragments):
+            try:
+                if statistics:  # footer read once, kept by the fragment for the scan
+                    fragment.ensure_complete_metadata()
+                    schema, rows = fragment.physical_schema, fragment.metadata.num_rows
+                else:
+                    footer = pq.read_metadata(f)
+                    schema, rows = footer.schema.to_arrow_schema(), footer.num_rows
+            except (OSError, pa.ArrowException) as e:
+                raise SchemaError(f"{str(f)!r} is not a readable parquet file: {' '.join(str(e).split())}") from None
+            if schema not in checked:
+                _check_part(f, schema)
+                if not any(pa.types.is_floating(t.type) for t in schema
+                           if t.name.startswith(EXPONENT_COUNTS + _SEP)):
+                    checked.add(schema)
+                for field in schema:
+                    group = field.name.partition(_SEP)[0]
+                    if group == SCALAR_STATS:
+                        stat_types.setdefault(field.name, set()).add(field.type)
+                    elif group == EXPONENT_COUNTS:
+                        exps.add(field.name)
+            self.part_names[fragment.path] = frozenset(schema.names)
+            self.num_rows += rows
+            for name in schema.names:
+                present[name] = present.get(name, 0) + 1
+        fields = [pa.field(_flat((METADATA, c)), pa.int64() if c == STEP else pa.string()) for c in META_COLUMNS]
+        for name, types in stat_types.items():  # in order of first appearance
+            # a statistic some part lacks is NaN there: only a float column can say so
+            whole = all(pa.types.is_integer(t) for t in types) and present[name] == len(fragments)
+            fields.append(pa.field(name, pa.int64() if whole else pa.float64()))
+        for key in canonical_columns(_unflat(n) for n in exps):
+            fields.append(pa.field(_flat(key), pa.int64()))
+        self.schema = pa.schema(fields)
+        self.dataset = ds.FileSystemDataset(fragments, self.schema, fmt, found.filesystem) if statistics else \
+            ds.dataset([str(f) for f in self.files], schema=self.schema, format=fmt)
+
+    @property
+    def columns(self) -> list[tuple[str, Any]]:
+        """The log's column keys, in log order."""
+        return [_unflat(n) for n in self.schema.names]
+
+    def projection(self, columns: Sequence[Any] | None) -> list[str]:
+        """Flat names to read for the user's ``columns``: metadata and the -inf/+inf counts
+        always, and a statistic (``numel`` if the log has it) when none is asked for, so
+        that the result is a valid log."""
+        if columns is None:
+            return self.schema.names
+        wanted = [_flat((METADATA, c)) for c in META_COLUMNS]
+        wanted += [k for k in map(_flat_key, columns) if k not in wanted]
+        for k in wanted:
+            if k not in self.schema.names and k.partition(_SEP)[0] != EXPONENT_COUNTS:
+                raise SchemaError(f"{str(self.path)!r}: no column {_unflat_safe(k)!r} in the log; it has "
+                                  f"{[c for g, c in self.columns if g == SCALAR_STATS]} "
+                                  f"(statistics) and exponent columns")
+        stats = [n for n in self.schema.names if n.startswith(SCALAR_STATS + _SEP)]
+        if stats and not any(k.startswith(SCALAR_STATS + _SEP) for k in wanted):
+            wanted.append(_flat((SCALAR_STATS, "numel")) if _flat((SCALAR_STATS, "numel")) in stats else stats[0])
+        for label in (UNDERFLOW, OVERFLOW):
+            if _flat((EXPONENT_COUNTS, label)) not in wanted:
+                wanted.append(_flat((EXPONENT_COUNTS, label)))
+        return [n for n in map(_flat, canonical_columns(map(_unflat, wanted)))]
+
+    def filter_expression(self, filters: Sequence[Any] | None) -> ds.Expression | None:
+        """``filters`` in pyarrow's list form (``[(col, op, value), ...]``, or a list of
+        such lists meaning OR) as a dataset expression. An exponent column reads as 0 in a
+        part that lacks it, as everywhere else."""
+        if not filters:
+            return None
+        if not isinstance(filters, (list, tuple)):
+            raise ValueError(f"filters={filters!r}: expected a list of (column, op, value) tuples")
+        dnf = filters if isinstance(filters[0], list) else [filters]
+
+        def term(f: Any) -> ds.Expression:
+            if not (isinstance(f, (tuple, list)) and len(f) == 3):
+                raise ValueError(f"filters: {f!r} is not a (column, op, value) tuple")
+            key, op, value = f
+            name = _flat_key(key)
+            if name.partition(_SEP)[0] == EXPONENT_COUNTS:
+                field = pc.coalesce(ds.field(name), pa.scalar(0, pa.int64())) if name in self.schema.names \
+                    else ds.scalar(0)
+            elif name in self.schema.names:
+                field = ds.field(name)
+            else:
+                raise SchemaError(f"filters: no column {_unflat_safe(name)!r} in the log at {str(self.path)!r}")
+            if op in _FILTER_OPS:
+                return _FILTER_OPS[op](field, value)
+            if op in ("in", "not in"):
+                e = field.isin(list(value))
+                return ~e if op == "not in" else e
+            raise ValueError(f"filters: unknown operator {op!r} in {f!r}; expected one of "
+                             f"{[*_FILTER_OPS, 'in', 'not in']}")
+
+        expr = None
+        for conj in dnf:
+            c = None
+            for f in conj:
+                t = term(f)
+                c = t if c is None else c & t
+            if c is not None:
+                expr = c if expr is None else expr | c
+        return expr
+
+    def tables(self, names: list[str], expr: ds.Expression | None, chunk_rows: int | None
+               ) -> Iterator[tuple[dict[str, np.ndarray | pa.ChunkedArray], list[tuple[int, str, int]]]]:
+        """The selected rows and columns (numpy arrays, arrow strings), of at least ``chunk_rows`` rows
+        (all rows in one table if None), each with its provenance: ``(first row in the
+        table, part file, rows of that part read before)`` per piece.
+
+        Numeric columns are copied, batch by batch as the scan goes, into one contiguous
+        numpy array each (which pandas then takes over without a copy): an exponent column a
+        part lacks is zeros there, a statistic it lacks NaN; a null stored in a count or
+        step column, or a damaged page, is a SchemaError naming the part."""
+        numeric = [(i, n, np.dtype(self.schema.field(n).type.to_pandas_dtype())) for i, n in enumerate(names)
+                   if self.schema.field(n).type != pa.string()]
+        strings = [(i, n) for i, n in enumerate(names) if self.schema.field(n).type == pa.string()]
+        capacity = self.num_rows if chunk_rows is None else min(self.num_rows, chunk_rows + _BATCH_ROWS)
+        # chunks are consumed slower than threads decode: the threads' read-ahead would
+        # hold up to a gigabyte of decoded batches, so chunks are decoded on demand
+        scanner = self.dataset.scanner(columns=names, filter=expr, batch_size=_BATCH_ROWS,
+                                       use_threads=chunk_rows is None)
+
+        def fresh() -> tuple[dict[str, np.ndarray], dict[str, list[pa.Array]]]:
+            # One block per dtype, one row per column: a single large allocation is mapped
+            # and unmapped whole, where many 1 MB arrays per chunk would fragment the C heap
+            # and leave resident memory behind; np.empty reserves address space only, so
+            # pages a filter leaves unwritten cost nothing.
+            nums = {}
+            for dt in {dt for _, _, dt in numeric}:
+                cols = [n for _, n, d in numeric if d == dt]
+                block = np.empty((len(cols), capacity), dt)
+                nums.update(zip(cols, block))
+            return nums, {n: [] for _, n in strings}
+
+        def table(nums: dict[str, np.ndarray], strs: dict[str, list[pa.Array]], rows: int
+                  ) -> dict[str, np.ndarray | pa.ChunkedArray]:
+            return {n: pa.chunked_array(strs[n], pa.string()) if n in strs else nums[n][:rows] for n in names}
+
+        nums, strs = fresh()
+        origin: list[tuple[int, str, int]] = []
+        rows = 0
+        seen: dict[str, int] = {}
+        last = None
+        it = iter(scanner.scan_batches())
+        while True:
+            try:
+                tagged = next(it)
+            except StopIteration:
+                break
+            except (OSError, pa.ArrowException) as e:
+                raise self._damaged(names, last, e) from None
+            batch, part = tagged.record_batch, tagged.fragment.path
+            last = part
+            n = batch.num_rows
+            if n == 0:
+                continue
+            has = self.part_names[part]
+            for i, name, dt in numeric:
+                col = batch.column(i)
+                out = nums[name][rows:rows + n]
+                if col.null_count:
+                    if name not in has:
+                        out[:] = np.nan if dt.kind == "f" else 0  # absent from this part
+                        continue
+                    if dt.kind != "f":
+                        raise self._stored_null(part, name)
+                out[:] = col.to_numpy(zero_copy_only=False)  # a stored null statistic reads NaN
+            for i, name in strings:
+                strs[name].append(batch.column(i))
+            origin.append((rows, part, seen.get(part, 0)))
+            seen[part] = seen.get(part, 0) + n
+            rows += n
+            if chunk_rows is not None and rows >= chunk_rows:
+                yield table(nums, strs, rows), origin
+                nums, strs = fresh()
+                origin, rows = [], 0
+        if rows or chunk_rows is None:
+            yield table(nums, strs, rows), origin
+
+    def _stored_null(self, part: str, name: str) -> SchemaError:
+        col = pq.read_table(part, columns=[name]).column(0)
+        bad = _first_bad_count(col)
+        row = None if bad is None else bad[0]
+        return _part_error(Path(part), "expected a count; found a missing value (null)", row, name)
+
+    def _damaged(self, names: list[str], last: str | None, err: BaseException) -> SchemaError:
+        """The error for a scan that failed: the first part, from the last one read on,
+        that fails when read alone (page checksums verified)."""
+        paths = list(self.part_names)
+        start = 0 if last is None else paths.index(last)
+        for f in paths[start:]:
+            cols = [n for n in names if n in self.part_names[f]]
+            try:
+                pq.read_table(f, columns=cols, page_checksum_verification=True)
+            except (OSError, pa.ArrowException) as e:
+                why = " ".join(str(e).split())  # arrow's messages span lines
+                return SchemaError(f"{str(f)!r}: damaged part, its data cannot be decoded ({why}); "
+                                   f"restore it or move it out of the log")
+        return SchemaError(f"{str(self.path)!r}: reading the log failed: {' '.join(str(err).split())}")
+
+
+def _frame(columns: dict[str, np.ndarray | pa.ChunkedArray]) -> pd.DataFrame:
+    """A log DataFrame from flat columns: numpy arrays are taken over as they are (one
+    block each, writable, not copied), arrow strings become pandas' string columns."""
+    keys = [_unflat(n) for n in columns]
+    df = pd.DataFrame({n: c.to_pandas() if isinstance(c, pa.ChunkedArray) else c for n, c in columns.items()},
+                      copy=False)
+    df.columns = pd.MultiIndex.from_tuples(keys)
+    return df
+
+
+def _validated(df: pd.DataFrame, origin: list[tuple[int, str, int]], filtered: bool,
+               duplicates: bool = True) -> pd.DataFrame:
+    """``validate(df)``; an error about one row also names the part file and its row there."""
+    try:
+        return check(df, duplicates=duplicates)
+    except SchemaError as e:
+        if e.row is None or not origin:
+            raise
+        starts = [o[0] for o in origin]
+        k = bisect.bisect_right(starts, e.row) - 1
+        first, part, before = origin[k]
+        row = before + e.row - first
+        where = f"row {row} of the rows read with the filters" if filtered else f"row {row}"
+        raise SchemaError(f"{str(part)!r}, {where}: {e}", column=e.column, row=row) from None
+
+
 def read_parquet(
     path: PathLike,
     columns: Sequence[Any] | None = None,
@@ -197,50 +570,122 @@ def read_parquet(
 ) -> pd.DataFrame:
     """Read a parquet log (one file, or a directory of part files) and validate it.
 
+    Built on ``pyarrow.dataset``: the parts' columns are unified (an exponent column a
+    part lacks reads as 0 there, the only value ever filled in), only the columns asked
+    for are decoded, and filters are pushed down, so row-group statistics skip the parts
+    and row groups a step filter excludes.
+
     Arguments:
         path: a ``.parquet`` file or a directory of them.
         columns: scalar statistics and exponent columns to read, each as a tuple
             (``("scalar_stats", "rm2")``), a statistic name (``"rm2"``) or an exponent
             label (``-3``, ``"+inf"``). Metadata and the ``-inf``/``+inf`` counts are always
-            read. Default: everything.
+            read, and ``numel`` when no statistic is asked for. Default: everything.
         filters: row filters in pyarrow's form, e.g. ``[("step", ">=", 100),
-            ("tensor_type", "==", "Gradient")]``; metadata columns may be named bare.
+            ("tensor_type", "==", "Gradient")]`` (a list of such lists means OR);
+            metadata columns may be named bare, exponent columns by label.
 
     Raises:
         FileNotFoundError: if nothing is at ``path``.
-        SchemaError: if a file is not a tandv log.
+        SchemaError: if a file is not a tandv log, is damaged, or holds a value the
+            schema forbids (the message names the file, the column and the row).
     """
-    files = _parquet_files(Path(path))
-    wanted = None
-    if columns is not None:
-        wanted = [_flat((METADATA, c)) for c in META_COLUMNS]
-        wanted += [_flat((EXPONENT_COUNTS, UNDERFLOW)), _flat((EXPONENT_COUNTS, OVERFLOW))]
-        wanted += [k for k in map(_flat_key, columns) if k not in wanted]
-    flt = None
-    if filters:
-        def one(f: Any) -> tuple:
-            return (_flat_key(f[0]), *f[1:])
-        flt = [[one(f) for f in conj] for conj in filters] if isinstance(filters[0], list) else [one(f) for f in filters]
-    frames = []
-    for f in files:
-        try:
-            names = pq.read_schema(f).names
-        except Exception as e:
-            raise SchemaError(f"{str(f)!r} is not a readable parquet file: {e}") from e
-        if not any(n.startswith(METADATA + _SEP) for n in names):
-            raise SchemaError(f"{str(f)!r} is not a tandv log: it has no {METADATA!r} columns")
-        cols = None if wanted is None else [c for c in wanted if c in names]
-        table = pq.read_table(f, columns=cols, filters=flt)
-        part = table.to_pandas()
-        part.columns = pd.MultiIndex.from_tuples([_unflat(c) for c in part.columns])
-        frames.append(part)
-    return validate(concat_logs(frames))
+    log = _ParquetLog(path, statistics=bool(filters))
+    names = log.projection(columns)
+    expr = log.filter_expression(filters)
+    table, origin = next(log.tables(names, expr, None))
+    return _validated(_frame(table), origin, expr is not None)
+
+
+def read_parquet_chunks(
+    path: PathLike,
+    columns: Sequence[Any] | None = None,
+    filters: Sequence[Any] | None = None,
+    chunk_rows: int = CHUNK_ROWS,
+) -> Iterator[pd.DataFrame]:
+    """:func:`read_parquet` in pieces of about ``chunk_rows`` rows, each a validated log
+    frame, so that a log larger than memory can be summarized. Rows come in the log's
+    order; once all are read, a (name, tensor_type, step) seen twice anywhere in the log
+    raises SchemaError, as :func:`read_parquet` would."""
+    log = path if isinstance(path, _ParquetLog) else _ParquetLog(path, statistics=bool(filters))
+    names = log.projection(columns)
+    expr = log.filter_expression(filters)
+    ids: dict[tuple[str, str], int] = {}
+    # every row's (name, tensor_type) id and step, for the log-wide duplicate check: one
+    # allocation each (long-lived small arrays, one per chunk, would fragment the C heap)
+    keys = np.empty(log.num_rows, np.int64)
+    steps = np.empty(log.num_rows, np.int64)
+    done = 0
+    for table, origin in log.tables(names, expr, chunk_rows):
+        df = _validated(_frame(table), origin, expr is not None, duplicates=False)
+        # (name, tensor_type) -> an id over the whole log, through the chunk's codes
+        name_codes, name_values = pd.factorize(df[(METADATA, "name")])
+        kind_codes, kind_values = pd.factorize(df[(METADATA, "tensor_type")])
+        name_values, kind_values = list(np.asarray(name_values, object)), list(np.asarray(kind_values, object))
+        pair = name_codes.astype(np.int64) * max(1, len(kind_values)) + kind_codes
+        pairs, inverse = np.unique(pair, return_inverse=True)
+        gid = np.array([ids.setdefault((name_values[p // len(kind_values)], kind_values[p % len(kind_values)]),
+                                       len(ids)) for p in pairs.tolist()], dtype=np.int64)
+        keys[done:done + len(df)] = gid[inverse.ravel()]
+        steps[done:done + len(df)] = df[(METADATA, STEP)].to_numpy(dtype=np.int64)
+        done += len(df)
+        yield df
+    if done:
+        _check_unique(log.path, ids, keys[:done], steps[:done])
+
+
+def _check_unique(path: Path, ids: dict[tuple[str, str], int], k: np.ndarray, st: np.ndarray) -> None:
+    """SchemaError if a (name, tensor_type) id and step pair occurs twice: the pairs as
+    one int64 key, sorted in place (lean: no hash table over millions of rows)."""
+    low, span = int(st.min()), int(st.max()) - int(st.min()) + 1
+    if len(ids) * span < 2**62:
+        k *= span
+        k += st
+        k -= low
+        k.sort()
+        same = np.flatnonzero(k[1:] == k[:-1])
+        if same.size:
+            key = int(k[same[0]])
+            gid, step = key // span, key % span + low
+            name = next(n for n, v in ids.items() if v == gid)
+            raise SchemaError(f"{str(path)!r}: duplicate rows for (name, tensor_type, step) = "
+                              f"{(*name, step)}; each tensor has at most one row per step")
+        return
+    dup = pd.DataFrame({"k": k, "s": st}).duplicated().to_numpy()  # no room for one key
+    if dup.any():
+        i = int(np.flatnonzero(dup)[0])
+        name = next(n for n, v in ids.items() if v == k[i])
+        raise SchemaError(f"{str(path)!r}: duplicate rows for (name, tensor_type, step) = "
+                          f"{(*name, int(st[i]))}; each tensor has at most one row per step")
+
+
+def log_columns(path: PathLike) -> list[tuple[str, Any]]:
+    """The column keys of a log in log order (a parquet log's from its footers alone)."""
+    p = Path(path)
+    if _suffix_format(p) == "pickle":
+        return list(read_pickle(p).columns)
+    return _ParquetLog(p, statistics=False).columns
+
+
+# ----------------------------------------------------------------------------- either
+
+_PICKLE_SUFFIXES = (".pkl", ".pickle")
+
+
+def _suffix_format(path: Path) -> str:
+    return "pickle" if path.suffix.lower() in _PICKLE_SUFFIXES else "parquet"
 
 
 def read_log(path: PathLike, **kwargs: Any) -> pd.DataFrame:
-    """Read a log in either format: ``.pkl``/``.pickle`` files as pickle, else parquet."""
+    """Read a log in either format; the suffix decides: ``.pkl``/``.pickle`` files are
+    read as pickle, anything else as parquet (a file or a directory of parts).
+
+    Raises:
+        SchemaError: also when the content does not match the suffix (parquet data in a
+            ``.pkl`` file, a pickle without one), saying how to rename it.
+    """
     p = Path(path)
-    if p.suffix in (".pkl", ".pickle"):
+    if _suffix_format(p) == "pickle":
         if kwargs:
             raise TypeError(f"read_log: {sorted(kwargs)} apply to parquet logs only")
         return read_pickle(p)

@@ -1,6 +1,13 @@
-"""``validate(df)``: check that a DataFrame is a tandv log, with errors that say what to fix."""
+"""``validate(df)``: check that a DataFrame is a tandv log, with errors that say what to fix.
+
+Every rejection is a :class:`SchemaError` naming the column, what was expected and what
+was found, and for a bad value the first row (by position) that holds it. Whatever
+``validate`` accepts, the writers can store and the readers give back unchanged.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -8,6 +15,7 @@ import pandas as pd
 from pandas.api import types as ptypes
 
 from .columns import (
+    DTYPE,
     EXPONENT_COUNTS,
     GROUPS,
     META_COLUMNS,
@@ -20,14 +28,24 @@ from .columns import (
     TENSOR_TYPE,
     TENSOR_TYPES,
     UNDERFLOW,
-    DTYPE,
 )
 
 __all__ = ["SchemaError", "validate", "is_exponent_label"]
 
 
 class SchemaError(ValueError):
-    """A DataFrame does not follow the tandv log schema; the message names the column."""
+    """A log does not follow the tandv log schema; the message names the column (and the
+    file and row where known).
+
+    Attributes:
+        column: the offending column key, when one column is at fault.
+        row: the position (0-based) of the first offending row, when one row is at fault.
+    """
+
+    def __init__(self, message: str, *, column: Any = None, row: int | None = None) -> None:
+        super().__init__(message)
+        self.column = column
+        self.row = row
 
 
 def is_exponent_label(label: object) -> bool:
@@ -40,17 +58,102 @@ def _plain(v: object) -> object:
     return v.item() if isinstance(v, np.generic) else v
 
 
-def _examples(values: pd.Series | list, limit: int = 3) -> str:
-    vals = list(dict.fromkeys(_plain(v) for v in values))[:limit]
-    return ", ".join(repr(v) for v in vals)
+def _examples(values: Any, limit: int = 3) -> str:
+    """Up to ``limit`` distinct values, as reprs (works for unhashable values too)."""
+    out: list[str] = []
+    for v in values:
+        r = repr(_plain(v))
+        if r not in out:
+            out.append(r)
+            if len(out) == limit:
+                break
+    return ", ".join(out)
+
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def _bad_value(col: Any, s: pd.Series, mask: np.ndarray, expected: str, hint: str = "") -> SchemaError:
+    """The error for the values of ``s`` where ``mask`` holds, naming the first row."""
+    row = _first(mask)
+    found = _examples(s[mask].iloc[:50]) if not ptypes.is_extension_array_dtype(s.dtype) or \
+        not pd.isna(s.iloc[row]) else "<NA>"
+    return SchemaError(f"{col!r}: expected {expected}; found {found} (first at row {row}, "
+                       f"dtype {s.dtype}){hint}", column=col, row=row)
+
+
+def _check_strings(df: pd.DataFrame, c: str) -> None:
+    col = (METADATA, c)
+    s = df[col]
+    dt = s.dtype
+    if isinstance(dt, pd.CategoricalDtype):
+        raise SchemaError(f"{col!r}: expected str values; found a categorical column; convert it "
+                          f"with .astype(str)", column=col)
+    if isinstance(dt, pd.StringDtype):
+        na = s.isna().to_numpy()
+        if na.any():
+            raise _bad_value(col, s, na, "str values (no missing value)")
+        return
+    if dt == object and ptypes.infer_dtype(s, skipna=False) in ("string", "empty"):
+        return  # all values are str (checked in C)
+    bad = ~np.fromiter((isinstance(v, str) for v in s.array), dtype=bool, count=len(s))
+    if bad.any():
+        raise _bad_value(col, s, bad, "str values")
+
+
+def _integer(col: Any, s: pd.Series, what: str, hint: str) -> np.ndarray:
+    """The values of an integer column as a numpy int array, or a SchemaError: a float,
+    bool or other dtype, a missing value (nullable dtypes), or a float's NaN/fraction."""
+    dt = s.dtype
+    if ptypes.is_bool_dtype(dt) or not ptypes.is_numeric_dtype(dt):
+        raise SchemaError(f"{col!r}: expected an integer dtype of {what}; found {dt} "
+                          f"(e.g. {_examples(s.iloc[:20])}){hint}", column=col)
+    if ptypes.is_float_dtype(dt):
+        v = s.to_numpy(dtype=np.float64, na_value=np.nan)
+        bad = ~np.isfinite(v) | (v != np.round(v))
+        row = _first(bad) if bad.any() else None
+        which = "" if row is None else f", holding {_examples([s.iloc[row]])} at row {row}"
+        raise SchemaError(f"{col!r}: expected an integer dtype of {what}; found {dt}{which}{hint}",
+                          column=col, row=row)
+    if not ptypes.is_integer_dtype(dt):
+        raise SchemaError(f"{col!r}: expected an integer dtype of {what}; found {dt}{hint}", column=col)
+    if ptypes.is_extension_array_dtype(dt):
+        na = s.isna().to_numpy()
+        if na.any():
+            raise _bad_value(col, s, na, f"{what} (no missing value)")
+        return s.to_numpy(dtype=np.int64)
+    return s.to_numpy()
+
+
+def _duplicates(df: pd.DataFrame, step: np.ndarray) -> np.ndarray:
+    """Rows repeating an earlier row's (name, tensor_type, step): the three as one int64
+    key (name code, type code, step offset), looked up in one hash table."""
+    names, _ = pd.factorize(df[(METADATA, NAME)])
+    kinds, kind_values = pd.factorize(df[(METADATA, TENSOR_TYPE)])
+    if not len(step):
+        return np.zeros(0, dtype=bool)
+    low = int(step.min())
+    span = int(step.max()) - low + 1
+    if (int(names.max()) + 1) * len(kind_values) * span >= 2**62:  # no room: pandas' general way
+        return df.duplicated(subset=[(METADATA, NAME), (METADATA, TENSOR_TYPE), (METADATA, STEP)]).to_numpy()
+    k = (names.astype(np.int64) * len(kind_values) + kinds) * span + (step.astype(np.int64) - low)
+    return pd.Series(k).duplicated().to_numpy()
 
 
 def validate(df: pd.DataFrame) -> pd.DataFrame:
     """Check ``df`` against the log schema and return it unchanged.
 
     Raises:
-        SchemaError: naming the offending column, what was expected and what was found.
+        SchemaError: naming the offending column, what was expected and what was found,
+            and for a bad value the first row (position) holding it.
     """
+    return check(df)
+
+
+def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
+    """:func:`validate`, optionally without the duplicate-row rule (for a reader that
+    checks it across chunks itself)."""
     if not isinstance(df, pd.DataFrame):
         raise SchemaError(f"a log is a pandas DataFrame; found {type(df).__name__}")
     cols = df.columns
@@ -61,7 +164,7 @@ def validate(df: pd.DataFrame) -> pd.DataFrame:
             f"found {levels} level(s), e.g. {_examples(list(cols))}"
         )
     tops = list(dict.fromkeys(cols.get_level_values(0)))
-    unknown = [t for t in tops if t not in GROUPS]
+    unknown = [t for t in tops if not (isinstance(t, str) and t in GROUPS)]
     if unknown:
         raise SchemaError(
             f"columns: unknown top-level group {_examples(unknown)}; expected only {', '.join(GROUPS)}"
@@ -83,77 +186,69 @@ def validate(df: pd.DataFrame) -> pd.DataFrame:
             f"expected exactly {list(META_COLUMNS)} (put statistics under {SCALAR_STATS!r})"
         )
     for c in STRING_META:
-        s = df[(METADATA, c)]
-        if ptypes.infer_dtype(s, skipna=False) in ("string", "empty"):
-            continue  # all values are str (checked in C)
-        bad = s[~s.map(lambda v: isinstance(v, str))]
-        if len(bad):
-            raise SchemaError(
-                f"{(METADATA, c)!r}: expected str values; found {_examples(bad)} "
-                f"(dtype {s.dtype})"
-            )
-    step = df[(METADATA, STEP)]
-    if not ptypes.is_integer_dtype(step.dtype) or ptypes.is_bool_dtype(step.dtype):
-        raise SchemaError(
-            f"{(METADATA, STEP)!r}: expected an integer dtype; found {step.dtype} "
-            f"(e.g. {_examples(step)}); convert with .astype('int64')"
-        )
+        _check_strings(df, c)
+    step_col = (METADATA, STEP)
+    step = _integer(step_col, df[step_col], "steps", "; convert with .astype('int64')")
     if (step < 0).any():
-        raise SchemaError(
-            f"{(METADATA, STEP)!r}: expected non-negative steps; found {_examples(step[step < 0])}"
-        )
-    tt = df[(METADATA, TENSOR_TYPE)]
-    bad = tt[~tt.isin(TENSOR_TYPES)]
-    if len(bad):
-        raise SchemaError(
-            f"{(METADATA, TENSOR_TYPE)!r}: expected one of {list(TENSOR_TYPES)}; found {_examples(bad)}"
-        )
+        raise _bad_value(step_col, df[step_col], step < 0, "non-negative steps")
+    tt_col = (METADATA, TENSOR_TYPE)
+    bad = ~df[tt_col].isin(TENSOR_TYPES).to_numpy()
+    if bad.any():
+        raise _bad_value(tt_col, df[tt_col], bad, f"one of {list(TENSOR_TYPES)}")
     for name in pd.unique(df[(METADATA, DTYPE)]):
         try:
             ml_dtypes.finfo(name)
         except Exception:
             raise SchemaError(
                 f"{(METADATA, DTYPE)!r}: {name!r} is not a floating-point dtype name that "
-                f"ml_dtypes.finfo can parse (e.g. 'float32', 'bfloat16', 'float8_e4m3fn')"
-            ) from None
+                f"ml_dtypes.finfo can parse (e.g. 'float32', 'bfloat16', 'float8_e4m3fn')",
+                column=(METADATA, DTYPE)) from None
 
     stats = [c for t, c in cols if t == SCALAR_STATS]
     if not stats:
         raise SchemaError(f"{SCALAR_STATS!r}: expected at least one scalar statistic column; found none")
+    bad_labels = [c for c in stats if not (isinstance(c, str) and c)]
+    if bad_labels:
+        raise SchemaError(f"{SCALAR_STATS!r}: statistic names must be non-empty str; found "
+                          f"{_examples(bad_labels)}")
     for c in stats:
-        dt = df[(SCALAR_STATS, c)].dtype
+        col = (SCALAR_STATS, c)
+        dt = df[col].dtype
         if not ptypes.is_numeric_dtype(dt) or ptypes.is_bool_dtype(dt):
-            raise SchemaError(f"{(SCALAR_STATS, c)!r}: expected a numeric (float or int) dtype; found {dt}")
+            raise SchemaError(f"{col!r}: expected a numeric (float or int) dtype; found {dt}", column=col)
+        if ptypes.is_extension_array_dtype(dt):
+            na = df[col].isna().to_numpy()
+            if na.any():
+                raise _bad_value(col, df[col], na, "numbers (a missing statistic is NaN in a float "
+                                 "dtype, not <NA>)", "; convert with .astype('float64')")
 
     exps = [c for t, c in cols if t == EXPONENT_COUNTS]
     for label in (UNDERFLOW, OVERFLOW):
         if label not in exps:
             raise SchemaError(
                 f"{(EXPONENT_COUNTS, label)!r}: missing; every log holds the underflow "
-                f"({UNDERFLOW!r}) and overflow ({OVERFLOW!r}) counts (all zeros if none)"
-            )
+                f"({UNDERFLOW!r}) and overflow ({OVERFLOW!r}) counts (all zeros if none)",
+                column=(EXPONENT_COUNTS, label))
     bad_labels = [c for c in exps if c not in (UNDERFLOW, OVERFLOW) and not is_exponent_label(c)]
     if bad_labels:
         raise SchemaError(
             f"{EXPONENT_COUNTS!r}: column labels must be integer exponents or "
             f"{UNDERFLOW!r}/{OVERFLOW!r}; found {_examples(bad_labels)}"
         )
-    exp_dtypes = df.dtypes[[(EXPONENT_COUNTS, c) for c in exps]]
-    for (_, c), dt in exp_dtypes.items():
-        if not ptypes.is_integer_dtype(dt) or ptypes.is_bool_dtype(dt):
-            raise SchemaError(f"{(EXPONENT_COUNTS, c)!r}: expected an integer dtype of counts; found {dt}")
-    negative = (df[[(EXPONENT_COUNTS, c) for c in exps]].to_numpy() < 0).any(axis=0)
-    for c, neg in zip(exps, negative):
-        if neg:
-            s = df[(EXPONENT_COUNTS, c)]
-            raise SchemaError(f"{(EXPONENT_COUNTS, c)!r}: expected counts >= 0; found {_examples(s[s < 0])}")
+    for c in exps:
+        col = (EXPONENT_COUNTS, c)
+        v = _integer(col, df[col], "counts", "; convert with .astype('int64')")
+        if v.dtype.kind == "i" and v.size and v.min() < 0:
+            raise _bad_value(col, df[col], v < 0, "counts >= 0")
 
-    key = [(METADATA, NAME), (METADATA, TENSOR_TYPE), (METADATA, STEP)]
-    dup = df.duplicated(subset=key, keep=False)
+    if not duplicates:
+        return df
+    key = [(METADATA, NAME), (METADATA, TENSOR_TYPE), step_col]
+    dup = _duplicates(df, step)
     if dup.any():
-        first = [_plain(v) for v in df.loc[dup, key].iloc[0].tolist()]
+        row = _first(dup)
+        first = [_plain(v) for v in df[key].iloc[row].tolist()]
         raise SchemaError(
-            f"metadata: duplicate rows for (name, tensor_type, step) = {tuple(first)}; "
-            f"each tensor has at most one row per step"
-        )
+            f"metadata: duplicate rows for (name, tensor_type, step) = {tuple(first)} "
+            f"(row {row} repeats an earlier row); each tensor has at most one row per step", row=row)
     return df

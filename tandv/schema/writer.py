@@ -9,6 +9,7 @@ loses at most the rows not yet flushed and closing never re-reads the log.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -16,7 +17,7 @@ import pandas as pd
 
 from .io import concat_logs, drop_empty_exponents, write_parquet, write_pickle
 
-__all__ = ["LogWriter", "PartWriter", "PickleWriter", "open_writer", "FORMATS"]
+__all__ = ["LogWriter", "PartWriter", "PickleWriter", "open_writer", "prepare_directory", "FORMATS"]
 
 #: Accepted values of ``out_format``.
 FORMATS = ("parquet", "pickle")
@@ -36,8 +37,34 @@ class LogWriter:
         raise NotImplementedError
 
 
+def prepare_directory(directory: Path, log: Path) -> None:
+    """Create ``directory`` (and its parents) and check that files can be created in it,
+    so that a log path that cannot work fails when tracking starts, not when the run ends.
+
+    Raises:
+        NotADirectoryError: if ``directory`` or one of its parents is a file.
+        OSError: (e.g. PermissionError) if no file can be created in ``directory``;
+            the message names the log.
+    """
+    for p in (directory, *directory.parents):
+        if p.exists() and not p.is_dir():
+            raise NotADirectoryError(f"cannot write the log {str(log)!r}: {str(p)!r} is a file, not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".tandv-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise type(e)(e.errno, f"cannot write the log {str(log)!r}: cannot create files in "
+                               f"{str(directory)!r} ({e.strerror})") from e
+
+
 class PartWriter(LogWriter):
-    """Writes a directory of parquet part files, one per :meth:`write`."""
+    """Writes a directory of parquet part files, one per :meth:`write`.
+
+    Rows are written in the order given, which the recorder keeps sorted by step, so that
+    each part's statistics cover a step range and a step filter skips the others.
+    """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -48,7 +75,7 @@ class PartWriter(LogWriter):
                 f"parquet log directory {str(self.path)!r} already holds a log; "
                 f"choose another `out` or remove it"
             )
-        self.path.mkdir(parents=True, exist_ok=True)
+        prepare_directory(self.path, self.path)
         self._parts = 0
         self.rows_written = 0
 
@@ -64,12 +91,21 @@ class PartWriter(LogWriter):
 
 
 class PickleWriter(LogWriter):
-    """Collects rows in memory and writes one pickle file at :meth:`close`."""
+    """Collects rows in memory and writes one pickle file at :meth:`close`.
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    The path is checked when the writer opens, as for parquet: an existing file is
+    refused (unless ``reserved``: the empty placeholder that reserved a default path), and
+    so are a parent that is not a directory and a directory where no file can be created.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, reserved: bool = False) -> None:
         self.path = Path(path)
         if self.path.is_dir():
             raise IsADirectoryError(f"pickle log path {str(self.path)!r} is a directory; give a file name")
+        if self.path.exists() and not (reserved and self.path.stat().st_size == 0):
+            raise FileExistsError(f"pickle log {str(self.path)!r} already exists; choose another `out` "
+                                  f"or remove it")
+        prepare_directory(self.path.parent, self.path)
         self._frames: list[pd.DataFrame] = []
         self.rows_written = 0
 
@@ -80,16 +116,27 @@ class PickleWriter(LogWriter):
         self.rows_written += len(df)
 
     def close(self) -> Path:
+        """Write the pickle (atomically).
+
+        Raises:
+            RuntimeError: naming the log path, with the cause attached, if writing fails.
+        """
         if self._frames:
-            write_pickle(concat_logs(self._frames), self.path)
+            try:
+                write_pickle(concat_logs(self._frames), self.path)
+            except Exception as e:
+                raise RuntimeError(f"tandv: writing the log to {str(self.path)!r} failed: "
+                                   f"{type(e).__name__}: {e}") from e
             self._frames = []
         return self.path
 
 
-def open_writer(path: str | os.PathLike, out_format: Literal["parquet", "pickle"]) -> LogWriter:
-    """A writer for ``out_format`` at ``path`` (a directory for parquet, a file for pickle)."""
+def open_writer(path: str | os.PathLike, out_format: Literal["parquet", "pickle"], *,
+                reserved: bool = False) -> LogWriter:
+    """A writer for ``out_format`` at ``path`` (a directory for parquet, a file for pickle);
+    ``reserved`` says that an empty file at ``path`` is the caller's own placeholder."""
     if out_format == "parquet":
         return PartWriter(path)
     if out_format == "pickle":
-        return PickleWriter(path)
+        return PickleWriter(path, reserved=reserved)
     raise ValueError(f"out_format={out_format!r}: expected one of {FORMATS}")

@@ -246,7 +246,7 @@ def _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, nb, out, ok):  
         if nfin > 0:
             mn = np.float64(ext[r, 0])
             mx = np.float64(ext[r, 1])
-            s = max(-mn, mx)
+            s = max(abs(mn), abs(mx))  # +0.0 for an all-zero array (-mn would be -0.0)
             out[r, _O_MIN] = mn
             out[r, _O_MAX] = mx
             out[r, _O_MINABS] = np.float64(ext[r, 2])

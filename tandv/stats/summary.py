@@ -243,7 +243,10 @@ def merge(a: np.ndarray, b: np.ndarray, layout: Layout) -> np.ndarray:
     """
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
-    out = a + b  # counts, exponent counts and "sum" extras
+    out = a.copy()
+    sums = [_I[k] for k in ("numel", "nan_count", "inf_count", "zero_count")]
+    sums += range(layout.counts_start, layout.extras_start)
+    out[sums] = a[sums] + b[sums]  # counts and exponent counts
     na = a[0] - a[1] - a[2]
     nb = b[0] - b[1] - b[2]
     n = na + nb
@@ -256,8 +259,9 @@ def merge(a: np.ndarray, b: np.ndarray, layout: Layout) -> np.ndarray:
     ra, rb = a[_I["max_abs"]] / s, b[_I["max_abs"]] / s
     ma, mb = a[_I["mean"]], b[_I["mean"]]
     if n > 0:
-        out[_I["mean"]] = ma + (mb - ma) * (nb / n)
-        delta = (mb - ma) / s
+        # scaled before subtracting: means near the float64 max must not overflow
+        delta = mb / s - ma / s
+        out[_I["mean"]] = ma + delta * (nb / n) * s
         out[_I["m2"]] = a[_I["m2"]] * ra**2 + b[_I["m2"]] * rb**2 + delta**2 * (na * nb / n)
     for k in POWERS:
         i = _I[f"p{k}"]
@@ -268,6 +272,8 @@ def merge(a: np.ndarray, b: np.ndarray, layout: Layout) -> np.ndarray:
             out[i] = min(a[i], b[i])
         elif rule == "max":
             out[i] = max(a[i], b[i])
+        elif rule == "sum":
+            out[i] = a[i] + b[i]
         elif rule == "mean":
             total = a[0] + b[0]
             out[i] = (a[i] * a[0] + b[i] * b[0]) / total if total else 0.0
@@ -302,7 +308,7 @@ def finalize_many(v: np.ndarray, layout: Layout) -> tuple[dict[str, np.ndarray],
         moments = {
             "mean": col["mean"],
             "std": s * np.sqrt(np.maximum(col["m2"], 0.0) / nf),
-            "mean_abs": s * col["p1"] / nf,
+            "mean_abs": s * (col["p1"] / nf),  # divided before scaling up: no overflow
             "min_abs": col["min_abs"],
             "max_abs": col["max_abs"],
             **{f"rm{k}": s * (col[f"p{k}"] / nf) ** (1.0 / k) for k in (2, 4, 8)},

@@ -14,6 +14,7 @@ import queue
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -23,7 +24,9 @@ import numpy as np
 import pandas as pd
 
 from ...schema.columns import (
+    ACTIVATION,
     EXPONENT_COUNTS,
+    GRADIENT,
     META_COLUMNS,
     METADATA,
     OVERFLOW,
@@ -31,7 +34,7 @@ from ...schema.columns import (
     TENSOR_TYPES,
     UNDERFLOW,
 )
-from ...schema.writer import FORMATS, LogWriter, open_writer
+from ...schema.writer import FORMATS, LogWriter, open_writer, prepare_directory
 from ...stats.summary import (CORE_FIELDS, COUNT_STATS, DEFAULT_STATS, Layout, exponent_labels,
                               finalize_many, merge_all)
 
@@ -157,20 +160,30 @@ def _rebin(v: np.ndarray, src: Layout, dst: Layout) -> np.ndarray | None:
 
 def resolve_out(out: str | os.PathLike | None, out_format: str, run_name: str) -> Path:
     """The log path: ``out`` as given, else ``tandv_logs/<run_name>-<timestamp>`` (a directory
-    for parquet, a ``.pkl`` file for pickle)."""
+    for parquet, a ``.pkl`` file for pickle), with ``-2``, ``-3``, ... appended when taken.
+
+    A default path is reserved as it is chosen (the parquet directory is created, the
+    pickle file created empty, each only if absent, atomically), so trackers started in
+    the same second, in one process or several, never share a log."""
     if out_format not in FORMATS:
         raise ValueError(f"out_format={out_format!r}: expected one of {FORMATS}")
     if out is not None:
         return Path(out)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     base = DEFAULT_LOG_DIR / f"{run_name}-{stamp}"
-    path = base if out_format == "parquet" else base.with_suffix(".pkl")
+    prepare_directory(DEFAULT_LOG_DIR, base)
     k = 1
-    while path.exists():
-        k += 1
-        path = base.with_name(f"{base.name}-{k}")
-        path = path if out_format == "parquet" else path.with_suffix(".pkl")
-    return path
+    while True:
+        path = base if k == 1 else base.with_name(f"{base.name}-{k}")
+        try:
+            if out_format == "parquet":
+                path.mkdir()
+            else:
+                path = path.with_suffix(".pkl")
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            return path
+        except FileExistsError:
+            k += 1
 
 
 class StepRecorder:
@@ -187,6 +200,10 @@ class StepRecorder:
         sinks: callables that receive each batch of rows (a DataFrame) after it is written,
             on the writer thread (e.g. :class:`tandv.export.TensorBoardSink`); closed with
             the recorder when they have a ``close`` method.
+        warn_pending_bytes, max_pending_bytes: bounds on the summaries that wait for the
+            end of a step (8 bytes per summary value): past the first a warning, past the
+            second a RuntimeError, both saying to call ``tracker.step()`` (a training loop
+            that never calls it would otherwise grow without bound).
     """
 
     def __init__(
@@ -199,6 +216,8 @@ class StepRecorder:
         flush_seconds: float = 30.0,
         verbose: bool = True,
         sinks: Sequence[Callable[[pd.DataFrame], Any]] = (),
+        warn_pending_bytes: int = 256 * 2**20,
+        max_pending_bytes: int = 2**30,
     ) -> None:
         self.sinks = tuple(sinks)  # checked before anything is created
         for sink in self.sinks:
@@ -207,8 +226,18 @@ class StepRecorder:
                                 f"{type(sink).__name__}")
         if not isinstance(flush_every, int) or flush_every < 1:
             raise ValueError(f"flush_every={flush_every!r}: expected an int >= 1")
+        if not 0 < warn_pending_bytes <= max_pending_bytes:
+            raise ValueError(f"warn_pending_bytes={warn_pending_bytes!r}, max_pending_bytes={max_pending_bytes!r}: "
+                             f"expected 0 < warn_pending_bytes <= max_pending_bytes")
         self.path = resolve_out(out, out_format, run_name)
-        self.writer: LogWriter = open_writer(self.path, out_format)  # type: ignore[arg-type]
+        self.writer: LogWriter = open_writer(self.path, out_format,  # type: ignore[arg-type]
+                                             reserved=out is None)
+        self.warn_pending_bytes = warn_pending_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
+        self._warned_pending = False
+        self._warned_empty_step = False
+        self._had_module_rows = False
         if verbose:
             print(f"tandv: logging to {self.path}", file=sys.stderr)
         self.flush_every = flush_every
@@ -225,12 +254,34 @@ class StepRecorder:
         self.closed = False
 
     def add(self, key: TensorKey, layout: Layout, summary: Any) -> None:
-        """Record one observation of a tensor in the current step (a device summary)."""
+        """Record one observation of a tensor in the current step (a device summary).
+
+        Raises:
+            RuntimeError: when the observations waiting for the end of the step pass
+                ``max_pending_bytes`` (``tracker.step()`` is not being called).
+        """
+        self._pending_bytes += 8 * layout.size
+        if self._pending_bytes > self.warn_pending_bytes:
+            self._check_pending()
         self._pending.append((key, layout, summary))
+
+    def _check_pending(self) -> None:
+        n, mib = len(self._pending) + 1, self._pending_bytes / 2**20
+        what = (f"{n} tensor observations ({mib:.0f} MiB of summaries) are waiting for the end of "
+                f"a step in the log {str(self.path)!r}")
+        if self._pending_bytes > self.max_pending_bytes:
+            raise RuntimeError(f"tandv: {what}, more than max_pending_bytes={self.max_pending_bytes}: "
+                               f"call tracker.step() once per training step, after the optimizer step")
+        if not self._warned_pending:
+            self._warned_pending = True
+            warnings.warn(f"tandv: {what}; is tracker.step() called once per training step, after the "
+                          f"optimizer step? Past max_pending_bytes={self.max_pending_bytes} this becomes an "
+                          f"error", RuntimeWarning, stacklevel=4)
 
     def discard(self) -> None:
         """Drop the current step's observations (a step that will not be recorded)."""
         self._pending = []
+        self._pending_bytes = 0
 
     @property
     def has_pending(self) -> bool:
@@ -246,6 +297,7 @@ class StepRecorder:
         """The current step's observations, handed to the caller (who passes them to
         :meth:`commit` once their summaries can reach the host without waiting)."""
         pending, self._pending = self._pending, []
+        self._pending_bytes = 0
         return pending
 
     def commit(self, step: int, pending: list[tuple[TensorKey, Layout, Any]],
@@ -253,6 +305,13 @@ class StepRecorder:
         """Record observations taken (:meth:`take`) at step ``step``: move their summaries
         to the host with one ``to_host`` call, merge observations of the same tensor, and
         buffer the rows. Steps must be committed in order. Returns the row count."""
+        module_rows = any(k.tensor_type in (ACTIVATION, GRADIENT) for k, _, _ in pending)
+        if self._had_module_rows and not module_rows and not self._warned_empty_step:
+            self._warned_empty_step = True
+            warnings.warn(f"tandv: step {step} observed no activation or gradient although earlier steps "
+                          f"did (log {str(self.path)!r}); is tracker.step() called more than once per "
+                          f"training step? Each call ends a step", RuntimeWarning, stacklevel=3)
+        self._had_module_rows |= module_rows
         if not pending:
             return 0
         host = to_host([s for _, _, s in pending])
