@@ -257,3 +257,9 @@ def test_tensor_subclasses_and_negative_views_on_the_host_path(kernel_path):
     assert neg.is_neg()
     ref, layout = summarize(-x.numpy())
     np.testing.assert_allclose(summarize_torch(neg, layout).numpy(), ref, rtol=2e-6)
+
+
+def test_float64_values_near_the_largest_keep_finite_moments():
+    """Finishing takes the scale's power of two in halves: 2**1024 would overflow."""
+    x = torch.tensor([2.0 ** 1023, -(2.0 ** 1023), 1.5 * 2.0 ** 1023, 3.0], dtype=torch.float64)
+    assert_matches_reference(x)

@@ -440,9 +440,10 @@ def finish_head(raw: Any, xp: Any = np) -> Any:
     # less the offset of m_c from the mean. With non-finite values present the result
     # carries the rounding of that larger sum: relative error ~1e-7 * nonfin * m_c**2 / m2.
     m2 = xp.maximum(m2raw - nonfin * m_c2 - nfin * (mean_q - m_c) ** 2, 0.0 * m2raw)
-    p_1, p = 2.0 ** e1, 2.0 ** e
+    # powers of two taken in halves: 2**e reaches 2**1024 for float64 inputs near their max
+    h1, h = 2.0 ** (e1 - 1), 2.0 ** (e - 1)
     scale = xp.where(s > 0, s, 1.0)
-    r1, r = p_1 / scale, p / scale
+    r1, r = h1 / scale * 2.0, h / scale * 2.0
     inf = float("inf")
     # mn/mx were taken with non-finite values replaced by 0: exact unless non-finite
     # values exist and the finite ones are all > 0 (the min is then min_abs) or all < 0
@@ -451,6 +452,6 @@ def finish_head(raw: Any, xp: Any = np) -> Any:
     true_min = xp.where(has_fin, xp.where(patched & (mn >= 0), min_abs, mn), inf)
     true_max = xp.where(has_fin, xp.where(patched & (mx <= 0), -min_abs, mx), -inf)
     fields = [n, nan_c, inf_c, zero_c, true_min, true_max, xp.where(has_fin, min_abs, inf), s,
-              xp.where(has_fin, mean_q * p_1, 0.0), m2 * r1 * r1, p1 * r, p2 * r ** 2, p4 * r ** 4,
+              xp.where(has_fin, mean_q * h1 * 2.0, 0.0), m2 * r1 * r1, p1 * r, p2 * r ** 2, p4 * r ** 4,
               p8 * r ** 8]
     return xp.stack(fields, -1) if xp is torch else np.stack(fields, axis=-1)
