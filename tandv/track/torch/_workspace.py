@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ...stats.summary import Layout
-from .summary import RAW_HEAD, _extras_tensor, finish_head, fused_spec, host_vectors, raw_device
+from .summary import RAW_HEAD, extras_vector, finish_head, fused_spec, host_vectors, raw_device
 
 if TYPE_CHECKING:  # the fused kernels import Triton: only when a tensor needs them
     from . import _fused
@@ -178,7 +178,7 @@ class Workspace:
             for s, ex in zip(slots, extras):
                 if names:
                     a = s.offset + spec.row_size
-                    space.rows[a:a + len(names)].copy_(_extras_tensor(ex, names, device))
+                    space.rows[a:a + len(names)].copy_(extras_vector(ex, names, device))
         return slots
 
     def raw(self, vector: torch.Tensor, layout: Layout) -> Slot:

@@ -213,7 +213,7 @@ def summarize_torch(
             with torch.cuda.device(x.device) if x.device.type == "cuda" else nullcontext():
                 _fused.launch_one(x.detach(), spec, layout, rows, 0, scratch, max_parts)
         if names:
-            rows[spec.row_size:] = _extras_tensor(extras or {}, names, x.device)
+            rows[spec.row_size:] = extras_vector(extras or {}, names, x.device)
         return _fused.finish_rows(rows[None], spec, layout, torch)[0]
     host = host_vectors([x], layout, [extras or {}])[0]
     if host is not None:
@@ -228,7 +228,7 @@ def _check_tensor(x: Any) -> None:
         raise TypeError(f"summarize_torch: expected a floating-point tensor; got {what}")
 
 
-def _extras_tensor(extras: Mapping[str, Any], names: list[str], device: torch.device) -> torch.Tensor:
+def extras_vector(extras: Mapping[str, Any], names: list[str], device: torch.device) -> torch.Tensor:
     """The custom statistics as one float64 vector on ``device``, in ``names`` order."""
     return torch.stack([
         extras[k].detach().to(device=device, dtype=torch.float64).reshape(())
@@ -265,7 +265,7 @@ def raw_device(
         head, counts = _raw_core(x.detach().reshape(-1), layout.format)
     parts = [head, counts.to(f64)]
     if names:
-        parts.append(_extras_tensor(extras or {}, names, dev))
+        parts.append(extras_vector(extras or {}, names, dev))
     return torch.cat(parts)
 
 
