@@ -23,7 +23,7 @@ from .schema.columns import (
     TENSOR_TYPES,
     UNDERFLOW,
 )
-from .schema.io import CHUNK_ROWS, _ParquetLog, read_log, read_parquet_chunks
+from .schema.io import CHUNK_ROWS, _ParquetLog, read_log, read_parquet_chunks, run_record
 from .schema.validate import is_exponent_label
 from .stats.formats import number_format
 
@@ -61,6 +61,21 @@ def exponent_range(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def _knowable(df: pd.DataFrame, fmt: Any) -> tuple[bool, bool]:
+    """Whether the log can tell which values underflow and which overflow ``fmt``.
+
+    A log whose exponent counts were taken in one number format (``track(...,
+    number_format=...)``, kept in its record of how it was made) holds in ``-inf`` the
+    values below that format's smallest subnormal, and in ``+inf`` those above its max,
+    without their exponents: a wider ``fmt`` cannot say where they fall. Logs counted in
+    each tensor's own dtype (the default) have no such values, only infinities."""
+    recorded = run_record(df).get("number_format")
+    if not recorded:
+        return True, True
+    f, r = number_format(fmt), number_format(recorded)
+    return f.min_exponent >= r.min_exponent, f.max_exponent <= r.max_exponent
+
+
 def format_shares(df: pd.DataFrame, fmt: Any) -> pd.DataFrame:
     """Per row, the share of the tensor's elements that would underflow or overflow ``fmt``.
 
@@ -71,8 +86,11 @@ def format_shares(df: pd.DataFrame, fmt: Any) -> pd.DataFrame:
     share is a lower bound: it misses values between ``fmt``'s max and the next power of
     two (448 to 512 for float8_e4m3fn). Shares are fractions of
     ``numel`` (zeros and NaN are never underflow/overflow); rows with ``numel == 0`` get 0.
+    A share the log cannot tell (it counted exponents in a narrower format: see
+    :func:`_knowable`) is NaN.
     """
     f = number_format(fmt)
+    under_ok, over_ok = _knowable(df, fmt)
     labels, counts = _exponents(df)
     under = counts[:, labels < f.min_exponent].sum(axis=1) + df[(EXPONENT_COUNTS, UNDERFLOW)].to_numpy()
     over = counts[:, labels > f.max_exponent].sum(axis=1) + df[(EXPONENT_COUNTS, OVERFLOW)].to_numpy()
@@ -83,8 +101,8 @@ def format_shares(df: pd.DataFrame, fmt: Any) -> pd.DataFrame:
                  + df[(EXPONENT_COUNTS, OVERFLOW)].to_numpy()).astype(np.float64)
     safe = np.where(total > 0, total, 1.0)
     out = _meta(df)
-    out["underflow"] = np.where(total > 0, under / safe, 0.0)
-    out["overflow"] = np.where(total > 0, over / safe, 0.0)
+    out["underflow"] = np.where(total > 0, under / safe, 0.0) if under_ok else np.nan
+    out["overflow"] = np.where(total > 0, over / safe, 0.0) if over_ok else np.nan
     return out
 
 
@@ -146,10 +164,12 @@ class _SummaryTally:
         self.steps: set[int] = set()
         self.names: set[str] = set()
         self.types = {tt: _TypeTally() for tt in TENSOR_TYPES}
+        self.run: dict[str, Any] = {}  # the log's record of how it was made
 
     def add(self, df: pd.DataFrame) -> None:
         """Tally the rows of ``df``, a log or a chunk of one (column by column in numpy:
         no per-type copies of the chunk, no 2-D copy of its counts)."""
+        self.run = self.run or run_record(df)
         if df.empty:
             return
         n = len(df)
@@ -177,10 +197,12 @@ class _SummaryTally:
         if numel_all is not None:
             for f in self.formats:
                 fmt = number_format(f)
+                under_ok, over_ok = _knowable(df, f)
                 under = under_col + counts[:, labels < fmt.min_exponent].sum(axis=1)
                 over = over_col + counts[:, labels > fmt.max_exponent].sum(axis=1)
                 positive = numel_all > 0  # as format_shares: a row without elements has share 0
-                lost[f] = (np.where(positive, under, 0.0), np.where(positive, over, 0.0))
+                lost[f] = (np.where(positive, under, 0.0) if under_ok else np.full(n, np.nan),
+                           np.where(positive, over, 0.0) if over_ok else np.full(n, np.nan))
         nonfinite = {"nan_count", "inf_count"} <= has
         if nonfinite:
             nan_all = df[(SCALAR_STATS, "nan_count")].to_numpy()
@@ -234,6 +256,13 @@ class _SummaryTally:
             return "empty log: no rows (the run recorded no step)"
         lines = [f"{self.rows} rows, steps {min(self.steps)}..{max(self.steps)} "
                  f"({len(self.steps)} recorded), {len(self.names)} tensor names"]
+        if self.run:
+            r = self.run
+            fmt = r.get("number_format") or "each tensor's dtype"
+            versions = ", ".join(f"{k} {v}" for k, v in (r.get("versions") or {}).items())
+            lines.append(f"made by the {r.get('framework')} tracker of {r.get('model')}, started "
+                         f"{r.get('started')}, rank {r.get('rank')} of {r.get('world_size')}; "
+                         f"exponents counted as {fmt}; {versions}")
         for tt, t in self.types.items():
             if t.step_min is None:
                 continue
@@ -264,7 +293,9 @@ class _SummaryTally:
                 parts = []
                 for f, (u, o) in t.lost.items():
                     u, o = (u / t.numel, o / t.numel) if t.numel else (0.0, 0.0)
-                    parts.append(f"{f}: {u:.2%} underflow, {o:.2%} overflow")
+                    parts.append(f"{f}: " + ", ".join(
+                        f"{v:.2%} {what}" if np.isfinite(v) else f"{what} not known"
+                        for v, what in ((u, "underflow"), (o, "overflow"))))
                 lines.append("  as " + "; ".join(parts))
         return "\n".join(lines)
 

@@ -174,3 +174,60 @@ def test_summary_tally_agrees_with_the_per_row_functions(tmp_path):
             parts.append(f"{f}: {(sh['underflow'].to_numpy() * numel).sum() / numel.sum():.2%} underflow, "
                          f"{(sh['overflow'].to_numpy() * numel).sum() / numel.sum():.2%} overflow")
         assert "  as " + "; ".join(parts) in text
+
+
+def _tracked_log(tmp_path, name, **options):
+    import torch
+
+    from tandv.track.torch import track
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with track(net, opt, out=tmp_path / name, verbose=False, **options) as tr:
+        for _ in range(2):
+            (net(torch.randn(4, 8) * 1e-4).square().sum()).backward()  # tiny values: fp8 underflow
+            opt.step()
+            opt.zero_grad()
+            tr.step()
+    return tr.out_path
+
+
+@pytest.mark.parametrize("fmt, name", [("parquet", "log"), ("pickle", "log.pkl")])
+def test_a_log_records_how_it_was_made(tmp_path, fmt, name):
+    import torch
+
+    import tandv
+    from tandv.schema import read_log, run_record
+
+    path = _tracked_log(tmp_path, name, out_format=fmt, number_format="float8_e4m3fn", every=1)
+    rec = run_record(read_log(path))
+    assert rec["framework"] == "torch" and rec["model"] == "Linear"
+    assert rec["number_format"] == "float8_e4m3fn" and rec["options"]["every"] == 1
+    assert rec["options"]["optimizers"] == ["SGD"] and rec["options"]["out_format"] == fmt
+    assert rec["versions"]["torch"] == torch.__version__ and rec["world_size"] == 1 and rec["rank"] == 0
+    if fmt == "parquet":  # every chunk of a streamed read carries it too
+        assert all(run_record(c) == rec for c in tandv.schema.read_parquet_chunks(path, chunk_rows=3))
+
+
+def test_shares_a_narrower_recorded_format_cannot_tell_are_not_invented(tmp_path):
+    """A log counted as float8_e4m3fn holds values below 2**-9 without their exponents: it
+    can say what underflows float8_e4m3fn but not what underflows bfloat16 (this used to
+    report them all as bfloat16 underflow)."""
+    from tandv.analysis import format_shares, summarize_log
+    from tandv.schema import read_log
+
+    narrow = read_log(_tracked_log(tmp_path, "fp8", number_format="float8_e4m3fn"))
+    assert narrow[("exponent_counts", "-inf")].sum() > 0
+    fp8 = format_shares(narrow, "float8_e4m3fn")
+    assert fp8["underflow"].max() > 0 and np.isfinite(fp8["underflow"]).all()
+    bf16 = format_shares(narrow, "bfloat16")
+    # nor what overflows it: the log's +inf holds every value above 448
+    assert bf16["underflow"].isna().all() and bf16["overflow"].isna().all()
+    text = summarize_log(tmp_path / "fp8")
+    assert "bfloat16: underflow not known, overflow not known" in text
+    assert "exponents counted as float8_e4m3fn" in text
+    # counted in each tensor's own dtype, the same run's bfloat16 shares are known (and 0)
+    own = read_log(_tracked_log(tmp_path, "own"))
+    assert (format_shares(own, "bfloat16")["underflow"] == 0).all()
+    assert "bfloat16: 0.00% underflow" in summarize_log(tmp_path / "own")

@@ -140,6 +140,9 @@ def test_jax_tracker_feeds_its_sinks(tmp_path):
             params, state, grads = tr.intercept(update, params, state, jnp.full((2, 4), float(i)))
             tr.step(params, state, grads)
     df = read_log(tr.out_path)
+    from tandv.schema import run_record
+
+    assert run_record(df)["framework"] == "jax" and run_record(df)["options"]["flush_every"] == 2
     sent = pd.concat(sink.batches, ignore_index=True)
     assert sink.closed and len(sink.batches) == 2 and len(sent) == len(df)
     key = [("metadata", "step"), ("metadata", "tensor_type"), ("metadata", "name")]

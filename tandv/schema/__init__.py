@@ -22,6 +22,7 @@ from .columns import (
     stat,
 )
 from .io import (
+    RUN_ATTR,
     canonical_columns,
     concat_logs,
     drop_empty_exponents,
@@ -30,6 +31,7 @@ from .io import (
     read_parquet,
     read_parquet_chunks,
     read_pickle,
+    run_record,
     write_parquet,
     write_pickle,
 )
@@ -42,7 +44,7 @@ __all__ = [
     "TYPE", "UNDERFLOW", "WEIGHT", "meta", "stat",
     "canonical_columns", "concat_logs", "drop_empty_exponents", "log_columns", "read_log", "read_parquet",
     "read_parquet_chunks",
-    "read_pickle", "write_parquet", "write_pickle",
+    "read_pickle", "write_parquet", "write_pickle", "RUN_ATTR", "run_record",
     "SchemaError", "is_exponent_label", "validate",
     "FORMATS", "LogWriter", "PartWriter", "PickleWriter", "open_writer",
 ]

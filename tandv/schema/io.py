@@ -15,12 +15,13 @@ naming the file, the column and the row.
 from __future__ import annotations
 
 import bisect
+import json
 import operator
 import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -34,6 +35,8 @@ from .columns import EXPONENT_COUNTS, GROUPS, META_COLUMNS, METADATA, OVERFLOW, 
 from .validate import SchemaError, check, is_exponent_label, validate
 
 __all__ = [
+    "RUN_ATTR",
+    "run_record",
     "read_pickle",
     "write_pickle",
     "read_parquet",
@@ -194,8 +197,22 @@ def _unflat(name: str) -> tuple[str, Any]:
     return (group, label)
 
 
+#: Where a log keeps the record of how it was made: ``df.attrs[RUN_ATTR]`` (a JSON-able
+#: dict: number format, tracker options, versions, model, world size and rank, start time),
+#: stored in each parquet part's schema metadata under :data:`_RUN_KEY` and in the pickle.
+RUN_ATTR = "tandv"
+_RUN_KEY = b"tandv.run"
+
+
+def run_record(df: pd.DataFrame) -> dict[str, Any]:
+    """The record of how a log was made (``{}`` for a log that holds none)."""
+    got = df.attrs.get(RUN_ATTR)
+    return dict(got) if isinstance(got, Mapping) else {}
+
+
 def write_parquet(df: pd.DataFrame, path: PathLike) -> Path:
-    """Validate ``df`` and write it to the parquet file ``path`` (atomically).
+    """Validate ``df`` and write it to the parquet file ``path`` (atomically); the record
+    of how the log was made (:func:`run_record`) goes into the file's schema metadata.
 
     Row order is kept; row groups hold :data:`ROW_GROUP_ROWS` rows, so a log sorted by
     step can be read by step range without decoding the rest. Data pages carry CRC32
@@ -213,7 +230,10 @@ def write_parquet(df: pd.DataFrame, path: PathLike) -> Path:
 
     arrays = [arrow(c) for c in df.columns]
     table = pa.Table.from_arrays(arrays, names=[_flat(c) for c in df.columns])
-    table = table.replace_schema_metadata({_MARK: b"1"})
+    meta = {_MARK: b"1"}
+    if run_record(df):
+        meta[_RUN_KEY] = json.dumps(run_record(df), default=str).encode()
+    table = table.replace_schema_metadata(meta)
     return atomic_write(path, lambda tmp: pq.write_table(
         table, tmp, row_group_size=ROW_GROUP_ROWS, write_page_checksum=True))
 
@@ -337,6 +357,7 @@ class _ParquetLog:
         checked: set[pa.Schema] = set()  # parts mostly share a schema: check each once
         present: dict[str, int] = {}  # column -> parts holding it
         self.num_rows = 0
+        self.run: dict[str, Any] = {}
         for f, fragment in zip(self.files, fragments):
             try:
                 if statistics:  # footer read once, kept by the fragment for the scan
@@ -347,6 +368,12 @@ class _ParquetLog:
                     schema, rows = footer.schema.to_arrow_schema(), footer.num_rows
             except (OSError, pa.ArrowException) as e:
                 raise SchemaError(f"{str(f)!r} is not a readable parquet file: {' '.join(str(e).split())}") from None
+            if not self.run and schema.metadata and _RUN_KEY in schema.metadata:
+                try:
+                    self.run = json.loads(schema.metadata[_RUN_KEY])
+                except ValueError:
+                    raise SchemaError(f"{str(f)!r}: the record of how the log was made "
+                                      f"({_RUN_KEY.decode()} in the schema metadata) is not JSON") from None
             if schema not in checked:
                 _check_part(f, schema)
                 if not any(pa.types.is_floating(t.type) for t in schema
@@ -594,7 +621,10 @@ def read_parquet(
     names = log.projection(columns)
     expr = log.filter_expression(filters)
     table, origin = next(log.tables(names, expr, None))
-    return _validated(_frame(table), origin, expr is not None)
+    df = _validated(_frame(table), origin, expr is not None)
+    if log.run:
+        df.attrs[RUN_ATTR] = log.run
+    return df
 
 
 def read_parquet_chunks(
@@ -618,6 +648,8 @@ def read_parquet_chunks(
     done = 0
     for table, origin in log.tables(names, expr, chunk_rows):
         df = _validated(_frame(table), origin, expr is not None, duplicates=False)
+        if log.run:
+            df.attrs[RUN_ATTR] = log.run
         # (name, tensor_type) -> an id over the whole log, through the chunk's codes
         name_codes, name_values = pd.factorize(df[(METADATA, "name")])
         kind_codes, kind_values = pd.factorize(df[(METADATA, "tensor_type")])

@@ -15,7 +15,7 @@ from typing import Literal
 
 import pandas as pd
 
-from .io import concat_logs, drop_empty_exponents, write_parquet, write_pickle
+from .io import RUN_ATTR, concat_logs, drop_empty_exponents, write_parquet, write_pickle
 
 __all__ = ["LogWriter", "PartWriter", "PickleWriter", "open_writer", "prepare_directory", "FORMATS"]
 
@@ -28,6 +28,8 @@ class LogWriter:
 
     path: Path
     rows_written: int = 0
+    #: The record of how the log was made, written with every part (see ``run_record``).
+    run: dict | None = None
 
     def write(self, df: pd.DataFrame, *, allow_empty: bool = False) -> None:  # pragma: no cover
         """Write rows; an empty frame is skipped unless ``allow_empty`` (an empty log)."""
@@ -82,7 +84,10 @@ class PartWriter(LogWriter):
     def write(self, df: pd.DataFrame, *, allow_empty: bool = False) -> None:
         if df.empty and not allow_empty:
             return
-        write_parquet(drop_empty_exponents(df), self.path / f"part-{self._parts:06d}.parquet")
+        part = drop_empty_exponents(df)
+        if self.run:
+            part.attrs[RUN_ATTR] = self.run
+        write_parquet(part, self.path / f"part-{self._parts:06d}.parquet")
         self._parts += 1
         self.rows_written += len(df)
 
@@ -123,7 +128,10 @@ class PickleWriter(LogWriter):
         """
         if self._frames:
             try:
-                write_pickle(concat_logs(self._frames), self.path)
+                df = concat_logs(self._frames)
+                if self.run:
+                    df.attrs[RUN_ATTR] = self.run
+                write_pickle(df, self.path)
             except Exception as e:
                 raise RuntimeError(f"tandv: writing the log to {str(self.path)!r} failed: "
                                    f"{type(e).__name__}: {e}") from e
@@ -132,11 +140,15 @@ class PickleWriter(LogWriter):
 
 
 def open_writer(path: str | os.PathLike, out_format: Literal["parquet", "pickle"], *,
-                reserved: bool = False) -> LogWriter:
+                reserved: bool = False, run: dict | None = None) -> LogWriter:
     """A writer for ``out_format`` at ``path`` (a directory for parquet, a file for pickle);
-    ``reserved`` says that an empty file at ``path`` is the caller's own placeholder."""
+    ``reserved`` says that an empty file at ``path`` is the caller's own placeholder;
+    ``run`` is the record of how the log was made (stored with the rows)."""
     if out_format == "parquet":
-        return PartWriter(path)
-    if out_format == "pickle":
-        return PickleWriter(path, reserved=reserved)
-    raise ValueError(f"out_format={out_format!r}: expected one of {FORMATS}")
+        writer: LogWriter = PartWriter(path)
+    elif out_format == "pickle":
+        writer = PickleWriter(path, reserved=reserved)
+    else:
+        raise ValueError(f"out_format={out_format!r}: expected one of {FORMATS}")
+    writer.run = dict(run) if run else None
+    return writer

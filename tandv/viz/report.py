@@ -62,6 +62,9 @@ def _table(df: pd.DataFrame) -> str:
 
 
 def _pct(x: float) -> str:
+    """A share as text; NaN (a log counted in a narrower format cannot tell) is "not known"."""
+    if x != x:
+        return "not known"
     return "0" if x == 0 else f"{100 * x:.3g}%"
 
 

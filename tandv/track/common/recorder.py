@@ -10,6 +10,7 @@ streaming them to disk) happens here, once, for both frameworks.
 from __future__ import annotations
 
 import os
+import platform
 import queue
 import sys
 import threading
@@ -18,7 +19,7 @@ import warnings
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -38,7 +39,7 @@ from ...schema.writer import FORMATS, LogWriter, open_writer, prepare_directory
 from ...stats.summary import (CORE_FIELDS, COUNT_STATS, DEFAULT_STATS, Layout, exponent_labels,
                               finalize_many, merge_all)
 
-__all__ = ["TensorKey", "StepRecorder", "build_rows", "resolve_out", "DEFAULT_LOG_DIR"]
+__all__ = ["TensorKey", "StepRecorder", "build_rows", "resolve_out", "make_run_record", "DEFAULT_LOG_DIR"]
 
 #: Where logs go when a tracker is given no ``out``.
 DEFAULT_LOG_DIR = Path("tandv_logs")
@@ -103,6 +104,46 @@ def build_rows(step: int | Sequence[int], entries: Sequence[tuple[TensorKey, Lay
     parts = [meta, pd.DataFrame({k: stats[k] for k in stat_names}), pd.DataFrame(counts, columns=order)]
     df = pd.concat(parts, axis=1, keys=[METADATA, SCALAR_STATS, EXPONENT_COUNTS])
     return df
+
+
+def make_run_record(framework: str, model: str, number_format: str | None, options: Mapping[str, Any]
+               ) -> dict[str, Any]:
+    """The record of how a log is made, stored with it (``df.attrs["tandv"]`` on read): the
+    tracker's framework, the model's class, the number format of the exponent counts
+    (``None``: each tensor's own dtype), the tracker's options (as text where they are not
+    JSON values), library versions, world size and rank, host and start time."""
+    import importlib.metadata as md
+
+    versions = {}
+    for pkg in ("tandv", framework if framework != "jax" else "jax", "numpy", "pandas"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    world, rank = 1, 0
+    if framework == "torch":
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            world, rank = dist.get_world_size(), dist.get_rank()
+    elif framework == "jax":
+        import jax
+
+        world, rank = jax.process_count(), jax.process_index()
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, (bool, int, float, str, type(None))):
+            return v
+        if isinstance(v, os.PathLike):
+            return os.fspath(v)
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return repr(v)
+
+    return {"framework": framework, "model": model, "number_format": number_format,
+            "options": {k: plain(v) for k, v in options.items()}, "versions": versions,
+            "world_size": world, "rank": rank, "host": platform.node(),
+            "started": datetime.now().astimezone().isoformat(timespec="seconds")}
 
 
 def _merge_dtypes(entries: list[tuple[TensorKey, Layout, np.ndarray]]
@@ -204,6 +245,8 @@ class StepRecorder:
             end of a step (8 bytes per summary value): past the first a warning, past the
             second a RuntimeError, both saying to call ``tracker.step()`` (a training loop
             that never calls it would otherwise grow without bound).
+        run: the record of how the log is made (a JSON-able dict: :func:`make_run_record`),
+            stored with the rows and read back as ``df.attrs["tandv"]``.
     """
 
     def __init__(
@@ -218,6 +261,7 @@ class StepRecorder:
         sinks: Sequence[Callable[[pd.DataFrame], Any]] = (),
         warn_pending_bytes: int = 256 * 2**20,
         max_pending_bytes: int = 2**30,
+        run: dict[str, Any] | None = None,
     ) -> None:
         self.sinks = tuple(sinks)  # checked before anything is created
         for sink in self.sinks:
@@ -231,7 +275,7 @@ class StepRecorder:
                              f"expected 0 < warn_pending_bytes <= max_pending_bytes")
         self.path = resolve_out(out, out_format, run_name)
         self.writer: LogWriter = open_writer(self.path, out_format,  # type: ignore[arg-type]
-                                             reserved=out is None)
+                                             reserved=out is None, run=run)
         self.warn_pending_bytes = warn_pending_bytes
         self.max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0

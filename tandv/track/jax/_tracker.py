@@ -14,7 +14,7 @@ from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...stats.formats import format_name, number_format as _number_format
 from ...stats.host import HOST_DTYPES, host_summaries
 from ...stats.summary import Layout
-from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_schedule
+from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
 from ..common.custom import StatsSpec, parse_custom_stats
 from . import _ffi
 from ._intercept import (ROOT_NAME, Mailboxes, Probe, acquire_nnx, interception, register, release_nnx, tag_nnx_paths,
@@ -219,6 +219,9 @@ class JaxTracker:
         device_axis: bool = False,
         sinks: Sequence[Callable[[Any], Any]] = (),
     ) -> None:
+        # the options as given (first statement: locals() holds just the arguments), for the
+        # log's record of how it was made
+        options = {k: v for k, v in locals().items() if k not in ("self", "model_state", "optimizer_state")}
         if optimizer_state is not None and model_state is None:
             raise ValueError(
                 "track(): optimizer_state was given without model_state; optimizer-state leaves are "
@@ -266,7 +269,9 @@ class JaxTracker:
         self._nnx_tagged: list[Any] = []
         self.step_count = 0
         self._recorder = StepRecorder(out, out_format, run_name, flush_every=flush_every, verbose=verbose,
-                                      sinks=sinks)
+                                      sinks=sinks, run=make_run_record(
+                                          "jax", type(model_state).__name__,
+                                          None if self._format is None else self._format.name, options))
         self.out_path = self._recorder.path
         register(self._token, self)
         acquire_nnx()

@@ -46,7 +46,7 @@ from ...schema.columns import ACTIVATION, GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...schema.writer import FORMATS
 from ...stats.formats import format_name
 from ...stats.summary import Layout
-from ..common import Pattern, Selector, StepRecorder, TensorKey, make_schedule
+from ..common import Pattern, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
 from ..common.custom import StatFn, StatsSpec, parse_custom_stats
 from ._workspace import Flight, Workspace, to_host
 from .summary import dtype_name
@@ -137,6 +137,9 @@ class Tracker:
         scaler: Any = None,
         sinks: Sequence[Callable[[pd.DataFrame], Any]] = (),
     ) -> None:
+        # the options as given (first statement: locals() holds just the arguments), for the
+        # log's record of how it was made
+        self._options = {k: v for k, v in locals().items() if k not in ("self", "module", "optimizer")}
         if not isinstance(module, nn.Module):
             raise TypeError(f"track(module=...): expected a torch.nn.Module; got {type(module).__name__}")
         _check_not_compiled(module)
@@ -457,7 +460,10 @@ class Tracker:
             raise RuntimeError("this tracker was already started; create a new one with track(...)")
         self.recorder = StepRecorder(self._out, self._out_format, self._run_name,
                                      flush_every=self._flush_every, verbose=self._verbose,
-                                     sinks=self._sinks)
+                                     sinks=self._sinks,
+                                     run=make_run_record("torch", type(self.module).__name__, self.format,
+                                                         {**self._options, "optimizers": [
+                                                             type(o).__name__ for o in self.optimizers]}))
         self.out_path = self.recorder.path
         try:
             self._begin(0)
