@@ -928,6 +928,9 @@ def test_grad_scaler_skipped_steps_keep_their_gradient_rows(explicit_unscale):
                 want = (~torch.isfinite(seen[k][name])).sum().item()
                 assert row[("scalar_stats", "inf_count")] + row[("scalar_stats", "nan_count")] == want
     assert "unscale_" not in scaler.__dict__  # the wrapper is gone after the run
+    from tandv.schema import run_record
+
+    assert run_record(df)["options"]["loss_scaled_output_gradients"] is True  # marked in the log
 
 
 def test_buffers_are_tracked_on_request():

@@ -393,3 +393,17 @@ def test_step_axes_tick_whole_steps_only():
         ax = fig.axes[0]
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
         assert ticks and all(float(t).is_integer() for t in ticks)
+
+
+def test_exp_hist_marks_the_format_a_log_was_counted_in():
+    """A log counted as float8_e4m3fn (its record says so) is annotated with that format's
+    markers by default, the format its underflow and overflow bars refer to, not the
+    tensors' float32."""
+    x = np.float32(2.0) ** np.arange(-12, 10, dtype=np.float32)
+    log = log_from_arrays({("a", "Activation", 0): x}, fmt="float8_e4m3fn")
+    log.attrs["tandv"] = {"number_format": "float8_e4m3fn"}
+    ax = viz.exp_hist(log, "a", "Activation", 0).axes[0]
+    lines = {l.get_gid(): l.get_xdata()[0] for l in ax.get_lines() if (l.get_gid() or "").startswith("marker:")}
+    info = ml_dtypes.finfo("float8_e4m3fn")
+    assert lines["marker:smallest subnormal"] == exponent_of(float(info.smallest_subnormal))
+    assert lines["marker:max"] == exponent_of(float(info.max))

@@ -11,7 +11,7 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from ..schema import DTYPE, METADATA, NAME, OVERFLOW, STEP, TENSOR_TYPE, UNDERFLOW
+from ..schema import DTYPE, METADATA, NAME, OVERFLOW, STEP, TENSOR_TYPE, UNDERFLOW, run_record
 from ..stats import NumberFormat, number_format
 from ._data import (
     VizArgumentError,
@@ -157,7 +157,8 @@ def exp_hist(
         step: the training step.
         kind: ``"bar"`` or ``"line"``.
         dtype_annotation: vertical markers at a format's largest value, smallest normal
-            and smallest subnormal: ``True`` for each tensor's logged dtype, a format
+            and smallest subnormal: ``True`` for the format the counts were taken in (the
+            log's recorded ``number_format``, else each tensor's logged dtype), a format
             name (``"float8_e4m3fn"``) or dtype for that format, ``False``/``None`` for none.
             Markers beyond the shown range are drawn as arrows at the panel's edge.
         col_wrap: panels per row (default: at most four).
@@ -183,7 +184,10 @@ def exp_hist(
     order = {(n, t): (i, j) for i, n in enumerate(names) for j, t in enumerate(tts)}
     keys = sorted(zip(at[(METADATA, NAME)], at[(METADATA, TENSOR_TYPE)], at.index), key=lambda k: order[k[:2]])
     counts = exponent_table(at)
-    fmts = {idx: _annotation_format(dtype_annotation, at.at[idx, (METADATA, DTYPE)]) for _, _, idx in keys}
+    # the counts' own format: the one the tracker counted in (the log's record), else the dtype
+    recorded = run_record(df).get("number_format")
+    fmts = {idx: _annotation_format(dtype_annotation, recorded or at.at[idx, (METADATA, DTYPE)])
+            for _, _, idx in keys}
     markers = [m for f in set(fmts.values()) if f for m in format_markers(f)]
     lo, hi = _view_range(counts, markers)
     fig, axes = facet_grid(len(keys), col_wrap, figsize=figsize)

@@ -463,7 +463,11 @@ class Tracker:
                                      sinks=self._sinks,
                                      run=make_run_record("torch", type(self.module).__name__, self.format,
                                                          {**self._options, "optimizers": [
-                                                             type(o).__name__ for o in self.optimizers]}))
+                                                             type(o).__name__ for o in self.optimizers],
+                                                          # with a GradScaler, output gradients
+                                                          # are in loss-scaled units
+                                                          "loss_scaled_output_gradients":
+                                                              self.scaler is not None}))
         self.out_path = self.recorder.path
         try:
             self._begin(0)
