@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -931,6 +932,14 @@ def test_grad_scaler_skipped_steps_keep_their_gradient_rows(explicit_unscale):
     from tandv.schema import run_record
 
     assert run_record(df)["options"]["loss_scaled_output_gradients"] is True  # marked in the log
+    # output-gradient rows hold the scale they are multiplied by: 2**8, then halved after the skip
+    out_grads = df[(df[("metadata", "tensor_type")] == "Gradient") & df[("metadata", "name")].isin(MODULES)]
+    by_step = pd.Series(out_grads[("scalar_stats", "loss_scale")].to_numpy(),
+                        index=out_grads[("metadata", "step")].to_numpy())
+    scales = by_step.groupby(level=0).agg(["min", "max"])
+    assert scales["min"].tolist() == scales["max"].tolist() == [256.0, 256.0, 128.0]
+    params = df[df[("metadata", "name")].isin(PARAMS)]
+    assert params[("scalar_stats", "loss_scale")].isna().all()  # parameter gradients are unscaled
 
 
 def test_buffers_are_tracked_on_request():

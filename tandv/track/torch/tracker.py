@@ -174,6 +174,11 @@ class Tracker:
             raise TypeError(f"track(scaler=...): expected a torch.amp.GradScaler (with .unscale_); "
                             f"got {type(scaler).__name__}")
         self.scaler = scaler
+        if scaler is not None:
+            if LOSS_SCALE in self.stats_merge:
+                raise ValueError(f"stats: {LOSS_SCALE!r} is the column the tracker fills with the "
+                                 f"GradScaler's scale (scaler=...); rename your statistic")
+            self.stats_merge = {**self.stats_merge, LOSS_SCALE: "max"}
         self._sinks = tuple(sinks)
 
         # Names from identity: module path -> module, parameter object -> full path.
@@ -282,6 +287,10 @@ class Tracker:
             return key, last[2], last[3]
         d = x.detach()
         extras = self._extras(d)
+        if kind == GRADIENT and self.scaler is not None and self.scaler.is_enabled():
+            scale = getattr(self.scaler, "_scale", None)  # the device tensor: no sync
+            if scale is not None:  # output gradients are in loss-scaled units: log the scale
+                extras[LOSS_SCALE] = scale
         lay = self._layout(d, tuple(extras))
         summary = self._workspace.summaries([d], lay, [extras])[0]
         self._last = (x, x._version, lay, summary)  # held until the next observation or step end
@@ -582,6 +591,10 @@ class _CaptureAfterUnscale:
         self._scaler.__dict__.pop("unscale_", None)
 
 
+#: The statistic column of output-gradient rows that holds a tracked GradScaler's scale.
+LOSS_SCALE = "loss_scale"
+
+
 def _unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
     """The ``torch.optim.Optimizer`` that ``opt`` is or wraps: accelerate's
     ``AcceleratedOptimizer`` (an Optimizer subclass that never initializes its hooks) and
@@ -641,7 +654,8 @@ def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
             ``[tandv.export.TensorBoardSink("runs/x")]``; closed with the tracker.
         scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop: gradients are then
             also captured when it unscales them, so a step it skips (inf/NaN gradients) is
-            logged as it was. Output (activation) gradients stay in loss-scaled units.
+            logged as it was. Output (activation) gradients stay in loss-scaled units, and
+            their rows hold the scale in a ``loss_scale`` column.
 
     Returns:
         A :class:`Tracker`; call ``tracker.step()`` after each optimizer update.
