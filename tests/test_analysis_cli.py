@@ -231,3 +231,13 @@ def test_shares_a_narrower_recorded_format_cannot_tell_are_not_invented(tmp_path
     own = read_log(_tracked_log(tmp_path, "own"))
     assert (format_shares(own, "bfloat16")["underflow"] == 0).all()
     assert "bfloat16: 0.00% underflow" in summarize_log(tmp_path / "own")
+
+
+def test_the_report_says_how_the_log_was_made(tmp_path):
+    from tandv.schema import read_log
+    from tandv.viz.report import write_report
+
+    path = _tracked_log(tmp_path, "fp8", number_format="float8_e4m3fn")
+    page = write_report(read_log(path), tmp_path / "r.html").read_text()
+    assert "Made by the torch tracker of Linear" in page and "exponents counted as float8_e4m3fn" in page
+    assert "not known" in page  # bfloat16's underflow share, which the log cannot tell

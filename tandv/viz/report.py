@@ -18,7 +18,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from ..analysis import exponent_range, first_nonfinite, format_shares, text_summary
-from ..schema import METADATA, NAME, SCALAR_STATS, STEP, TENSOR_TYPE, TENSOR_TYPES
+from ..schema import METADATA, NAME, SCALAR_STATS, STEP, TENSOR_TYPE, TENSOR_TYPES, run_record
 from ..schema.io import atomic_write
 from ._data import check_log
 from .bands import percentile_bands
@@ -83,7 +83,20 @@ def _overview(df: pd.DataFrame) -> str:
             "last step": int(steps.max()),
             "dtypes": ", ".join(sorted(pd.unique(sub[(METADATA, "dtype")]))),
         })
-    return _table(pd.DataFrame(rows))
+    return _made_by(df) + _table(pd.DataFrame(rows))
+
+
+def _made_by(df: pd.DataFrame) -> str:
+    """A line from the log's record of how it was made (nothing for a log without one)."""
+    r = run_record(df)
+    if not r:
+        return ""
+    versions = ", ".join(f"{k} {v}" for k, v in (r.get("versions") or {}).items())
+    fmt = r.get("number_format") or "each tensor's dtype"
+    text = (f"Made by the {r.get('framework')} tracker of {r.get('model')}, started {r.get('started')} "
+            f"on {r.get('host')}, rank {r.get('rank')} of {r.get('world_size')}; exponents counted as "
+            f"{fmt}; {versions}.")
+    return f'<p class="made-by">{html.escape(text)}</p>'
 
 
 def _nonfinite(df: pd.DataFrame) -> str:
