@@ -424,16 +424,15 @@ def spec_for(dtype: torch.dtype) -> Spec | None:
     name = str(dtype).removeprefix("torch.")
     mode = _MODES.get(dtype)
     lut = None
+    if mode is None and (dtype.itemsize != 1 or not hasattr(ml_dtypes, name)):
+        return None
+    try:
+        fmt = number_format(name)
+    except ValueError:  # an 8-bit type tandv has no number format for
+        return None
     if mode is None:
-        if dtype.itemsize != 1 or not hasattr(ml_dtypes, name):
-            return None
-        try:
-            fmt = number_format(name)
-        except ValueError:
-            return None
         mode = 3
         lut = np.arange(256, dtype=np.uint8).view(getattr(ml_dtypes, name)).astype(np.float32)
-    fmt = number_format(name)
     return Spec(dtype, mode, fmt.min_exponent < -126, fmt.min_exponent, fmt.num_bins, lut)
 
 

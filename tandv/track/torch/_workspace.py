@@ -162,7 +162,7 @@ class Workspace:
 
         device = tensors[0].device
         space = self._spaces.get(device) or self._space(device)
-        size = spec.row_size + len(layout.extras)
+        size = _fused.row_size(spec, layout)
         with space.lock, _on(device):  # the rows buffer may not be replaced before the launch
             slots = [Slot(device, space.reserve(size), size, layout, spec) for _ in tensors]
             live = [(t, s.offset) for t, s in zip(tensors, slots) if t.numel()]
