@@ -1,0 +1,481 @@
+"""Taiyi's quantities for PyTorch models: a :class:`Monitor` that takes Taiyi's config,
+hooks the selected modules, computes the quantities on their device and stores one row per
+step, module and quantity (beside a tandv log when given one).
+
+How the data is taken (the definitions are in :data:`tandv.taiyi.QUANTITIES`):
+
+* **Features.** Input covariance, RankMe and dead-neuron counts see a tensor as a matrix
+  of samples x features. The feature axis is the channel axis (dim 1) for convolutions,
+  BatchNorm, InstanceNorm and GroupNorm, and the last axis for every other module; every
+  other axis counts as samples, so a ``Conv2d`` input ``(N, C, H, W)`` is the ``(N*H*W, C)``
+  matrix of its pixels' channel vectors and a ``Linear`` input ``(B, T, D)`` is ``(B*T, D)``.
+* **Which passes.** The training-mode forward passes (and their backward passes) between
+  two calls of :meth:`Monitor.track`; evaluation-mode passes and the recomputations of
+  activation checkpointing are ignored. Several passes in one step (gradient accumulation)
+  are merged exactly: covariances with Chan's pairwise update, Gram matrices, sums and
+  sums of squares by addition, dead neurons as units dead in every pass.
+* **Device.** Everything is computed on the tensor's device in float64; a step's values
+  are stacked and copied to the host once per device (``eigvalsh`` runs once per distinct
+  feature width per step, batched over the modules of that width).
+* **MeanTID / VarTID** keep each training batch's per-channel mean and standard deviation
+  (two vectors per batch) every step, and average the discrepancies to the running
+  statistics over the batches since they were last computed (Taiyi's multi-step quantities).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import pandas as pd
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
+from torch.nn.modules.instancenorm import _InstanceNorm
+
+from ._core import (
+    QUANTITIES,
+    Schedule,
+    finalize_cov_eigs,
+    parse_quantity_list,
+    rankme_from_singular_values,
+    rows_to_frame,
+    taiyi_dir,
+    to_nested,
+    write_part,
+)
+
+__all__ = ["Monitor", "resolve_config", "feature_matrix"]
+
+_CHANNEL_FIRST = (_ConvNd, _BatchNorm, _InstanceNorm, nn.GroupNorm)
+
+
+def feature_matrix(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """``x`` as a float64 (samples x features) matrix: features along dim 1 for
+    convolutions and normalization layers with channels first, along the last dim
+    otherwise; a 1-d tensor is one sample."""
+    x = x.detach()
+    if x.dim() <= 1:
+        return x.reshape(1, -1).double()
+    if isinstance(module, _CHANNEL_FIRST):
+        x = x.movedim(1, -1)
+    return x.reshape(-1, x.shape[-1]).double()
+
+
+# -- configuration --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    name: str
+    schedule: Schedule
+    schedule_text: str
+    key: str  # the config key it came from, for messages
+
+
+def _key_text(key: Any) -> str:
+    """A config key as the user wrote it: ``nn.Linear``, ``'fc1'``."""
+    if isinstance(key, type):
+        return f"nn.{key.__name__}" if key.__module__.startswith("torch.nn") else key.__name__
+    return repr(key)
+
+
+def _matches(model: nn.Module, key: Any, root_name: str) -> list[tuple[str, nn.Module]]:
+    mods = [(name or root_name, m) for name, m in model.named_modules()]
+    where = _key_text(key)
+    if isinstance(key, type):
+        if not issubclass(key, nn.Module):
+            raise TypeError(f"config key {where}: a class key must be an nn.Module subclass "
+                            f"(such as nn.Linear), got {key.__name__}")
+        hits = [(n, m) for n, m in mods if isinstance(m, key)]
+        if not hits:
+            present = sorted({type(m).__name__ for _, m in mods})
+            raise ValueError(f"config key {where}: the model has no {key.__name__} module; its module "
+                             f"types are {present}. Remove the key or fix the class.")
+        return hits
+    if isinstance(key, str):
+        by_name = [(n, m) for n, m in mods if n == key]
+        if by_name:
+            return by_name
+        by_class = [(n, m) for n, m in mods if type(m).__name__ == key]
+        if by_class:
+            return by_class
+        names = [n for n, _ in mods][:8]
+        present = sorted({type(m).__name__ for _, m in mods})
+        raise ValueError(f"config key {key!r}: no module of the model is named {key!r} and none is of a "
+                         f"class named {key!r}. Use a module path (such as {names}) or a class name "
+                         f"present in the model ({present}).")
+    raise TypeError(f"config key {key!r}: expected a module path ('fc1'), a class name ('Conv2d') or "
+                    f"an nn.Module class (nn.Conv2d), got {type(key).__name__}")
+
+
+def _check_applies(qname: str, path: str, module: nn.Module, where: str) -> None:
+    spec = QUANTITIES[qname]
+    kind = type(module).__name__
+    if spec.needs == "weight" and not isinstance(getattr(module, "weight", None), torch.Tensor):
+        raise ValueError(f"config[{where}] quantity {qname!r}: module {path!r} ({kind}) has no weight "
+                         f"tensor; WeightNorm applies to modules with a .weight (Linear, Conv, norms).")
+    if spec.modules == "linear" and not isinstance(module, nn.Linear):
+        raise ValueError(f"config[{where}] quantity {qname!r}: defined for nn.Linear modules, but "
+                         f"module {path!r} is a {kind}; list it under nn.Linear.")
+    if spec.modules == "batchnorm" and not (isinstance(module, _BatchNorm) and module.track_running_stats):
+        raise ValueError(f"config[{where}] quantity {qname!r}: defined for BatchNorm modules with running "
+                         f"statistics (track_running_stats=True), but module {path!r} is a {kind}"
+                         + (" without running statistics" if isinstance(module, _BatchNorm) else "")
+                         + "; list it under nn.BatchNorm1d/2d/3d.")
+
+
+def resolve_config(model: nn.Module, config: Mapping[Any, Any],
+                   root_name: str = "root") -> dict[str, tuple[nn.Module, list[_Entry]]]:
+    """Which quantities, on which schedules, each module of ``model`` gets from a Taiyi config.
+
+    Arguments:
+        model: the model.
+        config: ``{key: [quantity, ...]}`` with keys a module path (``'fc1'``), a class name
+            (``'Conv2d'``: every module of that class) or an ``nn.Module`` class
+            (``nn.BatchNorm2d``: every instance, subclasses included), and quantities as
+            ``'Name'``, ``['Name']`` or ``['Name', 'linear(interval, offset)']``.
+        root_name: the name of the root module (its path is empty in PyTorch).
+
+    Returns:
+        ``{module path: (module, entries)}`` in the model's module order.
+
+    Raises:
+        ValueError / TypeError: naming the config key, the quantity and what to do, for an
+            unknown quantity, a key that selects nothing, a quantity that does not apply to
+            a selected module, or one module given one quantity by two keys with different
+            schedules.
+    """
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config: expected a dict {{module key: [quantities]}}, got {type(config).__name__}")
+    order = {(name or root_name): i for i, (name, _) in enumerate(model.named_modules())}
+    plan: dict[str, tuple[nn.Module, dict[str, _Entry]]] = {}
+    for key, value in config.items():
+        where = _key_text(key)
+        items = parse_quantity_list(value, where)
+        for path, module in _matches(model, key, root_name):
+            entries = plan.setdefault(path, (module, {}))[1]
+            for qname, sched, text in items:
+                _check_applies(qname, path, module, where)
+                old = entries.get(qname)
+                if old is not None:
+                    if old.schedule_text != text:
+                        raise ValueError(
+                            f"config: module {path!r} gets {qname!r} from key {old.key} ({old.schedule_text}) "
+                            f"and from key {where} ({text}); give it under one key only")
+                    continue
+                entries[qname] = _Entry(qname, sched, text, where)
+    return {p: (m, list(e.values())) for p, (m, e) in sorted(plan.items(), key=lambda kv: order[kv[0]])}
+
+
+# -- per-module accumulation ----------------------------------------------------------------------
+
+
+@dataclass
+class _Acc:
+    """What one module's hooks gathered in the current step (all on the module's device)."""
+
+    cov_n: int = 0
+    cov_mean: torch.Tensor | None = None
+    cov_m2: torch.Tensor | None = None
+    in_sum: torch.Tensor | None = None
+    in_count: int = 0
+    in_sq: torch.Tensor | None = None
+    grad_sq: torch.Tensor | None = None
+    alive: torch.Tensor | None = None
+    gram: torch.Tensor | None = None
+
+
+@dataclass
+class _Watch:
+    path: str
+    module: nn.Module
+    entries: list[_Entry]
+    active: set[str] = field(default_factory=set)  # quantities firing at the current step
+    acc: _Acc = field(default_factory=_Acc)
+    bn_mu: list[torch.Tensor] = field(default_factory=list)  # per batch, since MeanTID last fired
+    bn_sigma: list[torch.Tensor] = field(default_factory=list)  # per batch, since VarTID last fired
+
+    @property
+    def keeps_batches(self) -> bool:
+        """Whether MeanTID/VarTID need this module's batch statistics at every step."""
+        return any(QUANTITIES[e.name].needs == "bn_batch" for e in self.entries)
+
+    def needs(self, *what: str) -> bool:
+        return any(QUANTITIES[q].needs in what for q in self.active)
+
+
+def _add(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else a + b
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
+
+
+def _in_backward() -> bool:
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
+class Monitor:
+    """Taiyi's ``Monitor``: computes Taiyi's quantities for the modules a config selects.
+
+    Use it as Taiyi's (``monitor.track(step)`` after the backward pass, ``get_output()``)
+    or beside tandv's tracker, writing its table next to the tracker's log::
+
+        with track(model, opt) as tracker, Monitor(model, config, out=tracker) as monitor:
+            for x, y in data:
+                loss_fn(model(x), y).backward()
+                monitor.track()          # before zero_grad (OutputGradSndNorm needs the pass)
+                opt.step(); opt.zero_grad(); tracker.step()
+        df = read_taiyi(tracker.out_path)
+
+    Arguments:
+        model: the model (its modules are matched by the config's keys).
+        config: Taiyi's config; see :func:`resolve_config`.
+        out: where to write the table: ``None`` (kept in memory only), a tandv log path, or
+            an object with ``out_path`` (a tandv ``Tracker``; read when the first rows are
+            written). The table goes to :func:`tandv.taiyi.taiyi_dir` of that log.
+        flush_every: write a part file every this many tracked steps (and at :meth:`close`).
+        start_step: the number of the first step, when :meth:`track` is called without one.
+        root_name: the name of the root module in the table.
+
+    Hooks stay installed until :meth:`close` (or the end of the ``with`` block); on a step
+    where nothing of a module fires they return at once.
+    """
+
+    def __init__(self, model: nn.Module, config: Mapping[Any, Any], *, out: Any = None,
+                 flush_every: int = 50, start_step: int = 0, root_name: str = "root") -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Monitor(model=...): expected an nn.Module, got {type(model).__name__}")
+        if not isinstance(flush_every, int) or flush_every < 1:
+            raise ValueError(f"flush_every={flush_every!r}: expected an int >= 1")
+        self.model = model
+        self._watches = [_Watch(p, m, e) for p, (m, e) in resolve_config(model, config, root_name).items()]
+        self._out = out
+        self._dir: Path | None = None
+        self._flush_every = flush_every
+        self._rows: list[tuple[int, str, str, str, float]] = []
+        self._unflushed = 0
+        self._parts = 0
+        self._steps_since_flush = 0
+        self._next_step = start_step
+        self._handles: list[Any] = []
+        self._closed = False
+        for w in self._watches:
+            self._handles.append(w.module.register_forward_hook(self._make_hook(w), with_kwargs=True))
+        self._begin(start_step)
+
+    # ---------------------------------------------------------------- hooks
+
+    def _begin(self, step: int) -> None:
+        self._next_step = step
+        for w in self._watches:
+            w.active = {e.name for e in w.entries if e.schedule(step)}
+            w.acc = _Acc()
+
+    def _make_hook(self, w: _Watch) -> Callable[..., None]:
+        bn = w.keeps_batches
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if not (w.active or bn) or not module.training or _in_backward():
+                return
+            with torch.no_grad():
+                self._capture(w, module, _first_tensor(args, kwargs), output)
+
+        return hook
+
+    def _capture(self, w: _Watch, module: nn.Module, x: torch.Tensor | None, output: Any) -> None:
+        acc = w.acc
+        if x is not None and x.is_floating_point():
+            if w.needs("input_cov"):
+                f = feature_matrix(x, module)
+                n = f.shape[0]
+                mean = f.mean(0)
+                fc = f - mean
+                m2 = fc.T @ fc
+                if acc.cov_mean is None:
+                    acc.cov_n, acc.cov_mean, acc.cov_m2 = n, mean, m2
+                else:  # Chan et al.'s pairwise merge of (count, mean, centred second moment)
+                    na, tot = acc.cov_n, acc.cov_n + n
+                    delta = mean - acc.cov_mean
+                    acc.cov_mean = acc.cov_mean + delta * (n / tot)
+                    acc.cov_m2 = acc.cov_m2 + m2 + torch.outer(delta, delta) * (na * n / tot)
+                    acc.cov_n = tot
+            if w.needs("input"):
+                xd = x.detach().double()
+                acc.in_sum = _add(acc.in_sum, xd.sum())
+                acc.in_sq = _add(acc.in_sq, xd.square().sum())
+                acc.in_count += x.numel()
+            if w.keeps_batches:
+                f = feature_matrix(x, module)
+                w.bn_mu.append(f.mean(0))
+                w.bn_sigma.append(f.var(0, unbiased=False).sqrt())
+        y = output if isinstance(output, torch.Tensor) else _first_tensor(tuple(output), {}) \
+            if isinstance(output, (tuple, list)) else None
+        if y is None or not y.is_floating_point():
+            return
+        if "LinearDeadNeuronNum" in w.active:
+            alive = (y.detach().reshape(-1, y.shape[-1]) > 0).any(0)
+            acc.alive = alive if acc.alive is None else acc.alive | alive
+        if "RankMe" in w.active:
+            z = feature_matrix(y, module)
+            acc.gram = _add(acc.gram, z.T @ z)
+        if "OutputGradSndNorm" in w.active and y.requires_grad:
+            def grad_hook(g: torch.Tensor) -> None:
+                with torch.no_grad():
+                    acc.grad_sq = _add(acc.grad_sq, g.detach().double().square().sum())
+            y.register_hook(grad_hook)
+
+    # ---------------------------------------------------------------- step
+
+    def track(self, step: int | None = None) -> None:
+        """Compute the quantities due at ``step`` from the passes since the last call (call
+        it once per step, after the backward pass; Taiyi's ``monitor.track(step)``).
+
+        Arguments:
+            step: the step number; ``None`` counts on from the last call (from
+                ``start_step``). The next step is taken to be ``step + 1``: the hooks decide
+                what to gather by it, so number steps consecutively.
+        """
+        if self._closed:
+            raise RuntimeError("Monitor.track() after close(); create a new Monitor")
+        step = self._next_step if step is None else int(step)
+        fired = {w.path: {e.name for e in w.entries if e.schedule(step)} for w in self._watches}
+        values: list[tuple[str, str, str, torch.Tensor]] = []  # (module, type, quantity, 0-dim tensor)
+        covs: dict[tuple[int, torch.device], list[tuple[_Watch, list[str], torch.Tensor]]] = {}
+        with torch.no_grad():
+            for w in self._watches:
+                due = fired[w.path]
+                if not due:
+                    continue
+                kind = type(w.module).__name__
+                acc = w.acc
+                cov_names = [q for q in due if QUANTITIES[q].needs == "input_cov" and q in w.active]
+                if cov_names and acc.cov_mean is not None:
+                    if acc.cov_n >= 2:
+                        c = acc.cov_m2 / (acc.cov_n - 1)
+                        covs.setdefault((c.shape[0], c.device), []).append((w, cov_names, c))
+                    else:  # one sample has no covariance
+                        nan = torch.full((), float("nan"), dtype=torch.float64, device=acc.cov_mean.device)
+                        values += [(w.path, kind, q, nan) for q in cov_names]
+                for q in [e.name for e in w.entries if e.name in due]:
+                    v = self._value(w, q)
+                    if v is not None:
+                        values.append((w.path, kind, q, v))
+            for (_, _), group in covs.items():
+                eigs = torch.linalg.eigvalsh(torch.stack([c for _, _, c in group]))
+                eigs = eigs.clamp_min(0).flip(-1)  # descending; negative round-off is 0
+                for (w, names, _), e in zip(group, eigs):
+                    for q, v in finalize_cov_eigs(e, names).items():
+                        values.append((w.path, type(w.module).__name__, q, v))
+        self._emit(step, values)
+        self._steps_since_flush += 1
+        if self._out is not None and self._steps_since_flush >= self._flush_every:
+            self.flush()
+        self._begin(step + 1)
+
+    def _value(self, w: _Watch, q: str) -> torch.Tensor | None:
+        acc, m = w.acc, w.module
+        active = q in w.active
+        if q == "WeightNorm":
+            return torch.linalg.vector_norm(m.weight.detach().double())
+        if q == "InputMean" and active and acc.in_count:
+            return acc.in_sum / acc.in_count
+        if q == "InputSndNorm" and active and acc.in_sq is not None:
+            return acc.in_sq.sqrt()
+        if q == "OutputGradSndNorm" and active and acc.grad_sq is not None:
+            return acc.grad_sq.sqrt()
+        if q == "LinearDeadNeuronNum" and active and acc.alive is not None:
+            return (~acc.alive).sum().double()
+        if q == "RankMe" and active and acc.gram is not None:
+            s = torch.linalg.eigvalsh(acc.gram).clamp_min(0).sqrt()
+            return rankme_from_singular_values(s, torch)
+        if q in ("MeanTID", "VarTID"):
+            batches = w.bn_mu if q == "MeanTID" else w.bn_sigma
+            if not batches:
+                return None
+            sigma_run = m.running_var.detach().double().sqrt()
+            ref = m.running_mean.detach().double() if q == "MeanTID" else sigma_run
+            diff = torch.stack(batches) - ref
+            batches.clear()
+            return (torch.linalg.vector_norm(diff, dim=-1) / torch.linalg.vector_norm(sigma_run)).mean()
+        return None
+
+    def _emit(self, step: int, values: list[tuple[str, str, str, torch.Tensor]]) -> None:
+        """Move the step's values to the host, one copy per device, and keep them as rows."""
+        if not values:
+            return
+        by_dev: dict[torch.device, list[int]] = {}
+        for i, (_, _, _, v) in enumerate(values):
+            by_dev.setdefault(v.device, []).append(i)
+        host: list[float] = [0.0] * len(values)
+        for idx in by_dev.values():
+            got = torch.stack([values[i][3].reshape(()).double() for i in idx]).cpu().tolist()
+            for i, x in zip(idx, got):
+                host[i] = x
+        order = {w.path: i for i, w in enumerate(self._watches)}
+        qorder = {q: i for i, q in enumerate(QUANTITIES)}
+        rows = sorted(((step, p, k, q, host[i]) for i, (p, k, q, _) in enumerate(values)),
+                      key=lambda r: (order[r[1]], qorder[r[3]]))
+        self._rows.extend(rows)
+        self._unflushed += len(rows)
+
+    # ---------------------------------------------------------------- output
+
+    @property
+    def out_dir(self) -> Path | None:
+        """The directory the table is written to (``None`` when it is kept in memory only,
+        or its tracker has not started yet)."""
+        if self._dir is None and self._out is not None:
+            log = getattr(self._out, "out_path", self._out)
+            if log is not None:
+                self._dir = taiyi_dir(log if isinstance(log, (str, os.PathLike)) else str(log))
+        return self._dir
+
+    def flush(self) -> None:
+        """Write the rows not yet written as one part file (nothing without ``out``)."""
+        self._steps_since_flush = 0
+        if self._out is None or not self._unflushed:
+            return
+        d = self.out_dir
+        if d is None:
+            raise RuntimeError("Monitor(out=tracker): the tracker has no out_path yet; enter its "
+                               "`with track(...)` block before the first Monitor.track()")
+        if self._parts == 0 and d.is_dir() and any(d.glob("part-*.parquet")):
+            raise FileExistsError(f"{str(d)!r} already holds a Taiyi table; choose another log path or "
+                                  f"remove it")
+        write_part(rows_to_frame(self._rows[-self._unflushed:]), d, self._parts)
+        self._parts += 1
+        self._unflushed = 0
+
+    def to_dataframe(self) -> pd.DataFrame:
+        """All rows so far: columns ``step``, ``module``, ``module_type``, ``quantity``, ``value``."""
+        return rows_to_frame(self._rows)
+
+    def get_output(self) -> dict[str, dict[str, dict[int, float]]]:
+        """All values so far in Taiyi's form ``{module: {quantity: {step: value}}}``."""
+        return to_nested(self.to_dataframe())
+
+    def close(self) -> None:
+        """Remove the hooks and write the remaining rows (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.flush()
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
