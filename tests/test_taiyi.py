@@ -5,6 +5,7 @@ written beside a tandv log."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -365,3 +366,21 @@ def test_table_beside_a_single_file_log_and_errors(tmp_path):
             again.track()
     with pytest.raises(FileNotFoundError, match="no Taiyi table"):
         read_taiyi(tmp_path / "elsewhere")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_values_match_the_cpu_run():
+    torch.manual_seed(10)
+    config = {nn.Linear: COV + ["InputMean", "InputSndNorm", "OutputGradSndNorm", "WeightNorm",
+                                "LinearDeadNeuronNum", "RankMe"],
+              nn.BatchNorm2d: ["MeanTID", "VarTID"]}
+    x = torch.randn(6, 2, 5, 5)
+    cpu_net = Net()
+    frames = []
+    for device in ("cpu", "cuda"):
+        net = copy.deepcopy(cpu_net).to(device)
+        mon = Monitor(net, config)
+        net(x.to(device)).square().sum().backward()
+        mon.track()
+        frames.append(mon.to_dataframe())
+    pd.testing.assert_frame_equal(frames[0], frames[1], rtol=1e-6)

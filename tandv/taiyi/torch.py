@@ -350,7 +350,9 @@ class Monitor:
         step = self._next_step if step is None else int(step)
         fired = {w.path: {e.name for e in w.entries if e.schedule(step)} for w in self._watches}
         values: list[tuple[str, str, str, torch.Tensor]] = []  # (module, type, quantity, 0-dim tensor)
-        covs: dict[tuple[int, torch.device], list[tuple[_Watch, list[str], torch.Tensor]]] = {}
+        # symmetric matrices whose eigenvalues are due (input covariances, output Gram matrices
+        # for RankMe), grouped by size and device for one batched eigvalsh per group
+        mats: dict[tuple[int, torch.device], list[tuple[_Watch, list[str], torch.Tensor]]] = {}
         with torch.no_grad():
             for w in self._watches:
                 due = fired[w.path]
@@ -362,20 +364,25 @@ class Monitor:
                 if cov_names and acc.cov_mean is not None:
                     if acc.cov_n >= 2:
                         c = acc.cov_m2 / (acc.cov_n - 1)
-                        covs.setdefault((c.shape[0], c.device), []).append((w, cov_names, c))
+                        mats.setdefault((c.shape[0], c.device), []).append((w, cov_names, c))
                     else:  # one sample has no covariance
                         nan = torch.full((), float("nan"), dtype=torch.float64, device=acc.cov_mean.device)
                         values += [(w.path, kind, q, nan) for q in cov_names]
+                if "RankMe" in due and "RankMe" in w.active and acc.gram is not None:
+                    mats.setdefault((acc.gram.shape[0], acc.gram.device), []).append((w, ["RankMe"], acc.gram))
                 for q in [e.name for e in w.entries if e.name in due]:
                     v = self._value(w, q)
                     if v is not None:
                         values.append((w.path, kind, q, v))
-            for (_, _), group in covs.items():
+            for group in mats.values():
                 eigs = torch.linalg.eigvalsh(torch.stack([c for _, _, c in group]))
                 eigs = eigs.clamp_min(0).flip(-1)  # descending; negative round-off is 0
                 for (w, names, _), e in zip(group, eigs):
-                    for q, v in finalize_cov_eigs(e, names).items():
-                        values.append((w.path, type(w.module).__name__, q, v))
+                    if names == ["RankMe"]:  # singular values of Z from the eigenvalues of Z^T Z
+                        got = {"RankMe": rankme_from_singular_values(e.sqrt(), torch)}
+                    else:
+                        got = finalize_cov_eigs(e, names)
+                    values += [(w.path, type(w.module).__name__, q, v) for q, v in got.items()]
         self._emit(step, values)
         self._steps_since_flush += 1
         if self._out is not None and self._steps_since_flush >= self._flush_every:
@@ -395,9 +402,6 @@ class Monitor:
             return acc.grad_sq.sqrt()
         if q == "LinearDeadNeuronNum" and active and acc.alive is not None:
             return (~acc.alive).sum().double()
-        if q == "RankMe" and active and acc.gram is not None:
-            s = torch.linalg.eigvalsh(acc.gram).clamp_min(0).sqrt()
-            return rankme_from_singular_values(s, torch)
         if q in ("MeanTID", "VarTID"):
             batches = w.bn_mu if q == "MeanTID" else w.bn_sigma
             if not batches:
