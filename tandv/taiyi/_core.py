@@ -104,7 +104,9 @@ QUANTITIES: dict[str, QuantitySpec] = {q.name: q for q in [
                  "x features): exp(-sum_k p_k log p_k) with p_k = s_k / ||s||_1 + 1e-7 and s the "
                  "singular values of Z; a smooth effective rank between 1 and min(samples, features). "
                  "s is computed as the square roots of the eigenvalues of Z^T Z (float64), so the "
-                 "Gram matrix merges over forward passes."),
+                 "Gram matrix merges over forward passes; zero singular values then come out near "
+                 "1e-8 of the largest, which raises RankMe of a low-rank output slightly (up to about "
+                 "1e-4 relative, rank 5 of width 2048)."),
     QuantitySpec("MeanTID", "bn_batch", "batchnorm", True,
                  "BatchNorm training/inference discrepancy of the mean (Wang et al. 2022, "
                  "arXiv:2210.05153): the average over the training batches seen since the last "
