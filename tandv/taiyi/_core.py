@@ -35,6 +35,7 @@ __all__ = [
     "read_taiyi",
     "finalize_cov_eigs",
     "rankme_from_singular_values",
+    "TableWriter",
 ]
 
 Schedule = Callable[[int], bool]
@@ -337,3 +338,70 @@ def check_known(names: Iterable[str]) -> None:
         if n not in QUANTITIES:
             raise _unknown_quantity(n, "?")
 
+
+
+class TableWriter:
+    """The rows a monitor has made, kept in memory and streamed as part files beside a log.
+
+    Arguments:
+        out: ``None`` (memory only), a tandv log path, or an object with ``out_path`` (a
+            tandv tracker; read when the first rows are written). The table goes to
+            :func:`taiyi_dir` of that log.
+        flush_every: write a part file every this many :meth:`end_step` calls.
+    """
+
+    def __init__(self, out: Any = None, flush_every: int = 50) -> None:
+        if not isinstance(flush_every, int) or flush_every < 1:
+            raise ValueError(f"flush_every={flush_every!r}: expected an int >= 1")
+        self._out = out
+        self._dir: Path | None = None
+        self._flush_every = flush_every
+        self._rows: list[tuple[int, str, str, str, float]] = []
+        self._unflushed = 0
+        self._parts = 0
+        self._steps_since_flush = 0
+
+    def add_rows(self, rows: Sequence[tuple[int, str, str, str, float]]) -> None:
+        """Keep rows ``(step, module, module_type, quantity, value)``."""
+        self._rows.extend(rows)
+        self._unflushed += len(rows)
+
+    def end_step(self) -> None:
+        """Count a step; write a part file every ``flush_every`` steps."""
+        self._steps_since_flush += 1
+        if self._out is not None and self._steps_since_flush >= self._flush_every:
+            self.flush()
+
+    @property
+    def out_dir(self) -> Path | None:
+        """The directory the table is written to (``None`` when it is kept in memory only,
+        or its tracker has not started yet)."""
+        if self._dir is None and self._out is not None:
+            log = getattr(self._out, "out_path", self._out)
+            if log is not None:
+                self._dir = taiyi_dir(log if isinstance(log, (str, os.PathLike)) else str(log))
+        return self._dir
+
+    def flush(self) -> None:
+        """Write the rows not yet written as one part file (nothing without ``out``)."""
+        self._steps_since_flush = 0
+        if self._out is None or not self._unflushed:
+            return
+        d = self.out_dir
+        if d is None:
+            raise RuntimeError("Monitor(out=tracker): the tracker has no out_path yet; enter its "
+                               "`with track(...)` block before the first Monitor.track()")
+        if self._parts == 0 and d.is_dir() and any(d.glob("part-*.parquet")):
+            raise FileExistsError(f"{str(d)!r} already holds a Taiyi table; choose another log path or "
+                                  f"remove it")
+        write_part(rows_to_frame(self._rows[-self._unflushed:]), d, self._parts)
+        self._parts += 1
+        self._unflushed = 0
+
+    def to_dataframe(self) -> pd.DataFrame:
+        """All rows so far: columns ``step``, ``module``, ``module_type``, ``quantity``, ``value``."""
+        return rows_to_frame(self._rows)
+
+    def get_output(self) -> dict[str, dict[str, dict[int, float]]]:
+        """All values so far in Taiyi's form ``{module: {quantity: {step: value}}}``."""
+        return to_nested(self.to_dataframe())

@@ -24,12 +24,9 @@ How the data is taken (the definitions are in :data:`tandv.taiyi.QUANTITIES`):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import pandas as pd
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -39,13 +36,10 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from ._core import (
     QUANTITIES,
     Schedule,
+    TableWriter,
     finalize_cov_eigs,
     parse_quantity_list,
     rankme_from_singular_values,
-    rows_to_frame,
-    taiyi_dir,
-    to_nested,
-    write_part,
 )
 
 __all__ = ["Monitor", "resolve_config", "feature_matrix"]
@@ -224,7 +218,7 @@ def _in_backward() -> bool:
     return task_id is not None and task_id() != -1
 
 
-class Monitor:
+class Monitor(TableWriter):
     """Taiyi's ``Monitor``: computes Taiyi's quantities for the modules a config selects.
 
     Use it as Taiyi's (``monitor.track(step)`` after the backward pass, ``get_output()``)
@@ -255,17 +249,9 @@ class Monitor:
                  flush_every: int = 50, start_step: int = 0, root_name: str = "root") -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Monitor(model=...): expected an nn.Module, got {type(model).__name__}")
-        if not isinstance(flush_every, int) or flush_every < 1:
-            raise ValueError(f"flush_every={flush_every!r}: expected an int >= 1")
+        super().__init__(out, flush_every)
         self.model = model
         self._watches = [_Watch(p, m, e) for p, (m, e) in resolve_config(model, config, root_name).items()]
-        self._out = out
-        self._dir: Path | None = None
-        self._flush_every = flush_every
-        self._rows: list[tuple[int, str, str, str, float]] = []
-        self._unflushed = 0
-        self._parts = 0
-        self._steps_since_flush = 0
         self._next_step = start_step
         self._handles: list[Any] = []
         self._closed = False
@@ -384,9 +370,7 @@ class Monitor:
                         got = finalize_cov_eigs(e, names)
                     values += [(w.path, type(w.module).__name__, q, v) for q, v in got.items()]
         self._emit(step, values)
-        self._steps_since_flush += 1
-        if self._out is not None and self._steps_since_flush >= self._flush_every:
-            self.flush()
+        self.end_step()
         self._begin(step + 1)
 
     def _value(self, w: _Watch, q: str) -> torch.Tensor | None:
@@ -429,44 +413,9 @@ class Monitor:
         qorder = {q: i for i, q in enumerate(QUANTITIES)}
         rows = sorted(((step, p, k, q, host[i]) for i, (p, k, q, _) in enumerate(values)),
                       key=lambda r: (order[r[1]], qorder[r[3]]))
-        self._rows.extend(rows)
-        self._unflushed += len(rows)
+        self.add_rows(rows)
 
     # ---------------------------------------------------------------- output
-
-    @property
-    def out_dir(self) -> Path | None:
-        """The directory the table is written to (``None`` when it is kept in memory only,
-        or its tracker has not started yet)."""
-        if self._dir is None and self._out is not None:
-            log = getattr(self._out, "out_path", self._out)
-            if log is not None:
-                self._dir = taiyi_dir(log if isinstance(log, (str, os.PathLike)) else str(log))
-        return self._dir
-
-    def flush(self) -> None:
-        """Write the rows not yet written as one part file (nothing without ``out``)."""
-        self._steps_since_flush = 0
-        if self._out is None or not self._unflushed:
-            return
-        d = self.out_dir
-        if d is None:
-            raise RuntimeError("Monitor(out=tracker): the tracker has no out_path yet; enter its "
-                               "`with track(...)` block before the first Monitor.track()")
-        if self._parts == 0 and d.is_dir() and any(d.glob("part-*.parquet")):
-            raise FileExistsError(f"{str(d)!r} already holds a Taiyi table; choose another log path or "
-                                  f"remove it")
-        write_part(rows_to_frame(self._rows[-self._unflushed:]), d, self._parts)
-        self._parts += 1
-        self._unflushed = 0
-
-    def to_dataframe(self) -> pd.DataFrame:
-        """All rows so far: columns ``step``, ``module``, ``module_type``, ``quantity``, ``value``."""
-        return rows_to_frame(self._rows)
-
-    def get_output(self) -> dict[str, dict[str, dict[int, float]]]:
-        """All values so far in Taiyi's form ``{module: {quantity: {step: value}}}``."""
-        return to_nested(self.to_dataframe())
 
     def close(self) -> None:
         """Remove the hooks and write the remaining rows (idempotent)."""
