@@ -385,3 +385,95 @@ def test_on_cuda_the_values_match_the_cpu_run():
         mon.track()
         frames.append(mon.to_dataframe())
     pd.testing.assert_frame_equal(frames[0], frames[1], rtol=1e-6)
+
+
+# -- JAX / Flax linen -----------------------------------------------------------------------------
+
+def _flax_model():
+    jax = pytest.importorskip("jax")
+    fnn = pytest.importorskip("flax.linen")
+
+    class Small(fnn.Module):
+        @fnn.compact
+        def __call__(self, x):
+            h = fnn.relu(fnn.Conv(4, (3, 3), padding="VALID")(x)).mean(axis=(1, 2))
+            h = fnn.relu(fnn.Dense(6)(h))  # Dense_0 (Flax numbers modules as they are created)
+            return fnn.Dense(3)(h)  # Dense_1
+
+    model = Small()
+    x = jax.random.normal(jax.random.key(0), (40, 6, 6, 3)) * jax.numpy.array([1.0, 2.0, 0.5]) + 0.2
+    variables = model.init(jax.random.key(1), x)
+    return jax, fnn, model, variables, x
+
+
+def test_jax_quantities_match_numpy_on_the_same_arrays():
+    jax, fnn, model, variables, x = _flax_model()
+    from tandv.taiyi.jax import JAX_QUANTITIES, Monitor as JaxMonitor
+
+    forward = [q for q in JAX_QUANTITIES if q != "LinearDeadNeuronNum"]
+    mon = JaxMonitor({fnn.Conv: forward, "Dense": forward + ["LinearDeadNeuronNum"]})
+    apply = jax.jit(lambda v, x, due: mon.apply(model, v, x, due=due), static_argnums=2)
+    (y, q) = apply(variables, x, mon.due(0))
+    mon.track(q)
+    got = mon.to_dataframe()
+    # the test's own record of each module's input and output
+    _, state = model.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
+    inter = state["intermediates"]
+    outs = {name: np.asarray(inter[name]["__call__"][0], np.float64) for name in ("Conv_0", "Dense_0", "Dense_1")}
+    ins = {"Conv_0": np.asarray(x, np.float64),
+           "Dense_0": np.maximum(outs["Conv_0"], 0).mean(axis=(1, 2)),
+           "Dense_1": np.maximum(outs["Dense_0"], 0)}
+    params = variables["params"]
+    for name in ("Conv_0", "Dense_0", "Dense_1"):
+        xin = ins[name].reshape(-1, ins[name].shape[-1])  # channels-last: features are the last axis
+        z = outs[name].reshape(-1, outs[name].shape[-1])
+        want = np_cov_expectation(xin)
+        want.update(InputMean=xin.mean(), InputSndNorm=np.linalg.norm(xin), RankMe=np_rankme(z),
+                    WeightNorm=np.linalg.norm(np.asarray(params[name]["kernel"], np.float64)))
+        if name.startswith("Dense"):
+            want["LinearDeadNeuronNum"] = (z <= 0).all(axis=0).sum()
+        v = values(got, name, 0)
+        assert set(v) == set(want), name
+        for qn, w in want.items():  # float32 on the device
+            assert v[qn] == pytest.approx(w, rel=2e-4, abs=1e-6), (name, qn)
+
+
+def test_jax_schedules_errors_and_a_module_called_twice():
+    jax, fnn, model, variables, x = _flax_model()
+    from tandv.taiyi.jax import Monitor as JaxMonitor
+
+    mon = JaxMonitor({"Dense_1": [["WeightNorm", "linear(3, 1)"], "InputMean"]})
+    for step in range(8):
+        _, q = mon.apply(model, variables, x, due=mon.due(step))
+        mon.track(q)
+    steps = mon.to_dataframe().groupby("quantity")["step"].apply(list).to_dict()
+    assert steps == {"WeightNorm": [1, 4, 7], "InputMean": list(range(8))}
+
+    with pytest.raises(ValueError, match="'OutputGradSndNorm': not available for JAX"):
+        JaxMonitor({fnn.Dense: ["OutputGradSndNorm"]})
+    with pytest.raises(ValueError, match="Did you mean 'RankMe'"):
+        JaxMonitor({fnn.Dense: ["RankMee"]})
+    bad = JaxMonitor({"Dense_7": ["InputMean"], fnn.Dense: ["InputMean"]})
+    _, q = bad.apply(model, variables, x, due=bad.due(0))
+    with pytest.raises(ValueError, match="keys 'Dense_7' matched no module"):
+        bad.track(q)
+    conv = JaxMonitor({fnn.Conv: ["LinearDeadNeuronNum"]})
+    with pytest.raises(ValueError, match="defined for nn.Dense modules, but module 'Conv_0' is a Conv"):
+        conv.apply(model, variables, x, due=conv.due(0))
+
+    class Twice(fnn.Module):  # one Dense applied to two inputs: both calls count
+        @fnn.compact
+        def __call__(self, a, b):
+            d = fnn.Dense(2)
+            return d(a), d(b)
+
+    a, b = jax.random.normal(jax.random.key(2), (5, 3)), jax.random.normal(jax.random.key(3), (7, 3)) + 1
+    tw = Twice()
+    tv = tw.init(jax.random.key(4), a, b)
+    m2 = JaxMonitor({"Dense_0": ["InputMean", "InputCovMaxEig"]})
+    _, q = m2.apply(tw, tv, a, b, due=m2.due(0))
+    m2.track(q)
+    both = np.concatenate([np.asarray(a, np.float64), np.asarray(b, np.float64)])
+    v = values(m2.to_dataframe(), "Dense_0")
+    assert v["InputMean"] == pytest.approx(both.mean(), rel=1e-5)
+    assert v["InputCovMaxEig"] == pytest.approx(np_cov_expectation(both)["InputCovMaxEig"], rel=1e-5)
