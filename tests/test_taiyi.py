@@ -154,18 +154,18 @@ def test_output_gradient_norm_of_an_inner_layer_matches_autograd():
 
 def test_dead_neurons_are_units_never_positive_in_the_step():
     torch.manual_seed(5)
-    lin = nn.Linear(4, 6)
-    with torch.no_grad():  # unit k outputs x[k % 4] + bias[k]
-        lin.weight.copy_(torch.eye(4)[[0, 1, 2, 3, 0, 1]])
-        lin.bias.copy_(torch.tensor([-50.0, 0.0, -50.0, 0.0, 0.0, -50.0]))
+    lin = nn.Linear(4, 7)
+    with torch.no_grad():  # unit k < 6 outputs x[k % 4] + bias[k]; unit 6 outputs exactly 0
+        lin.weight.copy_(torch.cat([torch.eye(4)[[0, 1, 2, 3, 0, 1]], torch.zeros(1, 4)]))
+        lin.bias.copy_(torch.tensor([-50.0, 0.0, -50.0, 0.0, 0.0, -50.0, 0.0]))
     cap = Capture(lin)
     mon = Monitor(lin, {nn.Linear: ["LinearDeadNeuronNum"]})
     lin(torch.randn(2, 5, 4))  # units 1, 3 and 4 are positive somewhere in this pass only
     lin(-torch.randn(3, 5, 4).abs())
     mon.track()
-    y = np.concatenate([o.reshape(-1, 6) for o in cap.outputs])
+    y = np.concatenate([o.reshape(-1, 7) for o in cap.outputs])
     want = int((y <= 0).all(axis=0).sum())
-    assert want == 3 and not (cap.outputs[1] > 0).any()
+    assert want == 4 and not (cap.outputs[1] > 0).any()
     assert values(mon.to_dataframe(), "root")["LinearDeadNeuronNum"] == want
 
 

@@ -4,7 +4,8 @@ module type with per-quantity schedules from Taiyi's own config form.
 
 ``tandv.taiyi.QUANTITIES`` defines each quantity; ``tandv.taiyi.torch.Monitor`` computes
 them for a PyTorch model (imported lazily here as ``tandv.taiyi.Monitor``, so reading a table
-needs no torch); :func:`read_taiyi` reads the table a Monitor wrote beside a tandv log.
+needs no torch), ``tandv.taiyi.jax.Monitor`` the forward ones for a Flax linen model;
+:func:`read_taiyi` reads the table a Monitor wrote beside a tandv log.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ._core import (
     COLUMNS,
     QUANTITIES,
     QuantitySpec,
+    TableWriter,
     describe_quantities,
     parse_quantity_list,
     parse_schedule,
@@ -27,6 +29,7 @@ __all__ = [
     "COLUMNS",
     "QUANTITIES",
     "QuantitySpec",
+    "TableWriter",
     "Monitor",
     "describe_quantities",
     "parse_quantity_list",
