@@ -16,7 +16,14 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import tandv  # noqa: E402
-from tandv.taiyi import QUANTITIES, Monitor, parse_schedule, read_taiyi, taiyi_dir  # noqa: E402
+from tandv.taiyi import (  # noqa: E402
+    QUANTITIES,
+    Monitor,
+    describe_quantities,
+    parse_schedule,
+    read_taiyi,
+    taiyi_dir,
+)
 from tandv.taiyi.torch import resolve_config  # noqa: E402
 
 COV = ["InputCovMaxEig", "InputCovStableRank", "InputCovCondition20", "InputCovCondition50",
@@ -215,6 +222,9 @@ def test_every_quantity_is_tested_and_documented():
     assert tested == set(QUANTITIES)
     assert all(len(q.doc) > 40 for q in QUANTITIES.values())
     assert {q.name for q in QUANTITIES.values() if not q.exact} == set(COV)
+    table = describe_quantities()
+    assert table["quantity"].tolist() == list(QUANTITIES)
+    assert table.set_index("quantity").loc["MeanTID", "modules"] == "batchnorm"
 
 
 # -- schedules ---------------------------------------------------------------------------------

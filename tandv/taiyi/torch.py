@@ -129,8 +129,9 @@ def resolve_config(model: nn.Module, config: Mapping[Any, Any],
     Arguments:
         model: the model.
         config: ``{key: [quantity, ...]}`` with keys a module path (``'fc1'``), a class name
-            (``'Conv2d'``: every module of that class) or an ``nn.Module`` class
-            (``nn.BatchNorm2d``: every instance, subclasses included), and quantities as
+            (``'Conv2d'``: every module of exactly that class; a module path of the same
+            spelling wins) or an ``nn.Module`` class (``nn.BatchNorm2d``: every instance,
+            subclasses included), and quantities as
             ``'Name'``, ``['Name']`` or ``['Name', 'linear(interval, offset)']``.
         root_name: the name of the root module (its path is empty in PyTorch).
 
