@@ -264,6 +264,23 @@ def test_per_quantity_schedules_fire_on_their_steps_in_a_run():
     assert steps[("0", "InputMean")] == list(range(13))
 
 
+def test_unscheduled_steps_compute_nothing(monkeypatch):
+    import tandv.taiyi.torch as tt
+
+    calls = []
+    real = tt.feature_matrix
+    monkeypatch.setattr(tt, "feature_matrix", lambda x, m: calls.append(1) or real(x, m))
+    lin = nn.Linear(3, 3)
+    mon = Monitor(lin, {nn.Linear: [["InputCovMaxEig", "linear(4, 1)"], ["RankMe", "linear(4, 1)"]]})
+    per_step = []
+    for _ in range(6):
+        lin(torch.randn(5, 3))
+        per_step.append(len(calls))
+        mon.track()
+        calls.clear()
+    assert per_step == [0, 2, 0, 0, 0, 2]  # input and output matrices only at steps 1 and 5
+
+
 def test_explicit_step_numbers_and_start_step():
     lin = nn.Linear(2, 2)
     mon = Monitor(lin, {nn.Linear: [["InputMean", "linear(2, 1)"]]}, start_step=1)
