@@ -14,8 +14,9 @@ do only three things:
   gradient (dynamo traces the hook into the backward graph). A hook registered in a
   graph sees only the gradient of the tensor's later uses, so a tensor gets one, where
   it is first seen as an output (a tensor attribute marks it); a parent module that
-  returns it too (the root returning a hidden state) is recorded as an *alias*, and the
-  operator summarizes the full gradient under both names, as the eager tracker does.
+  returns it too (the root returning a hidden state) calls the operator to record an
+  *alias*, and the gradient's call summarizes it under both names, as the eager tracker
+  does.
 
 At run time the operator hands its tensor to the tracker's ordinary observation path
 (:meth:`Tracker._observe`): the same summaries (host kernel on the CPU, the fused Triton
@@ -49,27 +50,38 @@ _TRACKERS: dict[int, "weakref.ref[Tracker]"] = {}
 _numbers = itertools.count()
 
 
+#: The ``kind`` of an :func:`observe` call that records an alias instead of a summary.
+_ALIAS = "alias"
+
+
 @torch.library.custom_op("tandv::observe", mutates_args=(),
                          tags=(torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ())
-def observe(x: torch.Tensor, tracker: int, module: int, name: str, kind: str) -> None:
+def observe(x: torch.Tensor, tracker: int, module: int, name: str, kind: str, first_module: int = -1,
+            first_name: str = "") -> None:
     """Summarize ``x`` (the output, or its gradient, of module ``module`` of tracker
-    ``tracker``) into the tracker's current step, as the eager hooks would."""
+    ``tracker``; ``kind`` its tensor type) into the tracker's current step, as the eager
+    hooks would; with ``kind="alias"``, record instead that the output gradient
+    ``(module, name)`` is that of ``(first_module, first_name)``."""
     ref = _TRACKERS.get(tracker)
     tr = ref() if ref is not None else None
-    if tr is None or not tr._active:
+    if tr is None or not tr._active or tr._compiled is None:
+        return
+    if kind == _ALIAS:
+        tr._compiled.aliases[(module, name)] = (first_module, first_name)
         return
     # Compiled kernels write buffers in place without bumping their version counter:
     # the eager path's reuse of the last summary for the same tensor object is unsafe.
     tr._last = None
     tr._observe(name, kind, tr._modules[module][1], x)
-    if kind == GRADIENT and tr._compiled is not None:
+    if kind == GRADIENT:
         for (alias_module, alias), first in tr._compiled.aliases.items():
             if first == (module, name):  # the same tensor, output of another module too
                 tr._observe(alias, kind, tr._modules[alias_module][1], x)
 
 
 @observe.register_fake
-def _observe_fake(x: torch.Tensor, tracker: int, module: int, name: str, kind: str) -> None:
+def _observe_fake(x: torch.Tensor, tracker: int, module: int, name: str, kind: str, first_module: int = -1,
+                  first_name: str = "") -> None:
     return None
 
 
@@ -89,8 +101,8 @@ class Switch:
 _HOOKED = "_tandv_grad_hooked"
 
 
-def _make_hook(number: int, index: int, name: str, switch: Switch, aliases: dict, want_act: bool,
-               want_grad: bool, track_eval: bool) -> Callable:
+def _make_hook(number: int, index: int, name: str, switch: Switch, want_act: bool, want_grad: bool,
+               track_eval: bool) -> Callable:
     """The forward hook of module ``index`` (path ``name``): traceable by dynamo, no
     host-side call but the custom operator."""
     from .tracker import _flatten
@@ -109,7 +121,7 @@ def _make_hook(number: int, index: int, name: str, switch: Switch, aliases: dict
                     setattr(t, _HOOKED, (index, tname))
                     t.register_hook(_make_grad_hook(number, index, tname))
                 else:
-                    aliases[(index, tname)] = first
+                    torch.ops.tandv.observe(t, number, index, tname, _ALIAS, first[0], first[1])
 
     return hook
 
@@ -128,7 +140,7 @@ class CompiledHooks:
     it compiled before: with its default ``skip_nnmodule_hook_guards`` it does not notice
     hooks that come or go, and would keep running graphs without (or with stale) hooks."""
 
-    def __init__(self, tracker: "Tracker") -> None:
+    def __init__(self, tracker: "Tracker", wrapper: nn.Module | None) -> None:
         self.number = next(_numbers)
         self.switch = Switch()
         #: ``(module, name)`` of an output gradient -> the ``(module, name)`` whose hook sees it
@@ -140,7 +152,16 @@ class CompiledHooks:
             for index, (name, m) in enumerate(tracker._modules):
                 if tracker._selected(name, m):
                     self._handles.append(m.register_forward_hook(_make_hook(
-                        self.number, index, name, self.switch, self.aliases, want_act, want_grad, tracker.track_eval)))
+                        self.number, index, name, self.switch, want_act, want_grad, tracker.track_eval)))
+        self._wrapper = wrapper if self._handles else None
+        if self._wrapper is not None:
+            # torch.compile(model) of a model class outside torch.nn runs the root's hooks
+            # outside the graph, each hook a graph of its own; dynamo's wrap_top_frame
+            # makes the wrapper trace them in the model's graph (restored by remove)
+            from torch._dynamo import config
+
+            with config.patch(wrap_top_frame=True):
+                self._wrapper._initialize()
         _drop_compiled_code()
 
     def remove(self) -> None:
@@ -149,6 +170,9 @@ class CompiledHooks:
             for h in self._handles:
                 h.remove()
             self._handles = []
+            if self._wrapper is not None:
+                self._wrapper._initialize()
+                self._wrapper = None
             _drop_compiled_code()
         self.switch.active = False
         _TRACKERS.pop(self.number, None)
@@ -178,10 +202,11 @@ def _compile_configs(module: nn.Module) -> list[tuple[str, Any]]:
     return found
 
 
-def compiled_root(module: nn.Module, hooks: bool) -> tuple[nn.Module, bool]:
+def compiled_root(module: nn.Module, hooks: bool) -> tuple[nn.Module, bool, nn.Module | None]:
     """The module whose paths name the rows (``torch.compile(model)`` -> ``model``: the
-    same names as in eager mode) and whether any part of it is compiled; ``hooks``: whether
-    the tracker will hook modules (activations or output gradients).
+    same names as in eager mode), whether any part of it is compiled, and the
+    ``OptimizedModule`` wrapper if ``module`` is one; ``hooks``: whether the tracker will
+    hook modules (activations or output gradients).
 
     Raises:
         ValueError: if a compiled part uses CUDA graphs (``mode="reduce-overhead"``, or
@@ -200,8 +225,8 @@ def compiled_root(module: nn.Module, hooks: bool) -> tuple[nn.Module, bool]:
                 f"no hooks).")
     opt_cls = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     if opt_cls is not None and isinstance(module, opt_cls):
-        module = module._orig_mod
-    return module, bool(configs)
+        return module._orig_mod, True, module
+    return module, bool(configs), None
 
 
 def _uses_cudagraphs(config: Any) -> bool:

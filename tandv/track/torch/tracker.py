@@ -125,7 +125,8 @@ class Tracker:
             raise TypeError(f"track(module=...): expected a torch.nn.Module; got {type(module).__name__}")
         # a compiled model is tracked through its original module (same names as in eager
         # mode), its activations by hooks that dynamo compiles into the graph (._compiled)
-        module, self._is_compiled = compiled_root(module, bool(track_activations or track_gradients))
+        module, self._is_compiled, self._wrapper = compiled_root(
+            module, bool(track_activations or track_gradients))
         if optimizer is None:
             optimizers: tuple[torch.optim.Optimizer, ...] = ()
         elif isinstance(optimizer, (list, tuple)) or (
@@ -466,7 +467,7 @@ class Tracker:
         self.out_path = self.recorder.path
         try:
             if self._is_compiled:
-                self._compiled = CompiledHooks(self)
+                self._compiled = CompiledHooks(self, self._wrapper)
             self._begin(0)
         except BaseException:
             self._remove()  # a failed start leaves no hook behind
