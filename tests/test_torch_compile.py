@@ -105,8 +105,9 @@ def test_compiled_log_equals_eager_log(how, eager_run, tmp_path):
     want, want_losses = eager_run
     assert losses == want_losses  # tracking changes nothing in training
     assert dict(counters["graph_break"]) == {}
-    # compiled in the first two steps (scheduled, unscheduled), never again
-    assert train.graphs[1] == train.graphs[-1] >= 2
+    # one graph for recorded steps, one for the others (hooks inlined, no graph of their
+    # own), compiled in the first two steps and never again
+    assert train.graphs[1] == train.graphs[-1] == 2
     assert set(log.metadata.tensor_type) == {"Activation", "Gradient", "Weight", "Optimiser_State"}
     assert sorted(log.metadata.step.unique()) == [0, 2, 4]
     # eager module paths, never the wrapper's ``_orig_mod.`` prefix
@@ -207,3 +208,26 @@ def test_cuda_graphs_are_refused_naming_the_option(compile_):
     with pytest.raises(ValueError, match=r"reduce-overhead.*mode=\"default\".*track_activations=False"):
         track(model, out="log")
     track(model, out="log2", track_activations=False, track_gradients=False).close()
+
+
+def test_a_submodule_compiled_in_place_inside_an_eager_model(tmp_path):
+    """``net.fc2.compile()``: that module's hook runs in its graph, the others eagerly
+    (the operator is an ordinary call there); the log equals the eager one."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    backend = GraphRecorder()
+    net = Net()
+    net.fc2.compile(backend=backend)
+    x = torch.randn(8, 6)
+    with track(net, out=str(tmp_path / "log"), verbose=False) as tracker:
+        pred, h = net(x)
+        (pred.sum() + h.sum()).backward()
+        tracker.step()
+    assert [backend.observe_calls(g) for g in backend.graphs] == [1]  # fc2's output
+    torch.manual_seed(0)
+    net = Net()
+    with track(net, out=str(tmp_path / "eager"), verbose=False) as tracker:
+        pred, h = net(x)
+        (pred.sum() + h.sum()).backward()
+        tracker.step()
+    assert_same_log(read_log(str(tmp_path / "log")), read_log(str(tmp_path / "eager")))

@@ -153,15 +153,19 @@ class CompiledHooks:
                 if tracker._selected(name, m):
                     self._handles.append(m.register_forward_hook(_make_hook(
                         self.number, index, name, self.switch, want_act, want_grad, tracker.track_eval)))
+        # Dynamo does not trace the call of the compiled module itself (a frame of
+        # torch.nn): it would run that module's hooks outside its graph, each a graph of
+        # its own. Its ``wrap_top_frame`` option makes the call traced, hooks and all;
+        # the compiled calls are remade with it while the hooks are installed.
         self._wrapper = wrapper if self._handles else None
-        if self._wrapper is not None:
-            # torch.compile(model) of a model class outside torch.nn runs the root's hooks
-            # outside the graph, each hook a graph of its own; dynamo's wrap_top_frame
-            # makes the wrapper trace them in the model's graph (restored by remove)
+        self._in_place: list[tuple[nn.Module, Callable]] = []
+        if self._handles:
             from torch._dynamo import config
 
             with config.patch(wrap_top_frame=True):
-                self._wrapper._initialize()
+                if self._wrapper is not None:
+                    self._wrapper._initialize()
+                self._in_place = _recompile_in_place(tracker.module)
         _drop_compiled_code()
 
     def remove(self) -> None:
@@ -173,9 +177,37 @@ class CompiledHooks:
             if self._wrapper is not None:
                 self._wrapper._initialize()
                 self._wrapper = None
+            for m, impl in self._in_place:
+                m._compiled_call_impl = impl
+            self._in_place = []
             _drop_compiled_code()
         self.switch.active = False
         _TRACKERS.pop(self.number, None)
+
+
+def _recompile_in_place(module: nn.Module) -> list[tuple[nn.Module, Callable]]:
+    """Compile again, with the same compiler and options (the dynamo context the compiled
+    call closes over), the call of each submodule compiled in place; returns the
+    ``(module, previous compiled call)`` pairs. A call whose context is not found stays:
+    its module's own hooks then run as graphs of their own (correct, a little slower)."""
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
+    remade = []
+    for m in module.modules():
+        impl = getattr(m, "_compiled_call_impl", None)
+        ctx = None
+        for cell in getattr(impl, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, _TorchDynamoContext):
+                ctx = value
+                break
+        if ctx is not None:
+            m._compiled_call_impl = ctx(m._call_impl)
+            remade.append((m, impl))
+    return remade
 
 
 def _drop_compiled_code() -> None:
