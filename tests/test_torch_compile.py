@@ -38,13 +38,21 @@ class Net(nn.Module):
         return self.fc2(h), h
 
 
-def train(how: str, out: str, steps: int = STEPS, warm: int = 2, **options):
+class InplaceNet(Net):
+    """``act`` changes ``fc1``'s output in place: two values, two gradients, one tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+
+
+def train(how: str, out: str, steps: int = STEPS, warm: int = 2, model_cls: type = Net, **options):
     """Train ``Net`` ``steps`` steps with Adam under a tracker; ``how``: ``"eager"``,
     ``"torch.compile"`` or ``"model.compile"`` (inductor), or a dynamo backend name for
     ``torch.compile``. After ``warm`` steps a recompilation raises. Returns the log and
     the losses."""
     torch.manual_seed(0)
-    net = Net()
+    net = model_cls()
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     model: nn.Module = net
     if how == "torch.compile":
@@ -114,6 +122,9 @@ def test_compiled_log_equals_eager_log(how, eager_run, tmp_path):
     names = set(log.metadata.name[log.metadata.tensor_type == "Activation"])
     assert names == {"root[0]", "root[1]", "fc1", "act", "fc2"}
     assert_same_log(log, want)
+    record, want_record = log.attrs["tandv"], want.attrs["tandv"]
+    assert (record["model"], record["options"]["compiled"]) == ("Net", True)
+    assert want_record["options"]["compiled"] is False
 
 
 class GraphRecorder:
@@ -128,6 +139,21 @@ class GraphRecorder:
 
     def observe_calls(self, gm: torch.fx.GraphModule) -> int:
         return sum(n.op == "call_function" and "tandv.observe" in str(n.target) for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("backend", ["graphs", "inductor"])
+def test_module_changing_its_input_in_place(backend, tmp_path):
+    """``ReLU(inplace=True)``: ``fc1``'s row holds the values before the ReLU and their
+    gradient, ``act``'s those after, as in eager mode (dynamo's graphs run as traced, and
+    inductor's, which reuse buffers in place)."""
+    torch._dynamo.reset()
+    how = GraphRecorder() if backend == "graphs" else "torch.compile"
+    log, losses = train(how, str(tmp_path / "log"), steps=3, model_cls=InplaceNet)
+    want, want_losses = train("eager", str(tmp_path / "eager"), steps=3, model_cls=InplaceNet)
+    assert losses == want_losses
+    rows = want.set_index([("metadata", "name"), ("metadata", "tensor_type")])["scalar_stats"]
+    assert rows.loc[("fc1", "Activation"), "min"].min() < 0 <= rows.loc[("act", "Activation"), "min"].min()
+    assert_same_log(log, want)
 
 
 def test_unscheduled_steps_run_a_graph_without_tracking(tmp_path):

@@ -13,7 +13,8 @@ do only three things:
 - register a gradient hook on each such tensor that calls ``tandv::observe`` on the
   gradient (dynamo traces the hook into the backward graph). A hook registered in a
   graph sees only the gradient of the tensor's later uses, so a tensor gets one, where
-  it is first seen as an output (a tensor attribute marks it); a parent module that
+  it is first seen as an output (a tensor attribute marks it; a module returning its
+  input, which it may have changed in place, hooks it again); a parent module that
   returns it too (the root returning a hidden state) calls the operator to record an
   *alias*, and the gradient's call summarizes it under both names, as the eager tracker
   does.
@@ -101,6 +102,17 @@ class Switch:
 _HOOKED = "_tandv_grad_hooked"
 
 
+def _is_input(t: torch.Tensor, args: Any) -> bool:
+    """Whether ``t`` is one of a module's positional inputs: a module that returns its
+    input (``ReLU(inplace=True)``) may have changed it in place, a new value whose
+    gradient the eager tracker hooks anew (dynamo traces ``_version`` as a graph value, not
+    a constant, so identity has to tell)."""
+    for a in args:
+        if a is t:
+            return True
+    return False
+
+
 def _make_hook(number: int, index: int, name: str, switch: Switch, want_act: bool, want_grad: bool,
                track_eval: bool) -> Callable:
     """The forward hook of module ``index`` (path ``name``): traceable by dynamo, no
@@ -117,7 +129,7 @@ def _make_hook(number: int, index: int, name: str, switch: Switch, want_act: boo
                 torch.ops.tandv.observe(t, number, index, tname, ACTIVATION)
             if want_grad and t.requires_grad:
                 first = getattr(t, _HOOKED, None)
-                if first is None:
+                if first is None or _is_input(t, args):
                     setattr(t, _HOOKED, (index, tname))
                     t.register_hook(_make_grad_hook(number, index, tname))
                 else:

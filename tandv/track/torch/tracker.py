@@ -17,7 +17,8 @@ What a row at step ``k`` (counting from 0) holds:
 ``Weight``
     each parameter as used by step ``k``'s forward pass: captured before the first
     training-mode forward of any of the model's modules in the step (the root's, or a
-    submodule's when a loop calls those directly).
+    submodule's when a loop calls those directly); for a compiled model, just before the
+    optimizer update (or at :meth:`Tracker.step`), which dynamo need not trace.
 ``Optimiser_State``
     every non-scalar floating tensor in ``optimizer.state[p]`` after update ``k``,
     named ``<parameter path>.<state key>`` from the parameter's identity.
@@ -463,7 +464,8 @@ class Tracker:
                                                           # with a GradScaler, output gradients
                                                           # are in loss-scaled units
                                                           "loss_scaled_output_gradients":
-                                                              self.scaler is not None}))
+                                                              self.scaler is not None,
+                                                          "compiled": self._is_compiled}))
         self.out_path = self.recorder.path
         try:
             if self._is_compiled:
