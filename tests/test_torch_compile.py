@@ -257,3 +257,42 @@ def test_a_submodule_compiled_in_place_inside_an_eager_model(tmp_path):
         (pred.sum() + h.sum()).backward()
         tracker.step()
     assert_same_log(read_log(str(tmp_path / "log")), read_log(str(tmp_path / "eager")))
+
+
+class Checkpointed(nn.Module):
+    """``Net`` under non-reentrant activation checkpointing: its forward runs again in the
+    backward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Net()
+        self.out = nn.Linear(3, 2, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pred, _ = torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+        return self.out(pred)
+
+
+def test_activation_checkpointing_inside_the_graph(tmp_path):
+    """The recomputed forward is not counted again, and the rows equal eager mode's
+    (AOT autograd's graphs, run without inductor)."""
+    torch._dynamo.reset()
+    counters.clear()
+    logs = []
+    for how in ("eager", "aot_eager"):
+        torch.manual_seed(0)
+        net = Checkpointed()
+        model = net if how == "eager" else torch.compile(net, backend=how)
+        x = torch.randn(8, 6)
+        with track(model, out=str(tmp_path / how), verbose=False) as tracker:
+            for _ in range(2):
+                model(x).sum().backward()
+                tracker.step()
+        logs.append(read_log(str(tmp_path / how)))
+    assert dict(counters["graph_break"]) == {}
+    acts = logs[1][(logs[1].metadata.tensor_type == "Activation") & (logs[1].metadata.step == 1)]
+    # one observation per step each (a second would double the merged numel)
+    assert dict(zip(acts.metadata.name, acts.scalar_stats.numel)) == {
+        "inner.fc1": 8 * 16, "inner.act": 8 * 16, "inner.fc2": 8 * 3, "inner[0]": 8 * 3,
+        "inner[1]": 8 * 16, "out": 8 * 2, "root": 8 * 2}
+    assert_same_log(logs[1], logs[0])
