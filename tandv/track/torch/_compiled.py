@@ -178,7 +178,7 @@ class CompiledHooks:
                 if self._wrapper is not None:
                     self._wrapper._initialize()
                 self._in_place = _recompile_in_place(tracker.module)
-        _drop_compiled_code()
+            _drop_compiled_code()
 
     def remove(self) -> None:
         """Remove the hooks (idempotent); the model compiles again without them."""

@@ -431,7 +431,8 @@ class Tracker:
 
     def _install(self) -> None:
         """Hooks exist only while a scheduled step runs: unscheduled steps run the user's
-        own code (a module with no hooks takes PyTorch's fast call path)."""
+        own code (a module with no hooks takes PyTorch's fast call path). A compiled
+        model's module hooks stay for the tracker's life instead (:mod:`._compiled`)."""
         if (self.kinds[ACTIVATION] or self.kinds[GRADIENT]) and not self._is_compiled:
             for name, m in self._modules:
                 if self._selected(name, m):
