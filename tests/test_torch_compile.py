@@ -20,6 +20,7 @@ from tandv.track.torch import track
 from tandv.track.torch import summary as kernel
 
 STEPS = 6
+STATS = {"l1": lambda t: t.abs().sum()}  # a custom statistic
 EVERY = 2  # steps 0, 2, 4 recorded: scheduled and unscheduled graphs both run
 
 
@@ -48,8 +49,8 @@ class InplaceNet(Net):
 
 def train(how: str, out: str, steps: int = STEPS, warm: int = 2, model_cls: type = Net, **options):
     """Train ``Net`` ``steps`` steps with Adam under a tracker; ``how``: ``"eager"``,
-    ``"torch.compile"`` or ``"model.compile"`` (inductor), or a dynamo backend name for
-    ``torch.compile``. After ``warm`` steps a recompilation raises. Returns the log and
+    ``"torch.compile"`` or ``"model.compile"`` (inductor), or a dynamo backend for
+    ``torch.compile(fullgraph=True)``. After ``warm`` steps a recompilation raises. Returns the log and
     the losses."""
     torch.manual_seed(0)
     net = model_cls()
@@ -60,7 +61,7 @@ def train(how: str, out: str, steps: int = STEPS, warm: int = 2, model_cls: type
     elif how == "model.compile":
         net.compile()
     elif how != "eager":
-        model = torch.compile(net, backend=how)
+        model = torch.compile(net, backend=how, fullgraph=True)  # a graph break would raise
     gen = torch.Generator().manual_seed(1)
     losses = []
     graphs = []
@@ -160,14 +161,16 @@ def test_unscheduled_steps_run_a_graph_without_tracking(tmp_path):
     """Two graphs, traced once each: the recorded steps' one calls ``tandv::observe`` once
     per tracked output (5 names), and once for each root output that is an inner module's
     output too (its gradient is summarized by that module's hook: 2 aliases); the other
-    never calls it. The log equals the eager one (graphs run by autograd, no inductor)."""
+    never calls it. The log, with a custom statistic computed inside the operator, equals
+    the eager one (graphs run by autograd, no inductor)."""
     torch._dynamo.reset()
     backend = GraphRecorder()
-    log, losses = train(backend, str(tmp_path / "log"))
+    log, losses = train(backend, str(tmp_path / "log"), stats=STATS)
     assert len(backend.graphs) == 2
     calls = sorted(backend.observe_calls(g) for g in backend.graphs)
     assert calls == [0, 7]
-    want, want_losses = train("eager", str(tmp_path / "eager"))
+    want, want_losses = train("eager", str(tmp_path / "eager"), stats=STATS)
+    assert "l1" in log.scalar_stats.columns
     assert losses == want_losses
     assert_same_log(log, want)
 
@@ -236,13 +239,15 @@ def test_cuda_graphs_are_refused_naming_the_option(compile_):
     track(model, out="log2", track_activations=False, track_gradients=False).close()
 
 
-def test_a_submodule_compiled_in_place_inside_an_eager_model(tmp_path):
+@pytest.mark.parametrize("model_cls", [Net, InplaceNet])
+def test_a_submodule_compiled_in_place_inside_an_eager_model(model_cls, tmp_path):
     """``net.fc2.compile()``: that module's hook runs in its graph, the others eagerly
-    (the operator is an ordinary call there); the log equals the eager one."""
+    (the operator is an ordinary call there; ``act`` returns ``fc1``'s output changed in
+    place); the log equals the eager one."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     backend = GraphRecorder()
-    net = Net()
+    net = model_cls()
     net.fc2.compile(backend=backend)
     x = torch.randn(8, 6)
     with track(net, out=str(tmp_path / "log"), verbose=False) as tracker:
@@ -251,7 +256,7 @@ def test_a_submodule_compiled_in_place_inside_an_eager_model(tmp_path):
         tracker.step()
     assert [backend.observe_calls(g) for g in backend.graphs] == [1]  # fc2's output
     torch.manual_seed(0)
-    net = Net()
+    net = model_cls()
     with track(net, out=str(tmp_path / "eager"), verbose=False) as tracker:
         pred, h = net(x)
         (pred.sum() + h.sum()).backward()
