@@ -47,11 +47,11 @@ class InplaceNet(Net):
         self.act = nn.ReLU(inplace=True)
 
 
-def train(how: str, out: str, steps: int = STEPS, warm: int = 2, model_cls: type = Net, **options):
-    """Train ``Net`` ``steps`` steps with Adam under a tracker; ``how``: ``"eager"``,
+def train(how: object, out: str, steps: int = STEPS, warm: int = 2, model_cls: type = Net, **options):
+    """Train ``model_cls`` ``steps`` steps with Adam under a tracker; ``how``: ``"eager"``,
     ``"torch.compile"`` or ``"model.compile"`` (inductor), or a dynamo backend for
-    ``torch.compile(fullgraph=True)``. After ``warm`` steps a recompilation raises. Returns the log and
-    the losses."""
+    ``torch.compile(fullgraph=True)``. After ``warm`` steps a recompilation raises.
+    Returns the log, the losses and the number of graphs compiled after each step."""
     torch.manual_seed(0)
     net = model_cls()
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
@@ -77,8 +77,7 @@ def train(how: str, out: str, steps: int = STEPS, warm: int = 2, model_cls: type
             tracker.step()
             losses.append(loss.item())
             graphs.append(counters["stats"]["unique_graphs"])
-    train.graphs = graphs  # graphs compiled so far, after each step
-    return read_log(out), losses
+    return read_log(out), losses, graphs
 
 
 def _sorted(df: pd.DataFrame) -> pd.DataFrame:
@@ -100,7 +99,7 @@ def assert_same_log(got: pd.DataFrame, want: pd.DataFrame) -> None:
 
 @pytest.fixture(scope="module")
 def eager_run(tmp_path_factory):
-    return train("eager", str(tmp_path_factory.mktemp("eager") / "log"))
+    return train("eager", str(tmp_path_factory.mktemp("eager") / "log"))[:2]
 
 
 @pytest.mark.parametrize("how", ["torch.compile", "model.compile"])
@@ -110,13 +109,13 @@ def test_compiled_log_equals_eager_log(how, eager_run, tmp_path):
     (``train`` turns recompilation into an error after the warm-up)."""
     torch._dynamo.reset()
     counters.clear()
-    log, losses = train(how, str(tmp_path / "log"))
+    log, losses, graphs = train(how, str(tmp_path / "log"))
     want, want_losses = eager_run
     assert losses == want_losses  # tracking changes nothing in training
     assert dict(counters["graph_break"]) == {}
     # one graph for recorded steps, one for the others (hooks inlined, no graph of their
     # own), compiled in the first two steps and never again
-    assert train.graphs[1] == train.graphs[-1] == 2
+    assert graphs[1] == graphs[-1] == 2
     assert set(log.metadata.tensor_type) == {"Activation", "Gradient", "Weight", "Optimiser_State"}
     assert sorted(log.metadata.step.unique()) == [0, 2, 4]
     # eager module paths, never the wrapper's ``_orig_mod.`` prefix
@@ -149,8 +148,8 @@ def test_module_changing_its_input_in_place(backend, tmp_path):
     inductor's, which reuse buffers in place)."""
     torch._dynamo.reset()
     how = GraphRecorder() if backend == "graphs" else "torch.compile"
-    log, losses = train(how, str(tmp_path / "log"), steps=3, model_cls=InplaceNet)
-    want, want_losses = train("eager", str(tmp_path / "eager"), steps=3, model_cls=InplaceNet)
+    log, losses, _ = train(how, str(tmp_path / "log"), steps=3, model_cls=InplaceNet)
+    want, want_losses, _ = train("eager", str(tmp_path / "eager"), steps=3, model_cls=InplaceNet)
     assert losses == want_losses
     rows = want.set_index([("metadata", "name"), ("metadata", "tensor_type")])["scalar_stats"]
     assert rows.loc[("fc1", "Activation"), "min"].min() < 0 <= rows.loc[("act", "Activation"), "min"].min()
@@ -165,11 +164,11 @@ def test_unscheduled_steps_run_a_graph_without_tracking(tmp_path):
     the eager one (graphs run by autograd, no inductor)."""
     torch._dynamo.reset()
     backend = GraphRecorder()
-    log, losses = train(backend, str(tmp_path / "log"), stats=STATS)
+    log, losses, _ = train(backend, str(tmp_path / "log"), stats=STATS)
     assert len(backend.graphs) == 2
     calls = sorted(backend.observe_calls(g) for g in backend.graphs)
     assert calls == [0, 7]
-    want, want_losses = train("eager", str(tmp_path / "eager"), stats=STATS)
+    want, want_losses, _ = train("eager", str(tmp_path / "eager"), stats=STATS)
     assert "l1" in log.scalar_stats.columns
     assert losses == want_losses
     assert_same_log(log, want)
@@ -183,8 +182,8 @@ def test_compiled_graph_uses_the_fused_kernel_workspace(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel, "HOST_PATH", False)
     monkeypatch.setattr(kernel, "FUSED_ON_CPU", True)
     torch._dynamo.reset()
-    log, _ = train(GraphRecorder(), str(tmp_path / "log"), steps=3)
-    want, _ = train("eager", str(tmp_path / "eager"), steps=3)
+    log, _, _ = train(GraphRecorder(), str(tmp_path / "log"), steps=3)
+    want, _, _ = train("eager", str(tmp_path / "eager"), steps=3)
     assert_same_log(log, want)
 
 
