@@ -111,7 +111,7 @@ def test_compiled_log_equals_eager_log(how, eager_run, tmp_path):
     counters.clear()
     log, losses, graphs = train(how, str(tmp_path / "log"))
     want, want_losses = eager_run
-    assert losses == want_losses  # tracking changes nothing in training
+    assert losses == want_losses  # the same training, compiled and eager (see the notes above)
     assert dict(counters["graph_break"]) == {}
     # one graph for recorded steps, one for the others (hooks inlined, no graph of their
     # own), compiled in the first two steps and never again
