@@ -226,14 +226,15 @@ def test_a_closed_tracker_leaves_the_model_untracked_and_a_new_one_tracks_it(tmp
 @pytest.mark.parametrize("compile_", [
     lambda net: torch.compile(net, mode="reduce-overhead"),
     lambda net: torch.compile(net, options={"triton.cudagraphs": True}),
+    lambda net: torch.compile(net, mode="max-autotune"),
     lambda net: net.compile(mode="reduce-overhead") or net,
-], ids=["mode", "options", "in-place"])
+], ids=["mode", "options", "max-autotune", "in-place"])
 def test_cuda_graphs_are_refused_naming_the_option(compile_):
     """CUDA graphs would replay without calling the tracker: refused at start, with the
     option to change; weights and optimizer state alone (no hooks) are fine."""
     torch.manual_seed(0)
     model = compile_(Net())
-    with pytest.raises(ValueError, match=r"reduce-overhead.*mode=\"default\".*track_activations=False"):
+    with pytest.raises(ValueError, match=r"triton.cudagraphs.*mode=\"default\".*track_activations=False"):
         track(model, out="log")
     track(model, out="log2", track_activations=False, track_gradients=False).close()
 

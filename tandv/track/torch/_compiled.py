@@ -261,12 +261,12 @@ def compiled_root(module: nn.Module, hooks: bool) -> tuple[nn.Module, bool, nn.M
     for where, config in configs:
         if hooks and _uses_cudagraphs(config):
             raise ValueError(
-                f"track(module=...): {where} is compiled with CUDA graphs (mode=\"reduce-overhead\" "
-                f"or options={{\"triton.cudagraphs\": True}}); a replayed CUDA graph skips tandv's "
-                f"activation summaries. Compile with mode=\"default\" or "
-                f"mode=\"max-autotune-no-cudagraphs\" while tracking, or track with "
-                f"track_activations=False, track_gradients=False (weights and optimizer state need "
-                f"no hooks).")
+                f"track(module=...): {where} is compiled with CUDA graphs (the option "
+                f"\"triton.cudagraphs\", which mode=\"reduce-overhead\" and mode=\"max-autotune\" "
+                f"turn on); a replayed CUDA graph skips tandv's activation summaries. Compile with "
+                f"mode=\"default\" or mode=\"max-autotune-no-cudagraphs\" while tracking, or track "
+                f"with track_activations=False, track_gradients=False (weights and optimizer state "
+                f"need no hooks).")
     opt_cls = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     if opt_cls is not None and isinstance(module, opt_cls):
         return module._orig_mod, True, module
