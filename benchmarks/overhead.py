@@ -21,6 +21,12 @@ Usage::
     python benchmarks/overhead.py --device cuda                   # the 4-layer model on a GPU
     python benchmarks/overhead.py --device cuda --preset gpt2-small --steps 10
     python benchmarks/overhead.py --memory                        # CPU: RSS growth and close time
+    python benchmarks/overhead.py --compile --every 1 10          # both models model.compile()'d
+
+With ``--compile`` both copies are compiled in place (``model.compile()``, inductor) and
+the tracker's hooks run inside the tracked copy's graph; the warm-up steps compile (a
+scheduled and an unscheduled step each get a graph), and the script also prints the graph
+breaks and the graphs compiled after the warm-up (both should be 0).
 """
 
 from __future__ import annotations
@@ -80,16 +86,23 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def overhead(cfg: GPTConfig, batch: int, steps: int, warmup: int, every: int, device: str
-             ) -> dict[str, float]:
-    """Interleaved tracked/untracked step times; returns medians, means and their ratios."""
+def overhead(cfg: GPTConfig, batch: int, steps: int, warmup: int, every: int, device: str,
+             compile: bool = False) -> dict[str, float]:
+    """Interleaved tracked/untracked step times; returns medians, means and their ratios
+    (with ``compile``, also the graph breaks and the graphs compiled after the warm-up)."""
     m_a, o_a, data = _trainer(cfg, batch, 0, device)
     m_b = copy.deepcopy(m_a)
     o_b = torch.optim.AdamW(m_b.parameters(), lr=1e-3)
+    if compile:
+        m_a.compile()
+        m_b.compile()
     tracked, plain = [], []
+    graphs_after_warmup = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         with track(m_a, o_a, every=every, out=Path(tmp) / "log", verbose=False) as tracker:
             for i in range(warmup + steps):
+                if compile and i == warmup:
+                    graphs_after_warmup = -_compile_count("unique_graphs")
                 _sync(device)
                 t0 = time.perf_counter()
                 _step(m_a, o_a, data, i)
@@ -104,9 +117,23 @@ def overhead(cfg: GPTConfig, batch: int, steps: int, warmup: int, every: int, de
                     plain.append(t2 - t1)
     med_t, med_p = statistics.median(tracked), statistics.median(plain)
     mean_t, mean_p = statistics.fmean(tracked), statistics.fmean(plain)
-    return {"median_tracked_ms": med_t * 1e3, "median_plain_ms": med_p * 1e3,
-            "ratio_median": med_t / med_p, "mean_tracked_ms": mean_t * 1e3,
-            "mean_plain_ms": mean_p * 1e3, "ratio_mean": mean_t / mean_p}
+    out = {"median_tracked_ms": med_t * 1e3, "median_plain_ms": med_p * 1e3,
+           "ratio_median": med_t / med_p, "mean_tracked_ms": mean_t * 1e3,
+           "mean_plain_ms": mean_p * 1e3, "ratio_mean": mean_t / mean_p}
+    if compile:
+        out["graphs_after_warmup"] = graphs_after_warmup + _compile_count("unique_graphs")
+        out["graph_breaks"] = float(sum(_compile_counters()["graph_break"].values()))
+    return out
+
+
+def _compile_counters() -> Any:
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def _compile_count(name: str) -> float:
+    return float(_compile_counters()["stats"][name])
 
 
 def timed(fn: Callable[[], Any], reps: int) -> float:
@@ -255,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory", action="store_true", help="measure RSS growth and close time instead")
     p.add_argument("--long-steps", type=int, default=1000)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--compile", action="store_true",
+                   help="compile both models in place (model.compile(), inductor)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -278,13 +307,17 @@ def main(argv: list[str] | None = None) -> int:
     cfg = GPTConfig(vocab_size=size["vocab"], seq_len=size["seq"], d_model=size["d_model"],
                     n_layers=size["layers"], n_heads=size["heads"], d_mlp=size["mlp"])
     batch = size["batch"]
-    print(f"{cfg}, batch {batch}, AdamW, {args.device}")
+    print(f"{cfg}, batch {batch}, AdamW, {args.device}" + (", both compiled (model.compile())"
+                                                          if args.compile else ""))
     for every in args.every:
-        r = overhead(cfg, batch, args.steps, args.warmup, every, args.device)
+        r = overhead(cfg, batch, args.steps, args.warmup, every, args.device, args.compile)
         print(f"every={every}: tracked {r['median_tracked_ms']:.1f} ms, untracked "
               f"{r['median_plain_ms']:.1f} ms (medians) -> ratio of medians {r['ratio_median']:.3f}; "
               f"ratio of means {r['ratio_mean']:.3f}", flush=True)
-    if args.device == "cuda" and not args.no_extras:
+        if args.compile:
+            print(f"  graph breaks {r['graph_breaks']:.0f}, graphs compiled after the warm-up "
+                  f"{r['graphs_after_warmup']:.0f}", flush=True)
+    if args.device == "cuda" and not args.no_extras and not args.compile:
         gc.collect()
         torch.cuda.empty_cache()
         r = launches_and_memory(cfg, batch)

@@ -482,12 +482,6 @@ def test_inplace_ops_after_a_hooked_module_keep_autograd_correct():
     assert_row(df, idx, ("fc1", "Gradient", 0), cap.grads["fc1"])
 
 
-def test_compiled_module_is_refused_clearly():
-    net, opt = make()
-    with pytest.raises(TypeError, match="torch.compile"):
-        track(torch.compile(net), opt)
-
-
 def test_bad_arguments_name_the_argument():
     net, opt = make()
     with pytest.raises(TypeError, match="module"):

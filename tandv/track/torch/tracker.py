@@ -17,7 +17,8 @@ What a row at step ``k`` (counting from 0) holds:
 ``Weight``
     each parameter as used by step ``k``'s forward pass: captured before the first
     training-mode forward of any of the model's modules in the step (the root's, or a
-    submodule's when a loop calls those directly).
+    submodule's when a loop calls those directly); for a compiled model, just before the
+    optimizer update (or at :meth:`Tracker.step`), which dynamo need not trace.
 ``Optimiser_State``
     every non-scalar floating tensor in ``optimizer.state[p]`` after update ``k``,
     named ``<parameter path>.<state key>`` from the parameter's identity.
@@ -48,30 +49,11 @@ from ...stats.formats import format_name
 from ...stats.summary import Layout
 from ..common import Pattern, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
 from ..common.custom import StatFn, StatsSpec, parse_custom_stats
+from ._compiled import CompiledHooks, compiled_root
 from ._workspace import Flight, Workspace, to_host
 from .summary import dtype_name
 
 __all__ = ["Tracker", "track", "StatFn"]
-
-
-def _check_not_compiled(module: nn.Module) -> None:
-    """Refuse compiled modules: their hooks are traced away or cause graph breaks."""
-    # Only look if dynamo was imported (importing it just to check would cost seconds).
-    opt_cls = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
-    if opt_cls is not None and isinstance(module, opt_cls):
-        raise TypeError(
-            "track(module=...): got a torch.compile'd module (OptimizedModule). Hooks do not "
-            "run reliably inside compiled graphs, so tandv cannot track it. Pass the original "
-            "module (`compiled._orig_mod`, or track before calling torch.compile) and train it "
-            "uncompiled while tracking."
-        )
-    for name, m in module.named_modules():
-        if getattr(m, "_compiled_call_impl", None) is not None:
-            where = f"submodule {name!r}" if name else "the module"
-            raise TypeError(
-                f"track(module=...): {where} was compiled in place with .compile(). Hooks do not "
-                f"run reliably inside compiled graphs; track an uncompiled module."
-            )
 
 
 def _in_backward() -> bool:
@@ -142,7 +124,10 @@ class Tracker:
         self._options = {k: v for k, v in locals().items() if k not in ("self", "module", "optimizer")}
         if not isinstance(module, nn.Module):
             raise TypeError(f"track(module=...): expected a torch.nn.Module; got {type(module).__name__}")
-        _check_not_compiled(module)
+        # a compiled model is tracked through its original module (same names as in eager
+        # mode), its activations by hooks that dynamo compiles into the graph (._compiled)
+        module, self._is_compiled, self._wrapper = compiled_root(
+            module, bool(track_activations or track_gradients))
         if optimizer is None:
             optimizers: tuple[torch.optim.Optimizer, ...] = ()
         elif isinstance(optimizer, (list, tuple)) or (
@@ -214,6 +199,7 @@ class Tracker:
         # recorded steps whose device summaries are on their way to the host
         self._flights: deque[tuple[int, list[Any], Flight | None]] = deque()
         self._handles: list[Any] = []
+        self._compiled: CompiledHooks | None = None
         self._active = False
         self._weights_done = False
         self._grads: dict[str, tuple[TensorKey, Layout, torch.Tensor]] = {}
@@ -445,12 +431,15 @@ class Tracker:
 
     def _install(self) -> None:
         """Hooks exist only while a scheduled step runs: unscheduled steps run the user's
-        own code (a module with no hooks takes PyTorch's fast call path)."""
-        if self.kinds[ACTIVATION] or self.kinds[GRADIENT]:
+        own code (a module with no hooks takes PyTorch's fast call path). A compiled
+        model's module hooks stay for the tracker's life instead (:mod:`._compiled`)."""
+        if (self.kinds[ACTIVATION] or self.kinds[GRADIENT]) and not self._is_compiled:
             for name, m in self._modules:
                 if self._selected(name, m):
                     self._handles.append(m.register_forward_hook(self._make_forward_hook(name, m)))
-        if self.kinds[WEIGHT]:
+        if self.kinds[WEIGHT] and not self._is_compiled:
+            # (a compiled model's weights are captured before the optimizer update instead:
+            # dynamo would trace this hook and break the graph)
             self._handles.append(register_module_forward_pre_hook(self._first_forward_hook))
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))
@@ -476,12 +465,17 @@ class Tracker:
                                                           # with a GradScaler, output gradients
                                                           # are in loss-scaled units
                                                           "loss_scaled_output_gradients":
-                                                              self.scaler is not None}))
+                                                              self.scaler is not None,
+                                                          "compiled": self._is_compiled}))
         self.out_path = self.recorder.path
         try:
+            if self._is_compiled:
+                self._compiled = CompiledHooks(self, self._wrapper)
             self._begin(0)
         except BaseException:
             self._remove()  # a failed start leaves no hook behind
+            if self._compiled is not None:
+                self._compiled.remove()
             self.recorder.close()
             raise
         return self
@@ -489,6 +483,8 @@ class Tracker:
     def _begin(self, step: int) -> None:
         self.step_index = step
         self._active = bool(self.schedule(step))
+        if self._compiled is not None:
+            self._compiled.switch.active = self._active
         self._weights_done = False
         self._grads = {}
         self._last = None
@@ -547,6 +543,8 @@ class Tracker:
         self._active = False
         self._last = None
         self._remove()
+        if self._compiled is not None:
+            self._compiled.remove()
         if self.recorder is not None:
             self.recorder.discard()
             try:
@@ -618,7 +616,11 @@ def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
     """Track a PyTorch module's training numerics; use as ``with track(model, opt) as tracker:``.
 
     Arguments:
-        module: the model (not ``torch.compile``'d).
+        module: the model: eager, ``torch.compile(model)`` or compiled in place
+            (``model.compile()``, whole or in parts). Compiled models are tracked inside
+            their graphs with no graph break; rows carry the eager module paths. CUDA
+            graphs (``mode="reduce-overhead"``) are refused while activations or output
+            gradients are tracked.
         optimizer: an optimizer or a sequence of them, for ``Optimiser_State`` rows and to
             capture gradients just before each update; ``None`` tracks no optimizer state.
         track_activations, track_gradients, track_weights, track_optimizer: which tensor
