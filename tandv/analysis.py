@@ -106,20 +106,38 @@ def format_shares(df: pd.DataFrame, fmt: Any) -> pd.DataFrame:
     return out
 
 
+#: Where each tensor type comes in a step's computation: the weights a forward pass reads,
+#: its activations, the gradients of the backward pass, the optimizer state after the update.
+_STEP_ORDER = {"Weight": 0, "Activation": 1, "Gradient": 2, "Optimiser_State": 3}
+
+
 def first_nonfinite(df: pd.DataFrame) -> pd.DataFrame:
-    """Per tensor (name, tensor_type) that ever held NaN or inf: the first such step and
-    its counts, ordered by step. Empty if the log never saw one, or if it lacks the
-    ``nan_count``/``inf_count`` statistics."""
+    """Where NaN or inf appeared: per tensor (name, tensor_type) that ever held one, its
+    first such step and counts, in the order the values went bad.
+
+    Row 0 is *the* first: the earliest step, and within it the first tensor in the order
+    of the step's computation: weights, then activations in forward order, then gradients
+    (in the order the backward pass produced them), then optimizer state. Within a tensor
+    type the order is the log's row order, which is the order the tracker observed the
+    tensors (forward order for activations); a log re-sorted by hand loses it.
+
+    Returns:
+        Columns ``name``, ``tensor_type``, ``step``, ``nan_count``, ``inf_count``; empty if
+        the log never saw NaN/inf, or lacks the ``nan_count``/``inf_count`` statistics.
+    """
     cols = ["name", "tensor_type", "step", "nan_count", "inf_count"]
     if not {(SCALAR_STATS, "nan_count"), (SCALAR_STATS, "inf_count")} <= set(df.columns):
         return pd.DataFrame(columns=cols)
     m = _meta(df)
     m["nan_count"] = df[(SCALAR_STATS, "nan_count")].to_numpy()
     m["inf_count"] = df[(SCALAR_STATS, "inf_count")].to_numpy()
+    m["_rank"] = m["tensor_type"].map(_STEP_ORDER).fillna(len(_STEP_ORDER)).to_numpy()
+    m["_row"] = np.arange(len(m))
     bad = m[(m["nan_count"] > 0) | (m["inf_count"] > 0)]
     if bad.empty:
         return pd.DataFrame(columns=cols)
-    first = bad.sort_values("step", kind="stable").groupby(["name", "tensor_type"], sort=False).head(1)
+    bad = bad.sort_values(["step", "_rank", "_row"], kind="stable")
+    first = bad.groupby(["name", "tensor_type"], sort=False).head(1)
     return first[cols].reset_index(drop=True)
 
 

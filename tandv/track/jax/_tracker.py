@@ -539,6 +539,22 @@ class JaxTracker:
                 "device; track(..., device_axis=True) gives the rows of the logical arrays (one replica)"
             )
 
+    def log_scalars(self, step: int | None = None, **scalars: Any) -> None:
+        """Log training scalars (loss, learning rate, ...) beside the log, e.g.
+        ``tracker.log_scalars(loss=loss, lr=lr)``.
+
+        Values are Python/numpy numbers or one-element JAX arrays (not traced values: call
+        it outside ``jit``); an array's copy to the host starts at once and is read when it
+        has arrived, so logging never waits for the device. Recorded at every call,
+        whatever the schedule; ``step=None`` is the current step (the one the next
+        :meth:`step` ends). Read back with ``tandv.read_scalars(path or log)``;
+        ``viz.interactive`` and the HTML report draw them by themselves.
+        """
+        self._check_open("log_scalars")
+        from ._scalars import capture_jax
+
+        self._recorder.log_scalars(step, scalars, self.step_count, capture_jax)
+
     def step(self, model_state: Any = None, optimizer_state: Any = None, gradients: Any = None) -> None:
         """Close the current step, after the update.
 

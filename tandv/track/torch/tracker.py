@@ -526,6 +526,22 @@ class Tracker:
         self._land()
         self._begin(self.step_index + 1)
 
+    def log_scalars(self, step: int | None = None, **scalars: Any) -> None:
+        """Log training scalars (loss, learning rate, ...) beside the log, e.g.
+        ``tracker.log_scalars(loss=loss, lr=sched.get_last_lr()[0])``.
+
+        Values are Python/numpy numbers or one-element tensors; a CUDA tensor is copied to
+        the host without waiting for the device (a CPU tensor is read at once). Recorded at
+        every call, whatever the schedule; ``step=None`` is the current step (the one the
+        next :meth:`step` ends). Read back with ``tandv.read_scalars(path or log)``;
+        ``viz.interactive`` and the HTML report draw them by themselves.
+        """
+        if self.recorder is None or self._closed:
+            raise RuntimeError("tracker.log_scalars() called outside the `with track(...)` block")
+        from ._scalars import capture_torch
+
+        self.recorder.log_scalars(step, scalars, self.step_index, capture_torch)
+
     def _land(self, wait: bool = False) -> None:
         """Record the steps whose summaries have reached the host, in order. A step's
         device copy is waited for only once a later step has been queued (the device
