@@ -202,6 +202,7 @@ class JaxTracker:
         *,
         track_activations: bool = True,
         track_gradients: bool = True,
+        track_updates: bool = False,
         include: Pattern | Sequence[Pattern] | None = None,
         exclude: Pattern | Sequence[Pattern] | None = None,
         every: int = 1,
@@ -234,7 +235,7 @@ class JaxTracker:
                 f"model.init(...) or an nnx module"
             )
         for arg, value in (("track_activations", track_activations), ("track_gradients", track_gradients),
-                           ("device_axis", device_axis)):
+                           ("track_updates", track_updates), ("device_axis", device_axis)):
             if not isinstance(value, bool):
                 raise TypeError(f"track(): {arg}={value!r}: expected True or False")
         self._selector = Selector.build(include, exclude)
@@ -250,6 +251,13 @@ class JaxTracker:
                 f"track(): model_state ({type(model_state).__name__}) holds the optimizer state "
                 f"already (its opt_state); leave optimizer_state out"
             )
+        if track_updates and model_state is None:
+            raise ValueError("track(track_updates=True): updates are differences of the parameters given to "
+                             "track() and step(); pass model_state")
+        self._track_updates = track_updates
+        # the parameters of the current step (names, arrays), kept when its update is tracked
+        self._before: tuple[list[Leaf], list[Any]] | None = None
+        self._subtract = jax.jit(lambda new, old: [a - b for a, b in zip(new, old)])
         self._device_axis = device_axis
         self._layouts: dict[str, Layout] = {}
         self._module_types: dict[str, type] = {}
@@ -278,6 +286,7 @@ class JaxTracker:
         if model_state is not None:
             self._learn_nnx_types(model_state)
             self._prepare_weights(_parts(model_state), 0)
+            self._keep_before(_parts(model_state), 0)
 
     # ------------------------------------------------------------------ context manager
 
@@ -594,6 +603,8 @@ class JaxTracker:
             if parts is not None and parts.slow is not None:
                 leaves, arrays = self._named("slow", parts.slow)
                 named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
+            if parts is not None and self._before is not None:
+                named += self._updates(parts)
             self._check_not_stacked([a for _, _, a in named])
             summaries = self._summarize_arrays([a for _, _, a in named])
             self._collect_mailboxes()
@@ -611,6 +622,29 @@ class JaxTracker:
         self.step_count = k + 1
         if parts is not None:
             self._prepare_weights(parts, k + 1)
+            self._keep_before(parts, k + 1)
+
+    def _keep_before(self, parts: _Parts, step: int) -> None:
+        """With ``track_updates``, keep the parameters step ``step`` starts from (references:
+        JAX arrays are immutable, so this holds no copy unless a later update donates them)."""
+        self._before = self._named(WEIGHT, parts.params) if self._track_updates and self._schedule(step) else None
+
+    def _updates(self, parts: _Parts) -> list[tuple[Leaf, str, Any]]:
+        """``<param>.update`` leaves (Weight rows): the parameters given now minus those kept
+        by :meth:`_keep_before`."""
+        (old_leaves, old), self._before = self._before, None  # type: ignore[misc]
+        new_leaves, new = self._named(WEIGHT, parts.params)
+        if [n.name for n in new_leaves] != [n.name for n in old_leaves]:
+            raise ValueError("tracker.step(): the parameters' structure changed since the last step; "
+                             "track_updates=True needs the same tree at every step")
+        gone = [n.name for n, a in zip(old_leaves, old) if getattr(a, "is_deleted", lambda: False)()]
+        if gone:
+            raise ValueError(
+                f"tracker.step(): track_updates=True needs the previous parameters, but the update deleted "
+                f"them (buffer donation, e.g. jax.jit(update, donate_argnums=...)): {gone[:3]}; do not "
+                f"donate the parameters, or track without track_updates")
+        diffs = self._subtract(new, old)
+        return [(Leaf(n.index, n.name + ".update", n.param), WEIGHT, d) for n, d in zip(new_leaves, diffs)]
 
 
 def track(model_state: Any = None, optimizer_state: Any = None, **options: Any) -> JaxTracker:
@@ -631,6 +665,12 @@ def track(model_state: Any = None, optimizer_state: Any = None, **options: Any) 
         track_activations: summarize module outputs inside :meth:`JaxTracker.intercept`.
         track_gradients: summarize the cotangents of module outputs and the parameter
             gradients passed to :meth:`JaxTracker.step`.
+        track_updates: also record each parameter's update (the parameters given to
+            :meth:`JaxTracker.step` minus those the step started from) as ``Weight`` rows named
+            ``<param>.update``, with the same statistics. The previous parameters are kept by
+            reference (no copy: JAX arrays are immutable) across scheduled steps only; the
+            difference is one subtraction per parameter on those steps. An update function
+            that donates the parameters' buffers deletes them: that is an error here.
         include, exclude: regexes searched in tensor names, or module class names/classes.
         every: track every N-th step (0, N, 2N, ...); ignored when ``schedule`` is given.
         schedule: a callable ``step -> bool``, ``"linear(interval, offset)"`` or a set of steps.

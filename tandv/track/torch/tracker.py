@@ -118,6 +118,7 @@ class Tracker:
         track_weights: bool = True,
         track_optimizer: bool = True,
         track_buffers: bool = False,
+        track_updates: bool = False,
         include: Pattern | Sequence[Pattern] | None = None,
         exclude: Pattern | Sequence[Pattern] | None = None,
         every: int = 1,
@@ -165,6 +166,10 @@ class Tracker:
         self.root_name = root_name
         self.track_eval = bool(track_eval)
         self.track_buffers = bool(track_buffers)
+        self.track_updates = bool(track_updates)
+        if self.track_updates and not optimizers:
+            raise ValueError("track(track_updates=True): updates are taken around the optimizer's step; "
+                             "pass the optimizer: track(model, optimizer, track_updates=True)")
         self._out = out
         self._out_format = out_format
         self._run_name = run_name or re.sub(r"[^A-Za-z0-9_.-]+", "_", type(module).__name__.lower())
@@ -454,6 +459,10 @@ class Tracker:
             self._handles.append(register_module_forward_pre_hook(self._first_forward_hook))
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))
+        if self.track_updates:
+            from ._updates import UpdateCapture
+
+            self._handles += [UpdateCapture(self, opt) for opt in self.optimizers]
         if self.scaler is not None and self.kinds[GRADIENT]:
             self._handles.append(_CaptureAfterUnscale(self))
 
@@ -642,6 +651,12 @@ def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
         track_buffers: also record the module's floating buffers (BatchNorm's running
             mean and variance) as ``Weight`` rows named by buffer path, as the step's forward
             found them (default ``False``).
+        track_updates: also record each parameter's update of the step (after minus before
+            the optimizer step) as ``Weight`` rows named ``<parameter path>.update``, with
+            the same statistics (``tandv.quantities.log_update_ratio`` reads them). Costs
+            one copy of the tracked parameters that require a gradient, held across each
+            optimizer step of a scheduled step (the copy then becomes the update in place);
+            nothing on other steps. Needs ``optimizer``; default ``False``.
         include, exclude: regexes searched in tensor names, class names (``"Linear"``) or
             classes (``nn.LayerNorm``) of the owning module; apply to every tensor type.
         every: record every N-th step (0, N, 2N, ...).
