@@ -95,3 +95,83 @@ def test_aggregate_arguments():
     upd = log_from_arrays({("w", "Weight", 0): np.ones(3, np.float32), ("w.update", "Weight", 0): np.ones(3, np.float32)})
     assert aggregate(upd)[("scalar_stats", "tensors")].tolist() == [1]  # update rows are not weights
     assert aggregate(upd, exclude=None)[("scalar_stats", "tensors")].tolist() == [2]
+
+
+QS = (0, 1, 12.5, 50, 99, 100)
+
+
+def _pct_row(df, name, tt, step):
+    m = df["metadata"]
+    r = df[(m["name"] == name) & (m["tensor_type"] == tt) & (m["step"] == step)]
+    return r["scalar_stats"][[f"pct{q:g}" for q in QS]].to_numpy(dtype=np.float64)[0]
+
+
+def test_percentile_option_checks_its_argument():
+    from tandv.track.common.custom import percentile_columns
+
+    assert percentile_columns((1, 99.9, 50.0)) == (("pct1", 1.0), ("pct99.9", 99.9), ("pct50", 50.0))
+    with pytest.raises(ValueError, match="101 is not a percentage"):
+        percentile_columns([50, 101])
+    with pytest.raises(TypeError, match="sequence of percentages"):
+        percentile_columns(50)
+
+
+def test_torch_percentiles_match_numpy(tmp_path):
+    torch = pytest.importorskip("torch")
+    from tandv import read_log
+    from tandv.track.torch import track
+    from tandv.track.torch._percentiles import percentile_stat
+    from tandv.track.common.custom import percentile_columns
+
+    fn = percentile_stat(percentile_columns(QS))
+    rng = np.random.default_rng(1)
+    for x in (rng.standard_normal(1001), rng.standard_normal(7).astype(np.float32), np.array([3.0]),
+              np.r_[rng.standard_normal(50), np.nan, np.nan, np.inf, -np.inf],
+              rng.standard_normal(64).astype(np.float16)):
+        got = np.array([v.item() for v in fn(torch.from_numpy(x)).values()])
+        expected = np.nanpercentile(x.astype(np.float64), QS)
+        if np.isinf(x).any():  # numpy's lerp makes -inf + (x - -inf) * 0 NaN; an exact position is its element
+            expected[0], expected[-1] = np.nanmin(x), np.nanmax(x)
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=0)
+    assert np.isnan([v.item() for v in fn(torch.tensor([np.nan, np.nan])).values()]).all()
+    assert np.isnan([v.item() for v in fn(torch.zeros(0)).values()]).all()
+    # bfloat16 (sorted in its own dtype) and a tensor past torch.quantile's 2**24 limit
+    b = torch.randn(300, dtype=torch.bfloat16)
+    np.testing.assert_allclose([v.item() for v in fn(b).values()], np.percentile(b.double().numpy(), QS), rtol=1e-12)
+    big = torch.from_numpy(rng.standard_normal(2**24 + 3).astype(np.float32))
+    np.testing.assert_allclose([v.item() for v in fn(big).values()],
+                               np.percentile(big.numpy().astype(np.float64), QS), rtol=1e-12)
+
+    # through the tracker: weights (CPU host path) and activations
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU())
+    x = torch.randn(9, 6)
+    with track(model, out=tmp_path / "log", percentiles=QS, verbose=False) as tracker:
+        out = model(x)
+        out.sum().backward()
+        tracker.step()
+    df = read_log(tmp_path / "log")
+    np.testing.assert_allclose(_pct_row(df, "0.weight", "Weight", 0),
+                               np.percentile(model[0].weight.detach().double().numpy(), QS), rtol=1e-12)
+    np.testing.assert_allclose(_pct_row(df, "1", "Activation", 0),
+                               np.percentile(out.detach().double().numpy(), QS), rtol=1e-12)
+
+
+def test_jax_percentiles_match_numpy(tmp_path):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from tandv import read_log
+    from tandv.track.jax import track
+
+    rng = np.random.default_rng(2)
+    params = {"a": jnp.asarray(rng.standard_normal((40, 5)), jnp.float32),
+              "b": jnp.asarray(np.r_[rng.standard_normal(30), np.nan], jnp.float32)}
+    with track(params, track_gradients=False, track_activations=False, out=tmp_path / "log",
+               percentiles=QS, stats={"tiny": (lambda x: jnp.min(jnp.abs(x)), "min")}, verbose=False) as tracker:
+        tracker.step(params)
+    df = read_log(tmp_path / "log")
+    for name in ("a", "b"):
+        expected = np.nanpercentile(np.asarray(params[name], np.float64), QS)
+        np.testing.assert_allclose(_pct_row(df, name, "Weight", 0), expected, rtol=2e-6)
+    assert ("scalar_stats", "tiny") in df.columns

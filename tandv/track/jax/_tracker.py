@@ -15,7 +15,7 @@ from ...stats.formats import format_name, number_format as _number_format
 from ...stats.host import HOST_DTYPES, host_summaries
 from ...stats.summary import Layout
 from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
-from ..common.custom import StatsSpec, parse_custom_stats
+from ..common.custom import StatsSpec, parse_custom_stats, percentile_columns
 from . import _ffi
 from ._intercept import (ROOT_NAME, Mailboxes, Probe, acquire_nnx, interception, register, release_nnx, tag_nnx_paths,
                          tap, untag_nnx_paths)
@@ -165,6 +165,18 @@ def _pmap_stacked(arrays: Sequence[Any]) -> bool:
     return False
 
 
+def _with_stat(stats: StatsSpec, stats_merge: Mapping[str, str] | None, fn: Callable[[Any], Mapping[str, Any]]
+               ) -> tuple[StatsSpec, Mapping[str, str] | None]:
+    """``stats`` with one more function ``x -> {name: scalar}``; a mapping of single
+    statistics becomes one such function, its merge rules moving to ``stats_merge``."""
+    if stats is None:
+        return [fn], stats_merge
+    if isinstance(stats, Mapping):
+        (single,), rules = parse_custom_stats(stats)
+        return [single, fn], {**rules, **(stats_merge or {})}
+    return [*((stats,) if callable(stats) else tuple(stats)), fn], stats_merge
+
+
 def _parse_stats(stats: StatsSpec, stats_merge: Mapping[str, str] | None
                  ) -> tuple[dict[str, CustomStat], tuple[tuple[str, str], ...]]:
     """Custom statistics as ``{name: array -> scalar}`` plus their merge rules.
@@ -211,6 +223,7 @@ class JaxTracker:
         end: int | None = None,
         stats: StatsSpec = None,
         stats_merge: Mapping[str, str] | None = None,
+        percentiles: Sequence[float] | None = None,
         number_format: Any = None,
         out: str | os.PathLike | None = None,
         out_format: str = "parquet",
@@ -240,6 +253,10 @@ class JaxTracker:
                 raise TypeError(f"track(): {arg}={value!r}: expected True or False")
         self._selector = Selector.build(include, exclude)
         self._schedule = make_schedule(every, schedule, start, end)
+        if percentiles is not None:
+            from ._percentiles import percentile_stat
+
+            stats, stats_merge = _with_stat(stats, stats_merge, percentile_stat(percentile_columns(percentiles)))
         self._custom, self._extras = _parse_stats(stats, stats_merge)
         self._format = None if number_format is None else _number_format(number_format)
         self._track_activations = track_activations
@@ -680,6 +697,11 @@ def track(model_state: Any = None, optimizer_state: Any = None, **options: Any) 
             ``fn(array) -> scalar``; they run on device inside the traced computation.
         stats_merge: ``{name: "sum" | "min" | "max" | "mean"}``: how observations of one tensor
             in one step combine (default ``"mean"``, weighted by element count).
+        percentiles: exact percentiles to log, e.g. ``(1, 50, 99)``: columns ``pct1``,
+            ``pct50``, ``pct99`` of the non-NaN elements (``jnp.nanpercentile``, in the
+            program that summarizes the array). Each costs a sort of every tracked array
+            (slow: narrow the arrays with ``include``). Exact for an array seen once per
+            step; several observations in one step log their element-weighted mean.
         number_format: a format name (e.g. ``"float8_e4m3fn"``) for simulated low precision:
             exponent counts, underflow (``-inf``) and overflow (``+inf``) are those of that
             format; default each tensor's own dtype.

@@ -47,7 +47,7 @@ from ...schema.writer import FORMATS
 from ...stats.formats import format_name
 from ...stats.summary import Layout
 from ..common import Pattern, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
-from ..common.custom import StatFn, StatsSpec, parse_custom_stats
+from ..common.custom import StatFn, StatsSpec, parse_custom_stats, percentile_columns
 from ._workspace import Flight, Workspace, to_host
 from .summary import dtype_name
 
@@ -127,6 +127,7 @@ class Tracker:
         end: int | None = None,
         stats: StatsSpec = None,
         stats_merge: Mapping[str, str] | None = None,
+        percentiles: Sequence[float] | None = None,
         number_format: Any = None,
         out: str | os.PathLike | None = None,
         out_format: str = "parquet",
@@ -163,6 +164,10 @@ class Tracker:
         self.schedule = make_schedule(every, schedule, start, end)
         self.format = None if number_format is None else format_name(number_format)
         self.stat_fns, self.stats_merge = parse_custom_stats(stats, stats_merge)
+        if percentiles is not None:
+            from ._percentiles import percentile_stat
+
+            self.stat_fns += (percentile_stat(percentile_columns(percentiles)),)
         self.root_name = root_name
         self.track_eval = bool(track_eval)
         self.track_buffers = bool(track_buffers)
@@ -669,6 +674,12 @@ def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
             Keep them on the device (no ``.item()``).
         stats_merge: ``{name: "sum" | "min" | "max" | "mean"}``: how a custom statistic of
             several observations in one step combines (default ``"mean"``, numel-weighted).
+        percentiles: exact percentiles to log, e.g. ``(1, 50, 99)``: columns ``pct1``,
+            ``pct50``, ``pct99`` of the non-NaN elements, interpolated as ``np.percentile``,
+            computed on the device without a sync and without ``torch.quantile``'s size
+            limit. Each costs a sort of every tracked tensor (slow: narrow the tensors with
+            ``include``). Exact for a tensor seen once per step; several observations in one
+            step (micro-batches) log their element-weighted mean, an approximation.
         number_format: format for the exponent counts of every tensor (e.g.
             ``"float8_e4m3fn"`` to see what would underflow/overflow); default each
             tensor's own dtype.
