@@ -4,12 +4,16 @@ The public face: read and validate logs here; trackers live in ``tandv.track.tor
 and ``tandv.track.jax``, figures in ``tandv.viz``.
 """
 
-from .schema import SchemaError, read_log, read_parquet, read_pickle, validate, write_parquet, write_pickle
+from .analysis import first_nonfinite
+from .schema import (SchemaError, read_log, read_parquet, read_pickle, read_scalars, validate, write_parquet,
+                     write_pickle)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SchemaError",
+    "first_nonfinite",
+    "read_scalars",
     "read_log",
     "read_parquet",
     "read_pickle",

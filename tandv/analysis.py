@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -26,8 +26,10 @@ from .schema.columns import (
 from .schema.io import CHUNK_ROWS, _ParquetLog, read_log, read_parquet_chunks, run_record
 from .schema.validate import is_exponent_label
 from .stats.formats import number_format
+from .stats.summary import DEFAULT_STATS
 
-__all__ = ["exponent_range", "format_shares", "first_nonfinite", "text_summary", "summarize_log"]
+__all__ = ["exponent_range", "format_shares", "first_nonfinite", "text_summary", "summarize_log", "sparsity",
+           "aggregate"]
 
 _KEY = ["name", "tensor_type", "step"]
 
@@ -106,20 +108,38 @@ def format_shares(df: pd.DataFrame, fmt: Any) -> pd.DataFrame:
     return out
 
 
+#: Where each tensor type comes in a step's computation: the weights a forward pass reads,
+#: its activations, the gradients of the backward pass, the optimizer state after the update.
+_STEP_ORDER = {"Weight": 0, "Activation": 1, "Gradient": 2, "Optimiser_State": 3}
+
+
 def first_nonfinite(df: pd.DataFrame) -> pd.DataFrame:
-    """Per tensor (name, tensor_type) that ever held NaN or inf: the first such step and
-    its counts, ordered by step. Empty if the log never saw one, or if it lacks the
-    ``nan_count``/``inf_count`` statistics."""
+    """Where NaN or inf appeared: per tensor (name, tensor_type) that ever held one, its
+    first such step and counts, in the order the values went bad.
+
+    Row 0 is *the* first: the earliest step, and within it the first tensor in the order
+    of the step's computation: weights, then activations in forward order, then gradients
+    (in the order the backward pass produced them), then optimizer state. Within a tensor
+    type the order is the log's row order, which is the order the tracker observed the
+    tensors (forward order for activations); a log re-sorted by hand loses it.
+
+    Returns:
+        Columns ``name``, ``tensor_type``, ``step``, ``nan_count``, ``inf_count``; empty if
+        the log never saw NaN/inf, or lacks the ``nan_count``/``inf_count`` statistics.
+    """
     cols = ["name", "tensor_type", "step", "nan_count", "inf_count"]
     if not {(SCALAR_STATS, "nan_count"), (SCALAR_STATS, "inf_count")} <= set(df.columns):
         return pd.DataFrame(columns=cols)
     m = _meta(df)
     m["nan_count"] = df[(SCALAR_STATS, "nan_count")].to_numpy()
     m["inf_count"] = df[(SCALAR_STATS, "inf_count")].to_numpy()
+    m["_rank"] = m["tensor_type"].map(_STEP_ORDER).fillna(len(_STEP_ORDER)).to_numpy()
+    m["_row"] = np.arange(len(m))
     bad = m[(m["nan_count"] > 0) | (m["inf_count"] > 0)]
     if bad.empty:
         return pd.DataFrame(columns=cols)
-    first = bad.sort_values("step", kind="stable").groupby(["name", "tensor_type"], sort=False).head(1)
+    bad = bad.sort_values(["step", "_rank", "_row"], kind="stable")
+    first = bad.groupby(["name", "tensor_type"], sort=False).head(1)
     return first[cols].reset_index(drop=True)
 
 
@@ -331,3 +351,139 @@ def summarize_log(path: str | os.PathLike, formats: Sequence[str] = ("float8_e4m
     for chunk in read_parquet_chunks(log, columns=wanted, chunk_rows=chunk_rows):
         tally.add(chunk)
     return tally.text(top)
+
+
+def sparsity(df: pd.DataFrame) -> pd.DataFrame:
+    """Per row, the fraction of the tensor's elements that are exactly zero (+0.0 or -0.0):
+    ``zero_count / numel`` (the Chainer monitor's sparsity), NaN for a tensor without
+    elements.
+
+    Raises:
+        ValueError: if the log lacks the ``zero_count`` or ``numel`` statistic.
+    """
+    missing = [c for c in ("zero_count", "numel") if (SCALAR_STATS, c) not in df.columns]
+    if missing:
+        raise ValueError(f"sparsity(df): the log has no {missing} statistic(s); logs made by the trackers have them")
+    zeros = df[(SCALAR_STATS, "zero_count")].to_numpy(dtype=np.float64)
+    numel = df[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64)
+    out = _meta(df)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out["sparsity"] = np.where(numel > 0, zeros / np.where(numel > 0, numel, 1), np.nan)
+    return out
+
+
+#: The statistics :func:`aggregate` merges from (those of a tracker's log).
+_MERGE_FROM = ("numel", "nan_count", "inf_count", "zero_count", "mean", "std", "mean_abs", "min_abs",
+               "max_abs", "rm2", "rm4", "rm8", "min", "max")
+
+
+def aggregate(df: pd.DataFrame, groups: Mapping[str, str] | None = None,
+              tensor_types: str | Sequence[str] | None = None, exclude: str | None = r"\.update$") -> pd.DataFrame:
+    """Aggregate rows: the statistics of all tensors of a group together, per tensor type and
+    step, as if their elements were one tensor (the Chainer monitor's whole-model statistics).
+
+    Merged exactly from what each row stores, not averaged from finished statistics: counts
+    and exponent counts add up, extrema take the min/max, the mean is the count-weighted
+    mean, the variance adds each part's centred sum of squares and its spread of means
+    (Chan et al.), and the root-mean powers ``rm2/rm4/rm8`` and ``mean_abs`` add their
+    power sums (``n * rm_k**k``, scaled by the group's largest magnitude so that nothing
+    overflows). Moments are over the finite elements, as in every row. Custom statistics
+    (percentiles included) do not merge and are left out.
+
+    Arguments:
+        groups: ``{group name: regex}``; a row belongs to every group whose regex is found
+            in its name (``re.search``). Default: one group ``"model"`` of every row.
+        tensor_types: the tensor types to aggregate (default: all in the log). Each is
+            aggregated on its own: weights with weights, gradients with gradients.
+        exclude: a regex of names left out (default: update rows ``<param>.update``, which
+            are not weights); ``None`` keeps every row.
+
+    Returns:
+        A log (validated; it can be concatenated with ``df`` or plotted) with one row per
+        (group, tensor type, step) that has members: ``name`` is the group, ``type``
+        ``"aggregate"``, ``dtype`` the members' (the widest format when they differ, whose
+        exponent range holds the others'), the default statistics, ``tensors`` (how many
+        rows were merged) and ``sparsity``, and the summed exponent counts.
+
+    Raises:
+        ValueError: naming a missing statistic, an unknown tensor type or a bad regex.
+    """
+    import re
+
+    from .schema.columns import META_COLUMNS
+    from .schema.validate import validate
+
+    missing = [c for c in _MERGE_FROM if (SCALAR_STATS, c) not in df.columns]
+    if missing:
+        raise ValueError(f"aggregate(df): the log lacks the statistics {missing}; aggregates are merged from "
+                         f"the default statistics a tracker logs")
+    tts = [tensor_types] if isinstance(tensor_types, str) else (
+        list(TENSOR_TYPES) if tensor_types is None else list(tensor_types))
+    unknown = [t for t in tts if t not in TENSOR_TYPES]
+    if unknown:
+        raise ValueError(f"aggregate(tensor_types={tensor_types!r}): unknown {unknown}; choose from {list(TENSOR_TYPES)}")
+    groups = {"model": ""} if groups is None else dict(groups)
+    try:
+        patterns = {g: re.compile(p) for g, p in groups.items()}
+        skip = None if exclude is None else re.compile(exclude)
+    except re.error as e:
+        raise ValueError(f"aggregate: bad regex in groups/exclude: {e}") from None
+    names = df[(METADATA, "name")].astype(str).to_numpy()
+    kinds = df[(METADATA, "tensor_type")].to_numpy()
+    steps = df[(METADATA, "step")].to_numpy(dtype=np.int64)
+    dtypes = df[(METADATA, "dtype")].astype(str).to_numpy()
+    st = {c: df[(SCALAR_STATS, c)].to_numpy(dtype=np.float64) for c in _MERGE_FROM}
+    exp_cols = [c for c in df.columns if c[0] == EXPONENT_COUNTS]
+    counts = df[exp_cols].to_numpy(dtype=np.int64)
+    kept = np.ones(len(df), bool) if skip is None else np.array([skip.search(n) is None for n in names], bool)
+    n_fin = st["numel"] - st["nan_count"] - st["inf_count"]
+    rows, exps = [], []
+    for g, pat in patterns.items():
+        member = kept & np.array([pat.search(n) is not None for n in names], bool)
+        for tt in tts:
+            sel = member & (kinds == tt)
+            for step in np.unique(steps[sel]):
+                idx = np.flatnonzero(sel & (steps == step))
+                rows.append(_merge_rows(g, tt, int(step), idx, st, n_fin, dtypes))
+                exps.append(counts[idx].sum(axis=0))
+    stat_names = [*DEFAULT_STATS, "tensors", "sparsity"]
+    meta = pd.DataFrame([r[0] for r in rows], columns=list(META_COLUMNS))
+    meta["step"] = meta["step"].astype(np.int64)
+    stats = pd.DataFrame([r[1] for r in rows], columns=stat_names)
+    for c in ("numel", "zero_count", "nan_count", "inf_count", "tensors"):
+        stats[c] = stats[c].astype(np.int64)
+    ex = pd.DataFrame(np.array(exps, dtype=np.int64).reshape(len(rows), len(exp_cols)),
+                      columns=[c[1] for c in exp_cols])
+    out = pd.concat([meta, stats, ex], axis=1, keys=[METADATA, SCALAR_STATS, EXPONENT_COUNTS])
+    return validate(out)
+
+
+def _merge_rows(group: str, tt: str, step: int, idx: np.ndarray, st: dict[str, np.ndarray],
+                n_fin: np.ndarray, dtypes: np.ndarray) -> tuple[list[Any], list[float]]:
+    """One aggregate row from the rows ``idx``: (metadata, statistics)."""
+    n_i = n_fin[idx]
+    fin = n_i > 0  # rows whose moments exist (the others hold NaN moments)
+    total = {c: float(st[c][idx].sum()) for c in ("numel", "zero_count", "nan_count", "inf_count")}
+    n = float(n_i[fin].sum())
+    kinds = sorted(set(dtypes[idx].tolist()))
+    dtype = kinds[0] if len(kinds) == 1 else max(kinds, key=lambda k: number_format(k).num_bins)
+    if n > 0:
+        f = idx[fin]
+        w = n_i[fin]
+        s = float(np.max(st["max_abs"][f]))
+        s = s if s > 0 else 1.0
+        mean_s = float(np.sum(w * (st["mean"][f] / s)) / n)  # scaled: no overflow near the float max
+        m2 = float(np.sum(w * (st["std"][f] / s) ** 2) + np.sum(w * (st["mean"][f] / s - mean_s) ** 2))
+        mom = {
+            "mean": mean_s * s,
+            "std": s * np.sqrt(max(m2, 0.0) / n),
+            "mean_abs": s * float(np.sum(w * (st["mean_abs"][f] / s)) / n),
+            **{f"rm{k}": s * float(np.sum(w * (st[f"rm{k}"][f] / s) ** k) / n) ** (1.0 / k) for k in (2, 4, 8)},
+            "min_abs": float(np.min(st["min_abs"][f])), "max_abs": float(np.max(st["max_abs"][f])),
+            "min": float(np.min(st["min"][f])), "max": float(np.max(st["max"][f])),
+        }
+    else:
+        mom = {k: np.nan for k in ("mean", "std", "mean_abs", "rm2", "rm4", "rm8", "min_abs", "max_abs", "min", "max")}
+    stats = {**mom, **total, "tensors": len(idx),
+             "sparsity": total["zero_count"] / total["numel"] if total["numel"] else np.nan}
+    return [group, "aggregate", tt, step, dtype], [stats[k] for k in (*DEFAULT_STATS, "tensors", "sparsity")]

@@ -5,7 +5,7 @@ import torch
 
 from tandv.demos import torch_demo
 from tandv.demos.torch_gpt import GPT, GPTConfig
-from tandv.schema import read_log
+from tandv.schema import read_log, read_scalars
 
 
 def test_demo_run_returns_a_log_with_every_tensor_type_at_every_step():
@@ -19,7 +19,10 @@ def test_demo_run_returns_a_log_with_every_tensor_type_at_every_step():
             "Activation", "Gradient", "Weight", "Optimiser_State"}
     names = set(meta["name"])
     assert {"root", "layers.0.attention.wq", "layers.1.mlp.fc1.weight",
-            "layers.0.attention.wq.weight.exp_avg_sq"} <= names
+            "layers.0.attention.wq.weight.exp_avg_sq", "layers.1.mlp.fc1.weight.update"} <= names
+    scalars = read_scalars(path)
+    assert list(scalars.columns) == ["step", "loss", "lr", "grad_norm"] and scalars["step"].tolist() == [0, 1, 2]
+    assert (scalars["loss"] > 0).all() and (scalars["grad_norm"] > 0).all()
 
 
 def test_demo_rejects_bad_steps():

@@ -93,11 +93,12 @@ def run(steps: int | None = None, out: str | os.PathLike | None = None, seed: in
         updates, s = opt.update(grads, s, p)
         return optax.apply_updates(p, updates), s, grads, loss
 
-    with track(params, opt_state, out=out, run_name="jax-demo") as tracker:
+    with track(params, opt_state, out=out, run_name="jax-demo", track_updates=True) as tracker:
         bar = tqdm(range(steps), desc="tandv jax demo", unit="step")
         for step in bar:
             params, opt_state, grads, loss = tracker.intercept(
                 update, params, opt_state, jax.random.fold_in(key, step))
+            tracker.log_scalars(loss=loss, lr=3e-3)
             tracker.step(params, opt_state, grads)
             if step % 20 == 0 or step == steps - 1:
                 bar.set_postfix(loss=f"{float(loss):.3f}")

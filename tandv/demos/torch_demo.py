@@ -94,13 +94,14 @@ def _train(steps: int, out: str | os.PathLike | None, seed: int, progress: bool)
 
         bar = tqdm(total=steps, desc="tandv demo", unit="step")
     t0 = time.perf_counter()
-    with track(model, opt, out=out, run_name="demo-torch") as tracker:
+    with track(model, opt, out=out, run_name="demo-torch", track_updates=True) as tracker:
         for step in range(steps):
             x, y = next(batches)
             loss = model.loss(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            tracker.log_scalars(loss=loss, lr=sched.get_last_lr()[0], grad_norm=grad_norm)
             opt.step()
             sched.step()
             tracker.step()

@@ -35,6 +35,7 @@ from .io import (
     write_parquet,
     write_pickle,
 )
+from .scalars import SOURCE_ATTR, read_scalars, scalars_path
 from .validate import SchemaError, is_exponent_label, validate
 from .writer import FORMATS, LogWriter, PartWriter, PickleWriter, open_writer
 
@@ -45,6 +46,6 @@ __all__ = [
     "canonical_columns", "concat_logs", "drop_empty_exponents", "log_columns", "read_log", "read_parquet",
     "read_parquet_chunks",
     "read_pickle", "write_parquet", "write_pickle", "RUN_ATTR", "run_record",
-    "SchemaError", "is_exponent_label", "validate",
+    "SchemaError", "is_exponent_label", "validate", "SOURCE_ATTR", "read_scalars", "scalars_path",
     "FORMATS", "LogWriter", "PartWriter", "PickleWriter", "open_writer",
 ]

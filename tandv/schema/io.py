@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from pandas.api import types as ptypes
 
 from .columns import EXPONENT_COUNTS, GROUPS, META_COLUMNS, METADATA, OVERFLOW, SCALAR_STATS, STEP, UNDERFLOW
+from .scalars import SOURCE_ATTR
 from .validate import SchemaError, check, is_exponent_label, validate
 
 __all__ = [
@@ -163,9 +164,11 @@ def read_pickle(path: PathLike) -> pd.DataFrame:
     except Exception as e:
         raise SchemaError(f"{str(path)!r} is not a readable pickle: {type(e).__name__}: {e}") from e
     try:
-        return validate(df)
+        df = validate(df)
     except SchemaError as e:
         raise SchemaError(f"{str(path)!r}: {e}", column=e.column, row=e.row) from None
+    df.attrs[SOURCE_ATTR] = str(path.resolve())  # where read_scalars(df) finds the scalars
+    return df
 
 
 # ----------------------------------------------------------------------------- parquet
@@ -624,6 +627,7 @@ def read_parquet(
     df = _validated(_frame(table), origin, expr is not None)
     if log.run:
         df.attrs[RUN_ATTR] = log.run
+    df.attrs[SOURCE_ATTR] = str(log.path.resolve())  # where read_scalars(df) finds the scalars
     return df
 
 

@@ -28,6 +28,7 @@ from ..schema import (
 
 __all__ = [
     "VizArgumentError",
+    "logged_scalars",
     "check_log",
     "layer_order",
     "select_tensor_types",
@@ -187,3 +188,18 @@ def rows_for(df: pd.DataFrame, names: Sequence[str] | None = None, tts: Sequence
     if tts is not None:
         mask &= df[_TT].isin(list(tts)).to_numpy()
     return df[mask]
+
+
+def logged_scalars(df: pd.DataFrame) -> pd.DataFrame | None:
+    """The training scalars logged beside the log ``df`` was read from
+    (``tracker.log_scalars``; :func:`tandv.read_scalars`), or ``None`` when it has none, was
+    built in memory, or its scalars cannot be read (a figure without them is still useful)."""
+    from ..schema.scalars import SOURCE_ATTR, read_scalars
+
+    if not df.attrs.get(SOURCE_ATTR):
+        return None
+    try:
+        ts = read_scalars(df)
+    except (OSError, ValueError):
+        return None
+    return ts if len(ts) and len(ts.columns) > 1 else None

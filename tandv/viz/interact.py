@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from ..schema import METADATA, SCALAR_STATS, STEP, TENSOR_TYPE, TENSOR_TYPES
-from ._data import VizArgumentError, check_log, layer_order, select_layers, select_metrics, select_tensor_types
+from ._data import VizArgumentError, check_log, logged_scalars, layer_order, select_layers, select_metrics, select_tensor_types
 from ._facets import step_axis
 from .bands import percentile_bands
 from .exp_hist import exp_hist
@@ -125,13 +125,17 @@ class InteractiveView:
         step: the step the crosshair marks (``None`` until one is chosen).
     """
 
-    def __init__(self, f: Callable[..., Figure], df: pd.DataFrame, train_stats: pd.DataFrame | None = None,
+    def __init__(self, f: Callable[..., Figure], df: pd.DataFrame, train_stats: pd.DataFrame | bool | None = None,
                  **kwargs: Any) -> None:
         name = getattr(f, "__name__", repr(f))
         if _SUPPORTED.get(name) is not f:
             raise VizArgumentError(f"interactive: f={name!r} is not a tandv.viz plot; expected one of {list(_SUPPORTED)}")
         self.f, self.kind, self.df = f, name, check_log(df)
         self.kwargs = dict(kwargs)
+        if train_stats is None:  # the scalars logged beside the log (tracker.log_scalars), if any
+            train_stats = logged_scalars(self.df)
+        elif train_stats is False:
+            train_stats = None
         self.train_stats = None if train_stats is None else _check_train_stats(train_stats)
         self.figure: Figure | None = None
         self.detail_figure: Figure | None = None
@@ -376,7 +380,7 @@ class InteractiveView:
         return self.widget._repr_mimebundle_(**kwargs)
 
 
-def interactive(f: Callable[..., Figure], df: pd.DataFrame, train_stats: pd.DataFrame | None = None,
+def interactive(f: Callable[..., Figure], df: pd.DataFrame, train_stats: pd.DataFrame | bool | None = None,
                 **kwargs: Any) -> InteractiveView:
     """An interactive version of a plot in a Jupyter notebook.
 
@@ -387,7 +391,10 @@ def interactive(f: Callable[..., Figure], df: pd.DataFrame, train_stats: pd.Data
     On the heatmap, click a cell to open the exponent histogram of that layer at that
     step (it then follows the step control). With ``train_stats`` (a DataFrame with a ``step`` column, or index,
     and numeric columns such as ``loss``) a linked curve is drawn: clicking it sets the
-    step, shown as a crosshair on line plots and as the histogram's step.
+    step, shown as a crosshair on line plots and as the histogram's step. By default
+    (``train_stats=None``) the scalars logged beside the log with ``tracker.log_scalars``
+    are drawn (when ``df`` was read from a file that has them: :func:`tandv.read_scalars`);
+    ``train_stats=False`` draws none.
 
     Returns the view; as a cell's last expression it displays itself (or use
     ``IPython.display.display(view)``).

@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from ..analysis import exponent_range, first_nonfinite, format_shares, text_summary
 from ..schema import METADATA, NAME, SCALAR_STATS, STEP, TENSOR_TYPE, TENSOR_TYPES, run_record
 from ..schema.io import atomic_write
-from ._data import check_log
+from ._data import check_log, logged_scalars
 from .bands import percentile_bands
 from .exp_hist import exp_hist
 from .scalar import scalar_global_heatmap
@@ -45,6 +45,8 @@ th{background:#f2f2f2}td:first-child,th:first-child{text-align:left}
 img{max-width:100%;height:auto;display:block;margin:.6rem 0}
 pre{background:#f7f7f7;padding:.8rem;overflow-x:auto;font-size:.8rem}
 .muted{color:#666}.bad{color:#b00020;font-weight:600}nav a{margin-right:1rem}
+.banner{padding:.6rem .8rem;border-radius:4px;margin:.8rem 0}.banner.bad{background:#fdecee;border:1px solid #b00020}
+.banner.ok{background:#eef7ee;border:1px solid #2e7d32}
 """
 
 
@@ -107,6 +109,44 @@ def _nonfinite(df: pd.DataFrame) -> str:
             f'{int(first["step"].min())}. Each tensor\'s first such step:</p>')
     return head + _table(first.rename(columns={"name": "tensor", "tensor_type": "tensor type",
                                                "step": "first step", "nan_count": "NaN", "inf_count": "inf"}))
+
+
+def _banner(df: pd.DataFrame) -> str:
+    """The report's first line: where NaN/inf first appeared (step and tensor), or that none did."""
+    first = first_nonfinite(df)
+    if first.empty:
+        return '<p class="banner ok">No NaN or inf in any logged tensor.</p>'
+    r = first.iloc[0]
+    more = len(first) - 1
+    text = (f"First NaN/inf at step {int(r['step'])} in {r['tensor_type']} {r['name']} "
+            f"({int(r['nan_count'])} NaN, {int(r['inf_count'])} inf)"
+            + (f"; {more} more tensor{'s' if more != 1 else ''} held NaN/inf later or downstream" if more else "")
+            + ".")
+    return f'<p class="banner bad" role="alert">{html.escape(text)} <a href="#nonfinite">details</a></p>'
+
+
+def _scalars(df: pd.DataFrame) -> str | None:
+    """Curves of the training scalars logged beside the log (``tracker.log_scalars``), one
+    panel per name; ``None`` when the log has none (or was not read from a file)."""
+    ts = logged_scalars(df)
+    if ts is None:
+        return None
+    names = [c for c in ts.columns if c != "step"]
+    fig = Figure(figsize=(10, 2.4 * ((len(names) + 1) // 2)), layout="constrained")
+    axes = np.atleast_1d(fig.subplots((len(names) + 1) // 2, min(2, len(names)), squeeze=False).ravel())
+    for ax, name in zip(axes, names):
+        sel = ts[name].notna()
+        ax.plot(ts["step"][sel].to_numpy(), ts[name][sel].to_numpy(dtype=np.float64), lw=1)
+        ax.set_title(str(name), fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+    for ax in axes[len(names):]:
+        ax.set_visible(False)
+    fig.suptitle("training scalars (tracker.log_scalars)")
+    last = ts.ffill().iloc[-1]
+    text = ", ".join(f"{n} {last[n]:.4g}" for n in names)
+    return (f'<p>{len(ts)} steps logged, {int(ts["step"].min())}..{int(ts["step"].max())}; '
+            f'last values: {html.escape(text)}.</p>' + _png(fig))
 
 
 def _shares(df: pd.DataFrame, formats: Sequence[str]) -> str:
@@ -200,8 +240,10 @@ def render_report(df: pd.DataFrame, title: str) -> str:
     range_table, hists = _ranges(df)
     bands = _png(percentile_bands(df, tts, col_wrap=2), dpi=80)
     esc = html.escape
+    scalars = _scalars(df)
     sections = [
         ("overview", "Overview", _overview(df) + f"<pre>{esc(text_summary(df))}</pre>"),
+        *([("scalars", "Training scalars", scalars)] if scalars is not None else []),
         ("nonfinite", "Where NaN/inf first appeared", _nonfinite(df)),
         ("formats", "Underflow and overflow in low-precision formats", _shares(df, REPORT_FORMATS)),
         ("ranges", "Widest or most worrying exponent ranges", range_table + "".join(hists)),
@@ -215,7 +257,7 @@ def render_report(df: pd.DataFrame, title: str) -> str:
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>\n"
         f"<h1>{esc(title)}</h1><p class=\"muted\">tandv report: {len(df)} rows, steps {int(steps.min())}"
-        f"..{int(steps.max())}, {df[(METADATA, NAME)].nunique()} tensors</p>\n<nav>{nav}</nav>\n{body}\n"
+        f"..{int(steps.max())}, {df[(METADATA, NAME)].nunique()} tensors</p>\n{_banner(df)}\n<nav>{nav}</nav>\n{body}\n"
         "</body></html>\n"
     )
 
@@ -223,7 +265,10 @@ def render_report(df: pd.DataFrame, title: str) -> str:
 def write_report(df: pd.DataFrame, path: str | os.PathLike, title: str = "tandv report") -> Path:
     """Write a self-contained HTML report of the log ``df`` to ``path`` and return the path.
 
-    Sections: an overview and text summary; where NaN/inf first appeared; the share of
+    The report leads with where NaN/inf first appeared (step and tensor: see
+    :func:`tandv.first_nonfinite`), or says that none did. Sections: an overview and text
+    summary; the training scalars logged beside the log (``tracker.log_scalars``), when
+    there are any; each tensor's first NaN/inf; the share of
     values that would underflow/overflow float8_e4m3fn, float8_e5m2 and bfloat16; the
     tensors with the widest or most worrying exponent ranges, with their histograms;
     a heatmap of ``rm2`` per tensor type; percentile bands for the whole model.

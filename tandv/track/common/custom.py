@@ -65,3 +65,24 @@ def parse_custom_stats(
         if name in DEFAULT_STATS:
             raise ValueError(f"custom statistic {name!r} clashes with a default statistic; rename it")
     return tuple(fns), rules
+
+
+def percentile_columns(percentiles: Sequence[float] | None) -> tuple[tuple[str, float], ...]:
+    """The trackers' ``percentiles`` option as ``((column, q), ...)``: ``q`` in [0, 100],
+    columns named ``pct<q>`` (``pct1``, ``pct50``, ``pct99.9``).
+
+    Raises:
+        TypeError / ValueError: naming the entry that is not a percentage.
+    """
+    if percentiles is None:
+        return ()
+    if isinstance(percentiles, (str, bytes)) or not isinstance(percentiles, Sequence):
+        raise TypeError(f"percentiles={percentiles!r}: expected a sequence of percentages, e.g. (1, 50, 99)")
+    out: dict[str, float] = {}
+    for q in percentiles:
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 100:
+            raise ValueError(f"percentiles: {q!r} is not a percentage in [0, 100]")
+        out[f"pct{float(q):g}"] = float(q)
+    if not out:
+        raise ValueError("percentiles=(): give at least one percentage, or leave the option out")
+    return tuple(out.items())

@@ -36,6 +36,7 @@ from ...schema.columns import (
     UNDERFLOW,
 )
 from ...schema.writer import FORMATS, LogWriter, open_writer, prepare_directory
+from .scalars import Capture, ScalarRecorder, check_scalar_args, plain_scalar
 from ...stats.summary import (CORE_FIELDS, COUNT_STATS, DEFAULT_STATS, Layout, exponent_labels,
                               finalize_many, merge_all)
 
@@ -296,6 +297,40 @@ class StepRecorder:
         self._error: BaseException | None = None
         self.steps_recorded = 0
         self.closed = False
+        self.scalars: ScalarRecorder | None = None  # created by the first log_scalars
+
+    def log_scalars(self, step: int | None, values: Mapping[str, Any], current: int,
+                    capture: Capture | None = None) -> None:
+        """Record training scalars (``tracker.log_scalars``) at ``step`` (``None``:
+        ``current``, the tracker's step). Python and numpy numbers are taken as they are;
+        other values go through the adapter's ``capture`` (a device scalar becomes a copy
+        under way, read once it has arrived). Written beside the log at each flush.
+
+        Raises:
+            RuntimeError: after :meth:`close`.
+            ValueError / TypeError: naming the argument that is not a single number.
+        """
+        if self.closed:
+            raise RuntimeError("tracker.log_scalars(): the tracker is closed (its `with` block has ended)")
+        check_scalar_args(step, values)
+        got: dict[str, Any] = {}
+        for name, v in values.items():
+            if name == "step":
+                raise ValueError("log_scalars(): 'step' is the step argument, not a scalar name")
+            x = plain_scalar(name, v)
+            if x is None and capture is not None:
+                x = capture(name, v)
+            if x is None:
+                raise TypeError(f"log_scalars({name}=...): expected a number or a one-element tensor/array; "
+                                f"got {type(v).__name__}")
+            got[name] = x
+        if self.scalars is None:
+            self.scalars = ScalarRecorder(self.path)
+            self._scalars_flushed = time.monotonic()
+        self.scalars.add(current if step is None else int(step), got)
+        if time.monotonic() - self._scalars_flushed >= self.flush_seconds:  # steps no schedule records
+            self._scalars_flushed = time.monotonic()
+            self.scalars.flush()
 
     def add(self, key: TensorKey, layout: Layout, summary: Any) -> None:
         """Record one observation of a tensor in the current step (a device summary).
@@ -395,6 +430,8 @@ class StepRecorder:
                 self._thread.start()
             self._queue.put(self._buffer)  # only then dropped here: an interrupted put loses nothing
             self._buffer = []
+        if self.scalars is not None:
+            self.scalars.flush()  # the steps whose values have arrived
         self._last_flush = time.monotonic()
 
     def _write_loop(self) -> None:
@@ -436,6 +473,8 @@ class StepRecorder:
                 self._thread.join()
                 self._thread = None
             self.closed = True
+            if self.scalars is not None:
+                self.scalars.close()
             self._raise_writer_error()
             if self.writer.rows_written == 0:
                 self.writer.write(build_rows(0, []), allow_empty=True)

@@ -15,7 +15,7 @@ from ...stats.formats import format_name, number_format as _number_format
 from ...stats.host import HOST_DTYPES, host_summaries
 from ...stats.summary import Layout
 from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
-from ..common.custom import StatsSpec, parse_custom_stats
+from ..common.custom import StatsSpec, parse_custom_stats, percentile_columns
 from . import _ffi
 from ._intercept import (ROOT_NAME, Mailboxes, Probe, acquire_nnx, interception, register, release_nnx, tag_nnx_paths,
                          tap, untag_nnx_paths)
@@ -165,6 +165,18 @@ def _pmap_stacked(arrays: Sequence[Any]) -> bool:
     return False
 
 
+def _with_stat(stats: StatsSpec, stats_merge: Mapping[str, str] | None, fn: Callable[[Any], Mapping[str, Any]]
+               ) -> tuple[StatsSpec, Mapping[str, str] | None]:
+    """``stats`` with one more function ``x -> {name: scalar}``; a mapping of single
+    statistics becomes one such function, its merge rules moving to ``stats_merge``."""
+    if stats is None:
+        return [fn], stats_merge
+    if isinstance(stats, Mapping):
+        (single,), rules = parse_custom_stats(stats)
+        return [single, fn], {**rules, **(stats_merge or {})}
+    return [*((stats,) if callable(stats) else tuple(stats)), fn], stats_merge
+
+
 def _parse_stats(stats: StatsSpec, stats_merge: Mapping[str, str] | None
                  ) -> tuple[dict[str, CustomStat], tuple[tuple[str, str], ...]]:
     """Custom statistics as ``{name: array -> scalar}`` plus their merge rules.
@@ -202,6 +214,7 @@ class JaxTracker:
         *,
         track_activations: bool = True,
         track_gradients: bool = True,
+        track_updates: bool = False,
         include: Pattern | Sequence[Pattern] | None = None,
         exclude: Pattern | Sequence[Pattern] | None = None,
         every: int = 1,
@@ -210,6 +223,7 @@ class JaxTracker:
         end: int | None = None,
         stats: StatsSpec = None,
         stats_merge: Mapping[str, str] | None = None,
+        percentiles: Sequence[float] | None = None,
         number_format: Any = None,
         out: str | os.PathLike | None = None,
         out_format: str = "parquet",
@@ -234,11 +248,15 @@ class JaxTracker:
                 f"model.init(...) or an nnx module"
             )
         for arg, value in (("track_activations", track_activations), ("track_gradients", track_gradients),
-                           ("device_axis", device_axis)):
+                           ("track_updates", track_updates), ("device_axis", device_axis)):
             if not isinstance(value, bool):
                 raise TypeError(f"track(): {arg}={value!r}: expected True or False")
         self._selector = Selector.build(include, exclude)
         self._schedule = make_schedule(every, schedule, start, end)
+        if percentiles is not None:
+            from ._percentiles import percentile_stat
+
+            stats, stats_merge = _with_stat(stats, stats_merge, percentile_stat(percentile_columns(percentiles)))
         self._custom, self._extras = _parse_stats(stats, stats_merge)
         self._format = None if number_format is None else _number_format(number_format)
         self._track_activations = track_activations
@@ -250,6 +268,13 @@ class JaxTracker:
                 f"track(): model_state ({type(model_state).__name__}) holds the optimizer state "
                 f"already (its opt_state); leave optimizer_state out"
             )
+        if track_updates and model_state is None:
+            raise ValueError("track(track_updates=True): updates are differences of the parameters given to "
+                             "track() and step(); pass model_state")
+        self._track_updates = track_updates
+        # the parameters of the current step (names, arrays), kept when its update is tracked
+        self._before: tuple[list[Leaf], list[Any]] | None = None
+        self._subtract = jax.jit(lambda new, old: [a - b for a, b in zip(new, old)])
         self._device_axis = device_axis
         self._layouts: dict[str, Layout] = {}
         self._module_types: dict[str, type] = {}
@@ -278,6 +303,7 @@ class JaxTracker:
         if model_state is not None:
             self._learn_nnx_types(model_state)
             self._prepare_weights(_parts(model_state), 0)
+            self._keep_before(_parts(model_state), 0)
 
     # ------------------------------------------------------------------ context manager
 
@@ -539,6 +565,22 @@ class JaxTracker:
                 "device; track(..., device_axis=True) gives the rows of the logical arrays (one replica)"
             )
 
+    def log_scalars(self, step: int | None = None, **scalars: Any) -> None:
+        """Log training scalars (loss, learning rate, ...) beside the log, e.g.
+        ``tracker.log_scalars(loss=loss, lr=lr)``.
+
+        Values are Python/numpy numbers or one-element JAX arrays (not traced values: call
+        it outside ``jit``); an array's copy to the host starts at once and is read when it
+        has arrived, so logging never waits for the device. Recorded at every call,
+        whatever the schedule; ``step=None`` is the current step (the one the next
+        :meth:`step` ends). Read back with ``tandv.read_scalars(path or log)``;
+        ``viz.interactive`` and the HTML report draw them by themselves.
+        """
+        self._check_open("log_scalars")
+        from ._scalars import capture_jax
+
+        self._recorder.log_scalars(step, scalars, self.step_count, capture_jax)
+
     def step(self, model_state: Any = None, optimizer_state: Any = None, gradients: Any = None) -> None:
         """Close the current step, after the update.
 
@@ -578,6 +620,8 @@ class JaxTracker:
             if parts is not None and parts.slow is not None:
                 leaves, arrays = self._named("slow", parts.slow)
                 named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
+            if parts is not None and self._before is not None:
+                named += self._updates(parts)
             self._check_not_stacked([a for _, _, a in named])
             summaries = self._summarize_arrays([a for _, _, a in named])
             self._collect_mailboxes()
@@ -595,6 +639,29 @@ class JaxTracker:
         self.step_count = k + 1
         if parts is not None:
             self._prepare_weights(parts, k + 1)
+            self._keep_before(parts, k + 1)
+
+    def _keep_before(self, parts: _Parts, step: int) -> None:
+        """With ``track_updates``, keep the parameters step ``step`` starts from (references:
+        JAX arrays are immutable, so this holds no copy unless a later update donates them)."""
+        self._before = self._named(WEIGHT, parts.params) if self._track_updates and self._schedule(step) else None
+
+    def _updates(self, parts: _Parts) -> list[tuple[Leaf, str, Any]]:
+        """``<param>.update`` leaves (Weight rows): the parameters given now minus those kept
+        by :meth:`_keep_before`."""
+        (old_leaves, old), self._before = self._before, None  # type: ignore[misc]
+        new_leaves, new = self._named(WEIGHT, parts.params)
+        if [n.name for n in new_leaves] != [n.name for n in old_leaves]:
+            raise ValueError("tracker.step(): the parameters' structure changed since the last step; "
+                             "track_updates=True needs the same tree at every step")
+        gone = [n.name for n, a in zip(old_leaves, old) if getattr(a, "is_deleted", lambda: False)()]
+        if gone:
+            raise ValueError(
+                f"tracker.step(): track_updates=True needs the previous parameters, but the update deleted "
+                f"them (buffer donation, e.g. jax.jit(update, donate_argnums=...)): {gone[:3]}; do not "
+                f"donate the parameters, or track without track_updates")
+        diffs = self._subtract(new, old)
+        return [(Leaf(n.index, n.name + ".update", n.param), WEIGHT, d) for n, d in zip(new_leaves, diffs)]
 
 
 def track(model_state: Any = None, optimizer_state: Any = None, **options: Any) -> JaxTracker:
@@ -615,6 +682,12 @@ def track(model_state: Any = None, optimizer_state: Any = None, **options: Any) 
         track_activations: summarize module outputs inside :meth:`JaxTracker.intercept`.
         track_gradients: summarize the cotangents of module outputs and the parameter
             gradients passed to :meth:`JaxTracker.step`.
+        track_updates: also record each parameter's update (the parameters given to
+            :meth:`JaxTracker.step` minus those the step started from) as ``Weight`` rows named
+            ``<param>.update``, with the same statistics. The previous parameters are kept by
+            reference (no copy: JAX arrays are immutable) across scheduled steps only; the
+            difference is one subtraction per parameter on those steps. An update function
+            that donates the parameters' buffers deletes them: that is an error here.
         include, exclude: regexes searched in tensor names, or module class names/classes.
         every: track every N-th step (0, N, 2N, ...); ignored when ``schedule`` is given.
         schedule: a callable ``step -> bool``, ``"linear(interval, offset)"`` or a set of steps.
@@ -624,6 +697,11 @@ def track(model_state: Any = None, optimizer_state: Any = None, **options: Any) 
             ``fn(array) -> scalar``; they run on device inside the traced computation.
         stats_merge: ``{name: "sum" | "min" | "max" | "mean"}``: how observations of one tensor
             in one step combine (default ``"mean"``, weighted by element count).
+        percentiles: exact percentiles to log, e.g. ``(1, 50, 99)``: columns ``pct1``,
+            ``pct50``, ``pct99`` of the non-NaN elements (``jnp.nanpercentile``, in the
+            program that summarizes the array). Each costs a sort of every tracked array
+            (slow: narrow the arrays with ``include``). Exact for an array seen once per
+            step; several observations in one step log their element-weighted mean.
         number_format: a format name (e.g. ``"float8_e4m3fn"``) for simulated low precision:
             exponent counts, underflow (``-inf``) and overflow (``+inf``) are those of that
             format; default each tensor's own dtype.

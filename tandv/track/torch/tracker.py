@@ -48,7 +48,7 @@ from ...schema.writer import FORMATS
 from ...stats.formats import format_name
 from ...stats.summary import Layout
 from ..common import Pattern, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
-from ..common.custom import StatFn, StatsSpec, parse_custom_stats
+from ..common.custom import StatFn, StatsSpec, parse_custom_stats, percentile_columns
 from ._compiled import CompiledHooks, compiled_root
 from ._workspace import Flight, Workspace, to_host
 from .summary import dtype_name
@@ -100,6 +100,7 @@ class Tracker:
         track_weights: bool = True,
         track_optimizer: bool = True,
         track_buffers: bool = False,
+        track_updates: bool = False,
         include: Pattern | Sequence[Pattern] | None = None,
         exclude: Pattern | Sequence[Pattern] | None = None,
         every: int = 1,
@@ -108,6 +109,7 @@ class Tracker:
         end: int | None = None,
         stats: StatsSpec = None,
         stats_merge: Mapping[str, str] | None = None,
+        percentiles: Sequence[float] | None = None,
         number_format: Any = None,
         out: str | os.PathLike | None = None,
         out_format: str = "parquet",
@@ -147,9 +149,17 @@ class Tracker:
         self.schedule = make_schedule(every, schedule, start, end)
         self.format = None if number_format is None else format_name(number_format)
         self.stat_fns, self.stats_merge = parse_custom_stats(stats, stats_merge)
+        if percentiles is not None:
+            from ._percentiles import percentile_stat
+
+            self.stat_fns += (percentile_stat(percentile_columns(percentiles)),)
         self.root_name = root_name
         self.track_eval = bool(track_eval)
         self.track_buffers = bool(track_buffers)
+        self.track_updates = bool(track_updates)
+        if self.track_updates and not optimizers:
+            raise ValueError("track(track_updates=True): updates are taken around the optimizer's step; "
+                             "pass the optimizer: track(model, optimizer, track_updates=True)")
         self._out = out
         self._out_format = out_format
         self._run_name = run_name or re.sub(r"[^A-Za-z0-9_.-]+", "_", type(module).__name__.lower())
@@ -443,6 +453,10 @@ class Tracker:
             self._handles.append(register_module_forward_pre_hook(self._first_forward_hook))
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))
+        if self.track_updates:
+            from ._updates import UpdateCapture
+
+            self._handles += [UpdateCapture(self, opt) for opt in self.optimizers]
         if self.scaler is not None and self.kinds[GRADIENT]:
             self._handles.append(_CaptureAfterUnscale(self))
 
@@ -521,6 +535,22 @@ class Tracker:
             self.recorder.discard()
         self._land()
         self._begin(self.step_index + 1)
+
+    def log_scalars(self, step: int | None = None, **scalars: Any) -> None:
+        """Log training scalars (loss, learning rate, ...) beside the log, e.g.
+        ``tracker.log_scalars(loss=loss, lr=sched.get_last_lr()[0])``.
+
+        Values are Python/numpy numbers or one-element tensors; a CUDA tensor is copied to
+        the host without waiting for the device (a CPU tensor is read at once). Recorded at
+        every call, whatever the schedule; ``step=None`` is the current step (the one the
+        next :meth:`step` ends). Read back with ``tandv.read_scalars(path or log)``;
+        ``viz.interactive`` and the HTML report draw them by themselves.
+        """
+        if self.recorder is None or self._closed:
+            raise RuntimeError("tracker.log_scalars() called outside the `with track(...)` block")
+        from ._scalars import capture_torch
+
+        self.recorder.log_scalars(step, scalars, self.step_index, capture_torch)
 
     def _land(self, wait: bool = False) -> None:
         """Record the steps whose summaries have reached the host, in order. A step's
@@ -628,6 +658,12 @@ def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
         track_buffers: also record the module's floating buffers (BatchNorm's running
             mean and variance) as ``Weight`` rows named by buffer path, as the step's forward
             found them (default ``False``).
+        track_updates: also record each parameter's update of the step (after minus before
+            the optimizer step) as ``Weight`` rows named ``<parameter path>.update``, with
+            the same statistics (``tandv.quantities.log_update_ratio`` reads them). Costs
+            one copy of the tracked parameters that require a gradient, held across each
+            optimizer step of a scheduled step (the copy then becomes the update in place);
+            nothing on other steps. Needs ``optimizer``; default ``False``.
         include, exclude: regexes searched in tensor names, class names (``"Linear"``) or
             classes (``nn.LayerNorm``) of the owning module; apply to every tensor type.
         every: record every N-th step (0, N, 2N, ...).
@@ -640,6 +676,12 @@ def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
             Keep them on the device (no ``.item()``).
         stats_merge: ``{name: "sum" | "min" | "max" | "mean"}``: how a custom statistic of
             several observations in one step combines (default ``"mean"``, numel-weighted).
+        percentiles: exact percentiles to log, e.g. ``(1, 50, 99)``: columns ``pct1``,
+            ``pct50``, ``pct99`` of the non-NaN elements, interpolated as ``np.percentile``,
+            computed on the device without a sync and without ``torch.quantile``'s size
+            limit. Each costs a sort of every tracked tensor (slow: narrow the tensors with
+            ``include``). Exact for a tensor seen once per step; several observations in one
+            step (micro-batches) log their element-weighted mean, an approximation.
         number_format: format for the exponent counts of every tensor (e.g.
             ``"float8_e4m3fn"`` to see what would underflow/overflow); default each
             tensor's own dtype.

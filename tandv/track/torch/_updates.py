@@ -1,0 +1,72 @@
+"""``track(..., track_updates=True)``: each parameter's update as rows ``<param>.update``.
+
+Before each optimizer step of a scheduled step, the tracked parameters that require a
+gradient are copied (an optimizer step pre-hook); after it, each copy becomes the update
+in place (``after - before``, written over the copy: no second buffer) and is summarized
+like a weight, as a ``Weight`` row named ``<parameter path>.update``. The cost is one copy
+of those parameters' memory, held from just before the optimizer step until its update
+is summarized, on scheduled steps only; unscheduled steps hold and compute nothing.
+An optimizer that steps several times in one tracked step gives several observations of
+each update, merged like micro-batches (the statistics of all of them together).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...schema.columns import WEIGHT
+
+if TYPE_CHECKING:
+    from .tracker import Tracker
+
+__all__ = ["UPDATE_SUFFIX", "UpdateCapture"]
+
+#: The suffix of an update row's name (what ``tandv.quantities.log_update_ratio`` reads).
+UPDATE_SUFFIX = ".update"
+
+
+class UpdateCapture:
+    """The pair of optimizer hooks that logs one optimizer's updates; ``remove()`` them."""
+
+    def __init__(self, tracker: "Tracker", optimizer: torch.optim.Optimizer) -> None:
+        self._tracker = weakref.ref(tracker)
+        self._before: list[tuple[str, torch.nn.Module, torch.Tensor, torch.Tensor]] = []
+        self._handles = [optimizer.register_step_pre_hook(self._pre),
+                         optimizer.register_step_post_hook(self._post)]
+
+    def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        tr = self._tracker()
+        self._before = []
+        if tr is None or not tr._active:
+            return
+        with torch.no_grad():
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    known = tr._param_names.get(id(p))
+                    # (with step(closure) the gradients do not exist yet: frozen parameters,
+                    # requires_grad=False, are those an optimizer never moves)
+                    if (known is None or not p.requires_grad or not p.is_floating_point()
+                            or not tr._selected(*known)):
+                        continue
+                    self._before.append((known[0], known[1], p, p.detach().clone()))
+
+    def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        tr = self._tracker()
+        before, self._before = self._before, []
+        if tr is None or not tr._active or not before or tr.recorder is None:
+            return
+        with torch.no_grad():
+            for _, _, p, old in before:
+                torch.sub(p.detach(), old, out=old)  # the copy becomes after - before
+        items = [(f"{name}{UPDATE_SUFFIX}", WEIGHT, owner, d) for name, owner, _, d in before]
+        for entry in tr._summaries(items):
+            tr.recorder.add(*entry)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._before = []
