@@ -204,3 +204,24 @@ def test_report_of_a_minimal_custom_log():
     # 1 of the 8 counted values (2**-12) underflows float8_e4m3fn; none underflows e5m2.
     assert shares["float8_e4m3fn"]["Weight underflow"] == "12.5%"
     assert shares["float8_e5m2"]["Weight underflow"] == "0"
+
+
+def test_report_of_the_demo_has_update_ratios_and_taiyi_quantities(tmp_path):
+    from tandv.demos import torch_demo
+    from tandv.schema import read_log
+
+    log = torch_demo.run(steps=2, out=tmp_path / "log", seed=0, progress=False)
+    df = read_log(log)
+    text = write_report(df, tmp_path / "r.html").read_text(encoding="utf-8")
+    page = Page(text)
+    assert page.section_imgs["updates"] == 1 and page.section_imgs["taiyi"] == 1
+    # the update ratio at the last step, from the log's root-mean-squares: ||x|| = rm2 * sqrt(n)
+    meta, stats = df["metadata"], df["scalar_stats"]
+    last = meta["step"] == meta["step"].max()
+    norm = {(n, t): r * np.sqrt(k) for n, t, r, k in
+            zip(meta["name"][last], meta["tensor_type"][last], stats["rm2"][last], stats["numel"][last])}
+    ratios = [v / norm[(n[: -len(".update")], "Weight")] for (n, t), v in norm.items()
+              if t == "Weight" and n.endswith(".update")]
+    assert len(ratios) == sum(1 for _ in torch_demo.GPT(torch_demo.demo_config(11)).parameters())
+    assert f"the median is {np.median(ratios):.3g}" in text
+    assert "3 quantities of" in text

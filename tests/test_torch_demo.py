@@ -6,6 +6,7 @@ import torch
 from tandv.demos import torch_demo
 from tandv.demos.torch_gpt import GPT, GPTConfig
 from tandv.schema import read_log, read_scalars
+from tandv.taiyi import read_taiyi
 
 
 def test_demo_run_returns_a_log_with_every_tensor_type_at_every_step():
@@ -23,6 +24,12 @@ def test_demo_run_returns_a_log_with_every_tensor_type_at_every_step():
     scalars = read_scalars(path)
     assert list(scalars.columns) == ["step", "loss", "lr", "grad_norm"] and scalars["step"].tolist() == [0, 1, 2]
     assert (scalars["loss"] > 0).all() and (scalars["grad_norm"] > 0).all()
+    taiyi = read_taiyi(path)  # linear(10, 0): of steps 0..2 only step 0 fires
+    linears = {n for n, m in GPT(torch_demo.demo_config(11)).named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    assert set(taiyi["step"]) == {0} and set(taiyi["module"]) == linears
+    assert set(taiyi["quantity"]) == {"InputCovStableRank", "RankMe", "OutputGradSndNorm"}
+    assert (taiyi["value"] > 0).all()
 
 
 def test_demo_rejects_bad_steps():

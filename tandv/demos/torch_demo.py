@@ -1,5 +1,6 @@
 """``tandv demo``: train a small GPT on an embedded text for a few hundred steps on CPU,
-tracking activations, gradients, weights and optimizer state at every step.
+tracking activations, gradients, weights, optimizer state and updates at every step, the loss,
+learning rate and gradient norm beside them, and some of Taiyi's quantities every 10 steps.
 
 No downloads: the task is next-character prediction on a short text embedded below.
 :func:`run` returns the log's path; the CLI then prints a summary of the log.
@@ -13,10 +14,11 @@ from pathlib import Path
 
 import torch
 
+from ..taiyi.torch import Monitor
 from ..track.torch import track
 from .torch_gpt import GPT, GPTConfig
 
-__all__ = ["run", "TEXT", "DEFAULT_STEPS", "demo_config"]
+__all__ = ["run", "TEXT", "DEFAULT_STEPS", "TAIYI_CONFIG", "demo_config"]
 
 #: Default number of training steps of the demo.
 DEFAULT_STEPS = 300
@@ -40,6 +42,11 @@ lazy dog, and the lazy dog, unbothered, goes back to sleep in the afternoon sun.
 def demo_config(vocab_size: int) -> GPTConfig:
     """The demo's model: 2 layers, d_model 64, 4 heads, context 64."""
     return GPTConfig(vocab_size=vocab_size, seq_len=64, d_model=64, n_layers=2, n_heads=4, d_mlp=256)
+
+
+#: Taiyi's quantities the demo computes beside its log (Taiyi's config form), every 10 steps.
+TAIYI_CONFIG = {torch.nn.Linear: [["InputCovStableRank", "linear(10, 0)"], ["RankMe", "linear(10, 0)"],
+                                  ["OutputGradSndNorm", "linear(10, 0)"]]}
 
 
 def _batches(data: torch.Tensor, seq_len: int, batch: int, gen: torch.Generator):
@@ -94,12 +101,14 @@ def _train(steps: int, out: str | os.PathLike | None, seed: int, progress: bool)
 
         bar = tqdm(total=steps, desc="tandv demo", unit="step")
     t0 = time.perf_counter()
-    with track(model, opt, out=out, run_name="demo-torch", track_updates=True) as tracker:
+    with track(model, opt, out=out, run_name="demo-torch", track_updates=True) as tracker, \
+            Monitor(model, TAIYI_CONFIG, out=tracker) as monitor:
         for step in range(steps):
             x, y = next(batches)
             loss = model.loss(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            monitor.track(step)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             tracker.log_scalars(loss=loss, lr=sched.get_last_lr()[0], grad_norm=grad_norm)
             opt.step()

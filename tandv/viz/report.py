@@ -11,13 +11,14 @@ import html
 import io
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
 from ..analysis import exponent_range, first_nonfinite, format_shares, text_summary
+from ..quantities import log_update_ratio
 from ..schema import METADATA, NAME, SCALAR_STATS, STEP, TENSOR_TYPE, TENSOR_TYPES, run_record
 from ..schema.io import atomic_write
 from ._data import check_log, logged_scalars
@@ -34,6 +35,9 @@ MAX_HEATMAP_STEPS = 120
 #: Rows in the "widest or most worrying" table, and histograms drawn per tensor type.
 TOP_TENSORS = 10
 TOP_HISTOGRAMS = 4
+#: Lines drawn in the update-ratio figure and in each Taiyi panel (the largest at the last step).
+UPDATE_LINES = 12
+TAIYI_LINES = 8
 
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:2rem auto;max-width:1200px;
@@ -149,6 +153,79 @@ def _scalars(df: pd.DataFrame) -> str | None:
             f'last values: {html.escape(text)}.</p>' + _png(fig))
 
 
+def _lines(ax: Any, wide: pd.DataFrame, limit: int) -> str:
+    """Draw up to ``limit`` columns of ``wide`` (index: step) as lines on ``ax``, the columns
+    with the largest last values first; return a note on what was left out ("" if nothing)."""
+    last = wide.ffill().iloc[-1].sort_values(ascending=False, na_position="last")
+    shown = list(last.index[:limit])
+    for name in shown:
+        col = wide[name].dropna()
+        ax.plot(col.index.to_numpy(), col.to_numpy(dtype=np.float64), lw=1, label=str(name))
+    ax.grid(True, alpha=0.3)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=6, ncol=2)
+    left = len(wide.columns) - len(shown)
+    return f" ({left} more not drawn: the {limit} largest at the last step are)" if left else ""
+
+
+def _updates(df: pd.DataFrame) -> str | None:
+    """The update/weight ratio ``||update|| / ||W||`` per parameter over steps, from the
+    ``<param>.update`` rows of ``track(..., track_updates=True)``; ``None`` without them."""
+    if not df[(METADATA, NAME)].astype(str).str.endswith(".update").any():
+        return None
+    try:
+        ratio = log_update_ratio(df).dropna(subset=["exact"])
+    except ValueError:
+        return None
+    if ratio.empty:
+        return None
+    wide = ratio.pivot_table(index="step", columns="name", values="exact")
+    fig = Figure(figsize=(10, 3.6), layout="constrained")
+    ax = fig.subplots()
+    note = _lines(ax, wide, UPDATE_LINES)
+    ax.set_yscale("log")
+    ax.set_ylabel("||update|| / ||W||")
+    last = wide.ffill().iloc[-1].dropna()
+    text = (f"Relative size of each parameter's update (after minus before the optimizer step) "
+            f"for {len(wide.columns)} parameters{note}. At the last step the median is "
+            f"{last.median():.3g}, the range {last.min():.3g} .. {last.max():.3g} (around 1e-3 "
+            f"is the usual rule of thumb for Adam-style training).")
+    return f"<p>{html.escape(text)}</p>" + _png(fig)
+
+
+def _taiyi(df: pd.DataFrame) -> str | None:
+    """Taiyi's quantities written beside the log (``tandv.taiyi.Monitor``), a panel per
+    quantity and a line per module; ``None`` when the log has no such table."""
+    from ..schema.scalars import SOURCE_ATTR
+    from ..taiyi import read_taiyi
+
+    source = df.attrs.get(SOURCE_ATTR)
+    if not source:
+        return None
+    try:
+        table = read_taiyi(source)
+    except (OSError, ValueError):
+        return None
+    if table.empty:
+        return None
+    quantities = list(dict.fromkeys(table["quantity"]))
+    rows = (len(quantities) + 1) // 2
+    fig = Figure(figsize=(10, 2.8 * rows), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows, min(2, len(quantities)), squeeze=False).ravel())
+    notes = []
+    for ax, q in zip(axes, quantities):
+        wide = table[table["quantity"] == q].pivot_table(index="step", columns="module", values="value")
+        notes.append(_lines(ax, wide, TAIYI_LINES))
+        ax.set_title(q, fontsize=9)
+    for ax in axes[len(quantities):]:
+        ax.set_visible(False)
+    fig.suptitle("Taiyi quantities (tandv.taiyi.Monitor)")
+    text = (f"{len(quantities)} quantities of {table['module'].nunique()} modules at "
+            f"{table['step'].nunique()} steps; each is defined in tandv.taiyi.describe_quantities()"
+            + ("; some panels draw only the modules largest at the last step" if any(notes) else "") + ".")
+    return f"<p>{html.escape(text)}</p>" + _png(fig)
+
+
 def _shares(df: pd.DataFrame, formats: Sequence[str]) -> str:
     """Per tensor type the share of all logged values (every tensor, every step) that
     would underflow / overflow each format, then the worst tensors per format."""
@@ -241,10 +318,14 @@ def render_report(df: pd.DataFrame, title: str) -> str:
     bands = _png(percentile_bands(df, tts, col_wrap=2), dpi=80)
     esc = html.escape
     scalars = _scalars(df)
+    updates = _updates(df)
+    taiyi = _taiyi(df)
     sections = [
         ("overview", "Overview", _overview(df) + f"<pre>{esc(text_summary(df))}</pre>"),
         *([("scalars", "Training scalars", scalars)] if scalars is not None else []),
         ("nonfinite", "Where NaN/inf first appeared", _nonfinite(df)),
+        *([("updates", "Update/weight ratio", updates)] if updates is not None else []),
+        *([("taiyi", "Taiyi quantities", taiyi)] if taiyi is not None else []),
         ("formats", "Underflow and overflow in low-precision formats", _shares(df, REPORT_FORMATS)),
         ("ranges", "Widest or most worrying exponent ranges", range_table + "".join(hists)),
         ("heatmaps", f"{metric} per layer and step", "".join(heatmaps)),
