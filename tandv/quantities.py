@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
@@ -41,6 +41,8 @@ __all__ = [
     "noise_scale_from_microbatches",
     "NoiseScaleEMA",
     "noise_scale_fit",
+    "two_batch_estimate",
+    "smoothed_noise_scale",
 ]
 
 
@@ -228,10 +230,45 @@ def noise_scale(small_sq_norm: float, b_small: float, big_sq_norm: float, b_big:
         ``g2 = (b_big |G_big|^2 - b_small |G_small|^2) / (b_big - b_small)`` and
         ``trace = (|G_small|^2 - |G_big|^2) / (1/b_small - 1/b_big)``.
     """
+    g2, trace = two_batch_estimate(small_sq_norm, b_small, big_sq_norm, b_big)
+    return NoiseScaleEstimate(float(g2), float(trace))
+
+
+def two_batch_estimate(small_sq_norm: Any, b_small: float, big_sq_norm: Any, b_big: float
+                       ) -> tuple[Any, Any]:
+    """The formulas of :func:`noise_scale` on any numbers that support arithmetic (floats,
+    numpy or device arrays: a device tracker keeps its per-step estimates on the device,
+    with no synchronisation). Returns ``(g2, trace)`` of the inputs' type."""
     _check_batches(b_small, b_big)
     g2 = (b_big * big_sq_norm - b_small * small_sq_norm) / (b_big - b_small)
     trace = (small_sq_norm - big_sq_norm) / (1.0 / b_small - 1.0 / b_big)
-    return NoiseScaleEstimate(float(g2), float(trace))
+    return g2, trace
+
+
+def smoothed_noise_scale(scalars: pd.DataFrame, beta: float = 0.99, g2: str = "noise_g2",
+                         trace: str = "noise_trace") -> pd.Series:
+    """``B_simple`` per step from per-step ``|G|^2`` and ``tr(Sigma)`` estimates logged as
+    training scalars (e.g. by ``tandv.track.torch.GradientNoiseScale``), smoothed with
+    :class:`NoiseScaleEMA` (the ratio of the averages, as McCandlish et al. advise).
+
+    Arguments:
+        scalars: a table with a ``step`` column and the two estimate columns
+            (``tandv.read_scalars(log)``); steps without both estimates are skipped.
+        beta: the averages' decay per logged step.
+        g2, trace: the columns' names.
+
+    Returns:
+        A Series of ``B_simple`` indexed by step.
+    """
+    missing = [c for c in ("step", g2, trace) if c not in scalars.columns]
+    if missing:
+        raise ValueError(f"smoothed_noise_scale: the scalars have no column(s) {missing} "
+                         f"(columns: {list(scalars.columns)}); log them with GradientNoiseScale")
+    rows = scalars[["step", g2, trace]].dropna().sort_values("step")
+    ema = NoiseScaleEMA(beta)
+    values = [ema.update(NoiseScaleEstimate(float(a), float(b))).b_simple
+              for a, b in zip(rows[g2], rows[trace])]
+    return pd.Series(values, index=rows["step"].to_numpy(), name="b_simple", dtype=np.float64)
 
 
 def noise_scale_from_microbatches(micro_sq_norms: Sequence[float], micro_batch_size: int,

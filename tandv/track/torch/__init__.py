@@ -4,7 +4,8 @@ See :func:`track` for the options and :mod:`tandv.track.torch.tracker` for what 
 row of the log holds.
 """
 
+from .noise import GradientNoiseScale
 from .summary import dtype_name, summarize_torch
 from .tracker import StatFn, Tracker, track
 
-__all__ = ["track", "Tracker", "StatFn", "summarize_torch", "dtype_name"]
+__all__ = ["track", "Tracker", "StatFn", "GradientNoiseScale", "summarize_torch", "dtype_name"]
