@@ -51,7 +51,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +61,7 @@ from jax._src import core as _core
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import partial_eval as _pe
 
-from ._summary import DeviceSummary
+from ._summary import DeviceSummary, merge_jax
 
 __all__ = ["TRACKING", "Probe", "Mailboxes", "tap", "register", "interception", "ROOT_NAME", "acquire_nnx",
            "release_nnx", "tag_nnx_paths", "untag_nnx_paths", "current_scope", "Scope"]
@@ -178,7 +178,7 @@ class _Box:
     reports: list[tuple[str, str, Any, Any]]  # (tensor_type, dtype name, counts, values shapes)
     words: list[int]  # int32 words of each counts / values part, in order
     offset: int
-    rematerialized: bool  # inside jax.checkpoint: the forward pass runs again, writing again
+    rematerialized: bool  # inside jax.checkpoint or a loop: written more than once per step
 
 
 def _words(x: Any) -> Any:
@@ -240,11 +240,14 @@ class Mailboxes:
         return self._arena
 
     def post(self, name: str, module_type: str, reports: Reports, arena: Any = None,
-             remat: bool = False) -> bool:
+             remat: bool = False, merge: Sequence[str] | None = None) -> bool:
         """Write ``reports`` (traced) to a new mailbox; False where the arena has no room left
         (the caller then sends them by callback). ``arena``: the current arena as the traced
         function sees it, when it was passed in as an argument (by default it is closed over).
-        ``remat``: written inside ``jax.checkpoint`` (a second write per step is expected)."""
+        ``remat``: written inside ``jax.checkpoint`` (a second write per step is expected).
+        ``merge``: inside a loop body, the write merges into what the mailbox holds
+        (:func:`merge_jax`; the custom statistics' merge rules), so the mailbox ends the
+        step with the summary of every iteration; else it replaces it."""
         words = [w for _, _, s in reports for w in (_words(s.counts), _words(s.values))]
         size = 1 + sum(w.shape[0] for w in words)
         with self._lock:
@@ -254,13 +257,25 @@ class Mailboxes:
             offset = self._used
             self._used += size
             arena, generation = self._arena if arena is None else arena, self.generation
-        arena[offset:offset + size] = jnp.concatenate([(arena[offset] + 1).reshape(1), *words])
+        times = arena[offset]
+        if merge is not None:
+            old = arena[offset:offset + size]
+            at, words = 1, []
+            for _, _, s in reports:
+                parts = []
+                for part in (s.counts, s.values):
+                    n = _words(part).shape[0]
+                    parts.append(_traced_unwords(old[at:at + n], part))
+                    at += n
+                merged = merge_jax(DeviceSummary(*parts), s, merge)
+                words += [_words(jnp.where(times > 0, m, new)) for m, new in zip(merged, s)]
+        arena[offset:offset + size] = jnp.concatenate([(times + 1).reshape(1), *words])
         with self._lock:
             if generation == self.generation:
                 self._boxes.append(_Box(name, module_type, [
                     (t, str(d), jax.ShapeDtypeStruct(s.counts.shape, s.counts.dtype),
                      jax.ShapeDtypeStruct(s.values.shape, s.values.dtype)) for t, d, s in reports],
-                    [w.shape[0] for w in words], offset, remat))
+                    [w.shape[0] for w in words], offset, remat or merge is not None))
         return True
 
     def collect(self) -> list[tuple[str, str, str, str, DeviceSummary]]:
@@ -292,6 +307,14 @@ class Mailboxes:
                     at += n
                 out.append((box.name, box.module_type, tensor_type, dtype, DeviceSummary(*parts)))
         return out
+
+
+def _traced_unwords(words: Any, like: Any) -> Any:
+    """Traced inverse of :func:`_words`: the array of ``like``'s shape and dtype."""
+    dtype = jnp.dtype(like.dtype)
+    if dtype.itemsize == 8:
+        words = words.reshape(-1, 2)
+    return jax.lax.bitcast_convert_type(words, dtype).reshape(like.shape)
 
 
 def _unwords(words: np.ndarray, like: jax.ShapeDtypeStruct) -> np.ndarray:
@@ -329,13 +352,14 @@ class Probe:
         with contextlib.nullcontext() if below is None else _core.set_current_trace(below):
             self.emit([(tensor_type, whole.dtype, self.summarize(whole))], arena, remat)
 
-    def emit(self, reports: Reports, arena: Any = None, remat: bool = False) -> None:
+    def emit(self, reports: Reports, arena: Any = None, remat: bool = False, merge: bool = False) -> None:
         """Send ``(tensor_type, dtype, summary)`` reports to the tracker: directly when they are
-        concrete, else by mailbox (``arena``: see :meth:`Mailboxes.post`), else (no room left)
-        by host callback."""
+        concrete, else by mailbox (``arena``, ``merge``: see :meth:`Mailboxes.post`), else (no
+        room left) by host callback."""
         tracker = _TRACKERS.get(self.token)
         if (_is_traced(reports) and tracker is not None
-                and tracker._mailboxes.post(self.name, self.module_type, reports, arena, remat)):
+                and tracker._mailboxes.post(self.name, self.module_type, reports, arena, remat,
+                                            [rule for _, rule in tracker._extras] if merge else None)):
             return
         self.send(reports)
 
@@ -382,15 +406,17 @@ def tap(probe: Probe, x: jax.Array) -> jax.Array:
     the ``custom_vjp`` rules (see :func:`_callback_tap`); under ``jax.vmap``, summaries are
     of the whole batched array (see :meth:`Probe.summary`)."""
     scope = current_scope()
-    if scope.loop or scope.manual or scope.restaged:
-        if scope.manual:
-            probe = dataclasses.replace(probe, manual=True)
-        return _callback_tap(probe, x)
+    if scope.manual:
+        return _callback_tap(dataclasses.replace(probe, manual=True), x)
+    tracker = _TRACKERS.get(probe.token)
+    if scope.loop or scope.restaged:
+        if tracker is None or tracker._mailboxes.arena is None:
+            return _callback_tap(probe, x)
+        return _loop_tap(probe, tracker._mailboxes.arena, x)
     if probe.forward:
         probe.report("Activation", jax.lax.stop_gradient(x), remat=scope.remat)
     if not probe.backward:
         return x
-    tracker = _TRACKERS.get(probe.token)
     if tracker is not None and tracker._mailboxes.arena is not None and scope.remat:
         return _cotangent_tap_ref(probe, tracker._mailboxes.arena, x)
     return _cotangent_tap(probe, x)
@@ -430,6 +456,40 @@ def _cotangent_ref_bwd(probe: Probe, arena: Any, g: jax.Array) -> tuple[None, ja
 
 
 _cotangent_tap_ref.defvjp(_cotangent_ref_fwd, _cotangent_ref_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _loop_tap(probe: Probe, arena: Any, x: jax.Array) -> jax.Array:  # the primal: not differentiated
+    """:func:`tap` inside a loop body: each iteration's summaries merge into a mailbox of
+    ``arena`` (received as an argument: a ref closed over by a differentiated loop body
+    cannot be written by its backward rule, one passed through the ``custom_vjp`` can).
+
+    When the body is differentiated, the activation's summary rides to the backward rule as
+    a residual and is written there with the cotangent's: the forward rule runs again
+    where the body is rematerialized (``nn.scan(nn.remat(...))``), the backward rule once
+    per iteration."""
+    if probe.forward:
+        dtype, summary, _ = probe.summary(x)
+        probe.emit([("Activation", dtype, summary)], arena, merge=True)
+    return x
+
+
+def _loop_fwd(probe: Probe, arena: Any, x: jax.Array) -> tuple[jax.Array, Any]:
+    return x, (arena, probe.summary(x)[1] if probe.forward else None)
+
+
+def _loop_bwd(probe: Probe, res: Any, g: jax.Array) -> tuple[None, jax.Array]:
+    arena, activation = res
+    reports: Reports = [] if activation is None else [("Activation", g.dtype, activation)]
+    if probe.backward:
+        dtype, summary, _ = probe.summary(g)
+        reports.append(("Gradient", dtype, summary))
+    if reports:
+        probe.emit(reports, arena, merge=True)
+    return None, g
+
+
+_loop_tap.defvjp(_loop_fwd, _loop_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -22,7 +22,7 @@ import numpy as np
 from ...stats.summary import CORE_FIELDS, POWERS, Layout
 
 __all__ = ["DeviceSummary", "summarize_jax", "summarize_many_jax", "to_vector", "with_custom", "CustomStat",
-           "histogram_by_matmul"]
+           "histogram_by_matmul", "merge_jax"]
 
 #: A custom statistic: a traceable function of the array returning a scalar.
 CustomStat = Callable[[jax.Array], Any]
@@ -321,6 +321,52 @@ def _summarize_rows(block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: L
     counts = jnp.concatenate([jnp.stack([numel, n_nan, n_inf, n_zero], axis=1), bins], axis=1)
     values = jnp.stack([vmin, vmax, min_abs, s, mean, m2, *sums[2:]], axis=1)
     return counts, values
+
+
+def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> DeviceSummary:
+    """The summary of the union of two arrays' elements from their summaries, on device
+    (traceable): :func:`tandv.stats.summary.merge` in the summaries' own float type.
+
+    Counts, extrema and exponent counts merge exactly; the mean, the centred second moment
+    (Chan's update) and the power sums are rescaled from each part's largest magnitude to
+    the merged one. ``rules``: the merge rule of each custom statistic (``"sum"``, ``"min"``,
+    ``"max"``, ``"mean"``: weighted by element count), in the values' order.
+
+    Why on device: a tap inside a loop body (``lax.scan``, ``nn.scan``) writes its mailbox
+    once per iteration, and each write merges into what the mailbox holds, so one summary
+    of all iterations leaves the program."""
+    ca, cb = a.counts, b.counts
+    va, vb = a.values, b.values
+    counts = ca + cb
+    na = (ca[0] - ca[1] - ca[2]).astype(va.dtype)
+    nb = (cb[0] - cb[1] - cb[2]).astype(va.dtype)
+    n = na + nb
+    lo = jnp.minimum(va[:4], vb[:4])
+    hi = jnp.maximum(va[:4], vb[:4])
+    vmin, vmax, min_abs, s = lo[0], hi[1], lo[2], hi[3]
+    scale = jnp.where(s > 0, s, 1)
+    ra, rb = va[3] / scale, vb[3] / scale
+    delta = vb[4] / scale - va[4] / scale  # scaled before subtracting: no overflow
+    has = n > 0
+    safe = jnp.where(has, n, 1)
+    mean = jnp.where(has, va[4] + delta * (nb / safe) * scale, va[4])
+    m2 = jnp.where(has, va[5] * ra**2 + vb[5] * rb**2 + delta**2 * (na * (nb / safe)), va[5])
+    powers = [va[6 + i] * ra**k + vb[6 + i] * rb**k for i, k in enumerate(POWERS)]
+    extras = []
+    wa, wb = ca[0].astype(va.dtype), cb[0].astype(va.dtype)
+    for j, rule in enumerate(rules):
+        i = _N_FLOAT + j
+        if rule == "min":
+            extras.append(jnp.minimum(va[i], vb[i]))
+        elif rule == "max":
+            extras.append(jnp.maximum(va[i], vb[i]))
+        elif rule == "sum":
+            extras.append(va[i] + vb[i])
+        else:
+            total = wa + wb
+            extras.append(jnp.where(total > 0, (va[i] * wa + vb[i] * wb) / jnp.where(total > 0, total, 1), 0))
+    values = jnp.stack([vmin, vmax, min_abs, s, mean, m2, *powers, *extras]).astype(va.dtype)
+    return DeviceSummary(counts, values)
 
 
 def to_vector(summary: DeviceSummary) -> np.ndarray:
