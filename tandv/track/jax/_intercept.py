@@ -63,7 +63,7 @@ from jax._src.interpreters import partial_eval as _pe
 
 from ._summary import DeviceSummary, merge_jax
 
-__all__ = ["TRACKING", "Probe", "Mailboxes", "tap", "register", "interception", "ROOT_NAME", "acquire_nnx",
+__all__ = ["TRACKING", "Probe", "Mailboxes", "MailRead", "tap", "register", "interception", "ROOT_NAME", "acquire_nnx",
            "release_nnx", "tag_nnx_paths", "untag_nnx_paths", "current_scope", "Scope"]
 
 #: The jit-cache-sensitive switch: while a tracker intercepts, a tuple that starts with its
@@ -278,34 +278,67 @@ class Mailboxes:
                     [w.shape[0] for w in words], offset, remat or merge is not None))
         return True
 
-    def collect(self) -> list[tuple[str, str, str, str, DeviceSummary]]:
-        """``(name, module_type, tensor_type, dtype, summary)`` of every mailbox written since
-        the last collection (one jitted read, which waits for the computations that write)."""
+    def read(self) -> "MailRead | None":
+        """Read every mailbox written since the last read, and clear them, in one jitted call
+        (ordered after the computations that write them), and start copying the words to
+        the host without waiting; None when no mailbox was traced."""
         with self._lock:
             boxes, arena = list(self._boxes), self._arena
         if not boxes:
-            return []
-        got = jax.device_get(self._read(arena))
-        out = []
-        for box in boxes:
+            return None
+        words = self._read(arena)
+        words.copy_to_host_async()
+        return MailRead(boxes, words, self._warned)
+
+
+class MailRead:
+    """One read of the mailboxes: the words on their way to the host, decoded on first use
+    (after the next step has been queued: reading them then does not stall the device)."""
+
+    def __init__(self, boxes: list[_Box], words: Any, warned: set[str]) -> None:
+        self.boxes = boxes
+        self._words = words
+        self._warned = warned
+        self._decoded: list[list[DeviceSummary] | None] | None = None
+
+    def reports(self) -> list[tuple[int, int, str, str, str, str]]:
+        """``(box, report, name, module_type, tensor_type, dtype)`` of every report a mailbox
+        may hold (known without the words: from the trace)."""
+        return [(i, j, box.name, box.module_type, tensor_type, dtype)
+                for i, box in enumerate(self.boxes) for j, (tensor_type, dtype, _, _) in enumerate(box.reports)]
+
+    def summary(self, box: int, report: int) -> DeviceSummary | None:
+        """The summary of report ``report`` of mailbox ``box``; None when the computation did
+        not write that mailbox (a tap removed as dead code, a branch not taken)."""
+        if self._decoded is None:
+            self._decoded = self._decode(np.asarray(self._words))
+        got = self._decoded[box]
+        return None if got is None else got[report]
+
+    def _decode(self, got: np.ndarray) -> list[list[DeviceSummary] | None]:
+        out: list[list[DeviceSummary] | None] = []
+        for box in self.boxes:
             at = box.offset
             times = int(got[at])
             if times == 0:
+                out.append(None)
                 continue
             if times > 1 and not box.rematerialized and box.name not in self._warned:
                 self._warned.add(box.name)
                 warnings.warn(f"tandv: the output of module {box.name!r} was summarized {times} times in one "
                               f"step at one place in the program (a loop tandv did not recognize?); its rows "
-                              f"hold the last one", RuntimeWarning, stacklevel=3)
+                              f"hold the last one", RuntimeWarning, stacklevel=4)
             at += 1
             sizes = iter(box.words)
-            for tensor_type, dtype, counts, values in box.reports:
+            summaries = []
+            for _, _, counts, values in box.reports:
                 parts = []
                 for like in (counts, values):
                     n = next(sizes)
                     parts.append(_unwords(got[at:at + n], like))
                     at += n
-                out.append((box.name, box.module_type, tensor_type, dtype, DeviceSummary(*parts)))
+                summaries.append(DeviceSummary(*parts))
+            out.append(summaries)
         return out
 
 

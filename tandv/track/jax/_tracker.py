@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence, TypeVar
@@ -17,7 +18,7 @@ from ...stats.summary import Layout
 from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
 from ..common.custom import StatsSpec, parse_custom_stats
 from . import _ffi
-from ._intercept import (ROOT_NAME, Mailboxes, Probe, acquire_nnx, interception, register, release_nnx, tag_nnx_paths,
+from ._intercept import (ROOT_NAME, MailRead, Mailboxes, Probe, acquire_nnx, interception, register, release_nnx, tag_nnx_paths,
                          tap, untag_nnx_paths)
 from ._summary import CustomStat, DeviceSummary, summarize_jax, summarize_many_jax, to_vector, with_custom
 from ._trees import Leaf, collection_leaves, is_float_array, key_name, optimizer_state_leaves, param_leaves
@@ -76,10 +77,32 @@ def _replicated(devices: list[Any]) -> Any:
     return NamedSharding(Mesh(np.array(devices), ("tandv",)), PartitionSpec())
 
 
+class _Mail(NamedTuple):
+    """Report ``report`` of mailbox ``box`` in a :class:`MailRead` (a tap's summary)."""
+
+    read: MailRead
+    box: int
+    report: int
+
+    def summary(self) -> DeviceSummary | None:
+        return self.read.summary(self.box, self.report)
+
+
+def _start_copies(summaries: Sequence[Any]) -> None:
+    """Start copying the step-time stacks among ``summaries`` to the host (no waiting)."""
+    seen: set[int] = set()
+    for s in summaries:
+        if isinstance(s, _StackRow) and id(s.stack) not in seen:
+            seen.add(id(s.stack))
+            for part in s.stack:
+                part.copy_to_host_async()
+
+
 def _to_host(summaries: list[Any]) -> list[np.ndarray]:
-    """Summary vectors of one step's observations, fetched with one ``jax.device_get``:
-    stacked step-time summaries (:class:`_StackRow`); tap summaries and the host kernel's
-    vectors are on the host already."""
+    """Summary vectors of one step's observations, whose copies to the host were started
+    at the end of the step: stacked step-time summaries (:class:`_StackRow`), tap summaries
+    from mailboxes (:class:`_Mail`) or delivered directly; the host kernel's vectors are on
+    the host already."""
     stacks = {id(s.stack): s.stack for s in summaries if isinstance(s, _StackRow)}
     fetched = dict(zip(stacks, jax.device_get(list(stacks.values()))))
     out = []
@@ -90,6 +113,8 @@ def _to_host(summaries: list[Any]) -> list[np.ndarray]:
         if isinstance(s, _StackRow):
             counts, values = fetched[id(s.stack)]
             s = DeviceSummary(counts[s.row], values[s.row])
+        elif isinstance(s, _Mail):
+            s = s.summary()
         out.append(to_vector(s))
     return out
 
@@ -266,6 +291,8 @@ class JaxTracker:
         self._on_cpu = False
         self._intercepted = False  # whether intercept() ran in the current step
         self._next_weights: list[tuple[Leaf, Any, _StackRow]] = []
+        #: Ended steps whose summaries are on their way to the host: (step, observations).
+        self._flights: collections.deque[tuple[int, list[Any]]] = collections.deque()
         self._nnx_tagged: list[Any] = []
         self.step_count = 0
         self._recorder = StepRecorder(out, out_format, run_name, flush_every=flush_every, verbose=verbose,
@@ -287,15 +314,29 @@ class JaxTracker:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def _land(self, before: int | None = None) -> None:
+        """Record the steps ended before step ``before`` (all with None), in order: their
+        summaries' copies to the host were started when they ended, and the device has the
+        later steps queued, so waiting for them here does not leave it idle."""
+        while self._flights and (before is None or self._flights[0][0] < before):
+            step, pending = self._flights.popleft()
+            # a mailbox the computation did not write holds no observation
+            pending = [p for p in pending if not isinstance(p[2], _Mail) or p[2].summary() is not None]
+            self._recorder.commit(step, pending, _to_host)
+
     def close(self) -> os.PathLike:
         """Write what is buffered and finish the log (idempotent); returns its path.
 
         An unfinished step (intercepted but not closed by :meth:`step`) is dropped."""
         if not self._recorder.closed:
-            release_nnx()
-            untag_nnx_paths(self._nnx_tagged)
-            self._nnx_tagged = []
-        self._recorder.close()
+            try:
+                self._land()
+            finally:
+                self._flights.clear()
+                release_nnx()
+                untag_nnx_paths(self._nnx_tagged)
+                self._nnx_tagged = []
+                self._recorder.close()
         return self.out_path
 
     @property
@@ -425,8 +466,12 @@ class JaxTracker:
                     "track_activations=False, track_gradients=False to keep the other rows") from e
 
     def _collect_mailboxes(self) -> None:
-        for report in self._mailboxes.collect():
-            self._receive(*report)
+        """Read the mailboxes (their copy to the host starts now; they are decoded when the
+        step is recorded) and add each report as an observation of the current step."""
+        read = self._mailboxes.read()
+        if read is not None:
+            for box, report, name, module_type, tensor_type, dtype in read.reports():
+                self._receive(name, module_type, tensor_type, dtype, _Mail(read, box, report))
 
     def _on_output(self, name: str, cls: type, out: Any) -> Any:
         """Wrap the float leaves of one module output in taps (called while tracing)."""
@@ -445,10 +490,9 @@ class JaxTracker:
             wrapped.append(leaf)
         return jax.tree_util.tree_unflatten(treedef, wrapped)
 
-    def _receive(self, name: str, module_type: str, tensor_type: str, dtype: str,
-                 summary: DeviceSummary) -> None:
+    def _receive(self, name: str, module_type: str, tensor_type: str, dtype: str, summary: Any) -> None:
         """A tap's summary arriving from the device (directly, from a mailbox or from the tap's
-        ``io_callback``)."""
+        host callback)."""
         if not self._recorder.closed:
             self._recorder.add(TensorKey(name, tensor_type, module_type, format_name(dtype)),
                                self._layout(dtype), summary)
@@ -587,7 +631,10 @@ class JaxTracker:
                 self._recorder.add(self._key(leaf, WEIGHT, dtype), self._layout(dtype), s)
             for (leaf, tt, a), s in zip(named, summaries):
                 self._recorder.add(self._key(leaf, tt, a.dtype), self._layout(a.dtype), s)
-            self._recorder.end_step(k, _to_host)
+            pending = self._recorder.take()
+            _start_copies([p[2] for p in pending])
+            self._flights.append((k, pending))
+            self._land(k)
         else:
             self._recorder.discard()
         self._used_callbacks = False
