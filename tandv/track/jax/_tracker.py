@@ -20,6 +20,7 @@ from ..common.custom import StatsSpec, parse_custom_stats
 from . import _ffi
 from ._intercept import (ROOT_NAME, MailRead, Mailboxes, Probe, acquire_nnx, interception, register, release_nnx, tag_nnx_paths,
                          tap, untag_nnx_paths)
+from ._pallas import pallas_summary
 from ._summary import CustomStat, DeviceSummary, summarize_jax, summarize_many_jax, to_vector, with_custom
 from ._trees import Leaf, collection_leaves, is_float_array, key_name, optimizer_state_leaves, param_leaves
 
@@ -29,6 +30,19 @@ T = TypeVar("T")
 _tokens = itertools.count(1)
 #: Arrays with at least this many elements are summarized by a program of their own.
 _OWN_PROGRAM_SIZE = 1 << 16
+#: Which summary computation serves, read when a tracker is made (tests set it to run the
+#: accelerators' path on the CPU), also from the environment variable ``TANDV_JAX_SUMMARY``:
+#:
+#: - ``"auto"``: on the CPU, the host kernel (inside the program for taps, reading the
+#:   buffers for step-time arrays); elsewhere XLA's summary operations, and on CUDA GPUs the
+#:   fused Pallas kernel for arrays of at least :data:`FUSED_SIZE` elements.
+#: - ``"xla"``: XLA's summary operations everywhere, all in programs (no host kernel).
+#: - ``"pallas"``: the fused Pallas kernel for every array everywhere (interpreted on the
+#:   CPU: slow, for tests), all in programs.
+SUMMARY_PATH = os.environ.get("TANDV_JAX_SUMMARY", "auto")
+_PATHS = ("auto", "xla", "pallas")
+#: Arrays with at least this many elements go through the fused kernel on CUDA GPUs.
+FUSED_SIZE = 1 << 16
 #: Threads the host kernel uses. One: with two (numba's threads), the kernel itself ran
 #: faster, but those threads kept a core busy into the next XLA update, and tracked steps of
 #: the MLP benchmark took longer (28.2-28.4 ms against 25.5-26.4 ms, instrumented runs).
@@ -283,6 +297,9 @@ class JaxTracker:
         # Taps call a jitted summary: compiled once per shape and dtype when the update runs
         # eagerly, and traced once per shape (then inlined) when it is jitted. On the CPU it
         # is the host kernel called from inside the program (see ``_ffi``).
+        if SUMMARY_PATH not in _PATHS:
+            raise ValueError(f"tandv: TANDV_JAX_SUMMARY={SUMMARY_PATH!r}: expected one of {_PATHS}")
+        self._path = SUMMARY_PATH
         self._summarize_xla = jax.jit(self._summarize)
         self._summarize_cpu = jax.jit(self._summarize_in_program)
         self._mailboxes = Mailboxes()
@@ -359,7 +376,20 @@ class JaxTracker:
         return layout
 
     def _summarize(self, x: jax.Array) -> DeviceSummary:
-        return summarize_jax(x, self._layout(x.dtype), self._custom)
+        """Traceable summary of ``x`` off the host kernel: XLA's operations, or the fused
+        Pallas kernel (see :data:`SUMMARY_PATH`; float64 always takes XLA's)."""
+        layout = self._layout(x.dtype)
+        if jnp.dtype(x.dtype) == jnp.float64 or (self._path != "pallas" and x.size < FUSED_SIZE):
+            return summarize_jax(x, layout, self._custom)
+
+        def fused(a: jax.Array, interpret: bool | None = None) -> DeviceSummary:
+            core = pallas_summary(a, layout.format, layout.num_counts, interpret=interpret)
+            return with_custom(core, a, self._custom)
+
+        if self._path == "pallas":
+            return fused(x)
+        return jax.lax.platform_dependent(x, cuda=lambda a: fused(a, False),
+                                          default=lambda a: summarize_jax(a, layout, self._custom))
 
     def _summarize_in_program(self, x: jax.Array) -> DeviceSummary:
         """Traceable summary for XLA:CPU: the host kernel as a custom call (float64 arrays
@@ -385,11 +415,11 @@ class JaxTracker:
             layout = self._layout(dtype)
             # Large arrays run faster through their own program (no copy into a shared
             # block); small ones share one, which keeps compile time down.
-            small = [i for i in idx if arrays[i].size < _OWN_PROGRAM_SIZE]
+            small = [i for i in idx if arrays[i].size < _OWN_PROGRAM_SIZE and self._path != "pallas"]
             parts = dict(zip(small, summarize_many_jax([arrays[i] for i in small], layout, self._custom)))
             for i in idx:
                 if i not in parts:
-                    parts[i] = summarize_jax(arrays[i], layout, self._custom)
+                    parts[i] = self._summarize(arrays[i])
             out.append((jnp.stack([parts[i].counts for i in idx]), jnp.stack([parts[i].values for i in idx])))
         return out
 
@@ -401,7 +431,7 @@ class JaxTracker:
         vectors. The others start on device, in one jitted call: stack rows that
         :func:`_to_host` fetches at the end of the step."""
         rows: list[Any] = [None] * len(arrays)
-        if not self._custom:
+        if not self._custom and self._path == "auto":
             placements: dict[int, bool] = {}
             for dtype, idx in self._groups(arrays):
                 idx = [i for i in idx if _in_host_memory(arrays[i], placements)]
@@ -449,7 +479,7 @@ class JaxTracker:
         devices = _devices_of((args, kwargs))
         # The update runs where its arrays are (JAX's default backend when it is given none).
         platforms = {d.platform for d in devices} or {jax.default_backend()}
-        self._on_cpu = platforms == {"cpu"} and _ffi.available()
+        self._on_cpu = platforms == {"cpu"} and self._path == "auto" and _ffi.available()
         if self._intercepted:  # a second call in this step (e.g. gradient accumulation): the
             self._collect_mailboxes()  # first one's mailboxes are read before they are reused
         self._mailboxes.prepare(_replicated(devices))
