@@ -169,10 +169,18 @@ def test_loops_report_through_mailboxes_and_each_program_compiles_once(tmp_path,
     assert sorted(set(df[("metadata", "step")])) == [0, 2, 4]
 
 
-def test_step_does_not_wait_for_its_summaries(tmp_path, accelerator_path):
-    """tracker.step() starts the copies of the step's summaries and returns: they are read
-    (decoded) when the next tracked step ends or the tracker closes, and the rows are the
-    same as if they had been read at once."""
+def test_step_does_not_wait_for_its_summaries(tmp_path, accelerator_path, monkeypatch):
+    """tracker.step() starts one copy of all the step's summaries (mailboxes, weights,
+    gradients) and returns: they are read (decoded) when the next tracked step ends or the
+    tracker closes, and the rows are those of the values computed here."""
+    transfers = []
+
+    class Counted(_tracker._Transfer):
+        def __init__(self, arrays):
+            transfers.append(len(arrays))
+            super().__init__(arrays)
+
+    monkeypatch.setattr(_tracker, "_Transfer", Counted)
     model = nn.Dense(3)
     x, _ = data()
     params = model.init(jax.random.key(1), x)
@@ -180,13 +188,15 @@ def test_step_does_not_wait_for_its_summaries(tmp_path, accelerator_path):
     with track(params, out=tmp_path / "log", verbose=False) as tracker:
         grads = tracker.intercept(update, params, x)
         tracker.step(params, gradients=grads)
-        (step, pending), = tracker._flights
+        # one transfer: the mailbox words, the weights' and the gradients' counts and values
+        assert transfers == [5]
+        (step, pending, _), = tracker._flights
         mail = [s for _, _, s in pending if isinstance(s, _tracker._Mail)]
         assert step == 0 and len(mail) == 2  # the root's activation and gradient
         assert mail[0].read._decoded is None  # not read yet
         grads = tracker.intercept(update, params, x)
         tracker.step(params, gradients=grads)
-        assert [s for s, _ in tracker._flights] == [1]  # step 0 recorded
+        assert [s for s, _, _ in tracker._flights] == [1]  # step 0 recorded
         assert mail[0].read._decoded is not None
     df = read_log(tmp_path / "log")
     out = np.asarray(model.apply(params, x), np.float64)
@@ -196,6 +206,8 @@ def test_step_does_not_wait_for_its_summaries(tmp_path, accelerator_path):
         assert r[("scalar_stats", "mean")] == pytest.approx(out.mean(), rel=1e-5)
         r = row(df, "root", "Gradient", step)
         assert r[("scalar_stats", "mean")] == pytest.approx((2 * out).mean(), rel=1e-5)
+        assert_row_matches(df, "kernel", "Weight", step, params["params"]["kernel"])
+        assert_row_matches(df, "kernel", "Gradient", step, grads["params"]["kernel"])
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

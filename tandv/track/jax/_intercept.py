@@ -280,15 +280,13 @@ class Mailboxes:
 
     def read(self) -> "MailRead | None":
         """Read every mailbox written since the last read, and clear them, in one jitted call
-        (ordered after the computations that write them), and start copying the words to
-        the host without waiting; None when no mailbox was traced."""
+        (ordered after the computations that write them; nothing waits); None when no
+        mailbox was traced."""
         with self._lock:
             boxes, arena = list(self._boxes), self._arena
         if not boxes:
             return None
-        words = self._read(arena)
-        words.copy_to_host_async()
-        return MailRead(boxes, words, self._warned)
+        return MailRead(boxes, self._read(arena), self._warned)
 
 
 class MailRead:
@@ -297,9 +295,15 @@ class MailRead:
 
     def __init__(self, boxes: list[_Box], words: Any, warned: set[str]) -> None:
         self.boxes = boxes
-        self._words = words
+        #: The words, a device array (fetched by :meth:`fetch_from`'s function if one is set).
+        self.words = words
         self._warned = warned
+        self._fetch: Callable[[], np.ndarray] | None = None
         self._decoded: list[list[DeviceSummary] | None] | None = None
+
+    def fetch_from(self, fetch: Callable[[], np.ndarray]) -> None:
+        """Take the words from ``fetch()`` (the host copy of the step's one transfer)."""
+        self._fetch = fetch
 
     def reports(self) -> list[tuple[int, int, str, str, str, str]]:
         """``(box, report, name, module_type, tensor_type, dtype)`` of every report a mailbox
@@ -311,7 +315,8 @@ class MailRead:
         """The summary of report ``report`` of mailbox ``box``; None when the computation did
         not write that mailbox (a tap removed as dead code, a branch not taken)."""
         if self._decoded is None:
-            self._decoded = self._decode(np.asarray(self._words))
+            self._decoded = self._decode(self._fetch() if self._fetch is not None else np.asarray(self.words))
+            self.words = None
         got = self._decoded[box]
         return None if got is None else got[report]
 

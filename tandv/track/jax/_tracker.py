@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import os
 from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence, TypeVar
@@ -102,31 +103,78 @@ class _Mail(NamedTuple):
         return self.read.summary(self.box, self.report)
 
 
-def _start_copies(summaries: Sequence[Any]) -> None:
-    """Start copying the step-time stacks among ``summaries`` to the host (no waiting)."""
-    seen: set[int] = set()
+def _pack_words(arrays: list[Any]) -> Any:
+    """The bits of ``arrays`` (4- or 8-byte elements) as one flat int32 vector."""
+    return jnp.concatenate([jax.lax.bitcast_convert_type(a, jnp.int32).reshape(-1) for a in arrays])
+
+
+_pack = jax.jit(_pack_words)
+
+
+class _Transfer:
+    """A step's summaries still on devices (step-time stacks, mailbox words), packed by one
+    jitted call into one int32 array whose copy to the host starts at once, without waiting:
+    one transfer per tracked step. Read on the first :meth:`get` (at the next tracked step).
+    Arrays on different sets of devices (which one program cannot take) are copied apart."""
+
+    def __init__(self, arrays: list[Any]) -> None:
+        self._likes = [(a.shape, np.dtype(a.dtype)) for a in arrays]
+        self._one = len({frozenset(a.sharding.device_set) for a in arrays}) == 1
+        self._device: list[Any] | None = [_pack(arrays)] if self._one else list(arrays)
+        for part in self._device:
+            part.copy_to_host_async()
+        self._host: list[np.ndarray] | None = None
+
+    def get(self, i: int) -> np.ndarray:
+        """The host copy of array ``i`` (waits for the copy the first time)."""
+        if self._host is None:
+            assert self._device is not None
+            if self._one:
+                flat, at, self._host = np.asarray(self._device[0]), 0, []
+                for shape, dtype in self._likes:
+                    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // 4
+                    self._host.append(flat[at:at + n].view(dtype).reshape(shape))
+                    at += n
+            else:
+                self._host = [np.asarray(part) for part in self._device]
+            self._device = None
+        return self._host[i]
+
+
+def _send(summaries: Sequence[Any]) -> dict[int, tuple[_Transfer, int]]:
+    """Start the one transfer of a step's device summaries: each step-time stack's parts and
+    each mailbox read go into it. Returns where each stack's counts lie in it (by ``id``)."""
+    arrays: list[Any] = []
+    stacks: dict[int, tuple[Any, int]] = {}
+    reads: dict[int, tuple[MailRead, int]] = {}
     for s in summaries:
-        if isinstance(s, _StackRow) and id(s.stack) not in seen:
-            seen.add(id(s.stack))
-            for part in s.stack:
-                part.copy_to_host_async()
+        if isinstance(s, _StackRow) and id(s.stack) not in stacks:
+            stacks[id(s.stack)] = (s.stack, len(arrays))
+            arrays += list(s.stack)
+        elif isinstance(s, _Mail) and id(s.read) not in reads:
+            reads[id(s.read)] = (s.read, len(arrays))
+            arrays.append(s.read.words)
+    if not arrays:
+        return {}
+    transfer = _Transfer(arrays)
+    for read, i in reads.values():
+        read.fetch_from(functools.partial(transfer.get, i))
+    return {key: (transfer, i) for key, (_, i) in stacks.items()}
 
 
-def _to_host(summaries: list[Any]) -> list[np.ndarray]:
-    """Summary vectors of one step's observations, whose copies to the host were started
-    at the end of the step: stacked step-time summaries (:class:`_StackRow`), tap summaries
-    from mailboxes (:class:`_Mail`) or delivered directly; the host kernel's vectors are on
-    the host already."""
-    stacks = {id(s.stack): s.stack for s in summaries if isinstance(s, _StackRow)}
-    fetched = dict(zip(stacks, jax.device_get(list(stacks.values()))))
+def _to_host(summaries: list[Any], stacks: dict[int, tuple[_Transfer, int]]) -> list[np.ndarray]:
+    """Summary vectors of one step's observations, from the step's transfer (see
+    :func:`_send`): step-time stacks (:class:`_StackRow`, ``stacks``: where each lies),
+    tap summaries from mailboxes (:class:`_Mail`) or delivered directly; the host kernel's
+    vectors are on the host already."""
     out = []
     for s in summaries:
         if isinstance(s, np.ndarray):
             out.append(s)
             continue
         if isinstance(s, _StackRow):
-            counts, values = fetched[id(s.stack)]
-            s = DeviceSummary(counts[s.row], values[s.row])
+            transfer, i = stacks[id(s.stack)]
+            s = DeviceSummary(transfer.get(i)[s.row], transfer.get(i + 1)[s.row])
         elif isinstance(s, _Mail):
             s = s.summary()
         out.append(to_vector(s))
@@ -308,8 +356,9 @@ class JaxTracker:
         self._on_cpu = False
         self._intercepted = False  # whether intercept() ran in the current step
         self._next_weights: list[tuple[Leaf, Any, _StackRow]] = []
-        #: Ended steps whose summaries are on their way to the host: (step, observations).
-        self._flights: collections.deque[tuple[int, list[Any]]] = collections.deque()
+        #: Ended steps whose summaries are on their way to the host: (step, observations,
+        #: where the step-time stacks lie in the step's transfer).
+        self._flights: collections.deque[tuple[int, list[Any], dict[int, Any]]] = collections.deque()
         self._nnx_tagged: list[Any] = []
         self.step_count = 0
         self._recorder = StepRecorder(out, out_format, run_name, flush_every=flush_every, verbose=verbose,
@@ -336,10 +385,10 @@ class JaxTracker:
         summaries' copies to the host were started when they ended, and the device has the
         later steps queued, so waiting for them here does not leave it idle."""
         while self._flights and (before is None or self._flights[0][0] < before):
-            step, pending = self._flights.popleft()
+            step, pending, stacks = self._flights.popleft()
             # a mailbox the computation did not write holds no observation
             pending = [p for p in pending if not isinstance(p[2], _Mail) or p[2].summary() is not None]
-            self._recorder.commit(step, pending, _to_host)
+            self._recorder.commit(step, pending, functools.partial(_to_host, stacks=stacks))
 
     def close(self) -> os.PathLike:
         """Write what is buffered and finish the log (idempotent); returns its path.
@@ -662,8 +711,7 @@ class JaxTracker:
             for (leaf, tt, a), s in zip(named, summaries):
                 self._recorder.add(self._key(leaf, tt, a.dtype), self._layout(a.dtype), s)
             pending = self._recorder.take()
-            _start_copies([p[2] for p in pending])
-            self._flights.append((k, pending))
+            self._flights.append((k, pending, _send([p[2] for p in pending])))
             self._land(k)
         else:
             self._recorder.discard()
