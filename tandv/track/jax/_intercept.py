@@ -110,12 +110,15 @@ class Scope:
             differentiated body of a loop, e.g. ``nn.scan(nn.remat(...))``): JAX stages the
             body out again and again, and a ref closed over by one staging is unknown to the
             next.
+        batched: under ``jax.vmap`` (a loop body's mailbox, merged per iteration, cannot take
+            the batched writes of a vmapped loop).
     """
 
     loop: bool = False
     remat: bool = False
     manual: bool = False
     restaged: bool = False
+    batched: bool = False
 
 
 _LOOP_TRACES = frozenset({"scan", "while_body", "while_cond", "fori_loop"})
@@ -125,7 +128,7 @@ _MANUAL_TRACE = "shard_map"
 
 def current_scope() -> Scope:
     """The :class:`Scope` of the code being traced now (all False outside any trace)."""
-    loop = remat = manual = partial = False
+    loop = remat = manual = partial = batched = False
     trace = _core.trace_ctx.trace
     while trace is not None:
         info = getattr(getattr(trace, "frame", None), "debug_info", None)
@@ -134,8 +137,9 @@ def current_scope() -> Scope:
         remat |= kind == _REMAT_TRACE
         manual |= kind == _MANUAL_TRACE
         partial |= isinstance(trace, _pe.JaxprTrace)
+        batched |= isinstance(trace, _batching.BatchTrace)
         trace = getattr(trace, "parent_trace", None)
-    return Scope(loop, remat, manual, remat and partial)
+    return Scope(loop, remat, manual, remat and partial, batched)
 
 
 def _unbatched(x: Any) -> tuple[Any, Any]:
@@ -446,6 +450,8 @@ def tap(probe: Probe, x: jax.Array) -> jax.Array:
     scope = current_scope()
     if scope.manual:
         return _callback_tap(dataclasses.replace(probe, manual=True), x)
+    if (scope.loop or scope.restaged) and (scope.batched or isinstance(x, _batching.BatchTracer)):
+        return _callback_tap(probe, x)  # a vmapped loop body: by host callback
     tracker = _TRACKERS.get(probe.token)
     if scope.loop or scope.restaged:
         if tracker is None or tracker._mailboxes.arena is None:
