@@ -5,29 +5,36 @@ Each module output is passed through :func:`tap`: it summarizes the output and w
 device; only the small summaries leave the computation.
 
 How they leave: through a *mailbox*, a slice of the tracker's arena, one int32 ``jax.Ref``
-(a mutable array) made before the update runs and written by the running computation;
-:meth:`Mailboxes.collect` reads it in one jitted call after the step. The cotangents exist
-only inside ``jax.grad``'s backward pass of the user's own loss, and a ``custom_vjp``
-backward rule can return nothing but cotangents, so there is no traced value to return
-them through without changing the user's code (values traced inside a user's inner
-``jax.jit`` cannot escape it either); a ref written inside the program needs no such path.
-It replaced one unordered ``io_callback`` per tap: on XLA:CPU each callback that waits for
-a value computed mid-update stalled the update (a transformer step: 44 callbacks carrying
-8-element summaries cost ~90 ms of 220; the same summaries written to refs ~5 ms).
+(a mutable array) made before the update runs and written by the running computation (JAX
+makes the ref an extra aliased input and output of the compiled program: the summaries
+leave it as data); :meth:`Mailboxes.read` reads and clears it in one jitted call after the
+step, and the tracker copies the words to the host with the step's other summaries in one
+non-blocking transfer. The cotangents exist only inside ``jax.grad``'s backward pass of the
+user's own loss, and a ``custom_vjp`` backward rule can return nothing but cotangents, so
+there is no traced value to return them through without changing the user's code (values
+traced inside a user's inner ``jax.jit`` cannot escape it either); a ref written inside the
+program needs no such path. It replaced one unordered ``io_callback`` per tap: on XLA:CPU
+each callback that waits for a value computed mid-update stalled the update (a transformer
+step: 44 callbacks carrying 8-element summaries cost ~90 ms of 220; the same summaries
+written to refs ~5 ms).
 
-Where refs cannot serve, a tap reports by ``jax.debug.callback`` instead: inside a loop
-body (``lax.scan``/``fori_loop``, ``nn.scan``; a ref would keep the last iteration only, and
-scan's transpose cannot hold one), inside ``shard_map``/``pmap`` (no refs there; each
-device reports its shard), inside ``jax.checkpoint`` bodies that JAX stages out again for
-partial evaluation (``nn.scan(nn.remat(...))``), and when the arena is full. Which of these
-encloses a tap is read from JAX's trace chain (:func:`current_scope`). Under ``jax.vmap``
-the summary is taken of the whole batched array, below every vmap, so it is one unbatched
-summary a mailbox can hold. A summary computed outside any trace (an update that is not
-jitted) is handed over directly.
+Inside a loop body (``lax.scan``/``fori_loop``, ``nn.scan``, and the rematerialized bodies
+JAX stages out again for partial evaluation, ``nn.scan(nn.remat(...))``) the arena is
+passed through the tap's ``custom_vjp`` as an argument (a ref closed over by a
+differentiated loop body cannot be written by its backward rule; one passed in can), and
+each iteration's write *merges* into its mailbox (:func:`._summary.merge_jax`), so the
+mailbox ends the step with the summary of all iterations. Where refs cannot serve, a tap
+reports by ``jax.debug.callback`` instead: inside ``shard_map``/``pmap`` (no refs there;
+each device reports its shard), in a loop body under ``jax.vmap`` (a merged mailbox cannot
+take batched writes), and when the arena is full. Which of these encloses a tap is read
+from JAX's trace chain (:func:`current_scope`). Under ``jax.vmap`` elsewhere the summary is
+taken of the whole batched array, below every vmap, so it is one unbatched summary a
+mailbox can hold. A summary computed outside any trace (an update that is not jitted) is
+handed over directly.
 
 A mailbox also counts its writes: one the computation skipped (a tap dropped by dead-code
-elimination, a branch not taken) is not reported, and one written twice in a step is
-reported once (its last write), with a warning naming it unless the tap lies inside
+elimination, a branch not taken) is not reported, and one outside a loop written twice in a
+step is reported once (its last write), with a warning naming it unless the tap lies inside
 ``jax.checkpoint``, whose forward pass runs again in the backward pass.
 
 Why no retracing: tracking is switched on with a ``jax.make_user_context`` value, which is part

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import os
+from collections import deque
 from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence, TypeVar
 
 import jax
@@ -19,8 +19,8 @@ from ...stats.summary import Layout
 from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
 from ..common.custom import StatsSpec, parse_custom_stats
 from . import _ffi
-from ._intercept import (ROOT_NAME, MailRead, Mailboxes, Probe, acquire_nnx, interception, register, release_nnx, tag_nnx_paths,
-                         tap, untag_nnx_paths)
+from ._intercept import (ROOT_NAME, MailRead, Mailboxes, Probe, acquire_nnx, interception, register, release_nnx,
+                         tag_nnx_paths, tap, untag_nnx_paths)
 from ._pallas import pallas_summary
 from ._summary import CustomStat, DeviceSummary, summarize_jax, summarize_many_jax, to_vector, with_custom
 from ._trees import Leaf, collection_leaves, is_float_array, key_name, optimizer_state_leaves, param_leaves
@@ -358,7 +358,7 @@ class JaxTracker:
         self._next_weights: list[tuple[Leaf, Any, _StackRow]] = []
         #: Ended steps whose summaries are on their way to the host: (step, observations,
         #: where the step-time stacks lie in the step's transfer).
-        self._flights: collections.deque[tuple[int, list[Any], dict[int, Any]]] = collections.deque()
+        self._flights: deque[tuple[int, list[Any], dict[int, Any]]] = deque()
         self._nnx_tagged: list[Any] = []
         self.step_count = 0
         self._recorder = StepRecorder(out, out_format, run_name, flush_every=flush_every, verbose=verbose,
