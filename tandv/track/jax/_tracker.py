@@ -341,19 +341,20 @@ class JaxTracker:
         self._layouts: dict[str, Layout] = {}
         self._module_types: dict[str, type] = {}
         self._names_cache: dict[Any, Any] = {}
-        self._summarize_many = jax.jit(self._summaries)
+        self._summarize_many = jax.jit(self._summaries, static_argnums=1)
         # Taps call a jitted summary: compiled once per shape and dtype when the update runs
         # eagerly, and traced once per shape (then inlined) when it is jitted. On the CPU it
         # is the host kernel called from inside the program (see ``_ffi``).
         if SUMMARY_PATH not in _PATHS:
             raise ValueError(f"tandv: TANDV_JAX_SUMMARY={SUMMARY_PATH!r}: expected one of {_PATHS}")
         self._path = SUMMARY_PATH
-        self._summarize_xla = jax.jit(self._summarize)
+        self._summarize_xla = jax.jit(self._summarize, static_argnames="fused")
         self._summarize_cpu = jax.jit(self._summarize_in_program)
         self._mailboxes = Mailboxes()
         self._used_callbacks = False
         self._token = next(_tokens)
         self._on_cpu = False
+        self._one_device = True  # whether the intercepted update runs on one device
         self._intercepted = False  # whether intercept() ran in the current step
         self._next_weights: list[tuple[Leaf, Any, _StackRow]] = []
         #: Ended steps whose summaries are on their way to the host: (step, observations,
@@ -424,11 +425,14 @@ class JaxTracker:
             self._layouts[name] = layout
         return layout
 
-    def _summarize(self, x: jax.Array) -> DeviceSummary:
+    def _summarize(self, x: jax.Array, fused: bool = True) -> DeviceSummary:
         """Traceable summary of ``x`` off the host kernel: XLA's operations, or the fused
-        Pallas kernel (see :data:`SUMMARY_PATH`; float64 always takes XLA's)."""
+        Pallas kernel (see :data:`SUMMARY_PATH`; float64 always takes XLA's). ``fused``:
+        whether the kernel may serve in ``"auto"``, False for programs on several devices
+        (XLA partitions its own operations over a sharded array; a kernel would need the
+        whole array on each device)."""
         layout = self._layout(x.dtype)
-        if jnp.dtype(x.dtype) == jnp.float64 or (self._path != "pallas" and x.size < FUSED_SIZE):
+        if jnp.dtype(x.dtype) == jnp.float64 or (self._path != "pallas" and (x.size < FUSED_SIZE or not fused)):
             return summarize_jax(x, layout, self._custom)
 
         def fused(a: jax.Array, interpret: bool | None = None) -> DeviceSummary:
@@ -456,9 +460,10 @@ class JaxTracker:
             groups.setdefault(format_name(x.dtype), []).append(i)
         return list(groups.items())
 
-    def _summaries(self, arrays: list[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
+    def _summaries(self, arrays: list[jax.Array], fused: bool) -> list[tuple[jax.Array, jax.Array]]:
         """Traced: per dtype group, the stacked counts and values of its arrays' summaries
-        (stacked so that the host fetches a few arrays, not two per tensor)."""
+        (stacked so that the host fetches a few arrays, not two per tensor); ``fused``: see
+        :meth:`_summarize`."""
         out = []
         for dtype, idx in self._groups(arrays):
             layout = self._layout(dtype)
@@ -468,7 +473,7 @@ class JaxTracker:
             parts = dict(zip(small, summarize_many_jax([arrays[i] for i in small], layout, self._custom)))
             for i in idx:
                 if i not in parts:
-                    parts[i] = self._summarize(arrays[i])
+                    parts[i] = self._summarize(arrays[i], fused)
             out.append((jnp.stack([parts[i].counts for i in idx]), jnp.stack([parts[i].values for i in idx])))
         return out
 
@@ -492,7 +497,7 @@ class JaxTracker:
         rest = [i for i, r in enumerate(rows) if r is None]
         if rest:
             device = [arrays[i] for i in rest]
-            stacks = self._summarize_many(device)
+            stacks = self._summarize_many(device, len(_devices_of(device)) <= 1)
             for (_, idx), stack in zip(self._groups(device), stacks):
                 for r, i in enumerate(idx):
                     rows[rest[i]] = _StackRow(stack, r)
@@ -529,11 +534,13 @@ class JaxTracker:
         # The update runs where its arrays are (JAX's default backend when it is given none).
         platforms = {d.platform for d in devices} or {jax.default_backend()}
         self._on_cpu = platforms == {"cpu"} and self._path == "auto" and _ffi.available()
+        self._one_device = len(devices) <= 1
         if self._intercepted:  # a second call in this step (e.g. gradient accumulation): the
             self._collect_mailboxes()  # first one's mailboxes are read before they are reused
         self._mailboxes.prepare(_replicated(devices))
         self._intercepted = True
-        with interception((self._token, self._on_cpu, self._mailboxes.generation), self._on_output):
+        with interception((self._token, self._on_cpu, self._one_device, self._mailboxes.generation),
+                          self._on_output):
             try:
                 return f(*args, **kwargs)
             except Exception as e:
@@ -564,7 +571,8 @@ class JaxTracker:
                 if self._selector(leaf_name, cls.__mro__):
                     probe = Probe(self._token, leaf_name, cls.__name__, self._track_activations,
                                   self._track_gradients,
-                                  self._summarize_cpu if self._on_cpu else self._summarize_xla)
+                                  self._summarize_cpu if self._on_cpu
+                                  else functools.partial(self._summarize_xla, fused=self._one_device))
                     leaf = tap(probe, leaf)
             wrapped.append(leaf)
         return jax.tree_util.tree_unflatten(treedef, wrapped)
