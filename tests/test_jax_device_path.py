@@ -226,12 +226,12 @@ def test_low_precision_activations_on_the_fused_kernel(tmp_path, monkeypatch, dt
                        np.asarray(out).astype(ml_dtypes.finfo(dtype).dtype))
 
 
-@pytest.mark.parametrize("where", ["scan-of-vmap"])
+@pytest.mark.parametrize("where", ["vmap-of-scan", "scan-of-vmap"])
 def test_vmapped_loop_bodies_still_report(tmp_path, where):
-    """A vmap inside a loop body cannot merge into an unbatched mailbox: its taps report by
-    host callback, and the rows hold every example and iteration. (jax.vmap of a function
-    running a scan is not tested here: its cotangent rows count each example's report of
-    the whole batch, a known fault of the callback path, listed in the README.)"""
+    """A loop body under jax.vmap cannot merge into an unbatched mailbox: its taps report by
+    host callback (vmap calls it once per example), and the rows hold every example and
+    iteration once (the cotangent rows of vmap-of-scan counted the whole batch once per
+    example)."""
     model = nn.Dense(5)
     x, _ = data()
     params = model.init(jax.random.key(1), x)

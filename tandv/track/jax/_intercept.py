@@ -386,12 +386,14 @@ class Probe:
     summarize: Callable[[jax.Array], DeviceSummary]
     manual: bool = False
 
-    def summary(self, x: Any) -> tuple[Any, DeviceSummary, Any]:
+    def summary(self, x: Any, whole_batch: bool = True) -> tuple[Any, DeviceSummary, Any]:
         """``(dtype, summary, keep)`` of ``x``: under ``jax.vmap`` the summary of the whole
         batched array (the mapped axes are summarized too, as a per-example loss's
         activations form one tensor), computed below every vmap so that it is one unbatched
-        summary; ``keep`` is :func:`_manual_keep` inside ``shard_map`` (else None)."""
-        whole, below = _unbatched(x)
+        summary; ``keep`` is :func:`_manual_keep` inside ``shard_map`` (else None).
+        ``whole_batch=False``: the summary of ``x`` as the current trace sees it (one per
+        example under vmap), for host callbacks, which vmap calls once per example."""
+        whole, below = _unbatched(x) if whole_batch else (x, None)
         with contextlib.nullcontext() if below is None else _core.set_current_trace(below):
             return whole.dtype, self.summarize(whole), _manual_keep(whole) if self.manual else None
 
@@ -549,7 +551,7 @@ def _callback_tap(probe: Probe, x: jax.Array) -> jax.Array:  # the primal: not d
     rules of a ``custom_vjp``, which JAX never differentiates (a callback of the activation
     made in the differentiated body of a scan is dropped)."""
     if probe.forward:
-        dtype, summary, keep = probe.summary(x)
+        dtype, summary, keep = probe.summary(x, whole_batch=False)
         probe.send([("Activation", dtype, summary)], keep)
     return x
 
@@ -559,13 +561,13 @@ def _callback_fwd(probe: Probe, x: jax.Array) -> tuple[jax.Array, Any]:
     # there (with the cotangent's, when wanted): a callback made in this rule inside a
     # differentiated scan is dropped. A cotangent has its primal's dtype, which names the
     # activation's too.
-    return x, probe.summary(x)[1:] if probe.forward else None
+    return x, probe.summary(x, whole_batch=False)[1:] if probe.forward else None
 
 
 def _callback_bwd(probe: Probe, res: Any, g: jax.Array) -> tuple[jax.Array]:
     reports, keep = [], None
     if probe.backward:
-        dtype, summary, keep = probe.summary(g)
+        dtype, summary, keep = probe.summary(g, whole_batch=False)
         reports.append(("Gradient", dtype, summary))
     if res is not None:
         reports.insert(0, ("Activation", g.dtype, res[0]))
