@@ -261,3 +261,38 @@ def test_vmapped_loop_bodies_still_report(tmp_path, where):
     assert r[("scalar_stats", "numel")] == outs.size
     assert r[("scalar_stats", "mean")] == pytest.approx(outs.mean(), rel=1e-4)
     assert row(df, "root", "Gradient", 0)[("scalar_stats", "numel")] == outs.size
+
+
+def test_sharded_arrays_are_summarized_where_they_lie(tmp_path, accelerator_path):
+    """Arrays split over two devices (rows, columns, and replicated along a second mesh
+    axis): each device summarizes its own shard (the program has no collective), the host
+    merges the shards' summaries, and the rows are those of the global arrays (a replicated
+    copy counted once)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (tests/conftest.py sets jax_num_cpu_devices=2)")
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("data", "model"))
+    mesh_t = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+    values = {
+        "rows": (rng.normal(size=(64, 8)) * 3).astype(np.float32),
+        "cols": np.concatenate([rng.normal(size=(8, 4)), np.full((8, 4), 1e-42)], 1).astype(np.float32),
+        "replicated_along_model": rng.normal(size=(6, 10)).astype(np.float32),
+    }
+    values["cols"][0, 0] = np.nan
+    params = {
+        "rows": jax.device_put(values["rows"], NamedSharding(mesh, P("data", None))),
+        "cols": jax.device_put(values["cols"], NamedSharding(mesh_t, P(None, "model"))),
+        "replicated_along_model": jax.device_put(values["replicated_along_model"], NamedSharding(mesh_t, P("data"))),
+    }
+    with track(params, out=tmp_path / "log", track_activations=False, track_gradients=False,
+               verbose=False) as tracker:
+        arrays = list(params.values())
+        plans = tuple(_tracker._shard_plan(x) for x in arrays)
+        assert [p[2] for p in plans] == [(0, 1), (0, 1), (0,)]  # one copy of the last is counted
+        hlo = tracker._summarize_many.lower(arrays, False, plans).compile().as_text()
+        assert "all-reduce" not in hlo and "all-gather" not in hlo
+        tracker.step(params)
+    df = read_log(tmp_path / "log")
+    for name, value in values.items():
+        assert_row_matches(df, name, "Weight", 0, value)

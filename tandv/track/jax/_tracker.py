@@ -15,7 +15,7 @@ import numpy as np
 from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...stats.formats import format_name, number_format as _number_format
 from ...stats.host import HOST_DTYPES, host_summaries
-from ...stats.summary import Layout
+from ...stats.summary import Layout, merge_all
 from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
 from ..common.custom import StatsSpec, parse_custom_stats
 from . import _ffi
@@ -55,6 +55,41 @@ class _StackRow(NamedTuple):
 
     stack: tuple[Any, Any]
     row: int
+
+
+class _ShardRows(NamedTuple):
+    """The summary of a sharded array: the rows ``rows`` of the stack of its shards'
+    summaries (one shard of each replicated group), merged on the host by ``layout``."""
+
+    stack: tuple[Any, Any]
+    rows: tuple[int, ...]
+    layout: Layout
+
+
+def _shard_plan(x: Any) -> tuple[Any, Any, tuple[int, ...]] | None:
+    """For an array split over several devices of a mesh (evenly, all addressable):
+    ``(mesh, spec, rows)``, ``rows`` the devices (in mesh order) whose shard is counted: those
+    at index 0 along every mesh axis the array is not split over (the others hold copies).
+    None for other arrays."""
+    from jax.sharding import NamedSharding
+
+    sharding = getattr(x, "sharding", None)
+    if (not isinstance(sharding, NamedSharding) or len(sharding.device_set) < 2
+            or not sharding.is_fully_addressable):
+        return None
+    mesh, spec = sharding.mesh, sharding.spec
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    used: set[str] = set()
+    for dim, axes in enumerate(spec):
+        axes = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+        used.update(axes)
+        if x.shape[dim] % int(np.prod([sizes[a] for a in axes], dtype=np.int64)):
+            return None  # uneven shards
+    if not used:
+        return None  # replicated: one device's summary is the array's
+    rows = tuple(j for j, at in enumerate(np.ndindex(*mesh.devices.shape))
+                 if all(at[k] == 0 for k, name in enumerate(mesh.axis_names) if name not in used))
+    return mesh, spec, rows
 
 
 def _in_host_memory(x: Any, placements: dict[int, bool] | None = None) -> bool:
@@ -148,7 +183,7 @@ def _send(summaries: Sequence[Any]) -> dict[int, tuple[_Transfer, int]]:
     stacks: dict[int, tuple[Any, int]] = {}
     reads: dict[int, tuple[MailRead, int]] = {}
     for s in summaries:
-        if isinstance(s, _StackRow) and id(s.stack) not in stacks:
+        if isinstance(s, (_StackRow, _ShardRows)) and id(s.stack) not in stacks:
             stacks[id(s.stack)] = (s.stack, len(arrays))
             arrays += list(s.stack)
         elif isinstance(s, _Mail) and id(s.read) not in reads:
@@ -171,6 +206,11 @@ def _to_host(summaries: list[Any], stacks: dict[int, tuple[_Transfer, int]]) -> 
     for s in summaries:
         if isinstance(s, np.ndarray):
             out.append(s)
+            continue
+        if isinstance(s, _ShardRows):
+            transfer, i = stacks[id(s.stack)]
+            counts, values = transfer.get(i), transfer.get(i + 1)
+            out.append(merge_all([to_vector(DeviceSummary(counts[r], values[r])) for r in s.rows], s.layout))
             continue
         if isinstance(s, _StackRow):
             transfer, i = stacks[id(s.stack)]
@@ -341,7 +381,7 @@ class JaxTracker:
         self._layouts: dict[str, Layout] = {}
         self._module_types: dict[str, type] = {}
         self._names_cache: dict[Any, Any] = {}
-        self._summarize_many = jax.jit(self._summaries, static_argnums=1)
+        self._summarize_many = jax.jit(self._summaries, static_argnums=(1, 2))
         # Taps call a jitted summary: compiled once per shape and dtype when the update runs
         # eagerly, and traced once per shape (then inlined) when it is jitted. On the CPU it
         # is the host kernel called from inside the program (see ``_ffi``).
@@ -460,12 +500,30 @@ class JaxTracker:
             groups.setdefault(format_name(x.dtype), []).append(i)
         return list(groups.items())
 
-    def _summaries(self, arrays: list[jax.Array], fused: bool) -> list[tuple[jax.Array, jax.Array]]:
+    def _summaries(self, arrays: list[jax.Array], fused: bool, plans: tuple[Any, ...]
+                   ) -> list[tuple[jax.Array, jax.Array]]:
         """Traced: per dtype group, the stacked counts and values of its arrays' summaries
         (stacked so that the host fetches a few arrays, not two per tensor); ``fused``: see
-        :meth:`_summarize`."""
+        :meth:`_summarize`. Then, for each array with a :func:`_shard_plan` in ``plans``,
+        the stacked summaries of its shards, each computed on the device that holds it (no
+        collective: the host merges them)."""
+        from jax.sharding import PartitionSpec
+
         out = []
-        for dtype, idx in self._groups(arrays):
+        for i, plan in enumerate(plans):
+            if plan is not None:
+                mesh, spec, _ = plan
+                layout = self._layout(arrays[i].dtype)
+
+                def local(a: jax.Array, layout: Layout = layout) -> tuple[jax.Array, jax.Array]:
+                    summary = summarize_jax(a, layout, self._custom)
+                    return summary.counts[None], summary.values[None]
+
+                out.append(jax.shard_map(local, mesh=mesh, in_specs=spec,
+                                         out_specs=PartitionSpec(tuple(mesh.axis_names)), check_vma=False)(arrays[i]))
+        plain = [i for i, plan in enumerate(plans) if plan is None]
+        for dtype, idx in self._groups([arrays[i] for i in plain]):
+            idx = [plain[i] for i in idx]
             layout = self._layout(dtype)
             # Large arrays run faster through their own program (no copy into a shared
             # block); small ones share one, which keeps compile time down.
@@ -497,10 +555,15 @@ class JaxTracker:
         rest = [i for i, r in enumerate(rows) if r is None]
         if rest:
             device = [arrays[i] for i in rest]
-            stacks = self._summarize_many(device, len(_devices_of(device)) <= 1)
-            for (_, idx), stack in zip(self._groups(device), stacks):
+            plans = tuple(_shard_plan(x) for x in device)
+            stacks = iter(self._summarize_many(device, len(_devices_of(device)) <= 1, plans))
+            for i, plan in zip(rest, plans):
+                if plan is not None:
+                    rows[i] = _ShardRows(next(stacks), plan[2], self._layout(arrays[i].dtype))
+            plain = [i for i, plan in zip(rest, plans) if plan is None]
+            for (_, idx), stack in zip(self._groups([arrays[i] for i in plain]), stacks):
                 for r, i in enumerate(idx):
-                    rows[rest[i]] = _StackRow(stack, r)
+                    rows[plain[i]] = _StackRow(stack, r)
         return rows
 
     def _types_of(self, name: str) -> Sequence[type]:
