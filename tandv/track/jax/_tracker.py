@@ -154,7 +154,8 @@ class _Transfer:
 
     def __init__(self, arrays: list[Any]) -> None:
         self._likes = [(a.shape, np.dtype(a.dtype)) for a in arrays]
-        self._one = len({frozenset(a.sharding.device_set) for a in arrays}) == 1
+        # one array (on the CPU: the mailbox words alone) needs no packing call
+        self._one = len(arrays) > 1 and len({frozenset(a.sharding.device_set) for a in arrays}) == 1
         self._device: list[Any] | None = [_pack(arrays)] if self._one else list(arrays)
         for part in self._device:
             part.copy_to_host_async()
