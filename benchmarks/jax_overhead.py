@@ -6,6 +6,21 @@ all three alike, and reports each tracked variant's median block time over the u
 
     python benchmarks/jax_overhead.py [--width 512] [--depth 4] [--batch 256] [--rounds 15]
     python benchmarks/jax_overhead.py --model transformer --rounds 5 [--by-position 4]
+
+It prints the ratio of medians for every=1 and every=10, and per tracked step of the every=1
+tracker: host callbacks (tap reports delivered by callback: none expected, loops included;
+only shard_map/pmap bodies still report so), compilations after warm-up (none expected) and
+device-to-host transfers (one expected).
+
+On a GPU (jax with CUDA, flax, optax, numba, pandas, pyarrow, ml_dtypes installed), from a
+checkout:
+
+    PYTHONPATH=. python3 benchmarks/jax_overhead.py --model transformer --rounds 3 --block 10
+    PYTHONPATH=. python3 benchmarks/jax_overhead.py --model transformer --rounds 3 --block 10 --summary xla
+
+The first uses the fused Pallas kernel (compiled by Triton) for arrays of at least 2**16
+elements and XLA's operations for smaller ones; ``--summary xla`` uses XLA's operations for
+all (compare the two to see what the kernel buys); ``--summary pallas`` the kernel for all.
 """
 
 from __future__ import annotations
@@ -25,7 +40,7 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from tandv.demos.jax_demo import Transformer  # noqa: E402
-from tandv.track.jax import _intercept, track  # noqa: E402
+from tandv.track.jax import _intercept, _tracker, track  # noqa: E402
 
 
 class Counters:
@@ -44,6 +59,17 @@ class Counters:
             return deliver(*args)
 
         _intercept._deliver = counted
+        self.transfers = 0
+        transfer = _tracker._Transfer
+        counters = self
+
+        class Counted(transfer):
+            def __init__(self, arrays):
+                if counters.active:
+                    counters.transfers += 1
+                super().__init__(arrays)
+
+        _tracker._Transfer = Counted
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
     def _on_event(self, event: str, duration: float, **kwargs) -> None:
@@ -77,7 +103,13 @@ def main() -> None:
                     help="mlp: --width/--depth/--batch; transformer: the GPT-style decoder of the "
                          "PyTorch benchmark (4 layers, d_model 256, 4 heads, MLP 1024, vocab 512, "
                          "seq 128, batch 8)")
+    ap.add_argument("--summary", choices=("auto", "xla", "pallas"), default="auto",
+                    help="the summary computation (tandv.track.jax._tracker.SUMMARY_PATH): auto (the "
+                         "host kernel on the CPU; XLA, and the fused Pallas kernel for large arrays, "
+                         "on CUDA), xla (XLA's operations everywhere), pallas (the fused kernel for "
+                         "every array; interpreted, slowly, on the CPU)")
     args = ap.parse_args()
+    _tracker.SUMMARY_PATH = args.summary
 
     kx, ky, kp = jax.random.split(jax.random.key(0), 3)
     if args.model == "mlp":
@@ -150,8 +182,9 @@ def main() -> None:
         med = statistics.median(times[name])
         print(f"  {name:9s}  median step {1e3 * med / args.block:8.3f} ms   ratio of medians {med / base:.3f}")
     tracked_steps = args.rounds * args.block
-    print(f"  every=1: {counters.callbacks / tracked_steps:.2f} host callbacks and "
-          f"{counters.compiles / tracked_steps:.2f} compilations per tracked step (after warm-up)")
+    print(f"  every=1: {counters.callbacks / tracked_steps:.2f} host callbacks, "
+          f"{counters.compiles / tracked_steps:.2f} compilations and {counters.transfers / tracked_steps:.2f} "
+          f"device-to-host transfers per tracked step (after warm-up); summaries: {args.summary}")
     if positions:
         tracked, untracked = positions
         print(f"  every=10 step by step ({args.by_position} cycles), median ms by position "

@@ -126,19 +126,21 @@ def captured_run(out, jit: bool, shard=None):
 
 @pytest.fixture(scope="module")
 def linen_runs(tmp_path_factory):
-    """The jitted and the plain run, and a jitted run where every summary takes the XLA
-    operations instead of the host kernel (at the step and inside the program), as arrays on
-    accelerators do (shared by several tests: compiles are the cost)."""
+    """The jitted and the plain run, and jitted runs on the accelerators' path (every summary
+    computed inside programs, none by the host kernel): by XLA's operations ("device") and by
+    the fused Pallas kernel, interpreted ("pallas") (shared by several tests: compiles are
+    the cost)."""
     tmp = tmp_path_factory.mktemp("linen")
     runs = {"jit": captured_run(tmp / "jit", True), "plain": captured_run(tmp / "plain", False)}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(jax_tracker_module, "_in_host_memory", lambda x, placements=None: False)
-        mp.setattr(jax_tracker_module._ffi, "available", lambda: False)
-        runs["device"] = captured_run(tmp / "device", True)
+    for mode, path in (("device", "xla"), ("pallas", "pallas")):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(jax_tracker_module, "SUMMARY_PATH", path)
+            mp.setattr(jax_tracker_module, "host_summaries", None)  # must not be called
+            runs[mode] = captured_run(tmp / mode, True)
     return runs
 
 
-@pytest.mark.parametrize("mode", ["jit", "plain", "device"])
+@pytest.mark.parametrize("mode", ["jit", "plain", "device", "pallas"])
 def test_linen_rows_match_reference(linen_runs, mode):
     df, history = linen_runs[mode]
     mods = ("Dense_0", "LayerNorm_0", "Dense_1")
@@ -187,8 +189,9 @@ def test_jit_and_plain_give_the_same_log(linen_runs):
     assert_same_log(linen_runs["jit"][0], linen_runs["plain"][0])
 
 
-def test_host_kernel_and_xla_summaries_give_the_same_log(linen_runs):
-    assert_same_log(linen_runs["jit"][0], linen_runs["device"][0])
+@pytest.mark.parametrize("mode", ["device", "pallas"])
+def test_host_kernel_and_in_program_summaries_give_the_same_log(linen_runs, mode):
+    assert_same_log(linen_runs["jit"][0], linen_runs[mode][0])
 
 
 def test_jitted_update_is_traced_once_per_tracking_mode(tmp_path):

@@ -5,29 +5,36 @@ Each module output is passed through :func:`tap`: it summarizes the output and w
 device; only the small summaries leave the computation.
 
 How they leave: through a *mailbox*, a slice of the tracker's arena, one int32 ``jax.Ref``
-(a mutable array) made before the update runs and written by the running computation;
-:meth:`Mailboxes.collect` reads it in one jitted call after the step. The cotangents exist
-only inside ``jax.grad``'s backward pass of the user's own loss, and a ``custom_vjp``
-backward rule can return nothing but cotangents, so there is no traced value to return
-them through without changing the user's code (values traced inside a user's inner
-``jax.jit`` cannot escape it either); a ref written inside the program needs no such path.
-It replaced one unordered ``io_callback`` per tap: on XLA:CPU each callback that waits for
-a value computed mid-update stalled the update (a transformer step: 44 callbacks carrying
-8-element summaries cost ~90 ms of 220; the same summaries written to refs ~5 ms).
+(a mutable array) made before the update runs and written by the running computation (JAX
+makes the ref an extra aliased input and output of the compiled program: the summaries
+leave it as data); :meth:`Mailboxes.read` reads and clears it in one jitted call after the
+step, and the tracker copies the words to the host with the step's other summaries in one
+non-blocking transfer. The cotangents exist only inside ``jax.grad``'s backward pass of the
+user's own loss, and a ``custom_vjp`` backward rule can return nothing but cotangents, so
+there is no traced value to return them through without changing the user's code (values
+traced inside a user's inner ``jax.jit`` cannot escape it either); a ref written inside the
+program needs no such path. It replaced one unordered ``io_callback`` per tap: on XLA:CPU
+each callback that waits for a value computed mid-update stalled the update (a transformer
+step: 44 callbacks carrying 8-element summaries cost ~90 ms of 220; the same summaries
+written to refs ~5 ms).
 
-Where refs cannot serve, a tap reports by ``jax.debug.callback`` instead: inside a loop
-body (``lax.scan``/``fori_loop``, ``nn.scan``; a ref would keep the last iteration only, and
-scan's transpose cannot hold one), inside ``shard_map``/``pmap`` (no refs there; each
-device reports its shard), inside ``jax.checkpoint`` bodies that JAX stages out again for
-partial evaluation (``nn.scan(nn.remat(...))``), and when the arena is full. Which of these
-encloses a tap is read from JAX's trace chain (:func:`current_scope`). Under ``jax.vmap``
-the summary is taken of the whole batched array, below every vmap, so it is one unbatched
-summary a mailbox can hold. A summary computed outside any trace (an update that is not
-jitted) is handed over directly.
+Inside a loop body (``lax.scan``/``fori_loop``, ``nn.scan``, and the rematerialized bodies
+JAX stages out again for partial evaluation, ``nn.scan(nn.remat(...))``) the arena is
+passed through the tap's ``custom_vjp`` as an argument (a ref closed over by a
+differentiated loop body cannot be written by its backward rule; one passed in can), and
+each iteration's write *merges* into its mailbox (:func:`._summary.merge_jax`), so the
+mailbox ends the step with the summary of all iterations. Where refs cannot serve, a tap
+reports by ``jax.debug.callback`` instead: inside ``shard_map``/``pmap`` (no refs there;
+each device reports its shard), in a loop body under ``jax.vmap`` (a merged mailbox cannot
+take batched writes), and when the arena is full. Which of these encloses a tap is read
+from JAX's trace chain (:func:`current_scope`). Under ``jax.vmap`` elsewhere the summary is
+taken of the whole batched array, below every vmap, so it is one unbatched summary a
+mailbox can hold. A summary computed outside any trace (an update that is not jitted) is
+handed over directly.
 
 A mailbox also counts its writes: one the computation skipped (a tap dropped by dead-code
-elimination, a branch not taken) is not reported, and one written twice in a step is
-reported once (its last write), with a warning naming it unless the tap lies inside
+elimination, a branch not taken) is not reported, and one outside a loop written twice in a
+step is reported once (its last write), with a warning naming it unless the tap lies inside
 ``jax.checkpoint``, whose forward pass runs again in the backward pass.
 
 Why no retracing: tracking is switched on with a ``jax.make_user_context`` value, which is part
@@ -51,7 +58,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,9 +68,9 @@ from jax._src import core as _core
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import partial_eval as _pe
 
-from ._summary import DeviceSummary
+from ._summary import DeviceSummary, merge_jax
 
-__all__ = ["TRACKING", "Probe", "Mailboxes", "tap", "register", "interception", "ROOT_NAME", "acquire_nnx",
+__all__ = ["TRACKING", "Probe", "Mailboxes", "MailRead", "tap", "register", "interception", "ROOT_NAME", "acquire_nnx",
            "release_nnx", "tag_nnx_paths", "untag_nnx_paths", "current_scope", "Scope"]
 
 #: The jit-cache-sensitive switch: while a tracker intercepts, a tuple that starts with its
@@ -110,12 +117,15 @@ class Scope:
             differentiated body of a loop, e.g. ``nn.scan(nn.remat(...))``): JAX stages the
             body out again and again, and a ref closed over by one staging is unknown to the
             next.
+        batched: under ``jax.vmap`` (a loop body's mailbox, merged per iteration, cannot take
+            the batched writes of a vmapped loop).
     """
 
     loop: bool = False
     remat: bool = False
     manual: bool = False
     restaged: bool = False
+    batched: bool = False
 
 
 _LOOP_TRACES = frozenset({"scan", "while_body", "while_cond", "fori_loop"})
@@ -125,7 +135,7 @@ _MANUAL_TRACE = "shard_map"
 
 def current_scope() -> Scope:
     """The :class:`Scope` of the code being traced now (all False outside any trace)."""
-    loop = remat = manual = partial = False
+    loop = remat = manual = partial = batched = False
     trace = _core.trace_ctx.trace
     while trace is not None:
         info = getattr(getattr(trace, "frame", None), "debug_info", None)
@@ -134,8 +144,9 @@ def current_scope() -> Scope:
         remat |= kind == _REMAT_TRACE
         manual |= kind == _MANUAL_TRACE
         partial |= isinstance(trace, _pe.JaxprTrace)
+        batched |= isinstance(trace, _batching.BatchTrace)
         trace = getattr(trace, "parent_trace", None)
-    return Scope(loop, remat, manual, remat and partial)
+    return Scope(loop, remat, manual, remat and partial, batched)
 
 
 def _unbatched(x: Any) -> tuple[Any, Any]:
@@ -178,7 +189,7 @@ class _Box:
     reports: list[tuple[str, str, Any, Any]]  # (tensor_type, dtype name, counts, values shapes)
     words: list[int]  # int32 words of each counts / values part, in order
     offset: int
-    rematerialized: bool  # inside jax.checkpoint: the forward pass runs again, writing again
+    rematerialized: bool  # inside jax.checkpoint or a loop: written more than once per step
 
 
 def _words(x: Any) -> Any:
@@ -240,11 +251,14 @@ class Mailboxes:
         return self._arena
 
     def post(self, name: str, module_type: str, reports: Reports, arena: Any = None,
-             remat: bool = False) -> bool:
+             remat: bool = False, merge: Sequence[str] | None = None) -> bool:
         """Write ``reports`` (traced) to a new mailbox; False where the arena has no room left
         (the caller then sends them by callback). ``arena``: the current arena as the traced
         function sees it, when it was passed in as an argument (by default it is closed over).
-        ``remat``: written inside ``jax.checkpoint`` (a second write per step is expected)."""
+        ``remat``: written inside ``jax.checkpoint`` (a second write per step is expected).
+        ``merge``: inside a loop body, the write merges into what the mailbox holds
+        (:func:`merge_jax`; the custom statistics' merge rules), so the mailbox ends the
+        step with the summary of every iteration; else it replaces it."""
         words = [w for _, _, s in reports for w in (_words(s.counts), _words(s.values))]
         size = 1 + sum(w.shape[0] for w in words)
         with self._lock:
@@ -254,44 +268,102 @@ class Mailboxes:
             offset = self._used
             self._used += size
             arena, generation = self._arena if arena is None else arena, self.generation
-        arena[offset:offset + size] = jnp.concatenate([(arena[offset] + 1).reshape(1), *words])
+        times = arena[offset]
+        if merge is not None:
+            old = arena[offset:offset + size]
+            at, words = 1, []
+            for _, _, s in reports:
+                parts = []
+                for part in (s.counts, s.values):
+                    n = _words(part).shape[0]
+                    parts.append(_traced_unwords(old[at:at + n], part))
+                    at += n
+                merged = merge_jax(DeviceSummary(*parts), s, merge)
+                words += [_words(jnp.where(times > 0, m, new)) for m, new in zip(merged, s)]
+        arena[offset:offset + size] = jnp.concatenate([(times + 1).reshape(1), *words])
         with self._lock:
             if generation == self.generation:
                 self._boxes.append(_Box(name, module_type, [
                     (t, str(d), jax.ShapeDtypeStruct(s.counts.shape, s.counts.dtype),
                      jax.ShapeDtypeStruct(s.values.shape, s.values.dtype)) for t, d, s in reports],
-                    [w.shape[0] for w in words], offset, remat))
+                    [w.shape[0] for w in words], offset, remat or merge is not None))
         return True
 
-    def collect(self) -> list[tuple[str, str, str, str, DeviceSummary]]:
-        """``(name, module_type, tensor_type, dtype, summary)`` of every mailbox written since
-        the last collection (one jitted read, which waits for the computations that write)."""
+    def read(self) -> "MailRead | None":
+        """Read every mailbox written since the last read, and clear them, in one jitted call
+        (ordered after the computations that write them; nothing waits); None when no
+        mailbox was traced."""
         with self._lock:
             boxes, arena = list(self._boxes), self._arena
         if not boxes:
-            return []
-        got = jax.device_get(self._read(arena))
-        out = []
-        for box in boxes:
+            return None
+        return MailRead(boxes, self._read(arena), self._warned)
+
+
+class MailRead:
+    """One read of the mailboxes: the words on their way to the host, decoded on first use
+    (after the next step has been queued: reading them then does not stall the device)."""
+
+    def __init__(self, boxes: list[_Box], words: Any, warned: set[str]) -> None:
+        self.boxes = boxes
+        #: The words, a device array (fetched by :meth:`fetch_from`'s function if one is set).
+        self.words = words
+        self._warned = warned
+        self._fetch: Callable[[], np.ndarray] | None = None
+        self._decoded: list[list[DeviceSummary] | None] | None = None
+
+    def fetch_from(self, fetch: Callable[[], np.ndarray]) -> None:
+        """Take the words from ``fetch()`` (the host copy of the step's one transfer)."""
+        self._fetch = fetch
+
+    def reports(self) -> list[tuple[int, int, str, str, str, str]]:
+        """``(box, report, name, module_type, tensor_type, dtype)`` of every report a mailbox
+        may hold (known without the words: from the trace)."""
+        return [(i, j, box.name, box.module_type, tensor_type, dtype)
+                for i, box in enumerate(self.boxes) for j, (tensor_type, dtype, _, _) in enumerate(box.reports)]
+
+    def summary(self, box: int, report: int) -> DeviceSummary | None:
+        """The summary of report ``report`` of mailbox ``box``; None when the computation did
+        not write that mailbox (a tap removed as dead code, a branch not taken)."""
+        if self._decoded is None:
+            self._decoded = self._decode(self._fetch() if self._fetch is not None else np.asarray(self.words))
+            self.words = None
+        got = self._decoded[box]
+        return None if got is None else got[report]
+
+    def _decode(self, got: np.ndarray) -> list[list[DeviceSummary] | None]:
+        out: list[list[DeviceSummary] | None] = []
+        for box in self.boxes:
             at = box.offset
             times = int(got[at])
             if times == 0:
+                out.append(None)
                 continue
             if times > 1 and not box.rematerialized and box.name not in self._warned:
                 self._warned.add(box.name)
                 warnings.warn(f"tandv: the output of module {box.name!r} was summarized {times} times in one "
                               f"step at one place in the program (a loop tandv did not recognize?); its rows "
-                              f"hold the last one", RuntimeWarning, stacklevel=3)
+                              f"hold the last one", RuntimeWarning, stacklevel=4)
             at += 1
             sizes = iter(box.words)
-            for tensor_type, dtype, counts, values in box.reports:
+            summaries = []
+            for _, _, counts, values in box.reports:
                 parts = []
                 for like in (counts, values):
                     n = next(sizes)
                     parts.append(_unwords(got[at:at + n], like))
                     at += n
-                out.append((box.name, box.module_type, tensor_type, dtype, DeviceSummary(*parts)))
+                summaries.append(DeviceSummary(*parts))
+            out.append(summaries)
         return out
+
+
+def _traced_unwords(words: Any, like: Any) -> Any:
+    """Traced inverse of :func:`_words`: the array of ``like``'s shape and dtype."""
+    dtype = jnp.dtype(like.dtype)
+    if dtype.itemsize == 8:
+        words = words.reshape(-1, 2)
+    return jax.lax.bitcast_convert_type(words, dtype).reshape(like.shape)
 
 
 def _unwords(words: np.ndarray, like: jax.ShapeDtypeStruct) -> np.ndarray:
@@ -314,12 +386,14 @@ class Probe:
     summarize: Callable[[jax.Array], DeviceSummary]
     manual: bool = False
 
-    def summary(self, x: Any) -> tuple[Any, DeviceSummary, Any]:
+    def summary(self, x: Any, whole_batch: bool = True) -> tuple[Any, DeviceSummary, Any]:
         """``(dtype, summary, keep)`` of ``x``: under ``jax.vmap`` the summary of the whole
         batched array (the mapped axes are summarized too, as a per-example loss's
         activations form one tensor), computed below every vmap so that it is one unbatched
-        summary; ``keep`` is :func:`_manual_keep` inside ``shard_map`` (else None)."""
-        whole, below = _unbatched(x)
+        summary; ``keep`` is :func:`_manual_keep` inside ``shard_map`` (else None).
+        ``whole_batch=False``: the summary of ``x`` as the current trace sees it (one per
+        example under vmap), for host callbacks, which vmap calls once per example."""
+        whole, below = _unbatched(x) if whole_batch else (x, None)
         with contextlib.nullcontext() if below is None else _core.set_current_trace(below):
             return whole.dtype, self.summarize(whole), _manual_keep(whole) if self.manual else None
 
@@ -329,13 +403,14 @@ class Probe:
         with contextlib.nullcontext() if below is None else _core.set_current_trace(below):
             self.emit([(tensor_type, whole.dtype, self.summarize(whole))], arena, remat)
 
-    def emit(self, reports: Reports, arena: Any = None, remat: bool = False) -> None:
+    def emit(self, reports: Reports, arena: Any = None, remat: bool = False, merge: bool = False) -> None:
         """Send ``(tensor_type, dtype, summary)`` reports to the tracker: directly when they are
-        concrete, else by mailbox (``arena``: see :meth:`Mailboxes.post`), else (no room left)
-        by host callback."""
+        concrete, else by mailbox (``arena``, ``merge``: see :meth:`Mailboxes.post`), else (no
+        room left) by host callback."""
         tracker = _TRACKERS.get(self.token)
         if (_is_traced(reports) and tracker is not None
-                and tracker._mailboxes.post(self.name, self.module_type, reports, arena, remat)):
+                and tracker._mailboxes.post(self.name, self.module_type, reports, arena, remat,
+                                            [rule for _, rule in tracker._extras] if merge else None)):
             return
         self.send(reports)
 
@@ -382,15 +457,19 @@ def tap(probe: Probe, x: jax.Array) -> jax.Array:
     the ``custom_vjp`` rules (see :func:`_callback_tap`); under ``jax.vmap``, summaries are
     of the whole batched array (see :meth:`Probe.summary`)."""
     scope = current_scope()
-    if scope.loop or scope.manual or scope.restaged:
-        if scope.manual:
-            probe = dataclasses.replace(probe, manual=True)
-        return _callback_tap(probe, x)
+    if scope.manual:
+        return _callback_tap(dataclasses.replace(probe, manual=True), x)
+    if (scope.loop or scope.restaged) and (scope.batched or isinstance(x, _batching.BatchTracer)):
+        return _callback_tap(probe, x)  # a vmapped loop body: by host callback
+    tracker = _TRACKERS.get(probe.token)
+    if scope.loop or scope.restaged:
+        if tracker is None or tracker._mailboxes.arena is None:
+            return _callback_tap(probe, x)
+        return _loop_tap(probe, tracker._mailboxes.arena, x)
     if probe.forward:
         probe.report("Activation", jax.lax.stop_gradient(x), remat=scope.remat)
     if not probe.backward:
         return x
-    tracker = _TRACKERS.get(probe.token)
     if tracker is not None and tracker._mailboxes.arena is not None and scope.remat:
         return _cotangent_tap_ref(probe, tracker._mailboxes.arena, x)
     return _cotangent_tap(probe, x)
@@ -433,12 +512,46 @@ _cotangent_tap_ref.defvjp(_cotangent_ref_fwd, _cotangent_ref_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _loop_tap(probe: Probe, arena: Any, x: jax.Array) -> jax.Array:  # the primal: not differentiated
+    """:func:`tap` inside a loop body: each iteration's summaries merge into a mailbox of
+    ``arena`` (received as an argument: a ref closed over by a differentiated loop body
+    cannot be written by its backward rule, one passed through the ``custom_vjp`` can).
+
+    When the body is differentiated, the activation's summary rides to the backward rule as
+    a residual and is written there with the cotangent's: the forward rule runs again
+    where the body is rematerialized (``nn.scan(nn.remat(...))``), the backward rule once
+    per iteration."""
+    if probe.forward:
+        dtype, summary, _ = probe.summary(x)
+        probe.emit([("Activation", dtype, summary)], arena, merge=True)
+    return x
+
+
+def _loop_fwd(probe: Probe, arena: Any, x: jax.Array) -> tuple[jax.Array, Any]:
+    return x, (arena, probe.summary(x)[1] if probe.forward else None)
+
+
+def _loop_bwd(probe: Probe, res: Any, g: jax.Array) -> tuple[None, jax.Array]:
+    arena, activation = res
+    reports: Reports = [] if activation is None else [("Activation", g.dtype, activation)]
+    if probe.backward:
+        dtype, summary, _ = probe.summary(g)
+        reports.append(("Gradient", dtype, summary))
+    if reports:
+        probe.emit(reports, arena, merge=True)
+    return None, g
+
+
+_loop_tap.defvjp(_loop_fwd, _loop_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _callback_tap(probe: Probe, x: jax.Array) -> jax.Array:  # the primal: not differentiated
     """:func:`tap` for loop bodies and ``shard_map``, every report by host callback from the
     rules of a ``custom_vjp``, which JAX never differentiates (a callback of the activation
     made in the differentiated body of a scan is dropped)."""
     if probe.forward:
-        dtype, summary, keep = probe.summary(x)
+        dtype, summary, keep = probe.summary(x, whole_batch=False)
         probe.send([("Activation", dtype, summary)], keep)
     return x
 
@@ -448,13 +561,13 @@ def _callback_fwd(probe: Probe, x: jax.Array) -> tuple[jax.Array, Any]:
     # there (with the cotangent's, when wanted): a callback made in this rule inside a
     # differentiated scan is dropped. A cotangent has its primal's dtype, which names the
     # activation's too.
-    return x, probe.summary(x)[1:] if probe.forward else None
+    return x, probe.summary(x, whole_batch=False)[1:] if probe.forward else None
 
 
 def _callback_bwd(probe: Probe, res: Any, g: jax.Array) -> tuple[jax.Array]:
     reports, keep = [], None
     if probe.backward:
-        dtype, summary, keep = probe.summary(g)
+        dtype, summary, keep = probe.summary(g, whole_batch=False)
         reports.append(("Gradient", dtype, summary))
     if res is not None:
         reports.insert(0, ("Activation", g.dtype, res[0]))

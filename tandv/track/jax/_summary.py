@@ -22,7 +22,7 @@ import numpy as np
 from ...stats.summary import CORE_FIELDS, POWERS, Layout
 
 __all__ = ["DeviceSummary", "summarize_jax", "summarize_many_jax", "to_vector", "with_custom", "CustomStat",
-           "histogram_by_matmul"]
+           "histogram_by_matmul", "merge_jax"]
 
 #: A custom statistic: a traceable function of the array returning a scalar.
 CustomStat = Callable[[jax.Array], Any]
@@ -321,6 +321,86 @@ def _summarize_rows(block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: L
     counts = jnp.concatenate([jnp.stack([numel, n_nan, n_inf, n_zero], axis=1), bins], axis=1)
     values = jnp.stack([vmin, vmax, min_abs, s, mean, m2, *sums[2:]], axis=1)
     return counts, values
+
+
+def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> DeviceSummary:
+    """The summary of the union of two arrays' elements from their summaries, on device
+    (traceable): :func:`tandv.stats.summary.merge` in the summaries' own float type.
+
+    Counts, extrema and exponent counts merge exactly; the mean, the centred second moment
+    (Chan's update) and the power sums are rescaled from each part's largest magnitude to
+    the merged one. ``rules``: the merge rule of each custom statistic (``"sum"``, ``"min"``,
+    ``"max"``, ``"mean"``: weighted by element count), in the values' order.
+
+    Why on device: a tap inside a loop body (``lax.scan``, ``nn.scan``) writes its mailbox
+    once per iteration, and each write merges into what the mailbox holds, so one summary
+    of all iterations leaves the program."""
+    ca, cb = a.counts, b.counts
+    va, vb = a.values, b.values
+    counts = ca + cb
+    na = (ca[0] - ca[1] - ca[2]).astype(va.dtype)
+    nb = (cb[0] - cb[1] - cb[2]).astype(va.dtype)
+    n = na + nb
+    # Extrema compared as bit patterns (order keys): exact where XLA:CPU's float comparisons
+    # treat subnormals as zero.
+    fb = _bits_for(va.dtype)
+    width = np.dtype(fb.int_dtype).itemsize * 8
+
+    def key(v: Any) -> Any:  # involution: float bits -> integers in the floats' order
+        b = jax.lax.bitcast_convert_type(v, fb.int_dtype)
+        return b ^ ((b >> (width - 1)) & fb.magnitude_mask)
+
+    def unkey(k: Any) -> Any:
+        return jax.lax.bitcast_convert_type(k ^ ((k >> (width - 1)) & fb.magnitude_mask), va.dtype)
+
+    ka, kb = key(va[:4]), key(vb[:4])
+    lo, hi = unkey(jnp.minimum(ka, kb)), unkey(jnp.maximum(ka, kb))
+    vmin, vmax, min_abs, s = lo[0], hi[1], lo[2], hi[3]
+    # Ratios to s in the integer domain (v * 2**k rebuilt from its bits, s * 2**k in [1, 2)):
+    # exact for subnormal s and v, which XLA:CPU's float division flushes to zero.
+    idt, mb, bias, mask = fb.int_dtype, fb.mantissa_bits, fb.exponent_bias, fb.magnitude_mask
+
+    def rescaled(m: Any, k: Any) -> Any:  # |v| * 2**k from the magnitude bits m (0 below normal)
+        efield = m >> mb
+        normal = efield > 0
+        full = jnp.where(normal, (m & ((1 << mb) - 1)) | (1 << mb), m)
+        j = jnp.where(normal, efield - bias, 1 - bias) - mb + k
+        pow2 = jax.lax.bitcast_convert_type(((jnp.clip(j, 1 - bias, bias) + bias) << mb).astype(idt), va.dtype)
+        return full.astype(va.dtype) * jnp.where(j < 1 - bias, 0, pow2)
+
+    s_bits = jax.lax.bitcast_convert_type(s, idt) & mask
+    efield = s_bits >> mb
+    floor_log2 = jnp.where(efield > 0, efield - bias, (width - 1 - jax.lax.clz(s_bits)) - (bias + mb - 1))
+    k = jnp.where(s_bits > 0, -floor_log2, 0)
+    s_scaled = jnp.where(s_bits > 0, rescaled(s_bits, k), 1)
+
+    def over_s(v: Any) -> Any:  # v / s
+        b = jax.lax.bitcast_convert_type(v, idt)
+        r = rescaled(b & mask, k) / s_scaled
+        return jnp.where(b < 0, -r, r)
+
+    ra, rb = over_s(va[3]), over_s(vb[3])
+    delta = over_s(vb[4]) - over_s(va[4])  # scaled before subtracting: no overflow
+    has = n > 0
+    safe = jnp.where(has, n, 1)
+    mean = jnp.where(has, va[4] + delta * (nb / safe) * s, va[4])
+    m2 = jnp.where(has, va[5] * ra**2 + vb[5] * rb**2 + delta**2 * (na * (nb / safe)), va[5])
+    powers = [va[6 + i] * ra**k + vb[6 + i] * rb**k for i, k in enumerate(POWERS)]
+    extras = []
+    wa, wb = ca[0].astype(va.dtype), cb[0].astype(va.dtype)
+    for j, rule in enumerate(rules):
+        i = _N_FLOAT + j
+        if rule == "min":
+            extras.append(unkey(jnp.minimum(key(va[i]), key(vb[i]))))
+        elif rule == "max":
+            extras.append(unkey(jnp.maximum(key(va[i]), key(vb[i]))))
+        elif rule == "sum":
+            extras.append(va[i] + vb[i])
+        else:
+            total = wa + wb
+            extras.append(jnp.where(total > 0, (va[i] * wa + vb[i] * wb) / jnp.where(total > 0, total, 1), 0))
+    values = jnp.stack([vmin, vmax, min_abs, s, mean, m2, *powers, *extras]).astype(va.dtype)
+    return DeviceSummary(counts, values)
 
 
 def to_vector(summary: DeviceSummary) -> np.ndarray:

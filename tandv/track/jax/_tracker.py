@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
+from collections import deque
 from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence, TypeVar
 
 import jax
@@ -13,12 +15,13 @@ import numpy as np
 from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...stats.formats import format_name, number_format as _number_format
 from ...stats.host import HOST_DTYPES, host_summaries
-from ...stats.summary import Layout
+from ...stats.summary import Layout, merge_all
 from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
 from ..common.custom import StatsSpec, parse_custom_stats, percentile_columns
 from . import _ffi
-from ._intercept import (ROOT_NAME, Mailboxes, Probe, acquire_nnx, interception, register, release_nnx, tag_nnx_paths,
-                         tap, untag_nnx_paths)
+from ._intercept import (ROOT_NAME, MailRead, Mailboxes, Probe, acquire_nnx, interception, register, release_nnx,
+                         tag_nnx_paths, tap, untag_nnx_paths)
+from ._pallas import pallas_summary
 from ._summary import CustomStat, DeviceSummary, summarize_jax, summarize_many_jax, to_vector, with_custom
 from ._trees import Leaf, collection_leaves, is_float_array, key_name, optimizer_state_leaves, param_leaves
 
@@ -28,6 +31,19 @@ T = TypeVar("T")
 _tokens = itertools.count(1)
 #: Arrays with at least this many elements are summarized by a program of their own.
 _OWN_PROGRAM_SIZE = 1 << 16
+#: Which summary computation serves, read when a tracker is made (tests set it to run the
+#: accelerators' path on the CPU), also from the environment variable ``TANDV_JAX_SUMMARY``:
+#:
+#: - ``"auto"``: on the CPU, the host kernel (inside the program for taps, reading the
+#:   buffers for step-time arrays); elsewhere XLA's summary operations, and on CUDA GPUs the
+#:   fused Pallas kernel for arrays of at least :data:`FUSED_SIZE` elements.
+#: - ``"xla"``: XLA's summary operations everywhere, all in programs (no host kernel).
+#: - ``"pallas"``: the fused Pallas kernel for every array everywhere (interpreted on the
+#:   CPU: slow, for tests), all in programs.
+SUMMARY_PATH = os.environ.get("TANDV_JAX_SUMMARY", "auto")
+_PATHS = ("auto", "xla", "pallas")
+#: Arrays with at least this many elements go through the fused kernel on CUDA GPUs.
+FUSED_SIZE = 1 << 16
 #: Threads the host kernel uses. One: with two (numba's threads), the kernel itself ran
 #: faster, but those threads kept a core busy into the next XLA update, and tracked steps of
 #: the MLP benchmark took longer (28.2-28.4 ms against 25.5-26.4 ms, instrumented runs).
@@ -39,6 +55,41 @@ class _StackRow(NamedTuple):
 
     stack: tuple[Any, Any]
     row: int
+
+
+class _ShardRows(NamedTuple):
+    """The summary of a sharded array: the rows ``rows`` of the stack of its shards'
+    summaries (one shard of each replicated group), merged on the host by ``layout``."""
+
+    stack: tuple[Any, Any]
+    rows: tuple[int, ...]
+    layout: Layout
+
+
+def _shard_plan(x: Any) -> tuple[Any, Any, tuple[int, ...]] | None:
+    """For an array split over several devices of a mesh (evenly, all addressable):
+    ``(mesh, spec, rows)``, ``rows`` the devices (in mesh order) whose shard is counted: those
+    at index 0 along every mesh axis the array is not split over (the others hold copies).
+    None for other arrays."""
+    from jax.sharding import NamedSharding
+
+    sharding = getattr(x, "sharding", None)
+    if (not isinstance(sharding, NamedSharding) or len(sharding.device_set) < 2
+            or not sharding.is_fully_addressable):
+        return None
+    mesh, spec = sharding.mesh, sharding.spec
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    used: set[str] = set()
+    for dim, axes in enumerate(spec):
+        axes = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+        used.update(axes)
+        if x.shape[dim] % int(np.prod([sizes[a] for a in axes], dtype=np.int64)):
+            return None  # uneven shards
+    if not used:
+        return None  # replicated: one device's summary is the array's
+    rows = tuple(j for j, at in enumerate(np.ndindex(*mesh.devices.shape))
+                 if all(at[k] == 0 for k, name in enumerate(mesh.axis_names) if name not in used))
+    return mesh, spec, rows
 
 
 def _in_host_memory(x: Any, placements: dict[int, bool] | None = None) -> bool:
@@ -76,20 +127,97 @@ def _replicated(devices: list[Any]) -> Any:
     return NamedSharding(Mesh(np.array(devices), ("tandv",)), PartitionSpec())
 
 
-def _to_host(summaries: list[Any]) -> list[np.ndarray]:
-    """Summary vectors of one step's observations, fetched with one ``jax.device_get``:
-    stacked step-time summaries (:class:`_StackRow`); tap summaries and the host kernel's
+class _Mail(NamedTuple):
+    """Report ``report`` of mailbox ``box`` in a :class:`MailRead` (a tap's summary)."""
+
+    read: MailRead
+    box: int
+    report: int
+
+    def summary(self) -> DeviceSummary | None:
+        return self.read.summary(self.box, self.report)
+
+
+def _pack_words(arrays: list[Any]) -> Any:
+    """The bits of ``arrays`` (4- or 8-byte elements) as one flat int32 vector."""
+    return jnp.concatenate([jax.lax.bitcast_convert_type(a, jnp.int32).reshape(-1) for a in arrays])
+
+
+_pack = jax.jit(_pack_words)
+
+
+class _Transfer:
+    """A step's summaries still on devices (step-time stacks, mailbox words), packed by one
+    jitted call into one int32 array whose copy to the host starts at once, without waiting:
+    one transfer per tracked step. Read on the first :meth:`get` (at the next tracked step).
+    Arrays on different sets of devices (which one program cannot take) are copied apart."""
+
+    def __init__(self, arrays: list[Any]) -> None:
+        self._likes = [(a.shape, np.dtype(a.dtype)) for a in arrays]
+        # one array (on the CPU: the mailbox words alone) needs no packing call
+        self._one = len(arrays) > 1 and len({frozenset(a.sharding.device_set) for a in arrays}) == 1
+        self._device: list[Any] | None = [_pack(arrays)] if self._one else list(arrays)
+        for part in self._device:
+            part.copy_to_host_async()
+        self._host: list[np.ndarray] | None = None
+
+    def get(self, i: int) -> np.ndarray:
+        """The host copy of array ``i`` (waits for the copy the first time)."""
+        if self._host is None:
+            assert self._device is not None
+            if self._one:
+                flat, at, self._host = np.asarray(self._device[0]), 0, []
+                for shape, dtype in self._likes:
+                    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // 4
+                    self._host.append(flat[at:at + n].view(dtype).reshape(shape))
+                    at += n
+            else:
+                self._host = [np.asarray(part) for part in self._device]
+            self._device = None
+        return self._host[i]
+
+
+def _send(summaries: Sequence[Any]) -> dict[int, tuple[_Transfer, int]]:
+    """Start the one transfer of a step's device summaries: each step-time stack's parts and
+    each mailbox read go into it. Returns where each stack's counts lie in it (by ``id``)."""
+    arrays: list[Any] = []
+    stacks: dict[int, tuple[Any, int]] = {}
+    reads: dict[int, tuple[MailRead, int]] = {}
+    for s in summaries:
+        if isinstance(s, (_StackRow, _ShardRows)) and id(s.stack) not in stacks:
+            stacks[id(s.stack)] = (s.stack, len(arrays))
+            arrays += list(s.stack)
+        elif isinstance(s, _Mail) and id(s.read) not in reads:
+            reads[id(s.read)] = (s.read, len(arrays))
+            arrays.append(s.read.words)
+    if not arrays:
+        return {}
+    transfer = _Transfer(arrays)
+    for read, i in reads.values():
+        read.fetch_from(functools.partial(transfer.get, i))
+    return {key: (transfer, i) for key, (_, i) in stacks.items()}
+
+
+def _to_host(summaries: list[Any], stacks: dict[int, tuple[_Transfer, int]]) -> list[np.ndarray]:
+    """Summary vectors of one step's observations, from the step's transfer (see
+    :func:`_send`): step-time stacks (:class:`_StackRow`, ``stacks``: where each lies),
+    tap summaries from mailboxes (:class:`_Mail`) or delivered directly; the host kernel's
     vectors are on the host already."""
-    stacks = {id(s.stack): s.stack for s in summaries if isinstance(s, _StackRow)}
-    fetched = dict(zip(stacks, jax.device_get(list(stacks.values()))))
     out = []
     for s in summaries:
         if isinstance(s, np.ndarray):
             out.append(s)
             continue
+        if isinstance(s, _ShardRows):
+            transfer, i = stacks[id(s.stack)]
+            counts, values = transfer.get(i), transfer.get(i + 1)
+            out.append(merge_all([to_vector(DeviceSummary(counts[r], values[r])) for r in s.rows], s.layout))
+            continue
         if isinstance(s, _StackRow):
-            counts, values = fetched[id(s.stack)]
-            s = DeviceSummary(counts[s.row], values[s.row])
+            transfer, i = stacks[id(s.stack)]
+            s = DeviceSummary(transfer.get(i)[s.row], transfer.get(i + 1)[s.row])
+        elif isinstance(s, _Mail):
+            s = s.summary()
         out.append(to_vector(s))
     return out
 
@@ -279,18 +407,25 @@ class JaxTracker:
         self._layouts: dict[str, Layout] = {}
         self._module_types: dict[str, type] = {}
         self._names_cache: dict[Any, Any] = {}
-        self._summarize_many = jax.jit(self._summaries)
+        self._summarize_many = jax.jit(self._summaries, static_argnums=(1, 2))
         # Taps call a jitted summary: compiled once per shape and dtype when the update runs
         # eagerly, and traced once per shape (then inlined) when it is jitted. On the CPU it
         # is the host kernel called from inside the program (see ``_ffi``).
-        self._summarize_xla = jax.jit(self._summarize)
+        if SUMMARY_PATH not in _PATHS:
+            raise ValueError(f"tandv: TANDV_JAX_SUMMARY={SUMMARY_PATH!r}: expected one of {_PATHS}")
+        self._path = SUMMARY_PATH
+        self._summarize_xla = jax.jit(self._summarize, static_argnames="fused")
         self._summarize_cpu = jax.jit(self._summarize_in_program)
         self._mailboxes = Mailboxes()
         self._used_callbacks = False
         self._token = next(_tokens)
         self._on_cpu = False
+        self._one_device = True  # whether the intercepted update runs on one device
         self._intercepted = False  # whether intercept() ran in the current step
         self._next_weights: list[tuple[Leaf, Any, _StackRow]] = []
+        #: Ended steps whose summaries are on their way to the host: (step, observations,
+        #: where the step-time stacks lie in the step's transfer).
+        self._flights: deque[tuple[int, list[Any], dict[int, Any]]] = deque()
         self._nnx_tagged: list[Any] = []
         self.step_count = 0
         self._recorder = StepRecorder(out, out_format, run_name, flush_every=flush_every, verbose=verbose,
@@ -313,15 +448,29 @@ class JaxTracker:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def _land(self, before: int | None = None) -> None:
+        """Record the steps ended before step ``before`` (all with None), in order: their
+        summaries' copies to the host were started when they ended, and the device has the
+        later steps queued, so waiting for them here does not leave it idle."""
+        while self._flights and (before is None or self._flights[0][0] < before):
+            step, pending, stacks = self._flights.popleft()
+            # a mailbox the computation did not write holds no observation
+            pending = [p for p in pending if not isinstance(p[2], _Mail) or p[2].summary() is not None]
+            self._recorder.commit(step, pending, functools.partial(_to_host, stacks=stacks))
+
     def close(self) -> os.PathLike:
         """Write what is buffered and finish the log (idempotent); returns its path.
 
         An unfinished step (intercepted but not closed by :meth:`step`) is dropped."""
         if not self._recorder.closed:
-            release_nnx()
-            untag_nnx_paths(self._nnx_tagged)
-            self._nnx_tagged = []
-        self._recorder.close()
+            try:
+                self._land()
+            finally:
+                self._flights.clear()
+                release_nnx()
+                untag_nnx_paths(self._nnx_tagged)
+                self._nnx_tagged = []
+                self._recorder.close()
         return self.out_path
 
     @property
@@ -343,8 +492,24 @@ class JaxTracker:
             self._layouts[name] = layout
         return layout
 
-    def _summarize(self, x: jax.Array) -> DeviceSummary:
-        return summarize_jax(x, self._layout(x.dtype), self._custom)
+    def _summarize(self, x: jax.Array, fused: bool = True) -> DeviceSummary:
+        """Traceable summary of ``x`` off the host kernel: XLA's operations, or the fused
+        Pallas kernel (see :data:`SUMMARY_PATH`; float64 always takes XLA's). ``fused``:
+        whether the kernel may serve in ``"auto"``, False for programs on several devices
+        (XLA partitions its own operations over a sharded array; a kernel would need the
+        whole array on each device)."""
+        layout = self._layout(x.dtype)
+        if jnp.dtype(x.dtype) == jnp.float64 or (self._path != "pallas" and (x.size < FUSED_SIZE or not fused)):
+            return summarize_jax(x, layout, self._custom)
+
+        def fused(a: jax.Array, interpret: bool | None = None) -> DeviceSummary:
+            core = pallas_summary(a, layout.format, layout.num_counts, interpret=interpret)
+            return with_custom(core, a, self._custom)
+
+        if self._path == "pallas":
+            return fused(x)
+        return jax.lax.platform_dependent(x, cuda=lambda a: fused(a, False),
+                                          default=lambda a: summarize_jax(a, layout, self._custom))
 
     def _summarize_in_program(self, x: jax.Array) -> DeviceSummary:
         """Traceable summary for XLA:CPU: the host kernel as a custom call (float64 arrays
@@ -362,19 +527,38 @@ class JaxTracker:
             groups.setdefault(format_name(x.dtype), []).append(i)
         return list(groups.items())
 
-    def _summaries(self, arrays: list[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
+    def _summaries(self, arrays: list[jax.Array], fused: bool, plans: tuple[Any, ...]
+                   ) -> list[tuple[jax.Array, jax.Array]]:
         """Traced: per dtype group, the stacked counts and values of its arrays' summaries
-        (stacked so that the host fetches a few arrays, not two per tensor)."""
+        (stacked so that the host fetches a few arrays, not two per tensor); ``fused``: see
+        :meth:`_summarize`. Then, for each array with a :func:`_shard_plan` in ``plans``,
+        the stacked summaries of its shards, each computed on the device that holds it (no
+        collective: the host merges them)."""
+        from jax.sharding import PartitionSpec
+
         out = []
-        for dtype, idx in self._groups(arrays):
+        for i, plan in enumerate(plans):
+            if plan is not None:
+                mesh, spec, _ = plan
+                layout = self._layout(arrays[i].dtype)
+
+                def local(a: jax.Array, layout: Layout = layout) -> tuple[jax.Array, jax.Array]:
+                    summary = summarize_jax(a, layout, self._custom)
+                    return summary.counts[None], summary.values[None]
+
+                out.append(jax.shard_map(local, mesh=mesh, in_specs=spec,
+                                         out_specs=PartitionSpec(tuple(mesh.axis_names)), check_vma=False)(arrays[i]))
+        plain = [i for i, plan in enumerate(plans) if plan is None]
+        for dtype, idx in self._groups([arrays[i] for i in plain]):
+            idx = [plain[i] for i in idx]
             layout = self._layout(dtype)
             # Large arrays run faster through their own program (no copy into a shared
             # block); small ones share one, which keeps compile time down.
-            small = [i for i in idx if arrays[i].size < _OWN_PROGRAM_SIZE]
+            small = [i for i in idx if arrays[i].size < _OWN_PROGRAM_SIZE and self._path != "pallas"]
             parts = dict(zip(small, summarize_many_jax([arrays[i] for i in small], layout, self._custom)))
             for i in idx:
                 if i not in parts:
-                    parts[i] = summarize_jax(arrays[i], layout, self._custom)
+                    parts[i] = self._summarize(arrays[i], fused)
             out.append((jnp.stack([parts[i].counts for i in idx]), jnp.stack([parts[i].values for i in idx])))
         return out
 
@@ -386,7 +570,7 @@ class JaxTracker:
         vectors. The others start on device, in one jitted call: stack rows that
         :func:`_to_host` fetches at the end of the step."""
         rows: list[Any] = [None] * len(arrays)
-        if not self._custom:
+        if not self._custom and self._path == "auto":
             placements: dict[int, bool] = {}
             for dtype, idx in self._groups(arrays):
                 idx = [i for i in idx if _in_host_memory(arrays[i], placements)]
@@ -398,10 +582,15 @@ class JaxTracker:
         rest = [i for i, r in enumerate(rows) if r is None]
         if rest:
             device = [arrays[i] for i in rest]
-            stacks = self._summarize_many(device)
-            for (_, idx), stack in zip(self._groups(device), stacks):
+            plans = tuple(_shard_plan(x) for x in device)
+            stacks = iter(self._summarize_many(device, len(_devices_of(device)) <= 1, plans))
+            for i, plan in zip(rest, plans):
+                if plan is not None:
+                    rows[i] = _ShardRows(next(stacks), plan[2], self._layout(arrays[i].dtype))
+            plain = [i for i, plan in zip(rest, plans) if plan is None]
+            for (_, idx), stack in zip(self._groups([arrays[i] for i in plain]), stacks):
                 for r, i in enumerate(idx):
-                    rows[rest[i]] = _StackRow(stack, r)
+                    rows[plain[i]] = _StackRow(stack, r)
         return rows
 
     def _types_of(self, name: str) -> Sequence[type]:
@@ -434,12 +623,14 @@ class JaxTracker:
         devices = _devices_of((args, kwargs))
         # The update runs where its arrays are (JAX's default backend when it is given none).
         platforms = {d.platform for d in devices} or {jax.default_backend()}
-        self._on_cpu = platforms == {"cpu"} and _ffi.available()
+        self._on_cpu = platforms == {"cpu"} and self._path == "auto" and _ffi.available()
+        self._one_device = len(devices) <= 1
         if self._intercepted:  # a second call in this step (e.g. gradient accumulation): the
             self._collect_mailboxes()  # first one's mailboxes are read before they are reused
         self._mailboxes.prepare(_replicated(devices))
         self._intercepted = True
-        with interception((self._token, self._on_cpu, self._mailboxes.generation), self._on_output):
+        with interception((self._token, self._on_cpu, self._one_device, self._mailboxes.generation),
+                          self._on_output):
             try:
                 return f(*args, **kwargs)
             except Exception as e:
@@ -451,8 +642,12 @@ class JaxTracker:
                     "track_activations=False, track_gradients=False to keep the other rows") from e
 
     def _collect_mailboxes(self) -> None:
-        for report in self._mailboxes.collect():
-            self._receive(*report)
+        """Read the mailboxes (their copy to the host starts now; they are decoded when the
+        step is recorded) and add each report as an observation of the current step."""
+        read = self._mailboxes.read()
+        if read is not None:
+            for box, report, name, module_type, tensor_type, dtype in read.reports():
+                self._receive(name, module_type, tensor_type, dtype, _Mail(read, box, report))
 
     def _on_output(self, name: str, cls: type, out: Any) -> Any:
         """Wrap the float leaves of one module output in taps (called while tracing)."""
@@ -466,15 +661,15 @@ class JaxTracker:
                 if self._selector(leaf_name, cls.__mro__):
                     probe = Probe(self._token, leaf_name, cls.__name__, self._track_activations,
                                   self._track_gradients,
-                                  self._summarize_cpu if self._on_cpu else self._summarize_xla)
+                                  self._summarize_cpu if self._on_cpu
+                                  else functools.partial(self._summarize_xla, fused=self._one_device))
                     leaf = tap(probe, leaf)
             wrapped.append(leaf)
         return jax.tree_util.tree_unflatten(treedef, wrapped)
 
-    def _receive(self, name: str, module_type: str, tensor_type: str, dtype: str,
-                 summary: DeviceSummary) -> None:
+    def _receive(self, name: str, module_type: str, tensor_type: str, dtype: str, summary: Any) -> None:
         """A tap's summary arriving from the device (directly, from a mailbox or from the tap's
-        ``io_callback``)."""
+        host callback)."""
         if not self._recorder.closed:
             self._recorder.add(TensorKey(name, tensor_type, module_type, format_name(dtype)),
                                self._layout(dtype), summary)
@@ -631,7 +826,9 @@ class JaxTracker:
                 self._recorder.add(self._key(leaf, WEIGHT, dtype), self._layout(dtype), s)
             for (leaf, tt, a), s in zip(named, summaries):
                 self._recorder.add(self._key(leaf, tt, a.dtype), self._layout(a.dtype), s)
-            self._recorder.end_step(k, _to_host)
+            pending = self._recorder.take()
+            self._flights.append((k, pending, _send([p[2] for p in pending])))
+            self._land(k)
         else:
             self._recorder.discard()
         self._used_callbacks = False

@@ -1,0 +1,298 @@
+"""The JAX tracker's accelerator path, run on the CPU: summaries computed inside the compiled
+step (XLA's operations, ``SUMMARY_PATH = "xla"``), leaving it as data through mailboxes, with
+no host callback, also from loop bodies, where each iteration's summary merges on device."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+from tandv.schema import read_log  # noqa: E402
+from tandv.stats import Layout, summarize  # noqa: E402
+from tandv.stats.summary import merge  # noqa: E402
+from tandv.track.jax import _intercept, _tracker, to_vector, track  # noqa: E402
+from tandv.track.jax._summary import DeviceSummary, merge_jax  # noqa: E402
+
+from test_jax_tracker import assert_row_matches, data, row  # noqa: E402
+
+rng = np.random.default_rng(3)
+
+
+@pytest.fixture
+def accelerator_path(monkeypatch):
+    """Summaries in programs only (no host kernel), and every host callback counted."""
+    monkeypatch.setattr(_tracker, "SUMMARY_PATH", "xla")
+    monkeypatch.setattr(_tracker, "host_summaries", None)  # must not be called
+    calls = []
+    deliver = _intercept._deliver
+    monkeypatch.setattr(_intercept, "_deliver", lambda *a: (calls.append(a[1]), deliver(*a)))
+    return calls
+
+
+PARTS = {
+    "normal": rng.normal(size=50).astype(np.float32),
+    "offset": (1e4 + rng.normal(size=30)).astype(np.float32),
+    "subnormal": (rng.normal(size=20) * 1e-42).astype(np.float32),
+    "huge": (rng.normal(size=10) * 1e37).astype(np.float32),
+    "specials": np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 3.0], np.float32),
+    "nan-only": np.full(4, np.nan, np.float32),
+    "empty": np.zeros(0, np.float32),
+}
+
+
+def _as_device(vector, layout):
+    """A reference summary vector in the device layout (int32 counts, float32 values)."""
+    c, e = layout.counts_start, layout.extras_start
+    return (np.concatenate([vector[:4], vector[c:e]]).astype(np.int32),
+            np.concatenate([vector[4:c], vector[e:]]).astype(np.float32))
+
+
+def test_merge_on_device_matches_the_reference_merge():
+    """merge_jax (what a loop body's mailbox does per iteration) of every pair of crafted
+    parts (subnormals, huge values, |mean| >> std, specials, NaN only, empty) against
+    tandv.stats.merge of the same summaries and the summary of the concatenation: counts,
+    extrema and exponent counts exactly, custom statistics by their merge rules."""
+    rules = (("total", "sum"), ("biggest", "max"), ("smallest", "min"), ("avg", "mean"))
+    layout = Layout("float32", rules)
+    core = Layout("float32")
+    merge_fn = jax.jit(lambda a, b: merge_jax(DeviceSummary(*a), DeviceSummary(*b), [r for _, r in rules]))
+
+    def reference(x):
+        finite = x[np.isfinite(x)]
+        extras = [float(finite.sum()), float(finite.max(initial=-np.inf)), float(finite.min(initial=np.inf)),
+                  float(finite.mean()) if finite.size else 0.0]
+        return np.concatenate([summarize(x)[0], extras])
+
+    for a, x in PARTS.items():
+        for b, y in PARTS.items():
+            got = to_vector(jax.device_get(merge_fn(_as_device(reference(x), layout),
+                                                    _as_device(reference(y), layout))))
+            want = merge(reference(x), reference(y), layout)
+            whole = reference(np.concatenate([x, y]))
+            exact = list(range(8)) + list(range(core.counts_start, core.extras_start))
+            np.testing.assert_array_equal(got[exact], want[exact], err_msg=f"{a} + {b}")
+            np.testing.assert_array_equal(got[exact], whole[exact], err_msg=f"{a} + {b}")
+            tol = 1e-6 * max(1.0, whole[10])  # m2 and the power sums are relative to max_abs
+            np.testing.assert_allclose(got[8:core.counts_start], whole[8:core.counts_start], rtol=2e-5, atol=tol,
+                                       err_msg=f"{a} + {b}")
+            # custom statistics as the reference merges them ("mean": weighted by numel); sums
+            # of subnormals are float arithmetic, which XLA:CPU flushes (as it does the
+            # statistics themselves): to 1e-30
+            np.testing.assert_allclose(got[layout.extras_start:], want[layout.extras_start:], rtol=2e-5, atol=1e-30,
+                                       err_msg=f"{a} + {b}")
+            np.testing.assert_array_equal(got[layout.extras_start + 1:][:2], whole[layout.extras_start + 1:][:2])
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return jnp.tanh(nn.Dense(4, name="Dense_0")(h)), None
+
+
+class Stack(nn.Module):
+    """nn.scan over nn.remat blocks, then a Dense applied three times in lax.scan."""
+
+    @nn.compact
+    def __call__(self, x):
+        blocks = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        h = blocks(name="blocks")(x, None)[0]
+        head = nn.Dense(4, name="head")
+
+        def body(h, _):
+            return jnp.tanh(head(h)), None
+        body(h, None)  # create the parameters outside the loop
+        h = jax.lax.scan(body, h, None, length=2)[0] if not self.is_initializing() else h
+        return h.sum(axis=-1)
+
+
+def test_loops_report_through_mailboxes_and_each_program_compiles_once(tmp_path, accelerator_path):
+    """nn.scan(nn.remat(...)) and lax.scan in a jitted update on the accelerator path: no host
+    callback (they were one per tap and iteration), every iteration counted, and after the
+    first tracked and untracked step nothing is traced or compiled again."""
+    from jax import monitoring
+
+    model, opt = Stack(), optax.sgd(1e-2)
+    x = data()[0][:, :4]
+    params, x = jax.device_put((model.init(jax.random.key(1), x), x), jax.devices()[0])
+    state = jax.device_put(opt.init(params), jax.devices()[0])
+    traces, compiles = [], []
+
+    @jax.jit
+    def update(p, s, x):
+        traces.append(1)
+        g = jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2))(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, g
+
+    def on_event(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(on_event)
+    history = []
+    try:
+        with track(params, state, out=tmp_path / "log", every=2, verbose=False) as tracker:
+            for step in range(6):
+                history.append(params)
+                params, state, grads = tracker.intercept(update, params, state, x)
+                tracker.step(params, state, grads)
+                if step == 1:
+                    warm = len(compiles)
+    finally:
+        monitoring.unregister_event_duration_listener(on_event)
+    assert accelerator_path == []  # no host callback
+    assert len(traces) == 2  # the instrumented program and the user's own
+    assert len(compiles) == warm
+    df = read_log(tmp_path / "log")
+    for step in (0, 2, 4):
+        p = history[step]["params"]
+        layer = p["blocks"]["Dense_0"]
+        h, outs = np.asarray(x, np.float64), []
+        for i in range(3):
+            outs.append(h @ np.asarray(layer["kernel"][i], np.float64) + np.asarray(layer["bias"][i]))
+            h = np.tanh(outs[-1])
+        outs = np.concatenate(outs)
+        r = row(df, "blocks.Dense_0", "Activation", step)
+        assert r[("scalar_stats", "numel")] == outs.size
+        assert r[("scalar_stats", "mean")] == pytest.approx(outs.mean(), rel=1e-4)
+        assert r[("scalar_stats", "max_abs")] == pytest.approx(np.abs(outs).max(), rel=1e-5)
+        assert row(df, "blocks.Dense_0", "Gradient", step)[("scalar_stats", "numel")] == outs.size
+        # head: once outside the loop, twice inside
+        assert row(df, "head", "Activation", step)[("scalar_stats", "numel")] == 3 * h.size
+        assert row(df, "head", "Gradient", step)[("scalar_stats", "numel")] == 2 * h.size
+    assert sorted(set(df[("metadata", "step")])) == [0, 2, 4]
+
+
+def test_step_does_not_wait_for_its_summaries(tmp_path, accelerator_path, monkeypatch):
+    """tracker.step() starts one copy of all the step's summaries (mailboxes, weights,
+    gradients) and returns: they are read (decoded) when the next tracked step ends or the
+    tracker closes, and the rows are those of the values computed here."""
+    transfers = []
+
+    class Counted(_tracker._Transfer):
+        def __init__(self, arrays):
+            transfers.append(len(arrays))
+            super().__init__(arrays)
+
+    monkeypatch.setattr(_tracker, "_Transfer", Counted)
+    model = nn.Dense(3)
+    x, _ = data()
+    params = model.init(jax.random.key(1), x)
+    update = jax.jit(jax.grad(lambda p, x: jnp.sum(model.apply(p, x) ** 2)))
+    with track(params, out=tmp_path / "log", verbose=False) as tracker:
+        grads = tracker.intercept(update, params, x)
+        tracker.step(params, gradients=grads)
+        # one transfer: the mailbox words, the weights' and the gradients' counts and values
+        assert transfers == [5]
+        (step, pending, _), = tracker._flights
+        mail = [s for _, _, s in pending if isinstance(s, _tracker._Mail)]
+        assert step == 0 and len(mail) == 2  # the root's activation and gradient
+        assert mail[0].read._decoded is None  # not read yet
+        grads = tracker.intercept(update, params, x)
+        tracker.step(params, gradients=grads)
+        assert [s for s, _, _ in tracker._flights] == [1]  # step 0 recorded
+        assert mail[0].read._decoded is not None
+    df = read_log(tmp_path / "log")
+    out = np.asarray(model.apply(params, x), np.float64)
+    for step in (0, 1):
+        r = row(df, "root", "Activation", step)
+        assert r[("scalar_stats", "numel")] == out.size
+        assert r[("scalar_stats", "mean")] == pytest.approx(out.mean(), rel=1e-5)
+        r = row(df, "root", "Gradient", step)
+        assert r[("scalar_stats", "mean")] == pytest.approx((2 * out).mean(), rel=1e-5)
+        assert_row_matches(df, "kernel", "Weight", step, params["params"]["kernel"])
+        assert_row_matches(df, "kernel", "Gradient", step, grads["params"]["kernel"])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_activations_on_the_fused_kernel(tmp_path, monkeypatch, dtype):
+    """A bf16/fp16 model on the Pallas path (interpreted): its activation rows are those of
+    the numpy reference on the same values, exponent counts exactly."""
+    monkeypatch.setattr(_tracker, "SUMMARY_PATH", "pallas")
+    model = nn.Dense(8, dtype=dtype, param_dtype=dtype)
+    x = jnp.asarray(data()[0], dtype)
+    params = model.init(jax.random.key(2), x)
+    fwd = jax.jit(lambda p, x: model.apply(p, x))
+    with track(out=tmp_path / "log", track_gradients=False, verbose=False) as tracker:
+        out = tracker.intercept(fwd, params, x)
+        tracker.step()
+    assert_row_matches(read_log(tmp_path / "log"), "root", "Activation", 0,
+                       np.asarray(out).astype(ml_dtypes.finfo(dtype).dtype))
+
+
+@pytest.mark.parametrize("where", ["vmap-of-scan", "scan-of-vmap"])
+def test_vmapped_loop_bodies_still_report(tmp_path, where):
+    """A loop body under jax.vmap cannot merge into an unbatched mailbox: its taps report by
+    host callback (vmap calls it once per example), and the rows hold every example and
+    iteration once (the cotangent rows of vmap-of-scan counted the whole batch once per
+    example)."""
+    model = nn.Dense(5)
+    x, _ = data()
+    params = model.init(jax.random.key(1), x)
+
+    def scan(p, h):
+        return jax.lax.scan(lambda h, _: (jnp.tanh(model.apply(p, h)), None), h, None, length=2)[0]
+
+    if where == "vmap-of-scan":
+        def loss(p, x):
+            return jnp.sum(jax.vmap(lambda xi: scan(p, xi[None]))(x) ** 2)
+    else:
+        def loss(p, x):
+            def body(h, _):
+                return jax.vmap(lambda hi: jnp.tanh(model.apply(p, hi)))(h), None
+            return jnp.sum(jax.lax.scan(body, x, None, length=2)[0] ** 2)
+    update = jax.jit(jax.grad(loss))
+    with track(params, out=tmp_path / "log", verbose=False) as tracker:
+        grads = tracker.intercept(update, params, x)
+        tracker.step(params, gradients=grads)
+    df = read_log(tmp_path / "log")
+    h, outs = np.asarray(x, np.float64), []
+    for _ in range(2):
+        outs.append(h @ np.asarray(params["params"]["kernel"], np.float64) + np.asarray(params["params"]["bias"]))
+        h = np.tanh(outs[-1])
+    outs = np.concatenate(outs)
+    r = row(df, "root", "Activation", 0)
+    assert r[("scalar_stats", "numel")] == outs.size
+    assert r[("scalar_stats", "mean")] == pytest.approx(outs.mean(), rel=1e-4)
+    assert row(df, "root", "Gradient", 0)[("scalar_stats", "numel")] == outs.size
+
+
+def test_sharded_arrays_are_summarized_where_they_lie(tmp_path, accelerator_path):
+    """Arrays split over two devices (rows, columns, and replicated along a second mesh
+    axis): each device summarizes its own shard (the program has no collective), the host
+    merges the shards' summaries, and the rows are those of the global arrays (a replicated
+    copy counted once)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (tests/conftest.py sets jax_num_cpu_devices=2)")
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("data", "model"))
+    mesh_t = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+    values = {
+        "rows": (rng.normal(size=(64, 8)) * 3).astype(np.float32),
+        "cols": np.concatenate([rng.normal(size=(8, 4)), np.full((8, 4), 1e-42)], 1).astype(np.float32),
+        "replicated_along_model": rng.normal(size=(6, 10)).astype(np.float32),
+    }
+    values["cols"][0, 0] = np.nan
+    params = {
+        "rows": jax.device_put(values["rows"], NamedSharding(mesh, P("data", None))),
+        "cols": jax.device_put(values["cols"], NamedSharding(mesh_t, P(None, "model"))),
+        "replicated_along_model": jax.device_put(values["replicated_along_model"], NamedSharding(mesh_t, P("data"))),
+    }
+    with track(params, out=tmp_path / "log", track_activations=False, track_gradients=False,
+               verbose=False) as tracker:
+        arrays = list(params.values())
+        plans = tuple(_tracker._shard_plan(x) for x in arrays)
+        assert [p[2] for p in plans] == [(0, 1), (0, 1), (0,)]  # one copy of the last is counted
+        hlo = tracker._summarize_many.lower(arrays, False, plans).compile().as_text()
+        assert "all-reduce" not in hlo and "all-gather" not in hlo
+        tracker.step(params)
+    df = read_log(tmp_path / "log")
+    for name, value in values.items():
+        assert_row_matches(df, name, "Weight", 0, value)
