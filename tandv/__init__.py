@@ -5,8 +5,16 @@ and ``tandv.track.jax``, figures in ``tandv.viz``.
 """
 
 from .analysis import first_nonfinite
-from .schema import (SchemaError, read_log, read_parquet, read_pickle, read_scalars, validate, write_parquet,
-                     write_pickle)
+from .schema import (
+    SchemaError,
+    read_log,
+    read_parquet,
+    read_pickle,
+    read_scalars,
+    validate,
+    write_parquet,
+    write_pickle,
+)
 
 __version__ = "0.1.0"
 

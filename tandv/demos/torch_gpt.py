@@ -50,8 +50,9 @@ class Attention(nn.Module):
         def heads(y: torch.Tensor) -> torch.Tensor:
             return y.view(b, t, h, d // h).transpose(1, 2)
 
-        y = F.scaled_dot_product_attention(heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x)),
-                                           is_causal=True)
+        y = F.scaled_dot_product_attention(
+            heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x)), is_causal=True
+        )
         return self.wo(y.transpose(1, 2).reshape(b, t, d))
 
 

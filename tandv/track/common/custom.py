@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
 
 from ...stats.summary import DEFAULT_STATS, MERGE_RULES
 
@@ -41,9 +42,15 @@ def parse_custom_stats(
     elif isinstance(stats, Mapping):
         singles: dict[str, Callable[[Any], Any]] = {}
         for name, spec in stats.items():
-            fn, rule = (spec, None) if callable(spec) else (spec if isinstance(spec, tuple) and len(spec) == 2 else (None, None))
+            fn, rule = (
+                (spec, None)
+                if callable(spec)
+                else (spec if isinstance(spec, tuple) and len(spec) == 2 else (None, None))
+            )
             if not isinstance(name, str) or not callable(fn):
-                raise TypeError(f"stats[{name!r}]: expected a function x -> scalar, or (function, rule); got {spec!r}")
+                raise TypeError(
+                    f"stats[{name!r}]: expected a function x -> scalar, or (function, rule); got {spec!r}"
+                )
             singles[name] = fn
             if rule is not None:
                 rules[name] = rule
@@ -52,8 +59,10 @@ def parse_custom_stats(
         items = (stats,) if callable(stats) else tuple(stats)
         for f in items:
             if not callable(f):
-                raise TypeError(f"stats: expected functions x -> {{name: scalar}} (or a mapping name -> "
-                                f"function); got {f!r}")
+                raise TypeError(
+                    f"stats: expected functions x -> {{name: scalar}} (or a mapping name -> "
+                    f"function); got {f!r}"
+                )
         fns.extend(items)
     where = {name: f"stats[{name!r}]: merge rule {rule!r}" for name, rule in rules.items()}
     for name, rule in (stats_merge or {}).items():
@@ -63,7 +72,9 @@ def parse_custom_stats(
         if rule not in MERGE_RULES:
             raise ValueError(f"{where[name]}: expected one of {MERGE_RULES}")
         if name in DEFAULT_STATS:
-            raise ValueError(f"custom statistic {name!r} clashes with a default statistic; rename it")
+            raise ValueError(
+                f"custom statistic {name!r} clashes with a default statistic; rename it"
+            )
     return tuple(fns), rules
 
 
@@ -77,7 +88,9 @@ def percentile_columns(percentiles: Sequence[float] | None) -> tuple[tuple[str, 
     if percentiles is None:
         return ()
     if isinstance(percentiles, (str, bytes)) or not isinstance(percentiles, Sequence):
-        raise TypeError(f"percentiles={percentiles!r}: expected a sequence of percentages, e.g. (1, 50, 99)")
+        raise TypeError(
+            f"percentiles={percentiles!r}: expected a sequence of percentages, e.g. (1, 50, 99)"
+        )
     out: dict[str, float] = {}
     for q in percentiles:
         if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 100:

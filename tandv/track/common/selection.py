@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence, Union
+from typing import Union
 
 __all__ = ["Selector", "Pattern"]
 
@@ -18,12 +19,16 @@ def _as_list(value: Pattern | Sequence[Pattern] | None, arg: str) -> tuple[Patte
     items = (value,) if isinstance(value, (str, re.Pattern, type)) else tuple(value)
     for item in items:
         if not isinstance(item, (str, re.Pattern, type)):
-            raise TypeError(f"{arg}: expected regex strings, compiled patterns or classes; got {item!r}")
+            raise TypeError(
+                f"{arg}: expected regex strings, compiled patterns or classes; got {item!r}"
+            )
         if isinstance(item, str):
             try:
                 re.compile(item)
             except re.error as e:
-                raise ValueError(f"{arg}: {item!r} is not a valid regular expression ({e})") from None
+                raise ValueError(
+                    f"{arg}: {item!r} is not a valid regular expression ({e})"
+                ) from None
     return items
 
 
@@ -44,8 +49,11 @@ class Selector:
     exclude: tuple[Pattern, ...] = ()
 
     @classmethod
-    def build(cls, include: Pattern | Sequence[Pattern] | None = None,
-              exclude: Pattern | Sequence[Pattern] | None = None) -> "Selector":
+    def build(
+        cls,
+        include: Pattern | Sequence[Pattern] | None = None,
+        exclude: Pattern | Sequence[Pattern] | None = None,
+    ) -> Selector:
         """A selector from the tracker's ``include`` / ``exclude`` arguments (checked)."""
         return cls(_as_list(include, "include"), _as_list(exclude, "exclude"))
 
