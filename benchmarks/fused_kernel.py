@@ -56,19 +56,20 @@ def main(argv: list[str] | None = None) -> int:
         spec = _fused.spec_for(dtype)
         layout = Layout(str(dtype).removeprefix("torch."))
 
-        def fused() -> None:
+        def fused(ws=ws, x=x, spec=spec, layout=layout) -> None:  # bind this dtype's
             ws.fused([x], spec, layout, [{}])
             ws.end_step()
 
         t_fused = timed(fused, args.reps)
         t_norm = (
-            timed(lambda: torch._foreach_norm([x]), args.reps)
+            timed(lambda x=x: torch._foreach_norm([x]), args.reps)
             if dtype.itemsize > 1
             else float("nan")
         )
-        t_sum = timed(lambda: x.sum(), args.reps) if dtype.itemsize > 1 else float("nan")
+        t_sum = timed(lambda x=x: x.sum(), args.reps) if dtype.itemsize > 1 else float("nan")
         print(
-            f"{str(dtype):22s} {nbytes / 2**20:8.0f} MiB  fused {nbytes / t_fused / 1e9:7.0f} GB/s  "
+            f"{str(dtype):22s} {nbytes / 2**20:8.0f} MiB  "
+            f"fused {nbytes / t_fused / 1e9:7.0f} GB/s  "
             f"foreach_norm {nbytes / t_norm / 1e9:7.0f} GB/s  sum {nbytes / t_sum / 1e9:7.0f} GB/s"
         )
     small = torch.randn(8 * 128 * 256, device="cuda")  # an activation of the 4-layer model
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ws.end_step()
     torch.cuda.synchronize()
     print(
-        f"one hook-sized observation ({small.numel()} float32): {host / n * 1e6:.1f} us on the host "
+        f"one hook-sized observation ({small.numel()} float32): "
+        f"{host / n * 1e6:.1f} us on the host "
         f"(Python and launch), {(time.perf_counter() - t0) / n * 1e6:.1f} us until the GPU is done"
     )
     return 0

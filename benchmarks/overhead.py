@@ -390,24 +390,29 @@ def main(argv: list[str] | None = None) -> int:
         ]
         print(
             f"launches per step: tracked {r['launches_tracked']:.0f}, untracked "
-            f"{r['launches_untracked']:.0f} ({extra:.2f} extra per tracked activation or activation "
+            f"{r['launches_untracked']:.0f} ({extra:.2f} extra per tracked "
+            "activation or activation "
             f"gradient, {r['tracked_activations_and_grads']:.0f} of them)"
         )
         print(
             f"peak GPU memory of a step: tracked {r['peak_gib_tracked']:.3f} GiB, untracked "
-            f"{r['peak_gib_untracked']:.3f} GiB -> ratio {r['peak_gib_tracked'] / r['peak_gib_untracked']:.4f}",
+            f"{r['peak_gib_untracked']:.3f} GiB -> "
+            f"ratio {r['peak_gib_tracked'] / r['peak_gib_untracked']:.4f}",
             flush=True,
         )
         gc.collect()
         torch.cuda.empty_cache()
         f = floor(cfg, batch)
         print(
-            f"floor: one read pass (torch._foreach_norm) over the {f['tensors']} tensors a tracked step "
-            f"summarizes ({f['gib']:.2f} GiB): {f['read_ms']:.2f} ms ({f['read_gbps']:.0f} GB/s) on a "
+            f"floor: one read pass (torch._foreach_norm) over the {f['tensors']} tensors "
+            "a tracked step "
+            f"summarizes ({f['gib']:.2f} GiB): {f['read_ms']:.2f} ms ({f['read_gbps']:.0f} GB/s) "
+            "on a "
             f"{f['step_ms']:.1f} ms step -> {f['floor_ratio']:.3f}x"
         )
         print(
-            f"fused kernel alone over the same tensors: {f['fused_ms']:.2f} ms ({f['fused_gbps']:.0f} GB/s) "
+            "fused kernel alone over the same tensors: "
+            f"{f['fused_ms']:.2f} ms ({f['fused_gbps']:.0f} GB/s) "
             f"-> {f['fused_ratio']:.3f}x"
         )
     return 0

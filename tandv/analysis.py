@@ -325,12 +325,14 @@ class _SummaryTally:
                 w = t.worst
                 lines.append(
                     f"  NaN/inf: first in {name} at step {step} ({nan} NaN, {inf} inf); {n} tensor"
-                    f"{'s' if n != 1 else ''} affected; worst {w[1]} at step {w[2]} ({w[0]} of {w[3]})"
+                    f"{'s' if n != 1 else ''} affected; "
+                    f"worst {w[1]} at step {w[2]} ({w[0]} of {w[3]})"
                 )
             if t.widest is not None:
                 width, name, step, lo, hi = t.widest
                 lines.append(
-                    f"  widest exponent range: {name} at step {step}: 2^{lo} .. 2^{hi} ({width} binades)"
+                    f"  widest exponent range: {name} at step {step}: 2^{lo} .. 2^{hi} ({width} "
+                    "binades)"
                 )
             if t.last:
                 rm2 = pd.Series([v for _, v in t.last], index=[n for n, _ in t.last])
@@ -412,7 +414,8 @@ def sparsity(df: pd.DataFrame) -> pd.DataFrame:
     missing = [c for c in ("zero_count", "numel") if (SCALAR_STATS, c) not in df.columns]
     if missing:
         raise ValueError(
-            f"sparsity(df): the log has no {missing} statistic(s); logs made by the trackers have them"
+            f"sparsity(df): the log has no {missing} statistic(s); "
+            "logs made by the trackers have them"
         )
     zeros = df[(SCALAR_STATS, "zero_count")].to_numpy(dtype=np.float64)
     numel = df[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64)
@@ -495,7 +498,8 @@ def aggregate(
     unknown = [t for t in tts if t not in TENSOR_TYPES]
     if unknown:
         raise ValueError(
-            f"aggregate(tensor_types={tensor_types!r}): unknown {unknown}; choose from {list(TENSOR_TYPES)}"
+            f"aggregate(tensor_types={tensor_types!r}): unknown {unknown}; "
+            f"choose from {list(TENSOR_TYPES)}"
         )
     groups = {"model": ""} if groups is None else dict(groups)
     try:

@@ -128,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandv",
         description="Track and visualize training numerics.",
-        epilog="Warning: a .pkl/.pickle log is read by unpickling, which runs code stored in the file; "
-        "the commands read one only with --trust-pickle. Parquet logs hold data only.",
+        epilog="Warning: a .pkl/.pickle log is read by unpickling, which runs code stored in "
+        "the file; the commands read one only with --trust-pickle. Parquet logs hold data only.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

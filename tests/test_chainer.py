@@ -212,7 +212,7 @@ def test_torch_percentiles_match_numpy(tmp_path):
 
 
 def test_jax_percentiles_match_numpy(tmp_path):
-    jax = pytest.importorskip("jax")
+    pytest.importorskip("jax")
     import jax.numpy as jnp
 
     from tandv import read_log

@@ -253,7 +253,7 @@ def test_rows_of_one_tensor_in_two_dtypes_merge_into_the_widest_or_stay_apart():
     assert sorted(k.name for k, _, _ in got) == ["fc", "fc@float16"]
 
 
-# ------------------------------------------------------------------ log paths and forgotten steps (issue 15)
+# ----------------------------------------------------- log paths and forgotten steps (issue 15)
 
 
 @pytest.mark.parametrize("fmt, name", [("pickle", "log.pkl"), ("parquet", "log")])

@@ -91,7 +91,8 @@ def test_step_must_be_integer():
     df[("metadata", "step")] = [0.0, 1.5]
     with pytest.raises(
         SchemaError,
-        match=r"\('metadata', 'step'\): expected an integer dtype of steps; found float64, holding 1.5 at row 1",
+        match=r"\('metadata', 'step'\): expected an integer dtype of steps; "
+        r"found float64, holding 1.5 at row 1",
     ):
         validate(df)
 

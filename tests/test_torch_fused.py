@@ -269,7 +269,8 @@ _COMPILE = textwrap.dedent("""
         for fn, sig in kernels:
             first = len(sig)
             sig.update({k: "constexpr" for k in names})
-            src = ASTSource(fn=fn, signature=sig, constexprs={(first + i,): c[k] for i, k in enumerate(names)})
+            constexprs = {(first + i,): c[k] for i, k in enumerate(names)}
+            src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
             triton.compile(src, target=GPUTarget("cuda", arch, 32),
                            options={"num_warps": c["num_warps"], "enable_fp_fusion": True})
     print("compiled")

@@ -755,7 +755,7 @@ def test_step_with_a_closure_logs_the_gradients_of_that_update(how):
         for i in range(3):
             x, y = batch(i)
 
-            def closure():
+            def closure(x=x, y=y):  # bind this iteration's batch
                 opt.zero_grad()
                 loss = F.mse_loss(net(x), y)
                 loss.backward()

@@ -135,6 +135,7 @@ def _train(steps: int, out: str | os.PathLike | None, seed: int, progress: bool)
     if bar is not None:
         bar.close()
     print(
-        f"tandv demo: {steps} steps in {time.perf_counter() - t0:.1f} s, final loss {loss.item():.3f}"
+        f"tandv demo: {steps} steps in {time.perf_counter() - t0:.1f} s, "
+        f"final loss {loss.item():.3f}"
     )
     return Path(tracker.out_path)

@@ -1,4 +1,5 @@
-"""The tandv log: column names, validation, and pickle/parquet IO (pandas, pyarrow, ml_dtypes only)."""
+"""The tandv log: column names, validation, and pickle/parquet IO (pandas, pyarrow, ml_dtypes
+only)."""
 
 from .columns import (
     ACTIVATION,

@@ -574,9 +574,9 @@ class _ParquetLog:
     def tables(
         self, names: list[str], expr: ds.Expression | None, chunk_rows: int | None
     ) -> Iterator[tuple[dict[str, np.ndarray | pa.ChunkedArray], list[tuple[int, str, int]]]]:
-        """The selected rows and columns (numpy arrays, arrow strings), of at least ``chunk_rows`` rows
-        (all rows in one table if None), each with its provenance: ``(first row in the
-        table, part file, rows of that part read before)`` per piece.
+        """The selected rows and columns (numpy arrays, arrow strings), of at least
+        ``chunk_rows`` rows (all rows in one table if None), each with its provenance:
+        ``(first row in the table, part file, rows of that part read before)`` per piece.
 
         Numeric columns are copied, batch by batch as the scan goes, into one contiguous
         numpy array each (which pandas then takes over without a copy): an exponent column a

@@ -106,7 +106,7 @@ def _check_strings(df: pd.DataFrame, c: str) -> None:
         if na.any():
             raise _bad_value(col, s, na, "str values (no missing value)")
         return
-    if dt == object and ptypes.infer_dtype(s, skipna=False) in ("string", "empty"):
+    if dt == np.dtype(object) and ptypes.infer_dtype(s, skipna=False) in ("string", "empty"):
         return  # all values are str (checked in C)
     bad = ~np.fromiter((isinstance(v, str) for v in s.array), dtype=bool, count=len(s))
     if bad.any():
@@ -188,7 +188,8 @@ def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
     unknown = [t for t in tops if not (isinstance(t, str) and t in GROUPS)]
     if unknown:
         raise SchemaError(
-            f"columns: unknown top-level group {_examples(unknown)}; expected only {', '.join(GROUPS)}"
+            f"columns: unknown top-level group {_examples(unknown)}; "
+            f"expected only {', '.join(GROUPS)}"
         )
     if cols.duplicated().any():
         raise SchemaError(f"columns: duplicated column {_examples(list(cols[cols.duplicated()]))}")

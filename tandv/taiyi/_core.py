@@ -205,7 +205,8 @@ RANKME_EPS = 1e-7
 
 
 def condition_index(percent: int, d: int) -> int:
-    """0-based index into descending eigenvalues of the denominator of ``InputCovCondition<percent>``."""
+    """0-based index into descending eigenvalues of the denominator of
+    ``InputCovCondition<percent>``."""
     return min(int(np.floor(percent * d / 100)), d - 1)
 
 
@@ -497,7 +498,8 @@ class TableWriter:
         self._unflushed = 0
 
     def to_dataframe(self) -> pd.DataFrame:
-        """All rows so far: columns ``step``, ``module``, ``module_type``, ``quantity``, ``value``."""
+        """All rows so far: columns ``step``, ``module``, ``module_type``, ``quantity``,
+        ``value``."""
         return rows_to_frame(self._rows)
 
     def get_output(self) -> dict[str, dict[str, dict[int, float]]]:

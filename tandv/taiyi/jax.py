@@ -244,7 +244,8 @@ class Monitor(TableWriter):
         unmatched = [where for i, (_, where, _) in enumerate(self._keys) if i not in self._matched]
         if unmatched:
             raise ValueError(
-                f"config keys {', '.join(unmatched)} matched no module of the model in apply(); use a "
+                f"config keys {', '.join(unmatched)} matched no module of the model in apply(); "
+                "use a "
                 f"module path as tandv names it ('Dense_0', 'block.fc1'), a class name or "
                 f"a linen Module class present in the model"
             )

@@ -179,7 +179,8 @@ def resolve_config(
                 if old is not None:
                     if old.schedule_text != text:
                         raise ValueError(
-                            f"config: module {path!r} gets {qname!r} from key {old.key} ({old.schedule_text}) "
+                            f"config: module {path!r} gets {qname!r} from key {old.key} "
+                            f"({old.schedule_text}) "
                             f"and from key {where} ({text}); give it under one key only"
                         )
                     continue

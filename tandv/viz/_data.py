@@ -62,7 +62,8 @@ def _step_listing(steps: Sequence[int]) -> str:
     steps = sorted(int(s) for s in steps)
     if len(steps) <= 20:
         return ", ".join(map(str, steps))
-    return f"{', '.join(map(str, steps[:10]))}, ..., {', '.join(map(str, steps[-5:]))} ({len(steps)} steps)"
+    head, tail = ", ".join(map(str, steps[:10])), ", ".join(map(str, steps[-5:]))
+    return f"{head}, ..., {tail} ({len(steps)} steps)"
 
 
 def check_log(df: Any) -> pd.DataFrame:

@@ -109,7 +109,8 @@ def _check_train_stats(train_stats: Any) -> pd.DataFrame:
     """``train_stats`` as a frame with a ``step`` column and numeric curves."""
     if not isinstance(train_stats, pd.DataFrame):
         raise VizArgumentError(
-            f"train_stats: expected a pandas DataFrame of statistics by step; found {type(train_stats).__name__}"
+            "train_stats: expected a pandas DataFrame of statistics by step; "
+            f"found {type(train_stats).__name__}"
         )
     ts = train_stats
     if "step" not in ts.columns:
@@ -117,7 +118,8 @@ def _check_train_stats(train_stats: Any) -> pd.DataFrame:
             ts = ts.reset_index()
         else:
             raise VizArgumentError(
-                f"train_stats: expected a 'step' column (or an index named 'step'); columns are {list(ts.columns)}"
+                "train_stats: expected a 'step' column (or an index named 'step'); "
+                f"columns are {list(ts.columns)}"
             )
     curves = [c for c in ts.columns if c != "step" and pd.api.types.is_numeric_dtype(ts[c])]
     if not curves:
@@ -149,7 +151,8 @@ class InteractiveView:
         name = getattr(f, "__name__", repr(f))
         if _SUPPORTED.get(name) is not f:
             raise VizArgumentError(
-                f"interactive: f={name!r} is not a tandv.viz plot; expected one of {list(_SUPPORTED)}"
+                f"interactive: f={name!r} is not a tandv.viz plot; "
+                f"expected one of {list(_SUPPORTED)}"
             )
         self.f, self.kind, self.df = f, name, check_log(df)
         self.kwargs = dict(kwargs)
@@ -463,8 +466,9 @@ def interactive(
     view adds controls for tensor type, layer, step and metric (those the function
     takes). The step control sets the histogram's step and elsewhere moves a crosshair.
     On the heatmap, click a cell to open the exponent histogram of that layer at that
-    step (it then follows the step control). With ``train_stats`` (a DataFrame with a ``step`` column, or index,
-    and numeric columns such as ``loss``) a linked curve is drawn: clicking it sets the
+    step (it then follows the step control). With ``train_stats`` (a DataFrame with a
+    ``step`` column, or index, and numeric columns such as ``loss``) a linked curve is
+    drawn: clicking it sets the
     step, shown as a crosshair on line plots and as the histogram's step. By default
     (``train_stats=None``) the scalars logged beside the log with ``tracker.log_scalars``
     are drawn (when ``df`` was read from a file that has them: :func:`tandv.read_scalars`);
@@ -479,7 +483,9 @@ def interactive(
     """
     if not _in_notebook():
         raise NotInNotebookError(
-            "viz.interactive needs a Jupyter kernel (JupyterLab, Jupyter Notebook or a VS Code notebook); "
-            "outside one, call the plotting function directly, e.g. viz.exp_hist(df, ...).savefig('fig.png')"
+            "viz.interactive needs a Jupyter kernel (JupyterLab, Jupyter Notebook "
+            "or a VS Code notebook); "
+            "outside one, call the plotting function directly, "
+            "e.g. viz.exp_hist(df, ...).savefig('fig.png')"
         )
     return InteractiveView(f, df, train_stats, **kwargs)

@@ -50,7 +50,8 @@ th{background:#f2f2f2}td:first-child,th:first-child{text-align:left}
 img{max-width:100%;height:auto;display:block;margin:.6rem 0}
 pre{background:#f7f7f7;padding:.8rem;overflow-x:auto;font-size:.8rem}
 .muted{color:#666}.bad{color:#b00020;font-weight:600}nav a{margin-right:1rem}
-.banner{padding:.6rem .8rem;border-radius:4px;margin:.8rem 0}.banner.bad{background:#fdecee;border:1px solid #b00020}
+.banner{padding:.6rem .8rem;border-radius:4px;margin:.8rem 0}
+.banner.bad{background:#fdecee;border:1px solid #b00020}
 .banner.ok{background:#eef7ee;border:1px solid #2e7d32}
 """
 
@@ -148,7 +149,10 @@ def _banner(df: pd.DataFrame) -> str:
         )
         + "."
     )
-    return f'<p class="banner bad" role="alert">{html.escape(text)} <a href="#nonfinite">details</a></p>'
+    return (
+        f'<p class="banner bad" role="alert">{html.escape(text)} '
+        '<a href="#nonfinite">details</a></p>'
+    )
 
 
 def _scalars(df: pd.DataFrame) -> str | None:
@@ -419,8 +423,10 @@ def render_report(df: pd.DataFrame, title: str) -> str:
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>\n"
-        f'<h1>{esc(title)}</h1><p class="muted">tandv report: {len(df)} rows, steps {int(steps.min())}'
-        f"..{int(steps.max())}, {df[(METADATA, NAME)].nunique()} tensors</p>\n{_banner(df)}\n<nav>{nav}</nav>\n{body}\n"
+        f'<h1>{esc(title)}</h1><p class="muted">tandv report: {len(df)} rows, '
+        f"steps {int(steps.min())}"
+        f"..{int(steps.max())}, {df[(METADATA, NAME)].nunique()} tensors</p>\n"
+        f"{_banner(df)}\n<nav>{nav}</nav>\n{body}\n"
         "</body></html>\n"
     )
 

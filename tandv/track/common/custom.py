@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 from ...stats.summary import DEFAULT_STATS, MERGE_RULES
 
@@ -12,7 +12,7 @@ __all__ = ["StatFn", "StatsSpec", "parse_custom_stats"]
 #: A custom statistic function: one tensor/array in, ``{name: scalar}`` out.
 StatFn = Callable[[Any], Mapping[str, Any]]
 #: What ``track(stats=...)`` accepts (see :func:`parse_custom_stats`).
-StatsSpec = Union[StatFn, Sequence[StatFn], Mapping[str, Any], None]
+StatsSpec = StatFn | Sequence[StatFn] | Mapping[str, Any] | None
 
 
 def parse_custom_stats(
@@ -49,7 +49,8 @@ def parse_custom_stats(
             )
             if not isinstance(name, str) or not callable(fn):
                 raise TypeError(
-                    f"stats[{name!r}]: expected a function x -> scalar, or (function, rule); got {spec!r}"
+                    f"stats[{name!r}]: expected a function x -> scalar, or (function, rule); "
+                    f"got {spec!r}"
                 )
             singles[name] = fn
             if rule is not None:

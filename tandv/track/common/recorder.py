@@ -320,7 +320,8 @@ class StepRecorder:
             raise ValueError(f"flush_every={flush_every!r}: expected an int >= 1")
         if not 0 < warn_pending_bytes <= max_pending_bytes:
             raise ValueError(
-                f"warn_pending_bytes={warn_pending_bytes!r}, max_pending_bytes={max_pending_bytes!r}: "
+                f"warn_pending_bytes={warn_pending_bytes!r}, "
+                f"max_pending_bytes={max_pending_bytes!r}: "
                 f"expected 0 < warn_pending_bytes <= max_pending_bytes"
             )
         self.path = resolve_out(out, out_format, run_name)

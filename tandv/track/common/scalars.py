@@ -46,7 +46,8 @@ def check_scalar_args(step: Any, values: Mapping[str, Any]) -> None:
         )
     if not values:
         raise ValueError(
-            "log_scalars(): give at least one scalar as a keyword, e.g. log_scalars(loss=loss, lr=lr)"
+            "log_scalars(): give at least one scalar as a keyword, "
+            "e.g. log_scalars(loss=loss, lr=lr)"
         )
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 __all__ = ["Selector", "Pattern"]
 
 #: One selection entry: a regex searched in the tensor name, a class name, or a class.
-Pattern = Union[str, re.Pattern, type]
+Pattern = str | re.Pattern | type
 
 
 def _as_list(value: Pattern | Sequence[Pattern] | None, arg: str) -> tuple[Pattern, ...]:
@@ -66,7 +65,8 @@ class Selector:
         return re.search(entry, name) is not None
 
     def __call__(self, name: str, types: Sequence[type] = ()) -> bool:
-        """Whether the tensor ``name``, owned by a module whose class MRO is ``types``, is tracked."""
+        """Whether the tensor ``name``, owned by a module whose class MRO is ``types``, is
+        tracked."""
         if self.include and not any(self._hit(e, name, types) for e in self.include):
             return False
         return not any(self._hit(e, name, types) for e in self.exclude)

@@ -675,7 +675,8 @@ def _parts(n: int, max_parts: int) -> tuple[int, int]:
     """``(parts, elements per part)`` for a tensor of ``n`` elements: one part up to
     :data:`MIN_CHUNK` elements, at most ``max_parts``, each a multiple of :data:`BLOCK`."""
     parts = min(max(1, -(-n // MIN_CHUNK)), max_parts)
-    per = -(-(-(-n // parts)) // BLOCK) * BLOCK
+    per_part = -(-n // parts)
+    per = -(-per_part // BLOCK) * BLOCK
     return -(-n // per), per
 
 

@@ -272,7 +272,7 @@ class Tracker:
                 if self._selected(full, owner)
             ]
         if self.kinds[OPTIMISER_STATE]:
-            for name, value, owner in self._optimizer_state():
+            for name, _value, owner in self._optimizer_state():
                 if self._selected(name, owner):
                     rows.append((name, OPTIMISER_STATE, type(owner).__name__))
         return pd.DataFrame(rows, columns=["name", "tensor_type", "type"])
@@ -623,7 +623,8 @@ class Tracker:
             if not (wait or step < self.step_index or flight is None or flight.ready()):
                 return
             self._flights.popleft()
-            self.recorder.commit(step, pending, lambda summaries: to_host(summaries, flight))
+            # commit() calls the function before returning, so it sees this iteration's flight
+            self.recorder.commit(step, pending, lambda s, flight=flight: to_host(s, flight))
 
     def close(self) -> None:
         """Remove all hooks and finish the log (idempotent). Observations of a step that
