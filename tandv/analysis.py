@@ -323,6 +323,7 @@ class _SummaryTally:
                 name, (step, nan, inf) = order[0]
                 n = len(order)
                 w = t.worst
+                assert w is not None  # set with the first NaN/inf
                 lines.append(
                     f"  NaN/inf: first in {name} at step {step} ({nan} NaN, {inf} inf); {n} tensor"
                     f"{'s' if n != 1 else ''} affected; "

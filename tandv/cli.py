@@ -103,10 +103,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .schema import read_log
 
     if args.framework == "torch":
-        from .demos.torch_demo import run
+        from .demos.torch_demo import run as run_torch
+
+        path = run_torch(steps=args.steps, out=args.out, seed=args.seed)
     else:
-        from .demos.jax_demo import run
-    path = run(steps=args.steps, out=args.out, seed=args.seed)
+        from .demos.jax_demo import run as run_jax
+
+        path = run_jax(steps=args.steps, out=args.out, seed=args.seed)
     print(f"tandv: log written to {path}")
     df = read_log(path)
     print(text_summary(df))

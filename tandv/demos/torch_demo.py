@@ -138,4 +138,5 @@ def _train(steps: int, out: str | os.PathLike | None, seed: int, progress: bool)
         f"tandv demo: {steps} steps in {time.perf_counter() - t0:.1f} s, "
         f"final loss {loss.item():.3f}"
     )
+    assert tracker.out_path is not None  # set when the `with` block closed the log
     return Path(tracker.out_path)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-try:
+if TYPE_CHECKING:
     from lightning.pytorch import Callback
-except ImportError:  # the older package name
-    from pytorch_lightning import Callback
+else:
+    try:
+        from lightning.pytorch import Callback
+    except ImportError:  # the older package name
+        from pytorch_lightning import Callback
 
 from ..track.torch import Tracker, track
 

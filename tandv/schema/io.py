@@ -602,7 +602,7 @@ class _ParquetLog:
             # and unmapped whole, where many 1 MB arrays per chunk would fragment the C heap
             # and leave resident memory behind; np.empty reserves address space only, so
             # pages a filter leaves unwritten cost nothing.
-            nums = {}
+            nums: dict[str, np.ndarray] = {}
             for dt in {dt for _, _, dt in numeric}:
                 cols = [n for _, n, d in numeric if d == dt]
                 block = np.empty((len(cols), capacity), dt)
@@ -752,7 +752,7 @@ def read_parquet(
 
 
 def read_parquet_chunks(
-    path: PathLike,
+    path: PathLike | _ParquetLog,
     columns: Sequence[Any] | None = None,
     filters: Sequence[Any] | None = None,
     chunk_rows: int = CHUNK_ROWS,

@@ -18,7 +18,7 @@ import operator
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import pandas as pd
@@ -245,6 +245,14 @@ class Snapshot(Mapping[str, Any]):
         return Snapshot({k: ops_for(v).sqrt(v) for k, v in self._values.items()}, self.name)
 
     # -- reductions ------------------------------------------------------------------------
+    @overload
+    def norm(self, p: float = 2, layerwise: Literal[False] = False) -> float: ...
+    @overload
+    def norm(self, p: float = 2, *, layerwise: Literal[True]) -> Snapshot: ...
+    @overload
+    def norm(self, p: float, layerwise: Literal[True]) -> Snapshot: ...
+    @overload
+    def norm(self, p: float = 2, layerwise: bool = False) -> float | Snapshot: ...
     def norm(self, p: float = 2, layerwise: bool = False) -> float | Snapshot:
         """The p-norm of all elements together, or of each value (``layerwise=True``: a
         snapshot of floats, which combines with other snapshots per name).

@@ -396,7 +396,9 @@ def _run_all(
     row = 0
     with _launch:
         before = numba.get_num_threads()  # the caller's setting, restored below
-        numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS, total // _CHUNK)))
+        # numba.config sets its options with setattr at import time: invisible to mypy
+        most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+        numba.set_num_threads(max(1, min(threads, most, total // _CHUNK)))
         try:
             for x, st, sp, pv in sources:
                 rows = slice(row, row + st.size)

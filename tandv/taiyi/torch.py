@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -227,6 +227,11 @@ class _Watch:
         return any(QUANTITIES[q].needs in what for q in self.active)
 
 
+def _tensor(m: nn.Module, name: str) -> torch.Tensor:
+    """The tensor attribute ``name`` of ``m`` (a parameter or buffer: typed so for mypy)."""
+    return cast(torch.Tensor, getattr(m, name))
+
+
 def _add(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     return b if a is None else a + b
 
@@ -329,6 +334,7 @@ class Monitor(TableWriter):
                 if acc.cov_mean is None:
                     acc.cov_n, acc.cov_mean, acc.cov_m2 = n, mean, m2
                 else:  # Chan et al.'s pairwise merge of (count, mean, centred second moment)
+                    assert acc.cov_m2 is not None  # set together with cov_mean
                     na, tot = acc.cov_n, acc.cov_n + n
                     delta = mean - acc.cov_mean
                     acc.cov_mean = acc.cov_mean + delta * (n / tot)
@@ -397,6 +403,7 @@ class Monitor(TableWriter):
                 cov_names = [q for q in due if QUANTITIES[q].needs == "input_cov" and q in w.active]
                 if cov_names and acc.cov_mean is not None:
                     if acc.cov_n >= 2:
+                        assert acc.cov_m2 is not None  # set together with cov_mean
                         c = acc.cov_m2 / (acc.cov_n - 1)
                         mats.setdefault((c.shape[0], c.device), []).append((w, cov_names, c))
                     else:  # one sample has no covariance
@@ -429,8 +436,9 @@ class Monitor(TableWriter):
         acc, m = w.acc, w.module
         active = q in w.active
         if q == "WeightNorm":
-            return torch.linalg.vector_norm(m.weight.detach().double())
+            return torch.linalg.vector_norm(_tensor(m, "weight").detach().double())
         if q == "InputMean" and active and acc.in_count:
+            assert acc.in_sum is not None  # set with the first counted input
             return acc.in_sum / acc.in_count
         if q == "InputSndNorm" and active and acc.in_sq is not None:
             return acc.in_sq.sqrt()
@@ -442,8 +450,8 @@ class Monitor(TableWriter):
             batches = w.bn_mu if q == "MeanTID" else w.bn_sigma
             if not batches:
                 return None
-            sigma_run = m.running_var.detach().double().sqrt()
-            ref = m.running_mean.detach().double() if q == "MeanTID" else sigma_run
+            sigma_run = _tensor(m, "running_var").detach().double().sqrt()
+            ref = _tensor(m, "running_mean").detach().double() if q == "MeanTID" else sigma_run
             diff = torch.stack(batches) - ref
             batches.clear()
             return (

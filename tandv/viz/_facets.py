@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
@@ -49,7 +50,7 @@ def facet_grid(
 def figure_legend(fig: Figure, axes: list[Axes]) -> None:
     """One legend for the whole figure, below the panels, with each label once (in the
     order first met across the panels)."""
-    seen: dict[str, object] = {}
+    seen: dict[str, Artist] = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(label, handle)

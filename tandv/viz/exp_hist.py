@@ -114,9 +114,12 @@ def _draw_panel(
     stride = max(1, int(np.ceil(len(exps) / _MAX_TICKS)))
     # Ticks at multiples of the stride, keeping clear of the "under"/"over" labels.
     ticks = [
-        e for e in exps if e % stride == 0 and min(e - (lo - 2), hi + 2 - e) >= max(2, 0.8 * stride)
+        int(e)
+        for e in exps
+        if e % stride == 0 and min(e - (lo - 2), hi + 2 - e) >= max(2, 0.8 * stride)
     ]
-    ax.set_xticks([lo - 2, *ticks, hi + 2], ["under", *[_pow2(int(e)) for e in ticks], "over"])
+    positions: list[int] = [lo - 2, *ticks, hi + 2]
+    ax.set_xticks(positions, ["under", *[_pow2(e) for e in ticks], "over"])
     ax.tick_params(axis="x", labelrotation=45, labelsize=8)
     ax.set_xlim(lo - 2.6, hi + 2.6)
     ax.set_xlabel("|x| (exponent bin)")

@@ -329,7 +329,7 @@ class InteractiveView:
     def click_heatmap(self, event: MouseEvent) -> None:
         """A click on a heatmap cell opens that layer's histogram at that step."""
         for p in self.panels:
-            if event.inaxes is p.ax and event.xdata is not None:
+            if event.inaxes is p.ax and event.xdata is not None and event.ydata is not None:
                 cell = p.cell_at(event.xdata, event.ydata)
                 if cell is not None:
                     self.select_cell(p.tt, *cell)
@@ -411,7 +411,11 @@ class InteractiveView:
             control.value = int(step)  # the observer does the rest
 
     def _step_changed(self) -> None:
-        if self.kind == "scalar_global_heatmap" and self.selected is not None:
+        if (
+            self.kind == "scalar_global_heatmap"
+            and self.selected is not None
+            and self.step is not None
+        ):
             self.select_cell(self.selected[0], self.selected[1], self.step)
         self._mark_step()
         for fig in (self.figure, self.stats_figure):

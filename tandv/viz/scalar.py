@@ -140,12 +140,13 @@ def _colour_scale(mat: np.ndarray, use_log: bool) -> tuple[Normalize, np.ma.Mask
         pos = pos[pos > 0]
         lo, hi = _robust_range(np.log10(pos)) if pos.size else (0.0, 1.0)
         lo, hi = 10.0**lo, 10.0**hi
-        norm = LogNorm(lo, hi) if hi > lo else LogNorm(lo / 2, hi * 2)
+        vmin, vmax = (lo, hi) if hi > lo else (lo / 2, hi * 2)
+        norm = LogNorm(vmin, vmax)
         zeros = bool((shown == 0).any())
         # outliers take the end colours (the colorbar's arrows say so); zeros the "under" grey
-        shown = np.ma.where((shown > 0) & (shown < norm.vmin), norm.vmin, shown)
+        shown = np.ma.where((shown > 0) & (shown < vmin), vmin, shown)
         if zeros:
-            shown = np.ma.where(shown == 0, norm.vmin / 10, shown)
+            shown = np.ma.where(shown == 0, vmin / 10, shown)
         return norm, shown, zeros
     shown = np.ma.masked_where(~finite, mat)
     vals = shown.compressed()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -55,7 +56,7 @@ def parse_custom_stats(
             singles[name] = fn
             if rule is not None:
                 rules[name] = rule
-        fns.append(lambda x, _s=singles: {k: f(x) for k, f in _s.items()})
+        fns.append(functools.partial(_apply_each, singles))
     else:
         items = (stats,) if callable(stats) else tuple(stats)
         for f in items:
@@ -100,3 +101,8 @@ def percentile_columns(percentiles: Sequence[float] | None) -> tuple[tuple[str, 
     if not out:
         raise ValueError("percentiles=(): give at least one percentage, or leave the option out")
     return tuple(out.items())
+
+
+def _apply_each(fns: Mapping[str, StatFn], x: Any) -> dict[str, Any]:
+    """``{name: fn(x)}`` for the functions given one by name in ``stats``."""
+    return {k: f(x) for k, f in fns.items()}

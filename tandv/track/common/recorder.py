@@ -46,7 +46,7 @@ from ...stats.summary import (
     finalize_many,
     merge_all,
 )
-from .scalars import Capture, ScalarRecorder, check_scalar_args, plain_scalar
+from .scalars import Capture, Pending, ScalarRecorder, check_scalar_args, plain_scalar
 
 __all__ = [
     "TensorKey",
@@ -111,7 +111,8 @@ def build_rows(
         st, c = finalize_many(np.stack([entries[r][2] for r in rows]), layout)
         for k, a in st.items():
             stats[k][idx] = a
-        counts[np.ix_(idx, [labels[lab] for lab in exponent_labels(layout.format)])] = c
+        cols = np.array([labels[lab] for lab in exponent_labels(layout.format)], dtype=np.intp)
+        counts[np.ix_(idx, cols)] = c
     order = [UNDERFLOW, *sorted(l for l in labels if l not in (UNDERFLOW, OVERFLOW)), OVERFLOW]
     counts = counts[:, [labels[lab] for lab in order]] if labels else np.zeros((n, 2), np.int64)
     meta = pd.DataFrame(
@@ -378,7 +379,7 @@ class StepRecorder:
         for name, v in values.items():
             if name == "step":
                 raise ValueError("log_scalars(): 'step' is the step argument, not a scalar name")
-            x = plain_scalar(name, v)
+            x: float | Pending | None = plain_scalar(name, v)
             if x is None and capture is not None:
                 x = capture(name, v)
             if x is None:

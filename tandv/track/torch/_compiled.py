@@ -35,7 +35,7 @@ import itertools
 import sys
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -43,6 +43,8 @@ from torch import nn
 from ...schema.columns import ACTIVATION, GRADIENT
 
 if TYPE_CHECKING:
+    from torch._dynamo.eval_frame import OptimizedModule
+
     from .tracker import Tracker
 
 __all__ = ["Switch", "CompiledHooks", "compiled_root", "observe"]
@@ -205,7 +207,8 @@ class CompiledHooks:
         # torch.nn): it would run that module's hooks outside its graph, each a graph of
         # its own. Its ``wrap_top_frame`` option makes the call traced, hooks and all;
         # the compiled calls are remade with it while the hooks are installed.
-        self._wrapper = wrapper if self._handles else None
+        # compiled_root's wrapper is an OptimizedModule (found by name: a private class)
+        self._wrapper = cast("OptimizedModule | None", wrapper if self._handles else None)
         self._in_place: list[tuple[nn.Module, Callable]] = []
         if self._handles:
             from torch._dynamo import config
@@ -240,7 +243,7 @@ def _recompile_in_place(module: nn.Module) -> list[tuple[nn.Module, Callable]]:
     its module's own hooks then run as graphs of their own (correct, a little slower)."""
     from torch._dynamo.eval_frame import _TorchDynamoContext
 
-    remade = []
+    remade: list[tuple[nn.Module, Callable]] = []
     for m in module.modules():
         impl = getattr(m, "_compiled_call_impl", None)
         ctx = None
@@ -252,7 +255,7 @@ def _recompile_in_place(module: nn.Module) -> list[tuple[nn.Module, Callable]]:
             if isinstance(value, _TorchDynamoContext):
                 ctx = value
                 break
-        if ctx is not None:
+        if ctx is not None and impl is not None:
             m._compiled_call_impl = ctx(m._call_impl)
             remade.append((m, impl))
     return remade

@@ -216,7 +216,7 @@ class Workspace:
 
     def end_step(self) -> Flight | None:
         """Start the copy of this step's rows to the host (see the module notes)."""
-        copies = []
+        copies: list[tuple[torch.device, torch.Tensor, int, torch.cuda.Event | None]] = []
         parity = self._flights % 2
         for device, space in self._spaces.items():
             used = space.used
@@ -250,14 +250,13 @@ def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> li
     rows of one dtype and layout are finished together."""
     host = flight.wait() if flight is not None else {}
     out: list[Any] = list(summaries)
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple, list[tuple[int, Slot]]] = {}
     for i, s in enumerate(summaries):
         if isinstance(s, Slot):
-            groups.setdefault((s.spec, s.layout, s.size), []).append(i)
-    for (spec, layout, size), idx in groups.items():
-        rows = np.stack(
-            [host[s.device][s.offset : s.offset + size] for s in (summaries[i] for i in idx)]
-        )  # type: ignore[union-attr]
+            groups.setdefault((s.spec, s.layout, s.size), []).append((i, s))
+    for (spec, layout, size), members in groups.items():
+        idx = [i for i, _ in members]
+        rows = np.stack([host[s.device][s.offset : s.offset + size] for _, s in members])
         if spec is None:
             done = np.concatenate([finish_head(rows[:, :RAW_HEAD], np), rows[:, RAW_HEAD:]], 1)
         else:

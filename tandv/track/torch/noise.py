@@ -10,13 +10,16 @@ micro-batch is the step's gradient (the big batch).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
 from torch import nn
 
 from ...quantities import two_batch_estimate
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 __all__ = ["GradientNoiseScale"]
 
@@ -70,7 +73,7 @@ class GradientNoiseScale:
         self._micro: list[torch.Tensor] = []  # |h_i|^2 of this step's micro-batch gradients
         self._history: list[tuple[int, torch.Tensor]] = []
         self._steps = 0
-        self._handle = torch.autograd.graph.register_multi_grad_hook(
+        self._handle: RemovableHandle | None = torch.autograd.graph.register_multi_grad_hook(
             self.params, self._hook, mode="all"
         )
 

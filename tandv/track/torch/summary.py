@@ -145,6 +145,7 @@ def _scratch(n: int, device: torch.device, dtype: torch.dtype) -> _Scratch:
     if spaces is None:
         spaces = _workspace.spaces = {}
     key = str(device)
+    space: tuple[torch.Tensor, torch.Tensor, dict[tuple[int, torch.dtype], _Scratch]] | None
     space = spaces.get(key)
     if space is None or space[0].shape[1] < n:
         size = max(n, 1 << 12)
@@ -430,12 +431,12 @@ def fused_spec(x: torch.Tensor) -> Any:
     kind = x.device.type
     if kind != "cuda" and not (kind == "cpu" and FUSED_ON_CPU):
         return None
-    fused = _fused_state.get("module")
+    fused: Any = _fused_state.get("module")
     if fused is None:
         if "module" in _fused_state:  # Triton failed to import: warned already
             return None
         try:
-            from . import _fused as fused
+            from . import _fused
         except ImportError as e:
             _fused_state["module"] = None
             warnings.warn(
@@ -446,6 +447,7 @@ def fused_spec(x: torch.Tensor) -> Any:
                 stacklevel=3,
             )
             return None
+        fused = _fused
         if kind == "cpu" and not fused.INTERPRETED:
             raise RuntimeError(
                 "FUSED_ON_CPU needs Triton's interpreter: set TRITON_INTERPRET=1 "

@@ -35,10 +35,12 @@ import re
 import sys
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from collections.abc import Mapping as MappingABC
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import nn
@@ -47,11 +49,12 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from ...schema.columns import ACTIVATION, GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...schema.writer import FORMATS
 from ...stats.formats import format_name
+from ...stats.formats import number_format as to_number_format
 from ...stats.summary import Layout
 from ..common import Pattern, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
 from ..common.custom import StatFn, StatsSpec, parse_custom_stats, percentile_columns
 from ._compiled import CompiledHooks, compiled_root
-from ._workspace import Flight, Workspace, to_host
+from ._workspace import Flight, Slot, Workspace, to_host
 from .summary import dtype_name
 
 __all__ = ["Tracker", "track", "StatFn"]
@@ -105,7 +108,7 @@ class Tracker:
         include: Pattern | Sequence[Pattern] | None = None,
         exclude: Pattern | Sequence[Pattern] | None = None,
         every: int = 1,
-        schedule: Callable[[int], bool] | str | Iterable[int] | None = None,
+        schedule: Callable[[int], bool] | str | Collection[int] | None = None,
         start: int = 0,
         end: int | None = None,
         stats: StatsSpec = None,
@@ -221,10 +224,10 @@ class Tracker:
         self._layouts: dict[tuple[str, tuple], Layout] = {}
         self._select_cache: dict[tuple[str, int], bool] = {}
         self._keys: dict[tuple, TensorKey] = {}
-        self._last: tuple[torch.Tensor, int, Layout, torch.Tensor] | None = None
+        self._last: tuple[torch.Tensor, int, Layout, np.ndarray | Slot] | None = None
 
         self.step_index = 0
-        self.out_path = None
+        self.out_path: Path | None = None
         self.recorder: StepRecorder | None = None
         self._workspace = Workspace()
         # recorded steps whose device summaries are on their way to the host
@@ -233,7 +236,7 @@ class Tracker:
         self._compiled: CompiledHooks | None = None
         self._active = False
         self._weights_done = False
-        self._grads: dict[str, tuple[TensorKey, Layout, torch.Tensor]] = {}
+        self._grads: dict[str, tuple[TensorKey, Layout, np.ndarray | Slot]] = {}
         self._closed = False
 
     # ------------------------------------------------------------------ options
@@ -285,7 +288,8 @@ class Tracker:
         lay = self._layouts.get(key)
         if lay is None:
             lay = self._layouts[key] = Layout(
-                fmt, tuple((n, self.stats_merge.get(n, "mean")) for n in extra_names)
+                to_number_format(fmt),
+                tuple((n, self.stats_merge.get(n, "mean")) for n in extra_names),
             )
         return lay
 
@@ -299,7 +303,7 @@ class Tracker:
 
     def _summary(
         self, name: str, kind: str, owner: nn.Module, x: torch.Tensor
-    ) -> tuple[TensorKey, Layout, torch.Tensor]:
+    ) -> tuple[TensorKey, Layout, np.ndarray | Slot]:
         key = self._key(name, kind, owner, x)
         last = self._last
         if last is not None and last[0] is x and last[1] == x._version:
@@ -319,8 +323,8 @@ class Tracker:
         return key, lay, summary
 
     def _summaries(
-        self, items: list[tuple[str, str, nn.Module, torch.Tensor]]
-    ) -> list[tuple[TensorKey, Layout, torch.Tensor]]:
+        self, items: Sequence[tuple[str, str, nn.Module, torch.Tensor]]
+    ) -> list[tuple[TensorKey, Layout, np.ndarray | Slot]]:
         """:meth:`_summary` of several distinct tensors (parameters, their gradients,
         optimizer state) at once: tensors sharing a layout are reduced together (one host
         kernel call for the CPU tensors, one fused launch per device and dtype)."""
@@ -623,8 +627,8 @@ class Tracker:
             if not (wait or step < self.step_index or flight is None or flight.ready()):
                 return
             self._flights.popleft()
-            # commit() calls the function before returning, so it sees this iteration's flight
-            self.recorder.commit(step, pending, lambda s, flight=flight: to_host(s, flight))
+            # commit() calls the function before it returns: the lambda sees this flight
+            self.recorder.commit(step, pending, lambda s: to_host(s, flight))  # noqa: B023
 
     def close(self) -> None:
         """Remove all hooks and finish the log (idempotent). Observations of a step that
@@ -645,7 +649,7 @@ class Tracker:
                 self._flights.clear()
                 self.out_path = self.recorder.close()
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             self.close()
         except Exception as close_error:
@@ -654,7 +658,6 @@ class Tracker:
             print(
                 f"tandv: could not finish the log after an error: {close_error!r}", file=sys.stderr
             )
-        return False
 
 
 class _CaptureAfterUnscale:
