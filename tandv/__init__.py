@@ -4,6 +4,8 @@ The public face: read and validate logs here; trackers live in ``tandv.track.tor
 and ``tandv.track.jax``, figures in ``tandv.viz``.
 """
 
+from importlib import metadata as _metadata
+
 from .analysis import first_nonfinite
 from .schema import (
     SchemaError,
@@ -16,7 +18,10 @@ from .schema import (
     write_pickle,
 )
 
-__version__ = "0.1.0"
+try:  # written once, in pyproject.toml; read from the installed package's metadata
+    __version__ = _metadata.version("tandv")
+except _metadata.PackageNotFoundError:  # a source tree used without installing it
+    __version__ = "0+unknown"
 
 __all__ = [
     "SchemaError",
