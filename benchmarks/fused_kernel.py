@@ -17,15 +17,16 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from overhead import timed  # noqa: E402  (the benchmark beside this one)
+
 from tandv.stats.summary import Layout  # noqa: E402
 from tandv.track.torch import _fused  # noqa: E402
 from tandv.track.torch._workspace import Workspace  # noqa: E402
-
-from overhead import timed  # noqa: E402  (the benchmark beside this one)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,8 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.warps:
         _fused.NUM_WARPS = args.warps
     _fused._consts.cache_clear()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, BLOCK {_fused.BLOCK}, "
-          f"{_fused.NUM_WARPS} warps")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, BLOCK {_fused.BLOCK}, "
+        f"{_fused.NUM_WARPS} warps"
+    )
     g = torch.Generator(device="cuda").manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         x = torch.randn(args.numel, device="cuda", generator=g).to(dtype)
@@ -53,15 +56,22 @@ def main(argv: list[str] | None = None) -> int:
         spec = _fused.spec_for(dtype)
         layout = Layout(str(dtype).removeprefix("torch."))
 
-        def fused() -> None:
+        def fused(ws=ws, x=x, spec=spec, layout=layout) -> None:  # bind this dtype's
             ws.fused([x], spec, layout, [{}])
             ws.end_step()
 
         t_fused = timed(fused, args.reps)
-        t_norm = timed(lambda: torch._foreach_norm([x]), args.reps) if dtype.itemsize > 1 else float("nan")
-        t_sum = timed(lambda: x.sum(), args.reps) if dtype.itemsize > 1 else float("nan")
-        print(f"{str(dtype):22s} {nbytes / 2**20:8.0f} MiB  fused {nbytes / t_fused / 1e9:7.0f} GB/s  "
-              f"foreach_norm {nbytes / t_norm / 1e9:7.0f} GB/s  sum {nbytes / t_sum / 1e9:7.0f} GB/s")
+        t_norm = (
+            timed(lambda x=x: torch._foreach_norm([x]), args.reps)
+            if dtype.itemsize > 1
+            else float("nan")
+        )
+        t_sum = timed(lambda x=x: x.sum(), args.reps) if dtype.itemsize > 1 else float("nan")
+        print(
+            f"{str(dtype):22s} {nbytes / 2**20:8.0f} MiB  "
+            f"fused {nbytes / t_fused / 1e9:7.0f} GB/s  "
+            f"foreach_norm {nbytes / t_norm / 1e9:7.0f} GB/s  sum {nbytes / t_sum / 1e9:7.0f} GB/s"
+        )
     small = torch.randn(8 * 128 * 256, device="cuda")  # an activation of the 4-layer model
     ws = Workspace()
     spec = _fused.spec_for(torch.float32)
@@ -74,8 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     host = time.perf_counter() - t0
     ws.end_step()
     torch.cuda.synchronize()
-    print(f"one hook-sized observation ({small.numel()} float32): {host / n * 1e6:.1f} us on the host "
-          f"(Python and launch), {(time.perf_counter() - t0) / n * 1e6:.1f} us until the GPU is done")
+    print(
+        f"one hook-sized observation ({small.numel()} float32): "
+        f"{host / n * 1e6:.1f} us on the host "
+        f"(Python and launch), {(time.perf_counter() - t0) / n * 1e6:.1f} us until the GPU is done"
+    )
     return 0
 
 

@@ -39,8 +39,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -86,8 +87,15 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def overhead(cfg: GPTConfig, batch: int, steps: int, warmup: int, every: int, device: str,
-             compile: bool = False) -> dict[str, float]:
+def overhead(
+    cfg: GPTConfig,
+    batch: int,
+    steps: int,
+    warmup: int,
+    every: int,
+    device: str,
+    compile: bool = False,
+) -> dict[str, float]:
     """Interleaved tracked/untracked step times; returns medians, means and their ratios
     (with ``compile``, also the graph breaks and the graphs compiled after the warm-up)."""
     m_a, o_a, data = _trainer(cfg, batch, 0, device)
@@ -117,9 +125,14 @@ def overhead(cfg: GPTConfig, batch: int, steps: int, warmup: int, every: int, de
                     plain.append(t2 - t1)
     med_t, med_p = statistics.median(tracked), statistics.median(plain)
     mean_t, mean_p = statistics.fmean(tracked), statistics.fmean(plain)
-    out = {"median_tracked_ms": med_t * 1e3, "median_plain_ms": med_p * 1e3,
-           "ratio_median": med_t / med_p, "mean_tracked_ms": mean_t * 1e3,
-           "mean_plain_ms": mean_p * 1e3, "ratio_mean": mean_t / mean_p}
+    out = {
+        "median_tracked_ms": med_t * 1e3,
+        "median_plain_ms": med_p * 1e3,
+        "ratio_median": med_t / med_p,
+        "mean_tracked_ms": mean_t * 1e3,
+        "mean_plain_ms": mean_p * 1e3,
+        "ratio_mean": mean_t / mean_p,
+    }
     if compile:
         out["graphs_after_warmup"] = graphs_after_warmup + _compile_count("unique_graphs")
         out["graph_breaks"] = float(sum(_compile_counters()["graph_break"].values()))
@@ -156,8 +169,14 @@ def _launches(fn: Callable[[], None]) -> int:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    names = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
-             "cudaMemcpyAsync", "cudaMemsetAsync")
+    names = (
+        "cudaLaunchKernel",
+        "cuLaunchKernel",
+        "cuLaunchKernelEx",
+        "cudaLaunchKernelExC",
+        "cudaMemcpyAsync",
+        "cudaMemsetAsync",
+    )
     return sum(e.count for e in prof.key_averages() if e.key in names)
 
 
@@ -180,6 +199,7 @@ def launches_and_memory(cfg: GPTConfig, batch: int) -> dict[str, float]:
     out["peak_gib_untracked"] = peak(lambda: _step(model, opt, data, 4))
     with tempfile.TemporaryDirectory() as tmp:
         with track(model, opt, out=Path(tmp) / "log", verbose=False) as tracker:
+
             def tracked(i: int) -> Callable[[], None]:
                 return lambda: (_step(model, opt, data, i), tracker.step())
 
@@ -194,9 +214,9 @@ def launches_and_memory(cfg: GPTConfig, batch: int) -> dict[str, float]:
 
 def floor(cfg: GPTConfig, batch: int, reps: int = 10) -> dict[str, float]:
     """One read pass over every tensor a tracked step summarizes, against the step."""
+    from tandv.stats.summary import Layout
     from tandv.track.torch import _fused
     from tandv.track.torch._workspace import Workspace
-    from tandv.stats.summary import Layout
 
     model, opt, data = _trainer(cfg, batch, 0, "cuda")
     for i in range(3):
@@ -212,13 +232,17 @@ def floor(cfg: GPTConfig, batch: int, reps: int = 10) -> dict[str, float]:
                 kept.append(out.detach())
                 if out.requires_grad:
                     out.register_hook(lambda g: kept.append(g.detach()))
+
         handles.append(m.register_forward_hook(hook))
     _step(model, opt, data, 3)
     for h in handles:
         h.remove()
-    tensors = kept + [p.detach() for p in model.parameters()] + \
-        [p.grad for p in model.parameters() if p.grad is not None] + \
-        [v for s in opt.state.values() for v in s.values() if v.dim() > 0]
+    tensors = (
+        kept
+        + [p.detach() for p in model.parameters()]
+        + [p.grad for p in model.parameters() if p.grad is not None]
+        + [v for s in opt.state.values() for v in s.values() if v.dim() > 0]
+    )
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
     step = timed(lambda: _step(model, opt, data, 4), reps)
@@ -230,17 +254,31 @@ def floor(cfg: GPTConfig, batch: int, reps: int = 10) -> dict[str, float]:
 
     def fused() -> None:
         for dtype, ts in by_dtype.items():
-            ws.fused(ts, _fused.spec_for(dtype), Layout(str(dtype).removeprefix("torch.")), [{}] * len(ts))
+            ws.fused(
+                ts,
+                _fused.spec_for(dtype),
+                Layout(str(dtype).removeprefix("torch.")),
+                [{}] * len(ts),
+            )
         ws.end_step()
 
     kernel = timed(fused, reps)
-    return {"tensors": len(tensors), "gib": nbytes / 2**30, "step_ms": step * 1e3,
-            "read_ms": read * 1e3, "floor_ratio": (step + read) / step, "read_gbps": nbytes / read / 1e9,
-            "fused_ms": kernel * 1e3, "fused_ratio": (step + kernel) / step,
-            "fused_gbps": nbytes / kernel / 1e9}
+    return {
+        "tensors": len(tensors),
+        "gib": nbytes / 2**30,
+        "step_ms": step * 1e3,
+        "read_ms": read * 1e3,
+        "floor_ratio": (step + read) / step,
+        "read_gbps": nbytes / read / 1e9,
+        "fused_ms": kernel * 1e3,
+        "fused_ratio": (step + kernel) / step,
+        "fused_gbps": nbytes / kernel / 1e9,
+    }
 
 
-def memory_and_close(cfg: GPTConfig, batch: int, long_steps: int, short_steps: int) -> dict[str, float]:
+def memory_and_close(
+    cfg: GPTConfig, batch: int, long_steps: int, short_steps: int
+) -> dict[str, float]:
     """RSS growth per tracked step (between 20% and 100% of a long run) and close times."""
     out: dict[str, float] = {}
     for n in (short_steps, long_steps):
@@ -270,20 +308,32 @@ def memory_and_close(cfg: GPTConfig, batch: int, long_steps: int, short_steps: i
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="small",
-                   help="model shape; the size options below override it")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="small",
+        help="model shape; the size options below override it",
+    )
     for name in ("layers", "d-model", "heads", "mlp", "vocab", "seq", "batch"):
         p.add_argument(f"--{name}", type=int, default=None)
     p.add_argument("--steps", type=int, default=30, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--every", type=int, nargs="*", default=[1, 10])
-    p.add_argument("--no-extras", action="store_true",
-                   help="GPU: skip launch counts, peak memory and the floor")
-    p.add_argument("--memory", action="store_true", help="measure RSS growth and close time instead")
+    p.add_argument(
+        "--no-extras",
+        action="store_true",
+        help="GPU: skip launch counts, peak memory and the floor",
+    )
+    p.add_argument(
+        "--memory", action="store_true", help="measure RSS growth and close time instead"
+    )
     p.add_argument("--long-steps", type=int, default=1000)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    p.add_argument("--compile", action="store_true",
-                   help="compile both models in place (model.compile(), inductor)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile both models in place (model.compile(), inductor)",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -304,38 +354,67 @@ def main(argv: list[str] | None = None) -> int:
         given = getattr(args, name.replace("-", "_"))
         if given is not None:
             size[name] = given
-    cfg = GPTConfig(vocab_size=size["vocab"], seq_len=size["seq"], d_model=size["d_model"],
-                    n_layers=size["layers"], n_heads=size["heads"], d_mlp=size["mlp"])
+    cfg = GPTConfig(
+        vocab_size=size["vocab"],
+        seq_len=size["seq"],
+        d_model=size["d_model"],
+        n_layers=size["layers"],
+        n_heads=size["heads"],
+        d_mlp=size["mlp"],
+    )
     batch = size["batch"]
-    print(f"{cfg}, batch {batch}, AdamW, {args.device}" + (", both compiled (model.compile())"
-                                                          if args.compile else ""))
+    print(
+        f"{cfg}, batch {batch}, AdamW, {args.device}"
+        + (", both compiled (model.compile())" if args.compile else "")
+    )
     for every in args.every:
         r = overhead(cfg, batch, args.steps, args.warmup, every, args.device, args.compile)
-        print(f"every={every}: tracked {r['median_tracked_ms']:.1f} ms, untracked "
-              f"{r['median_plain_ms']:.1f} ms (medians) -> ratio of medians {r['ratio_median']:.3f}; "
-              f"ratio of means {r['ratio_mean']:.3f}", flush=True)
+        print(
+            f"every={every}: tracked {r['median_tracked_ms']:.1f} ms, untracked "
+            f"{r['median_plain_ms']:.1f} ms (medians) -> ratio of medians {r['ratio_median']:.3f}; "
+            f"ratio of means {r['ratio_mean']:.3f}",
+            flush=True,
+        )
         if args.compile:
-            print(f"  graph breaks {r['graph_breaks']:.0f}, graphs compiled after the warm-up "
-                  f"{r['graphs_after_warmup']:.0f}", flush=True)
+            print(
+                f"  graph breaks {r['graph_breaks']:.0f}, graphs compiled after the warm-up "
+                f"{r['graphs_after_warmup']:.0f}",
+                flush=True,
+            )
     if args.device == "cuda" and not args.no_extras and not args.compile:
         gc.collect()
         torch.cuda.empty_cache()
         r = launches_and_memory(cfg, batch)
-        extra = (r["launches_tracked"] - r["launches_untracked"]) / r["tracked_activations_and_grads"]
-        print(f"launches per step: tracked {r['launches_tracked']:.0f}, untracked "
-              f"{r['launches_untracked']:.0f} ({extra:.2f} extra per tracked activation or activation "
-              f"gradient, {r['tracked_activations_and_grads']:.0f} of them)")
-        print(f"peak GPU memory of a step: tracked {r['peak_gib_tracked']:.3f} GiB, untracked "
-              f"{r['peak_gib_untracked']:.3f} GiB -> ratio {r['peak_gib_tracked'] / r['peak_gib_untracked']:.4f}",
-              flush=True)
+        extra = (r["launches_tracked"] - r["launches_untracked"]) / r[
+            "tracked_activations_and_grads"
+        ]
+        print(
+            f"launches per step: tracked {r['launches_tracked']:.0f}, untracked "
+            f"{r['launches_untracked']:.0f} ({extra:.2f} extra per tracked "
+            "activation or activation "
+            f"gradient, {r['tracked_activations_and_grads']:.0f} of them)"
+        )
+        print(
+            f"peak GPU memory of a step: tracked {r['peak_gib_tracked']:.3f} GiB, untracked "
+            f"{r['peak_gib_untracked']:.3f} GiB -> "
+            f"ratio {r['peak_gib_tracked'] / r['peak_gib_untracked']:.4f}",
+            flush=True,
+        )
         gc.collect()
         torch.cuda.empty_cache()
         f = floor(cfg, batch)
-        print(f"floor: one read pass (torch._foreach_norm) over the {f['tensors']} tensors a tracked step "
-              f"summarizes ({f['gib']:.2f} GiB): {f['read_ms']:.2f} ms ({f['read_gbps']:.0f} GB/s) on a "
-              f"{f['step_ms']:.1f} ms step -> {f['floor_ratio']:.3f}x")
-        print(f"fused kernel alone over the same tensors: {f['fused_ms']:.2f} ms ({f['fused_gbps']:.0f} GB/s) "
-              f"-> {f['fused_ratio']:.3f}x")
+        print(
+            f"floor: one read pass (torch._foreach_norm) over the {f['tensors']} tensors "
+            "a tracked step "
+            f"summarizes ({f['gib']:.2f} GiB): {f['read_ms']:.2f} ms ({f['read_gbps']:.0f} GB/s) "
+            "on a "
+            f"{f['step_ms']:.1f} ms step -> {f['floor_ratio']:.3f}x"
+        )
+        print(
+            "fused kernel alone over the same tensors: "
+            f"{f['fused_ms']:.2f} ms ({f['fused_gbps']:.0f} GB/s) "
+            f"-> {f['fused_ratio']:.3f}x"
+        )
     return 0
 
 

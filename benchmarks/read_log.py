@@ -62,15 +62,15 @@ def build_log(path: Path, tensors: int, steps: int, steps_per_part: int, seed: i
         part_steps, entries = [], []
         for step in range(first, min(steps, first + steps_per_part)):
             shift = step // 1000  # one binade per 1,000 steps
-            factor = 2.0 ** shift * (1 + 1e-4 * (step % 1000))
+            factor = 2.0**shift * (1 + 1e-4 * (step % 1000))
             for key, layout, v in bases:
                 w = v.copy()
                 w[extrema] *= factor
-                counts = w[start:layout.extras_start]
+                counts = w[start : layout.extras_start]
                 # move the exponent counts up by `shift` binades (the underflow and
                 # overflow counts stay where they are)
                 inner = counts[1:-1]
-                inner[shift:] = inner[:inner.size - shift].copy()
+                inner[shift:] = inner[: inner.size - shift].copy()
                 inner[:shift] = 0
                 part_steps.append(step)
                 entries.append((key, layout, w))
@@ -113,13 +113,21 @@ def run_task(task: str, log: str, last_from: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--log", default="/tmp/tandv-read-bench", help="log directory (built if absent)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--log", default="/tmp/tandv-read-bench", help="log directory (built if absent)"
+    )
     parser.add_argument("--tensors", type=int, default=500)
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--steps-per-part", type=int, default=10)
-    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {TASKS}")
-    parser.add_argument("--repeat", type=int, default=1, help="runs of each task (fresh process each)")
+    parser.add_argument(
+        "--tasks", default=",".join(TASKS), help=f"comma-separated subset of {TASKS}"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs of each task (fresh process each)"
+    )
     parser.add_argument("--rebuild", action="store_true", help="rebuild the log even if it exists")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child process's task
     args = parser.parse_args()
@@ -137,17 +145,31 @@ def main() -> None:
         t0 = time.perf_counter()
         build_log(log, args.tensors, args.steps, args.steps_per_part)
         size = sum(p.stat().st_size for p in log.iterdir()) / 2**20
-        print(f"built {log}: {args.tensors} tensors x {args.steps} steps, "
-              f"{len(list(log.glob('*.parquet')))} parts, {size:.0f} MiB, "
-              f"{time.perf_counter() - t0:.0f} s")
+        print(
+            f"built {log}: {args.tensors} tensors x {args.steps} steps, "
+            f"{len(list(log.glob('*.parquet')))} parts, {size:.0f} MiB, "
+            f"{time.perf_counter() - t0:.0f} s"
+        )
     import tandv
 
     print(f"tandv from {Path(tandv.__file__).parent}, {os.cpu_count()} CPUs")
     print(f"{'task':<10}{'seconds':>10}{'peak MiB':>10}  shape")
     for task in args.tasks.split(","):
         for _ in range(args.repeat):
-            out = subprocess.run([sys.executable, __file__, "--log", str(log), "--steps", str(args.steps),
-                                  "--one", task], capture_output=True, text=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--log",
+                    str(log),
+                    "--steps",
+                    str(args.steps),
+                    "--one",
+                    task,
+                ],
+                capture_output=True,
+                text=True,
+            )
             if out.returncode != 0:
                 print(f"{task:<10} failed:\n{out.stderr[-2000:]}")
                 break

@@ -4,11 +4,24 @@ The public face: read and validate logs here; trackers live in ``tandv.track.tor
 and ``tandv.track.jax``, figures in ``tandv.viz``.
 """
 
-from .analysis import first_nonfinite
-from .schema import (SchemaError, read_log, read_parquet, read_pickle, read_scalars, validate, write_parquet,
-                     write_pickle)
+from importlib import metadata as _metadata
 
-__version__ = "0.1.0"
+from .analysis import first_nonfinite
+from .schema import (
+    SchemaError,
+    read_log,
+    read_parquet,
+    read_pickle,
+    read_scalars,
+    validate,
+    write_parquet,
+    write_pickle,
+)
+
+try:  # written once, in pyproject.toml; read from the installed package's metadata
+    __version__ = _metadata.version("tandv")
+except _metadata.PackageNotFoundError:  # a source tree used without installing it
+    __version__ = "0+unknown"
 
 __all__ = [
     "SchemaError",

@@ -9,8 +9,9 @@ run needs memory for one chunk, not for the whole log.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -28,8 +29,15 @@ from .schema.validate import is_exponent_label
 from .stats.formats import number_format
 from .stats.summary import DEFAULT_STATS
 
-__all__ = ["exponent_range", "format_shares", "first_nonfinite", "text_summary", "summarize_log", "sparsity",
-           "aggregate"]
+__all__ = [
+    "exponent_range",
+    "format_shares",
+    "first_nonfinite",
+    "text_summary",
+    "summarize_log",
+    "sparsity",
+    "aggregate",
+]
 
 _KEY = ["name", "tensor_type", "step"]
 
@@ -43,8 +51,11 @@ def _meta(df: pd.DataFrame, cols: Sequence[str] = _KEY) -> pd.DataFrame:
 def _exponents(df: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """The integer exponent labels of ``df`` (ascending) and their count matrix."""
     labels = sorted(int(c) for t, c in df.columns if t == EXPONENT_COUNTS and is_exponent_label(c))
-    counts = df[[(EXPONENT_COUNTS, c) for c in labels]].to_numpy(dtype=np.int64) if labels else (
-        np.zeros((len(df), 0), np.int64))
+    counts = (
+        df[[(EXPONENT_COUNTS, c) for c in labels]].to_numpy(dtype=np.int64)
+        if labels
+        else (np.zeros((len(df), 0), np.int64))
+    )
     return np.asarray(labels, dtype=np.int64), counts
 
 
@@ -56,7 +67,9 @@ def exponent_range(df: pd.DataFrame) -> pd.DataFrame:
     nz = counts > 0
     has = nz.any(axis=1)
     lo = np.where(has, labels[nz.argmax(axis=1)] if labels.size else 0, 0)
-    hi = np.where(has, labels[labels.size - 1 - nz[:, ::-1].argmax(axis=1)] if labels.size else 0, 0)
+    hi = np.where(
+        has, labels[labels.size - 1 - nz[:, ::-1].argmax(axis=1)] if labels.size else 0, 0
+    )
     out["min_exponent"] = pd.Series(lo, index=df.index, dtype="Int64").mask(~has)
     out["max_exponent"] = pd.Series(hi, index=df.index, dtype="Int64").mask(~has)
     out["width"] = np.where(has, hi - lo + 1, 0)
@@ -94,13 +107,20 @@ def format_shares(df: pd.DataFrame, fmt: Any) -> pd.DataFrame:
     f = number_format(fmt)
     under_ok, over_ok = _knowable(df, fmt)
     labels, counts = _exponents(df)
-    under = counts[:, labels < f.min_exponent].sum(axis=1) + df[(EXPONENT_COUNTS, UNDERFLOW)].to_numpy()
-    over = counts[:, labels > f.max_exponent].sum(axis=1) + df[(EXPONENT_COUNTS, OVERFLOW)].to_numpy()
+    under = (
+        counts[:, labels < f.min_exponent].sum(axis=1) + df[(EXPONENT_COUNTS, UNDERFLOW)].to_numpy()
+    )
+    over = (
+        counts[:, labels > f.max_exponent].sum(axis=1) + df[(EXPONENT_COUNTS, OVERFLOW)].to_numpy()
+    )
     if (SCALAR_STATS, "numel") in df.columns:
         total = df[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64)
     else:  # custom logs without numel: shares of the counted (non-zero, non-NaN) values
-        total = (counts.sum(axis=1) + df[(EXPONENT_COUNTS, UNDERFLOW)].to_numpy()
-                 + df[(EXPONENT_COUNTS, OVERFLOW)].to_numpy()).astype(np.float64)
+        total = (
+            counts.sum(axis=1)
+            + df[(EXPONENT_COUNTS, UNDERFLOW)].to_numpy()
+            + df[(EXPONENT_COUNTS, OVERFLOW)].to_numpy()
+        ).astype(np.float64)
     safe = np.where(total > 0, total, 1.0)
     out = _meta(df)
     out["underflow"] = np.where(total > 0, under / safe, 0.0) if under_ok else np.nan
@@ -212,7 +232,9 @@ class _SummaryTally:
         under_col = df[(EXPONENT_COUNTS, UNDERFLOW)].to_numpy()
         over_col = df[(EXPONENT_COUNTS, OVERFLOW)].to_numpy()
         has = {c for g, c in df.columns if g == SCALAR_STATS}
-        numel_all = df[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64) if "numel" in has else None
+        numel_all = (
+            df[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64) if "numel" in has else None
+        )
         lost = {}
         if numel_all is not None:
             for f in self.formats:
@@ -221,8 +243,10 @@ class _SummaryTally:
                 under = under_col + counts[:, labels < fmt.min_exponent].sum(axis=1)
                 over = over_col + counts[:, labels > fmt.max_exponent].sum(axis=1)
                 positive = numel_all > 0  # as format_shares: a row without elements has share 0
-                lost[f] = (np.where(positive, under, 0.0) if under_ok else np.full(n, np.nan),
-                           np.where(positive, over, 0.0) if over_ok else np.full(n, np.nan))
+                lost[f] = (
+                    np.where(positive, under, 0.0) if under_ok else np.full(n, np.nan),
+                    np.where(positive, over, 0.0) if over_ok else np.full(n, np.nan),
+                )
         nonfinite = {"nan_count", "inf_count"} <= has
         if nonfinite:
             nan_all = df[(SCALAR_STATS, "nan_count")].to_numpy()
@@ -274,15 +298,19 @@ class _SummaryTally:
     def text(self, top: int) -> str:
         if not self.rows:
             return "empty log: no rows (the run recorded no step)"
-        lines = [f"{self.rows} rows, steps {min(self.steps)}..{max(self.steps)} "
-                 f"({len(self.steps)} recorded), {len(self.names)} tensor names"]
+        lines = [
+            f"{self.rows} rows, steps {min(self.steps)}..{max(self.steps)} "
+            f"({len(self.steps)} recorded), {len(self.names)} tensor names"
+        ]
         if self.run:
             r = self.run
             fmt = r.get("number_format") or "each tensor's dtype"
             versions = ", ".join(f"{k} {v}" for k, v in (r.get("versions") or {}).items())
-            lines.append(f"made by the {r.get('framework')} tracker of {r.get('model')}, started "
-                         f"{r.get('started')}, rank {r.get('rank')} of {r.get('world_size')}; "
-                         f"exponents counted as {fmt}; {versions}")
+            lines.append(
+                f"made by the {r.get('framework')} tracker of {r.get('model')}, started "
+                f"{r.get('started')}, rank {r.get('rank')} of {r.get('world_size')}; "
+                f"exponents counted as {fmt}; {versions}"
+            )
         for tt, t in self.types.items():
             if t.step_min is None:
                 continue
@@ -295,33 +323,48 @@ class _SummaryTally:
                 name, (step, nan, inf) = order[0]
                 n = len(order)
                 w = t.worst
+                assert w is not None  # set with the first NaN/inf
                 lines.append(
                     f"  NaN/inf: first in {name} at step {step} ({nan} NaN, {inf} inf); {n} tensor"
-                    f"{'s' if n != 1 else ''} affected; worst {w[1]} at step {w[2]} ({w[0]} of {w[3]})")
+                    f"{'s' if n != 1 else ''} affected; "
+                    f"worst {w[1]} at step {w[2]} ({w[0]} of {w[3]})"
+                )
             if t.widest is not None:
                 width, name, step, lo, hi = t.widest
-                lines.append(f"  widest exponent range: {name} at step {step}: 2^{lo} .. 2^{hi} ({width} binades)")
+                lines.append(
+                    f"  widest exponent range: {name} at step {step}: 2^{lo} .. 2^{hi} ({width} "
+                    "binades)"
+                )
             if t.last:
                 rm2 = pd.Series([v for _, v in t.last], index=[n for n, _ in t.last])
-                order = rm2.reset_index(drop=True).sort_values(ascending=False, na_position="last", kind="stable")
+                order = rm2.reset_index(drop=True).sort_values(
+                    ascending=False, na_position="last", kind="stable"
+                )
                 names = rm2.index
                 big = ", ".join(f"{names[i]} {_fmt_num(order[i])}" for i in order.index[:top])
-                small = ", ".join(f"{names[i]} {_fmt_num(order[i])}" for i in order.dropna().index[::-1][:top])
+                small = ", ".join(
+                    f"{names[i]} {_fmt_num(order[i])}" for i in order.dropna().index[::-1][:top]
+                )
                 lines.append(f"  largest rm2 at step {t.step_max}: {big}")
                 lines.append(f"  smallest rm2 at step {t.step_max}: {small}")
             if t.lost:
                 parts = []
                 for f, (u, o) in t.lost.items():
                     u, o = (u / t.numel, o / t.numel) if t.numel else (0.0, 0.0)
-                    parts.append(f"{f}: " + ", ".join(
-                        f"{v:.2%} {what}" if np.isfinite(v) else f"{what} not known"
-                        for v, what in ((u, "underflow"), (o, "overflow"))))
+                    parts.append(
+                        f"{f}: "
+                        + ", ".join(
+                            f"{v:.2%} {what}" if np.isfinite(v) else f"{what} not known"
+                            for v, what in ((u, "underflow"), (o, "overflow"))
+                        )
+                    )
                 lines.append("  as " + "; ".join(parts))
         return "\n".join(lines)
 
 
-def text_summary(df: pd.DataFrame, formats: Sequence[str] = ("float8_e4m3fn", "bfloat16"),
-                 top: int = 3) -> str:
+def text_summary(
+    df: pd.DataFrame, formats: Sequence[str] = ("float8_e4m3fn", "bfloat16"), top: int = 3
+) -> str:
     """A readable summary of a log, per tensor type: steps and tensors, the first and
     worst NaN/inf, the widest exponent range, the tensors with the largest and smallest
     ``rm2`` at the last step, and the share of values that would underflow/overflow each
@@ -331,8 +374,12 @@ def text_summary(df: pd.DataFrame, formats: Sequence[str] = ("float8_e4m3fn", "b
     return tally.text(top)
 
 
-def summarize_log(path: str | os.PathLike, formats: Sequence[str] = ("float8_e4m3fn", "bfloat16"),
-                  top: int = 3, chunk_rows: int = CHUNK_ROWS) -> str:
+def summarize_log(
+    path: str | os.PathLike,
+    formats: Sequence[str] = ("float8_e4m3fn", "bfloat16"),
+    top: int = 3,
+    chunk_rows: int = CHUNK_ROWS,
+) -> str:
     """:func:`text_summary` of the log at ``path``. A parquet log is read in chunks of the
     columns the summary needs (memory stays flat however long the run); a pickle is read
     whole (it runs code from the file: only for pickles you trust).
@@ -346,7 +393,11 @@ def summarize_log(path: str | os.PathLike, formats: Sequence[str] = ("float8_e4m
         tally.add(read_log(p))
         return tally.text(top)
     log = _ParquetLog(p, statistics=False)
-    wanted = [c for g, c in log.columns if g == SCALAR_STATS and c in ("rm2", "numel", "nan_count", "inf_count")]
+    wanted = [
+        c
+        for g, c in log.columns
+        if g == SCALAR_STATS and c in ("rm2", "numel", "nan_count", "inf_count")
+    ]
     wanted += [c for g, c in log.columns if g == EXPONENT_COUNTS]
     for chunk in read_parquet_chunks(log, columns=wanted, chunk_rows=chunk_rows):
         tally.add(chunk)
@@ -363,7 +414,10 @@ def sparsity(df: pd.DataFrame) -> pd.DataFrame:
     """
     missing = [c for c in ("zero_count", "numel") if (SCALAR_STATS, c) not in df.columns]
     if missing:
-        raise ValueError(f"sparsity(df): the log has no {missing} statistic(s); logs made by the trackers have them")
+        raise ValueError(
+            f"sparsity(df): the log has no {missing} statistic(s); "
+            "logs made by the trackers have them"
+        )
     zeros = df[(SCALAR_STATS, "zero_count")].to_numpy(dtype=np.float64)
     numel = df[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64)
     out = _meta(df)
@@ -373,12 +427,30 @@ def sparsity(df: pd.DataFrame) -> pd.DataFrame:
 
 
 #: The statistics :func:`aggregate` merges from (those of a tracker's log).
-_MERGE_FROM = ("numel", "nan_count", "inf_count", "zero_count", "mean", "std", "mean_abs", "min_abs",
-               "max_abs", "rm2", "rm4", "rm8", "min", "max")
+_MERGE_FROM = (
+    "numel",
+    "nan_count",
+    "inf_count",
+    "zero_count",
+    "mean",
+    "std",
+    "mean_abs",
+    "min_abs",
+    "max_abs",
+    "rm2",
+    "rm4",
+    "rm8",
+    "min",
+    "max",
+)
 
 
-def aggregate(df: pd.DataFrame, groups: Mapping[str, str] | None = None,
-              tensor_types: str | Sequence[str] | None = None, exclude: str | None = r"\.update$") -> pd.DataFrame:
+def aggregate(
+    df: pd.DataFrame,
+    groups: Mapping[str, str] | None = None,
+    tensor_types: str | Sequence[str] | None = None,
+    exclude: str | None = r"\.update$",
+) -> pd.DataFrame:
     """Aggregate rows: the statistics of all tensors of a group together, per tensor type and
     step, as if their elements were one tensor (the Chainer monitor's whole-model statistics).
 
@@ -415,13 +487,21 @@ def aggregate(df: pd.DataFrame, groups: Mapping[str, str] | None = None,
 
     missing = [c for c in _MERGE_FROM if (SCALAR_STATS, c) not in df.columns]
     if missing:
-        raise ValueError(f"aggregate(df): the log lacks the statistics {missing}; aggregates are merged from "
-                         f"the default statistics a tracker logs")
-    tts = [tensor_types] if isinstance(tensor_types, str) else (
-        list(TENSOR_TYPES) if tensor_types is None else list(tensor_types))
+        raise ValueError(
+            f"aggregate(df): the log lacks the statistics {missing}; aggregates are merged from "
+            f"the default statistics a tracker logs"
+        )
+    tts = (
+        [tensor_types]
+        if isinstance(tensor_types, str)
+        else (list(TENSOR_TYPES) if tensor_types is None else list(tensor_types))
+    )
     unknown = [t for t in tts if t not in TENSOR_TYPES]
     if unknown:
-        raise ValueError(f"aggregate(tensor_types={tensor_types!r}): unknown {unknown}; choose from {list(TENSOR_TYPES)}")
+        raise ValueError(
+            f"aggregate(tensor_types={tensor_types!r}): unknown {unknown}; "
+            f"choose from {list(TENSOR_TYPES)}"
+        )
     groups = {"model": ""} if groups is None else dict(groups)
     try:
         patterns = {g: re.compile(p) for g, p in groups.items()}
@@ -435,7 +515,11 @@ def aggregate(df: pd.DataFrame, groups: Mapping[str, str] | None = None,
     st = {c: df[(SCALAR_STATS, c)].to_numpy(dtype=np.float64) for c in _MERGE_FROM}
     exp_cols = [c for c in df.columns if c[0] == EXPONENT_COUNTS]
     counts = df[exp_cols].to_numpy(dtype=np.int64)
-    kept = np.ones(len(df), bool) if skip is None else np.array([skip.search(n) is None for n in names], bool)
+    kept = (
+        np.ones(len(df), bool)
+        if skip is None
+        else np.array([skip.search(n) is None for n in names], bool)
+    )
     n_fin = st["numel"] - st["nan_count"] - st["inf_count"]
     rows, exps = [], []
     for g, pat in patterns.items():
@@ -452,14 +536,23 @@ def aggregate(df: pd.DataFrame, groups: Mapping[str, str] | None = None,
     stats = pd.DataFrame([r[1] for r in rows], columns=stat_names)
     for c in ("numel", "zero_count", "nan_count", "inf_count", "tensors"):
         stats[c] = stats[c].astype(np.int64)
-    ex = pd.DataFrame(np.array(exps, dtype=np.int64).reshape(len(rows), len(exp_cols)),
-                      columns=[c[1] for c in exp_cols])
+    ex = pd.DataFrame(
+        np.array(exps, dtype=np.int64).reshape(len(rows), len(exp_cols)),
+        columns=[c[1] for c in exp_cols],
+    )
     out = pd.concat([meta, stats, ex], axis=1, keys=[METADATA, SCALAR_STATS, EXPONENT_COUNTS])
     return validate(out)
 
 
-def _merge_rows(group: str, tt: str, step: int, idx: np.ndarray, st: dict[str, np.ndarray],
-                n_fin: np.ndarray, dtypes: np.ndarray) -> tuple[list[Any], list[float]]:
+def _merge_rows(
+    group: str,
+    tt: str,
+    step: int,
+    idx: np.ndarray,
+    st: dict[str, np.ndarray],
+    n_fin: np.ndarray,
+    dtypes: np.ndarray,
+) -> tuple[list[Any], list[float]]:
     """One aggregate row from the rows ``idx``: (metadata, statistics)."""
     n_i = n_fin[idx]
     fin = n_i > 0  # rows whose moments exist (the others hold NaN moments)
@@ -472,18 +565,47 @@ def _merge_rows(group: str, tt: str, step: int, idx: np.ndarray, st: dict[str, n
         w = n_i[fin]
         s = float(np.max(st["max_abs"][f]))
         s = s if s > 0 else 1.0
-        mean_s = float(np.sum(w * (st["mean"][f] / s)) / n)  # scaled: no overflow near the float max
-        m2 = float(np.sum(w * (st["std"][f] / s) ** 2) + np.sum(w * (st["mean"][f] / s - mean_s) ** 2))
+        mean_s = float(
+            np.sum(w * (st["mean"][f] / s)) / n
+        )  # scaled: no overflow near the float max
+        m2 = float(
+            np.sum(w * (st["std"][f] / s) ** 2) + np.sum(w * (st["mean"][f] / s - mean_s) ** 2)
+        )
         mom = {
             "mean": mean_s * s,
             "std": s * np.sqrt(max(m2, 0.0) / n),
             "mean_abs": s * float(np.sum(w * (st["mean_abs"][f] / s)) / n),
-            **{f"rm{k}": s * float(np.sum(w * (st[f"rm{k}"][f] / s) ** k) / n) ** (1.0 / k) for k in (2, 4, 8)},
-            "min_abs": float(np.min(st["min_abs"][f])), "max_abs": float(np.max(st["max_abs"][f])),
-            "min": float(np.min(st["min"][f])), "max": float(np.max(st["max"][f])),
+            **{
+                f"rm{k}": s * float(np.sum(w * (st[f"rm{k}"][f] / s) ** k) / n) ** (1.0 / k)
+                for k in (2, 4, 8)
+            },
+            "min_abs": float(np.min(st["min_abs"][f])),
+            "max_abs": float(np.max(st["max_abs"][f])),
+            "min": float(np.min(st["min"][f])),
+            "max": float(np.max(st["max"][f])),
         }
     else:
-        mom = {k: np.nan for k in ("mean", "std", "mean_abs", "rm2", "rm4", "rm8", "min_abs", "max_abs", "min", "max")}
-    stats = {**mom, **total, "tensors": len(idx),
-             "sparsity": total["zero_count"] / total["numel"] if total["numel"] else np.nan}
-    return [group, "aggregate", tt, step, dtype], [stats[k] for k in (*DEFAULT_STATS, "tensors", "sparsity")]
+        mom = {
+            k: np.nan
+            for k in (
+                "mean",
+                "std",
+                "mean_abs",
+                "rm2",
+                "rm4",
+                "rm8",
+                "min_abs",
+                "max_abs",
+                "min",
+                "max",
+            )
+        }
+    stats = {
+        **mom,
+        **total,
+        "tensors": len(idx),
+        "sparsity": total["zero_count"] / total["numel"] if total["numel"] else np.nan,
+    }
+    return [group, "aggregate", tt, step, dtype], [
+        stats[k] for k in (*DEFAULT_STATS, "tensors", "sparsity")
+    ]

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 __all__ = ["main"]
 
-_TRUST_HELP = ("read a .pkl/.pickle LOG: unpickling runs code stored in the file, so give this only "
-               "for pickles you made or trust (parquet logs are data only and need no flag)")
+_TRUST_HELP = (
+    "read a .pkl/.pickle LOG: unpickling runs code stored in the file, so give this only "
+    "for pickles you made or trust (parquet logs are data only and need no flag)"
+)
 
 
 class CLIError(Exception):
@@ -28,8 +30,10 @@ def _check(path: str, trust_pickle: bool) -> Path:
     if not p.exists():
         raise CLIError(f"no such file or directory: {path}")
     if p.suffix.lower() in (".pkl", ".pickle") and not trust_pickle:
-        raise CLIError(f"{path} is a pickle, and reading a pickle runs code stored in it; pass "
-                       f"--trust-pickle if you made it or trust its source")
+        raise CLIError(
+            f"{path} is a pickle, and reading a pickle runs code stored in it; pass "
+            f"--trust-pickle if you made it or trust its source"
+        )
     return p
 
 
@@ -61,7 +65,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     p = _check(args.log, args.trust_pickle)
 
     def count() -> tuple[int, int, int]:
-        chunks = [read_log(p)] if p.suffix.lower() in (".pkl", ".pickle") else read_parquet_chunks(p)
+        chunks = (
+            [read_log(p)] if p.suffix.lower() in (".pkl", ".pickle") else read_parquet_chunks(p)
+        )
         rows, steps, names = 0, set(), set()
         for df in chunks:  # a parquet log in chunks: memory stays flat
             rows += len(df)
@@ -85,7 +91,9 @@ def _cmd_summary(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from .viz.report import write_report
 
-    out = write_report(_read(args.log, args.trust_pickle), args.output, title=args.title or Path(args.log).name)
+    out = write_report(
+        _read(args.log, args.trust_pickle), args.output, title=args.title or Path(args.log).name
+    )
     print(f"tandv: report written to {out}")
     return 0
 
@@ -95,10 +103,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .schema import read_log
 
     if args.framework == "torch":
-        from .demos.torch_demo import run
+        from .demos.torch_demo import run as run_torch
+
+        path = run_torch(steps=args.steps, out=args.out, seed=args.seed)
     else:
-        from .demos.jax_demo import run
-    path = run(steps=args.steps, out=args.out, seed=args.seed)
+        from .demos.jax_demo import run as run_jax
+
+        path = run_jax(steps=args.steps, out=args.out, seed=args.seed)
     print(f"tandv: log written to {path}")
     df = read_log(path)
     print(text_summary(df))
@@ -108,7 +119,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         except ImportError as e:  # plotting extras not installed
             print(f"tandv: no HTML report ({e}); install tandv[plot] for it", file=sys.stderr)
         else:
-            report = write_report(df, Path(str(path).rstrip("/") + ".html"), title=f"tandv demo ({args.framework})")
+            report = write_report(
+                df, Path(str(path).rstrip("/") + ".html"), title=f"tandv demo ({args.framework})"
+            )
             print(f"tandv: report written to {report}")
     return 0
 
@@ -116,21 +129,27 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``tandv`` command."""
     parser = argparse.ArgumentParser(
-        prog="tandv", description="Track and visualize training numerics.",
-        epilog="Warning: a .pkl/.pickle log is read by unpickling, which runs code stored in the file; "
-               "the commands read one only with --trust-pickle. Parquet logs hold data only.")
+        prog="tandv",
+        description="Track and visualize training numerics.",
+        epilog="Warning: a .pkl/.pickle log is read by unpickling, which runs code stored in "
+        "the file; the commands read one only with --trust-pickle. Parquet logs hold data only.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("demo", help="train a small transformer on CPU, tracking everything")
     p.add_argument("--framework", choices=("torch", "jax"), default="torch")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's own)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="training steps (default: the demo's own)"
+    )
     p.add_argument("--out", default=None, help="log path (default: a new folder under tandv_logs/)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-report", action="store_true", help="skip the HTML report")
     p.set_defaults(func=_cmd_demo)
 
-    log_help = ("a directory of parquet parts, a .parquet file, or a .pkl/.pickle file "
-                "(read only with --trust-pickle)")
+    log_help = (
+        "a directory of parquet parts, a .parquet file, or a .pkl/.pickle file "
+        "(read only with --trust-pickle)"
+    )
     p = sub.add_parser("validate", help="check that LOG follows the tandv log schema")
     p.add_argument("log", help=log_help)
     p.add_argument("--trust-pickle", action="store_true", help=_TRUST_HELP)
@@ -144,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="write a self-contained HTML report of LOG")
     p.add_argument("log", help=log_help)
     p.add_argument("--trust-pickle", action="store_true", help=_TRUST_HELP)
-    p.add_argument("-o", "--output", default="report.html", help="HTML file to write (default report.html)")
+    p.add_argument(
+        "-o", "--output", default="report.html", help="HTML file to write (default report.html)"
+    )
     p.add_argument("--title", default=None)
     p.set_defaults(func=_cmd_report)
     return parser

@@ -21,8 +21,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -32,8 +33,16 @@ from .schema.columns import EXPONENT_COUNTS, METADATA, OVERFLOW, SCALAR_STATS, U
 __all__ = ["TensorBoardSink", "tensorboard", "WandbSink", "wandb", "DEFAULT_SCALARS"]
 
 #: The statistics written as scalars by default.
-DEFAULT_SCALARS: tuple[str, ...] = ("mean", "std", "rm2", "max_abs", "min_abs", "zero_count",
-                                    "nan_count", "inf_count")
+DEFAULT_SCALARS: tuple[str, ...] = (
+    "mean",
+    "std",
+    "rm2",
+    "max_abs",
+    "min_abs",
+    "zero_count",
+    "nan_count",
+    "inf_count",
+)
 
 
 class TensorBoardSink:
@@ -47,12 +56,18 @@ class TensorBoardSink:
     Call it with a DataFrame of rows (the tracker does, at each flush), then :meth:`close`.
     """
 
-    def __init__(self, logdir: str | os.PathLike, scalars: Sequence[str] | None = DEFAULT_SCALARS,
-                 histograms: bool = True) -> None:
+    def __init__(
+        self,
+        logdir: str | os.PathLike,
+        scalars: Sequence[str] | None = DEFAULT_SCALARS,
+        histograms: bool = True,
+    ) -> None:
         try:
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
         except ImportError as e:
-            raise ImportError("TensorBoardSink needs the `tensorboard` package: pip install tensorboard") from e
+            raise ImportError(
+                "TensorBoardSink needs the `tensorboard` package: pip install tensorboard"
+            ) from e
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
         self._writer = EventFileWriter(str(self.logdir))
@@ -65,21 +80,36 @@ class TensorBoardSink:
 
         if rows.empty:
             return
-        stat_cols = [c for c in rows[SCALAR_STATS].columns
-                     if self.scalars is None or c in self.scalars]
+        stat_cols = [
+            c for c in rows[SCALAR_STATS].columns if self.scalars is None or c in self.scalars
+        ]
         exps, counts = _exponent_matrix(rows)
         # bucket upper edges: underflow below the lowest exponent, 2**(n+1), then overflow
-        limits = [2.0 ** exps[0] if exps else 0.0, *(2.0 ** (e + 1) for e in exps), sys.float_info.max]
+        limits = [
+            2.0 ** exps[0] if exps else 0.0,
+            *(2.0 ** (e + 1) for e in exps),
+            sys.float_info.max,
+        ]
         meta = rows[METADATA]
         stats = rows[SCALAR_STATS][stat_cols].to_numpy(dtype=np.float64)
         wall = time.time()
-        for i, (name, kind, step) in enumerate(zip(meta["name"], meta["tensor_type"], meta["step"])):
-            values = [Summary.Value(tag=f"{kind}/{name}/{s}", simple_value=float(v))
-                      for s, v in zip(stat_cols, stats[i])]
+        for i, (name, kind, step) in enumerate(
+            zip(meta["name"], meta["tensor_type"], meta["step"])
+        ):
+            values = [
+                Summary.Value(tag=f"{kind}/{name}/{s}", simple_value=float(v))
+                for s, v in zip(stat_cols, stats[i])
+            ]
             if self.histograms and counts[i].any():
-                values.append(Summary.Value(tag=f"{kind}/{name}/exponents",
-                                            histo=_histogram(HistogramProto, rows.iloc[i], counts[i], limits)))
-            self._writer.add_event(Event(wall_time=wall, step=int(step), summary=Summary(value=values)))
+                values.append(
+                    Summary.Value(
+                        tag=f"{kind}/{name}/exponents",
+                        histo=_histogram(HistogramProto, rows.iloc[i], counts[i], limits),
+                    )
+                )
+            self._writer.add_event(
+                Event(wall_time=wall, step=int(step), summary=Summary(value=values))
+            )
 
     def close(self) -> None:
         """Write everything to disk and close the event file."""
@@ -108,14 +138,23 @@ def _histogram(proto: Any, row: pd.Series, counts: np.ndarray, limits: list[floa
     stat = row[SCALAR_STATS]
     finite = float(stat["numel"] - stat["nan_count"] - stat["inf_count"])
     lower = limits[lo - 1] if lo > 0 else 0.0
-    return proto(min=lower, max=float(stat["max_abs"]) if stat["max_abs"] > 0 else limits[hi - 1],
-                 num=float(n), sum=float(stat["mean_abs"]) * finite,
-                 sum_squares=float(stat["rm2"]) ** 2 * finite,
-                 bucket_limit=limits[lo:hi], bucket=[float(c) for c in counts[lo:hi]])
+    return proto(
+        min=lower,
+        max=float(stat["max_abs"]) if stat["max_abs"] > 0 else limits[hi - 1],
+        num=float(n),
+        sum=float(stat["mean_abs"]) * finite,
+        sum_squares=float(stat["rm2"]) ** 2 * finite,
+        bucket_limit=limits[lo:hi],
+        bucket=[float(c) for c in counts[lo:hi]],
+    )
 
 
-def tensorboard(log: str | os.PathLike | pd.DataFrame, logdir: str | os.PathLike,
-                scalars: Sequence[str] | None = DEFAULT_SCALARS, histograms: bool = True) -> Path:
+def tensorboard(
+    log: str | os.PathLike | pd.DataFrame,
+    logdir: str | os.PathLike,
+    scalars: Sequence[str] | None = DEFAULT_SCALARS,
+    histograms: bool = True,
+) -> Path:
     """Write a log (a path or a DataFrame) as TensorBoard events into ``logdir``; returns
     ``logdir``. See :class:`TensorBoardSink` for what is written."""
     if isinstance(log, pd.DataFrame):
@@ -141,10 +180,13 @@ class WandbSink:
         histograms: also log the exponent counts as histograms of log2|x|.
     """
 
-    def __init__(self, run: Any, scalars: Sequence[str] | None = DEFAULT_SCALARS,
-                 histograms: bool = True) -> None:
+    def __init__(
+        self, run: Any, scalars: Sequence[str] | None = DEFAULT_SCALARS, histograms: bool = True
+    ) -> None:
         if not callable(getattr(run, "log", None)):
-            raise TypeError(f"WandbSink(run=...): expected a run from wandb.init(); got {type(run).__name__}")
+            raise TypeError(
+                f"WandbSink(run=...): expected a run from wandb.init(); got {type(run).__name__}"
+            )
         self.run = run
         self.scalars = None if scalars is None else tuple(scalars)
         self.histograms = histograms
@@ -154,7 +196,9 @@ class WandbSink:
             return
         import wandb as wb
 
-        stat_cols = [c for c in rows[SCALAR_STATS].columns if self.scalars is None or c in self.scalars]
+        stat_cols = [
+            c for c in rows[SCALAR_STATS].columns if self.scalars is None or c in self.scalars
+        ]
         exps, counts = _exponent_matrix(rows)
         first = exps[0] if exps else 0
         edges = np.arange(first - 1, first + len(exps) + 2, dtype=np.float64)  # log2|x|
@@ -171,8 +215,12 @@ class WandbSink:
             self.run.log(logged, step=int(step))
 
 
-def wandb(log: str | os.PathLike | pd.DataFrame, run: Any, scalars: Sequence[str] | None = DEFAULT_SCALARS,
-          histograms: bool = True) -> None:
+def wandb(
+    log: str | os.PathLike | pd.DataFrame,
+    run: Any,
+    scalars: Sequence[str] | None = DEFAULT_SCALARS,
+    histograms: bool = True,
+) -> None:
     """Log a log (a path or a DataFrame) to the W&B ``run``; see :class:`WandbSink`."""
     if isinstance(log, pd.DataFrame):
         df = log

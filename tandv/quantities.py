@@ -22,8 +22,9 @@ Definitions:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -58,18 +59,23 @@ def _aligned(a: pd.Series, b: pd.Series, fn: str) -> tuple[pd.Series, pd.Series]
     if set(a.index) != set(b.index):
         only_a = [k for k in a.index if k not in b.index][:5]
         only_b = [k for k in b.index if k not in a.index][:5]
-        raise ValueError(f"{fn}: the snapshots hold different names (only {a.name}: {only_a}; "
-                         f"only {b.name}: {only_b}); filter both with the same pattern")
+        raise ValueError(
+            f"{fn}: the snapshots hold different names (only {a.name}: {only_a}; "
+            f"only {b.name}: {only_b}); filter both with the same pattern"
+        )
     return a, b.reindex(a.index)
 
 
-def _ratio(num: pd.Series | pd.DataFrame, den: pd.Series | pd.DataFrame) -> pd.Series | pd.DataFrame:
+def _ratio(
+    num: pd.Series | pd.DataFrame, den: pd.Series | pd.DataFrame
+) -> pd.Series | pd.DataFrame:
     with np.errstate(divide="ignore", invalid="ignore"):
         return num / den  # 0 denominators give inf (nan for 0/0): the ratio is undefined there
 
 
-def trust_ratio(weight: Snapshot, grad: Snapshot, weight_decay: float = 0.0,
-                pattern: str | None = None) -> pd.Series:
+def trust_ratio(
+    weight: Snapshot, grad: Snapshot, weight_decay: float = 0.0, pattern: str | None = None
+) -> pd.Series:
     """LARS trust ratio per layer: ``||W|| / (||grad|| + weight_decay * ||W||)``.
 
     Arguments:
@@ -94,8 +100,9 @@ def update_ratio(update: Snapshot, weight: Snapshot, pattern: str | None = None)
         weight: the weights the update is compared with (normally ``W_before``).
         pattern: only names matching this regular expression.
     """
-    u, w = _aligned(_norms(update, "update", pattern), _norms(weight, "weight", pattern),
-                    "update_ratio")
+    u, w = _aligned(
+        _norms(update, "update", pattern), _norms(weight, "weight", pattern), "update_ratio"
+    )
     return _ratio(u, w).rename("update_ratio")
 
 
@@ -108,8 +115,10 @@ def log_norms(df: pd.DataFrame, tensor_type: str = "Weight") -> pd.DataFrame:
     """
     for col in ("rm2", "numel", "nan_count", "inf_count"):
         if ("scalar_stats", col) not in df.columns:
-            raise ValueError(f"log_norms: the log has no scalar_stats column {col!r} (the default "
-                             f"statistics are needed to compute norms)")
+            raise ValueError(
+                f"log_norms: the log has no scalar_stats column {col!r} (the default "
+                f"statistics are needed to compute norms)"
+            )
     rows = df[df[("metadata", "tensor_type")] == tensor_type]
     if rows.empty:
         have = sorted(df[("metadata", "tensor_type")].unique())
@@ -118,8 +127,13 @@ def log_norms(df: pd.DataFrame, tensor_type: str = "Weight") -> pd.DataFrame:
     finite = (s["numel"] - s["nan_count"] - s["inf_count"]).astype(np.float64)
     norm = s["rm2"].astype(np.float64).where(finite > 0, 0.0) * np.sqrt(finite)
     norm = norm.where(s["inf_count"] == 0, np.inf).where(s["nan_count"] == 0, np.nan)
-    out = pd.DataFrame({"step": rows[("metadata", "step")].to_numpy(),
-                        "name": rows[("metadata", "name")].to_numpy(), "norm": norm.to_numpy()})
+    out = pd.DataFrame(
+        {
+            "step": rows[("metadata", "step")].to_numpy(),
+            "name": rows[("metadata", "name")].to_numpy(),
+            "norm": norm.to_numpy(),
+        }
+    )
     table = out.pivot(index="step", columns="name", values="norm")
     table.columns.name = None
     return table[list(dict.fromkeys(out["name"]))]  # names in log order
@@ -135,8 +149,10 @@ def log_trust_ratio(df: pd.DataFrame, weight_decay: float = 0.0) -> pd.DataFrame
     w, g = log_norms(df, "Weight"), log_norms(df, "Gradient")
     names = [c for c in w.columns if c in g.columns]
     if not names:
-        raise ValueError("log_trust_ratio: no tensor has both Weight and Gradient rows; track "
-                         "weights and gradients")
+        raise ValueError(
+            "log_trust_ratio: no tensor has both Weight and Gradient rows; track "
+            "weights and gradients"
+        )
     w, g = w[names], g[names].reindex(w.index)
     return _ratio(w, g + weight_decay * w).dropna(how="all")
 
@@ -179,13 +195,24 @@ def log_update_ratio(df: pd.DataFrame, update_suffix: str = ".update") -> pd.Dat
         nstep = np.append(col.index.to_numpy()[1:], -1)
         u = updates.get(name, pd.Series(dtype=np.float64)).reindex(col.index).to_numpy()
         with np.errstate(divide="ignore", invalid="ignore"):
-            parts.append(pd.DataFrame({
-                "name": name, "step": col.index.to_numpy(), "next_step": nstep,
-                "weight_norm": cur, "lower": np.abs(nxt - cur) / cur, "upper": (nxt + cur) / cur,
-                "exact": u / cur}))
+            parts.append(
+                pd.DataFrame(
+                    {
+                        "name": name,
+                        "step": col.index.to_numpy(),
+                        "next_step": nstep,
+                        "weight_norm": cur,
+                        "lower": np.abs(nxt - cur) / cur,
+                        "upper": (nxt + cur) / cur,
+                        "exact": u / cur,
+                    }
+                )
+            )
     if not parts:
-        raise ValueError(f"log_update_ratio: no parameter has Weight rows at two logged steps "
-                         f"(steps logged: {list(steps)[:5]})")
+        raise ValueError(
+            f"log_update_ratio: no parameter has Weight rows at two logged steps "
+            f"(steps logged: {list(steps)[:5]})"
+        )
     return pd.concat(parts, ignore_index=True)
 
 
@@ -209,14 +236,16 @@ class NoiseScaleEstimate:
 
 def _check_batches(b_small: float, b_big: float) -> None:
     if not (b_small > 0 and b_big > 0):
-        raise ValueError(f"noise scale: batch sizes must be positive, got b_small={b_small}, "
-                         f"b_big={b_big}")
+        raise ValueError(
+            f"noise scale: batch sizes must be positive, got b_small={b_small}, b_big={b_big}"
+        )
     if b_small == b_big:
         raise ValueError(f"noise scale: the two batch sizes must differ (both are {b_small})")
 
 
-def noise_scale(small_sq_norm: float, b_small: float, big_sq_norm: float, b_big: float
-                ) -> NoiseScaleEstimate:
+def noise_scale(
+    small_sq_norm: float, b_small: float, big_sq_norm: float, b_big: float
+) -> NoiseScaleEstimate:
     """Unbiased ``|G|^2`` and ``tr(Sigma)`` from squared gradient norms at two batch sizes.
 
     Arguments:
@@ -234,8 +263,9 @@ def noise_scale(small_sq_norm: float, b_small: float, big_sq_norm: float, b_big:
     return NoiseScaleEstimate(float(g2), float(trace))
 
 
-def two_batch_estimate(small_sq_norm: Any, b_small: float, big_sq_norm: Any, b_big: float
-                       ) -> tuple[Any, Any]:
+def two_batch_estimate(
+    small_sq_norm: Any, b_small: float, big_sq_norm: Any, b_big: float
+) -> tuple[Any, Any]:
     """The formulas of :func:`noise_scale` on any numbers that support arithmetic (floats,
     numpy or device arrays: a device tracker keeps its per-step estimates on the device,
     with no synchronisation). Returns ``(g2, trace)`` of the inputs' type."""
@@ -245,8 +275,9 @@ def two_batch_estimate(small_sq_norm: Any, b_small: float, big_sq_norm: Any, b_b
     return g2, trace
 
 
-def smoothed_noise_scale(scalars: pd.DataFrame, beta: float = 0.99, g2: str = "noise_g2",
-                         trace: str = "noise_trace") -> pd.Series:
+def smoothed_noise_scale(
+    scalars: pd.DataFrame, beta: float = 0.99, g2: str = "noise_g2", trace: str = "noise_trace"
+) -> pd.Series:
     """``B_simple`` per step from per-step ``|G|^2`` and ``tr(Sigma)`` estimates logged as
     training scalars (e.g. by ``tandv.track.torch.GradientNoiseScale``), smoothed with
     :class:`NoiseScaleEMA` (the ratio of the averages, as McCandlish et al. advise).
@@ -262,17 +293,22 @@ def smoothed_noise_scale(scalars: pd.DataFrame, beta: float = 0.99, g2: str = "n
     """
     missing = [c for c in ("step", g2, trace) if c not in scalars.columns]
     if missing:
-        raise ValueError(f"smoothed_noise_scale: the scalars have no column(s) {missing} "
-                         f"(columns: {list(scalars.columns)}); log them with GradientNoiseScale")
+        raise ValueError(
+            f"smoothed_noise_scale: the scalars have no column(s) {missing} "
+            f"(columns: {list(scalars.columns)}); log them with GradientNoiseScale"
+        )
     rows = scalars[["step", g2, trace]].dropna().sort_values("step")
     ema = NoiseScaleEMA(beta)
-    values = [ema.update(NoiseScaleEstimate(float(a), float(b))).b_simple
-              for a, b in zip(rows[g2], rows[trace])]
+    values = [
+        ema.update(NoiseScaleEstimate(float(a), float(b))).b_simple
+        for a, b in zip(rows[g2], rows[trace])
+    ]
     return pd.Series(values, index=rows["step"].to_numpy(), name="b_simple", dtype=np.float64)
 
 
-def noise_scale_from_microbatches(micro_sq_norms: Sequence[float], micro_batch_size: int,
-                                  accumulated_sq_norm: float) -> NoiseScaleEstimate:
+def noise_scale_from_microbatches(
+    micro_sq_norms: Sequence[float], micro_batch_size: int, accumulated_sq_norm: float
+) -> NoiseScaleEstimate:
     """The two-batch estimate from one gradient-accumulation step, at no extra cost.
 
     Arguments:
@@ -286,10 +322,13 @@ def noise_scale_from_microbatches(micro_sq_norms: Sequence[float], micro_batch_s
     """
     sq = np.asarray(micro_sq_norms, dtype=np.float64)
     if sq.ndim != 1 or sq.size < 2:
-        raise ValueError(f"noise_scale_from_microbatches: need the squared norms of at least two "
-                         f"micro-batches, got {sq.size}")
-    return noise_scale(float(sq.mean()), micro_batch_size, accumulated_sq_norm,
-                       sq.size * micro_batch_size)
+        raise ValueError(
+            f"noise_scale_from_microbatches: need the squared norms of at least two "
+            f"micro-batches, got {sq.size}"
+        )
+    return noise_scale(
+        float(sq.mean()), micro_batch_size, accumulated_sq_norm, sq.size * micro_batch_size
+    )
 
 
 class NoiseScaleEMA:

@@ -52,13 +52,24 @@ class Browser:
         self._profile = tempfile.mkdtemp(prefix="tandv-chromium-")
         cmd_r, cmd_w = os.pipe()  # we write commands, Chromium reads them on fd 3
         ev_r, ev_w = os.pipe()  # Chromium writes replies and events on fd 4
-        args = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                "--no-first-run", "--disable-extensions", "--disable-background-networking",
-                f"--user-data-dir={self._profile}", "--remote-debugging-pipe"]
+        args = [
+            exe,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--no-first-run",
+            "--disable-extensions",
+            "--disable-background-networking",
+            f"--user-data-dir={self._profile}",
+            "--remote-debugging-pipe",
+        ]
         quoted = " ".join(f"'{a}'" for a in args)
         self._proc = subprocess.Popen(
             ["bash", "-c", f"exec {quoted} 3<&{cmd_r} 4>&{ev_w}"],
-            pass_fds=(cmd_r, ev_w), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            pass_fds=(cmd_r, ev_w),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         os.close(cmd_r)
         os.close(ev_w)
@@ -67,7 +78,7 @@ class Browser:
         self._next_id = 0
         self._events: list[dict[str, Any]] = []
 
-    def __enter__(self) -> "Browser":
+    def __enter__(self) -> Browser:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -102,8 +113,9 @@ class Browser:
         msg, _, self._buf = self._buf.partition(b"\0")
         return json.loads(msg)
 
-    def _send(self, method: str, params: dict | None = None, session: str | None = None,
-              wait: bool = True) -> dict[str, Any]:
+    def _send(
+        self, method: str, params: dict | None = None, session: str | None = None, wait: bool = True
+    ) -> dict[str, Any]:
         self._next_id += 1
         msg: dict[str, Any] = {"id": self._next_id, "method": method, "params": params or {}}
         if session:
@@ -122,18 +134,27 @@ class Browser:
 
     def _wait_for(self, method: str, session: str) -> None:
         deadline = time.monotonic() + self.timeout
-        while not any(e.get("method") == method and e.get("sessionId") == session for e in self._events):
+        while not any(
+            e.get("method") == method and e.get("sessionId") == session for e in self._events
+        ):
             self._events.append(self._read_message(deadline))
 
-    def open(self, url: str, width: int = 1280, height: int = 900, settle: float = 0.5) -> PageResult:
+    def open(
+        self, url: str, width: int = 1280, height: int = 900, settle: float = 0.5
+    ) -> PageResult:
         """Load ``url`` in a fresh tab, wait for its load event, and screenshot the full page."""
         self._events = []
         target = self._send("Target.createTarget", {"url": "about:blank"})["targetId"]
-        session = self._send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        session = self._send("Target.attachToTarget", {"targetId": target, "flatten": True})[
+            "sessionId"
+        ]
         for domain in ("Page", "Runtime", "Log", "Network"):
             self._send(f"{domain}.enable", session=session)
-        self._send("Emulation.setDeviceMetricsOverride",
-                   {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}, session=session)
+        self._send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+            session=session,
+        )
         self._send("Page.navigate", {"url": url}, session=session)
         self._wait_for("Page.loadEventFired", session)
         end = time.monotonic() + settle  # let late console messages arrive
@@ -142,17 +163,27 @@ class Browser:
                 self._events.append(self._read_message(min(end, time.monotonic() + 0.1)))
             except TimeoutError:
                 pass
-        shot = self._send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session=session)
+        shot = self._send(
+            "Page.captureScreenshot",
+            {"format": "png", "captureBeyondViewport": True},
+            session=session,
+        )
         result = PageResult(base64.b64decode(shot["data"]))
         for e in self._events:
             if e.get("sessionId") != session:
                 continue
             m, p = e.get("method"), e.get("params", {})
             if m == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
-                result.console_errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in p.get("args", [])))
+                result.console_errors.append(
+                    " ".join(
+                        str(a.get("value", a.get("description", ""))) for a in p.get("args", [])
+                    )
+                )
             elif m == "Runtime.exceptionThrown":
                 d = p.get("exceptionDetails", {})
-                result.console_errors.append(d.get("exception", {}).get("description") or d.get("text", "exception"))
+                result.console_errors.append(
+                    d.get("exception", {}).get("description") or d.get("text", "exception")
+                )
             elif m == "Log.entryAdded" and p.get("entry", {}).get("level") == "error":
                 result.console_errors.append(p["entry"].get("text", ""))
             elif m == "Network.requestWillBeSent":

@@ -28,7 +28,9 @@ def make_arrays(steps: int = 4, seed: int = 0) -> dict[tuple[str, str, int], np.
     return out
 
 
-def make_log(path: Path, steps: int = 4, out_format: str = "parquet", **kw) -> tuple[pd.DataFrame, dict]:
+def make_log(
+    path: Path, steps: int = 4, out_format: str = "parquet", **kw
+) -> tuple[pd.DataFrame, dict]:
     """Write a log of :func:`make_arrays` with :class:`StepRecorder`; return (read log, arrays)."""
     arrays = make_arrays(steps)
     rec = StepRecorder(path, out_format, verbose=False, **kw)

@@ -8,13 +8,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from logs import make_log
 
 import tandv
 import tandv.cli
 from tandv.analysis import exponent_range, first_nonfinite, format_shares, text_summary
 from tandv.cli import main
-
-from logs import make_log
 
 
 def row(df, name, tt, step):
@@ -26,7 +25,9 @@ def test_format_shares_match_a_real_cast(tmp_path):
     df, arrays = make_log(tmp_path / "log")
     shares = format_shares(df, "float8_e4m3fn")
     for (name, tt, step), x in arrays.items():
-        s = shares[(shares.name == name) & (shares.tensor_type == tt) & (shares.step == step)].iloc[0]
+        s = shares[(shares.name == name) & (shares.tensor_type == tt) & (shares.step == step)].iloc[
+            0
+        ]
         a = np.abs(x.astype(np.float64))
         fin = np.isfinite(a)
         under = ((a > 0) & (a < 2.0**-9) & fin).sum()
@@ -44,7 +45,10 @@ def test_exponent_range_and_first_nonfinite(tmp_path):
     r = rg[(rg.name == "a") & (rg.tensor_type == "Weight") & (rg.step == 1)].iloc[0]
     assert (r.min_exponent, r.max_exponent, r.width) == (e.min(), e.max(), e.max() - e.min() + 1)
     first = first_nonfinite(df)
-    assert set(zip(first.name, first.tensor_type, first.step)) == {("b", "Weight", 2), ("b", "Activation", 2)}
+    assert set(zip(first.name, first.tensor_type, first.step)) == {
+        ("b", "Weight", 2),
+        ("b", "Activation", 2),
+    }
     assert (first.nan_count == 3).all()
 
 
@@ -70,8 +74,13 @@ def test_cli_validate_and_summary(tmp_path, capsys):
 def test_cli_errors_are_one_line(tmp_path):
     (tmp_path / "bad.pkl").write_bytes(b"not a pickle")
     env = {**os.environ, "PYTHONPATH": str(Path(tandv.__file__).parents[1])}
-    for args in (["validate", str(tmp_path / "missing")], ["summary", str(tmp_path / "bad.pkl"), "--trust-pickle"]):
-        p = subprocess.run([sys.executable, "-m", "tandv", *args], capture_output=True, text=True, env=env)
+    for args in (
+        ["validate", str(tmp_path / "missing")],
+        ["summary", str(tmp_path / "bad.pkl"), "--trust-pickle"],
+    ):
+        p = subprocess.run(
+            [sys.executable, "-m", "tandv", *args], capture_output=True, text=True, env=env
+        )
         assert p.returncode == 1
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("tandv: error:"), p.stderr
@@ -109,7 +118,9 @@ def test_cli_never_unpickles_without_trust_pickle(tmp_path, capsys):
         err = capsys.readouterr().err
         assert "reading a pickle runs code stored in it; pass --trust-pickle" in err
     assert not marker.exists()
-    assert main(["validate", str(tmp_path / "evil.pkl"), "--trust-pickle"]) == 1  # runs it, as asked
+    assert (
+        main(["validate", str(tmp_path / "evil.pkl"), "--trust-pickle"]) == 1
+    )  # runs it, as asked
     assert marker.exists()
     assert "runs code" in tandv.cli.build_parser().format_help()
 
@@ -117,12 +128,16 @@ def test_cli_never_unpickles_without_trust_pickle(tmp_path, capsys):
 def test_suffix_decides_the_format_and_a_mismatch_is_clear(tmp_path, capsys):
     df, _ = make_log(tmp_path / "log.pkl", out_format="pickle")
     tandv.write_parquet(df, tmp_path / "really-parquet.pkl")
-    with pytest.raises(tandv.SchemaError, match=r"really-parquet\.pkl' holds parquet data, not a pickle; rename it"):
+    with pytest.raises(
+        tandv.SchemaError, match=r"really-parquet\.pkl' holds parquet data, not a pickle; rename it"
+    ):
         tandv.read_log(tmp_path / "really-parquet.pkl")
     assert main(["validate", str(tmp_path / "really-parquet.pkl"), "--trust-pickle"]) == 1
     assert "holds parquet data" in capsys.readouterr().err
     df.to_pickle(tmp_path / "pickle-without-suffix")
-    with pytest.raises(tandv.SchemaError, match=r"holds a pickle but its name does not end in \.pkl"):
+    with pytest.raises(
+        tandv.SchemaError, match=r"holds a pickle but its name does not end in \.pkl"
+    ):
         tandv.read_log(tmp_path / "pickle-without-suffix")
     assert main(["summary", str(tmp_path / "pickle-without-suffix")]) == 1
     assert "holds a pickle" in capsys.readouterr().err
@@ -138,11 +153,18 @@ def test_cli_reports_a_damaged_part_in_one_line(tmp_path):
     part.write_bytes(bytes(raw))
     env = {**os.environ, "PYTHONPATH": str(Path(tandv.__file__).parents[1])}
     for cmd in ("validate", "summary", "report"):
-        p = subprocess.run([sys.executable, "-m", "tandv", cmd, str(tmp_path / "log")], capture_output=True,
-                           text=True, env=env, cwd=tmp_path)
+        p = subprocess.run(
+            [sys.executable, "-m", "tandv", cmd, str(tmp_path / "log")],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
         assert p.returncode == 1, (cmd, p.stdout)
         lines = p.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("tandv: error:") and part.name in lines[0], p.stderr
+        assert len(lines) == 1 and lines[0].startswith("tandv: error:") and part.name in lines[0], (
+            p.stderr
+        )
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 3, 7, 1000])
@@ -164,15 +186,21 @@ def test_summary_tally_agrees_with_the_per_row_functions(tmp_path):
     for tt in ("Weight", "Activation"):
         r = rg[rg.tensor_type == tt]
         w = r.loc[r["width"].idxmax()]
-        assert (f"widest exponent range: {w['name']} at step {w['step']}: 2^{w['min_exponent']} .. "
-                f"2^{w['max_exponent']} ({w['width']} binades)") in text
-        numel = df.loc[(df[("metadata", "tensor_type")] == tt).to_numpy(), ("scalar_stats", "numel")].to_numpy()
+        assert (
+            f"widest exponent range: {w['name']} at step {w['step']}: 2^{w['min_exponent']} .. "
+            f"2^{w['max_exponent']} ({w['width']} binades)"
+        ) in text
+        numel = df.loc[
+            (df[("metadata", "tensor_type")] == tt).to_numpy(), ("scalar_stats", "numel")
+        ].to_numpy()
         parts = []
         for f in ("float8_e4m3fn", "bfloat16"):
             sh = format_shares(df, f)
             sh = sh[sh.tensor_type == tt]
-            parts.append(f"{f}: {(sh['underflow'].to_numpy() * numel).sum() / numel.sum():.2%} underflow, "
-                         f"{(sh['overflow'].to_numpy() * numel).sum() / numel.sum():.2%} overflow")
+            parts.append(
+                f"{f}: {(sh['underflow'].to_numpy() * numel).sum() / numel.sum():.2%} underflow, "
+                f"{(sh['overflow'].to_numpy() * numel).sum() / numel.sum():.2%} overflow"
+            )
         assert "  as " + "; ".join(parts) in text
 
 
@@ -205,9 +233,15 @@ def test_a_log_records_how_it_was_made(tmp_path, fmt, name):
     assert rec["framework"] == "torch" and rec["model"] == "Linear"
     assert rec["number_format"] == "float8_e4m3fn" and rec["options"]["every"] == 1
     assert rec["options"]["optimizers"] == ["SGD"] and rec["options"]["out_format"] == fmt
-    assert rec["versions"]["torch"] == torch.__version__ and rec["world_size"] == 1 and rec["rank"] == 0
+    assert (
+        rec["versions"]["torch"] == torch.__version__
+        and rec["world_size"] == 1
+        and rec["rank"] == 0
+    )
     if fmt == "parquet":  # every chunk of a streamed read carries it too
-        assert all(run_record(c) == rec for c in tandv.schema.read_parquet_chunks(path, chunk_rows=3))
+        assert all(
+            run_record(c) == rec for c in tandv.schema.read_parquet_chunks(path, chunk_rows=3)
+        )
 
 
 def test_shares_a_narrower_recorded_format_cannot_tell_are_not_invented(tmp_path):
@@ -239,5 +273,8 @@ def test_the_report_says_how_the_log_was_made(tmp_path):
 
     path = _tracked_log(tmp_path, "fp8", number_format="float8_e4m3fn")
     page = write_report(read_log(path), tmp_path / "r.html").read_text()
-    assert "Made by the torch tracker of Linear" in page and "exponents counted as float8_e4m3fn" in page
+    assert (
+        "Made by the torch tracker of Linear" in page
+        and "exponents counted as float8_e4m3fn" in page
+    )
     assert "not known" in page  # bfloat16's underflow share, which the log cannot tell

@@ -4,13 +4,12 @@ aggregates, each against numpy on the same arrays."""
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 import pytest
+from viz_logs import log_from_arrays
 
 from tandv.analysis import aggregate, sparsity
 from tandv.schema import concat_logs, validate
 from tandv.stats import finalize, summarize
-from viz_logs import log_from_arrays
 
 
 def _arrays(seed: int = 0) -> dict:
@@ -22,7 +21,9 @@ def _arrays(seed: int = 0) -> dict:
         for b in range(2):
             for p, size in (("weight", 60), ("bias", 7)):
                 for tt, scale in (("Weight", 3.0 ** (b + 1)), ("Gradient", 1e-4 * (step + 1))):
-                    x = (rng.standard_normal(size) * scale + (50.0 if b == 1 and tt == "Weight" else 0.0))
+                    x = rng.standard_normal(size) * scale + (
+                        50.0 if b == 1 and tt == "Weight" else 0.0
+                    )
                     x[rng.random(size) < 0.2] = 0.0
                     out[(f"blocks.{b}.{p}", tt, step)] = x.astype(np.float32)
         out[("head.weight", "Weight", step)] = rng.standard_normal(30).astype("bfloat16")
@@ -54,14 +55,31 @@ def test_aggregate_rows_equal_the_statistics_of_the_concatenated_tensors():
     assert set(agg[("metadata", "type")]) == {"aggregate"}
     checked = 0
     for _, row in agg.iterrows():
-        g, tt, step = row[("metadata", "name")], row[("metadata", "tensor_type")], row[("metadata", "step")]
+        g, tt, step = (
+            row[("metadata", "name")],
+            row[("metadata", "tensor_type")],
+            row[("metadata", "step")],
+        )
         prefix = {"block0": "blocks.0.", "block1": "blocks.1.", "model": ""}[g]
-        members = [x for (n, t, s), x in arrays.items() if n.startswith(prefix) and t == tt and s == step]
+        members = [
+            x for (n, t, s), x in arrays.items() if n.startswith(prefix) and t == tt and s == step
+        ]
         ref = _reference(members)
         s = row["scalar_stats"]
         for k in ("numel", "zero_count", "nan_count", "inf_count"):
             assert s[k] == ref[k], (g, tt, step, k)
-        for k in ("mean", "std", "mean_abs", "rm2", "rm4", "rm8", "min", "max", "min_abs", "max_abs"):
+        for k in (
+            "mean",
+            "std",
+            "mean_abs",
+            "rm2",
+            "rm4",
+            "rm8",
+            "min",
+            "max",
+            "min_abs",
+            "max_abs",
+        ):
             assert s[k] == pytest.approx(ref[k], rel=1e-9, abs=0), (g, tt, step, k)
         assert s["tensors"] == len(members)
         assert s["sparsity"] == pytest.approx(ref["zero_count"] / ref["numel"])
@@ -69,14 +87,19 @@ def test_aggregate_rows_equal_the_statistics_of_the_concatenated_tensors():
         counts = {}
         for x in members:
             v, layout = summarize(x)
-            for lab, c in zip(["-inf", *layout.format.exponents, "+inf"], v[layout.counts_start:layout.extras_start]):
+            for lab, c in zip(
+                ["-inf", *layout.format.exponents, "+inf"],
+                v[layout.counts_start : layout.extras_start],
+            ):
                 counts[lab] = counts.get(lab, 0) + int(c)
         logged = row["exponent_counts"]
         assert {k: int(v) for k, v in logged.items() if v} == {k: v for k, v in counts.items() if v}
         checked += 1
     # 3 groups x 2 types x 2 steps; the bfloat16 head is in "model" only
     assert checked == 12
-    model_w = agg[(agg[("metadata", "name")] == "model") & (agg[("metadata", "tensor_type")] == "Weight")]
+    model_w = agg[
+        (agg[("metadata", "name")] == "model") & (agg[("metadata", "tensor_type")] == "Weight")
+    ]
     assert set(model_w[("metadata", "dtype")]) == {"float32"}  # float32's range holds bfloat16's
     # aggregates are log rows: they validate and stack with the log
     validate(concat_logs([df, agg]))
@@ -85,15 +108,24 @@ def test_aggregate_rows_equal_the_statistics_of_the_concatenated_tensors():
 def test_aggregate_arguments():
     df = log_from_arrays(_arrays())
     only = aggregate(df, tensor_types="Gradient")
-    assert set(only[("metadata", "tensor_type")]) == {"Gradient"} and set(only[("metadata", "name")]) == {"model"}
+    assert set(only[("metadata", "tensor_type")]) == {"Gradient"} and set(
+        only[("metadata", "name")]
+    ) == {"model"}
     with pytest.raises(ValueError, match="unknown \\['Weights'\\]"):
         aggregate(df, tensor_types=["Weights"])
     with pytest.raises(ValueError, match="bad regex"):
         aggregate(df, groups={"g": "("})
     with pytest.raises(ValueError, match="lacks the statistics \\['rm8'\\]"):
         aggregate(df.drop(columns=[("scalar_stats", "rm8")]))
-    upd = log_from_arrays({("w", "Weight", 0): np.ones(3, np.float32), ("w.update", "Weight", 0): np.ones(3, np.float32)})
-    assert aggregate(upd)[("scalar_stats", "tensors")].tolist() == [1]  # update rows are not weights
+    upd = log_from_arrays(
+        {
+            ("w", "Weight", 0): np.ones(3, np.float32),
+            ("w.update", "Weight", 0): np.ones(3, np.float32),
+        }
+    )
+    assert aggregate(upd)[("scalar_stats", "tensors")].tolist() == [
+        1
+    ]  # update rows are not weights
     assert aggregate(upd, exclude=None)[("scalar_stats", "tensors")].tolist() == [2]
 
 
@@ -109,7 +141,11 @@ def _pct_row(df, name, tt, step):
 def test_percentile_option_checks_its_argument():
     from tandv.track.common.custom import percentile_columns
 
-    assert percentile_columns((1, 99.9, 50.0)) == (("pct1", 1.0), ("pct99.9", 99.9), ("pct50", 50.0))
+    assert percentile_columns((1, 99.9, 50.0)) == (
+        ("pct1", 1.0),
+        ("pct99.9", 99.9),
+        ("pct50", 50.0),
+    )
     with pytest.raises(ValueError, match="101 is not a percentage"):
         percentile_columns([50, 101])
     with pytest.raises(TypeError, match="sequence of percentages"):
@@ -119,29 +155,40 @@ def test_percentile_option_checks_its_argument():
 def test_torch_percentiles_match_numpy(tmp_path):
     torch = pytest.importorskip("torch")
     from tandv import read_log
+    from tandv.track.common.custom import percentile_columns
     from tandv.track.torch import track
     from tandv.track.torch._percentiles import percentile_stat
-    from tandv.track.common.custom import percentile_columns
 
     fn = percentile_stat(percentile_columns(QS))
     rng = np.random.default_rng(1)
-    for x in (rng.standard_normal(1001), rng.standard_normal(7).astype(np.float32), np.array([3.0]),
-              np.r_[rng.standard_normal(50), np.nan, np.nan, np.inf, -np.inf],
-              rng.standard_normal(64).astype(np.float16)):
+    for x in (
+        rng.standard_normal(1001),
+        rng.standard_normal(7).astype(np.float32),
+        np.array([3.0]),
+        np.r_[rng.standard_normal(50), np.nan, np.nan, np.inf, -np.inf],
+        rng.standard_normal(64).astype(np.float16),
+    ):
         got = np.array([v.item() for v in fn(torch.from_numpy(x)).values()])
         with np.errstate(invalid="ignore"):  # numpy's own inf - inf below
             expected = np.nanpercentile(x.astype(np.float64), QS)
-        if np.isinf(x).any():  # numpy's lerp makes -inf + (x - -inf) * 0 NaN; an exact position is its element
+        if np.isinf(
+            x
+        ).any():  # numpy's lerp makes -inf + (x - -inf) * 0 NaN; an exact position is its element
             expected[0], expected[-1] = np.nanmin(x), np.nanmax(x)
         np.testing.assert_allclose(got, expected, rtol=1e-12, atol=0)
     assert np.isnan([v.item() for v in fn(torch.tensor([np.nan, np.nan])).values()]).all()
     assert np.isnan([v.item() for v in fn(torch.zeros(0)).values()]).all()
     # bfloat16 (sorted in its own dtype) and a tensor past torch.quantile's 2**24 limit
     b = torch.randn(300, dtype=torch.bfloat16)
-    np.testing.assert_allclose([v.item() for v in fn(b).values()], np.percentile(b.double().numpy(), QS), rtol=1e-12)
+    np.testing.assert_allclose(
+        [v.item() for v in fn(b).values()], np.percentile(b.double().numpy(), QS), rtol=1e-12
+    )
     big = torch.from_numpy(rng.standard_normal(2**24 + 3).astype(np.float32))
-    np.testing.assert_allclose([v.item() for v in fn(big).values()],
-                               np.percentile(big.numpy().astype(np.float64), QS), rtol=1e-12)
+    np.testing.assert_allclose(
+        [v.item() for v in fn(big).values()],
+        np.percentile(big.numpy().astype(np.float64), QS),
+        rtol=1e-12,
+    )
 
     # through the tracker: weights (CPU host path) and activations
     torch.manual_seed(0)
@@ -152,24 +199,39 @@ def test_torch_percentiles_match_numpy(tmp_path):
         out.sum().backward()
         tracker.step()
     df = read_log(tmp_path / "log")
-    np.testing.assert_allclose(_pct_row(df, "0.weight", "Weight", 0),
-                               np.percentile(model[0].weight.detach().double().numpy(), QS), rtol=1e-12)
-    np.testing.assert_allclose(_pct_row(df, "1", "Activation", 0),
-                               np.percentile(out.detach().double().numpy(), QS), rtol=1e-12)
+    np.testing.assert_allclose(
+        _pct_row(df, "0.weight", "Weight", 0),
+        np.percentile(model[0].weight.detach().double().numpy(), QS),
+        rtol=1e-12,
+    )
+    np.testing.assert_allclose(
+        _pct_row(df, "1", "Activation", 0),
+        np.percentile(out.detach().double().numpy(), QS),
+        rtol=1e-12,
+    )
 
 
 def test_jax_percentiles_match_numpy(tmp_path):
-    jax = pytest.importorskip("jax")
+    pytest.importorskip("jax")
     import jax.numpy as jnp
 
     from tandv import read_log
     from tandv.track.jax import track
 
     rng = np.random.default_rng(2)
-    params = {"a": jnp.asarray(rng.standard_normal((40, 5)), jnp.float32),
-              "b": jnp.asarray(np.r_[rng.standard_normal(30), np.nan], jnp.float32)}
-    with track(params, track_gradients=False, track_activations=False, out=tmp_path / "log",
-               percentiles=QS, stats={"tiny": (lambda x: jnp.min(jnp.abs(x)), "min")}, verbose=False) as tracker:
+    params = {
+        "a": jnp.asarray(rng.standard_normal((40, 5)), jnp.float32),
+        "b": jnp.asarray(np.r_[rng.standard_normal(30), np.nan], jnp.float32),
+    }
+    with track(
+        params,
+        track_gradients=False,
+        track_activations=False,
+        out=tmp_path / "log",
+        percentiles=QS,
+        stats={"tiny": (lambda x: jnp.min(jnp.abs(x)), "min")},
+        verbose=False,
+    ) as tracker:
         tracker.step(params)
     df = read_log(tmp_path / "log")
     for name in ("a", "b"):

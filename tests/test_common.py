@@ -14,7 +14,6 @@ from tandv.stats import finalize, summarize
 from tandv.track.common import Selector, StepRecorder, TensorKey, linear, make_schedule
 from tandv.track.common.custom import parse_custom_stats
 
-
 # ------------------------------------------------------------------ schedules
 
 
@@ -33,14 +32,17 @@ def test_every_and_linear_and_ranges():
     assert steps(linear(7, 1)) == [1, 8, 15, 22, 29]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"every": 0}, "every=0: expected an int >= 1"),
-    ({"schedule": "cosine(3)"}, "expected 'linear(interval, offset)'"),
-    ({"schedule": "linear(0, 1)"}, "interval must be an int >= 1"),
-    ({"start": -1}, "start=-1"),
-    ({"start": 5, "end": 2}, "end=2: expected None or an int >= start"),
-    ({"schedule": 3.5}, "expected a callable"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"every": 0}, "every=0: expected an int >= 1"),
+        ({"schedule": "cosine(3)"}, "expected 'linear(interval, offset)'"),
+        ({"schedule": "linear(0, 1)"}, "interval must be an int >= 1"),
+        ({"start": -1}, "start=-1"),
+        ({"start": 5, "end": 2}, "end=2: expected None or an int >= start"),
+        ({"schedule": 3.5}, "expected a callable"),
+    ],
+)
 def test_schedule_errors_name_the_argument(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=re.escape(message)):
         make_schedule(**kwargs)
@@ -189,8 +191,12 @@ def test_rows_mix_formats_with_zero_fill(tmp_path):
     rec.end_step(0, lambda xs: xs)
     rec.close()
     df = read_parquet(tmp_path / "log").set_index(("metadata", "name"))
-    assert df.loc["a", ("exponent_counts", -140)] == 1 and df.loc["b", ("exponent_counts", -140)] == 0
-    assert df.loc["b", ("exponent_counts", -130)] == 1 and df.loc["a", ("exponent_counts", -130)] == 0
+    assert (
+        df.loc["a", ("exponent_counts", -140)] == 1 and df.loc["b", ("exponent_counts", -140)] == 0
+    )
+    assert (
+        df.loc["b", ("exponent_counts", -130)] == 1 and df.loc["a", ("exponent_counts", -130)] == 0
+    )
     assert list(df[("metadata", "dtype")]) == ["float32", "bfloat16"]
 
 
@@ -199,8 +205,9 @@ def test_rows_mix_formats_with_zero_fill(tmp_path):
 
 def test_custom_stats_forms_normalize_to_functions_and_rules():
     x = np.array([1.0, -3.0])
-    fns, rules = parse_custom_stats({"peak": (lambda a: np.abs(a).max(), "max"), "total": np.sum},
-                                    {"total": "sum"})
+    fns, rules = parse_custom_stats(
+        {"peak": (lambda a: np.abs(a).max(), "max"), "total": np.sum}, {"total": "sum"}
+    )
     assert [f(x) for f in fns] == [{"peak": 3.0, "total": -2.0}]
     assert rules == {"peak": "max", "total": "sum"}
     fns, rules = parse_custom_stats([lambda a: {"a": 1}, lambda a: {"b": 2}])
@@ -208,13 +215,16 @@ def test_custom_stats_forms_normalize_to_functions_and_rules():
     assert parse_custom_stats(None) == ((), {})
 
 
-@pytest.mark.parametrize("stats, merge, message", [
-    ({"q": (np.max, "median")}, None, "stats['q']: merge rule 'median'"),
-    (None, {"q": "avg"}, "stats_merge['q']='avg'"),
-    ({"q": 3}, None, "stats['q']: expected a function"),
-    ([np.max, 3], None, "stats: expected functions"),
-    ({"rm2": np.max}, {"rm2": "max"}, "clashes with a default statistic"),
-])
+@pytest.mark.parametrize(
+    "stats, merge, message",
+    [
+        ({"q": (np.max, "median")}, None, "stats['q']: merge rule 'median'"),
+        (None, {"q": "avg"}, "stats_merge['q']='avg'"),
+        ({"q": 3}, None, "stats['q']: expected a function"),
+        ([np.max, 3], None, "stats: expected functions"),
+        ({"rm2": np.max}, {"rm2": "max"}, "clashes with a default statistic"),
+    ],
+)
 def test_custom_stats_errors(stats, merge, message):
     with pytest.raises((TypeError, ValueError), match=re.escape(message)):
         parse_custom_stats(stats, merge)
@@ -232,7 +242,7 @@ def test_rows_of_one_tensor_in_two_dtypes_merge_into_the_widest_or_stay_apart():
     vb, lb = summarize(b)
     ka = TensorKey("fc", "Activation", "Linear", "float16")
     kb = TensorKey("fc", "Activation", "Linear", "float32")
-    (key, layout, v), = _merge_dtypes([(ka, la, va), (kb, lb, vb)])
+    ((key, layout, v),) = _merge_dtypes([(ka, la, va), (kb, lb, vb)])
     assert key == kb and layout == lb
     want = merge_all([summarize(a.astype(np.float32), "float32")[0], vb], lb)
     np.testing.assert_array_equal(v, want)
@@ -243,19 +253,23 @@ def test_rows_of_one_tensor_in_two_dtypes_merge_into_the_widest_or_stay_apart():
     assert sorted(k.name for k, _, _ in got) == ["fc", "fc@float16"]
 
 
-# ------------------------------------------------------------------ log paths and forgotten steps (issue 15)
+# ----------------------------------------------------- log paths and forgotten steps (issue 15)
 
 
 @pytest.mark.parametrize("fmt, name", [("pickle", "log.pkl"), ("parquet", "log")])
 def test_log_path_problems_fail_when_tracking_starts(tmp_path, fmt, name):
     (tmp_path / "afile").write_text("not a directory")
-    with pytest.raises(NotADirectoryError, match=rf"cannot write the log .*afile/{name}.*afile' is a file"):
+    with pytest.raises(
+        NotADirectoryError, match=rf"cannot write the log .*afile/{name}.*afile' is a file"
+    ):
         StepRecorder(tmp_path / "afile" / name, fmt, verbose=False)
     with pytest.raises(NotADirectoryError, match="is a file, not a directory"):
         StepRecorder(tmp_path / "afile" / "deeper" / name, fmt, verbose=False)
     if sys.platform.startswith("linux") and os.path.isdir("/sys"):
         # sysfs refuses new files even to root: a real unwritable directory
-        with pytest.raises(PermissionError, match=rf"cannot write the log '/sys/{name}': cannot create files"):
+        with pytest.raises(
+            PermissionError, match=rf"cannot write the log '/sys/{name}': cannot create files"
+        ):
             StepRecorder(f"/sys/{name}", fmt, verbose=False)
 
 
@@ -277,7 +291,9 @@ def test_pickle_write_failure_at_close_names_the_log(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(pd.DataFrame, "to_pickle", full_disk)
-    with pytest.raises(RuntimeError, match=r"writing the log to '.*run\.pkl' failed: OSError: .*No space left"):
+    with pytest.raises(
+        RuntimeError, match=r"writing the log to '.*run\.pkl' failed: OSError: .*No space left"
+    ):
         rec.close()
     assert not list(tmp_path.glob(".run.pkl.*"))  # no temporary file left behind
 
@@ -301,14 +317,21 @@ def test_default_paths_are_unique_per_recorder(tmp_path, fmt):
 def test_forgotten_step_warns_then_raises(tmp_path):
     v, layout = summarize(np.arange(1, 9, dtype=np.float32))
     per = 8 * layout.size
-    rec = StepRecorder(tmp_path / "log", verbose=False, warn_pending_bytes=10 * per, max_pending_bytes=20 * per)
+    rec = StepRecorder(
+        tmp_path / "log", verbose=False, warn_pending_bytes=10 * per, max_pending_bytes=20 * per
+    )
     for _ in range(10):
         rec.add(key("a"), layout, v)
-    with pytest.warns(RuntimeWarning, match=r"11 tensor observations .* waiting .* is tracker\.step\(\) called"):
+    with pytest.warns(
+        RuntimeWarning, match=r"11 tensor observations .* waiting .* is tracker\.step\(\) called"
+    ):
         rec.add(key("a"), layout, v)
     for _ in range(9):
         rec.add(key("a"), layout, v)
-    with pytest.raises(RuntimeError, match=r"21 tensor observations .*call tracker\.step\(\) once per training step"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"21 tensor observations .*call tracker\.step\(\) once per training step",
+    ):
         rec.add(key("a"), layout, v)
     rec.end_step(0, lambda xs: xs)  # the step ends: the count starts again
     for _ in range(10):
@@ -325,7 +348,10 @@ def test_second_step_call_without_activations_warns(tmp_path):
     rec.add(key("w", "Weight"), layout, v)
     rec.end_step(0, lambda xs: xs)
     rec.add(key("w", "Weight"), layout, v)
-    with pytest.warns(RuntimeWarning, match=r"step 1 observed no activation or gradient .* more than once per "
-                                            r"training step"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"step 1 observed no activation or gradient .* more than once per "
+        r"training step",
+    ):
         rec.end_step(1, lambda xs: xs)
     rec.close()

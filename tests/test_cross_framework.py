@@ -54,8 +54,12 @@ def run_torch(w, xs, tmp_path):
 
 def run_jax(w, xs, tmp_path):
     model = FlaxMLP()
-    params = {"params": {f"Dense_{i}": {"kernel": jnp.asarray(w[f"k{i}"]), "bias": jnp.asarray(w[f"b{i}"])}
-                         for i in (0, 1)}}
+    params = {
+        "params": {
+            f"Dense_{i}": {"kernel": jnp.asarray(w[f"k{i}"]), "bias": jnp.asarray(w[f"b{i}"])}
+            for i in (0, 1)
+        }
+    }
     tx = optax.sgd(LR, momentum=MOMENTUM)
     opt_state = tx.init(params)
 
@@ -65,7 +69,9 @@ def run_jax(w, xs, tmp_path):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, grads
 
-    with jax_track(model_state=params, optimizer_state=opt_state, out=tmp_path / "jax", verbose=False) as tracker:
+    with jax_track(
+        model_state=params, optimizer_state=opt_state, out=tmp_path / "jax", verbose=False
+    ) as tracker:
         for x in xs:
             params, opt_state, grads = tracker.intercept(update, params, opt_state, jnp.asarray(x))
             tracker.step(params, opt_state, grads)
@@ -91,11 +97,18 @@ PAIRS = [
 
 def test_torch_and_flax_logs_agree(tmp_path):
     rng = np.random.default_rng(0)
-    w = {"k0": weights(rng, (4, 3)), "b0": weights(rng, (3,)), "k1": weights(rng, (3, 2)), "b1": weights(rng, (2,))}
+    w = {
+        "k0": weights(rng, (4, 3)),
+        "b0": weights(rng, (3,)),
+        "k1": weights(rng, (3, 2)),
+        "b1": weights(rng, (2,)),
+    }
     xs = [rng.integers(-3, 4, size=(5, 4)).astype(np.float32) for _ in range(STEPS)]
     logs = {"torch": run_torch(w, xs, tmp_path), "jax": run_jax(w, xs, tmp_path)}
-    rows = {k: df.set_index([("metadata", "name"), ("metadata", "tensor_type"), ("metadata", "step")])
-            for k, df in logs.items()}
+    rows = {
+        k: df.set_index([("metadata", "name"), ("metadata", "tensor_type"), ("metadata", "step")])
+        for k, df in logs.items()
+    }
     for step in range(STEPS):
         for t_name, j_name, tt in PAIRS:
             a = rows["torch"].loc[(t_name, tt, step)]
@@ -106,5 +119,10 @@ def test_torch_and_flax_logs_agree(tmp_path):
             assert ea.to_dict() == eb.to_dict(), (t_name, tt, step)
             assert ea.sum() > 0
             for stat in DEFAULT_STATS:
-                np.testing.assert_allclose(b[("scalar_stats", stat)], a[("scalar_stats", stat)],
-                                           rtol=1e-6, atol=1e-7, err_msg=f"{t_name} {tt} {step} {stat}")
+                np.testing.assert_allclose(
+                    b[("scalar_stats", stat)],
+                    a[("scalar_stats", stat)],
+                    rtol=1e-6,
+                    atol=1e-7,
+                    err_msg=f"{t_name} {tt} {step} {stat}",
+                )

@@ -40,10 +40,16 @@ def _events(logdir):
 def _check(df, acc):
     tags = acc.Tags()
     for _, row in df.iterrows():
-        kind, name, step = row[("metadata", "tensor_type")], row[("metadata", "name")], row[("metadata", "step")]
+        kind, name, step = (
+            row[("metadata", "tensor_type")],
+            row[("metadata", "name")],
+            row[("metadata", "step")],
+        )
         for stat in ("mean", "max_abs", "nan_count"):
             got = {e.step: e.value for e in acc.Scalars(f"{kind}/{name}/{stat}")}
-            assert got[step] == pytest.approx(row[("scalar_stats", stat)], rel=1e-6)  # float32 in events
+            assert got[step] == pytest.approx(
+                row[("scalar_stats", stat)], rel=1e-6
+            )  # float32 in events
         counts = row["exponent_counts"]
         exps = {lab: c for lab, c in counts.items() if c and lab not in ("-inf", "+inf")}
         hist = {e.step: e.histogram_value for e in acc.Histograms(f"{kind}/{name}/exponents")}[step]
@@ -52,8 +58,13 @@ def _check(df, acc):
         by_edge = dict(zip(hist.bucket_limit, hist.bucket))
         for lab, c in exps.items():
             assert by_edge[2.0 ** (int(lab) + 1)] == c
-    assert len(tags["scalars"]) == len({(r[("metadata", "tensor_type")], r[("metadata", "name")])
-                                        for _, r in df.iterrows()}) * 8
+    assert (
+        len(tags["scalars"])
+        == len(
+            {(r[("metadata", "tensor_type")], r[("metadata", "name")]) for _, r in df.iterrows()}
+        )
+        * 8
+    )
 
 
 def test_tensorboard_export_of_a_log(tmp_path):
@@ -74,7 +85,8 @@ def test_wandb_sink_offline(tmp_path, monkeypatch):
     """A real offline W&B run receives one log call per step holding every row's scalars
     and a log2|x| histogram whose bins are the exponent counts."""
     wb = pytest.importorskip("wandb")
-    from tandv.export import WandbSink, wandb as to_wandb
+    from tandv.export import WandbSink
+    from tandv.export import wandb as to_wandb
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -82,7 +94,9 @@ def test_wandb_sink_offline(tmp_path, monkeypatch):
     run = wb.init(mode="offline", dir=str(tmp_path), project="tandv-test")
     calls = []
     real_log = run.log
-    monkeypatch.setattr(run, "log", lambda data, step=None: calls.append((step, data)) or real_log(data, step=step))
+    monkeypatch.setattr(
+        run, "log", lambda data, step=None: calls.append((step, data)) or real_log(data, step=step)
+    )
     try:
         to_wandb(tmp_path / "log", run)
     finally:
@@ -134,8 +148,14 @@ def test_jax_tracker_feeds_its_sinks(tmp_path):
         return optax.apply_updates(p, u), s, g
 
     sink = Recording()
-    with jax_track(model_state=params, optimizer_state=state, out=tmp_path / "log", sinks=[sink],
-                   flush_every=2, verbose=False) as tr:
+    with jax_track(
+        model_state=params,
+        optimizer_state=state,
+        out=tmp_path / "log",
+        sinks=[sink],
+        flush_every=2,
+        verbose=False,
+    ) as tr:
         for i in range(3):
             params, state, grads = tr.intercept(update, params, state, jnp.full((2, 4), float(i)))
             tr.step(params, state, grads)

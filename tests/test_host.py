@@ -18,14 +18,37 @@ def assert_rows_match(arrays, fmt, rows):
             if name in EXACT:
                 assert row[i] == ref[i] or (np.isnan(row[i]) and np.isnan(ref[i])), (a.size, name)
             else:
-                assert row[i] == pytest.approx(ref[i], rel=1e-9, abs=1e-300), (a.size, name, row[i], ref[i])
-        np.testing.assert_array_equal(row[len(CORE_FIELDS):], ref[layout.counts_start:layout.extras_start])
+                assert row[i] == pytest.approx(ref[i], rel=1e-9, abs=1e-300), (
+                    a.size,
+                    name,
+                    row[i],
+                    ref[i],
+                )
+        np.testing.assert_array_equal(
+            row[len(CORE_FIELDS) :], ref[layout.counts_start : layout.extras_start]
+        )
 
 
 def mixed_arrays():
     rng = np.random.default_rng(11)
-    specials = np.array([0.0, -0.0, 1e-45, -3e-42, 9e-39, np.nan, np.inf, -np.inf, 448.0, 449.0,
-                         500.0, -1e-20, 65504.0], np.float32)
+    specials = np.array(
+        [
+            0.0,
+            -0.0,
+            1e-45,
+            -3e-42,
+            9e-39,
+            np.nan,
+            np.inf,
+            -np.inf,
+            448.0,
+            449.0,
+            500.0,
+            -1e-20,
+            65504.0,
+        ],
+        np.float32,
+    )
     big = rng.standard_normal(host._CHUNK * 2 + 123).astype(np.float32)  # three chunks
     big[::1001] = 0.0
     big[5::3001] = 2e-41  # subnormals in several chunks
@@ -80,10 +103,14 @@ def test_magnitudes_outside_the_one_pass_range_take_the_scaled_pass():
     in float64, and at its edges: all match the reference (float32 maximum and all-subnormal
     arrays included)."""
     rng = np.random.default_rng(5)
-    arrays = [np.array([2.0 ** 101, 1.0], np.float32), np.array([2.0 ** -101], np.float32),
-              np.array([2.0 ** 100, -(2.0 ** -100)], np.float32), np.zeros(3, np.float32),
-              (rng.standard_normal(70_000).clip(-1.1, 1.1) * 3e38).astype(np.float32),
-              (rng.standard_normal(5_000) * 1e-40).astype(np.float32)]
+    arrays = [
+        np.array([2.0**101, 1.0], np.float32),
+        np.array([2.0**-101], np.float32),
+        np.array([2.0**100, -(2.0**-100)], np.float32),
+        np.zeros(3, np.float32),
+        (rng.standard_normal(70_000).clip(-1.1, 1.1) * 3e38).astype(np.float32),
+        (rng.standard_normal(5_000) * 1e-40).astype(np.float32),
+    ]
     assert_rows_match(arrays, "float32", host.host_summaries(arrays, Layout("float32")))
 
 

@@ -13,8 +13,11 @@ from tandv.stats.summary import DEFAULT_STATS, finalize, summarize
 
 
 def assert_row(df, name, tensor_type, step, tensor):
-    sel = df[(df[("metadata", "name")] == name) & (df[("metadata", "tensor_type")] == tensor_type)
-             & (df[("metadata", "step")] == step)]
+    sel = df[
+        (df[("metadata", "name")] == name)
+        & (df[("metadata", "tensor_type")] == tensor_type)
+        & (df[("metadata", "step")] == step)
+    ]
     assert len(sel) == 1, (name, tensor_type, step)
     stats, _ = finalize(*summarize(tensor.detach().numpy()))
     for s in DEFAULT_STATS:
@@ -64,12 +67,24 @@ def test_lightning_callback_with_accumulation_and_closures(tmp_path):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.randn(32, 6, generator=g), torch.randn(32, 3, generator=g)),
-        batch_size=4)
+        torch.utils.data.TensorDataset(
+            torch.randn(32, 6, generator=g), torch.randn(32, 3, generator=g)
+        ),
+        batch_size=4,
+    )
     cb, spy = TandvCallback(out=tmp_path / "log", verbose=False), Spy()
-    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, accelerator="cpu", devices=1,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[cb, spy], default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        max_steps=3,
+        accumulate_grad_batches=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb, spy],
+        default_root_dir=tmp_path,
+    )
     trainer.fit(Lit(), data)
     df = read_log(cb.out_path)
     assert sorted(set(df[("metadata", "step")])) == [0, 1, 2]
@@ -77,8 +92,11 @@ def test_lightning_callback_with_accumulation_and_closures(tmp_path):
         for name in ("net.fc1.weight", "net.fc2.bias"):
             assert_row(df, name, "Gradient", k, spy.grads[k][name])
             assert_row(df, name, "Weight", k, spy.weights[k][name])
-        act = df[(df[("metadata", "name")] == "net.fc1") & (df[("metadata", "step")] == k)
-                 & (df[("metadata", "tensor_type")] == "Activation")]
+        act = df[
+            (df[("metadata", "name")] == "net.fc1")
+            & (df[("metadata", "step")] == k)
+            & (df[("metadata", "tensor_type")] == "Activation")
+        ]
         assert act[("scalar_stats", "numel")].item() == 2 * 4 * 8  # two micro-batches merged
 
 
@@ -101,9 +119,18 @@ def test_hf_trainer_callback_with_accumulation_and_accelerate(tmp_path):
     g = torch.Generator().manual_seed(2)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 32, (16, 8), generator=g)]
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"), max_steps=3, per_device_train_batch_size=2,
-        gradient_accumulation_steps=2, learning_rate=1e-3, report_to=[], use_cpu=True,
-        logging_strategy="no", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+        output_dir=str(tmp_path / "hf"),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        logging_strategy="no",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     cb, spy = TandvCallback(out=tmp_path / "log", verbose=False), Spy()
     transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb, spy]).train()
     df = read_log(cb.out_path)

@@ -26,7 +26,9 @@ def _expected(w: np.ndarray, x: np.ndarray, y: np.ndarray) -> q.NoiseScaleEstima
     # d/dw of mean((x w - y)^2) over a micro-batch: (2 / B) x^T (x w - y)
     micro = [2.0 / B * xi.T @ (xi @ w - yi) for xi, yi in zip(np.split(x, K), np.split(y, K))]
     big = np.mean(micro, axis=0)
-    return q.noise_scale_from_microbatches([float((g ** 2).sum()) for g in micro], B, float((big ** 2).sum()))
+    return q.noise_scale_from_microbatches(
+        [float((g**2).sum()) for g in micro], B, float((big**2).sum())
+    )
 
 
 def _accumulate(model: nn.Module, x: np.ndarray, y: np.ndarray, divide: bool) -> None:
@@ -52,14 +54,18 @@ def test_steps_are_logged_beside_the_log_and_smoothed(tmp_path):
     model, _, _ = _problem(1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     expected = []
-    with track(model, opt, out=tmp_path / "log", include="nothing") as tracker, \
-            GradientNoiseScale(model, B, tracker=tracker) as ns:
+    with (
+        track(model, opt, out=tmp_path / "log", include="nothing") as tracker,
+        GradientNoiseScale(model, B, tracker=tracker) as ns,
+    ):
         for step in range(3):
             _, x, y = _problem(10 + step)
             expected.append(_expected(model.weight.detach().numpy().T.copy(), x, y))
             _accumulate(model, x, y, divide=True)
             ns.step()
-            opt.step(); opt.zero_grad(); tracker.step()
+            opt.step()
+            opt.zero_grad()
+            tracker.step()
     scalars = tandv.read_scalars(tracker.out_path)
     assert scalars["step"].tolist() == [0, 1, 2]
     np.testing.assert_allclose(scalars["noise_g2"], [e.g2 for e in expected], rtol=1e-9)
@@ -67,7 +73,9 @@ def test_steps_are_logged_beside_the_log_and_smoothed(tmp_path):
     ema, want = q.NoiseScaleEMA(0.5), []
     for e in expected:
         want.append(ema.update(e).b_simple)
-    np.testing.assert_allclose(q.smoothed_noise_scale(scalars, beta=0.5).to_numpy(), want, rtol=1e-9)
+    np.testing.assert_allclose(
+        q.smoothed_noise_scale(scalars, beta=0.5).to_numpy(), want, rtol=1e-9
+    )
 
 
 def test_history_without_a_tracker_and_errors():

@@ -60,7 +60,9 @@ def test_update_ratio_and_trust_ratio_on_torch_snapshots():
     for k, p in model.named_parameters():
         wn = float(torch.linalg.vector_norm(w0[k]))
         # an SGD step: the update is -lr * grad, so the two ratios are tied: ur = lr / tr
-        assert ur[k] == pytest.approx(float(torch.linalg.vector_norm(p.detach() - w0[k])) / wn, rel=1e-5)
+        assert ur[k] == pytest.approx(
+            float(torch.linalg.vector_norm(p.detach() - w0[k])) / wn, rel=1e-5
+        )
         assert tr[k] == pytest.approx(wn / float(torch.linalg.vector_norm(p.grad)), rel=1e-6)
         assert ur[k] == pytest.approx(0.05 / tr[k], rel=1e-4)
 
@@ -77,8 +79,13 @@ def _sgd_log(every: int = 1):
         new = {k: w[k] - 0.1 * g[k] for k in w}
         arrays.append((w, g, new))
         if step % every == 0:
-            items = [(k, "Weight", x) for k, x in w.items()] + [(k, "Gradient", x) for k, x in g.items()]
-            items += [("0", "Gradient", rng.standard_normal(3)), ("w.update", "Weight", new["w"] - w["w"])]
+            items = [(k, "Weight", x) for k, x in w.items()] + [
+                (k, "Gradient", x) for k, x in g.items()
+            ]
+            items += [
+                ("0", "Gradient", rng.standard_normal(3)),
+                ("w.update", "Weight", new["w"] - w["w"]),
+            ]
             entries = []
             for name, tt, x in items:
                 v, layout = summarize(x.astype(np.float32))
@@ -105,7 +112,10 @@ def test_log_norms_and_trust_ratio_match_the_tensors():
 def test_log_norms_of_nonfinite_tensors():
     x = np.array([1.0, np.nan, 2.0], dtype=np.float32)
     y = np.array([1.0, np.inf, 2.0], dtype=np.float32)
-    rows = [(TensorKey(n, "Weight", "", "float32"), *summarize(a)[::-1]) for n, a in (("x", x), ("y", y))]
+    rows = [
+        (TensorKey(n, "Weight", "", "float32"), *summarize(a)[::-1])
+        for n, a in (("x", x), ("y", y))
+    ]
     df = validate(build_rows(0, [(k, layout, v) for k, layout, v in rows]))
     n = log_norms(df)
     assert math.isnan(n.loc[0, "x"]) and n.loc[0, "y"] == math.inf
@@ -150,8 +160,9 @@ def test_noise_scale_two_batches_exact_expectations():
     fit = noise_scale_fit([1, 2, 4, 8, 16], [4 + 64 / b for b in (1, 2, 4, 8, 16)])
     assert (fit.g2, fit.trace) == pytest.approx((4.0, 64.0))
     two = noise_scale_fit([8, 32], [12.5, 5.0])
-    assert (two.g2, two.trace) == pytest.approx((noise_scale(12.5, 8, 5.0, 32).g2,
-                                                 noise_scale(12.5, 8, 5.0, 32).trace))
+    assert (two.g2, two.trace) == pytest.approx(
+        (noise_scale(12.5, 8, 5.0, 32).g2, noise_scale(12.5, 8, 5.0, 32).trace)
+    )
     assert math.isnan(NoiseScaleEstimate(0.0, 1.0).b_simple)
 
 
@@ -199,8 +210,10 @@ def _within(mean: float, se: float, truth: float, what: str) -> None:
 def test_noise_scale_from_microbatches_recovers_known_answer():
     steps, n_micro, b = 1500, 8, 4
     micro = _batch_means(np.random.default_rng(7), steps, n_micro, b)
-    ests = [noise_scale_from_microbatches((m**2).sum(axis=1), b, float((m.mean(axis=0) ** 2).sum()))
-            for m in micro]
+    ests = [
+        noise_scale_from_microbatches((m**2).sum(axis=1), b, float((m.mean(axis=0) ** 2).sum()))
+        for m in micro
+    ]
     g2 = np.array([e.g2 for e in ests])
     tr = np.array([e.trace for e in ests])
     _within(g2.mean(), g2.std(ddof=1) / math.sqrt(steps), 1.0, "|G|^2")
@@ -223,7 +236,9 @@ def test_noise_scale_ema_matches_hand_recursion():
     for t, e in enumerate(ests[1:], start=2):
         mg, mt = 0.9 * mg + 0.1 * e.g2, 0.9 * mt + 0.1 * e.trace
         out = ema.update(e)
-        assert out.g2 == pytest.approx(mg / (1 - 0.9**t)) and out.trace == pytest.approx(mt / (1 - 0.9**t))
+        assert out.g2 == pytest.approx(mg / (1 - 0.9**t)) and out.trace == pytest.approx(
+            mt / (1 - 0.9**t)
+        )
         assert out.b_simple == pytest.approx(mt / mg)
 
 
@@ -231,7 +246,9 @@ def test_noise_scale_fit_recovers_known_answer():
     sizes = np.array([4, 8, 16, 32, 64, 128])
     n = 4000
     rng = np.random.default_rng(11)
-    sq = np.stack([(_batch_means(rng, n, 1, int(b))[:, 0] ** 2).sum(axis=1) for b in sizes])  # (5, n)
+    sq = np.stack(
+        [(_batch_means(rng, n, 1, int(b))[:, 0] ** 2).sum(axis=1) for b in sizes]
+    )  # (5, n)
     fit = noise_scale_fit(np.repeat(sizes, n), sq.ravel())
     # least squares is linear in the data: coef = P y with P the design's pseudo-inverse;
     # with independent points its covariance is P diag(var_y) P^T, var_y estimated per size

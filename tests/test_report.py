@@ -10,14 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from browser import Browser, chromium_path
 from PIL import Image
+from viz_logs import log_from_arrays, training_log
 
 from tandv import viz
 from tandv.cli import main
 from tandv.schema import write_parquet
 from tandv.viz.report import write_report
-from browser import Browser, chromium_path
-from viz_logs import log_from_arrays, training_log
 
 
 class Page(HTMLParser):
@@ -71,7 +71,9 @@ def find_table(page: Page, first_header: str, has: str) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> tuple[Path, str]:
-    path = write_report(training_log(steps=8), tmp_path_factory.mktemp("rep") / "report.html", title="Run <42>")
+    path = write_report(
+        training_log(steps=8), tmp_path_factory.mktemp("rep") / "report.html", title="Run <42>"
+    )
     return path, path.read_text(encoding="utf-8")
 
 
@@ -94,18 +96,33 @@ def test_report_is_one_self_contained_file(report):
 def test_report_sections_and_figures(report):
     _, text = report
     page = Page(text)
-    assert list(page.section_imgs) == ["overview", "nonfinite", "formats", "ranges", "heatmaps", "bands"]
+    assert list(page.section_imgs) == [
+        "overview",
+        "nonfinite",
+        "formats",
+        "ranges",
+        "heatmaps",
+        "bands",
+    ]
     assert page.section_imgs["heatmaps"] == 3  # one heatmap per tensor type in the log
     assert page.section_imgs["ranges"] == 3  # histograms of the top tensors per tensor type
     assert page.section_imgs["bands"] == 1
     overview = find_table(page, "tensor type", "tensors")
     assert [(r["tensor type"], r["tensors"], r["steps logged"]) for r in overview] == [
-        ("Activation", "6", "8"), ("Gradient", "6", "8"), ("Weight", "6", "8")]
+        ("Activation", "6", "8"),
+        ("Gradient", "6", "8"),
+        ("Weight", "6", "8"),
+    ]
     # The head's gradient gets one NaN and one inf from step 5 (see viz_logs.training_log).
     assert find_table(page, "tensor", "first step") == [
-        {"tensor": "head", "tensor type": "Gradient", "first step": "5", "NaN": "1", "inf": "1"}]
+        {"tensor": "head", "tensor type": "Gradient", "first step": "5", "NaN": "1", "inf": "1"}
+    ]
     worrying = find_table(page, "tensor", "binades")
-    assert (worrying[0]["tensor"], worrying[0]["tensor type"], worrying[0]["NaN+inf (all steps)"]) == ("head", "Gradient", "6")
+    assert (
+        worrying[0]["tensor"],
+        worrying[0]["tensor type"],
+        worrying[0]["NaN+inf (all steps)"],
+    ) == ("head", "Gradient", "6")
 
 
 def test_report_underflow_and_overflow_shares():
@@ -117,9 +134,18 @@ def test_report_underflow_and_overflow_shares():
     text = Path(write_report(log, "r.html", "t")).read_text()
     page = Page(text)
     shares = {r["format"]: r for r in find_table(page, "format", "Weight underflow")}
-    assert shares["float8_e4m3fn"]["Weight underflow"] == "25%" and shares["float8_e4m3fn"]["Weight overflow"] == "12.5%"
-    assert shares["float8_e5m2"]["Weight underflow"] == "12.5%" and shares["float8_e5m2"]["Weight overflow"] == "12.5%"
-    assert shares["bfloat16"]["Weight underflow"] == "0" and shares["bfloat16"]["Weight overflow"] == "0"
+    assert (
+        shares["float8_e4m3fn"]["Weight underflow"] == "25%"
+        and shares["float8_e4m3fn"]["Weight overflow"] == "12.5%"
+    )
+    assert (
+        shares["float8_e5m2"]["Weight underflow"] == "12.5%"
+        and shares["float8_e5m2"]["Weight overflow"] == "12.5%"
+    )
+    assert (
+        shares["bfloat16"]["Weight underflow"] == "0"
+        and shares["bfloat16"]["Weight overflow"] == "0"
+    )
     assert all(shares[f]["Activation underflow"] == "0" for f in shares)
     assert "No NaN or inf was logged in any tensor." in text
 
@@ -151,8 +177,10 @@ def browser():
     if chromium_path() is None:
         # `make test` must pass on a machine with only python3 and make; CI (.ci/run)
         # installs chromium and sets TANDV_REQUIRE_BROWSER=1, which makes the test required
-        message = ("chromium is not installed: the report's browser test needs Debian's `chromium` "
-                   "package (apt-get install chromium; .ci/run installs it)")
+        message = (
+            "chromium is not installed: the report's browser test needs Debian's `chromium` "
+            "package (apt-get install chromium; .ci/run installs it)"
+        )
         if os.environ.get("TANDV_REQUIRE_BROWSER") == "1":
             pytest.fail(message)
         pytest.skip(message)
@@ -174,8 +202,10 @@ def test_report_in_headless_chromium(report, browser):
 def test_browser_check_catches_errors_network_and_blank_pages(tmp_path, browser):
     """The checks above can fail: a broken page and a blank page are caught."""
     bad = tmp_path / "bad.html"
-    bad.write_text('<html><body><img src="https://tandv.invalid/x.png">'
-                   '<script>console.error("broken"); missing();</script></body></html>')
+    bad.write_text(
+        '<html><body><img src="https://tandv.invalid/x.png">'
+        '<script>console.error("broken"); missing();</script></body></html>'
+    )
     result = browser.open(bad.as_uri())
     assert "broken" in result.console_errors
     assert any("missing is not defined" in e for e in result.console_errors)
@@ -191,12 +221,27 @@ def test_report_of_a_minimal_custom_log():
     gets a report: the heatmap shows that statistic, shares are of the counted values."""
     import pandas as pd
 
-    cols = pd.MultiIndex.from_tuples([
-        ("metadata", "name"), ("metadata", "type"), ("metadata", "tensor_type"), ("metadata", "step"),
-        ("metadata", "dtype"), ("scalar_stats", "foo"),
-        ("exponent_counts", "-inf"), ("exponent_counts", -12), ("exponent_counts", 0), ("exponent_counts", "+inf")])
-    df = pd.DataFrame([["a", "", "Weight", 0, "float32", 1.0, 0, 1, 3, 0],
-                       ["a", "", "Weight", 1, "float32", 2.0, 0, 0, 4, 0]], columns=cols)
+    cols = pd.MultiIndex.from_tuples(
+        [
+            ("metadata", "name"),
+            ("metadata", "type"),
+            ("metadata", "tensor_type"),
+            ("metadata", "step"),
+            ("metadata", "dtype"),
+            ("scalar_stats", "foo"),
+            ("exponent_counts", "-inf"),
+            ("exponent_counts", -12),
+            ("exponent_counts", 0),
+            ("exponent_counts", "+inf"),
+        ]
+    )
+    df = pd.DataFrame(
+        [
+            ["a", "", "Weight", 0, "float32", 1.0, 0, 1, 3, 0],
+            ["a", "", "Weight", 1, "float32", 2.0, 0, 0, 4, 0],
+        ],
+        columns=cols,
+    )
     text = Path(write_report(df, "min.html", "minimal")).read_text()
     page = Page(text)
     assert page.section_imgs["heatmaps"] == 1 and "foo per layer and step" in text
@@ -218,10 +263,17 @@ def test_report_of_the_demo_has_update_ratios_and_taiyi_quantities(tmp_path):
     # the update ratio at the last step, from the log's root-mean-squares: ||x|| = rm2 * sqrt(n)
     meta, stats = df["metadata"], df["scalar_stats"]
     last = meta["step"] == meta["step"].max()
-    norm = {(n, t): r * np.sqrt(k) for n, t, r, k in
-            zip(meta["name"][last], meta["tensor_type"][last], stats["rm2"][last], stats["numel"][last])}
-    ratios = [v / norm[(n[: -len(".update")], "Weight")] for (n, t), v in norm.items()
-              if t == "Weight" and n.endswith(".update")]
+    norm = {
+        (n, t): r * np.sqrt(k)
+        for n, t, r, k in zip(
+            meta["name"][last], meta["tensor_type"][last], stats["rm2"][last], stats["numel"][last]
+        )
+    }
+    ratios = [
+        v / norm[(n[: -len(".update")], "Weight")]
+        for (n, t), v in norm.items()
+        if t == "Weight" and n.endswith(".update")
+    ]
     assert len(ratios) == sum(1 for _ in torch_demo.GPT(torch_demo.demo_config(11)).parameters())
     assert f"the median is {np.median(ratios):.3g}" in text
     assert "3 quantities of" in text

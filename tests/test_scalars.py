@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 import pytest
+from viz_logs import log_from_arrays
 
 import tandv
 from tandv.schema import scalars_path
 from tandv.track.common import StepRecorder
 from tandv.track.common.scalars import ScalarRecorder
-from viz_logs import log_from_arrays
 
 torch = pytest.importorskip("torch")
 
@@ -42,18 +40,29 @@ def _train(out, out_format="parquet", steps=5, every=2):
 @pytest.mark.parametrize("out_format, out", [("parquet", "log"), ("pickle", "log.pkl")])
 def test_torch_scalars_round_trip_every_step_whatever_the_schedule(tmp_path, out_format, out):
     losses, tracker = _train(tmp_path / out, out_format)
-    expected = pd.DataFrame({"step": np.arange(5), "loss": losses,
-                             "lr": [np.float32(0.1 / (i + 1)) for i in range(5)],
-                             "val": [np.nan, np.nan, np.nan, 1.5, np.nan]})
+    expected = pd.DataFrame(
+        {
+            "step": np.arange(5),
+            "loss": losses,
+            "lr": [np.float32(0.1 / (i + 1)) for i in range(5)],
+            "val": [np.nan, np.nan, np.nan, 1.5, np.nan],
+        }
+    )
     by_path = tandv.read_scalars(tmp_path / out)
     pd.testing.assert_frame_equal(by_path, expected, check_dtype=False, rtol=1e-7)
     assert by_path["step"].dtype == np.int64
     df = tandv.read_log(tmp_path / out)
-    assert sorted(df[("metadata", "step")].unique()) == [0, 2, 4]  # the schedule is for tensors only
+    assert sorted(df[("metadata", "step")].unique()) == [
+        0,
+        2,
+        4,
+    ]  # the schedule is for tensors only
     pd.testing.assert_frame_equal(tandv.read_scalars(df), by_path)
     # where they live: inside a parquet directory, beside a pickle; never read as log parts
     where = scalars_path(tmp_path / out)
-    assert where == (tmp_path / "log" / "scalars" if out_format == "parquet" else tmp_path / "log.scalars")
+    assert where == (
+        tmp_path / "log" / "scalars" if out_format == "parquet" else tmp_path / "log.scalars"
+    )
     assert any(where.glob("part-*.parquet"))
 
 
@@ -78,7 +87,10 @@ def test_log_scalars_errors_name_the_argument(tmp_path):
 
     model = torch.nn.Linear(2, 2)
     with track(model, out=tmp_path / "log", verbose=False) as tracker:
-        with pytest.raises(ValueError, match=r"log_scalars\(loss=...\): expected one number; got a tensor of shape \(2,\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"log_scalars\(loss=...\): expected one number; got a tensor of shape \(2,\)",
+        ):
             tracker.log_scalars(loss=torch.ones(2))
         with pytest.raises(TypeError, match=r"log_scalars\(loss=...\): expected a number"):
             tracker.log_scalars(loss="low")
@@ -89,7 +101,11 @@ def test_log_scalars_errors_name_the_argument(tmp_path):
         tracker.log_scalars(loss=torch.tensor([2.0]), grad_norm=torch.tensor(3, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="outside the `with track"):
         tracker.log_scalars(loss=1.0)
-    assert tandv.read_scalars(tmp_path / "log").to_dict("list") == {"step": [0], "loss": [2.0], "grad_norm": [3.0]}
+    assert tandv.read_scalars(tmp_path / "log").to_dict("list") == {
+        "step": [0],
+        "loss": [2.0],
+        "grad_norm": [3.0],
+    }
 
 
 def test_a_cpu_tensor_is_read_when_logged(tmp_path):
@@ -148,7 +164,11 @@ def test_a_step_logged_again_after_a_flush_keeps_the_last_value(tmp_path):
     rec.flush()
     rec.log_scalars(4, {"loss": 2.0}, current=5)
     rec.close()
-    assert tandv.read_scalars(tmp_path / "log").to_dict("list") == {"step": [4], "loss": [2.0], "acc": [0.5]}
+    assert tandv.read_scalars(tmp_path / "log").to_dict("list") == {
+        "step": [4],
+        "loss": [2.0],
+        "acc": [0.5],
+    }
 
 
 def test_jax_scalars(tmp_path):
@@ -156,8 +176,9 @@ def test_jax_scalars(tmp_path):
     from tandv.track.jax import track
 
     params = {"w": jnp.ones((3,))}
-    with track(params, track_gradients=False, track_activations=False, out=tmp_path / "log",
-               verbose=False) as tracker:
+    with track(
+        params, track_gradients=False, track_activations=False, out=tmp_path / "log", verbose=False
+    ) as tracker:
         for step in range(3):
             loss = jnp.sum(params["w"]) * (step + 1)
             tracker.log_scalars(loss=loss, lr=0.01)
@@ -180,12 +201,23 @@ def test_report_and_notebook_view_use_the_logged_scalars(tmp_path, monkeypatch):
     assert '<section id="scalars">' in html and "last values: loss" in html
     assert "No NaN or inf in any logged tensor." in html
     monkeypatch.setattr(interact, "_in_notebook", lambda: True)
-    view = viz.interactive(viz.scalar_line, df=df, tt="Gradient", layer="0.weight", scalar_metric="std")
+    view = viz.interactive(
+        viz.scalar_line, df=df, tt="Gradient", layer="0.weight", scalar_metric="std"
+    )
     assert view.train_stats["loss"].tolist() == pytest.approx(losses)
     line = [l for l in view.stats_figure.axes[0].get_lines() if l.get_label() == "loss"][0]
     assert line.get_ydata().tolist() == pytest.approx(losses)
-    assert viz.interactive(viz.scalar_line, df=df, tt="Gradient", layer="0.weight", scalar_metric="std",
-                           train_stats=False).train_stats is None
+    assert (
+        viz.interactive(
+            viz.scalar_line,
+            df=df,
+            tt="Gradient",
+            layer="0.weight",
+            scalar_metric="std",
+            train_stats=False,
+        ).train_stats
+        is None
+    )
 
 
 def _nonfinite_log():
@@ -217,8 +249,11 @@ def test_first_nonfinite_is_the_earliest_step_then_forward_order():
     assert df[("metadata", "tensor_type")].iloc[0] == "Gradient"
     first = tandv.first_nonfinite(df)
     assert list(first.itertuples(index=False, name=None)) == [
-        ("h", "Activation", 1, 2, 0), ("out", "Activation", 1, 0, 1), ("out", "Gradient", 1, 2, 0),
-        ("z", "Optimiser_State", 2, 2, 0)]
+        ("h", "Activation", 1, 2, 0),
+        ("out", "Activation", 1, 0, 1),
+        ("out", "Gradient", 1, 2, 0),
+        ("z", "Optimiser_State", 2, 2, 0),
+    ]
     clean = log_from_arrays({("w", "Weight", 0): np.ones(4, np.float32)})
     assert tandv.first_nonfinite(clean).empty
 

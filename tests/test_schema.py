@@ -6,26 +6,41 @@ import re
 import numpy as np
 import pandas as pd
 import pytest
+from logs import make_log
 
 import tandv
-from tandv.schema import SchemaError, read_parquet, read_pickle, validate, write_parquet, write_pickle
+from tandv.schema import (
+    SchemaError,
+    read_parquet,
+    read_pickle,
+    validate,
+    write_parquet,
+    write_pickle,
+)
 from tandv.track.common import read_pickle as seed_read_pickle
-
-from logs import make_log
 
 
 def good() -> pd.DataFrame:
     """A minimal valid log, built by hand."""
-    cols = pd.MultiIndex.from_tuples([
-        ("metadata", "name"), ("metadata", "type"), ("metadata", "tensor_type"),
-        ("metadata", "step"), ("metadata", "dtype"),
-        ("scalar_stats", "rm2"),
-        ("exponent_counts", "-inf"), ("exponent_counts", -3), ("exponent_counts", 0),
-        ("exponent_counts", "+inf"),
-    ])
+    cols = pd.MultiIndex.from_tuples(
+        [
+            ("metadata", "name"),
+            ("metadata", "type"),
+            ("metadata", "tensor_type"),
+            ("metadata", "step"),
+            ("metadata", "dtype"),
+            ("scalar_stats", "rm2"),
+            ("exponent_counts", "-inf"),
+            ("exponent_counts", -3),
+            ("exponent_counts", 0),
+            ("exponent_counts", "+inf"),
+        ]
+    )
     return pd.DataFrame(
-        [["l0", "Linear", "Weight", 0, "float32", 1.5, 0, 2, 1, 0],
-         ["l0", "Linear", "Gradient", 0, "bfloat16", 0.5, 1, 0, 3, 0]],
+        [
+            ["l0", "Linear", "Weight", 0, "float32", 1.5, 0, 2, 1, 0],
+            ["l0", "Linear", "Gradient", 0, "bfloat16", 0.5, 1, 0, 3, 0],
+        ],
         columns=cols,
     ).astype({("metadata", "step"): "int64"})
 
@@ -74,33 +89,45 @@ def test_metadata_strings_required():
 def test_step_must_be_integer():
     df = good()
     df[("metadata", "step")] = [0.0, 1.5]
-    with pytest.raises(SchemaError, match=r"\('metadata', 'step'\): expected an integer dtype of steps; found float64, holding 1.5 at row 1"):
+    with pytest.raises(
+        SchemaError,
+        match=r"\('metadata', 'step'\): expected an integer dtype of steps; "
+        r"found float64, holding 1.5 at row 1",
+    ):
         validate(df)
 
 
 def test_step_must_be_non_negative():
     df = good()
     df[("metadata", "step")] = np.array([0, -1], dtype=np.int64)
-    with pytest.raises(SchemaError, match=r"expected non-negative steps; found -1 \(first at row 1, dtype int64\)$"):
+    with pytest.raises(
+        SchemaError, match=r"expected non-negative steps; found -1 \(first at row 1, dtype int64\)$"
+    ):
         validate(df)
 
 
 def test_unknown_tensor_type():
     df = good()
     df[("metadata", "tensor_type")] = ["Weight", "Activations"]
-    with pytest.raises(SchemaError, match=r"tensor_type'\): expected one of .*Optimiser_State.*found 'Activations'"):
+    with pytest.raises(
+        SchemaError, match=r"tensor_type'\): expected one of .*Optimiser_State.*found 'Activations'"
+    ):
         validate(df)
 
 
 def test_dtype_must_parse_with_ml_dtypes():
     df = good()
     df[("metadata", "dtype")] = ["float32", "int8"]
-    with pytest.raises(SchemaError, match="'int8' is not a floating-point dtype name that ml_dtypes.finfo"):
+    with pytest.raises(
+        SchemaError, match="'int8' is not a floating-point dtype name that ml_dtypes.finfo"
+    ):
         validate(df)
 
 
 def test_needs_a_scalar_stat():
-    with pytest.raises(SchemaError, match="expected at least one scalar statistic column; found none"):
+    with pytest.raises(
+        SchemaError, match="expected at least one scalar statistic column; found none"
+    ):
         validate(good().drop(columns=[("scalar_stats", "rm2")]))
 
 
@@ -134,14 +161,19 @@ def test_exponent_counts_non_negative():
 def test_exponent_counts_integer_dtype():
     df = good()
     df[("exponent_counts", -3)] = [0.5, 1.0]
-    with pytest.raises(SchemaError, match=r"\('exponent_counts', -3\): expected an integer dtype of counts; found float64"):
+    with pytest.raises(
+        SchemaError,
+        match=r"\('exponent_counts', -3\): expected an integer dtype of counts; found float64",
+    ):
         validate(df)
 
 
 def test_duplicate_rows():
     df = good()
     df[("metadata", "tensor_type")] = ["Weight", "Weight"]
-    with pytest.raises(SchemaError, match=r"duplicate rows for \(name, tensor_type, step\) = \('l0', 'Weight', 0\)"):
+    with pytest.raises(
+        SchemaError, match=r"duplicate rows for \(name, tensor_type, step\) = \('l0', 'Weight', 0\)"
+    ):
         validate(df)
 
 
@@ -189,8 +221,11 @@ def test_parquet_directory_of_parts_with_different_exponents(tmp_path):
     assert per_part[0] != per_part[3]
     assert list(df[("metadata", "step")]) == sorted(df[("metadata", "step")])
     for (name, tt, step), x in arrays.items():
-        row = df[(df[("metadata", "name")] == name) & (df[("metadata", "tensor_type")] == tt)
-                 & (df[("metadata", "step")] == step)]
+        row = df[
+            (df[("metadata", "name")] == name)
+            & (df[("metadata", "tensor_type")] == tt)
+            & (df[("metadata", "step")] == step)
+        ]
         a = np.abs(x.astype(np.float64))
         a = a[np.isfinite(a) & (a > 0)]
         exps, n = np.unique(np.floor(np.log2(a)).astype(int), return_counts=True)
@@ -202,7 +237,11 @@ def test_parquet_directory_of_parts_with_different_exponents(tmp_path):
 
 def test_parquet_column_selection_and_filters(tmp_path):
     df, _ = make_log(tmp_path / "log", steps=4)
-    sub = read_parquet(tmp_path / "log", columns=["rm2", -1], filters=[("step", ">=", 2), ("tensor_type", "==", "Weight")])
+    sub = read_parquet(
+        tmp_path / "log",
+        columns=["rm2", -1],
+        filters=[("step", ">=", 2), ("tensor_type", "==", "Weight")],
+    )
     assert set(sub[("metadata", "step")]) == {2, 3}
     assert set(sub[("metadata", "tensor_type")]) == {"Weight"}
     assert list(sub["scalar_stats"].columns) == ["rm2"]
@@ -227,20 +266,29 @@ def test_null_metadata_strings_are_rejected():
     for col in ("name", "type"):
         df = good()
         df[("metadata", col)] = pd.Series(["a", np.nan], dtype="str")
-        with pytest.raises(SchemaError, match=rf"\('metadata', '{col}'\): expected str values \(no missing value\); "
-                                              r"found <NA> \(first at row 1"):
+        with pytest.raises(
+            SchemaError,
+            match=rf"\('metadata', '{col}'\): expected str values \(no missing value\); "
+            r"found <NA> \(first at row 1",
+        ):
             validate(df)
     df = good()
     df[("metadata", "name")] = pd.Series(["a", None], dtype=object)
-    with pytest.raises(SchemaError, match=r"\('metadata', 'name'\): expected str values; found None \(first at row 1"):
+    with pytest.raises(
+        SchemaError,
+        match=r"\('metadata', 'name'\): expected str values; found None \(first at row 1",
+    ):
         validate(df)
 
 
 def test_nullable_step_with_missing_value_is_rejected():
     df = good()
     df[("metadata", "step")] = pd.array([0, None], dtype="Int64")
-    with pytest.raises(SchemaError, match=r"\('metadata', 'step'\): expected steps \(no missing value\); found <NA> "
-                                          r"\(first at row 1, dtype Int64\)"):
+    with pytest.raises(
+        SchemaError,
+        match=r"\('metadata', 'step'\): expected steps \(no missing value\); found <NA> "
+        r"\(first at row 1, dtype Int64\)",
+    ):
         validate(df)
     df[("metadata", "step")] = pd.array([0, 1], dtype="Int64")  # no missing value: a valid log
     assert validate(df) is df
@@ -249,26 +297,37 @@ def test_nullable_step_with_missing_value_is_rejected():
 def test_nullable_exponent_count_with_missing_value_is_a_schema_error():
     df = good()
     df[("exponent_counts", 0)] = pd.array([1, None], dtype="Int64")
-    with pytest.raises(SchemaError, match=r"\('exponent_counts', 0\): expected counts \(no missing value\); found <NA> "
-                                          r"\(first at row 1"):
+    with pytest.raises(
+        SchemaError,
+        match=r"\('exponent_counts', 0\): expected counts \(no missing value\); found <NA> "
+        r"\(first at row 1",
+    ):
         validate(df)
 
 
 def test_categorical_metadata_is_a_schema_error():
     df = good()
     df[("metadata", "type")] = df[("metadata", "type")].astype("category")
-    with pytest.raises(SchemaError, match=r"\('metadata', 'type'\): expected str values; found a categorical column; "
-                                          r"convert it with .astype\(str\)"):
+    with pytest.raises(
+        SchemaError,
+        match=r"\('metadata', 'type'\): expected str values; found a categorical column; "
+        r"convert it with .astype\(str\)",
+    ):
         validate(df)
 
 
-@pytest.mark.parametrize("values, found", [([1.0, np.nan], "nan at row 1"), ([2.7, 1.0], "2.7 at row 0"),
-                                           ([1.0, 3.0], "; convert")])
+@pytest.mark.parametrize(
+    "values, found",
+    [([1.0, np.nan], "nan at row 1"), ([2.7, 1.0], "2.7 at row 0"), ([1.0, 3.0], "; convert")],
+)
 def test_float_counts_name_the_bad_value(values, found):
     df = good()
     df[("exponent_counts", 0)] = values
-    with pytest.raises(SchemaError, match=rf"\('exponent_counts', 0\): expected an integer dtype of counts; found "
-                                          rf"float64.*{found}"):
+    with pytest.raises(
+        SchemaError,
+        match=rf"\('exponent_counts', 0\): expected an integer dtype of counts; found "
+        rf"float64.*{found}",
+    ):
         validate(df)
 
 
@@ -277,17 +336,49 @@ def test_float_counts_name_the_bad_value(values, found):
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-_ODD_VALUES = [None, np.nan, pd.NA, -1, 2.7, 1.5, "abc", "", b"x", [1], np.inf, True, 2**70, -0.0, "Weight", 0]
-_ODD_DTYPES = ["category", "Int64", "Float64", "str", "object", "float64", "bool", "uint8", "int32", "boolean"]
+_ODD_VALUES = [
+    None,
+    np.nan,
+    pd.NA,
+    -1,
+    2.7,
+    1.5,
+    "abc",
+    "",
+    b"x",
+    [1],
+    np.inf,
+    True,
+    2**70,
+    -0.0,
+    "Weight",
+    0,
+]
+_ODD_DTYPES = [
+    "category",
+    "Int64",
+    "Float64",
+    "str",
+    "object",
+    "float64",
+    "bool",
+    "uint8",
+    "int32",
+    "boolean",
+]
 _ODD_LABELS = ["abc", 1.5, "7", None, ("x",), np.int64(9), True, "-inf", -3]
 
 
 def _fuzz_base() -> pd.DataFrame:
     df = good()
     df[("scalar_stats", "numel")] = np.array([4, 4], dtype=np.int64)
-    return df[pd.MultiIndex.from_tuples(
-        [c for c in df.columns if c[0] == "metadata"] + [("scalar_stats", "rm2"), ("scalar_stats", "numel")]
-        + [c for c in df.columns if c[0] == "exponent_counts"])]
+    return df[
+        pd.MultiIndex.from_tuples(
+            [c for c in df.columns if c[0] == "metadata"]
+            + [("scalar_stats", "rm2"), ("scalar_stats", "numel")]
+            + [c for c in df.columns if c[0] == "exponent_counts"]
+        )
+    ]
 
 
 @st.composite
@@ -328,15 +419,20 @@ def mutated_logs(draw):
             col = (group, draw(st.sampled_from(["x", 5, "numel2"])))
             if col in df.columns:
                 continue
-            df[col] = draw(st.sampled_from([[0, 1], [0.5, 1.0], ["a", "b"]]))[:1] * len(df) if len(df) != 2 \
+            df[col] = (
+                draw(st.sampled_from([[0, 1], [0.5, 1.0], ["a", "b"]]))[:1] * len(df)
+                if len(df) != 2
                 else draw(st.sampled_from([[0, 1], [0.5, 1.0], ["a", "b"]]))
+            )
         touched.append((kind, col))
     return df, touched
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mutated_logs())
-def test_fuzzed_logs_are_accepted_and_round_trip_or_rejected_with_a_schema_error(tmp_path_factory, case):
+def test_fuzzed_logs_are_accepted_and_round_trip_or_rejected_with_a_schema_error(
+    tmp_path_factory, case
+):
     """Mutations of a valid log: validate accepts the frame (and then the parquet writer
     and reader give back the same values) or raises SchemaError, and nothing else; the
     message names a column or the frame's structure."""
@@ -345,7 +441,9 @@ def test_fuzzed_logs_are_accepted_and_round_trip_or_rejected_with_a_schema_error
         validate(df)
     except SchemaError as e:
         msg = str(e)
-        assert re.match(r"\(|'(metadata|scalar_stats|exponent_counts)'|columns:|metadata:|a log is", msg), msg
+        assert re.match(
+            r"\(|'(metadata|scalar_stats|exponent_counts)'|columns:|metadata:|a log is", msg
+        ), msg
         return
     path = tmp_path_factory.mktemp("fuzz") / "x.parquet"
     write_parquet(df, path)
@@ -365,10 +463,14 @@ import pyarrow.parquet as pq  # noqa: E402
 def _write_raw(path, **overrides):
     """A parquet file laid out like a log part, with some flat columns replaced."""
     cols = {
-        "metadata.name": pa.array(["a", "b"]), "metadata.type": pa.array(["L", "L"]),
-        "metadata.tensor_type": pa.array(["Weight", "Weight"]), "metadata.step": pa.array([0, 0]),
-        "metadata.dtype": pa.array(["float32", "float32"]), "scalar_stats.rm2": pa.array([1.0, 2.0]),
-        "exponent_counts.-inf": pa.array([0, 0]), "exponent_counts.0": pa.array([3, 4]),
+        "metadata.name": pa.array(["a", "b"]),
+        "metadata.type": pa.array(["L", "L"]),
+        "metadata.tensor_type": pa.array(["Weight", "Weight"]),
+        "metadata.step": pa.array([0, 0]),
+        "metadata.dtype": pa.array(["float32", "float32"]),
+        "scalar_stats.rm2": pa.array([1.0, 2.0]),
+        "exponent_counts.-inf": pa.array([0, 0]),
+        "exponent_counts.0": pa.array([3, 4]),
         "exponent_counts.+inf": pa.array([0, 0]),
     }
     cols.update(overrides)
@@ -376,42 +478,62 @@ def _write_raw(path, **overrides):
     return path
 
 
-@pytest.mark.parametrize("values, found, row", [([1.0, float("nan")], "nan", 1), ([2.7, 1.0], "2.7", 0),
-                                                ([1.0, -2.0], "-2.0", 1)])
-def test_read_parquet_rejects_stored_non_counts_naming_file_column_row(tmp_path, values, found, row):
+@pytest.mark.parametrize(
+    "values, found, row",
+    [([1.0, float("nan")], "nan", 1), ([2.7, 1.0], "2.7", 0), ([1.0, -2.0], "-2.0", 1)],
+)
+def test_read_parquet_rejects_stored_non_counts_naming_file_column_row(
+    tmp_path, values, found, row
+):
     path = _write_raw(tmp_path / "p.parquet", **{"exponent_counts.0": pa.array(values)})
-    with pytest.raises(SchemaError, match=rf"p\.parquet', column 'exponent_counts\.0', row {row}: expected a whole "
-                                          rf"count >= 0; found {found}"):
+    with pytest.raises(
+        SchemaError,
+        match=rf"p\.parquet', column 'exponent_counts\.0', row {row}: expected a whole "
+        rf"count >= 0; found {found}",
+    ):
         read_parquet(path)
 
 
 def test_read_parquet_rejects_negative_and_null_integer_counts(tmp_path):
     _write_raw(tmp_path / "part-0.parquet", **{"exponent_counts.0": pa.array([3, -4])})
-    with pytest.raises(SchemaError, match=r"part-0\.parquet', row 1: \('exponent_counts', 0\): expected counts >= 0; "
-                                          r"found -4"):
+    with pytest.raises(
+        SchemaError,
+        match=r"part-0\.parquet', row 1: \('exponent_counts', 0\): expected counts >= 0; "
+        r"found -4",
+    ):
         read_parquet(tmp_path)
     d = tmp_path / "nulls"
     d.mkdir()
     _write_raw(d / "part-0.parquet", **{"exponent_counts.5": None})  # absent: zeros
-    _write_raw(d / "part-1.parquet", **{"metadata.step": pa.array([1, 1]),
-                                       "exponent_counts.5": pa.array([2, None], pa.int64())})
-    with pytest.raises(SchemaError, match=r"part-1\.parquet', column 'exponent_counts\.5', row 1: expected a count; "
-                                          r"found a missing value"):
+    _write_raw(
+        d / "part-1.parquet",
+        **{"metadata.step": pa.array([1, 1]), "exponent_counts.5": pa.array([2, None], pa.int64())},
+    )
+    with pytest.raises(
+        SchemaError,
+        match=r"part-1\.parquet', column 'exponent_counts\.5', row 1: expected a count; "
+        r"found a missing value",
+    ):
         read_parquet(d)
 
 
 @pytest.mark.parametrize("label", ["abc", "1.5"])
 def test_read_parquet_rejects_non_integer_exponent_labels(tmp_path, label):
     path = _write_raw(tmp_path / "p.parquet", **{f"exponent_counts.{label}": pa.array([0, 0])})
-    with pytest.raises(SchemaError, match=rf"column 'exponent_counts\.{re.escape(label)}': exponent labels must be "
-                                          r"integers"):
+    with pytest.raises(
+        SchemaError,
+        match=rf"column 'exponent_counts\.{re.escape(label)}': exponent labels must be "
+        r"integers",
+    ):
         read_parquet(path)
 
 
 def test_missing_exponent_columns_are_zero_only_where_absent(tmp_path):
     _write_raw(tmp_path / "part-0.parquet", **{"exponent_counts.5": None})
-    _write_raw(tmp_path / "part-1.parquet", **{"metadata.step": pa.array([1, 1]),
-                                              "exponent_counts.5": pa.array([2, 0])})
+    _write_raw(
+        tmp_path / "part-1.parquet",
+        **{"metadata.step": pa.array([1, 1]), "exponent_counts.5": pa.array([2, 0])},
+    )
     df = read_parquet(tmp_path)
     assert list(df[("exponent_counts", 5)]) == [0, 0, 2, 0]
     assert df[("exponent_counts", 5)].dtype == np.int64
@@ -420,8 +542,11 @@ def test_missing_exponent_columns_are_zero_only_where_absent(tmp_path):
 def test_filters_on_an_exponent_column_some_parts_lack(tmp_path):
     df, _ = make_log(tmp_path / "log", steps=4, flush_every=1)
     per_part = [set(pq.read_schema(p).names) for p in sorted((tmp_path / "log").glob("*.parquet"))]
-    label = next(int(n.split(".", 1)[1]) for n in sorted(set.union(*per_part) - set.intersection(*per_part))
-                 if n.split(".", 1)[1].lstrip("-").isdigit())
+    label = next(
+        int(n.split(".", 1)[1])
+        for n in sorted(set.union(*per_part) - set.intersection(*per_part))
+        if n.split(".", 1)[1].lstrip("-").isdigit()
+    )
     counts = df[("exponent_counts", label)]
     for op, value, keep in ((">", 0, counts > 0), ("==", 0, counts == 0)):
         sub = read_parquet(tmp_path / "log", filters=[(label, op, value)])
@@ -435,7 +560,11 @@ def test_exponent_columns_alone_give_a_valid_log(tmp_path):
     label = next(c for g, c in df.columns if g == "exponent_counts" and c not in ("-inf", "+inf"))
     sub = read_parquet(tmp_path / "log", columns=[label])
     assert list(sub.columns) == [c for c in df.columns if c[0] == "metadata"] + [
-        ("scalar_stats", "numel"), ("exponent_counts", "-inf"), ("exponent_counts", label), ("exponent_counts", "+inf")]
+        ("scalar_stats", "numel"),
+        ("exponent_counts", "-inf"),
+        ("exponent_counts", label),
+        ("exponent_counts", "+inf"),
+    ]
     pd.testing.assert_frame_equal(sub, df[sub.columns])
     with pytest.raises(SchemaError, match=r"no column \('scalar_stats', 'nope'\) in the log"):
         read_parquet(tmp_path / "log", columns=["nope"])
@@ -444,8 +573,11 @@ def test_exponent_columns_alone_give_a_valid_log(tmp_path):
 def test_step_filter_reads_only_matching_parts_and_chunks_agree(tmp_path):
     df, _ = make_log(tmp_path / "log", steps=4, flush_every=1)
     sub = read_parquet(tmp_path / "log", filters=[("step", ">=", 3)])
-    pd.testing.assert_frame_equal(sub, df[df[("metadata", "step")] >= 3].reset_index(drop=True)[sub.columns],
-                                  check_dtype=False)
+    pd.testing.assert_frame_equal(
+        sub,
+        df[df[("metadata", "step")] >= 3].reset_index(drop=True)[sub.columns],
+        check_dtype=False,
+    )
     # row-group statistics let the scan skip the other parts without decoding them: a
     # damaged page in an excluded part goes unnoticed by the filtered read only
     first = sorted((tmp_path / "log").glob("*.parquet"))[0]
@@ -461,13 +593,17 @@ def test_step_filter_reads_only_matching_parts_and_chunks_agree(tmp_path):
     rest = df[df[("metadata", "step")] >= 1].reset_index(drop=True)
     got = tandv.schema.concat_logs(chunks)
     pd.testing.assert_frame_equal(got, rest[got.columns], check_dtype=False)
-    assert (rest[[c for c in rest.columns if c not in got.columns]] == 0).all().all()  # only part 0 had them
+    assert (
+        (rest[[c for c in rest.columns if c not in got.columns]] == 0).all().all()
+    )  # only part 0 had them
 
 
 def test_chunks_detect_duplicates_across_chunks(tmp_path):
     _write_raw(tmp_path / "part-0.parquet")
     _write_raw(tmp_path / "part-1.parquet")
-    with pytest.raises(SchemaError, match=r"duplicate rows for \(name, tensor_type, step\) = \('a', 'Weight', 0\)"):
+    with pytest.raises(
+        SchemaError, match=r"duplicate rows for \(name, tensor_type, step\) = \('a', 'Weight', 0\)"
+    ):
         list(tandv.schema.read_parquet_chunks(tmp_path, chunk_rows=2))
     with pytest.raises(SchemaError, match=r"part-1\.parquet', row 0: metadata: duplicate rows"):
         read_parquet(tmp_path)
@@ -506,10 +642,18 @@ def test_duckdb_reads_our_parts(tmp_path):
         f"""SELECT "metadata.name" AS name, "metadata.tensor_type" AS tt, "metadata.step" AS step,
                    "scalar_stats.rm2" AS rm2, coalesce("exponent_counts.-1", 0) AS e
             FROM read_parquet('{tmp_path / "log"}/*.parquet', union_by_name = true)
-            ORDER BY step, name, tt""").df()
+            ORDER BY step, name, tt"""
+    ).df()
     m = df["metadata"]
-    ref = pd.DataFrame({"name": m["name"], "tt": m["tensor_type"], "step": m["step"],
-                        "rm2": df[("scalar_stats", "rm2")], "e": df[("exponent_counts", -1)]})
+    ref = pd.DataFrame(
+        {
+            "name": m["name"],
+            "tt": m["tensor_type"],
+            "step": m["step"],
+            "rm2": df[("scalar_stats", "rm2")],
+            "e": df[("exponent_counts", -1)],
+        }
+    )
     ref = ref.sort_values(["step", "name", "tt"]).reset_index(drop=True)
     pd.testing.assert_frame_equal(got, ref, check_dtype=False)
 
@@ -518,8 +662,11 @@ def test_frames_read_are_ordinary_editable_frames(tmp_path):
     """The reader hands its arrays to pandas without copying them; the frame must still be
     an ordinary one that users can edit in place."""
     df, _ = make_log(tmp_path / "log", steps=3, flush_every=1)
-    for back in (read_parquet(tmp_path / "log"), read_parquet(tmp_path / "log", filters=[("step", ">=", 1)]),
-                 next(tandv.schema.read_parquet_chunks(tmp_path / "log"))):
+    for back in (
+        read_parquet(tmp_path / "log"),
+        read_parquet(tmp_path / "log", filters=[("step", ">=", 1)]),
+        next(tandv.schema.read_parquet_chunks(tmp_path / "log")),
+    ):
         back.loc[back.index[0], ("scalar_stats", "rm2")] = 5.0
         back[("exponent_counts", "-inf")] += 1
         assert back[("scalar_stats", "rm2")].iloc[0] == 5.0

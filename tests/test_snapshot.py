@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from tandv.snapshot import torch as st  # noqa: E402
 
 
-def _model() -> "torch.nn.Module":
+def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
 
@@ -35,11 +35,23 @@ def _numpy_stats(x: np.ndarray) -> dict:
     x = np.asarray(x, dtype=np.float64).ravel()
     f = x[np.isfinite(x)]
     a = np.abs(f)
-    return {"mean": f.mean(), "std": f.std(), "mean_abs": a.mean(), "min_abs": a.min(),
-            "max_abs": a.max(), "rm2": np.sqrt(np.mean(a**2)), "rm4": np.mean(a**4) ** 0.25,
-            "rm8": np.mean(a**8) ** 0.125, "min": f.min(), "max": f.max(), "numel": x.size,
-            "zero_count": int((x == 0).sum()), "nan_count": int(np.isnan(x).sum()),
-            "inf_count": int(np.isinf(x).sum()), "norm": np.sqrt(np.sum(f**2))}
+    return {
+        "mean": f.mean(),
+        "std": f.std(),
+        "mean_abs": a.mean(),
+        "min_abs": a.min(),
+        "max_abs": a.max(),
+        "rm2": np.sqrt(np.mean(a**2)),
+        "rm4": np.mean(a**4) ** 0.25,
+        "rm8": np.mean(a**8) ** 0.125,
+        "min": f.min(),
+        "max": f.max(),
+        "numel": x.size,
+        "zero_count": int((x == 0).sum()),
+        "nan_count": int(np.isnan(x).sum()),
+        "inf_count": int(np.isinf(x).sum()),
+        "norm": np.sqrt(np.sum(f**2)),
+    }
 
 
 def _check_row(row, expected):
@@ -162,8 +174,14 @@ def test_from_grad_and_optimizer_state_names_and_errors():
     params = dict(model.named_parameters())
     # param groups listed in another order than the model's; one parameter not in the model
     stray = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([{"params": [params["2.weight"], stray]},
-                           {"params": [params["0.weight"], params["0.bias"]]}], lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(
+        [
+            {"params": [params["2.weight"], stray]},
+            {"params": [params["0.weight"], params["0.bias"]]},
+        ],
+        lr=0.1,
+        momentum=0.9,
+    )
     with pytest.raises(KeyError, match="no state yet"):
         st.from_optimizer_state(opt, "momentum_buffer", model=model)
     model(torch.randn(3, 5)).sum().backward()
@@ -208,7 +226,10 @@ def test_repr_is_compact_and_truthful():
     snap = Snapshot({f"l{i}.weight": np.full((2, 3), float(i)) for i in range(20)}, "big")
     text = repr(snap)
     l2 = math.sqrt(sum(6 * i * i for i in range(20)))
-    assert text.splitlines()[0] == f"Snapshot 'big' [20 tensors, numel=120, L2={l2:.4g}, dtype=float64]"
+    assert (
+        text.splitlines()[0]
+        == f"Snapshot 'big' [20 tensors, numel=120, L2={l2:.4g}, dtype=float64]"
+    )
     assert "l11.weight" in text and "l12.weight" not in text and "... 8 more" in text
     assert len(str(snap).splitlines()) == 21  # str lists all 20
     per = snap.norm(layerwise=True)
@@ -264,8 +285,11 @@ def test_jax_snapshots_against_numpy():
         np.testing.assert_allclose(np.asarray(mu[k]), 0.1 * gk, rtol=1e-6)
         np.testing.assert_allclose(np.asarray(nu[k]), 0.001 * gk**2, rtol=1e-6)
         np.testing.assert_allclose(np.asarray((w - 0.5 * g)[k]), np_params[k] - 0.5 * gk, rtol=1e-6)
-        np.testing.assert_allclose(np.asarray((mu / (sqrt(nu) + 1e-8))[k]),
-                                   0.1 * gk / (np.sqrt(0.001 * gk**2) + 1e-8), rtol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray((mu / (sqrt(nu) + 1e-8))[k]),
+            0.1 * gk / (np.sqrt(0.001 * gk**2) + 1e-8),
+            rtol=1e-5,
+        )
     with pytest.raises(KeyError, match=r"holds \['mu', 'nu'\]"):
         sj.from_optimizer_state(state, "trace", params)
 
@@ -281,6 +305,10 @@ def test_jax_snapshots_against_numpy():
     acts = sj.from_activation(st_)
     h = x @ np_params["hidden.kernel"] + np_params["hidden.bias"]
     np.testing.assert_allclose(np.asarray(acts["hidden"]), h, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(acts["root"]), np.tanh(h) @ np_params["out.kernel"]
-                               + np_params["out.bias"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(acts["root"]),
+        np.tanh(h) @ np_params["out.kernel"] + np_params["out.bias"],
+        rtol=1e-5,
+        atol=1e-6,
+    )
     assert set(acts) == {"hidden", "out", "root"}

@@ -38,8 +38,8 @@ def counts_dict(x, fmt=None):
 def test_format_range_matches_ml_dtypes(name):
     info = ml_dtypes.finfo(name)
     f = number_format(name)
-    assert 2.0 ** f.min_exponent == float(info.smallest_subnormal)
-    assert 2.0 ** f.max_exponent <= float(info.max) < 2 * 2.0 ** f.max_exponent
+    assert 2.0**f.min_exponent == float(info.smallest_subnormal)
+    assert 2.0**f.max_exponent <= float(info.max) < 2 * 2.0**f.max_exponent
     assert f.max == float(info.max)
     assert f.smallest_normal == float(info.smallest_normal)
     assert f.underflow_threshold == float(info.smallest_subnormal)
@@ -49,9 +49,18 @@ def test_format_range_matches_ml_dtypes(name):
 def test_format_hand_values():
     f = number_format("float8_e4m3fn")
     assert (f.min_exponent, f.max_exponent, f.max) == (-9, 8, 448.0)
-    assert (number_format("float32").min_exponent, number_format("float32").max_exponent) == (-149, 127)
-    assert (number_format("float64").min_exponent, number_format("float64").max_exponent) == (-1074, 1023)
-    assert (number_format("float16").min_exponent, number_format("float16").max_exponent) == (-24, 15)
+    assert (number_format("float32").min_exponent, number_format("float32").max_exponent) == (
+        -149,
+        127,
+    )
+    assert (number_format("float64").min_exponent, number_format("float64").max_exponent) == (
+        -1074,
+        1023,
+    )
+    assert (number_format("float16").min_exponent, number_format("float16").max_exponent) == (
+        -24,
+        15,
+    )
     assert number_format("bfloat16").min_exponent == -133
 
 
@@ -89,7 +98,9 @@ def test_zero_nan_never_counted_inf_overflows():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn"])
 def test_subnormals_go_to_their_true_exponent(dtype):
     f = number_format(dtype)
-    smallest = np.array([f.smallest_subnormal, 2 * f.smallest_subnormal, f.smallest_normal], dtype=dtype)
+    smallest = np.array(
+        [f.smallest_subnormal, 2 * f.smallest_subnormal, f.smallest_normal], dtype=dtype
+    )
     assert np.all(smallest.astype(np.float64) > 0)
     got = counts_dict(smallest)
     normal_exp = int(math.log2(f.smallest_normal))
@@ -98,7 +109,9 @@ def test_subnormals_go_to_their_true_exponent(dtype):
     assert got == expected
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize(
+    "dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"]
+)
 def test_max_finite_value_in_top_bin(dtype):
     f = number_format(dtype)
     x = np.array([f.max, -f.max], dtype=dtype)
@@ -107,8 +120,21 @@ def test_max_finite_value_in_top_bin(dtype):
 
 def test_simulated_format_underflow_and_overflow():
     f = number_format("float8_e4m3fn")
-    x = np.array([f.smallest_subnormal, f.smallest_subnormal / 2, 1e-30, 448.0, 449.0, 480.0, 1e6, np.inf,
-                  0.0, np.nan], dtype=np.float32)
+    x = np.array(
+        [
+            f.smallest_subnormal,
+            f.smallest_subnormal / 2,
+            1e-30,
+            448.0,
+            449.0,
+            480.0,
+            1e6,
+            np.inf,
+            0.0,
+            np.nan,
+        ],
+        dtype=np.float32,
+    )
     # below 2**-9 underflows; above 448 overflows (480 sits in binade 8 but exceeds max)
     assert counts_dict(x, "float8_e4m3fn") == {"-inf": 2, -9: 1, 8: 1, "+inf": 4}
 
@@ -227,11 +253,17 @@ def test_merge_all_many_parts_and_neutral_empty():
 
 
 def test_extras_merge_rules():
-    layout = Layout(number_format("float32"), (("s", "sum"), ("lo", "min"), ("hi", "max"), ("avg", "mean")))
-    a, _ = summarize(np.ones(3, np.float32), extras={"s": (1.0, "sum"), "lo": (5.0, "min"), "hi": (5.0, "max"),
-                                                     "avg": (1.0, "mean")})
-    b, _ = summarize(np.ones(1, np.float32), extras={"s": (2.0, "sum"), "lo": (2.0, "min"), "hi": (2.0, "max"),
-                                                     "avg": (5.0, "mean")})
+    layout = Layout(
+        number_format("float32"), (("s", "sum"), ("lo", "min"), ("hi", "max"), ("avg", "mean"))
+    )
+    a, _ = summarize(
+        np.ones(3, np.float32),
+        extras={"s": (1.0, "sum"), "lo": (5.0, "min"), "hi": (5.0, "max"), "avg": (1.0, "mean")},
+    )
+    b, _ = summarize(
+        np.ones(1, np.float32),
+        extras={"s": (2.0, "sum"), "lo": (2.0, "min"), "hi": (2.0, "max"), "avg": (5.0, "mean")},
+    )
     s, _ = finalize(merge(a, b, layout), layout)
     assert (s["s"], s["lo"], s["hi"]) == (3.0, 2.0, 5.0)
     assert s["avg"] == pytest.approx((3 * 1.0 + 1 * 5.0) / 4)
@@ -248,10 +280,14 @@ def test_moments_of_float64_values_near_the_max_stay_finite():
     """Values of magnitude >= 2**1023: every moment is finite and matches the numpy
     reference computed on values scaled down by 2**1000 (exact for powers of two), both
     for one summary and for a merge of parts whose means have opposite signs."""
-    x = np.array([2.0**1023, -2.0**1023, 1.5 * 2.0**1023, -1.25 * 2.0**1023, 1.75 * 2.0**1023])
+    x = np.array([2.0**1023, -(2.0**1023), 1.5 * 2.0**1023, -1.25 * 2.0**1023, 1.75 * 2.0**1023])
     y = x / 2.0**1000
-    expected = {"mean": y.mean(), "std": y.std(), "mean_abs": np.abs(y).mean(),
-                **{f"rm{k}": np.mean(np.abs(y) ** k) ** (1 / k) for k in (2, 4, 8)}}
+    expected = {
+        "mean": y.mean(),
+        "std": y.std(),
+        "mean_abs": np.abs(y).mean(),
+        **{f"rm{k}": np.mean(np.abs(y) ** k) ** (1 / k) for k in (2, 4, 8)},
+    }
     whole, layout = summarize(x)
     a, _ = summarize(x[1::2])
     b, _ = summarize(x[::2])

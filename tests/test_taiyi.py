@@ -26,8 +26,13 @@ from tandv.taiyi import (  # noqa: E402
 )
 from tandv.taiyi.torch import resolve_config  # noqa: E402
 
-COV = ["InputCovMaxEig", "InputCovStableRank", "InputCovCondition20", "InputCovCondition50",
-       "InputCovCondition80"]
+COV = [
+    "InputCovMaxEig",
+    "InputCovStableRank",
+    "InputCovCondition20",
+    "InputCovCondition50",
+    "InputCovCondition80",
+]
 
 
 def values(df: pd.DataFrame, module: str, step: int | None = None) -> dict[str, float]:
@@ -58,9 +63,11 @@ def np_cov_expectation(x: np.ndarray) -> dict[str, float]:
     xc = x - x.mean(0)
     sv = np.linalg.svd(xc, compute_uv=False)
     d = c.shape[0]
-    out = {"InputCovMaxEig": eig[0],
-           # stable rank ||Xc||_F^2 / ||Xc||_2^2 from the SVD, a second route to tr(C) / lambda_1
-           "InputCovStableRank": (sv ** 2).sum() / sv[0] ** 2}
+    out = {
+        "InputCovMaxEig": eig[0],
+        # stable rank ||Xc||_F^2 / ||Xc||_2^2 from the SVD, a second route to tr(C) / lambda_1
+        "InputCovStableRank": (sv**2).sum() / sv[0] ** 2,
+    }
     for p in (20, 50, 80):
         out[f"InputCovCondition{p}"] = eig[0] / eig[int(math.floor(p * d / 100))]
     return out
@@ -73,6 +80,7 @@ def np_rankme(z: np.ndarray) -> float:
 
 
 # -- each quantity against its definition -------------------------------------------------------
+
 
 def test_covariance_quantities_of_a_linear_input_match_numpy():
     torch.manual_seed(0)
@@ -98,10 +106,14 @@ def test_conv_input_is_pixels_by_channels_and_passes_of_a_step_merge():
     cap = Capture(conv)
     mon = Monitor(conv, {"Conv2d": COV + ["InputMean", "InputSndNorm", "RankMe"]})
     for _ in range(2):  # two micro-batches in one step: the quantities of both together
-        conv(torch.randn(4, 5, 6, 6) * torch.tensor([1.0, 2.0, 0.5, 3.0, 1.0]).view(1, 5, 1, 1) + 0.3)
+        conv(
+            torch.randn(4, 5, 6, 6) * torch.tensor([1.0, 2.0, 0.5, 3.0, 1.0]).view(1, 5, 1, 1) + 0.3
+        )
     mon.track()
     got = values(mon.to_dataframe(), "root", 0)
-    xs = np.concatenate([x.transpose(0, 2, 3, 1).reshape(-1, 5) for x in cap.inputs])  # (N*H*W*2, C)
+    xs = np.concatenate(
+        [x.transpose(0, 2, 3, 1).reshape(-1, 5) for x in cap.inputs]
+    )  # (N*H*W*2, C)
     want = np_cov_expectation(xs)
     for q in COV:
         assert got[q] == pytest.approx(want[q], rel=1e-9), q
@@ -140,8 +152,10 @@ def test_norms_of_weight_and_output_gradient():
     mon.track()
     got = mon.to_dataframe()
     w = model[0].weight.detach().double().numpy()
-    assert values(got, "0")["WeightNorm"] == pytest.approx(np.sqrt((w ** 2).sum()), rel=1e-12)
-    want = np.linalg.norm(np.concatenate([r1.double().numpy().ravel(), r2.double().numpy().ravel()]))
+    assert values(got, "0")["WeightNorm"] == pytest.approx(np.sqrt((w**2).sum()), rel=1e-12)
+    want = np.linalg.norm(
+        np.concatenate([r1.double().numpy().ravel(), r2.double().numpy().ravel()])
+    )
     assert values(got, "2")["OutputGradSndNorm"] == pytest.approx(want, rel=1e-12)
 
 
@@ -191,8 +205,10 @@ def test_batchnorm_mean_and_var_tid_average_over_the_batches_since_last_computed
             sr = np.sqrt(bn.running_var.double().numpy())
             mus = [x.mean(axis=(0, 2, 3)) for x in seen]
             sigmas = [x.std(axis=(0, 2, 3)) for x in seen]  # biased, as BatchNorm normalizes
-            expected[step] = (np.mean([np.linalg.norm(m - rm) / np.linalg.norm(sr) for m in mus]),
-                              np.mean([np.linalg.norm(s - sr) / np.linalg.norm(sr) for s in sigmas]))
+            expected[step] = (
+                np.mean([np.linalg.norm(m - rm) / np.linalg.norm(sr) for m in mus]),
+                np.mean([np.linalg.norm(s - sr) / np.linalg.norm(sr) for s in sigmas]),
+            )
             seen = []
         mon.track()
     df = mon.to_dataframe()
@@ -213,12 +229,22 @@ def test_eval_mode_passes_are_not_counted():
     lin(torch.randn(4, 3) * 100)
     lin.train()
     mon.track()
-    assert values(mon.to_dataframe(), "root")["InputSndNorm"] == pytest.approx(np.linalg.norm(cap.inputs[0]))
+    assert values(mon.to_dataframe(), "root")["InputSndNorm"] == pytest.approx(
+        np.linalg.norm(cap.inputs[0])
+    )
 
 
 def test_every_quantity_is_tested_and_documented():
-    tested = set(COV) | {"InputMean", "InputSndNorm", "OutputGradSndNorm", "WeightNorm",
-                         "LinearDeadNeuronNum", "RankMe", "MeanTID", "VarTID"}
+    tested = set(COV) | {
+        "InputMean",
+        "InputSndNorm",
+        "OutputGradSndNorm",
+        "WeightNorm",
+        "LinearDeadNeuronNum",
+        "RankMe",
+        "MeanTID",
+        "VarTID",
+    }
     assert tested == set(QUANTITIES)
     assert all(len(q.doc) > 40 for q in QUANTITIES.values())
     assert {q.name for q in QUANTITIES.values() if not q.exact} == set(COV)
@@ -229,20 +255,26 @@ def test_every_quantity_is_tested_and_documented():
 
 # -- schedules ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec, fires", [
-    ("linear(5, 2)", [2, 7, 12]),        # Taiyi's example: steps 2, 7, 12, ...
-    ("linear(5,0)", [0, 5, 10]),
-    (" linear( 4 ) ", [0, 4, 8, 12]),     # offset defaults to 0
-    ("linear(0, 0)", list(range(14))),    # Taiyi's documented default: every step
-    ("linear(1, 11)", [11, 12, 13]),
-    (None, list(range(14))),
-])
+
+@pytest.mark.parametrize(
+    "spec, fires",
+    [
+        ("linear(5, 2)", [2, 7, 12]),  # Taiyi's example: steps 2, 7, 12, ...
+        ("linear(5,0)", [0, 5, 10]),
+        (" linear( 4 ) ", [0, 4, 8, 12]),  # offset defaults to 0
+        ("linear(0, 0)", list(range(14))),  # Taiyi's documented default: every step
+        ("linear(1, 11)", [11, 12, 13]),
+        (None, list(range(14))),
+    ],
+)
 def test_schedule_strings_fire_at_the_documented_steps(spec, fires):
     s = parse_schedule(spec)
     assert [k for k in range(14) if s(k)] == fires
 
 
-@pytest.mark.parametrize("spec", ["cosine(5, 0)", "linear(5, -1)", "linear(a, 0)", "linear 5, 0", ""])
+@pytest.mark.parametrize(
+    "spec", ["cosine(5, 0)", "linear(5, -1)", "linear(a, 0)", "linear 5, 0", ""]
+)
 def test_bad_schedule_strings_are_rejected(spec):
     with pytest.raises(ValueError, match="linear\\(interval, offset\\)"):
         parse_schedule(spec)
@@ -251,8 +283,13 @@ def test_bad_schedule_strings_are_rejected(spec):
 def test_per_quantity_schedules_fire_on_their_steps_in_a_run():
     torch.manual_seed(8)
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
-    mon = Monitor(model, {nn.BatchNorm1d: [["MeanTID", "linear(5, 0)"], "InputSndNorm"],
-                          "Linear": [["WeightNorm", "linear(5, 2)"], ["InputMean"]]})
+    mon = Monitor(
+        model,
+        {
+            nn.BatchNorm1d: [["MeanTID", "linear(5, 0)"], "InputSndNorm"],
+            "Linear": [["WeightNorm", "linear(5, 2)"], ["InputMean"]],
+        },
+    )
     for _ in range(13):
         model(torch.randn(8, 3))
         mon.track()
@@ -271,7 +308,9 @@ def test_unscheduled_steps_compute_nothing(monkeypatch):
     real = tt.feature_matrix
     monkeypatch.setattr(tt, "feature_matrix", lambda x, m: calls.append(1) or real(x, m))
     lin = nn.Linear(3, 3)
-    mon = Monitor(lin, {nn.Linear: [["InputCovMaxEig", "linear(4, 1)"], ["RankMe", "linear(4, 1)"]]})
+    mon = Monitor(
+        lin, {nn.Linear: [["InputCovMaxEig", "linear(4, 1)"], ["RankMe", "linear(4, 1)"]]}
+    )
     per_step = []
     for _ in range(6):
         lin(torch.randn(5, 3))
@@ -293,6 +332,7 @@ def test_explicit_step_numbers_and_start_step():
 
 # -- the config form and its errors ---------------------------------------------------------------
 
+
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -309,31 +349,61 @@ class Net(nn.Module):
 
 def test_config_keys_select_by_name_class_name_and_class():
     net = Net()
-    plan = resolve_config(net, {"fc1": ["WeightNorm"], "Linear": ["InputMean"],
-                                nn.BatchNorm2d: [["MeanTID", "linear(5, 0)"], "InputSndNorm"]})
+    plan = resolve_config(
+        net,
+        {
+            "fc1": ["WeightNorm"],
+            "Linear": ["InputMean"],
+            nn.BatchNorm2d: [["MeanTID", "linear(5, 0)"], "InputSndNorm"],
+        },
+    )
     assert list(plan) == ["bn", "fc1", "fc2"]  # model order
     assert [e.name for e in plan["fc1"][1]] == ["WeightNorm", "InputMean"]
     assert [e.name for e in plan["fc2"][1]] == ["InputMean"]
-    assert [(e.name, e.schedule_text) for e in plan["bn"][1]] == [("MeanTID", "linear(5, 0)"),
-                                                                  ("InputSndNorm", "every step")]
+    assert [(e.name, e.schedule_text) for e in plan["bn"][1]] == [
+        ("MeanTID", "linear(5, 0)"),
+        ("InputSndNorm", "every step"),
+    ]
 
 
-@pytest.mark.parametrize("config, error, words", [
-    ({nn.Linear: ["InputCovMaxEigen"]}, ValueError, ["nn.Linear", "unknown quantity", "'InputCovMaxEig'"]),
-    ({"fc3": ["WeightNorm"]}, ValueError, ["'fc3'", "no module", "fc1"]),
-    ({nn.LayerNorm: ["WeightNorm"]}, ValueError, ["nn.LayerNorm", "no LayerNorm module", "BatchNorm2d"]),
-    ({int: ["WeightNorm"]}, TypeError, ["int", "nn.Module subclass"]),
-    ({3: ["WeightNorm"]}, TypeError, ["config key 3", "module path"]),
-    ({nn.Conv2d: ["LinearDeadNeuronNum"]}, ValueError, ["nn.Conv2d", "'conv'", "nn.Linear"]),
-    ({"fc1": ["MeanTID"]}, ValueError, ["'fc1'", "MeanTID", "BatchNorm"]),
-    ({nn.ReLU: ["WeightNorm"]}, ValueError, ["nn.ReLU", "'act'", "no weight"]),
-    ({nn.Linear: [["InputMean", "every(5)"]]}, ValueError, ["nn.Linear", "'InputMean'", "linear(interval, offset)"]),
-    ({nn.Linear: [["InputMean", "linear(1, 0)", "x"]]}, ValueError, ["nn.Linear", "is not a quantity"]),
-    ({nn.Linear: ["InputMean", "InputMean"]}, ValueError, ["listed twice"]),
-    ({nn.Linear: [["InputMean", "linear(2, 0)"]], "fc1": ["InputMean"]}, ValueError,
-     ["'fc1'", "from key nn.Linear", "from key 'fc1'"]),
-    ({nn.Linear: {"InputMean": 1}}, TypeError, ["expected a list of quantities"]),
-])
+@pytest.mark.parametrize(
+    "config, error, words",
+    [
+        (
+            {nn.Linear: ["InputCovMaxEigen"]},
+            ValueError,
+            ["nn.Linear", "unknown quantity", "'InputCovMaxEig'"],
+        ),
+        ({"fc3": ["WeightNorm"]}, ValueError, ["'fc3'", "no module", "fc1"]),
+        (
+            {nn.LayerNorm: ["WeightNorm"]},
+            ValueError,
+            ["nn.LayerNorm", "no LayerNorm module", "BatchNorm2d"],
+        ),
+        ({int: ["WeightNorm"]}, TypeError, ["int", "nn.Module subclass"]),
+        ({3: ["WeightNorm"]}, TypeError, ["config key 3", "module path"]),
+        ({nn.Conv2d: ["LinearDeadNeuronNum"]}, ValueError, ["nn.Conv2d", "'conv'", "nn.Linear"]),
+        ({"fc1": ["MeanTID"]}, ValueError, ["'fc1'", "MeanTID", "BatchNorm"]),
+        ({nn.ReLU: ["WeightNorm"]}, ValueError, ["nn.ReLU", "'act'", "no weight"]),
+        (
+            {nn.Linear: [["InputMean", "every(5)"]]},
+            ValueError,
+            ["nn.Linear", "'InputMean'", "linear(interval, offset)"],
+        ),
+        (
+            {nn.Linear: [["InputMean", "linear(1, 0)", "x"]]},
+            ValueError,
+            ["nn.Linear", "is not a quantity"],
+        ),
+        ({nn.Linear: ["InputMean", "InputMean"]}, ValueError, ["listed twice"]),
+        (
+            {nn.Linear: [["InputMean", "linear(2, 0)"]], "fc1": ["InputMean"]},
+            ValueError,
+            ["'fc1'", "from key nn.Linear", "from key 'fc1'"],
+        ),
+        ({nn.Linear: {"InputMean": 1}}, TypeError, ["expected a list of quantities"]),
+    ],
+)
 def test_config_errors_say_which_key_what_and_what_to_do(config, error, words):
     with pytest.raises(error) as e:
         Monitor(Net(), config)
@@ -350,16 +420,21 @@ def test_failed_config_leaves_no_hooks():
 
 # -- the table beside a tandv log -----------------------------------------------------------------
 
+
 def test_table_is_written_beside_the_tracker_log_and_read_back():
     from tandv.track.torch import track
 
     torch.manual_seed(9)
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    config = {nn.BatchNorm2d: [["MeanTID", "linear(2, 0)"], "VarTID"],
-              nn.Linear: ["InputCovMaxEig", "WeightNorm", "RankMe"]}
-    with track(net, opt, out="log", track_optimizer=False) as tracker, \
-            Monitor(net, config, out=tracker, flush_every=2) as mon:
+    config = {
+        nn.BatchNorm2d: [["MeanTID", "linear(2, 0)"], "VarTID"],
+        nn.Linear: ["InputCovMaxEig", "WeightNorm", "RankMe"],
+    }
+    with (
+        track(net, opt, out="log", track_optimizer=False) as tracker,
+        Monitor(net, config, out=tracker, flush_every=2) as mon,
+    ):
         for _ in range(5):
             net(torch.randn(6, 2, 5, 5)).square().mean().backward()
             mon.track()
@@ -387,7 +462,9 @@ def test_table_beside_a_single_file_log_and_errors(tmp_path):
     lin = nn.Linear(2, 2)
     with Monitor(lin, {nn.Linear: ["WeightNorm"]}, out=tmp_path / "run.pkl") as mon:
         mon.track()
-    assert read_taiyi(tmp_path / "run.pkl")["value"].tolist() == mon.to_dataframe()["value"].tolist()
+    assert (
+        read_taiyi(tmp_path / "run.pkl")["value"].tolist() == mon.to_dataframe()["value"].tolist()
+    )
     with pytest.raises(FileExistsError, match="already holds a Taiyi table"):
         with Monitor(lin, {nn.Linear: ["WeightNorm"]}, out=tmp_path / "run.pkl") as again:
             again.track()
@@ -398,9 +475,18 @@ def test_table_beside_a_single_file_log_and_errors(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_values_match_the_cpu_run():
     torch.manual_seed(10)
-    config = {nn.Linear: COV + ["InputMean", "InputSndNorm", "OutputGradSndNorm", "WeightNorm",
-                                "LinearDeadNeuronNum", "RankMe"],
-              nn.BatchNorm2d: ["MeanTID", "VarTID"]}
+    config = {
+        nn.Linear: COV
+        + [
+            "InputMean",
+            "InputSndNorm",
+            "OutputGradSndNorm",
+            "WeightNorm",
+            "LinearDeadNeuronNum",
+            "RankMe",
+        ],
+        nn.BatchNorm2d: ["MeanTID", "VarTID"],
+    }
     x = torch.randn(6, 2, 5, 5)
     cpu_net = Net()
     frames = []
@@ -415,6 +501,7 @@ def test_on_cuda_the_values_match_the_cpu_run():
 
 
 # -- JAX / Flax linen -----------------------------------------------------------------------------
+
 
 def _flax_model():
     jax = pytest.importorskip("jax")
@@ -435,7 +522,8 @@ def _flax_model():
 
 def test_jax_quantities_match_numpy_on_the_same_arrays():
     jax, fnn, model, variables, x = _flax_model()
-    from tandv.taiyi.jax import JAX_QUANTITIES, Monitor as JaxMonitor
+    from tandv.taiyi.jax import JAX_QUANTITIES
+    from tandv.taiyi.jax import Monitor as JaxMonitor
 
     forward = [q for q in JAX_QUANTITIES if q != "LinearDeadNeuronNum"]
     mon = JaxMonitor({fnn.Conv: forward, "Dense": forward + ["LinearDeadNeuronNum"]})
@@ -446,17 +534,28 @@ def test_jax_quantities_match_numpy_on_the_same_arrays():
     # the test's own record of each module's input and output
     _, state = model.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
     inter = state["intermediates"]
-    outs = {name: np.asarray(inter[name]["__call__"][0], np.float64) for name in ("Conv_0", "Dense_0", "Dense_1")}
-    ins = {"Conv_0": np.asarray(x, np.float64),
-           "Dense_0": np.maximum(outs["Conv_0"], 0).mean(axis=(1, 2)),
-           "Dense_1": np.maximum(outs["Dense_0"], 0)}
+    outs = {
+        name: np.asarray(inter[name]["__call__"][0], np.float64)
+        for name in ("Conv_0", "Dense_0", "Dense_1")
+    }
+    ins = {
+        "Conv_0": np.asarray(x, np.float64),
+        "Dense_0": np.maximum(outs["Conv_0"], 0).mean(axis=(1, 2)),
+        "Dense_1": np.maximum(outs["Dense_0"], 0),
+    }
     params = variables["params"]
     for name in ("Conv_0", "Dense_0", "Dense_1"):
-        xin = ins[name].reshape(-1, ins[name].shape[-1])  # channels-last: features are the last axis
+        xin = ins[name].reshape(
+            -1, ins[name].shape[-1]
+        )  # channels-last: features are the last axis
         z = outs[name].reshape(-1, outs[name].shape[-1])
         want = np_cov_expectation(xin)
-        want.update(InputMean=xin.mean(), InputSndNorm=np.linalg.norm(xin), RankMe=np_rankme(z),
-                    WeightNorm=np.linalg.norm(np.asarray(params[name]["kernel"], np.float64)))
+        want.update(
+            InputMean=xin.mean(),
+            InputSndNorm=np.linalg.norm(xin),
+            RankMe=np_rankme(z),
+            WeightNorm=np.linalg.norm(np.asarray(params[name]["kernel"], np.float64)),
+        )
         if name.startswith("Dense"):
             want["LinearDeadNeuronNum"] = (z <= 0).all(axis=0).sum()
         v = values(got, name, 0)
@@ -485,7 +584,9 @@ def test_jax_schedules_errors_and_a_module_called_twice():
     with pytest.raises(ValueError, match="keys 'Dense_7' matched no module"):
         bad.track(q)
     conv = JaxMonitor({fnn.Conv: ["LinearDeadNeuronNum"]})
-    with pytest.raises(ValueError, match="defined for nn.Dense modules, but module 'Conv_0' is a Conv"):
+    with pytest.raises(
+        ValueError, match="defined for nn.Dense modules, but module 'Conv_0' is a Conv"
+    ):
         conv.apply(model, variables, x, due=conv.due(0))
 
     class Twice(fnn.Module):  # one Dense applied to two inputs: both calls count
@@ -494,7 +595,10 @@ def test_jax_schedules_errors_and_a_module_called_twice():
             d = fnn.Dense(2)
             return d(a), d(b)
 
-    a, b = jax.random.normal(jax.random.key(2), (5, 3)), jax.random.normal(jax.random.key(3), (7, 3)) + 1
+    a, b = (
+        jax.random.normal(jax.random.key(2), (5, 3)),
+        jax.random.normal(jax.random.key(3), (7, 3)) + 1,
+    )
     tw = Twice()
     tv = tw.init(jax.random.key(4), a, b)
     m2 = JaxMonitor({"Dense_0": ["InputMean", "InputCovMaxEig"]})
@@ -503,4 +607,6 @@ def test_jax_schedules_errors_and_a_module_called_twice():
     both = np.concatenate([np.asarray(a, np.float64), np.asarray(b, np.float64)])
     v = values(m2.to_dataframe(), "Dense_0")
     assert v["InputMean"] == pytest.approx(both.mean(), rel=1e-5)
-    assert v["InputCovMaxEig"] == pytest.approx(np_cov_expectation(both)["InputCovMaxEig"], rel=1e-5)
+    assert v["InputCovMaxEig"] == pytest.approx(
+        np_cov_expectation(both)["InputCovMaxEig"], rel=1e-5
+    )

@@ -16,8 +16,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from tandv.schema import read_log
-from tandv.track.torch import track
 from tandv.track.torch import summary as kernel
+from tandv.track.torch import track
 
 STEPS = 6
 STATS = {"l1": lambda t: t.abs().sum()}  # a custom statistic
@@ -47,7 +47,9 @@ class InplaceNet(Net):
         self.act = nn.ReLU(inplace=True)
 
 
-def train(how: object, out: str, steps: int = STEPS, warm: int = 2, model_cls: type = Net, **options):
+def train(
+    how: object, out: str, steps: int = STEPS, warm: int = 2, model_cls: type = Net, **options
+):
     """Train ``model_cls`` ``steps`` steps with Adam under a tracker; ``how``: ``"eager"``,
     ``"torch.compile"`` or ``"model.compile"`` (inductor), or a dynamo backend for
     ``torch.compile(fullgraph=True)``. After ``warm`` steps a recompilation raises.
@@ -93,8 +95,12 @@ def assert_same_log(got: pd.DataFrame, want: pd.DataFrame) -> None:
     exact = ["numel", "zero_count", "nan_count", "inf_count", "min", "max", "min_abs", "max_abs"]
     pd.testing.assert_frame_equal(got["scalar_stats"][exact], want["scalar_stats"][exact])
     moments = [c for c in want["scalar_stats"].columns if c not in exact]
-    np.testing.assert_allclose(got["scalar_stats"][moments].to_numpy(),
-                               want["scalar_stats"][moments].to_numpy(), rtol=1e-6, atol=0)
+    np.testing.assert_allclose(
+        got["scalar_stats"][moments].to_numpy(),
+        want["scalar_stats"][moments].to_numpy(),
+        rtol=1e-6,
+        atol=0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +144,9 @@ class GraphRecorder:
         return gm.forward
 
     def observe_calls(self, gm: torch.fx.GraphModule) -> int:
-        return sum(n.op == "call_function" and "tandv.observe" in str(n.target) for n in gm.graph.nodes)
+        return sum(
+            n.op == "call_function" and "tandv.observe" in str(n.target) for n in gm.graph.nodes
+        )
 
 
 @pytest.mark.parametrize("backend", ["graphs", "inductor"])
@@ -152,7 +160,11 @@ def test_module_changing_its_input_in_place(backend, tmp_path):
     want, want_losses, _ = train("eager", str(tmp_path / "eager"), steps=3, model_cls=InplaceNet)
     assert losses == want_losses
     rows = want.set_index([("metadata", "name"), ("metadata", "tensor_type")])["scalar_stats"]
-    assert rows.loc[("fc1", "Activation"), "min"].min() < 0 <= rows.loc[("act", "Activation"), "min"].min()
+    assert (
+        rows.loc[("fc1", "Activation"), "min"].min()
+        < 0
+        <= rows.loc[("act", "Activation"), "min"].min()
+    )
     assert_same_log(log, want)
 
 
@@ -218,23 +230,34 @@ def test_a_closed_tracker_leaves_the_model_untracked_and_a_new_one_tracks_it(tmp
         assert backend.observe_calls(backend.graphs[-1]) == 5
         rows = read_log(str(tmp_path / run))
         assert sorted(rows.metadata.name[rows.metadata.tensor_type == "Activation"]) == [
-            "act", "fc1", "fc2", "root[0]", "root[1]"]
+            "act",
+            "fc1",
+            "fc2",
+            "root[0]",
+            "root[1]",
+        ]
         model(x)
         assert backend.observe_calls(backend.graphs[-1]) == 0
 
 
-@pytest.mark.parametrize("compile_", [
-    lambda net: torch.compile(net, mode="reduce-overhead"),
-    lambda net: torch.compile(net, options={"triton.cudagraphs": True}),
-    lambda net: torch.compile(net, mode="max-autotune"),
-    lambda net: net.compile(mode="reduce-overhead") or net,
-], ids=["mode", "options", "max-autotune", "in-place"])
+@pytest.mark.parametrize(
+    "compile_",
+    [
+        lambda net: torch.compile(net, mode="reduce-overhead"),
+        lambda net: torch.compile(net, options={"triton.cudagraphs": True}),
+        lambda net: torch.compile(net, mode="max-autotune"),
+        lambda net: net.compile(mode="reduce-overhead") or net,
+    ],
+    ids=["mode", "options", "max-autotune", "in-place"],
+)
 def test_cuda_graphs_are_refused_naming_the_option(compile_):
     """CUDA graphs would replay without calling the tracker: refused at start, with the
     option to change; weights and optimizer state alone (no hooks) are fine."""
     torch.manual_seed(0)
     model = compile_(Net())
-    with pytest.raises(ValueError, match=r"triton.cudagraphs.*mode=\"default\".*track_activations=False"):
+    with pytest.raises(
+        ValueError, match=r"triton.cudagraphs.*mode=\"default\".*track_activations=False"
+    ):
         track(model, out="log")
     track(model, out="log2", track_activations=False, track_gradients=False).close()
 
@@ -298,6 +321,12 @@ def test_activation_checkpointing_inside_the_graph(tmp_path):
     acts = logs[1][(logs[1].metadata.tensor_type == "Activation") & (logs[1].metadata.step == 1)]
     # one observation per step each (a second would double the merged numel)
     assert dict(zip(acts.metadata.name, acts.scalar_stats.numel)) == {
-        "inner.fc1": 8 * 16, "inner.act": 8 * 16, "inner.fc2": 8 * 3, "inner[0]": 8 * 3,
-        "inner[1]": 8 * 16, "out": 8 * 2, "root": 8 * 2}
+        "inner.fc1": 8 * 16,
+        "inner.act": 8 * 16,
+        "inner.fc2": 8 * 3,
+        "inner[0]": 8 * 3,
+        "inner[1]": 8 * 16,
+        "out": 8 * 2,
+        "root": 8 * 2,
+    }
     assert_same_log(logs[1], logs[0])

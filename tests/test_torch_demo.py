@@ -17,16 +17,30 @@ def test_demo_run_returns_a_log_with_every_tensor_type_at_every_step():
     assert sorted(set(meta["step"])) == [0, 1, 2]
     for k in range(3):
         assert set(meta[meta["step"] == k]["tensor_type"]) == {
-            "Activation", "Gradient", "Weight", "Optimiser_State"}
+            "Activation",
+            "Gradient",
+            "Weight",
+            "Optimiser_State",
+        }
     names = set(meta["name"])
-    assert {"root", "layers.0.attention.wq", "layers.1.mlp.fc1.weight",
-            "layers.0.attention.wq.weight.exp_avg_sq", "layers.1.mlp.fc1.weight.update"} <= names
+    assert {
+        "root",
+        "layers.0.attention.wq",
+        "layers.1.mlp.fc1.weight",
+        "layers.0.attention.wq.weight.exp_avg_sq",
+        "layers.1.mlp.fc1.weight.update",
+    } <= names
     scalars = read_scalars(path)
-    assert list(scalars.columns) == ["step", "loss", "lr", "grad_norm"] and scalars["step"].tolist() == [0, 1, 2]
+    assert list(scalars.columns) == ["step", "loss", "lr", "grad_norm"] and scalars[
+        "step"
+    ].tolist() == [0, 1, 2]
     assert (scalars["loss"] > 0).all() and (scalars["grad_norm"] > 0).all()
     taiyi = read_taiyi(path)  # linear(10, 0): of steps 0..2 only step 0 fires
-    linears = {n for n, m in GPT(torch_demo.demo_config(11)).named_modules()
-               if isinstance(m, torch.nn.Linear)}
+    linears = {
+        n
+        for n, m in GPT(torch_demo.demo_config(11)).named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
     assert set(taiyi["step"]) == {0} and set(taiyi["module"]) == linears
     assert set(taiyi["quantity"]) == {"InputCovStableRank", "RankMe", "OutputGradSndNorm"}
     assert (taiyi["value"] > 0).all()

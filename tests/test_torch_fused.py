@@ -41,8 +41,13 @@ def fused_path(monkeypatch):
 def reference(x: torch.Tensor, fmt=None, extras=None):
     name = str(x.dtype).removeprefix("torch.")
     arr = x.detach().cpu()
-    arr = arr.numpy() if name in ("float32", "float16") else \
-        arr.view(torch.uint8 if x.element_size() == 1 else torch.int16).numpy().view(getattr(ml_dtypes, name))
+    arr = (
+        arr.numpy()
+        if name in ("float32", "float16")
+        else arr.view(torch.uint8 if x.element_size() == 1 else torch.int16)
+        .numpy()
+        .view(getattr(ml_dtypes, name))
+    )
     return summarize(arr, fmt, extras)
 
 
@@ -50,21 +55,28 @@ def check(got: np.ndarray, ref: np.ndarray, layout: Layout, rtol: float = 2e-6) 
     assert got.shape == ref.shape
     for i, name in enumerate(CORE_FIELDS):
         if name in EXACT:
-            assert got[i] == ref[i] or (np.isnan(got[i]) and np.isnan(ref[i])), (name, got[i], ref[i])
+            assert got[i] == ref[i] or (np.isnan(got[i]) and np.isnan(ref[i])), (
+                name,
+                got[i],
+                ref[i],
+            )
         else:
             tol = rtol * max(abs(ref[i]), ref[0] * 1e-9, 1e-300)
             if name == "m2" and ref[1] + ref[2]:
                 tol += rtol * (ref[1] + ref[2]) * (ref[8] / (ref[7] or 1.0)) ** 2
             assert abs(got[i] - ref[i]) <= tol, (name, got[i], ref[i])
-    np.testing.assert_array_equal(got[layout.counts_start:], ref[layout.counts_start:])
+    np.testing.assert_array_equal(got[layout.counts_start :], ref[layout.counts_start :])
 
 
 def one(x: torch.Tensor, layout: Layout, max_parts: int) -> np.ndarray:
     """``x`` summarized by one launch with at most ``max_parts`` programs."""
     spec = _fused.spec_for(x.dtype)
     rows = torch.zeros(_fused.row_size(spec, layout), dtype=torch.float64, device=x.device)
-    scratch = torch.zeros(max(1, _fused.scratch_rows(x.numel(), max_parts)) * _fused.PART,
-                          dtype=torch.float64, device=x.device)
+    scratch = torch.zeros(
+        max(1, _fused.scratch_rows(x.numel(), max_parts)) * _fused.PART,
+        dtype=torch.float64,
+        device=x.device,
+    )
     _fused.launch_one(x, spec, layout, rows, 0, scratch, max_parts)
     return _fused.finish_rows(rows.cpu().numpy()[None], spec, layout)[0]
 
@@ -90,15 +102,28 @@ def test_blocks_spanning_every_exponent_of_the_dtype(dtype):
     """One block holding every exponent of the dtype (subnormals included), in both signs,
     is counted exactly in every format."""
     exps = torch.arange(127, -134 if dtype == torch.bfloat16 else -150, -1, dtype=torch.float64)
-    x = torch.cat([2.0 ** exps, -(2.0 ** (exps[:40] - 0.5))])
-    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(1))].to(dtype).to(DEVICE)
+    x = torch.cat([2.0**exps, -(2.0 ** (exps[:40] - 0.5))])
+    x = (
+        x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(1))]
+        .to(dtype)
+        .to(DEVICE)
+    )
     for fmt in (None, "float8_e4m3fn", "float16"):
         ref, layout = reference(x, fmt)
         check(one(x, layout, 4), ref, layout)
 
 
-EIGHT_BIT = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                         "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)]
+EIGHT_BIT = [
+    getattr(torch, n)
+    for n in (
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    if hasattr(torch, n)
+]
 
 
 @pytest.mark.parametrize("dtype", EIGHT_BIT, ids=str)
@@ -130,8 +155,12 @@ def test_one_launch_for_many_tensors_of_mixed_sizes():
     """launch_many: tiny, empty-free, multi-program and unaligned tensors in one table."""
     g = torch.Generator().manual_seed(3)
     big = torch.randn(3 * _fused.MIN_CHUNK + 11, generator=g) * 1e-3
-    tensors = [torch.randn(5, generator=g), big, torch.tensor([float("nan"), 2.0, -0.0]),
-               torch.randn(1000, generator=g)[1:]]  # offset by 4 bytes from its allocation
+    tensors = [
+        torch.randn(5, generator=g),
+        big,
+        torch.tensor([float("nan"), 2.0, -0.0]),
+        torch.randn(1000, generator=g)[1:],
+    ]  # offset by 4 bytes from its allocation
     tensors = [t.to(DEVICE) for t in tensors]
     layout = Layout("float32", (("peak", "max"),))
     ws = _workspace.Workspace()
@@ -151,7 +180,9 @@ def test_rows_buffer_grows_within_a_step(monkeypatch):
     layout = Layout("float32")
     ws = _workspace.Workspace()
     slots = [ws.summaries([t], layout, [{}])[0] for t in tensors]
-    assert ws._spaces[torch.device(DEVICE) if DEVICE == "cpu" else tensors[0].device].rows.numel() > 64
+    assert (
+        ws._spaces[torch.device(DEVICE) if DEVICE == "cpu" else tensors[0].device].rows.numel() > 64
+    )
     for t, got in zip(tensors, _workspace.to_host(slots, ws.end_step())):
         ref, lay = reference(t)
         check(got, ref, lay)
@@ -238,7 +269,8 @@ _COMPILE = textwrap.dedent("""
         for fn, sig in kernels:
             first = len(sig)
             sig.update({k: "constexpr" for k in names})
-            src = ASTSource(fn=fn, signature=sig, constexprs={(first + i,): c[k] for i, k in enumerate(names)})
+            constexprs = {(first + i,): c[k] for i, k in enumerate(names)}
+            src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
             triton.compile(src, target=GPUTarget("cuda", arch, 32),
                            options={"num_warps": c["num_warps"], "enable_fp_fusion": True})
     print("compiled")
@@ -253,6 +285,11 @@ def test_kernels_compile_for_gpus(arch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    run = subprocess.run([sys.executable, "-c", _COMPILE, str(arch)], env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE, str(arch)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]

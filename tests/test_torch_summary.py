@@ -12,7 +12,6 @@ from tandv.track.torch import summarize_torch
 from tandv.track.torch import summary as kernel
 from tandv.track.torch._workspace import Workspace, to_host
 
-
 try:
     import triton  # noqa: F401
 
@@ -49,7 +48,11 @@ def assert_matches_reference(x: torch.Tensor, fmt=None, rtol=2e-6):
     got = got.numpy()
     for i, name in enumerate(CORE_FIELDS):
         if name in EXACT:
-            assert got[i] == ref[i] or (np.isnan(got[i]) and np.isnan(ref[i])), (name, got[i], ref[i])
+            assert got[i] == ref[i] or (np.isnan(got[i]) and np.isnan(ref[i])), (
+                name,
+                got[i],
+                ref[i],
+            )
         else:
             # moments: relative to the summary's own scale (they are sums of terms <= 1)
             tol = rtol * max(abs(ref[i]), ref[0] * 1e-9, 1e-300)
@@ -59,15 +62,40 @@ def assert_matches_reference(x: torch.Tensor, fmt=None, rtol=2e-6):
                 # taken from, which also holds nonfinite * (mean/scale)**2
                 tol += rtol * nonfinite * (ref[8] / (ref[7] or 1.0)) ** 2
             assert abs(got[i] - ref[i]) <= tol, (name, got[i], ref[i])
-    np.testing.assert_array_equal(got[layout.counts_start:], ref[layout.counts_start:])
+    np.testing.assert_array_equal(got[layout.counts_start :], ref[layout.counts_start :])
 
 
-SPECIAL = [1.0, -2.5, 0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, -3e-39, 3e38, 448.0,
-           449.0, 500.0, 1e-9, 65504.0, 70000.0]
+SPECIAL = [
+    1.0,
+    -2.5,
+    0.0,
+    -0.0,
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    1e-45,
+    -3e-39,
+    3e38,
+    448.0,
+    449.0,
+    500.0,
+    1e-9,
+    65504.0,
+    70000.0,
+]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16,
-                                   torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.float64,
+        torch.bfloat16,
+        torch.float16,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    ],
+)
 @pytest.mark.parametrize("fmt", [None, "float8_e4m3fn", "bfloat16", "float16", "float32"])
 def test_random_and_special_values(dtype, fmt):
     g = torch.Generator().manual_seed(1)
@@ -76,17 +104,20 @@ def test_random_and_special_values(dtype, fmt):
     assert_matches_reference(x, fmt)
 
 
-@pytest.mark.parametrize("values", [
-    [float("nan"), 2.0, 3.0],          # non-finite with all finite values > 0
-    [float("inf"), -2.0, -3.0],        # non-finite with all finite values < 0
-    [float("nan"), float("inf")],      # nothing finite
-    [0.0, 0.0, 0.0],
-    [3e38] * 7,                        # constant near the float32 max: std exactly 0
-    [1.0] * 5,
-    [-1e-40, 2e-39, 1e-45],            # float32 subnormals only
-    [1e-45],                           # the smallest subnormal alone: its 8th power too
-    [3e-45, -1e-45, 0.0],
-])
+@pytest.mark.parametrize(
+    "values",
+    [
+        [float("nan"), 2.0, 3.0],  # non-finite with all finite values > 0
+        [float("inf"), -2.0, -3.0],  # non-finite with all finite values < 0
+        [float("nan"), float("inf")],  # nothing finite
+        [0.0, 0.0, 0.0],
+        [3e38] * 7,  # constant near the float32 max: std exactly 0
+        [1.0] * 5,
+        [-1e-40, 2e-39, 1e-45],  # float32 subnormals only
+        [1e-45],  # the smallest subnormal alone: its 8th power too
+        [3e-45, -1e-45, 0.0],
+    ],
+)
 def test_edge_cases(values):
     assert_matches_reference(torch.tensor(values, dtype=torch.float32))
 
@@ -137,7 +168,7 @@ def test_extras_values_and_validation():
     layout = Layout("float32", (("frac_pos", "mean"), ("peak", "max")))
     x = torch.tensor([1.0, -1.0, 2.0, 3.0])
     v = summarize_torch(x, layout, {"peak": torch.tensor(3.0), "frac_pos": 0.75}).numpy()
-    assert list(v[layout.extras_start:]) == [0.75, 3.0]
+    assert list(v[layout.extras_start :]) == [0.75, 3.0]
     with pytest.raises(ValueError, match="extras"):
         summarize_torch(x, layout, {"peak": 1.0})
     with pytest.raises(TypeError, match="floating-point"):
@@ -156,9 +187,13 @@ def test_merged_summaries_equal_the_whole():
 finite_floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(finite_floats, min_size=1, max_size=60),
-       st.sampled_from([None, "float8_e4m3fn", "bfloat16", "float16"]))
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(finite_floats, min_size=1, max_size=60),
+    st.sampled_from([None, "float8_e4m3fn", "bfloat16", "float16"]),
+)
 def test_property_any_float32_values(values, fmt):
     assert_matches_reference(torch.tensor(values, dtype=torch.float32), fmt)
 
@@ -175,8 +210,14 @@ def test_host_path_is_taken_exactly_when_it_applies(kernel_path):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernel, "host_summaries", spy)
-        for values in ([1.0, -2.0], [1.0, float("nan")], [0.0, 0.0], [2.0 ** 101, 1.0], [2.0 ** -101],
-                       [float("inf"), -3.0]):
+        for values in (
+            [1.0, -2.0],
+            [1.0, float("nan")],
+            [0.0, 0.0],
+            [2.0**101, 1.0],
+            [2.0**-101],
+            [float("inf"), -3.0],
+        ):
             assert_matches_reference(torch.tensor(values))
         assert_matches_reference(torch.tensor([1.0], dtype=torch.float64))
     assert kept == ([2, 2, 2, 2, 1, 2] if kernel_path == "host" else [])
@@ -199,7 +240,9 @@ def test_variance_either_side_of_the_centring_threshold(offset):
     ref, layout = summarize(x.numpy())
     stats, _ = finalize(summarize_torch(x, layout).numpy(), layout)
     assert stats["std"] == pytest.approx(float(np.std(x.numpy().astype(np.float64))), rel=1e-6)
-    assert stats["mean"] == pytest.approx(float(np.mean(x.numpy().astype(np.float64))), rel=1e-6, abs=1e-9)
+    assert stats["mean"] == pytest.approx(
+        float(np.mean(x.numpy().astype(np.float64))), rel=1e-6, abs=1e-9
+    )
 
 
 def test_batched_small_tensors_equal_the_reference(kernel_path):
@@ -208,19 +251,30 @@ def test_batched_small_tensors_equal_the_reference(kernel_path):
     specials included."""
     g = torch.Generator().manual_seed(7)
     special = torch.tensor(SPECIAL)
-    tensors = [torch.randn(300, generator=g) * 1e-3, special, torch.tensor([float("nan")] * 3),
-               torch.zeros(5), torch.tensor([-2.0, -3.0, float("inf")]), torch.randn(4096, generator=g) + 50,
-               torch.randn(5000, generator=g),  # read in place, not copied with the small ones
-               torch.empty(0), special.to(torch.bfloat16)]
+    tensors = [
+        torch.randn(300, generator=g) * 1e-3,
+        special,
+        torch.tensor([float("nan")] * 3),
+        torch.zeros(5),
+        torch.tensor([-2.0, -3.0, float("inf")]),
+        torch.randn(4096, generator=g) + 50,
+        torch.randn(5000, generator=g),  # read in place, not copied with the small ones
+        torch.empty(0),
+        special.to(torch.bfloat16),
+    ]
     batches, launches = [], []
     real = kernel.host_summaries
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(kernel, "host_summaries", lambda ts, *a: batches.append(len(ts)) or real(ts, *a))
+    monkeypatch.setattr(
+        kernel, "host_summaries", lambda ts, *a: batches.append(len(ts)) or real(ts, *a)
+    )
     if kernel_path == "fused":
         from tandv.track.torch import _fused
 
         real_many = _fused.launch_many
-        monkeypatch.setattr(_fused, "launch_many", lambda ts, *a: launches.append(len(ts)) or real_many(ts, *a))
+        monkeypatch.setattr(
+            _fused, "launch_many", lambda ts, *a: launches.append(len(ts)) or real_many(ts, *a)
+        )
     for fmt in ("float32", "float8_e4m3fn"):
         layout = Layout(fmt, (("peak", "max"),))
         ws = Workspace()
@@ -236,7 +290,7 @@ def test_batched_small_tensors_equal_the_reference(kernel_path):
                     if name == "m2" and ref[1] + ref[2]:
                         tol += 2e-6 * (ref[1] + ref[2]) * (ref[8] / (ref[7] or 1.0)) ** 2
                     assert abs(got[j] - ref[j]) <= tol, (i, name, got[j], ref[j])
-            np.testing.assert_array_equal(got[layout.counts_start:], ref[layout.counts_start:])
+            np.testing.assert_array_equal(got[layout.counts_start :], ref[layout.counts_start :])
     monkeypatch.undo()
     assert batches == ([len(tensors)] * 2 if kernel_path == "host" else [])
     # float32 tensors (the empty one excluded) in one launch; the bfloat16 one alone
@@ -261,5 +315,5 @@ def test_tensor_subclasses_and_negative_views_on_the_host_path(kernel_path):
 
 def test_float64_values_near_the_largest_keep_finite_moments():
     """Finishing takes the scale's power of two in halves: 2**1024 would overflow."""
-    x = torch.tensor([2.0 ** 1023, -(2.0 ** 1023), 1.5 * 2.0 ** 1023, 3.0], dtype=torch.float64)
+    x = torch.tensor([2.0**1023, -(2.0**1023), 1.5 * 2.0**1023, 3.0], dtype=torch.float64)
     assert_matches_reference(x)

@@ -21,9 +21,9 @@ from torch import nn
 
 from tandv.schema import read_log, validate
 from tandv.stats.summary import DEFAULT_STATS, exponent_labels, finalize, merge_all, summarize
+from tandv.track.torch import summary as kernel
 from tandv.track.torch import track
 from tandv.track.torch._workspace import Workspace
-from tandv.track.torch import summary as kernel
 
 KINDS = ("Activation", "Gradient", "Weight", "Optimiser_State")
 
@@ -83,6 +83,7 @@ class Capture:
             self.acts.setdefault(name, []).append(out.detach().clone())
             if out.requires_grad:
                 out.register_hook(lambda g: self.grads.setdefault(name, []).append(g.clone()))
+
         return hook
 
     def reset(self) -> None:
@@ -95,7 +96,9 @@ class Capture:
 
 def index(df):
     m = df["metadata"]
-    return {(n, t, int(s)): i for i, (n, t, s) in enumerate(zip(m["name"], m["tensor_type"], m["step"]))}
+    return {
+        (n, t, int(s)): i for i, (n, t, s) in enumerate(zip(m["name"], m["tensor_type"], m["step"]))
+    }
 
 
 def assert_row(df, idx, key, tensors, fmt=None, rtol=1e-5):
@@ -109,7 +112,16 @@ def assert_row(df, idx, key, tensors, fmt=None, rtol=1e-5):
     stats, counts = finalize(merge_all([p[0] for p in parts], layout), layout)
     for s in DEFAULT_STATS:
         got, want = row[("scalar_stats", s)], stats[s]
-        if s in ("numel", "zero_count", "nan_count", "inf_count", "min", "max", "min_abs", "max_abs"):
+        if s in (
+            "numel",
+            "zero_count",
+            "nan_count",
+            "inf_count",
+            "min",
+            "max",
+            "min_abs",
+            "max_abs",
+        ):
             assert got == want, (key, s, got, want)
         else:
             assert got == pytest.approx(want, rel=rtol, abs=1e-12), (key, s, got, want)
@@ -135,15 +147,24 @@ def train(net, opt, steps, tracker=None, capture=None, record=None, micro=1):
             losses.append(loss.detach().clone())
         grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
         opt.step()
-        state = {f"{n}.{k}": v.clone() for n, p in net.named_parameters()
-                 for k, v in opt.state.get(p, {}).items()
-                 if isinstance(v, torch.Tensor) and v.dim() > 0}
+        state = {
+            f"{n}.{k}": v.clone()
+            for n, p in net.named_parameters()
+            for k, v in opt.state.get(p, {}).items()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        }
         if tracker:
             tracker.step()
         if record is not None:
-            record.append({"weights": weights, "grads": grads, "state": state,
-                           "acts": dict(capture.acts) if capture else {},
-                           "out_grads": dict(capture.grads) if capture else {}})
+            record.append(
+                {
+                    "weights": weights,
+                    "grads": grads,
+                    "state": state,
+                    "acts": dict(capture.acts) if capture else {},
+                    "out_grads": dict(capture.grads) if capture else {},
+                }
+            )
     return losses
 
 
@@ -163,11 +184,16 @@ def test_every_row_equals_the_reference_on_captured_tensors(any_path):
             assert_row(df, idx, (name, "Weight", k), [r["weights"][name]])
             assert_row(df, idx, (name, "Gradient", k), [r["grads"][name]])
             for key in ("exp_avg", "exp_avg_sq"):
-                assert_row(df, idx, (f"{name}.{key}", "Optimiser_State", k), [r["state"][f"{name}.{key}"]])
+                assert_row(
+                    df, idx, (f"{name}.{key}", "Optimiser_State", k), [r["state"][f"{name}.{key}"]]
+                )
     # nothing else: exactly the expected (name, tensor_type) at every step, the last included
-    expected = {(n, "Activation") for n in MODULES} | {(n, "Gradient") for n in MODULES + PARAMS} \
-        | {(n, "Weight") for n in PARAMS} \
+    expected = (
+        {(n, "Activation") for n in MODULES}
+        | {(n, "Gradient") for n in MODULES + PARAMS}
+        | {(n, "Weight") for n in PARAMS}
         | {(f"{n}.{k}", "Optimiser_State") for n in PARAMS for k in ("exp_avg", "exp_avg_sq")}
+    )
     for k in range(3):
         got = {(n, t) for (n, t, s) in idx if s == k}
         assert got == expected
@@ -236,27 +262,38 @@ def test_two_param_groups_in_shuffled_order_name_state_by_identity():
     params = dict(net.named_parameters())
     order = ["fc2.bias", "unused", "fc1.weight", "fc2.weight", "fc1.bias"]
     random.Random(5).shuffle(order)
-    opt = torch.optim.AdamW([{"params": [params[n] for n in order[:3]], "lr": 1e-2},
-                             {"params": [params[n] for n in order[3:]], "lr": 1e-3}])
+    opt = torch.optim.AdamW(
+        [
+            {"params": [params[n] for n in order[:3]], "lr": 1e-2},
+            {"params": [params[n] for n in order[3:]], "lr": 1e-3},
+        ]
+    )
     rec = []
     with track(net, opt, out="log") as tr:
         train(net, opt, 2, tr, record=rec)
     df = read_log(tr.out_path)
     idx = index(df)
     state_names = {n for (n, t, s) in idx if t == "Optimiser_State" and s == 1}
-    assert state_names == set(rec[1]["state"]) == {f"{n}.{k}" for n in PARAMS for k in ("exp_avg", "exp_avg_sq")}
+    assert (
+        state_names
+        == set(rec[1]["state"])
+        == {f"{n}.{k}" for n in PARAMS for k in ("exp_avg", "exp_avg_sq")}
+    )
     for name, value in rec[1]["state"].items():
         assert_row(df, idx, (name, "Optimiser_State", 1), [value])
     assert ("unused", "Weight", 0) in idx and ("unused", "Gradient", 0) not in idx
 
 
-@pytest.mark.parametrize("opt_cls, kw, keys", [
-    (torch.optim.SGD, {"momentum": 0.9}, ("momentum_buffer",)),
-    (torch.optim.Adam, {}, ("exp_avg", "exp_avg_sq")),
-    (torch.optim.AdamW, {"amsgrad": True}, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
-    (torch.optim.Adagrad, {}, ("sum",)),
-    (torch.optim.RMSprop, {"momentum": 0.5}, ("square_avg", "momentum_buffer")),
-])
+@pytest.mark.parametrize(
+    "opt_cls, kw, keys",
+    [
+        (torch.optim.SGD, {"momentum": 0.9}, ("momentum_buffer",)),
+        (torch.optim.Adam, {}, ("exp_avg", "exp_avg_sq")),
+        (torch.optim.AdamW, {"amsgrad": True}, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
+        (torch.optim.Adagrad, {}, ("sum",)),
+        (torch.optim.RMSprop, {"momentum": 0.5}, ("square_avg", "momentum_buffer")),
+    ],
+)
 def test_optimizer_state_names_and_values(opt_cls, kw, keys):
     net, opt = make(1, opt_cls, **kw)
     rec = []
@@ -303,14 +340,17 @@ def test_keyboard_interrupt_keeps_completed_steps():
     assert sorted(set(df[("metadata", "step")])) == [0, 1]
 
 
-@pytest.mark.parametrize("options, steps", [
-    ({"every": 3}, [0, 3, 6, 9]),
-    ({"schedule": "linear(4, 1)"}, [1, 5, 9]),
-    ({"schedule": lambda s: s in (2, 7)}, [2, 7]),
-    ({"schedule": [0, 8]}, [0, 8]),
-    ({"start": 6, "end": 9}, [6, 7, 8]),
-    ({"every": 2, "start": 3}, [4, 6, 8]),
-])
+@pytest.mark.parametrize(
+    "options, steps",
+    [
+        ({"every": 3}, [0, 3, 6, 9]),
+        ({"schedule": "linear(4, 1)"}, [1, 5, 9]),
+        ({"schedule": lambda s: s in (2, 7)}, [2, 7]),
+        ({"schedule": [0, 8]}, [0, 8]),
+        ({"start": 6, "end": 9}, [6, 7, 8]),
+        ({"every": 2, "start": 3}, [4, 6, 8]),
+    ],
+)
 def test_schedules(options, steps):
     net, opt = make()
     with track(net, opt, out="log", **options) as tr:
@@ -329,8 +369,11 @@ def test_unscheduled_steps_run_without_hooks(monkeypatch):
     net, opt = make()
 
     def hooks():
-        return (sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net.modules())
-                + len(opt._optimizer_step_pre_hooks) + len(nn.modules.module._global_forward_pre_hooks))
+        return (
+            sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net.modules())
+            + len(opt._optimizer_step_pre_hooks)
+            + len(nn.modules.module._global_forward_pre_hooks)
+        )
 
     with track(net, opt, out="log", schedule=[0, 3]) as tr:
         assert hooks() > 0
@@ -390,8 +433,12 @@ class DictNet(nn.Module):
 
     def forward(self, x):
         h = self.enc(x)
-        return {"logits": h * 2, "aux": (h.sum(-1), [h.exp()]), "ids": h.argmax(-1),
-                "out": Out(h + 1, (h - 1,), mask=torch.ones(3, dtype=torch.bool))}
+        return {
+            "logits": h * 2,
+            "aux": (h.sum(-1), [h.exp()]),
+            "ids": h.argmax(-1),
+            "out": Out(h + 1, (h - 1,), mask=torch.ones(3, dtype=torch.bool)),
+        }
 
 
 def test_structured_outputs_are_flattened_with_unambiguous_names():
@@ -411,8 +458,14 @@ def test_structured_outputs_are_flattened_with_unambiguous_names():
     df = read_log(tr.out_path)
     idx = index(df)
     acts = {n for (n, t, s) in idx if t == "Activation"}
-    assert acts == {"enc", "root[logits]", "root[aux][0]", "root[aux][1][0]", "root[out][logits]",
-                    "root[out][hidden][0]"}
+    assert acts == {
+        "enc",
+        "root[logits]",
+        "root[aux][0]",
+        "root[aux][1][0]",
+        "root[out][logits]",
+        "root[out][hidden][0]",
+    }
     assert_row(df, idx, ("root[aux][1][0]", "Activation", 0), [h.exp()])
     assert_row(df, idx, ("root[out][hidden][0]", "Activation", 0), [h - 1])
     # gradient of the loss w.r.t. outputs that take part in it
@@ -561,8 +614,10 @@ def test_dry_run_plan_lists_what_will_be_tracked_without_training():
     tr = track(net, opt, track_optimizer=False)
     plan = tr.plan()
     assert set(zip(plan["name"], plan["tensor_type"])) == (
-        {(n, "Activation") for n in MODULES} | {(n, "Gradient") for n in MODULES + PARAMS}
-        | {(n, "Weight") for n in PARAMS})
+        {(n, "Activation") for n in MODULES}
+        | {(n, "Gradient") for n in MODULES + PARAMS}
+        | {(n, "Weight") for n in PARAMS}
+    )
     assert not Path("tandv_logs").exists()  # nothing written
 
 
@@ -599,7 +654,9 @@ def test_number_format_sets_exponent_bins_for_every_tensor(any_path):
     df = read_log(tr.out_path)
     idx = index(df)
     assert_row(df, idx, ("fc1", "Activation", 0), cap.acts["fc1"], fmt="float8_e4m3fn")
-    assert_row(df, idx, ("fc1.weight", "Weight", 0), [rec[0]["weights"]["fc1.weight"]], fmt="float8_e4m3fn")
+    assert_row(
+        df, idx, ("fc1.weight", "Weight", 0), [rec[0]["weights"]["fc1.weight"]], fmt="float8_e4m3fn"
+    )
     labels = {c[1] for c in df.columns if c[0] == "exponent_counts"}
     assert labels <= {"-inf", "+inf", *range(-9, 9)}
     assert df[("exponent_counts", "-inf")].sum() > 0  # small gradients underflow float8
@@ -675,15 +732,17 @@ def test_activation_checkpointing_recompute_is_not_counted_twice(reentrant, any_
 
 def test_tensor_type_switches_and_root_name():
     net, opt = make()
-    with track(net, opt, out="log", track_activations=False, track_optimizer=False,
-               root_name="model") as tr:
+    with track(
+        net, opt, out="log", track_activations=False, track_optimizer=False, root_name="model"
+    ) as tr:
         train(net, opt, 2, tr)
     df = read_log(tr.out_path)
     pairs = set(zip(df[("metadata", "name")], df[("metadata", "tensor_type")]))
     assert {t for _, t in pairs} == {"Gradient", "Weight"}
     assert ("model", "Gradient") in pairs and ("root", "Gradient") not in pairs
-    assert set(track(net, opt, track_gradients=False, track_weights=False).plan()["tensor_type"]) == {
-        "Activation", "Optimiser_State"}
+    assert set(
+        track(net, opt, track_gradients=False, track_weights=False).plan()["tensor_type"]
+    ) == {"Activation", "Optimiser_State"}
 
 
 @pytest.mark.parametrize("how", ["positional", "keyword"])
@@ -696,7 +755,7 @@ def test_step_with_a_closure_logs_the_gradients_of_that_update(how):
         for i in range(3):
             x, y = batch(i)
 
-            def closure():
+            def closure(x=x, y=y):  # bind this iteration's batch
                 opt.zero_grad()
                 loss = F.mse_loss(net(x), y)
                 loss.backward()
@@ -784,7 +843,12 @@ def test_wrapped_optimizers_are_tracked_through_what_they_wrap(wrap):
     for k in range(2):
         for name in PARAMS:
             assert_row(df, idx, (name, "Gradient", k), [rec[k]["grads"][name]])
-            assert_row(df, idx, (f"{name}.exp_avg", "Optimiser_State", k), [rec[k]["state"][f"{name}.exp_avg"]])
+            assert_row(
+                df,
+                idx,
+                (f"{name}.exp_avg", "Optimiser_State", k),
+                [rec[k]["state"][f"{name}.exp_avg"]],
+            )
     with pytest.raises(TypeError, match="optimizer=.*got object"):
         track(net, object())
 
@@ -825,8 +889,14 @@ def test_tracking_leaves_thread_settings_as_found(tmp_path, torch_threads, numba
     setup = "" if numba_threads is None else f"import numba; numba.set_num_threads({numba_threads})"
     code = _THREADS.format(torch_threads=torch_threads, numba_setup=setup)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     got_torch, got_numba = map(int, run.stdout.split()[-2:])
     assert got_torch == torch_threads
@@ -853,13 +923,19 @@ def test_a_module_seen_in_two_dtypes_in_one_step_gives_one_row(any_path):
     assert len(rows) == 1 and rows[("metadata", "dtype")].iloc[0] == "float32"
     row = rows.iloc[0]
     layout = summarize(np.zeros(1, np.float32))[1]
-    parts = [summarize(y32.detach().numpy())[0],
-             summarize(y16.detach().float().numpy().astype(np.float32), "float32")[0]]
+    parts = [
+        summarize(y32.detach().numpy())[0],
+        summarize(y16.detach().float().numpy().astype(np.float32), "float32")[0],
+    ]
     stats, counts = finalize(merge_all(parts, layout), layout)
     for s in DEFAULT_STATS:
         assert row[("scalar_stats", s)] == pytest.approx(stats[s], rel=1e-6), s
     labels = exponent_labels("float32")
-    got = {lab: row[("exponent_counts", lab)] for lab in labels if ("exponent_counts", lab) in row.index}
+    got = {
+        lab: row[("exponent_counts", lab)]
+        for lab in labels
+        if ("exponent_counts", lab) in row.index
+    }
     assert all(got.get(lab, 0) == c for lab, c in zip(labels, counts))
 
 
@@ -892,7 +968,7 @@ def test_grad_scaler_skipped_steps_keep_their_gradient_rows(explicit_unscale):
     (an inf gradient) keeps its gradient rows, infinities included, although the README's
     order zeroes the gradients before ``tracker.step()``."""
     net, opt = make(0, torch.optim.SGD)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     seen = []
     with track(net, opt, out="log", scaler=scaler, track_activations=False) as tr:
         for i in range(3):
@@ -903,14 +979,16 @@ def test_grad_scaler_skipped_steps_keep_their_gradient_rows(explicit_unscale):
             scaler.scale(F.mse_loss(net(x), y)).backward()
             if explicit_unscale:
                 scaler.unscale_(opt)
-            grads = {n: p.grad.clone() / (1.0 if explicit_unscale else scaler.get_scale())
-                     for n, p in net.named_parameters()}
+            grads = {
+                n: p.grad.clone() / (1.0 if explicit_unscale else scaler.get_scale())
+                for n, p in net.named_parameters()
+            }
             seen.append(grads)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
             tr.step()
-    assert scaler.get_scale() < 2.0 ** 8  # step 1 was skipped
+    assert scaler.get_scale() < 2.0**8  # step 1 was skipped
     df = read_log(tr.out_path)
     idx = index(df)
     for k in range(3):
@@ -921,15 +999,21 @@ def test_grad_scaler_skipped_steps_keep_their_gradient_rows(explicit_unscale):
                 assert k == 1
                 row = df.iloc[idx[(name, "Gradient", 1)]]
                 want = (~torch.isfinite(seen[k][name])).sum().item()
-                assert row[("scalar_stats", "inf_count")] + row[("scalar_stats", "nan_count")] == want
+                assert (
+                    row[("scalar_stats", "inf_count")] + row[("scalar_stats", "nan_count")] == want
+                )
     assert "unscale_" not in scaler.__dict__  # the wrapper is gone after the run
     from tandv.schema import run_record
 
     assert run_record(df)["options"]["loss_scaled_output_gradients"] is True  # marked in the log
     # output-gradient rows hold the scale they are multiplied by: 2**8, then halved after the skip
-    out_grads = df[(df[("metadata", "tensor_type")] == "Gradient") & df[("metadata", "name")].isin(MODULES)]
-    by_step = pd.Series(out_grads[("scalar_stats", "loss_scale")].to_numpy(),
-                        index=out_grads[("metadata", "step")].to_numpy())
+    out_grads = df[
+        (df[("metadata", "tensor_type")] == "Gradient") & df[("metadata", "name")].isin(MODULES)
+    ]
+    by_step = pd.Series(
+        out_grads[("scalar_stats", "loss_scale")].to_numpy(),
+        index=out_grads[("metadata", "step")].to_numpy(),
+    )
     scales = by_step.groupby(level=0).agg(["min", "max"])
     assert scales["min"].tolist() == scales["max"].tolist() == [256.0, 256.0, 128.0]
     params = df[df[("metadata", "name")].isin(PARAMS)]
@@ -956,7 +1040,9 @@ def test_buffers_are_tracked_on_request():
     for k in range(3):
         for b in ("running_mean", "running_var"):
             assert_row(df, idx, (f"1.{b}", "Weight", k), [seen[k][b]])
-    assert not any("num_batches_tracked" in n for n in df[("metadata", "name")])  # an integer buffer
+    assert not any(
+        "num_batches_tracked" in n for n in df[("metadata", "name")]
+    )  # an integer buffer
     with track(net, opt, out="log2") as tr:
         train(net, opt, 1, tr)
     assert not any("running" in n for n in read_log(tr.out_path)[("metadata", "name")])

@@ -20,14 +20,18 @@ def check_row(row, d: np.ndarray) -> None:
     d = d.astype(np.float64).ravel()
     s = row["scalar_stats"]
     assert s["numel"] == d.size and s["zero_count"] == int((d == 0).sum())
-    np.testing.assert_allclose([s["mean"], s["std"], s["rm2"], s["max_abs"], s["min"], s["max"]],
-                               [d.mean(), d.std(), np.sqrt(np.mean(d**2)), np.abs(d).max(), d.min(), d.max()],
-                               rtol=1e-9, atol=1e-300)
+    np.testing.assert_allclose(
+        [s["mean"], s["std"], s["rm2"], s["max_abs"], s["min"], s["max"]],
+        [d.mean(), d.std(), np.sqrt(np.mean(d**2)), np.abs(d).max(), d.min(), d.max()],
+        rtol=1e-9,
+        atol=1e-300,
+    )
     nz = np.abs(d[d != 0])
     exps, counts = np.unique(np.floor(np.log2(nz)).astype(int), return_counts=True)
     logged = row["exponent_counts"]
     assert {int(e): int(c) for e, c in zip(exps, counts)} == {
-        int(k): int(v) for k, v in logged.items() if k not in ("-inf", "+inf") and v > 0}
+        int(k): int(v) for k, v in logged.items() if k not in ("-inf", "+inf") and v > 0
+    }
 
 
 def test_torch_update_rows_match_numpy_and_feed_the_update_ratio(tmp_path):
@@ -39,7 +43,9 @@ def test_torch_update_rows_match_numpy_and_feed_the_update_ratio(tmp_path):
     model[2].bias.requires_grad_(False)  # frozen: an optimizer never moves it, no row
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
     updates, befores = {}, {}
-    with track(model, opt, out=tmp_path / "log", track_updates=True, every=2, verbose=False) as tracker:
+    with track(
+        model, opt, out=tmp_path / "log", track_updates=True, every=2, verbose=False
+    ) as tracker:
         for step in range(5):
             before = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
             model(torch.randn(8, 5)).pow(2).mean().backward()
@@ -53,7 +59,9 @@ def test_torch_update_rows_match_numpy_and_feed_the_update_ratio(tmp_path):
     up = rows(df)
     assert up[("metadata", "tensor_type")].eq("Weight").all()
     got = set(zip(up[("metadata", "name")], up[("metadata", "step")]))
-    assert got == {(f"{n}.update", s) for n in ("0.weight", "0.bias", "2.weight") for s in (0, 2, 4)}
+    assert got == {
+        (f"{n}.update", s) for n in ("0.weight", "0.bias", "2.weight") for s in (0, 2, 4)
+    }
     for _, row in up.iterrows():
         name = row[("metadata", "name")][: -len(".update")]
         check_row(row, updates[(name, int(row[("metadata", "step")]))])
@@ -61,7 +69,8 @@ def test_torch_update_rows_match_numpy_and_feed_the_update_ratio(tmp_path):
     for n in ("0.weight", "0.bias", "2.weight"):
         for s in (0, 2, 4):
             expected = np.linalg.norm(updates[(n, s)].astype(np.float64)) / np.linalg.norm(
-                befores[(n, s)].astype(np.float64))
+                befores[(n, s)].astype(np.float64)
+            )
             assert ratio[(n, s)] == pytest.approx(expected, rel=1e-6)
     assert np.isnan(ratio[("2.bias", 0)])
 
@@ -82,32 +91,53 @@ def test_jax_update_rows_match_numpy(tmp_path):
     from tandv.track.jax import track
 
     rng = np.random.default_rng(0)
-    params = {"dense": {"kernel": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32),
-                        "bias": jnp.zeros((3,), jnp.float32)}}
+    params = {
+        "dense": {
+            "kernel": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32),
+            "bias": jnp.zeros((3,), jnp.float32),
+        }
+    }
     opt = optax.sgd(0.1, momentum=0.9)
     state = opt.init(params)
 
     @jax.jit
     def update(params, state, x):
-        grads = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["dense"]["kernel"] + p["dense"]["bias"]) ** 2))(params)
+        grads = jax.grad(
+            lambda p: jnp.mean(jnp.tanh(x @ p["dense"]["kernel"] + p["dense"]["bias"]) ** 2)
+        )(params)
         u, state = opt.update(grads, state, params)
         return optax.apply_updates(params, u), state, grads
 
     updates = {}
-    with track(params, state, out=tmp_path / "log", track_updates=True, track_activations=False,
-               schedule=[1, 2], verbose=False) as tracker:
+    with track(
+        params,
+        state,
+        out=tmp_path / "log",
+        track_updates=True,
+        track_activations=False,
+        schedule=[1, 2],
+        verbose=False,
+    ) as tracker:
         for step in range(4):
-            new, state, grads = update(params, state, jnp.asarray(rng.standard_normal((6, 4)), jnp.float32))
+            new, state, grads = update(
+                params, state, jnp.asarray(rng.standard_normal((6, 4)), jnp.float32)
+            )
             for k in ("kernel", "bias"):
-                updates[(f"dense.{k}", step)] = np.asarray(new["dense"][k]) - np.asarray(params["dense"][k])
+                updates[(f"dense.{k}", step)] = np.asarray(new["dense"][k]) - np.asarray(
+                    params["dense"][k]
+                )
             params = new
             tracker.step(params, state, grads)
     df = tandv.read_log(tmp_path / "log")
     up = rows(df)
     assert set(zip(up[("metadata", "name")], up[("metadata", "step")])) == {
-        (f"dense.{k}.update", s) for k in ("kernel", "bias") for s in (1, 2)}
+        (f"dense.{k}.update", s) for k in ("kernel", "bias") for s in (1, 2)
+    }
     for _, row in up.iterrows():
-        check_row(row, updates[(row[("metadata", "name")][: -len(".update")], int(row[("metadata", "step")]))])
+        check_row(
+            row,
+            updates[(row[("metadata", "name")][: -len(".update")], int(row[("metadata", "step")]))],
+        )
     assert log_update_ratio(df)["exact"].notna().sum() == 4
 
 
@@ -119,8 +149,14 @@ def test_jax_donated_parameters_are_a_clear_error(tmp_path):
 
     params = {"w": jnp.ones((3,))}
     step_fn = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: x * 0.5, p), donate_argnums=0)
-    with track(params, track_gradients=False, track_activations=False, track_updates=True,
-               out=tmp_path / "log", verbose=False) as tracker:
+    with track(
+        params,
+        track_gradients=False,
+        track_activations=False,
+        track_updates=True,
+        out=tmp_path / "log",
+        verbose=False,
+    ) as tracker:
         params = step_fn(params)
         if not jax.tree_util.tree_leaves(tracker._before[1])[0].is_deleted():
             pytest.skip("this backend ignores buffer donation")

@@ -7,11 +7,11 @@ import numpy as np
 import pandas as pd
 import pytest
 from matplotlib.backend_bases import MouseEvent
+from viz_logs import LAYERS, log_from_arrays, training_log
 
 from tandv import viz
 from tandv.schema import EXPONENT_COUNTS
 from tandv.viz import interact as interactive_module
-from viz_logs import LAYERS, log_from_arrays, training_log
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,11 @@ def click(fig, ax, x: float, y: float) -> None:
 
 
 def counts_at(df, name, tt, step) -> pd.Series:
-    m = (df[("metadata", "name")] == name) & (df[("metadata", "tensor_type")] == tt) & (df[("metadata", "step")] == step)
+    m = (
+        (df[("metadata", "name")] == name)
+        & (df[("metadata", "tensor_type")] == tt)
+        & (df[("metadata", "step")] == step)
+    )
     return df[m].iloc[0][EXPONENT_COUNTS]
 
 
@@ -49,17 +53,32 @@ def test_outside_a_notebook_it_raises_a_clear_error(df):
 
 
 def test_bad_function_or_arguments_fail_before_any_widget(df, notebook):
-    with pytest.raises(viz.VizArgumentError, match="expected one of.*'exp_hist'.*'percentile_bands'"):
+    with pytest.raises(
+        viz.VizArgumentError, match="expected one of.*'exp_hist'.*'percentile_bands'"
+    ):
         viz.interactive(print, df=df)
     with pytest.raises(viz.VizArgumentError, match="layer='nope' matches no tensor"):
         viz.interactive(viz.exp_hist, df=df, layer="nope", tt="Activation", step=0)
     with pytest.raises(viz.VizArgumentError, match=r"'step' column.*\['epoch', 'loss'\]"):
-        viz.interactive(viz.scalar_line, df=df, train_stats=pd.DataFrame({"epoch": [0], "loss": [1.0]}),
-                        layer="head", tt="Weight", scalar_metric="rm2")
+        viz.interactive(
+            viz.scalar_line,
+            df=df,
+            train_stats=pd.DataFrame({"epoch": [0], "loss": [1.0]}),
+            layer="head",
+            tt="Weight",
+            scalar_metric="rm2",
+        )
 
 
 def test_view_displays_as_a_widget(df, notebook):
-    view = viz.interactive(viz.scalar_line, df=df, layer="layers.0", tt="Weight", scalar_metric=["rm2", "std"], col_wrap=2)
+    view = viz.interactive(
+        viz.scalar_line,
+        df=df,
+        layer="layers.0",
+        tt="Weight",
+        scalar_metric=["rm2", "std"],
+        col_wrap=2,
+    )
     bundle = view._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
     assert set(view.controls) == {"tt", "layer", "step", "scalar_metric"}
@@ -95,7 +114,9 @@ def test_a_step_the_layer_lacks_shows_a_message_not_a_crash(notebook):
 
 
 def test_clicking_a_heatmap_cell_opens_that_histogram(df, notebook):
-    view = viz.interactive(viz.scalar_global_heatmap, df=df, tt=["Activation", "Gradient"], scalar_metric="rm2", inc=2)
+    view = viz.interactive(
+        viz.scalar_global_heatmap, df=df, tt=["Activation", "Gradient"], scalar_metric="rm2", inc=2
+    )
     assert view.detail_figure is None
     panel = view.panels[1]
     assert panel.tt == "Gradient" and panel.steps == [0, 2, 4]
@@ -116,7 +137,9 @@ def test_clicking_a_heatmap_cell_opens_that_histogram(df, notebook):
 
 def test_training_curve_click_sets_the_step(df, notebook):
     stats = pd.DataFrame({"step": range(6), "loss": np.linspace(3, 1, 6)})
-    view = viz.interactive(viz.exp_hist, df=df, train_stats=stats, layer="embed", tt="Weight", step=0)
+    view = viz.interactive(
+        viz.exp_hist, df=df, train_stats=stats, layer="embed", tt="Weight", step=0
+    )
     (line,) = [l for l in view.stats_figure.axes[0].get_lines() if l.get_label() == "loss"]
     np.testing.assert_array_equal(line.get_ydata(), stats["loss"])
     click(view.stats_figure, view.stats_figure.axes[0], 3.8, 2.0)
@@ -127,9 +150,18 @@ def test_training_curve_click_sets_the_step(df, notebook):
 
 
 def test_crosshair_spans_every_line_plot(df, notebook):
-    stats = pd.DataFrame({"loss": [2.0, 1.5, 1.0, 0.9, 0.8, 0.7]}, index=pd.Index(range(6), name="step"))
-    view = viz.interactive(viz.scalar_line, df=df, train_stats=stats, layer="layers", tt="Gradient",
-                           scalar_metric="rm2", col_wrap=2)
+    stats = pd.DataFrame(
+        {"loss": [2.0, 1.5, 1.0, 0.9, 0.8, 0.7]}, index=pd.Index(range(6), name="step")
+    )
+    view = viz.interactive(
+        viz.scalar_line,
+        df=df,
+        train_stats=stats,
+        layer="layers",
+        tt="Gradient",
+        scalar_metric="rm2",
+        col_wrap=2,
+    )
     click(view.stats_figure, view.stats_figure.axes[0], 2.2, 1.0)
     assert view.step == 2
     panels = view.figure.axes
@@ -139,7 +171,10 @@ def test_crosshair_spans_every_line_plot(df, notebook):
         assert cross.get_xdata()[0] == 2
     # A redraw from a control keeps the crosshair.
     view.controls["scalar_metric"].value = ("std",)
-    assert all([l.get_xdata()[0] for l in ax.get_lines() if l.get_gid() == "crosshair"] == [2] for ax in view.figure.axes)
+    assert all(
+        [l.get_xdata()[0] for l in ax.get_lines() if l.get_gid() == "crosshair"] == [2]
+        for ax in view.figure.axes
+    )
 
 
 def test_percentile_bands_switch_between_whole_model_and_layers(df, notebook):

@@ -13,10 +13,10 @@ import pandas as pd
 import pytest
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from viz_logs import LAYERS, log_from_arrays, training_log
 
 from tandv import SchemaError, viz
 from tandv.schema import EXPONENT_COUNTS, OVERFLOW, UNDERFLOW
-from viz_logs import LAYERS, log_from_arrays, training_log
 
 matplotlib.use("Agg")
 
@@ -27,7 +27,11 @@ def df() -> pd.DataFrame:
 
 
 def row(df: pd.DataFrame, name: str, tt: str, step: int) -> pd.Series:
-    m = (df[("metadata", "name")] == name) & (df[("metadata", "tensor_type")] == tt) & (df[("metadata", "step")] == step)
+    m = (
+        (df[("metadata", "name")] == name)
+        & (df[("metadata", "tensor_type")] == tt)
+        & (df[("metadata", "step")] == step)
+    )
     assert m.sum() == 1
     return df[m].iloc[0]
 
@@ -71,7 +75,9 @@ def test_exp_hist_bars_are_the_logged_counts_with_empty_ends_trimmed(df):
 
 def test_exp_hist_underflow_and_overflow_counts_are_visible():
     fmt = "float8_e4m3fn"
-    x = np.array([2.0**-12, 2.0**-11, 0.5, 1.0, 1.5, 3.0, 500.0, 1000.0, np.inf, 0.0, np.nan], np.float32)
+    x = np.array(
+        [2.0**-12, 2.0**-11, 0.5, 1.0, 1.5, 3.0, 500.0, 1000.0, np.inf, 0.0, np.nan], np.float32
+    )
     log = log_from_arrays({("w", "Weight", 0): x}, fmt=fmt)
     ax = viz.exp_hist(log, "w", "Weight", 0, dtype_annotation=False).axes[0]
     # 2**-12 and 2**-11 lie below float8_e4m3fn's smallest subnormal 2**-9; 500, 1000 and
@@ -92,7 +98,11 @@ def test_exp_hist_markers_sit_at_the_format_exponents():
             "smallest normal": exponent_of(float(info.smallest_normal)),
             "smallest subnormal": exponent_of(float(info.smallest_subnormal)),
         }
-        lines = {l.get_gid(): l.get_xdata()[0] for l in ax.get_lines() if (l.get_gid() or "").startswith("marker:")}
+        lines = {
+            l.get_gid(): l.get_xdata()[0]
+            for l in ax.get_lines()
+            if (l.get_gid() or "").startswith("marker:")
+        }
         assert lines == {f"marker:{k}": v for k, v in expected.items()}, fmt
         # The axis was widened to show every marker as a line.
         lo, hi = ax.get_xlim()
@@ -108,7 +118,10 @@ def test_exp_hist_far_markers_become_edge_notes(df):
     info = ml_dtypes.finfo("float32")
     assert f"$2^{{{exponent_of(float(info.max))}}}$" in notes["marker:max"]
     assert notes["marker:max"].endswith("\u2192")
-    assert f"$2^{{{exponent_of(float(info.smallest_subnormal))}}}$" in notes["marker:smallest subnormal"]
+    assert (
+        f"$2^{{{exponent_of(float(info.smallest_subnormal))}}}$"
+        in notes["marker:smallest subnormal"]
+    )
     assert notes["marker:smallest subnormal"].startswith("\u2190")
 
 
@@ -124,7 +137,9 @@ def test_exp_hist_line_kind_plots_the_counts(df):
 def test_exp_hist_facets_by_regex_list_and_tensor_types(df):
     fig = viz.exp_hist(df, r"^layers\.\d\.mlp$", ["Activation", "Gradient"], 1, col_wrap=3)
     titles = [ax.get_title() for ax in fig.axes]
-    assert titles == [f"{n} ({t})" for n in ("layers.0.mlp", "layers.1.mlp") for t in ("Activation", "Gradient")]
+    assert titles == [
+        f"{n} ({t})" for n in ("layers.0.mlp", "layers.1.mlp") for t in ("Activation", "Gradient")
+    ]
     # col_wrap=3 makes a 2 x 3 grid with four panels in it.
     assert {ax.get_subplotspec().get_geometry()[:2] for ax in fig.axes} == {(2, 3)}
     fig = viz.exp_hist(df, ["head", "embed"], "Weight", 1)
@@ -137,7 +152,10 @@ def test_exp_hist_facets_by_regex_list_and_tensor_types(df):
 
 def test_scalar_line_plots_each_metric_over_steps(df):
     fig = viz.scalar_line(df, "layers.1", "Weight", ["rm2", "max_abs"], col_wrap=1)
-    assert [ax.get_title() for ax in fig.axes] == ["layers.1.attn (Weight)", "layers.1.mlp (Weight)"]
+    assert [ax.get_title() for ax in fig.axes] == [
+        "layers.1.attn (Weight)",
+        "layers.1.mlp (Weight)",
+    ]
     for ax in fig.axes:
         name = ax.get_title().split(" ")[0]
         lines = {l.get_label(): l for l in ax.get_lines()}
@@ -154,7 +172,9 @@ def test_scalar_line_several_types_scatter_and_log_scale(df):
     offsets = {c.get_label(): c.get_offsets() for c in ax.collections}
     assert set(offsets) == {"rm2 (Activation)", "rm2 (Gradient)"}
     got = offsets["rm2 (Activation)"]
-    np.testing.assert_array_equal(got[:, 1], [row(df, "head", "Activation", s)[("scalar_stats", "rm2")] for s in range(6)])
+    np.testing.assert_array_equal(
+        got[:, 1], [row(df, "head", "Activation", s)[("scalar_stats", "rm2")] for s in range(6)]
+    )
     assert ax.get_yscale() == "log"  # head activations grow ten-fold a step
     assert viz.scalar_line(df, "embed", "Weight", "rm2").axes[0].get_yscale() == "linear"
 
@@ -176,22 +196,29 @@ def expected_grid(df, tt, metric, steps):
     out = np.full((len(names), len(steps)), np.nan)
     for i, n in enumerate(names):
         for j, s in enumerate(steps):
-            m = ((df[("metadata", "name")] == n) & (df[("metadata", "tensor_type")] == tt)
-                 & (df[("metadata", "step")] == s))
+            m = (
+                (df[("metadata", "name")] == n)
+                & (df[("metadata", "tensor_type")] == tt)
+                & (df[("metadata", "step")] == s)
+            )
             if m.any():
                 out[i, j] = df.loc[m, ("scalar_stats", metric)].iloc[0]
     return names, out
 
 
 def test_heatmap_cells_are_the_logged_values_one_panel_per_type(df):
-    fig = viz.scalar_global_heatmap(df, ["Activation", "Gradient", "Weight"], "rm2", inc=2, col_wrap=2)
+    fig = viz.scalar_global_heatmap(
+        df, ["Activation", "Gradient", "Weight"], "rm2", inc=2, col_wrap=2
+    )
     panels = [ax for ax in fig.axes if ax.get_title()]
     assert [ax.get_title() for ax in panels] == ["Activation: rm2", "Gradient: rm2", "Weight: rm2"]
     for ax in panels:
         tt = ax.get_title().split(":")[0]
         names, grid = expected_grid(df, tt, "rm2", [0, 2, 4])
         (mesh,) = [c for c in ax.collections if c.get_gid() == "heatmap"]
-        np.testing.assert_array_equal(np.ma.filled(mesh.get_array(), np.nan).reshape(grid.shape), grid)
+        np.testing.assert_array_equal(
+            np.ma.filled(mesh.get_array(), np.nan).reshape(grid.shape), grid
+        )
         assert [t.get_text() for t in ax.get_yticklabels()] == names == list(LAYERS)
         assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "2", "4"]
         # Activations span decades (the head grows ten-fold a step): log colours.
@@ -200,7 +227,9 @@ def test_heatmap_cells_are_the_logged_values_one_panel_per_type(df):
 
 def test_heatmap_blank_where_a_tensor_was_not_logged():
     x = np.ones(8, np.float32)
-    log = log_from_arrays({("a", "Weight", 0): x, ("b", "Weight", 0): 2 * x, ("a", "Weight", 1): 3 * x})
+    log = log_from_arrays(
+        {("a", "Weight", 0): x, ("b", "Weight", 0): 2 * x, ("a", "Weight", 1): 3 * x}
+    )
     (ax, _) = viz.scalar_global_heatmap(log, "Weight", "max_abs").axes
     (mesh,) = ax.collections
     arr = mesh.get_array().reshape(2, 2)
@@ -221,20 +250,24 @@ def test_heatmap_cell_lookup_maps_clicks_to_layer_and_step(df):
 
 def counts_frame(rows: list[dict]) -> pd.DataFrame:
     labels = sorted({k for r in rows for k in r if k not in (UNDERFLOW, OVERFLOW)})
-    return pd.DataFrame([[r.get(k, 0) for k in [UNDERFLOW, *labels, OVERFLOW]] for r in rows],
-                        columns=[UNDERFLOW, *labels, OVERFLOW])
+    return pd.DataFrame(
+        [[r.get(k, 0) for k in [UNDERFLOW, *labels, OVERFLOW]] for r in rows],
+        columns=[UNDERFLOW, *labels, OVERFLOW],
+    )
 
 
 def test_percentiles_from_counts_interpolate_within_bins():
     c = counts_frame([{3: 10}, {-2: 5, 4: 5}, {0: 0, 1: 0}, {1: 2, UNDERFLOW: 2}])
     p = viz.log2_percentiles(c, [0, 25, 50, 100])
-    np.testing.assert_allclose(p[0], [3, 3.25, 3.5, 4])          # one bin: uniform in log2
-    np.testing.assert_allclose(p[1], [-2, -1.5, -1, 5])          # the median at the upper edge of 2**-2
-    assert np.isnan(p[2]).all()                                   # nothing counted
-    np.testing.assert_allclose(p[3], [1, 1, 1, 2])               # underflow at the lowest non-empty bin's edge
+    np.testing.assert_allclose(p[0], [3, 3.25, 3.5, 4])  # one bin: uniform in log2
+    np.testing.assert_allclose(p[1], [-2, -1.5, -1, 5])  # the median at the upper edge of 2**-2
+    assert np.isnan(p[2]).all()  # nothing counted
+    np.testing.assert_allclose(p[3], [1, 1, 1, 2])  # underflow at the lowest non-empty bin's edge
     # Stored empty exponent columns change nothing (parquet logs drop them).
     wide = counts_frame([{1: 2, UNDERFLOW: 2, OVERFLOW: 1, -30: 0, 40: 0}])
-    np.testing.assert_allclose(viz.log2_percentiles(wide, [0, 50, 100])[0], [1, 1.25, 2])  # 2.5 of 5: a quarter into 2**1
+    np.testing.assert_allclose(
+        viz.log2_percentiles(wide, [0, 50, 100])[0], [1, 1.25, 2]
+    )  # 2.5 of 5: a quarter into 2**1
 
 
 def test_percentiles_agree_with_numpy_within_a_bin():
@@ -242,21 +275,31 @@ def test_percentiles_agree_with_numpy_within_a_bin():
     x = rng.lognormal(0, 3, 20000).astype(np.float32)
     log = log_from_arrays({("w", "Weight", 0): x})
     qs = [2.28, 15.87, 50, 84.13, 97.72]
-    got = viz.log2_percentiles(pd.DataFrame(log[EXPONENT_COUNTS].to_numpy(), columns=list(log[EXPONENT_COUNTS].columns)), qs)[0]
+    got = viz.log2_percentiles(
+        pd.DataFrame(log[EXPONENT_COUNTS].to_numpy(), columns=list(log[EXPONENT_COUNTS].columns)),
+        qs,
+    )[0]
     want = np.percentile(np.log2(x.astype(np.float64)), qs)
     assert np.all(np.abs(got - want) < 1.0)
 
 
 def test_percentile_bands_whole_model_and_per_layer(df):
     fig = viz.percentile_bands(df, ["Activation", "Weight"])
-    assert [ax.get_title() for ax in fig.axes] == ["whole model (Activation)", "whole model (Weight)"]
+    assert [ax.get_title() for ax in fig.axes] == [
+        "whole model (Activation)",
+        "whole model (Weight)",
+    ]
     ax = fig.axes[1]
     (median,) = [l for l in ax.get_lines() if l.get_gid() == "line:50"]
     # The median of all Weight tensors' counts added up, per step.
     w = df[df[("metadata", "tensor_type")] == "Weight"]
-    summed = w.groupby(("metadata", "step"))[list(w[EXPONENT_COUNTS].columns.map(lambda c: (EXPONENT_COUNTS, c)))].sum()
+    summed = w.groupby(("metadata", "step"))[
+        list(w[EXPONENT_COUNTS].columns.map(lambda c: (EXPONENT_COUNTS, c)))
+    ].sum()
     summed.columns = [c[1] for c in summed.columns]
-    np.testing.assert_allclose(median.get_ydata(), np.exp2(viz.log2_percentiles(summed, [50])[:, 0]))
+    np.testing.assert_allclose(
+        median.get_ydata(), np.exp2(viz.log2_percentiles(summed, [50])[:, 0])
+    )
     assert list(median.get_xdata()) == list(range(6))
     assert ax.get_yscale() == "log"
     bands = [c.get_gid() for c in ax.collections]
@@ -268,7 +311,10 @@ def test_percentile_bands_whole_model_and_per_layer(df):
     assert not [c for c in ax.collections if (c.get_gid() or "").startswith("marks:")]
 
     fig = viz.percentile_bands(df, tt="Gradient", layer="layers.0", percentiles=[10, 50, 90], inc=3)
-    assert [ax.get_title() for ax in fig.axes] == ["layers.0.attn (Gradient)", "layers.0.mlp (Gradient)"]
+    assert [ax.get_title() for ax in fig.axes] == [
+        "layers.0.attn (Gradient)",
+        "layers.0.mlp (Gradient)",
+    ]
     (median,) = [l for l in fig.axes[0].get_lines() if l.get_gid() == "line:50"]
     assert list(median.get_xdata()) == [0, 3]
 
@@ -279,16 +325,37 @@ def test_percentile_bands_whole_model_and_per_layer(df):
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda d: viz.exp_hist(d, "nope", "Activation", 0), r"layer='nope' matches no tensor.*'embed', 'layers.0.attn'"),
-        (lambda d: viz.exp_hist(d, "embed", "Activations", 0), r"tt='Activations' is not a tensor type.*'Optimiser_State'"),
-        (lambda d: viz.exp_hist(d, "embed", "Optimiser_State", 0), r"no Optimiser_State rows.*'Activation', 'Gradient', 'Weight'"),
-        (lambda d: viz.exp_hist(d, "embed", "Weight", 99), r"step=99.*logged steps: 0, 1, 2, 3, 4, 5"),
-        (lambda d: viz.exp_hist(d, "embed", "Weight", 0, dtype_annotation="float7"), r"float8_e4m3fn"),
-        (lambda d: viz.scalar_line(d, "embed", "Weight", "rms"), r"scalar_metric='rms' is not in the log.*'rm2'"),
+        (
+            lambda d: viz.exp_hist(d, "nope", "Activation", 0),
+            r"layer='nope' matches no tensor.*'embed', 'layers.0.attn'",
+        ),
+        (
+            lambda d: viz.exp_hist(d, "embed", "Activations", 0),
+            r"tt='Activations' is not a tensor type.*'Optimiser_State'",
+        ),
+        (
+            lambda d: viz.exp_hist(d, "embed", "Optimiser_State", 0),
+            r"no Optimiser_State rows.*'Activation', 'Gradient', 'Weight'",
+        ),
+        (
+            lambda d: viz.exp_hist(d, "embed", "Weight", 99),
+            r"step=99.*logged steps: 0, 1, 2, 3, 4, 5",
+        ),
+        (
+            lambda d: viz.exp_hist(d, "embed", "Weight", 0, dtype_annotation="float7"),
+            r"float8_e4m3fn",
+        ),
+        (
+            lambda d: viz.scalar_line(d, "embed", "Weight", "rms"),
+            r"scalar_metric='rms' is not in the log.*'rm2'",
+        ),
         (lambda d: viz.scalar_line(d, "embed", "Weight", "rm2", x="epoch"), r"x='epoch'.*'step'"),
         (lambda d: viz.scalar_global_heatmap(d, "Weight", "rm2", inc=0), r"inc=0"),
         (lambda d: viz.scalar_global_heatmap(d, "Weight", ["rm2", "std"]), r"one metric"),
-        (lambda d: viz.percentile_bands(d, "Weight", "[unclosed"), r"not a valid regular expression.*'embed'"),
+        (
+            lambda d: viz.percentile_bands(d, "Weight", "[unclosed"),
+            r"not a valid regular expression.*'embed'",
+        ),
         (lambda d: viz.percentile_bands(d, "Weight", percentiles=[50, 10]), r"ascending"),
     ],
 )
@@ -310,8 +377,14 @@ def test_unvalidated_frames_are_refused(df):
 
 def test_degenerate_tensors_all_nan_all_zero_or_constant():
     nan = np.full(4, np.nan, np.float32)
-    log = log_from_arrays({("a", "Weight", 0): nan, ("a", "Weight", 1): nan, ("b", "Weight", 0): np.ones(4, np.float32),
-                           ("z", "Gradient", 0): np.zeros(4, np.float32)})
+    log = log_from_arrays(
+        {
+            ("a", "Weight", 0): nan,
+            ("a", "Weight", 1): nan,
+            ("b", "Weight", 0): np.ones(4, np.float32),
+            ("z", "Gradient", 0): np.zeros(4, np.float32),
+        }
+    )
     for log_scale in (None, True, False):
         fig = viz.scalar_global_heatmap(log, "Weight", "rm2", log_scale=log_scale)
         fig.savefig(io.BytesIO())  # the colorbar of a constant panel draws
@@ -337,12 +410,21 @@ def test_log_scale_rule():
 
 def test_heatmap_zeros_on_a_log_scale_take_the_under_colour():
     x = np.ones(4, np.float32)
-    log = log_from_arrays({("bias", "Weight", 0): 0 * x, ("bias", "Weight", 1): 0.01 * x, ("w", "Weight", 0): x,
-                           ("w", "Weight", 1): 2 * x})
+    log = log_from_arrays(
+        {
+            ("bias", "Weight", 0): 0 * x,
+            ("bias", "Weight", 1): 0.01 * x,
+            ("w", "Weight", 0): x,
+            ("w", "Weight", 1): 2 * x,
+        }
+    )
     fig = viz.scalar_global_heatmap(log, "Weight", "rm2")
     ax, cbar = fig.axes
     (mesh,) = ax.collections
-    assert isinstance(mesh.norm, LogNorm) and (mesh.norm.vmin, mesh.norm.vmax) == (np.float32(0.01), 2.0)
+    assert isinstance(mesh.norm, LogNorm) and (mesh.norm.vmin, mesh.norm.vmax) == (
+        np.float32(0.01),
+        2.0,
+    )
     arr = mesh.get_array().reshape(2, 2)
     assert arr[0, 0] < mesh.norm.vmin  # the zero: below the range, drawn in the "under" grey
     np.testing.assert_allclose([arr[0, 1], arr[1, 0], arr[1, 1]], [0.01, 1, 2], rtol=1e-6)
@@ -353,10 +435,19 @@ def test_many_tensors_wrap_and_heatmap_panels_size_to_their_layers():
     """23 per-layer panels wrap four to a row (they used to make one 8,800-pixel row); the
     heatmap stacks its panels, each as tall as its own layers need."""
     rng = np.random.default_rng(0)
-    arrays = {(f"layers.{i}", tt, s): rng.standard_normal(64).astype(np.float32)
-              for i in range(23) for tt in ("Activation",) for s in range(3)}
-    arrays.update({(f"g.{i}", "Gradient", s): rng.standard_normal(64).astype(np.float32)
-                   for i in range(60) for s in range(3)})
+    arrays = {
+        (f"layers.{i}", tt, s): rng.standard_normal(64).astype(np.float32)
+        for i in range(23)
+        for tt in ("Activation",)
+        for s in range(3)
+    }
+    arrays.update(
+        {
+            (f"g.{i}", "Gradient", s): rng.standard_normal(64).astype(np.float32)
+            for i in range(60)
+            for s in range(3)
+        }
+    )
     log = log_from_arrays(arrays)
     fig = viz.percentile_bands(log, "Activation", layer=r"^layers\.")
     rows = {round(ax.get_position().y0, 3) for ax in fig.axes}
@@ -372,8 +463,11 @@ def test_heatmap_colours_are_not_saturated_by_one_outlier():
     """One tensor far off the others (the loss's gradient) takes the end colour; the
     colour range spans the others' values, and the colorbar shows the clipping."""
     rng = np.random.default_rng(1)
-    arrays = {(f"t{i}", "Gradient", s): (rng.standard_normal(64) * (1 + i / 10)).astype(np.float32)
-              for i in range(30) for s in range(4)}
+    arrays = {
+        (f"t{i}", "Gradient", s): (rng.standard_normal(64) * (1 + i / 10)).astype(np.float32)
+        for i in range(30)
+        for s in range(4)
+    }
     for s in range(4):
         arrays[("root[loss]", "Gradient", s)] = np.full(64, 1e6, np.float32)
     log = log_from_arrays(arrays)
@@ -388,8 +482,10 @@ def test_heatmap_colours_are_not_saturated_by_one_outlier():
 
 def test_step_axes_tick_whole_steps_only():
     log = training_log(steps=4)
-    for fig in (viz.scalar_line(log, "embed", "Weight", "rm2"),
-                viz.percentile_bands(log, "Weight", layer="embed")):
+    for fig in (
+        viz.scalar_line(log, "embed", "Weight", "rm2"),
+        viz.percentile_bands(log, "Weight", layer="embed"),
+    ):
         ax = fig.axes[0]
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
         assert ticks and all(float(t).is_integer() for t in ticks)
@@ -403,7 +499,11 @@ def test_exp_hist_marks_the_format_a_log_was_counted_in():
     log = log_from_arrays({("a", "Activation", 0): x}, fmt="float8_e4m3fn")
     log.attrs["tandv"] = {"number_format": "float8_e4m3fn"}
     ax = viz.exp_hist(log, "a", "Activation", 0).axes[0]
-    lines = {l.get_gid(): l.get_xdata()[0] for l in ax.get_lines() if (l.get_gid() or "").startswith("marker:")}
+    lines = {
+        l.get_gid(): l.get_xdata()[0]
+        for l in ax.get_lines()
+        if (l.get_gid() or "").startswith("marker:")
+    }
     info = ml_dtypes.finfo("float8_e4m3fn")
     assert lines["marker:smallest subnormal"] == exponent_of(float(info.smallest_subnormal))
     assert lines["marker:max"] == exponent_of(float(info.max))

@@ -7,7 +7,8 @@ like real ones; the tests then compare figures against these logs' own values.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -19,7 +20,9 @@ from tandv.track.common import TensorKey, build_rows
 Entry = tuple[str, str, int]  # (name, tensor_type, step)
 
 
-def log_from_arrays(arrays: Mapping[Entry, np.ndarray], fmt: Any = None, module_type: str = "Linear") -> pd.DataFrame:
+def log_from_arrays(
+    arrays: Mapping[Entry, np.ndarray], fmt: Any = None, module_type: str = "Linear"
+) -> pd.DataFrame:
     """A log with one row per ``(name, tensor_type, step)`` holding the summary of its array.
 
     Exponent counts use ``fmt`` (default: each array's own dtype)."""
@@ -46,11 +49,20 @@ def training_log(steps: int = 8, seed: int = 0, nan_from: int | None = 5) -> pd.
     for step in range(steps):
         for i, name in enumerate(LAYERS):
             for tt, scale in zip(TYPES, (1.0, 1e-3, 0.05)):
-                s = scale * (1 + i) * (10.0**step if (name == "head" and tt == "Activation") else 1.0)
+                s = (
+                    scale
+                    * (1 + i)
+                    * (10.0**step if (name == "head" and tt == "Activation") else 1.0)
+                )
                 x = (rng.standard_normal(256) * s).astype(np.float32)
                 if tt == "Activation" and name.endswith("mlp"):
                     x[x < 0] = 0  # ReLU output: zeros are not counted in the histogram
-                if nan_from is not None and step >= nan_from and name == "head" and tt == "Gradient":
+                if (
+                    nan_from is not None
+                    and step >= nan_from
+                    and name == "head"
+                    and tt == "Gradient"
+                ):
                     x[0], x[1] = np.nan, np.inf
                 arrays[(name, tt, step)] = x
     return log_from_arrays(arrays)

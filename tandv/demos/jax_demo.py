@@ -51,7 +51,9 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        pos = self.param("pos_embedding", nn.initializers.normal(0.02), (tokens.shape[-1], self.dim))
+        pos = self.param(
+            "pos_embedding", nn.initializers.normal(0.02), (tokens.shape[-1], self.dim)
+        )
         x = nn.Embed(self.vocab, self.dim, name="embed")(tokens) + pos
         for i in range(self.depth):
             x = Block(self.dim, self.heads, name=f"layers_{i}")(x)
@@ -63,8 +65,9 @@ def _batch(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     return tokens, tokens[:, ::-1]
 
 
-def run(steps: int | None = None, out: str | os.PathLike | None = None, seed: int = 0, *,
-        depth: int = 2) -> Path:
+def run(
+    steps: int | None = None, out: str | os.PathLike | None = None, seed: int = 0, *, depth: int = 2
+) -> Path:
     """Train the demo transformer for ``steps`` steps, tracking everything; returns the log path.
 
     Arguments:
@@ -97,7 +100,8 @@ def run(steps: int | None = None, out: str | os.PathLike | None = None, seed: in
         bar = tqdm(range(steps), desc="tandv jax demo", unit="step")
         for step in bar:
             params, opt_state, grads, loss = tracker.intercept(
-                update, params, opt_state, jax.random.fold_in(key, step))
+                update, params, opt_state, jax.random.fold_in(key, step)
+            )
             tracker.log_scalars(loss=loss, lr=3e-3)
             tracker.step(params, opt_state, grads)
             if step % 20 == 0 or step == steps - 1:

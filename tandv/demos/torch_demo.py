@@ -41,23 +41,35 @@ lazy dog, and the lazy dog, unbothered, goes back to sleep in the afternoon sun.
 
 def demo_config(vocab_size: int) -> GPTConfig:
     """The demo's model: 2 layers, d_model 64, 4 heads, context 64."""
-    return GPTConfig(vocab_size=vocab_size, seq_len=64, d_model=64, n_layers=2, n_heads=4, d_mlp=256)
+    return GPTConfig(
+        vocab_size=vocab_size, seq_len=64, d_model=64, n_layers=2, n_heads=4, d_mlp=256
+    )
 
 
 #: Taiyi's quantities the demo computes beside its log (Taiyi's config form), every 10 steps.
-TAIYI_CONFIG = {torch.nn.Linear: [["InputCovStableRank", "linear(10, 0)"], ["RankMe", "linear(10, 0)"],
-                                  ["OutputGradSndNorm", "linear(10, 0)"]]}
+TAIYI_CONFIG = {
+    torch.nn.Linear: [
+        ["InputCovStableRank", "linear(10, 0)"],
+        ["RankMe", "linear(10, 0)"],
+        ["OutputGradSndNorm", "linear(10, 0)"],
+    ]
+}
 
 
 def _batches(data: torch.Tensor, seq_len: int, batch: int, gen: torch.Generator):
     while True:
         starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=gen)
-        chunk = torch.stack([data[s: s + seq_len + 1] for s in starts.tolist()])
+        chunk = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])
         yield chunk[:, :-1], chunk[:, 1:]
 
 
-def run(steps: int | None = None, out: str | os.PathLike | None = None, seed: int = 0,
-        progress: bool = True, threads: int | None = 1) -> Path:
+def run(
+    steps: int | None = None,
+    out: str | os.PathLike | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    threads: int | None = 1,
+) -> Path:
     """Train the demo model for ``steps`` steps (default :data:`DEFAULT_STEPS`), tracking
     everything at every step; returns the log path.
 
@@ -101,8 +113,10 @@ def _train(steps: int, out: str | os.PathLike | None, seed: int, progress: bool)
 
         bar = tqdm(total=steps, desc="tandv demo", unit="step")
     t0 = time.perf_counter()
-    with track(model, opt, out=out, run_name="demo-torch", track_updates=True) as tracker, \
-            Monitor(model, TAIYI_CONFIG, out=tracker) as monitor:
+    with (
+        track(model, opt, out=out, run_name="demo-torch", track_updates=True) as tracker,
+        Monitor(model, TAIYI_CONFIG, out=tracker) as monitor,
+    ):
         for step in range(steps):
             x, y = next(batches)
             loss = model.loss(x, y)
@@ -120,5 +134,9 @@ def _train(steps: int, out: str | os.PathLike | None, seed: int, progress: bool)
                     bar.set_postfix(loss=f"{loss.item():.3f}")
     if bar is not None:
         bar.close()
-    print(f"tandv demo: {steps} steps in {time.perf_counter() - t0:.1f} s, final loss {loss.item():.3f}")
+    print(
+        f"tandv demo: {steps} steps in {time.perf_counter() - t0:.1f} s, "
+        f"final loss {loss.item():.3f}"
+    )
+    assert tracker.out_path is not None  # set when the `with` block closed the log
     return Path(tracker.out_path)

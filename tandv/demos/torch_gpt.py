@@ -50,8 +50,9 @@ class Attention(nn.Module):
         def heads(y: torch.Tensor) -> torch.Tensor:
             return y.view(b, t, h, d // h).transpose(1, 2)
 
-        y = F.scaled_dot_product_attention(heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x)),
-                                           is_causal=True)
+        y = F.scaled_dot_product_attention(
+            heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x)), is_causal=True
+        )
         return self.wo(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -100,7 +101,7 @@ class GPT(nn.Module):
     def _init(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
-            if getattr(m, "bias", None) is not None:
+            if isinstance(m, nn.Linear) and m.bias is not None:  # Embedding has no bias
                 nn.init.zeros_(m.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,10 @@ class TandvCallback(TrainerCallback):
 
     def __init__(self, **options: Any) -> None:
         if "module" in options or "optimizer" in options:
-            raise TypeError("TandvCallback: the model and optimizer come from the Trainer; pass "
-                            "only track()'s keyword options (out=, every=, include=, ...)")
+            raise TypeError(
+                "TandvCallback: the model and optimizer come from the Trainer; pass "
+                "only track()'s keyword options (out=, every=, include=, ...)"
+            )
         self.options = options
         self.tracker: Tracker | None = None
 
@@ -37,13 +39,22 @@ class TandvCallback(TrainerCallback):
         """The log's path once tracking has started."""
         return None if self.tracker is None else self.tracker.out_path
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
-                       optimizer: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         if not state.is_world_process_zero:
             return
         if model is None or optimizer is None:
-            raise RuntimeError("TandvCallback: the Trainer passed no model or optimizer to "
-                               "on_train_begin; add the callback through Trainer(callbacks=[...])")
+            raise RuntimeError(
+                "TandvCallback: the Trainer passed no model or optimizer to "
+                "on_train_begin; add the callback through Trainer(callbacks=[...])"
+            )
         self.tracker = track(model, optimizer, **self.options)
         self.tracker.__enter__()
 

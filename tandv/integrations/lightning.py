@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-try:
+if TYPE_CHECKING:
     from lightning.pytorch import Callback
-except ImportError:  # the older package name
-    from pytorch_lightning import Callback
+else:
+    try:
+        from lightning.pytorch import Callback
+    except ImportError:  # the older package name
+        from pytorch_lightning import Callback
 
 from ..track.torch import Tracker, track
 
@@ -31,8 +34,10 @@ class TandvCallback(Callback):
     def __init__(self, **options: Any) -> None:
         super().__init__()
         if "module" in options or "optimizer" in options:
-            raise TypeError("TandvCallback: the model and optimizers come from the Trainer; pass "
-                            "only track()'s keyword options (out=, every=, include=, ...)")
+            raise TypeError(
+                "TandvCallback: the model and optimizers come from the Trainer; pass "
+                "only track()'s keyword options (out=, every=, include=, ...)"
+            )
         self.options = options
         self.tracker: Tracker | None = None
         self._updates = 0
@@ -49,8 +54,9 @@ class TandvCallback(Callback):
         self.tracker.__enter__()
         self._updates = trainer.global_step
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         # global_step counts optimizer updates: a batch that only accumulated leaves it
         if self.tracker is not None and trainer.global_step != self._updates:
             self._updates = trainer.global_step

@@ -20,8 +20,9 @@ import operator
 import os
 import re
 import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -31,7 +32,16 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 from pandas.api import types as ptypes
 
-from .columns import EXPONENT_COUNTS, GROUPS, META_COLUMNS, METADATA, OVERFLOW, SCALAR_STATS, STEP, UNDERFLOW
+from .columns import (
+    EXPONENT_COUNTS,
+    GROUPS,
+    META_COLUMNS,
+    METADATA,
+    OVERFLOW,
+    SCALAR_STATS,
+    STEP,
+    UNDERFLOW,
+)
 from .scalars import SOURCE_ATTR
 from .validate import SchemaError, check, is_exponent_label, validate
 
@@ -79,11 +89,18 @@ def concat_logs(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
     for f in frames:
         absent = [c for c in exp_cols if c not in f.columns]
         if absent:
-            zeros = pd.DataFrame(np.zeros((len(f), len(absent)), np.int64), index=f.index,
-                                 columns=pd.MultiIndex.from_tuples(absent))
+            zeros = pd.DataFrame(
+                np.zeros((len(f), len(absent)), np.int64),
+                index=f.index,
+                columns=pd.MultiIndex.from_tuples(absent),
+            )
             f = pd.concat([f, zeros], axis=1)
         filled.append(f)
-    out = filled[0].reset_index(drop=True) if len(filled) == 1 else pd.concat(filled, ignore_index=True, sort=False)
+    out = (
+        filled[0].reset_index(drop=True)
+        if len(filled) == 1
+        else pd.concat(filled, ignore_index=True, sort=False)
+    )
     order = canonical_columns(out.columns)
     return out[pd.MultiIndex.from_tuples(order)] if list(out.columns) != order else out
 
@@ -92,8 +109,10 @@ def drop_empty_exponents(df: pd.DataFrame) -> pd.DataFrame:
     """Drop exponent columns that are zero in every row (``-inf``/``+inf`` are kept).
 
     Allowed by the schema because a missing exponent column means a count of zero."""
-    droppable = np.array([c[0] == EXPONENT_COUNTS and c[1] not in (UNDERFLOW, OVERFLOW)
-                          for c in df.columns], dtype=bool)
+    droppable = np.array(
+        [c[0] == EXPONENT_COUNTS and c[1] not in (UNDERFLOW, OVERFLOW) for c in df.columns],
+        dtype=bool,
+    )
     if not droppable.any():
         return df
     empty = np.zeros(len(droppable), dtype=bool)
@@ -157,8 +176,10 @@ def read_pickle(path: PathLike) -> pd.DataFrame:
     if not path.is_file():
         raise FileNotFoundError(f"no log file at {str(path)!r}")
     if _magic(path) == "parquet":
-        raise SchemaError(f"{str(path)!r} holds parquet data, not a pickle; rename it to end in .parquet "
-                          f"(or read it with read_parquet)")
+        raise SchemaError(
+            f"{str(path)!r} holds parquet data, not a pickle; rename it to end in .parquet "
+            f"(or read it with read_parquet)"
+        )
     try:
         df = pd.read_pickle(path)
     except Exception as e:
@@ -182,8 +203,15 @@ ROW_GROUP_ROWS = 65536
 CHUNK_ROWS = 65536
 #: Rows per batch of the dataset scan.
 _BATCH_ROWS = 65536
-_FILTER_OPS = {"==": operator.eq, "=": operator.eq, "!=": operator.ne, "<": operator.lt,
-               ">": operator.gt, "<=": operator.le, ">=": operator.ge}
+_FILTER_OPS = {
+    "==": operator.eq,
+    "=": operator.eq,
+    "!=": operator.ne,
+    "<": operator.lt,
+    ">": operator.gt,
+    "<=": operator.le,
+    ">=": operator.ge,
+}
 _STRING_META = frozenset(c for c in META_COLUMNS if c != STEP)
 _INT_LABEL = re.compile(r"-?[0-9]+")
 
@@ -222,6 +250,7 @@ def write_parquet(df: pd.DataFrame, path: PathLike) -> Path:
     checksums, which the readers verify: a damaged file is reported, never read as data.
     """
     validate(df)
+
     # Arrow arrays straight from the columns' values: pa.Table.from_pandas spends ~0.2 ms
     # per column on pandas bookkeeping (a 300-column flush took 60 ms that way).
     def arrow(c: tuple[str, Any]) -> pa.Array:
@@ -229,7 +258,9 @@ def write_parquet(df: pd.DataFrame, path: PathLike) -> Path:
         kind = pa.string() if c[0] == METADATA and c[1] != STEP else None
         if kind is not None and len(s) == 0:
             return pa.array([], kind)  # an empty frame's str columns may have any dtype
-        return pa.array(s.array if ptypes.is_extension_array_dtype(s.dtype) else s.to_numpy(), type=kind)
+        return pa.array(
+            s.array if ptypes.is_extension_array_dtype(s.dtype) else s.to_numpy(), type=kind
+        )
 
     arrays = [arrow(c) for c in df.columns]
     table = pa.Table.from_arrays(arrays, names=[_flat(c) for c in df.columns])
@@ -237,8 +268,12 @@ def write_parquet(df: pd.DataFrame, path: PathLike) -> Path:
     if run_record(df):
         meta[_RUN_KEY] = json.dumps(run_record(df), default=str).encode()
     table = table.replace_schema_metadata(meta)
-    return atomic_write(path, lambda tmp: pq.write_table(
-        table, tmp, row_group_size=ROW_GROUP_ROWS, write_page_checksum=True))
+    return atomic_write(
+        path,
+        lambda tmp: pq.write_table(
+            table, tmp, row_group_size=ROW_GROUP_ROWS, write_page_checksum=True
+        ),
+    )
 
 
 def _parquet_files(path: Path) -> list[Path]:
@@ -265,9 +300,17 @@ def _flat_key(key: Any) -> str:
     return _flat((SCALAR_STATS, key))
 
 
-def _part_error(path: Path, what: str, row: int | None = None, column: str | None = None) -> SchemaError:
-    where = f"{str(path)!r}" + (f", column {column!r}" if column else "") + (f", row {row}" if row is not None else "")
-    return SchemaError(f"{where}: {what}", column=None if column is None else _unflat_safe(column), row=row)
+def _part_error(
+    path: Path, what: str, row: int | None = None, column: str | None = None
+) -> SchemaError:
+    where = (
+        f"{str(path)!r}"
+        + (f", column {column!r}" if column else "")
+        + (f", row {row}" if row is not None else "")
+    )
+    return SchemaError(
+        f"{where}: {what}", column=None if column is None else _unflat_safe(column), row=row
+    )
 
 
 def _unflat_safe(name: str) -> Any:
@@ -301,38 +344,64 @@ def _check_part(path: Path, schema: pa.Schema) -> None:
     for i, name in enumerate(names):
         group, sep, label = name.partition(_SEP)
         if not sep or group not in GROUPS:
-            raise _part_error(path, f"not a tandv log column; expected '<group>.<label>' with a group "
-                              f"in {list(GROUPS)}", column=name)
+            raise _part_error(
+                path,
+                f"not a tandv log column; expected '<group>.<label>' with a group "
+                f"in {list(GROUPS)}",
+                column=name,
+            )
         t = schema.field(i).type
         if group == METADATA:
             if label not in META_COLUMNS:
-                raise _part_error(path, f"unexpected metadata column; expected exactly {list(META_COLUMNS)}",
-                                  column=name)
+                raise _part_error(
+                    path,
+                    f"unexpected metadata column; expected exactly {list(META_COLUMNS)}",
+                    column=name,
+                )
             if label == STEP:
                 ok = pa.types.is_integer(t)
             else:
-                ok = pa.types.is_string(t) or pa.types.is_large_string(t) or (
-                    pa.types.is_dictionary(t) and (pa.types.is_string(t.value_type)
-                                                   or pa.types.is_large_string(t.value_type)))
+                ok = (
+                    pa.types.is_string(t)
+                    or pa.types.is_large_string(t)
+                    or (
+                        pa.types.is_dictionary(t)
+                        and (
+                            pa.types.is_string(t.value_type)
+                            or pa.types.is_large_string(t.value_type)
+                        )
+                    )
+                )
             if not ok:
-                raise _part_error(path, f"expected {'integer steps' if label == STEP else 'strings'}; "
-                                  f"stored as {t}", column=name)
+                raise _part_error(
+                    path,
+                    f"expected {'integer steps' if label == STEP else 'strings'}; stored as {t}",
+                    column=name,
+                )
         elif group == SCALAR_STATS:
             if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
                 raise _part_error(path, f"expected a numeric statistic; stored as {t}", column=name)
         else:
             if label not in (UNDERFLOW, OVERFLOW) and not _INT_LABEL.fullmatch(label):
-                raise _part_error(path, f"exponent labels must be integers or {UNDERFLOW!r}/{OVERFLOW!r}; "
-                                  f"found {label!r}", column=name)
+                raise _part_error(
+                    path,
+                    f"exponent labels must be integers or {UNDERFLOW!r}/{OVERFLOW!r}; "
+                    f"found {label!r}",
+                    column=name,
+                )
             if pa.types.is_floating(t):
                 bad = _first_bad_count(pq.read_table(path, columns=[name]).column(0))
                 if bad is not None:
-                    raise _part_error(path, f"expected a whole count >= 0; found {bad[1]!r}", bad[0], name)
+                    raise _part_error(
+                        path, f"expected a whole count >= 0; found {bad[1]!r}", bad[0], name
+                    )
             elif not pa.types.is_integer(t):
                 raise _part_error(path, f"expected integer counts; stored as {t}", column=name)
     missing = [c for c in META_COLUMNS if _flat((METADATA, c)) not in names]
     if missing:
-        raise _part_error(path, f"missing metadata column(s) {missing}; every part holds {list(META_COLUMNS)}")
+        raise _part_error(
+            path, f"missing metadata column(s) {missing}; every part holds {list(META_COLUMNS)}"
+        )
 
 
 class _ParquetLog:
@@ -347,12 +416,19 @@ class _ParquetLog:
         self.path = Path(path)
         self.files = _parquet_files(self.path)
         if self.path.is_file() and _magic(self.path) == "pickle":
-            raise SchemaError(f"{str(self.path)!r} holds a pickle but its name does not end in .pkl or .pickle; "
-                              f"pickles are read only by that suffix (reading one runs code from the file): "
-                              f"rename it if you trust it")
-        fmt = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(
-            page_checksum_verification=True))
-        found = ds.dataset([str(f) for f in self.files], schema=pa.schema([]), format=fmt)  # no inference
+            raise SchemaError(
+                f"{str(self.path)!r} holds a pickle but its name does not end in .pkl or .pickle; "
+                f"pickles are read only by that suffix (reading one runs code from the file): "
+                f"rename it if you trust it"
+            )
+        fmt = ds.ParquetFileFormat(
+            default_fragment_scan_options=ds.ParquetFragmentScanOptions(
+                page_checksum_verification=True
+            )
+        )
+        found = ds.dataset(
+            [str(f) for f in self.files], schema=pa.schema([]), format=fmt
+        )  # no inference
         fragments = list(found.get_fragments())
         self.part_names: dict[str, frozenset[str]] = {}
         stat_types: dict[str, set[pa.DataType]] = {}
@@ -370,17 +446,24 @@ class _ParquetLog:
                     footer = pq.read_metadata(f)
                     schema, rows = footer.schema.to_arrow_schema(), footer.num_rows
             except (OSError, pa.ArrowException) as e:
-                raise SchemaError(f"{str(f)!r} is not a readable parquet file: {' '.join(str(e).split())}") from None
+                raise SchemaError(
+                    f"{str(f)!r} is not a readable parquet file: {' '.join(str(e).split())}"
+                ) from None
             if not self.run and schema.metadata and _RUN_KEY in schema.metadata:
                 try:
                     self.run = json.loads(schema.metadata[_RUN_KEY])
                 except ValueError:
-                    raise SchemaError(f"{str(f)!r}: the record of how the log was made "
-                                      f"({_RUN_KEY.decode()} in the schema metadata) is not JSON") from None
+                    raise SchemaError(
+                        f"{str(f)!r}: the record of how the log was made "
+                        f"({_RUN_KEY.decode()} in the schema metadata) is not JSON"
+                    ) from None
             if schema not in checked:
                 _check_part(f, schema)
-                if not any(pa.types.is_floating(t.type) for t in schema
-                           if t.name.startswith(EXPONENT_COUNTS + _SEP)):
+                if not any(
+                    pa.types.is_floating(t.type)
+                    for t in schema
+                    if t.name.startswith(EXPONENT_COUNTS + _SEP)
+                ):
                     checked.add(schema)
                 for field in schema:
                     group = field.name.partition(_SEP)[0]
@@ -392,7 +475,10 @@ class _ParquetLog:
             self.num_rows += rows
             for name in schema.names:
                 present[name] = present.get(name, 0) + 1
-        fields = [pa.field(_flat((METADATA, c)), pa.int64() if c == STEP else pa.string()) for c in META_COLUMNS]
+        fields = [
+            pa.field(_flat((METADATA, c)), pa.int64() if c == STEP else pa.string())
+            for c in META_COLUMNS
+        ]
         for name, types in stat_types.items():  # in order of first appearance
             # a statistic some part lacks is NaN there: only a float column can say so
             whole = all(pa.types.is_integer(t) for t in types) and present[name] == len(fragments)
@@ -400,8 +486,11 @@ class _ParquetLog:
         for key in canonical_columns(_unflat(n) for n in exps):
             fields.append(pa.field(_flat(key), pa.int64()))
         self.schema = pa.schema(fields)
-        self.dataset = ds.FileSystemDataset(fragments, self.schema, fmt, found.filesystem) if statistics else \
-            ds.dataset([str(f) for f in self.files], schema=self.schema, format=fmt)
+        self.dataset = (
+            ds.FileSystemDataset(fragments, self.schema, fmt, found.filesystem)
+            if statistics
+            else ds.dataset([str(f) for f in self.files], schema=self.schema, format=fmt)
+        )
 
     @property
     def columns(self) -> list[tuple[str, Any]]:
@@ -418,12 +507,18 @@ class _ParquetLog:
         wanted += [k for k in map(_flat_key, columns) if k not in wanted]
         for k in wanted:
             if k not in self.schema.names and k.partition(_SEP)[0] != EXPONENT_COUNTS:
-                raise SchemaError(f"{str(self.path)!r}: no column {_unflat_safe(k)!r} in the log; it has "
-                                  f"{[c for g, c in self.columns if g == SCALAR_STATS]} "
-                                  f"(statistics) and exponent columns")
+                raise SchemaError(
+                    f"{str(self.path)!r}: no column {_unflat_safe(k)!r} in the log; it has "
+                    f"{[c for g, c in self.columns if g == SCALAR_STATS]} "
+                    f"(statistics) and exponent columns"
+                )
         stats = [n for n in self.schema.names if n.startswith(SCALAR_STATS + _SEP)]
         if stats and not any(k.startswith(SCALAR_STATS + _SEP) for k in wanted):
-            wanted.append(_flat((SCALAR_STATS, "numel")) if _flat((SCALAR_STATS, "numel")) in stats else stats[0])
+            wanted.append(
+                _flat((SCALAR_STATS, "numel"))
+                if _flat((SCALAR_STATS, "numel")) in stats
+                else stats[0]
+            )
         for label in (UNDERFLOW, OVERFLOW):
             if _flat((EXPONENT_COUNTS, label)) not in wanted:
                 wanted.append(_flat((EXPONENT_COUNTS, label)))
@@ -445,19 +540,26 @@ class _ParquetLog:
             key, op, value = f
             name = _flat_key(key)
             if name.partition(_SEP)[0] == EXPONENT_COUNTS:
-                field = pc.coalesce(ds.field(name), pa.scalar(0, pa.int64())) if name in self.schema.names \
+                field = (
+                    pc.coalesce(ds.field(name), pa.scalar(0, pa.int64()))
+                    if name in self.schema.names
                     else ds.scalar(0)
+                )
             elif name in self.schema.names:
                 field = ds.field(name)
             else:
-                raise SchemaError(f"filters: no column {_unflat_safe(name)!r} in the log at {str(self.path)!r}")
+                raise SchemaError(
+                    f"filters: no column {_unflat_safe(name)!r} in the log at {str(self.path)!r}"
+                )
             if op in _FILTER_OPS:
                 return _FILTER_OPS[op](field, value)
             if op in ("in", "not in"):
                 e = field.isin(list(value))
                 return ~e if op == "not in" else e
-            raise ValueError(f"filters: unknown operator {op!r} in {f!r}; expected one of "
-                             f"{[*_FILTER_OPS, 'in', 'not in']}")
+            raise ValueError(
+                f"filters: unknown operator {op!r} in {f!r}; expected one of "
+                f"{[*_FILTER_OPS, 'in', 'not in']}"
+            )
 
         expr = None
         for conj in dnf:
@@ -469,40 +571,51 @@ class _ParquetLog:
                 expr = c if expr is None else expr | c
         return expr
 
-    def tables(self, names: list[str], expr: ds.Expression | None, chunk_rows: int | None
-               ) -> Iterator[tuple[dict[str, np.ndarray | pa.ChunkedArray], list[tuple[int, str, int]]]]:
-        """The selected rows and columns (numpy arrays, arrow strings), of at least ``chunk_rows`` rows
-        (all rows in one table if None), each with its provenance: ``(first row in the
-        table, part file, rows of that part read before)`` per piece.
+    def tables(
+        self, names: list[str], expr: ds.Expression | None, chunk_rows: int | None
+    ) -> Iterator[tuple[dict[str, np.ndarray | pa.ChunkedArray], list[tuple[int, str, int]]]]:
+        """The selected rows and columns (numpy arrays, arrow strings), of at least
+        ``chunk_rows`` rows (all rows in one table if None), each with its provenance:
+        ``(first row in the table, part file, rows of that part read before)`` per piece.
 
         Numeric columns are copied, batch by batch as the scan goes, into one contiguous
         numpy array each (which pandas then takes over without a copy): an exponent column a
         part lacks is zeros there, a statistic it lacks NaN; a null stored in a count or
         step column, or a damaged page, is a SchemaError naming the part."""
-        numeric = [(i, n, np.dtype(self.schema.field(n).type.to_pandas_dtype())) for i, n in enumerate(names)
-                   if self.schema.field(n).type != pa.string()]
+        numeric = [
+            (i, n, np.dtype(self.schema.field(n).type.to_pandas_dtype()))
+            for i, n in enumerate(names)
+            if self.schema.field(n).type != pa.string()
+        ]
         strings = [(i, n) for i, n in enumerate(names) if self.schema.field(n).type == pa.string()]
-        capacity = self.num_rows if chunk_rows is None else min(self.num_rows, chunk_rows + _BATCH_ROWS)
+        capacity = (
+            self.num_rows if chunk_rows is None else min(self.num_rows, chunk_rows + _BATCH_ROWS)
+        )
         # chunks are consumed slower than threads decode: the threads' read-ahead would
         # hold up to a gigabyte of decoded batches, so chunks are decoded on demand
-        scanner = self.dataset.scanner(columns=names, filter=expr, batch_size=_BATCH_ROWS,
-                                       use_threads=chunk_rows is None)
+        scanner = self.dataset.scanner(
+            columns=names, filter=expr, batch_size=_BATCH_ROWS, use_threads=chunk_rows is None
+        )
 
         def fresh() -> tuple[dict[str, np.ndarray], dict[str, list[pa.Array]]]:
             # One block per dtype, one row per column: a single large allocation is mapped
             # and unmapped whole, where many 1 MB arrays per chunk would fragment the C heap
             # and leave resident memory behind; np.empty reserves address space only, so
             # pages a filter leaves unwritten cost nothing.
-            nums = {}
+            nums: dict[str, np.ndarray] = {}
             for dt in {dt for _, _, dt in numeric}:
                 cols = [n for _, n, d in numeric if d == dt]
                 block = np.empty((len(cols), capacity), dt)
                 nums.update(zip(cols, block))
             return nums, {n: [] for _, n in strings}
 
-        def table(nums: dict[str, np.ndarray], strs: dict[str, list[pa.Array]], rows: int
-                  ) -> dict[str, np.ndarray | pa.ChunkedArray]:
-            return {n: pa.chunked_array(strs[n], pa.string()) if n in strs else nums[n][:rows] for n in names}
+        def table(
+            nums: dict[str, np.ndarray], strs: dict[str, list[pa.Array]], rows: int
+        ) -> dict[str, np.ndarray | pa.ChunkedArray]:
+            return {
+                n: pa.chunked_array(strs[n], pa.string()) if n in strs else nums[n][:rows]
+                for n in names
+            }
 
         nums, strs = fresh()
         origin: list[tuple[int, str, int]] = []
@@ -525,7 +638,7 @@ class _ParquetLog:
             has = self.part_names[part]
             for i, name, dt in numeric:
                 col = batch.column(i)
-                out = nums[name][rows:rows + n]
+                out = nums[name][rows : rows + n]
                 if col.null_count:
                     if name not in has:
                         out[:] = np.nan if dt.kind == "f" else 0  # absent from this part
@@ -562,23 +675,30 @@ class _ParquetLog:
                 pq.read_table(f, columns=cols, page_checksum_verification=True)
             except (OSError, pa.ArrowException) as e:
                 why = " ".join(str(e).split())  # arrow's messages span lines
-                return SchemaError(f"{str(f)!r}: damaged part, its data cannot be decoded ({why}); "
-                                   f"restore it or move it out of the log")
-        return SchemaError(f"{str(self.path)!r}: reading the log failed: {' '.join(str(err).split())}")
+                return SchemaError(
+                    f"{str(f)!r}: damaged part, its data cannot be decoded ({why}); "
+                    f"restore it or move it out of the log"
+                )
+        return SchemaError(
+            f"{str(self.path)!r}: reading the log failed: {' '.join(str(err).split())}"
+        )
 
 
 def _frame(columns: dict[str, np.ndarray | pa.ChunkedArray]) -> pd.DataFrame:
     """A log DataFrame from flat columns: numpy arrays are taken over as they are (one
     block each, writable, not copied), arrow strings become pandas' string columns."""
     keys = [_unflat(n) for n in columns]
-    df = pd.DataFrame({n: c.to_pandas() if isinstance(c, pa.ChunkedArray) else c for n, c in columns.items()},
-                      copy=False)
+    df = pd.DataFrame(
+        {n: c.to_pandas() if isinstance(c, pa.ChunkedArray) else c for n, c in columns.items()},
+        copy=False,
+    )
     df.columns = pd.MultiIndex.from_tuples(keys)
     return df
 
 
-def _validated(df: pd.DataFrame, origin: list[tuple[int, str, int]], filtered: bool,
-               duplicates: bool = True) -> pd.DataFrame:
+def _validated(
+    df: pd.DataFrame, origin: list[tuple[int, str, int]], filtered: bool, duplicates: bool = True
+) -> pd.DataFrame:
     """``validate(df)``; an error about one row also names the part file and its row there."""
     try:
         return check(df, duplicates=duplicates)
@@ -632,7 +752,7 @@ def read_parquet(
 
 
 def read_parquet_chunks(
-    path: PathLike,
+    path: PathLike | _ParquetLog,
     columns: Sequence[Any] | None = None,
     filters: Sequence[Any] | None = None,
     chunk_rows: int = CHUNK_ROWS,
@@ -657,20 +777,33 @@ def read_parquet_chunks(
         # (name, tensor_type) -> an id over the whole log, through the chunk's codes
         name_codes, name_values = pd.factorize(df[(METADATA, "name")])
         kind_codes, kind_values = pd.factorize(df[(METADATA, "tensor_type")])
-        name_values, kind_values = list(np.asarray(name_values, object)), list(np.asarray(kind_values, object))
+        name_values, kind_values = (
+            list(np.asarray(name_values, object)),
+            list(np.asarray(kind_values, object)),
+        )
         pair = name_codes.astype(np.int64) * max(1, len(kind_values)) + kind_codes
         pairs, inverse = np.unique(pair, return_inverse=True)
-        gid = np.array([ids.setdefault((name_values[p // len(kind_values)], kind_values[p % len(kind_values)]),
-                                       len(ids)) for p in pairs.tolist()], dtype=np.int64)
-        keys[done:done + len(df)] = gid[inverse.ravel()]
-        steps[done:done + len(df)] = df[(METADATA, STEP)].to_numpy(dtype=np.int64)
+        gid = np.array(
+            [
+                ids.setdefault(
+                    (name_values[p // len(kind_values)], kind_values[p % len(kind_values)]),
+                    len(ids),
+                )
+                for p in pairs.tolist()
+            ],
+            dtype=np.int64,
+        )
+        keys[done : done + len(df)] = gid[inverse.ravel()]
+        steps[done : done + len(df)] = df[(METADATA, STEP)].to_numpy(dtype=np.int64)
         done += len(df)
         yield df
     if done:
         _check_unique(log.path, ids, keys[:done], steps[:done])
 
 
-def _check_unique(path: Path, ids: dict[tuple[str, str], int], k: np.ndarray, st: np.ndarray) -> None:
+def _check_unique(
+    path: Path, ids: dict[tuple[str, str], int], k: np.ndarray, st: np.ndarray
+) -> None:
     """SchemaError if a (name, tensor_type) id and step pair occurs twice: the pairs as
     one int64 key, sorted in place (lean: no hash table over millions of rows)."""
     low, span = int(st.min()), int(st.max()) - int(st.min()) + 1
@@ -684,15 +817,19 @@ def _check_unique(path: Path, ids: dict[tuple[str, str], int], k: np.ndarray, st
             key = int(k[same[0]])
             gid, step = key // span, key % span + low
             name = next(n for n, v in ids.items() if v == gid)
-            raise SchemaError(f"{str(path)!r}: duplicate rows for (name, tensor_type, step) = "
-                              f"{(*name, step)}; each tensor has at most one row per step")
+            raise SchemaError(
+                f"{str(path)!r}: duplicate rows for (name, tensor_type, step) = "
+                f"{(*name, step)}; each tensor has at most one row per step"
+            )
         return
     dup = pd.DataFrame({"k": k, "s": st}).duplicated().to_numpy()  # no room for one key
     if dup.any():
         i = int(np.flatnonzero(dup)[0])
         name = next(n for n, v in ids.items() if v == k[i])
-        raise SchemaError(f"{str(path)!r}: duplicate rows for (name, tensor_type, step) = "
-                          f"{(*name, int(st[i]))}; each tensor has at most one row per step")
+        raise SchemaError(
+            f"{str(path)!r}: duplicate rows for (name, tensor_type, step) = "
+            f"{(*name, int(st[i]))}; each tensor has at most one row per step"
+        )
 
 
 def log_columns(path: PathLike) -> list[tuple[str, Any]]:

@@ -45,7 +45,9 @@ def scalars_path(log: str | os.PathLike) -> Path:
     return p.with_name(p.stem + ".scalars") if single else p / SCALARS_DIR
 
 
-def write_scalars_part(directory: Path, index: int, steps: list[int], rows: list[dict[str, float]]) -> Path:
+def write_scalars_part(
+    directory: Path, index: int, steps: list[int], rows: list[dict[str, float]]
+) -> Path:
     """Write the scalars of ``steps`` (``rows[i]``: name -> value at ``steps[i]``) as part
     ``index`` of ``directory`` (created if needed), atomically."""
     from .io import atomic_write
@@ -54,9 +56,15 @@ def write_scalars_part(directory: Path, index: int, steps: list[int], rows: list
     for r in rows:
         names.update(dict.fromkeys(r))
     arrays = [pa.array(np.asarray(steps, dtype=np.int64))]
-    arrays += [pa.array(np.array([r.get(n, np.nan) for r in rows], dtype=np.float64)) for n in names]
-    table = pa.Table.from_arrays(arrays, names=["step", *names]).replace_schema_metadata({_MARK: b"1"})
-    return atomic_write(directory / f"part-{index:06d}.parquet", lambda tmp: pq.write_table(table, tmp))
+    arrays += [
+        pa.array(np.array([r.get(n, np.nan) for r in rows], dtype=np.float64)) for n in names
+    ]
+    table = pa.Table.from_arrays(arrays, names=["step", *names]).replace_schema_metadata(
+        {_MARK: b"1"}
+    )
+    return atomic_write(
+        directory / f"part-{index:06d}.parquet", lambda tmp: pq.write_table(table, tmp)
+    )
 
 
 def read_scalars(source: Any) -> pd.DataFrame:
@@ -80,22 +88,34 @@ def read_scalars(source: Any) -> pd.DataFrame:
     if isinstance(source, pd.DataFrame):
         where = source.attrs.get(SOURCE_ATTR)
         if not where:
-            raise ValueError("read_scalars(source=<DataFrame>): this frame does not say which file it was read "
-                             "from (it was built or changed in memory); pass the log's path instead")
+            raise ValueError(
+                "read_scalars(source=<DataFrame>): this frame does not say which file it was read "
+                "from (it was built or changed in memory); pass the log's path instead"
+            )
         source = where
     log = Path(source)
     if not log.exists():
         raise FileNotFoundError(f"read_scalars: no log at {str(log)!r}")
     directory = scalars_path(log)
-    parts = sorted(p for p in directory.glob("*.parquet") if not p.name.startswith(".")) if directory.is_dir() else []
+    parts = (
+        sorted(p for p in directory.glob("*.parquet") if not p.name.startswith("."))
+        if directory.is_dir()
+        else []
+    )
     if not parts:
         return pd.DataFrame({"step": pd.Series([], dtype=np.int64)})
     frames = []
     for part in parts:
         table = pq.read_table(part)
-        if table.schema.metadata is None or _MARK not in table.schema.metadata or "step" not in table.column_names:
-            raise ValueError(f"read_scalars: {str(part)!r} is not a tandv scalars table (no 'step' column "
-                             f"or marker); move it out of {str(directory)!r}")
+        if (
+            table.schema.metadata is None
+            or _MARK not in table.schema.metadata
+            or "step" not in table.column_names
+        ):
+            raise ValueError(
+                f"read_scalars: {str(part)!r} is not a tandv scalars table (no 'step' column "
+                f"or marker); move it out of {str(directory)!r}"
+            )
         frames.append(table.to_pandas())
     df = pd.concat(frames, ignore_index=True, sort=False)
     # several rows of one step (logged after a flush): the last value of each name wins

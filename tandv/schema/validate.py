@@ -74,13 +74,21 @@ def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def _bad_value(col: Any, s: pd.Series, mask: np.ndarray, expected: str, hint: str = "") -> SchemaError:
+def _bad_value(
+    col: Any, s: pd.Series, mask: np.ndarray, expected: str, hint: str = ""
+) -> SchemaError:
     """The error for the values of ``s`` where ``mask`` holds, naming the first row."""
     row = _first(mask)
-    found = _examples(s[mask].iloc[:50]) if not ptypes.is_extension_array_dtype(s.dtype) or \
-        not pd.isna(s.iloc[row]) else "<NA>"
-    return SchemaError(f"{col!r}: expected {expected}; found {found} (first at row {row}, "
-                       f"dtype {s.dtype}){hint}", column=col, row=row)
+    found = (
+        _examples(s[mask].iloc[:50])
+        if not ptypes.is_extension_array_dtype(s.dtype) or not pd.isna(s.iloc[row])
+        else "<NA>"
+    )
+    return SchemaError(
+        f"{col!r}: expected {expected}; found {found} (first at row {row}, dtype {s.dtype}){hint}",
+        column=col,
+        row=row,
+    )
 
 
 def _check_strings(df: pd.DataFrame, c: str) -> None:
@@ -88,14 +96,17 @@ def _check_strings(df: pd.DataFrame, c: str) -> None:
     s = df[col]
     dt = s.dtype
     if isinstance(dt, pd.CategoricalDtype):
-        raise SchemaError(f"{col!r}: expected str values; found a categorical column; convert it "
-                          f"with .astype(str)", column=col)
+        raise SchemaError(
+            f"{col!r}: expected str values; found a categorical column; convert it "
+            f"with .astype(str)",
+            column=col,
+        )
     if isinstance(dt, pd.StringDtype):
         na = s.isna().to_numpy()
         if na.any():
             raise _bad_value(col, s, na, "str values (no missing value)")
         return
-    if dt == object and ptypes.infer_dtype(s, skipna=False) in ("string", "empty"):
+    if dt == np.dtype(object) and ptypes.infer_dtype(s, skipna=False) in ("string", "empty"):
         return  # all values are str (checked in C)
     bad = ~np.fromiter((isinstance(v, str) for v in s.array), dtype=bool, count=len(s))
     if bad.any():
@@ -107,17 +118,25 @@ def _integer(col: Any, s: pd.Series, what: str, hint: str) -> np.ndarray:
     bool or other dtype, a missing value (nullable dtypes), or a float's NaN/fraction."""
     dt = s.dtype
     if ptypes.is_bool_dtype(dt) or not ptypes.is_numeric_dtype(dt):
-        raise SchemaError(f"{col!r}: expected an integer dtype of {what}; found {dt} "
-                          f"(e.g. {_examples(s.iloc[:20])}){hint}", column=col)
+        raise SchemaError(
+            f"{col!r}: expected an integer dtype of {what}; found {dt} "
+            f"(e.g. {_examples(s.iloc[:20])}){hint}",
+            column=col,
+        )
     if ptypes.is_float_dtype(dt):
         v = s.to_numpy(dtype=np.float64, na_value=np.nan)
         bad = ~np.isfinite(v) | (v != np.round(v))
         row = _first(bad) if bad.any() else None
         which = "" if row is None else f", holding {_examples([s.iloc[row]])} at row {row}"
-        raise SchemaError(f"{col!r}: expected an integer dtype of {what}; found {dt}{which}{hint}",
-                          column=col, row=row)
+        raise SchemaError(
+            f"{col!r}: expected an integer dtype of {what}; found {dt}{which}{hint}",
+            column=col,
+            row=row,
+        )
     if not ptypes.is_integer_dtype(dt):
-        raise SchemaError(f"{col!r}: expected an integer dtype of {what}; found {dt}{hint}", column=col)
+        raise SchemaError(
+            f"{col!r}: expected an integer dtype of {what}; found {dt}{hint}", column=col
+        )
     if ptypes.is_extension_array_dtype(dt):
         na = s.isna().to_numpy()
         if na.any():
@@ -136,7 +155,9 @@ def _duplicates(df: pd.DataFrame, step: np.ndarray) -> np.ndarray:
     low = int(step.min())
     span = int(step.max()) - low + 1
     if (int(names.max()) + 1) * len(kind_values) * span >= 2**62:  # no room: pandas' general way
-        return df.duplicated(subset=[(METADATA, NAME), (METADATA, TENSOR_TYPE), (METADATA, STEP)]).to_numpy()
+        return df.duplicated(
+            subset=[(METADATA, NAME), (METADATA, TENSOR_TYPE), (METADATA, STEP)]
+        ).to_numpy()
     k = (names.astype(np.int64) * len(kind_values) + kinds) * span + (step.astype(np.int64) - low)
     return pd.Series(k).duplicated().to_numpy()
 
@@ -167,7 +188,8 @@ def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
     unknown = [t for t in tops if not (isinstance(t, str) and t in GROUPS)]
     if unknown:
         raise SchemaError(
-            f"columns: unknown top-level group {_examples(unknown)}; expected only {', '.join(GROUPS)}"
+            f"columns: unknown top-level group {_examples(unknown)}; "
+            f"expected only {', '.join(GROUPS)}"
         )
     if cols.duplicated().any():
         raise SchemaError(f"columns: duplicated column {_examples(list(cols[cols.duplicated()]))}")
@@ -202,25 +224,37 @@ def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
             raise SchemaError(
                 f"{(METADATA, DTYPE)!r}: {name!r} is not a floating-point dtype name that "
                 f"ml_dtypes.finfo can parse (e.g. 'float32', 'bfloat16', 'float8_e4m3fn')",
-                column=(METADATA, DTYPE)) from None
+                column=(METADATA, DTYPE),
+            ) from None
 
     stats = [c for t, c in cols if t == SCALAR_STATS]
     if not stats:
-        raise SchemaError(f"{SCALAR_STATS!r}: expected at least one scalar statistic column; found none")
+        raise SchemaError(
+            f"{SCALAR_STATS!r}: expected at least one scalar statistic column; found none"
+        )
     bad_labels = [c for c in stats if not (isinstance(c, str) and c)]
     if bad_labels:
-        raise SchemaError(f"{SCALAR_STATS!r}: statistic names must be non-empty str; found "
-                          f"{_examples(bad_labels)}")
+        raise SchemaError(
+            f"{SCALAR_STATS!r}: statistic names must be non-empty str; found "
+            f"{_examples(bad_labels)}"
+        )
     for c in stats:
         col = (SCALAR_STATS, c)
         dt = df[col].dtype
         if not ptypes.is_numeric_dtype(dt) or ptypes.is_bool_dtype(dt):
-            raise SchemaError(f"{col!r}: expected a numeric (float or int) dtype; found {dt}", column=col)
+            raise SchemaError(
+                f"{col!r}: expected a numeric (float or int) dtype; found {dt}", column=col
+            )
         if ptypes.is_extension_array_dtype(dt):
             na = df[col].isna().to_numpy()
             if na.any():
-                raise _bad_value(col, df[col], na, "numbers (a missing statistic is NaN in a float "
-                                 "dtype, not <NA>)", "; convert with .astype('float64')")
+                raise _bad_value(
+                    col,
+                    df[col],
+                    na,
+                    "numbers (a missing statistic is NaN in a float dtype, not <NA>)",
+                    "; convert with .astype('float64')",
+                )
 
     exps = [c for t, c in cols if t == EXPONENT_COUNTS]
     for label in (UNDERFLOW, OVERFLOW):
@@ -228,7 +262,8 @@ def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
             raise SchemaError(
                 f"{(EXPONENT_COUNTS, label)!r}: missing; every log holds the underflow "
                 f"({UNDERFLOW!r}) and overflow ({OVERFLOW!r}) counts (all zeros if none)",
-                column=(EXPONENT_COUNTS, label))
+                column=(EXPONENT_COUNTS, label),
+            )
     bad_labels = [c for c in exps if c not in (UNDERFLOW, OVERFLOW) and not is_exponent_label(c)]
     if bad_labels:
         raise SchemaError(
@@ -250,5 +285,7 @@ def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
         first = [_plain(v) for v in df[key].iloc[row].tolist()]
         raise SchemaError(
             f"metadata: duplicate rows for (name, tensor_type, step) = {tuple(first)} "
-            f"(row {row} repeats an earlier row); each tensor has at most one row per step", row=row)
+            f"(row {row} repeats an earlier row); each tensor has at most one row per step",
+            row=row,
+        )
     return df

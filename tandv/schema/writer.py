@@ -50,15 +50,20 @@ def prepare_directory(directory: Path, log: Path) -> None:
     """
     for p in (directory, *directory.parents):
         if p.exists() and not p.is_dir():
-            raise NotADirectoryError(f"cannot write the log {str(log)!r}: {str(p)!r} is a file, not a directory")
+            raise NotADirectoryError(
+                f"cannot write the log {str(log)!r}: {str(p)!r} is a file, not a directory"
+            )
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".tandv-probe-", dir=directory)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise type(e)(e.errno, f"cannot write the log {str(log)!r}: cannot create files in "
-                               f"{str(directory)!r} ({e.strerror})") from e
+        raise type(e)(
+            e.errno,
+            f"cannot write the log {str(log)!r}: cannot create files in "
+            f"{str(directory)!r} ({e.strerror})",
+        ) from e
 
 
 class PartWriter(LogWriter):
@@ -106,10 +111,13 @@ class PickleWriter(LogWriter):
     def __init__(self, path: str | os.PathLike, *, reserved: bool = False) -> None:
         self.path = Path(path)
         if self.path.is_dir():
-            raise IsADirectoryError(f"pickle log path {str(self.path)!r} is a directory; give a file name")
+            raise IsADirectoryError(
+                f"pickle log path {str(self.path)!r} is a directory; give a file name"
+            )
         if self.path.exists() and not (reserved and self.path.stat().st_size == 0):
-            raise FileExistsError(f"pickle log {str(self.path)!r} already exists; choose another `out` "
-                                  f"or remove it")
+            raise FileExistsError(
+                f"pickle log {str(self.path)!r} already exists; choose another `out` or remove it"
+            )
         prepare_directory(self.path.parent, self.path)
         self._frames: list[pd.DataFrame] = []
         self.rows_written = 0
@@ -133,14 +141,20 @@ class PickleWriter(LogWriter):
                     df.attrs[RUN_ATTR] = self.run
                 write_pickle(df, self.path)
             except Exception as e:
-                raise RuntimeError(f"tandv: writing the log to {str(self.path)!r} failed: "
-                                   f"{type(e).__name__}: {e}") from e
+                raise RuntimeError(
+                    f"tandv: writing the log to {str(self.path)!r} failed: {type(e).__name__}: {e}"
+                ) from e
             self._frames = []
         return self.path
 
 
-def open_writer(path: str | os.PathLike, out_format: Literal["parquet", "pickle"], *,
-                reserved: bool = False, run: dict | None = None) -> LogWriter:
+def open_writer(
+    path: str | os.PathLike,
+    out_format: Literal["parquet", "pickle"],
+    *,
+    reserved: bool = False,
+    run: dict | None = None,
+) -> LogWriter:
     """A writer for ``out_format`` at ``path`` (a directory for parquet, a file for pickle);
     ``reserved`` says that an empty file at ``path`` is the caller's own placeholder;
     ``run`` is the record of how the log was made (stored with the rows)."""

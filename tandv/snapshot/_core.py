@@ -16,8 +16,9 @@ import math
 import numbers
 import operator
 import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal, overload
 
 import numpy as np
 import pandas as pd
@@ -65,8 +66,12 @@ def _np_to_numpy(x: Any) -> tuple[np.ndarray, str]:
     return arr, arr.dtype.name
 
 
-NUMPY_OPS = Ops(sqrt=np.sqrt, norm=_np_norm, to_numpy=_np_to_numpy,
-                clone=lambda x: np.array(x, copy=True) if isinstance(x, np.ndarray) else x)
+NUMPY_OPS = Ops(
+    sqrt=np.sqrt,
+    norm=_np_norm,
+    to_numpy=_np_to_numpy,
+    clone=lambda x: np.array(x, copy=True) if isinstance(x, np.ndarray) else x,
+)
 
 
 def ops_for(x: Any) -> Ops:
@@ -114,8 +119,10 @@ class Snapshot(Mapping[str, Any]):
 
     def __init__(self, values: Mapping[str, Any], name: str = "snapshot") -> None:
         if not isinstance(values, Mapping):
-            raise TypeError(f"Snapshot(values=...): expected a mapping of name -> array, got "
-                            f"{type(values).__name__}")
+            raise TypeError(
+                f"Snapshot(values=...): expected a mapping of name -> array, got "
+                f"{type(values).__name__}"
+            )
         self._values: dict[str, Any] = dict(values)
         self.name = name
 
@@ -124,8 +131,9 @@ class Snapshot(Mapping[str, Any]):
         try:
             return self._values[key]
         except KeyError:
-            raise KeyError(f"{key!r} is not in snapshot {self.name!r}; it holds "
-                           f"{_few(self._values)}") from None
+            raise KeyError(
+                f"{key!r} is not in snapshot {self.name!r}; it holds {_few(self._values)}"
+            ) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
@@ -151,12 +159,16 @@ class Snapshot(Mapping[str, Any]):
             wanted = [include] if isinstance(include, str) else list(include)
             unknown = [k for k in wanted if k not in self._values]
             if unknown:
-                raise KeyError(f"include={unknown!r}: not in snapshot {self.name!r}; it holds "
-                               f"{_few(self._values)}")
+                raise KeyError(
+                    f"include={unknown!r}: not in snapshot {self.name!r}; it holds "
+                    f"{_few(self._values)}"
+                )
             keep = [k for k in keep if k in wanted]
         if not keep:
-            raise ValueError(f"pattern={pattern!r} matches no name of snapshot {self.name!r}; it "
-                             f"holds {_few(self._values)}")
+            raise ValueError(
+                f"pattern={pattern!r} matches no name of snapshot {self.name!r}; it "
+                f"holds {_few(self._values)}"
+            )
         return Snapshot({k: self._values[k] for k in keep}, self.name)
 
     def clone(self) -> Snapshot:
@@ -178,14 +190,17 @@ class Snapshot(Mapping[str, Any]):
                 raise ValueError(
                     f"snapshot {self.name!r} {sym} snapshot {other.name!r}: the names differ "
                     f"(only left: {_few(missing)}; only right: {_few(extra)}); select the same "
-                    f"tensors on both sides, e.g. with .filter(include=other.keys())")
+                    f"tensors on both sides, e.g. with .filter(include=other.keys())"
+                )
             pairs = {k: (v, other._values[k]) for k, v in self._values.items()}
         elif _is_scalar(other):
             pairs = {k: (v, other) for k, v in self._values.items()}
         else:
-            raise TypeError(f"snapshot {sym} {type(other).__name__}: a snapshot combines with "
-                            f"another snapshot or a number, not with {type(other).__name__}; "
-                            f"wrap per-name tensors in a Snapshot first")
+            raise TypeError(
+                f"snapshot {sym} {type(other).__name__}: a snapshot combines with "
+                f"another snapshot or a number, not with {type(other).__name__}; "
+                f"wrap per-name tensors in a Snapshot first"
+            )
         out = {k: (op(b, a) if reverse else op(a, b)) for k, (a, b) in pairs.items()}
         return Snapshot(out, self.name)
 
@@ -230,6 +245,14 @@ class Snapshot(Mapping[str, Any]):
         return Snapshot({k: ops_for(v).sqrt(v) for k, v in self._values.items()}, self.name)
 
     # -- reductions ------------------------------------------------------------------------
+    @overload
+    def norm(self, p: float = 2, layerwise: Literal[False] = False) -> float: ...
+    @overload
+    def norm(self, p: float = 2, *, layerwise: Literal[True]) -> Snapshot: ...
+    @overload
+    def norm(self, p: float, layerwise: Literal[True]) -> Snapshot: ...
+    @overload
+    def norm(self, p: float = 2, layerwise: bool = False) -> float | Snapshot: ...
     def norm(self, p: float = 2, layerwise: bool = False) -> float | Snapshot:
         """The p-norm of all elements together, or of each value (``layerwise=True``: a
         snapshot of floats, which combines with other snapshots per name).
@@ -252,8 +275,12 @@ class Snapshot(Mapping[str, Any]):
             return float(m)
         return float(m * np.sum((a / m) ** p) ** (1.0 / p))
 
-    def describe(self, layerwise: bool = False, pattern: str | None = None,
-                 include: Sequence[str] | None = None) -> pd.DataFrame:
+    def describe(
+        self,
+        layerwise: bool = False,
+        pattern: str | None = None,
+        include: Sequence[str] | None = None,
+    ) -> pd.DataFrame:
         """Statistics of the snapshot as a DataFrame, named as in a tandv log.
 
         Arguments:
@@ -273,8 +300,10 @@ class Snapshot(Mapping[str, Any]):
             wanted = [include] if isinstance(include, str) else list(include)
             unknown = [c for c in wanted if c not in DESCRIBE_COLUMNS]
             if unknown:
-                raise ValueError(f"describe(include=...): unknown columns {unknown}; choose from "
-                                 f"{list(DESCRIBE_COLUMNS)}")
+                raise ValueError(
+                    f"describe(include=...): unknown columns {unknown}; choose from "
+                    f"{list(DESCRIBE_COLUMNS)}"
+                )
             cols = wanted
         snap = self if pattern is None else self.filter(pattern)
         summaries, shapes, dtypes = {}, {}, {}
@@ -308,9 +337,13 @@ class Snapshot(Mapping[str, Any]):
         arrays = {k: v for k, v in self._values.items() if not _is_scalar(v)}
         if arrays:
             numel = sum(int(np.prod(np.shape(v))) for v in arrays.values())
-            dtypes = sorted({str(getattr(v, "dtype", "?")).replace("torch.", "") for v in arrays.values()})
-            head = (f"Snapshot {self.name!r} [{n} tensors, numel={numel:,}, "
-                    f"L2={self.norm(2):.4g}, dtype={'/'.join(dtypes)}]")
+            dtypes = sorted(
+                {str(getattr(v, "dtype", "?")).replace("torch.", "") for v in arrays.values()}
+            )
+            head = (
+                f"Snapshot {self.name!r} [{n} tensors, numel={numel:,}, "
+                f"L2={self.norm(2):.4g}, dtype={'/'.join(dtypes)}]"
+            )
         else:
             head = f"Snapshot {self.name!r} [{n} numbers]"
         width = max((len(k) for k in self._values), default=0)
@@ -339,8 +372,10 @@ def sqrt(x: Snapshot) -> Snapshot:
     """Elementwise square root of every value of a snapshot, in its own framework
     (``-lr * m / (sqrt(v) + eps)``)."""
     if not isinstance(x, Snapshot):
-        raise TypeError(f"sqrt(x): expected a Snapshot, got {type(x).__name__}; use your "
-                        f"framework's sqrt for plain tensors")
+        raise TypeError(
+            f"sqrt(x): expected a Snapshot, got {type(x).__name__}; use your "
+            f"framework's sqrt for plain tensors"
+        )
     return x.sqrt()
 
 

@@ -8,7 +8,8 @@ activations by module path (``root`` for the outermost module).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +43,10 @@ def _named(tree: Any, fn: str) -> dict[str, Any]:
     leaves = jax.tree_util.tree_leaves(tree)
     named, _ = param_leaves(tree)
     if not named:
-        raise ValueError(f"{fn}: the pytree has no floating-point leaves (got "
-                         f"{type(tree).__name__}); pass the params / grads pytree")
+        raise ValueError(
+            f"{fn}: the pytree has no floating-point leaves (got "
+            f"{type(tree).__name__}); pass the params / grads pytree"
+        )
     return {leaf.name: leaves[leaf.index] for _, leaf in named}
 
 
@@ -76,9 +79,11 @@ def from_optimizer_state(opt_state: Any, key: str, params: Any) -> Snapshot:
     found = optimizer_state_leaves(opt_state, params)
     out = {leaf.param: leaves[leaf.index] for leaf in found if leaf.name == f"{leaf.param}.{key}"}
     if not out:
-        fields = sorted({leaf.name[len(leaf.param) + 1:] for leaf in found})
-        raise KeyError(f"from_optimizer_state(key={key!r}): no state leaf of that field; this "
-                       f"state holds {fields or 'no parameter-shaped leaves'}")
+        fields = sorted({leaf.name[len(leaf.param) + 1 :] for leaf in found})
+        raise KeyError(
+            f"from_optimizer_state(key={key!r}): no state leaf of that field; this "
+            f"state holds {fields or 'no parameter-shaped leaves'}"
+        )
     return Snapshot(out, f"opt_state_{key}")
 
 
@@ -93,8 +98,10 @@ def from_activation(intermediates: Mapping[str, Any]) -> Snapshot:
     if isinstance(intermediates, Mapping) and "intermediates" in intermediates:
         intermediates = intermediates["intermediates"]
     if not isinstance(intermediates, Mapping):
-        raise TypeError(f"from_activation(intermediates=...): expected the 'intermediates' "
-                        f"collection (a mapping), got {type(intermediates).__name__}")
+        raise TypeError(
+            f"from_activation(intermediates=...): expected the 'intermediates' "
+            f"collection (a mapping), got {type(intermediates).__name__}"
+        )
     out: dict[str, Any] = {}
 
     def walk(node: Mapping[str, Any], path: tuple[str, ...]) -> None:
@@ -109,8 +116,10 @@ def from_activation(intermediates: Mapping[str, Any]) -> Snapshot:
 
     walk(intermediates, ())
     if not out:
-        raise ValueError("from_activation: the collection holds no '__call__' outputs; apply "
-                         "the model with capture_intermediates=True, mutable=['intermediates']")
+        raise ValueError(
+            "from_activation: the collection holds no '__call__' outputs; apply "
+            "the model with capture_intermediates=True, mutable=['intermediates']"
+        )
     return Snapshot(out, "activations")
 
 

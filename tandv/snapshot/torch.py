@@ -9,8 +9,9 @@ gradients: ``W - lr * m / (sqrt(v) + eps)``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,8 +42,7 @@ def _to_numpy(x: torch.Tensor) -> tuple[np.ndarray, str]:
 
 
 #: The operations a :class:`~tandv.snapshot.Snapshot` of torch tensors uses.
-TORCH_OPS = Ops(sqrt=torch.sqrt, norm=_norm, to_numpy=_to_numpy,
-                clone=lambda x: x.detach().clone())
+TORCH_OPS = Ops(sqrt=torch.sqrt, norm=_norm, to_numpy=_to_numpy, clone=lambda x: x.detach().clone())
 
 
 def _check_model(model: Any, fn: str) -> nn.Module:
@@ -62,8 +62,9 @@ def from_weight(model: nn.Module, clone: bool = False) -> Snapshot:
     """
     _check_model(model, "from_weight")
     get = (lambda p: p.detach().clone()) if clone else (lambda p: p.detach())
-    return Snapshot({k: get(p) for k, p in model.named_parameters()},
-                    f"{type(model).__name__}_weights")
+    return Snapshot(
+        {k: get(p) for k, p in model.named_parameters()}, f"{type(model).__name__}_weights"
+    )
 
 
 def from_grad(model: nn.Module, clone: bool = False) -> Snapshot:
@@ -81,13 +82,16 @@ def from_grad(model: nn.Module, clone: bool = False) -> Snapshot:
     get = (lambda g: g.detach().clone()) if clone else (lambda g: g.detach())
     out = {k: get(p.grad) for k, p in model.named_parameters() if p.grad is not None}
     if not out:
-        raise ValueError("from_grad(model): no parameter has a .grad; call it after "
-                         "loss.backward() and before optimizer.zero_grad()")
+        raise ValueError(
+            "from_grad(model): no parameter has a .grad; call it after "
+            "loss.backward() and before optimizer.zero_grad()"
+        )
     return Snapshot(out, f"{type(model).__name__}_grads")
 
 
-def from_optimizer_state(optimizer: torch.optim.Optimizer, key: str, model: nn.Module | None = None,
-                         clone: bool = False) -> Snapshot:
+def from_optimizer_state(
+    optimizer: torch.optim.Optimizer, key: str, model: nn.Module | None = None, clone: bool = False
+) -> Snapshot:
     """One entry of the optimizer's per-parameter state (``exp_avg``, ``exp_avg_sq``,
     ``momentum_buffer``, ...), keyed by parameter path.
 
@@ -103,10 +107,15 @@ def from_optimizer_state(optimizer: torch.optim.Optimizer, key: str, model: nn.M
         KeyError: no parameter has state ``key`` (the message lists the keys there are).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"from_optimizer_state(optimizer=...): expected a torch.optim.Optimizer, "
-                        f"got {type(optimizer).__name__}")
-    names = {id(p): k for k, p in _check_model(model, "from_optimizer_state").named_parameters()} \
-        if model is not None else {}
+        raise TypeError(
+            f"from_optimizer_state(optimizer=...): expected a torch.optim.Optimizer, "
+            f"got {type(optimizer).__name__}"
+        )
+    names = (
+        {id(p): k for k, p in _check_model(model, "from_optimizer_state").named_parameters()}
+        if model is not None
+        else {}
+    )
     out, seen = {}, set()
     for g, group in enumerate(optimizer.param_groups):
         for j, p in enumerate(group["params"]):
@@ -117,9 +126,14 @@ def from_optimizer_state(optimizer: torch.optim.Optimizer, key: str, model: nn.M
                 out[names.get(id(p), f"param_groups.{g}.{j}")] = v.clone() if clone else v
     if not out:
         have = sorted(str(k) for k in seen)
-        raise KeyError(f"from_optimizer_state(key={key!r}): no parameter has this state entry; "
-                       + (f"the optimizer holds {have}" if have else
-                          "the optimizer has no state yet (take an optimizer step first)"))
+        raise KeyError(
+            f"from_optimizer_state(key={key!r}): no parameter has this state entry; "
+            + (
+                f"the optimizer holds {have}"
+                if have
+                else "the optimizer has no state yet (take an optimizer step first)"
+            )
+        )
     return Snapshot(out, f"{type(optimizer).__name__}_{key}")
 
 
@@ -145,9 +159,12 @@ def from_activation(model: nn.Module, clone: bool = False) -> Iterator[Snapshot]
             _flatten(output, path, found)
             for name, t in found:
                 snap._values[name] = t.detach().clone() if clone else t.detach()
+
         return hook
 
-    handles = [m.register_forward_hook(hook_for(path or "root")) for path, m in model.named_modules()]
+    handles = [
+        m.register_forward_hook(hook_for(path or "root")) for path, m in model.named_modules()
+    ]
     try:
         yield snap
     finally:

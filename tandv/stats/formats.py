@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import ml_dtypes
@@ -129,7 +129,7 @@ def _floor_log2(x: float) -> int:
     return math.frexp(x)[1] - 1
 
 
-@lru_cache(maxsize=None)
+@cache
 def _format_by_name(name: str) -> NumberFormat:
     info = ml_dtypes.finfo(name)
     smallest_subnormal = float(info.smallest_subnormal)

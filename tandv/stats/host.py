@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 import threading
-from functools import lru_cache
-from typing import Sequence
+from collections.abc import Sequence
+from functools import cache
 
 import ml_dtypes
 import numba
@@ -37,13 +37,24 @@ __all__ = ["host_summaries", "summary_serial", "serial_tables", "SAFE_RANGE", "H
 #: The largest magnitude of an array must lie in this range (or be 0) for the unscaled
 #: float64 power sums to neither overflow nor lose the powers that matter to underflow;
 #: outside it the power sums take a second, scaled pass.
-SAFE_RANGE = (2.0 ** -100, 2.0 ** 100)
+SAFE_RANGE = (2.0**-100, 2.0**100)
 _SAFE_LO, _SAFE_HI = SAFE_RANGE
 #: Input dtypes the kernel reads (narrower floats are widened to float32 first).
-HOST_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(t) for t in (
-    np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
-    ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz, ml_dtypes.float8_e4m3b11fnuz,
-    ml_dtypes.float8_e4m3, ml_dtypes.float8_e3m4))
+HOST_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(t)
+    for t in (
+        np.float32,
+        np.float16,
+        ml_dtypes.bfloat16,
+        ml_dtypes.float8_e4m3fn,
+        ml_dtypes.float8_e5m2,
+        ml_dtypes.float8_e4m3fnuz,
+        ml_dtypes.float8_e5m2fnuz,
+        ml_dtypes.float8_e4m3b11fnuz,
+        ml_dtypes.float8_e4m3,
+        ml_dtypes.float8_e3m4,
+    )
+)
 
 # Columns of the kernel's per-item partial results (:func:`_item` writes them in this order).
 _INF, _ZERO, _OVER, _MIN, _MAX, _MINABS, _S1, _S2, _A1, _A2, _A4, _A8, _PIVOT = range(13)
@@ -180,7 +191,7 @@ def _as_float32(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _fold(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray]:
     """The layout count bin of each float32 exponent field and of each subnormal
     exponent (-149 .. -127). Fields 0 (zeros and subnormals, the latter counted apart) and
@@ -196,10 +207,40 @@ def _fold(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray]:
 
 
 # Where :func:`_finish` writes each core field (module-level ints: constants to numba).
-(_O_NUMEL, _O_NAN, _O_INF, _O_ZERO, _O_MIN, _O_MAX, _O_MINABS, _O_MAXABS, _O_MEAN, _O_M2,
- _O_P1, _O_P2, _O_P4, _O_P8) = (CORE_FIELDS.index(f) for f in (
-    "numel", "nan_count", "inf_count", "zero_count", "min", "max", "min_abs", "max_abs", "mean",
-    "m2", "p1", "p2", "p4", "p8"))
+(
+    _O_NUMEL,
+    _O_NAN,
+    _O_INF,
+    _O_ZERO,
+    _O_MIN,
+    _O_MAX,
+    _O_MINABS,
+    _O_MAXABS,
+    _O_MEAN,
+    _O_M2,
+    _O_P1,
+    _O_P2,
+    _O_P4,
+    _O_P8,
+) = (
+    CORE_FIELDS.index(f)
+    for f in (
+        "numel",
+        "nan_count",
+        "inf_count",
+        "zero_count",
+        "min",
+        "max",
+        "min_abs",
+        "max_abs",
+        "mean",
+        "m2",
+        "p1",
+        "p2",
+        "p4",
+        "p8",
+    )
+)
 _NCORE = len(CORE_FIELDS)
 
 
@@ -264,9 +305,9 @@ def _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, nb, out, ok):  
         out[r, _O_M2] = max(P[r, _S2] - s1 * s1 / nf, 0.0) / (scale * scale)
         if ok[r]:
             out[r, _O_P1] = P[r, _A1] / scale
-            out[r, _O_P2] = P[r, _A2] / scale ** 2
-            out[r, _O_P4] = P[r, _A4] / scale ** 4
-            out[r, _O_P8] = P[r, _A8] / scale ** 8
+            out[r, _O_P2] = P[r, _A2] / scale**2
+            out[r, _O_P4] = P[r, _A4] / scale**4
+            out[r, _O_P8] = P[r, _A8] / scale**8
         # values above a format max inside its top binade (float8_e4m3fn: 448 < 512) were
         # counted in the top exponent: move them to the overflow bin, with the infinities
         over = P[r, _OVER]
@@ -305,8 +346,18 @@ def summary_serial(x, field_bin, sub_bin, nb, over_at, out):  # pragma: no cover
         _item(x[a:b], bits[a:b], pivot, over_at, part[j], hist[j], sub[j])
     ok = np.zeros(1, dtype=np.bool_)
     row = out.reshape(1, out.size)
-    _finish(part, hist, sub, np.zeros(items, np.int64), np.full(1, n, np.int64), field_bin, sub_bin,
-            nb, row, ok)
+    _finish(
+        part,
+        hist,
+        sub,
+        np.zeros(items, np.int64),
+        np.full(1, n, np.int64),
+        field_bin,
+        sub_bin,
+        nb,
+        row,
+        ok,
+    )
     if not ok[0]:
         _scaled_powers(x, out[_O_MAXABS], out)
 
@@ -315,7 +366,12 @@ def serial_tables(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray, int, float
     """The arguments after ``x`` of :func:`summary_serial` for format ``fmt``:
     ``(field_bin, sub_bin, nb, over_at)``, the tables as int32."""
     field_bin, sub_bin = _fold(fmt)
-    return field_bin.astype(np.int32), sub_bin.astype(np.int32), fmt.num_bins, min(fmt.max, _F32_MAX)
+    return (
+        field_bin.astype(np.int32),
+        sub_bin.astype(np.int32),
+        fmt.num_bins,
+        min(fmt.max, _F32_MAX),
+    )
 
 
 #: numba's simplest threading layer (workqueue, used when no OpenMP or TBB runtime is
@@ -323,8 +379,14 @@ def serial_tables(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray, int, float
 _launch = threading.Lock()
 
 
-def _run_all(sources: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], over_at: float,
-             part: np.ndarray, hist: np.ndarray, sub: np.ndarray, threads: int) -> None:
+def _run_all(
+    sources: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+    over_at: float,
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+    threads: int,
+) -> None:
     """Runs every item of ``sources`` (``(x, starts, stops, pivots)``; rows numbered in
     order), on ``threads`` threads when there are at least two items' worth of elements.
 
@@ -334,7 +396,9 @@ def _run_all(sources: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     row = 0
     with _launch:
         before = numba.get_num_threads()  # the caller's setting, restored below
-        numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS, total // _CHUNK)))
+        # numba.config sets its options with setattr at import time: invisible to mypy
+        most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+        numba.set_num_threads(max(1, min(threads, most, total // _CHUNK)))
         try:
             for x, st, sp, pv in sources:
                 rows = slice(row, row + st.size)
@@ -364,8 +428,10 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     flats = []
     for a in arrays:
         if a.dtype not in HOST_DTYPES:
-            raise TypeError(f"host_summaries: dtype {a.dtype} is not one of "
-                            f"{', '.join(str(d) for d in HOST_DTYPES)}")
+            raise TypeError(
+                f"host_summaries: dtype {a.dtype} is not one of "
+                f"{', '.join(str(d) for d in HOST_DTYPES)}"
+            )
         flats.append(_as_float32(a))
     k = len(flats)
     out = np.zeros((k, len(CORE_FIELDS) + layout.num_counts))
@@ -380,8 +446,9 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
         x = flats[i]
         st = np.arange(0, lens[i], _CHUNK)
         pivot = _first_finite(x, np.zeros(1, np.int64), np.array([x.size]))[0]
-        sources.append((x, st, np.minimum(st + _CHUNK, lens[i]), np.full(st.size, pivot),
-                        np.full(st.size, i)))
+        sources.append(
+            (x, st, np.minimum(st + _CHUNK, lens[i]), np.full(st.size, pivot), np.full(st.size, i))
+        )
     if small.any():
         idx = np.flatnonzero(small)
         sp = np.cumsum(lens[idx])

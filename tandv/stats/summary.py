@@ -33,8 +33,9 @@ kept as a centred sum (Chan et al.) so it stays accurate when |mean| >> std.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Literal
 
 import numpy as np
 
@@ -203,8 +204,10 @@ def summarize(
         ``(vector, layout)``.
     """
     arr = np.asarray(x)
-    layout = Layout(number_format(arr.dtype if fmt is None else fmt),
-                    tuple((k, r) for k, (_, r) in (extras or {}).items()))
+    layout = Layout(
+        number_format(arr.dtype if fmt is None else fmt),
+        tuple((k, r) for k, (_, r) in (extras or {}).items()),
+    )
     v = layout.empty()
     flat = arr.astype(np.float64).ravel()
     nan = np.isnan(flat)
@@ -250,8 +253,12 @@ def merge(a: np.ndarray, b: np.ndarray, layout: Layout) -> np.ndarray:
     na = a[0] - a[1] - a[2]
     nb = b[0] - b[1] - b[2]
     n = na + nb
-    for name, fn in (("min", np.minimum), ("min_abs", np.minimum), ("max", np.maximum),
-                     ("max_abs", np.maximum)):
+    for name, fn in (
+        ("min", np.minimum),
+        ("min_abs", np.minimum),
+        ("max", np.maximum),
+        ("max_abs", np.maximum),
+    ):
         out[_I[name]] = fn(a[_I[name]], b[_I[name]])
     # Rescale each part's sums from its own scale to the merged one. A part whose
     # largest magnitude is 0 has all-zero scaled sums, so its ratio may be 0.
@@ -298,8 +305,9 @@ def finalize_many(v: np.ndarray, layout: Layout) -> tuple[dict[str, np.ndarray],
     """
     v = np.atleast_2d(np.asarray(v, dtype=np.float64))
     col = {name: v[:, i] for i, name in enumerate(CORE_FIELDS)}
-    numel, nan, inf, zero = (np.rint(col[k]).astype(np.int64)
-                             for k in ("numel", "nan_count", "inf_count", "zero_count"))
+    numel, nan, inf, zero = (
+        np.rint(col[k]).astype(np.int64) for k in ("numel", "nan_count", "inf_count", "zero_count")
+    )
     n = numel - nan - inf
     has = n > 0
     nf = np.where(has, n, 1).astype(np.float64)
@@ -334,4 +342,6 @@ def finalize(v: np.ndarray, layout: Layout) -> tuple[dict[str, float | int], np.
         :func:`exponent_labels`.
     """
     stats, counts = finalize_many(np.asarray(v, dtype=np.float64)[None, :], layout)
-    return {k: (int(a[0]) if a.dtype.kind == "i" else float(a[0])) for k, a in stats.items()}, counts[0]
+    return {
+        k: (int(a[0]) if a.dtype.kind == "i" else float(a[0])) for k, a in stats.items()
+    }, counts[0]

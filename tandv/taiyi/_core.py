@@ -12,9 +12,10 @@ from __future__ import annotations
 import difflib
 import os
 import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -66,70 +67,146 @@ class QuantitySpec:
     doc: str
 
 
-_COV_NOTE = ("Eigenvalues of the sample covariance of the step's inputs: exact for that batch "
-             "(float64), an estimate of the population covariance's spectrum.")
+_COV_NOTE = (
+    "Eigenvalues of the sample covariance of the step's inputs: exact for that batch "
+    "(float64), an estimate of the population covariance's spectrum."
+)
 
 #: Every supported quantity, by Taiyi's name, in Taiyi's order.
-QUANTITIES: dict[str, QuantitySpec] = {q.name: q for q in [
-    QuantitySpec("InputCovMaxEig", "input_cov", None, False,
-                 "Largest eigenvalue lambda_1 of the sample covariance C = Xc^T Xc / (n - 1) of the "
-                 "module's input features (X: n samples x d features, Xc: X minus its column means). "
-                 + _COV_NOTE),
-    QuantitySpec("InputCovStableRank", "input_cov", None, False,
-                 "Stable rank of the centred input, ||Xc||_F^2 / ||Xc||_2^2 = tr(C) / lambda_1 "
-                 "(sum of C's eigenvalues over the largest); between 1 and d. " + _COV_NOTE),
-    QuantitySpec("InputCovCondition20", "input_cov", None, False,
-                 "lambda_1 / lambda_k with eigenvalues in descending order lambda_1 >= ... >= lambda_d "
-                 "and k = floor(0.2 d) + 1: the condition number of the top 20% of C's spectrum "
-                 "(inf when lambda_k is 0). " + _COV_NOTE),
-    QuantitySpec("InputCovCondition50", "input_cov", None, False,
-                 "As InputCovCondition20 with k = floor(0.5 d) + 1 (the median eigenvalue). " + _COV_NOTE),
-    QuantitySpec("InputCovCondition80", "input_cov", None, False,
-                 "As InputCovCondition20 with k = floor(0.8 d) + 1. " + _COV_NOTE),
-    QuantitySpec("InputMean", "input", None, True,
-                 "Mean of all elements of the module's input (first positional argument)."),
-    QuantitySpec("InputSndNorm", "input", None, True,
-                 "L2 (Frobenius) norm of the module's input, all elements; with several forward "
-                 "passes in a step, the norm of all of them together (sqrt of the summed squares)."),
-    QuantitySpec("OutputGradSndNorm", "output_grad", None, True,
-                 "L2 norm of the gradient of the loss w.r.t. the module's output; with several "
-                 "backward passes in a step, the norm of all of them together."),
-    QuantitySpec("WeightNorm", "weight", None, True,
-                 "L2 (Frobenius) norm of the module's ``weight`` as it is when the step is tracked."),
-    QuantitySpec("LinearDeadNeuronNum", "output", "linear", True,
-                 "Number of output units of a Linear layer that are dead for the step's batch: "
-                 "their output is <= 0 for every sample, so a ReLU after them passes nothing and "
-                 "their weights get no gradient through it."),
-    QuantitySpec("RankMe", "output", None, True,
-                 "RankMe (Garrido et al. 2023, arXiv:2210.02885) of the module's output Z (samples "
-                 "x features): exp(-sum_k p_k log p_k) with p_k = s_k / ||s||_1 + 1e-7 and s the "
-                 "singular values of Z; a smooth effective rank between 1 and min(samples, features). "
-                 "s is computed as the square roots of the eigenvalues of Z^T Z (float64), so the "
-                 "Gram matrix merges over forward passes; zero singular values then come out near "
-                 "1e-8 of the largest, which raises RankMe of a low-rank output slightly (up to about "
-                 "1e-4 relative, rank 5 of width 2048)."),
-    QuantitySpec("MeanTID", "bn_batch", "batchnorm", True,
-                 "BatchNorm training/inference discrepancy of the mean (Wang et al. 2022, "
-                 "arXiv:2210.05153): the average over the training batches seen since the last "
-                 "time it was computed of ||mu_B - mu_run||_2 / ||sqrt(var_run)||_2, mu_B the "
-                 "batch's per-channel mean and mu_run, var_run the running statistics at the "
-                 "step it is computed."),
-    QuantitySpec("VarTID", "bn_batch", "batchnorm", True,
-                 "BatchNorm training/inference discrepancy of the scale: the average over the same "
-                 "batches of ||sigma_B - sigma_run||_2 / ||sigma_run||_2, sigma_B the batch's "
-                 "per-channel standard deviation (biased, as BatchNorm normalizes with) and "
-                 "sigma_run = sqrt(var_run)."),
-]}
+QUANTITIES: dict[str, QuantitySpec] = {
+    q.name: q
+    for q in [
+        QuantitySpec(
+            "InputCovMaxEig",
+            "input_cov",
+            None,
+            False,
+            "Largest eigenvalue lambda_1 of the sample covariance C = Xc^T Xc / (n - 1) of the "
+            "module's input features (X: n samples x d features, Xc: X minus its column means). "
+            + _COV_NOTE,
+        ),
+        QuantitySpec(
+            "InputCovStableRank",
+            "input_cov",
+            None,
+            False,
+            "Stable rank of the centred input, ||Xc||_F^2 / ||Xc||_2^2 = tr(C) / lambda_1 "
+            "(sum of C's eigenvalues over the largest); between 1 and d. " + _COV_NOTE,
+        ),
+        QuantitySpec(
+            "InputCovCondition20",
+            "input_cov",
+            None,
+            False,
+            "lambda_1 / lambda_k with eigenvalues in descending order lambda_1 >= ... >= lambda_d "
+            "and k = floor(0.2 d) + 1: the condition number of the top 20% of C's spectrum "
+            "(inf when lambda_k is 0). " + _COV_NOTE,
+        ),
+        QuantitySpec(
+            "InputCovCondition50",
+            "input_cov",
+            None,
+            False,
+            "As InputCovCondition20 with k = floor(0.5 d) + 1 (the median eigenvalue). "
+            + _COV_NOTE,
+        ),
+        QuantitySpec(
+            "InputCovCondition80",
+            "input_cov",
+            None,
+            False,
+            "As InputCovCondition20 with k = floor(0.8 d) + 1. " + _COV_NOTE,
+        ),
+        QuantitySpec(
+            "InputMean",
+            "input",
+            None,
+            True,
+            "Mean of all elements of the module's input (first positional argument).",
+        ),
+        QuantitySpec(
+            "InputSndNorm",
+            "input",
+            None,
+            True,
+            "L2 (Frobenius) norm of the module's input, all elements; with several forward "
+            "passes in a step, the norm of all of them together (sqrt of the summed squares).",
+        ),
+        QuantitySpec(
+            "OutputGradSndNorm",
+            "output_grad",
+            None,
+            True,
+            "L2 norm of the gradient of the loss w.r.t. the module's output; with several "
+            "backward passes in a step, the norm of all of them together.",
+        ),
+        QuantitySpec(
+            "WeightNorm",
+            "weight",
+            None,
+            True,
+            "L2 (Frobenius) norm of the module's ``weight`` as it is when the step is tracked.",
+        ),
+        QuantitySpec(
+            "LinearDeadNeuronNum",
+            "output",
+            "linear",
+            True,
+            "Number of output units of a Linear layer that are dead for the step's batch: "
+            "their output is <= 0 for every sample, so a ReLU after them passes nothing and "
+            "their weights get no gradient through it.",
+        ),
+        QuantitySpec(
+            "RankMe",
+            "output",
+            None,
+            True,
+            "RankMe (Garrido et al. 2023, arXiv:2210.02885) of the module's output Z (samples "
+            "x features): exp(-sum_k p_k log p_k) with p_k = s_k / ||s||_1 + 1e-7 and s the "
+            "singular values of Z; a smooth effective rank between 1 and min(samples, features). "
+            "s is computed as the square roots of the eigenvalues of Z^T Z (float64), so the "
+            "Gram matrix merges over forward passes; zero singular values then come out near "
+            "1e-8 of the largest, which raises RankMe of a low-rank output slightly (up to about "
+            "1e-4 relative, rank 5 of width 2048).",
+        ),
+        QuantitySpec(
+            "MeanTID",
+            "bn_batch",
+            "batchnorm",
+            True,
+            "BatchNorm training/inference discrepancy of the mean (Wang et al. 2022, "
+            "arXiv:2210.05153): the average over the training batches seen since the last "
+            "time it was computed of ||mu_B - mu_run||_2 / ||sqrt(var_run)||_2, mu_B the "
+            "batch's per-channel mean and mu_run, var_run the running statistics at the "
+            "step it is computed.",
+        ),
+        QuantitySpec(
+            "VarTID",
+            "bn_batch",
+            "batchnorm",
+            True,
+            "BatchNorm training/inference discrepancy of the scale: the average over the same "
+            "batches of ||sigma_B - sigma_run||_2 / ||sigma_run||_2, sigma_B the batch's "
+            "per-channel standard deviation (biased, as BatchNorm normalizes with) and "
+            "sigma_run = sqrt(var_run).",
+        ),
+    ]
+}
 
 #: Percentile of each condition quantity.
-CONDITION_PERCENT = {"InputCovCondition20": 20, "InputCovCondition50": 50, "InputCovCondition80": 80}
+CONDITION_PERCENT = {
+    "InputCovCondition20": 20,
+    "InputCovCondition50": 50,
+    "InputCovCondition80": 80,
+}
 
 #: ``p_k`` offset in RankMe (the paper's epsilon).
 RANKME_EPS = 1e-7
 
 
 def condition_index(percent: int, d: int) -> int:
-    """0-based index into descending eigenvalues of the denominator of ``InputCovCondition<percent>``."""
+    """0-based index into descending eigenvalues of the denominator of
+    ``InputCovCondition<percent>``."""
     return min(int(np.floor(percent * d / 100)), d - 1)
 
 
@@ -180,13 +257,17 @@ def parse_schedule(spec: str | Schedule | None) -> Schedule:
     if callable(spec):
         return spec
     if not isinstance(spec, str):
-        raise TypeError(f"schedule {spec!r}: expected a string like 'linear(5, 0)' or a callable "
-                        f"step -> bool, got {type(spec).__name__}")
+        raise TypeError(
+            f"schedule {spec!r}: expected a string like 'linear(5, 0)' or a callable "
+            f"step -> bool, got {type(spec).__name__}"
+        )
     m = _LINEAR.match(spec)
     if not m:
-        raise ValueError(f"schedule {spec!r}: expected 'linear(interval, offset)' with non-negative "
-                         f"integers, e.g. 'linear(5, 2)' for steps 2, 7, 12, ... ('linear' is the only "
-                         f"kind Taiyi has)")
+        raise ValueError(
+            f"schedule {spec!r}: expected 'linear(interval, offset)' with non-negative "
+            f"integers, e.g. 'linear(5, 2)' for steps 2, 7, 12, ... ('linear' is the only "
+            f"kind Taiyi has)"
+        )
     interval, offset = int(m.group(1)), int(m.group(2) or 0)
     return linear(max(interval, 1), offset)
 
@@ -194,8 +275,10 @@ def parse_schedule(spec: str | Schedule | None) -> Schedule:
 def _unknown_quantity(name: Any, where: str) -> ValueError:
     close = difflib.get_close_matches(str(name), list(QUANTITIES), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    return ValueError(f"config[{where}]: unknown quantity {name!r}.{hint} Known quantities: "
-                      f"{', '.join(QUANTITIES)}.")
+    return ValueError(
+        f"config[{where}]: unknown quantity {name!r}.{hint} Known quantities: "
+        f"{', '.join(QUANTITIES)}."
+    )
 
 
 def parse_quantity_list(value: Any, where: str) -> list[tuple[str, Schedule, str]]:
@@ -214,8 +297,10 @@ def parse_quantity_list(value: Any, where: str) -> list[tuple[str, Schedule, str
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, (list, tuple)):
-        raise TypeError(f"config[{where}]: expected a list of quantities such as "
-                        f"['InputSndNorm', ['MeanTID', 'linear(5, 0)']], got {type(value).__name__}")
+        raise TypeError(
+            f"config[{where}]: expected a list of quantities such as "
+            f"['InputSndNorm', ['MeanTID', 'linear(5, 0)']], got {type(value).__name__}"
+        )
     out: list[tuple[str, Schedule, str]] = []
     seen: set[str] = set()
     for item in value:
@@ -224,8 +309,10 @@ def parse_quantity_list(value: Any, where: str) -> list[tuple[str, Schedule, str
         elif isinstance(item, (list, tuple)) and 1 <= len(item) <= 2 and isinstance(item[0], str):
             name, sched = item[0], (item[1] if len(item) == 2 else None)
         else:
-            raise ValueError(f"config[{where}]: item {item!r} is not a quantity; write 'Name', ['Name'] "
-                             f"or ['Name', 'linear(interval, offset)']")
+            raise ValueError(
+                f"config[{where}]: item {item!r} is not a quantity; write 'Name', ['Name'] "
+                f"or ['Name', 'linear(interval, offset)']"
+            )
         if name not in QUANTITIES:
             raise _unknown_quantity(name, where)
         if name in seen:
@@ -243,8 +330,13 @@ def parse_quantity_list(value: Any, where: str) -> list[tuple[str, Schedule, str
 # -- the table ------------------------------------------------------------------------------------
 
 #: Columns of the Taiyi table, with their dtypes.
-COLUMNS: dict[str, str] = {"step": "int64", "module": "string", "module_type": "string",
-                           "quantity": "string", "value": "float64"}
+COLUMNS: dict[str, str] = {
+    "step": "int64",
+    "module": "string",
+    "module_type": "string",
+    "quantity": "string",
+    "value": "float64",
+}
 
 #: Name of the directory (inside a parquet log directory) holding the table's part files.
 TAIYI_DIR = "taiyi"
@@ -285,8 +377,9 @@ def write_part(df: pd.DataFrame, directory: str | os.PathLike, index: int) -> Pa
 def _check(df: pd.DataFrame, where: str) -> pd.DataFrame:
     missing = [c for c in COLUMNS if c not in df.columns]
     if missing:
-        raise ValueError(f"{where}: not a Taiyi table: columns {missing} are missing "
-                         f"(expected {list(COLUMNS)})")
+        raise ValueError(
+            f"{where}: not a Taiyi table: columns {missing} are missing (expected {list(COLUMNS)})"
+        )
     df = df[list(COLUMNS)].astype(COLUMNS)
     unknown = sorted(set(df["quantity"]) - set(QUANTITIES))
     if unknown:
@@ -321,15 +414,19 @@ def read_taiyi(path: str | os.PathLike) -> pd.DataFrame:
         if files:
             df = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
             return _check(df, str(c))
-    raise FileNotFoundError(f"no Taiyi table at {str(p)!r} (looked in {[str(c) for c in candidates]}); "
-                            f"a Monitor writes one when given out=")
+    raise FileNotFoundError(
+        f"no Taiyi table at {str(p)!r} (looked in {[str(c) for c in candidates]}); "
+        f"a Monitor writes one when given out="
+    )
 
 
 def describe_quantities() -> pd.DataFrame:
     """The quantities as a table: name, what they are computed from, exact or estimated,
     and their definition."""
-    return pd.DataFrame([(q.name, q.needs, q.modules or "any", q.exact, q.doc) for q in QUANTITIES.values()],
-                        columns=["quantity", "computed_from", "modules", "exact", "definition"])
+    return pd.DataFrame(
+        [(q.name, q.needs, q.modules or "any", q.exact, q.doc) for q in QUANTITIES.values()],
+        columns=["quantity", "computed_from", "modules", "exact", "definition"],
+    )
 
 
 def check_known(names: Iterable[str]) -> None:
@@ -337,7 +434,6 @@ def check_known(names: Iterable[str]) -> None:
     for n in names:
         if n not in QUANTITIES:
             raise _unknown_quantity(n, "?")
-
 
 
 class TableWriter:
@@ -389,17 +485,21 @@ class TableWriter:
             return
         d = self.out_dir
         if d is None:
-            raise RuntimeError("Monitor(out=tracker): the tracker has no out_path yet; enter its "
-                               "`with track(...)` block before the first Monitor.track()")
+            raise RuntimeError(
+                "Monitor(out=tracker): the tracker has no out_path yet; enter its "
+                "`with track(...)` block before the first Monitor.track()"
+            )
         if self._parts == 0 and d.is_dir() and any(d.glob("part-*.parquet")):
-            raise FileExistsError(f"{str(d)!r} already holds a Taiyi table; choose another log path or "
-                                  f"remove it")
-        write_part(rows_to_frame(self._rows[-self._unflushed:]), d, self._parts)
+            raise FileExistsError(
+                f"{str(d)!r} already holds a Taiyi table; choose another log path or remove it"
+            )
+        write_part(rows_to_frame(self._rows[-self._unflushed :]), d, self._parts)
         self._parts += 1
         self._unflushed = 0
 
     def to_dataframe(self) -> pd.DataFrame:
-        """All rows so far: columns ``step``, ``module``, ``module_type``, ``quantity``, ``value``."""
+        """All rows so far: columns ``step``, ``module``, ``module_type``, ``quantity``,
+        ``value``."""
         return rows_to_frame(self._rows)
 
     def get_output(self) -> dict[str, dict[str, dict[int, float]]]:

@@ -16,7 +16,8 @@ eigenvalue, absolute.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -76,27 +77,42 @@ class Monitor(TableWriter):
             schedule or a key of the wrong kind (naming the key).
     """
 
-    def __init__(self, config: Mapping[Any, Any], *, out: Any = None, flush_every: int = 50,
-                 start_step: int = 0, root_name: str = "root") -> None:
+    def __init__(
+        self,
+        config: Mapping[Any, Any],
+        *,
+        out: Any = None,
+        flush_every: int = 50,
+        start_step: int = 0,
+        root_name: str = "root",
+    ) -> None:
         super().__init__(out, flush_every)
         if not isinstance(config, Mapping):
-            raise TypeError(f"config: expected a dict {{module key: [quantities]}}, got {type(config).__name__}")
+            raise TypeError(
+                f"config: expected a dict {{module key: [quantities]}}, got {type(config).__name__}"
+            )
         self._keys: list[tuple[Any, str, list[tuple[str, Schedule, str]]]] = []
         for key, value in config.items():
             where = _key_text(key)
             if isinstance(key, type):
                 if not issubclass(key, nn.Module):
-                    raise TypeError(f"config key {where}: a class key must be a flax.linen Module subclass "
-                                    f"(such as nn.Dense), got {key.__name__}")
+                    raise TypeError(
+                        f"config key {where}: a class key must be a flax.linen Module subclass "
+                        f"(such as nn.Dense), got {key.__name__}"
+                    )
             elif not isinstance(key, str):
-                raise TypeError(f"config key {key!r}: expected a module path ('Dense_0'), a class name "
-                                f"('Dense') or a linen Module class (nn.Dense), got {type(key).__name__}")
+                raise TypeError(
+                    f"config key {key!r}: expected a module path ('Dense_0'), a class name "
+                    f"('Dense') or a linen Module class (nn.Dense), got {type(key).__name__}"
+                )
             items = parse_quantity_list(value, where)
             for name, _, _ in items:
                 if name not in JAX_QUANTITIES:
-                    raise ValueError(f"config[{where}] quantity {name!r}: not available for JAX/Flax yet "
-                                     f"(only for PyTorch models); the JAX monitor computes "
-                                     f"{', '.join(JAX_QUANTITIES)}.")
+                    raise ValueError(
+                        f"config[{where}] quantity {name!r}: not available for JAX/Flax yet "
+                        f"(only for PyTorch models); the JAX monitor computes "
+                        f"{', '.join(JAX_QUANTITIES)}."
+                    )
             self._keys.append((key, where, items))
         self._root = root_name
         self._next_step = start_step
@@ -105,8 +121,12 @@ class Monitor(TableWriter):
 
     def due(self, step: int) -> Due:
         """What fires at ``step``: pass it to :meth:`apply` (a static, hashable argument)."""
-        return frozenset((i, name) for i, (_, _, items) in enumerate(self._keys)
-                         for name, sched, _ in items if sched(step))
+        return frozenset(
+            (i, name)
+            for i, (_, _, items) in enumerate(self._keys)
+            for name, sched, _ in items
+            if sched(step)
+        )
 
     def _hits(self, path: str, module: nn.Module) -> list[int]:
         out = []
@@ -119,8 +139,9 @@ class Monitor(TableWriter):
                 out.append(i)
         return out
 
-    def apply(self, model: nn.Module, variables: Any, *args: Any, due: Due, **kwargs: Any
-              ) -> tuple[Any, dict[str, dict[str, jax.Array]]]:
+    def apply(
+        self, model: nn.Module, variables: Any, *args: Any, due: Due, **kwargs: Any
+    ) -> tuple[Any, dict[str, dict[str, jax.Array]]]:
         """``model.apply(variables, *args, **kwargs)`` that also returns the quantities in
         ``due`` as ``{module path: {quantity: 0-d array}}`` (pure; jit it with ``due``
         static). Returns ``(model output, quantities)``; with ``mutable=...`` the model
@@ -157,22 +178,29 @@ class Monitor(TableWriter):
 
         with nn.intercept_methods(interceptor):
             result = model.apply(variables, *args, **kwargs)
-        quantities = {path: self._compute(names, calls[path], kernels.get(path))
-                      for path, names in wanted.items()}
+        quantities = {
+            path: self._compute(names, calls[path], kernels.get(path))
+            for path, names in wanted.items()
+        }
         return result, {p: q for p, q in quantities.items() if q}
 
     def _check_applies(self, names: set[str], path: str, module: nn.Module) -> None:
         kind = type(module).__name__
         if "LinearDeadNeuronNum" in names and not isinstance(module, nn.Dense):
-            raise ValueError(f"quantity 'LinearDeadNeuronNum': defined for nn.Dense modules, but module "
-                             f"{path!r} is a {kind}; list it under nn.Dense.")
+            raise ValueError(
+                f"quantity 'LinearDeadNeuronNum': defined for nn.Dense modules, but module "
+                f"{path!r} is a {kind}; list it under nn.Dense."
+            )
         if "WeightNorm" in names and "kernel" not in module.variables.get("params", {}):
-            raise ValueError(f"quantity 'WeightNorm': module {path!r} ({kind}) has no 'kernel' parameter; "
-                             f"WeightNorm applies to modules with one (Dense, Conv, ...).")
+            raise ValueError(
+                f"quantity 'WeightNorm': module {path!r} ({kind}) has no 'kernel' parameter; "
+                f"WeightNorm applies to modules with one (Dense, Conv, ...)."
+            )
 
     @staticmethod
-    def _compute(names: set[str], data: dict[str, list[jax.Array]], kernel: jax.Array | None
-                 ) -> dict[str, jax.Array]:
+    def _compute(
+        names: set[str], data: dict[str, list[jax.Array]], kernel: jax.Array | None
+    ) -> dict[str, jax.Array]:
         def matrix(xs: list[jax.Array]) -> jax.Array:
             dt = jnp.promote_types(xs[0].dtype, jnp.float32)
             return jnp.concatenate([x.reshape(-1, x.shape[-1]).astype(dt) for x in xs])
@@ -183,8 +211,9 @@ class Monitor(TableWriter):
             x = matrix(data["in"])
             if cov_names:
                 if x.shape[0] >= 2:
-                    eigs = jnp.clip(jnp.linalg.eigvalsh(jnp.cov(x, rowvar=False).reshape(x.shape[1], -1)),
-                                    0)[::-1]
+                    eigs = jnp.clip(
+                        jnp.linalg.eigvalsh(jnp.cov(x, rowvar=False).reshape(x.shape[1], -1)), 0
+                    )[::-1]
                     out.update(finalize_cov_eigs(eigs, cov_names))
                 else:
                     out.update({n: jnp.array(jnp.nan, x.dtype) for n in cov_names})
@@ -197,7 +226,9 @@ class Monitor(TableWriter):
             if "LinearDeadNeuronNum" in names:
                 out["LinearDeadNeuronNum"] = jnp.all(z <= 0, axis=0).sum().astype(z.dtype)
             if "RankMe" in names:
-                out["RankMe"] = rankme_from_singular_values(jnp.linalg.svd(z, compute_uv=False), jnp)
+                out["RankMe"] = rankme_from_singular_values(
+                    jnp.linalg.svd(z, compute_uv=False), jnp
+                )
         if "WeightNorm" in names and kernel is not None:
             k = kernel.astype(jnp.promote_types(kernel.dtype, jnp.float32))
             out["WeightNorm"] = jnp.sqrt(jnp.square(k).sum())
@@ -212,14 +243,20 @@ class Monitor(TableWriter):
         """
         unmatched = [where for i, (_, where, _) in enumerate(self._keys) if i not in self._matched]
         if unmatched:
-            raise ValueError(f"config keys {', '.join(unmatched)} matched no module of the model in apply(); use a "
-                             f"module path as tandv names it ('Dense_0', 'block.fc1'), a class name or "
-                             f"a linen Module class present in the model")
+            raise ValueError(
+                f"config keys {', '.join(unmatched)} matched no module of the model in apply(); "
+                "use a "
+                f"module path as tandv names it ('Dense_0', 'block.fc1'), a class name or "
+                f"a linen Module class present in the model"
+            )
         step = self._next_step if step is None else int(step)
         host = jax.device_get({p: dict(q) for p, q in quantities.items()})
         order = {q: i for i, q in enumerate(QUANTITIES)}
-        rows = [(step, p, self._types.get(p, ""), q, float(v))
-                for p, qs in host.items() for q, v in sorted(qs.items(), key=lambda kv: order[kv[0]])]
+        rows = [
+            (step, p, self._types.get(p, ""), q, float(v))
+            for p, qs in host.items()
+            for q, v in sorted(qs.items(), key=lambda kv: order[kv[0]])
+        ]
         self.add_rows(rows)
         self.end_step()
         self._next_step = step + 1
@@ -228,10 +265,8 @@ class Monitor(TableWriter):
         """Write the remaining rows."""
         self.flush()
 
-    def __enter__(self) -> "Monitor":
+    def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-

@@ -24,8 +24,9 @@ How the data is taken (the definitions are in :data:`tandv.taiyi.QUANTITIES`):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -82,13 +83,17 @@ def _matches(model: nn.Module, key: Any, root_name: str) -> list[tuple[str, nn.M
     where = _key_text(key)
     if isinstance(key, type):
         if not issubclass(key, nn.Module):
-            raise TypeError(f"config key {where}: a class key must be an nn.Module subclass "
-                            f"(such as nn.Linear), got {key.__name__}")
+            raise TypeError(
+                f"config key {where}: a class key must be an nn.Module subclass "
+                f"(such as nn.Linear), got {key.__name__}"
+            )
         hits = [(n, m) for n, m in mods if isinstance(m, key)]
         if not hits:
             present = sorted({type(m).__name__ for _, m in mods})
-            raise ValueError(f"config key {where}: the model has no {key.__name__} module; its module "
-                             f"types are {present}. Remove the key or fix the class.")
+            raise ValueError(
+                f"config key {where}: the model has no {key.__name__} module; its module "
+                f"types are {present}. Remove the key or fix the class."
+            )
         return hits
     if isinstance(key, str):
         by_name = [(n, m) for n, m in mods if n == key]
@@ -99,31 +104,44 @@ def _matches(model: nn.Module, key: Any, root_name: str) -> list[tuple[str, nn.M
             return by_class
         names = [n for n, _ in mods][:8]
         present = sorted({type(m).__name__ for _, m in mods})
-        raise ValueError(f"config key {key!r}: no module of the model is named {key!r} and none is of a "
-                         f"class named {key!r}. Use a module path (such as {names}) or a class name "
-                         f"present in the model ({present}).")
-    raise TypeError(f"config key {key!r}: expected a module path ('fc1'), a class name ('Conv2d') or "
-                    f"an nn.Module class (nn.Conv2d), got {type(key).__name__}")
+        raise ValueError(
+            f"config key {key!r}: no module of the model is named {key!r} and none is of a "
+            f"class named {key!r}. Use a module path (such as {names}) or a class name "
+            f"present in the model ({present})."
+        )
+    raise TypeError(
+        f"config key {key!r}: expected a module path ('fc1'), a class name ('Conv2d') or "
+        f"an nn.Module class (nn.Conv2d), got {type(key).__name__}"
+    )
 
 
 def _check_applies(qname: str, path: str, module: nn.Module, where: str) -> None:
     spec = QUANTITIES[qname]
     kind = type(module).__name__
     if spec.needs == "weight" and not isinstance(getattr(module, "weight", None), torch.Tensor):
-        raise ValueError(f"config[{where}] quantity {qname!r}: module {path!r} ({kind}) has no weight "
-                         f"tensor; WeightNorm applies to modules with a .weight (Linear, Conv, norms).")
+        raise ValueError(
+            f"config[{where}] quantity {qname!r}: module {path!r} ({kind}) has no weight "
+            f"tensor; WeightNorm applies to modules with a .weight (Linear, Conv, norms)."
+        )
     if spec.modules == "linear" and not isinstance(module, nn.Linear):
-        raise ValueError(f"config[{where}] quantity {qname!r}: defined for nn.Linear modules, but "
-                         f"module {path!r} is a {kind}; list it under nn.Linear.")
-    if spec.modules == "batchnorm" and not (isinstance(module, _BatchNorm) and module.track_running_stats):
-        raise ValueError(f"config[{where}] quantity {qname!r}: defined for BatchNorm modules with running "
-                         f"statistics (track_running_stats=True), but module {path!r} is a {kind}"
-                         + (" without running statistics" if isinstance(module, _BatchNorm) else "")
-                         + "; list it under nn.BatchNorm1d/2d/3d.")
+        raise ValueError(
+            f"config[{where}] quantity {qname!r}: defined for nn.Linear modules, but "
+            f"module {path!r} is a {kind}; list it under nn.Linear."
+        )
+    if spec.modules == "batchnorm" and not (
+        isinstance(module, _BatchNorm) and module.track_running_stats
+    ):
+        raise ValueError(
+            f"config[{where}] quantity {qname!r}: defined for BatchNorm modules with running "
+            f"statistics (track_running_stats=True), but module {path!r} is a {kind}"
+            + (" without running statistics" if isinstance(module, _BatchNorm) else "")
+            + "; list it under nn.BatchNorm1d/2d/3d."
+        )
 
 
-def resolve_config(model: nn.Module, config: Mapping[Any, Any],
-                   root_name: str = "root") -> dict[str, tuple[nn.Module, list[_Entry]]]:
+def resolve_config(
+    model: nn.Module, config: Mapping[Any, Any], root_name: str = "root"
+) -> dict[str, tuple[nn.Module, list[_Entry]]]:
     """Which quantities, on which schedules, each module of ``model`` gets from a Taiyi config.
 
     Arguments:
@@ -145,7 +163,9 @@ def resolve_config(model: nn.Module, config: Mapping[Any, Any],
             schedules.
     """
     if not isinstance(config, Mapping):
-        raise TypeError(f"config: expected a dict {{module key: [quantities]}}, got {type(config).__name__}")
+        raise TypeError(
+            f"config: expected a dict {{module key: [quantities]}}, got {type(config).__name__}"
+        )
     order = {(name or root_name): i for i, (name, _) in enumerate(model.named_modules())}
     plan: dict[str, tuple[nn.Module, dict[str, _Entry]]] = {}
     for key, value in config.items():
@@ -159,11 +179,15 @@ def resolve_config(model: nn.Module, config: Mapping[Any, Any],
                 if old is not None:
                     if old.schedule_text != text:
                         raise ValueError(
-                            f"config: module {path!r} gets {qname!r} from key {old.key} ({old.schedule_text}) "
-                            f"and from key {where} ({text}); give it under one key only")
+                            f"config: module {path!r} gets {qname!r} from key {old.key} "
+                            f"({old.schedule_text}) "
+                            f"and from key {where} ({text}); give it under one key only"
+                        )
                     continue
                 entries[qname] = _Entry(qname, sched, text, where)
-    return {p: (m, list(e.values())) for p, (m, e) in sorted(plan.items(), key=lambda kv: order[kv[0]])}
+    return {
+        p: (m, list(e.values())) for p, (m, e) in sorted(plan.items(), key=lambda kv: order[kv[0]])
+    }
 
 
 # -- per-module accumulation ----------------------------------------------------------------------
@@ -201,6 +225,11 @@ class _Watch:
 
     def needs(self, *what: str) -> bool:
         return any(QUANTITIES[q].needs in what for q in self.active)
+
+
+def _tensor(m: nn.Module, name: str) -> torch.Tensor:
+    """The tensor attribute ``name`` of ``m`` (a parameter or buffer: typed so for mypy)."""
+    return cast(torch.Tensor, getattr(m, name))
 
 
 def _add(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
@@ -246,18 +275,32 @@ class Monitor(TableWriter):
     where nothing of a module fires they return at once.
     """
 
-    def __init__(self, model: nn.Module, config: Mapping[Any, Any], *, out: Any = None,
-                 flush_every: int = 50, start_step: int = 0, root_name: str = "root") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Mapping[Any, Any],
+        *,
+        out: Any = None,
+        flush_every: int = 50,
+        start_step: int = 0,
+        root_name: str = "root",
+    ) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"Monitor(model=...): expected an nn.Module, got {type(model).__name__}")
+            raise TypeError(
+                f"Monitor(model=...): expected an nn.Module, got {type(model).__name__}"
+            )
         super().__init__(out, flush_every)
         self.model = model
-        self._watches = [_Watch(p, m, e) for p, (m, e) in resolve_config(model, config, root_name).items()]
+        self._watches = [
+            _Watch(p, m, e) for p, (m, e) in resolve_config(model, config, root_name).items()
+        ]
         self._next_step = start_step
         self._handles: list[Any] = []
         self._closed = False
         for w in self._watches:
-            self._handles.append(w.module.register_forward_hook(self._make_hook(w), with_kwargs=True))
+            self._handles.append(
+                w.module.register_forward_hook(self._make_hook(w), with_kwargs=True)
+            )
         self._begin(start_step)
 
     # ---------------------------------------------------------------- hooks
@@ -291,6 +334,7 @@ class Monitor(TableWriter):
                 if acc.cov_mean is None:
                     acc.cov_n, acc.cov_mean, acc.cov_m2 = n, mean, m2
                 else:  # Chan et al.'s pairwise merge of (count, mean, centred second moment)
+                    assert acc.cov_m2 is not None  # set together with cov_mean
                     na, tot = acc.cov_n, acc.cov_n + n
                     delta = mean - acc.cov_mean
                     acc.cov_mean = acc.cov_mean + delta * (n / tot)
@@ -305,8 +349,13 @@ class Monitor(TableWriter):
                 f = feature_matrix(x, module)
                 w.bn_mu.append(f.mean(0))
                 w.bn_sigma.append(f.var(0, unbiased=False).sqrt())
-        y = output if isinstance(output, torch.Tensor) else _first_tensor(tuple(output), {}) \
-            if isinstance(output, (tuple, list)) else None
+        y = (
+            output
+            if isinstance(output, torch.Tensor)
+            else _first_tensor(tuple(output), {})
+            if isinstance(output, (tuple, list))
+            else None
+        )
         if y is None or not y.is_floating_point():
             return
         if "LinearDeadNeuronNum" in w.active:
@@ -316,9 +365,11 @@ class Monitor(TableWriter):
             z = feature_matrix(y, module)
             acc.gram = _add(acc.gram, z.T @ z)
         if "OutputGradSndNorm" in w.active and y.requires_grad:
+
             def grad_hook(g: torch.Tensor) -> None:
                 with torch.no_grad():
                     acc.grad_sq = _add(acc.grad_sq, g.detach().double().square().sum())
+
             y.register_hook(grad_hook)
 
     # ---------------------------------------------------------------- step
@@ -336,7 +387,9 @@ class Monitor(TableWriter):
             raise RuntimeError("Monitor.track() after close(); create a new Monitor")
         step = self._next_step if step is None else int(step)
         fired = {w.path: {e.name for e in w.entries if e.schedule(step)} for w in self._watches}
-        values: list[tuple[str, str, str, torch.Tensor]] = []  # (module, type, quantity, 0-dim tensor)
+        values: list[
+            tuple[str, str, str, torch.Tensor]
+        ] = []  # (module, type, quantity, 0-dim tensor)
         # symmetric matrices whose eigenvalues are due (input covariances, output Gram matrices
         # for RankMe), grouped by size and device for one batched eigvalsh per group
         mats: dict[tuple[int, torch.device], list[tuple[_Watch, list[str], torch.Tensor]]] = {}
@@ -350,13 +403,18 @@ class Monitor(TableWriter):
                 cov_names = [q for q in due if QUANTITIES[q].needs == "input_cov" and q in w.active]
                 if cov_names and acc.cov_mean is not None:
                     if acc.cov_n >= 2:
+                        assert acc.cov_m2 is not None  # set together with cov_mean
                         c = acc.cov_m2 / (acc.cov_n - 1)
                         mats.setdefault((c.shape[0], c.device), []).append((w, cov_names, c))
                     else:  # one sample has no covariance
-                        nan = torch.full((), float("nan"), dtype=torch.float64, device=acc.cov_mean.device)
+                        nan = torch.full(
+                            (), float("nan"), dtype=torch.float64, device=acc.cov_mean.device
+                        )
                         values += [(w.path, kind, q, nan) for q in cov_names]
                 if "RankMe" in due and "RankMe" in w.active and acc.gram is not None:
-                    mats.setdefault((acc.gram.shape[0], acc.gram.device), []).append((w, ["RankMe"], acc.gram))
+                    mats.setdefault((acc.gram.shape[0], acc.gram.device), []).append(
+                        (w, ["RankMe"], acc.gram)
+                    )
                 for q in [e.name for e in w.entries if e.name in due]:
                     v = self._value(w, q)
                     if v is not None:
@@ -378,8 +436,9 @@ class Monitor(TableWriter):
         acc, m = w.acc, w.module
         active = q in w.active
         if q == "WeightNorm":
-            return torch.linalg.vector_norm(m.weight.detach().double())
+            return torch.linalg.vector_norm(_tensor(m, "weight").detach().double())
         if q == "InputMean" and active and acc.in_count:
+            assert acc.in_sum is not None  # set with the first counted input
             return acc.in_sum / acc.in_count
         if q == "InputSndNorm" and active and acc.in_sq is not None:
             return acc.in_sq.sqrt()
@@ -391,11 +450,13 @@ class Monitor(TableWriter):
             batches = w.bn_mu if q == "MeanTID" else w.bn_sigma
             if not batches:
                 return None
-            sigma_run = m.running_var.detach().double().sqrt()
-            ref = m.running_mean.detach().double() if q == "MeanTID" else sigma_run
+            sigma_run = _tensor(m, "running_var").detach().double().sqrt()
+            ref = _tensor(m, "running_mean").detach().double() if q == "MeanTID" else sigma_run
             diff = torch.stack(batches) - ref
             batches.clear()
-            return (torch.linalg.vector_norm(diff, dim=-1) / torch.linalg.vector_norm(sigma_run)).mean()
+            return (
+                torch.linalg.vector_norm(diff, dim=-1) / torch.linalg.vector_norm(sigma_run)
+            ).mean()
         return None
 
     def _emit(self, step: int, values: list[tuple[str, str, str, torch.Tensor]]) -> None:
@@ -412,8 +473,10 @@ class Monitor(TableWriter):
                 host[i] = x
         order = {w.path: i for i, w in enumerate(self._watches)}
         qorder = {q: i for i, q in enumerate(QUANTITIES)}
-        rows = sorted(((step, p, k, q, host[i]) for i, (p, k, q, _) in enumerate(values)),
-                      key=lambda r: (order[r[1]], qorder[r[3]]))
+        rows = sorted(
+            ((step, p, k, q, host[i]) for i, (p, k, q, _) in enumerate(values)),
+            key=lambda r: (order[r[1]], qorder[r[3]]),
+        )
         self.add_rows(rows)
 
     # ---------------------------------------------------------------- output
@@ -428,7 +491,7 @@ class Monitor(TableWriter):
         self._handles = []
         self.flush()
 
-    def __enter__(self) -> "Monitor":
+    def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, *exc: Any) -> None:

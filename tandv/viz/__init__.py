@@ -13,6 +13,7 @@ from .exp_hist import exp_hist, format_markers
 from .interact import InteractiveView, NotInNotebookError, interactive
 from .scalar import scalar_global_heatmap, scalar_line
 
+
 def _register_notebook_display() -> None:
     """Let a returned Figure show as a PNG in a notebook even when no pyplot backend has
     set that up (these figures are built without pyplot); an existing printer is kept."""
@@ -30,6 +31,7 @@ def _register_notebook_display() -> None:
     try:
         png.lookup_by_type(Figure)
     except KeyError:
+
         def _png(fig: Figure) -> bytes:
             buf = io.BytesIO()
             fig.savefig(buf, format="png", bbox_inches="tight")

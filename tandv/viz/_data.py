@@ -8,7 +8,8 @@ that names the argument and lists what the log holds.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -61,7 +62,8 @@ def _step_listing(steps: Sequence[int]) -> str:
     steps = sorted(int(s) for s in steps)
     if len(steps) <= 20:
         return ", ".join(map(str, steps))
-    return f"{', '.join(map(str, steps[:10]))}, ..., {', '.join(map(str, steps[-5:]))} ({len(steps)} steps)"
+    head, tail = ", ".join(map(str, steps[:10])), ", ".join(map(str, steps[-5:]))
+    return f"{head}, ..., {tail} ({len(steps)} steps)"
 
 
 def check_log(df: Any) -> pd.DataFrame:
@@ -90,7 +92,9 @@ def select_tensor_types(df: pd.DataFrame, tt: Any) -> list[str]:
     present = [t for t in TENSOR_TYPES if (df[_TT] == t).any()]
     wanted = _as_list(tt)
     if not wanted:
-        raise VizArgumentError(f"tt: expected a tensor type or a non-empty list; the log holds {_listing(present)}")
+        raise VizArgumentError(
+            f"tt: expected a tensor type or a non-empty list; the log holds {_listing(present)}"
+        )
     for t in wanted:
         if t not in TENSOR_TYPES:
             raise VizArgumentError(
@@ -98,7 +102,9 @@ def select_tensor_types(df: pd.DataFrame, tt: Any) -> list[str]:
                 f"(this log holds {_listing(present)})"
             )
         if t not in present:
-            raise VizArgumentError(f"tt={t!r}: the log has no {t} rows; it holds {_listing(present)}")
+            raise VizArgumentError(
+                f"tt={t!r}: the log has no {t} rows; it holds {_listing(present)}"
+            )
     return list(dict.fromkeys(wanted))
 
 
@@ -131,9 +137,13 @@ def select_layers(df: pd.DataFrame, layer: Any, tts: Sequence[str] | None = None
                 ) from None
             hits = [n for n in names if pattern.search(n)]
         else:
-            raise VizArgumentError(f"layer: expected a name, a regex or a list of names; found {item!r}")
+            raise VizArgumentError(
+                f"layer: expected a name, a regex or a list of names; found {item!r}"
+            )
         if not hits:
-            raise VizArgumentError(f"layer={item!r} matches no tensor{where}; available: {_listing(names)}")
+            raise VizArgumentError(
+                f"layer={item!r} matches no tensor{where}; available: {_listing(names)}"
+            )
         picked += hits
     return [n for n in names if n in set(picked)]
 
@@ -143,10 +153,14 @@ def select_metrics(df: pd.DataFrame, metric: Any) -> list[str]:
     present = [c for g, c in df.columns if g == SCALAR_STATS]
     wanted = _as_list(metric)
     if not wanted:
-        raise VizArgumentError(f"scalar_metric: expected a name or a non-empty list; available: {_listing(present)}")
+        raise VizArgumentError(
+            f"scalar_metric: expected a name or a non-empty list; available: {_listing(present)}"
+        )
     for m in wanted:
         if m not in present:
-            raise VizArgumentError(f"scalar_metric={m!r} is not in the log; available: {_listing(present)}")
+            raise VizArgumentError(
+                f"scalar_metric={m!r} is not in the log; available: {_listing(present)}"
+            )
     return list(dict.fromkeys(wanted))
 
 
@@ -166,7 +180,9 @@ def check_step(df: pd.DataFrame, step: Any, what: str) -> int:
     """``step`` as an int, if ``df`` (already narrowed to ``what``) has rows at it."""
     steps = sorted(int(s) for s in pd.unique(df[_STEP]))
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or int(step) not in steps:
-        raise VizArgumentError(f"step={step!r}: {what} has no rows at that step; logged steps: {_step_listing(steps)}")
+        raise VizArgumentError(
+            f"step={step!r}: {what} has no rows at that step; logged steps: {_step_listing(steps)}"
+        )
     return int(step)
 
 
@@ -176,11 +192,15 @@ def exponent_table(df: pd.DataFrame) -> pd.DataFrame:
     labels = [c for g, c in df.columns if g == EXPONENT_COUNTS]
     ints = sorted(c for c in labels if c not in (UNDERFLOW, OVERFLOW))
     order = [UNDERFLOW, *ints, OVERFLOW]
-    out = pd.DataFrame({c: df[(EXPONENT_COUNTS, c)].to_numpy(dtype=np.int64) for c in order}, index=df.index)
+    out = pd.DataFrame(
+        {c: df[(EXPONENT_COUNTS, c)].to_numpy(dtype=np.int64) for c in order}, index=df.index
+    )
     return out
 
 
-def rows_for(df: pd.DataFrame, names: Sequence[str] | None = None, tts: Sequence[str] | None = None) -> pd.DataFrame:
+def rows_for(
+    df: pd.DataFrame, names: Sequence[str] | None = None, tts: Sequence[str] | None = None
+) -> pd.DataFrame:
     """Rows of the given tensor names and tensor types."""
     mask = np.ones(len(df), dtype=bool)
     if names is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
@@ -29,7 +30,9 @@ def facet_grid(
 
     Panels beyond ``n`` in the last row are removed, so ``fig.axes`` holds exactly the
     panels (plus any colorbars added later)."""
-    if col_wrap is not None and (isinstance(col_wrap, bool) or not isinstance(col_wrap, (int, np.integer)) or col_wrap < 1):
+    if col_wrap is not None and (
+        isinstance(col_wrap, bool) or not isinstance(col_wrap, (int, np.integer)) or col_wrap < 1
+    ):
         raise ValueError(f"col_wrap={col_wrap!r}: expected None or an int >= 1")
     ncols = min(n, AUTO_COLUMNS) if col_wrap is None else min(int(col_wrap), n)
     ncols = max(ncols, 1)
@@ -47,13 +50,19 @@ def facet_grid(
 def figure_legend(fig: Figure, axes: list[Axes]) -> None:
     """One legend for the whole figure, below the panels, with each label once (in the
     order first met across the panels)."""
-    seen: dict[str, object] = {}
+    seen: dict[str, Artist] = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(label, handle)
     if seen:
-        fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncols=min(len(seen), 6),
-                   fontsize=7, frameon=False)
+        fig.legend(
+            list(seen.values()),
+            list(seen),
+            loc="outside lower center",
+            ncols=min(len(seen), 6),
+            fontsize=7,
+            frameon=False,
+        )
 
 
 def step_axis(ax: Axes) -> None:

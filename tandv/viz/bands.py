@@ -10,14 +10,22 @@ can be drawn for a whole model by adding the histograms of all its tensors.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
 from ..schema import METADATA, OVERFLOW, STEP, UNDERFLOW
-from ._data import VizArgumentError, check_log, exponent_table, rows_for, select_layers, select_tensor_types, thin_steps
+from ._data import (
+    VizArgumentError,
+    check_log,
+    exponent_table,
+    rows_for,
+    select_layers,
+    select_tensor_types,
+    thin_steps,
+)
 from ._facets import facet_grid, figure_legend, step_axis
 
 __all__ = ["percentile_bands", "log2_percentiles", "SIGMA_PERCENTILES"]
@@ -46,7 +54,9 @@ def log2_percentiles(counts: pd.DataFrame, percentiles: Sequence[float]) -> np.n
     qs = np.asarray(percentiles, dtype=np.float64)
     if qs.size == 0 or (qs < 0).any() or (qs > 100).any():
         raise VizArgumentError(f"percentiles={list(percentiles)!r}: expected values in [0, 100]")
-    ints = np.array(sorted(c for c in counts.columns if c not in (UNDERFLOW, OVERFLOW)), dtype=np.int64)
+    ints = np.array(
+        sorted(c for c in counts.columns if c not in (UNDERFLOW, OVERFLOW)), dtype=np.int64
+    )
     c = counts[[UNDERFLOW, *ints.tolist(), OVERFLOW]].to_numpy(dtype=np.float64)
     # Bin i spans [left[i], left[i] + width[i]) in log2|x|; underflow and overflow have
     # zero width, at the row's edges.
@@ -109,7 +119,9 @@ def percentile_bands(
     tts = select_tensor_types(df, tt)
     if layer is None:
         groups = [(f"whole model ({t})", rows_for(df, None, [t])) for t in tts]
-        groups = [(title, rows.groupby((METADATA, STEP)).sum(numeric_only=True)) for title, rows in groups]
+        groups = [
+            (title, rows.groupby((METADATA, STEP)).sum(numeric_only=True)) for title, rows in groups
+        ]
     else:
         names = select_layers(df, layer, tts)
         groups = []
@@ -126,21 +138,52 @@ def percentile_bands(
         p = np.exp2(log2_percentiles(table, qs))
         for k in range(npairs):
             shade = 0.15 + 0.55 * (k + 1) / max(npairs, 1)
-            ax.fill_between(steps, p[:, k], p[:, -1 - k], color="tab:blue", alpha=shade * 0.6, linewidth=0,
-                            label=f"{qs[k]:g}\u2013{qs[-1 - k]:g}%", gid=f"band:{qs[k]:g}-{qs[-1 - k]:g}")
+            ax.fill_between(
+                steps,
+                p[:, k],
+                p[:, -1 - k],
+                color="tab:blue",
+                alpha=shade * 0.6,
+                linewidth=0,
+                label=f"{qs[k]:g}\u2013{qs[-1 - k]:g}%",
+                gid=f"band:{qs[k]:g}-{qs[-1 - k]:g}",
+            )
         if len(qs) % 2:
-            ax.plot(steps, p[:, npairs], color="k", linewidth=1.2, label=f"{qs[npairs]:g}%", gid=f"line:{qs[npairs]:g}")
+            ax.plot(
+                steps,
+                p[:, npairs],
+                color="k",
+                linewidth=1.2,
+                label=f"{qs[npairs]:g}%",
+                gid=f"line:{qs[npairs]:g}",
+            )
         # Steps with values beyond the logged format, at the band's edge where they are placed.
-        for label, col, edge, mark, colour in (("overflow / inf", OVERFLOW, -1, "^", "tab:red"),
-                                               ("underflow", UNDERFLOW, 0, "v", "0.4")):
+        for label, col, edge, mark, colour in (
+            ("overflow / inf", OVERFLOW, -1, "^", "tab:red"),
+            ("underflow", UNDERFLOW, 0, "v", "0.4"),
+        ):
             hit = table[col].to_numpy() > 0
             if hit.any():
-                ax.scatter(np.asarray(steps)[hit], p[hit, edge], marker=mark, color=colour, zorder=3,
-                           label=label, gid=f"marks:{col}")
+                ax.scatter(
+                    np.asarray(steps)[hit],
+                    p[hit, edge],
+                    marker=mark,
+                    color=colour,
+                    zorder=3,
+                    label=label,
+                    gid=f"marks:{col}",
+                )
         if np.isfinite(p).any():
             ax.set_yscale("log", base=2)
         else:
-            ax.text(0.5, 0.5, "no finite non-zero values logged", transform=ax.transAxes, ha="center", va="center")
+            ax.text(
+                0.5,
+                0.5,
+                "no finite non-zero values logged",
+                transform=ax.transAxes,
+                ha="center",
+                va="center",
+            )
         ax.set_title(title, fontsize=9)
         step_axis(ax)
         ax.set_ylabel("|x| percentiles")

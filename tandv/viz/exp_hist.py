@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -99,24 +100,49 @@ def _draw_panel(
     else:
         ax.plot(exps, values, marker="o", markersize=3, color=color, label="exponent counts")
     # Underflow and overflow sit one gap beyond the exponent range, hatched, always drawn.
-    ax.bar([lo - 2], [int(counts[UNDERFLOW])], width=0.85, color="0.6", hatch="//", label="underflow")
-    ax.bar([hi + 2], [int(counts[OVERFLOW])], width=0.85, color="tab:red", hatch="\\\\", label="overflow")
+    ax.bar(
+        [lo - 2], [int(counts[UNDERFLOW])], width=0.85, color="0.6", hatch="//", label="underflow"
+    )
+    ax.bar(
+        [hi + 2],
+        [int(counts[OVERFLOW])],
+        width=0.85,
+        color="tab:red",
+        hatch="\\\\",
+        label="overflow",
+    )
     stride = max(1, int(np.ceil(len(exps) / _MAX_TICKS)))
     # Ticks at multiples of the stride, keeping clear of the "under"/"over" labels.
-    ticks = [e for e in exps if e % stride == 0 and min(e - (lo - 2), hi + 2 - e) >= max(2, 0.8 * stride)]
-    ax.set_xticks([lo - 2, *ticks, hi + 2], ["under", *[_pow2(int(e)) for e in ticks], "over"])
+    ticks = [
+        int(e)
+        for e in exps
+        if e % stride == 0 and min(e - (lo - 2), hi + 2 - e) >= max(2, 0.8 * stride)
+    ]
+    positions: list[int] = [lo - 2, *ticks, hi + 2]
+    ax.set_xticks(positions, ["under", *[_pow2(e) for e in ticks], "over"])
     ax.tick_params(axis="x", labelrotation=45, labelsize=8)
     ax.set_xlim(lo - 2.6, hi + 2.6)
     ax.set_xlabel("|x| (exponent bin)")
     ax.set_ylabel("count")
     if fmt_name is None:
         return
-    styles = {"max": ("tab:red", "-"), "smallest normal": ("tab:green", "--"), "smallest subnormal": ("tab:purple", ":")}
+    styles = {
+        "max": ("tab:red", "-"),
+        "smallest normal": ("tab:green", "--"),
+        "smallest subnormal": ("tab:purple", ":"),
+    }
     for m in format_markers(fmt_name):
         col, ls = styles[m.kind]
         label = f"{fmt_name} {m.kind} ({_pow2(m.exponent)})"
         if lo <= m.exponent <= hi:
-            ax.axvline(m.exponent, color=col, linestyle=ls, linewidth=1.5, label=label, gid=f"marker:{m.kind}")
+            ax.axvline(
+                m.exponent,
+                color=col,
+                linestyle=ls,
+                linewidth=1.5,
+                label=label,
+                gid=f"marker:{m.kind}",
+            )
         else:
             # Off the axis: a note at the edge that says where the boundary is.
             right = m.exponent > hi
@@ -182,17 +208,26 @@ def exp_hist(
     at = sel[sel[(METADATA, STEP)] == step]
     # Panels in log order of tensors, then tensor type order as requested.
     order = {(n, t): (i, j) for i, n in enumerate(names) for j, t in enumerate(tts)}
-    keys = sorted(zip(at[(METADATA, NAME)], at[(METADATA, TENSOR_TYPE)], at.index), key=lambda k: order[k[:2]])
+    keys = sorted(
+        zip(at[(METADATA, NAME)], at[(METADATA, TENSOR_TYPE)], at.index), key=lambda k: order[k[:2]]
+    )
     counts = exponent_table(at)
     # the counts' own format: the one the tracker counted in (the log's record), else the dtype
     recorded = run_record(df).get("number_format")
-    fmts = {idx: _annotation_format(dtype_annotation, recorded or at.at[idx, (METADATA, DTYPE)])
-            for _, _, idx in keys}
+    fmts = {
+        idx: _annotation_format(dtype_annotation, recorded or at.at[idx, (METADATA, DTYPE)])
+        for _, _, idx in keys
+    }
     markers = [m for f in set(fmts.values()) if f for m in format_markers(f)]
     lo, hi = _view_range(counts, markers)
     fig, axes = facet_grid(len(keys), col_wrap, figsize=figsize)
-    colors = {t: c for t, c in zip(("Activation", "Gradient", "Weight", "Optimiser_State"),
-                                   ("tab:blue", "tab:orange", "tab:green", "tab:brown"))}
+    colors = {
+        t: c
+        for t, c in zip(
+            ("Activation", "Gradient", "Weight", "Optimiser_State"),
+            ("tab:blue", "tab:orange", "tab:green", "tab:brown"),
+        )
+    }
     for ax, (name, t, idx) in zip(axes, keys):
         _draw_panel(ax, counts.loc[idx], lo, hi, kind, fmts[idx], colors[t])
         ax.set_title(f"{name} ({t})", fontsize=9)

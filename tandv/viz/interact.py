@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -24,7 +25,15 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from ..schema import METADATA, SCALAR_STATS, STEP, TENSOR_TYPE, TENSOR_TYPES
-from ._data import VizArgumentError, check_log, logged_scalars, layer_order, select_layers, select_metrics, select_tensor_types
+from ._data import (
+    VizArgumentError,
+    check_log,
+    layer_order,
+    logged_scalars,
+    select_layers,
+    select_metrics,
+    select_tensor_types,
+)
 from ._facets import step_axis
 from .bands import percentile_bands
 from .exp_hist import exp_hist
@@ -99,17 +108,24 @@ def _figure_widget(fig: Figure) -> Any:
 def _check_train_stats(train_stats: Any) -> pd.DataFrame:
     """``train_stats`` as a frame with a ``step`` column and numeric curves."""
     if not isinstance(train_stats, pd.DataFrame):
-        raise VizArgumentError(f"train_stats: expected a pandas DataFrame of statistics by step; found {type(train_stats).__name__}")
+        raise VizArgumentError(
+            "train_stats: expected a pandas DataFrame of statistics by step; "
+            f"found {type(train_stats).__name__}"
+        )
     ts = train_stats
     if "step" not in ts.columns:
         if ts.index.name == "step":
             ts = ts.reset_index()
         else:
             raise VizArgumentError(
-                f"train_stats: expected a 'step' column (or an index named 'step'); columns are {list(ts.columns)}")
+                "train_stats: expected a 'step' column (or an index named 'step'); "
+                f"columns are {list(ts.columns)}"
+            )
     curves = [c for c in ts.columns if c != "step" and pd.api.types.is_numeric_dtype(ts[c])]
     if not curves:
-        raise VizArgumentError(f"train_stats: no numeric column to plot besides 'step'; columns are {list(ts.columns)}")
+        raise VizArgumentError(
+            f"train_stats: no numeric column to plot besides 'step'; columns are {list(ts.columns)}"
+        )
     return ts[["step", *curves]].sort_values("step")
 
 
@@ -125,11 +141,19 @@ class InteractiveView:
         step: the step the crosshair marks (``None`` until one is chosen).
     """
 
-    def __init__(self, f: Callable[..., Figure], df: pd.DataFrame, train_stats: pd.DataFrame | bool | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        f: Callable[..., Figure],
+        df: pd.DataFrame,
+        train_stats: pd.DataFrame | bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         name = getattr(f, "__name__", repr(f))
         if _SUPPORTED.get(name) is not f:
-            raise VizArgumentError(f"interactive: f={name!r} is not a tandv.viz plot; expected one of {list(_SUPPORTED)}")
+            raise VizArgumentError(
+                f"interactive: f={name!r} is not a tandv.viz plot; "
+                f"expected one of {list(_SUPPORTED)}"
+            )
         self.f, self.kind, self.df = f, name, check_log(df)
         self.kwargs = dict(kwargs)
         if train_stats is None:  # the scalars logged beside the log (tracker.log_scalars), if any
@@ -155,7 +179,15 @@ class InteractiveView:
         self.stats = w.Box()
         self._show_main(first)
         self._draw_stats()
-        self.widget = w.VBox([w.HBox(list(self.controls.values()), layout=w.Layout(flex_flow="row wrap")), self.message, self.stats, self.main, self.detail])
+        self.widget = w.VBox(
+            [
+                w.HBox(list(self.controls.values()), layout=w.Layout(flex_flow="row wrap")),
+                self.message,
+                self.stats,
+                self.main,
+                self.detail,
+            ]
+        )
         for c in self.controls.values():
             c.observe(self._on_control, names="value")
 
@@ -178,30 +210,47 @@ class InteractiveView:
         w, kw, df = self._w, self.kwargs, self.df
         controls: dict[str, Any] = {}
         tts = select_tensor_types(df, kw["tt"])
-        controls["tt"] = w.SelectMultiple(options=self._types(), value=tuple(tts), description="tensor type", rows=4)
+        controls["tt"] = w.SelectMultiple(
+            options=self._types(), value=tuple(tts), description="tensor type", rows=4
+        )
         if self.kind in ("exp_hist", "scalar_line", "percentile_bands"):
             names = self._layers_of(tts)
             layer = kw.get("layer")
             chosen = select_layers(df, layer, tts) if layer is not None else []
-            controls["layer"] = w.SelectMultiple(options=names, value=tuple(chosen), description="layer", rows=6)
+            controls["layer"] = w.SelectMultiple(
+                options=names, value=tuple(chosen), description="layer", rows=6
+            )
         # The histogram's step; elsewhere the crosshair's (and the opened histogram's).
         steps = sorted(int(s) for s in pd.unique(df[(METADATA, STEP)]))
         start = int(kw["step"]) if self.kind == "exp_hist" else steps[0]
-        controls["step"] = w.SelectionSlider(options=steps, value=start, description="step", continuous_update=False)
+        controls["step"] = w.SelectionSlider(
+            options=steps, value=start, description="step", continuous_update=False
+        )
         if self.kind == "exp_hist":
             current = kw.get("dtype_annotation", True)
-            label = next((k for k, v in _ANNOTATIONS.items() if v == current and type(v) is type(current)), None)
+            label = next(
+                (k for k, v in _ANNOTATIONS.items() if v == current and type(v) is type(current)),
+                None,
+            )
             options = list(_ANNOTATIONS) if label else [*_ANNOTATIONS, str(current)]
-            controls["dtype_annotation"] = w.Dropdown(options=options, value=label or str(current), description="markers")
+            controls["dtype_annotation"] = w.Dropdown(
+                options=options, value=label or str(current), description="markers"
+            )
         stats = [c for g, c in df.columns if g == SCALAR_STATS]
         if self.kind == "scalar_line":
             metrics = select_metrics(df, kw["scalar_metric"])
-            controls["scalar_metric"] = w.SelectMultiple(options=stats, value=tuple(metrics), description="metric", rows=6)
+            controls["scalar_metric"] = w.SelectMultiple(
+                options=stats, value=tuple(metrics), description="metric", rows=6
+            )
         if self.kind == "scalar_global_heatmap":
             (metric,) = select_metrics(df, kw["scalar_metric"])
-            controls["scalar_metric"] = w.Dropdown(options=stats, value=metric, description="metric")
+            controls["scalar_metric"] = w.Dropdown(
+                options=stats, value=metric, description="metric"
+            )
         if self.kind in ("scalar_global_heatmap", "percentile_bands"):
-            controls["inc"] = w.BoundedIntText(value=int(kw.get("inc", 1)), min=1, max=10**9, description="every k steps")
+            controls["inc"] = w.BoundedIntText(
+                value=int(kw.get("inc", 1)), min=1, max=10**9, description="every k steps"
+            )
         return controls
 
     def _current_kwargs(self) -> dict[str, Any]:
@@ -230,7 +279,9 @@ class InteractiveView:
     def _show_main(self, fig: Figure) -> None:
         self.figure = fig
         self._mark_step()
-        self._show(self.main, fig, self.click_heatmap if self.kind == "scalar_global_heatmap" else None)
+        self._show(
+            self.main, fig, self.click_heatmap if self.kind == "scalar_global_heatmap" else None
+        )
 
     def _on_control(self, change: dict) -> None:
         if self._updating:
@@ -278,7 +329,7 @@ class InteractiveView:
     def click_heatmap(self, event: MouseEvent) -> None:
         """A click on a heatmap cell opens that layer's histogram at that step."""
         for p in self.panels:
-            if event.inaxes is p.ax and event.xdata is not None:
+            if event.inaxes is p.ax and event.xdata is not None and event.ydata is not None:
                 cell = p.cell_at(event.xdata, event.ydata)
                 if cell is not None:
                     self.select_cell(p.tt, *cell)
@@ -292,12 +343,27 @@ class InteractiveView:
             for patch in [a for a in p.ax.patches if a.get_gid() == "selected"]:
                 patch.remove()
             if p.tt == tt and layer in p.layers and int(step) in p.steps:
-                p.ax.add_patch(Rectangle((p.steps.index(int(step)), p.layers.index(layer)), 1, 1, fill=False,
-                                         edgecolor="red", linewidth=2, gid="selected"))
+                p.ax.add_patch(
+                    Rectangle(
+                        (p.steps.index(int(step)), p.layers.index(layer)),
+                        1,
+                        1,
+                        fill=False,
+                        edgecolor="red",
+                        linewidth=2,
+                        gid="selected",
+                    )
+                )
         if self.figure is not None:
             self.figure.canvas.draw_idle()
         try:
-            fig = exp_hist(self.df, layer, tt, int(step), dtype_annotation=self.kwargs.get("dtype_annotation", True))
+            fig = exp_hist(
+                self.df,
+                layer,
+                tt,
+                int(step),
+                dtype_annotation=self.kwargs.get("dtype_annotation", True),
+            )
         except VizArgumentError as e:
             self.message.value = f"<b>{type(e).__name__}:</b> {e}"
             return
@@ -345,7 +411,11 @@ class InteractiveView:
             control.value = int(step)  # the observer does the rest
 
     def _step_changed(self) -> None:
-        if self.kind == "scalar_global_heatmap" and self.selected is not None:
+        if (
+            self.kind == "scalar_global_heatmap"
+            and self.selected is not None
+            and self.step is not None
+        ):
             self.select_cell(self.selected[0], self.selected[1], self.step)
         self._mark_step()
         for fig in (self.figure, self.stats_figure):
@@ -364,15 +434,22 @@ class InteractiveView:
                 for line in [l for l in ax.get_lines() if l.get_gid() == "crosshair"]:
                     line.remove()
         if self.stats_figure is not None:
-            self.stats_figure.axes[0].axvline(self.step, color="k", linestyle="--", linewidth=1, gid="crosshair")
+            self.stats_figure.axes[0].axvline(
+                self.step, color="k", linestyle="--", linewidth=1, gid="crosshair"
+            )
         if self.kind in ("scalar_line", "percentile_bands") and self.figure is not None:
             for ax in self.figure.axes:
                 ax.axvline(self.step, color="k", linestyle="--", linewidth=1, gid="crosshair")
         if self.kind == "scalar_global_heatmap":
             for p in self.panels:
                 if self.step in p.steps:  # heatmap x runs over column indices
-                    p.ax.axvline(p.steps.index(self.step) + 0.5, color="red", linestyle="--", linewidth=1,
-                                 gid="crosshair")
+                    p.ax.axvline(
+                        p.steps.index(self.step) + 0.5,
+                        color="red",
+                        linestyle="--",
+                        linewidth=1,
+                        gid="crosshair",
+                    )
 
     # ------------------------------------------------------------------ display
 
@@ -380,8 +457,12 @@ class InteractiveView:
         return self.widget._repr_mimebundle_(**kwargs)
 
 
-def interactive(f: Callable[..., Figure], df: pd.DataFrame, train_stats: pd.DataFrame | bool | None = None,
-                **kwargs: Any) -> InteractiveView:
+def interactive(
+    f: Callable[..., Figure],
+    df: pd.DataFrame,
+    train_stats: pd.DataFrame | bool | None = None,
+    **kwargs: Any,
+) -> InteractiveView:
     """An interactive version of a plot in a Jupyter notebook.
 
     Pass a plotting function of :mod:`tandv.viz` (``exp_hist``, ``scalar_line``,
@@ -389,8 +470,9 @@ def interactive(f: Callable[..., Figure], df: pd.DataFrame, train_stats: pd.Data
     view adds controls for tensor type, layer, step and metric (those the function
     takes). The step control sets the histogram's step and elsewhere moves a crosshair.
     On the heatmap, click a cell to open the exponent histogram of that layer at that
-    step (it then follows the step control). With ``train_stats`` (a DataFrame with a ``step`` column, or index,
-    and numeric columns such as ``loss``) a linked curve is drawn: clicking it sets the
+    step (it then follows the step control). With ``train_stats`` (a DataFrame with a
+    ``step`` column, or index, and numeric columns such as ``loss``) a linked curve is
+    drawn: clicking it sets the
     step, shown as a crosshair on line plots and as the histogram's step. By default
     (``train_stats=None``) the scalars logged beside the log with ``tracker.log_scalars``
     are drawn (when ``df`` was read from a file that has them: :func:`tandv.read_scalars`);
@@ -405,7 +487,9 @@ def interactive(f: Callable[..., Figure], df: pd.DataFrame, train_stats: pd.Data
     """
     if not _in_notebook():
         raise NotInNotebookError(
-            "viz.interactive needs a Jupyter kernel (JupyterLab, Jupyter Notebook or a VS Code notebook); "
-            "outside one, call the plotting function directly, e.g. viz.exp_hist(df, ...).savefig('fig.png')"
+            "viz.interactive needs a Jupyter kernel (JupyterLab, Jupyter Notebook "
+            "or a VS Code notebook); "
+            "outside one, call the plotting function directly, "
+            "e.g. viz.exp_hist(df, ...).savefig('fig.png')"
         )
     return InteractiveView(f, df, train_stats, **kwargs)

@@ -10,8 +10,9 @@ import base64
 import html
 import io
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -49,7 +50,8 @@ th{background:#f2f2f2}td:first-child,th:first-child{text-align:left}
 img{max-width:100%;height:auto;display:block;margin:.6rem 0}
 pre{background:#f7f7f7;padding:.8rem;overflow-x:auto;font-size:.8rem}
 .muted{color:#666}.bad{color:#b00020;font-weight:600}nav a{margin-right:1rem}
-.banner{padding:.6rem .8rem;border-radius:4px;margin:.8rem 0}.banner.bad{background:#fdecee;border:1px solid #b00020}
+.banner{padding:.6rem .8rem;border-radius:4px;margin:.8rem 0}
+.banner.bad{background:#fdecee;border:1px solid #b00020}
 .banner.ok{background:#eef7ee;border:1px solid #2e7d32}
 """
 
@@ -81,14 +83,16 @@ def _overview(df: pd.DataFrame) -> str:
         if sub.empty:
             continue
         steps = sub[(METADATA, STEP)]
-        rows.append({
-            "tensor type": tt,
-            "tensors": sub[(METADATA, NAME)].nunique(),
-            "steps logged": steps.nunique(),
-            "first step": int(steps.min()),
-            "last step": int(steps.max()),
-            "dtypes": ", ".join(sorted(pd.unique(sub[(METADATA, "dtype")]))),
-        })
+        rows.append(
+            {
+                "tensor type": tt,
+                "tensors": sub[(METADATA, NAME)].nunique(),
+                "steps logged": steps.nunique(),
+                "first step": int(steps.min()),
+                "last step": int(steps.max()),
+                "dtypes": ", ".join(sorted(pd.unique(sub[(METADATA, "dtype")]))),
+            }
+        )
     return _made_by(df) + _table(pd.DataFrame(rows))
 
 
@@ -99,20 +103,33 @@ def _made_by(df: pd.DataFrame) -> str:
         return ""
     versions = ", ".join(f"{k} {v}" for k, v in (r.get("versions") or {}).items())
     fmt = r.get("number_format") or "each tensor's dtype"
-    text = (f"Made by the {r.get('framework')} tracker of {r.get('model')}, started {r.get('started')} "
-            f"on {r.get('host')}, rank {r.get('rank')} of {r.get('world_size')}; exponents counted as "
-            f"{fmt}; {versions}.")
+    text = (
+        f"Made by the {r.get('framework')} tracker of {r.get('model')}, started {r.get('started')} "
+        f"on {r.get('host')}, rank {r.get('rank')} of {r.get('world_size')}; exponents counted as "
+        f"{fmt}; {versions}."
+    )
     return f'<p class="made-by">{html.escape(text)}</p>'
 
 
 def _nonfinite(df: pd.DataFrame) -> str:
     first = first_nonfinite(df)
     if first.empty:
-        return '<p>No NaN or inf was logged in any tensor.</p>'
-    head = (f'<p class="bad">{len(first)} tensor(s) held NaN or inf; the first at step '
-            f'{int(first["step"].min())}. Each tensor\'s first such step:</p>')
-    return head + _table(first.rename(columns={"name": "tensor", "tensor_type": "tensor type",
-                                               "step": "first step", "nan_count": "NaN", "inf_count": "inf"}))
+        return "<p>No NaN or inf was logged in any tensor.</p>"
+    head = (
+        f'<p class="bad">{len(first)} tensor(s) held NaN or inf; the first at step '
+        f"{int(first['step'].min())}. Each tensor's first such step:</p>"
+    )
+    return head + _table(
+        first.rename(
+            columns={
+                "name": "tensor",
+                "tensor_type": "tensor type",
+                "step": "first step",
+                "nan_count": "NaN",
+                "inf_count": "inf",
+            }
+        )
+    )
 
 
 def _banner(df: pd.DataFrame) -> str:
@@ -122,11 +139,20 @@ def _banner(df: pd.DataFrame) -> str:
         return '<p class="banner ok">No NaN or inf in any logged tensor.</p>'
     r = first.iloc[0]
     more = len(first) - 1
-    text = (f"First NaN/inf at step {int(r['step'])} in {r['tensor_type']} {r['name']} "
-            f"({int(r['nan_count'])} NaN, {int(r['inf_count'])} inf)"
-            + (f"; {more} more tensor{'s' if more != 1 else ''} held NaN/inf later or downstream" if more else "")
-            + ".")
-    return f'<p class="banner bad" role="alert">{html.escape(text)} <a href="#nonfinite">details</a></p>'
+    text = (
+        f"First NaN/inf at step {int(r['step'])} in {r['tensor_type']} {r['name']} "
+        f"({int(r['nan_count'])} NaN, {int(r['inf_count'])} inf)"
+        + (
+            f"; {more} more tensor{'s' if more != 1 else ''} held NaN/inf later or downstream"
+            if more
+            else ""
+        )
+        + "."
+    )
+    return (
+        f'<p class="banner bad" role="alert">{html.escape(text)} '
+        '<a href="#nonfinite">details</a></p>'
+    )
 
 
 def _scalars(df: pd.DataFrame) -> str | None:
@@ -137,20 +163,24 @@ def _scalars(df: pd.DataFrame) -> str | None:
         return None
     names = [c for c in ts.columns if c != "step"]
     fig = Figure(figsize=(10, 2.4 * ((len(names) + 1) // 2)), layout="constrained")
-    axes = np.atleast_1d(fig.subplots((len(names) + 1) // 2, min(2, len(names)), squeeze=False).ravel())
+    axes = np.atleast_1d(
+        fig.subplots((len(names) + 1) // 2, min(2, len(names)), squeeze=False).ravel()
+    )
     for ax, name in zip(axes, names):
         sel = ts[name].notna()
         ax.plot(ts["step"][sel].to_numpy(), ts[name][sel].to_numpy(dtype=np.float64), lw=1)
         ax.set_title(str(name), fontsize=9)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
-    for ax in axes[len(names):]:
+    for ax in axes[len(names) :]:
         ax.set_visible(False)
     fig.suptitle("training scalars (tracker.log_scalars)")
     last = ts.ffill().iloc[-1]
     text = ", ".join(f"{n} {last[n]:.4g}" for n in names)
-    return (f'<p>{len(ts)} steps logged, {int(ts["step"].min())}..{int(ts["step"].max())}; '
-            f'last values: {html.escape(text)}.</p>' + _png(fig))
+    return (
+        f"<p>{len(ts)} steps logged, {int(ts['step'].min())}..{int(ts['step'].max())}; "
+        f"last values: {html.escape(text)}.</p>" + _png(fig)
+    )
 
 
 def _lines(ax: Any, wide: pd.DataFrame, limit: int) -> str:
@@ -186,10 +216,12 @@ def _updates(df: pd.DataFrame) -> str | None:
     ax.set_yscale("log")
     ax.set_ylabel("||update|| / ||W||")
     last = wide.ffill().iloc[-1].dropna()
-    text = (f"Relative size of each parameter's update (after minus before the optimizer step) "
-            f"for {len(wide.columns)} parameters{note}. At the last step the median is "
-            f"{last.median():.3g}, the range {last.min():.3g} .. {last.max():.3g} (around 1e-3 "
-            f"is the usual rule of thumb for Adam-style training).")
+    text = (
+        f"Relative size of each parameter's update (after minus before the optimizer step) "
+        f"for {len(wide.columns)} parameters{note}. At the last step the median is "
+        f"{last.median():.3g}, the range {last.min():.3g} .. {last.max():.3g} (around 1e-3 "
+        f"is the usual rule of thumb for Adam-style training)."
+    )
     return f"<p>{html.escape(text)}</p>" + _png(fig)
 
 
@@ -214,22 +246,31 @@ def _taiyi(df: pd.DataFrame) -> str | None:
     axes = np.atleast_1d(fig.subplots(rows, min(2, len(quantities)), squeeze=False).ravel())
     notes = []
     for ax, q in zip(axes, quantities):
-        wide = table[table["quantity"] == q].pivot_table(index="step", columns="module", values="value")
+        wide = table[table["quantity"] == q].pivot_table(
+            index="step", columns="module", values="value"
+        )
         notes.append(_lines(ax, wide, TAIYI_LINES))
         ax.set_title(q, fontsize=9)
-    for ax in axes[len(quantities):]:
+    for ax in axes[len(quantities) :]:
         ax.set_visible(False)
     fig.suptitle("Taiyi quantities (tandv.taiyi.Monitor)")
-    text = (f"{len(quantities)} quantities of {table['module'].nunique()} modules at "
-            f"{table['step'].nunique()} steps; each is defined in tandv.taiyi.describe_quantities()"
-            + ("; some panels draw only the modules largest at the last step" if any(notes) else "") + ".")
+    text = (
+        f"{len(quantities)} quantities of {table['module'].nunique()} modules at "
+        f"{table['step'].nunique()} steps; each is defined in tandv.taiyi.describe_quantities()"
+        + ("; some panels draw only the modules largest at the last step" if any(notes) else "")
+        + "."
+    )
     return f"<p>{html.escape(text)}</p>" + _png(fig)
 
 
 def _shares(df: pd.DataFrame, formats: Sequence[str]) -> str:
     """Per tensor type the share of all logged values (every tensor, every step) that
     would underflow / overflow each format, then the worst tensors per format."""
-    numel = df[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64) if (SCALAR_STATS, "numel") in df.columns else np.ones(len(df))
+    numel = (
+        df[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64)
+        if (SCALAR_STATS, "numel") in df.columns
+        else np.ones(len(df))
+    )
     tts = df[(METADATA, TENSOR_TYPE)].to_numpy()
     summary, worst = [], []
     for fmt in formats:
@@ -249,16 +290,27 @@ def _shares(df: pd.DataFrame, formats: Sequence[str]) -> str:
         top = sh[sh["lost"] > 0].sort_values("lost", ascending=False, kind="stable")
         top = top.drop_duplicates(["name", "tensor_type"]).head(5)
         for _, r in top.iterrows():
-            worst.append({"format": fmt, "tensor": r["name"], "tensor type": r["tensor_type"],
-                          "worst step": int(r["step"]), "underflow": _pct(r["underflow"]),
-                          "overflow": _pct(r["overflow"])})
-    out = ('<p>Share of logged values (all tensors, all steps, weighted by size) that would '
-           'underflow to zero or overflow if cast to each format without scaling, estimated from '
-           'the exponent counts (overflow is a lower bound: values between a format\'s max and the '
-           'next power of two count as representable).</p>')
+            worst.append(
+                {
+                    "format": fmt,
+                    "tensor": r["name"],
+                    "tensor type": r["tensor_type"],
+                    "worst step": int(r["step"]),
+                    "underflow": _pct(r["underflow"]),
+                    "overflow": _pct(r["overflow"]),
+                }
+            )
+    out = (
+        "<p>Share of logged values (all tensors, all steps, weighted by size) that would "
+        "underflow to zero or overflow if cast to each format without scaling, estimated from "
+        "the exponent counts (overflow is a lower bound: values between a format's max and the "
+        "next power of two count as representable).</p>"
+    )
     out += _table(pd.DataFrame(summary))
     if worst:
-        out += "<h3>Tensors losing the most values, per format (at their worst step)</h3>" + _table(pd.DataFrame(worst))
+        out += "<h3>Tensors losing the most values, per format (at their worst step)</h3>" + _table(
+            pd.DataFrame(worst)
+        )
     else:
         out += "<p>No logged value would underflow or overflow any of these formats.</p>"
     return out
@@ -268,26 +320,44 @@ def _ranges(df: pd.DataFrame) -> tuple[str, list[str]]:
     """The tensors with the widest exponent ranges, or holding NaN/inf, and histograms of
     the top ones per tensor type at the step where their range is widest."""
     rg = exponent_range(df)
-    rg["nonfinite"] = (df[(SCALAR_STATS, "nan_count")] + df[(SCALAR_STATS, "inf_count")]).to_numpy() \
-        if {(SCALAR_STATS, "nan_count"), (SCALAR_STATS, "inf_count")} <= set(df.columns) else 0
+    rg["nonfinite"] = (
+        (df[(SCALAR_STATS, "nan_count")] + df[(SCALAR_STATS, "inf_count")]).to_numpy()
+        if {(SCALAR_STATS, "nan_count"), (SCALAR_STATS, "inf_count")} <= set(df.columns)
+        else 0
+    )
     e4m3 = format_shares(df, REPORT_FORMATS[0])
     rg["lost"] = (e4m3["underflow"] + e4m3["overflow"]).to_numpy()
-    per_tensor = (rg.sort_values(["width", "step"], ascending=[False, True], kind="stable")
-                  .groupby(["name", "tensor_type"], sort=False)
-                  .agg(width=("width", "first"), step=("step", "first"), lo=("min_exponent", "first"),
-                       hi=("max_exponent", "first"), nonfinite=("nonfinite", "sum"), lost=("lost", "max"))
-                  .reset_index())
+    per_tensor = (
+        rg.sort_values(["width", "step"], ascending=[False, True], kind="stable")
+        .groupby(["name", "tensor_type"], sort=False)
+        .agg(
+            width=("width", "first"),
+            step=("step", "first"),
+            lo=("min_exponent", "first"),
+            hi=("max_exponent", "first"),
+            nonfinite=("nonfinite", "sum"),
+            lost=("lost", "max"),
+        )
+        .reset_index()
+    )
     # Worrying first (NaN/inf, then values lost in float8_e4m3fn), then the widest ranges.
-    per_tensor = per_tensor.sort_values(["nonfinite", "lost", "width"], ascending=False, kind="stable")
+    per_tensor = per_tensor.sort_values(
+        ["nonfinite", "lost", "width"], ascending=False, kind="stable"
+    )
     top = per_tensor.head(TOP_TENSORS)
-    table = pd.DataFrame({
-        "tensor": top["name"], "tensor type": top["tensor_type"],
-        "widest at step": top["step"].astype(int),
-        "exponent range": [f"2^{lo} .. 2^{hi}" if pd.notna(lo) else "" for lo, hi in zip(top["lo"], top["hi"])],
-        "binades": top["width"].astype(int),
-        f"max {REPORT_FORMATS[0]} loss": [_pct(x) for x in top["lost"]],
-        "NaN+inf (all steps)": top["nonfinite"].astype(int),
-    })
+    table = pd.DataFrame(
+        {
+            "tensor": top["name"],
+            "tensor type": top["tensor_type"],
+            "widest at step": top["step"].astype(int),
+            "exponent range": [
+                f"2^{lo} .. 2^{hi}" if pd.notna(lo) else "" for lo, hi in zip(top["lo"], top["hi"])
+            ],
+            "binades": top["width"].astype(int),
+            f"max {REPORT_FORMATS[0]} loss": [_pct(x) for x in top["lost"]],
+            "NaN+inf (all steps)": top["nonfinite"].astype(int),
+        }
+    )
     figs = []
     for tt in TENSOR_TYPES:
         cand = per_tensor[per_tensor["tensor_type"] == tt].head(TOP_HISTOGRAMS)
@@ -295,9 +365,18 @@ def _ranges(df: pd.DataFrame) -> tuple[str, list[str]]:
             continue
         # One figure per tensor type at the step where its top tensor is widest.
         step = int(cand["step"].iloc[0])
-        names = [n for n, s in zip(cand["name"], cand["step"]) if
-                 ((df[(METADATA, NAME)] == n) & (df[(METADATA, TENSOR_TYPE)] == tt) & (df[(METADATA, STEP)] == step)).any()]
-        fig = exp_hist(df, names, tt, step, dtype_annotation=REPORT_FORMATS[0], col_wrap=min(len(names), 4))
+        names = [
+            n
+            for n, s in zip(cand["name"], cand["step"])
+            if (
+                (df[(METADATA, NAME)] == n)
+                & (df[(METADATA, TENSOR_TYPE)] == tt)
+                & (df[(METADATA, STEP)] == step)
+            ).any()
+        ]
+        fig = exp_hist(
+            df, names, tt, step, dtype_annotation=REPORT_FORMATS[0], col_wrap=min(len(names), 4)
+        )
         fig.suptitle(f"{tt}: exponent histograms at step {step} (markers: {REPORT_FORMATS[0]})")
         figs.append(_png(fig))
     return _table(table), figs
@@ -307,7 +386,11 @@ def render_report(df: pd.DataFrame, title: str) -> str:
     """The report of log ``df`` as one HTML string (see :func:`write_report`)."""
     check_log(df)
     tts = [t for t in TENSOR_TYPES if (df[(METADATA, TENSOR_TYPE)] == t).any()]
-    metric = "rm2" if (SCALAR_STATS, "rm2") in df.columns else next(c for g, c in df.columns if g == SCALAR_STATS)
+    metric = (
+        "rm2"
+        if (SCALAR_STATS, "rm2") in df.columns
+        else next(c for g, c in df.columns if g == SCALAR_STATS)
+    )
     heatmaps = []
     for tt in tts:
         nsteps = df.loc[df[(METADATA, TENSOR_TYPE)] == tt, (METADATA, STEP)].nunique()
@@ -332,13 +415,18 @@ def render_report(df: pd.DataFrame, title: str) -> str:
         ("bands", "Percentiles of |x| over training (whole model)", bands),
     ]
     nav = " ".join(f'<a href="#{sid}">{esc(name)}</a>' for sid, name, _ in sections)
-    body = "\n".join(f'<section id="{sid}"><h2>{esc(name)}</h2>\n{content}</section>' for sid, name, content in sections)
+    body = "\n".join(
+        f'<section id="{sid}"><h2>{esc(name)}</h2>\n{content}</section>'
+        for sid, name, content in sections
+    )
     steps = df[(METADATA, STEP)]
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>\n"
-        f"<h1>{esc(title)}</h1><p class=\"muted\">tandv report: {len(df)} rows, steps {int(steps.min())}"
-        f"..{int(steps.max())}, {df[(METADATA, NAME)].nunique()} tensors</p>\n{_banner(df)}\n<nav>{nav}</nav>\n{body}\n"
+        f'<h1>{esc(title)}</h1><p class="muted">tandv report: {len(df)} rows, '
+        f"steps {int(steps.min())}"
+        f"..{int(steps.max())}, {df[(METADATA, NAME)].nunique()} tensors</p>\n"
+        f"{_banner(df)}\n<nav>{nav}</nav>\n{body}\n"
         "</body></html>\n"
     )
 

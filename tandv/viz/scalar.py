@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 import pandas as pd
-from matplotlib.axes import Axes
 from matplotlib import colormaps
+from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 
@@ -25,7 +26,13 @@ from ._data import (
 )
 from ._facets import facet_grid, figure_legend, step_axis
 
-__all__ = ["scalar_line", "scalar_global_heatmap", "spans_decades", "HeatmapPanel", "heatmap_panels"]
+__all__ = [
+    "scalar_line",
+    "scalar_global_heatmap",
+    "spans_decades",
+    "HeatmapPanel",
+    "heatmap_panels",
+]
 
 #: A metric is drawn on a log scale when its positive values span at least this ratio
 #: (a bit over a decade: e.g. LayerNorm weights near 1 beside projections near 0.02).
@@ -132,13 +139,14 @@ def _colour_scale(mat: np.ndarray, use_log: bool) -> tuple[Normalize, np.ma.Mask
         pos = shown.compressed()
         pos = pos[pos > 0]
         lo, hi = _robust_range(np.log10(pos)) if pos.size else (0.0, 1.0)
-        lo, hi = 10.0 ** lo, 10.0 ** hi
-        norm = LogNorm(lo, hi) if hi > lo else LogNorm(lo / 2, hi * 2)
+        lo, hi = 10.0**lo, 10.0**hi
+        vmin, vmax = (lo, hi) if hi > lo else (lo / 2, hi * 2)
+        norm = LogNorm(vmin, vmax)
         zeros = bool((shown == 0).any())
         # outliers take the end colours (the colorbar's arrows say so); zeros the "under" grey
-        shown = np.ma.where((shown > 0) & (shown < norm.vmin), norm.vmin, shown)
+        shown = np.ma.where((shown > 0) & (shown < vmin), vmin, shown)
         if zeros:
-            shown = np.ma.where(shown == 0, norm.vmin / 10, shown)
+            shown = np.ma.where(shown == 0, vmin / 10, shown)
         return norm, shown, zeros
     shown = np.ma.masked_where(~finite, mat)
     vals = shown.compressed()
@@ -195,7 +203,9 @@ def heatmap_panels(
     check_log(df)
     tts = select_tensor_types(df, tt)
     if not isinstance(scalar_metric, str):
-        raise VizArgumentError(f"scalar_metric={scalar_metric!r}: the heatmap shows one metric; pass a name")
+        raise VizArgumentError(
+            f"scalar_metric={scalar_metric!r}: the heatmap shows one metric; pass a name"
+        )
     (metric,) = select_metrics(df, scalar_metric)
     grids = []
     for t in tts:
@@ -203,8 +213,13 @@ def heatmap_panels(
         rows = rows_for(df, names, [t])
         steps = select_steps(rows, inc)
         rows = rows[rows[(METADATA, STEP)].isin(steps)]
-        flat = pd.DataFrame({"name": rows[(METADATA, NAME)].to_numpy(), "step": rows[(METADATA, STEP)].to_numpy(),
-                             "value": rows[(SCALAR_STATS, metric)].to_numpy(dtype=np.float64)})
+        flat = pd.DataFrame(
+            {
+                "name": rows[(METADATA, NAME)].to_numpy(),
+                "step": rows[(METADATA, STEP)].to_numpy(),
+                "value": rows[(SCALAR_STATS, metric)].to_numpy(dtype=np.float64),
+            }
+        )
         wide = flat.pivot(index="name", columns="step", values="value")
         wide = wide.reindex(index=names, columns=steps)
         grids.append((t, names, steps, wide.to_numpy(dtype=np.float64)))
@@ -216,28 +231,45 @@ def heatmap_panels(
         axes = list(fig.subplots(len(grids), 1, squeeze=False, height_ratios=heights)[:, 0])
     else:
         n_layers = max(len(g[1]) for g in grids)
-        fig, axes = facet_grid(len(grids), col_wrap, panel_size=(width, max(2.6, min(14.0, 0.2 * n_layers + 1.2))),
-                               figsize=figsize)
+        fig, axes = facet_grid(
+            len(grids),
+            col_wrap,
+            panel_size=(width, max(2.6, min(14.0, 0.2 * n_layers + 1.2))),
+            figsize=figsize,
+        )
     panels = []
     for ax, (t, names, steps, mat) in zip(axes, grids):
         use_log = spans_decades(mat) if log_scale is None else bool(log_scale)
         norm, shown, zeros = _colour_scale(mat, use_log)
         cmap = colormaps["viridis"].with_extremes(under="0.55", bad="white")
-        mesh = ax.pcolormesh(np.arange(len(steps) + 1), np.arange(len(names) + 1), shown, norm=norm,
-                             cmap=cmap, gid="heatmap")
+        mesh = ax.pcolormesh(
+            np.arange(len(steps) + 1),
+            np.arange(len(names) + 1),
+            shown,
+            norm=norm,
+            cmap=cmap,
+            gid="heatmap",
+        )
         label = metric + (" (log scale" + ("; grey = 0)" if zeros else ")") if use_log else "")
         vals = mat[np.isfinite(mat) & ((mat > 0) if use_log else True)]
         below = vals.size and vals.min() < norm.vmin
         above = vals.size and vals.max() > norm.vmax
         extend = {(True, True): "both", (True, False): "min", (False, True): "max"}.get(
-            (bool(below or zeros), bool(above)), "neither")
+            (bool(below or zeros), bool(above)), "neither"
+        )
         fig.colorbar(mesh, ax=ax, label=label, extend=extend)
         ax.set_ylim(len(names), 0)  # first layer at the top
         # Every layer named while they fit; beyond 80 rows every k-th, to stay legible.
         ystride = max(1, int(np.ceil(len(names) / 80)))
-        ax.set_yticks(np.arange(0, len(names), ystride) + 0.5, names[::ystride], fontsize=7 if len(names) < 40 else 5)
+        ax.set_yticks(
+            np.arange(0, len(names), ystride) + 0.5,
+            names[::ystride],
+            fontsize=7 if len(names) < 40 else 5,
+        )
         stride = max(1, int(np.ceil(len(steps) / 12)))
-        ax.set_xticks(np.arange(0, len(steps), stride) + 0.5, [str(s) for s in steps[::stride]], fontsize=7)
+        ax.set_xticks(
+            np.arange(0, len(steps), stride) + 0.5, [str(s) for s in steps[::stride]], fontsize=7
+        )
         ax.set_xlabel("step")  # ticks at whole steps already: one per column
         ax.set_title(f"{t}: {metric}", fontsize=10)
         panels.append(HeatmapPanel(ax, t, names, steps, mat))

@@ -1,12 +1,30 @@
 """Framework-neutral tracker core: selection, schedules, step bookkeeping, rows, log IO."""
 
 from ...schema.io import read_log, read_parquet, read_pickle
-from .recorder import DEFAULT_LOG_DIR, StepRecorder, TensorKey, build_rows, make_run_record, resolve_out
+from .recorder import (
+    DEFAULT_LOG_DIR,
+    StepRecorder,
+    TensorKey,
+    build_rows,
+    make_run_record,
+    resolve_out,
+)
 from .schedule import Schedule, linear, make_schedule
 from .selection import Pattern, Selector
 
 __all__ = [
-    "read_log", "read_parquet", "read_pickle",
-    "DEFAULT_LOG_DIR", "StepRecorder", "TensorKey", "build_rows", "make_run_record", "resolve_out",
-    "Schedule", "linear", "make_schedule", "Pattern", "Selector",
+    "read_log",
+    "read_parquet",
+    "read_pickle",
+    "DEFAULT_LOG_DIR",
+    "StepRecorder",
+    "TensorKey",
+    "build_rows",
+    "make_run_record",
+    "resolve_out",
+    "Schedule",
+    "linear",
+    "make_schedule",
+    "Pattern",
+    "Selector",
 ]

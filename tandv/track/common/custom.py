@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence, Union
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from ...stats.summary import DEFAULT_STATS, MERGE_RULES
 
@@ -11,7 +13,7 @@ __all__ = ["StatFn", "StatsSpec", "parse_custom_stats"]
 #: A custom statistic function: one tensor/array in, ``{name: scalar}`` out.
 StatFn = Callable[[Any], Mapping[str, Any]]
 #: What ``track(stats=...)`` accepts (see :func:`parse_custom_stats`).
-StatsSpec = Union[StatFn, Sequence[StatFn], Mapping[str, Any], None]
+StatsSpec = StatFn | Sequence[StatFn] | Mapping[str, Any] | None
 
 
 def parse_custom_stats(
@@ -41,19 +43,28 @@ def parse_custom_stats(
     elif isinstance(stats, Mapping):
         singles: dict[str, Callable[[Any], Any]] = {}
         for name, spec in stats.items():
-            fn, rule = (spec, None) if callable(spec) else (spec if isinstance(spec, tuple) and len(spec) == 2 else (None, None))
+            fn, rule = (
+                (spec, None)
+                if callable(spec)
+                else (spec if isinstance(spec, tuple) and len(spec) == 2 else (None, None))
+            )
             if not isinstance(name, str) or not callable(fn):
-                raise TypeError(f"stats[{name!r}]: expected a function x -> scalar, or (function, rule); got {spec!r}")
+                raise TypeError(
+                    f"stats[{name!r}]: expected a function x -> scalar, or (function, rule); "
+                    f"got {spec!r}"
+                )
             singles[name] = fn
             if rule is not None:
                 rules[name] = rule
-        fns.append(lambda x, _s=singles: {k: f(x) for k, f in _s.items()})
+        fns.append(functools.partial(_apply_each, singles))
     else:
         items = (stats,) if callable(stats) else tuple(stats)
         for f in items:
             if not callable(f):
-                raise TypeError(f"stats: expected functions x -> {{name: scalar}} (or a mapping name -> "
-                                f"function); got {f!r}")
+                raise TypeError(
+                    f"stats: expected functions x -> {{name: scalar}} (or a mapping name -> "
+                    f"function); got {f!r}"
+                )
         fns.extend(items)
     where = {name: f"stats[{name!r}]: merge rule {rule!r}" for name, rule in rules.items()}
     for name, rule in (stats_merge or {}).items():
@@ -63,7 +74,9 @@ def parse_custom_stats(
         if rule not in MERGE_RULES:
             raise ValueError(f"{where[name]}: expected one of {MERGE_RULES}")
         if name in DEFAULT_STATS:
-            raise ValueError(f"custom statistic {name!r} clashes with a default statistic; rename it")
+            raise ValueError(
+                f"custom statistic {name!r} clashes with a default statistic; rename it"
+            )
     return tuple(fns), rules
 
 
@@ -77,7 +90,9 @@ def percentile_columns(percentiles: Sequence[float] | None) -> tuple[tuple[str, 
     if percentiles is None:
         return ()
     if isinstance(percentiles, (str, bytes)) or not isinstance(percentiles, Sequence):
-        raise TypeError(f"percentiles={percentiles!r}: expected a sequence of percentages, e.g. (1, 50, 99)")
+        raise TypeError(
+            f"percentiles={percentiles!r}: expected a sequence of percentages, e.g. (1, 50, 99)"
+        )
     out: dict[str, float] = {}
     for q in percentiles:
         if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 100:
@@ -86,3 +101,8 @@ def percentile_columns(percentiles: Sequence[float] | None) -> tuple[tuple[str, 
     if not out:
         raise ValueError("percentiles=(): give at least one percentage, or leave the option out")
     return tuple(out.items())
+
+
+def _apply_each(fns: Mapping[str, StatFn], x: Any) -> dict[str, Any]:
+    """``{name: fn(x)}`` for the functions given one by name in ``stats``."""
+    return {k: f(x) for k, f in fns.items()}

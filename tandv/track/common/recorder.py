@@ -16,10 +16,11 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -36,11 +37,25 @@ from ...schema.columns import (
     UNDERFLOW,
 )
 from ...schema.writer import FORMATS, LogWriter, open_writer, prepare_directory
-from .scalars import Capture, ScalarRecorder, check_scalar_args, plain_scalar
-from ...stats.summary import (CORE_FIELDS, COUNT_STATS, DEFAULT_STATS, Layout, exponent_labels,
-                              finalize_many, merge_all)
+from ...stats.summary import (
+    CORE_FIELDS,
+    COUNT_STATS,
+    DEFAULT_STATS,
+    Layout,
+    exponent_labels,
+    finalize_many,
+    merge_all,
+)
+from .scalars import Capture, Pending, ScalarRecorder, check_scalar_args, plain_scalar
 
-__all__ = ["TensorKey", "StepRecorder", "build_rows", "resolve_out", "make_run_record", "DEFAULT_LOG_DIR"]
+__all__ = [
+    "TensorKey",
+    "StepRecorder",
+    "build_rows",
+    "resolve_out",
+    "make_run_record",
+    "DEFAULT_LOG_DIR",
+]
 
 #: Where logs go when a tracker is given no ``out``.
 DEFAULT_LOG_DIR = Path("tandv_logs")
@@ -60,8 +75,9 @@ class TensorKey:
             raise ValueError(f"tensor_type {self.tensor_type!r} is not one of {TENSOR_TYPES}")
 
 
-def build_rows(step: int | Sequence[int], entries: Sequence[tuple[TensorKey, Layout, np.ndarray]]
-               ) -> pd.DataFrame:
+def build_rows(
+    step: int | Sequence[int], entries: Sequence[tuple[TensorKey, Layout, np.ndarray]]
+) -> pd.DataFrame:
     """Log rows from merged host summaries, one row per entry, in order.
 
     ``step`` is the step of every entry, or one step per entry (the recorder builds the
@@ -70,8 +86,11 @@ def build_rows(step: int | Sequence[int], entries: Sequence[tuple[TensorKey, Lay
     format that lacks an exponent contributes a zero count there.
     """
     n = len(entries)
-    steps = np.full(n, step, dtype=np.int64) if isinstance(step, (int, np.integer)) \
+    steps = (
+        np.full(n, step, dtype=np.int64)
+        if isinstance(step, (int, np.integer))
         else np.asarray(step, dtype=np.int64)
+    )
     if steps.shape != (n,):
         raise ValueError(f"build_rows: {len(steps)} steps for {n} entries")
     groups: dict[Layout, list[int]] = {}
@@ -92,23 +111,32 @@ def build_rows(step: int | Sequence[int], entries: Sequence[tuple[TensorKey, Lay
         st, c = finalize_many(np.stack([entries[r][2] for r in rows]), layout)
         for k, a in st.items():
             stats[k][idx] = a
-        counts[np.ix_(idx, [labels[lab] for lab in exponent_labels(layout.format)])] = c
+        cols = np.array([labels[lab] for lab in exponent_labels(layout.format)], dtype=np.intp)
+        counts[np.ix_(idx, cols)] = c
     order = [UNDERFLOW, *sorted(l for l in labels if l not in (UNDERFLOW, OVERFLOW)), OVERFLOW]
     counts = counts[:, [labels[lab] for lab in order]] if labels else np.zeros((n, 2), np.int64)
-    meta = pd.DataFrame({
-        "name": [k.name for k, _, _ in entries],
-        "type": [k.module_type for k, _, _ in entries],
-        "tensor_type": [k.tensor_type for k, _, _ in entries],
-        "step": steps,
-        "dtype": [k.dtype for k, _, _ in entries],
-    }, columns=list(META_COLUMNS))
-    parts = [meta, pd.DataFrame({k: stats[k] for k in stat_names}), pd.DataFrame(counts, columns=order)]
+    meta = pd.DataFrame(
+        {
+            "name": [k.name for k, _, _ in entries],
+            "type": [k.module_type for k, _, _ in entries],
+            "tensor_type": [k.tensor_type for k, _, _ in entries],
+            "step": steps,
+            "dtype": [k.dtype for k, _, _ in entries],
+        },
+        columns=list(META_COLUMNS),
+    )
+    parts = [
+        meta,
+        pd.DataFrame({k: stats[k] for k in stat_names}),
+        pd.DataFrame(counts, columns=order),
+    ]
     df = pd.concat(parts, axis=1, keys=[METADATA, SCALAR_STATS, EXPONENT_COUNTS])
     return df
 
 
-def make_run_record(framework: str, model: str, number_format: str | None, options: Mapping[str, Any]
-               ) -> dict[str, Any]:
+def make_run_record(
+    framework: str, model: str, number_format: str | None, options: Mapping[str, Any]
+) -> dict[str, Any]:
     """The record of how a log is made, stored with it (``df.attrs["tandv"]`` on read): the
     tracker's framework, the model's class, the number format of the exponent counts
     (``None``: each tensor's own dtype), the tracker's options (as text where they are not
@@ -141,14 +169,22 @@ def make_run_record(framework: str, model: str, number_format: str | None, optio
             return [plain(x) for x in v]
         return repr(v)
 
-    return {"framework": framework, "model": model, "number_format": number_format,
-            "options": {k: plain(v) for k, v in options.items()}, "versions": versions,
-            "world_size": world, "rank": rank, "host": platform.node(),
-            "started": datetime.now().astimezone().isoformat(timespec="seconds")}
+    return {
+        "framework": framework,
+        "model": model,
+        "number_format": number_format,
+        "options": {k: plain(v) for k, v in options.items()},
+        "versions": versions,
+        "world_size": world,
+        "rank": rank,
+        "host": platform.node(),
+        "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
 
 
-def _merge_dtypes(entries: list[tuple[TensorKey, Layout, np.ndarray]]
-                  ) -> list[tuple[TensorKey, Layout, np.ndarray]]:
+def _merge_dtypes(
+    entries: list[tuple[TensorKey, Layout, np.ndarray]],
+) -> list[tuple[TensorKey, Layout, np.ndarray]]:
     """One row per tensor even when it was seen in several dtypes within a step (a shared
     module fed float32 and bfloat16): the observations merge into the layout of the widest
     format, which the row's dtype names. An observation that cannot be re-binned exactly
@@ -171,7 +207,13 @@ def _merge_dtypes(entries: list[tuple[TensorKey, Layout, np.ndarray]]
             k, layout, v = entries[i]
             moved = _rebin(v, layout, target)
             if moved is None:
-                out.append((TensorKey(f"{k.name}@{k.dtype}", k.tensor_type, k.module_type, k.dtype), layout, v))
+                out.append(
+                    (
+                        TensorKey(f"{k.name}@{k.dtype}", k.tensor_type, k.module_type, k.dtype),
+                        layout,
+                        v,
+                    )
+                )
             else:
                 merged.append(moved)
         out.append((key, target, merge_all(merged, target)))
@@ -185,18 +227,22 @@ def _rebin(v: np.ndarray, src: Layout, dst: Layout) -> np.ndarray | None:
     if src == dst:
         return v
     f, g = src.format, dst.format
-    nested = (src.extras == dst.extras and g.min_exponent <= f.min_exponent
-              and g.max_exponent >= f.max_exponent and g.max >= f.max)
-    counts = v[src.counts_start:src.extras_start]
+    nested = (
+        src.extras == dst.extras
+        and g.min_exponent <= f.min_exponent
+        and g.max_exponent >= f.max_exponent
+        and g.max >= f.max
+    )
+    counts = v[src.counts_start : src.extras_start]
     inf = v[CORE_FIELDS.index("inf_count")]
     if not nested or counts[0] != 0 or counts[-1] != inf:
         return None
     out = dst.empty()
-    out[:src.counts_start] = v[:src.counts_start]
+    out[: src.counts_start] = v[: src.counts_start]
     first = dst.counts_start + 1 + f.min_exponent - g.min_exponent
-    out[first:first + f.num_bins] = counts[1:-1]
+    out[first : first + f.num_bins] = counts[1:-1]
     out[dst.extras_start - 1] = inf
-    out[dst.extras_start:] = v[src.extras_start:]
+    out[dst.extras_start :] = v[src.extras_start :]
     return out
 
 
@@ -267,16 +313,25 @@ class StepRecorder:
         self.sinks = tuple(sinks)  # checked before anything is created
         for sink in self.sinks:
             if not callable(sink):
-                raise TypeError(f"sinks: expected callables taking a DataFrame of rows; got "
-                                f"{type(sink).__name__}")
+                raise TypeError(
+                    f"sinks: expected callables taking a DataFrame of rows; got "
+                    f"{type(sink).__name__}"
+                )
         if not isinstance(flush_every, int) or flush_every < 1:
             raise ValueError(f"flush_every={flush_every!r}: expected an int >= 1")
         if not 0 < warn_pending_bytes <= max_pending_bytes:
-            raise ValueError(f"warn_pending_bytes={warn_pending_bytes!r}, max_pending_bytes={max_pending_bytes!r}: "
-                             f"expected 0 < warn_pending_bytes <= max_pending_bytes")
+            raise ValueError(
+                f"warn_pending_bytes={warn_pending_bytes!r}, "
+                f"max_pending_bytes={max_pending_bytes!r}: "
+                f"expected 0 < warn_pending_bytes <= max_pending_bytes"
+            )
         self.path = resolve_out(out, out_format, run_name)
-        self.writer: LogWriter = open_writer(self.path, out_format,  # type: ignore[arg-type]
-                                             reserved=out is None, run=run)
+        self.writer: LogWriter = open_writer(
+            self.path,
+            out_format,  # type: ignore[arg-type]
+            reserved=out is None,
+            run=run,
+        )
         self.warn_pending_bytes = warn_pending_bytes
         self.max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0
@@ -299,8 +354,13 @@ class StepRecorder:
         self.closed = False
         self.scalars: ScalarRecorder | None = None  # created by the first log_scalars
 
-    def log_scalars(self, step: int | None, values: Mapping[str, Any], current: int,
-                    capture: Capture | None = None) -> None:
+    def log_scalars(
+        self,
+        step: int | None,
+        values: Mapping[str, Any],
+        current: int,
+        capture: Capture | None = None,
+    ) -> None:
         """Record training scalars (``tracker.log_scalars``) at ``step`` (``None``:
         ``current``, the tracker's step). Python and numpy numbers are taken as they are;
         other values go through the adapter's ``capture`` (a device scalar becomes a copy
@@ -311,24 +371,30 @@ class StepRecorder:
             ValueError / TypeError: naming the argument that is not a single number.
         """
         if self.closed:
-            raise RuntimeError("tracker.log_scalars(): the tracker is closed (its `with` block has ended)")
+            raise RuntimeError(
+                "tracker.log_scalars(): the tracker is closed (its `with` block has ended)"
+            )
         check_scalar_args(step, values)
         got: dict[str, Any] = {}
         for name, v in values.items():
             if name == "step":
                 raise ValueError("log_scalars(): 'step' is the step argument, not a scalar name")
-            x = plain_scalar(name, v)
+            x: float | Pending | None = plain_scalar(name, v)
             if x is None and capture is not None:
                 x = capture(name, v)
             if x is None:
-                raise TypeError(f"log_scalars({name}=...): expected a number or a one-element tensor/array; "
-                                f"got {type(v).__name__}")
+                raise TypeError(
+                    f"log_scalars({name}=...): expected a number or a one-element tensor/array; "
+                    f"got {type(v).__name__}"
+                )
             got[name] = x
         if self.scalars is None:
             self.scalars = ScalarRecorder(self.path)
             self._scalars_flushed = time.monotonic()
         self.scalars.add(current if step is None else int(step), got)
-        if time.monotonic() - self._scalars_flushed >= self.flush_seconds:  # steps no schedule records
+        if (
+            time.monotonic() - self._scalars_flushed >= self.flush_seconds
+        ):  # steps no schedule records
             self._scalars_flushed = time.monotonic()
             self.scalars.flush()
 
@@ -346,16 +412,24 @@ class StepRecorder:
 
     def _check_pending(self) -> None:
         n, mib = len(self._pending) + 1, self._pending_bytes / 2**20
-        what = (f"{n} tensor observations ({mib:.0f} MiB of summaries) are waiting for the end of "
-                f"a step in the log {str(self.path)!r}")
+        what = (
+            f"{n} tensor observations ({mib:.0f} MiB of summaries) are waiting for the end of "
+            f"a step in the log {str(self.path)!r}"
+        )
         if self._pending_bytes > self.max_pending_bytes:
-            raise RuntimeError(f"tandv: {what}, more than max_pending_bytes={self.max_pending_bytes}: "
-                               f"call tracker.step() once per training step, after the optimizer step")
+            raise RuntimeError(
+                f"tandv: {what}, more than max_pending_bytes={self.max_pending_bytes}: "
+                f"call tracker.step() once per training step, after the optimizer step"
+            )
         if not self._warned_pending:
             self._warned_pending = True
-            warnings.warn(f"tandv: {what}; is tracker.step() called once per training step, after the "
-                          f"optimizer step? Past max_pending_bytes={self.max_pending_bytes} this becomes an "
-                          f"error", RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"tandv: {what}; is tracker.step() called once per training step, after the "
+                f"optimizer step? Past max_pending_bytes={self.max_pending_bytes} this becomes an "
+                f"error",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def discard(self) -> None:
         """Drop the current step's observations (a step that will not be recorded)."""
@@ -379,17 +453,25 @@ class StepRecorder:
         self._pending_bytes = 0
         return pending
 
-    def commit(self, step: int, pending: list[tuple[TensorKey, Layout, Any]],
-               to_host: Callable[[list[Any]], Sequence[np.ndarray]]) -> int:
+    def commit(
+        self,
+        step: int,
+        pending: list[tuple[TensorKey, Layout, Any]],
+        to_host: Callable[[list[Any]], Sequence[np.ndarray]],
+    ) -> int:
         """Record observations taken (:meth:`take`) at step ``step``: move their summaries
         to the host with one ``to_host`` call, merge observations of the same tensor, and
         buffer the rows. Steps must be committed in order. Returns the row count."""
         module_rows = any(k.tensor_type in (ACTIVATION, GRADIENT) for k, _, _ in pending)
         if self._had_module_rows and not module_rows and not self._warned_empty_step:
             self._warned_empty_step = True
-            warnings.warn(f"tandv: step {step} observed no activation or gradient although earlier steps "
-                          f"did (log {str(self.path)!r}); is tracker.step() called more than once per "
-                          f"training step? Each call ends a step", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"tandv: step {step} observed no activation or gradient although earlier steps "
+                f"did (log {str(self.path)!r}); is tracker.step() called more than once per "
+                f"training step? Each call ends a step",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         self._had_module_rows |= module_rows
         if not pending:
             return 0
@@ -402,12 +484,18 @@ class StepRecorder:
                     f"step {step}; it must keep one number format and one set of custom statistics"
                 )
             groups.setdefault(key, (layout, []))[1].append(np.asarray(v, dtype=np.float64))
-        entries = _merge_dtypes([(k, layout, merge_all(vs, layout) if len(vs) > 1 else vs[0])
-                                 for k, (layout, vs) in groups.items()])
+        entries = _merge_dtypes(
+            [
+                (k, layout, merge_all(vs, layout) if len(vs) > 1 else vs[0])
+                for k, (layout, vs) in groups.items()
+            ]
+        )
         self._buffer.append((step, entries))
         self.steps_recorded += 1
-        if (len(self._buffer) >= self.flush_every
-                or time.monotonic() - self._last_flush >= self.flush_seconds):
+        if (
+            len(self._buffer) >= self.flush_every
+            or time.monotonic() - self._last_flush >= self.flush_seconds
+        ):
             self._hand_over()
             self._raise_writer_error()
         return len(entries)
@@ -426,9 +514,13 @@ class StepRecorder:
         down instead of filling memory."""
         if self._buffer:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._write_loop, name="tandv-writer", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._write_loop, name="tandv-writer", daemon=True
+                )
                 self._thread.start()
-            self._queue.put(self._buffer)  # only then dropped here: an interrupted put loses nothing
+            self._queue.put(
+                self._buffer
+            )  # only then dropped here: an interrupted put loses nothing
             self._buffer = []
         if self.scalars is not None:
             self.scalars.flush()  # the steps whose values have arrived
@@ -441,8 +533,10 @@ class StepRecorder:
                 if batch is None:
                     return
                 if self._error is None:  # after a failure, later batches are not written
-                    rows = build_rows([step for step, entries in batch for _ in entries],
-                                      [entry for _, entries in batch for entry in entries])
+                    rows = build_rows(
+                        [step for step, entries in batch for _ in entries],
+                        [entry for _, entries in batch for entry in entries],
+                    )
                     self.writer.write(rows)
                     for sink in self.sinks:
                         sink(rows)
@@ -453,8 +547,10 @@ class StepRecorder:
 
     def _raise_writer_error(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"tandv: writing the log to {str(self.path)!r} failed; steps from the "
-                               f"failed part on are not on disk") from self._error
+            raise RuntimeError(
+                f"tandv: writing the log to {str(self.path)!r} failed; steps from the "
+                f"failed part on are not on disk"
+            ) from self._error
 
     def close(self) -> Path:
         """Flush and finish the log (idempotent); returns its path.

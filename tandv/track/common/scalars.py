@@ -10,8 +10,9 @@ whose values have all arrived as a part file of the scalars table
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -37,10 +38,17 @@ Capture = Callable[[str, Any], "float | Pending | None"]
 
 def check_scalar_args(step: Any, values: Mapping[str, Any]) -> None:
     """Reject a bad ``step`` or an empty call, naming the argument."""
-    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0):
-        raise ValueError(f"log_scalars(step={step!r}): expected None (the current step) or an int >= 0")
+    if step is not None and (
+        isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0
+    ):
+        raise ValueError(
+            f"log_scalars(step={step!r}): expected None (the current step) or an int >= 0"
+        )
     if not values:
-        raise ValueError("log_scalars(): give at least one scalar as a keyword, e.g. log_scalars(loss=loss, lr=lr)")
+        raise ValueError(
+            "log_scalars(): give at least one scalar as a keyword, "
+            "e.g. log_scalars(loss=loss, lr=lr)"
+        )
 
 
 def plain_scalar(name: str, value: Any) -> float | None:
@@ -50,8 +58,10 @@ def plain_scalar(name: str, value: Any) -> float | None:
         return float(value)
     if isinstance(value, np.ndarray):
         if value.size != 1 or value.dtype.kind not in "biuf":
-            raise ValueError(f"log_scalars({name}=...): expected one number; got a {value.dtype} array of "
-                             f"shape {value.shape}")
+            raise ValueError(
+                f"log_scalars({name}=...): expected one number; got a {value.dtype} array of "
+                f"shape {value.shape}"
+            )
         return float(value.reshape(()))
     return None
 
@@ -94,7 +104,9 @@ class ScalarRecorder:
             if not force and not all(isinstance(v, float) or v.ready() for v in values.values()):
                 break
             steps.append(step)
-            rows.append({k: v if isinstance(v, float) else float(v.get()) for k, v in values.items()})
+            rows.append(
+                {k: v if isinstance(v, float) else float(v.get()) for k, v in values.items()}
+            )
         if not steps:
             return
         for step in steps:

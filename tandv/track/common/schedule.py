@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
 __all__ = ["Schedule", "make_schedule", "linear"]
 
@@ -13,7 +13,9 @@ Schedule = Callable[[int], bool]
 def linear(interval: int, offset: int = 0) -> Schedule:
     """Track steps ``offset, offset + interval, offset + 2*interval, ...`` (Taiyi's ``linear``)."""
     if not isinstance(interval, int) or interval < 1:
-        raise ValueError(f"linear(interval, offset): interval must be an int >= 1; got {interval!r}")
+        raise ValueError(
+            f"linear(interval, offset): interval must be an int >= 1; got {interval!r}"
+        )
     if not isinstance(offset, int) or offset < 0:
         raise ValueError(f"linear(interval, offset): offset must be an int >= 0; got {offset!r}")
     return lambda step: step >= offset and (step - offset) % interval == 0

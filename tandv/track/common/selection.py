@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence, Union
 
 __all__ = ["Selector", "Pattern"]
 
 #: One selection entry: a regex searched in the tensor name, a class name, or a class.
-Pattern = Union[str, re.Pattern, type]
+Pattern = str | re.Pattern | type
 
 
 def _as_list(value: Pattern | Sequence[Pattern] | None, arg: str) -> tuple[Pattern, ...]:
@@ -18,12 +18,16 @@ def _as_list(value: Pattern | Sequence[Pattern] | None, arg: str) -> tuple[Patte
     items = (value,) if isinstance(value, (str, re.Pattern, type)) else tuple(value)
     for item in items:
         if not isinstance(item, (str, re.Pattern, type)):
-            raise TypeError(f"{arg}: expected regex strings, compiled patterns or classes; got {item!r}")
+            raise TypeError(
+                f"{arg}: expected regex strings, compiled patterns or classes; got {item!r}"
+            )
         if isinstance(item, str):
             try:
                 re.compile(item)
             except re.error as e:
-                raise ValueError(f"{arg}: {item!r} is not a valid regular expression ({e})") from None
+                raise ValueError(
+                    f"{arg}: {item!r} is not a valid regular expression ({e})"
+                ) from None
     return items
 
 
@@ -44,8 +48,11 @@ class Selector:
     exclude: tuple[Pattern, ...] = ()
 
     @classmethod
-    def build(cls, include: Pattern | Sequence[Pattern] | None = None,
-              exclude: Pattern | Sequence[Pattern] | None = None) -> "Selector":
+    def build(
+        cls,
+        include: Pattern | Sequence[Pattern] | None = None,
+        exclude: Pattern | Sequence[Pattern] | None = None,
+    ) -> Selector:
         """A selector from the tracker's ``include`` / ``exclude`` arguments (checked)."""
         return cls(_as_list(include, "include"), _as_list(exclude, "exclude"))
 
@@ -58,7 +65,8 @@ class Selector:
         return re.search(entry, name) is not None
 
     def __call__(self, name: str, types: Sequence[type] = ()) -> bool:
-        """Whether the tensor ``name``, owned by a module whose class MRO is ``types``, is tracked."""
+        """Whether the tensor ``name``, owned by a module whose class MRO is ``types``, is
+        tracked."""
         if self.include and not any(self._hit(e, name, types) for e in self.include):
             return False
         return not any(self._hit(e, name, types) for e in self.exclude)

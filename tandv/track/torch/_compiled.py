@@ -34,7 +34,8 @@ from __future__ import annotations
 import itertools
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -42,12 +43,14 @@ from torch import nn
 from ...schema.columns import ACTIVATION, GRADIENT
 
 if TYPE_CHECKING:
+    from torch._dynamo.eval_frame import OptimizedModule
+
     from .tracker import Tracker
 
 __all__ = ["Switch", "CompiledHooks", "compiled_root", "observe"]
 
 #: Live trackers of compiled models, by the number their graphs call them with.
-_TRACKERS: dict[int, "weakref.ref[Tracker]"] = {}
+_TRACKERS: dict[int, weakref.ref[Tracker]] = {}
 _numbers = itertools.count()
 
 
@@ -55,10 +58,20 @@ _numbers = itertools.count()
 _ALIAS = "alias"
 
 
-@torch.library.custom_op("tandv::observe", mutates_args=(),
-                         tags=(torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ())
-def observe(x: torch.Tensor, tracker: int, module: int, name: str, kind: str, first_module: int = -1,
-            first_name: str = "") -> None:
+@torch.library.custom_op(
+    "tandv::observe",
+    mutates_args=(),
+    tags=(torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else (),
+)
+def observe(
+    x: torch.Tensor,
+    tracker: int,
+    module: int,
+    name: str,
+    kind: str,
+    first_module: int = -1,
+    first_name: str = "",
+) -> None:
     """Summarize ``x`` (the output, or its gradient, of module ``module`` of tracker
     ``tracker``; ``kind`` its tensor type) into the tracker's current step, as the eager
     hooks would; with ``kind="alias"``, record instead that the output gradient
@@ -81,8 +94,15 @@ def observe(x: torch.Tensor, tracker: int, module: int, name: str, kind: str, fi
 
 
 @observe.register_fake
-def _observe_fake(x: torch.Tensor, tracker: int, module: int, name: str, kind: str, first_module: int = -1,
-                  first_name: str = "") -> None:
+def _observe_fake(
+    x: torch.Tensor,
+    tracker: int,
+    module: int,
+    name: str,
+    kind: str,
+    first_module: int = -1,
+    first_name: str = "",
+) -> None:
     return None
 
 
@@ -113,8 +133,15 @@ def _is_input(t: torch.Tensor, args: Any) -> bool:
     return False
 
 
-def _make_hook(number: int, index: int, name: str, switch: Switch, want_act: bool, want_grad: bool,
-               track_eval: bool) -> Callable:
+def _make_hook(
+    number: int,
+    index: int,
+    name: str,
+    switch: Switch,
+    want_act: bool,
+    want_grad: bool,
+    track_eval: bool,
+) -> Callable:
     """The forward hook of module ``index`` (path ``name``): traceable by dynamo, no
     host-side call but the custom operator."""
     from .tracker import _flatten
@@ -152,7 +179,7 @@ class CompiledHooks:
     it compiled before: with its default ``skip_nnmodule_hook_guards`` it does not notice
     hooks that come or go, and would keep running graphs without (or with stale) hooks."""
 
-    def __init__(self, tracker: "Tracker", wrapper: nn.Module | None) -> None:
+    def __init__(self, tracker: Tracker, wrapper: nn.Module | None) -> None:
         self.number = next(_numbers)
         self.switch = Switch()
         #: ``(module, name)`` of an output gradient -> the ``(module, name)`` whose hook sees it
@@ -163,13 +190,25 @@ class CompiledHooks:
         if want_act or want_grad:
             for index, (name, m) in enumerate(tracker._modules):
                 if tracker._selected(name, m):
-                    self._handles.append(m.register_forward_hook(_make_hook(
-                        self.number, index, name, self.switch, want_act, want_grad, tracker.track_eval)))
+                    self._handles.append(
+                        m.register_forward_hook(
+                            _make_hook(
+                                self.number,
+                                index,
+                                name,
+                                self.switch,
+                                want_act,
+                                want_grad,
+                                tracker.track_eval,
+                            )
+                        )
+                    )
         # Dynamo does not trace the call of the compiled module itself (a frame of
         # torch.nn): it would run that module's hooks outside its graph, each a graph of
         # its own. Its ``wrap_top_frame`` option makes the call traced, hooks and all;
         # the compiled calls are remade with it while the hooks are installed.
-        self._wrapper = wrapper if self._handles else None
+        # compiled_root's wrapper is an OptimizedModule (found by name: a private class)
+        self._wrapper = cast("OptimizedModule | None", wrapper if self._handles else None)
         self._in_place: list[tuple[nn.Module, Callable]] = []
         if self._handles:
             from torch._dynamo import config
@@ -204,7 +243,7 @@ def _recompile_in_place(module: nn.Module) -> list[tuple[nn.Module, Callable]]:
     its module's own hooks then run as graphs of their own (correct, a little slower)."""
     from torch._dynamo.eval_frame import _TorchDynamoContext
 
-    remade = []
+    remade: list[tuple[nn.Module, Callable]] = []
     for m in module.modules():
         impl = getattr(m, "_compiled_call_impl", None)
         ctx = None
@@ -216,7 +255,7 @@ def _recompile_in_place(module: nn.Module) -> list[tuple[nn.Module, Callable]]:
             if isinstance(value, _TorchDynamoContext):
                 ctx = value
                 break
-        if ctx is not None:
+        if ctx is not None and impl is not None:
             m._compiled_call_impl = ctx(m._call_impl)
             remade.append((m, impl))
     return remade
@@ -262,11 +301,12 @@ def compiled_root(module: nn.Module, hooks: bool) -> tuple[nn.Module, bool, nn.M
         if hooks and _uses_cudagraphs(config):
             raise ValueError(
                 f"track(module=...): {where} is compiled with CUDA graphs (the option "
-                f"\"triton.cudagraphs\", which mode=\"reduce-overhead\" and mode=\"max-autotune\" "
+                f'"triton.cudagraphs", which mode="reduce-overhead" and mode="max-autotune" '
                 f"turn on); a replayed CUDA graph skips tandv's activation summaries. Compile with "
-                f"mode=\"default\" or mode=\"max-autotune-no-cudagraphs\" while tracking, or track "
+                f'mode="default" or mode="max-autotune-no-cudagraphs" while tracking, or track '
                 f"with track_activations=False, track_gradients=False (weights and optimizer state "
-                f"need no hooks).")
+                f"need no hooks)."
+            )
     opt_cls = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     if opt_cls is not None and isinstance(module, opt_cls):
         return module._orig_mod, True, module

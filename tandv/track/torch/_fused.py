@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Any, Sequence
+from functools import cache
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -52,15 +53,41 @@ from ...stats.formats import number_format
 from ...stats.summary import CORE_FIELDS, Layout
 
 if "mask" not in inspect.signature(tl.histogram).parameters:
-    raise ImportError(f"tandv's fused kernels need Triton >= 3.4 (masked tl.histogram); "
-                      f"found {triton.__version__}")
+    raise ImportError(
+        f"tandv's fused kernels need Triton >= 3.4 (masked tl.histogram); "
+        f"found {triton.__version__}"
+    )
 
-__all__ = ["HEADER", "Spec", "spec_for", "launch_one", "launch_many", "finish_rows", "row_size",
-           "scratch_rows"]
+__all__ = [
+    "HEADER",
+    "Spec",
+    "spec_for",
+    "launch_one",
+    "launch_many",
+    "finish_rows",
+    "row_size",
+    "scratch_rows",
+]
 
 # The fields of a row, in order; the exponent counts follow the counter.
-(NAN, INF, ZERO, OVER, MIN, MAX, MIN_ABS, MAX_ABS, SCALE_EXP, N_FINITE, MEAN, M2,
- P1, P2, P4, P8) = range(16)
+(
+    NAN,
+    INF,
+    ZERO,
+    OVER,
+    MIN,
+    MAX,
+    MIN_ABS,
+    MAX_ABS,
+    SCALE_EXP,
+    N_FINITE,
+    MEAN,
+    M2,
+    P1,
+    P2,
+    P4,
+    P8,
+) = range(16)
 #: Length of a partial row (a program's share of a tensor).
 PART = 16
 #: Index of the counter of finished programs.
@@ -174,8 +201,18 @@ def _merge(E, n, mean, m2, p1, p2, p4, p8, Eb, nb, meanb, m2b, p1b, p2b, p4b, p8
 
 
 @triton.jit
-def _scan(ptr, start, end, lut_ptr, fmax, MODE: tl.constexpr, SUB: tl.constexpr,
-          DMIN: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr):
+def _scan(
+    ptr,
+    start,
+    end,
+    lut_ptr,
+    fmax,
+    MODE: tl.constexpr,
+    SUB: tl.constexpr,
+    DMIN: tl.constexpr,
+    NBP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """The partial summary of elements ``[start, end)`` of a tensor, and its exponent
     counts (index ``e - DMIN`` for exponent ``e``) in ``NBP`` registers."""
     ar = tl.arange(0, BLOCK)
@@ -226,20 +263,52 @@ def _scan(ptr, start, end, lut_ptr, fmax, MODE: tl.constexpr, SUB: tl.constexpr,
         q2 = q * q
         q4 = q2 * q2
         E, n, mean, m2, p1, p2, p4, p8 = _merge(
-            E, n, mean, m2, p1, p2, p4, p8, Eb, nb, meanb, tl.maximum(m2b, 0.0),
-            tl.sum(q).to(tl.float64), tl.sum(q2).to(tl.float64), tl.sum(q4).to(tl.float64),
-            tl.sum(q4 * q4).to(tl.float64))
+            E,
+            n,
+            mean,
+            m2,
+            p1,
+            p2,
+            p4,
+            p8,
+            Eb,
+            nb,
+            meanb,
+            tl.maximum(m2b, 0.0),
+            tl.sum(q).to(tl.float64),
+            tl.sum(q2).to(tl.float64),
+            tl.sum(q4).to(tl.float64),
+            tl.sum(q4 * q4).to(tl.float64),
+        )
 
         # exponent counts
         ex = _exponent(bits, SUB) - DMIN
         hist += tl.histogram(ex, NBP, mask=fin & ~zero)
-    return (nan_c, inf_c, zero_c, over_c, mn, mx, amin.to(tl.float32, bitcast=True),
-            amax.to(tl.float32, bitcast=True), E, n, mean, m2, p1, p2, p4, p8, hist)
+    return (
+        nan_c,
+        inf_c,
+        zero_c,
+        over_c,
+        mn,
+        mx,
+        amin.to(tl.float32, bitcast=True),
+        amax.to(tl.float32, bitcast=True),
+        E,
+        n,
+        mean,
+        m2,
+        p1,
+        p2,
+        p4,
+        p8,
+        hist,
+    )
 
 
 @triton.jit
-def _store_part(ptr, nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2,
-                p1, p2, p4, p8):
+def _store_part(
+    ptr, nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2, p1, p2, p4, p8
+):
     """Writes the 16 fields of a (partial) row at ``ptr``, as float64."""
     f64 = tl.float64
     tl.store(ptr + 0, nan_c.to(f64))
@@ -283,8 +352,12 @@ def _merge_parts(base, n_parts, GROUP: tl.constexpr):
     E, n, mean, m2, p1, p2, p4, p8 = _no_moments()
     for i0 in range(0, n_parts, GROUP):
         ok = (i0 + g) < n_parts
-        tile = tl.load(base + (i0 + g)[:, None] * 16 + cols[None, :], mask=ok[:, None], other=0.0,
-                       volatile=True)
+        tile = tl.load(
+            base + (i0 + g)[:, None] * 16 + cols[None, :],
+            mask=ok[:, None],
+            other=0.0,
+            volatile=True,
+        )
         nan_c += tl.sum(_column(tile, cols, 0))
         inf_c += tl.sum(_column(tile, cols, 1))
         zero_c += tl.sum(_column(tile, cols, 2))
@@ -305,46 +378,142 @@ def _merge_parts(base, n_parts, GROUP: tl.constexpr):
         dev = meani - meang
         m2g = tl.sum(_column(tile, cols, 11) * r2 + ni * dev * dev)
         E, n, mean, m2, p1, p2, p4, p8 = _merge(
-            E, n, mean, m2, p1, p2, p4, p8, Eg, ng, meang, m2g,
-            tl.sum(_column(tile, cols, 12) * r), tl.sum(_column(tile, cols, 13) * r2),
-            tl.sum(_column(tile, cols, 14) * r4), tl.sum(_column(tile, cols, 15) * (r4 * r4)))
+            E,
+            n,
+            mean,
+            m2,
+            p1,
+            p2,
+            p4,
+            p8,
+            Eg,
+            ng,
+            meang,
+            m2g,
+            tl.sum(_column(tile, cols, 12) * r),
+            tl.sum(_column(tile, cols, 13) * r2),
+            tl.sum(_column(tile, cols, 14) * r4),
+            tl.sum(_column(tile, cols, 15) * (r4 * r4)),
+        )
     return nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2, p1, p2, p4, p8
 
 
 @triton.jit
-def _summarize(ptr, start, end, row, part_ptr, parts_ptr, n_parts, lut_ptr, fmax,
-               MODE: tl.constexpr, SUB: tl.constexpr, DMIN: tl.constexpr, NBD: tl.constexpr,
-               NBP: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+def _summarize(
+    ptr,
+    start,
+    end,
+    row,
+    part_ptr,
+    parts_ptr,
+    n_parts,
+    lut_ptr,
+    fmax,
+    MODE: tl.constexpr,
+    SUB: tl.constexpr,
+    DMIN: tl.constexpr,
+    NBD: tl.constexpr,
+    NBP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     """One program's share ``[start, end)`` of a tensor whose row is at ``row``; with
     ``n_parts > 1`` programs, its partial row goes to ``part_ptr`` and the last program
     merges the ``n_parts`` rows at ``parts_ptr`` into ``row``."""
-    (nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2, p1, p2, p4, p8,
-     hist) = _scan(ptr, start, end, lut_ptr, fmax, MODE, SUB, DMIN, NBP, BLOCK)
+    (nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2, p1, p2, p4, p8, hist) = (
+        _scan(ptr, start, end, lut_ptr, fmax, MODE, SUB, DMIN, NBP, BLOCK)
+    )
     bins = tl.arange(0, NBP)
     if n_parts == 1:
-        _store_part(row, nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2,
-                    p1, p2, p4, p8)
+        _store_part(
+            row, nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2, p1, p2, p4, p8
+        )
         tl.store(row + 17 + bins, hist.to(tl.float64), mask=bins < NBD)
     else:
-        _store_part(part_ptr, nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2,
-                    p1, p2, p4, p8)
-        tl.atomic_add(row + 17 + bins, hist.to(tl.float64), mask=(bins < NBD) & (hist != 0),
-                      sem="relaxed")  # read only by the host, after the kernel
+        _store_part(
+            part_ptr,
+            nan_c,
+            inf_c,
+            zero_c,
+            over_c,
+            mn,
+            mx,
+            amin,
+            amax,
+            E,
+            n,
+            mean,
+            m2,
+            p1,
+            p2,
+            p4,
+            p8,
+        )
+        tl.atomic_add(
+            row + 17 + bins, hist.to(tl.float64), mask=(bins < NBD) & (hist != 0), sem="relaxed"
+        )  # read only by the host, after the kernel
         # every thread's stores before the counter's release (a barrier, then the atomic)
         tl.debug_barrier()
         done = tl.atomic_add(row + 16, 1.0, sem="acq_rel")
         if done == n_parts - 1:
             # the last program of the tensor (new names: a branch may not retype a value)
-            (t_nan, t_inf, t_zero, t_over, t_mn, t_mx, t_amin, t_amax, t_E, t_n, t_mean, t_m2,
-             t_p1, t_p2, t_p4, t_p8) = _merge_parts(parts_ptr, n_parts, GROUP)
-            _store_part(row, t_nan, t_inf, t_zero, t_over, t_mn, t_mx, t_amin, t_amax, t_E, t_n,
-                        t_mean, t_m2, t_p1, t_p2, t_p4, t_p8)
+            (
+                t_nan,
+                t_inf,
+                t_zero,
+                t_over,
+                t_mn,
+                t_mx,
+                t_amin,
+                t_amax,
+                t_E,
+                t_n,
+                t_mean,
+                t_m2,
+                t_p1,
+                t_p2,
+                t_p4,
+                t_p8,
+            ) = _merge_parts(parts_ptr, n_parts, GROUP)
+            _store_part(
+                row,
+                t_nan,
+                t_inf,
+                t_zero,
+                t_over,
+                t_mn,
+                t_mx,
+                t_amin,
+                t_amax,
+                t_E,
+                t_n,
+                t_mean,
+                t_m2,
+                t_p1,
+                t_p2,
+                t_p4,
+                t_p8,
+            )
 
 
 @triton.jit(do_not_specialize=["n", "row_off"])
-def _summarize_one(x_ptr, n, per_prog, rows_ptr, row_off, scratch_ptr, lut_ptr, fmax,
-                   MODE: tl.constexpr, SUB: tl.constexpr, DMIN: tl.constexpr, NBD: tl.constexpr,
-                   NBP: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+def _summarize_one(
+    x_ptr,
+    n,
+    per_prog,
+    rows_ptr,
+    row_off,
+    scratch_ptr,
+    lut_ptr,
+    fmax,
+    MODE: tl.constexpr,
+    SUB: tl.constexpr,
+    DMIN: tl.constexpr,
+    NBD: tl.constexpr,
+    NBP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     """One tensor ``x_ptr`` of ``n`` elements, ``per_prog`` per program, into the row at
     ``rows_ptr + row_off``."""
     pid = tl.program_id(0)
@@ -354,24 +523,65 @@ def _summarize_one(x_ptr, n, per_prog, rows_ptr, row_off, scratch_ptr, lut_ptr, 
         ptr = x_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
     else:
         ptr = x_ptr
-    _summarize(ptr, start, end, rows_ptr + row_off, scratch_ptr + pid * 16, scratch_ptr,
-               tl.num_programs(0), lut_ptr, fmax, MODE, SUB, DMIN, NBD, NBP, BLOCK, GROUP)
+    _summarize(
+        ptr,
+        start,
+        end,
+        rows_ptr + row_off,
+        scratch_ptr + pid * 16,
+        scratch_ptr,
+        tl.num_programs(0),
+        lut_ptr,
+        fmax,
+        MODE,
+        SUB,
+        DMIN,
+        NBD,
+        NBP,
+        BLOCK,
+        GROUP,
+    )
 
 
 @triton.jit
-def _summarize_many(table_ptr, rows_ptr, scratch_ptr, lut_ptr, fmax,
-                    MODE: tl.constexpr, SUB: tl.constexpr, DMIN: tl.constexpr,
-                    NBD: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr,
-                    GROUP: tl.constexpr):
+def _summarize_many(
+    table_ptr,
+    rows_ptr,
+    scratch_ptr,
+    lut_ptr,
+    fmax,
+    MODE: tl.constexpr,
+    SUB: tl.constexpr,
+    DMIN: tl.constexpr,
+    NBD: tl.constexpr,
+    NBP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     """Many tensors of one dtype: program ``i`` reads row ``i`` of the table ``(address,
     start, end, row offset, part, parts, first part)``."""
     t = table_ptr + tl.program_id(0) * 7
     ptr = _typed(tl.load(t), MODE)
     part = tl.load(t + 4)
     first = tl.load(t + 6)
-    _summarize(ptr, tl.load(t + 1), tl.load(t + 2), rows_ptr + tl.load(t + 3),
-               scratch_ptr + (first + part) * 16, scratch_ptr + first * 16, tl.load(t + 5),
-               lut_ptr, fmax, MODE, SUB, DMIN, NBD, NBP, BLOCK, GROUP)
+    _summarize(
+        ptr,
+        tl.load(t + 1),
+        tl.load(t + 2),
+        rows_ptr + tl.load(t + 3),
+        scratch_ptr + (first + part) * 16,
+        scratch_ptr + first * 16,
+        tl.load(t + 5),
+        lut_ptr,
+        fmax,
+        MODE,
+        SUB,
+        DMIN,
+        NBD,
+        NBP,
+        BLOCK,
+        GROUP,
+    )
 
 
 #: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when this module
@@ -417,7 +627,7 @@ class Spec:
 _MODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-@lru_cache(maxsize=None)
+@cache
 def spec_for(dtype: torch.dtype) -> Spec | None:
     """The :class:`Spec` of ``dtype``, or ``None`` if the kernel does not read it (float64,
     and formats wider than 8 bits that are not float32, float16 or bfloat16)."""
@@ -465,7 +675,8 @@ def _parts(n: int, max_parts: int) -> tuple[int, int]:
     """``(parts, elements per part)`` for a tensor of ``n`` elements: one part up to
     :data:`MIN_CHUNK` elements, at most ``max_parts``, each a multiple of :data:`BLOCK`."""
     parts = min(max(1, -(-n // MIN_CHUNK)), max_parts)
-    per = -(-(-(-n // parts)) // BLOCK) * BLOCK
+    per_part = -(-n // parts)
+    per = -(-per_part // BLOCK) * BLOCK
     return -(-n // per), per
 
 
@@ -475,11 +686,20 @@ def scratch_rows(n: int, max_parts: int) -> int:
     return parts if parts > 1 else 0
 
 
-@lru_cache(maxsize=None)
+@cache
 def _consts(spec: Spec) -> dict[str, Any]:
     """The compile-time arguments and launch options of ``spec``'s kernels."""
-    return dict(MODE=spec.mode, SUB=spec.sub, DMIN=spec.dmin, NBD=spec.nbd, NBP=spec.nbp,
-                BLOCK=BLOCK, GROUP=GROUP, num_warps=NUM_WARPS, enable_fp_fusion=True)
+    return dict(
+        MODE=spec.mode,
+        SUB=spec.sub,
+        DMIN=spec.dmin,
+        NBD=spec.nbd,
+        NBP=spec.nbp,
+        BLOCK=BLOCK,
+        GROUP=GROUP,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=True,
+    )
 
 
 def _flat(x: torch.Tensor, spec: Spec) -> torch.Tensor:
@@ -509,19 +729,42 @@ def _dense(x: torch.Tensor) -> bool:
     return True
 
 
-def launch_one(x: torch.Tensor, spec: Spec, layout: Layout, rows: torch.Tensor, offset: int,
-               scratch: torch.Tensor, max_parts: int) -> None:
+def launch_one(
+    x: torch.Tensor,
+    spec: Spec,
+    layout: Layout,
+    rows: torch.Tensor,
+    offset: int,
+    scratch: torch.Tensor,
+    max_parts: int,
+) -> None:
     """Summarize ``x`` (dtype ``spec.dtype``, not empty) into ``rows[offset:]`` (zeros) in
     one launch, on the current stream; ``scratch`` holds :func:`scratch_rows` rows."""
     flat = _flat(x, spec)
     n = flat.numel()
     parts, per = _parts(n, max_parts)
-    _summarize_one[(parts,)](flat, n, per, rows, offset, scratch, _lut(spec, x.device, rows),
-                             _fmax(layout), **_consts(spec))
+    _summarize_one[(parts,)](
+        flat,
+        n,
+        per,
+        rows,
+        offset,
+        scratch,
+        _lut(spec, x.device, rows),
+        _fmax(layout),
+        **_consts(spec),
+    )
 
 
-def launch_many(tensors: Sequence[torch.Tensor], spec: Spec, layout: Layout, rows: torch.Tensor,
-                offsets: Sequence[int], scratch_for: Any, max_parts: int) -> None:
+def launch_many(
+    tensors: Sequence[torch.Tensor],
+    spec: Spec,
+    layout: Layout,
+    rows: torch.Tensor,
+    offsets: Sequence[int],
+    scratch_for: Any,
+    max_parts: int,
+) -> None:
     """Summarize non-empty tensors of dtype ``spec.dtype`` on one device into
     ``rows[offsets[i]:]`` in one launch, on the current stream.
 
@@ -551,8 +794,9 @@ def launch_many(tensors: Sequence[torch.Tensor], spec: Spec, layout: Layout, row
     if rows.device.type == "cuda":  # pinned by the caching host allocator: reused once copied
         host_table = host_table.pin_memory()
     dev_table = host_table.to(rows.device, non_blocking=True)
-    _summarize_many[(owner.size,)](dev_table, rows, scratch, _lut(spec, rows.device, rows),
-                                   _fmax(layout), **_consts(spec))
+    _summarize_many[(owner.size,)](
+        dev_table, rows, scratch, _lut(spec, rows.device, rows), _fmax(layout), **_consts(spec)
+    )
 
 
 def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
@@ -570,17 +814,28 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
     s = col[MAX_ABS]
     e = col[SCALE_EXP]
     # moments were summed of x / 2**E; the layout's are of x / max|x| (1 when 0)
-    r = 2.0 ** e / xp.where(s > 0, s, 1.0)
+    r = 2.0**e / xp.where(s > 0, s, 1.0)
     r2 = r * r
     inf = float("inf")
-    core = [numel, col[NAN], col[INF], col[ZERO],
-            xp.where(has, col[MIN], inf), xp.where(has, col[MAX], -inf),
-            xp.where(has, col[MIN_ABS], inf), xp.where(has, s, 0.0),
-            xp.where(has, col[MEAN] * 2.0 ** e, 0.0), col[M2] * r2, col[P1] * r, col[P2] * r2,
-            col[P4] * r2 * r2, col[P8] * (r2 * r2) ** 2]
+    core = [
+        numel,
+        col[NAN],
+        col[INF],
+        col[ZERO],
+        xp.where(has, col[MIN], inf),
+        xp.where(has, col[MAX], -inf),
+        xp.where(has, col[MIN_ABS], inf),
+        xp.where(has, s, 0.0),
+        xp.where(has, col[MEAN] * 2.0**e, 0.0),
+        col[M2] * r2,
+        col[P1] * r,
+        col[P2] * r2,
+        col[P4] * r2 * r2,
+        col[P8] * (r2 * r2) ** 2,
+    ]
     assert len(core) == len(CORE_FIELDS)
     fold, above = _fold(spec, layout.format.name)
-    hist = rows[:, HEADER:HEADER + spec.nbd]
+    hist = rows[:, HEADER : HEADER + spec.nbd]
     if xp is np:
         counts = hist @ fold
         beyond = hist[:, above:].sum(axis=1)
@@ -593,18 +848,23 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
     top, over = layout.format.num_bins, layout.format.num_bins + 1
     counts[:, top] = counts[:, top] - move
     counts[:, over] = counts[:, over] + move + col[INF]
-    extras = rows[:, spec.row_size:spec.row_size + len(layout.extras)]
-    return xp.concatenate([xp.stack(core, 1), counts, extras], 1) if xp is np else \
-        torch.cat([torch.stack(core, 1), counts, extras], 1)
+    extras = rows[:, spec.row_size : spec.row_size + len(layout.extras)]
+    return (
+        xp.concatenate([xp.stack(core, 1), counts, extras], 1)
+        if xp is np
+        else torch.cat([torch.stack(core, 1), counts, extras], 1)
+    )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _fold(spec: Spec, fmt_name: str) -> tuple[np.ndarray, int]:
     """The 0/1 matrix taking a row's dtype exponent counts to the format's count bins, and
     the index of the first dtype exponent above the format's largest."""
     fmt = number_format(fmt_name)
     exps = spec.dmin + np.arange(spec.nbd)
-    bins = np.where(exps < fmt.min_exponent, 0, exps - fmt.min_exponent + 1).clip(max=fmt.num_bins + 1)
+    bins = np.where(exps < fmt.min_exponent, 0, exps - fmt.min_exponent + 1).clip(
+        max=fmt.num_bins + 1
+    )
     fold = np.zeros((spec.nbd, fmt.num_bins + 2))
     fold[np.arange(spec.nbd), bins] = 1.0
     return fold, int(np.searchsorted(exps, fmt.max_exponent, side="right"))

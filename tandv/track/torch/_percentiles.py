@@ -11,7 +11,7 @@ the summary itself: select the tensors that need it with ``include``/``exclude``
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -20,7 +20,9 @@ __all__ = ["percentile_stat"]
 _SORTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def percentile_stat(columns: tuple[tuple[str, float], ...]) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
+def percentile_stat(
+    columns: tuple[tuple[str, float], ...],
+) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
     """A custom statistic (``x -> {column: 0-dim float64 tensor}``) giving the percentiles
     ``columns`` (``((name, q), ...)``, q in [0, 100]) of the non-NaN elements of ``x``."""
     names = [n for n, _ in columns]

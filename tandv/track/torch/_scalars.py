@@ -39,10 +39,14 @@ def capture_torch(name: str, value: Any) -> float | _InFlight | None:
     if not isinstance(value, torch.Tensor):
         return None
     if value.numel() != 1:
-        raise ValueError(f"log_scalars({name}=...): expected one number; got a tensor of shape "
-                         f"{tuple(value.shape)} (reduce it first, e.g. loss.mean())")
+        raise ValueError(
+            f"log_scalars({name}=...): expected one number; got a tensor of shape "
+            f"{tuple(value.shape)} (reduce it first, e.g. loss.mean())"
+        )
     if value.is_complex():
-        raise ValueError(f"log_scalars({name}=...): expected a real number; got a {value.dtype} tensor")
+        raise ValueError(
+            f"log_scalars({name}=...): expected a real number; got a {value.dtype} tensor"
+        )
     x = value.detach().reshape(())
     if x.device.type == "cuda":
         with torch.cuda.device(x.device):

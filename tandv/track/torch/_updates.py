@@ -31,11 +31,13 @@ UPDATE_SUFFIX = ".update"
 class UpdateCapture:
     """The pair of optimizer hooks that logs one optimizer's updates; ``remove()`` them."""
 
-    def __init__(self, tracker: "Tracker", optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, tracker: Tracker, optimizer: torch.optim.Optimizer) -> None:
         self._tracker = weakref.ref(tracker)
         self._before: list[tuple[str, torch.nn.Module, torch.Tensor, torch.Tensor]] = []
-        self._handles = [optimizer.register_step_pre_hook(self._pre),
-                         optimizer.register_step_post_hook(self._post)]
+        self._handles = [
+            optimizer.register_step_pre_hook(self._pre),
+            optimizer.register_step_post_hook(self._post),
+        ]
 
     def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         tr = self._tracker()
@@ -48,8 +50,12 @@ class UpdateCapture:
                     known = tr._param_names.get(id(p))
                     # (with step(closure) the gradients do not exist yet: frozen parameters,
                     # requires_grad=False, are those an optimizer never moves)
-                    if (known is None or not p.requires_grad or not p.is_floating_point()
-                            or not tr._selected(*known)):
+                    if (
+                        known is None
+                        or not p.requires_grad
+                        or not p.is_floating_point()
+                        or not tr._selected(*known)
+                    ):
                         continue
                     self._before.append((known[0], known[1], p, p.detach().clone()))
 

@@ -22,9 +22,10 @@ the tensors it tracks are summarized (as it must before the optimizer uses them)
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -53,7 +54,7 @@ class Slot:
     offset: int
     size: int
     layout: Layout
-    spec: "_fused.Spec | None"
+    spec: _fused.Spec | None
 
 
 class _Space:
@@ -80,8 +81,12 @@ class _Space:
             off = self.used
             need = off + size
             if need > self.rows.numel():
-                bigger = torch.zeros(max(2 * self.rows.numel(), need), dtype=_F64, device=self.device)
-                bigger[:off].copy_(self.rows[:off])  # after the kernels already queued: stream order
+                bigger = torch.zeros(
+                    max(2 * self.rows.numel(), need), dtype=_F64, device=self.device
+                )
+                bigger[:off].copy_(
+                    self.rows[:off]
+                )  # after the kernels already queued: stream order
                 self.rows = bigger
             self.used = need
             return off
@@ -91,8 +96,9 @@ class _Space:
         buffer that queued kernels still use is safe)."""
         need = parts * 16  # _fused.PART float64 values per partial row
         if self.scratch.numel() < need:
-            self.scratch = torch.empty(max(need, 2 * self.scratch.numel()), dtype=_F64,
-                                       device=self.device)
+            self.scratch = torch.empty(
+                max(need, 2 * self.scratch.numel()), dtype=_F64, device=self.device
+            )
         return self.scratch
 
 
@@ -130,8 +136,9 @@ class Workspace:
             space = self._spaces[device] = _Space(device)
         return space
 
-    def summaries(self, tensors: Sequence[torch.Tensor], layout: Layout,
-                  extras: Sequence[Mapping[str, Any]]) -> list[np.ndarray | Slot]:
+    def summaries(
+        self, tensors: Sequence[torch.Tensor], layout: Layout, extras: Sequence[Mapping[str, Any]]
+    ) -> list[np.ndarray | Slot]:
         """The summaries of distinct tensors sharing ``layout``, each by its path: finished
         vectors of the host path (CPU tensors), :class:`Slot` s of the fused kernel (one
         launch per device and dtype) and of the torch-op path."""
@@ -154,8 +161,13 @@ class Workspace:
                 out[i] = s
         return out
 
-    def fused(self, tensors: Sequence[torch.Tensor], spec: "_fused.Spec", layout: Layout,
-              extras: Sequence[Mapping[str, Any]]) -> list[Slot]:
+    def fused(
+        self,
+        tensors: Sequence[torch.Tensor],
+        spec: _fused.Spec,
+        layout: Layout,
+        extras: Sequence[Mapping[str, Any]],
+    ) -> list[Slot]:
         """Summarize tensors of ``spec.dtype`` on one device with the fused kernel: one
         launch for all of them (one per tensor for a single tensor)."""
         from . import _fused
@@ -168,17 +180,30 @@ class Workspace:
             live = [(t, s.offset) for t, s in zip(tensors, slots) if t.numel()]
             if len(live) == 1:
                 t, off = live[0]
-                _fused.launch_one(t, spec, layout, space.rows, off,
-                                  space.scratch_for(_fused.scratch_rows(t.numel(), space.max_parts)),
-                                  space.max_parts)
+                _fused.launch_one(
+                    t,
+                    spec,
+                    layout,
+                    space.rows,
+                    off,
+                    space.scratch_for(_fused.scratch_rows(t.numel(), space.max_parts)),
+                    space.max_parts,
+                )
             elif live:
-                _fused.launch_many([t for t, _ in live], spec, layout, space.rows,
-                                   [off for _, off in live], space.scratch_for, space.max_parts)
+                _fused.launch_many(
+                    [t for t, _ in live],
+                    spec,
+                    layout,
+                    space.rows,
+                    [off for _, off in live],
+                    space.scratch_for,
+                    space.max_parts,
+                )
             names = [name for name, _ in layout.extras]
             for s, ex in zip(slots, extras):
                 if names:
                     a = s.offset + spec.row_size
-                    space.rows[a:a + len(names)].copy_(extras_vector(ex, names, device))
+                    space.rows[a : a + len(names)].copy_(extras_vector(ex, names, device))
         return slots
 
     def raw(self, vector: torch.Tensor, layout: Layout) -> Slot:
@@ -186,12 +211,12 @@ class Workspace:
         space = self._space(vector.device)
         with space.lock:
             off = space.reserve(vector.numel())
-            space.rows[off:off + vector.numel()].copy_(vector)
+            space.rows[off : off + vector.numel()].copy_(vector)
         return Slot(vector.device, off, vector.numel(), layout, None)
 
     def end_step(self) -> Flight | None:
         """Start the copy of this step's rows to the host (see the module notes)."""
-        copies = []
+        copies: list[tuple[torch.device, torch.Tensor, int, torch.cuda.Event | None]] = []
         parity = self._flights % 2
         for device, space in self._spaces.items():
             used = space.used
@@ -204,8 +229,9 @@ class Workspace:
             else:
                 pinned = space.pinned[parity]
                 if pinned is None or pinned.numel() < used:
-                    pinned = space.pinned[parity] = torch.empty(space.rows.numel(), dtype=_F64,
-                                                                pin_memory=True)
+                    pinned = space.pinned[parity] = torch.empty(
+                        space.rows.numel(), dtype=_F64, pin_memory=True
+                    )
                 with _on(device):
                     pinned[:used].copy_(rows, non_blocking=True)
                     ev = torch.cuda.Event()
@@ -224,12 +250,13 @@ def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> li
     rows of one dtype and layout are finished together."""
     host = flight.wait() if flight is not None else {}
     out: list[Any] = list(summaries)
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple, list[tuple[int, Slot]]] = {}
     for i, s in enumerate(summaries):
         if isinstance(s, Slot):
-            groups.setdefault((s.spec, s.layout, s.size), []).append(i)
-    for (spec, layout, size), idx in groups.items():
-        rows = np.stack([host[s.device][s.offset:s.offset + size] for s in (summaries[i] for i in idx)])  # type: ignore[union-attr]
+            groups.setdefault((s.spec, s.layout, s.size), []).append((i, s))
+    for (spec, layout, size), members in groups.items():
+        idx = [i for i, _ in members]
+        rows = np.stack([host[s.device][s.offset : s.offset + size] for _, s in members])
         if spec is None:
             done = np.concatenate([finish_head(rows[:, :RAW_HEAD], np), rows[:, RAW_HEAD:]], 1)
         else:

@@ -10,13 +10,16 @@ micro-batch is the step's gradient (the big batch).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
 from torch import nn
 
 from ...quantities import two_batch_estimate
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 __all__ = ["GradientNoiseScale"]
 
@@ -54,10 +57,14 @@ class GradientNoiseScale:
 
     def __init__(self, model: nn.Module, micro_batch_size: int, tracker: Any = None) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"GradientNoiseScale(model=...): expected an nn.Module, got {type(model).__name__}")
+            raise TypeError(
+                f"GradientNoiseScale(model=...): expected an nn.Module, got {type(model).__name__}"
+            )
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-            raise ValueError(f"GradientNoiseScale(micro_batch_size={micro_batch_size!r}): expected "
-                             f"the number of examples per micro-batch, an int >= 1")
+            raise ValueError(
+                f"GradientNoiseScale(micro_batch_size={micro_batch_size!r}): expected "
+                f"the number of examples per micro-batch, an int >= 1"
+            )
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("GradientNoiseScale(model=...): the model has no trainable parameters")
@@ -66,7 +73,9 @@ class GradientNoiseScale:
         self._micro: list[torch.Tensor] = []  # |h_i|^2 of this step's micro-batch gradients
         self._history: list[tuple[int, torch.Tensor]] = []
         self._steps = 0
-        self._handle = torch.autograd.graph.register_multi_grad_hook(self.params, self._hook, mode="all")
+        self._handle: RemovableHandle | None = torch.autograd.graph.register_multi_grad_hook(
+            self.params, self._hook, mode="all"
+        )
 
     def _hook(self, grads: Any) -> None:
         got = [g for g in grads if g is not None]
@@ -86,8 +95,10 @@ class GradientNoiseScale:
         """
         k = len(self._micro)
         if k < 2:
-            raise RuntimeError(f"GradientNoiseScale.step(): {k} backward pass(es) this step; the "
-                               f"estimate needs two or more micro-batches (gradient accumulation)")
+            raise RuntimeError(
+                f"GradientNoiseScale.step(): {k} backward pass(es) this step; the "
+                f"estimate needs two or more micro-batches (gradient accumulation)"
+            )
         # h_i, the gradient a backward added; g_i = k h_i is a micro-batch's mean gradient on
         # the scale where the step's gradient sum_i h_i (= .grad) is their mean.
         small = torch.stack(self._micro).mean() * (k * k)
@@ -109,8 +120,13 @@ class GradientNoiseScale:
         if not self._history:
             return pd.DataFrame({"step": [], "noise_g2": [], "noise_trace": []})
         values = torch.stack([v for _, v in self._history]).cpu().numpy()
-        return pd.DataFrame({"step": [s for s, _ in self._history],
-                             "noise_g2": values[:, 0], "noise_trace": values[:, 1]})
+        return pd.DataFrame(
+            {
+                "step": [s for s, _ in self._history],
+                "noise_g2": values[:, 0],
+                "noise_trace": values[:, 1],
+            }
+        )
 
     def close(self) -> None:
         """Remove the hook (idempotent)."""

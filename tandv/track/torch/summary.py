@@ -49,8 +49,9 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Mapping
 from contextlib import nullcontext
-from typing import Any, Mapping
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -60,8 +61,15 @@ from ...stats.formats import NumberFormat
 from ...stats.host import host_summaries
 from ...stats.summary import Layout
 
-__all__ = ["summarize_torch", "raw_device", "host_vectors", "fused_spec", "finish_head", "RAW_HEAD",
-           "dtype_name"]
+__all__ = [
+    "summarize_torch",
+    "raw_device",
+    "host_vectors",
+    "fused_spec",
+    "finish_head",
+    "RAW_HEAD",
+    "dtype_name",
+]
 
 _F64_BIAS = 1023
 _NUM_KEYS = 4096  # (biased float64 exponent, top mantissa bit)
@@ -115,7 +123,7 @@ class _Scratch:
             self.A_bits = self.A.view(torch.int64)
         else:
             f32 = base[0].view(torch.float32)
-            self.A, self.B = f32[:n], f32[n:2 * n]
+            self.A, self.B = f32[:n], f32[n : 2 * n]
             self.A_bits = self.A.view(torch.int32)
         self.K = base[2, :n]
         self.K_bits = self.K.view(torch.int64)
@@ -137,11 +145,15 @@ def _scratch(n: int, device: torch.device, dtype: torch.dtype) -> _Scratch:
     if spaces is None:
         spaces = _workspace.spaces = {}
     key = str(device)
+    space: tuple[torch.Tensor, torch.Tensor, dict[tuple[int, torch.dtype], _Scratch]] | None
     space = spaces.get(key)
     if space is None or space[0].shape[1] < n:
         size = max(n, 1 << 12)
-        space = (torch.empty(3, size, dtype=torch.float64, device=device),
-                 torch.ones(size, dtype=torch.int64, device=device), {})
+        space = (
+            torch.empty(3, size, dtype=torch.float64, device=device),
+            torch.ones(size, dtype=torch.int64, device=device),
+            {},
+        )
         spaces[key] = space
     views = space[2].get((n, dtype))
     if views is None:
@@ -208,12 +220,15 @@ def summarize_torch(
         rows = torch.zeros(_fused.row_size(spec, layout), dtype=torch.float64, device=x.device)
         max_parts = 16 if x.device.type == "cpu" else 1024
         if x.numel():
-            scratch = torch.empty(max(1, _fused.scratch_rows(x.numel(), max_parts)) * _fused.PART,
-                                  dtype=torch.float64, device=x.device)
+            scratch = torch.empty(
+                max(1, _fused.scratch_rows(x.numel(), max_parts)) * _fused.PART,
+                dtype=torch.float64,
+                device=x.device,
+            )
             with torch.cuda.device(x.device) if x.device.type == "cuda" else nullcontext():
                 _fused.launch_one(x.detach(), spec, layout, rows, 0, scratch, max_parts)
         if names:
-            rows[spec.row_size:] = extras_vector(extras or {}, names, x.device)
+            rows[spec.row_size :] = extras_vector(extras or {}, names, x.device)
         return _fused.finish_rows(rows[None], spec, layout, torch)[0]
     host = host_vectors([x], layout, [extras or {}])[0]
     if host is not None:
@@ -228,20 +243,28 @@ def _check_tensor(x: Any) -> None:
         raise TypeError(f"summarize_torch: expected a floating-point tensor; got {what}")
 
 
-def extras_vector(extras: Mapping[str, Any], names: list[str], device: torch.device) -> torch.Tensor:
+def extras_vector(
+    extras: Mapping[str, Any], names: list[str], device: torch.device
+) -> torch.Tensor:
     """The custom statistics as one float64 vector on ``device``, in ``names`` order."""
-    return torch.stack([
-        extras[k].detach().to(device=device, dtype=torch.float64).reshape(())
-        if isinstance(extras[k], torch.Tensor)
-        else torch.full((), float(extras[k]), dtype=torch.float64, device=device) for k in names])
+    return torch.stack(
+        [
+            extras[k].detach().to(device=device, dtype=torch.float64).reshape(())
+            if isinstance(extras[k], torch.Tensor)
+            else torch.full((), float(extras[k]), dtype=torch.float64, device=device)
+            for k in names
+        ]
+    )
 
 
 def _extra_names(layout: Layout, extras: Mapping[str, Any] | None) -> list[str]:
     """The layout's custom statistic names, after checking that ``extras`` gives each."""
     names = [name for name, _ in layout.extras]
     if sorted(extras or {}) != sorted(names):
-        raise ValueError(f"summarize_torch: extras {sorted(extras or {})} do not match the "
-                         f"layout's custom statistics {names}")
+        raise ValueError(
+            f"summarize_torch: extras {sorted(extras or {})} do not match the "
+            f"layout's custom statistics {names}"
+        )
     return names
 
 
@@ -332,10 +355,15 @@ def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.T
     # Centre on the mean rounded to the compute dtype (finish_head corrects for it).
     m_c = (sum_q / (n - special[:2].sum()).clamp(min=1)).to(cd)
     m2raw = q.sub_(m_c).square_().sum()
-    head = torch.cat([  # one promoting concatenation to float64, in RAW order
-        w.numel, special,
-        torch.stack([mn, mx, min_abs[0], s, p1, p2, p4, p8, m2raw, m_c, m_c * m_c]),
-        torch.stack([e, e1]), sum_q.reshape(1)])
+    head = torch.cat(
+        [  # one promoting concatenation to float64, in RAW order
+            w.numel,
+            special,
+            torch.stack([mn, mx, min_abs[0], s, p1, p2, p4, p8, m2raw, m_c, m_c * m_c]),
+            torch.stack([e, e1]),
+            sum_q.reshape(1),
+        ]
+    )
     return head, counts
 
 
@@ -403,21 +431,28 @@ def fused_spec(x: torch.Tensor) -> Any:
     kind = x.device.type
     if kind != "cuda" and not (kind == "cpu" and FUSED_ON_CPU):
         return None
-    fused = _fused_state.get("module")
+    fused: Any = _fused_state.get("module")
     if fused is None:
         if "module" in _fused_state:  # Triton failed to import: warned already
             return None
         try:
-            from . import _fused as fused
+            from . import _fused
         except ImportError as e:
             _fused_state["module"] = None
-            warnings.warn(f"tandv: Triton could not be imported ({e}); CUDA tensors are summarized "
-                          f"by the slower torch-op path. `pip install triton` to get the fused "
-                          f"kernel.", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"tandv: Triton could not be imported ({e}); CUDA tensors are summarized "
+                f"by the slower torch-op path. `pip install triton` to get the fused "
+                f"kernel.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             return None
+        fused = _fused
         if kind == "cpu" and not fused.INTERPRETED:
-            raise RuntimeError("FUSED_ON_CPU needs Triton's interpreter: set TRITON_INTERPRET=1 "
-                               "before tandv's fused kernels are imported")
+            raise RuntimeError(
+                "FUSED_ON_CPU needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                "before tandv's fused kernels are imported"
+            )
         _fused_state["module"] = fused
     return fused.spec_for(x.dtype)
 
@@ -429,8 +464,26 @@ def finish_head(raw: Any, xp: Any = np) -> Any:
         raw: one raw head (:data:`RAW_HEAD` values) or a 2-D array of them, one per row.
         xp: the array module, ``numpy`` (host) or ``torch`` (device, no sync).
     """
-    (n, nan_c, inf_c, zero_c, mn, mx, min_abs, s, p1, p2, p4, p8, m2raw, m_c, m_c2, e, e1,
-     sum_q) = (raw[..., i] for i in range(RAW_HEAD))
+    (
+        n,
+        nan_c,
+        inf_c,
+        zero_c,
+        mn,
+        mx,
+        min_abs,
+        s,
+        p1,
+        p2,
+        p4,
+        p8,
+        m2raw,
+        m_c,
+        m_c2,
+        e,
+        e1,
+        sum_q,
+    ) = (raw[..., i] for i in range(RAW_HEAD))
     nonfin = nan_c + inf_c
     nfin = n - nonfin
     has_fin = nfin > 0
@@ -451,7 +504,20 @@ def finish_head(raw: Any, xp: Any = np) -> Any:
     patched = (nonfin > 0) & (zero_c == 0)
     true_min = xp.where(has_fin, xp.where(patched & (mn >= 0), min_abs, mn), inf)
     true_max = xp.where(has_fin, xp.where(patched & (mx <= 0), -min_abs, mx), -inf)
-    fields = [n, nan_c, inf_c, zero_c, true_min, true_max, xp.where(has_fin, min_abs, inf), s,
-              xp.where(has_fin, mean_q * h1 * 2.0, 0.0), m2 * r1 * r1, p1 * r, p2 * r ** 2, p4 * r ** 4,
-              p8 * r ** 8]
+    fields = [
+        n,
+        nan_c,
+        inf_c,
+        zero_c,
+        true_min,
+        true_max,
+        xp.where(has_fin, min_abs, inf),
+        s,
+        xp.where(has_fin, mean_q * h1 * 2.0, 0.0),
+        m2 * r1 * r1,
+        p1 * r,
+        p2 * r**2,
+        p4 * r**4,
+        p8 * r**8,
+    ]
     return xp.stack(fields, -1) if xp is torch else np.stack(fields, axis=-1)

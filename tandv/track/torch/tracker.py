@@ -35,9 +35,12 @@ import re
 import sys
 import weakref
 from collections import deque
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from collections.abc import Mapping as MappingABC
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import nn
@@ -46,11 +49,12 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from ...schema.columns import ACTIVATION, GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...schema.writer import FORMATS
 from ...stats.formats import format_name
+from ...stats.formats import number_format as to_number_format
 from ...stats.summary import Layout
 from ..common import Pattern, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
 from ..common.custom import StatFn, StatsSpec, parse_custom_stats, percentile_columns
 from ._compiled import CompiledHooks, compiled_root
-from ._workspace import Flight, Workspace, to_host
+from ._workspace import Flight, Slot, Workspace, to_host
 from .summary import dtype_name
 
 __all__ = ["Tracker", "track", "StatFn"]
@@ -104,7 +108,7 @@ class Tracker:
         include: Pattern | Sequence[Pattern] | None = None,
         exclude: Pattern | Sequence[Pattern] | None = None,
         every: int = 1,
-        schedule: Callable[[int], bool] | str | Iterable[int] | None = None,
+        schedule: Callable[[int], bool] | str | Collection[int] | None = None,
         start: int = 0,
         end: int | None = None,
         stats: StatsSpec = None,
@@ -123,17 +127,23 @@ class Tracker:
     ) -> None:
         # the options as given (first statement: locals() holds just the arguments), for the
         # log's record of how it was made
-        self._options = {k: v for k, v in locals().items() if k not in ("self", "module", "optimizer")}
+        self._options = {
+            k: v for k, v in locals().items() if k not in ("self", "module", "optimizer")
+        }
         if not isinstance(module, nn.Module):
-            raise TypeError(f"track(module=...): expected a torch.nn.Module; got {type(module).__name__}")
+            raise TypeError(
+                f"track(module=...): expected a torch.nn.Module; got {type(module).__name__}"
+            )
         # a compiled model is tracked through its original module (same names as in eager
         # mode), its activations by hooks that dynamo compiles into the graph (._compiled)
         module, self._is_compiled, self._wrapper = compiled_root(
-            module, bool(track_activations or track_gradients))
+            module, bool(track_activations or track_gradients)
+        )
         if optimizer is None:
             optimizers: tuple[torch.optim.Optimizer, ...] = ()
         elif isinstance(optimizer, (list, tuple)) or (
-                not hasattr(optimizer, "step") and hasattr(optimizer, "__iter__")):
+            not hasattr(optimizer, "step") and hasattr(optimizer, "__iter__")
+        ):
             optimizers = tuple(_unwrap_optimizer(o) for o in optimizer)
         else:
             optimizers = (_unwrap_optimizer(optimizer),)
@@ -143,8 +153,12 @@ class Tracker:
             raise ValueError(f"out_format={out_format!r}: expected one of {FORMATS}")
         self.module = module
         self.optimizers = optimizers
-        self.kinds = {ACTIVATION: track_activations, GRADIENT: track_gradients,
-                      WEIGHT: track_weights, OPTIMISER_STATE: track_optimizer}
+        self.kinds = {
+            ACTIVATION: track_activations,
+            GRADIENT: track_gradients,
+            WEIGHT: track_weights,
+            OPTIMISER_STATE: track_optimizer,
+        }
         self.selector = Selector.build(include, exclude)
         self.schedule = make_schedule(every, schedule, start, end)
         self.format = None if number_format is None else format_name(number_format)
@@ -158,21 +172,27 @@ class Tracker:
         self.track_buffers = bool(track_buffers)
         self.track_updates = bool(track_updates)
         if self.track_updates and not optimizers:
-            raise ValueError("track(track_updates=True): updates are taken around the optimizer's step; "
-                             "pass the optimizer: track(model, optimizer, track_updates=True)")
+            raise ValueError(
+                "track(track_updates=True): updates are taken around the optimizer's step; "
+                "pass the optimizer: track(model, optimizer, track_updates=True)"
+            )
         self._out = out
         self._out_format = out_format
         self._run_name = run_name or re.sub(r"[^A-Za-z0-9_.-]+", "_", type(module).__name__.lower())
         self._flush_every = flush_every
         self._verbose = verbose
         if scaler is not None and not callable(getattr(scaler, "unscale_", None)):
-            raise TypeError(f"track(scaler=...): expected a torch.amp.GradScaler (with .unscale_); "
-                            f"got {type(scaler).__name__}")
+            raise TypeError(
+                f"track(scaler=...): expected a torch.amp.GradScaler (with .unscale_); "
+                f"got {type(scaler).__name__}"
+            )
         self.scaler = scaler
         if scaler is not None:
             if LOSS_SCALE in self.stats_merge:
-                raise ValueError(f"stats: {LOSS_SCALE!r} is the column the tracker fills with the "
-                                 f"GradScaler's scale (scaler=...); rename your statistic")
+                raise ValueError(
+                    f"stats: {LOSS_SCALE!r} is the column the tracker fills with the "
+                    f"GradScaler's scale (scaler=...); rename your statistic"
+                )
             self.stats_merge = {**self.stats_merge, LOSS_SCALE: "max"}
         self._sinks = tuple(sinks)
 
@@ -195,15 +215,19 @@ class Tracker:
             self._params.append((full, p, owner))
         # floating buffers (BatchNorm's running statistics): (path, owner, attribute), read
         # from the owner at each capture (a module may replace a buffer tensor)
-        self._buffers = [(f"{mpath}.{b}" if mpath else b, m, b) for mpath, m in module.named_modules()
-                         for b, v in m.named_buffers(recurse=False) if v is not None and v.is_floating_point()]
+        self._buffers = [
+            (f"{mpath}.{b}" if mpath else b, m, b)
+            for mpath, m in module.named_modules()
+            for b, v in m.named_buffers(recurse=False)
+            if v is not None and v.is_floating_point()
+        ]
         self._layouts: dict[tuple[str, tuple], Layout] = {}
         self._select_cache: dict[tuple[str, int], bool] = {}
         self._keys: dict[tuple, TensorKey] = {}
-        self._last: tuple[torch.Tensor, int, Layout, torch.Tensor] | None = None
+        self._last: tuple[torch.Tensor, int, Layout, np.ndarray | Slot] | None = None
 
         self.step_index = 0
-        self.out_path = None
+        self.out_path: Path | None = None
         self.recorder: StepRecorder | None = None
         self._workspace = Workspace()
         # recorded steps whose device summaries are on their way to the host
@@ -212,7 +236,7 @@ class Tracker:
         self._compiled: CompiledHooks | None = None
         self._active = False
         self._weights_done = False
-        self._grads: dict[str, tuple[TensorKey, Layout, torch.Tensor]] = {}
+        self._grads: dict[str, tuple[TensorKey, Layout, np.ndarray | Slot]] = {}
         self._closed = False
 
     # ------------------------------------------------------------------ options
@@ -245,10 +269,13 @@ class Tracker:
                     if self.kinds[kind] and (kind == WEIGHT or p.requires_grad):
                         rows.append((full, kind, type(owner).__name__))
         if self.kinds[WEIGHT] and self.track_buffers:
-            rows += [(full, WEIGHT, type(owner).__name__) for full, owner, _ in self._buffers
-                     if self._selected(full, owner)]
+            rows += [
+                (full, WEIGHT, type(owner).__name__)
+                for full, owner, _ in self._buffers
+                if self._selected(full, owner)
+            ]
         if self.kinds[OPTIMISER_STATE]:
-            for name, value, owner in self._optimizer_state():
+            for name, _value, owner in self._optimizer_state():
                 if self._selected(name, owner):
                     rows.append((name, OPTIMISER_STATE, type(owner).__name__))
         return pd.DataFrame(rows, columns=["name", "tensor_type", "type"])
@@ -261,7 +288,9 @@ class Tracker:
         lay = self._layouts.get(key)
         if lay is None:
             lay = self._layouts[key] = Layout(
-                fmt, tuple((n, self.stats_merge.get(n, "mean")) for n in extra_names))
+                to_number_format(fmt),
+                tuple((n, self.stats_merge.get(n, "mean")) for n in extra_names),
+            )
         return lay
 
     def _key(self, name: str, kind: str, owner: nn.Module, x: torch.Tensor) -> TensorKey:
@@ -272,8 +301,9 @@ class Tracker:
             key = self._keys[ck] = TensorKey(name, kind, type(owner).__name__, dtype_name(x.dtype))
         return key
 
-    def _summary(self, name: str, kind: str, owner: nn.Module, x: torch.Tensor
-                 ) -> tuple[TensorKey, Layout, torch.Tensor]:
+    def _summary(
+        self, name: str, kind: str, owner: nn.Module, x: torch.Tensor
+    ) -> tuple[TensorKey, Layout, np.ndarray | Slot]:
         key = self._key(name, kind, owner, x)
         last = self._last
         if last is not None and last[0] is x and last[1] == x._version:
@@ -292,8 +322,9 @@ class Tracker:
         self._last = (x, x._version, lay, summary)  # held until the next observation or step end
         return key, lay, summary
 
-    def _summaries(self, items: list[tuple[str, str, nn.Module, torch.Tensor]]
-                   ) -> list[tuple[TensorKey, Layout, torch.Tensor]]:
+    def _summaries(
+        self, items: Sequence[tuple[str, str, nn.Module, torch.Tensor]]
+    ) -> list[tuple[TensorKey, Layout, np.ndarray | Slot]]:
         """:meth:`_summary` of several distinct tensors (parameters, their gradients,
         optimizer state) at once: tensors sharing a layout are reduced together (one host
         kernel call for the CPU tensors, one fused launch per device and dtype)."""
@@ -308,7 +339,9 @@ class Tracker:
             by_layout.setdefault(lay, []).append(i)
         raws: list[Any] = [None] * len(items)
         for lay, idx in by_layout.items():
-            got = self._workspace.summaries([items[i][3].detach() for i in idx], lay, [extras[i] for i in idx])
+            got = self._workspace.summaries(
+                [items[i][3].detach() for i in idx], lay, [extras[i] for i in idx]
+            )
             for i, raw in zip(idx, got):
                 raws[i] = raw
         return list(zip(keys, layouts, raws))
@@ -319,8 +352,10 @@ class Tracker:
         for fn in self.stat_fns:
             got = fn(d)
             if not isinstance(got, MappingABC):
-                raise TypeError(f"custom statistic {getattr(fn, '__name__', fn)!r} returned "
-                                f"{type(got).__name__}; it must return a mapping name -> scalar")
+                raise TypeError(
+                    f"custom statistic {getattr(fn, '__name__', fn)!r} returned "
+                    f"{type(got).__name__}; it must return a mapping name -> scalar"
+                )
             extras.update(got)
         return extras
 
@@ -332,11 +367,17 @@ class Tracker:
         self._weights_done = True
         if not self.kinds[WEIGHT]:
             return
-        items = [(full, WEIGHT, owner, p) for full, p, owner in self._params
-                 if p.is_floating_point() and self._selected(full, owner)]
+        items = [
+            (full, WEIGHT, owner, p)
+            for full, p, owner in self._params
+            if p.is_floating_point() and self._selected(full, owner)
+        ]
         if self.track_buffers:
-            items += [(full, WEIGHT, owner, getattr(owner, attr)) for full, owner, attr in self._buffers
-                      if self._selected(full, owner) and getattr(owner, attr, None) is not None]
+            items += [
+                (full, WEIGHT, owner, getattr(owner, attr))
+                for full, owner, attr in self._buffers
+                if self._selected(full, owner) and getattr(owner, attr, None) is not None
+            ]
         for entry in self._summaries(items):
             self.recorder.add(*entry)  # type: ignore[union-attr]
 
@@ -344,9 +385,14 @@ class Tracker:
         """Summarize each selected parameter's current ``.grad`` (overwrites earlier captures
         of this step: the last optimizer to look at a gradient defines it), or with
         ``missing_only`` only those not captured yet."""
-        items = [(full, GRADIENT, owner, p.grad) for full, p, owner in self._params
-                 if p.grad is not None and p.grad.is_floating_point() and self._selected(full, owner)
-                 and not (missing_only and full in self._grads)]
+        items = [
+            (full, GRADIENT, owner, p.grad)
+            for full, p, owner in self._params
+            if p.grad is not None
+            and p.grad.is_floating_point()
+            and self._selected(full, owner)
+            and not (missing_only and full in self._grads)
+        ]
         for item, entry in zip(items, self._summaries(items)):
             self._grads[item[0]] = entry
 
@@ -408,8 +454,12 @@ class Tracker:
         """Global forward pre-hook (scheduled steps only): weights are captured before the
         first forward of any of the model's modules, so they are those the step used even
         when a loop never calls the root module."""
-        if (self._active and not self._weights_done and id(mod) in self._module_ids
-                and (mod.training or self.track_eval)):
+        if (
+            self._active
+            and not self._weights_done
+            and id(mod) in self._module_ids
+            and (mod.training or self.track_eval)
+        ):
             self._capture_weights()
 
     def _optimizer_pre_hook(self, opt: Any, args: Any, kwargs: Any) -> Any:
@@ -467,20 +517,30 @@ class Tracker:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def __enter__(self) -> "Tracker":
+    def __enter__(self) -> Tracker:
         if self.recorder is not None:
             raise RuntimeError("this tracker was already started; create a new one with track(...)")
-        self.recorder = StepRecorder(self._out, self._out_format, self._run_name,
-                                     flush_every=self._flush_every, verbose=self._verbose,
-                                     sinks=self._sinks,
-                                     run=make_run_record("torch", type(self.module).__name__, self.format,
-                                                         {**self._options, "optimizers": [
-                                                             type(o).__name__ for o in self.optimizers],
-                                                          # with a GradScaler, output gradients
-                                                          # are in loss-scaled units
-                                                          "loss_scaled_output_gradients":
-                                                              self.scaler is not None,
-                                                          "compiled": self._is_compiled}))
+        self.recorder = StepRecorder(
+            self._out,
+            self._out_format,
+            self._run_name,
+            flush_every=self._flush_every,
+            verbose=self._verbose,
+            sinks=self._sinks,
+            run=make_run_record(
+                "torch",
+                type(self.module).__name__,
+                self.format,
+                {
+                    **self._options,
+                    "optimizers": [type(o).__name__ for o in self.optimizers],
+                    # with a GradScaler, output gradients
+                    # are in loss-scaled units
+                    "loss_scaled_output_gradients": self.scaler is not None,
+                    "compiled": self._is_compiled,
+                },
+            ),
+        )
         self.out_path = self.recorder.path
         try:
             if self._is_compiled:
@@ -526,11 +586,16 @@ class Tracker:
                 for entry in self._grads.values():
                     self.recorder.add(*entry)
             if self.kinds[OPTIMISER_STATE]:
-                items = [(name, OPTIMISER_STATE, owner, value) for name, value, owner in self._optimizer_state()
-                         if self._selected(name, owner)]
+                items = [
+                    (name, OPTIMISER_STATE, owner, value)
+                    for name, value, owner in self._optimizer_state()
+                    if self._selected(name, owner)
+                ]
                 for entry in self._summaries(items):
                     self.recorder.add(*entry)
-            self._flights.append((self.step_index, self.recorder.take(), self._workspace.end_step()))
+            self._flights.append(
+                (self.step_index, self.recorder.take(), self._workspace.end_step())
+            )
         else:
             self.recorder.discard()
         self._land()
@@ -562,7 +627,8 @@ class Tracker:
             if not (wait or step < self.step_index or flight is None or flight.ready()):
                 return
             self._flights.popleft()
-            self.recorder.commit(step, pending, lambda summaries: to_host(summaries, flight))
+            # commit() calls the function before it returns: the lambda sees this flight
+            self.recorder.commit(step, pending, lambda s: to_host(s, flight))  # noqa: B023
 
     def close(self) -> None:
         """Remove all hooks and finish the log (idempotent). Observations of a step that
@@ -583,14 +649,15 @@ class Tracker:
                 self._flights.clear()
                 self.out_path = self.recorder.close()
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             self.close()
         except Exception as close_error:
             if exc is None:
                 raise
-            print(f"tandv: could not finish the log after an error: {close_error!r}", file=sys.stderr)
-        return False
+            print(
+                f"tandv: could not finish the log after an error: {close_error!r}", file=sys.stderr
+            )
 
 
 class _CaptureAfterUnscale:
@@ -638,8 +705,10 @@ def _unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
         if inner is None or inner is opt:
             break
         opt = inner
-    raise TypeError(f"track(optimizer=...): expected a torch.optim.Optimizer (or a wrapper of one "
-                    f"holding it as .optimizer), or a list of them; got {type(seen).__name__}")
+    raise TypeError(
+        f"track(optimizer=...): expected a torch.optim.Optimizer (or a wrapper of one "
+        f"holding it as .optimizer), or a list of them; got {type(seen).__name__}"
+    )
 
 
 def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
