@@ -16,7 +16,8 @@ On a GPU (jax with CUDA, flax, optax, numba, pandas, pyarrow, ml_dtypes installe
 checkout:
 
     PYTHONPATH=. python3 benchmarks/jax_overhead.py --model transformer --rounds 3 --block 10
-    PYTHONPATH=. python3 benchmarks/jax_overhead.py --model transformer --rounds 3 --block 10 --summary xla
+    PYTHONPATH=. python3 benchmarks/jax_overhead.py --model transformer --rounds 3 --block 10 \
+        --summary xla
 
 The first uses the fused Pallas kernel (compiled by Triton) for arrays of at least 2**16
 elements and XLA's operations for smaller ones; ``--summary xla`` uses XLA's operations for
@@ -89,25 +90,42 @@ class MLP(nn.Module):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--block", type=int, default=20, help="steps per timed block (a multiple of 10)")
+    ap.add_argument(
+        "--block", type=int, default=20, help="steps per timed block (a multiple of 10)"
+    )
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--by-position", type=int, default=0, metavar="CYCLES",
-                    help="also time CYCLES cycles of 10 single steps of the every=10 tracker, each "
-                         "step next to an untracked one, and report the median of each position in "
-                         "the cycle (which steps cost what; block medians blur it)")
-    ap.add_argument("--model", choices=("mlp", "transformer"), default="mlp",
-                    help="mlp: --width/--depth/--batch; transformer: the GPT-style decoder of the "
-                         "PyTorch benchmark (4 layers, d_model 256, 4 heads, MLP 1024, vocab 512, "
-                         "seq 128, batch 8)")
-    ap.add_argument("--summary", choices=("auto", "xla", "pallas"), default="auto",
-                    help="the summary computation (tandv.track.jax._tracker.SUMMARY_PATH): auto (the "
-                         "host kernel on the CPU; XLA, and the fused Pallas kernel for large arrays, "
-                         "on CUDA), xla (XLA's operations everywhere), pallas (the fused kernel for "
-                         "every array; interpreted, slowly, on the CPU)")
+    ap.add_argument(
+        "--by-position",
+        type=int,
+        default=0,
+        metavar="CYCLES",
+        help="also time CYCLES cycles of 10 single steps of the every=10 tracker, each "
+        "step next to an untracked one, and report the median of each position in "
+        "the cycle (which steps cost what; block medians blur it)",
+    )
+    ap.add_argument(
+        "--model",
+        choices=("mlp", "transformer"),
+        default="mlp",
+        help="mlp: --width/--depth/--batch; transformer: the GPT-style decoder of the "
+        "PyTorch benchmark (4 layers, d_model 256, 4 heads, MLP 1024, vocab 512, "
+        "seq 128, batch 8)",
+    )
+    ap.add_argument(
+        "--summary",
+        choices=("auto", "xla", "pallas"),
+        default="auto",
+        help="the summary computation (tandv.track.jax._tracker.SUMMARY_PATH): auto (the "
+        "host kernel on the CPU; XLA, and the fused Pallas kernel for large arrays, "
+        "on CUDA), xla (XLA's operations everywhere), pallas (the fused kernel for "
+        "every array; interpreted, slowly, on the CPU)",
+    )
     args = ap.parse_args()
     _tracker.SUMMARY_PATH = args.summary
 
@@ -174,22 +192,31 @@ def main() -> None:
         t10.close()
 
     base = statistics.median(times["untracked"])
-    print(f"{what}, {n_params:,} parameters, {'adam' if args.model == 'mlp' else 'adamw'}; "
-          f"{jax.devices()[0].platform}, "
-          f"{args.rounds} interleaved rounds of {args.block} steps")
+    print(
+        f"{what}, {n_params:,} parameters, {'adam' if args.model == 'mlp' else 'adamw'}; "
+        f"{jax.devices()[0].platform}, "
+        f"{args.rounds} interleaved rounds of {args.block} steps"
+    )
     print(f"  untracked  median step {1e3 * base / args.block:8.3f} ms")
     for name in ("every=1", "every=10"):
         med = statistics.median(times[name])
-        print(f"  {name:9s}  median step {1e3 * med / args.block:8.3f} ms   ratio of medians {med / base:.3f}")
+        step_ms = 1e3 * med / args.block
+        print(f"  {name:9s}  median step {step_ms:8.3f} ms   ratio of medians {med / base:.3f}")
     tracked_steps = args.rounds * args.block
-    print(f"  every=1: {counters.callbacks / tracked_steps:.2f} host callbacks, "
-          f"{counters.compiles / tracked_steps:.2f} compilations and {counters.transfers / tracked_steps:.2f} "
-          f"device-to-host transfers per tracked step (after warm-up); summaries: {args.summary}")
+    print(
+        f"  every=1: {counters.callbacks / tracked_steps:.2f} host callbacks, "
+        f"{counters.compiles / tracked_steps:.2f} compilations and "
+        f"{counters.transfers / tracked_steps:.2f} device-to-host transfers per tracked step "
+        f"(after warm-up); summaries: {args.summary}"
+    )
     if positions:
         tracked, untracked = positions
-        print(f"  every=10 step by step ({args.by_position} cycles), median ms by position "
-              f"(untracked {1e3 * untracked:.1f}): " + ", ".join(f"{1e3 * t:.1f}" for t in tracked)
-              + f"; sum over one cycle / 10 untracked: {sum(tracked) / (10 * untracked):.3f}")
+        print(
+            f"  every=10 step by step ({args.by_position} cycles), median ms by position "
+            f"(untracked {1e3 * untracked:.1f}): "
+            + ", ".join(f"{1e3 * t:.1f}" for t in tracked)
+            + f"; sum over one cycle / 10 untracked: {sum(tracked) / (10 * untracked):.3f}"
+        )
 
 
 def by_position(tracker, update, carry, x, y, cycles):

@@ -12,14 +12,13 @@ jax = pytest.importorskip("jax")
 import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from test_jax_tracker import assert_row_matches, data, row  # noqa: E402
 
 from tandv.schema import read_log  # noqa: E402
 from tandv.stats import Layout, summarize  # noqa: E402
 from tandv.stats.summary import merge  # noqa: E402
 from tandv.track.jax import _intercept, _tracker, to_vector, track  # noqa: E402
 from tandv.track.jax._summary import DeviceSummary, merge_jax  # noqa: E402
-
-from test_jax_tracker import assert_row_matches, data, row  # noqa: E402
 
 rng = np.random.default_rng(3)
 
@@ -49,8 +48,10 @@ PARTS = {
 def _as_device(vector, layout):
     """A reference summary vector in the device layout (int32 counts, float32 values)."""
     c, e = layout.counts_start, layout.extras_start
-    return (np.concatenate([vector[:4], vector[c:e]]).astype(np.int32),
-            np.concatenate([vector[4:c], vector[e:]]).astype(np.float32))
+    return (
+        np.concatenate([vector[:4], vector[c:e]]).astype(np.int32),
+        np.concatenate([vector[4:c], vector[e:]]).astype(np.float32),
+    )
 
 
 def test_merge_on_device_matches_the_reference_merge():
@@ -61,32 +62,53 @@ def test_merge_on_device_matches_the_reference_merge():
     rules = (("total", "sum"), ("biggest", "max"), ("smallest", "min"), ("avg", "mean"))
     layout = Layout("float32", rules)
     core = Layout("float32")
-    merge_fn = jax.jit(lambda a, b: merge_jax(DeviceSummary(*a), DeviceSummary(*b), [r for _, r in rules]))
+    merge_fn = jax.jit(
+        lambda a, b: merge_jax(DeviceSummary(*a), DeviceSummary(*b), [r for _, r in rules])
+    )
 
     def reference(x):
         finite = x[np.isfinite(x)]
-        extras = [float(finite.sum()), float(finite.max(initial=-np.inf)), float(finite.min(initial=np.inf)),
-                  float(finite.mean()) if finite.size else 0.0]
+        extras = [
+            float(finite.sum()),
+            float(finite.max(initial=-np.inf)),
+            float(finite.min(initial=np.inf)),
+            float(finite.mean()) if finite.size else 0.0,
+        ]
         return np.concatenate([summarize(x)[0], extras])
 
     for a, x in PARTS.items():
         for b, y in PARTS.items():
-            got = to_vector(jax.device_get(merge_fn(_as_device(reference(x), layout),
-                                                    _as_device(reference(y), layout))))
+            got = to_vector(
+                jax.device_get(
+                    merge_fn(_as_device(reference(x), layout), _as_device(reference(y), layout))
+                )
+            )
             want = merge(reference(x), reference(y), layout)
             whole = reference(np.concatenate([x, y]))
             exact = list(range(8)) + list(range(core.counts_start, core.extras_start))
             np.testing.assert_array_equal(got[exact], want[exact], err_msg=f"{a} + {b}")
             np.testing.assert_array_equal(got[exact], whole[exact], err_msg=f"{a} + {b}")
             tol = 1e-6 * max(1.0, whole[10])  # m2 and the power sums are relative to max_abs
-            np.testing.assert_allclose(got[8:core.counts_start], whole[8:core.counts_start], rtol=2e-5, atol=tol,
-                                       err_msg=f"{a} + {b}")
+            np.testing.assert_allclose(
+                got[8 : core.counts_start],
+                whole[8 : core.counts_start],
+                rtol=2e-5,
+                atol=tol,
+                err_msg=f"{a} + {b}",
+            )
             # custom statistics as the reference merges them ("mean": weighted by numel); sums
             # of subnormals are float arithmetic, which XLA:CPU flushes (as it does the
             # statistics themselves): to 1e-30
-            np.testing.assert_allclose(got[layout.extras_start:], want[layout.extras_start:], rtol=2e-5, atol=1e-30,
-                                       err_msg=f"{a} + {b}")
-            np.testing.assert_array_equal(got[layout.extras_start + 1:][:2], whole[layout.extras_start + 1:][:2])
+            np.testing.assert_allclose(
+                got[layout.extras_start :],
+                want[layout.extras_start :],
+                rtol=2e-5,
+                atol=1e-30,
+                err_msg=f"{a} + {b}",
+            )
+            np.testing.assert_array_equal(
+                got[layout.extras_start + 1 :][:2], whole[layout.extras_start + 1 :][:2]
+            )
 
 
 class Block(nn.Module):
@@ -100,12 +122,15 @@ class Stack(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        blocks = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        blocks = nn.scan(
+            nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+        )
         h = blocks(name="blocks")(x, None)[0]
         head = nn.Dense(4, name="head")
 
         def body(h, _):
             return jnp.tanh(head(h)), None
+
         body(h, None)  # create the parameters outside the loop
         h = jax.lax.scan(body, h, None, length=2)[0] if not self.is_initializing() else h
         return h.sum(axis=-1)
@@ -155,7 +180,9 @@ def test_loops_report_through_mailboxes_and_each_program_compiles_once(tmp_path,
         layer = p["blocks"]["Dense_0"]
         h, outs = np.asarray(x, np.float64), []
         for i in range(3):
-            outs.append(h @ np.asarray(layer["kernel"][i], np.float64) + np.asarray(layer["bias"][i]))
+            outs.append(
+                h @ np.asarray(layer["kernel"][i], np.float64) + np.asarray(layer["bias"][i])
+            )
             h = np.tanh(outs[-1])
         outs = np.concatenate(outs)
         r = row(df, "blocks.Dense_0", "Activation", step)
@@ -190,7 +217,7 @@ def test_step_does_not_wait_for_its_summaries(tmp_path, accelerator_path, monkey
         tracker.step(params, gradients=grads)
         # one transfer: the mailbox words, the weights' and the gradients' counts and values
         assert transfers == [5]
-        (step, pending, _), = tracker._flights
+        ((step, pending, _),) = tracker._flights
         mail = [s for _, _, s in pending if isinstance(s, _tracker._Mail)]
         assert step == 0 and len(mail) == 2  # the root's activation and gradient
         assert mail[0].read._decoded is None  # not read yet
@@ -222,8 +249,13 @@ def test_low_precision_activations_on_the_fused_kernel(tmp_path, monkeypatch, dt
     with track(out=tmp_path / "log", track_gradients=False, verbose=False) as tracker:
         out = tracker.intercept(fwd, params, x)
         tracker.step()
-    assert_row_matches(read_log(tmp_path / "log"), "root", "Activation", 0,
-                       np.asarray(out).astype(ml_dtypes.finfo(dtype).dtype))
+    assert_row_matches(
+        read_log(tmp_path / "log"),
+        "root",
+        "Activation",
+        0,
+        np.asarray(out).astype(ml_dtypes.finfo(dtype).dtype),
+    )
 
 
 @pytest.mark.parametrize("where", ["vmap-of-scan", "scan-of-vmap"])
@@ -240,13 +272,17 @@ def test_vmapped_loop_bodies_still_report(tmp_path, where):
         return jax.lax.scan(lambda h, _: (jnp.tanh(model.apply(p, h)), None), h, None, length=2)[0]
 
     if where == "vmap-of-scan":
+
         def loss(p, x):
             return jnp.sum(jax.vmap(lambda xi: scan(p, xi[None]))(x) ** 2)
     else:
+
         def loss(p, x):
             def body(h, _):
                 return jax.vmap(lambda hi: jnp.tanh(model.apply(p, hi)))(h), None
+
             return jnp.sum(jax.lax.scan(body, x, None, length=2)[0] ** 2)
+
     update = jax.jit(jax.grad(loss))
     with track(params, out=tmp_path / "log", verbose=False) as tracker:
         grads = tracker.intercept(update, params, x)
@@ -254,7 +290,10 @@ def test_vmapped_loop_bodies_still_report(tmp_path, where):
     df = read_log(tmp_path / "log")
     h, outs = np.asarray(x, np.float64), []
     for _ in range(2):
-        outs.append(h @ np.asarray(params["params"]["kernel"], np.float64) + np.asarray(params["params"]["bias"]))
+        outs.append(
+            h @ np.asarray(params["params"]["kernel"], np.float64)
+            + np.asarray(params["params"]["bias"])
+        )
         h = np.tanh(outs[-1])
     outs = np.concatenate(outs)
     r = row(df, "root", "Activation", 0)
@@ -268,7 +307,8 @@ def test_sharded_arrays_are_summarized_where_they_lie(tmp_path, accelerator_path
     axis): each device summarizes its own shard (the program has no collective), the host
     merges the shards' summaries, and the rows are those of the global arrays (a replicated
     copy counted once)."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     if jax.device_count() < 2:
         pytest.skip("needs 2 devices (tests/conftest.py sets jax_num_cpu_devices=2)")
@@ -276,17 +316,22 @@ def test_sharded_arrays_are_summarized_where_they_lie(tmp_path, accelerator_path
     mesh_t = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
     values = {
         "rows": (rng.normal(size=(64, 8)) * 3).astype(np.float32),
-        "cols": np.concatenate([rng.normal(size=(8, 4)), np.full((8, 4), 1e-42)], 1).astype(np.float32),
+        "cols": np.concatenate([rng.normal(size=(8, 4)), np.full((8, 4), 1e-42)], 1).astype(
+            np.float32
+        ),
         "replicated_along_model": rng.normal(size=(6, 10)).astype(np.float32),
     }
     values["cols"][0, 0] = np.nan
     params = {
         "rows": jax.device_put(values["rows"], NamedSharding(mesh, P("data", None))),
         "cols": jax.device_put(values["cols"], NamedSharding(mesh_t, P(None, "model"))),
-        "replicated_along_model": jax.device_put(values["replicated_along_model"], NamedSharding(mesh_t, P("data"))),
+        "replicated_along_model": jax.device_put(
+            values["replicated_along_model"], NamedSharding(mesh_t, P("data"))
+        ),
     }
-    with track(params, out=tmp_path / "log", track_activations=False, track_gradients=False,
-               verbose=False) as tracker:
+    with track(
+        params, out=tmp_path / "log", track_activations=False, track_gradients=False, verbose=False
+    ) as tracker:
         arrays = list(params.values())
         plans = tuple(_tracker._shard_plan(x) for x in arrays)
         assert [p[2] for p in plans] == [(0, 1), (0, 1), (0,)]  # one copy of the last is counted

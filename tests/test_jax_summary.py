@@ -16,14 +16,25 @@ from tandv.stats import Layout, finalize, summarize  # noqa: E402
 from tandv.stats.summary import CORE_FIELDS  # noqa: E402
 from tandv.track.jax import _ffi, summarize_jax, to_vector  # noqa: E402
 
-EXACT = [CORE_FIELDS.index(f) for f in ("numel", "nan_count", "inf_count", "zero_count",
-                                         "min", "max", "min_abs", "max_abs")]
+EXACT = [
+    CORE_FIELDS.index(f)
+    for f in ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "min_abs", "max_abs")
+]
 MOMENTS = [CORE_FIELDS.index(f) for f in ("mean", "m2", "p1", "p2", "p4", "p8")]
 
 
 _jitted = {}
-PATHS = ["xla", "matmul", "pallas", pytest.param("ffi", marks=pytest.mark.skipif(
-    not _ffi.available(), reason="no in-program kernel on this machine"))]
+PATHS = [
+    "xla",
+    "matmul",
+    "pallas",
+    pytest.param(
+        "ffi",
+        marks=pytest.mark.skipif(
+            not _ffi.available(), reason="no in-program kernel on this machine"
+        ),
+    ),
+]
 
 
 def _accelerator_twin(layout):
@@ -36,6 +47,7 @@ def _accelerator_twin(layout):
     def fn(a):
         with mock.patch.object(_summary, "_histogram", _summary.histogram_by_matmul):
             return summarize_jax(a, layout)
+
     return fn
 
 
@@ -54,8 +66,15 @@ def _fused(layout):
 def _device(x, fmt=None, path="xla"):
     ref, layout = summarize(np.asarray(x), fmt)
     if (layout, path) not in _jitted:  # one compile per layout (and shape), not per call
-        fn = (_in_program(layout) if path == "ffi" else _accelerator_twin(layout) if path == "matmul"
-              else _fused(layout) if path == "pallas" else (lambda a: summarize_jax(a, layout)))
+        fn = (
+            _in_program(layout)
+            if path == "ffi"
+            else _accelerator_twin(layout)
+            if path == "matmul"
+            else _fused(layout)
+            if path == "pallas"
+            else (lambda a: summarize_jax(a, layout))
+        )
         _jitted[layout, path] = jax.jit(fn)
     return ref, layout, to_vector(jax.device_get(_jitted[layout, path](jnp.asarray(x))))
 
@@ -63,48 +82,81 @@ def _device(x, fmt=None, path="xla"):
 def assert_matches(x, fmt=None, path="xla"):
     ref, layout, got = _device(x, fmt, path)
     np.testing.assert_array_equal(got[EXACT], ref[EXACT])
-    np.testing.assert_array_equal(got[layout.counts_start:layout.extras_start],
-                                  ref[layout.counts_start:layout.extras_start])
+    np.testing.assert_array_equal(
+        got[layout.counts_start : layout.extras_start],
+        ref[layout.counts_start : layout.extras_start],
+    )
     # the mean to float32 rounding of sums of values up to max_abs (it may be a small
     # difference of large values); m2 and the power sums are relative to max_abs already
     mean = CORE_FIELDS.index("mean")
-    np.testing.assert_allclose(got[mean], ref[mean], rtol=2e-5, atol=1e-6 * max(1.0, ref[CORE_FIELDS.index("max_abs")]))
+    np.testing.assert_allclose(
+        got[mean], ref[mean], rtol=2e-5, atol=1e-6 * max(1.0, ref[CORE_FIELDS.index("max_abs")])
+    )
     np.testing.assert_allclose(got[MOMENTS[1:]], ref[MOMENTS[1:]], rtol=2e-5, atol=1e-6)
     return ref, layout, got
 
 
 rng = np.random.default_rng(0)
-SPECIALS = np.array([1e-45, 3e-42, -1e-40, 1.2e-38, 0.0, -0.0, np.nan, np.inf, -np.inf,
-                     1.0, -2.0, 3.4e38, -7.5], np.float32)
+SPECIALS = np.array(
+    [1e-45, 3e-42, -1e-40, 1.2e-38, 0.0, -0.0, np.nan, np.inf, -np.inf, 1.0, -2.0, 3.4e38, -7.5],
+    np.float32,
+)
 
 
-@pytest.mark.parametrize("x, fmt", [
-    (rng.normal(size=(16, 33)).astype(np.float32), None),
-    (rng.normal(size=(16, 33)).astype(np.float32), "float8_e4m3fn"),
-    (rng.normal(size=(16, 33)).astype(np.float32) * 1e30, "bfloat16"),
-    (rng.normal(size=(16, 33)).astype(np.float32) * 1e-38, None),  # mostly float32 subnormals
-    (SPECIALS, None),
-    (SPECIALS, "float16"),
-    (SPECIALS, "float64"),
-    (rng.normal(size=500).astype(ml_dtypes.bfloat16), None),
-    (rng.normal(size=500).astype(np.float16) * np.float16(1e-6), None),  # float16 subnormals
-    (rng.normal(size=64).astype(ml_dtypes.float8_e4m3fn), None),
-    (np.array([0.0, -0.0, 1e-45, -3e-42, np.inf, -np.inf, np.nan, 448.0, -0.001953125],
-              np.float32).astype(ml_dtypes.float8_e4m3fn), None),
-    (np.array([0.0, -0.0, 2.0 ** -16, -(2.0 ** -14), 57344.0, -np.inf, np.nan, 1.5],
-              np.float32).astype(ml_dtypes.float8_e5m2), None),
-    (np.zeros((0, 3), np.float32), None),
-    (np.array([np.nan, np.inf], np.float32), None),
-], ids=["f32", "f32-as-e4m3", "f32-as-bf16", "f32-subnormal", "specials", "specials-as-f16",
-        "specials-as-f64", "bf16", "f16-subnormal", "e4m3", "e4m3-specials", "e5m2-specials", "empty",
-        "no-finite"])
+@pytest.mark.parametrize(
+    "x, fmt",
+    [
+        (rng.normal(size=(16, 33)).astype(np.float32), None),
+        (rng.normal(size=(16, 33)).astype(np.float32), "float8_e4m3fn"),
+        (rng.normal(size=(16, 33)).astype(np.float32) * 1e30, "bfloat16"),
+        (rng.normal(size=(16, 33)).astype(np.float32) * 1e-38, None),  # mostly float32 subnormals
+        (SPECIALS, None),
+        (SPECIALS, "float16"),
+        (SPECIALS, "float64"),
+        (rng.normal(size=500).astype(ml_dtypes.bfloat16), None),
+        (rng.normal(size=500).astype(np.float16) * np.float16(1e-6), None),  # float16 subnormals
+        (rng.normal(size=64).astype(ml_dtypes.float8_e4m3fn), None),
+        (
+            np.array(
+                [0.0, -0.0, 1e-45, -3e-42, np.inf, -np.inf, np.nan, 448.0, -0.001953125], np.float32
+            ).astype(ml_dtypes.float8_e4m3fn),
+            None,
+        ),
+        (
+            np.array(
+                [0.0, -0.0, 2.0**-16, -(2.0**-14), 57344.0, -np.inf, np.nan, 1.5], np.float32
+            ).astype(ml_dtypes.float8_e5m2),
+            None,
+        ),
+        (np.zeros((0, 3), np.float32), None),
+        (np.array([np.nan, np.inf], np.float32), None),
+    ],
+    ids=[
+        "f32",
+        "f32-as-e4m3",
+        "f32-as-bf16",
+        "f32-subnormal",
+        "specials",
+        "specials-as-f16",
+        "specials-as-f64",
+        "bf16",
+        "f16-subnormal",
+        "e4m3",
+        "e4m3-specials",
+        "e5m2-specials",
+        "empty",
+        "no-finite",
+    ],
+)
 @pytest.mark.parametrize("path", PATHS)
 def test_matches_reference(x, fmt, path):
     assert_matches(x, fmt, path)
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("scale", [1e-40, 1e-33, 1e35], ids=["all-subnormal", "below-2^-100", "above-2^100"])
+@pytest.mark.parametrize(
+    "scale", [1e-40, 1e-33, 1e35], ids=["all-subnormal", "below-2^-100", "above-2^100"]
+)
 def test_extreme_ranges_match_reference(path, scale):
     """Arrays whose values are all float32 subnormals (XLA:CPU's threads flush those to zero
     unless the kernel says otherwise) and arrays whose largest magnitude lies outside the
@@ -113,7 +165,7 @@ def test_extreme_ranges_match_reference(path, scale):
 
 
 def test_variance_accurate_when_mean_dominates():
-    x = (np.float32(1000.0) + rng.normal(size=4096).astype(np.float32) * np.float32(1e-3))
+    x = np.float32(1000.0) + rng.normal(size=4096).astype(np.float32) * np.float32(1e-3)
     ref, layout, got = assert_matches(x)
     std_ref = finalize(ref, layout)[0]["std"]
     std_got = finalize(got, layout)[0]["std"]
@@ -132,8 +184,11 @@ def test_custom_statistic_is_appended():
 
 
 @settings(max_examples=60, deadline=None)
-@given(hnp.arrays(np.float32, 41, elements=st.floats(width=32, allow_nan=True, allow_infinity=True)),
-       st.sampled_from([None, "bfloat16", "float8_e5m2"]), st.sampled_from(["xla", "matmul", "pallas", "ffi"]))
+@given(
+    hnp.arrays(np.float32, 41, elements=st.floats(width=32, allow_nan=True, allow_infinity=True)),
+    st.sampled_from([None, "bfloat16", "float8_e5m2"]),
+    st.sampled_from(["xla", "matmul", "pallas", "ffi"]),
+)
 def test_matches_reference_property(x, fmt, path):
     if path == "ffi" and not _ffi.available():
         return
@@ -143,15 +198,19 @@ def test_matches_reference_property(x, fmt, path):
 def test_summarize_many_equals_one_by_one():
     from tandv.track.jax import summarize_many_jax
 
-    arrays = [rng.normal(size=(3, 4)).astype(np.float32), SPECIALS, np.zeros((0,), np.float32),
-              rng.normal(size=7).astype(np.float32) * 1e-39]
+    arrays = [
+        rng.normal(size=(3, 4)).astype(np.float32),
+        SPECIALS,
+        np.zeros((0,), np.float32),
+        rng.normal(size=7).astype(np.float32) * 1e-39,
+    ]
     layout = Layout("float32")
     many = jax.jit(lambda xs: summarize_many_jax(xs, layout))([jnp.asarray(a) for a in arrays])
     for a, got in zip(arrays, jax.device_get(many)):
         ref = summarize(a)[0]
         got = to_vector(got)
         np.testing.assert_array_equal(got[EXACT], ref[EXACT])
-        np.testing.assert_array_equal(got[layout.counts_start:], ref[layout.counts_start:])
+        np.testing.assert_array_equal(got[layout.counts_start :], ref[layout.counts_start :])
         np.testing.assert_allclose(got[MOMENTS], ref[MOMENTS], rtol=2e-5, atol=1e-6)
 
 
@@ -175,12 +234,14 @@ def test_fused_kernel_merges_blocks_of_unlike_scales(dtype):
 
     big = float(ml_dtypes.finfo(dtype).max) / 8
     tiny = float(ml_dtypes.finfo(dtype).smallest_subnormal)
-    parts = [rng.normal(size=BLOCK) * tiny * 50,  # subnormals of the dtype
-             rng.normal(size=BLOCK) * big,
-             np.where(rng.random(BLOCK) < 0.5, 0.0, -0.0),
-             np.full(BLOCK, np.nan),
-             100.0 + rng.normal(size=BLOCK),  # |mean| >> std
-             rng.normal(size=777)]  # ragged end
+    parts = [
+        rng.normal(size=BLOCK) * tiny * 50,  # subnormals of the dtype
+        rng.normal(size=BLOCK) * big,
+        np.where(rng.random(BLOCK) < 0.5, 0.0, -0.0),
+        np.full(BLOCK, np.nan),
+        100.0 + rng.normal(size=BLOCK),  # |mean| >> std
+        rng.normal(size=777),
+    ]  # ragged end
     x = np.concatenate(parts).astype(dtype)
     assert_matches(x, None, "pallas")
     assert_matches(x, "float8_e4m3fn", "pallas")
@@ -201,5 +262,9 @@ def test_fused_kernel_lowers_to_triton_for_cuda(dtype):
 
     layout = Layout("float32")
     fn = jax.jit(lambda a: pallas_summary(a, layout.format, layout.num_counts, interpret=False))
-    text = fn.trace(jax.ShapeDtypeStruct((100_000,), dtype)).lower(lowering_platforms=("cuda",)).as_text()
+    text = (
+        fn.trace(jax.ShapeDtypeStruct((100_000,), dtype))
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert text.count("xla.gpu.triton") == 1

@@ -14,8 +14,8 @@ from flax import nnx  # noqa: E402
 
 from tandv.schema import read_log  # noqa: E402
 from tandv.stats import exponent_labels, finalize, summarize  # noqa: E402
-from tandv.track.jax import track  # noqa: E402
 from tandv.track.jax import _tracker as jax_tracker_module  # noqa: E402
+from tandv.track.jax import track  # noqa: E402
 from tandv.track.jax._trees import optimizer_state_leaves  # noqa: E402
 
 EXACT_STATS = ["min", "max", "min_abs", "max_abs", "numel", "zero_count", "nan_count", "inf_count"]
@@ -32,7 +32,9 @@ def row(df: pd.DataFrame, name: str, tensor_type: str, step: int) -> pd.Series:
     return sel.iloc[0]
 
 
-def assert_row_matches(df: pd.DataFrame, name: str, tensor_type: str, step: int, array, fmt=None) -> None:
+def assert_row_matches(
+    df: pd.DataFrame, name: str, tensor_type: str, step: int, array, fmt=None
+) -> None:
     """The row equals the numpy reference summary of ``array``: counts, extrema and exponent
     counts exactly, moments to float32 rounding."""
     r = row(df, name, tensor_type, step)
@@ -40,9 +42,17 @@ def assert_row_matches(df: pd.DataFrame, name: str, tensor_type: str, step: int,
     for s in EXACT_STATS:
         assert r[("scalar_stats", s)] == stats[s], (name, tensor_type, step, s)
     for s in MOMENT_STATS:
-        assert r[("scalar_stats", s)] == pytest.approx(stats[s], rel=1e-4, abs=1e-7), (name, tensor_type, step, s)
+        assert r[("scalar_stats", s)] == pytest.approx(stats[s], rel=1e-4, abs=1e-7), (
+            name,
+            tensor_type,
+            step,
+            s,
+        )
     labels = exponent_labels(fmt if fmt is not None else np.asarray(array).dtype)
-    got = [int(r[("exponent_counts", lab)]) if ("exponent_counts", lab) in r.index else 0 for lab in labels]
+    got = [
+        int(r[("exponent_counts", lab)]) if ("exponent_counts", lab) in r.index else 0
+        for lab in labels
+    ]
     assert got == counts.tolist(), (name, tensor_type, step)
     present = [c for c in r.index if c[0] == "exponent_counts" and c[1] not in labels]
     assert all(r[c] == 0 for c in present)
@@ -55,7 +65,8 @@ def names(df: pd.DataFrame, tensor_type: str, step: int = 0) -> set[str]:
 
 class MLP(nn.Module):
     """Compact linen MLP; ``perturb`` lets the test take cotangents w.r.t. module outputs
-    independently of the tracker (it is the identity unless a 'perturbations' collection is given)."""
+    independently of the tracker (it is the identity unless a 'perturbations' collection is
+    given)."""
 
     @nn.compact
     def __call__(self, x):
@@ -109,7 +120,9 @@ def captured_run(out, jit: bool, shard=None):
             out_p = out + pt_out
             return jnp.mean((out_p - y) ** 2), (inter, out)
 
-        (g, cot, cot_out), (inter, out) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(p, zeros, zero_out)
+        (g, cot, cot_out), (inter, out) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(
+            p, zeros, zero_out
+        )
         u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), s, g, (inter, cot, cot_out, out)
 
@@ -145,8 +158,14 @@ def test_linen_rows_match_reference(linen_runs, mode):
     df, history = linen_runs[mode]
     mods = ("Dense_0", "LayerNorm_0", "Dense_1")
     assert sorted(df[("metadata", "step")].unique()) == [0, 1, 2]
-    pnames = {"Dense_0.kernel", "Dense_0.bias", "LayerNorm_0.scale", "LayerNorm_0.bias",
-              "Dense_1.kernel", "Dense_1.bias"}
+    pnames = {
+        "Dense_0.kernel",
+        "Dense_0.bias",
+        "LayerNorm_0.scale",
+        "LayerNorm_0.bias",
+        "Dense_1.kernel",
+        "Dense_1.bias",
+    }
     assert names(df, "Weight") == pnames
     assert names(df, "Optimiser_State") == {f"{p}.{f}" for p in pnames for f in ("mu", "nu")}
     assert names(df, "Activation") == {"Dense_0", "LayerNorm_0", "Dense_1", "root"}
@@ -161,8 +180,12 @@ def test_linen_rows_match_reference(linen_runs, mode):
             name = ".".join(k.key for k in path)
             assert_row_matches(df, name, "Weight", step, leaf)
             assert_row_matches(df, name, "Gradient", step, _get(grads["params"], path))
-            assert_row_matches(df, f"{name}.mu", "Optimiser_State", step, _get(state[0].mu["params"], path))
-            assert_row_matches(df, f"{name}.nu", "Optimiser_State", step, _get(state[0].nu["params"], path))
+            assert_row_matches(
+                df, f"{name}.mu", "Optimiser_State", step, _get(state[0].mu["params"], path)
+            )
+            assert_row_matches(
+                df, f"{name}.nu", "Optimiser_State", step, _get(state[0].nu["params"], path)
+            )
         for k in mods:
             assert_row_matches(df, k, "Activation", step, inter["intermediates"][k]["__call__"][0])
             assert_row_matches(df, k, "Gradient", step, cot[f"at_{k}"])
@@ -278,10 +301,16 @@ def test_rematerialized_modules_are_logged_once_per_step(tmp_path):
     # Step 0 only: Adam turns the rounding differences of near-zero gradients into different
     # updates, so the two runs part after it.
     key = [("metadata", c) for c in ("step", "tensor_type", "name")]
-    remat, plain = (logs[k][logs[k][("metadata", "step")] == 0].sort_values(key).reset_index(drop=True)
-                    for k in ("remat", "plain"))
-    pd.testing.assert_frame_equal(remat["metadata"].drop(columns="type"), plain["metadata"].drop(columns="type"))
-    pd.testing.assert_frame_equal(remat["scalar_stats"], plain["scalar_stats"], rtol=1e-4, atol=1e-6)
+    remat, plain = (
+        logs[k][logs[k][("metadata", "step")] == 0].sort_values(key).reset_index(drop=True)
+        for k in ("remat", "plain")
+    )
+    pd.testing.assert_frame_equal(
+        remat["metadata"].drop(columns="type"), plain["metadata"].drop(columns="type")
+    )
+    pd.testing.assert_frame_equal(
+        remat["scalar_stats"], plain["scalar_stats"], rtol=1e-4, atol=1e-6
+    )
     counts = remat["exponent_counts"].fillna(0) - plain["exponent_counts"].fillna(0)
     assert (counts.sum(axis=1) == 0).all() and counts.abs().to_numpy().max() <= 2
 
@@ -297,11 +326,12 @@ def test_taps_inside_a_loop_report_every_iteration(tmp_path):
         def body(h, _):
             h = jnp.tanh(model.apply(p, h))
             return h, h
+
         return jax.lax.scan(body, x, None, length=3)[1]
 
     def loss(p, x):
         outs = run(p, x)
-        return jnp.sum(outs ** 2), outs
+        return jnp.sum(outs**2), outs
 
     update = jax.jit(jax.grad(loss, has_aux=True))
     with track(params, out=tmp_path / "log", verbose=False) as tracker:
@@ -328,7 +358,9 @@ class ScannedMLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        blocks = nn.scan(ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        blocks = nn.scan(
+            ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+        )
         h, _ = blocks(name="blocks")(x, None)
         return h.sum(axis=-1)
 
@@ -386,7 +418,10 @@ def test_two_intercepted_calls_in_one_step_are_both_observed(tmp_path):
     params = model.init(jax.random.key(1), x)
     forward = jax.jit(model.apply)
     with track(params, out=tmp_path / "log", track_gradients=False, verbose=False) as tracker:
-        outs = [tracker.intercept(forward, params, x[:3]), tracker.intercept(forward, params, x[3:])]
+        outs = [
+            tracker.intercept(forward, params, x[:3]),
+            tracker.intercept(forward, params, x[3:]),
+        ]
         tracker.step(params)
     assert_row_matches(read_log(tmp_path / "log"), "root", "Activation", 0, np.concatenate(outs))
 
@@ -454,16 +489,27 @@ def test_setup_style_linen_module_names(tmp_path):
         u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), s, g
 
-    with track(params, state, out=tmp_path / "log", verbose=False, track_gradients=False) as tracker:
+    with track(
+        params, state, out=tmp_path / "log", verbose=False, track_gradients=False
+    ) as tracker:
         new, state, grads = tracker.intercept(update, params, state)
         tracker.step(new, state)
     df = read_log(tmp_path / "log")
     assert names(df, "Gradient") == set()
-    assert names(df, "Weight") == {"embed.embedding", "block.proj.kernel", "block.proj.bias",
-                                   "block.norm.scale", "block.norm.bias", "head.kernel", "head.bias"}
+    assert names(df, "Weight") == {
+        "embed.embedding",
+        "block.proj.kernel",
+        "block.proj.bias",
+        "block.norm.scale",
+        "block.norm.bias",
+        "head.kernel",
+        "head.bias",
+    }
     assert names(df, "Activation") == {"embed", "block.proj", "block.norm", "block", "head", "root"}
     assert_row_matches(df, "embed.embedding", "Weight", 0, params["params"]["embed"]["embedding"])
-    assert_row_matches(df, "head.kernel.mu", "Optimiser_State", 0, state[0].mu["params"]["head"]["kernel"])
+    assert_row_matches(
+        df, "head.kernel.mu", "Optimiser_State", 0, state[0].mu["params"]["head"]["kernel"]
+    )
     assert row(df, "embed", "Activation", 0)[("metadata", "type")] == "Embed"
 
 
@@ -471,18 +517,26 @@ def test_setup_style_linen_module_names(tmp_path):
 
 
 def _params():
-    return {"params": {"Dense_0": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)},
-                       "scale": jnp.ones(())}}
+    return {
+        "params": {
+            "Dense_0": {"kernel": jnp.ones((2, 3)), "bias": jnp.zeros(3)},
+            "scale": jnp.ones(()),
+        }
+    }
 
 
-@pytest.mark.parametrize("opt, expected", [
-    (optax.adam(1e-3), {"mu", "nu"}),
-    (optax.adamw(1e-3), {"mu", "nu"}),
-    (optax.sgd(1e-3, momentum=0.9), {"trace"}),
-    (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), {"mu", "nu"}),
-    (optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), {"mu", "nu"}),
-    (optax.chain(optax.trace(0.9), optax.trace(0.5)), {"trace_0", "trace_1"}),
-], ids=["adam", "adamw", "sgd-momentum", "chain", "inject_hyperparams", "two-traces"])
+@pytest.mark.parametrize(
+    "opt, expected",
+    [
+        (optax.adam(1e-3), {"mu", "nu"}),
+        (optax.adamw(1e-3), {"mu", "nu"}),
+        (optax.sgd(1e-3, momentum=0.9), {"trace"}),
+        (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), {"mu", "nu"}),
+        (optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), {"mu", "nu"}),
+        (optax.chain(optax.trace(0.9), optax.trace(0.5)), {"trace_0", "trace_1"}),
+    ],
+    ids=["adam", "adamw", "sgd-momentum", "chain", "inject_hyperparams", "two-traces"],
+)
 def test_optimizer_state_names(opt, expected):
     params = _params()
     leaves = optimizer_state_leaves(opt.init(params), params)
@@ -504,13 +558,16 @@ def test_inject_hyperparams_state_values(tmp_path):
     params = model.init(jax.random.key(1), x)
     state = opt.init(params)
     update = make_update(model, opt, jit=True)
-    with track(params, state, out=tmp_path / "log", verbose=False, track_activations=False) as tracker:
+    with track(
+        params, state, out=tmp_path / "log", verbose=False, track_activations=False
+    ) as tracker:
         params, state, grads = tracker.intercept(update, params, state, x, y)
         tracker.step(params, state, grads)
     df = read_log(tmp_path / "log")
     assert names(df, "Activation") == set()
-    assert_row_matches(df, "kernel.trace", "Optimiser_State", 0,
-                       state.inner_state[0].trace["params"]["kernel"])
+    assert_row_matches(
+        df, "kernel.trace", "Optimiser_State", 0, state.inner_state[0].trace["params"]["kernel"]
+    )
 
 
 # ----------------------------------------------------------------------------- options and errors
@@ -552,8 +609,16 @@ def test_include_exclude_number_format_and_custom_stats(tmp_path):
     params = model.init(jax.random.key(1), x)
     state = opt.init(params)
     update = make_update(model, opt, jit=True)
-    with track(params, state, out=tmp_path / "log", verbose=False, include=["Dense"], exclude=["bias"],
-               number_format="float8_e4m3fn", stats={"l1": (lambda a: jnp.sum(jnp.abs(a)), "sum")}) as t:
+    with track(
+        params,
+        state,
+        out=tmp_path / "log",
+        verbose=False,
+        include=["Dense"],
+        exclude=["bias"],
+        number_format="float8_e4m3fn",
+        stats={"l1": (lambda a: jnp.sum(jnp.abs(a)), "sum")},
+    ) as t:
         before = params
         params, state, grads = t.intercept(update, params, state, x, y)
         t.step(params, state, grads)
@@ -565,7 +630,9 @@ def test_include_exclude_number_format_and_custom_stats(tmp_path):
     assert_row_matches(df, "Dense_0.kernel", "Weight", 0, kernel, fmt="float8_e4m3fn")
     r = row(df, "Dense_0.kernel", "Weight", 0)
     assert r[("metadata", "dtype")] == "float32"
-    assert r[("scalar_stats", "l1")] == pytest.approx(float(np.abs(np.asarray(kernel)).sum()), rel=1e-5)
+    assert r[("scalar_stats", "l1")] == pytest.approx(
+        float(np.abs(np.asarray(kernel)).sum()), rel=1e-5
+    )
 
 
 def test_torch_style_custom_stats_and_step_window(tmp_path):
@@ -577,9 +644,16 @@ def test_torch_style_custom_stats_and_step_window(tmp_path):
     state = opt.init(params)
     update = make_update(model, opt, jit=True)
     seen = []
-    with track(params, state, out=tmp_path / "log", verbose=False, start=1, end=3,
-               stats=lambda a: {"peak": jnp.max(jnp.abs(a)), "sq": jnp.sum(a * a)},
-               stats_merge={"peak": "max", "sq": "sum"}) as t:
+    with track(
+        params,
+        state,
+        out=tmp_path / "log",
+        verbose=False,
+        start=1,
+        end=3,
+        stats=lambda a: {"peak": jnp.max(jnp.abs(a)), "sq": jnp.sum(a * a)},
+        stats_merge={"peak": "max", "sq": "sum"},
+    ) as t:
         for _ in range(4):
             seen.append(params)
             params, state, grads = t.intercept(update, params, state, x, y)
@@ -649,7 +723,8 @@ def test_nnx_model_and_optimizer(tmp_path):
 
 
 def test_sharded_run_logs_global_statistics(tmp_path, linen_runs):
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     if jax.device_count() < 2:
         pytest.skip("needs 2 devices (tests/conftest.py sets jax_num_cpu_devices=2)")
@@ -673,11 +748,20 @@ def test_sharded_run_logs_global_statistics(tmp_path, linen_runs):
 def test_param_names_skip_other_linen_collections_and_non_float_leaves():
     from tandv.track.jax._trees import param_leaves
 
-    variables = {"params": {"BatchNorm_0": {"scale": jnp.ones(3), "bias": jnp.zeros(3)},
-                            "layers": [{"kernel": jnp.ones((2, 2))}], "ids": jnp.arange(3)},
-                 "batch_stats": {"BatchNorm_0": {"mean": jnp.zeros(3), "var": jnp.ones(3)}}}
+    variables = {
+        "params": {
+            "BatchNorm_0": {"scale": jnp.ones(3), "bias": jnp.zeros(3)},
+            "layers": [{"kernel": jnp.ones((2, 2))}],
+            "ids": jnp.arange(3),
+        },
+        "batch_stats": {"BatchNorm_0": {"mean": jnp.zeros(3), "var": jnp.ones(3)}},
+    }
     leaves, _ = param_leaves(variables)
-    assert {leaf.name for _, leaf in leaves} == {"BatchNorm_0.scale", "BatchNorm_0.bias", "layers.0.kernel"}
+    assert {leaf.name for _, leaf in leaves} == {
+        "BatchNorm_0.scale",
+        "BatchNorm_0.bias",
+        "layers.0.kernel",
+    }
     flat = jax.tree_util.tree_leaves(variables)
     for _, leaf in leaves:  # indices point at the right leaves
         assert flat[leaf.index].dtype == jnp.float32

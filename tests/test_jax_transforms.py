@@ -14,12 +14,11 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from flax.training import train_state  # noqa: E402
+from test_jax_tracker import assert_row_matches, data, names, row  # noqa: E402
 
 from tandv.schema import read_log  # noqa: E402
 from tandv.track.jax import track  # noqa: E402
 from tandv.track.jax._trees import optimizer_state_leaves  # noqa: E402
-
-from test_jax_tracker import assert_row_matches, data, names, row  # noqa: E402
 
 
 def two_devices():
@@ -52,7 +51,9 @@ class ScannedRematStack(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        blocks = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        blocks = nn.scan(
+            nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+        )
         return blocks(name="blocks")(x, None)[0].sum(axis=-1)
 
 
@@ -73,7 +74,9 @@ def test_nn_scan_of_nn_remat_blocks(tmp_path):
         h = np.tanh(outs[-1])
     assert_close_row(df, "blocks.Dense_0", "Activation", 0, np.concatenate(outs))
     assert row(df, "blocks.Dense_0", "Gradient", 0)[("scalar_stats", "numel")] == 3 * outs[0].size
-    assert_row_matches(df, "blocks.Dense_0.kernel", "Gradient", 0, grads["params"]["blocks"]["Dense_0"]["kernel"])
+    assert_row_matches(
+        df, "blocks.Dense_0.kernel", "Gradient", 0, grads["params"]["blocks"]["Dense_0"]["kernel"]
+    )
 
 
 def test_vmap_inside_the_update_summarizes_the_mapped_axis_too(tmp_path):
@@ -101,8 +104,13 @@ def test_nn_vmap_module(tmp_path):
     class Ensemble(nn.Module):
         @nn.compact
         def __call__(self, x):
-            heads = nn.vmap(nn.Dense, variable_axes={"params": 0}, split_rngs={"params": True},
-                            in_axes=None, axis_size=2)
+            heads = nn.vmap(
+                nn.Dense,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=None,
+                axis_size=2,
+            )
             return heads(3, name="heads")(x)
 
     model = Ensemble()
@@ -124,7 +132,8 @@ def test_nn_vmap_module(tmp_path):
 def test_shard_map_update_logs_the_global_arrays(tmp_path):
     """Failed with AttributeError: 'AbstractRef' object has no attribute 'nospec'. Each
     device summarizes its shard; the rows are those of the whole batch."""
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.array(two_devices()), ("d",))
     model, opt = nn.Dense(4), optax.sgd(0.1)
@@ -137,7 +146,9 @@ def test_shard_map_update_logs_the_global_arrays(tmp_path):
         u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), s, g
 
-    update = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("d")), out_specs=(P(), P(), P())))
+    update = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("d")), out_specs=(P(), P(), P()))
+    )
     with track(params, state, out=tmp_path / "log", verbose=False) as tracker:
         new, state, grads = tracker.intercept(update, params, state, x)
         tracker.step(new, state, grads)
@@ -161,8 +172,11 @@ def test_pmap_rows_are_of_the_logical_arrays(tmp_path):
     x, _ = data()
     params = model.init(jax.random.key(1), x)
     stacked = jax.tree.map(lambda a: jnp.stack([a] * len(devices)), params)
-    grad = jax.pmap(lambda p, x: jax.lax.pmean(jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2))(p), "i"),
-                    axis_name="i", devices=devices)
+    grad = jax.pmap(
+        lambda p, x: jax.lax.pmean(jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2))(p), "i"),
+        axis_name="i",
+        devices=devices,
+    )
     with track(stacked, out=tmp_path / "log", device_axis=True, verbose=False) as tracker:
         grads = tracker.intercept(grad, stacked, x.reshape(2, 4, 5))
         tracker.step(stacked, gradients=grads)
@@ -171,8 +185,12 @@ def test_pmap_rows_are_of_the_logical_arrays(tmp_path):
     assert_row_matches(df, "kernel", "Weight", 0, params["params"]["kernel"])
     assert_row_matches(df, "kernel", "Gradient", 0, np.asarray(grads["params"]["kernel"][0]))
 
-    unnamed = jax.pmap(lambda p, x: jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2))(p), devices=devices)
-    with track(stacked, out=tmp_path / "refused", track_activations=False, verbose=False) as tracker:
+    unnamed = jax.pmap(
+        lambda p, x: jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2))(p), devices=devices
+    )
+    with track(
+        stacked, out=tmp_path / "refused", track_activations=False, verbose=False
+    ) as tracker:
         grads = tracker.intercept(unnamed, stacked, x.reshape(2, 4, 5))
         with pytest.raises(ValueError, match="device_axis=True"):
             tracker.step(stacked, gradients=grads)
@@ -204,9 +222,13 @@ class Stack(nnx.Module):
 
     def __call__(self, x):
         if self.how == "scan":
-            return nnx.scan(lambda layer, h: layer(h), in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.layers, x)
+            return nnx.scan(lambda layer, h: layer(h), in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(
+                self.layers, x
+            )
         if self.how == "vmap":
-            return nnx.vmap(lambda layer, h: layer(h), in_axes=(0, None), out_axes=0)(self.layers, x)
+            return nnx.vmap(lambda layer, h: layer(h), in_axes=(0, None), out_axes=0)(
+                self.layers, x
+            )
         return nnx.remat(lambda layer, h: layer(h))(self.layers, x)
 
 
@@ -265,13 +287,19 @@ def test_train_state_as_model_state(tmp_path):
     model = BNNet()
     x, y = data()
     variables = model.init(jax.random.key(1), x)
-    state = StateWithStats.create(apply_fn=model.apply, params=variables["params"], tx=optax.adam(1e-2),
-                                  batch_stats=variables["batch_stats"])
+    state = StateWithStats.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=optax.adam(1e-2),
+        batch_stats=variables["batch_stats"],
+    )
 
     @jax.jit
     def update(state, x, y):
         def loss(p):
-            out, upd = state.apply_fn({"params": p, "batch_stats": state.batch_stats}, x, mutable=["batch_stats"])
+            out, upd = state.apply_fn(
+                {"params": p, "batch_stats": state.batch_stats}, x, mutable=["batch_stats"]
+            )
             return jnp.mean((out - y) ** 2), upd
 
         grads, upd = jax.grad(loss, has_aux=True)(state.params)
@@ -284,15 +312,28 @@ def test_train_state_as_model_state(tmp_path):
             state, grads = tracker.intercept(update, state, x, y)
             tracker.step(state, grads)
     df = read_log(tmp_path / "log")
-    pnames = {"Dense_0.kernel", "Dense_0.bias", "BatchNorm_0.scale", "BatchNorm_0.bias",
-              "Dense_1.kernel", "Dense_1.bias"}
-    assert names(df, "Weight") == pnames | {"batch_stats.BatchNorm_0.mean", "batch_stats.BatchNorm_0.var"}
+    pnames = {
+        "Dense_0.kernel",
+        "Dense_0.bias",
+        "BatchNorm_0.scale",
+        "BatchNorm_0.bias",
+        "Dense_1.kernel",
+        "Dense_1.bias",
+    }
+    assert names(df, "Weight") == pnames | {
+        "batch_stats.BatchNorm_0.mean",
+        "batch_stats.BatchNorm_0.var",
+    }
     assert names(df, "Optimiser_State") == {f"{p}.{f}" for p in pnames for f in ("mu", "nu")}
     assert pnames <= names(df, "Gradient")
     assert_row_matches(df, "Dense_0.kernel", "Weight", 0, seen[0].params["Dense_0"]["kernel"])
-    assert_row_matches(df, "batch_stats.BatchNorm_0.mean", "Weight", 1, seen[1].batch_stats["BatchNorm_0"]["mean"])
+    assert_row_matches(
+        df, "batch_stats.BatchNorm_0.mean", "Weight", 1, seen[1].batch_stats["BatchNorm_0"]["mean"]
+    )
     assert row(df, "batch_stats.BatchNorm_0.var", "Weight", 0)[("metadata", "type")] == "BatchNorm"
-    assert_row_matches(df, "Dense_1.kernel.mu", "Optimiser_State", 1, state.opt_state[0].mu["Dense_1"]["kernel"])
+    assert_row_matches(
+        df, "Dense_1.kernel.mu", "Optimiser_State", 1, state.opt_state[0].mu["Dense_1"]["kernel"]
+    )
     assert_row_matches(df, "Dense_1.bias", "Gradient", 1, grads["Dense_1"]["bias"])
     with pytest.raises(ValueError, match="holds the optimizer state already"):
         track(state, state.opt_state, out=tmp_path / "twice", verbose=False)
@@ -319,7 +360,9 @@ def test_lookahead_fast_and_slow_params(tmp_path):
         tracker.step(params, state, grads)
     df = read_log(tmp_path / "log")
     assert names(df, "Weight") == {"kernel", "bias"}
-    assert names(df, "Optimiser_State") == {f"{p}.{f}" for p in ("kernel", "bias") for f in ("mu", "nu", "slow")}
+    assert names(df, "Optimiser_State") == {
+        f"{p}.{f}" for p in ("kernel", "bias") for f in ("mu", "nu", "slow")
+    }
     assert_row_matches(df, "kernel", "Weight", 0, first.fast["params"]["kernel"])
     assert_row_matches(df, "kernel.slow", "Optimiser_State", 0, params.slow["params"]["kernel"])
     assert_row_matches(df, "kernel", "Gradient", 0, grads["params"]["kernel"])
@@ -331,10 +374,19 @@ def test_factored_optimizer_state_gets_a_row_per_leaf(tmp_path):
     opt = optax.adafactor(1e-2)
     grads = jax.tree.map(lambda a: a * 0.5 + 0.25, params)
     state = opt.update(grads, opt.init(params), params)[1]
-    with track(params, state, out=tmp_path / "log", track_activations=False, verbose=False) as tracker:
+    with track(
+        params, state, out=tmp_path / "log", track_activations=False, verbose=False
+    ) as tracker:
         tracker.step(params, state, grads)
     df = read_log(tmp_path / "log")
-    assert names(df, "Optimiser_State") == {"w.v_row", "w.v_col", "w.v", "b.v_row", "b.v_col", "b.v"}
+    assert names(df, "Optimiser_State") == {
+        "w.v_row",
+        "w.v_col",
+        "w.v",
+        "b.v_row",
+        "b.v_col",
+        "b.v",
+    }
     factored = state[0]
     assert factored.v_row["params"]["w"].ndim == 1 and factored.v_col["params"]["w"].ndim == 1
     assert_row_matches(df, "w.v_row", "Optimiser_State", 0, factored.v_row["params"]["w"])
@@ -374,10 +426,9 @@ def test_scheduled_and_unscheduled_steps_compile_once_each(tmp_path):
     for tracked steps: after the first of each, no step traces or compiles anything, and on
     the CPU no tap reports by host callback."""
     from jax import monitoring
+    from test_jax_tracker import MLP
 
     from tandv.track.jax import _intercept
-
-    from test_jax_tracker import MLP
 
     model, opt = MLP(), optax.adam(1e-2)
     x, y = data()

@@ -6,4 +6,11 @@ See ``docs/jax.md`` for usage with Flax linen, Flax nnx and optax.
 from ._summary import DeviceSummary, summarize_jax, summarize_many_jax, to_vector
 from ._tracker import JaxTracker, track
 
-__all__ = ["track", "JaxTracker", "summarize_jax", "summarize_many_jax", "to_vector", "DeviceSummary"]
+__all__ = [
+    "track",
+    "JaxTracker",
+    "summarize_jax",
+    "summarize_many_jax",
+    "to_vector",
+    "DeviceSummary",
+]

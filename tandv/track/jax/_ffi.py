@@ -29,7 +29,7 @@ import ctypes
 import platform
 import threading
 import warnings
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import jax
@@ -65,6 +65,7 @@ _BUFFER_SIZE = 48
 @intrinsic
 def _pointer(typingctx: Any, address: Any) -> Any:  # pragma: no cover - compiled
     """An int64 address as a pointer (what ``carray`` reads from)."""
+
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
 
@@ -86,15 +87,20 @@ _I64 = ir.IntType(64)
 @intrinsic
 def _fp_control(typingctx: Any) -> Any:  # pragma: no cover - compiled
     """The floating-point control register (x86 MXCSR, ARM FPCR) as an int64."""
+
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         if _X86:
             slot = cgutils.alloca_once(builder, ir.IntType(32))
             fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()]),
-                "llvm.x86.sse.stmxcsr")
+                builder.module,
+                ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()]),
+                "llvm.x86.sse.stmxcsr",
+            )
             builder.call(fn, [builder.bitcast(slot, ir.IntType(8).as_pointer())])
             return builder.zext(builder.load(slot), _I64)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I64, []), "llvm.aarch64.get.fpcr")
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_I64, []), "llvm.aarch64.get.fpcr"
+        )
         return builder.call(fn, [])
 
     return types.int64(), codegen
@@ -103,17 +109,21 @@ def _fp_control(typingctx: Any) -> Any:  # pragma: no cover - compiled
 @intrinsic
 def _set_fp_control(typingctx: Any, value: Any) -> Any:  # pragma: no cover - compiled
     """Sets the floating-point control register to ``value`` (from :func:`_fp_control`)."""
+
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         if _X86:
             slot = cgutils.alloca_once(builder, ir.IntType(32))
             builder.store(builder.trunc(args[0], ir.IntType(32)), slot)
             fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()]),
-                "llvm.x86.sse.ldmxcsr")
+                builder.module,
+                ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()]),
+                "llvm.x86.sse.ldmxcsr",
+            )
             builder.call(fn, [builder.bitcast(slot, ir.IntType(8).as_pointer())])
         else:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [_I64]),
-                                                "llvm.aarch64.set.fpcr")
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [_I64]), "llvm.aarch64.set.fpcr"
+            )
             builder.call(fn, [args[0]])
         return context.get_dummy_value()
 
@@ -137,7 +147,9 @@ def _handle(frame):  # pragma: no cover - compiled by available()
     words = carray(frame, (15,), np.int64)
     if words[1] != 0:  # an extension: XLA asks which FFI version we speak
         if carray(_pointer(words[1]), (4,), np.int32)[2] == _METADATA:
-            metadata = carray(_pointer(carray(_pointer(words[1]), (4,), np.int64)[3]), (9,), np.int32)
+            metadata = carray(
+                _pointer(carray(_pointer(words[1]), (4,), np.int64)[3]), (9,), np.int32
+            )
             api = carray(_pointer(words[2]), (10,), np.int32)
             metadata[6] = api[8]  # major version
             metadata[7] = api[9]  # minor version
@@ -148,8 +160,13 @@ def _handle(frame):  # pragma: no cover - compiled by available()
     # The layout read here, checked where the frame says it: struct sizes (a later API may
     # append fields, never move them), 4 arguments, 2 results. Otherwise nothing is written,
     # and available()'s self-test turns the kernel off.
-    if words[0] < _FRAME_SIZE or words[5] < _LIST_SIZE or words[10] < _LIST_SIZE or words[7] != 4 \
-            or words[12] != 2:
+    if (
+        words[0] < _FRAME_SIZE
+        or words[5] < _LIST_SIZE
+        or words[10] < _LIST_SIZE
+        or words[7] != 4
+        or words[12] != 2
+    ):
         return _pointer(0)
     args = carray(_pointer(words[9]), (4,), np.int64)
     rets = carray(_pointer(words[14]), (2,), np.int64)
@@ -202,22 +219,30 @@ def available() -> bool:
 
 def _build() -> bool:
     if not SUPPORTED:
-        warnings.warn(f"tandv: no in-program summary kernel for {platform.machine()!r} processors; "
-                      f"JAX taps on the CPU use XLA's summary operations (same results, slower)",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"tandv: no in-program summary kernel for {platform.machine()!r} processors; "
+            f"JAX taps on the CPU use XLA's summary operations (same results, slower)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         return False
     try:
         handler = numba.cfunc(types.voidptr(types.voidptr), cache=True, nogil=True)(_handle)
         new_capsule = ctypes.pythonapi.PyCapsule_New
         new_capsule.restype = ctypes.py_object
         new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
-        jax.ffi.register_ffi_target(TARGET, new_capsule(handler.address, None, None), platform="cpu")
+        jax.ffi.register_ffi_target(
+            TARGET, new_capsule(handler.address, None, None), platform="cpu"
+        )
         _keep.append(handler)  # the compiled code must outlive every program that calls it
         _self_test()
     except Exception as e:  # noqa: BLE001 - numba and XLA raise many kinds; all mean "cannot"
-        warnings.warn(f"tandv: the in-program summary kernel could not be built ({type(e).__name__}: {e}); "
-                      f"JAX taps on the CPU use XLA's summary operations (same results, slower)",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"tandv: the in-program summary kernel could not be built ({type(e).__name__}: {e}); "
+            f"JAX taps on the CPU use XLA's summary operations (same results, slower)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         return False
     return True
 
@@ -230,20 +255,24 @@ def _self_test() -> None:
     from ...stats.summary import Layout
     from ._summary import to_vector
 
-    x = np.array([-3.5, 0.0, 1e-45, np.inf, np.nan, 7.25, -0.125, 2.0 ** 60], np.float32)
+    x = np.array([-3.5, 0.0, 1e-45, np.inf, np.nan, 7.25, -0.125, 2.0**60], np.float32)
     layout = Layout(number_format("float32"))
     on_cpu = jax.device_put(x, jax.devices("cpu")[0])
-    got = to_vector(jax.device_get(jax.jit(lambda a: ffi_summary(a, layout.format, layout.num_counts))(on_cpu)))
+    got = to_vector(
+        jax.device_get(jax.jit(lambda a: ffi_summary(a, layout.format, layout.num_counts))(on_cpu))
+    )
     want = host_summaries([x], layout)[0]
     if not np.allclose(got, want, rtol=1e-6, atol=0, equal_nan=True):
-        raise RuntimeError("its results on a test array differ from the host kernel's (an XLA FFI "
-                           "call frame this version of tandv does not know?)")
+        raise RuntimeError(
+            "its results on a test array differ from the host kernel's (an XLA FFI "
+            "call frame this version of tandv does not know?)"
+        )
 
 
 _keep: list[Any] = []
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tables(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     field_bin, sub_bin, nb, over_at = serial_tables(fmt)
     return field_bin, sub_bin, np.array([nb, over_at], np.float32)
@@ -255,9 +284,18 @@ def ffi_summary(x: Any, fmt: NumberFormat, num_counts: int) -> DeviceSummary:
     the core fields only: the caller appends custom statistics. Call only where
     :func:`available` said True."""
     field_bin, sub_bin, params = _tables(fmt)
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((_N_INT + num_counts,), jnp.int32),
-                                     jax.ShapeDtypeStruct((_N_VALUES,), jnp.float32)),
-                              vmap_method="sequential")
-    counts, values = call(jnp.ravel(x).astype(jnp.float32), jnp.asarray(field_bin), jnp.asarray(sub_bin),
-                          jnp.asarray(params))
+    call = jax.ffi.ffi_call(
+        TARGET,
+        (
+            jax.ShapeDtypeStruct((_N_INT + num_counts,), jnp.int32),
+            jax.ShapeDtypeStruct((_N_VALUES,), jnp.float32),
+        ),
+        vmap_method="sequential",
+    )
+    counts, values = call(
+        jnp.ravel(x).astype(jnp.float32),
+        jnp.asarray(field_bin),
+        jnp.asarray(sub_bin),
+        jnp.asarray(params),
+    )
     return DeviceSummary(counts, values)

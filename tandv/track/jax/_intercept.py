@@ -57,8 +57,9 @@ import functools
 import threading
 import warnings
 import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,8 +71,22 @@ from jax._src.interpreters import partial_eval as _pe
 
 from ._summary import DeviceSummary, merge_jax
 
-__all__ = ["TRACKING", "Probe", "Mailboxes", "MailRead", "tap", "register", "interception", "ROOT_NAME", "acquire_nnx",
-           "release_nnx", "tag_nnx_paths", "untag_nnx_paths", "current_scope", "Scope"]
+__all__ = [
+    "TRACKING",
+    "Probe",
+    "Mailboxes",
+    "MailRead",
+    "tap",
+    "register",
+    "interception",
+    "ROOT_NAME",
+    "acquire_nnx",
+    "release_nnx",
+    "tag_nnx_paths",
+    "untag_nnx_paths",
+    "current_scope",
+    "Scope",
+]
 
 #: The jit-cache-sensitive switch: while a tracker intercepts, a tuple that starts with its
 #: token; else None.
@@ -81,7 +96,7 @@ TRACKING = jax.make_user_context(None)
 #: as the root module does in PyTorch's ``named_modules``).
 ROOT_NAME = "root"
 
-_TRACKERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_TRACKERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 def register(token: int, tracker: Any) -> None:
@@ -89,8 +104,13 @@ def register(token: int, tracker: Any) -> None:
     _TRACKERS[token] = tracker
 
 
-def _deliver(token: int, name: str, module_type: str, dtypes: list[tuple[str, str]],
-             summaries: list[DeviceSummary]) -> None:
+def _deliver(
+    token: int,
+    name: str,
+    module_type: str,
+    dtypes: list[tuple[str, str]],
+    summaries: list[DeviceSummary],
+) -> None:
     tracker = _TRACKERS.get(token)
     if tracker is not None:
         for (tensor_type, dtype), summary in zip(dtypes, summaries):
@@ -250,8 +270,15 @@ class Mailboxes:
         """The current arena (a ``jax.Ref``; None before :meth:`prepare`)."""
         return self._arena
 
-    def post(self, name: str, module_type: str, reports: Reports, arena: Any = None,
-             remat: bool = False, merge: Sequence[str] | None = None) -> bool:
+    def post(
+        self,
+        name: str,
+        module_type: str,
+        reports: Reports,
+        arena: Any = None,
+        remat: bool = False,
+        merge: Sequence[str] | None = None,
+    ) -> bool:
         """Write ``reports`` (traced) to a new mailbox; False where the arena has no room left
         (the caller then sends them by callback). ``arena``: the current arena as the traced
         function sees it, when it was passed in as an argument (by default it is closed over).
@@ -270,26 +297,40 @@ class Mailboxes:
             arena, generation = self._arena if arena is None else arena, self.generation
         times = arena[offset]
         if merge is not None:
-            old = arena[offset:offset + size]
+            old = arena[offset : offset + size]
             at, words = 1, []
             for _, _, s in reports:
                 parts = []
                 for part in (s.counts, s.values):
                     n = _words(part).shape[0]
-                    parts.append(_traced_unwords(old[at:at + n], part))
+                    parts.append(_traced_unwords(old[at : at + n], part))
                     at += n
                 merged = merge_jax(DeviceSummary(*parts), s, merge)
                 words += [_words(jnp.where(times > 0, m, new)) for m, new in zip(merged, s)]
-        arena[offset:offset + size] = jnp.concatenate([(times + 1).reshape(1), *words])
+        arena[offset : offset + size] = jnp.concatenate([(times + 1).reshape(1), *words])
         with self._lock:
             if generation == self.generation:
-                self._boxes.append(_Box(name, module_type, [
-                    (t, str(d), jax.ShapeDtypeStruct(s.counts.shape, s.counts.dtype),
-                     jax.ShapeDtypeStruct(s.values.shape, s.values.dtype)) for t, d, s in reports],
-                    [w.shape[0] for w in words], offset, remat or merge is not None))
+                self._boxes.append(
+                    _Box(
+                        name,
+                        module_type,
+                        [
+                            (
+                                t,
+                                str(d),
+                                jax.ShapeDtypeStruct(s.counts.shape, s.counts.dtype),
+                                jax.ShapeDtypeStruct(s.values.shape, s.values.dtype),
+                            )
+                            for t, d, s in reports
+                        ],
+                        [w.shape[0] for w in words],
+                        offset,
+                        remat or merge is not None,
+                    )
+                )
         return True
 
-    def read(self) -> "MailRead | None":
+    def read(self) -> MailRead | None:
         """Read every mailbox written since the last read, and clear them, in one jitted call
         (ordered after the computations that write them; nothing waits); None when no
         mailbox was traced."""
@@ -319,14 +360,19 @@ class MailRead:
     def reports(self) -> list[tuple[int, int, str, str, str, str]]:
         """``(box, report, name, module_type, tensor_type, dtype)`` of every report a mailbox
         may hold (known without the words: from the trace)."""
-        return [(i, j, box.name, box.module_type, tensor_type, dtype)
-                for i, box in enumerate(self.boxes) for j, (tensor_type, dtype, _, _) in enumerate(box.reports)]
+        return [
+            (i, j, box.name, box.module_type, tensor_type, dtype)
+            for i, box in enumerate(self.boxes)
+            for j, (tensor_type, dtype, _, _) in enumerate(box.reports)
+        ]
 
     def summary(self, box: int, report: int) -> DeviceSummary | None:
         """The summary of report ``report`` of mailbox ``box``; None when the computation did
         not write that mailbox (a tap removed as dead code, a branch not taken)."""
         if self._decoded is None:
-            self._decoded = self._decode(self._fetch() if self._fetch is not None else np.asarray(self.words))
+            self._decoded = self._decode(
+                self._fetch() if self._fetch is not None else np.asarray(self.words)
+            )
             self.words = None
         got = self._decoded[box]
         return None if got is None else got[report]
@@ -341,9 +387,13 @@ class MailRead:
                 continue
             if times > 1 and not box.rematerialized and box.name not in self._warned:
                 self._warned.add(box.name)
-                warnings.warn(f"tandv: the output of module {box.name!r} was summarized {times} times in one "
-                              f"step at one place in the program (a loop tandv did not recognize?); its rows "
-                              f"hold the last one", RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    f"tandv: the output of module {box.name!r} was summarized {times} times in one "
+                    f"step at one place in the program (a loop tandv did not recognize?); its rows "
+                    f"hold the last one",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
             at += 1
             sizes = iter(box.words)
             summaries = []
@@ -351,7 +401,7 @@ class MailRead:
                 parts = []
                 for like in (counts, values):
                     n = next(sizes)
-                    parts.append(_unwords(got[at:at + n], like))
+                    parts.append(_unwords(got[at : at + n], like))
                     at += n
                 summaries.append(DeviceSummary(*parts))
             out.append(summaries)
@@ -403,14 +453,25 @@ class Probe:
         with contextlib.nullcontext() if below is None else _core.set_current_trace(below):
             self.emit([(tensor_type, whole.dtype, self.summarize(whole))], arena, remat)
 
-    def emit(self, reports: Reports, arena: Any = None, remat: bool = False, merge: bool = False) -> None:
+    def emit(
+        self, reports: Reports, arena: Any = None, remat: bool = False, merge: bool = False
+    ) -> None:
         """Send ``(tensor_type, dtype, summary)`` reports to the tracker: directly when they are
         concrete, else by mailbox (``arena``, ``merge``: see :meth:`Mailboxes.post`), else (no
         room left) by host callback."""
         tracker = _TRACKERS.get(self.token)
-        if (_is_traced(reports) and tracker is not None
-                and tracker._mailboxes.post(self.name, self.module_type, reports, arena, remat,
-                                            [rule for _, rule in tracker._extras] if merge else None)):
+        if (
+            _is_traced(reports)
+            and tracker is not None
+            and tracker._mailboxes.post(
+                self.name,
+                self.module_type,
+                reports,
+                arena,
+                remat,
+                [rule for _, rule in tracker._extras] if merge else None,
+            )
+        ):
             return
         self.send(reports)
 
@@ -512,7 +573,9 @@ _cotangent_tap_ref.defvjp(_cotangent_ref_fwd, _cotangent_ref_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _loop_tap(probe: Probe, arena: Any, x: jax.Array) -> jax.Array:  # the primal: not differentiated
+def _loop_tap(
+    probe: Probe, arena: Any, x: jax.Array
+) -> jax.Array:  # the primal: not differentiated
     """:func:`tap` inside a loop body: each iteration's summaries merge into a mailbox of
     ``arena`` (received as an argument: a ref closed over by a differentiated loop body
     cannot be written by its backward rule, one passed through the ``custom_vjp`` can).
@@ -615,9 +678,13 @@ _warned_classes: set[type] = set()
 def _warn_untracked(cls: type) -> None:
     if cls not in _warned_classes:
         _warned_classes.add(cls)
-        warnings.warn(f"tandv: an nnx {cls.__name__} module called inside intercept() is not part of the "
-                      f"tracked model (track(model_state=...)) nor of the outermost module called; its "
-                      f"outputs are not tracked", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"tandv: an nnx {cls.__name__} module called inside intercept() is not part of the "
+            f"tracked model (track(model_state=...)) nor of the outermost module called; its "
+            f"outputs are not tracked",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def tag_nnx_paths(model: Any) -> list[Any]:
@@ -652,8 +719,11 @@ def _wrap_nnx_call(original: Callable) -> Callable:
         depth = getattr(state, "depth", 0)
         if depth == 0:
             # The outermost call names every module below it by its graph path.
-            state.paths = {id(node): path for path, node in nnx.iter_graph(self)
-                           if isinstance(node, nnx.Module)}
+            state.paths = {
+                id(node): path
+                for path, node in nnx.iter_graph(self)
+                if isinstance(node, nnx.Module)
+            }
         state.depth = depth + 1
         try:
             out = original(self, *args, **kwargs)
@@ -665,10 +735,11 @@ def _wrap_nnx_call(original: Callable) -> Callable:
         else:
             # A copy made by an nnx transform (nnx.scan, nnx.vmap, nnx.remat split the
             # module and merge a new one inside): its tag says where the original lies.
-            name = getattr(self, NNX_PATH_ATTR, None)
-            if name is None:
+            tag: str | None = getattr(self, NNX_PATH_ATTR, None)
+            if tag is None:
                 _warn_untracked(type(self))
                 return out
+            name = tag
         return on_output(name, type(self), out)
 
     return __call__
@@ -681,7 +752,7 @@ def _patch_nnx_classes() -> None:
         if cls not in _nnx_originals:
             original = cls.__dict__["__call__"]
             _nnx_originals[cls] = original
-            cls.__call__ = _wrap_nnx_call(original)
+            cls.__call__ = _wrap_nnx_call(original)  # type: ignore[method-assign]  # on purpose
 
 
 def acquire_nnx() -> None:
@@ -697,7 +768,7 @@ def release_nnx() -> None:
     _nnx_users = max(0, _nnx_users - 1)
     if _nnx_users == 0:
         for cls, original in _nnx_originals.items():
-            cls.__call__ = original
+            cls.__call__ = original  # type: ignore[method-assign]  # restoring the patch
         _nnx_originals.clear()
 
 

@@ -102,8 +102,19 @@ def _row(values: list[Any], dtype: Any) -> Any:
     return out
 
 
-def _kernel(x_ref: Any, ints_ref: Any, hist_ref: Any, moments_ref: Any, *, n: int, nbins: int, high: int,
-            min_exponent: int, under_bits: int, over_bits: int) -> None:
+def _kernel(
+    x_ref: Any,
+    ints_ref: Any,
+    hist_ref: Any,
+    moments_ref: Any,
+    *,
+    n: int,
+    nbins: int,
+    high: int,
+    min_exponent: int,
+    under_bits: int,
+    over_bits: int,
+) -> None:
     pos = pl.program_id(0) * BLOCK + jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
     valid = pos < n  # the last block reads past the end
     bits = _bits(x_ref[...].astype(jnp.float32))
@@ -120,9 +131,19 @@ def _kernel(x_ref: Any, ints_ref: Any, hist_ref: Any, moments_ref: Any, *, n: in
     n_fin = count(fin)
     key = _order_key(bits)
     amax = jnp.max(jnp.where(fin, mag, 0))
-    ints_ref[...] = _row([count(nan), count(inf), count(zero), n_fin, jnp.min(jnp.where(fin, key, _INF)),
-                          jnp.max(jnp.where(fin, key, _KEY_NINF)), jnp.min(jnp.where(fin, mag, _INF)), amax],
-                         jnp.int32)
+    ints_ref[...] = _row(
+        [
+            count(nan),
+            count(inf),
+            count(zero),
+            n_fin,
+            jnp.min(jnp.where(fin, key, _INF)),
+            jnp.max(jnp.where(fin, key, _KEY_NINF)),
+            jnp.min(jnp.where(fin, mag, _INF)),
+            amax,
+        ],
+        jnp.int32,
+    )
 
     # moments of x * 2**k, |x| * 2**k < 2 for every value of the block
     k = jnp.where(amax > 0, -_floor_log2(jnp.maximum(amax, 1)), 0)
@@ -134,8 +155,18 @@ def _kernel(x_ref: Any, ints_ref: Any, hist_ref: Any, moments_ref: Any, *, n: in
     u = jnp.abs(xs)
     u2 = u * u
     u4 = u2 * u2
-    moments_ref[...] = _row([k, mean, jnp.sum(d * d) - jnp.sum(d) ** 2 / nf, jnp.sum(u), jnp.sum(u2),
-                             jnp.sum(u4), jnp.sum(u4 * u4)], jnp.float32)
+    moments_ref[...] = _row(
+        [
+            k,
+            mean,
+            jnp.sum(d * d) - jnp.sum(d) ** 2 / nf,
+            jnp.sum(u),
+            jnp.sum(u2),
+            jnp.sum(u4),
+            jnp.sum(u4 * u4),
+        ],
+        jnp.float32,
+    )
 
     # exponent counts: bin 0 underflow, nbins - 1 overflow, nbins dropped (zeros, NaN, padding)
     over = valid & ~nan & ((mag > over_bits) | inf)
@@ -146,8 +177,12 @@ def _kernel(x_ref: Any, ints_ref: Any, hist_ref: Any, moments_ref: Any, *, n: in
     idx = jnp.where(nonzero | over, idx, nbins)
     hi = (idx // _LOW)[:, None] == jax.lax.broadcasted_iota(jnp.int32, (BLOCK, high), 1)
     lo = (idx % _LOW)[:, None] == jax.lax.broadcasted_iota(jnp.int32, (BLOCK, _LOW), 1)
-    table = jax.lax.dot_general(hi.astype(jnp.float32), lo.astype(jnp.float32), (((0,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32)  # onehot(high)^T @ onehot(low)
+    table = jax.lax.dot_general(
+        hi.astype(jnp.float32),
+        lo.astype(jnp.float32),
+        (((0,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )  # onehot(high)^T @ onehot(low)
     hist_ref[...] = table.astype(jnp.int32)
 
 
@@ -167,18 +202,29 @@ def _summary(x: Any, fmt: NumberFormat, num_counts: int, interpret: bool) -> tup
         flat = flat.astype(jnp.float32)
     n = flat.shape[0]
     blocks = max(1, -(-n // BLOCK))
-    kernel = partial(_kernel, n=n, nbins=nbins, high=high, min_exponent=fmt.min_exponent,
-                     under_bits=_bits_of(fmt.underflow_threshold), over_bits=_bits_of(fmt.overflow_threshold))
+    kernel = partial(
+        _kernel,
+        n=n,
+        nbins=nbins,
+        high=high,
+        min_exponent=fmt.min_exponent,
+        under_bits=_bits_of(fmt.underflow_threshold),
+        over_bits=_bits_of(fmt.overflow_threshold),
+    )
     ints, hist, moments = pl.pallas_call(
         kernel,
         grid=(blocks,),
         in_specs=[pl.BlockSpec((BLOCK,), lambda i: (i,))],
-        out_specs=[pl.BlockSpec((None, 8), lambda i: (i, 0)),
-                   pl.BlockSpec((None, high, _LOW), lambda i: (i, 0, 0)),
-                   pl.BlockSpec((None, 8), lambda i: (i, 0))],
-        out_shape=[jax.ShapeDtypeStruct((blocks, 8), jnp.int32),
-                   jax.ShapeDtypeStruct((blocks, high, _LOW), jnp.int32),
-                   jax.ShapeDtypeStruct((blocks, 8), jnp.float32)],
+        out_specs=[
+            pl.BlockSpec((None, 8), lambda i: (i, 0)),
+            pl.BlockSpec((None, high, _LOW), lambda i: (i, 0, 0)),
+            pl.BlockSpec((None, 8), lambda i: (i, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((blocks, 8), jnp.int32),
+            jax.ShapeDtypeStruct((blocks, high, _LOW), jnp.int32),
+            jax.ShapeDtypeStruct((blocks, 8), jnp.float32),
+        ],
         interpret=interpret,
         compiler_params=None if interpret else plt.CompilerParams(num_warps=8),
     )(flat if n else jnp.zeros(1, flat.dtype))
@@ -198,21 +244,34 @@ def _merge_blocks(ints: Any, hist: Any, moments: Any, n: int, nbins: int) -> tup
     s_scaled = jnp.where(amax > 0, _rescaled(amax, big_k), 1.0)  # s * 2**K, in [1, 2)
     nb = ints[:, 3].astype(jnp.float32)
     # each block's moments from its scale 2**k to the array's 2**K (K <= k): exact powers of two
-    r = jnp.where(ints[:, 3] > 0, _pow2(jnp.minimum(big_k - moments[:, 0].astype(jnp.int32), 0)), 0.0)
+    r = jnp.where(
+        ints[:, 3] > 0, _pow2(jnp.minimum(big_k - moments[:, 0].astype(jnp.int32), 0)), 0.0
+    )
     nf = jnp.maximum(n_fin, 1).astype(jnp.float32)
     means = moments[:, 1] * r
     mean_k = jnp.sum(nb * means) / nf
     dev = jnp.where(ints[:, 3] > 0, means - mean_k, 0.0)
     m2 = (jnp.sum(moments[:, 2] * r * r) + jnp.sum(nb * dev * dev)) / (s_scaled * s_scaled)
-    powers = [jnp.sum(moments[:, 3 + i] * r ** p) / s_scaled ** p for i, p in enumerate((1, 2, 4, 8))]
+    powers = [jnp.sum(moments[:, 3 + i] * r**p) / s_scaled**p for i, p in enumerate((1, 2, 4, 8))]
     bins = jnp.sum(hist, axis=0).reshape(-1)[:nbins]
     counts = jnp.concatenate([jnp.stack([jnp.asarray(n, jnp.int32), n_nan, n_inf, n_zero]), bins])
-    values = jnp.stack([_float(_order_key(kmin)), _float(_order_key(kmax)), _float(amin), s,
-                        mean_k / s_scaled * s, m2, *powers])
+    values = jnp.stack(
+        [
+            _float(_order_key(kmin)),
+            _float(_order_key(kmax)),
+            _float(amin),
+            s,
+            mean_k / s_scaled * s,
+            m2,
+            *powers,
+        ]
+    )
     return counts, values
 
 
-def pallas_summary(x: Any, fmt: NumberFormat, num_counts: int, interpret: bool | None = None) -> DeviceSummary:
+def pallas_summary(
+    x: Any, fmt: NumberFormat, num_counts: int, interpret: bool | None = None
+) -> DeviceSummary:
     """The core summary of ``x`` (any float dtype but float64) for format ``fmt`` by the
     fused kernel (traceable); :func:`._summary.to_vector` of it equals
     ``tandv.stats.summarize(x, fmt)`` (counts, extrema and exponent counts exactly, moments

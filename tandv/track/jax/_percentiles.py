@@ -6,7 +6,8 @@ the summary itself: select the arrays that need it with ``include``/``exclude``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 

@@ -24,7 +24,7 @@ class _InFlight:
             pass
 
     def ready(self) -> bool:
-        return self.x.is_ready()
+        return bool(self.x.is_ready())  # type: ignore[attr-defined]  # missing from jax's stub
 
     def get(self) -> float:
         return float(np.asarray(self.x).reshape(()))
@@ -38,12 +38,18 @@ def capture_jax(name: str, value: Any) -> float | _InFlight | None:
             intercepted update): return the value from the update and log it outside.
     """
     if isinstance(value, jax.core.Tracer):
-        raise TypeError(f"log_scalars({name}=...): got a traced value (inside jax.jit or the intercepted "
-                        f"update function); return it from the update and call log_scalars after it")
+        raise TypeError(
+            f"log_scalars({name}=...): got a traced value (inside jax.jit or the intercepted "
+            f"update function); return it from the update and call log_scalars after it"
+        )
     if not isinstance(value, jax.Array):
         return None
     if value.size != 1:
-        raise ValueError(f"log_scalars({name}=...): expected one number; got an array of shape {value.shape}")
+        raise ValueError(
+            f"log_scalars({name}=...): expected one number; got an array of shape {value.shape}"
+        )
     if jax.numpy.issubdtype(value.dtype, jax.numpy.complexfloating):
-        raise ValueError(f"log_scalars({name}=...): expected a real number; got a {value.dtype} array")
+        raise ValueError(
+            f"log_scalars({name}=...): expected a real number; got a {value.dtype} array"
+        )
     return _InFlight(value)

@@ -13,7 +13,8 @@ when ``|mean| >> std``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +22,16 @@ import numpy as np
 
 from ...stats.summary import CORE_FIELDS, POWERS, Layout
 
-__all__ = ["DeviceSummary", "summarize_jax", "summarize_many_jax", "to_vector", "with_custom", "CustomStat",
-           "histogram_by_matmul", "merge_jax"]
+__all__ = [
+    "DeviceSummary",
+    "summarize_jax",
+    "summarize_many_jax",
+    "to_vector",
+    "with_custom",
+    "CustomStat",
+    "histogram_by_matmul",
+    "merge_jax",
+]
 
 #: A custom statistic: a traceable function of the array returning a scalar.
 CustomStat = Callable[[jax.Array], Any]
@@ -132,15 +141,18 @@ def summarize_many_jax(
         row_seg += [i] * rows
         pads.append(pad)
     block = (jnp.concatenate(parts) if len(parts) > 1 else parts[0]).reshape(-1, ROW)
-    counts, values = _summarize_rows(block, np.asarray(row_seg, np.int32), np.asarray(pads, np.int32),
-                                     layout, fb)
+    counts, values = _summarize_rows(
+        block, np.asarray(row_seg, np.int32), np.asarray(pads, np.int32), layout, fb
+    )
     out = []
     for i, a in enumerate(arrays):
         out.append(with_custom(DeviceSummary(counts[i], values[i]), a, custom))
     return out
 
 
-def with_custom(core: DeviceSummary, x: Any, custom: Mapping[str, CustomStat] | None) -> DeviceSummary:
+def with_custom(
+    core: DeviceSummary, x: Any, custom: Mapping[str, CustomStat] | None
+) -> DeviceSummary:
     """``core`` (the layout's core fields of ``x``) with the custom statistics of ``x``
     appended to its values, in ``custom``'s order (traceable)."""
     if not custom:
@@ -152,8 +164,10 @@ def with_custom(core: DeviceSummary, x: Any, custom: Mapping[str, CustomStat] | 
 def _reduce_rows(ops: list[tuple[Any, str]]) -> list[Any]:
     """Row-wise (axis 1) sums / minima of several ``[rows, ROW]`` arrays in one variadic
     reduction (XLA:CPU runs one variadic reduce far faster than many fused ones)."""
-    inits = tuple(np.array(0 if kind == "sum" else np.iinfo(np.dtype(a.dtype)).max, a.dtype)
-                  for a, kind in ops)
+    inits = tuple(
+        np.array(0 if kind == "sum" else np.iinfo(np.dtype(a.dtype)).max, a.dtype)
+        for a, kind in ops
+    )
     kinds = [kind for _, kind in ops]
 
     def combine(x: tuple, y: tuple) -> tuple:
@@ -176,8 +190,12 @@ def _histogram(idx: Any, length: int) -> Any:
     if idx.shape[0] < _PAIR_ROWS or length > 512:  # small input, or a float64 layout
         return jnp.bincount(idx.reshape(-1), length=length)
     pairs = idx.reshape(-1, 2)
-    table = jnp.zeros(length * length, jnp.int32).at[pairs[:, 0] * length + pairs[:, 1]].add(
-        1, mode="promise_in_bounds").reshape(length, length)
+    table = (
+        jnp.zeros(length * length, jnp.int32)
+        .at[pairs[:, 0] * length + pairs[:, 1]]
+        .add(1, mode="promise_in_bounds")
+        .reshape(length, length)
+    )
     return table.sum(0) + table.sum(1)
 
 
@@ -207,12 +225,14 @@ def _platform_histogram(idx: Any, length: int) -> Any:
     """:func:`_histogram` (a scatter: fast on XLA:CPU) on the CPU, and
     :func:`histogram_by_matmul` on every other platform, chosen when JAX lowers the program
     for the platform it runs on."""
-    return jax.lax.platform_dependent(idx, cpu=lambda i: _histogram(i, length),
-                                      default=lambda i: histogram_by_matmul(i, length))
+    return jax.lax.platform_dependent(
+        idx, cpu=lambda i: _histogram(i, length), default=lambda i: histogram_by_matmul(i, length)
+    )
 
 
-def _summarize_rows(block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: Layout,
-                    fb: _Bits) -> tuple[Any, Any]:
+def _summarize_rows(
+    block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: Layout, fb: _Bits
+) -> tuple[Any, Any]:
     """Counts ``[num, 4 + bins]`` and values ``[num, 10]`` of the arrays laid out in ``block``
     (``[rows, ROW]``; row r belongs to array ``row_seg[r]``, padded with ``pads`` NaNs)."""
     cdt, idt = fb.float_dtype, fb.int_dtype
@@ -257,15 +277,25 @@ def _summarize_rows(block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: L
     key_ninf = order_key(np.array(inf_bits | ~mask, idt))
     # Maxima as minima of the bitwise complement (exact, no overflow).
     one = jnp.ones((), jnp.int32)
-    r_nan, r_inf, r_zero, r_kmin, r_nkmax, r_amin, r_namax = _reduce_rows([
-        (jnp.where(nan, one, 0), "sum"), (jnp.where(inf, one, 0), "sum"), (jnp.where(zero, one, 0), "sum"),
-        (jnp.where(fin, key, inf_bits), "min"), (~jnp.where(fin, key, key_ninf), "min"),
-        (jnp.where(fin, mag, inf_bits), "min"), (~jnp.where(fin, mag, 0), "min"),
-    ])
+    r_nan, r_inf, r_zero, r_kmin, r_nkmax, r_amin, r_namax = _reduce_rows(
+        [
+            (jnp.where(nan, one, 0), "sum"),
+            (jnp.where(inf, one, 0), "sum"),
+            (jnp.where(zero, one, 0), "sum"),
+            (jnp.where(fin, key, inf_bits), "min"),
+            (~jnp.where(fin, key, key_ninf), "min"),
+            (jnp.where(fin, mag, inf_bits), "min"),
+            (~jnp.where(fin, mag, 0), "min"),
+        ]
+    )
     n_nan = per_array(r_nan, "sum") - jnp.asarray(pads)
     n_inf, n_zero = per_array(r_inf, "sum"), per_array(r_zero, "sum")
-    n_fin = jnp.asarray([int(c) for c in np.bincount(row_seg, minlength=num)], jnp.int32) * ROW \
-        - jnp.asarray(pads) - n_nan - n_inf
+    n_fin = (
+        jnp.asarray([int(c) for c in np.bincount(row_seg, minlength=num)], jnp.int32) * ROW
+        - jnp.asarray(pads)
+        - n_nan
+        - n_inf
+    )
     # Arrays without a finite value get the neutral extrema (+inf, -inf, +inf, 0) whatever
     # the reductions' identity elements.
     neutral = jnp.array([inf_bits, ~key_ninf, inf_bits, ~0], idt)
@@ -284,7 +314,9 @@ def _summarize_rows(block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: L
         e_unb = jnp.where(normal, efield - bias, 1 - bias)
         m_full = jnp.where(normal, (m & ((1 << mb) - 1)) | (1 << mb), m)
         j = e_unb - mb + k
-        pow2 = jnp.where(j < 1 - bias, 0, as_float((jnp.clip(j, 1 - bias, bias) + bias).astype(idt) << mb))
+        pow2 = jnp.where(
+            j < 1 - bias, 0, as_float((jnp.clip(j, 1 - bias, bias) + bias).astype(idt) << mb)
+        )
         return m_full.astype(cdt) * pow2
 
     k_arr = jnp.where(s_mag > 0, -floor_log2(s_mag), 0)
@@ -297,8 +329,10 @@ def _summarize_rows(block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: L
     # subtract exactly; the corrected two-pass term removes the rounding error of mean_k.
     d = jnp.where(fin, xs - per_row(mean_k), 0)
     u = jnp.abs(xs) / per_row(s_scaled)  # |x| / s
-    sums = [per_array(r, "sum") for r in _reduce_rows(
-        [(d * d, "sum"), (d, "sum"), *[(u**k, "sum") for k in POWERS]])]
+    sums = [
+        per_array(r, "sum")
+        for r in _reduce_rows([(d * d, "sum"), (d, "sum"), *[(u**k, "sum") for k in POWERS]])
+    ]
     m2 = (sums[0] - sums[1] ** 2 / n) / (s_scaled * s_scaled)
     mean = mean_k / s_scaled * s
 
@@ -314,8 +348,9 @@ def _summarize_rows(block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: L
     # histogram much faster than into one long histogram of all arrays.
     starts = np.searchsorted(row_seg, np.arange(num + 1))
     idx = idx.astype(jnp.int32)
-    bins = jnp.stack([_platform_histogram(idx[starts[i]:starts[i + 1]], nbins + 1)[:nbins]
-                      for i in range(num)]).astype(jnp.int32)
+    bins = jnp.stack(
+        [_platform_histogram(idx[starts[i] : starts[i + 1]], nbins + 1)[:nbins] for i in range(num)]
+    ).astype(jnp.int32)
 
     numel = n_fin + n_nan + n_inf
     counts = jnp.concatenate([jnp.stack([numel, n_nan, n_inf, n_zero], axis=1), bins], axis=1)
@@ -365,12 +400,16 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
         normal = efield > 0
         full = jnp.where(normal, (m & ((1 << mb) - 1)) | (1 << mb), m)
         j = jnp.where(normal, efield - bias, 1 - bias) - mb + k
-        pow2 = jax.lax.bitcast_convert_type(((jnp.clip(j, 1 - bias, bias) + bias) << mb).astype(idt), va.dtype)
+        pow2 = jax.lax.bitcast_convert_type(
+            ((jnp.clip(j, 1 - bias, bias) + bias) << mb).astype(idt), va.dtype
+        )
         return full.astype(va.dtype) * jnp.where(j < 1 - bias, 0, pow2)
 
     s_bits = jax.lax.bitcast_convert_type(s, idt) & mask
     efield = s_bits >> mb
-    floor_log2 = jnp.where(efield > 0, efield - bias, (width - 1 - jax.lax.clz(s_bits)) - (bias + mb - 1))
+    floor_log2 = jnp.where(
+        efield > 0, efield - bias, (width - 1 - jax.lax.clz(s_bits)) - (bias + mb - 1)
+    )
     k = jnp.where(s_bits > 0, -floor_log2, 0)
     s_scaled = jnp.where(s_bits > 0, rescaled(s_bits, k), 1)
 
@@ -398,7 +437,9 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
             extras.append(va[i] + vb[i])
         else:
             total = wa + wb
-            extras.append(jnp.where(total > 0, (va[i] * wa + vb[i] * wb) / jnp.where(total > 0, total, 1), 0))
+            extras.append(
+                jnp.where(total > 0, (va[i] * wa + vb[i] * wb) / jnp.where(total > 0, total, 1), 0)
+            )
     values = jnp.stack([vmin, vmax, min_abs, s, mean, m2, *powers, *extras]).astype(va.dtype)
     return DeviceSummary(counts, values)
 

@@ -6,24 +6,59 @@ import functools
 import itertools
 import os
 from collections import deque
-from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence, TypeVar
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
-from ...stats.formats import format_name, number_format as _number_format
+from ...stats.formats import format_name
+from ...stats.formats import number_format as _number_format
 from ...stats.host import HOST_DTYPES, host_summaries
 from ...stats.summary import Layout, merge_all
-from ..common import Pattern, Schedule, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
+from ..common import (
+    Pattern,
+    Schedule,
+    Selector,
+    StepRecorder,
+    TensorKey,
+    make_run_record,
+    make_schedule,
+)
 from ..common.custom import StatsSpec, parse_custom_stats, percentile_columns
 from . import _ffi
-from ._intercept import (ROOT_NAME, MailRead, Mailboxes, Probe, acquire_nnx, interception, register, release_nnx,
-                         tag_nnx_paths, tap, untag_nnx_paths)
+from ._intercept import (
+    ROOT_NAME,
+    Mailboxes,
+    MailRead,
+    Probe,
+    acquire_nnx,
+    interception,
+    register,
+    release_nnx,
+    tag_nnx_paths,
+    tap,
+    untag_nnx_paths,
+)
 from ._pallas import pallas_summary
-from ._summary import CustomStat, DeviceSummary, summarize_jax, summarize_many_jax, to_vector, with_custom
-from ._trees import Leaf, collection_leaves, is_float_array, key_name, optimizer_state_leaves, param_leaves
+from ._summary import (
+    CustomStat,
+    DeviceSummary,
+    summarize_jax,
+    summarize_many_jax,
+    to_vector,
+    with_custom,
+)
+from ._trees import (
+    Leaf,
+    collection_leaves,
+    is_float_array,
+    key_name,
+    optimizer_state_leaves,
+    param_leaves,
+)
 
 __all__ = ["JaxTracker", "track"]
 
@@ -74,8 +109,11 @@ def _shard_plan(x: Any) -> tuple[Any, Any, tuple[int, ...]] | None:
     from jax.sharding import NamedSharding
 
     sharding = getattr(x, "sharding", None)
-    if (not isinstance(sharding, NamedSharding) or len(sharding.device_set) < 2
-            or not sharding.is_fully_addressable):
+    if (
+        not isinstance(sharding, NamedSharding)
+        or len(sharding.device_set) < 2
+        or not sharding.is_fully_addressable
+    ):
         return None
     mesh, spec = sharding.mesh, sharding.spec
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
@@ -87,8 +125,11 @@ def _shard_plan(x: Any) -> tuple[Any, Any, tuple[int, ...]] | None:
             return None  # uneven shards
     if not used:
         return None  # replicated: one device's summary is the array's
-    rows = tuple(j for j, at in enumerate(np.ndindex(*mesh.devices.shape))
-                 if all(at[k] == 0 for k, name in enumerate(mesh.axis_names) if name not in used))
+    rows = tuple(
+        j
+        for j, at in enumerate(np.ndindex(*mesh.devices.shape))
+        if all(at[k] == 0 for k, name in enumerate(mesh.axis_names) if name not in used)
+    )
     return mesh, spec, rows
 
 
@@ -102,7 +143,10 @@ def _in_host_memory(x: Any, placements: dict[int, bool] | None = None) -> bool:
     sharding = x.sharding
     known = None if placements is None else placements.get(id(sharding))
     if known is None:
-        known = sharding.is_fully_addressable and all(d.platform == "cpu" for d in sharding.device_set)
+        known = sharding.is_fully_addressable and all(
+            d.platform == "cpu"  # type: ignore[attr-defined]  # jax's Device stub lacks it
+            for d in sharding.device_set
+        )
         if placements is not None:
             placements[id(sharding)] = known
     return known
@@ -113,8 +157,11 @@ _VMAP_REFUSAL = "vmapped value on an unbatched array reference"
 
 
 def _devices_of(tree: Any) -> list[Any]:
-    """The devices holding the JAX arrays of ``tree`` (those the update will run on), in id order."""
-    devices = {d for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array) for d in x.devices()}
+    """The devices holding the JAX arrays of ``tree`` (those the update will run on), in id
+    order."""
+    devices = {
+        d for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array) for d in x.devices()
+    }
     return sorted(devices, key=lambda d: d.id)
 
 
@@ -169,7 +216,7 @@ class _Transfer:
                 flat, at, self._host = np.asarray(self._device[0]), 0, []
                 for shape, dtype in self._likes:
                     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // 4
-                    self._host.append(flat[at:at + n].view(dtype).reshape(shape))
+                    self._host.append(flat[at : at + n].view(dtype).reshape(shape))
                     at += n
             else:
                 self._host = [np.asarray(part) for part in self._device]
@@ -211,7 +258,11 @@ def _to_host(summaries: list[Any], stacks: dict[int, tuple[_Transfer, int]]) -> 
         if isinstance(s, _ShardRows):
             transfer, i = stacks[id(s.stack)]
             counts, values = transfer.get(i), transfer.get(i + 1)
-            out.append(merge_all([to_vector(DeviceSummary(counts[r], values[r])) for r in s.rows], s.layout))
+            out.append(
+                merge_all(
+                    [to_vector(DeviceSummary(counts[r], values[r])) for r in s.rows], s.layout
+                )
+            )
             continue
         if isinstance(s, _StackRow):
             transfer, i = stacks[id(s.stack)]
@@ -293,8 +344,9 @@ def _pmap_stacked(arrays: Sequence[Any]) -> bool:
     return False
 
 
-def _with_stat(stats: StatsSpec, stats_merge: Mapping[str, str] | None, fn: Callable[[Any], Mapping[str, Any]]
-               ) -> tuple[StatsSpec, Mapping[str, str] | None]:
+def _with_stat(
+    stats: StatsSpec, stats_merge: Mapping[str, str] | None, fn: Callable[[Any], Mapping[str, Any]]
+) -> tuple[StatsSpec, Mapping[str, str] | None]:
     """``stats`` with one more function ``x -> {name: scalar}``; a mapping of single
     statistics becomes one such function, its merge rules moving to ``stats_merge``."""
     if stats is None:
@@ -305,8 +357,9 @@ def _with_stat(stats: StatsSpec, stats_merge: Mapping[str, str] | None, fn: Call
     return [*((stats,) if callable(stats) else tuple(stats)), fn], stats_merge
 
 
-def _parse_stats(stats: StatsSpec, stats_merge: Mapping[str, str] | None
-                 ) -> tuple[dict[str, CustomStat], tuple[tuple[str, str], ...]]:
+def _parse_stats(
+    stats: StatsSpec, stats_merge: Mapping[str, str] | None
+) -> tuple[dict[str, CustomStat], tuple[tuple[str, str], ...]]:
     """Custom statistics as ``{name: array -> scalar}`` plus their merge rules.
 
     Functions returning ``{name: scalar}`` are traced once on a small abstract array
@@ -319,11 +372,17 @@ def _parse_stats(stats: StatsSpec, stats_merge: Mapping[str, str] | None
         except Exception as e:
             raise ValueError(f"stats: calling {fn!r} on a float32 array failed: {e}") from e
         if not isinstance(shape, Mapping):
-            raise TypeError(f"stats: {fn!r} must return a mapping {{name: scalar}}; got {type(shape).__name__}")
+            raise TypeError(
+                f"stats: {fn!r} must return a mapping {{name: scalar}}; got {type(shape).__name__}"
+            )
         for name in shape:
             if name in custom:
                 raise ValueError(f"stats: custom statistic {name!r} is returned by two functions")
-            custom[name] = lambda x, _f=fn, _k=name: _f(x)[_k]
+
+            def pick(x: Any, _f: Callable[..., Any] = fn, _k: str = name) -> Any:
+                return _f(x)[_k]
+
+            custom[name] = pick
     return custom, tuple((name, rules.get(name, "mean")) for name in custom)
 
 
@@ -363,11 +422,13 @@ class JaxTracker:
     ) -> None:
         # the options as given (first statement: locals() holds just the arguments), for the
         # log's record of how it was made
-        options = {k: v for k, v in locals().items() if k not in ("self", "model_state", "optimizer_state")}
+        options = {
+            k: v for k, v in locals().items() if k not in ("self", "model_state", "optimizer_state")
+        }
         if optimizer_state is not None and model_state is None:
             raise ValueError(
-                "track(): optimizer_state was given without model_state; optimizer-state leaves are "
-                "named after the parameters they mirror, so pass model_state too"
+                "track(): optimizer_state was given without model_state; optimizer-state leaves "
+                "are named after the parameters they mirror, so pass model_state too"
             )
         if model_state is not None and not param_leaves(_parts(model_state).params)[0]:
             raise ValueError(
@@ -375,8 +436,12 @@ class JaxTracker:
                 f"{type(model_state).__name__}); pass the parameters, e.g. the dict from "
                 f"model.init(...) or an nnx module"
             )
-        for arg, value in (("track_activations", track_activations), ("track_gradients", track_gradients),
-                           ("track_updates", track_updates), ("device_axis", device_axis)):
+        for arg, value in (
+            ("track_activations", track_activations),
+            ("track_gradients", track_gradients),
+            ("track_updates", track_updates),
+            ("device_axis", device_axis),
+        ):
             if not isinstance(value, bool):
                 raise TypeError(f"track(): {arg}={value!r}: expected True or False")
         self._selector = Selector.build(include, exclude)
@@ -384,21 +449,29 @@ class JaxTracker:
         if percentiles is not None:
             from ._percentiles import percentile_stat
 
-            stats, stats_merge = _with_stat(stats, stats_merge, percentile_stat(percentile_columns(percentiles)))
+            stats, stats_merge = _with_stat(
+                stats, stats_merge, percentile_stat(percentile_columns(percentiles))
+            )
         self._custom, self._extras = _parse_stats(stats, stats_merge)
         self._format = None if number_format is None else _number_format(number_format)
         self._track_activations = track_activations
         self._track_gradients = track_gradients
         self._has_model = model_state is not None
         self._has_optimizer = optimizer_state is not None  # given apart from model_state
-        if model_state is not None and optimizer_state is not None and _parts(model_state).opt_state is not None:
+        if (
+            model_state is not None
+            and optimizer_state is not None
+            and _parts(model_state).opt_state is not None
+        ):
             raise ValueError(
                 f"track(): model_state ({type(model_state).__name__}) holds the optimizer state "
                 f"already (its opt_state); leave optimizer_state out"
             )
         if track_updates and model_state is None:
-            raise ValueError("track(track_updates=True): updates are differences of the parameters given to "
-                             "track() and step(); pass model_state")
+            raise ValueError(
+                "track(track_updates=True): updates are differences of the parameters given to "
+                "track() and step(); pass model_state"
+            )
         self._track_updates = track_updates
         # the parameters of the current step (names, arrays), kept when its update is tracked
         self._before: tuple[list[Leaf], list[Any]] | None = None
@@ -422,16 +495,26 @@ class JaxTracker:
         self._on_cpu = False
         self._one_device = True  # whether the intercepted update runs on one device
         self._intercepted = False  # whether intercept() ran in the current step
-        self._next_weights: list[tuple[Leaf, Any, _StackRow]] = []
+        self._next_weights: list[tuple[Leaf, Any, _StackRow | np.ndarray]] = []
         #: Ended steps whose summaries are on their way to the host: (step, observations,
         #: where the step-time stacks lie in the step's transfer).
         self._flights: deque[tuple[int, list[Any], dict[int, Any]]] = deque()
         self._nnx_tagged: list[Any] = []
         self.step_count = 0
-        self._recorder = StepRecorder(out, out_format, run_name, flush_every=flush_every, verbose=verbose,
-                                      sinks=sinks, run=make_run_record(
-                                          "jax", type(model_state).__name__,
-                                          None if self._format is None else self._format.name, options))
+        self._recorder = StepRecorder(
+            out,
+            out_format,
+            run_name,
+            flush_every=flush_every,
+            verbose=verbose,
+            sinks=sinks,
+            run=make_run_record(
+                "jax",
+                type(model_state).__name__,
+                None if self._format is None else self._format.name,
+                options,
+            ),
+        )
         self.out_path = self._recorder.path
         register(self._token, self)
         acquire_nnx()
@@ -442,7 +525,7 @@ class JaxTracker:
 
     # ------------------------------------------------------------------ context manager
 
-    def __enter__(self) -> "JaxTracker":
+    def __enter__(self) -> JaxTracker:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -455,7 +538,9 @@ class JaxTracker:
         while self._flights and (before is None or self._flights[0][0] < before):
             step, pending, stacks = self._flights.popleft()
             # a mailbox the computation did not write holds no observation
-            pending = [p for p in pending if not isinstance(p[2], _Mail) or p[2].summary() is not None]
+            pending = [
+                p for p in pending if not isinstance(p[2], _Mail) or p[2].summary() is not None
+            ]
             self._recorder.commit(step, pending, functools.partial(_to_host, stacks=stacks))
 
     def close(self) -> os.PathLike:
@@ -480,7 +565,9 @@ class JaxTracker:
 
     def _check_open(self, method: str) -> None:
         if self._recorder.closed:
-            raise RuntimeError(f"tracker.{method}(): the tracker is closed (its `with` block has ended)")
+            raise RuntimeError(
+                f"tracker.{method}(): the tracker is closed (its `with` block has ended)"
+            )
 
     # ------------------------------------------------------------------ summaries
 
@@ -499,17 +586,22 @@ class JaxTracker:
         (XLA partitions its own operations over a sharded array; a kernel would need the
         whole array on each device)."""
         layout = self._layout(x.dtype)
-        if jnp.dtype(x.dtype) == jnp.float64 or (self._path != "pallas" and (x.size < FUSED_SIZE or not fused)):
+        if jnp.dtype(x.dtype) == jnp.float64 or (
+            self._path != "pallas" and (x.size < FUSED_SIZE or not fused)
+        ):
             return summarize_jax(x, layout, self._custom)
 
-        def fused(a: jax.Array, interpret: bool | None = None) -> DeviceSummary:
+        def kernel(a: jax.Array, interpret: bool | None = None) -> DeviceSummary:
             core = pallas_summary(a, layout.format, layout.num_counts, interpret=interpret)
             return with_custom(core, a, self._custom)
 
         if self._path == "pallas":
-            return fused(x)
-        return jax.lax.platform_dependent(x, cuda=lambda a: fused(a, False),
-                                          default=lambda a: summarize_jax(a, layout, self._custom))
+            return kernel(x)
+        return jax.lax.platform_dependent(
+            x,
+            cuda=lambda a: kernel(a, False),
+            default=lambda a: summarize_jax(a, layout, self._custom),
+        )
 
     def _summarize_in_program(self, x: jax.Array) -> DeviceSummary:
         """Traceable summary for XLA:CPU: the host kernel as a custom call (float64 arrays
@@ -527,8 +619,9 @@ class JaxTracker:
             groups.setdefault(format_name(x.dtype), []).append(i)
         return list(groups.items())
 
-    def _summaries(self, arrays: list[jax.Array], fused: bool, plans: tuple[Any, ...]
-                   ) -> list[tuple[jax.Array, jax.Array]]:
+    def _summaries(
+        self, arrays: list[jax.Array], fused: bool, plans: tuple[Any, ...]
+    ) -> list[tuple[jax.Array, jax.Array]]:
         """Traced: per dtype group, the stacked counts and values of its arrays' summaries
         (stacked so that the host fetches a few arrays, not two per tensor); ``fused``: see
         :meth:`_summarize`. Then, for each array with a :func:`_shard_plan` in ``plans``,
@@ -546,20 +639,36 @@ class JaxTracker:
                     summary = summarize_jax(a, layout, self._custom)
                     return summary.counts[None], summary.values[None]
 
-                out.append(jax.shard_map(local, mesh=mesh, in_specs=spec,
-                                         out_specs=PartitionSpec(tuple(mesh.axis_names)), check_vma=False)(arrays[i]))
+                out.append(
+                    jax.shard_map(
+                        local,
+                        mesh=mesh,
+                        in_specs=spec,
+                        out_specs=PartitionSpec(tuple(mesh.axis_names)),
+                        check_vma=False,
+                    )(arrays[i])
+                )
         plain = [i for i, plan in enumerate(plans) if plan is None]
         for dtype, idx in self._groups([arrays[i] for i in plain]):
             idx = [plain[i] for i in idx]
             layout = self._layout(dtype)
             # Large arrays run faster through their own program (no copy into a shared
             # block); small ones share one, which keeps compile time down.
-            small = [i for i in idx if arrays[i].size < _OWN_PROGRAM_SIZE and self._path != "pallas"]
-            parts = dict(zip(small, summarize_many_jax([arrays[i] for i in small], layout, self._custom)))
+            small = [
+                i for i in idx if arrays[i].size < _OWN_PROGRAM_SIZE and self._path != "pallas"
+            ]
+            parts = dict(
+                zip(small, summarize_many_jax([arrays[i] for i in small], layout, self._custom))
+            )
             for i in idx:
                 if i not in parts:
                     parts[i] = self._summarize(arrays[i], fused)
-            out.append((jnp.stack([parts[i].counts for i in idx]), jnp.stack([parts[i].values for i in idx])))
+            out.append(
+                (
+                    jnp.stack([parts[i].counts for i in idx]),
+                    jnp.stack([parts[i].values for i in idx]),
+                )
+            )
         return out
 
     def _summarize_arrays(self, arrays: list[jax.Array]) -> list[_StackRow | np.ndarray]:
@@ -575,8 +684,9 @@ class JaxTracker:
             for dtype, idx in self._groups(arrays):
                 idx = [i for i in idx if _in_host_memory(arrays[i], placements)]
                 if idx:
-                    vectors = host_summaries([np.asarray(arrays[i]) for i in idx], self._layout(dtype),
-                                             _HOST_THREADS)
+                    vectors = host_summaries(
+                        [np.asarray(arrays[i]) for i in idx], self._layout(dtype), _HOST_THREADS
+                    )
                     for i, v in zip(idx, vectors):
                         rows[i] = v
         rest = [i for i, r in enumerate(rows) if r is None]
@@ -600,7 +710,9 @@ class JaxTracker:
 
     def _key(self, leaf: Leaf, tensor_type: str, dtype: Any) -> TensorKey:
         types = self._types_of(leaf.param)
-        return TensorKey(leaf.name, tensor_type, types[0].__name__ if types else "", format_name(dtype))
+        return TensorKey(
+            leaf.name, tensor_type, types[0].__name__ if types else "", format_name(dtype)
+        )
 
     # ------------------------------------------------------------------ activations
 
@@ -618,7 +730,9 @@ class JaxTracker:
         self._check_open("intercept")
         if not callable(f):
             raise TypeError(f"tracker.intercept(f, ...): f must be the update function; got {f!r}")
-        if not (self._track_activations or self._track_gradients) or not self._schedule(self.step_count):
+        if not (self._track_activations or self._track_gradients) or not self._schedule(
+            self.step_count
+        ):
             return f(*args, **kwargs)
         devices = _devices_of((args, kwargs))
         # The update runs where its arrays are (JAX's default backend when it is given none).
@@ -629,8 +743,10 @@ class JaxTracker:
             self._collect_mailboxes()  # first one's mailboxes are read before they are reused
         self._mailboxes.prepare(_replicated(devices))
         self._intercepted = True
-        with interception((self._token, self._on_cpu, self._one_device, self._mailboxes.generation),
-                          self._on_output):
+        with interception(
+            (self._token, self._on_cpu, self._one_device, self._mailboxes.generation),
+            self._on_output,
+        ):
             try:
                 return f(*args, **kwargs)
             except Exception as e:
@@ -639,7 +755,8 @@ class JaxTracker:
                 raise ValueError(
                     "tandv: a module output's summary came out batched (a vmap tandv did not "
                     "see through); exclude that module (track(..., exclude=[...])) or track with "
-                    "track_activations=False, track_gradients=False to keep the other rows") from e
+                    "track_activations=False, track_gradients=False to keep the other rows"
+                ) from e
 
     def _collect_mailboxes(self) -> None:
         """Read the mailboxes (their copy to the host starts now; they are decoded when the
@@ -659,20 +776,31 @@ class JaxTracker:
                 # elements of structured outputs as name[0], name[key] (as in PyTorch)
                 leaf_name = name + "".join(f"[{key_name(k)}]" for k in path)
                 if self._selector(leaf_name, cls.__mro__):
-                    probe = Probe(self._token, leaf_name, cls.__name__, self._track_activations,
-                                  self._track_gradients,
-                                  self._summarize_cpu if self._on_cpu
-                                  else functools.partial(self._summarize_xla, fused=self._one_device))
+                    probe = Probe(
+                        self._token,
+                        leaf_name,
+                        cls.__name__,
+                        self._track_activations,
+                        self._track_gradients,
+                        self._summarize_cpu
+                        if self._on_cpu
+                        else functools.partial(self._summarize_xla, fused=self._one_device),
+                    )
                     leaf = tap(probe, leaf)
             wrapped.append(leaf)
         return jax.tree_util.tree_unflatten(treedef, wrapped)
 
-    def _receive(self, name: str, module_type: str, tensor_type: str, dtype: str, summary: Any) -> None:
+    def _receive(
+        self, name: str, module_type: str, tensor_type: str, dtype: str, summary: Any
+    ) -> None:
         """A tap's summary arriving from the device (directly, from a mailbox or from the tap's
         host callback)."""
         if not self._recorder.closed:
-            self._recorder.add(TensorKey(name, tensor_type, module_type, format_name(dtype)),
-                               self._layout(dtype), summary)
+            self._recorder.add(
+                TensorKey(name, tensor_type, module_type, format_name(dtype)),
+                self._layout(dtype),
+                summary,
+            )
 
     # ------------------------------------------------------------------ step
 
@@ -695,7 +823,11 @@ class JaxTracker:
 
     def _named(self, kind: str, tree: Any, params: Any = None) -> tuple[list[Leaf], list[Any]]:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        cache_key = (kind, treedef, None if params is None else jax.tree_util.tree_structure(params))
+        cache_key = (
+            kind,
+            treedef,
+            None if params is None else jax.tree_util.tree_structure(params),
+        )
         named = self._names_cache.get(cache_key)
         if named is None:
             if kind == OPTIMISER_STATE:
@@ -703,7 +835,10 @@ class JaxTracker:
             elif kind == "collections":
                 named = collection_leaves(tree)
             elif kind == "slow":
-                named = [Leaf(leaf.index, f"{leaf.name}.slow", leaf.param) for _, leaf in param_leaves(tree)[0]]
+                named = [
+                    Leaf(leaf.index, f"{leaf.name}.slow", leaf.param)
+                    for _, leaf in param_leaves(tree)[0]
+                ]
             else:
                 named = [leaf for _, leaf in param_leaves(tree)[0]]
             self._names_cache[cache_key] = named
@@ -729,8 +864,10 @@ class JaxTracker:
         self._next_weights = [(n, a.dtype, s) for n, a, s in zip(named, arrays, summaries)]
 
     def _check_step_args(self, model_state: Any, optimizer_state: Any, gradients: Any) -> None:
-        for arg, given, told in (("model_state", model_state is not None, self._has_model),
-                                 ("optimizer_state", optimizer_state is not None, self._has_optimizer)):
+        for arg, given, told in (
+            ("model_state", model_state is not None, self._has_model),
+            ("optimizer_state", optimizer_state is not None, self._has_optimizer),
+        ):
             if given and not told:
                 raise ValueError(
                     f"tracker.step(): got {arg}, but track() was not given {arg}; pass {arg}= to "
@@ -738,18 +875,19 @@ class JaxTracker:
                 )
             if told and not given:
                 raise ValueError(
-                    f"tracker.step(): {arg} is missing; track() was given {arg}, so pass the updated "
-                    f"one after each update: tracker.step({arg}=...)"
+                    f"tracker.step(): {arg} is missing; track() was given {arg}, so pass the "
+                    f"updated one after each update: tracker.step({arg}=...)"
                 )
         if gradients is not None and not self._track_gradients:
             raise ValueError(
-                "tracker.step(): got gradients, but track(track_gradients=False); leave gradients out "
-                "or enable track_gradients"
+                "tracker.step(): got gradients, but track(track_gradients=False); leave "
+                "gradients out or enable track_gradients"
             )
         if gradients is None and self._track_gradients and self._has_model:
             raise ValueError(
-                "tracker.step(): gradients is missing; with model_state and track_gradients=True, pass "
-                "the step's parameter gradients: tracker.step(model_state, optimizer_state, gradients) "
+                "tracker.step(): gradients is missing; with model_state and "
+                "track_gradients=True, pass the step's parameter gradients: "
+                "tracker.step(model_state, optimizer_state, gradients) "
                 "(or track(track_gradients=False))"
             )
 
@@ -757,7 +895,8 @@ class JaxTracker:
         if not self._device_axis and _pmap_stacked(arrays):
             raise ValueError(
                 "tandv: these arrays come out of jax.pmap: their leading axis holds one copy per "
-                "device; track(..., device_axis=True) gives the rows of the logical arrays (one replica)"
+                "device; track(..., device_axis=True) gives the rows of the logical arrays "
+                "(one replica)"
             )
 
     def log_scalars(self, step: int | None = None, **scalars: Any) -> None:
@@ -776,7 +915,9 @@ class JaxTracker:
 
         self._recorder.log_scalars(step, scalars, self.step_count, capture_jax)
 
-    def step(self, model_state: Any = None, optimizer_state: Any = None, gradients: Any = None) -> None:
+    def step(
+        self, model_state: Any = None, optimizer_state: Any = None, gradients: Any = None
+    ) -> None:
         """Close the current step, after the update.
 
         Arguments:
@@ -793,8 +934,13 @@ class JaxTracker:
             ValueError: naming an argument that is missing or that ``track`` was not told about.
         """
         self._check_open("step")
-        if (optimizer_state is not None and gradients is None and not self._has_optimizer
-                and self._has_model and self._track_gradients):
+        if (
+            optimizer_state is not None
+            and gradients is None
+            and not self._has_optimizer
+            and self._has_model
+            and self._track_gradients
+        ):
             # step(params, grads): no optimizer state was announced, so the second
             # positional argument can only be the gradients
             optimizer_state, gradients = None, optimizer_state
@@ -807,8 +953,11 @@ class JaxTracker:
             if gradients is not None:
                 leaves, arrays = self._named(GRADIENT, _gradients_of(self._nnx_grads(gradients)))
                 named += [(n, GRADIENT, a) for n, a in zip(leaves, arrays)]
-            opt_state = parts.opt_state if parts is not None and parts.opt_state is not None else (
-                None if optimizer_state is None else self._opt_of(optimizer_state))
+            opt_state = (
+                parts.opt_state
+                if parts is not None and parts.opt_state is not None
+                else (None if optimizer_state is None else self._opt_of(optimizer_state))
+            )
             if opt_state is not None:
                 leaves, arrays = self._named(OPTIMISER_STATE, opt_state, params)
                 named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
@@ -841,7 +990,11 @@ class JaxTracker:
     def _keep_before(self, parts: _Parts, step: int) -> None:
         """With ``track_updates``, keep the parameters step ``step`` starts from (references:
         JAX arrays are immutable, so this holds no copy unless a later update donates them)."""
-        self._before = self._named(WEIGHT, parts.params) if self._track_updates and self._schedule(step) else None
+        self._before = (
+            self._named(WEIGHT, parts.params)
+            if self._track_updates and self._schedule(step)
+            else None
+        )
 
     def _updates(self, parts: _Parts) -> list[tuple[Leaf, str, Any]]:
         """``<param>.update`` leaves (Weight rows): the parameters given now minus those kept
@@ -849,16 +1002,25 @@ class JaxTracker:
         (old_leaves, old), self._before = self._before, None  # type: ignore[misc]
         new_leaves, new = self._named(WEIGHT, parts.params)
         if [n.name for n in new_leaves] != [n.name for n in old_leaves]:
-            raise ValueError("tracker.step(): the parameters' structure changed since the last step; "
-                             "track_updates=True needs the same tree at every step")
-        gone = [n.name for n, a in zip(old_leaves, old) if getattr(a, "is_deleted", lambda: False)()]
+            raise ValueError(
+                "tracker.step(): the parameters' structure changed since the last step; "
+                "track_updates=True needs the same tree at every step"
+            )
+        gone = [
+            n.name for n, a in zip(old_leaves, old) if getattr(a, "is_deleted", lambda: False)()
+        ]
         if gone:
             raise ValueError(
-                f"tracker.step(): track_updates=True needs the previous parameters, but the update deleted "
-                f"them (buffer donation, e.g. jax.jit(update, donate_argnums=...)): {gone[:3]}; do not "
-                f"donate the parameters, or track without track_updates")
+                f"tracker.step(): track_updates=True needs the previous parameters, but the "
+                f"update deleted them (buffer donation, e.g. jax.jit(update, "
+                f"donate_argnums=...)): {gone[:3]}; do not donate the parameters, or track "
+                f"without track_updates"
+            )
         diffs = self._subtract(new, old)
-        return [(Leaf(n.index, n.name + ".update", n.param), WEIGHT, d) for n, d in zip(new_leaves, diffs)]
+        return [
+            (Leaf(n.index, n.name + ".update", n.param), WEIGHT, d)
+            for n, d in zip(new_leaves, diffs)
+        ]
 
 
 def track(model_state: Any = None, optimizer_state: Any = None, **options: Any) -> JaxTracker:

@@ -10,14 +10,22 @@ a parameter-shaped tree (``mu``, ``nu``, ``trace``, ...); see :func:`optimizer_s
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-__all__ = ["Leaf", "key_name", "param_leaves", "optimizer_state_leaves", "collection_leaves", "is_float_array"]
+__all__ = [
+    "Leaf",
+    "key_name",
+    "param_leaves",
+    "optimizer_state_leaves",
+    "collection_leaves",
+    "is_float_array",
+]
 
 #: The Flax linen collection whose leaves are the trainable parameters.
 PARAMS_COLLECTION = "params"
@@ -82,14 +90,19 @@ def param_leaves(tree: Any) -> tuple[list[tuple[tuple[Any, ...], Leaf]], Any]:
         if not is_float_array(leaf):
             continue
         p = _strip(path)
-        name = ".".join(key_name(k) for k in p[_params_root(p):])
+        name = ".".join(key_name(k) for k in p[_params_root(p) :])
         out.append((tuple(path), Leaf(i, name, name)))
     return out, treedef
 
 
 def _field(prefix: Sequence[Any]) -> str:
     for k in reversed(prefix):
-        if isinstance(k, GetAttrKey) and k.name != "value" or isinstance(k, DictKey) and isinstance(k.key, str):
+        if (
+            isinstance(k, GetAttrKey)
+            and k.name != "value"
+            or isinstance(k, DictKey)
+            and isinstance(k.key, str)
+        ):
             return key_name(k)
     return "state"
 
