@@ -688,10 +688,11 @@ def test_tracker_cannot_be_reused_and_close_is_idempotent():
     tr = track(net, opt, out="log")
     with tr:
         train(net, opt, 1, tr)
-    tr.close()
+    assert tr.close() == tr.out_path  # a second close returns the path, as JAX's does
     with pytest.raises(RuntimeError, match="already"):
         tr.__enter__()
     assert re.search("log$", str(tr.out_path))
+    assert track(net, opt, out="never").close() is None  # never started: nothing written
 
 
 class CheckpointNet(Net):

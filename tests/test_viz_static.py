@@ -177,6 +177,27 @@ def test_scalar_line_several_types_scatter_and_log_scale(df):
     )
     assert ax.get_yscale() == "log"  # head activations grow ten-fold a step
     assert viz.scalar_line(df, "embed", "Weight", "rm2").axes[0].get_yscale() == "linear"
+    forced = viz.scalar_line(df, "embed", "Weight", "rm2", log_scale=True)
+    assert forced.axes[0].get_yscale() == "log"
+    with pytest.warns(DeprecationWarning, match="log_scale"):  # the former spelling still works
+        old = viz.scalar_line(df, "embed", "Weight", "rm2", logy=True)
+    assert old.axes[0].get_yscale() == "log"
+    with pytest.raises(viz.VizArgumentError, match="log_scale only"):
+        viz.scalar_line(df, "embed", "Weight", "rm2", logy=True, log_scale=False)
+
+
+def test_figures_display_themselves_in_a_notebook_as_png(df):
+    # IPython asks for _repr_png_; nothing is registered when tandv.viz is imported
+    for fig in (
+        viz.exp_hist(df, "head", "Activation", 0),
+        viz.scalar_line(df, "head", "Activation", "rm2"),
+        viz.scalar_global_heatmap(df, "Activation", "rm2"),
+        viz.percentile_bands(df, "Activation"),
+    ):
+        png = fig._repr_png_()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n")
+        width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+        assert width > 100 and height > 100
 
 
 def test_scalar_line_against_another_metric(df):

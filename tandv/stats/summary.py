@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -96,7 +96,6 @@ DEFAULT_STATS: tuple[str, ...] = (
 #: Default statistics that are counts (written as int64 columns).
 COUNT_STATS: frozenset[str] = frozenset({"numel", "zero_count", "nan_count", "inf_count"})
 
-MergeRule = Literal["sum", "min", "max", "mean"]
 #: How an extra (custom) statistic of two parts combines: ``mean`` is weighted by numel.
 MERGE_RULES: tuple[str, ...] = ("sum", "min", "max", "mean")
 

@@ -13,35 +13,6 @@ from .exp_hist import exp_hist, format_markers
 from .interact import InteractiveView, NotInNotebookError, interactive
 from .scalar import scalar_global_heatmap, scalar_line
 
-
-def _register_notebook_display() -> None:
-    """Let a returned Figure show as a PNG in a notebook even when no pyplot backend has
-    set that up (these figures are built without pyplot); an existing printer is kept."""
-    import sys
-
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
-    if shell is None:
-        return
-    import io
-
-    from matplotlib.figure import Figure
-
-    png = shell.display_formatter.formatters["image/png"]
-    try:
-        png.lookup_by_type(Figure)
-    except KeyError:
-
-        def _png(fig: Figure) -> bytes:
-            buf = io.BytesIO()
-            fig.savefig(buf, format="png", bbox_inches="tight")
-            return buf.getvalue()
-
-        png.for_type(Figure, _png)
-
-
-_register_notebook_display()
-
 __all__ = [
     "VizArgumentError",
     "exp_hist",

@@ -3,6 +3,7 @@ loop, e.g. by the report, are not kept alive by pyplot's figure registry)."""
 
 from __future__ import annotations
 
+import io
 import math
 
 import numpy as np
@@ -11,10 +12,21 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-__all__ = ["facet_grid", "figure_legend", "step_axis", "AUTO_COLUMNS"]
+__all__ = ["facet_grid", "figure_legend", "step_axis", "AUTO_COLUMNS", "NotebookFigure"]
 
 #: Panels per row when a figure's ``col_wrap`` is not given.
 AUTO_COLUMNS = 4
+
+
+class NotebookFigure(Figure):
+    """A Figure that shows itself as a PNG when a notebook displays it: IPython asks an
+    object for ``_repr_png_``, so no pyplot backend and no formatter registered on import
+    are needed (a pyplot or inline backend's own printer, where set up, still wins)."""
+
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", bbox_inches="tight")
+        return buf.getvalue()
 
 
 def facet_grid(
@@ -24,7 +36,7 @@ def facet_grid(
     figsize: tuple[float, float] | None = None,
     sharex: bool = False,
     sharey: bool = False,
-) -> tuple[Figure, list[Axes]]:
+) -> tuple[NotebookFigure, list[Axes]]:
     """A Figure with ``n`` panels, ``col_wrap`` per row (``None``: at most
     :data:`AUTO_COLUMNS`, so 20-60 panels wrap into a readable grid).
 
@@ -39,7 +51,7 @@ def facet_grid(
     nrows = max(math.ceil(n / ncols), 1)
     if figsize is None:
         figsize = (panel_size[0] * ncols, panel_size[1] * nrows + 0.4)
-    fig = Figure(figsize=figsize, layout="constrained")
+    fig = NotebookFigure(figsize=figsize, layout="constrained")
     grid = fig.subplots(nrows, ncols, squeeze=False, sharex=sharex, sharey=sharey)
     axes = list(grid.ravel())
     for ax in axes[n:]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -24,7 +25,7 @@ from ._data import (
     select_steps,
     select_tensor_types,
 )
-from ._facets import facet_grid, figure_legend, step_axis
+from ._facets import NotebookFigure, facet_grid, figure_legend, step_axis
 
 __all__ = [
     "scalar_line",
@@ -57,8 +58,9 @@ def scalar_line(
     x: str = "step",
     col_wrap: int | None = None,
     kind: Literal["line", "scatter"] = "line",
-    logy: bool | None = None,
+    log_scale: bool | None = None,
     figsize: tuple[float, float] | None = None,
+    logy: bool | None = None,
 ) -> Figure:
     """One or more scalar statistics of each selected tensor over training.
 
@@ -73,14 +75,25 @@ def scalar_line(
         x: ``"step"`` or another scalar statistic to plot against.
         col_wrap: panels per row (default: at most four).
         kind: ``"line"`` or ``"scatter"``.
-        logy: log-scale y axis; default when the plotted values are positive and the
-            largest is :data:`DECADES_RATIO` (20) times the smallest or more.
+        log_scale: log-scale y axis; default when the plotted values are positive and the
+            largest is :data:`DECADES_RATIO` (20) times the smallest or more (the same
+            argument as the heatmaps').
         figsize: figure size in inches.
+        logy: the former name of ``log_scale``, still accepted with a DeprecationWarning.
 
     Raises:
         tandv.SchemaError: if ``df`` is not a valid log.
         VizArgumentError: for an unknown layer, tensor type, metric or ``x``.
     """
+    if logy is not None:
+        if log_scale is not None:
+            raise VizArgumentError("scalar_line: give log_scale only (logy is its former name)")
+        warnings.warn(
+            "scalar_line(logy=...) is deprecated; use log_scale=...",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        log_scale = logy
     check_log(df)
     if kind not in ("line", "scatter"):
         raise VizArgumentError(f"kind={kind!r}: expected 'line' or 'scatter'")
@@ -95,7 +108,7 @@ def scalar_line(
     sel = rows_for(df, names, tts)
     xcol = (METADATA, STEP) if x == STEP else (SCALAR_STATS, x)
     values = sel[[(SCALAR_STATS, m) for m in metrics]].to_numpy(dtype=np.float64)
-    use_log = spans_decades(values) if logy is None else bool(logy)
+    use_log = spans_decades(values) if log_scale is None else bool(log_scale)
     fig, axes = facet_grid(len(names), col_wrap, figsize=figsize)
     several_tt = len(tts) > 1
     for ax, name in zip(axes, names):
@@ -227,7 +240,7 @@ def heatmap_panels(
     if col_wrap is None:
         # one panel per row, each as tall as its layers need (a label every 0.2 inch)
         heights = [max(1.6, min(14.0, 0.2 * len(g[1]) + 1.0)) for g in grids]
-        fig = Figure(figsize=figsize or (width, sum(heights) + 0.4), layout="constrained")
+        fig = NotebookFigure(figsize=figsize or (width, sum(heights) + 0.4), layout="constrained")
         axes = list(fig.subplots(len(grids), 1, squeeze=False, height_ratios=heights)[:, 0])
     else:
         n_layers = max(len(g[1]) for g in grids)

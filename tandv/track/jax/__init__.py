@@ -1,6 +1,6 @@
 """JAX/Flax tracker: ``from tandv.track.jax import track``.
 
-See ``docs/jax.md`` for usage with Flax linen, Flax nnx and optax.
+See the README's "JAX/Flax tracking" section for use with Flax linen, Flax nnx and optax.
 """
 
 from ._summary import DeviceSummary, summarize_jax, summarize_many_jax, to_vector

@@ -390,8 +390,8 @@ class JaxTracker:
     """Tracks one JAX/Flax training run; create it with :func:`track`.
 
     Attributes:
-        path: where the log is written.
-        step_count: the index of the current step (the number of :meth:`step` calls so far).
+        out_path: where the log is written (a parquet directory or a .pkl file).
+        step_index: the index of the current step (the number of :meth:`step` calls so far).
     """
 
     def __init__(
@@ -500,7 +500,7 @@ class JaxTracker:
         #: where the step-time stacks lie in the step's transfer).
         self._flights: deque[tuple[int, list[Any], dict[int, Any]]] = deque()
         self._nnx_tagged: list[Any] = []
-        self.step_count = 0
+        self.step_index = 0
         self._recorder = StepRecorder(
             out,
             out_format,
@@ -731,7 +731,7 @@ class JaxTracker:
         if not callable(f):
             raise TypeError(f"tracker.intercept(f, ...): f must be the update function; got {f!r}")
         if not (self._track_activations or self._track_gradients) or not self._schedule(
-            self.step_count
+            self.step_index
         ):
             return f(*args, **kwargs)
         devices = _devices_of((args, kwargs))
@@ -913,7 +913,7 @@ class JaxTracker:
         self._check_open("log_scalars")
         from ._scalars import capture_jax
 
-        self._recorder.log_scalars(step, scalars, self.step_count, capture_jax)
+        self._recorder.log_scalars(step, scalars, self.step_index, capture_jax)
 
     def step(
         self, model_state: Any = None, optimizer_state: Any = None, gradients: Any = None
@@ -945,7 +945,7 @@ class JaxTracker:
             # positional argument can only be the gradients
             optimizer_state, gradients = None, optimizer_state
         self._check_step_args(model_state, optimizer_state, gradients)
-        k = self.step_count
+        k = self.step_index
         parts = None if model_state is None else _parts(model_state)
         params = None if parts is None else parts.params
         if self._schedule(k):
@@ -982,7 +982,7 @@ class JaxTracker:
             self._recorder.discard()
         self._used_callbacks = False
         self._intercepted = False
-        self.step_count = k + 1
+        self.step_index = k + 1
         if parts is not None:
             self._prepare_weights(parts, k + 1)
             self._keep_before(parts, k + 1)

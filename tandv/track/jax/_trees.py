@@ -4,7 +4,7 @@ Parameters are named by their dotted pytree path under the ``params`` collection
 (``Dense_0.kernel``, ``layers.0.attn.query.kernel``); Flax nnx ``Variable`` wrappers add a
 trailing ``.value`` to the path, which is dropped. Optimizer-state leaves are named
 ``<parameter name>.<field>`` where ``field`` is the name of the optax state field that holds
-a parameter-shaped tree (``mu``, ``nu``, ``trace``, ...); see :func:`optimizer_state_names`.
+a parameter-shaped tree (``mu``, ``nu``, ``trace``, ...); see :func:`optimizer_state_leaves`.
 """
 
 from __future__ import annotations

@@ -630,11 +630,12 @@ class Tracker:
             # commit() calls the function before it returns: the lambda sees this flight
             self.recorder.commit(step, pending, lambda s: to_host(s, flight))  # noqa: B023
 
-    def close(self) -> None:
-        """Remove all hooks and finish the log (idempotent). Observations of a step that
-        was not ended with :meth:`step` are dropped."""
+    def close(self) -> Path | None:
+        """Remove all hooks and finish the log (idempotent); returns its path, as the JAX
+        tracker's ``close`` does (``None`` when the tracker never started). Observations of
+        a step that was not ended with :meth:`step` are dropped."""
         if self._closed:
-            return
+            return self.out_path
         self._closed = True
         self._active = False
         self._last = None
@@ -648,6 +649,7 @@ class Tracker:
             finally:
                 self._flights.clear()
                 self.out_path = self.recorder.close()
+        return self.out_path
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
