@@ -43,6 +43,7 @@ from .formats import NumberFormat, number_format
 
 __all__ = [
     "CORE_FIELDS",
+    "N_LEADING_COUNTS",
     "DEFAULT_STATS",
     "MERGE_RULES",
     "Layout",
@@ -95,6 +96,9 @@ DEFAULT_STATS: tuple[str, ...] = (
 )
 #: Default statistics that are counts (written as int64 columns).
 COUNT_STATS: frozenset[str] = frozenset({"numel", "zero_count", "nan_count", "inf_count"})
+#: How many fields lead :data:`CORE_FIELDS` as counts: kernels that keep counts in integers
+#: apart from the float values split and join the vector here.
+N_LEADING_COUNTS: int = next(i for i, f in enumerate(CORE_FIELDS) if f not in COUNT_STATS)
 
 #: How an extra (custom) statistic of two parts combines: ``mean`` is weighted by numel.
 MERGE_RULES: tuple[str, ...] = ("sum", "min", "max", "mean")

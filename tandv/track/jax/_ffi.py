@@ -43,14 +43,14 @@ from numba.extending import intrinsic
 
 from ...stats.formats import NumberFormat
 from ...stats.host import serial_tables, summary_serial
-from ...stats.summary import CORE_FIELDS
+from ...stats.summary import CORE_FIELDS, N_LEADING_COUNTS
 from ._summary import DeviceSummary
 
 __all__ = ["available", "ffi_summary", "TARGET", "SUPPORTED"]
 
 #: The custom-call target's name.
 TARGET = "tandv_summary_f32"
-_N_INT = 4  # numel, nan_count, inf_count, zero_count lead CORE_FIELDS
+_N_INT = N_LEADING_COUNTS  # numel, nan_count, inf_count, zero_count
 _N_VALUES = len(CORE_FIELDS) - _N_INT
 _EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
 _METADATA = 1  # XLA_FFI_Extension_Metadata

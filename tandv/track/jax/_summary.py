@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...stats.summary import CORE_FIELDS, POWERS, Layout
+from ...stats.summary import CORE_FIELDS, N_LEADING_COUNTS, POWERS, Layout
 
 __all__ = [
     "DeviceSummary",
@@ -36,7 +36,7 @@ __all__ = [
 #: A custom statistic: a traceable function of the array returning a scalar.
 CustomStat = Callable[[jax.Array], Any]
 
-_N_INT = 4  # numel, nan_count, inf_count, zero_count lead CORE_FIELDS
+_N_INT = N_LEADING_COUNTS  # numel, nan_count, inf_count, zero_count
 _N_FLOAT = len(CORE_FIELDS) - _N_INT  # min .. p8
 
 
