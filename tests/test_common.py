@@ -355,3 +355,19 @@ def test_second_step_call_without_activations_warns(tmp_path):
     ):
         rec.end_step(1, lambda xs: xs)
     rec.close()
+
+
+@pytest.mark.parametrize("module", ["tandv.track.torch", "tandv.track.jax"])
+def test_track_names_every_option_and_documents_each(module):
+    import importlib
+    import inspect
+
+    track = importlib.import_module(module).track
+    params = inspect.signature(track).parameters
+    assert not [p for p in params.values() if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    assert len(params) > 15
+    doc = inspect.getdoc(track)
+    undocumented = [
+        n for n in params if not re.search(rf"^ *([a-z_]+, )*{n}(, [a-z_]+)*:", doc, re.M)
+    ]
+    assert not undocumented, f"{module}.track's docstring does not describe {undocumented}"

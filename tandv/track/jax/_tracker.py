@@ -28,6 +28,7 @@ from ..common import (
     make_schedule,
 )
 from ..common.custom import StatsSpec, parse_custom_stats, percentile_columns
+from ..common.factory import signature_of
 from . import _ffi
 from ._intercept import (
     ROOT_NAME,
@@ -1023,7 +1024,8 @@ class JaxTracker:
         ]
 
 
-def track(model_state: Any = None, optimizer_state: Any = None, **options: Any) -> JaxTracker:
+@signature_of(JaxTracker)
+def track(*args: Any, **options: Any) -> JaxTracker:
     """Track a JAX/Flax training run; use as a context manager around the training loop.
 
     Arguments:
@@ -1071,4 +1073,4 @@ def track(model_state: Any = None, optimizer_state: Any = None, **options: Any) 
         sinks: callables that also receive each batch of rows (a DataFrame) as it is
             written, e.g. ``[tandv.export.TensorBoardSink("runs/x")]``; closed with the tracker.
     """
-    return JaxTracker(model_state, optimizer_state, **options)
+    return JaxTracker(*args, **options)

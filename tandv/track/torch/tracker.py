@@ -53,6 +53,7 @@ from ...stats.formats import number_format as to_number_format
 from ...stats.summary import Layout
 from ..common import Pattern, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
 from ..common.custom import StatFn, StatsSpec, parse_custom_stats, percentile_columns
+from ..common.factory import signature_of
 from ._compiled import CompiledHooks, compiled_root
 from ._workspace import Flight, Slot, Workspace, to_host
 from .summary import dtype_name
@@ -713,7 +714,8 @@ def _unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
     )
 
 
-def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
+@signature_of(Tracker)
+def track(*args: Any, **options: Any) -> Tracker:
     """Track a PyTorch module's training numerics; use as ``with track(model, opt) as tracker:``.
 
     Arguments:
@@ -776,4 +778,4 @@ def track(module: nn.Module, optimizer: Any = None, **options: Any) -> Tracker:
         A :class:`Tracker`; call ``tracker.step()`` after each optimizer update.
         ``tracker.out_path`` is the log's path.
     """
-    return Tracker(module, optimizer, **options)
+    return Tracker(*args, **options)
