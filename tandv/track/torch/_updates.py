@@ -33,7 +33,9 @@ class UpdateCapture:
 
     def __init__(self, tracker: Tracker, optimizer: torch.optim.Optimizer) -> None:
         self._tracker = weakref.ref(tracker)
-        self._before: list[tuple[str, torch.nn.Module, torch.Tensor, torch.Tensor]] = []
+        #: (name, owner, parameter) of the tracked parameters, and their copies, in one order
+        self._before: list[tuple[str, torch.nn.Module, torch.Tensor]] = []
+        self._copies: list[torch.Tensor] = []
         self._handles = [
             optimizer.register_step_pre_hook(self._pre),
             optimizer.register_step_post_hook(self._post),
@@ -41,33 +43,40 @@ class UpdateCapture:
 
     def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         tr = self._tracker()
-        self._before = []
+        self._before, self._copies = [], []
         if tr is None or not tr._active:
             return
-        with torch.no_grad():
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    known = tr._param_names.get(id(p))
-                    # (with step(closure) the gradients do not exist yet: frozen parameters,
-                    # requires_grad=False, are those an optimizer never moves)
-                    if (
-                        known is None
-                        or not p.requires_grad
-                        or not p.is_floating_point()
-                        or not tr._selected(*known)
-                    ):
-                        continue
-                    self._before.append((known[0], known[1], p, p.detach().clone()))
+        for group in opt.param_groups:
+            for p in group["params"]:
+                known = tr._param_names.get(id(p))
+                # (with step(closure) the gradients do not exist yet: frozen parameters,
+                # requires_grad=False, are those an optimizer never moves)
+                if (
+                    known is None
+                    or not p.requires_grad
+                    or not p.is_floating_point()
+                    or not tr._selected(*known)
+                ):
+                    continue
+                self._before.append((known[0], known[1], p.detach()))
+        if self._before:
+            # one multi-tensor copy (x * 1 is exact, -0.0 and NaN included), not a launch
+            # per parameter
+            self._copies = torch._foreach_mul([p for _, _, p in self._before], 1.0)
 
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         tr = self._tracker()
         before, self._before = self._before, []
+        copies, self._copies = self._copies, []
         if tr is None or not tr._active or not before or tr.recorder is None:
             return
-        with torch.no_grad():
-            for _, _, p, old in before:
-                torch.sub(p.detach(), old, out=old)  # the copy becomes after - before
-        items = [(f"{name}{UPDATE_SUFFIX}", WEIGHT, owner, d) for name, owner, _, d in before]
+        with torch.no_grad():  # the copies become after - before, in place
+            torch._foreach_neg_(copies)
+            torch._foreach_add_(copies, [p for _, _, p in before])
+        items = [
+            (f"{name}{UPDATE_SUFFIX}", WEIGHT, owner, d)
+            for (name, owner, _), d in zip(before, copies)
+        ]
         for entry in tr._summaries(items):
             tr.recorder.add(*entry)
 
@@ -75,4 +84,4 @@ class UpdateCapture:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._before = []
+        self._before, self._copies = [], []
