@@ -80,9 +80,7 @@ class TensorBoardSink:
 
         if rows.empty:
             return
-        stat_cols = [
-            c for c in rows[SCALAR_STATS].columns if self.scalars is None or c in self.scalars
-        ]
+        stat_cols = _stat_columns(rows, self.scalars)
         exps, counts = _exponent_matrix(rows)
         # bucket upper edges: underflow below the lowest exponent, 2**(n+1), then overflow
         limits = [
@@ -114,6 +112,11 @@ class TensorBoardSink:
     def close(self) -> None:
         """Write everything to disk and close the event file."""
         self._writer.close()
+
+
+def _stat_columns(rows: pd.DataFrame, wanted: tuple[str, ...] | None) -> list[str]:
+    """The rows' statistics a sink sends: those in ``wanted`` (all with ``None``)."""
+    return [c for c in rows[SCALAR_STATS].columns if wanted is None or c in wanted]
 
 
 def _exponent_matrix(rows: pd.DataFrame) -> tuple[list[int], np.ndarray]:
@@ -196,9 +199,7 @@ class WandbSink:
             return
         import wandb as wb
 
-        stat_cols = [
-            c for c in rows[SCALAR_STATS].columns if self.scalars is None or c in self.scalars
-        ]
+        stat_cols = _stat_columns(rows, self.scalars)
         exps, counts = _exponent_matrix(rows)
         first = exps[0] if exps else 0
         edges = np.arange(first - 1, first + len(exps) + 2, dtype=np.float64)  # log2|x|

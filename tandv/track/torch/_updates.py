@@ -62,7 +62,7 @@ class UpdateCapture:
         if self._before:
             # one multi-tensor copy (x * 1 is exact, -0.0 and NaN included), not a launch
             # per parameter
-            self._copies = torch._foreach_mul([p for _, _, p in self._before], 1.0)
+            self._copies = list(torch._foreach_mul([p for _, _, p in self._before], 1.0))
 
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         tr = self._tracker()
