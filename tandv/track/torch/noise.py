@@ -24,6 +24,12 @@ if TYPE_CHECKING:
 __all__ = ["GradientNoiseScale"]
 
 
+def _sq_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The squared L2 norm of all ``tensors`` together, in float64 on their device (one
+    multi-tensor norm, accumulated in float64, and no synchronisation)."""
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).square().sum()
+
+
 class GradientNoiseScale:
     """Per-step ``|G|^2`` and ``tr(Sigma)`` estimates from the micro-batches of a step.
 
@@ -78,10 +84,9 @@ class GradientNoiseScale:
         )
 
     def _hook(self, grads: Any) -> None:
-        got = [g for g in grads if g is not None]
+        got = [g.detach() for g in grads if g is not None]
         if got:
-            norms = torch._foreach_norm([g.detach() for g in got])
-            self._micro.append(torch.stack([n.to(torch.float64) for n in norms]).square().sum())
+            self._micro.append(_sq_norm(got))
 
     def step(self) -> dict[str, torch.Tensor]:
         """End the step: estimate from the micro-batches since the last call and ``.grad``.
@@ -103,7 +108,7 @@ class GradientNoiseScale:
         # the scale where the step's gradient sum_i h_i (= .grad) is their mean.
         small = torch.stack(self._micro).mean() * (k * k)
         grads = [p.grad.detach() for p in self.params if p.grad is not None]
-        big = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(grads)]).square().sum()
+        big = _sq_norm(grads)
         g2, trace = two_batch_estimate(small, self.micro_batch_size, big, k * self.micro_batch_size)
         out = {"noise_g2": g2, "noise_trace": trace, "noise_b_simple": trace / g2}
         self._micro = []
