@@ -34,6 +34,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.instancenorm import _InstanceNorm
 
+from ..track.torch.tracker import in_backward
 from ._core import (
     QUANTITIES,
     Schedule,
@@ -243,11 +244,6 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
-def _in_backward() -> bool:
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
-
-
 class Monitor(TableWriter):
     """Taiyi's ``Monitor``: computes Taiyi's quantities for the modules a config selects.
 
@@ -315,7 +311,7 @@ class Monitor(TableWriter):
         bn = w.keeps_batches
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if not (w.active or bn) or not module.training or _in_backward():
+            if not (w.active or bn) or not module.training or in_backward():
                 return
             with torch.no_grad():
                 self._capture(w, module, _first_tensor(args, kwargs), output)

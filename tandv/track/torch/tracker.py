@@ -61,7 +61,7 @@ from .summary import dtype_name
 __all__ = ["Tracker", "track", "StatFn"]
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread (a forward
     seen now is a recomputation by activation checkpointing)."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -426,7 +426,7 @@ class Tracker:
                 return
             tensors: list[tuple[str, torch.Tensor]] = []
             _flatten(output, name, tensors)
-            if _in_backward():
+            if in_backward():
                 # activation checkpointing recomputing the forward: its activations were seen
                 # already. Reentrant checkpointing ran the first forward without grad, so the
                 # output gradients flow through these recomputed outputs (non-reentrant
