@@ -204,6 +204,14 @@ CONDITION_PERCENT = {
 RANKME_EPS = 1e-7
 
 
+def key_text(key: Any, nn_package: str) -> str:
+    """A config key as the user wrote it (``nn.Linear``, ``'fc1'``): a class from
+    ``nn_package`` (``"torch.nn"``, ``"flax.linen"``) is spelled ``nn.<name>``."""
+    if isinstance(key, type):
+        return f"nn.{key.__name__}" if key.__module__.startswith(nn_package) else key.__name__
+    return repr(key)
+
+
 def condition_index(percent: int, d: int) -> int:
     """0-based index into descending eigenvalues of the denominator of
     ``InputCovCondition<percent>``."""

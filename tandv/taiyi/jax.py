@@ -28,6 +28,7 @@ from ._core import (
     Schedule,
     TableWriter,
     finalize_cov_eigs,
+    key_text,
     parse_quantity_list,
     rankme_from_singular_values,
 )
@@ -38,12 +39,6 @@ __all__ = ["Monitor", "JAX_QUANTITIES"]
 JAX_QUANTITIES = tuple(q for q in QUANTITIES if q not in ("OutputGradSndNorm", "MeanTID", "VarTID"))
 
 Due = frozenset  # frozenset of (key index, quantity name): what fires at a step
-
-
-def _key_text(key: Any) -> str:
-    if isinstance(key, type):
-        return f"nn.{key.__name__}" if key.__module__.startswith("flax.linen") else key.__name__
-    return repr(key)
 
 
 class Monitor(TableWriter):
@@ -93,7 +88,7 @@ class Monitor(TableWriter):
             )
         self._keys: list[tuple[Any, str, list[tuple[str, Schedule, str]]]] = []
         for key, value in config.items():
-            where = _key_text(key)
+            where = key_text(key, "flax.linen")
             if isinstance(key, type):
                 if not issubclass(key, nn.Module):
                     raise TypeError(

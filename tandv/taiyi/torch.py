@@ -40,6 +40,7 @@ from ._core import (
     Schedule,
     TableWriter,
     finalize_cov_eigs,
+    key_text,
     parse_quantity_list,
     rankme_from_singular_values,
 )
@@ -72,16 +73,9 @@ class _Entry:
     key: str  # the config key it came from, for messages
 
 
-def _key_text(key: Any) -> str:
-    """A config key as the user wrote it: ``nn.Linear``, ``'fc1'``."""
-    if isinstance(key, type):
-        return f"nn.{key.__name__}" if key.__module__.startswith("torch.nn") else key.__name__
-    return repr(key)
-
-
 def _matches(model: nn.Module, key: Any, root_name: str) -> list[tuple[str, nn.Module]]:
     mods = [(name or root_name, m) for name, m in model.named_modules()]
-    where = _key_text(key)
+    where = key_text(key, "torch.nn")
     if isinstance(key, type):
         if not issubclass(key, nn.Module):
             raise TypeError(
@@ -170,7 +164,7 @@ def resolve_config(
     order = {(name or root_name): i for i, (name, _) in enumerate(model.named_modules())}
     plan: dict[str, tuple[nn.Module, dict[str, _Entry]]] = {}
     for key, value in config.items():
-        where = _key_text(key)
+        where = key_text(key, "torch.nn")
         items = parse_quantity_list(value, where)
         for path, module in _matches(model, key, root_name):
             entries = plan.setdefault(path, (module, {}))[1]
