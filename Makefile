@@ -1,6 +1,7 @@
 # `make test`: create .venv from the repository's files and run the test suite.
 # `make lint`: create .venv and run ruff (lint and format check) and mypy on the package.
 # `make demo`: create .venv and run the main job (train a small transformer, tracked).
+# `make test-lowest`: the suite in .venv-lowest, every declared dependency at its floor.
 PY ?= python3
 VENV := .venv
 
@@ -10,7 +11,7 @@ $(VENV)/.installed: requirements-dev.txt requirements-torch.txt requirements-jax
 	$(VENV)/bin/pip install -q -r requirements-dev.txt
 	touch $@
 
-.PHONY: test lint demo
+.PHONY: test lint demo test-lowest
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q
 
@@ -21,3 +22,12 @@ lint: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/tandv demo
+
+# The floors in pyproject.toml are honest only if the suite passes with them installed.
+test-lowest:
+	rm -rf .venv-lowest
+	$(PY) -m venv .venv-lowest
+	.venv-lowest/bin/pip install -q --upgrade pip
+	$(PY) .ci/floors.py > .venv-lowest/floors.txt
+	.venv-lowest/bin/pip install -q -r requirements-dev.txt -c .venv-lowest/floors.txt
+	.venv-lowest/bin/python -m pytest -q
