@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -30,20 +31,12 @@ from ..common import (
 from ..common.custom import StatsSpec, parse_custom_stats, percentile_columns
 from ..common.factory import signature_of
 from . import _ffi
-from ._intercept import (
-    ROOT_NAME,
-    Mailboxes,
-    MailRead,
-    Probe,
-    acquire_nnx,
-    interception,
-    register,
-    release_nnx,
-    tag_nnx_paths,
-    tap,
-    untag_nnx_paths,
-)
+from ._delivery import Probe
+from ._intercept import interception
+from ._mailbox import Mailboxes, MailRead
+from ._nnx import acquire_nnx, release_nnx, tag_nnx_paths, untag_nnx_paths
 from ._pallas import pallas_summary
+from ._sink import ROOT_NAME, Report, register
 from ._summary import (
     CustomStat,
     DeviceSummary,
@@ -52,6 +45,7 @@ from ._summary import (
     to_vector,
     with_custom,
 )
+from ._taps import tap
 from ._trees import (
     Leaf,
     collection_leaves,
@@ -387,6 +381,51 @@ def _parse_stats(
     return custom, tuple((name, rules.get(name, "mean")) for name in custom)
 
 
+class _TapSink:
+    """The tracker as its taps see it (implements :class:`._sink.TapSink`): the mailbox
+    arena, the merge rules of the tracker's custom statistics, whether a tap of the current
+    step calls back, and where concrete reports land.
+
+    It holds the tracker's ``receive`` weakly: the tracker owns its sink, so the sink (held
+    by the registry of sinks, weakly too) never keeps its tracker alive."""
+
+    def __init__(
+        self, receive: Callable[[str, str, str, str, Any], None], merge_rules: Sequence[str]
+    ) -> None:
+        #: The arena and its mailboxes (the tracker prepares and reads them).
+        self.mailboxes = Mailboxes()
+        #: Whether a tap of the current step reports by host callback (the tracker resets it).
+        self.callbacks_used = False
+        self._merge_rules = list(merge_rules)
+        self._receive = weakref.WeakMethod(receive)  # a bound method of the tracker
+
+    @property
+    def arena(self) -> Any:
+        return self.mailboxes.arena
+
+    def post(
+        self,
+        name: str,
+        module_type: str,
+        reports: Sequence[Report],
+        arena: Any = None,
+        remat: bool = False,
+        merge: bool = False,
+    ) -> bool:
+        rules = self._merge_rules if merge else None
+        return self.mailboxes.post(name, module_type, reports, arena, remat, rules)
+
+    def receive(
+        self, name: str, module_type: str, tensor_type: str, dtype: str, summary: Any
+    ) -> None:
+        receive = self._receive()
+        if receive is not None:
+            receive(name, module_type, tensor_type, dtype, summary)
+
+    def note_callback(self) -> None:
+        self.callbacks_used = True
+
+
 class JaxTracker:
     """Tracks one JAX/Flax training run; create it with :func:`track`.
 
@@ -490,8 +529,7 @@ class JaxTracker:
         self._path = SUMMARY_PATH
         self._summarize_xla = jax.jit(self._summarize, static_argnames="fused")
         self._summarize_cpu = jax.jit(self._summarize_in_program)
-        self._mailboxes = Mailboxes()
-        self._used_callbacks = False
+        self._sink = _TapSink(self._receive, [rule for _, rule in self._extras])
         self._token = next(_tokens)
         self._on_cpu = False
         self._one_device = True  # whether the intercepted update runs on one device
@@ -517,7 +555,7 @@ class JaxTracker:
             ),
         )
         self.out_path = self._recorder.path
-        register(self._token, self)
+        register(self._token, self._sink)
         acquire_nnx()
         if model_state is not None:
             self._learn_nnx_types(model_state)
@@ -742,10 +780,10 @@ class JaxTracker:
         self._one_device = len(devices) <= 1
         if self._intercepted:  # a second call in this step (e.g. gradient accumulation): the
             self._collect_mailboxes()  # first one's mailboxes are read before they are reused
-        self._mailboxes.prepare(_replicated(devices))
+        self._sink.mailboxes.prepare(_replicated(devices))
         self._intercepted = True
         with interception(
-            (self._token, self._on_cpu, self._one_device, self._mailboxes.generation),
+            (self._token, self._on_cpu, self._one_device, self._sink.mailboxes.generation),
             self._on_output,
         ):
             try:
@@ -762,7 +800,7 @@ class JaxTracker:
     def _collect_mailboxes(self) -> None:
         """Read the mailboxes (their copy to the host starts now; they are decoded when the
         step is recorded) and add each report as an observation of the current step."""
-        read = self._mailboxes.read()
+        read = self._sink.mailboxes.read()
         if read is not None:
             for box, report, name, module_type, tensor_type, dtype in read.reports():
                 self._receive(name, module_type, tensor_type, dtype, _Mail(read, box, report))
@@ -795,7 +833,7 @@ class JaxTracker:
         self, name: str, module_type: str, tensor_type: str, dtype: str, summary: Any
     ) -> None:
         """A tap's summary arriving from the device (directly, from a mailbox or from the tap's
-        host callback)."""
+        host callback, through :class:`_TapSink`)."""
         if not self._recorder.closed:
             self._recorder.add(
                 TensorKey(name, tensor_type, module_type, format_name(dtype)),
@@ -970,7 +1008,7 @@ class JaxTracker:
             self._check_not_stacked([a for _, _, a in named])
             summaries = self._summarize_arrays([a for _, _, a in named])
             self._collect_mailboxes()
-            if self._used_callbacks:
+            if self._sink.callbacks_used:
                 jax.effects_barrier()  # every tap callback of this step has run
             for leaf, dtype, s in self._next_weights:  # keys now: module types may be known
                 self._recorder.add(self._key(leaf, WEIGHT, dtype), self._layout(dtype), s)
@@ -981,7 +1019,7 @@ class JaxTracker:
             self._land(k)
         else:
             self._recorder.discard()
-        self._used_callbacks = False
+        self._sink.callbacks_used = False
         self._intercepted = False
         self.step_index = k + 1
         if parts is not None:

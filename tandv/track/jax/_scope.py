@@ -1,0 +1,167 @@
+"""What JAX's trace state says about the code being traced: the one place that reads it.
+
+A tap must know which transforms enclose it, because each changes how its summary can
+leave the program (see ``_taps``): a loop body runs many times per step, ``jax.checkpoint``
+runs its forward pass again in the backward pass, ``shard_map`` has no refs and one shard per
+device, ``jax.vmap`` batches every value. JAX offers no public API for this question, so
+:func:`current_scope` reads JAX's trace chain. Everything here uses JAX internals
+(``jax._src``); ``tests/test_jax_scope.py`` runs each function inside the real transforms
+and fails, naming the function to update, when a JAX release moves what they read.
+
+Verified with jax 0.10.2 (:data:`VERIFIED_JAX`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src import config as _config
+from jax._src import core as _core
+from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import partial_eval as _pe
+
+__all__ = [
+    "VERIFIED_JAX",
+    "Scope",
+    "current_scope",
+    "is_batched",
+    "unbatched",
+    "manual_keep",
+]
+
+#: The JAX release whose internals this module was last checked against.
+VERIFIED_JAX = "0.10.2"
+
+
+def _internal(module: ModuleType, name: str) -> Any:
+    """``module.name``, or an ImportError saying which function of this module to update."""
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ImportError(
+            f"tandv: jax {jax.__version__} has no {module.__name__}.{name}, which "
+            f"tandv/track/jax/_scope.py reads (verified with jax {VERIFIED_JAX}); update "
+            f"current_scope/unbatched/manual_keep there for this JAX"
+        ) from None
+
+
+_trace_ctx = _internal(_core, "trace_ctx")  # .trace: the current trace
+_set_current_trace = _internal(_core, "set_current_trace")
+_get_axis_env = _internal(_core, "get_axis_env")
+_JaxprTrace = _internal(_pe, "JaxprTrace")
+_BatchTrace = _internal(_batching, "BatchTrace")
+_BatchTracer = _internal(_batching, "BatchTracer")
+_check_vma = _internal(_config, "_check_vma")
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The transforms enclosing the code being traced (all False outside any trace).
+
+    Attributes:
+        loop: inside a loop body (``lax.scan``, ``while_loop``, ``fori_loop``, and what is
+            built on them: ``nn.scan``, ``nnx.scan``): a ref would keep the last iteration only.
+        remat: inside ``jax.checkpoint`` (``nn.remat``, ``nnx.remat``): the forward pass runs
+            again in the backward pass, and JAX may reuse the traced body in a later trace.
+        manual: inside ``shard_map`` (also ``jax.pmap``, which JAX builds on it): refs are not
+            available there, and each device sees its own shard.
+        restaged: inside ``jax.checkpoint`` traced for partial evaluation (the
+            differentiated body of a loop, e.g. ``nn.scan(nn.remat(...))``): JAX stages the
+            body out again and again, and a ref closed over by one staging is unknown to the
+            next.
+        batched: under ``jax.vmap`` (a loop body's mailbox, merged per iteration, cannot take
+            the batched writes of a vmapped loop).
+    """
+
+    loop: bool = False
+    remat: bool = False
+    manual: bool = False
+    restaged: bool = False
+    batched: bool = False
+
+
+# What JAX names the function a trace is made for (``DebugInfo.traced_for``: the first
+# argument of ``api_util.debug_info`` where each transform traces its body, jax 0.10.2).
+#: Loop bodies: ``lax.scan``'s "scan"; ``while_loop``'s "while_body" and "while_cond";
+#: ``fori_loop``'s "fori_loop" (with static bounds it runs a scan, else a while_loop; the
+#: body is named after fori_loop either way).
+LOOP_TRACES = frozenset({"scan", "while_body", "while_cond", "fori_loop"})
+#: ``jax.checkpoint`` (``jax/_src/ad_checkpoint.py``, ``fun_remat``).
+REMAT_TRACE = "checkpoint / remat"
+#: ``jax.shard_map``, and ``jax.pmap`` built on it.
+MANUAL_TRACE = "shard_map"
+
+
+def current_scope() -> Scope:
+    """The :class:`Scope` of the code being traced now: the one place that recognizes loop
+    bodies, ``jax.checkpoint``, ``shard_map`` and ``jax.vmap`` around a tap.
+
+    What it looks for: JAX keeps the current trace in ``jax._src.core.trace_ctx.trace``;
+    each trace links to the one it was made under (``parent_trace``). A trace that stages a
+    function out into a jaxpr (``DynamicJaxprTrace``) carries a frame whose ``debug_info``
+    says what the function is traced for (:data:`LOOP_TRACES`, :data:`REMAT_TRACE`,
+    :data:`MANUAL_TRACE`); a ``JaxprTrace`` is partial evaluation (a differentiated body
+    staged out again: ``restaged`` with ``remat``); a ``BatchTrace`` is ``jax.vmap``.
+
+    Why this way: these are the facts JAX itself records about each trace, so they hold
+    however the transform was reached (Flax's ``nn.scan``, ``nnx.remat``, a user's own
+    ``lax.scan``); it replaced matching JAX's source file names on the Python stack, which
+    broke whenever JAX moved a function between files. What can still break it is JAX
+    renaming a ``traced_for`` label or a trace class; ``tests/test_jax_scope.py`` checks
+    each answer inside the real transforms."""
+    loop = remat = manual = partial = batched = False
+    trace = _trace_ctx.trace
+    while trace is not None:
+        info = getattr(getattr(trace, "frame", None), "debug_info", None)
+        kind = getattr(info, "traced_for", None)
+        loop |= kind in LOOP_TRACES
+        remat |= kind == REMAT_TRACE
+        manual |= kind == MANUAL_TRACE
+        partial |= isinstance(trace, _JaxprTrace)
+        batched |= isinstance(trace, _BatchTrace)
+        trace = getattr(trace, "parent_trace", None)
+    return Scope(loop, remat, manual, remat and partial, batched)
+
+
+def is_batched(x: Any) -> bool:
+    """Whether ``x`` is a value batched by ``jax.vmap`` (seen from inside the vmap)."""
+    return isinstance(x, _BatchTracer)
+
+
+@contextlib.contextmanager
+def unbatched(x: Any) -> Iterator[Any]:
+    """For a value batched by ``jax.vmap`` (possibly nested): yields the whole batched array
+    (mapped axes included) with the trace below every vmap made current, so that operations
+    in the block see one unbatched array; for any other value, yields ``x`` unchanged."""
+    if not isinstance(x, _BatchTracer):
+        yield x
+        return
+    while isinstance(x, _BatchTracer):
+        trace = x._trace.parent_trace
+        x = x.val
+    with _set_current_trace(trace):
+        yield x
+
+
+def manual_keep(x: Any) -> Any:
+    """Inside ``shard_map``: whether this device's report of ``x`` counts (traced bool).
+
+    Each device reports the summary of its own shard; the recorder merges the reports into
+    the summary of the whole array. Over a mesh axis along which ``x`` is the same on every
+    device (JAX's varying-axes types say so when the ``shard_map`` checks them), only the
+    device at index 0 counts, so a replicated value is not counted once per device."""
+    axes = _get_axis_env().axis_names()
+    varying = getattr(getattr(jax.typeof(x), "mat", None), "varying", None)
+    if varying is None or not _check_vma.value:
+        return jnp.ones((), jnp.bool_)  # no varying-axes types: every shard is distinct data
+    keep = jnp.ones((), jnp.bool_)
+    for axis in axes:
+        if axis not in varying:
+            keep &= jax.lax.axis_index(axis) == 0
+    return keep
