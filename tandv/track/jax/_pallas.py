@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from ...stats.formats import NumberFormat
+from ...stats.summary import POWERS, pack_parts
 from ._summary import DeviceSummary
 
 __all__ = ["BLOCK", "pallas_summary", "KERNEL_DTYPES"]
@@ -252,21 +253,22 @@ def _merge_blocks(ints: Any, hist: Any, moments: Any, n: int, nbins: int) -> tup
     mean_k = jnp.sum(nb * means) / nf
     dev = jnp.where(ints[:, 3] > 0, means - mean_k, 0.0)
     m2 = (jnp.sum(moments[:, 2] * r * r) + jnp.sum(nb * dev * dev)) / (s_scaled * s_scaled)
-    powers = [jnp.sum(moments[:, 3 + i] * r**p) / s_scaled**p for i, p in enumerate((1, 2, 4, 8))]
+    powers = [jnp.sum(moments[:, 3 + i] * r**p) / s_scaled**p for i, p in enumerate(POWERS)]
     bins = jnp.sum(hist, axis=0).reshape(-1)[:nbins]
-    counts = jnp.concatenate([jnp.stack([jnp.asarray(n, jnp.int32), n_nan, n_inf, n_zero]), bins])
-    values = jnp.stack(
-        [
-            _float(_order_key(kmin)),
-            _float(_order_key(kmax)),
-            _float(amin),
-            s,
-            mean_k / s_scaled * s,
-            m2,
-            *powers,
-        ]
-    )
-    return counts, values
+    core = {
+        "numel": jnp.asarray(n, jnp.int32),
+        "nan_count": n_nan,
+        "inf_count": n_inf,
+        "zero_count": n_zero,
+        "min": _float(_order_key(kmin)),
+        "max": _float(_order_key(kmax)),
+        "min_abs": _float(amin),
+        "max_abs": s,
+        "mean": mean_k / s_scaled * s,
+        "m2": m2,
+        **{f"p{p}": v for p, v in zip(POWERS, powers)},
+    }
+    return pack_parts(core, bins, xp=jnp)
 
 
 def pallas_summary(
