@@ -59,13 +59,7 @@ import torch
 
 from ...stats.formats import NumberFormat
 from ...stats.host import host_summaries
-from ...stats.summary import (
-    LEADING_COUNT_FIELDS,
-    Layout,
-    append_extras,
-    pack_fields,
-    unpack_fields,
-)
+from ...stats.summary import Layout, append_extras, pack_fields, unpack_fields
 
 __all__ = [
     "summarize_torch",
@@ -193,15 +187,18 @@ def _exponent_counts_f64(ad: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
     return out
 
 
-#: The fields of the raw head of a torch-op path vector (see :func:`raw_device`), in order:
-#: the leading counts of the summary (:data:`~tandv.stats.summary.LEADING_COUNT_FIELDS`),
+#: The fields of the raw head of a torch-op path vector (see :func:`raw_device`), in the
+#: order :func:`_raw_core` writes them: the element count, the NaN, inf and zero counts,
 #: the extrema with non-finite values read as 0, the largest finite magnitude ``s``, the
 #: power sums of ``|x| / 2**e``, the sum of squared deviations from ``m_c`` (the mean as
 #: rounded to the compute dtype) with ``m_c`` and its square, the scale exponents ``e``
 #: (``s < 2**e``) and ``e1``, and the sum of ``x / 2**e1``. :func:`finish_head` reads them
 #: by name.
 RAW_FIELDS: tuple[str, ...] = (
-    *LEADING_COUNT_FIELDS,
+    "numel",
+    "nan_count",
+    "inf_count",
+    "zero_count",
     "min_patched",
     "max_patched",
     "min_abs",
@@ -496,7 +493,7 @@ def finish_head(raw: Any, xp: Any = np) -> Any:
         xp: the array module, ``numpy`` (host) or ``torch`` (device, no sync).
     """
     r = unpack_fields(raw, RAW_FIELDS)
-    n, nan_c, inf_c, zero_c = (r[k] for k in LEADING_COUNT_FIELDS)
+    n, nan_c, inf_c, zero_c = r["numel"], r["nan_count"], r["inf_count"], r["zero_count"]
     min_abs, s, m_c = r["min_abs"], r["s"], r["m_c"]
     nonfin = nan_c + inf_c
     nfin = n - nonfin
