@@ -42,7 +42,7 @@ def build_log(path: Path, tensors: int, steps: int, steps_per_part: int, seed: i
     """Write the benchmark log at ``path`` with tandv's part writer."""
     from tandv.schema import PartWriter
     from tandv.stats import summarize
-    from tandv.stats.summary import CORE_FIELDS
+    from tandv.stats.summary import FIELD_INDEX
     from tandv.track.common import TensorKey, build_rows
 
     rng = np.random.default_rng(seed)
@@ -55,8 +55,7 @@ def build_log(path: Path, tensors: int, steps: int, steps_per_part: int, seed: i
         v, layout = summarize(x.astype(dtype))
         key = TensorKey(f"layers.{i // 8}.block{i % 8}.proj", kinds[i % 4], "Linear", dtype)
         bases.append((key, layout, v))
-    start = len(CORE_FIELDS)
-    extrema = [CORE_FIELDS.index(f) for f in ("min", "max", "min_abs", "max_abs", "mean")]
+    extrema = [FIELD_INDEX[f] for f in ("min", "max", "min_abs", "max_abs", "mean")]
     writer = PartWriter(path)
     for first in range(0, steps, steps_per_part):
         part_steps, entries = [], []
@@ -66,7 +65,7 @@ def build_log(path: Path, tensors: int, steps: int, steps_per_part: int, seed: i
             for key, layout, v in bases:
                 w = v.copy()
                 w[extrema] *= factor
-                counts = w[start : layout.extras_start]
+                counts = w[layout.exponent_counts]
                 # move the exponent counts up by `shift` binades (the underflow and
                 # overflow counts stay where they are)
                 inner = counts[1:-1]

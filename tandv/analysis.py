@@ -27,7 +27,13 @@ from .schema.columns import (
 from .schema.io import CHUNK_ROWS, _ParquetLog, read_log, read_parquet_chunks, run_record
 from .schema.validate import is_exponent_label
 from .stats.formats import number_format
-from .stats.summary import DEFAULT_STATS
+from .stats.summary import (
+    DEFAULT_STATS,
+    INVERTIBLE_STATS,
+    finalize_many,
+    merge_groups,
+    unfinalize_many,
+)
 
 __all__ = [
     "exponent_range",
@@ -426,25 +432,6 @@ def sparsity(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-#: The statistics :func:`aggregate` merges from (those of a tracker's log).
-_MERGE_FROM = (
-    "numel",
-    "nan_count",
-    "inf_count",
-    "zero_count",
-    "mean",
-    "std",
-    "mean_abs",
-    "min_abs",
-    "max_abs",
-    "rm2",
-    "rm4",
-    "rm8",
-    "min",
-    "max",
-)
-
-
 def aggregate(
     df: pd.DataFrame,
     groups: Mapping[str, str] | None = None,
@@ -454,13 +441,16 @@ def aggregate(
     """Aggregate rows: the statistics of all tensors of a group together, per tensor type and
     step, as if their elements were one tensor (the Chainer monitor's whole-model statistics).
 
-    Merged exactly from what each row stores, not averaged from finished statistics: counts
-    and exponent counts add up, extrema take the min/max, the mean is the count-weighted
-    mean, the variance adds each part's centred sum of squares and its spread of means
-    (Chan et al.), and the root-mean powers ``rm2/rm4/rm8`` and ``mean_abs`` add their
-    power sums (``n * rm_k**k``, scaled by the group's largest magnitude so that nothing
-    overflows). Moments are over the finite elements, as in every row. Custom statistics
-    (percentiles included) do not merge and are left out.
+    Merged exactly from what each row stores, not averaged from finished statistics: each
+    row's summary is rebuilt from its statistics (:func:`tandv.stats.summary.unfinalize_many`),
+    the summaries of each (group, tensor type, step) merge
+    (:func:`tandv.stats.summary.merge_groups`: counts and exponent counts add up, extrema
+    take the min/max, the mean is the count-weighted mean, the variance adds each part's
+    centred sum of squares and its spread of means, the power sums behind ``rm2/rm4/rm8``
+    and ``mean_abs`` add, rescaled to the group's largest magnitude so that nothing
+    overflows), and the merged summaries are finished like any row's. Moments are over the
+    finite elements, as in every row. Custom statistics (percentiles included) do not merge
+    and are left out.
 
     Arguments:
         groups: ``{group name: regex}``; a row belongs to every group whose regex is found
@@ -485,7 +475,7 @@ def aggregate(
     from .schema.columns import META_COLUMNS
     from .schema.validate import validate
 
-    missing = [c for c in _MERGE_FROM if (SCALAR_STATS, c) not in df.columns]
+    missing = [c for c in INVERTIBLE_STATS if (SCALAR_STATS, c) not in df.columns]
     if missing:
         raise ValueError(
             f"aggregate(df): the log lacks the statistics {missing}; aggregates are merged from "
@@ -512,100 +502,51 @@ def aggregate(
     kinds = df[(METADATA, "tensor_type")].to_numpy()
     steps = df[(METADATA, "step")].to_numpy(dtype=np.int64)
     dtypes = df[(METADATA, "dtype")].astype(str).to_numpy()
-    st = {c: df[(SCALAR_STATS, c)].to_numpy(dtype=np.float64) for c in _MERGE_FROM}
     exp_cols = [c for c in df.columns if c[0] == EXPONENT_COUNTS]
-    counts = df[exp_cols].to_numpy(dtype=np.int64)
+    # the rows' summaries, their exponent counts in the log's columns (a layout of its own)
+    summaries = unfinalize_many(
+        {c: df[(SCALAR_STATS, c)].to_numpy(dtype=np.float64) for c in INVERTIBLE_STATS},
+        df[exp_cols].to_numpy(dtype=np.float64).reshape(len(df), len(exp_cols)),
+    )
     kept = (
         np.ones(len(df), bool)
         if skip is None
         else np.array([skip.search(n) is None for n in names], bool)
     )
-    n_fin = st["numel"] - st["nan_count"] - st["inf_count"]
-    rows, exps = [], []
+    meta: list[list[Any]] = []
+    members: list[np.ndarray] = []
+    group_of: list[np.ndarray] = []
     for g, pat in patterns.items():
         member = kept & np.array([pat.search(n) is not None for n in names], bool)
         for tt in tts:
             sel = member & (kinds == tt)
             for step in np.unique(steps[sel]):
                 idx = np.flatnonzero(sel & (steps == step))
-                rows.append(_merge_rows(g, tt, int(step), idx, st, n_fin, dtypes))
-                exps.append(counts[idx].sum(axis=0))
-    stat_names = [*DEFAULT_STATS, "tensors", "sparsity"]
-    meta = pd.DataFrame([r[0] for r in rows], columns=list(META_COLUMNS))
-    meta["step"] = meta["step"].astype(np.int64)
-    stats = pd.DataFrame([r[1] for r in rows], columns=stat_names)
-    for c in ("numel", "zero_count", "nan_count", "inf_count", "tensors"):
-        stats[c] = stats[c].astype(np.int64)
-    ex = pd.DataFrame(
-        np.array(exps, dtype=np.int64).reshape(len(rows), len(exp_cols)),
-        columns=[c[1] for c in exp_cols],
+                found = sorted(set(dtypes[idx].tolist()))
+                dtype = (
+                    found[0]
+                    if len(found) == 1
+                    else max(found, key=lambda k: number_format(k).num_bins)
+                )
+                group_of.append(np.full(idx.size, len(meta)))
+                members.append(idx)
+                meta.append([g, "aggregate", tt, int(step), dtype])
+    rows = np.concatenate(members) if members else np.zeros(0, np.int64)
+    merged = merge_groups(
+        summaries[rows],
+        np.concatenate(group_of) if group_of else np.zeros(0, np.int64),
+        num_groups=len(meta),
     )
-    out = pd.concat([meta, stats, ex], axis=1, keys=[METADATA, SCALAR_STATS, EXPONENT_COUNTS])
-    return validate(out)
-
-
-def _merge_rows(
-    group: str,
-    tt: str,
-    step: int,
-    idx: np.ndarray,
-    st: dict[str, np.ndarray],
-    n_fin: np.ndarray,
-    dtypes: np.ndarray,
-) -> tuple[list[Any], list[float]]:
-    """One aggregate row from the rows ``idx``: (metadata, statistics)."""
-    n_i = n_fin[idx]
-    fin = n_i > 0  # rows whose moments exist (the others hold NaN moments)
-    total = {c: float(st[c][idx].sum()) for c in ("numel", "zero_count", "nan_count", "inf_count")}
-    n = float(n_i[fin].sum())
-    kinds = sorted(set(dtypes[idx].tolist()))
-    dtype = kinds[0] if len(kinds) == 1 else max(kinds, key=lambda k: number_format(k).num_bins)
-    if n > 0:
-        f = idx[fin]
-        w = n_i[fin]
-        s = float(np.max(st["max_abs"][f]))
-        s = s if s > 0 else 1.0
-        mean_s = float(
-            np.sum(w * (st["mean"][f] / s)) / n
-        )  # scaled: no overflow near the float max
-        m2 = float(
-            np.sum(w * (st["std"][f] / s) ** 2) + np.sum(w * (st["mean"][f] / s - mean_s) ** 2)
+    st, counts = finalize_many(merged.reshape(len(meta), summaries.shape[1]))
+    stats = pd.DataFrame({k: st[k] for k in DEFAULT_STATS})
+    stats["tensors"] = np.array([idx.size for idx in members], dtype=np.int64)
+    numel = st["numel"].astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        stats["sparsity"] = np.where(
+            numel > 0, st["zero_count"] / np.where(numel > 0, numel, 1), np.nan
         )
-        mom = {
-            "mean": mean_s * s,
-            "std": s * np.sqrt(max(m2, 0.0) / n),
-            "mean_abs": s * float(np.sum(w * (st["mean_abs"][f] / s)) / n),
-            **{
-                f"rm{k}": s * float(np.sum(w * (st[f"rm{k}"][f] / s) ** k) / n) ** (1.0 / k)
-                for k in (2, 4, 8)
-            },
-            "min_abs": float(np.min(st["min_abs"][f])),
-            "max_abs": float(np.max(st["max_abs"][f])),
-            "min": float(np.min(st["min"][f])),
-            "max": float(np.max(st["max"][f])),
-        }
-    else:
-        mom = {
-            k: np.nan
-            for k in (
-                "mean",
-                "std",
-                "mean_abs",
-                "rm2",
-                "rm4",
-                "rm8",
-                "min_abs",
-                "max_abs",
-                "min",
-                "max",
-            )
-        }
-    stats = {
-        **mom,
-        **total,
-        "tensors": len(idx),
-        "sparsity": total["zero_count"] / total["numel"] if total["numel"] else np.nan,
-    }
-    return [group, "aggregate", tt, step, dtype], [
-        stats[k] for k in (*DEFAULT_STATS, "tensors", "sparsity")
-    ]
+    meta_df = pd.DataFrame(meta, columns=list(META_COLUMNS))
+    meta_df["step"] = meta_df["step"].astype(np.int64)
+    ex = pd.DataFrame(counts, columns=[c[1] for c in exp_cols])
+    out = pd.concat([meta_df, stats, ex], axis=1, keys=[METADATA, SCALAR_STATS, EXPONENT_COUNTS])
+    return validate(out)

@@ -30,9 +30,16 @@ import numba
 import numpy as np
 
 from .formats import NumberFormat
-from .summary import CORE_FIELDS, Layout
+from .summary import FIELD_INDEX, N_CORE, N_CORE_VALUES, N_LEADING_COUNTS, Layout
 
-__all__ = ["host_summaries", "summary_serial", "serial_tables", "SAFE_RANGE", "HOST_DTYPES"]
+__all__ = [
+    "host_summaries",
+    "summary_serial",
+    "split_serial",
+    "serial_tables",
+    "SAFE_RANGE",
+    "HOST_DTYPES",
+]
 
 #: The largest magnitude of an array must lie in this range (or be 0) for the unscaled
 #: float64 power sums to neither overflow nor lose the powers that matter to underflow;
@@ -207,41 +214,24 @@ def _fold(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray]:
 
 
 # Where :func:`_finish` writes each core field (module-level ints: constants to numba).
-(
-    _O_NUMEL,
-    _O_NAN,
-    _O_INF,
-    _O_ZERO,
-    _O_MIN,
-    _O_MAX,
-    _O_MINABS,
-    _O_MAXABS,
-    _O_MEAN,
-    _O_M2,
-    _O_P1,
-    _O_P2,
-    _O_P4,
-    _O_P8,
-) = (
-    CORE_FIELDS.index(f)
-    for f in (
-        "numel",
-        "nan_count",
-        "inf_count",
-        "zero_count",
-        "min",
-        "max",
-        "min_abs",
-        "max_abs",
-        "mean",
-        "m2",
-        "p1",
-        "p2",
-        "p4",
-        "p8",
-    )
-)
-_NCORE = len(CORE_FIELDS)
+_O_NUMEL = FIELD_INDEX["numel"]
+_O_NAN = FIELD_INDEX["nan_count"]
+_O_INF = FIELD_INDEX["inf_count"]
+_O_ZERO = FIELD_INDEX["zero_count"]
+_O_MIN = FIELD_INDEX["min"]
+_O_MAX = FIELD_INDEX["max"]
+_O_MINABS = FIELD_INDEX["min_abs"]
+_O_MAXABS = FIELD_INDEX["max_abs"]
+_O_MEAN = FIELD_INDEX["mean"]
+_O_M2 = FIELD_INDEX["m2"]
+_O_P1 = FIELD_INDEX["p1"]
+_O_P2 = FIELD_INDEX["p2"]
+_O_P4 = FIELD_INDEX["p4"]
+_O_P8 = FIELD_INDEX["p8"]
+# The wire format's part boundaries (:func:`tandv.stats.summary.split_summary`), as ints.
+_NCORE = N_CORE
+_NLEAD = N_LEADING_COUNTS
+_NVALUES = N_CORE_VALUES
 
 
 @numba.njit(cache=True, nogil=True)
@@ -362,6 +352,21 @@ def summary_serial(x, field_bin, sub_bin, nb, over_at, out):  # pragma: no cover
         _scaled_powers(x, out[_O_MAXABS], out)
 
 
+@numba.njit(cache=True, nogil=True)
+def split_serial(v, counts, values):  # pragma: no cover - compiled
+    """:func:`tandv.stats.summary.split_summary` of one summary ``v`` without custom
+    statistics, for compiled callers (XLA's custom call): the leading and exponent counts
+    into ``counts`` (``len(v) - N_CORE_VALUES`` of them) and the core values into
+    ``values`` (at least ``N_CORE_VALUES``; custom statistics, which ``v`` lacks, are left
+    as they are), converted to the arrays' dtypes as ``numpy`` converts scalars."""
+    for i in range(_NLEAD):
+        counts[i] = v[i]
+    for i in range(_NVALUES):
+        values[i] = v[_NLEAD + i]
+    for i in range(counts.size - _NLEAD):
+        counts[_NLEAD + i] = v[_NCORE + i]
+
+
 def serial_tables(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray, int, float]:
     """The arguments after ``x`` of :func:`summary_serial` for format ``fmt``:
     ``(field_bin, sub_bin, nb, over_at)``, the tables as int32."""
@@ -434,7 +439,7 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
             )
         flats.append(_as_float32(a))
     k = len(flats)
-    out = np.zeros((k, len(CORE_FIELDS) + layout.num_counts))
+    out = np.zeros((k, layout.extras_start))
     if k == 0:
         return out
     lens = np.array([f.size for f in flats], dtype=np.int64)

@@ -29,12 +29,30 @@ extras                custom statistics, merged by their declared rule
 Moments are scaled by the largest magnitude so that no power overflows, whatever
 the input dtype (|x|**8 overflows float32 already for |x| > 2**16); the variance is
 kept as a centred sum (Chan et al.) so it stays accurate when |mean| >> std.
+
+The wire format
+---------------
+This module is the one owner of the order above. Kernels that keep the counts in integers
+and the values in floats (the JAX paths: int32 counts, float32 values; the host kernel
+behind XLA's custom call) hold a summary as two *parts*:
+
+- counts: the leading counts (:data:`LEADING_COUNT_FIELDS`), then the exponent counts;
+- values: the core values (:data:`VALUE_FIELDS`), then the custom statistics.
+
+:func:`split_summary` and :func:`join_summary` convert between a vector and its parts,
+:func:`pack_fields` / :func:`pack_summary` build vectors from fields given by name, and
+:func:`unpack_fields` reads them back by name; every position is derived from
+:data:`CORE_FIELDS` (:data:`FIELD_INDEX`, :data:`COUNT_INDEX`, :data:`VALUE_INDEX`).
+These helpers work on numpy, ``jax.numpy`` and torch arrays alike (the array module is
+detected, or passed as ``xp``) and on stacks of summaries, shape ``(..., n)``: one
+definition serves the numpy reference, the host kernel and every device kernel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -43,7 +61,16 @@ from .formats import NumberFormat, number_format
 
 __all__ = [
     "CORE_FIELDS",
+    "N_CORE",
     "N_LEADING_COUNTS",
+    "N_CORE_VALUES",
+    "LEADING_COUNT_FIELDS",
+    "VALUE_FIELDS",
+    "FIELD_INDEX",
+    "COUNT_INDEX",
+    "VALUE_INDEX",
+    "LEADING_COUNTS",
+    "CORE_VALUES",
     "DEFAULT_STATS",
     "MERGE_RULES",
     "Layout",
@@ -52,8 +79,19 @@ __all__ = [
     "merge_all",
     "finalize",
     "finalize_many",
+    "unfinalize_many",
+    "INVERTIBLE_STATS",
+    "merge_groups",
     "exponent_bins",
     "exponent_labels",
+    "array_module",
+    "split_summary",
+    "join_summary",
+    "pack_fields",
+    "unpack_fields",
+    "pack_summary",
+    "pack_parts",
+    "append_extras",
 ]
 
 #: Names of the fixed leading fields of every summary vector, in order.
@@ -73,7 +111,11 @@ CORE_FIELDS: tuple[str, ...] = (
     "p4",
     "p8",
 )
-_I = {name: i for i, name in enumerate(CORE_FIELDS)}
+#: Number of core fields: the exponent counts start here.
+N_CORE: int = len(CORE_FIELDS)
+#: Position of each core field in a summary vector (and in a row of a stack of them).
+FIELD_INDEX: Mapping[str, int] = MappingProxyType({name: i for i, name in enumerate(CORE_FIELDS)})
+_I = FIELD_INDEX
 #: The moment orders K kept as scaled power sums, and their field names.
 POWERS: tuple[int, ...] = (1, 2, 4, 8)
 
@@ -99,6 +141,24 @@ COUNT_STATS: frozenset[str] = frozenset({"numel", "zero_count", "nan_count", "in
 #: How many fields lead :data:`CORE_FIELDS` as counts: kernels that keep counts in integers
 #: apart from the float values split and join the vector here.
 N_LEADING_COUNTS: int = next(i for i, f in enumerate(CORE_FIELDS) if f not in COUNT_STATS)
+if any(f in COUNT_STATS for f in CORE_FIELDS[N_LEADING_COUNTS:]):  # pragma: no cover
+    raise AssertionError("CORE_FIELDS: every count must lead the values")
+#: The leading counts: the first fields of a summary's integer part.
+LEADING_COUNT_FIELDS: tuple[str, ...] = CORE_FIELDS[:N_LEADING_COUNTS]
+#: The core values (extrema, mean and scaled sums): the first fields of a summary's float part.
+VALUE_FIELDS: tuple[str, ...] = CORE_FIELDS[N_LEADING_COUNTS:]
+#: Number of core values: the custom statistics start here in a summary's float part.
+N_CORE_VALUES: int = len(VALUE_FIELDS)
+#: Where the leading counts lie, in a summary vector and in its integer part alike.
+LEADING_COUNTS: slice = slice(0, N_LEADING_COUNTS)
+#: Where the core values lie in a summary vector.
+CORE_VALUES: slice = slice(N_LEADING_COUNTS, N_CORE)
+#: Position of each leading count in a summary's integer part (exponent counts follow).
+COUNT_INDEX: Mapping[str, int] = MappingProxyType(
+    {name: i for i, name in enumerate(LEADING_COUNT_FIELDS)}
+)
+#: Position of each core value in a summary's float part (custom statistics follow).
+VALUE_INDEX: Mapping[str, int] = MappingProxyType({name: i for i, name in enumerate(VALUE_FIELDS)})
 
 #: How an extra (custom) statistic of two parts combines: ``mean`` is weighted by numel.
 MERGE_RULES: tuple[str, ...] = ("sum", "min", "max", "mean")
@@ -133,7 +193,7 @@ class Layout:
     @property
     def counts_start(self) -> int:
         """Index of the ``-inf`` (underflow) count."""
-        return len(CORE_FIELDS)
+        return N_CORE
 
     @property
     def num_counts(self) -> int:
@@ -150,6 +210,16 @@ class Layout:
         """Length of the summary vector."""
         return self.extras_start + len(self.extras)
 
+    @property
+    def exponent_counts(self) -> slice:
+        """Where the exponent counts lie in a summary vector."""
+        return slice(self.counts_start, self.extras_start)
+
+    @property
+    def extra_values(self) -> slice:
+        """Where the custom statistics lie in a summary vector."""
+        return slice(self.extras_start, self.size)
+
     def empty(self) -> np.ndarray:
         """The summary of an empty tensor: the neutral element of :func:`merge`."""
         out = np.zeros(self.size, dtype=np.float64)
@@ -159,6 +229,165 @@ class Layout:
         for i, (_, rule) in enumerate(self.extras):
             out[self.extras_start + i] = {"min": np.inf, "max": -np.inf}.get(rule, 0.0)
         return out
+
+
+# ------------------------------------------------------------------------ wire format
+
+
+def array_module(*arrays: Any) -> Any:
+    """The array module of ``arrays``: ``torch`` for torch tensors, ``jax.numpy`` for JAX
+    arrays (tracers included), else ``numpy``. Neither framework is imported unless one of
+    its arrays is given."""
+    for a in arrays:
+        root = type(a).__module__.partition(".")[0]
+        if root == "torch":
+            import torch
+
+            return torch
+        if root in ("jax", "jaxlib"):
+            import jax.numpy as jnp
+
+            return jnp
+    return np
+
+
+def _concat(parts: Sequence[Any], xp: Any) -> Any:
+    """``parts`` joined along their last axis (torch spells it ``cat(dim=)``)."""
+    if len(parts) == 1:
+        return parts[0]
+    if xp.__name__ == "torch":
+        return xp.cat(list(parts), dim=-1)
+    return xp.concatenate(list(parts), axis=-1)
+
+
+def _stack(parts: Sequence[Any], xp: Any) -> Any:
+    """``parts`` stacked on a new last axis."""
+    if xp.__name__ == "torch":
+        return xp.stack(list(parts), dim=-1)
+    return xp.stack(list(parts), axis=-1)
+
+
+def _width(v: Any) -> int:
+    return int(v.shape[-1])
+
+
+def split_summary(v: Any, layout: Layout | None = None, xp: Any = None) -> tuple[Any, Any]:
+    """A summary (or a stack of them, shape ``(..., n)``) as its integer and float parts.
+
+    Arguments:
+        v: summary vectors of ``layout`` (numpy, ``jax.numpy`` or torch; not copied where
+            a part is one slice).
+        layout: their layout; ``None`` for summaries without custom statistics whose
+            exponent counts are all the columns after the core (a log's exponent columns).
+        xp: the array module (default: detected from ``v``, see :func:`array_module`).
+
+    Returns:
+        ``(counts, values)``: the leading counts (:data:`LEADING_COUNT_FIELDS`) then the
+        exponent counts, and the core values (:data:`VALUE_FIELDS`) then the custom
+        statistics, in ``v``'s dtype (the caller casts: int32 counts, float32 values, ...).
+
+    Raises:
+        ValueError: if ``v``'s last axis is not ``layout.size`` long.
+    """
+    xp = array_module(v) if xp is None else xp
+    n = _width(v)
+    end = N_CORE if layout is None else layout.extras_start
+    if (layout is not None and n != layout.size) or n < end:
+        want = f"{layout.size} values (the layout's)" if layout else f"at least {N_CORE}"
+        raise ValueError(f"split_summary: summaries of {n} values; expected {want}")
+    if layout is None:
+        end = n
+    counts = _concat([v[..., LEADING_COUNTS], v[..., N_CORE:end]], xp)
+    values = _concat([v[..., CORE_VALUES], v[..., end:]], xp) if end < n else v[..., CORE_VALUES]
+    return counts, values
+
+
+def join_summary(counts: Any, values: Any, xp: Any = None) -> Any:
+    """The summary vectors (shape ``(..., n)``) of the parts :func:`split_summary` gives, in
+    the dtype the array module promotes the parts to (cast them first for float64).
+
+    Raises:
+        ValueError: if a part is shorter than its core fields.
+    """
+    xp = array_module(counts, values) if xp is None else xp
+    if _width(counts) < N_LEADING_COUNTS or _width(values) < N_CORE_VALUES:
+        raise ValueError(
+            f"join_summary: parts of {_width(counts)} counts and {_width(values)} values; "
+            f"expected at least {N_LEADING_COUNTS} and {N_CORE_VALUES}"
+        )
+    return _concat(
+        [
+            counts[..., :N_LEADING_COUNTS],
+            values[..., :N_CORE_VALUES],
+            counts[..., N_LEADING_COUNTS:],
+            values[..., N_CORE_VALUES:],
+        ],
+        xp,
+    )
+
+
+def unpack_fields(v: Any, names: Sequence[str] = CORE_FIELDS) -> dict[str, Any]:
+    """``{name: v[..., i]}`` for the ``i``-th of ``names``: the named fields of a vector or
+    of a stack of them (views where the array module gives views). ``names`` is
+    :data:`CORE_FIELDS` for a summary, :data:`LEADING_COUNT_FIELDS` for its integer part,
+    :data:`VALUE_FIELDS` for its float part, or a kernel's own record of partial results."""
+    if _width(v) < len(names):
+        raise ValueError(f"unpack_fields: {_width(v)} values hold no field {names[_width(v)]!r}")
+    return {name: v[..., i] for i, name in enumerate(names)}
+
+
+def pack_fields(
+    fields: Mapping[str, Any], names: Sequence[str] = CORE_FIELDS, xp: Any = None
+) -> Any:
+    """The arrays ``fields`` (all of one shape) stacked on a new last axis in the order of
+    ``names``, the inverse of :func:`unpack_fields`.
+
+    Raises:
+        ValueError: if ``fields`` lacks one of ``names`` or holds another name.
+    """
+    if set(fields) != set(names):
+        missing = [n for n in names if n not in fields]
+        unknown = [n for n in fields if n not in names]
+        raise ValueError(f"pack_fields: missing fields {missing}, unknown fields {unknown}")
+    parts = [fields[n] for n in names]
+    return _stack(parts, array_module(*parts) if xp is None else xp)
+
+
+def pack_summary(
+    core: Mapping[str, Any], exponent_counts: Any, extras: Any = None, xp: Any = None
+) -> Any:
+    """Summary vectors from their core fields by name (:data:`CORE_FIELDS`, each of shape
+    ``(...)``), their exponent counts ``(..., num_counts)`` and their custom statistics
+    ``(..., len(extras))`` (``None``: none)."""
+    xp = array_module(exponent_counts, *core.values()) if xp is None else xp
+    parts = [pack_fields(core, CORE_FIELDS, xp), exponent_counts]
+    return _concat(parts if extras is None else [*parts, extras], xp)
+
+
+def pack_parts(
+    core: Mapping[str, Any], exponent_counts: Any, extras: Any = None, xp: Any = None
+) -> tuple[Any, Any]:
+    """The integer and float parts (as :func:`split_summary` gives them) of summaries given
+    by their core fields by name (:data:`CORE_FIELDS`), their exponent counts and custom
+    statistics (``None``: none). The leading counts are stacked apart from the values, so
+    each part keeps its own dtype (int32 counts and float32 values stay so).
+
+    Raises:
+        ValueError: if ``core`` lacks one of :data:`CORE_FIELDS` or holds another name.
+    """
+    if set(core) != set(CORE_FIELDS):
+        pack_fields(core, CORE_FIELDS)  # raises, naming the difference
+    xp = array_module(exponent_counts, *core.values()) if xp is None else xp
+    leading = pack_fields({k: core[k] for k in LEADING_COUNT_FIELDS}, LEADING_COUNT_FIELDS, xp)
+    values = pack_fields({k: core[k] for k in VALUE_FIELDS}, VALUE_FIELDS, xp)
+    counts = _concat([leading, exponent_counts], xp)
+    return counts, values if extras is None else _concat([values, extras], xp)
+
+
+def append_extras(v: Any, extras: Any, xp: Any = None) -> Any:
+    """Summaries ``v`` (or a summary's float part) with the custom statistics ``extras``
+    (shape ``(..., k)``) appended: the position the layout gives them, after the rest."""
+    return _concat([v, extras], array_module(v, extras) if xp is None else xp)
 
 
 def exponent_labels(fmt: Any) -> list[int | str]:
@@ -231,14 +460,22 @@ def summarize(
         v[_I["m2"]] = np.sum((fin / scale - mean / scale) ** 2)
         for k in POWERS:
             v[_I[f"p{k}"]] = np.sum((a / scale) ** k)
-    v[layout.counts_start : layout.extras_start] = exponent_bins(flat, layout.format)
-    for i, (value, _) in enumerate((extras or {}).values()):
-        v[layout.extras_start + i] = float(value)
+    v[layout.exponent_counts] = exponent_bins(flat, layout.format)
+    v[layout.extra_values] = [float(value) for value, _ in (extras or {}).values()]
     return v, layout
 
 
 def _scale(s: np.ndarray | float) -> Any:
     return np.where(np.asarray(s) > 0, s, 1.0)
+
+
+def _n_finite(v: Any) -> Any:
+    """Finite elements of summaries ``v`` (shape ``(..., n)``): numel less NaN and inf."""
+    return v[..., _I["numel"]] - v[..., _I["nan_count"]] - v[..., _I["inf_count"]]
+
+
+#: Indices of the leading counts (they add up when summaries merge).
+_LEADING = list(range(N_LEADING_COUNTS))
 
 
 def merge(a: np.ndarray, b: np.ndarray, layout: Layout) -> np.ndarray:
@@ -250,11 +487,10 @@ def merge(a: np.ndarray, b: np.ndarray, layout: Layout) -> np.ndarray:
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     out = a.copy()
-    sums = [_I[k] for k in ("numel", "nan_count", "inf_count", "zero_count")]
-    sums += range(layout.counts_start, layout.extras_start)
+    sums = [*_LEADING, *range(layout.counts_start, layout.extras_start)]
     out[sums] = a[sums] + b[sums]  # counts and exponent counts
-    na = a[0] - a[1] - a[2]
-    nb = b[0] - b[1] - b[2]
+    na = _n_finite(a)
+    nb = _n_finite(b)
     n = na + nb
     for name, fn in (
         ("min", np.minimum),
@@ -276,6 +512,7 @@ def merge(a: np.ndarray, b: np.ndarray, layout: Layout) -> np.ndarray:
     for k in POWERS:
         i = _I[f"p{k}"]
         out[i] = a[i] * ra**k + b[i] * rb**k
+    wa, wb = a[_I["numel"]], b[_I["numel"]]
     for j, (_, rule) in enumerate(layout.extras):
         i = layout.extras_start + j
         if rule == "min":
@@ -285,8 +522,8 @@ def merge(a: np.ndarray, b: np.ndarray, layout: Layout) -> np.ndarray:
         elif rule == "sum":
             out[i] = a[i] + b[i]
         elif rule == "mean":
-            total = a[0] + b[0]
-            out[i] = (a[i] * a[0] + b[i] * b[0]) / total if total else 0.0
+            total = wa + wb
+            out[i] = (a[i] * wa + b[i] * wb) / total if total else 0.0
     return out
 
 
@@ -298,8 +535,125 @@ def merge_all(parts: Iterable[np.ndarray], layout: Layout) -> np.ndarray:
     return out
 
 
-def finalize_many(v: np.ndarray, layout: Layout) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def _empty_rows(rows: int, width: int, layout: Layout | None) -> np.ndarray:
+    """``rows`` empty summaries of ``width`` values (of ``layout``, or layout-free)."""
+    if layout is not None:
+        return np.tile(layout.empty(), (rows, 1))
+    out = np.zeros((rows, width))
+    out[:, _I["min"]] = out[:, _I["min_abs"]] = np.inf
+    out[:, _I["max"]] = -np.inf
+    return out
+
+
+def _checked_rows(v: Any, layout: Layout | None, what: str) -> np.ndarray:
+    """``v`` as a 2-D float64 stack of summaries, its width checked against ``layout``."""
+    v = np.asarray(v, dtype=np.float64)
+    v = v.reshape(-1, v.shape[-1]) if v.ndim > 1 else v[None, :]
+    want = N_CORE if layout is None else layout.size
+    if (v.shape[1] < want) if layout is None else (v.shape[1] != want):
+        raise ValueError(
+            f"{what}: summaries of {v.shape[1]} values; expected "
+            + (f"at least {N_CORE}" if layout is None else f"{want} (the layout's size)")
+        )
+    return v
+
+
+def merge_groups(
+    v: Any, groups: Any, layout: Layout | None = None, num_groups: int | None = None
+) -> np.ndarray:
+    """Merge the summaries ``v`` (rows) by group, vectorized: row ``i`` of the result is the
+    summary of the union of the rows ``r`` with ``groups[r] == i`` (the empty summary for a
+    group without rows).
+
+    The same merge as :func:`merge` in one step per group rather than pairwise: counts and
+    exponent counts add (exactly), extrema take the min/max, the mean is the count-weighted
+    mean, the centred sum of squares adds each part's (rescaled) and the spread of the
+    parts' means (Chan et al.), and the power sums are rescaled from each part's largest
+    magnitude to the group's, so nothing overflows. Results equal :func:`merge_all`'s up to
+    rounding.
+
+    Arguments:
+        v: summaries of ``layout``, shape ``(rows, layout.size)``.
+        groups: the group of each row, integers in ``[0, num_groups)``.
+        layout: their layout; ``None`` for summaries without custom statistics whose
+            exponent counts are every column after the core (a log's exponent columns).
+        num_groups: how many groups (default: ``max(groups) + 1``).
+
+    Returns:
+        A ``(num_groups, v.shape[1])`` float64 array of summaries.
+
+    Raises:
+        ValueError: if ``v`` does not fit ``layout``, or ``groups`` does not give one group
+            in range for each row.
+    """
+    v = _checked_rows(v, layout, "merge_groups")
+    g = np.asarray(groups)
+    if g.shape != (v.shape[0],) or (g.size and g.dtype.kind not in "iu"):
+        raise ValueError(
+            f"merge_groups: groups must be one integer per row ({v.shape[0]}); "
+            f"got shape {g.shape}, dtype {g.dtype}"
+        )
+    k = (int(g.max()) + 1 if g.size else 0) if num_groups is None else int(num_groups)
+    if g.size and (g.min() < 0 or g.max() >= k):
+        raise ValueError(f"merge_groups: groups must lie in [0, {k}); got {g.min()}..{g.max()}")
+    width = v.shape[1]
+    extras = () if layout is None else layout.extras
+    ends = width - len(extras)
+    out = _empty_rows(k, width, layout)
+    col = unpack_fields(v)
+    sums = [*_LEADING, *range(N_CORE, ends)]
+    acc = np.zeros((k, len(sums)))
+    np.add.at(acc, g, v[:, sums])  # counts: integers, added exactly in float64
+    out[:, sums] = acc
+    for name in ("min", "min_abs"):
+        np.minimum.at(out[:, _I[name]], g, col[name])
+    for name in ("max", "max_abs"):
+        np.maximum.at(out[:, _I[name]], g, col[name])
+    n_i = _n_finite(v)
+    n = np.zeros(k)
+    np.add.at(n, g, n_i)
+    has = n > 0
+    nf = np.where(has, n, 1.0)
+    scale = _scale(out[:, _I["max_abs"]])
+    s = scale[g]
+    r = col["max_abs"] / s  # each row's scale relative to its group's
+    mean_s = np.zeros(k)
+    np.add.at(mean_s, g, n_i * (col["mean"] / s))  # scaled: no overflow near the float max
+    mean_s /= nf
+    spread = np.zeros(k)
+    np.add.at(spread, g, col["m2"] * r**2 + n_i * (col["mean"] / s - mean_s[g]) ** 2)
+    out[:, _I["mean"]] = np.where(has, mean_s * scale, 0.0)
+    out[:, _I["m2"]] = np.where(has, spread, 0.0)
+    for p in POWERS:
+        i = _I[f"p{p}"]
+        acc1 = np.zeros(k)
+        np.add.at(acc1, g, col[f"p{p}"] * r**p)
+        out[:, i] = acc1
+    weight = np.zeros(k)
+    np.add.at(weight, g, col["numel"])
+    for j, (_, rule) in enumerate(extras):
+        i = ends + j
+        if rule == "min":
+            np.minimum.at(out[:, i], g, v[:, i])
+        elif rule == "max":
+            np.maximum.at(out[:, i], g, v[:, i])
+        elif rule == "sum":
+            np.add.at(out[:, i], g, v[:, i])
+        else:  # "mean", weighted by numel
+            acc1 = np.zeros(k)
+            np.add.at(acc1, g, v[:, i] * col["numel"])
+            out[:, i] = np.where(weight > 0, acc1 / np.where(weight > 0, weight, 1.0), 0.0)
+    return out
+
+
+def finalize_many(
+    v: np.ndarray, layout: Layout | None = None
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """:func:`finalize` of a stack of summaries of one layout (rows of ``v``), vectorized.
+
+    ``layout=None`` reads summaries without custom statistics whose exponent counts are
+    every column after the core (as :func:`merge_groups` and :func:`unfinalize_many` make
+    them from a log's exponent columns).
 
     Returns:
         ``(stats, counts)``: ``stats`` maps each statistic name to an array over the rows
@@ -307,10 +661,8 @@ def finalize_many(v: np.ndarray, layout: Layout) -> tuple[dict[str, np.ndarray],
         array of exponent counts.
     """
     v = np.atleast_2d(np.asarray(v, dtype=np.float64))
-    col = {name: v[:, i] for i, name in enumerate(CORE_FIELDS)}
-    numel, nan, inf, zero = (
-        np.rint(col[k]).astype(np.int64) for k in ("numel", "nan_count", "inf_count", "zero_count")
-    )
+    col = unpack_fields(v)
+    numel, nan, inf, zero = (np.rint(col[k]).astype(np.int64) for k in LEADING_COUNT_FIELDS)
     n = numel - nan - inf
     has = n > 0
     nf = np.where(has, n, 1).astype(np.float64)
@@ -329,10 +681,103 @@ def finalize_many(v: np.ndarray, layout: Layout) -> tuple[dict[str, np.ndarray],
     stats: dict[str, np.ndarray] = {k: np.where(has, moments[k], np.nan) for k in moments}
     stats.update(numel=numel, zero_count=zero, nan_count=nan, inf_count=inf)
     stats = {k: stats[k] for k in DEFAULT_STATS}
-    for j, (name, _) in enumerate(layout.extras):
-        stats[name] = v[:, layout.extras_start + j].copy()
-    counts = np.rint(v[:, layout.counts_start : layout.extras_start]).astype(np.int64)
+    extras = () if layout is None else layout.extras
+    ends = v.shape[1] - len(extras)
+    for j, (name, _) in enumerate(extras):
+        stats[name] = v[:, ends + j].copy()
+    counts = np.rint(v[:, N_CORE:ends]).astype(np.int64)
     return stats, counts
+
+
+#: The statistics of a log row :func:`unfinalize_many` rebuilds a summary from.
+INVERTIBLE_STATS: tuple[str, ...] = (
+    "numel",
+    "nan_count",
+    "inf_count",
+    "zero_count",
+    "min",
+    "max",
+    "min_abs",
+    "max_abs",
+    "mean",
+    "std",
+    "mean_abs",
+    "rm2",
+    "rm4",
+    "rm8",
+)
+
+
+def unfinalize_many(
+    stats: Mapping[str, Any], counts: Any, layout: Layout | None = None
+) -> np.ndarray:
+    """Summary vectors rebuilt from finished statistics, the inverse of :func:`finalize_many`:
+    what lets rows of a log merge as their tensors' summaries would.
+
+    Each field comes back from what a row stores: the counts and extrema as they are, ``m2``
+    from ``std`` (``n * (std / s)**2``), ``p1`` from ``mean_abs`` (``n * mean_abs / s``),
+    ``pK`` from ``rmK`` (``n * (rmK / s)**K``), with ``n`` the finite elements and ``s`` the
+    largest magnitude (1 when 0); a row without finite elements (NaN moments) gets the
+    empty summary's moments and extrema. So ``unfinalize_many(*finalize_many(v)) == v`` up
+    to rounding (a few units in the last place; ``p8`` from ``rm8`` carries eight times the
+    rounding of ``rm8``).
+
+    What cannot come back: statistics a summary does not hold (percentiles, and custom
+    statistics without a merge rule in ``layout``); and precision the row lost (a log that
+    stored float32 moments gives float32-accurate sums).
+
+    Arguments:
+        stats: per statistic name, one value per row: :data:`INVERTIBLE_STATS`, and the
+            custom statistics of ``layout.extras`` (stored as their summary fields).
+        counts: ``(rows, num_counts)`` exponent counts (``layout.num_counts`` wide; any
+            width when ``layout`` is ``None``: a log's exponent columns).
+        layout: the summaries' layout, or ``None`` for summaries without custom statistics
+            whose exponent counts are ``counts``' columns, whatever they are.
+
+    Returns:
+        A float64 array ``(rows, N_CORE + num_counts + len(extras))`` of summaries.
+
+    Raises:
+        ValueError: naming a missing statistic, or when shapes disagree.
+    """
+    c = np.asarray(counts, dtype=np.float64)
+    c = c.reshape(-1, c.shape[-1]) if c.ndim > 1 else c[None, :]
+    rows = c.shape[0]
+    names = [name for name, _ in (() if layout is None else layout.extras)]
+    missing = [k for k in (*INVERTIBLE_STATS, *names) if k not in stats]
+    if missing:
+        raise ValueError(f"unfinalize_many: no statistics {missing} to rebuild summaries from")
+    if layout is not None and c.shape[1] != layout.num_counts:
+        raise ValueError(
+            f"unfinalize_many: {c.shape[1]} exponent counts per row; the layout has "
+            f"{layout.num_counts}"
+        )
+    col = {}
+    for k in (*INVERTIBLE_STATS, *names):
+        a = np.asarray(stats[k], dtype=np.float64).reshape(-1)
+        if a.size != rows:
+            raise ValueError(
+                f"unfinalize_many: statistic {k!r} has {a.size} values for {rows} rows"
+            )
+        col[k] = a
+    n = col["numel"] - col["nan_count"] - col["inf_count"]
+    has = n > 0
+    s = _scale(np.where(has, col["max_abs"], 0.0))
+    with np.errstate(invalid="ignore"):
+        moments = {
+            "min": (col["min"], np.inf),
+            "max": (col["max"], -np.inf),
+            "min_abs": (col["min_abs"], np.inf),
+            "max_abs": (col["max_abs"], 0.0),
+            "mean": (col["mean"], 0.0),
+            "m2": (n * (col["std"] / s) ** 2, 0.0),
+            "p1": (n * (col["mean_abs"] / s), 0.0),
+            **{f"p{k}": (n * (col[f"rm{k}"] / s) ** k, 0.0) for k in POWERS if k > 1},
+        }
+    core = {k: np.where(has, value, empty) for k, (value, empty) in moments.items()}
+    core.update({k: col[k] for k in LEADING_COUNT_FIELDS})
+    extras = np.stack([col[k] for k in names], axis=-1) if names else None
+    return pack_summary(core, c, extras, np)
 
 
 def finalize(v: np.ndarray, layout: Layout) -> tuple[dict[str, float | int], np.ndarray]:

@@ -38,9 +38,9 @@ from ...schema.columns import (
 )
 from ...schema.writer import FORMATS, LogWriter, open_writer, prepare_directory
 from ...stats.summary import (
-    CORE_FIELDS,
     COUNT_STATS,
     DEFAULT_STATS,
+    FIELD_INDEX,
     Layout,
     exponent_labels,
     finalize_many,
@@ -233,8 +233,8 @@ def _rebin(v: np.ndarray, src: Layout, dst: Layout) -> np.ndarray | None:
         and g.max_exponent >= f.max_exponent
         and g.max >= f.max
     )
-    counts = v[src.counts_start : src.extras_start]
-    inf = v[CORE_FIELDS.index("inf_count")]
+    counts = v[src.exponent_counts]
+    inf = v[FIELD_INDEX["inf_count"]]
     if not nested or counts[0] != 0 or counts[-1] != inf:
         return None
     out = dst.empty()
@@ -242,7 +242,7 @@ def _rebin(v: np.ndarray, src: Layout, dst: Layout) -> np.ndarray | None:
     first = dst.counts_start + 1 + f.min_exponent - g.min_exponent
     out[first : first + f.num_bins] = counts[1:-1]
     out[dst.extras_start - 1] = inf
-    out[dst.extras_start :] = v[src.extras_start :]
+    out[dst.extra_values] = v[src.extra_values]
     return out
 
 

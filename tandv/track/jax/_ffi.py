@@ -42,16 +42,14 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ...stats.formats import NumberFormat
-from ...stats.host import serial_tables, summary_serial
-from ...stats.summary import CORE_FIELDS, N_LEADING_COUNTS
+from ...stats.host import serial_tables, split_serial, summary_serial
+from ...stats.summary import N_CORE_VALUES, N_LEADING_COUNTS
 from ._summary import DeviceSummary
 
 __all__ = ["available", "ffi_summary", "TARGET", "SUPPORTED"]
 
 #: The custom-call target's name.
 TARGET = "tandv_summary_f32"
-_N_INT = N_LEADING_COUNTS  # numel, nan_count, inf_count, zero_count
-_N_VALUES = len(CORE_FIELDS) - _N_INT
 _EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
 _METADATA = 1  # XLA_FFI_Extension_Metadata
 # Bytes of the structs as this module reads them: XLA_FFI_CallFrame through its results
@@ -192,12 +190,7 @@ def _handle(frame):  # pragma: no cover - compiled by available()
     control = _fp_control()
     _set_fp_control(control & ~_FLUSH_BITS)
     summary_serial(x, field_bin, sub_bin, np.int64(params[0]), np.float64(params[1]), out)
-    for i in range(_N_INT):
-        counts[i] = np.int32(out[i])
-    for i in range(k):
-        values[i] = np.float32(out[_N_INT + i])
-    for i in range(m - _N_INT):
-        counts[_N_INT + i] = np.int32(out[_N_INT + k + i])
+    split_serial(out, counts, values)
     _set_fp_control(control)
     return _pointer(0)
 
@@ -287,8 +280,8 @@ def ffi_summary(x: Any, fmt: NumberFormat, num_counts: int) -> DeviceSummary:
     call = jax.ffi.ffi_call(
         TARGET,
         (
-            jax.ShapeDtypeStruct((_N_INT + num_counts,), jnp.int32),
-            jax.ShapeDtypeStruct((_N_VALUES,), jnp.float32),
+            jax.ShapeDtypeStruct((N_LEADING_COUNTS + num_counts,), jnp.int32),
+            jax.ShapeDtypeStruct((N_CORE_VALUES,), jnp.float32),
         ),
         vmap_method="sequential",
     )

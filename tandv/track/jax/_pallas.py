@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from ...stats.formats import NumberFormat
+from ...stats.summary import POWERS, pack_parts, unpack_fields
 from ._summary import DeviceSummary
 
 __all__ = ["BLOCK", "pallas_summary", "KERNEL_DTYPES"]
@@ -55,6 +56,11 @@ _MASK = 0x7FFFFFFF
 _INF = 0x7F800000
 _KEY_NINF = int(np.int32(np.array(-np.inf, np.float32).view(np.int32) ^ _MASK))  # order key of -inf
 _LOW = 16  # width of the low part of a bin index
+#: The columns of a program's rows of partials (each padded to 8 by :func:`_row`): counts
+#: and extrema as integers (order keys, magnitude bits), and the block's scale exponent and
+#: moments of its values times ``2**k``. The epilogue reads them by name.
+_INT_COLUMNS = ("nan", "inf", "zero", "finite", "key_min", "key_max", "mag_min", "mag_max")
+_MOMENT_COLUMNS = ("k", "mean", "m2", "p1", "p2", "p4", "p8")
 
 
 def _bits(x: Any) -> Any:
@@ -131,19 +137,17 @@ def _kernel(
     n_fin = count(fin)
     key = _order_key(bits)
     amax = jnp.max(jnp.where(fin, mag, 0))
-    ints_ref[...] = _row(
-        [
-            count(nan),
-            count(inf),
-            count(zero),
-            n_fin,
-            jnp.min(jnp.where(fin, key, _INF)),
-            jnp.max(jnp.where(fin, key, _KEY_NINF)),
-            jnp.min(jnp.where(fin, mag, _INF)),
-            amax,
-        ],
-        jnp.int32,
-    )
+    ints = {
+        "nan": count(nan),
+        "inf": count(inf),
+        "zero": count(zero),
+        "finite": n_fin,
+        "key_min": jnp.min(jnp.where(fin, key, _INF)),
+        "key_max": jnp.max(jnp.where(fin, key, _KEY_NINF)),
+        "mag_min": jnp.min(jnp.where(fin, mag, _INF)),
+        "mag_max": amax,
+    }
+    ints_ref[...] = _row([ints[c] for c in _INT_COLUMNS], jnp.int32)
 
     # moments of x * 2**k, |x| * 2**k < 2 for every value of the block
     k = jnp.where(amax > 0, -_floor_log2(jnp.maximum(amax, 1)), 0)
@@ -155,18 +159,16 @@ def _kernel(
     u = jnp.abs(xs)
     u2 = u * u
     u4 = u2 * u2
-    moments_ref[...] = _row(
-        [
-            k,
-            mean,
-            jnp.sum(d * d) - jnp.sum(d) ** 2 / nf,
-            jnp.sum(u),
-            jnp.sum(u2),
-            jnp.sum(u4),
-            jnp.sum(u4 * u4),
-        ],
-        jnp.float32,
-    )
+    moments = {
+        "k": k,
+        "mean": mean,
+        "m2": jnp.sum(d * d) - jnp.sum(d) ** 2 / nf,
+        "p1": jnp.sum(u),
+        "p2": jnp.sum(u2),
+        "p4": jnp.sum(u4),
+        "p8": jnp.sum(u4 * u4),
+    }
+    moments_ref[...] = _row([moments[c] for c in _MOMENT_COLUMNS], jnp.float32)
 
     # exponent counts: bin 0 underflow, nbins - 1 overflow, nbins dropped (zeros, NaN, padding)
     over = valid & ~nan & ((mag > over_bits) | inf)
@@ -233,40 +235,41 @@ def _summary(x: Any, fmt: NumberFormat, num_counts: int, interpret: bool) -> tup
 
 def _merge_blocks(ints: Any, hist: Any, moments: Any, n: int, nbins: int) -> tuple[Any, Any]:
     """The summary's counts and values from the per-block rows (XLA, small arrays)."""
-    n_nan, n_inf, n_zero, n_fin = (jnp.sum(ints[:, i]) for i in range(4))
+    col = unpack_fields(ints, _INT_COLUMNS)
+    mom = unpack_fields(moments, _MOMENT_COLUMNS)
+    n_nan, n_inf, n_zero, n_fin = (jnp.sum(col[c]) for c in ("nan", "inf", "zero", "finite"))
     has = n_fin > 0
-    kmin = jnp.where(has, jnp.min(ints[:, 4]), _INF)
-    kmax = jnp.where(has, jnp.max(ints[:, 5]), _KEY_NINF)
-    amin = jnp.where(has, jnp.min(ints[:, 6]), _INF)
-    amax = jnp.where(has, jnp.max(ints[:, 7]), 0)
+    kmin = jnp.where(has, jnp.min(col["key_min"]), _INF)
+    kmax = jnp.where(has, jnp.max(col["key_max"]), _KEY_NINF)
+    amin = jnp.where(has, jnp.min(col["mag_min"]), _INF)
+    amax = jnp.where(has, jnp.max(col["mag_max"]), 0)
     s = _float(amax)
     big_k = jnp.where(amax > 0, -_floor_log2(jnp.maximum(amax, 1)), 0)
     s_scaled = jnp.where(amax > 0, _rescaled(amax, big_k), 1.0)  # s * 2**K, in [1, 2)
-    nb = ints[:, 3].astype(jnp.float32)
+    nb = col["finite"].astype(jnp.float32)
     # each block's moments from its scale 2**k to the array's 2**K (K <= k): exact powers of two
-    r = jnp.where(
-        ints[:, 3] > 0, _pow2(jnp.minimum(big_k - moments[:, 0].astype(jnp.int32), 0)), 0.0
-    )
+    r = jnp.where(col["finite"] > 0, _pow2(jnp.minimum(big_k - mom["k"].astype(jnp.int32), 0)), 0.0)
     nf = jnp.maximum(n_fin, 1).astype(jnp.float32)
-    means = moments[:, 1] * r
+    means = mom["mean"] * r
     mean_k = jnp.sum(nb * means) / nf
-    dev = jnp.where(ints[:, 3] > 0, means - mean_k, 0.0)
-    m2 = (jnp.sum(moments[:, 2] * r * r) + jnp.sum(nb * dev * dev)) / (s_scaled * s_scaled)
-    powers = [jnp.sum(moments[:, 3 + i] * r**p) / s_scaled**p for i, p in enumerate((1, 2, 4, 8))]
+    dev = jnp.where(col["finite"] > 0, means - mean_k, 0.0)
+    m2 = (jnp.sum(mom["m2"] * r * r) + jnp.sum(nb * dev * dev)) / (s_scaled * s_scaled)
+    powers = [jnp.sum(mom[f"p{p}"] * r**p) / s_scaled**p for p in POWERS]
     bins = jnp.sum(hist, axis=0).reshape(-1)[:nbins]
-    counts = jnp.concatenate([jnp.stack([jnp.asarray(n, jnp.int32), n_nan, n_inf, n_zero]), bins])
-    values = jnp.stack(
-        [
-            _float(_order_key(kmin)),
-            _float(_order_key(kmax)),
-            _float(amin),
-            s,
-            mean_k / s_scaled * s,
-            m2,
-            *powers,
-        ]
-    )
-    return counts, values
+    core = {
+        "numel": jnp.asarray(n, jnp.int32),
+        "nan_count": n_nan,
+        "inf_count": n_inf,
+        "zero_count": n_zero,
+        "min": _float(_order_key(kmin)),
+        "max": _float(_order_key(kmax)),
+        "min_abs": _float(amin),
+        "max_abs": s,
+        "mean": mean_k / s_scaled * s,
+        "m2": m2,
+        **{f"p{p}": v for p, v in zip(POWERS, powers)},
+    }
+    return pack_parts(core, bins, xp=jnp)
 
 
 def pallas_summary(

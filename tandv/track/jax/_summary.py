@@ -20,7 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...stats.summary import CORE_FIELDS, N_LEADING_COUNTS, POWERS, Layout
+from ...stats.summary import (
+    COUNT_INDEX,
+    N_CORE_VALUES,
+    POWERS,
+    VALUE_FIELDS,
+    Layout,
+    append_extras,
+    join_summary,
+    pack_fields,
+    pack_parts,
+    unpack_fields,
+)
 
 __all__ = [
     "DeviceSummary",
@@ -36,14 +47,11 @@ __all__ = [
 #: A custom statistic: a traceable function of the array returning a scalar.
 CustomStat = Callable[[jax.Array], Any]
 
-_N_INT = N_LEADING_COUNTS  # numel, nan_count, inf_count, zero_count
-_N_FLOAT = len(CORE_FIELDS) - _N_INT  # min .. p8
-
 
 class DeviceSummary(NamedTuple):
-    """A summary as it leaves the device: ``counts`` (int32: numel, nan, inf, zero, then the
-    exponent counts) and ``values`` (float: min, max, min_abs, max_abs, mean, m2, p1, p2, p4,
-    p8, then custom statistics)."""
+    """A summary as it leaves the device, as the two parts of
+    :func:`tandv.stats.summary.split_summary`: ``counts`` (int32: the leading counts, then
+    the exponent counts) and ``values`` (float: the core values, then custom statistics)."""
 
     counts: Any
     values: Any
@@ -158,7 +166,7 @@ def with_custom(
     if not custom:
         return core
     extra = [jnp.asarray(fn(x), core.values.dtype).reshape(1) for fn in custom.values()]
-    return DeviceSummary(core.counts, jnp.concatenate([core.values, *extra]))
+    return DeviceSummary(core.counts, append_extras(core.values, jnp.concatenate(extra), jnp))
 
 
 def _reduce_rows(ops: list[tuple[Any, str]]) -> list[Any]:
@@ -233,7 +241,8 @@ def _platform_histogram(idx: Any, length: int) -> Any:
 def _summarize_rows(
     block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: Layout, fb: _Bits
 ) -> tuple[Any, Any]:
-    """Counts ``[num, 4 + bins]`` and values ``[num, 10]`` of the arrays laid out in ``block``
+    """Counts ``[num, N_LEADING_COUNTS + bins]`` and values ``[num, N_CORE_VALUES]`` (the
+    parts of :func:`tandv.stats.summary.split_summary`) of the arrays laid out in ``block``
     (``[rows, ROW]``; row r belongs to array ``row_seg[r]``, padded with ``pads`` NaNs)."""
     cdt, idt = fb.float_dtype, fb.int_dtype
     width = np.dtype(idt).itemsize * 8
@@ -352,10 +361,20 @@ def _summarize_rows(
         [_platform_histogram(idx[starts[i] : starts[i + 1]], nbins + 1)[:nbins] for i in range(num)]
     ).astype(jnp.int32)
 
-    numel = n_fin + n_nan + n_inf
-    counts = jnp.concatenate([jnp.stack([numel, n_nan, n_inf, n_zero], axis=1), bins], axis=1)
-    values = jnp.stack([vmin, vmax, min_abs, s, mean, m2, *sums[2:]], axis=1)
-    return counts, values
+    core = {
+        "numel": n_fin + n_nan + n_inf,
+        "nan_count": n_nan,
+        "inf_count": n_inf,
+        "zero_count": n_zero,
+        "min": vmin,
+        "max": vmax,
+        "min_abs": min_abs,
+        "max_abs": s,
+        "mean": mean,
+        "m2": m2,
+        **{f"p{k}": p for k, p in zip(POWERS, sums[2:])},
+    }
+    return pack_parts(core, bins, xp=jnp)
 
 
 def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> DeviceSummary:
@@ -373,9 +392,11 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
     ca, cb = a.counts, b.counts
     va, vb = a.values, b.values
     counts = ca + cb
-    na = (ca[0] - ca[1] - ca[2]).astype(va.dtype)
-    nb = (cb[0] - cb[1] - cb[2]).astype(va.dtype)
+    numel, nan, inf = COUNT_INDEX["numel"], COUNT_INDEX["nan_count"], COUNT_INDEX["inf_count"]
+    na = (ca[numel] - ca[nan] - ca[inf]).astype(va.dtype)
+    nb = (cb[numel] - cb[nan] - cb[inf]).astype(va.dtype)
     n = na + nb
+    xa, xb = unpack_fields(va, VALUE_FIELDS), unpack_fields(vb, VALUE_FIELDS)
     # Extrema compared as bit patterns (order keys): exact where XLA:CPU's float comparisons
     # treat subnormals as zero.
     fb = _bits_for(va.dtype)
@@ -388,9 +409,13 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
     def unkey(k: Any) -> Any:
         return jax.lax.bitcast_convert_type(k ^ ((k >> (width - 1)) & fb.magnitude_mask), va.dtype)
 
-    ka, kb = key(va[:4]), key(vb[:4])
-    lo, hi = unkey(jnp.minimum(ka, kb)), unkey(jnp.maximum(ka, kb))
-    vmin, vmax, min_abs, s = lo[0], hi[1], lo[2], hi[3]
+    def lower(name: str) -> Any:
+        return unkey(jnp.minimum(key(xa[name]), key(xb[name])))
+
+    def upper(name: str) -> Any:
+        return unkey(jnp.maximum(key(xa[name]), key(xb[name])))
+
+    s = upper("max_abs")
     # Ratios to s in the integer domain (v * 2**k rebuilt from its bits, s * 2**k in [1, 2)):
     # exact for subnormal s and v, which XLA:CPU's float division flushes to zero.
     idt, mb, bias, mask = fb.int_dtype, fb.mantissa_bits, fb.exponent_bias, fb.magnitude_mask
@@ -418,17 +443,24 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
         r = rescaled(b & mask, k) / s_scaled
         return jnp.where(b < 0, -r, r)
 
-    ra, rb = over_s(va[3]), over_s(vb[3])
-    delta = over_s(vb[4]) - over_s(va[4])  # scaled before subtracting: no overflow
+    ra, rb = over_s(xa["max_abs"]), over_s(xb["max_abs"])
+    delta = over_s(xb["mean"]) - over_s(xa["mean"])  # scaled before subtracting: no overflow
     has = n > 0
     safe = jnp.where(has, n, 1)
-    mean = jnp.where(has, va[4] + delta * (nb / safe) * s, va[4])
-    m2 = jnp.where(has, va[5] * ra**2 + vb[5] * rb**2 + delta**2 * (na * (nb / safe)), va[5])
-    powers = [va[6 + i] * ra**k + vb[6 + i] * rb**k for i, k in enumerate(POWERS)]
+    ma, m2a = xa["mean"], xa["m2"]
+    core = {
+        "min": lower("min"),
+        "max": upper("max"),
+        "min_abs": lower("min_abs"),
+        "max_abs": s,
+        "mean": jnp.where(has, ma + delta * (nb / safe) * s, ma),
+        "m2": jnp.where(has, m2a * ra**2 + xb["m2"] * rb**2 + delta**2 * (na * (nb / safe)), m2a),
+        **{f"p{k}": xa[f"p{k}"] * ra**k + xb[f"p{k}"] * rb**k for k in POWERS},
+    }
     extras = []
-    wa, wb = ca[0].astype(va.dtype), cb[0].astype(va.dtype)
+    wa, wb = ca[numel].astype(va.dtype), cb[numel].astype(va.dtype)
     for j, rule in enumerate(rules):
-        i = _N_FLOAT + j
+        i = N_CORE_VALUES + j
         if rule == "min":
             extras.append(unkey(jnp.minimum(key(va[i]), key(vb[i]))))
         elif rule == "max":
@@ -440,12 +472,14 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
             extras.append(
                 jnp.where(total > 0, (va[i] * wa + vb[i] * wb) / jnp.where(total > 0, total, 1), 0)
             )
-    values = jnp.stack([vmin, vmax, min_abs, s, mean, m2, *powers, *extras]).astype(va.dtype)
-    return DeviceSummary(counts, values)
+    values = pack_fields(core, VALUE_FIELDS, jnp)
+    if extras:
+        values = append_extras(values, jnp.stack(extras), jnp)
+    return DeviceSummary(counts, values.astype(va.dtype))
 
 
 def to_vector(summary: DeviceSummary) -> np.ndarray:
     """The float64 summary vector (layout order) of a summary fetched to the host."""
     counts = np.asarray(summary.counts, dtype=np.float64)
     values = np.asarray(summary.values, dtype=np.float64)
-    return np.concatenate([counts[:_N_INT], values[:_N_FLOAT], counts[_N_INT:], values[_N_FLOAT:]])
+    return join_summary(counts, values, np)

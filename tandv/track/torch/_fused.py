@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ...stats.formats import number_format
-from ...stats.summary import CORE_FIELDS, Layout
+from ...stats.summary import Layout, pack_summary
 
 if "mask" not in inspect.signature(tl.histogram).parameters:
     raise ImportError(
@@ -817,23 +817,22 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
     r = 2.0**e / xp.where(s > 0, s, 1.0)
     r2 = r * r
     inf = float("inf")
-    core = [
-        numel,
-        col[NAN],
-        col[INF],
-        col[ZERO],
-        xp.where(has, col[MIN], inf),
-        xp.where(has, col[MAX], -inf),
-        xp.where(has, col[MIN_ABS], inf),
-        xp.where(has, s, 0.0),
-        xp.where(has, col[MEAN] * 2.0**e, 0.0),
-        col[M2] * r2,
-        col[P1] * r,
-        col[P2] * r2,
-        col[P4] * r2 * r2,
-        col[P8] * (r2 * r2) ** 2,
-    ]
-    assert len(core) == len(CORE_FIELDS)
+    core = {
+        "numel": numel,
+        "nan_count": col[NAN],
+        "inf_count": col[INF],
+        "zero_count": col[ZERO],
+        "min": xp.where(has, col[MIN], inf),
+        "max": xp.where(has, col[MAX], -inf),
+        "min_abs": xp.where(has, col[MIN_ABS], inf),
+        "max_abs": xp.where(has, s, 0.0),
+        "mean": xp.where(has, col[MEAN] * 2.0**e, 0.0),
+        "m2": col[M2] * r2,
+        "p1": col[P1] * r,
+        "p2": col[P2] * r2,
+        "p4": col[P4] * r2 * r2,
+        "p8": col[P8] * (r2 * r2) ** 2,
+    }
     fold, above = _fold(spec, layout.format.name)
     hist = rows[:, HEADER : HEADER + spec.nbd]
     if xp is np:
@@ -849,11 +848,7 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
     counts[:, top] = counts[:, top] - move
     counts[:, over] = counts[:, over] + move + col[INF]
     extras = rows[:, spec.row_size : spec.row_size + len(layout.extras)]
-    return (
-        xp.concatenate([xp.stack(core, 1), counts, extras], 1)
-        if xp is np
-        else torch.cat([torch.stack(core, 1), counts, extras], 1)
-    )
+    return pack_summary(core, counts, extras, xp)
 
 
 @cache

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ...stats.summary import Layout
-from .summary import RAW_HEAD, extras_vector, finish_head, fused_spec, host_vectors, raw_device
+from .summary import extras_vector, finish_raw, fused_spec, host_vectors, raw_device
 
 if TYPE_CHECKING:  # the fused kernels import Triton: only when a tensor needs them
     from . import _fused
@@ -48,7 +48,7 @@ class Slot:
     """Where one observation's summary lies in a step's device rows.
 
     ``spec`` is the fused kernel's dtype spec, or ``None`` for a raw vector of the
-    torch-op path (:func:`tandv.track.torch.summary.finish_head`)."""
+    torch-op path (:func:`tandv.track.torch.summary.finish_raw`)."""
 
     device: torch.device
     offset: int
@@ -258,7 +258,7 @@ def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> li
         idx = [i for i, _ in members]
         rows = np.stack([host[s.device][s.offset : s.offset + size] for _, s in members])
         if spec is None:
-            done = np.concatenate([finish_head(rows[:, :RAW_HEAD], np), rows[:, RAW_HEAD:]], 1)
+            done = finish_raw(rows, np)
         else:
             from . import _fused
 

@@ -59,7 +59,7 @@ import torch
 
 from ...stats.formats import NumberFormat
 from ...stats.host import host_summaries
-from ...stats.summary import Layout
+from ...stats.summary import Layout, append_extras, pack_fields, unpack_fields
 
 __all__ = [
     "summarize_torch",
@@ -67,6 +67,8 @@ __all__ = [
     "host_vectors",
     "fused_spec",
     "finish_head",
+    "finish_raw",
+    "RAW_FIELDS",
     "RAW_HEAD",
     "dtype_name",
 ]
@@ -185,8 +187,35 @@ def _exponent_counts_f64(ad: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
     return out
 
 
-#: Length of the raw head of a torch-op path vector (see :func:`raw_device`).
-RAW_HEAD = 18
+#: The fields of the raw head of a torch-op path vector (see :func:`raw_device`), in the
+#: order :func:`_raw_core` writes them: the element count, the NaN, inf and zero counts,
+#: the extrema with non-finite values read as 0, the largest finite magnitude ``s``, the
+#: power sums of ``|x| / 2**e``, the sum of squared deviations from ``m_c`` (the mean as
+#: rounded to the compute dtype) with ``m_c`` and its square, the scale exponents ``e``
+#: (``s < 2**e``) and ``e1``, and the sum of ``x / 2**e1``. :func:`finish_head` reads them
+#: by name.
+RAW_FIELDS: tuple[str, ...] = (
+    "numel",
+    "nan_count",
+    "inf_count",
+    "zero_count",
+    "min_patched",
+    "max_patched",
+    "min_abs",
+    "s",
+    "p1",
+    "p2",
+    "p4",
+    "p8",
+    "m2raw",
+    "m_c",
+    "m_c2",
+    "e",
+    "e1",
+    "sum_q",
+)
+#: Length of the raw head of a torch-op path vector.
+RAW_HEAD = len(RAW_FIELDS)
 
 
 def summarize_torch(
@@ -233,8 +262,7 @@ def summarize_torch(
     host = host_vectors([x], layout, [extras or {}])[0]
     if host is not None:
         return torch.from_numpy(host)
-    raw = raw_device(x, layout, extras)
-    return torch.cat([finish_head(raw[:RAW_HEAD], torch), raw[RAW_HEAD:]])
+    return finish_raw(raw_device(x, layout, extras), torch)
 
 
 def _check_tensor(x: Any) -> None:
@@ -356,9 +384,9 @@ def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.T
     m_c = (sum_q / (n - special[:2].sum()).clamp(min=1)).to(cd)
     m2raw = q.sub_(m_c).square_().sum()
     head = torch.cat(
-        [  # one promoting concatenation to float64, in RAW order
-            w.numel,
-            special,
+        [  # one promoting concatenation to float64, in RAW_FIELDS order
+            w.numel,  # numel
+            special,  # nan_count, inf_count, zero_count
             torch.stack([mn, mx, min_abs[0], s, p1, p2, p4, p8, m2raw, m_c, m_c * m_c]),
             torch.stack([e, e1]),
             sum_q.reshape(1),
@@ -413,7 +441,7 @@ def host_vectors(
         if torch.get_num_threads() != threads:  # numba's OpenMP layer, starting, resets it
             torch.set_num_threads(threads)
         for (i, _), v in zip(host, vectors):
-            out[i] = np.concatenate([v, [float(extras[i][k]) for k in names]]) if names else v
+            out[i] = append_extras(v, [float(extras[i][k]) for k in names], np) if names else v
     return out
 
 
@@ -461,63 +489,54 @@ def finish_head(raw: Any, xp: Any = np) -> Any:
     """The layout's core fields (``CORE_FIELDS``) from raw heads.
 
     Arguments:
-        raw: one raw head (:data:`RAW_HEAD` values) or a 2-D array of them, one per row.
+        raw: one raw head (:data:`RAW_FIELDS`) or a 2-D array of them, one per row.
         xp: the array module, ``numpy`` (host) or ``torch`` (device, no sync).
     """
-    (
-        n,
-        nan_c,
-        inf_c,
-        zero_c,
-        mn,
-        mx,
-        min_abs,
-        s,
-        p1,
-        p2,
-        p4,
-        p8,
-        m2raw,
-        m_c,
-        m_c2,
-        e,
-        e1,
-        sum_q,
-    ) = (raw[..., i] for i in range(RAW_HEAD))
+    r = unpack_fields(raw, RAW_FIELDS)
+    n, nan_c, inf_c, zero_c = r["numel"], r["nan_count"], r["inf_count"], r["zero_count"]
+    min_abs, s, m_c = r["min_abs"], r["s"], r["m_c"]
     nonfin = nan_c + inf_c
     nfin = n - nonfin
     has_fin = nfin > 0
-    mean_q = sum_q / xp.where(has_fin, nfin, 1.0)
+    mean_q = r["sum_q"] / xp.where(has_fin, nfin, 1.0)
     # sum over finite of (q - mean)^2 = sum over all slots of (q - m_c)^2, less the
     # non-finite slots (which held 0 and added m_c**2 as rounded on the device, m_c2),
     # less the offset of m_c from the mean. With non-finite values present the result
     # carries the rounding of that larger sum: relative error ~1e-7 * nonfin * m_c**2 / m2.
-    m2 = xp.maximum(m2raw - nonfin * m_c2 - nfin * (mean_q - m_c) ** 2, 0.0 * m2raw)
+    m2raw = r["m2raw"]
+    m2 = xp.maximum(m2raw - nonfin * r["m_c2"] - nfin * (mean_q - m_c) ** 2, 0.0 * m2raw)
     # powers of two taken in halves: 2**e reaches 2**1024 for float64 inputs near their max
-    h1, h = 2.0 ** (e1 - 1), 2.0 ** (e - 1)
+    h1, h = 2.0 ** (r["e1"] - 1), 2.0 ** (r["e"] - 1)
     scale = xp.where(s > 0, s, 1.0)
-    r1, r = h1 / scale * 2.0, h / scale * 2.0
+    r1, q = h1 / scale * 2.0, h / scale * 2.0
     inf = float("inf")
-    # mn/mx were taken with non-finite values replaced by 0: exact unless non-finite
+    # min/max were taken with non-finite values replaced by 0: exact unless non-finite
     # values exist and the finite ones are all > 0 (the min is then min_abs) or all < 0
     # (the max is then -min_abs), or none is finite.
+    mn, mx = r["min_patched"], r["max_patched"]
     patched = (nonfin > 0) & (zero_c == 0)
-    true_min = xp.where(has_fin, xp.where(patched & (mn >= 0), min_abs, mn), inf)
-    true_max = xp.where(has_fin, xp.where(patched & (mx <= 0), -min_abs, mx), -inf)
-    fields = [
-        n,
-        nan_c,
-        inf_c,
-        zero_c,
-        true_min,
-        true_max,
-        xp.where(has_fin, min_abs, inf),
-        s,
-        xp.where(has_fin, mean_q * h1 * 2.0, 0.0),
-        m2 * r1 * r1,
-        p1 * r,
-        p2 * r**2,
-        p4 * r**4,
-        p8 * r**8,
-    ]
-    return xp.stack(fields, -1) if xp is torch else np.stack(fields, axis=-1)
+    core = {
+        "numel": n,
+        "nan_count": nan_c,
+        "inf_count": inf_c,
+        "zero_count": zero_c,
+        "min": xp.where(has_fin, xp.where(patched & (mn >= 0), min_abs, mn), inf),
+        "max": xp.where(has_fin, xp.where(patched & (mx <= 0), -min_abs, mx), -inf),
+        "min_abs": xp.where(has_fin, min_abs, inf),
+        "max_abs": s,
+        "mean": xp.where(has_fin, mean_q * h1 * 2.0, 0.0),
+        "m2": m2 * r1 * r1,
+        "p1": r["p1"] * q,
+        "p2": r["p2"] * q**2,
+        "p4": r["p4"] * q**4,
+        "p8": r["p8"] * q**8,
+    }
+    return pack_fields(core, xp=xp)
+
+
+def finish_raw(raw: Any, xp: Any = np) -> Any:
+    """Finished summary vectors from raw vectors of :func:`raw_device` (one, or a 2-D array
+    of them, one per row): the raw head finished by :func:`finish_head`, the exponent
+    counts and custom statistics after it as they are."""
+    head, tail = finish_head(raw[..., :RAW_HEAD], xp), raw[..., RAW_HEAD:]
+    return np.concatenate([head, tail], -1) if xp is np else torch.cat([head, tail], -1)
