@@ -43,7 +43,7 @@ def signature_of(cls: Callable[P, T]) -> Callable[[Callable[..., T]], Callable[P
         sig = _expanded(inspect.signature(cls))
         setattr(factory, "__signature__", sig.replace(return_annotation=cls))  # noqa: B010
         doc = inspect.cleandoc(factory.__doc__ or "")
-        factory.__doc__ = f"{doc}\n\n{inspect.cleandoc(TrackOptions.documentation())}\n"
+        factory.__doc__ = f"{doc}\n\n{TrackOptions.documentation()}"
         return factory
 
     return decorate

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import textwrap
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -184,7 +185,7 @@ class TrackOptions:
         """The "Options:" section of this class's docstring (one entry per option), for the
         ``track()`` functions' own documentation."""
         doc = cls.__doc__ or ""
-        return doc[doc.index("    Options:") :].rstrip() + "\n"
+        return textwrap.dedent(doc[doc.index("    Options:") :]).strip() + "\n"
 
 
 class TrackKwargs(TypedDict, total=False):
