@@ -106,4 +106,5 @@ def run(
             tracker.step(params, opt_state, grads)
             if step % 20 == 0 or step == steps - 1:
                 bar.set_postfix(loss=f"{float(loss):.3f}")
+    assert tracker.out_path is not None  # set when the `with` block opened the log
     return Path(tracker.out_path)

@@ -1,6 +1,9 @@
-"""Framework-neutral tracker core: selection, schedules, step bookkeeping, rows, log IO."""
+"""Framework-neutral tracker core: the shared options, the tracker core both frameworks' trackers
+build on, selection, schedules, step bookkeeping, rows, log IO."""
 
 from ...schema.io import read_log, read_parquet, read_pickle
+from .core import TrackerCore
+from .options import ROOT_NAME, TrackKwargs, TrackOptions
 from .recorder import (
     DEFAULT_LOG_DIR,
     StepRecorder,
@@ -13,6 +16,10 @@ from .schedule import Schedule, linear, make_schedule
 from .selection import Pattern, Selector
 
 __all__ = [
+    "TrackOptions",
+    "TrackKwargs",
+    "TrackerCore",
+    "ROOT_NAME",
     "read_log",
     "read_parquet",
     "read_pickle",

@@ -14,13 +14,10 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from ..common.options import ROOT_NAME
 from ._summary import DeviceSummary
 
 __all__ = ["ROOT_NAME", "Report", "TapSink", "register", "sink_of"]
-
-#: Name of the outermost module's output (the root of the module tree has an empty path,
-#: as the root module does in PyTorch's ``named_modules``).
-ROOT_NAME = "root"
 
 #: One report of a tap: ``(tensor_type, dtype, summary)``, ``tensor_type`` ``"Activation"``
 #: or ``"Gradient"``, the summary traced (inside a program) or concrete (eager code).

@@ -6,9 +6,8 @@ import functools
 import itertools
 import os
 import weakref
-from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -16,20 +15,14 @@ import numpy as np
 
 from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...stats.formats import format_name
-from ...stats.formats import number_format as _number_format
 from ...stats.host import HOST_DTYPES, host_summaries
 from ...stats.summary import Layout, merge_all
-from ..common import (
-    Pattern,
-    Schedule,
-    Selector,
-    StepRecorder,
-    TensorKey,
-    make_run_record,
-    make_schedule,
-)
-from ..common.custom import StatsSpec, parse_custom_stats, percentile_columns
+from ..common import TensorKey
+from ..common.core import TrackerCore
+from ..common.custom import StatFn
 from ..common.factory import signature_of
+from ..common.options import TrackKwargs, TrackOptions
+from ..common.scalars import Capture
 from . import _ffi
 from ._delivery import Probe
 from ._intercept import interception
@@ -54,6 +47,9 @@ from ._trees import (
     optimizer_state_leaves,
     param_leaves,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["JaxTracker", "track"]
 
@@ -339,27 +335,10 @@ def _pmap_stacked(arrays: Sequence[Any]) -> bool:
     return False
 
 
-def _with_stat(
-    stats: StatsSpec, stats_merge: Mapping[str, str] | None, fn: Callable[[Any], Mapping[str, Any]]
-) -> tuple[StatsSpec, Mapping[str, str] | None]:
-    """``stats`` with one more function ``x -> {name: scalar}``; a mapping of single
-    statistics becomes one such function, its merge rules moving to ``stats_merge``."""
-    if stats is None:
-        return [fn], stats_merge
-    if isinstance(stats, Mapping):
-        (single,), rules = parse_custom_stats(stats)
-        return [single, fn], {**rules, **(stats_merge or {})}
-    return [*((stats,) if callable(stats) else tuple(stats)), fn], stats_merge
-
-
-def _parse_stats(
-    stats: StatsSpec, stats_merge: Mapping[str, str] | None
-) -> tuple[dict[str, CustomStat], tuple[tuple[str, str], ...]]:
-    """Custom statistics as ``{name: array -> scalar}`` plus their merge rules.
-
-    Functions returning ``{name: scalar}`` are traced once on a small abstract array
-    (``jax.eval_shape``, no computation) to learn their names."""
-    fns, rules = parse_custom_stats(stats, stats_merge)
+def _custom_stats(fns: Sequence[StatFn]) -> dict[str, CustomStat]:
+    """Custom statistics (functions returning ``{name: scalar}``) as ``{name: array ->
+    scalar}``: each function is traced once on a small abstract array (``jax.eval_shape``,
+    no computation) to learn its names."""
     custom: dict[str, CustomStat] = {}
     for fn in fns:
         try:
@@ -378,7 +357,7 @@ def _parse_stats(
                 return _f(x)[_k]
 
             custom[name] = pick
-    return custom, tuple((name, rules.get(name, "mean")) for name in custom)
+    return custom
 
 
 class _TapSink:
@@ -426,45 +405,31 @@ class _TapSink:
         self.callbacks_used = True
 
 
-class JaxTracker:
+class JaxTracker(TrackerCore[dict[int, Any]]):
     """Tracks one JAX/Flax training run; create it with :func:`track`.
 
+    Use it as a context manager (the log opens when the block starts); a tracker used
+    without one opens its log at its first :meth:`intercept`, :meth:`step` or
+    :meth:`log_scalars`, and is finished by :meth:`close`.
+
     Attributes:
-        out_path: where the log is written (a parquet directory or a .pkl file).
+        out_path: where the log is written (a parquet directory or a .pkl file), once open.
         step_index: the index of the current step (the number of :meth:`step` calls so far).
     """
+
+    framework = "jax"
+    opens_lazily = True
 
     def __init__(
         self,
         model_state: Any = None,
         optimizer_state: Any = None,
         *,
-        track_activations: bool = True,
-        track_gradients: bool = True,
-        track_updates: bool = False,
-        include: Pattern | Sequence[Pattern] | None = None,
-        exclude: Pattern | Sequence[Pattern] | None = None,
-        every: int = 1,
-        schedule: Schedule | str | Collection[int] | None = None,
-        start: int = 0,
-        end: int | None = None,
-        stats: StatsSpec = None,
-        stats_merge: Mapping[str, str] | None = None,
-        percentiles: Sequence[float] | None = None,
-        number_format: Any = None,
-        out: str | os.PathLike | None = None,
-        out_format: str = "parquet",
-        run_name: str = "jax",
-        flush_every: int = 10,
-        verbose: bool = True,
         device_axis: bool = False,
-        sinks: Sequence[Callable[[Any], Any]] = (),
+        **options: Unpack[TrackKwargs],
     ) -> None:
-        # the options as given (first statement: locals() holds just the arguments), for the
-        # log's record of how it was made
-        options = {
-            k: v for k, v in locals().items() if k not in ("self", "model_state", "optimizer_state")
-        }
+        opts = TrackOptions.of(options)
+        super().__init__(opts, type(model_state).__name__, "jax")
         if optimizer_state is not None and model_state is None:
             raise ValueError(
                 "track(): optimizer_state was given without model_state; optimizer-state leaves "
@@ -476,26 +441,19 @@ class JaxTracker:
                 f"{type(model_state).__name__}); pass the parameters, e.g. the dict from "
                 f"model.init(...) or an nnx module"
             )
-        for arg, value in (
-            ("track_activations", track_activations),
-            ("track_gradients", track_gradients),
-            ("track_updates", track_updates),
-            ("device_axis", device_axis),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(f"track(): {arg}={value!r}: expected True or False")
-        self._selector = Selector.build(include, exclude)
-        self._schedule = make_schedule(every, schedule, start, end)
-        if percentiles is not None:
+        if not isinstance(device_axis, bool):
+            raise TypeError(f"track(device_axis={device_axis!r}): expected True or False")
+        fns = opts.stat_fns
+        if opts.percentile_columns:
             from ._percentiles import percentile_stat
 
-            stats, stats_merge = _with_stat(
-                stats, stats_merge, percentile_stat(percentile_columns(percentiles))
-            )
-        self._custom, self._extras = _parse_stats(stats, stats_merge)
-        self._format = None if number_format is None else _number_format(number_format)
-        self._track_activations = track_activations
-        self._track_gradients = track_gradients
+            fns += (percentile_stat(opts.percentile_columns),)
+        self._custom = _custom_stats(fns)
+        self._extra_names = tuple(self._custom)
+        #: the custom statistics' (name, merge rule), as the taps' mailboxes merge them
+        self._extras = tuple((name, self._merge_rules.get(name, "mean")) for name in self._custom)
+        self._track_activations = opts.track_activations
+        self._track_gradients = opts.track_gradients
         self._has_model = model_state is not None
         self._has_optimizer = optimizer_state is not None  # given apart from model_state
         if (
@@ -507,17 +465,16 @@ class JaxTracker:
                 f"track(): model_state ({type(model_state).__name__}) holds the optimizer state "
                 f"already (its opt_state); leave optimizer_state out"
             )
-        if track_updates and model_state is None:
+        if opts.track_updates and model_state is None:
             raise ValueError(
                 "track(track_updates=True): updates are differences of the parameters given to "
                 "track() and step(); pass model_state"
             )
-        self._track_updates = track_updates
+        self._track_updates = opts.track_updates
         # the parameters of the current step (names, arrays), kept when its update is tracked
         self._before: tuple[list[Leaf], list[Any]] | None = None
         self._subtract = jax.jit(lambda new, old: [a - b for a, b in zip(new, old)])
         self._device_axis = device_axis
-        self._layouts: dict[str, Layout] = {}
         self._module_types: dict[str, type] = {}
         self._names_cache: dict[Any, Any] = {}
         self._summarize_many = jax.jit(self._summaries, static_argnums=(1, 2))
@@ -535,26 +492,7 @@ class JaxTracker:
         self._one_device = True  # whether the intercepted update runs on one device
         self._intercepted = False  # whether intercept() ran in the current step
         self._next_weights: list[tuple[Leaf, Any, _StackRow | np.ndarray]] = []
-        #: Ended steps whose summaries are on their way to the host: (step, observations,
-        #: where the step-time stacks lie in the step's transfer).
-        self._flights: deque[tuple[int, list[Any], dict[int, Any]]] = deque()
         self._nnx_tagged: list[Any] = []
-        self.step_index = 0
-        self._recorder = StepRecorder(
-            out,
-            out_format,
-            run_name,
-            flush_every=flush_every,
-            verbose=verbose,
-            sinks=sinks,
-            run=make_run_record(
-                "jax",
-                type(model_state).__name__,
-                None if self._format is None else self._format.name,
-                options,
-            ),
-        )
-        self.out_path = self._recorder.path
         register(self._token, self._sink)
         acquire_nnx()
         if model_state is not None:
@@ -562,61 +500,32 @@ class JaxTracker:
             self._prepare_weights(_parts(model_state), 0)
             self._keep_before(_parts(model_state), 0)
 
-    # ------------------------------------------------------------------ context manager
+    # ------------------------------------------------------------------ adapter
 
-    def __enter__(self) -> JaxTracker:
-        return self
+    def _run_options(self) -> dict[str, Any]:
+        return {"device_axis": self._device_axis}
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def _stop(self) -> None:
+        release_nnx()
+        untag_nnx_paths(self._nnx_tagged)
+        self._nnx_tagged = []
 
-    def _land(self, before: int | None = None) -> None:
-        """Record the steps ended before step ``before`` (all with None), in order: their
-        summaries' copies to the host were started when they ended, and the device has the
-        later steps queued, so waiting for them here does not leave it idle."""
-        while self._flights and (before is None or self._flights[0][0] < before):
-            step, pending, stacks = self._flights.popleft()
-            # a mailbox the computation did not write holds no observation
-            pending = [
-                p for p in pending if not isinstance(p[2], _Mail) or p[2].summary() is not None
-            ]
-            self._recorder.commit(step, pending, functools.partial(_to_host, stacks=stacks))
+    def _send(self, pending: list[Any]) -> dict[int, Any]:
+        return _send([p[2] for p in pending])
 
-    def close(self) -> os.PathLike:
-        """Write what is buffered and finish the log (idempotent); returns its path.
+    def _to_host(self, summaries: list[Any], transfer: dict[int, Any]) -> list[np.ndarray]:
+        return _to_host(summaries, transfer)
 
-        An unfinished step (intercepted but not closed by :meth:`step`) is dropped."""
-        if not self._recorder.closed:
-            try:
-                self._land()
-            finally:
-                self._flights.clear()
-                release_nnx()
-                untag_nnx_paths(self._nnx_tagged)
-                self._nnx_tagged = []
-                self._recorder.close()
-        return self.out_path
+    def _observed(self, pending: list[Any]) -> list[Any]:
+        # a mailbox the computation did not write holds no observation
+        return [p for p in pending if not isinstance(p[2], _Mail) or p[2].summary() is not None]
 
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` has run."""
-        return self._recorder.closed
+    def _scalar_capture(self) -> Capture:
+        from ._scalars import capture_jax
 
-    def _check_open(self, method: str) -> None:
-        if self._recorder.closed:
-            raise RuntimeError(
-                f"tracker.{method}(): the tracker is closed (its `with` block has ended)"
-            )
+        return capture_jax
 
     # ------------------------------------------------------------------ summaries
-
-    def _layout(self, dtype: Any) -> Layout:
-        name = format_name(dtype)
-        layout = self._layouts.get(name)
-        if layout is None:
-            layout = Layout(self._format or _number_format(name), self._extras)
-            self._layouts[name] = layout
-        return layout
 
     def _summarize(self, x: jax.Array, fused: bool = True) -> DeviceSummary:
         """Traceable summary of ``x`` off the host kernel: XLA's operations, or the fused
@@ -742,16 +651,13 @@ class JaxTracker:
                     rows[plain[i]] = _StackRow(stack, r)
         return rows
 
-    def _types_of(self, name: str) -> Sequence[type]:
-        module = name.rpartition(".")[0] if "." in name else ROOT_NAME
-        cls = self._module_types.get(module)
-        return cls.__mro__ if cls is not None else ()
+    def _owner_of(self, name: str) -> type | None:
+        """The class of the module owning parameter ``name`` (``None`` while unknown)."""
+        return self._module_types.get(name.rpartition(".")[0] if "." in name else ROOT_NAME)
 
-    def _key(self, leaf: Leaf, tensor_type: str, dtype: Any) -> TensorKey:
-        types = self._types_of(leaf.param)
-        return TensorKey(
-            leaf.name, tensor_type, types[0].__name__ if types else "", format_name(dtype)
-        )
+    def _leaf_key(self, leaf: Leaf, tensor_type: str, dtype: Any) -> TensorKey:
+        owner = self._owner_of(leaf.param)
+        return self._key(leaf.name, tensor_type, "" if owner is None else owner.__name__, dtype)
 
     # ------------------------------------------------------------------ activations
 
@@ -769,7 +675,7 @@ class JaxTracker:
         self._check_open("intercept")
         if not callable(f):
             raise TypeError(f"tracker.intercept(f, ...): f must be the update function; got {f!r}")
-        if not (self._track_activations or self._track_gradients) or not self._schedule(
+        if not (self._track_activations or self._track_gradients) or not self._scheduled(
             self.step_index
         ):
             return f(*args, **kwargs)
@@ -814,7 +720,7 @@ class JaxTracker:
             if is_float_array(leaf):
                 # elements of structured outputs as name[0], name[key] (as in PyTorch)
                 leaf_name = name + "".join(f"[{key_name(k)}]" for k in path)
-                if self._selector(leaf_name, cls.__mro__):
+                if self._selected(leaf_name, cls):
                     probe = Probe(
                         self._token,
                         leaf_name,
@@ -834,11 +740,9 @@ class JaxTracker:
     ) -> None:
         """A tap's summary arriving from the device (directly, from a mailbox or from the tap's
         host callback, through :class:`_TapSink`)."""
-        if not self._recorder.closed:
-            self._recorder.add(
-                TensorKey(name, tensor_type, module_type, format_name(dtype)),
-                self._layout(dtype),
-                summary,
+        if self.recorder is not None and not self._closed:
+            self.recorder.add(
+                self._key(name, tensor_type, module_type, dtype), self._layout(dtype), summary
             )
 
     # ------------------------------------------------------------------ step
@@ -881,7 +785,7 @@ class JaxTracker:
             else:
                 named = [leaf for _, leaf in param_leaves(tree)[0]]
             self._names_cache[cache_key] = named
-        named = [n for n in named if self._selector(n.name, self._types_of(n.param))]
+        named = [n for n in named if self._selected(n.name, self._owner_of(n.param))]
         return named, [self._logical(leaves[n.index]) for n in named]
 
     def _logical(self, x: Any) -> Any:
@@ -892,7 +796,7 @@ class JaxTracker:
         """Start summarizing the weights (and model state outside the parameters) that step
         ``step``'s forward pass will use (now, so a later buffer donation cannot delete them)."""
         self._next_weights = []
-        if not self._schedule(step):
+        if not self._scheduled(step):
             return
         named, arrays = self._named(WEIGHT, parts.params)
         if parts.collections is not None:
@@ -938,22 +842,6 @@ class JaxTracker:
                 "(one replica)"
             )
 
-    def log_scalars(self, step: int | None = None, **scalars: Any) -> None:
-        """Log training scalars (loss, learning rate, ...) beside the log, e.g.
-        ``tracker.log_scalars(loss=loss, lr=lr)``.
-
-        Values are Python/numpy numbers or one-element JAX arrays (not traced values: call
-        it outside ``jit``); an array's copy to the host starts at once and is read when it
-        has arrived, so logging never waits for the device. Recorded at every call,
-        whatever the schedule; ``step=None`` is the current step (the one the next
-        :meth:`step` ends). Read back with ``tandv.read_scalars(path or log)``;
-        ``viz.interactive`` and the HTML report draw them by themselves.
-        """
-        self._check_open("log_scalars")
-        from ._scalars import capture_jax
-
-        self._recorder.log_scalars(step, scalars, self.step_index, capture_jax)
-
     def step(
         self, model_state: Any = None, optimizer_state: Any = None, gradients: Any = None
     ) -> None:
@@ -972,7 +860,7 @@ class JaxTracker:
         Raises:
             ValueError: naming an argument that is missing or that ``track`` was not told about.
         """
-        self._check_open("step")
+        recorder = self._check_open("step")
         if (
             optimizer_state is not None
             and gradients is None
@@ -987,7 +875,8 @@ class JaxTracker:
         k = self.step_index
         parts = None if model_state is None else _parts(model_state)
         params = None if parts is None else parts.params
-        if self._schedule(k):
+        recorded = self._scheduled(k)
+        if recorded:
             named: list[tuple[Leaf, str, Any]] = []
             if gradients is not None:
                 leaves, arrays = self._named(GRADIENT, _gradients_of(self._nnx_grads(gradients)))
@@ -1011,17 +900,12 @@ class JaxTracker:
             if self._sink.callbacks_used:
                 jax.effects_barrier()  # every tap callback of this step has run
             for leaf, dtype, s in self._next_weights:  # keys now: module types may be known
-                self._recorder.add(self._key(leaf, WEIGHT, dtype), self._layout(dtype), s)
+                recorder.add(self._leaf_key(leaf, WEIGHT, dtype), self._layout(dtype), s)
             for (leaf, tt, a), s in zip(named, summaries):
-                self._recorder.add(self._key(leaf, tt, a.dtype), self._layout(a.dtype), s)
-            pending = self._recorder.take()
-            self._flights.append((k, pending, _send([p[2] for p in pending])))
-            self._land(k)
-        else:
-            self._recorder.discard()
+                recorder.add(self._leaf_key(leaf, tt, a.dtype), self._layout(a.dtype), s)
+        self._end_step(recorded)
         self._sink.callbacks_used = False
         self._intercepted = False
-        self.step_index = k + 1
         if parts is not None:
             self._prepare_weights(parts, k + 1)
             self._keep_before(parts, k + 1)
@@ -1031,7 +915,7 @@ class JaxTracker:
         JAX arrays are immutable, so this holds no copy unless a later update donates them)."""
         self._before = (
             self._named(WEIGHT, parts.params)
-            if self._track_updates and self._schedule(step)
+            if self._track_updates and self._scheduled(step)
             else None
         )
 
@@ -1066,6 +950,11 @@ class JaxTracker:
 def track(*args: Any, **options: Any) -> JaxTracker:
     """Track a JAX/Flax training run; use as a context manager around the training loop.
 
+    Returns:
+        A :class:`JaxTracker`: run each update through ``tracker.intercept(update, ...)`` and
+        call ``tracker.step(...)`` after it. ``tracker.out_path`` is the log's path once the
+        ``with`` block has started (or, without one, after the first use).
+
     Arguments:
         model_state: the parameters (linen variables dict / params pytree, an nnx module, or an
             ``nnx.State``); their leaves give Weight rows and name gradients and optimizer state.
@@ -1073,42 +962,10 @@ def track(*args: Any, **options: Any) -> JaxTracker:
             ``opt_state`` (Optimiser_State; then leave ``optimizer_state`` out) and, where it
             has one, its ``batch_stats`` (Weight rows ``batch_stats.<path>``).
             ``optax.LookaheadParams`` give the fast parameters as Weight rows and the slow
-            ones as Optimiser_State rows ``<param>.slow``.
+            ones as Optimiser_State rows ``<param>.slow``. Needed by ``track_updates``.
         optimizer_state: the optax state (or an ``nnx.Optimizer``); leaves that mirror a
             parameter give Optimiser_State rows ``<param>.<field>``.
         device_axis: the arrays given to ``track`` and ``step`` carry a leading per-device
             axis (``jax.pmap`` replicas); rows are of one replica, the logical array.
-        track_activations: summarize module outputs inside :meth:`JaxTracker.intercept`.
-        track_gradients: summarize the cotangents of module outputs and the parameter
-            gradients passed to :meth:`JaxTracker.step`.
-        track_updates: also record each parameter's update (the parameters given to
-            :meth:`JaxTracker.step` minus those the step started from) as ``Weight`` rows named
-            ``<param>.update``, with the same statistics. The previous parameters are kept by
-            reference (no copy: JAX arrays are immutable) across scheduled steps only; the
-            difference is one subtraction per parameter on those steps. An update function
-            that donates the parameters' buffers deletes them: that is an error here.
-        include, exclude: regexes searched in tensor names, or module class names/classes.
-        every: track every N-th step (0, N, 2N, ...); ignored when ``schedule`` is given.
-        schedule: a callable ``step -> bool``, ``"linear(interval, offset)"`` or a set of steps.
-        start, end: track only steps ``start <= step < end`` (``end=None``: no end).
-        stats: custom statistics, as in the PyTorch tracker: a function (or list of them)
-            ``array -> {name: scalar}``, or ``{name: fn}`` / ``{name: (fn, merge_rule)}`` with
-            ``fn(array) -> scalar``; they run on device inside the traced computation.
-        stats_merge: ``{name: "sum" | "min" | "max" | "mean"}``: how observations of one tensor
-            in one step combine (default ``"mean"``, weighted by element count).
-        percentiles: exact percentiles to log, e.g. ``(1, 50, 99)``: columns ``pct1``,
-            ``pct50``, ``pct99`` of the non-NaN elements (``jnp.nanpercentile``, in the
-            program that summarizes the array). Each costs a sort of every tracked array
-            (slow: narrow the arrays with ``include``). Exact for an array seen once per
-            step; several observations in one step log their element-weighted mean.
-        number_format: a format name (e.g. ``"float8_e4m3fn"``) for simulated low precision:
-            exponent counts, underflow (``-inf``) and overflow (``+inf``) are those of that
-            format; default each tensor's own dtype.
-        out, out_format: log path and ``"parquet"`` (streamed part files) or ``"pickle"``.
-        run_name: used in the default log path ``tandv_logs/<run_name>-<time>``.
-        flush_every: write buffered rows to disk every N recorded steps (default 10).
-        verbose: print the log path when the tracker opens.
-        sinks: callables that also receive each batch of rows (a DataFrame) as it is
-            written, e.g. ``[tandv.export.TensorBoardSink("runs/x")]``; closed with the tracker.
     """
     return JaxTracker(*args, **options)

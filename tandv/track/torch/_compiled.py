@@ -189,7 +189,7 @@ class CompiledHooks:
         self._handles = []
         if want_act or want_grad:
             for index, (name, m) in enumerate(tracker._modules):
-                if tracker._selected(name, m):
+                if tracker._selected(name, type(m)):
                     self._handles.append(
                         m.register_forward_hook(
                             _make_hook(

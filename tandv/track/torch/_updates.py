@@ -55,7 +55,7 @@ class UpdateCapture:
                     known is None
                     or not p.requires_grad
                     or not p.is_floating_point()
-                    or not tr._selected(*known)
+                    or not tr._selected(known[0], type(known[1]))
                 ):
                     continue
                 self._before.append((known[0], known[1], p.detach()))

@@ -30,15 +30,11 @@ observations of a tensor; the recorder merges them into one row per tensor and s
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import sys
 import weakref
-from collections import deque
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Mapping as MappingABC
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -47,16 +43,18 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ...schema.columns import ACTIVATION, GRADIENT, OPTIMISER_STATE, WEIGHT
-from ...schema.writer import FORMATS
-from ...stats.formats import format_name
-from ...stats.formats import number_format as to_number_format
 from ...stats.summary import Layout
-from ..common import Pattern, Selector, StepRecorder, TensorKey, make_run_record, make_schedule
-from ..common.custom import StatFn, StatsSpec, parse_custom_stats, percentile_columns
+from ..common import TensorKey
+from ..common.core import TrackerCore
+from ..common.custom import StatFn
 from ..common.factory import signature_of
+from ..common.options import ROOT_NAME, TrackKwargs, TrackOptions
+from ..common.scalars import Capture
 from ._compiled import CompiledHooks, compiled_root
 from ._workspace import Flight, Slot, Workspace, to_host
-from .summary import dtype_name
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["Tracker", "track", "StatFn"]
 
@@ -87,7 +85,7 @@ def _flatten(value: Any, name: str, out: list[tuple[str, torch.Tensor]], depth: 
             _flatten(v, f"{name}[{i}]", out, depth + 1)
 
 
-class Tracker:
+class Tracker(TrackerCore[Flight | None]):
     """Tracks one module (and optionally its optimizers) during training.
 
     Create it with :func:`track` (same arguments) and use it as a context manager;
@@ -95,50 +93,40 @@ class Tracker:
     :func:`track` for the arguments.
     """
 
+    framework = "torch"
+
     def __init__(
         self,
         module: nn.Module,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         *,
-        track_activations: bool = True,
-        track_gradients: bool = True,
         track_weights: bool = True,
         track_optimizer: bool = True,
         track_buffers: bool = False,
-        track_updates: bool = False,
-        include: Pattern | Sequence[Pattern] | None = None,
-        exclude: Pattern | Sequence[Pattern] | None = None,
-        every: int = 1,
-        schedule: Callable[[int], bool] | str | Collection[int] | None = None,
-        start: int = 0,
-        end: int | None = None,
-        stats: StatsSpec = None,
-        stats_merge: Mapping[str, str] | None = None,
-        percentiles: Sequence[float] | None = None,
-        number_format: Any = None,
-        out: str | os.PathLike | None = None,
-        out_format: str = "parquet",
-        run_name: str | None = None,
-        root_name: str = "root",
+        root_name: str = ROOT_NAME,
         track_eval: bool = False,
-        flush_every: int = 10,
-        verbose: bool = True,
         scaler: Any = None,
-        sinks: Sequence[Callable[[pd.DataFrame], Any]] = (),
+        **options: Unpack[TrackKwargs],
     ) -> None:
-        # the options as given (first statement: locals() holds just the arguments), for the
-        # log's record of how it was made
-        self._options = {
-            k: v for k, v in locals().items() if k not in ("self", "module", "optimizer")
+        # this framework's options as given (first statement: locals() holds just the
+        # arguments), for the log's record of how it was made
+        self._own_options = {
+            k: v for k, v in locals().items() if k not in ("self", "module", "optimizer", "options")
         }
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"track(module=...): expected a torch.nn.Module; got {type(module).__name__}"
             )
+        opts = TrackOptions.of(options)
         # a compiled model is tracked through its original module (same names as in eager
         # mode), its activations by hooks that dynamo compiles into the graph (._compiled)
         module, self._is_compiled, self._wrapper = compiled_root(
-            module, bool(track_activations or track_gradients)
+            module, opts.track_activations or opts.track_gradients
+        )
+        super().__init__(
+            opts,
+            type(module).__name__,
+            re.sub(r"[^A-Za-z0-9_.-]+", "_", type(module).__name__.lower()),
         )
         if optimizer is None:
             optimizers: tuple[torch.optim.Optimizer, ...] = ()
@@ -150,38 +138,28 @@ class Tracker:
             optimizers = (_unwrap_optimizer(optimizer),)
         if not isinstance(root_name, str) or not root_name:
             raise ValueError(f"root_name={root_name!r}: expected a non-empty string")
-        if out_format not in FORMATS:  # checked here too, so track() fails before training starts
-            raise ValueError(f"out_format={out_format!r}: expected one of {FORMATS}")
         self.module = module
         self.optimizers = optimizers
         self.kinds = {
-            ACTIVATION: track_activations,
-            GRADIENT: track_gradients,
-            WEIGHT: track_weights,
-            OPTIMISER_STATE: track_optimizer,
+            ACTIVATION: opts.track_activations,
+            GRADIENT: opts.track_gradients,
+            WEIGHT: bool(track_weights),
+            OPTIMISER_STATE: bool(track_optimizer),
         }
-        self.selector = Selector.build(include, exclude)
-        self.schedule = make_schedule(every, schedule, start, end)
-        self.format = None if number_format is None else format_name(number_format)
-        self.stat_fns, self.stats_merge = parse_custom_stats(stats, stats_merge)
-        if percentiles is not None:
+        self.stat_fns = opts.stat_fns
+        if opts.percentile_columns:
             from ._percentiles import percentile_stat
 
-            self.stat_fns += (percentile_stat(percentile_columns(percentiles)),)
+            self.stat_fns += (percentile_stat(opts.percentile_columns),)
         self.root_name = root_name
         self.track_eval = bool(track_eval)
         self.track_buffers = bool(track_buffers)
-        self.track_updates = bool(track_updates)
+        self.track_updates = opts.track_updates
         if self.track_updates and not optimizers:
             raise ValueError(
                 "track(track_updates=True): updates are taken around the optimizer's step; "
                 "pass the optimizer: track(model, optimizer, track_updates=True)"
             )
-        self._out = out
-        self._out_format = out_format
-        self._run_name = run_name or re.sub(r"[^A-Za-z0-9_.-]+", "_", type(module).__name__.lower())
-        self._flush_every = flush_every
-        self._verbose = verbose
         if scaler is not None and not callable(getattr(scaler, "unscale_", None)):
             raise TypeError(
                 f"track(scaler=...): expected a torch.amp.GradScaler (with .unscale_); "
@@ -189,13 +167,12 @@ class Tracker:
             )
         self.scaler = scaler
         if scaler is not None:
-            if LOSS_SCALE in self.stats_merge:
+            if LOSS_SCALE in self._merge_rules:
                 raise ValueError(
                     f"stats: {LOSS_SCALE!r} is the column the tracker fills with the "
                     f"GradScaler's scale (scaler=...); rename your statistic"
                 )
-            self.stats_merge = {**self.stats_merge, LOSS_SCALE: "max"}
-        self._sinks = tuple(sinks)
+            self._merge_rules[LOSS_SCALE] = "max"
 
         # Names from identity: module path -> module, parameter object -> full path.
         self._module_ids = frozenset(id(m) for m in module.modules())
@@ -222,32 +199,13 @@ class Tracker:
             for b, v in m.named_buffers(recurse=False)
             if v is not None and v.is_floating_point()
         ]
-        self._layouts: dict[tuple[str, tuple], Layout] = {}
-        self._select_cache: dict[tuple[str, int], bool] = {}
-        self._keys: dict[tuple, TensorKey] = {}
         self._last: tuple[torch.Tensor, int, Layout, np.ndarray | Slot] | None = None
-
-        self.step_index = 0
-        self.out_path: Path | None = None
-        self.recorder: StepRecorder | None = None
         self._workspace = Workspace()
-        # recorded steps whose device summaries are on their way to the host
-        self._flights: deque[tuple[int, list[Any], Flight | None]] = deque()
         self._handles: list[Any] = []
         self._compiled: CompiledHooks | None = None
         self._active = False
         self._weights_done = False
         self._grads: dict[str, tuple[TensorKey, Layout, np.ndarray | Slot]] = {}
-        self._closed = False
-
-    # ------------------------------------------------------------------ options
-
-    def _selected(self, name: str, owner: nn.Module) -> bool:
-        key = (name, id(owner))
-        hit = self._select_cache.get(key)
-        if hit is None:
-            hit = self._select_cache[key] = self.selector(name, type(owner).__mro__)
-        return hit
 
     # ------------------------------------------------------------------ dry run
 
@@ -260,12 +218,12 @@ class Tracker:
         that exists now (most optimizers create it lazily at their first step)."""
         rows = []
         for name, m in self._modules:
-            if self._selected(name, m):
+            if self._selected(name, type(m)):
                 for kind in (ACTIVATION, GRADIENT):
                     if self.kinds[kind]:
                         rows.append((name, kind, type(m).__name__))
         for full, p, owner in self._params:
-            if self._selected(full, owner):
+            if self._selected(full, type(owner)):
                 for kind in (WEIGHT, GRADIENT):
                     if self.kinds[kind] and (kind == WEIGHT or p.requires_grad):
                         rows.append((full, kind, type(owner).__name__))
@@ -273,39 +231,20 @@ class Tracker:
             rows += [
                 (full, WEIGHT, type(owner).__name__)
                 for full, owner, _ in self._buffers
-                if self._selected(full, owner)
+                if self._selected(full, type(owner))
             ]
         if self.kinds[OPTIMISER_STATE]:
             for name, _value, owner in self._optimizer_state():
-                if self._selected(name, owner):
+                if self._selected(name, type(owner)):
                     rows.append((name, OPTIMISER_STATE, type(owner).__name__))
         return pd.DataFrame(rows, columns=["name", "tensor_type", "type"])
 
     # ------------------------------------------------------------------ observing
 
-    def _layout(self, x: torch.Tensor, extra_names: tuple[str, ...]) -> Layout:
-        fmt = self.format or dtype_name(x.dtype)
-        key = (fmt, extra_names)
-        lay = self._layouts.get(key)
-        if lay is None:
-            lay = self._layouts[key] = Layout(
-                to_number_format(fmt),
-                tuple((n, self.stats_merge.get(n, "mean")) for n in extra_names),
-            )
-        return lay
-
-    def _key(self, name: str, kind: str, owner: nn.Module, x: torch.Tensor) -> TensorKey:
-        """The row identity of tensor ``x`` (cached: built once per tensor)."""
-        ck = (name, kind, id(owner), x.dtype)
-        key = self._keys.get(ck)
-        if key is None:
-            key = self._keys[ck] = TensorKey(name, kind, type(owner).__name__, dtype_name(x.dtype))
-        return key
-
     def _summary(
         self, name: str, kind: str, owner: nn.Module, x: torch.Tensor
     ) -> tuple[TensorKey, Layout, np.ndarray | Slot]:
-        key = self._key(name, kind, owner, x)
+        key = self._key(name, kind, type(owner).__name__, x.dtype)
         last = self._last
         if last is not None and last[0] is x and last[1] == x._version:
             # The same tensor again, unchanged: a container returning its last child's
@@ -318,7 +257,7 @@ class Tracker:
             scale = getattr(self.scaler, "_scale", None)  # the device tensor: no sync
             if scale is not None:  # output gradients are in loss-scaled units: log the scale
                 extras[LOSS_SCALE] = scale
-        lay = self._layout(d, tuple(extras))
+        lay = self._layout(d.dtype, tuple(extras))
         summary = self._workspace.summaries([d], lay, [extras])[0]
         self._last = (x, x._version, lay, summary)  # held until the next observation or step end
         return key, lay, summary
@@ -332,9 +271,9 @@ class Tracker:
         keys, layouts, extras = [], [], []
         for name, kind, owner, x in items:
             ex = self._extras(x.detach())
-            keys.append(self._key(name, kind, owner, x))
+            keys.append(self._key(name, kind, type(owner).__name__, x.dtype))
             extras.append(ex)
-            layouts.append(self._layout(x, tuple(ex)))
+            layouts.append(self._layout(x.dtype, tuple(ex)))
         by_layout: dict[Layout, list[int]] = {}
         for i, lay in enumerate(layouts):
             by_layout.setdefault(lay, []).append(i)
@@ -371,13 +310,13 @@ class Tracker:
         items = [
             (full, WEIGHT, owner, p)
             for full, p, owner in self._params
-            if p.is_floating_point() and self._selected(full, owner)
+            if p.is_floating_point() and self._selected(full, type(owner))
         ]
         if self.track_buffers:
             items += [
                 (full, WEIGHT, owner, getattr(owner, attr))
                 for full, owner, attr in self._buffers
-                if self._selected(full, owner) and getattr(owner, attr, None) is not None
+                if self._selected(full, type(owner)) and getattr(owner, attr, None) is not None
             ]
         for entry in self._summaries(items):
             self.recorder.add(*entry)  # type: ignore[union-attr]
@@ -391,7 +330,7 @@ class Tracker:
             for full, p, owner in self._params
             if p.grad is not None
             and p.grad.is_floating_point()
-            and self._selected(full, owner)
+            and self._selected(full, type(owner))
             and not (missing_only and full in self._grads)
         ]
         for item, entry in zip(items, self._summaries(items)):
@@ -496,7 +435,7 @@ class Tracker:
         model's module hooks stay for the tracker's life instead (:mod:`._compiled`)."""
         if (self.kinds[ACTIVATION] or self.kinds[GRADIENT]) and not self._is_compiled:
             for name, m in self._modules:
-                if self._selected(name, m):
+                if self._selected(name, type(m)):
                     self._handles.append(m.register_forward_hook(self._make_forward_hook(name, m)))
         if self.kinds[WEIGHT] and not self._is_compiled:
             # (a compiled model's weights are captured before the optimizer update instead:
@@ -516,48 +455,48 @@ class Tracker:
             h.remove()
         self._handles = []
 
-    # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ adapter
 
-    def __enter__(self) -> Tracker:
-        if self.recorder is not None:
-            raise RuntimeError("this tracker was already started; create a new one with track(...)")
-        self.recorder = StepRecorder(
-            self._out,
-            self._out_format,
-            self._run_name,
-            flush_every=self._flush_every,
-            verbose=self._verbose,
-            sinks=self._sinks,
-            run=make_run_record(
-                "torch",
-                type(self.module).__name__,
-                self.format,
-                {
-                    **self._options,
-                    "optimizers": [type(o).__name__ for o in self.optimizers],
-                    # with a GradScaler, output gradients
-                    # are in loss-scaled units
-                    "loss_scaled_output_gradients": self.scaler is not None,
-                    "compiled": self._is_compiled,
-                },
-            ),
-        )
-        self.out_path = self.recorder.path
-        try:
-            if self._is_compiled:
-                self._compiled = CompiledHooks(self, self._wrapper)
-            self._begin(0)
-        except BaseException:
-            self._remove()  # a failed start leaves no hook behind
-            if self._compiled is not None:
-                self._compiled.remove()
-            self.recorder.close()
-            raise
-        return self
+    def _run_options(self) -> dict[str, Any]:
+        return {
+            **self._own_options,
+            "optimizers": [type(o).__name__ for o in self.optimizers],
+            # with a GradScaler, output gradients are in loss-scaled units
+            "loss_scaled_output_gradients": self.scaler is not None,
+            "compiled": self._is_compiled,
+        }
 
-    def _begin(self, step: int) -> None:
-        self.step_index = step
-        self._active = bool(self.schedule(step))
+    def _start(self) -> None:
+        if self._is_compiled:
+            self._compiled = CompiledHooks(self, self._wrapper)
+        self._begin()
+
+    def _stop(self) -> None:
+        self._active = False
+        self._last = None
+        self._remove()
+        if self._compiled is not None:
+            self._compiled.remove()
+
+    def _send(self, pending: list[Any]) -> Flight | None:
+        return self._workspace.end_step()
+
+    def _arrived(self, transfer: Flight | None) -> bool:
+        return transfer is None or transfer.ready()
+
+    def _to_host(self, summaries: list[Any], transfer: Flight | None) -> list[np.ndarray]:
+        return to_host(summaries, transfer)
+
+    def _scalar_capture(self) -> Capture:
+        from ._scalars import capture_torch
+
+        return capture_torch
+
+    # ------------------------------------------------------------------ steps
+
+    def _begin(self) -> None:
+        """Prepare the current step: hooks in place on a scheduled step, none otherwise."""
+        self._active = self._scheduled(self.step_index)
         if self._compiled is not None:
             self._compiled.switch.active = self._active
         self._weights_done = False
@@ -576,8 +515,7 @@ class Tracker:
         starts one non-blocking copy of the step's device summaries to the host; the rows
         of a step are built once its copy has landed (at the latest at the next step, or
         when the tracker closes), so the device never waits for the host."""
-        if self.recorder is None or self._closed:
-            raise RuntimeError("tracker.step() called outside the `with track(...)` block")
+        recorder = self._check_open("step")
         if self._active:
             if not self._weights_done:
                 self._capture_weights()
@@ -585,82 +523,17 @@ class Tracker:
                 # gradients no optimizer looked at: as they are now
                 self._capture_grads(missing_only=True)
                 for entry in self._grads.values():
-                    self.recorder.add(*entry)
+                    recorder.add(*entry)
             if self.kinds[OPTIMISER_STATE]:
                 items = [
                     (name, OPTIMISER_STATE, owner, value)
                     for name, value, owner in self._optimizer_state()
-                    if self._selected(name, owner)
+                    if self._selected(name, type(owner))
                 ]
                 for entry in self._summaries(items):
-                    self.recorder.add(*entry)
-            self._flights.append(
-                (self.step_index, self.recorder.take(), self._workspace.end_step())
-            )
-        else:
-            self.recorder.discard()
-        self._land()
-        self._begin(self.step_index + 1)
-
-    def log_scalars(self, step: int | None = None, **scalars: Any) -> None:
-        """Log training scalars (loss, learning rate, ...) beside the log, e.g.
-        ``tracker.log_scalars(loss=loss, lr=sched.get_last_lr()[0])``.
-
-        Values are Python/numpy numbers or one-element tensors; a CUDA tensor is copied to
-        the host without waiting for the device (a CPU tensor is read at once). Recorded at
-        every call, whatever the schedule; ``step=None`` is the current step (the one the
-        next :meth:`step` ends). Read back with ``tandv.read_scalars(path or log)``;
-        ``viz.interactive`` and the HTML report draw them by themselves.
-        """
-        if self.recorder is None or self._closed:
-            raise RuntimeError("tracker.log_scalars() called outside the `with track(...)` block")
-        from ._scalars import capture_torch
-
-        self.recorder.log_scalars(step, scalars, self.step_index, capture_torch)
-
-    def _land(self, wait: bool = False) -> None:
-        """Record the steps whose summaries have reached the host, in order. A step's
-        device copy is waited for only once a later step has been queued (the device
-        always has work), or with ``wait``."""
-        assert self.recorder is not None
-        while self._flights:
-            step, pending, flight = self._flights[0]
-            if not (wait or step < self.step_index or flight is None or flight.ready()):
-                return
-            self._flights.popleft()
-            # commit() calls the function before it returns: the lambda sees this flight
-            self.recorder.commit(step, pending, lambda s: to_host(s, flight))  # noqa: B023
-
-    def close(self) -> Path | None:
-        """Remove all hooks and finish the log (idempotent); returns its path, as the JAX
-        tracker's ``close`` does (``None`` when the tracker never started). Observations of
-        a step that was not ended with :meth:`step` are dropped."""
-        if self._closed:
-            return self.out_path
-        self._closed = True
-        self._active = False
-        self._last = None
-        self._remove()
-        if self._compiled is not None:
-            self._compiled.remove()
-        if self.recorder is not None:
-            self.recorder.discard()
-            try:
-                self._land(wait=True)
-            finally:
-                self._flights.clear()
-                self.out_path = self.recorder.close()
-        return self.out_path
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        try:
-            self.close()
-        except Exception as close_error:
-            if exc is None:
-                raise
-            print(
-                f"tandv: could not finish the log after an error: {close_error!r}", file=sys.stderr
-            )
+                    recorder.add(*entry)
+        self._end_step(self._active)
+        self._begin()
 
 
 class _CaptureAfterUnscale:
@@ -718,6 +591,10 @@ def _unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
 def track(*args: Any, **options: Any) -> Tracker:
     """Track a PyTorch module's training numerics; use as ``with track(model, opt) as tracker:``.
 
+    Returns:
+        A :class:`Tracker`; call ``tracker.step()`` after each optimizer update.
+        ``tracker.out_path`` is the log's path once the ``with`` block has started.
+
     Arguments:
         module: the model: eager, ``torch.compile(model)`` or compiled in place
             (``model.compile()``, whole or in parts). Compiled models are tracked inside
@@ -726,56 +603,17 @@ def track(*args: Any, **options: Any) -> Tracker:
             gradients are tracked.
         optimizer: an optimizer or a sequence of them, for ``Optimiser_State`` rows and to
             capture gradients just before each update; ``None`` tracks no optimizer state.
-        track_activations, track_gradients, track_weights, track_optimizer: which tensor
-            types to record (all ``True`` by default).
+            Needed by ``track_updates``.
+        track_weights, track_optimizer: record ``Weight`` rows (each parameter as step
+            ``k``'s forward pass used it) and ``Optimiser_State`` rows (default ``True``).
         track_buffers: also record the module's floating buffers (BatchNorm's running
             mean and variance) as ``Weight`` rows named by buffer path, as the step's forward
             found them (default ``False``).
-        track_updates: also record each parameter's update of the step (after minus before
-            the optimizer step) as ``Weight`` rows named ``<parameter path>.update``, with
-            the same statistics (``tandv.quantities.log_update_ratio`` reads them). Costs
-            one copy of the tracked parameters that require a gradient, held across each
-            optimizer step of a scheduled step (the copy then becomes the update in place);
-            nothing on other steps. Needs ``optimizer``; default ``False``.
-        include, exclude: regexes searched in tensor names, class names (``"Linear"``) or
-            classes (``nn.LayerNorm``) of the owning module; apply to every tensor type.
-        every: record every N-th step (0, N, 2N, ...).
-        schedule: instead of ``every``: a callable ``step -> bool``, a string
-            ``"linear(interval, offset)"``, or a collection of step numbers.
-        start, end: record only steps ``start <= step < end``.
-        stats: custom statistics: a function (or list of functions) ``tensor ->
-            {name: 0-dim tensor}``, or a mapping ``{name: tensor -> 0-dim tensor}`` (values
-            may be ``(function, merge_rule)``); each name becomes a ``scalar_stats`` column.
-            Keep them on the device (no ``.item()``).
-        stats_merge: ``{name: "sum" | "min" | "max" | "mean"}``: how a custom statistic of
-            several observations in one step combines (default ``"mean"``, numel-weighted).
-        percentiles: exact percentiles to log, e.g. ``(1, 50, 99)``: columns ``pct1``,
-            ``pct50``, ``pct99`` of the non-NaN elements, interpolated as ``np.percentile``,
-            computed on the device without a sync and without ``torch.quantile``'s size
-            limit. Each costs a sort of every tracked tensor (slow: narrow the tensors with
-            ``include``). Exact for a tensor seen once per step; several observations in one
-            step (micro-batches) log their element-weighted mean, an approximation.
-        number_format: format for the exponent counts of every tensor (e.g.
-            ``"float8_e4m3fn"`` to see what would underflow/overflow); default each
-            tensor's own dtype.
-        out: log path (a directory for parquet, a file for pickle); default a new folder
-            ``tandv_logs/<run_name>-<timestamp>``.
-        out_format: ``"parquet"`` (part files streamed during the run) or ``"pickle"``
-            (one file written at exit).
-        run_name: readable name for the default path (default: the module's class name).
-        root_name: the name of the root module's rows (default ``"root"``).
+        root_name: the name of the root module's rows (default ``"root"``, as in JAX).
         track_eval: also record forwards of modules in eval mode (default ``False``).
-        flush_every: write buffered rows to disk every N recorded steps (default 10).
-        verbose: print the log path once when tracking starts.
-        sinks: callables that also receive each batch of rows as it is written, e.g.
-            ``[tandv.export.TensorBoardSink("runs/x")]``; closed with the tracker.
         scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop: gradients are then
             also captured when it unscales them, so a step it skips (inf/NaN gradients) is
             logged as it was. Output (activation) gradients stay in loss-scaled units, and
             their rows hold the scale in a ``loss_scale`` column.
-
-    Returns:
-        A :class:`Tracker`; call ``tracker.step()`` after each optimizer update.
-        ``tracker.out_path`` is the log's path.
     """
     return Tracker(*args, **options)

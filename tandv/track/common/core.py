@@ -1,0 +1,280 @@
+"""What every tracker does the same way, whatever the framework: :class:`TrackerCore`.
+
+A tracker is this core plus a framework adapter (``tandv.track.torch.Tracker``,
+``tandv.track.jax.JaxTracker``, each a subclass). The core owns the lifecycle (the log opens
+when the ``with`` block starts, or at the first use of a tracker used without one; ``close``
+finishes it once), the step counter and the schedule, the selection of tensors, the caches
+of row keys and summary layouts, the steps whose summaries are on their way to the host
+(landed in order) and the log's record of how it was made. The adapter observes its
+framework's tensors, summarizes them into :attr:`recorder`, and moves a step's summaries to
+the host: the methods marked *adapter* below.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Generic, TypeVar
+
+import numpy as np
+
+from ...stats.formats import format_name
+from ...stats.formats import number_format as to_number_format
+from ...stats.summary import Layout
+from .options import TrackOptions
+from .recorder import StepRecorder, TensorKey, make_run_record
+from .scalars import Capture
+
+__all__ = ["TrackerCore"]
+
+#: What an adapter's :meth:`TrackerCore._send` returns for a step: its summaries' transfer.
+Transfer = TypeVar("Transfer")
+#: One observation: its row's key, its summary's layout, and the summary (where it lies).
+Observation = tuple[TensorKey, Layout, Any]
+_Self = TypeVar("_Self", bound="TrackerCore[Any]")
+
+
+class TrackerCore(Generic[Transfer]):
+    """The framework-neutral part of a tracker (see the module's documentation).
+
+    Attributes:
+        options: the shared options, checked.
+        step_index: the current step (how many :meth:`step` calls have ended one).
+        out_path: the log's path, once it is open (``None`` before).
+        recorder: the open log's :class:`StepRecorder` (``None`` before it opens).
+    """
+
+    #: the framework, for the log's record (``"torch"``, ``"jax"``)
+    framework: ClassVar[str]
+    #: whether a tracker used without ``with`` opens its log at its first use; otherwise such
+    #: a use is an error (PyTorch's hooks must be in place before the step's forward pass)
+    opens_lazily: ClassVar[bool] = False
+
+    def __init__(self, options: TrackOptions, model: str, run_name: str) -> None:
+        """``model``: the model's class name for the log's record; ``run_name``: the name of
+        the default log path when ``options.run_name`` is ``None``."""
+        self.options = options
+        self._model = model
+        self._run_name = options.run_name or run_name
+        self.step_index = 0
+        self.out_path: Path | None = None
+        self.recorder: StepRecorder | None = None
+        self._closed = False
+        #: merge rules of the custom statistics (an adapter may add its own columns')
+        self._merge_rules = dict(options.merge_rules)
+        #: custom statistics every summary carries, when the adapter knows them upfront
+        self._extra_names: tuple[str, ...] = ()
+        self._selection: dict[tuple[str, type | None], bool] = {}
+        self._layouts: dict[tuple[Any, tuple[str, ...]], Layout] = {}
+        self._keys: dict[tuple[str, str, str, Any], TensorKey] = {}
+        #: ended steps whose summaries are on their way to the host: (step, observations,
+        #: the step's transfer from :meth:`_send`), oldest first
+        self._flights: deque[tuple[int, list[Observation], Transfer]] = deque()
+
+    # ------------------------------------------------------------------ adapter
+
+    def _run_options(self) -> dict[str, Any]:
+        """*Adapter*: the framework's own options (and facts about the run) for the log's
+        record, beside the shared ones."""
+        return {}
+
+    def _start(self) -> None:
+        """*Adapter*: start observing (install hooks), once the log is open."""
+
+    def _stop(self) -> None:
+        """*Adapter*: stop observing and release what the tracker holds (hooks, patches);
+        called once, by :meth:`close`, also when the start failed."""
+
+    def _send(self, pending: list[Observation]) -> Transfer:
+        """*Adapter*: start moving the summaries of a step's observations to the host, without
+        waiting; the result is handed back to :meth:`_to_host` when the step is recorded."""
+        raise NotImplementedError
+
+    def _arrived(self, transfer: Transfer) -> bool:
+        """*Adapter*: whether a step's transfer has reached the host (its rows can be built
+        without waiting). By default only a later step's end or closing records a step."""
+        return False
+
+    def _to_host(self, summaries: list[Any], transfer: Transfer) -> Sequence[np.ndarray]:
+        """*Adapter*: the host summary vectors of ``summaries``, from their ``transfer``."""
+        raise NotImplementedError
+
+    def _observed(self, pending: list[Observation]) -> list[Observation]:
+        """*Adapter*: those of a step's observations that took place (all by default)."""
+        return pending
+
+    def _scalar_capture(self) -> Capture | None:
+        """*Adapter*: how :meth:`log_scalars` reads a value of the framework (a tensor)."""
+        return None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self: _Self) -> _Self:
+        if self.recorder is not None or self._closed:
+            raise RuntimeError("this tracker was already started; create a new one with track(...)")
+        self._open()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self.close()
+        except Exception as close_error:
+            if exc is None:
+                raise
+            # the training loop's error is the one to see; closing's is reported beside it
+            print(
+                f"tandv: could not finish the log after an error: {close_error!r}", file=sys.stderr
+            )
+
+    def _open(self) -> None:
+        """Open the log (its folder is created and its path printed now) and start observing."""
+        options = self.options
+        self.recorder = StepRecorder(
+            options.out,
+            options.out_format,
+            self._run_name,
+            flush_every=options.flush_every,
+            verbose=options.verbose,
+            sinks=options.sinks,
+            run=make_run_record(
+                self.framework,
+                self._model,
+                options.format,
+                {**options.given(), **self._run_options()},
+            ),
+        )
+        self.out_path = self.recorder.path
+        try:
+            self._start()
+        except BaseException:
+            self.close()  # a failed start leaves no hook behind
+            raise
+
+    def _check_open(self, method: str) -> StepRecorder:
+        """The recorder, for a call of ``tracker.<method>()``: opened now if the tracker opens
+        lazily and has not yet; an error once closed, or outside ``with`` otherwise."""
+        if self._closed:
+            raise RuntimeError(
+                f"tracker.{method}() called outside the `with track(...)` block: the tracker "
+                f"is closed; create a new one with track(...)"
+            )
+        if self.recorder is None:
+            if not self.opens_lazily:
+                raise RuntimeError(
+                    f"tracker.{method}() called outside the `with track(...)` block; use "
+                    f"`with track(...) as tracker:` around the training loop"
+                )
+            self._open()
+        assert self.recorder is not None
+        return self.recorder
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._closed
+
+    def close(self) -> Path | None:
+        """Stop observing and finish the log (idempotent); returns its path, ``None`` when the
+        tracker never started (then nothing is written). Observations of a step that was not
+        ended with :meth:`step` are dropped; the steps ended are all recorded."""
+        if self._closed:
+            return self.out_path
+        self._closed = True
+        try:
+            self._stop()
+        finally:
+            if self.recorder is not None:
+                self.recorder.discard()
+                try:
+                    self._land(wait=True)
+                finally:
+                    self._flights.clear()
+                    self.out_path = self.recorder.close()
+        return self.out_path
+
+    # ------------------------------------------------------------------ steps
+
+    def _scheduled(self, step: int) -> bool:
+        """Whether step ``step`` is recorded."""
+        return bool(self.options.scheduled(step))
+
+    def _end_step(self, recorded: bool) -> None:
+        """End the current step: with ``recorded``, start moving its observations to the host
+        (they are recorded once there: at a later step's end, or when the tracker closes),
+        else drop them. Then record the steps that have arrived and count the step."""
+        recorder = self.recorder
+        assert recorder is not None
+        if recorded:
+            pending = recorder.take()
+            self._flights.append((self.step_index, pending, self._send(pending)))
+        else:
+            recorder.discard()
+        self._land()
+        self.step_index += 1
+
+    def _land(self, wait: bool = False) -> None:
+        """Record the steps whose summaries have reached the host, in order. A step's
+        transfer is waited for only once a later step has ended (the device has that one's
+        work queued, so it does not go idle), or with ``wait``."""
+        assert self.recorder is not None
+        while self._flights:
+            step, pending, transfer = self._flights[0]
+            if not (wait or step < self.step_index or self._arrived(transfer)):
+                return
+            self._flights.popleft()
+            self.recorder.commit(
+                step,
+                self._observed(pending),
+                # commit() calls it before it returns: the lambda sees this transfer
+                lambda s: self._to_host(s, transfer),  # noqa: B023
+            )
+
+    def log_scalars(self, step: int | None = None, **scalars: Any) -> None:
+        """Log training scalars (loss, learning rate, ...) beside the log, e.g.
+        ``tracker.log_scalars(loss=loss, lr=lr)``.
+
+        Values are Python/numpy numbers or one-element tensors/arrays (JAX: not traced values,
+        call it outside ``jit``); a device value's copy to the host starts at once and is
+        read when it has arrived, so logging never waits for the device (a CPU tensor is read
+        at once). Recorded at every call, whatever the schedule; ``step=None`` is the current
+        step (the one the next :meth:`step` ends). Read back with ``tandv.read_scalars(path
+        or log)``; ``viz.interactive`` and the HTML report draw them by themselves.
+        """
+        recorder = self._check_open("log_scalars")
+        recorder.log_scalars(step, scalars, self.step_index, self._scalar_capture())
+
+    # ------------------------------------------------------------------ names and layouts
+
+    def _selected(self, name: str, owner: type | None) -> bool:
+        """Whether the tensor ``name``, owned by a module of class ``owner`` (``None``:
+        unknown), is tracked (``include``/``exclude``; cached)."""
+        key = (name, owner)
+        hit = self._selection.get(key)
+        if hit is None:
+            types = () if owner is None else owner.__mro__
+            hit = self._selection[key] = self.options.selector(name, types)
+        return hit
+
+    def _layout(self, dtype: Any, extras: tuple[str, ...] | None = None) -> Layout:
+        """The summary layout of a tensor of ``dtype`` with the custom statistics ``extras``
+        (by default those every summary carries): in ``number_format``, else in the
+        tensor's own format (cached)."""
+        extras = self._extra_names if extras is None else extras
+        key = (dtype, extras)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = Layout(
+                to_number_format(self.options.format or format_name(dtype)),
+                tuple((name, self._merge_rules.get(name, "mean")) for name in extras),
+            )
+        return layout
+
+    def _key(self, name: str, kind: str, module_type: str, dtype: Any) -> TensorKey:
+        """The row identity of an observation (cached: built once per tensor)."""
+        ck = (name, kind, module_type, dtype)
+        key = self._keys.get(ck)
+        if key is None:
+            key = self._keys[ck] = TensorKey(name, kind, module_type, format_name(dtype))
+        return key
