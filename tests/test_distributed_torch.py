@@ -41,7 +41,7 @@ from tandv.track.common.distributed import (  # noqa: E402
     merge_stacked,
 )
 
-pytestmark = pytest.mark.skipif(
+needs_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
     reason="torch.distributed with the gloo backend is not available in this PyTorch build",
 )
@@ -109,6 +109,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return out, proc.stdout + proc.stderr
 
 
+@needs_gloo
 def test_ddp_log_equals_one_process_over_the_global_batch(ddp_run, reference):
     out, _ = ddp_run
     got = read_parquet(out / "ddp")
@@ -121,6 +122,7 @@ def test_ddp_log_equals_one_process_over_the_global_batch(ddp_run, reference):
     assert got.attrs["tandv"]["options"]["merged_ranks"] is True
 
 
+@needs_gloo
 def test_ddp_rank_logs_hold_each_ranks_own_rows(ddp_run):
     out, _ = ddp_run
     merged = rows(read_parquet(out / "ddp"))
@@ -141,6 +143,7 @@ def test_ddp_rank_logs_hold_each_ranks_own_rows(ddp_run):
         pd.testing.assert_frame_equal(s[rep], m[rep])
 
 
+@needs_gloo
 def test_ddp_default_out_is_one_log_written_by_rank_0(ddp_run):
     out, output = ddp_run
     paths = {(out / f"default_path{r}.txt").read_text() for r in range(worker.WORLD)}
@@ -152,6 +155,7 @@ def test_ddp_default_out_is_one_log_written_by_rank_0(ddp_run):
     assert (read_parquet(logs[0])[METADATA]["step"].max()) == worker.STEPS - 1
 
 
+@needs_gloo
 def test_fsdp2_rows_equal_the_unsharded_model(tmp_path, reference):
     pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) needs torch>=2.6")
     from torch.distributed.fsdp import fully_shard  # noqa: F401
@@ -183,6 +187,7 @@ def test_fsdp2_rows_equal_the_unsharded_model(tmp_path, reference):
         np.testing.assert_array_equal(up, counts[e], err_msg=str(e))
 
 
+@needs_gloo
 def test_a_rank_raising_makes_the_other_fail_within_the_timeout(tmp_path):
     launch("fail", tmp_path)
     elapsed, message = (tmp_path / "fail0.txt").read_text().split("\n", 1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import sys
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -84,6 +85,10 @@ def _dtensor_class() -> type | None:
 
 
 def is_dtensor(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a DTensor (none can exist before their module is imported: a
+    single-process run never imports it for this check)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False
     cls = _dtensor_class()
     return cls is not None and isinstance(x, cls)
 

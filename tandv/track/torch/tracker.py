@@ -657,11 +657,14 @@ class Tracker:
     def _land(self, wait: bool = False) -> None:
         """Record the steps whose summaries have reached the host, in order. A step's
         device copy is waited for only once a later step has been queued (the device
-        always has work), or with ``wait``."""
+        always has work), or with ``wait``. In a distributed run a step lands (and is
+        merged, a collective) at the same point on every rank: at the next ``step()``,
+        whether or not its copy was ready earlier."""
         assert self.recorder is not None
         while self._flights:
             step, pending, flight = self._flights[0]
-            if not (wait or step < self.step_index or flight is None or flight.ready()):
+            early = self._ranks is None and (flight is None or flight.ready())
+            if not (wait or step < self.step_index or early):
                 return
             self._flights.popleft()
             # commit() calls the function before it returns: the lambda sees this flight
