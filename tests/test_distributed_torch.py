@@ -141,6 +141,9 @@ def test_ddp_rank_logs_hold_each_ranks_own_rows(ddp_run):
     rep = merged[METADATA]["tensor_type"].isin([WEIGHT, OPTIMISER_STATE]).to_numpy()
     for s in stats:
         pd.testing.assert_frame_equal(s[rep], m[rep])
+    for r in range(worker.WORLD):
+        record = read_parquet(out / "ddp" / f"rank{r}").attrs["tandv"]
+        assert record["options"]["merged_ranks"] is False and record["rank"] == r
 
 
 @needs_gloo

@@ -364,7 +364,9 @@ class StepRecorder:
                 flush_every=flush_every,
                 flush_seconds=flush_seconds,
                 verbose=False,
-                run=None if run is None else {**run, "merged_ranks": False},
+                run=None
+                if run is None
+                else {**run, "options": {**run.get("options", {}), "merged_ranks": False}},
             )
         verbose = verbose and self.writes
         self.warn_pending_bytes = warn_pending_bytes
