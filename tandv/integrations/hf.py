@@ -22,7 +22,9 @@ class TandvCallback(TrainerCallback):
     One log step per optimizer update (``gradient_accumulation_steps`` micro-batches merge
     into it); the gradients are those the optimizer sees, after clipping. accelerate's
     optimizer wrapper is unwrapped. Only the main process (``state.is_world_process_zero``)
-    tracks. ``callback.tracker.out_path`` is the log's path.
+    tracks, its own part of the batch, unless ``distributed=None`` or ``True`` is passed:
+    then every process tracks and the main one writes the log merged over the processes
+    (see :func:`tandv.track.torch.track`). ``callback.tracker.out_path`` is the log's path.
     """
 
     def __init__(self, **options: Any) -> None:
@@ -32,7 +34,13 @@ class TandvCallback(TrainerCallback):
                 "only track()'s keyword options (out=, every=, include=, ...)"
             )
         self.options = options
+        # rank 0 alone tracks its own part (no collective), unless distributed= asks for
+        # the merge over the ranks: then every rank tracks and rank 0 writes the merged log
+        self._merged = options.get("distributed", False) is not False
         self.tracker: Tracker | None = None
+
+    def _track_options(self) -> dict[str, Any]:
+        return {"distributed": False, **self.options}
 
     @property
     def out_path(self) -> Path | None:
@@ -48,14 +56,14 @@ class TandvCallback(TrainerCallback):
         optimizer: Any = None,
         **kwargs: Any,
     ) -> None:
-        if not state.is_world_process_zero:
+        if not state.is_world_process_zero and not self._merged:
             return
         if model is None or optimizer is None:
             raise RuntimeError(
                 "TandvCallback: the Trainer passed no model or optimizer to "
                 "on_train_begin; add the callback through Trainer(callbacks=[...])"
             )
-        self.tracker = track(model, optimizer, **self.options)
+        self.tracker = track(model, optimizer, **self._track_options())
         self.tracker.__enter__()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -28,7 +28,10 @@ class TandvCallback(Callback):
     One log step per optimizer update: with ``accumulate_grad_batches=N`` the N
     micro-batches' activations merge into the step's rows, and the gradients are those of
     the update (Lightning steps with a closure; the tracker captures after it). Only the
-    global rank 0 process tracks. ``callback.tracker.out_path`` is the log's path.
+    global rank 0 process tracks, its own part of the batch, unless ``distributed=None`` or
+    ``True`` is passed: then every rank tracks and rank 0 writes the log merged over the
+    ranks (see :func:`tandv.track.torch.track`). ``callback.tracker.out_path`` is the
+    log's path.
     """
 
     def __init__(self, **options: Any) -> None:
@@ -39,8 +42,14 @@ class TandvCallback(Callback):
                 "only track()'s keyword options (out=, every=, include=, ...)"
             )
         self.options = options
+        # rank 0 alone tracks its own part (no collective), unless distributed= asks for
+        # the merge over the ranks: then every rank tracks and rank 0 writes the merged log
+        self._merged = options.get("distributed", False) is not False
         self.tracker: Tracker | None = None
         self._updates = 0
+
+    def _track_options(self) -> dict[str, Any]:
+        return {"distributed": False, **self.options}
 
     @property
     def out_path(self) -> Path | None:
@@ -48,9 +57,9 @@ class TandvCallback(Callback):
         return None if self.tracker is None else self.tracker.out_path
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.global_rank != 0:
+        if trainer.global_rank != 0 and not self._merged:
             return
-        self.tracker = track(pl_module, list(trainer.optimizers), **self.options)
+        self.tracker = track(pl_module, list(trainer.optimizers), **self._track_options())
         self.tracker.__enter__()
         self._updates = trainer.global_step
 

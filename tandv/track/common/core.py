@@ -23,6 +23,7 @@ import numpy as np
 from ...stats.formats import format_name
 from ...stats.formats import number_format as to_number_format
 from ...stats.summary import Layout
+from .distributed import RankMerger
 from .options import TrackOptions
 from .recorder import StepRecorder, TensorKey, make_run_record
 from .scalars import Capture
@@ -72,6 +73,7 @@ class TrackerCore(Generic[Transfer]):
         #: ended steps whose summaries are on their way to the host: (step, observations,
         #: the step's transfer from :meth:`_send`), oldest first
         self._flights: deque[tuple[int, list[Observation], Transfer]] = deque()
+        self._merger: RankMerger | None = None
 
     # ------------------------------------------------------------------ adapter
 
@@ -105,6 +107,12 @@ class TrackerCore(Generic[Transfer]):
         """*Adapter*: those of a step's observations that took place (all by default)."""
         return pending
 
+    def _rank_merger(self) -> RankMerger | None:
+        """*Adapter*: in a run over several ranks (processes), the merger that combines each
+        tracked step's summaries over them before rank 0 writes (``None``: one process).
+        Called when the log opens; it may be a collective."""
+        return None
+
     def _scalar_capture(self) -> Capture | None:
         """*Adapter*: how :meth:`log_scalars` reads a value of the framework (a tensor)."""
         return None
@@ -131,6 +139,7 @@ class TrackerCore(Generic[Transfer]):
     def _open(self) -> None:
         """Open the log (its folder is created and its path printed now) and start observing."""
         options = self.options
+        self._merger = self._rank_merger()
         self.recorder = StepRecorder(
             options.out,
             options.out_format,
@@ -142,8 +151,13 @@ class TrackerCore(Generic[Transfer]):
                 self.framework,
                 self._model,
                 options.format,
-                {**options.given(), **self._run_options()},
+                {
+                    **options.given(),
+                    **self._run_options(),
+                    "merged_ranks": self._merger is not None,
+                },
             ),
+            merger=self._merger,
         )
         self.out_path = self.recorder.path
         try:
@@ -217,11 +231,14 @@ class TrackerCore(Generic[Transfer]):
     def _land(self, wait: bool = False) -> None:
         """Record the steps whose summaries have reached the host, in order. A step's
         transfer is waited for only once a later step has ended (the device has that one's
-        work queued, so it does not go idle), or with ``wait``."""
+        work queued, so it does not go idle), or with ``wait``. Over several ranks a step
+        lands (its merge is a collective) at the same point on every rank: at the next step's
+        end, whether or not its transfer arrived earlier."""
         assert self.recorder is not None
         while self._flights:
             step, pending, transfer = self._flights[0]
-            if not (wait or step < self.step_index or self._arrived(transfer)):
+            early = self._merger is None and self._arrived(transfer)
+            if not (wait or step < self.step_index or early):
                 return
             self._flights.popleft()
             self.recorder.commit(

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -47,6 +47,9 @@ from ...stats.summary import (
     merge_all,
 )
 from .scalars import Capture, Pending, ScalarRecorder, check_scalar_args, plain_scalar
+
+if TYPE_CHECKING:
+    from .distributed import RankMerger
 
 __all__ = [
     "TensorKey",
@@ -294,6 +297,14 @@ class StepRecorder:
             that never calls it would otherwise grow without bound).
         run: the record of how the log is made (a JSON-able dict: :func:`make_run_record`),
             stored with the rows and read back as ``df.attrs["tandv"]``.
+        merger: in a distributed run, the cross-rank merge
+            (:class:`~tandv.track.common.distributed.RankMerger`): each committed step's
+            rows are merged over the ranks, the writer rank alone writes (at the path it
+            resolves, the same on every rank), the others write and print nothing (unless
+            the merger's ``rank_logs``: then every rank also writes its own unmerged rows
+            to :meth:`~tandv.track.common.distributed.RankMerger.rank_path`), and every
+            scheduled step takes part in the merge, even with no rows. ``None``: this
+            process alone.
     """
 
     def __init__(
@@ -309,6 +320,7 @@ class StepRecorder:
         warn_pending_bytes: int = 256 * 2**20,
         max_pending_bytes: int = 2**30,
         run: dict[str, Any] | None = None,
+        merger: RankMerger | None = None,
     ) -> None:
         self.sinks = tuple(sinks)  # checked before anything is created
         for sink in self.sinks:
@@ -325,13 +337,38 @@ class StepRecorder:
                 f"max_pending_bytes={max_pending_bytes!r}: "
                 f"expected 0 < warn_pending_bytes <= max_pending_bytes"
             )
-        self.path = resolve_out(out, out_format, run_name)
-        self.writer: LogWriter = open_writer(
-            self.path,
-            out_format,  # type: ignore[arg-type]
-            reserved=out is None,
-            run=run,
-        )
+        self.merger = merger
+        #: whether this process writes the log (not so on a distributed run's other ranks)
+        self.writes = merger is None or merger.is_writer
+        self._rank_log: StepRecorder | None = None
+        writer: LogWriter | None = None
+
+        def open_log() -> Path:
+            nonlocal writer
+            path = resolve_out(out, out_format, run_name)
+            writer = open_writer(
+                path,
+                out_format,  # type: ignore[arg-type]
+                reserved=out is None,
+                run=run,
+            )
+            return path
+
+        self.path = open_log() if merger is None else merger.shared_path(open_log)
+        #: the log's writer (``None`` on a distributed run's ranks that do not write)
+        self.writer: LogWriter | None = writer
+        if merger is not None and merger.rank_logs:
+            self._rank_log = StepRecorder(
+                merger.rank_path(self.path, out_format),
+                out_format,
+                flush_every=flush_every,
+                flush_seconds=flush_seconds,
+                verbose=False,
+                run=None
+                if run is None
+                else {**run, "options": {**run.get("options", {}), "merged_ranks": False}},
+            )
+        verbose = verbose and self.writes
         self.warn_pending_bytes = warn_pending_bytes
         self.max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0
@@ -375,6 +412,10 @@ class StepRecorder:
                 "tracker.log_scalars(): the tracker is closed (its `with` block has ended)"
             )
         check_scalar_args(step, values)
+        if not self.writes:  # a distributed run's other rank: its own log, if any
+            if self._rank_log is not None:
+                self._rank_log.log_scalars(step, values, current, capture)
+            return
         got: dict[str, Any] = {}
         for name, v in values.items():
             if name == "step":
@@ -473,9 +514,9 @@ class StepRecorder:
                 stacklevel=3,
             )
         self._had_module_rows |= module_rows
-        if not pending:
+        if not pending and self.merger is None:
             return 0
-        host = to_host([s for _, _, s in pending])
+        host = to_host([s for _, _, s in pending]) if pending else []
         groups: dict[TensorKey, tuple[Layout, list[np.ndarray]]] = {}
         for (key, layout, _), v in zip(pending, host):
             if key in groups and groups[key][0] != layout:
@@ -484,12 +525,18 @@ class StepRecorder:
                     f"step {step}; it must keep one number format and one set of custom statistics"
                 )
             groups.setdefault(key, (layout, []))[1].append(np.asarray(v, dtype=np.float64))
-        entries = _merge_dtypes(
-            [
-                (k, layout, merge_all(vs, layout) if len(vs) > 1 else vs[0])
-                for k, (layout, vs) in groups.items()
-            ]
-        )
+        local = [
+            (k, layout, merge_all(vs, layout) if len(vs) > 1 else vs[0])
+            for k, (layout, vs) in groups.items()
+        ]
+        if self.merger is not None:
+            if self._rank_log is not None:  # written whatever becomes of the merge
+                self._rank_log.commit(step, local, lambda s: s)
+            # before rows of several dtypes of one tensor merge: the rank merge is by key
+            local = self.merger.merge(step, local)
+            if not local:  # the writer's merge (on another rank), or a step with no rows
+                return 0
+        entries = _merge_dtypes(local)
         self._buffer.append((step, entries))
         self.steps_recorded += 1
         if (
@@ -537,6 +584,7 @@ class StepRecorder:
                         [step for step, entries in batch for _ in entries],
                         [entry for _, entries in batch for entry in entries],
                     )
+                    assert self.writer is not None  # only the writing rank buffers rows
                     self.writer.write(rows)
                     for sink in self.sinks:
                         sink(rows)
@@ -572,9 +620,12 @@ class StepRecorder:
             if self.scalars is not None:
                 self.scalars.close()
             self._raise_writer_error()
-            if self.writer.rows_written == 0:
-                self.writer.write(build_rows(0, []), allow_empty=True)
-            self.writer.close()
+            if self._rank_log is not None:
+                self._rank_log.close()
+            if self.writer is not None:
+                if self.writer.rows_written == 0:
+                    self.writer.write(build_rows(0, []), allow_empty=True)
+                self.writer.close()
             for sink in self.sinks:
                 close = getattr(sink, "close", None)
                 if close is not None:

@@ -47,10 +47,12 @@ from ...stats.summary import Layout
 from ..common import TensorKey
 from ..common.core import TrackerCore
 from ..common.custom import StatFn
+from ..common.distributed import RankMerger
 from ..common.factory import signature_of
 from ..common.options import ROOT_NAME, TrackKwargs, TrackOptions
 from ..common.scalars import Capture
 from ._compiled import CompiledHooks, compiled_root
+from ._distributed import TorchRanks, distributed_world, local_part, module_type, unwrap_ddp
 from ._workspace import Flight, Slot, Workspace, to_host
 
 if TYPE_CHECKING:
@@ -106,6 +108,9 @@ class Tracker(TrackerCore[Flight | None]):
         root_name: str = ROOT_NAME,
         track_eval: bool = False,
         scaler: Any = None,
+        distributed: bool | None = None,
+        rank_logs: bool = False,
+        dist_timeout: float = 600.0,
         **options: Unpack[TrackKwargs],
     ) -> None:
         # this framework's options as given (first statement: locals() holds just the
@@ -123,11 +128,20 @@ class Tracker(TrackerCore[Flight | None]):
         module, self._is_compiled, self._wrapper = compiled_root(
             module, opts.track_activations or opts.track_gradients
         )
+        module = unwrap_ddp(module)  # DDP's rows carry the model's own paths
         super().__init__(
             opts,
             type(module).__name__,
             re.sub(r"[^A-Za-z0-9_.-]+", "_", type(module).__name__.lower()),
         )
+        if distributed not in (None, True, False):
+            raise ValueError(f"distributed={distributed!r}: expected None (auto), True or False")
+        if not (isinstance(dist_timeout, (int, float)) and dist_timeout > 0):
+            raise ValueError(f"dist_timeout={dist_timeout!r}: expected a number of seconds > 0")
+        self._distributed = distributed
+        self._rank_logs = bool(rank_logs)
+        self._dist_timeout = float(dist_timeout)
+        self._ranks: TorchRanks | None = None
         if optimizer is None:
             optimizers: tuple[torch.optim.Optimizer, ...] = ()
         elif isinstance(optimizer, (list, tuple)) or (
@@ -221,37 +235,41 @@ class Tracker(TrackerCore[Flight | None]):
             if self._selected(name, type(m)):
                 for kind in (ACTIVATION, GRADIENT):
                     if self.kinds[kind]:
-                        rows.append((name, kind, type(m).__name__))
+                        rows.append((name, kind, module_type(m)))
         for full, p, owner in self._params:
             if self._selected(full, type(owner)):
                 for kind in (WEIGHT, GRADIENT):
                     if self.kinds[kind] and (kind == WEIGHT or p.requires_grad):
-                        rows.append((full, kind, type(owner).__name__))
+                        rows.append((full, kind, module_type(owner)))
         if self.kinds[WEIGHT] and self.track_buffers:
             rows += [
-                (full, WEIGHT, type(owner).__name__)
+                (full, WEIGHT, module_type(owner))
                 for full, owner, _ in self._buffers
                 if self._selected(full, type(owner))
             ]
         if self.kinds[OPTIMISER_STATE]:
             for name, _value, owner in self._optimizer_state():
                 if self._selected(name, type(owner)):
-                    rows.append((name, OPTIMISER_STATE, type(owner).__name__))
+                    rows.append((name, OPTIMISER_STATE, module_type(owner)))
         return pd.DataFrame(rows, columns=["name", "tensor_type", "type"])
 
     # ------------------------------------------------------------------ observing
 
     def _summary(
         self, name: str, kind: str, owner: nn.Module, x: torch.Tensor
-    ) -> tuple[TensorKey, Layout, np.ndarray | Slot]:
-        key = self._key(name, kind, type(owner).__name__, x.dtype)
+    ) -> tuple[TensorKey, Layout, np.ndarray | Slot] | None:
+        """An activation's or output gradient's summary (``None``: not tracked)."""
+        key = self._key(name, kind, module_type(owner), x.dtype)
+        part = local_part(x, key, True, self._ranks)  # a DTensor's local shard; notes the role
+        if part is None:
+            return None
         last = self._last
         if last is not None and last[0] is x and last[1] == x._version:
             # The same tensor again, unchanged: a container returning its last child's
             # output (``mlp`` and ``mlp.fc2``, the root and its head) or the gradient both
             # receive. Reuse its summary instead of reducing it twice.
             return key, last[2], last[3]
-        d = x.detach()
+        d = part.detach()
         extras = self._extras(d)
         if kind == GRADIENT and self.scaler is not None and self.scaler.is_enabled():
             scale = getattr(self.scaler, "_scale", None)  # the device tensor: no sync
@@ -268,19 +286,25 @@ class Tracker(TrackerCore[Flight | None]):
         """:meth:`_summary` of several distinct tensors (parameters, their gradients,
         optimizer state) at once: tensors sharing a layout are reduced together (one host
         kernel call for the CPU tensors, one fused launch per device and dtype)."""
-        keys, layouts, extras = [], [], []
+        keys, layouts, extras, tensors = [], [], [], []
         for name, kind, owner, x in items:
-            ex = self._extras(x.detach())
-            keys.append(self._key(name, kind, type(owner).__name__, x.dtype))
+            key = self._key(name, kind, module_type(owner), x.dtype)
+            part = local_part(x, key, False, self._ranks)  # a DTensor's local shard
+            if part is None:
+                continue
+            d = part.detach()
+            ex = self._extras(d)
+            keys.append(key)
+            tensors.append(d)
             extras.append(ex)
-            layouts.append(self._layout(x.dtype, tuple(ex)))
+            layouts.append(self._layout(d.dtype, tuple(ex)))
         by_layout: dict[Layout, list[int]] = {}
         for i, lay in enumerate(layouts):
             by_layout.setdefault(lay, []).append(i)
-        raws: list[Any] = [None] * len(items)
+        raws: list[Any] = [None] * len(keys)
         for lay, idx in by_layout.items():
             got = self._workspace.summaries(
-                [items[i][3].detach() for i in idx], lay, [extras[i] for i in idx]
+                [tensors[i] for i in idx], lay, [extras[i] for i in idx]
             )
             for i, raw in zip(idx, got):
                 raws[i] = raw
@@ -301,7 +325,9 @@ class Tracker(TrackerCore[Flight | None]):
 
     def _observe(self, name: str, kind: str, owner: nn.Module, x: torch.Tensor) -> None:
         assert self.recorder is not None
-        self.recorder.add(*self._summary(name, kind, owner, x))
+        entry = self._summary(name, kind, owner, x)
+        if entry is not None:
+            self.recorder.add(*entry)
 
     def _capture_weights(self) -> None:
         self._weights_done = True
@@ -333,8 +359,8 @@ class Tracker(TrackerCore[Flight | None]):
             and self._selected(full, type(owner))
             and not (missing_only and full in self._grads)
         ]
-        for item, entry in zip(items, self._summaries(items)):
-            self._grads[item[0]] = entry
+        for entry in self._summaries(items):
+            self._grads[entry[0].name] = entry
 
     def _optimizer_state(self) -> Iterator[tuple[str, torch.Tensor, nn.Module]]:
         for oi, opt in enumerate(self.optimizers):
@@ -465,6 +491,19 @@ class Tracker(TrackerCore[Flight | None]):
             "loss_scaled_output_gradients": self.scaler is not None,
             "compiled": self._is_compiled,
         }
+
+    def _rank_merger(self) -> RankMerger | None:
+        if self._distributed is True and not distributed_world():
+            raise RuntimeError(
+                "track(distributed=True): torch.distributed is not initialized with more than "
+                "one rank; call torch.distributed.init_process_group first (torchrun), or pass "
+                "distributed=None"
+            )
+        if self._distributed is not False and distributed_world():
+            # a collective: every rank enters its tracker (see track's `distributed`)
+            self._ranks = TorchRanks(self._dist_timeout, self._rank_logs)
+            return self._ranks.merger
+        return None
 
     def _start(self) -> None:
         if self._is_compiled:
@@ -611,6 +650,18 @@ def track(*args: Any, **options: Any) -> Tracker:
             found them (default ``False``).
         root_name: the name of the root module's rows (default ``"root"``, as in JAX).
         track_eval: also record forwards of modules in eval mode (default ``False``).
+        distributed: under ``torch.distributed`` with more than one rank (``None``, the
+            default, detects it; ``True`` requires it): every rank must create and enter
+            its tracker (a collective), each tracked step's summaries are merged over the
+            ranks (one gather; activations and output gradients are the global batch's,
+            weights, gradients and optimizer state counted once; DTensor/FSDP2 shards merge
+            into the full tensor's statistics) and rank 0 alone writes the log, at rank 0's
+            ``out``. ``False``: this rank alone, as in a single process (e.g. tracking on
+            rank 0 only).
+        rank_logs: in a distributed run, also write each rank's own unmerged log, to
+            ``<out>/rank<k>`` (parquet) or ``<out stem>.rank<k>.pkl`` (pickle).
+        dist_timeout: seconds a rank waits for the others in tandv's collectives before
+            it raises (another rank died, raised, or tracks other steps); default 600.
         scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop: gradients are then
             also captured when it unscales them, so a step it skips (inf/NaN gradients) is
             logged as it was. Output (activation) gradients stay in loss-scaled units, and
