@@ -30,7 +30,7 @@ from tandv.schema.columns import (  # noqa: E402
     SCALAR_STATS,
     WEIGHT,
 )
-from tandv.stats.summary import Layout, merge_all, summarize  # noqa: E402
+from tandv.stats.summary import Layout, summarize  # noqa: E402
 from tandv.track.common import TensorKey  # noqa: E402
 from tandv.track.common.distributed import (  # noqa: E402
     LOCAL,
@@ -38,7 +38,6 @@ from tandv.track.common.distributed import (  # noqa: E402
     RankMismatchError,
     Shard,
     merge_ranks,
-    merge_stacked,
 )
 
 needs_gloo = pytest.mark.skipif(
@@ -283,27 +282,3 @@ def test_merge_ranks_refuses_ranks_that_disagree():
         run_ranks([[(a, lay, v, LOCAL)], [(a, lay, v, REPLICATED)]])
     with pytest.raises(ValueError, match="role 'global'"):
         run_ranks([[(a, lay, v, "global")], [(a, lay, v, "global")]])
-
-
-def test_merge_stacked_is_merge_all():
-    rng = np.random.default_rng(1)
-    rules = {"s": "sum", "lo": "min", "hi": "max", "avg": "mean"}
-    per_rank = []
-    for r in range(3):
-        rows = []
-        for t in range(5):
-            n = 0 if (r, t) in ((1, 2), (0, 4), (1, 4), (2, 4)) else int(rng.integers(1, 50))
-            x = (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
-            if t == 3:
-                x[:2] = [np.nan, np.inf]
-            extras = {k: (float(rng.standard_normal()), rule) for k, rule in rules.items()}
-            rows.append(summarize(x, "float32", extras)[0])
-        per_rank.append(np.stack(rows))
-    lay = summarize(np.ones(1, np.float32), "float32", {k: (0.0, v) for k, v in rules.items()})[1]
-    got = merge_stacked(per_rank, lay)
-    moments = slice(8, 14)  # mean, m2, p1..p8: numpy's array powers may differ in the last bit
-    for t in range(5):
-        want = merge_all([p[t] for p in per_rank], lay)
-        np.testing.assert_allclose(got[t, moments], want[moments], rtol=1e-14, atol=0)
-        got[t, moments] = want[moments]
-        np.testing.assert_array_equal(got[t], want)  # counts, extrema, exponents, extras

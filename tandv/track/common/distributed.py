@@ -40,11 +40,10 @@ from typing import Protocol
 
 import numpy as np
 
-from ...stats.summary import CORE_FIELDS, POWERS, Layout
+from ...stats.summary import Layout, merge_groups
 from .recorder import TensorKey
 
 __all__ = [
-    "merge_stacked",
     "LOCAL",
     "REPLICATED",
     "Shard",
@@ -151,64 +150,6 @@ def _failure(comm: Collectives, what: str, step: int | None, e: BaseException) -
     )
 
 
-_F = {name: i for i, name in enumerate(CORE_FIELDS)}
-
-
-def merge_stacked(parts: Sequence[np.ndarray], layout: Layout) -> np.ndarray:
-    """``merge_all`` of each row over ``parts`` (one ``(rows, layout.size)`` array per rank,
-    merged in order from the empty summary), all rows at once: the writer merges every
-    row of a step with one pass of array operations per rank instead of one
-    :func:`~tandv.stats.summary.merge` call per row and rank (about 40 us each). The same
-    operations as :func:`~tandv.stats.summary.merge`, element-wise: counts, extrema,
-    exponent counts and custom statistics are those of ``merge_all`` bit for bit, moments
-    to a few ulps (numpy's vectorized powers round differently from the scalar ``pow``)."""
-    out = np.broadcast_to(layout.empty(), parts[0].shape).copy() if parts else np.zeros((0, 0))
-    i = _F
-    sums = [i["numel"], i["nan_count"], i["inf_count"], i["zero_count"]]
-    sums += range(layout.counts_start, layout.extras_start)
-    for b in parts:
-        a = out
-        out = a.copy()
-        out[:, sums] = a[:, sums] + b[:, sums]
-        na = a[:, 0] - a[:, 1] - a[:, 2]
-        nb = b[:, 0] - b[:, 1] - b[:, 2]
-        n = na + nb
-        for name, fn in (
-            ("min", np.minimum),
-            ("min_abs", np.minimum),
-            ("max", np.maximum),
-            ("max_abs", np.maximum),
-        ):
-            out[:, i[name]] = fn(a[:, i[name]], b[:, i[name]])
-        s = np.where(out[:, i["max_abs"]] > 0, out[:, i["max_abs"]], 1.0)
-        ra, rb = a[:, i["max_abs"]] / s, b[:, i["max_abs"]] / s
-        ma, mb = a[:, i["mean"]], b[:, i["mean"]]
-        has = n > 0
-        with np.errstate(invalid="ignore", divide="ignore"):
-            delta = mb / s - ma / s
-            mean = ma + delta * (nb / n) * s
-            m2 = a[:, i["m2"]] * ra**2 + b[:, i["m2"]] * rb**2 + delta**2 * (na * nb / n)
-        out[:, i["mean"]] = np.where(has, mean, a[:, i["mean"]])
-        out[:, i["m2"]] = np.where(has, m2, a[:, i["m2"]])
-        for k in POWERS:
-            j = i[f"p{k}"]
-            out[:, j] = a[:, j] * ra**k + b[:, j] * rb**k
-        for e, (_, rule) in enumerate(layout.extras):
-            j = layout.extras_start + e
-            if rule == "min":
-                out[:, j] = np.minimum(a[:, j], b[:, j])
-            elif rule == "max":
-                out[:, j] = np.maximum(a[:, j], b[:, j])
-            elif rule == "sum":
-                out[:, j] = a[:, j] + b[:, j]
-            elif rule == "mean":
-                total = a[:, 0] + b[:, 0]
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    m = (a[:, j] * a[:, 0] + b[:, j] * b[:, 0]) / total
-                out[:, j] = np.where(total != 0, m, 0.0)
-    return out
-
-
 def merge_ranks(step: int, rows: Sequence[Row], comm: Collectives, writer: int = 0) -> list[Entry]:
     """The rows of step ``step`` merged over all ranks, on rank ``writer``; ``[]`` elsewhere.
 
@@ -271,8 +212,9 @@ def merge_ranks(step: int, rows: Sequence[Row], comm: Collectives, writer: int =
     values = {r: v for r, (_, _, v, role) in enumerate(rows) if role == REPLICATED}
     for (lay, ranks), members in groups.items():
         cols = np.concatenate([np.arange(o, o + lay.size) for _, o in members])
-        parts = [stacked[k, cols].reshape(len(members), lay.size) for k in ranks]
-        for (r, _), v in zip(members, merge_stacked(parts, lay)):
+        parts = np.concatenate([stacked[k, cols].reshape(len(members), lay.size) for k in ranks])
+        which = np.tile(np.arange(len(members)), len(ranks))  # row j of every rank: group j
+        for (r, _), v in zip(members, merge_groups(parts, which, lay, len(members))):
             values[r] = v
     return [(key, lay, values[r]) for r, (key, lay, _, _) in enumerate(rows)]
 
