@@ -117,7 +117,7 @@ def drop_empty_exponents(df: pd.DataFrame) -> pd.DataFrame:
         return df
     empty = np.zeros(len(droppable), dtype=bool)
     empty[droppable] = ~df.iloc[:, np.flatnonzero(droppable)].to_numpy().any(axis=0)
-    # by position: DataFrame.drop on MultiIndex columns costs ~80 ms for 300 columns
+    # by position: DataFrame.drop on MultiIndex columns is slow (schema/DESIGN.md)
     return df.iloc[:, np.flatnonzero(~empty)] if empty.any() else df
 
 
@@ -251,8 +251,8 @@ def write_parquet(df: pd.DataFrame, path: PathLike) -> Path:
     """
     validate(df)
 
-    # Arrow arrays straight from the columns' values: pa.Table.from_pandas spends ~0.2 ms
-    # per column on pandas bookkeeping (a 300-column flush took 60 ms that way).
+    # Arrow arrays straight from the columns' values, not pa.Table.from_pandas, whose pandas
+    # bookkeeping dominated a flush (schema/DESIGN.md)
     def arrow(c: tuple[str, Any]) -> pa.Array:
         s = df[c]
         kind = pa.string() if c[0] == METADATA and c[1] != STEP else None

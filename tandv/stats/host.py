@@ -76,8 +76,8 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 
 # The kernel is three loops over each item, not one: one loop doing everything compiles to
-# scalar code (2.4 ns per element), while these three compile to vector code (the first
-# two) and to four interleaved tables (the histogram): 0.95 ns per element together.
+# scalar code, while these three compile to vector code (the first two) and to four
+# interleaved tables (the histogram); the figures are in stats/DESIGN.md.
 _FAST = {"reassoc", "contract"}  # lets sums vectorize; NaN and inf semantics are kept
 
 
@@ -394,9 +394,8 @@ def _run_all(
 ) -> None:
     """Runs every item of ``sources`` (``(x, starts, stops, pivots)``; rows numbered in
     order), on ``threads`` threads when there are at least two items' worth of elements.
-
-    (Measured on the PyTorch benchmark with two threads: numba's parallel loop cost about a
-    tenth of a step less than splitting the items over a Python thread pool.)"""
+    Threads come from numba's parallel loop, not a Python thread pool (stats/DESIGN.md
+    says why)."""
     total = sum(int(sp[-1] - st[0]) for _, st, sp, _ in sources if st.size)
     row = 0
     with _launch:

@@ -1,8 +1,9 @@
 """Summaries on XLA:CPU by the compiled host kernel, called from inside the XLA program.
 
 On the CPU, XLA's own summary program (:func:`._summary.summarize_jax`: a dozen fused
-passes, a scatter for the exponent counts) costs about 2.5 ns per element; the numba kernel
-of :mod:`tandv.stats.host` reads each value once, about 1.1 ns. This module makes that
+passes, a scatter for the exponent counts) costs more than twice what the numba kernel of
+:mod:`tandv.stats.host` costs, which reads each value once (figures in
+``track/jax/DESIGN.md``). This module makes that
 kernel an XLA custom call, so a tap summarizes a module output where it is computed, inside
 the jitted update, with no host callback, no Python and no copy.
 

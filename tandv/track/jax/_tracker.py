@@ -70,9 +70,8 @@ SUMMARY_PATH = os.environ.get("TANDV_JAX_SUMMARY", "auto")
 _PATHS = ("auto", "xla", "pallas")
 #: Arrays with at least this many elements go through the fused kernel on CUDA GPUs.
 FUSED_SIZE = 1 << 16
-#: Threads the host kernel uses. One: with two (numba's threads), the kernel itself ran
-#: faster, but those threads kept a core busy into the next XLA update, and tracked steps of
-#: the MLP benchmark took longer (28.2-28.4 ms against 25.5-26.4 ms, instrumented runs).
+#: Threads the host kernel uses. One: with two, the kernel ran faster but its threads kept a
+#: core busy into the next XLA update, and tracked steps took longer (track/jax/DESIGN.md).
 _HOST_THREADS = 1
 
 
