@@ -1,0 +1,74 @@
+"""The README's "Development" map of the package, read as a new engineer would: every room of
+``tandv/`` is named there, and every file it names is where it says."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "tandv"
+
+
+def _rooms() -> dict[str, str]:
+    """``{room: its description}`` from the first code block of the Development section."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("\n## Development") :]
+    block = section[section.index("```\n") + 4 :]
+    block = block[: block.index("```")]
+    lines = block.splitlines()
+    assert lines[0] == "tandv/", f"the map should start at tandv/, starts with {lines[0]!r}"
+    rooms: dict[str, str] = {}
+    current = None
+    for line in lines[1:]:
+        m = re.match(r"^  (\S+)\s+(.*)$", line)
+        if m:  # a room of tandv/, two spaces in
+            current = m.group(1)
+            rooms[current] = m.group(2)
+        elif line.startswith("   ") and current is not None:  # its description goes on
+            rooms[current] += " " + line.strip()
+        else:  # tests/, benchmarks/: outside the package
+            current = None
+    return rooms
+
+
+def test_every_room_of_the_package_is_named():
+    rooms = _rooms()
+    named = {r.rstrip("/") for r in rooms}
+    present = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    present.discard("track")  # a namespace of the three tracker rooms below
+    present |= {
+        f"track/{p.name}" for p in (PACKAGE / "track").iterdir() if (p / "__init__.py").exists()
+    }
+    present |= {
+        p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py")
+    }
+    assert present - named == set(), (
+        f"rooms missing from README's Development map: {present - named}"
+    )
+    assert named - present == set(), (
+        f"README's Development map names rooms that are gone: {named - present}"
+    )
+
+
+def test_every_file_the_map_names_is_in_its_room():
+    for room, text in _rooms().items():
+        where = PACKAGE / room.rstrip("/")
+        if not where.is_dir():
+            continue
+        for name in set(re.findall(r"\b(_?[a-z][a-z0-9_]*\.py)\b", text)):
+            assert (where / name).is_file(), (
+                f"README's Development map says {room} holds {name}, but tandv/{room}{name} "
+                f"does not exist"
+            )
+
+
+def test_rooms_with_kernels_keep_a_design_note():
+    for room in ("stats", "schema", "track/torch", "track/jax"):
+        note = PACKAGE / room / "DESIGN.md"
+        assert note.is_file(), f"tandv/{room}/DESIGN.md is missing"
+        text = note.read_text()
+        for name in set(re.findall(r"`(_?[a-z][a-z0-9_]*\.py)`", text)):
+            assert (PACKAGE / room / name).is_file() or list(PACKAGE.rglob(name)), (
+                f"tandv/{room}/DESIGN.md names {name}, which does not exist"
+            )
