@@ -29,7 +29,7 @@ from ..common import (
 )
 from ..common.custom import StatsSpec, parse_custom_stats, percentile_columns
 from ..common.factory import signature_of
-from . import _ffi
+from . import _distributed, _ffi
 from ._intercept import (
     ROOT_NAME,
     Mailboxes,
@@ -231,13 +231,13 @@ def _send(summaries: Sequence[Any]) -> dict[int, tuple[_Transfer, int]]:
     arrays: list[Any] = []
     stacks: dict[int, tuple[Any, int]] = {}
     reads: dict[int, tuple[MailRead, int]] = {}
-    for s in summaries:
+    for s in _distributed.flatten(summaries):
         if isinstance(s, (_StackRow, _ShardRows)) and id(s.stack) not in stacks:
             stacks[id(s.stack)] = (s.stack, len(arrays))
             arrays += list(s.stack)
         elif isinstance(s, _Mail) and id(s.read) not in reads:
             reads[id(s.read)] = (s.read, len(arrays))
-            arrays.append(s.read.words)
+            arrays.append(_distributed.local_view(s.read.words))
     if not arrays:
         return {}
     transfer = _Transfer(arrays)
@@ -255,6 +255,9 @@ def _to_host(summaries: list[Any], stacks: dict[int, tuple[_Transfer, int]]) -> 
     for s in summaries:
         if isinstance(s, np.ndarray):
             out.append(s)
+            continue
+        if isinstance(s, _distributed.LocalParts):  # this process's shards of a global array
+            out.append(merge_all(_to_host(list(s.parts), stacks), s.layout))
             continue
         if isinstance(s, _ShardRows):
             transfer, i = stacks[id(s.stack)]
@@ -502,20 +505,30 @@ class JaxTracker:
         self._flights: deque[tuple[int, list[Any], dict[int, Any]]] = deque()
         self._nnx_tagged: list[Any] = []
         self.step_index = 0
-        self._recorder = StepRecorder(
-            out,
-            out_format,
-            run_name,
-            flush_every=flush_every,
-            verbose=verbose,
-            sinks=sinks,
-            run=make_run_record(
-                "jax",
-                type(model_state).__name__,
-                None if self._format is None else self._format.name,
-                options,
-            ),
+        # in a multi-process run, process 0 merges every process's summaries and writes
+        self._merger = (
+            _distributed.ProcessMerger(self._layout) if _distributed.multi_process() else None
         )
+        self._recorder = (
+            _distributed.SilentRecorder(self._merger.share_path(None))
+            if self._merger is not None and not self._merger.writer
+            else StepRecorder(
+                out,
+                out_format,
+                run_name,
+                flush_every=flush_every,
+                verbose=verbose,
+                sinks=sinks,
+                run=make_run_record(
+                    "jax",
+                    type(model_state).__name__,
+                    None if self._format is None else self._format.name,
+                    options,
+                ),
+            )
+        )
+        if self._merger is not None and self._merger.writer:
+            self._merger.share_path(self._recorder.path)
         self.out_path = self._recorder.path
         register(self._token, self)
         acquire_nnx()
@@ -542,7 +555,12 @@ class JaxTracker:
             pending = [
                 p for p in pending if not isinstance(p[2], _Mail) or p[2].summary() is not None
             ]
-            self._recorder.commit(step, pending, functools.partial(_to_host, stacks=stacks))
+            to_host = functools.partial(_to_host, stacks=stacks)
+            if self._merger is None:
+                self._recorder.commit(step, pending, to_host)
+            else:
+                roles = [_distributed.role(s, _Mail) for _, _, s in pending]
+                self._merger.commit(self._recorder, step, pending, to_host, roles)
 
     def close(self) -> os.PathLike:
         """Write what is buffered and finish the log (idempotent); returns its path.
@@ -679,6 +697,15 @@ class JaxTracker:
         summarized at once by the host kernel, reading the arrays' own buffers: finished
         vectors. The others start on device, in one jitted call: stack rows that
         :func:`_to_host` fetches at the end of the step."""
+        if self._merger is not None:  # global arrays: this process's shards
+            flat, spans = _distributed.split_global(arrays)
+            if any(span is not None for span in spans):
+                handles: list[Any] = [None] * len(flat)
+                for group in _distributed.by_devices(flat):  # one program per device set
+                    for i, h in zip(group, self._summarize_arrays([flat[i] for i in group])):
+                        handles[i] = h
+                layouts = [self._layout(x.dtype) for x in arrays]
+                return _distributed.join_global(handles, spans, layouts)
         rows: list[Any] = [None] * len(arrays)
         if not self._custom and self._path == "auto":
             placements: dict[int, bool] = {}
@@ -738,7 +765,12 @@ class JaxTracker:
         devices = _devices_of((args, kwargs))
         # The update runs where its arrays are (JAX's default backend when it is given none).
         platforms = {d.platform for d in devices} or {jax.default_backend()}
-        self._on_cpu = platforms == {"cpu"} and self._path == "auto" and _ffi.available()
+        self._on_cpu = (
+            platforms == {"cpu"}
+            and self._path == "auto"
+            and self._merger is None  # XLA cannot partition the kernel over processes
+            and _ffi.available()
+        )
         self._one_device = len(devices) <= 1
         if self._intercepted:  # a second call in this step (e.g. gradient accumulation): the
             self._collect_mailboxes()  # first one's mailboxes are read before they are reused
