@@ -1,7 +1,8 @@
 """One process of the distributed JAX tests (tests/test_distributed_jax.py): a small MLP
 trained a few steps under ``tandv.track.jax.track``, its batch (``dp``) or its parameters
-too (``fsdp``) sharded over every device of the run, or unsharded on one device
-(``none``: the reference run over the same global batch).
+too (``fsdp``) sharded over every device of the run, or its batch split by a
+``shard_map`` update that sums the gradients itself (``shard_map``), or unsharded on one
+device (``none``: the reference run over the same global batch).
 
 Run as ``python jax_distributed_worker.py MODE OUT DEVICES [PROCESSES PROCESS_ID PORT]``
 (OUT ``-``: the default log path); with PROCESSES > 1 the process joins a
@@ -94,24 +95,48 @@ def update(params, state, x, y):
     def loss(p):
         return jnp.mean((model.apply(p, x) - y) ** 2)
 
-    grads = jax.grad(loss)(params)
+    value, grads = jax.value_and_grad(loss)(params)
     updates, state = opt.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, grads
+    return optax.apply_updates(params, updates), state, grads, value
 
 
-update = (
-    jax.jit(update)
-    if mesh is None
-    else jax.jit(update, out_shardings=(shardings[0], shardings[1], shardings[0]))
-)
+def local_update(params, state, x, y):
+    """``update`` on this device's part of the batch (the gradients of the replicated
+    parameters come out summed over the mesh: JAX's transpose of their broadcast)."""
+
+    def loss(p):
+        return jnp.sum((model.apply(p, x) - y) ** 2) / host_batches[0][1].size
+
+    value, grads = jax.value_and_grad(loss)(params)
+    value = jax.lax.psum(value, "d")
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, grads, value
+
+
+if mesh is None:
+    update = jax.jit(update)
+elif MODE == "shard_map":
+    update = jax.jit(
+        jax.shard_map(
+            local_update,
+            mesh=mesh,
+            in_specs=(P(), P(), P("d"), P("d")),
+            out_specs=(P(), P(), P(), P()),
+        )
+    )
+else:
+    update = jax.jit(update, out_shardings=(shardings[0], shardings[1], shardings[0], None))
 times = []
 with track(params, state, out=None if OUT == "-" else OUT, verbose=True) as tracker:
     print(f"tandv-worker {PROCESS_ID}: out_path {tracker.out_path}", flush=True)
     for k, (x, y) in enumerate(host_batches):
         start = time.perf_counter()
-        params, state, grads = tracker.intercept(update, params, state, put_batch(x), put_batch(y))
+        params, state, grads, loss = tracker.intercept(
+            update, params, state, put_batch(x), put_batch(y)
+        )
         if k == DIE_AT and PROCESS_ID == 1:
             os._exit(3)
+        tracker.log_scalars(loss=loss)
         tracker.step(params, state, grads)
         jax.block_until_ready(params)
         times.append(time.perf_counter() - start)

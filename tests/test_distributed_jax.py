@@ -22,6 +22,7 @@ import pytest
 
 pytest.importorskip("jax")
 
+from tandv import read_scalars  # noqa: E402
 from tandv.schema import read_log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +86,8 @@ def _rows(path: Path):
 
 
 def assert_same_log(want_path: Path, got_path: Path) -> None:
+    """Same rows; counts, extrema and exponent counts equal, moments to 1e-6; the logged
+    loss (``log_scalars``) too."""
     want, got = _rows(want_path), _rows(got_path)
     assert set(want.index.get_level_values(1)) == TYPES
     assert list(got.index) == list(want.index)
@@ -97,32 +100,39 @@ def assert_same_log(want_path: Path, got_path: Path) -> None:
         np.testing.assert_allclose(
             got[c].to_numpy(float), want[c].to_numpy(float), rtol=1e-6, atol=1e-12, err_msg=str(c)
         )
+    want_loss, got_loss = read_scalars(want_path), read_scalars(got_path)
+    assert len(want_loss) == 3
+    np.testing.assert_allclose(got_loss["loss"], want_loss["loss"], rtol=1e-6)
+    np.testing.assert_array_equal(got_loss["step"], want_loss["step"])
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """The one-device logs: with the default summary path (as a one-process run uses) and
-    with XLA's summary operations (as taps of a multi-process run use: the CPU host
-    kernel, a custom call, cannot be partitioned over processes)."""
+    """The one-device logs: with the default summary path (as a one-process run uses: on
+    the CPU a host kernel with float64 moments) and with XLA's summary operations (float32
+    moments, as the taps of a multi-process run use: the host kernel, a custom call, is
+    not partitioned over processes)."""
     root = tmp_path_factory.mktemp("reference")
     _run("none", root / "auto", 1, cwd=root)
     _run("none", root / "xla", 1, cwd=root, TANDV_JAX_SUMMARY="xla")
     return root
 
 
-@pytest.mark.parametrize("mode", ["dp", "fsdp"])
+@pytest.mark.parametrize("mode", ["dp", "fsdp", "shard_map"])
 def test_two_devices_of_one_process_log_the_global_arrays(tmp_path, references, mode):
-    """Batch sharded over a 2-device mesh (dp), parameters and optimizer state too (fsdp):
-    activations, gradients, weights and optimizer state equal the one-device run's."""
+    """Batch sharded over a 2-device mesh (dp), parameters and optimizer state too (fsdp),
+    or split by a shard_map update (its taps report per device by callback): activations,
+    gradients, weights and optimizer state equal the one-device run's."""
     _run(mode, tmp_path / "log", 2, cwd=tmp_path)
     assert_same_log(references / "auto", tmp_path / "log")
 
 
-@pytest.mark.parametrize("mode", ["dp", "fsdp"])
+@pytest.mark.parametrize("mode", ["dp", "fsdp", "shard_map"])
 def test_two_processes_log_the_global_arrays_once(tmp_path, references, mode):
     """Two jax.distributed processes: process 0 writes one log (the default path, which
     both report) whose rows equal the one-device run's; process 1 writes and prints
-    nothing of its own."""
+    nothing of its own. Under shard_map each process's taps report its own device's part
+    (LOCAL), which process 0 merges."""
     (code0, out0), (code1, out1) = _processes(mode, "-", tmp_path)
     assert code0 == 0 and code1 == 0, out0[-3000:] + out1[-3000:]
     logs = list((tmp_path / "tandv_logs").iterdir())
@@ -130,7 +140,10 @@ def test_two_processes_log_the_global_arrays_once(tmp_path, references, mode):
     assert f"tandv-worker 0: out_path tandv_logs/{logs[0].name}" in out0
     assert f"tandv-worker 1: out_path tandv_logs/{logs[0].name}" in out1
     assert "tandv: logging to" in out0 and "tandv: logging to" not in out1
-    assert_same_log(references / "xla", logs[0])
+    # GSPMD partitions the taps' XLA summaries: the same float32 reductions as the
+    # one-device XLA summary's. Under shard_map each device's shard is summarized apart and
+    # the shards merge in float64, nearer the one-device host kernel's float64 moments.
+    assert_same_log(references / ("auto" if mode == "shard_map" else "xla"), logs[0])
 
 
 def test_a_process_that_dies_does_not_hang_process_0(tmp_path):
