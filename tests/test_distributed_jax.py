@@ -159,3 +159,56 @@ def test_a_process_that_dies_does_not_hang_process_0(tmp_path):
     assert time.monotonic() - start < 100
     steps = set(_rows(tmp_path / "log").index.get_level_values(2))
     assert steps == {0}
+
+
+# ----------------------------------------------------------------------------- the merge
+
+
+class _TwoProcesses:
+    """Process 0's side of the exchange, process 1's payload given in advance."""
+
+    process = 0
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def gather(self, tag: str, payload: bytes) -> list[bytes]:
+        return [payload, self.payload]
+
+
+def test_process_0_merges_each_tensor_over_the_processes(tmp_path):
+    """Parts of one tensor (several observations on one process too) merge into the
+    summary of the whole; a tensor only process 1 observed gets its row; a REPLICATED
+    summary (a tap of the global array) is counted once, process 0's."""
+    from test_jax_tracker import assert_row_matches
+
+    from tandv.stats.summary import summarize
+    from tandv.track.common import StepRecorder, TensorKey
+    from tandv.track.jax import _distributed
+
+    rng = np.random.default_rng(3)
+    a0, a1, a2 = (rng.normal(size=n).astype(np.float32) * 4 for n in (50, 30, 20))
+    only1, glob = rng.normal(size=40).astype(np.float32), rng.normal(size=60).astype(np.float32)
+    a2[3] = np.nan
+
+    def key(name, tensor_type="Activation"):
+        return TensorKey(name, tensor_type, "Dense", "float32")
+
+    def vec(x):
+        return summarize(x)[0]
+
+    layout = summarize(a0)[1]
+    process1 = _distributed._encode([(key("a"), vec(a2)), (key("only1", "Weight"), vec(only1))])
+    merger = _distributed.ProcessMerger(lambda dtype: layout, comm=_TwoProcesses(process1))
+    recorder = StepRecorder(tmp_path / "log", verbose=False)
+    pending = [(key("a"), layout, vec(a0)), (key("g"), layout, vec(glob))]
+    pending.append((key("a"), layout, vec(a1)))
+    roles = [_distributed.LOCAL, _distributed.REPLICATED, _distributed.LOCAL]
+    merger.commit(recorder, 0, pending, lambda summaries: summaries, roles)
+    recorder.close()
+    df = read_log(tmp_path / "log")
+    assert len(df) == 3
+    assert_row_matches(df, "a", "Activation", 0, np.concatenate([a0, a1, a2]))
+    assert_row_matches(df, "g", "Activation", 0, glob)
+    assert_row_matches(df, "only1", "Weight", 0, only1)
+    assert merger.steps == 1

@@ -244,8 +244,15 @@ class ProcessMerger:
     module notes). ``layout_of(dtype)``: the layout of a tensor of that dtype name, for
     rows that only other processes observed."""
 
-    def __init__(self, layout_of: Callable[[str], Layout], timeout: float = GATHER_TIMEOUT_S):
-        self._comm = KeyValueGather(timeout)
+    def __init__(
+        self,
+        layout_of: Callable[[str], Layout],
+        timeout: float = GATHER_TIMEOUT_S,
+        comm: Any = None,
+    ) -> None:
+        #: The gather: a :class:`KeyValueGather` unless ``comm`` is given (an object with
+        #: its ``process``, ``gather(tag, payload)`` and ``share_path(path)``).
+        self._comm = KeyValueGather(timeout) if comm is None else comm
         self._layout_of = layout_of
         self.writer = self._comm.process == 0
         self.failed = False
