@@ -192,9 +192,9 @@ class KeyValueGather:
         except Exception as e:  # the client raises its runtime's error on a timeout
             raise ProcessFailure(
                 f"tandv: {what} did not arrive within {self.timeout:g} s (did that process "
-                f"die, raise, or stop calling tracker.step()? Every process must call step() "
-                f"as often as the others); the steps recorded before are in the log. Set "
-                f"TANDV_JAX_GATHER_TIMEOUT to wait longer"
+                f"die, raise, or stop calling tracker.step()? Every process must open the "
+                f"tracker and call step() as often as the others); the steps recorded before "
+                f"are in the log. Set TANDV_JAX_GATHER_TIMEOUT to wait longer"
             ) from e
         self._client.key_value_delete(key)
         return got
