@@ -189,6 +189,9 @@ class MailRead:
         self.boxes = boxes
         #: The words, a device array (fetched by :meth:`fetch_from`'s function if one is set).
         self.words = words
+        #: Whether the words are a global array replicated over several processes (a
+        #: multi-process run's jitted update): every process reads the same summaries.
+        self.replicated = isinstance(words, jax.Array) and not words.is_fully_addressable
         self._warned = warned
         self._fetch: Callable[[], np.ndarray] | None = None
         self._decoded: list[list[DeviceSummary] | None] | None = None

@@ -52,4 +52,12 @@ def capture_jax(name: str, value: Any) -> float | _InFlight | None:
         raise ValueError(
             f"log_scalars({name}=...): expected a real number; got a {value.dtype} array"
         )
+    if not value.is_fully_addressable:  # a global array of a multi-process run
+        if not value.is_fully_replicated or not value.addressable_shards:
+            raise ValueError(
+                f"log_scalars({name}=...): a global array that this process does not hold "
+                f"a whole copy of; replicate it over the devices (e.g. the loss from a jitted "
+                f"step, which JAX replicates) or pass a number"
+            )
+        value = value.addressable_data(0)  # this process's copy: it can reach the host
     return _InFlight(value)

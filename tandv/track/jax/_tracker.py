@@ -20,10 +20,11 @@ from ...stats.summary import Layout, merge_all
 from ..common import TensorKey
 from ..common.core import TrackerCore
 from ..common.custom import StatFn
+from ..common.distributed import LOCAL, RankMerger, Role
 from ..common.factory import signature_of
 from ..common.options import TrackKwargs, TrackOptions
 from ..common.scalars import Capture
-from . import _ffi
+from . import _distributed, _ffi
 from ._delivery import Probe
 from ._intercept import interception
 from ._mailbox import Mailboxes, MailRead
@@ -220,13 +221,13 @@ def _send(summaries: Sequence[Any]) -> dict[int, tuple[_Transfer, int]]:
     arrays: list[Any] = []
     stacks: dict[int, tuple[Any, int]] = {}
     reads: dict[int, tuple[MailRead, int]] = {}
-    for s in summaries:
+    for s in _distributed.flatten(summaries):
         if isinstance(s, (_StackRow, _ShardRows)) and id(s.stack) not in stacks:
             stacks[id(s.stack)] = (s.stack, len(arrays))
             arrays += list(s.stack)
         elif isinstance(s, _Mail) and id(s.read) not in reads:
             reads[id(s.read)] = (s.read, len(arrays))
-            arrays.append(s.read.words)
+            arrays.append(_distributed.local_view(s.read.words))
     if not arrays:
         return {}
     transfer = _Transfer(arrays)
@@ -244,6 +245,9 @@ def _to_host(summaries: list[Any], stacks: dict[int, tuple[_Transfer, int]]) -> 
     for s in summaries:
         if isinstance(s, np.ndarray):
             out.append(s)
+            continue
+        if isinstance(s, _distributed.LocalParts):  # this process's shards of a global array
+            out.append(merge_all(_to_host(list(s.parts), stacks), s.layout))
             continue
         if isinstance(s, _ShardRows):
             transfer, i = stacks[id(s.stack)]
@@ -492,6 +496,11 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         self._intercepted = False  # whether intercept() ran in the current step
         self._next_weights: list[tuple[Leaf, Any, _StackRow | np.ndarray]] = []
         self._nnx_tagged: list[Any] = []
+        # one process of several (jax.distributed): global arrays are summarized by their
+        # shards here, and the steps merged over the processes (see ``_distributed``)
+        self._multi = _distributed.multi_process()
+        #: the role over the processes of each row of the step being recorded
+        self._roles: dict[TensorKey, Role] = {}
         register(self._token, self._sink)
         acquire_nnx()
         if model_state is not None:
@@ -517,7 +526,16 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
 
     def _observed(self, pending: list[Any]) -> list[Any]:
         # a mailbox the computation did not write holds no observation
-        return [p for p in pending if not isinstance(p[2], _Mail) or p[2].summary() is not None]
+        pending = [p for p in pending if not isinstance(p[2], _Mail) or p[2].summary() is not None]
+        if self._multi:  # how each row merges over the processes, for the rank merger
+            self._roles = {key: _distributed.role(s, _Mail) for key, _, s in pending}
+        return pending
+
+    def _rank_merger(self) -> RankMerger | None:
+        if not self._multi:
+            return None
+        comm = _distributed.KeyValueCollectives()
+        return RankMerger(comm, lambda key: self._roles.get(key, LOCAL))
 
     def _scalar_capture(self) -> Capture:
         from ._scalars import capture_jax
@@ -625,6 +643,15 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         summarized at once by the host kernel, reading the arrays' own buffers: finished
         vectors. The others start on device, in one jitted call: stack rows that
         :func:`_to_host` fetches at the end of the step."""
+        if self._multi:  # global arrays: this process's shards
+            flat, spans = _distributed.split_global(arrays)
+            if any(span is not None for span in spans):
+                handles: list[Any] = [None] * len(flat)
+                for group in _distributed.by_devices(flat):  # one program per device set
+                    for i, h in zip(group, self._summarize_arrays([flat[i] for i in group])):
+                        handles[i] = h
+                layouts = [self._layout(x.dtype) for x in arrays]
+                return _distributed.join_global(handles, spans, layouts)
         rows: list[Any] = [None] * len(arrays)
         if not self._custom and self._path == "auto":
             placements: dict[int, bool] = {}
@@ -681,7 +708,12 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         devices = _devices_of((args, kwargs))
         # The update runs where its arrays are (JAX's default backend when it is given none).
         platforms = {d.platform for d in devices} or {jax.default_backend()}
-        self._on_cpu = platforms == {"cpu"} and self._path == "auto" and _ffi.available()
+        self._on_cpu = (
+            platforms == {"cpu"}
+            and self._path == "auto"
+            and not self._multi  # XLA cannot partition the kernel over processes
+            and _ffi.available()
+        )
         self._one_device = len(devices) <= 1
         if self._intercepted:  # a second call in this step (e.g. gradient accumulation): the
             self._collect_mailboxes()  # first one's mailboxes are read before they are reused

@@ -1,0 +1,165 @@
+"""One process of the distributed JAX tests (tests/test_distributed_jax.py): a small MLP
+trained a few steps under ``tandv.track.jax.track``, its batch (``dp``) or its parameters
+too (``fsdp``) sharded over every device of the run, or its batch split by a
+``shard_map`` update that sums the gradients itself (``shard_map``), or unsharded on one
+device (``none``: the reference run over the same global batch).
+
+Run as ``python jax_distributed_worker.py MODE OUT DEVICES [PROCESSES PROCESS_ID PORT]``
+(OUT ``-``: the default log path); with PROCESSES > 1 the process joins a
+``jax.distributed`` run on 127.0.0.1:PORT with DEVICES CPU devices. With the environment
+variable ``DIE_AT=k``, process 1 stops at step k before calling ``tracker.step()`` and
+exits 15 s later (a process that hangs, then dies). The values are small multiples of 1/8, so every matmul and reduction
+of the step is exact in float32: the sharded and unsharded runs compute the same bits,
+and their logs can be compared exactly."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax
+
+MODE, OUT, DEVICES = sys.argv[1], sys.argv[2], int(sys.argv[3])
+PROCESSES, PROCESS_ID, PORT = (int(a) for a in sys.argv[4:7]) if len(sys.argv) > 4 else (1, 0, 0)
+STEPS = 3
+DIE_AT = int(os.environ.get("DIE_AT", "-1"))
+
+jax.config.update("jax_num_cpu_devices", DEVICES)
+if PROCESSES > 1:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{PORT}",
+        num_processes=PROCESSES,
+        process_id=PROCESS_ID,
+        initialization_timeout=60,
+        shutdown_timeout_seconds=10,
+    )
+
+import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from tandv.track.common.distributed import RankMerger  # noqa: E402
+from tandv.track.jax import track  # noqa: E402
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(16)(x))
+        return nn.Dense(4)(h)
+
+
+def dyadic(rng, shape, scale=8):
+    return (rng.integers(-4, 5, size=shape) / scale).astype(np.float32)
+
+
+rng = np.random.default_rng(0)
+host_params = {
+    "params": {
+        "Dense_0": {"kernel": dyadic(rng, (8, 16)), "bias": dyadic(rng, (16,))},
+        "Dense_1": {"kernel": dyadic(rng, (16, 4)), "bias": dyadic(rng, (4,))},
+    }
+}
+host_batches = [(dyadic(rng, (16, 8), 2), dyadic(rng, (16, 4), 2)) for _ in range(STEPS)]
+# learning rate 0: the parameters stay multiples of 1/8 (an update would make their
+# products round differently in a sharded matmul); gradients and momentum still change
+model, opt = MLP(), optax.sgd(0.0, momentum=0.5)
+
+if MODE == "none":
+    mesh = None
+    put_params = put_batch = jnp.asarray
+else:
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+
+    def put(value, spec):
+        sharding = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])
+
+    def put_params(value):
+        return put(value, P("d") if MODE == "fsdp" else P())
+
+    def put_batch(value):
+        return put(value, P("d"))
+
+
+params = jax.tree.map(put_params, host_params)
+state = opt.init(params)
+shardings = None if mesh is None else jax.tree.map(lambda a: a.sharding, (params, state))
+
+
+def update(params, state, x, y):
+    def loss(p):
+        return jnp.mean((model.apply(p, x) - y) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, grads, value
+
+
+def local_update(params, state, x, y):
+    """``update`` on this device's part of the batch (the gradients of the replicated
+    parameters come out summed over the mesh: JAX's transpose of their broadcast)."""
+
+    def loss(p):
+        return jnp.sum((model.apply(p, x) - y) ** 2) / host_batches[0][1].size
+
+    value, grads = jax.value_and_grad(loss)(params)
+    value = jax.lax.psum(value, "d")
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, grads, value
+
+
+if mesh is None:
+    update = jax.jit(update)
+elif MODE == "shard_map":
+    update = jax.jit(
+        jax.shard_map(
+            local_update,
+            mesh=mesh,
+            in_specs=(P(), P(), P("d"), P("d")),
+            out_specs=(P(), P(), P(), P()),
+        )
+    )
+else:
+    update = jax.jit(update, out_shardings=(shardings[0], shardings[1], shardings[0], None))
+times = []
+merge_seconds: list[float] = []
+_merge = RankMerger.merge
+
+
+def timed_merge(self, step, entries):  # the exchange's cost, for the benchmark's report
+    start = time.perf_counter()
+    try:
+        return _merge(self, step, entries)
+    finally:
+        merge_seconds.append(time.perf_counter() - start)
+
+
+RankMerger.merge = timed_merge
+with track(params, state, out=None if OUT == "-" else OUT, verbose=True) as tracker:
+    print(f"tandv-worker {PROCESS_ID}: out_path {tracker.out_path}", flush=True)
+    for k, (x, y) in enumerate(host_batches):
+        start = time.perf_counter()
+        params, state, grads, loss = tracker.intercept(
+            update, params, state, put_batch(x), put_batch(y)
+        )
+        if k == DIE_AT and PROCESS_ID == 1:
+            # stop stepping (hung, as a process stuck elsewhere is), then die: process 0
+            # must give up waiting for this process's summaries on its own
+            time.sleep(15)
+            os._exit(3)
+        tracker.log_scalars(loss=loss)
+        tracker.step(params, state, grads)
+        jax.block_until_ready(params)
+        times.append(time.perf_counter() - start)
+exchange = (
+    f"; exchange {sum(merge_seconds) / len(merge_seconds) * 1e3:.1f} ms/step"
+    if merge_seconds
+    else ""
+)
+print(f"tandv-worker {PROCESS_ID}: steps {[round(t * 1e3, 1) for t in times]} ms{exchange}")
