@@ -8,9 +8,10 @@ Run as ``python jax_distributed_worker.py MODE OUT DEVICES [PROCESSES PROCESS_ID
 (OUT ``-``: the default log path); with PROCESSES > 1 the process joins a
 ``jax.distributed`` run on 127.0.0.1:PORT with DEVICES CPU devices. With the environment
 variable ``DIE_AT=k``, process 1 stops at step k before calling ``tracker.step()`` and
-exits 15 s later (a process that hangs, then dies). The values are small multiples of 1/8, so every matmul and reduction
-of the step is exact in float32: the sharded and unsharded runs compute the same bits,
-and their logs can be compared exactly."""
+exits 15 s later (a process that hangs, then dies); ``DIST_TIMEOUT`` is the tracker's
+``dist_timeout``. The values are small multiples of 1/8, so every matmul and reduction of
+the step is exact in float32: the sharded and unsharded runs compute the same bits, and
+their logs can be compared exactly."""
 
 from __future__ import annotations
 
@@ -141,7 +142,13 @@ def timed_merge(self, step, entries):  # the exchange's cost, for the benchmark'
 
 
 RankMerger.merge = timed_merge
-with track(params, state, out=None if OUT == "-" else OUT, verbose=True) as tracker:
+with track(
+    params,
+    state,
+    out=None if OUT == "-" else OUT,
+    verbose=True,
+    dist_timeout=float(os.environ.get("DIST_TIMEOUT", "600")),
+) as tracker:
     print(f"tandv-worker {PROCESS_ID}: out_path {tracker.out_path}", flush=True)
     for k, (x, y) in enumerate(host_batches):
         start = time.perf_counter()

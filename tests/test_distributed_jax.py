@@ -153,7 +153,7 @@ def test_a_process_that_dies_does_not_hang_process_0(tmp_path):
     ours.)"""
     start = time.monotonic()
     (_, out0), (code1, _) = _processes(
-        "dp", tmp_path / "log", tmp_path, TANDV_JAX_GATHER_TIMEOUT="4", DIE_AT="2"
+        "dp", tmp_path / "log", tmp_path, DIST_TIMEOUT="4", DIE_AT="2"
     )
     assert code1 == 3
     assert "RankFailure: tandv: rank 0 of 2: " in out0

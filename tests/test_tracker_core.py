@@ -185,6 +185,9 @@ BAD_OPTIONS = [
     ({"run_name": ""}, ValueError, r"track\(run_name=''\): expected a non-empty string"),
     ({"flush_every": 0}, ValueError, r"flush_every=0: expected an int >= 1"),
     ({"sinks": [42]}, TypeError, r"sinks: expected callables .* got int"),
+    ({"distributed": "auto"}, ValueError, r"track\(distributed='auto'\): expected None"),
+    ({"rank_logs": 1}, TypeError, r"track\(rank_logs=1\): expected True or False"),
+    ({"dist_timeout": 0}, ValueError, r"track\(dist_timeout=0\): expected a number of seconds"),
     ({"evry": 2}, TypeError, r"track\(\): unknown option 'evry'"),
 ]
 
@@ -266,3 +269,14 @@ def test_both_frameworks_name_the_root_module_alike():
 
     assert _intercept.ROOT_NAME == ROOT_NAME == "root"
     assert inspect.signature(track).parameters["root_name"].default == ROOT_NAME
+
+
+def test_distributed_true_outside_a_multi_process_run_is_refused(run):
+    """``distributed=True`` asks for a run over several processes; in one process both
+    trackers say how to start one, when the log would open, and write nothing."""
+    tracker = run.make(out="log", distributed=True)
+    with pytest.raises(
+        RuntimeError, match=r"track\(distributed=True\).*(torchrun|jax\.distributed)"
+    ):
+        tracker.__enter__()
+    assert not Path("log").exists()

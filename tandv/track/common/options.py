@@ -81,6 +81,20 @@ class TrackOptions:
         verbose: print the log's path once, when tracking starts (default ``True``).
         sinks: callables that also receive each batch of rows (a DataFrame) as it is written,
             e.g. ``[tandv.export.TensorBoardSink("runs/x")]``; closed with the tracker.
+        distributed: in a run over several processes (``torch.distributed`` with more than
+            one rank, or ``jax.distributed``): ``None`` (default) detects it, ``True``
+            requires it. Every process must then create and enter its tracker and step it
+            alike: each tracked step's summaries are merged over the processes (a header
+            exchange, then one gather: activations and output gradients of the global batch,
+            tensors every process holds alike counted once, shards of a sharded tensor merged
+            into the full tensor's statistics) and process 0 alone writes the log, at its
+            ``out``. ``False``: this process alone, as in a one-process run (e.g. tracking
+            on rank 0 only).
+        rank_logs: in a run over several processes, also write each process's own unmerged
+            log, to ``<out>/rank<k>`` (parquet) or ``<out stem>.rank<k>.pkl`` (pickle)
+            (default ``False``).
+        dist_timeout: seconds a process waits for the others in tandv's exchanges before it
+            raises (another process died, raised, or steps differently); default 600.
     """
 
     track_activations: bool = True
@@ -102,6 +116,9 @@ class TrackOptions:
     flush_every: int = 10
     verbose: bool = True
     sinks: Sequence[Callable[[Any], Any]] = ()
+    distributed: bool | None = None
+    rank_logs: bool = False
+    dist_timeout: float = 600.0
 
     # What the options mean, worked out once by the checks (not options themselves).
     #: the tensors ``include`` and ``exclude`` select
@@ -118,7 +135,13 @@ class TrackOptions:
     format: str | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("track_activations", "track_gradients", "track_updates", "verbose"):
+        for name in (
+            "track_activations",
+            "track_gradients",
+            "track_updates",
+            "verbose",
+            "rank_logs",
+        ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"track({name}={value!r}): expected True or False")
@@ -142,6 +165,19 @@ class TrackOptions:
             raise ValueError(
                 f"flush_every={self.flush_every!r}: expected an int >= 1 (write rows to disk "
                 f"every N recorded steps)"
+            )
+        if self.distributed not in (None, True, False):
+            raise ValueError(
+                f"track(distributed={self.distributed!r}): expected None (detect a run over "
+                f"several processes), True or False"
+            )
+        if (
+            not isinstance(self.dist_timeout, (int, float))
+            or isinstance(self.dist_timeout, bool)
+            or not self.dist_timeout > 0
+        ):
+            raise ValueError(
+                f"track(dist_timeout={self.dist_timeout!r}): expected a number of seconds > 0"
             )
         sinks = tuple(self.sinks)
         for sink in sinks:
@@ -211,3 +247,6 @@ class TrackKwargs(TypedDict, total=False):
     flush_every: int
     verbose: bool
     sinks: Sequence[Callable[[Any], Any]]
+    distributed: bool | None
+    rank_logs: bool
+    dist_timeout: float

@@ -24,7 +24,7 @@ At each tracked step the processes merge their rows with the shared cross-rank m
 process 0 gathers the others' summaries, merges them and alone writes; the others write
 and print nothing. The collectives go through the ``jax.distributed`` coordination
 service's key-value store (:class:`KeyValueCollectives`), whose blocking read takes a
-timeout (:data:`GATHER_TIMEOUT_S`): a process that died or stopped stepping makes the
+timeout (the tracker's ``dist_timeout``): a process that died or stopped stepping makes the
 others raise after it instead of waiting forever (a collective over the devices has no
 timeout); the steps recorded before stay in the log, which ``close`` finishes.
 """
@@ -32,7 +32,6 @@ timeout); the steps recorded before stay in the log, which ``close`` finishes.
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -43,7 +42,6 @@ from ...stats.summary import Layout
 from ..common.distributed import LOCAL, REPLICATED
 
 __all__ = [
-    "GATHER_TIMEOUT_S",
     "LocalParts",
     "KeyValueCollectives",
     "multi_process",
@@ -54,10 +52,6 @@ __all__ = [
     "role",
     "local_view",
 ]
-
-#: How long process 0 waits for another process's summaries of a step (seconds); also
-#: from the environment variable ``TANDV_JAX_GATHER_TIMEOUT``.
-GATHER_TIMEOUT_S = float(os.environ.get("TANDV_JAX_GATHER_TIMEOUT", "300"))
 
 _trackers = itertools.count()
 
@@ -156,7 +150,7 @@ class KeyValueCollectives:
     all-gather has completed (every process has then written that call's key, so it has
     read all the earlier ones)."""
 
-    def __init__(self, timeout: float = GATHER_TIMEOUT_S) -> None:
+    def __init__(self, timeout: float) -> None:
         from jax._src import distributed
 
         client = distributed.global_state.client

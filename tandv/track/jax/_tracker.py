@@ -532,10 +532,16 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         return pending
 
     def _rank_merger(self) -> RankMerger | None:
-        if not self._multi:
+        opts = self.options
+        if opts.distributed is True and not self._multi:
+            raise RuntimeError(
+                "track(distributed=True): this JAX run has one process; call "
+                "jax.distributed.initialize(...) first, or pass distributed=None"
+            )
+        if not self._multi or opts.distributed is False:
             return None
-        comm = _distributed.KeyValueCollectives()
-        return RankMerger(comm, lambda key: self._roles.get(key, LOCAL))
+        comm = _distributed.KeyValueCollectives(opts.dist_timeout)
+        return RankMerger(comm, lambda key: self._roles.get(key, LOCAL), rank_logs=opts.rank_logs)
 
     def _scalar_capture(self) -> Capture:
         from ._scalars import capture_jax

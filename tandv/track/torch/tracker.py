@@ -108,9 +108,6 @@ class Tracker(TrackerCore[Flight | None]):
         root_name: str = ROOT_NAME,
         track_eval: bool = False,
         scaler: Any = None,
-        distributed: bool | None = None,
-        rank_logs: bool = False,
-        dist_timeout: float = 600.0,
         **options: Unpack[TrackKwargs],
     ) -> None:
         # this framework's options as given (first statement: locals() holds just the
@@ -134,13 +131,6 @@ class Tracker(TrackerCore[Flight | None]):
             type(module).__name__,
             re.sub(r"[^A-Za-z0-9_.-]+", "_", type(module).__name__.lower()),
         )
-        if distributed not in (None, True, False):
-            raise ValueError(f"distributed={distributed!r}: expected None (auto), True or False")
-        if not (isinstance(dist_timeout, (int, float)) and dist_timeout > 0):
-            raise ValueError(f"dist_timeout={dist_timeout!r}: expected a number of seconds > 0")
-        self._distributed = distributed
-        self._rank_logs = bool(rank_logs)
-        self._dist_timeout = float(dist_timeout)
         self._ranks: TorchRanks | None = None
         if optimizer is None:
             optimizers: tuple[torch.optim.Optimizer, ...] = ()
@@ -493,15 +483,16 @@ class Tracker(TrackerCore[Flight | None]):
         }
 
     def _rank_merger(self) -> RankMerger | None:
-        if self._distributed is True and not distributed_world():
+        opts = self.options
+        if opts.distributed is True and not distributed_world():
             raise RuntimeError(
                 "track(distributed=True): torch.distributed is not initialized with more than "
                 "one rank; call torch.distributed.init_process_group first (torchrun), or pass "
                 "distributed=None"
             )
-        if self._distributed is not False and distributed_world():
+        if opts.distributed is not False and distributed_world():
             # a collective: every rank enters its tracker (see track's `distributed`)
-            self._ranks = TorchRanks(self._dist_timeout, self._rank_logs)
+            self._ranks = TorchRanks(opts.dist_timeout, opts.rank_logs)
             return self._ranks.merger
         return None
 
@@ -650,18 +641,6 @@ def track(*args: Any, **options: Any) -> Tracker:
             found them (default ``False``).
         root_name: the name of the root module's rows (default ``"root"``, as in JAX).
         track_eval: also record forwards of modules in eval mode (default ``False``).
-        distributed: under ``torch.distributed`` with more than one rank (``None``, the
-            default, detects it; ``True`` requires it): every rank must create and enter
-            its tracker (a collective), each tracked step's summaries are merged over the
-            ranks (one gather; activations and output gradients are the global batch's,
-            weights, gradients and optimizer state counted once; DTensor/FSDP2 shards merge
-            into the full tensor's statistics) and rank 0 alone writes the log, at rank 0's
-            ``out``. ``False``: this rank alone, as in a single process (e.g. tracking on
-            rank 0 only).
-        rank_logs: in a distributed run, also write each rank's own unmerged log, to
-            ``<out>/rank<k>`` (parquet) or ``<out stem>.rank<k>.pkl`` (pickle).
-        dist_timeout: seconds a rank waits for the others in tandv's collectives before
-            it raises (another rank died, raised, or tracks other steps); default 600.
         scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop: gradients are then
             also captured when it unscales them, so a step it skips (inf/NaN gradients) is
             logged as it was. Output (activation) gradients stay in loss-scaled units, and
