@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from ..stats import DEFAULT_STATS, finalize, merge_all, summarize
+from ..stats.summary import framework_of
 
 __all__ = ["Snapshot", "Ops", "sqrt", "DESCRIBE_COLUMNS"]
 
@@ -76,12 +77,12 @@ NUMPY_OPS = Ops(
 
 def ops_for(x: Any) -> Ops:
     """The :class:`Ops` of the framework ``x`` belongs to (numpy for numbers and numpy arrays)."""
-    root = type(x).__module__.split(".")[0]
-    if root == "torch":
+    framework = framework_of(x)
+    if framework == "torch":
         from .torch import TORCH_OPS
 
         return TORCH_OPS
-    if root in ("jax", "jaxlib"):
+    if framework == "jax":
         from .jax import JAX_OPS
 
         return JAX_OPS

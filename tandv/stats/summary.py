@@ -85,6 +85,7 @@ __all__ = [
     "exponent_bins",
     "exponent_labels",
     "array_module",
+    "framework_of",
     "split_summary",
     "join_summary",
     "pack_fields",
@@ -234,17 +235,25 @@ class Layout:
 # ------------------------------------------------------------------------ wire format
 
 
+def framework_of(x: Any) -> str:
+    """``"torch"`` for a torch tensor, ``"jax"`` for a JAX array (tracers included), else
+    ``"numpy"`` (numbers, numpy arrays), read from the value's type without importing
+    either framework."""
+    root = type(x).__module__.partition(".")[0]
+    return "jax" if root in ("jax", "jaxlib") else "torch" if root == "torch" else "numpy"
+
+
 def array_module(*arrays: Any) -> Any:
     """The array module of ``arrays``: ``torch`` for torch tensors, ``jax.numpy`` for JAX
     arrays (tracers included), else ``numpy``. Neither framework is imported unless one of
     its arrays is given."""
     for a in arrays:
-        root = type(a).__module__.partition(".")[0]
-        if root == "torch":
+        framework = framework_of(a)
+        if framework == "torch":
             import torch
 
             return torch
-        if root in ("jax", "jaxlib"):
+        if framework == "jax":
             import jax.numpy as jnp
 
             return jnp
@@ -690,16 +699,8 @@ def finalize_many(
 
 
 #: The statistics of a log row :func:`unfinalize_many` rebuilds a summary from.
-INVERTIBLE_STATS: tuple[str, ...] = (
-    "numel",
-    "nan_count",
-    "inf_count",
-    "zero_count",
-    "min",
-    "max",
-    "min_abs",
-    "max_abs",
-    "mean",
+#: (the counts, extrema and mean are fields of the summary itself; the rest are moments)
+INVERTIBLE_STATS: tuple[str, ...] = CORE_FIELDS[: CORE_FIELDS.index("mean") + 1] + (
     "std",
     "mean_abs",
     "rm2",
