@@ -41,7 +41,7 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from tandv.demos.jax_demo import Transformer  # noqa: E402
-from tandv.track.jax import _intercept, _tracker, track  # noqa: E402
+from tandv.track.jax import _intercept, _tracker, _transfer, track  # noqa: E402
 
 
 class Counters:
@@ -61,7 +61,7 @@ class Counters:
 
         _intercept._deliver = counted
         self.transfers = 0
-        transfer = _tracker._Transfer
+        transfer = _transfer.Transfer
         counters = self
 
         class Counted(transfer):
@@ -70,7 +70,7 @@ class Counters:
                     counters.transfers += 1
                 super().__init__(arrays)
 
-        _tracker._Transfer = Counted
+        _transfer.Transfer = Counted
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
     def _on_event(self, event: str, duration: float, **kwargs) -> None:

@@ -155,7 +155,9 @@ def test_a_process_that_dies_does_not_hang_process_0(tmp_path):
     (_, out0), (code1, _) = _processes(
         "dp", tmp_path / "log", tmp_path, DIST_TIMEOUT="4", DIE_AT="2"
     )
-    assert code1 == 3
+    # process 1 exits by itself (3) or, once process 0 and its coordination service are
+    # gone, JAX's heartbeat aborts it (SIGABRT): either way it never finished normally
+    assert code1 in (3, -6)
     assert "RankFailure: tandv: rank 0 of 2: " in out0
     assert "(dist_timeout=4s): another rank raised, died" in out0
     assert time.monotonic() - start < 100

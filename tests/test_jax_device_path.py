@@ -17,7 +17,7 @@ from test_jax_tracker import assert_row_matches, data, row  # noqa: E402
 from tandv.schema import read_log  # noqa: E402
 from tandv.stats import Layout, summarize  # noqa: E402
 from tandv.stats.summary import merge  # noqa: E402
-from tandv.track.jax import _intercept, _tracker, to_vector, track  # noqa: E402
+from tandv.track.jax import _intercept, _tracker, _transfer, to_vector, track  # noqa: E402
 from tandv.track.jax._summary import DeviceSummary, merge_jax  # noqa: E402
 
 rng = np.random.default_rng(3)
@@ -202,12 +202,12 @@ def test_step_does_not_wait_for_its_summaries(tmp_path, accelerator_path, monkey
     tracker closes, and the rows are those of the values computed here."""
     transfers = []
 
-    class Counted(_tracker._Transfer):
+    class Counted(_transfer.Transfer):
         def __init__(self, arrays):
             transfers.append(len(arrays))
             super().__init__(arrays)
 
-    monkeypatch.setattr(_tracker, "_Transfer", Counted)
+    monkeypatch.setattr(_transfer, "Transfer", Counted)
     model = nn.Dense(3)
     x, _ = data()
     params = model.init(jax.random.key(1), x)
@@ -218,7 +218,7 @@ def test_step_does_not_wait_for_its_summaries(tmp_path, accelerator_path, monkey
         # one transfer: the mailbox words, the weights' and the gradients' counts and values
         assert transfers == [5]
         ((step, pending, _),) = tracker._flights
-        mail = [s for _, _, s in pending if isinstance(s, _tracker._Mail)]
+        mail = [s for _, _, s in pending if isinstance(s, _transfer.Mail)]
         assert step == 0 and len(mail) == 2  # the root's activation and gradient
         assert mail[0].read._decoded is None  # not read yet
         grads = tracker.intercept(update, params, x)
@@ -333,7 +333,7 @@ def test_sharded_arrays_are_summarized_where_they_lie(tmp_path, accelerator_path
         params, out=tmp_path / "log", track_activations=False, track_gradients=False, verbose=False
     ) as tracker:
         arrays = list(params.values())
-        plans = tuple(_tracker._shard_plan(x) for x in arrays)
+        plans = tuple(_transfer.shard_plan(x) for x in arrays)
         assert [p[2] for p in plans] == [(0, 1), (0, 1), (0,)]  # one copy of the last is counted
         hlo = tracker._summarize_many.lower(arrays, False, plans).compile().as_text()
         assert "all-reduce" not in hlo and "all-gather" not in hlo

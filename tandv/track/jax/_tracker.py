@@ -7,7 +7,7 @@ import itertools
 import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ import numpy as np
 from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...stats.formats import format_name
 from ...stats.host import HOST_DTYPES, host_summaries
-from ...stats.summary import Layout, merge_all
+from ...stats.summary import Layout
 from ..common import TensorKey
 from ..common.core import TrackerCore
 from ..common.custom import StatFn
@@ -27,19 +27,20 @@ from ..common.scalars import Capture
 from . import _distributed, _ffi
 from ._delivery import Probe
 from ._intercept import interception
-from ._mailbox import Mailboxes, MailRead
+from ._mailbox import Mailboxes
 from ._nnx import acquire_nnx, release_nnx, tag_nnx_paths, untag_nnx_paths
 from ._pallas import pallas_summary
 from ._sink import ROOT_NAME, Report, register
+from ._state import Parts, gradients_of, is_nnx_module, is_nnx_optimizer, parts_of, pmap_stacked
 from ._summary import (
     CustomStat,
     DeviceSummary,
     summarize_jax,
     summarize_many_jax,
-    to_vector,
     with_custom,
 )
 from ._taps import tap
+from ._transfer import Mail, ShardRows, StackRow, send, shard_plan, to_host
 from ._trees import (
     Leaf,
     collection_leaves,
@@ -74,54 +75,6 @@ FUSED_SIZE = 1 << 16
 #: Threads the host kernel uses. One: with two, the kernel ran faster but its threads kept a
 #: core busy into the next XLA update, and tracked steps took longer (track/jax/DESIGN.md).
 _HOST_THREADS = 1
-
-
-class _StackRow(NamedTuple):
-    """Row ``row`` of a stacked device summary ``(counts, values)`` of several tensors."""
-
-    stack: tuple[Any, Any]
-    row: int
-
-
-class _ShardRows(NamedTuple):
-    """The summary of a sharded array: the rows ``rows`` of the stack of its shards'
-    summaries (one shard of each replicated group), merged on the host by ``layout``."""
-
-    stack: tuple[Any, Any]
-    rows: tuple[int, ...]
-    layout: Layout
-
-
-def _shard_plan(x: Any) -> tuple[Any, Any, tuple[int, ...]] | None:
-    """For an array split over several devices of a mesh (evenly, all addressable):
-    ``(mesh, spec, rows)``, ``rows`` the devices (in mesh order) whose shard is counted: those
-    at index 0 along every mesh axis the array is not split over (the others hold copies).
-    None for other arrays."""
-    from jax.sharding import NamedSharding
-
-    sharding = getattr(x, "sharding", None)
-    if (
-        not isinstance(sharding, NamedSharding)
-        or len(sharding.device_set) < 2
-        or not sharding.is_fully_addressable
-    ):
-        return None
-    mesh, spec = sharding.mesh, sharding.spec
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
-    used: set[str] = set()
-    for dim, axes in enumerate(spec):
-        axes = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
-        used.update(axes)
-        if x.shape[dim] % int(np.prod([sizes[a] for a in axes], dtype=np.int64)):
-            return None  # uneven shards
-    if not used:
-        return None  # replicated: one device's summary is the array's
-    rows = tuple(
-        j
-        for j, at in enumerate(np.ndindex(*mesh.devices.shape))
-        if all(at[k] == 0 for k, name in enumerate(mesh.axis_names) if name not in used)
-    )
-    return mesh, spec, rows
 
 
 def _in_host_memory(x: Any, placements: dict[int, bool] | None = None) -> bool:
@@ -163,179 +116,6 @@ def _replicated(devices: list[Any]) -> Any:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     return NamedSharding(Mesh(np.array(devices), ("tandv",)), PartitionSpec())
-
-
-class _Mail(NamedTuple):
-    """Report ``report`` of mailbox ``box`` in a :class:`MailRead` (a tap's summary)."""
-
-    read: MailRead
-    box: int
-    report: int
-
-    def summary(self) -> DeviceSummary | None:
-        return self.read.summary(self.box, self.report)
-
-
-def _pack_words(arrays: list[Any]) -> Any:
-    """The bits of ``arrays`` (4- or 8-byte elements) as one flat int32 vector."""
-    return jnp.concatenate([jax.lax.bitcast_convert_type(a, jnp.int32).reshape(-1) for a in arrays])
-
-
-_pack = jax.jit(_pack_words)
-
-
-class _Transfer:
-    """A step's summaries still on devices (step-time stacks, mailbox words), packed by one
-    jitted call into one int32 array whose copy to the host starts at once, without waiting:
-    one transfer per tracked step. Read on the first :meth:`get` (at the next tracked step).
-    Arrays on different sets of devices (which one program cannot take) are copied apart."""
-
-    def __init__(self, arrays: list[Any]) -> None:
-        self._likes = [(a.shape, np.dtype(a.dtype)) for a in arrays]
-        # one array (on the CPU: the mailbox words alone) needs no packing call
-        self._one = len(arrays) > 1 and len({frozenset(a.sharding.device_set) for a in arrays}) == 1
-        self._device: list[Any] | None = [_pack(arrays)] if self._one else list(arrays)
-        for part in self._device:
-            part.copy_to_host_async()
-        self._host: list[np.ndarray] | None = None
-
-    def get(self, i: int) -> np.ndarray:
-        """The host copy of array ``i`` (waits for the copy the first time)."""
-        if self._host is None:
-            assert self._device is not None
-            if self._one:
-                flat, at, self._host = np.asarray(self._device[0]), 0, []
-                for shape, dtype in self._likes:
-                    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // 4
-                    self._host.append(flat[at : at + n].view(dtype).reshape(shape))
-                    at += n
-            else:
-                self._host = [np.asarray(part) for part in self._device]
-            self._device = None
-        return self._host[i]
-
-
-def _send(summaries: Sequence[Any]) -> dict[int, tuple[_Transfer, int]]:
-    """Start the one transfer of a step's device summaries: each step-time stack's parts and
-    each mailbox read go into it. Returns where each stack's counts lie in it (by ``id``)."""
-    arrays: list[Any] = []
-    stacks: dict[int, tuple[Any, int]] = {}
-    reads: dict[int, tuple[MailRead, int]] = {}
-    for s in _distributed.flatten(summaries):
-        if isinstance(s, (_StackRow, _ShardRows)) and id(s.stack) not in stacks:
-            stacks[id(s.stack)] = (s.stack, len(arrays))
-            arrays += list(s.stack)
-        elif isinstance(s, _Mail) and id(s.read) not in reads:
-            reads[id(s.read)] = (s.read, len(arrays))
-            arrays.append(_distributed.local_view(s.read.words))
-    if not arrays:
-        return {}
-    transfer = _Transfer(arrays)
-    for read, i in reads.values():
-        read.fetch_from(functools.partial(transfer.get, i))
-    return {key: (transfer, i) for key, (_, i) in stacks.items()}
-
-
-def _to_host(summaries: list[Any], stacks: dict[int, tuple[_Transfer, int]]) -> list[np.ndarray]:
-    """Summary vectors of one step's observations, from the step's transfer (see
-    :func:`_send`): step-time stacks (:class:`_StackRow`, ``stacks``: where each lies),
-    tap summaries from mailboxes (:class:`_Mail`) or delivered directly; the host kernel's
-    vectors are on the host already."""
-    out = []
-    for s in summaries:
-        if isinstance(s, np.ndarray):
-            out.append(s)
-            continue
-        if isinstance(s, _distributed.LocalParts):  # this process's shards of a global array
-            out.append(merge_all(_to_host(list(s.parts), stacks), s.layout))
-            continue
-        if isinstance(s, _ShardRows):
-            transfer, i = stacks[id(s.stack)]
-            counts, values = transfer.get(i), transfer.get(i + 1)
-            out.append(
-                merge_all(
-                    [to_vector(DeviceSummary(counts[r], values[r])) for r in s.rows], s.layout
-                )
-            )
-            continue
-        if isinstance(s, _StackRow):
-            transfer, i = stacks[id(s.stack)]
-            s = DeviceSummary(transfer.get(i)[s.row], transfer.get(i + 1)[s.row])
-        elif isinstance(s, _Mail):
-            s = s.summary()
-        out.append(to_vector(s))
-    return out
-
-
-def _is_nnx_module(x: Any) -> bool:
-    from flax import nnx
-
-    return isinstance(x, nnx.Module)
-
-
-def _is_nnx_optimizer(x: Any) -> bool:
-    from flax import nnx
-
-    return isinstance(x, nnx.Optimizer)
-
-
-class _Parts(NamedTuple):
-    """What a ``model_state`` holds, by kind: the parameters the forward pass uses, the
-    optimizer state it carries (a ``TrainState``'s ``opt_state``), the model state a
-    ``TrainState`` keeps beside the parameters (``batch_stats``, as a variables dict
-    ``{"params": ..., "batch_stats": ...}``) and ``optax.lookahead``'s slow parameters."""
-
-    params: Any
-    opt_state: Any = None
-    collections: Any = None
-    slow: Any = None
-
-
-def _is_lookahead(x: Any) -> bool:
-    import optax
-
-    return isinstance(x, optax.LookaheadParams)
-
-
-def _is_train_state(x: Any) -> bool:
-    """A ``flax.training.train_state.TrainState`` or any struct like it (attributes
-    ``params`` and ``opt_state``)."""
-    return not isinstance(x, Mapping) and hasattr(x, "params") and hasattr(x, "opt_state")
-
-
-def _parts(model_state: Any) -> _Parts:
-    """Split ``model_state`` into :class:`_Parts` (see ``track``'s docstring for the forms)."""
-    if _is_nnx_module(model_state):
-        from flax import nnx
-
-        return _Parts(nnx.state(model_state, nnx.Param))
-    if _is_train_state(model_state):
-        inner = _parts(model_state.params)
-        stats = getattr(model_state, "batch_stats", None)
-        collections = None if stats is None else {"params": inner.params, "batch_stats": stats}
-        return _Parts(inner.params, model_state.opt_state, collections, inner.slow)
-    if _is_lookahead(model_state):
-        return _Parts(model_state.fast, slow=model_state.slow)
-    return _Parts(model_state)
-
-
-def _gradients_of(gradients: Any) -> Any:
-    """The parameter gradients in ``gradients`` (an nnx ``State``, a pytree, or lookahead
-    parameters, whose ``fast`` part holds them)."""
-    return gradients.fast if _is_lookahead(gradients) else gradients
-
-
-#: The mesh axis JAX names a ``jax.pmap`` without ``axis_name``.
-_PMAP_AXIS = "_internal_pmap_axis_name"
-
-
-def _pmap_stacked(arrays: Sequence[Any]) -> bool:
-    """Whether some array came out of ``jax.pmap`` (its sharding is over pmap's own axis)."""
-    for x in arrays:
-        mesh = getattr(getattr(x, "sharding", None), "mesh", None)
-        if mesh is not None and _PMAP_AXIS in getattr(mesh, "axis_names", ()):
-            return True
-    return False
 
 
 def _custom_stats(fns: Sequence[StatFn]) -> dict[str, CustomStat]:
@@ -438,7 +218,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
                 "track(): optimizer_state was given without model_state; optimizer-state leaves "
                 "are named after the parameters they mirror, so pass model_state too"
             )
-        if model_state is not None and not param_leaves(_parts(model_state).params)[0]:
+        if model_state is not None and not param_leaves(parts_of(model_state).params)[0]:
             raise ValueError(
                 f"track(): model_state has no floating-point leaves to track (got "
                 f"{type(model_state).__name__}); pass the parameters, e.g. the dict from "
@@ -462,7 +242,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         if (
             model_state is not None
             and optimizer_state is not None
-            and _parts(model_state).opt_state is not None
+            and parts_of(model_state).opt_state is not None
         ):
             raise ValueError(
                 f"track(): model_state ({type(model_state).__name__}) holds the optimizer state "
@@ -494,7 +274,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         self._on_cpu = False
         self._one_device = True  # whether the intercepted update runs on one device
         self._intercepted = False  # whether intercept() ran in the current step
-        self._next_weights: list[tuple[Leaf, Any, _StackRow | np.ndarray]] = []
+        self._next_weights: list[tuple[Leaf, Any, StackRow | np.ndarray]] = []
         self._nnx_tagged: list[Any] = []
         # one process of several (jax.distributed): global arrays are summarized by their
         # shards here, and the steps merged over the processes (see ``_distributed``)
@@ -505,8 +285,8 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         acquire_nnx()
         if model_state is not None:
             self._learn_nnx_types(model_state)
-            self._prepare_weights(_parts(model_state), 0)
-            self._keep_before(_parts(model_state), 0)
+            self._prepare_weights(parts_of(model_state), 0)
+            self._keep_before(parts_of(model_state), 0)
 
     # ------------------------------------------------------------------ adapter
 
@@ -519,16 +299,16 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         self._nnx_tagged = []
 
     def _send(self, pending: list[Any]) -> dict[int, Any]:
-        return _send([p[2] for p in pending])
+        return send([p[2] for p in pending])
 
     def _to_host(self, summaries: list[Any], transfer: dict[int, Any]) -> list[np.ndarray]:
-        return _to_host(summaries, transfer)
+        return to_host(summaries, transfer)
 
     def _observed(self, pending: list[Any]) -> list[Any]:
         # a mailbox the computation did not write holds no observation
-        pending = [p for p in pending if not isinstance(p[2], _Mail) or p[2].summary() is not None]
+        pending = [p for p in pending if not isinstance(p[2], Mail) or p[2].summary() is not None]
         if self._multi:  # how each row merges over the processes, for the rank merger
-            self._roles = {key: _distributed.role(s, _Mail) for key, _, s in pending}
+            self._roles = {key: _distributed.role(s, Mail) for key, _, s in pending}
         return pending
 
     def _rank_merger(self) -> RankMerger | None:
@@ -595,7 +375,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
     ) -> list[tuple[jax.Array, jax.Array]]:
         """Traced: per dtype group, the stacked counts and values of its arrays' summaries
         (stacked so that the host fetches a few arrays, not two per tensor); ``fused``: see
-        :meth:`_summarize`. Then, for each array with a :func:`_shard_plan` in ``plans``,
+        :meth:`_summarize`. Then, for each array with a :func:`shard_plan` in ``plans``,
         the stacked summaries of its shards, each computed on the device that holds it (no
         collective: the host merges them)."""
         from jax.sharding import PartitionSpec
@@ -642,7 +422,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             )
         return out
 
-    def _summarize_arrays(self, arrays: list[jax.Array]) -> list[_StackRow | np.ndarray]:
+    def _summarize_arrays(self, arrays: list[jax.Array]) -> list[StackRow | np.ndarray]:
         """Summaries of ``arrays``: one handle per array.
 
         Arrays in CPU memory (of at most float32 precision, without custom statistics) are
@@ -672,15 +452,15 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         rest = [i for i, r in enumerate(rows) if r is None]
         if rest:
             device = [arrays[i] for i in rest]
-            plans = tuple(_shard_plan(x) for x in device)
+            plans = tuple(shard_plan(x) for x in device)
             stacks = iter(self._summarize_many(device, len(_devices_of(device)) <= 1, plans))
             for i, plan in zip(rest, plans):
                 if plan is not None:
-                    rows[i] = _ShardRows(next(stacks), plan[2], self._layout(arrays[i].dtype))
+                    rows[i] = ShardRows(next(stacks), plan[2], self._layout(arrays[i].dtype))
             plain = [i for i, plan in zip(rest, plans) if plan is None]
             for (_, idx), stack in zip(self._groups([arrays[i] for i in plain]), stacks):
                 for r, i in enumerate(idx):
-                    rows[plain[i]] = _StackRow(stack, r)
+                    rows[plain[i]] = StackRow(stack, r)
         return rows
 
     def _owner_of(self, name: str) -> type | None:
@@ -746,7 +526,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         read = self._sink.mailboxes.read()
         if read is not None:
             for box, report, name, module_type, tensor_type, dtype in read.reports():
-                self._receive(name, module_type, tensor_type, dtype, _Mail(read, box, report))
+                self._receive(name, module_type, tensor_type, dtype, Mail(read, box, report))
 
     def _on_output(self, name: str, cls: type, out: Any) -> Any:
         """Wrap the float leaves of one module output in taps (called while tracing)."""
@@ -786,14 +566,14 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
 
     @staticmethod
     def _nnx_grads(gradients: Any) -> Any:
-        return _parts(gradients).params if _is_nnx_module(gradients) else gradients
+        return parts_of(gradients).params if is_nnx_module(gradients) else gradients
 
     @staticmethod
     def _opt_of(optimizer_state: Any) -> Any:
-        return optimizer_state.opt_state if _is_nnx_optimizer(optimizer_state) else optimizer_state
+        return optimizer_state.opt_state if is_nnx_optimizer(optimizer_state) else optimizer_state
 
     def _learn_nnx_types(self, model_state: Any) -> None:
-        if _is_nnx_module(model_state):
+        if is_nnx_module(model_state):
             from flax import nnx
 
             self._nnx_tagged = tag_nnx_paths(model_state)
@@ -829,7 +609,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         """With ``device_axis``, one replica of a per-device stacked array (``jax.pmap``)."""
         return x[0] if self._device_axis and getattr(x, "ndim", 0) > 0 else x
 
-    def _prepare_weights(self, parts: _Parts, step: int) -> None:
+    def _prepare_weights(self, parts: Parts, step: int) -> None:
         """Start summarizing the weights (and model state outside the parameters) that step
         ``step``'s forward pass will use (now, so a later buffer donation cannot delete them)."""
         self._next_weights = []
@@ -872,7 +652,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             )
 
     def _check_not_stacked(self, arrays: Sequence[Any]) -> None:
-        if not self._device_axis and _pmap_stacked(arrays):
+        if not self._device_axis and pmap_stacked(arrays):
             raise ValueError(
                 "tandv: these arrays come out of jax.pmap: their leading axis holds one copy per "
                 "device; track(..., device_axis=True) gives the rows of the logical arrays "
@@ -910,13 +690,13 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             optimizer_state, gradients = None, optimizer_state
         self._check_step_args(model_state, optimizer_state, gradients)
         k = self.step_index
-        parts = None if model_state is None else _parts(model_state)
+        parts = None if model_state is None else parts_of(model_state)
         params = None if parts is None else parts.params
         recorded = self._scheduled(k)
         if recorded:
             named: list[tuple[Leaf, str, Any]] = []
             if gradients is not None:
-                leaves, arrays = self._named(GRADIENT, _gradients_of(self._nnx_grads(gradients)))
+                leaves, arrays = self._named(GRADIENT, gradients_of(self._nnx_grads(gradients)))
                 named += [(n, GRADIENT, a) for n, a in zip(leaves, arrays)]
             opt_state = (
                 parts.opt_state
@@ -947,7 +727,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             self._prepare_weights(parts, k + 1)
             self._keep_before(parts, k + 1)
 
-    def _keep_before(self, parts: _Parts, step: int) -> None:
+    def _keep_before(self, parts: Parts, step: int) -> None:
         """With ``track_updates``, keep the parameters step ``step`` starts from (references:
         JAX arrays are immutable, so this holds no copy unless a later update donates them)."""
         self._before = (
@@ -956,7 +736,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             else None
         )
 
-    def _updates(self, parts: _Parts) -> list[tuple[Leaf, str, Any]]:
+    def _updates(self, parts: Parts) -> list[tuple[Leaf, str, Any]]:
         """``<param>.update`` leaves (Weight rows): the parameters given now minus those kept
         by :meth:`_keep_before`."""
         (old_leaves, old), self._before = self._before, None  # type: ignore[misc]

@@ -1,0 +1,177 @@
+"""How a tracked step's summaries leave the devices: one packed, non-blocking transfer.
+
+The tracker's observations of a step are handles to summaries that are still on devices:
+rows of a stack of summaries computed at step time (:class:`StackRow`; of a sharded
+array's shards, :class:`ShardRows`), reports in a mailbox the jitted update wrote
+(:class:`Mail`), or this process's shards of a global array in a multi-process run
+(:class:`._distributed.LocalParts`). :func:`send` starts one copy of all of them to the
+host when the step ends; :func:`to_host` turns the handles into summary vectors once the
+copy is needed (a later step, or closing): the device never waits for the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...stats.summary import Layout, merge_all
+from . import _distributed
+from ._mailbox import MailRead
+from ._summary import DeviceSummary, to_vector
+
+__all__ = ["StackRow", "ShardRows", "Mail", "Transfer", "shard_plan", "send", "to_host"]
+
+
+class StackRow(NamedTuple):
+    """Row ``row`` of a stacked device summary ``(counts, values)`` of several tensors."""
+
+    stack: tuple[Any, Any]
+    row: int
+
+
+class ShardRows(NamedTuple):
+    """The summary of a sharded array: the rows ``rows`` of the stack of its shards'
+    summaries (one shard of each replicated group), merged on the host by ``layout``."""
+
+    stack: tuple[Any, Any]
+    rows: tuple[int, ...]
+    layout: Layout
+
+
+def shard_plan(x: Any) -> tuple[Any, Any, tuple[int, ...]] | None:
+    """For an array split over several devices of a mesh (evenly, all addressable):
+    ``(mesh, spec, rows)``, ``rows`` the devices (in mesh order) whose shard is counted: those
+    at index 0 along every mesh axis the array is not split over (the others hold copies).
+    None for other arrays."""
+    from jax.sharding import NamedSharding
+
+    sharding = getattr(x, "sharding", None)
+    if (
+        not isinstance(sharding, NamedSharding)
+        or len(sharding.device_set) < 2
+        or not sharding.is_fully_addressable
+    ):
+        return None
+    mesh, spec = sharding.mesh, sharding.spec
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    used: set[str] = set()
+    for dim, axes in enumerate(spec):
+        axes = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+        used.update(axes)
+        if x.shape[dim] % int(np.prod([sizes[a] for a in axes], dtype=np.int64)):
+            return None  # uneven shards
+    if not used:
+        return None  # replicated: one device's summary is the array's
+    rows = tuple(
+        j
+        for j, at in enumerate(np.ndindex(*mesh.devices.shape))
+        if all(at[k] == 0 for k, name in enumerate(mesh.axis_names) if name not in used)
+    )
+    return mesh, spec, rows
+
+
+class Mail(NamedTuple):
+    """Report ``report`` of mailbox ``box`` in a :class:`MailRead` (a tap's summary)."""
+
+    read: MailRead
+    box: int
+    report: int
+
+    def summary(self) -> DeviceSummary | None:
+        return self.read.summary(self.box, self.report)
+
+
+def _pack_words(arrays: list[Any]) -> Any:
+    """The bits of ``arrays`` (4- or 8-byte elements) as one flat int32 vector."""
+    return jnp.concatenate([jax.lax.bitcast_convert_type(a, jnp.int32).reshape(-1) for a in arrays])
+
+
+_pack = jax.jit(_pack_words)
+
+
+class Transfer:
+    """A step's summaries still on devices (step-time stacks, mailbox words), packed by one
+    jitted call into one int32 array whose copy to the host starts at once, without waiting:
+    one transfer per tracked step. Read on the first :meth:`get` (at the next tracked step).
+    Arrays on different sets of devices (which one program cannot take) are copied apart."""
+
+    def __init__(self, arrays: list[Any]) -> None:
+        self._likes = [(a.shape, np.dtype(a.dtype)) for a in arrays]
+        # one array (on the CPU: the mailbox words alone) needs no packing call
+        self._one = len(arrays) > 1 and len({frozenset(a.sharding.device_set) for a in arrays}) == 1
+        self._device: list[Any] | None = [_pack(arrays)] if self._one else list(arrays)
+        for part in self._device:
+            part.copy_to_host_async()
+        self._host: list[np.ndarray] | None = None
+
+    def get(self, i: int) -> np.ndarray:
+        """The host copy of array ``i`` (waits for the copy the first time)."""
+        if self._host is None:
+            assert self._device is not None
+            if self._one:
+                flat, at, self._host = np.asarray(self._device[0]), 0, []
+                for shape, dtype in self._likes:
+                    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // 4
+                    self._host.append(flat[at : at + n].view(dtype).reshape(shape))
+                    at += n
+            else:
+                self._host = [np.asarray(part) for part in self._device]
+            self._device = None
+        return self._host[i]
+
+
+def send(summaries: Sequence[Any]) -> dict[int, tuple[Transfer, int]]:
+    """Start the one transfer of a step's device summaries: each step-time stack's parts and
+    each mailbox read go into it. Returns where each stack's counts lie in it (by ``id``)."""
+    arrays: list[Any] = []
+    stacks: dict[int, tuple[Any, int]] = {}
+    reads: dict[int, tuple[MailRead, int]] = {}
+    for s in _distributed.flatten(summaries):
+        if isinstance(s, (StackRow, ShardRows)) and id(s.stack) not in stacks:
+            stacks[id(s.stack)] = (s.stack, len(arrays))
+            arrays += list(s.stack)
+        elif isinstance(s, Mail) and id(s.read) not in reads:
+            reads[id(s.read)] = (s.read, len(arrays))
+            arrays.append(_distributed.local_view(s.read.words))
+    if not arrays:
+        return {}
+    transfer = Transfer(arrays)
+    for read, i in reads.values():
+        read.fetch_from(functools.partial(transfer.get, i))
+    return {key: (transfer, i) for key, (_, i) in stacks.items()}
+
+
+def to_host(summaries: list[Any], stacks: dict[int, tuple[Transfer, int]]) -> list[np.ndarray]:
+    """Summary vectors of one step's observations, from the step's transfer (see
+    :func:`send`): step-time stacks (:class:`StackRow`, ``stacks``: where each lies),
+    tap summaries from mailboxes (:class:`Mail`) or delivered directly; the host kernel's
+    vectors are on the host already."""
+    out = []
+    for s in summaries:
+        if isinstance(s, np.ndarray):
+            out.append(s)
+            continue
+        if isinstance(s, _distributed.LocalParts):  # this process's shards of a global array
+            out.append(merge_all(to_host(list(s.parts), stacks), s.layout))
+            continue
+        if isinstance(s, ShardRows):
+            transfer, i = stacks[id(s.stack)]
+            counts, values = transfer.get(i), transfer.get(i + 1)
+            out.append(
+                merge_all(
+                    [to_vector(DeviceSummary(counts[r], values[r])) for r in s.rows], s.layout
+                )
+            )
+            continue
+        if isinstance(s, StackRow):
+            transfer, i = stacks[id(s.stack)]
+            s = DeviceSummary(transfer.get(i)[s.row], transfer.get(i + 1)[s.row])
+        elif isinstance(s, Mail):
+            s = s.summary()
+        out.append(to_vector(s))
+    return out
