@@ -472,6 +472,24 @@ def test_table_beside_a_single_file_log_and_errors(tmp_path):
         read_taiyi(tmp_path / "elsewhere")
 
 
+def test_beside_a_distributed_tracker_only_the_writing_rank_writes_the_table(tmp_path):
+    """A tracker of a distributed run whose rank does not write its log (its recorder's
+    ``writes`` is False): the monitor keeps its rows, writes no table; on the writing rank
+    the table is written beside the log."""
+    from types import SimpleNamespace
+
+    lin = nn.Linear(2, 2)
+    for rank, writes in ((1, False), (0, True)):
+        log = tmp_path / "log"
+        tracker = SimpleNamespace(out_path=log, recorder=SimpleNamespace(writes=writes))
+        with Monitor(lin, {nn.Linear: ["WeightNorm"]}, out=tracker) as mon:
+            mon.track()
+        assert len(mon.to_dataframe()) == 1, rank
+        assert taiyi_dir(log).exists() == writes, rank
+    want = torch.linalg.vector_norm(lin.weight.detach()).item()
+    assert read_taiyi(tmp_path / "log")["value"].tolist() == pytest.approx([want])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_values_match_the_cpu_run():
     torch.manual_seed(10)

@@ -450,7 +450,9 @@ class TableWriter:
     Arguments:
         out: ``None`` (memory only), a tandv log path, or an object with ``out_path`` (a
             tandv tracker; read when the first rows are written). The table goes to
-            :func:`taiyi_dir` of that log.
+            :func:`taiyi_dir` of that log. Beside a tracker of a distributed run only the
+            rank that writes the log writes the table (its own rank's values, not merged
+            over the ranks); the other ranks keep their rows in memory.
         flush_every: write a part file every this many :meth:`end_step` calls.
     """
 
@@ -490,6 +492,11 @@ class TableWriter:
         """Write the rows not yet written as one part file (nothing without ``out``)."""
         self._steps_since_flush = 0
         if self._out is None or not self._unflushed:
+            return
+        if not getattr(getattr(self._out, "recorder", None), "writes", True):
+            # a tracker of a distributed run on a rank that does not write its log: the
+            # writing rank alone writes the table beside it (its own rank's values)
+            self._unflushed = 0
             return
         d = self.out_dir
         if d is None:
