@@ -280,3 +280,29 @@ def test_distributed_true_outside_a_multi_process_run_is_refused(run):
     ):
         tracker.__enter__()
     assert not Path("log").exists()
+
+
+def test_a_jax_tracker_wraps_nnx_calls_only_while_its_log_is_open(tmp_path):
+    """nnx module classes are wrapped from the log's opening to its closing: a JAX tracker
+    made but never started leaves every ``__call__`` as it was."""
+    import jax
+    from flax import nnx
+
+    from tandv.track.jax import track as jax_track
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    original = nnx.Linear.__call__
+    tracker = jax_track(
+        nnx.state(model, nnx.Param), out=tmp_path / "log", verbose=False, track_gradients=False
+    )
+    assert nnx.Linear.__call__ is original  # made, not started
+    with tracker:
+        assert nnx.Linear.__call__ is not original
+        tracker.intercept(lambda m, x: m(x), model, jax.numpy.ones((1, 2)))
+        tracker.step(nnx.state(model, nnx.Param))
+    assert nnx.Linear.__call__ is original
+    never = jax_track(nnx.state(model, nnx.Param), out=tmp_path / "never", verbose=False)
+    with jax_track(out=tmp_path / "other", verbose=False):
+        never.close()  # closing a tracker that never started unwraps nothing of another's
+        assert nnx.Linear.__call__ is not original
+    assert nnx.Linear.__call__ is original

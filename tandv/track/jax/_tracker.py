@@ -282,7 +282,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         #: the role over the processes of each row of the step being recorded
         self._roles: dict[TensorKey, Role] = {}
         register(self._token, self._sink)
-        acquire_nnx()
+        self._nnx_acquired = False  # whether this tracker holds the nnx call wrapping
         if model_state is not None:
             self._learn_nnx_types(model_state)
             self._prepare_weights(parts_of(model_state), 0)
@@ -293,8 +293,16 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
     def _run_options(self) -> dict[str, Any]:
         return {"device_axis": self._device_axis}
 
+    def _start(self) -> None:
+        # nnx module classes are wrapped from when the log opens until it closes: a
+        # tracker that is made but never started patches nothing
+        acquire_nnx()
+        self._nnx_acquired = True
+
     def _stop(self) -> None:
-        release_nnx()
+        if self._nnx_acquired:
+            release_nnx()
+            self._nnx_acquired = False
         untag_nnx_paths(self._nnx_tagged)
         self._nnx_tagged = []
 
