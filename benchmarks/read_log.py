@@ -1,7 +1,7 @@
 """Reading a large log: seconds and peak memory of the readers and of ``tandv summary``.
 
 Builds (once, then reused) a 5-million-row parquet log, 500 tensors x 10,000 steps in
-1,000 part files, with tandv's own streaming writer (:class:`tandv.schema.PartWriter`,
+1,000 part files, with tandv's own streaming writer (:class:`tandv.schema.writer.PartWriter`,
 rows from :func:`tandv.track.common.build_rows`), then times, each in a fresh Python
 process so that peak resident memory is that of the one task:
 

@@ -72,3 +72,24 @@ def test_rooms_with_kernels_keep_a_design_note():
             assert (PACKAGE / room / name).is_file() or list(PACKAGE.rglob(name)), (
                 f"tandv/{room}/DESIGN.md names {name}, which does not exist"
             )
+
+
+def test_the_public_api_table_lists_each_module_s_exports():
+    """README's "Public API" table names every name a public module exports, in that
+    module's row, and no name the module does not export."""
+    import importlib
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("\n## Public API") :]
+    section = section[: section.index("\n## ", 1)]
+    rows = dict(re.findall(r"^\| `(tandv[\w.]*)` \| (.*) \|$", section, flags=re.M))
+    for module in ("tandv", "tandv.track.torch", "tandv.track.jax", "tandv.viz", "tandv.schema"):
+        assert module in rows, f"README's Public API table has no row for {module}"
+        exported = set(importlib.import_module(module).__all__)
+        named = set(re.findall(r"`(\w+)(?:\(\w*\))?`", rows[module]))
+        assert exported - named == set(), (
+            f"{module} exports names its row omits: {exported - named}"
+        )
+        assert named - exported == set(), (
+            f"{module}'s row names what it does not export: {named - exported}"
+        )

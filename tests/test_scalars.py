@@ -9,7 +9,7 @@ import pytest
 from viz_logs import log_from_arrays
 
 import tandv
-from tandv.schema import scalars_path
+from tandv.schema.scalars import scalars_path
 from tandv.track.common import StepRecorder
 from tandv.track.common.scalars import ScalarRecorder
 

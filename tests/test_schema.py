@@ -448,7 +448,7 @@ def test_fuzzed_logs_are_accepted_and_round_trip_or_rejected_with_a_schema_error
     path = tmp_path_factory.mktemp("fuzz") / "x.parquet"
     write_parquet(df, path)
     back = read_parquet(path)
-    assert list(back.columns) == tandv.schema.canonical_columns(df.columns)
+    assert list(back.columns) == tandv.schema.io.canonical_columns(df.columns)
     for c in df.columns:
         a, b = df[c].to_numpy(dtype=object), back[c].to_numpy(dtype=object)
         assert all((x == y) or (x != x and y != y) for x, y in zip(a, b)), (c, a, b)

@@ -1,5 +1,6 @@
 """The tandv log: column names, validation, and pickle/parquet IO (pandas, pyarrow, ml_dtypes
-only)."""
+only). This package exports what users of a log call; the streaming writers the trackers use
+live in :mod:`tandv.schema.writer`."""
 
 from .columns import (
     ACTIVATION,
@@ -23,11 +24,8 @@ from .columns import (
     stat,
 )
 from .io import (
-    RUN_ATTR,
-    canonical_columns,
     concat_logs,
     drop_empty_exponents,
-    log_columns,
     read_log,
     read_parquet,
     read_parquet_chunks,
@@ -36,9 +34,8 @@ from .io import (
     write_parquet,
     write_pickle,
 )
-from .scalars import SOURCE_ATTR, read_scalars, scalars_path
-from .validate import SchemaError, is_exponent_label, validate
-from .writer import FORMATS, LogWriter, PartWriter, PickleWriter, open_writer
+from .scalars import read_scalars
+from .validate import SchemaError, validate
 
 __all__ = [
     "ACTIVATION",
@@ -60,27 +57,16 @@ __all__ = [
     "WEIGHT",
     "meta",
     "stat",
-    "canonical_columns",
     "concat_logs",
     "drop_empty_exponents",
-    "log_columns",
     "read_log",
     "read_parquet",
     "read_parquet_chunks",
     "read_pickle",
     "write_parquet",
     "write_pickle",
-    "RUN_ATTR",
     "run_record",
     "SchemaError",
-    "is_exponent_label",
     "validate",
-    "SOURCE_ATTR",
     "read_scalars",
-    "scalars_path",
-    "FORMATS",
-    "LogWriter",
-    "PartWriter",
-    "PickleWriter",
-    "open_writer",
 ]
