@@ -100,6 +100,7 @@ def ddp(out: Path, rank: int) -> None:
             train(model, opt, tracker, [rank])
         if where == "default":
             (out / f"default_path{rank}.txt").write_text(str(Path(tracker.out_path).resolve()))
+            (out / f"writes_log{rank}.txt").write_text(str(tracker.writes_log))
 
 
 def fsdp(out: Path, rank: int) -> None:

@@ -150,6 +150,8 @@ def test_ddp_default_out_is_one_log_written_by_rank_0(ddp_run):
     out, output = ddp_run
     paths = {(out / f"default_path{r}.txt").read_text() for r in range(worker.WORLD)}
     assert len(paths) == 1  # the same path on both ranks
+    writes = [(out / f"writes_log{r}.txt").read_text() for r in range(worker.WORLD)]
+    assert writes == ["True"] + ["False"] * (worker.WORLD - 1)
     logs = list((out / "default" / "tandv_logs").iterdir())
     assert [p.resolve() for p in logs] == [Path(paths.pop())]
     assert [p.name for p in logs[0].iterdir()] == ["part-000000.parquet"]  # no rank folders

@@ -12,6 +12,7 @@ jax = pytest.importorskip("jax")
 import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from test_jax_tracker import ScanBlock as Block  # noqa: E402
 from test_jax_tracker import assert_row_matches, data, row  # noqa: E402
 
 from tandv.schema import read_log  # noqa: E402
@@ -109,12 +110,6 @@ def test_merge_on_device_matches_the_reference_merge():
             np.testing.assert_array_equal(
                 got[layout.extras_start + 1 :][:2], whole[layout.extras_start + 1 :][:2]
             )
-
-
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, h, _):
-        return jnp.tanh(nn.Dense(4, name="Dense_0")(h)), None
 
 
 class Stack(nn.Module):

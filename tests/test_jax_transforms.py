@@ -14,6 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from flax.training import train_state  # noqa: E402
+from test_jax_tracker import ScanBlock as Block  # noqa: E402
 from test_jax_tracker import assert_row_matches, data, names, row  # noqa: E402
 
 from tandv.schema import read_log  # noqa: E402
@@ -38,12 +39,6 @@ def assert_close_row(df, name, tensor_type, step, array, rel=1e-5):
 
 
 # ----------------------------------------------------------------------------- linen transforms
-
-
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, h, _):
-        return jnp.tanh(nn.Dense(4, name="Dense_0")(h)), None
 
 
 class ScannedRematStack(nn.Module):

@@ -473,15 +473,15 @@ def test_table_beside_a_single_file_log_and_errors(tmp_path):
 
 
 def test_beside_a_distributed_tracker_only_the_writing_rank_writes_the_table(tmp_path):
-    """A tracker of a distributed run whose rank does not write its log (its recorder's
-    ``writes`` is False): the monitor keeps its rows, writes no table; on the writing rank
-    the table is written beside the log."""
+    """A tracker of a distributed run whose rank does not write its log (``writes_log`` is
+    False): the monitor keeps its rows, writes no table; on the writing rank the table is
+    written beside the log."""
     from types import SimpleNamespace
 
     lin = nn.Linear(2, 2)
     for rank, writes in ((1, False), (0, True)):
         log = tmp_path / "log"
-        tracker = SimpleNamespace(out_path=log, recorder=SimpleNamespace(writes=writes))
+        tracker = SimpleNamespace(out_path=log, writes_log=writes)
         with Monitor(lin, {nn.Linear: ["WeightNorm"]}, out=tracker) as mon:
             mon.track()
         assert len(mon.to_dataframe()) == 1, rank

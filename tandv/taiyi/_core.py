@@ -493,7 +493,7 @@ class TableWriter:
         self._steps_since_flush = 0
         if self._out is None or not self._unflushed:
             return
-        if not getattr(getattr(self._out, "recorder", None), "writes", True):
+        if not getattr(self._out, "writes_log", True):
             # a tracker of a distributed run on a rank that does not write its log: the
             # writing rank alone writes the table beside it (its own rank's values)
             self._unflushed = 0

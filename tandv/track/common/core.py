@@ -185,6 +185,12 @@ class TrackerCore(Generic[Transfer]):
         return self.recorder
 
     @property
+    def writes_log(self) -> bool:
+        """Whether this process writes the log: in a run over several processes only the
+        writer (rank 0) does; ``True`` in one process, and before the log opens."""
+        return self.recorder is None or self.recorder.writes
+
+    @property
     def closed(self) -> bool:
         """Whether :meth:`close` has run."""
         return self._closed

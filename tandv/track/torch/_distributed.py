@@ -96,12 +96,18 @@ def is_dtensor(x: torch.Tensor) -> bool:
 def _shard_id(x: Any, batch_split: bool) -> int | None:
     """The id of the shard ``x`` (a DTensor) holds on this rank (see the module notes), or
     ``None`` when a placement is ``Partial``."""
+    return _placement_id(x.device_mesh, tuple(x.placements), batch_split)
+
+
+@functools.cache
+def _placement_id(mesh: Any, placements: tuple[Any, ...], batch_split: bool) -> int | None:
+    """:func:`_shard_id` by mesh and placements, computed once per pair on this rank (the
+    parameters of one model share a few: the step does not hash each tensor again)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    mesh = x.device_mesh
     coord = mesh.get_coordinate()
     parts: list[Any] = []
-    for i, p in enumerate(x.placements):
+    for i, p in enumerate(placements):
         if isinstance(p, Shard):
             parts.append((i, p.dim, -1 if coord is None else coord[i]))
         elif not isinstance(p, Replicate):  # Partial: a pending sum, not the tensor's values
