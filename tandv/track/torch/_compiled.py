@@ -81,16 +81,15 @@ def observe(
     if tr is None or not tr._active or tr._compiled is None:
         return
     if kind == _ALIAS:
-        tr._compiled.aliases[(module, name)] = (first_module, first_name)
+        tr._compiled.alias((module, name), (first_module, first_name))
         return
     # Compiled kernels write buffers in place without bumping their version counter:
     # the eager path's reuse of the last summary for the same tensor object is unsafe.
     tr._last = None
     tr._observe(name, kind, tr._modules[module][1], x)
-    if kind == GRADIENT:
-        for (alias_module, alias), first in tr._compiled.aliases.items():
-            if first == (module, name):  # the same tensor, output of another module too
-                tr._observe(alias, kind, tr._modules[alias_module][1], x)
+    if kind == GRADIENT:  # the same tensor, output of other modules too
+        for alias_module, alias in tr._compiled.followers.get((module, name), ()):
+            tr._observe(alias, kind, tr._modules[alias_module][1], x)
 
 
 @observe.register_fake
@@ -184,6 +183,9 @@ class CompiledHooks:
         self.switch = Switch()
         #: ``(module, name)`` of an output gradient -> the ``(module, name)`` whose hook sees it
         self.aliases: dict[tuple[int, str], tuple[int, str]] = {}
+        #: the inverse: whose hook sees a gradient -> the outputs it is also the gradient of
+        #: (an ordered set), so a gradient's observation finds its aliases without a scan
+        self.followers: dict[tuple[int, str], dict[tuple[int, str], None]] = {}
         _TRACKERS[self.number] = weakref.ref(tracker)
         want_act, want_grad = tracker.kinds[ACTIVATION], tracker.kinds[GRADIENT]
         self._handles = []
@@ -218,6 +220,16 @@ class CompiledHooks:
                     self._wrapper._initialize()
                 self._in_place = _recompile_in_place(tracker.module)
             _drop_compiled_code()
+
+    def alias(self, output: tuple[int, str], first: tuple[int, str]) -> None:
+        """Record that the gradient of ``output`` is the one ``first``'s hook sees."""
+        old = self.aliases.get(output)
+        if old == first:
+            return
+        if old is not None:
+            self.followers[old].pop(output, None)
+        self.aliases[output] = first
+        self.followers.setdefault(first, {})[output] = None
 
     def remove(self) -> None:
         """Remove the hooks (idempotent); the model compiles again without them."""
