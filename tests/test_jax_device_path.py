@@ -336,3 +336,67 @@ def test_sharded_arrays_are_summarized_where_they_lie(tmp_path, accelerator_path
     df = read_log(tmp_path / "log")
     for name, value in values.items():
         assert_row_matches(df, name, "Weight", 0, value)
+
+
+def test_tracked_step_lowers_for_cuda_without_host_callbacks(tmp_path, monkeypatch):
+    """Off the CPU a tracked step must not call the host. JAX refuses to lower a host callback
+    for a platform it has no device of, so lowering the instrumented update (and the step's
+    weight and gradient summaries) for CUDA here, on a CPU-only machine, proves there is none:
+    nn.scan(nn.remat(...)) and lax.scan taps report through mailboxes, and arrays of at least
+    FUSED_SIZE elements take the fused Triton kernel."""
+    import re
+
+    from tandv.track.jax import _ffi
+
+    def custom_calls(text):
+        return re.findall(r"custom_call @([\w$.]+)", text)
+
+    def with_callback(v):
+        jax.debug.callback(lambda _: None, v)
+        return v
+
+    with pytest.raises(ValueError, match="lowering platform cuda"):  # what this test relies on
+        jax.jit(with_callback).trace(jnp.ones(3)).lower(lowering_platforms=("cuda",))
+
+    monkeypatch.setattr(_ffi, "available", lambda: False)  # as on a GPU: no host kernel
+    model, opt = Stack(), optax.adam(1e-3)
+    wide = nn.Dense(_tracker.FUSED_SIZE // 64)  # kernel, output and its gradient: fused
+    x = jnp.ones((64, 4))
+    params = {
+        "stack": model.init(jax.random.key(1), x),
+        "wide": wide.init(jax.random.key(2), jnp.ones((64, 64))),
+    }
+    state = opt.init(params)
+
+    def loss(p, x):
+        y = jnp.tile(x, (1, 16))
+        return jnp.sum(model.apply(p["stack"], x) ** 2) + jnp.sum(wide.apply(p["wide"], y) ** 2)
+
+    @jax.jit
+    def update(p, s, x):
+        g = jax.grad(loss)(p, x)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, g
+
+    lowered = []
+    with track(params, state, out=tmp_path / "log", verbose=False) as tracker:
+        tracker.intercept(
+            lambda *a: lowered.append(
+                update.trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+            ),
+            params,
+            state,
+            x,
+        )
+        leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(params)]
+        summaries = (
+            jax.jit(tracker._summaries, static_argnums=(1, 2))
+            .trace(leaves, True, (None,) * len(leaves))
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+    (step,) = lowered
+    assert "callback" not in " ".join(custom_calls(step) + custom_calls(summaries))
+    # the wide layer's output and its cotangent (the only arrays over FUSED_SIZE)
+    assert custom_calls(step).count("__gpu$xla.gpu.triton") == 2
+    assert custom_calls(summaries).count("__gpu$xla.gpu.triton") == 1  # the wide kernel
