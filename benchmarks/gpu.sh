@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The GPU measurements the open issues ask for, in stages that each fit one 10-minute
+# command of the device machine (30 minutes in all). Every stage writes its output to
+# $OUT/<stage>-<name>.txt (default gpu-results/) and goes on when one command fails or
+# runs past its own time limit, so a session gets every figure that can be had.
+#
+#   bash benchmarks/gpu.sh wheels  # here, with the package index: what the GPU machine lacks
+#                                  # (flax, optax, pytest, hypothesis and what they import)
+#                                  # into .gpu-wheels/ (gitignored; carry it along)
+#   bash benchmarks/gpu.sh torch   # GPU: installs .gpu-wheels where pytest is missing, the
+#                                  # fused-kernel tests compiled on CUDA tensors,
+#                                  # the 4-layer model (every=1, every=10), the kernel alone
+#   bash benchmarks/gpu.sh gpt2    # GPU: the GPT-2-sized preset, and the torch.compile'd model
+#   bash benchmarks/gpu.sh jax     # GPU: installs .gpu-wheels where flax is missing, the
+#                                  # JAX tests on the GPU and the transformer benchmark with
+#                                  # the Pallas kernel and with XLA's operations
+#
+# With the device tool: run(command="bash benchmarks/gpu.sh torch", carry=[".gpu-wheels"]).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-results}
+WHEELS=.gpu-wheels
+mkdir -p "$OUT"
+
+# stage NAME SECONDS COMMAND...: run COMMAND with a time limit, output to $OUT
+stage() {
+  local name=$1 limit=$2
+  shift 2
+  local file="$OUT/$STAGE-$name.txt"
+  echo "== $name: $* (limit ${limit}s)"
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$file" 2>&1
+  local rc=$?
+  echo "   exit $rc after $((SECONDS - start))s -> $file"
+  tail -n 25 "$file"
+}
+
+describe() {
+  {
+    git rev-parse HEAD 2>/dev/null || echo "(not a git checkout)"
+    python3 --version
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+    python3 - <<'EOF'
+import importlib
+for name in ("torch", "triton", "jax", "jaxlib", "flax", "optax", "numba", "numpy", "pandas"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as e:  # a missing package is a fact worth reporting, not a failure
+        print(name, "-", type(e).__name__)
+EOF
+  } >"$OUT/$STAGE-machine.txt" 2>&1
+  cat "$OUT/$STAGE-machine.txt"
+}
+
+# the packages of .gpu-wheels, each from its wheel for this Python (no index, no resolver)
+PACKAGES="flax optax absl-py etils rich markdown-it-py mdurl pygments treescope typing_extensions
+  msgpack pyyaml pytest pluggy iniconfig packaging hypothesis attrs sortedcontainers
+  exceptiongroup tomli"
+
+# into a folder of its own on PYTHONPATH: no write to the machine's Python, whoever owns it
+SITE=$PWD/.gpu-site
+export PYTHONPATH=.:$SITE
+install_wheels() {
+  python3 -c "import flax, optax, pytest, hypothesis" 2>/dev/null && return
+  # shellcheck disable=SC2086  # PACKAGES is a list of names
+  python3 -m pip install -q --no-index --no-deps --find-links "$WHEELS" --target "$SITE" \
+    $PACKAGES 2>&1 | tail -n 3
+}
+
+STAGE=${1:-}
+case "$STAGE" in
+wheels)
+  # pure-Python wheels, plus the two compiled ones for the CPython versions a machine may run
+  rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+  python3 -m pip download -q --no-deps -d "$WHEELS" flax==0.12.8 optax==0.2.8 absl-py etils \
+    rich markdown-it-py mdurl pygments treescope typing_extensions pytest pluggy iniconfig \
+    packaging attrs sortedcontainers exceptiongroup
+  for v in 3.10 3.11 3.12 3.13; do
+    python3 -m pip download -q --no-deps -d "$WHEELS" --only-binary=:all: \
+      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+      --python-version "$v" msgpack pyyaml hypothesis tomli
+  done
+  du -sh "$WHEELS"
+  ;;
+torch)
+  describe
+  install_wheels
+  stage tests 240 python3 -m pytest -q tests/test_torch_fused.py tests/test_torch_summary.py
+  stage overhead 240 python3 benchmarks/overhead.py --device cuda
+  stage kernel 120 python3 benchmarks/fused_kernel.py
+  ;;
+gpt2)
+  describe
+  stage gpt2 330 python3 benchmarks/overhead.py --device cuda --preset gpt2-small --steps 10
+  stage compile 240 python3 benchmarks/overhead.py --device cuda --compile --every 1 10
+  ;;
+jax)
+  describe
+  install_wheels
+  stage tests 200 python3 -m pytest -q tests/test_jax_summary.py tests/test_jax_device_path.py \
+    tests/test_jax_tracker.py -k "pallas or fused or device or cuda"
+  stage pallas 180 python3 benchmarks/jax_overhead.py --model transformer --rounds 3 --block 10
+  stage xla 180 python3 benchmarks/jax_overhead.py --model transformer --rounds 3 --block 10 \
+    --summary xla
+  ;;
+*)
+  echo "usage: bash benchmarks/gpu.sh wheels|torch|gpt2|jax" >&2
+  exit 2
+  ;;
+esac
