@@ -93,3 +93,40 @@ def test_the_public_api_table_lists_each_module_s_exports():
         assert named - exported == set(), (
             f"{module}'s row names what it does not export: {named - exported}"
         )
+
+
+def _option_table(heading: str) -> tuple[str, set[str]]:
+    """The text between ``heading`` and the end of the table after it, and the backticked
+    names in the first column of that table."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index(heading)
+    table_start = text.index("\n|", start)
+    end = text.index("\n\n", table_start)
+    first_cells = re.findall(r"^\| ([^|]*) \|", text[table_start:end], flags=re.M)
+    return text[start:end], {n for cell in first_cells for n in re.findall(r"`(\w+)`", cell)}
+
+
+def test_the_option_tables_list_every_argument_of_track():
+    """Each ``track()`` argument (the shared options and the framework's own) has a row in
+    its README table, and each row names an argument that exists: the tables are what users
+    read instead of the docstrings, so they must not drift from the signatures."""
+    import inspect
+
+    from tandv.track.jax import track as jax_track
+    from tandv.track.torch import track as torch_track
+
+    for heading, track in (
+        ("\n### Options\n", torch_track),
+        ("\n### Arguments of `track`", jax_track),
+    ):
+        section, rows = _option_table(heading)
+        params = set(inspect.signature(track).parameters)
+        # the arguments the heading's call shows, as in `track(module, optimizer=None, *, ...)`
+        shown = {
+            n
+            for call in re.findall(r"`track\(([^)]*)\)`", section)
+            for n in re.findall(r"\w+", call)
+        }
+        missing = params - rows - shown
+        assert missing == set(), f"{track.__module__}.track: no README row for {sorted(missing)}"
+        assert rows - params == set(), f"README rows for no argument: {sorted(rows - params)}"
