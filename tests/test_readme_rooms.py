@@ -1,5 +1,6 @@
-"""The README's "Development" map of the package, read as a new engineer would: every room of
-``tandv/`` is named there, and every file it names is where it says."""
+"""The README read as a new engineer would, against the code: the "Development" map (every
+room of ``tandv/`` is named there, every file it names is where it says), the Public API
+table (each module's exports) and the option tables (each argument of ``track``)."""
 
 from __future__ import annotations
 
