@@ -3,6 +3,11 @@ each log row is checked against the test's own capture (a callback of the framew
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -149,3 +154,64 @@ def test_callbacks_refuse_a_model_or_optimizer_argument():
 
     with pytest.raises(TypeError, match="keyword options"):
         TandvCallback(optimizer=None)
+
+
+def _launch(framework: str, out: Path) -> list[dict]:
+    """Run tests/_integration_worker.py FRAMEWORK under torchrun on 2 CPU processes (gloo);
+    the spy captures of rank 0 and rank 1."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    here = Path(__file__).parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [str(here / "_integration_worker.py"), framework, str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [torch.load(out / f"spy{rank}.pt") for rank in (0, 1)]
+
+
+def test_lightning_ddp_merges_the_ranks_into_one_log(tmp_path):
+    """Lightning's DDP on 2 processes with ``TandvCallback(distributed=True)``: one log,
+    written by rank 0, whose activation rows summarize both ranks' batches together and
+    whose weight and gradient rows are the (replicated) tensors each rank saw."""
+    pytest.importorskip("lightning.pytorch")
+    spies = _launch("lightning", tmp_path)
+    assert sorted(p.name for p in (tmp_path / "log").iterdir()) == ["part-000000.parquet"]
+    df = read_log(tmp_path / "log")
+    assert sorted(set(df[("metadata", "step")])) == [0, 1, 2]
+    for k in range(3):
+        both = torch.cat([spy["activations"][k] for spy in spies])
+        assert both.shape[0] == 8  # each rank's own batch of 4
+        assert_row(df, "net.0", "Activation", k, both)
+        for name in ("net.0.weight", "net.2.bias"):
+            torch.testing.assert_close(spies[0]["grads"][k][name], spies[1]["grads"][k][name])
+            assert_row(df, name, "Gradient", k, spies[0]["grads"][k][name])
+            assert_row(df, name, "Weight", k, spies[0]["weights"][k][name])
+
+
+def test_hf_trainer_ddp_merges_the_ranks_into_one_log(tmp_path):
+    """The HuggingFace Trainer under torchrun (DDP, 2 processes) with
+    ``TandvCallback(distributed=True)``: one log with the parameters' names (no DDP
+    ``module.`` prefix), gradients as each rank's optimizer saw them, and activations of
+    both ranks' examples."""
+    pytest.importorskip("transformers")
+    spies = _launch("hf", tmp_path)
+    df = read_log(tmp_path / "log")
+    assert sorted(set(df[("metadata", "step")])) == [0, 1, 2]
+    assert not any(n.startswith("module.") for n in df[("metadata", "name")])
+    for k in range(3):
+        for name in ("transformer.h.0.attn.c_attn.weight", "transformer.wpe.weight"):
+            torch.testing.assert_close(spies[0]["grads"][k][name], spies[1]["grads"][k][name])
+            assert_row(df, name, "Gradient", k, spies[0]["grads"][k][name])
+        wte = df[
+            (df[("metadata", "name")] == "transformer.wte")
+            & (df[("metadata", "tensor_type")] == "Activation")
+            & (df[("metadata", "step")] == k)
+        ]
+        assert wte[("scalar_stats", "numel")].item() == 2 * 2 * 8 * 16  # ranks x batch x seq x d
