@@ -176,9 +176,12 @@ def _no_moments():
 
 
 @triton.jit
-def _merge(E, n, mean, m2, p1, p2, p4, p8, Eb, nb, meanb, m2b, p1b, p2b, p4b, p8b):
-    """Merge two partial moment sets, their sums scaled by ``2**-E`` and ``2**-Eb``,
-    into one scaled by ``2**-max(E, Eb)`` (Chan et al. for the centred second moment)."""
+def _merge(a, b):
+    """Merge two partial moment sets ``(E, n, mean, m2, p1, p2, p4, p8)``, their sums
+    scaled by ``2**-E`` and ``2**-Eb``, into one scaled by ``2**-max(E, Eb)`` (Chan et al.
+    for the centred second moment)."""
+    E, n, mean, m2, p1, p2, p4, p8 = a
+    Eb, nb, meanb, m2b, p1b, p2b, p4b, p8b = b
     Ec = tl.maximum(E, Eb)
     r = _pow2_f64(E - Ec)
     rb = _pow2_f64(Eb - Ec)
@@ -262,71 +265,27 @@ def _scan(
         m2b = tl.sum(d * d).to(tl.float64) - nb * shift * shift
         q2 = q * q
         q4 = q2 * q2
-        E, n, mean, m2, p1, p2, p4, p8 = _merge(
-            E,
-            n,
-            mean,
-            m2,
-            p1,
-            p2,
-            p4,
-            p8,
-            Eb,
-            nb,
-            meanb,
-            tl.maximum(m2b, 0.0),
-            tl.sum(q).to(tl.float64),
-            tl.sum(q2).to(tl.float64),
-            tl.sum(q4).to(tl.float64),
-            tl.sum(q4 * q4).to(tl.float64),
-        )
+        block = (Eb, nb, meanb, tl.maximum(m2b, 0.0), tl.sum(q).to(tl.float64))
+        block += (tl.sum(q2).to(tl.float64), tl.sum(q4).to(tl.float64))
+        block += (tl.sum(q4 * q4).to(tl.float64),)
+        E, n, mean, m2, p1, p2, p4, p8 = _merge((E, n, mean, m2, p1, p2, p4, p8), block)
 
         # exponent counts
         ex = _exponent(bits, SUB) - DMIN
         hist += tl.histogram(ex, NBP, mask=fin & ~zero)
-    return (
-        nan_c,
-        inf_c,
-        zero_c,
-        over_c,
-        mn,
-        mx,
-        amin.to(tl.float32, bitcast=True),
-        amax.to(tl.float32, bitcast=True),
-        E,
-        n,
-        mean,
-        m2,
-        p1,
-        p2,
-        p4,
-        p8,
-        hist,
-    )
+    counts = (nan_c, inf_c, zero_c, over_c, mn, mx)
+    counts += (amin.to(tl.float32, bitcast=True), amax.to(tl.float32, bitcast=True))
+    return counts, (E, n, mean, m2, p1, p2, p4, p8), hist
 
 
 @triton.jit
-def _store_part(
-    ptr, nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2, p1, p2, p4, p8
-):
-    """Writes the 16 fields of a (partial) row at ``ptr``, as float64."""
-    f64 = tl.float64
-    tl.store(ptr + 0, nan_c.to(f64))
-    tl.store(ptr + 1, inf_c.to(f64))
-    tl.store(ptr + 2, zero_c.to(f64))
-    tl.store(ptr + 3, over_c.to(f64))
-    tl.store(ptr + 4, mn.to(f64))
-    tl.store(ptr + 5, mx.to(f64))
-    tl.store(ptr + 6, amin.to(f64))
-    tl.store(ptr + 7, amax.to(f64))
-    tl.store(ptr + 8, E.to(f64))
-    tl.store(ptr + 9, n.to(f64))
-    tl.store(ptr + 10, mean)
-    tl.store(ptr + 11, m2)
-    tl.store(ptr + 12, p1)
-    tl.store(ptr + 13, p2)
-    tl.store(ptr + 14, p4)
-    tl.store(ptr + 15, p8)
+def _store_part(ptr, counts, moments):
+    """Writes the 16 fields of a (partial) row at ``ptr`` as float64: the 8 ``counts``
+    ``(nan, inf, zero, over, min, max, min|x|, max|x|)``, then the 8 ``moments``."""
+    for i in tl.static_range(8):
+        tl.store(ptr + i, counts[i].to(tl.float64))
+    for i in tl.static_range(8):
+        tl.store(ptr + 8 + i, moments[i].to(tl.float64))
 
 
 @triton.jit
@@ -377,25 +336,11 @@ def _merge_parts(base, n_parts, GROUP: tl.constexpr):
         meang = tl.sum(ni * meani) / tl.maximum(ng, 1.0)
         dev = meani - meang
         m2g = tl.sum(_column(tile, cols, 11) * r2 + ni * dev * dev)
-        E, n, mean, m2, p1, p2, p4, p8 = _merge(
-            E,
-            n,
-            mean,
-            m2,
-            p1,
-            p2,
-            p4,
-            p8,
-            Eg,
-            ng,
-            meang,
-            m2g,
-            tl.sum(_column(tile, cols, 12) * r),
-            tl.sum(_column(tile, cols, 13) * r2),
-            tl.sum(_column(tile, cols, 14) * r4),
-            tl.sum(_column(tile, cols, 15) * (r4 * r4)),
-        )
-    return nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2, p1, p2, p4, p8
+        group = (Eg, ng, meang, m2g, tl.sum(_column(tile, cols, 12) * r))
+        group += (tl.sum(_column(tile, cols, 13) * r2), tl.sum(_column(tile, cols, 14) * r4))
+        group += (tl.sum(_column(tile, cols, 15) * (r4 * r4)),)
+        E, n, mean, m2, p1, p2, p4, p8 = _merge((E, n, mean, m2, p1, p2, p4, p8), group)
+    return (nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax), (E, n, mean, m2, p1, p2, p4, p8)
 
 
 @triton.jit
@@ -420,35 +365,13 @@ def _summarize(
     """One program's share ``[start, end)`` of a tensor whose row is at ``row``; with
     ``n_parts > 1`` programs, its partial row goes to ``part_ptr`` and the last program
     merges the ``n_parts`` rows at ``parts_ptr`` into ``row``."""
-    (nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2, p1, p2, p4, p8, hist) = (
-        _scan(ptr, start, end, lut_ptr, fmax, MODE, SUB, DMIN, NBP, BLOCK)
-    )
+    counts, moments, hist = _scan(ptr, start, end, lut_ptr, fmax, MODE, SUB, DMIN, NBP, BLOCK)
     bins = tl.arange(0, NBP)
     if n_parts == 1:
-        _store_part(
-            row, nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax, E, n, mean, m2, p1, p2, p4, p8
-        )
+        _store_part(row, counts, moments)
         tl.store(row + 17 + bins, hist.to(tl.float64), mask=bins < NBD)
     else:
-        _store_part(
-            part_ptr,
-            nan_c,
-            inf_c,
-            zero_c,
-            over_c,
-            mn,
-            mx,
-            amin,
-            amax,
-            E,
-            n,
-            mean,
-            m2,
-            p1,
-            p2,
-            p4,
-            p8,
-        )
+        _store_part(part_ptr, counts, moments)
         tl.atomic_add(
             row + 17 + bins, hist.to(tl.float64), mask=(bins < NBD) & (hist != 0), sem="relaxed"
         )  # read only by the host, after the kernel
@@ -457,43 +380,8 @@ def _summarize(
         done = tl.atomic_add(row + 16, 1.0, sem="acq_rel")
         if done == n_parts - 1:
             # the last program of the tensor (new names: a branch may not retype a value)
-            (
-                t_nan,
-                t_inf,
-                t_zero,
-                t_over,
-                t_mn,
-                t_mx,
-                t_amin,
-                t_amax,
-                t_E,
-                t_n,
-                t_mean,
-                t_m2,
-                t_p1,
-                t_p2,
-                t_p4,
-                t_p8,
-            ) = _merge_parts(parts_ptr, n_parts, GROUP)
-            _store_part(
-                row,
-                t_nan,
-                t_inf,
-                t_zero,
-                t_over,
-                t_mn,
-                t_mx,
-                t_amin,
-                t_amax,
-                t_E,
-                t_n,
-                t_mean,
-                t_m2,
-                t_p1,
-                t_p2,
-                t_p4,
-                t_p8,
-            )
+            all_counts, all_moments = _merge_parts(parts_ptr, n_parts, GROUP)
+            _store_part(row, all_counts, all_moments)
 
 
 @triton.jit(do_not_specialize=["n", "row_off"])
