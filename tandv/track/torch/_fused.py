@@ -265,16 +265,18 @@ def _scan(
         m2b = tl.sum(d * d).to(tl.float64) - nb * shift * shift
         q2 = q * q
         q4 = q2 * q2
-        block = (Eb, nb, meanb, tl.maximum(m2b, 0.0), tl.sum(q).to(tl.float64))
-        block += (tl.sum(q2).to(tl.float64), tl.sum(q4).to(tl.float64))
-        block += (tl.sum(q4 * q4).to(tl.float64),)
+        p1b = tl.sum(q).to(tl.float64)
+        p2b = tl.sum(q2).to(tl.float64)
+        p4b = tl.sum(q4).to(tl.float64)
+        p8b = tl.sum(q4 * q4).to(tl.float64)
+        block = (Eb, nb, meanb, tl.maximum(m2b, 0.0), p1b, p2b, p4b, p8b)
         E, n, mean, m2, p1, p2, p4, p8 = _merge((E, n, mean, m2, p1, p2, p4, p8), block)
 
         # exponent counts
         ex = _exponent(bits, SUB) - DMIN
         hist += tl.histogram(ex, NBP, mask=fin & ~zero)
-    counts = (nan_c, inf_c, zero_c, over_c, mn, mx)
-    counts += (amin.to(tl.float32, bitcast=True), amax.to(tl.float32, bitcast=True))
+    amin_f, amax_f = amin.to(tl.float32, bitcast=True), amax.to(tl.float32, bitcast=True)
+    counts = (nan_c, inf_c, zero_c, over_c, mn, mx, amin_f, amax_f)
     return counts, (E, n, mean, m2, p1, p2, p4, p8), hist
 
 
@@ -336,9 +338,11 @@ def _merge_parts(base, n_parts, GROUP: tl.constexpr):
         meang = tl.sum(ni * meani) / tl.maximum(ng, 1.0)
         dev = meani - meang
         m2g = tl.sum(_column(tile, cols, 11) * r2 + ni * dev * dev)
-        group = (Eg, ng, meang, m2g, tl.sum(_column(tile, cols, 12) * r))
-        group += (tl.sum(_column(tile, cols, 13) * r2), tl.sum(_column(tile, cols, 14) * r4))
-        group += (tl.sum(_column(tile, cols, 15) * (r4 * r4)),)
+        p1g = tl.sum(_column(tile, cols, 12) * r)
+        p2g = tl.sum(_column(tile, cols, 13) * r2)
+        p4g = tl.sum(_column(tile, cols, 14) * r4)
+        p8g = tl.sum(_column(tile, cols, 15) * (r4 * r4))
+        group = (Eg, ng, meang, m2g, p1g, p2g, p4g, p8g)
         E, n, mean, m2, p1, p2, p4, p8 = _merge((E, n, mean, m2, p1, p2, p4, p8), group)
     return (nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax), (E, n, mean, m2, p1, p2, p4, p8)
 
