@@ -247,6 +247,39 @@ def test_fused_kernel_merges_blocks_of_unlike_scales(dtype):
     assert_matches(x, "float8_e4m3fn", "pallas")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+def test_fused_kernel_merges_programs_and_lanes_of_unlike_scales(dtype):
+    """Several programs (chunks of chunk_size elements), each looping over many blocks whose
+    lanes keep their own moments: blocks cycling through tiny, unit and huge scales (a lane's
+    state moves to a larger scale mid-loop, then takes values far below it), a stretch where
+    |mean| >> std, specials scattered over every program (zeros, -0.0, subnormals, +-inf,
+    NaN, values at the dtype's largest finite), and a ragged end no block size divides."""
+    from tandv.stats.formats import number_format
+    from tandv.track.jax._pallas import BLOCK, chunk_size
+
+    info = ml_dtypes.finfo(dtype)
+    itemsize = np.dtype(dtype).itemsize
+    high = 32  # the dtype formats' histograms (at most 512 bins) as high x 16
+    assert number_format(np.dtype(dtype).name).num_bins < high * 16
+    n = 2 * chunk_size(10**6, itemsize, high) + 12_345
+    scales = [float(info.tiny) * 4, 1.0, float(info.max) / 8]
+    if dtype != np.float16:
+        scales += [1e-30, 1e30]
+    blocks = -(-n // BLOCK)
+    by_block = np.array(scales)[np.arange(blocks) % len(scales)]
+    x = rng.normal(size=n) * np.repeat(by_block, BLOCK)[:n]
+    x[n // 2 : n // 2 + 5000] = 100.0 + rng.normal(size=5000)
+    specials = np.array(
+        [0.0, -0.0, float(info.smallest_subnormal), -3 * float(info.smallest_subnormal),
+         np.inf, -np.inf, np.nan, float(info.max), -float(info.max)]
+    )  # fmt: skip
+    x[rng.integers(0, n, 300)] = rng.choice(specials, 300)
+    x = x.astype(dtype)
+    assert chunk_size(n, itemsize, high) < n  # several programs
+    assert_matches(x, None, "pallas")
+    assert_matches(x, "float8_e4m3fn", "pallas")
+
+
 def test_in_program_kernel_is_available_on_x86_and_arm():
     """Where the kernel is meant to serve, it must: its self-test (the custom call against the
     host kernel on specials) passing is what keeps the ffi cases above from being skipped."""
