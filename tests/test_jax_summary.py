@@ -226,8 +226,8 @@ def test_large_array_counted_in_pairs(fmt, path):
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
 def test_fused_kernel_merges_blocks_of_unlike_scales(dtype):
-    """The Pallas kernel's blocks (2048 elements) each scale their moments by their own
-    largest magnitude and merge by Chan's formula: blocks of tiny, huge and offset values,
+    """The Pallas kernel's lanes each scale their moments by their own largest magnitude
+    and merge by Chan's formula: blocks (BLOCK elements) of tiny, huge and offset values,
     a block of zeros and -0.0 only, a block of NaN only, and a ragged last block, read in
     the array's own dtype."""
     from tandv.track.jax._pallas import BLOCK

@@ -36,9 +36,9 @@ keeps the kernel within what Pallas lowers to Triton.
 Why this shape (figures from ``tests/test_jax_gpu_compile.py``: the kernel lowered for CUDA
 on a machine without a GPU and its Triton module compiled for sm_90 by the pip triton; no
 GPU has run it): one program per 2048 elements, each with 2048 x high one-hot matrices in
-float32, used every thread's 255 registers and spilled 56-3336 bytes of stack per thread,
-and its rows (a 2 KiB histogram per 8 KiB of float32 or 4 KiB of bfloat16) were 26-52% of
-the bytes it read. Chunks of many 128-element blocks, per-lane state, int8 factors and the
+float32, spilled 56-3336 bytes of stack per thread (bfloat16 and float16 at the cap of 255
+registers), and its rows (a 2 KiB histogram per 8 KiB of float32 or 4 KiB of bfloat16) were
+26-52% of the bytes it read. Chunks of many 128-element blocks, per-lane state, int8 factors and the
 low part as the product's 16 rows (one operand of 16 x 128 per warp) use 71-80 registers
 and no stack for float32, bfloat16 and float16 arrays, and the rows are 0.6-1.6% of the
 input's bytes at 1M elements and more.
