@@ -13,9 +13,10 @@ keeps, per lane of the block, in registers:
   magnitude): integer reductions are exact where float ones are not (XLA:CPU, which runs
   the kernel in interpret mode, flushes subnormals in float arithmetic);
 - moments of the lane's values times ``2**k``, ``k`` from the lane's largest magnitude so
-  far (so ``|x| * 2**k < 2`` and ``x**8`` cannot overflow): the count, mean and centred
-  second moment by Welford's update, and the power sums of ``|x|``; when a larger
-  magnitude arrives the state moves to the new scale by exact powers of two;
+  far (so ``|x| * 2**k < 2`` and ``x**8`` cannot overflow): the count, sums of the
+  differences from a shift that follows the lane's mean (and of their squares), and the
+  power sums of ``|x|``; when a larger magnitude arrives the state moves to the new scale
+  by exact powers of two;
 
 and, for the whole block, the exponent counts as the product of two one-hot matrices (the
 bin index split into a low and a high part, ``onehot(low)^T @ onehot(high)``, int8 factors
@@ -38,10 +39,11 @@ on a machine without a GPU and its Triton module compiled for sm_90 by the pip t
 GPU has run it): one program per 2048 elements, each with 2048 x high one-hot matrices in
 float32, spilled 56-3336 bytes of stack per thread (bfloat16 and float16 at the cap of 255
 registers), and its rows (a 2 KiB histogram per 8 KiB of float32 or 4 KiB of bfloat16) were
-26-52% of the bytes it read. Chunks of many 128-element blocks, per-lane state, int8 factors and the
-low part as the product's 16 rows (one operand of 16 x 128 per warp) use 71-80 registers
-and no stack for float32, bfloat16 and float16 arrays, and the rows are 0.6-1.6% of the
-input's bytes at 1M elements and more.
+26-52% of the bytes it read. Chunks of many 128-element blocks, per-lane state, int8
+factors and the low part as the product's 16 rows (one operand of 16 x 128 per warp) use
+64-79 registers and no stack for float32, bfloat16 and float16 arrays (254 for the float64
+format's histogram of 16 x 256, still no stack), and the rows are 0.6-1.6% of the input's
+bytes at 1M elements and more.
 
 On accelerators the kernel is compiled by Pallas (Triton on GPUs); on the CPU it runs with
 ``interpret=True`` (the same kernel as an XLA loop over the grid), which is how CI tests it
@@ -185,24 +187,39 @@ def _kernel(
         e = _floor_log2(jnp.maximum(mag, 1))
 
         # each lane's moments of its values times 2**k, k from its largest magnitude so far:
-        # Welford's update, the state brought to a new scale by exact powers of two
-        count, k, mean, m2, *powers = moments
-        count = count + fin.astype(jnp.int32)
+        # the sums of the values' differences from a shift c and of their squares, and the
+        # power sums of |x|. The state moves to a new scale by exact powers of two, and c
+        # to the lane's first value, then to its mean before each value by the exact move
+        # rounding allows (the residue stays in s1): s1 stays small beside the spread, and
+        # s2 - s1**2 / n does not cancel, whatever the values' offset (Welford's update
+        # loses the spread of values that vary only in their last bits, about 2% of the
+        # deviation of 1000 + N(0, 1e-3) in float32)
+        count, k, c, s1, s2, *powers = moments
         k_new = jnp.where(nonzero, jnp.minimum(k, -e), k)
         r = _pow2(k_new - k)
         xs = jnp.where(fin, _rescaled(mag, k_new), 0.0)
         xs = jnp.where(bits < 0, -xs, xs)
-        mean = mean * r
-        delta = xs - mean
-        mean = mean + jnp.where(fin, delta / jnp.maximum(count, 1).astype(jnp.float32), 0.0)
-        m2 = m2 * (r * r) + jnp.where(fin, delta * (xs - mean), 0.0)
+        c = c * r
+        s1 = s1 * r
+        s2 = s2 * (r * r)
+        n_old = count.astype(jnp.float32)
+        c_new = jnp.where(count == 0, xs, c + s1 / jnp.maximum(n_old, 1.0))
+        h = c_new - c  # exact (c_new is c or near it), or times n_old = 0
+        nh = n_old * h
+        s2 = s2 - 2.0 * h * s1 + nh * h
+        s1 = s1 - nh
+        c = c_new
+        d = jnp.where(fin, xs - c, 0.0)
+        s1 = s1 + d
+        s2 = s2 + d * d
+        count = count + fin.astype(jnp.int32)
         u = jnp.abs(xs)
         u2 = u * u
         u4 = u2 * u2
         powers = [
             s * _pow2(p * (k_new - k)) + v for p, s, v in zip(POWERS, powers, (u, u2, u4, u4 * u4))
         ]
-        moments = (count, k_new, mean, m2, *powers)
+        moments = (count, k_new, c, s1, s2, *powers)
 
         # exponent counts: bin 0 underflow, nbins - 1 overflow, nbins dropped (zeros, NaN,
         # padding); onehot(low)^T @ onehot(high): with the 16 low values as the product's
@@ -222,10 +239,10 @@ def _kernel(
     zeros = jnp.zeros((BLOCK,), jnp.int32)
     fzeros = jnp.zeros((BLOCK,), jnp.float32)
     ints0 = (zeros, zeros, zeros, zeros + _INF, zeros + _KEY_NINF, zeros + _INF, zeros)
-    moments0 = (zeros, zeros + _NO_SCALE, *([fzeros] * 6))
+    moments0 = (zeros, zeros + _NO_SCALE, *([fzeros] * 7))
     table0 = jnp.zeros((_LOW, high), jnp.int32)
     ints, moments, table = jax.lax.fori_loop(0, chunk // BLOCK, step, (ints0, moments0, table0))
-    count, k, mean, m2, *powers = moments
+    count, k, c, s1, s2, *powers = moments
     amax = jnp.max(ints[6])
     n_fin = jnp.sum(count)
     row = {
@@ -243,6 +260,9 @@ def _kernel(
     # the lanes' moments at the program's scale (its largest magnitude), by Chan's formula
     big_k = _scale(amax)
     has = count > 0
+    lane_n = jnp.maximum(count, 1).astype(jnp.float32)
+    mean = c + s1 / lane_n
+    m2 = s2 - s1 * s1 / lane_n
     r = jnp.where(has, _pow2(jnp.minimum(big_k - k, 0)), 0.0)
     means = mean * r
     mean_p = jnp.sum(count.astype(jnp.float32) * means) / jnp.maximum(n_fin, 1).astype(jnp.float32)
