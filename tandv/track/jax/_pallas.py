@@ -1,29 +1,49 @@
 """The fused summary kernel in Pallas: one read of an array for all of its summary.
 
 :func:`._summary.summarize_jax` is a dozen XLA passes over the array and a histogram (a
-scatter on the CPU, one-hot products elsewhere). This kernel reads each element once: a
-program takes :data:`BLOCK` consecutive elements and writes one small row of partials,
+scatter on the CPU, one-hot products elsewhere). This kernel reads each element once. The
+grid is one program per chunk of consecutive elements (:func:`chunk_size`: a multiple of
+:data:`BLOCK`, at least :data:`MIN_READ_PER_WRITE` times the bytes of the rows a program
+writes, otherwise enough chunks for :data:`TARGET_PROGRAMS` programs). A program loops over
+its chunk :data:`BLOCK` elements at a time (reads past the end of the array masked) and
+keeps, per lane of the block, in registers:
 
-- ``ints``: NaN, inf, zero and finite counts, and the extrema as bit patterns (the
-  order-preserving keys of the smallest and largest finite value, the bits of the smallest
-  and largest finite magnitude): integer reductions are exact where float ones are not
-  (XLA:CPU, which runs the kernel in interpret mode, flushes subnormals in float arithmetic);
-- ``hist``: the block's exponent counts, as the product of two one-hot matrices (the bin
-  index split into a high and a low part, ``onehot(high)^T @ onehot(low)``): no scatter, no
-  atomics, exact (0/1 factors, float32 accumulation of at most :data:`BLOCK` ones);
-- ``moments``: the block's scale ``k`` (its largest magnitude times ``2**k`` lies in
-  ``[1, 2)``), and, of its values times ``2**k``, the mean, the centred second moment (two
-  passes over the block in registers, with the rounding of the mean corrected) and the
-  power sums of ``|x|``.
+- NaN, inf and zero counts, and the extrema as bit patterns (the order-preserving keys of
+  the smallest and largest finite value, the bits of the smallest and largest finite
+  magnitude): integer reductions are exact where float ones are not (XLA:CPU, which runs
+  the kernel in interpret mode, flushes subnormals in float arithmetic);
+- moments of the lane's values times ``2**k``, ``k`` from the lane's largest magnitude so
+  far (so ``|x| * 2**k < 2`` and ``x**8`` cannot overflow): the count, sums of the
+  differences from a shift that follows the lane's mean (and of their squares), and the
+  power sums of ``|x|``; when a larger magnitude arrives the state moves to the new scale
+  by exact powers of two;
+
+and, for the whole block, the exponent counts as the product of two one-hot matrices (the
+bin index split into a low and a high part, ``onehot(low)^T @ onehot(high)``, int8 factors
+and int32 accumulation): no scatter, no atomics, exact. After the loop the lanes reduce to
+one row per output: ``ints`` (counts and extrema), ``hist`` (16 x high exponent counts) and
+``moments`` (the program's scale ``k`` from its largest magnitude, the lanes merged at that
+scale by Chan's formula).
 
 A small XLA epilogue merges the rows into the :class:`._summary.DeviceSummary` layout:
-counts add, extrema reduce, and the moments are brought from each block's scale to the
+counts add, extrema reduce, and the moments are brought from each program's scale to the
 array's (factors ``2**(K - k)``, exact powers of two) and merged by Chan's formula.
 
 Values are rescaled in the integer domain (``|x| = m * 2**(e - 23)`` rebuilt as
 ``float(m) * 2**(e - 23 + k)``), so subnormal inputs count exactly on any backend, and
 exponents are read without ``clz`` (subnormals: from ``float(m)``'s exponent field), which
 keeps the kernel within what Pallas lowers to Triton.
+
+Why this shape (figures from ``tests/test_jax_gpu_compile.py``: the kernel lowered for CUDA
+on a machine without a GPU and its Triton module compiled for sm_90 by the pip triton; no
+GPU has run it): one program per 2048 elements, each with 2048 x high one-hot matrices in
+float32, spilled 56-3336 bytes of stack per thread (bfloat16 and float16 at the cap of 255
+registers), and its rows (a 2 KiB histogram per 8 KiB of float32 or 4 KiB of bfloat16) were
+26-52% of the bytes it read. Chunks of many 128-element blocks, per-lane state, int8
+factors and the low part as the product's 16 rows (one operand of 16 x 128 per warp) use
+64-79 registers and no stack for float32, bfloat16 and float16 arrays (254 for the float64
+format's histogram of 16 x 256, still no stack), and the rows are 0.6-1.6% of the input's
+bytes at 1M elements and more.
 
 On accelerators the kernel is compiled by Pallas (Triton on GPUs); on the CPU it runs with
 ``interpret=True`` (the same kernel as an XLA loop over the grid), which is how CI tests it
@@ -45,10 +65,16 @@ from ...stats.formats import NumberFormat
 from ...stats.summary import POWERS, pack_parts, unpack_fields
 from ._summary import DeviceSummary
 
-__all__ = ["BLOCK", "pallas_summary", "KERNEL_DTYPES"]
+__all__ = ["BLOCK", "KERNEL_DTYPES", "chunk_size", "pallas_summary"]
 
-#: Elements per program.
-BLOCK = 2048
+#: Elements a program reads per pass of its loop (a sub-block of its chunk).
+BLOCK = 128
+#: Programs the grid aims at where the array is large enough (four per SM of an H100).
+TARGET_PROGRAMS = 4 * 132
+#: A program reads at least this many times the bytes of the rows it writes.
+MIN_READ_PER_WRITE = 64
+#: Warps per program on GPUs.
+NUM_WARPS = 4
 #: Input dtypes the kernel reads in their own type (others are widened to float32 first).
 KERNEL_DTYPES = frozenset({np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)})
 _MB, _BIAS = 23, 127  # float32 mantissa bits, exponent bias
@@ -56,8 +82,10 @@ _MASK = 0x7FFFFFFF
 _INF = 0x7F800000
 _KEY_NINF = int(np.int32(np.array(-np.inf, np.float32).view(np.int32) ^ _MASK))  # order key of -inf
 _LOW = 16  # width of the low part of a bin index
+_NO_SCALE = 2 * (_BIAS + _MB)  # a lane's scale exponent before its first non-zero value
+_ONEHOT = jnp.int8  # one-hot factors: 0 and 1 exact, products accumulate in int32
 #: The columns of a program's rows of partials (each padded to 8 by :func:`_row`): counts
-#: and extrema as integers (order keys, magnitude bits), and the block's scale exponent and
+#: and extrema as integers (order keys, magnitude bits), and the program's scale exponent and
 #: moments of its values times ``2**k``. The epilogue reads them by name.
 _INT_COLUMNS = ("nan", "inf", "zero", "finite", "key_min", "key_max", "mag_min", "mag_max")
 _MOMENT_COLUMNS = ("k", "mean", "m2", "p1", "p2", "p4", "p8")
@@ -89,6 +117,12 @@ def _pow2(j: Any) -> Any:
     return jnp.where(j < 1 - _BIAS, 0.0, _float((jnp.clip(j, 1 - _BIAS, _BIAS) + _BIAS) << _MB))
 
 
+def _scale(amax: Any) -> Any:
+    """The exponent ``k`` with ``amax * 2**k`` in ``[1, 2)`` (0 where ``amax`` is 0), of the
+    bits ``amax`` of a finite magnitude."""
+    return jnp.where(amax > 0, -_floor_log2(jnp.maximum(amax, 1)), 0)
+
+
 def _rescaled(m: Any, k: Any) -> Any:
     """``|x| * 2**k`` of the magnitude bits ``m``, built in the integer domain (normal
     numbers only, so no flush of subnormal inputs)."""
@@ -115,77 +149,148 @@ def _kernel(
     moments_ref: Any,
     *,
     n: int,
+    chunk: int,
     nbins: int,
     high: int,
     min_exponent: int,
     under_bits: int,
     over_bits: int,
 ) -> None:
-    pos = pl.program_id(0) * BLOCK + jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
-    valid = pos < n  # the last block reads past the end
-    bits = _bits(x_ref[...].astype(jnp.float32))
-    mag = bits & _MASK
-    nan = valid & (mag > _INF)
-    inf = valid & (mag == _INF)
-    fin = valid & (mag < _INF)
-    zero = fin & (mag == 0)
-    nonzero = fin & (mag != 0)
+    """One program: the ``chunk`` elements from ``program_id * chunk``, :data:`BLOCK` at a
+    time, into one row of each output (see the module docstring)."""
+    lane = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
+    base = pl.program_id(0) * chunk
+    lows = jax.lax.broadcasted_iota(jnp.int32, (_LOW, BLOCK), 0)
+    highs = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, high), 1)
 
-    def count(b: Any) -> Any:
-        return jnp.sum(jnp.where(b, 1, 0).astype(jnp.int32))
+    def step(j: Any, state: tuple[Any, ...]) -> tuple[Any, ...]:
+        (nan_n, inf_n, zero_n, key_lo, key_hi, mag_lo, mag_hi), moments, table = state
+        start = pl.multiple_of(j * BLOCK, BLOCK)
+        valid = base + start + lane < n  # the last program reads past the end: masked
+        x = plt.load(x_ref.at[pl.ds(start, BLOCK)], mask=valid, other=0)
+        bits = _bits(x.astype(jnp.float32))
+        mag = bits & _MASK
+        nan = valid & (mag > _INF)
+        inf = valid & (mag == _INF)
+        fin = valid & (mag < _INF)
+        nonzero = fin & (mag != 0)
+        key = _order_key(bits)
+        ints = (
+            nan_n + nan.astype(jnp.int32),
+            inf_n + inf.astype(jnp.int32),
+            zero_n + (fin & (mag == 0)).astype(jnp.int32),
+            jnp.minimum(key_lo, jnp.where(fin, key, _INF)),
+            jnp.maximum(key_hi, jnp.where(fin, key, _KEY_NINF)),
+            jnp.minimum(mag_lo, jnp.where(fin, mag, _INF)),
+            jnp.maximum(mag_hi, jnp.where(fin, mag, 0)),
+        )
+        e = _floor_log2(jnp.maximum(mag, 1))
 
-    n_fin = count(fin)
-    key = _order_key(bits)
-    amax = jnp.max(jnp.where(fin, mag, 0))
-    ints = {
-        "nan": count(nan),
-        "inf": count(inf),
-        "zero": count(zero),
+        # each lane's moments of its values times 2**k, k from its largest magnitude so far:
+        # the sums of the values' differences from a shift c and of their squares, and the
+        # power sums of |x|. The state moves to a new scale by exact powers of two, and c
+        # to the lane's first value, then to its mean before each value by the exact move
+        # rounding allows (the residue stays in s1): s1 stays small beside the spread, and
+        # s2 - s1**2 / n does not cancel, whatever the values' offset (Welford's update
+        # loses the spread of values that vary only in their last bits, about 2% of the
+        # deviation of 1000 + N(0, 1e-3) in float32)
+        count, k, c, s1, s2, *powers = moments
+        k_new = jnp.where(nonzero, jnp.minimum(k, -e), k)
+        r = _pow2(k_new - k)
+        xs = jnp.where(fin, _rescaled(mag, k_new), 0.0)
+        xs = jnp.where(bits < 0, -xs, xs)
+        c = c * r
+        s1 = s1 * r
+        s2 = s2 * (r * r)
+        n_old = count.astype(jnp.float32)
+        c_new = jnp.where(count == 0, xs, c + s1 / jnp.maximum(n_old, 1.0))
+        h = c_new - c  # exact (c_new is c or near it), or times n_old = 0
+        nh = n_old * h
+        s2 = s2 - 2.0 * h * s1 + nh * h
+        s1 = s1 - nh
+        c = c_new
+        d = jnp.where(fin, xs - c, 0.0)
+        s1 = s1 + d
+        s2 = s2 + d * d
+        count = count + fin.astype(jnp.int32)
+        u = jnp.abs(xs)
+        u2 = u * u
+        u4 = u2 * u2
+        powers = [
+            s * _pow2(p * (k_new - k)) + v for p, s, v in zip(POWERS, powers, (u, u2, u4, u4 * u4))
+        ]
+        moments = (count, k_new, c, s1, s2, *powers)
+
+        # exponent counts: bin 0 underflow, nbins - 1 overflow, nbins dropped (zeros, NaN,
+        # padding); onehot(low)^T @ onehot(high): with the 16 low values as the product's
+        # rows, each warp holds one 16 x BLOCK operand (with the high part as rows, one per
+        # 16 of them: the float64 format's 256 spilled)
+        over = valid & ~nan & ((mag > over_bits) | inf)
+        under = nonzero & ~over & (mag < under_bits)
+        idx = jnp.clip(e - min_exponent + 1, 1, nbins - 2)
+        idx = jnp.where(under, 0, idx)
+        idx = jnp.where(over, nbins - 1, idx)
+        idx = jnp.where(nonzero | over, idx, nbins)
+        lo_t = ((idx % _LOW)[None, :] == lows).astype(_ONEHOT)
+        hi = ((idx // _LOW)[:, None] == highs).astype(_ONEHOT)
+        table = table + jnp.dot(lo_t, hi, preferred_element_type=jnp.int32)
+        return ints, moments, table
+
+    zeros = jnp.zeros((BLOCK,), jnp.int32)
+    fzeros = jnp.zeros((BLOCK,), jnp.float32)
+    ints0 = (zeros, zeros, zeros, zeros + _INF, zeros + _KEY_NINF, zeros + _INF, zeros)
+    moments0 = (zeros, zeros + _NO_SCALE, *([fzeros] * 7))
+    table0 = jnp.zeros((_LOW, high), jnp.int32)
+    ints, moments, table = jax.lax.fori_loop(0, chunk // BLOCK, step, (ints0, moments0, table0))
+    count, k, c, s1, s2, *powers = moments
+    amax = jnp.max(ints[6])
+    n_fin = jnp.sum(count)
+    row = {
+        "nan": jnp.sum(ints[0]),
+        "inf": jnp.sum(ints[1]),
+        "zero": jnp.sum(ints[2]),
         "finite": n_fin,
-        "key_min": jnp.min(jnp.where(fin, key, _INF)),
-        "key_max": jnp.max(jnp.where(fin, key, _KEY_NINF)),
-        "mag_min": jnp.min(jnp.where(fin, mag, _INF)),
+        "key_min": jnp.min(ints[3]),
+        "key_max": jnp.max(ints[4]),
+        "mag_min": jnp.min(ints[5]),
         "mag_max": amax,
     }
-    ints_ref[...] = _row([ints[c] for c in _INT_COLUMNS], jnp.int32)
+    ints_ref[...] = _row([row[c] for c in _INT_COLUMNS], jnp.int32)
 
-    # moments of x * 2**k, |x| * 2**k < 2 for every value of the block
-    k = jnp.where(amax > 0, -_floor_log2(jnp.maximum(amax, 1)), 0)
-    xs = jnp.where(fin, _rescaled(mag, k), 0.0)
-    xs = jnp.where(bits < 0, -xs, xs)
-    nf = jnp.maximum(n_fin, 1).astype(jnp.float32)
-    mean = jnp.sum(xs) / nf
-    d = jnp.where(fin, xs - mean, 0.0)
-    u = jnp.abs(xs)
-    u2 = u * u
-    u4 = u2 * u2
-    moments = {
-        "k": k,
-        "mean": mean,
-        "m2": jnp.sum(d * d) - jnp.sum(d) ** 2 / nf,
-        "p1": jnp.sum(u),
-        "p2": jnp.sum(u2),
-        "p4": jnp.sum(u4),
-        "p8": jnp.sum(u4 * u4),
+    # the lanes' moments at the program's scale (its largest magnitude), by Chan's formula
+    big_k = _scale(amax)
+    has = count > 0
+    lane_n = jnp.maximum(count, 1).astype(jnp.float32)
+    mean = c + s1 / lane_n
+    m2 = s2 - s1 * s1 / lane_n
+    r = jnp.where(has, _pow2(jnp.minimum(big_k - k, 0)), 0.0)
+    means = mean * r
+    mean_p = jnp.sum(count.astype(jnp.float32) * means) / jnp.maximum(n_fin, 1).astype(jnp.float32)
+    dev = jnp.where(has, means - mean_p, 0.0)
+    out = {
+        "k": big_k,
+        "mean": mean_p,
+        "m2": jnp.sum(m2 * (r * r)) + jnp.sum(count.astype(jnp.float32) * dev * dev),
+        **{
+            f"p{p}": jnp.sum(jnp.where(has, s * _pow2(jnp.minimum(p * (big_k - k), 0)), 0.0))
+            for p, s in zip(POWERS, powers)
+        },
     }
-    moments_ref[...] = _row([moments[c] for c in _MOMENT_COLUMNS], jnp.float32)
+    moments_ref[...] = _row([out[c] for c in _MOMENT_COLUMNS], jnp.float32)
+    hist_ref[...] = table
 
-    # exponent counts: bin 0 underflow, nbins - 1 overflow, nbins dropped (zeros, NaN, padding)
-    over = valid & ~nan & ((mag > over_bits) | inf)
-    under = nonzero & ~over & (mag < under_bits)
-    idx = jnp.clip(_floor_log2(jnp.maximum(mag, 1)) - min_exponent + 1, 1, nbins - 2)
-    idx = jnp.where(under, 0, idx)
-    idx = jnp.where(over, nbins - 1, idx)
-    idx = jnp.where(nonzero | over, idx, nbins)
-    hi = (idx // _LOW)[:, None] == jax.lax.broadcasted_iota(jnp.int32, (BLOCK, high), 1)
-    lo = (idx % _LOW)[:, None] == jax.lax.broadcasted_iota(jnp.int32, (BLOCK, _LOW), 1)
-    table = jax.lax.dot_general(
-        hi.astype(jnp.float32),
-        lo.astype(jnp.float32),
-        (((0,), (0,)), ((), ())),
-        preferred_element_type=jnp.float32,
-    )  # onehot(high)^T @ onehot(low)
-    hist_ref[...] = table.astype(jnp.int32)
+
+def chunk_size(n: int, itemsize: int, high: int) -> int:
+    """Elements per program for an array of ``n`` elements of ``itemsize`` bytes and a
+    histogram of ``high`` x 16 counts: a multiple of :data:`BLOCK`, large enough that a
+    program reads :data:`MIN_READ_PER_WRITE` times the bytes of the rows it writes (the
+    epilogue reads them back: traffic beside the one read of the array), and otherwise
+    small enough for :data:`TARGET_PROGRAMS` programs; one program for a small array."""
+    row_bytes = 4 * (8 + high * _LOW + 8)
+    floor = -(-MIN_READ_PER_WRITE * row_bytes // itemsize)
+    spread = -(-n // TARGET_PROGRAMS)
+    chunk = min(max(floor, spread), max(n, 1))
+    return -(-chunk // BLOCK) * BLOCK
 
 
 def _bits_of(value: float) -> int:
@@ -203,10 +308,12 @@ def _summary(x: Any, fmt: NumberFormat, num_counts: int, interpret: bool) -> tup
     if np.dtype(flat.dtype) not in KERNEL_DTYPES:
         flat = flat.astype(jnp.float32)
     n = flat.shape[0]
-    blocks = max(1, -(-n // BLOCK))
+    chunk = chunk_size(n, flat.dtype.itemsize, high)
+    programs = max(1, -(-n // chunk))
     kernel = partial(
         _kernel,
         n=n,
+        chunk=chunk,
         nbins=nbins,
         high=high,
         min_exponent=fmt.min_exponent,
@@ -215,26 +322,26 @@ def _summary(x: Any, fmt: NumberFormat, num_counts: int, interpret: bool) -> tup
     )
     ints, hist, moments = pl.pallas_call(
         kernel,
-        grid=(blocks,),
-        in_specs=[pl.BlockSpec((BLOCK,), lambda i: (i,))],
+        grid=(programs,),
+        in_specs=[pl.BlockSpec((chunk,), lambda i: (i,))],
         out_specs=[
             pl.BlockSpec((None, 8), lambda i: (i, 0)),
-            pl.BlockSpec((None, high, _LOW), lambda i: (i, 0, 0)),
+            pl.BlockSpec((None, _LOW, high), lambda i: (i, 0, 0)),
             pl.BlockSpec((None, 8), lambda i: (i, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((blocks, 8), jnp.int32),
-            jax.ShapeDtypeStruct((blocks, high, _LOW), jnp.int32),
-            jax.ShapeDtypeStruct((blocks, 8), jnp.float32),
+            jax.ShapeDtypeStruct((programs, 8), jnp.int32),
+            jax.ShapeDtypeStruct((programs, _LOW, high), jnp.int32),
+            jax.ShapeDtypeStruct((programs, 8), jnp.float32),
         ],
         interpret=interpret,
-        compiler_params=None if interpret else plt.CompilerParams(num_warps=8),
+        compiler_params=None if interpret else plt.CompilerParams(num_warps=NUM_WARPS),
     )(flat if n else jnp.zeros(1, flat.dtype))
     return _merge_blocks(ints, hist, moments, n, nbins)
 
 
 def _merge_blocks(ints: Any, hist: Any, moments: Any, n: int, nbins: int) -> tuple[Any, Any]:
-    """The summary's counts and values from the per-block rows (XLA, small arrays)."""
+    """The summary's counts and values from the per-program rows (XLA, small arrays)."""
     col = unpack_fields(ints, _INT_COLUMNS)
     mom = unpack_fields(moments, _MOMENT_COLUMNS)
     n_nan, n_inf, n_zero, n_fin = (jnp.sum(col[c]) for c in ("nan", "inf", "zero", "finite"))
@@ -255,7 +362,7 @@ def _merge_blocks(ints: Any, hist: Any, moments: Any, n: int, nbins: int) -> tup
     dev = jnp.where(col["finite"] > 0, means - mean_k, 0.0)
     m2 = (jnp.sum(mom["m2"] * r * r) + jnp.sum(nb * dev * dev)) / (s_scaled * s_scaled)
     powers = [jnp.sum(mom[f"p{p}"] * r**p) / s_scaled**p for p in POWERS]
-    bins = jnp.sum(hist, axis=0).reshape(-1)[:nbins]
+    bins = jnp.sum(hist, axis=0).T.reshape(-1)[:nbins]
     core = {
         "numel": jnp.asarray(n, jnp.int32),
         "nan_count": n_nan,
