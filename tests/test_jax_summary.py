@@ -296,19 +296,3 @@ def test_in_program_kernel_is_available_on_x86_and_arm():
     host kernel on specials) passing is what keeps the ffi cases above from being skipped."""
     if _ffi.SUPPORTED:
         assert _ffi.available()
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_fused_kernel_lowers_to_triton_for_cuda(dtype):
-    """The kernel the CPU tests interpret is the one CUDA GPUs compile: lowered for CUDA (no GPU
-    needed), it becomes one Triton custom call (no CUDA device here to run it)."""
-    from tandv.track.jax._pallas import pallas_summary
-
-    layout = Layout("float32")
-    fn = jax.jit(lambda a: pallas_summary(a, layout.format, layout.num_counts, interpret=False))
-    text = (
-        fn.trace(jax.ShapeDtypeStruct((100_000,), dtype))
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
-    )
-    assert text.count("xla.gpu.triton") == 1
