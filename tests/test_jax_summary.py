@@ -296,3 +296,46 @@ def test_in_program_kernel_is_available_on_x86_and_arm():
     host kernel on specials) passing is what keeps the ffi cases above from being skipped."""
     if _ffi.SUPPORTED:
         assert _ffi.available()
+
+
+def _lower(fn, n: int, platform: str) -> None:
+    """Traces and lowers ``fn`` of an abstract ``(n,)`` bfloat16 array (nothing allocated)."""
+    jax.jit(fn).trace(jax.ShapeDtypeStruct((n,), jnp.bfloat16)).lower(
+        lowering_platforms=(platform,)
+    )
+
+
+@pytest.mark.parametrize("path", ["xla", "pallas", "ffi"])
+def test_arrays_beyond_int32_counts_are_refused_when_traced(path):
+    """An on-device summary counts in int32: an array of 2**31 elements would wrap its counts
+    (the XLA path silently, the kernel with an OverflowError from deep inside Pallas). It is
+    refused when the program is traced, naming its size and the way out; 2**31 - 1 lowers."""
+    from tandv.track.jax._pallas import pallas_summary
+    from tandv.track.jax._summary import MAX_ELEMENTS
+
+    layout = Layout("float32")
+    if path == "xla":
+        fn, platform = (lambda a: summarize_jax(a, layout)), "cuda"
+    elif path == "pallas":
+        fn, platform = (
+            (lambda a: pallas_summary(a, layout.format, layout.num_counts, interpret=False)),
+            "cuda",
+        )
+    else:
+        if not _ffi.available():
+            pytest.skip("no in-program host kernel on this machine")
+        fn, platform = (lambda a: _ffi.ffi_summary(a, layout.format, layout.num_counts)), "cpu"
+    assert MAX_ELEMENTS == np.iinfo(np.int32).max
+    with pytest.raises(ValueError, match=r"has 2,147,483,648 elements.*exclude="):
+        _lower(fn, 2**31, platform)
+    _lower(fn, 2**31 - 1, platform)
+
+
+def test_a_tap_beyond_int32_counts_names_its_module():
+    """A module output too large to count names the module, so that the user can exclude it."""
+    from tandv.track.jax._delivery import Probe
+
+    layout = Layout("float32")
+    probe = Probe(0, "lm_head", "Dense", True, True, lambda a: summarize_jax(a, layout))
+    with pytest.raises(ValueError, match=r"module 'lm_head'.*2,147,483,648 elements"):
+        jax.eval_shape(lambda a: probe.summary(a)[1], jax.ShapeDtypeStruct((2**31,), jnp.float32))

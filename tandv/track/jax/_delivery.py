@@ -28,7 +28,7 @@ import jax
 from . import _intercept
 from ._scope import manual_keep, unbatched
 from ._sink import Report, sink_of
-from ._summary import DeviceSummary
+from ._summary import DeviceSummary, check_countable
 
 __all__ = ["Probe", "is_traced"]
 
@@ -57,6 +57,7 @@ class Probe:
         ``whole_batch=False``: the summary of ``x`` as the current trace sees it (one per
         example under vmap), for host callbacks, which vmap calls once per example."""
         with unbatched(x) if whole_batch else contextlib.nullcontext(x) as whole:
+            check_countable(whole, f"the output or its cotangent of module {self.name!r}")
             return whole.dtype, self.summarize(whole), manual_keep(whole) if self.manual else None
 
     def report(self, tensor_type: str, x: Any, arena: Any = None, remat: bool = False) -> None:

@@ -45,7 +45,7 @@ from numba.extending import intrinsic
 from ...stats.formats import NumberFormat
 from ...stats.host import serial_tables, split_serial, summary_serial
 from ...stats.summary import N_CORE_VALUES, N_LEADING_COUNTS
-from ._summary import DeviceSummary
+from ._summary import DeviceSummary, check_countable
 
 __all__ = ["available", "ffi_summary", "TARGET", "SUPPORTED"]
 
@@ -277,6 +277,7 @@ def ffi_summary(x: Any, fmt: NumberFormat, num_counts: int) -> DeviceSummary:
     by the host kernel inside the XLA:CPU program (traceable; CPU only). Its ``values`` hold
     the core fields only: the caller appends custom statistics. Call only where
     :func:`available` said True."""
+    check_countable(x)
     field_bin, sub_bin, params = _tables(fmt)
     call = jax.ffi.ffi_call(
         TARGET,

@@ -63,7 +63,7 @@ from jax.experimental.pallas import triton as plt
 
 from ...stats.formats import NumberFormat
 from ...stats.summary import POWERS, pack_parts, unpack_fields
-from ._summary import DeviceSummary
+from ._summary import DeviceSummary, check_countable
 
 __all__ = ["BLOCK", "KERNEL_DTYPES", "chunk_size", "pallas_summary"]
 
@@ -166,7 +166,9 @@ def _kernel(
     def step(j: Any, state: tuple[Any, ...]) -> tuple[Any, ...]:
         (nan_n, inf_n, zero_n, key_lo, key_hi, mag_lo, mag_hi), moments, table = state
         start = pl.multiple_of(j * BLOCK, BLOCK)
-        valid = base + start + lane < n  # the last program reads past the end: masked
+        # the last program reads past the end: masked (compared as offsets into the
+        # chunk, which stay in int32 where base + start + lane would not near 2**31)
+        valid = start + lane < n - base
         x = plt.load(x_ref.at[pl.ds(start, BLOCK)], mask=valid, other=0)
         bits = _bits(x.astype(jnp.float32))
         mag = bits & _MASK
@@ -387,6 +389,7 @@ def pallas_summary(
     ``tandv.stats.summarize(x, fmt)`` (counts, extrema and exponent counts exactly, moments
     to float32 rounding). Its ``values`` hold the core fields only: the caller appends
     custom statistics. ``interpret``: run Pallas's interpreter (default: on the CPU)."""
+    check_countable(x)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     return DeviceSummary(*_summary(x, fmt, num_counts, interpret))

@@ -42,6 +42,8 @@ __all__ = [
     "CustomStat",
     "histogram_by_matmul",
     "merge_jax",
+    "MAX_ELEMENTS",
+    "check_countable",
 ]
 
 #: A custom statistic: a traceable function of the array returning a scalar.
@@ -88,6 +90,23 @@ def _bits_for(dtype: Any) -> _Bits:
     # (bfloat16, float16, float8_*, float32, ints) is widened to float32, which holds
     # each of their values exactly.
     return _F64 if jnp.dtype(dtype) == jnp.float64 else _F32
+
+
+#: The most elements one on-device summary covers: its counts are int32 (JAX runs without
+#: 64-bit integers unless ``jax_enable_x64`` is set), and a larger array's would wrap.
+MAX_ELEMENTS = 2**31 - 1
+
+
+def check_countable(x: Any, what: str = "an array") -> None:
+    """Raises ``ValueError`` (at trace time: shapes are static) when ``x`` has more elements
+    than an on-device summary can count, instead of summaries with wrapped counts."""
+    if x.size > MAX_ELEMENTS:
+        raise ValueError(
+            f"tandv: {what} of shape {tuple(x.shape)} ({x.dtype}) has {x.size:,} elements; "
+            f"a summary computed on the device counts at most 2**31 - 1 = {MAX_ELEMENTS:,} "
+            "(int32 counts). Leave it out of tracking with track(..., exclude=<a regex "
+            "matching its name>), or summarize it in parts of fewer elements."
+        )
 
 
 #: Elements per row: arrays are reduced as rows of this many elements (NaN-padded), first
@@ -141,6 +160,7 @@ def summarize_many_jax(
         raise ValueError("summarize_many_jax: arrays must share one compute dtype (float64 or not)")
     parts, row_seg, pads = [], [], []
     for i, a in enumerate(arrays):
+        check_countable(a)
         rows = max(1, -(-a.size // ROW))
         pad = rows * ROW - a.size
         parts.append(a.reshape(-1).astype(fb.float_dtype))
