@@ -785,3 +785,47 @@ def test_cpu_arrays_go_to_the_host_kernel():
     assert jax_tracker_module._in_host_memory(jnp.ones(3, jnp.bfloat16))
     assert not jax_tracker_module._in_host_memory(np.ones(3, np.float32))  # not a JAX array
     assert not jax_tracker_module._in_host_memory(jnp.ones(3, jnp.int32))
+
+
+def test_host_kernel_reads_step_arrays_before_a_donating_update_can_reuse_them(tmp_path):
+    """On the CPU the host kernel summarizes the arrays given to ``step`` in a background
+    thread while the next update runs. An update that donates its inputs must not change what
+    it reads: every Weight row equals the reference of the parameters as they were passed."""
+    import jax
+
+    rng = np.random.default_rng(3)
+    params = {"w": jnp.asarray(rng.normal(size=(300, 700)), jnp.float32)}  # read in place
+    update = jax.jit(
+        lambda p: jax.tree_util.tree_map(lambda x: x * -1.5 + 0.25, p), donate_argnums=0
+    )
+    seen = []
+    with track(
+        params, track_gradients=False, track_activations=False, out=tmp_path / "log", verbose=False
+    ) as tracker:
+        for _ in range(4):
+            seen.append(np.array(params["w"]))
+            params = update(params)
+            tracker.step(params)
+    df = read_log(tmp_path / "log")
+    for k, w in enumerate(seen):
+        assert_row_matches(df, "w", "Weight", k, w)
+
+
+def test_a_failure_of_the_background_host_kernel_is_raised(tmp_path, monkeypatch):
+    """An error of the host kernel's background thread reaches the caller (at the latest when
+    the tracker closes), not a log with rows missing."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("host kernel broke")
+
+    monkeypatch.setattr(jax_tracker_module, "host_summaries", broken)
+    params = {"w": jnp.ones((64, 64))}
+    with pytest.raises(RuntimeError, match="host kernel broke"):
+        with track(
+            params,
+            track_gradients=False,
+            track_activations=False,
+            out=tmp_path / "log",
+            verbose=False,
+        ) as tracker:
+            tracker.step({"w": params["w"] * 2})

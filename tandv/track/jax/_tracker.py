@@ -7,6 +7,7 @@ import itertools
 import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
@@ -40,7 +41,7 @@ from ._summary import (
     with_custom,
 )
 from ._taps import tap
-from ._transfer import Mail, ShardRows, StackRow, send, shard_plan, to_host
+from ._transfer import HostRow, Mail, ShardRows, StackRow, send, shard_plan, to_host
 from ._trees import (
     Leaf,
     collection_leaves,
@@ -75,6 +76,9 @@ FUSED_SIZE = 1 << 16
 #: Threads the host kernel uses. One: with two, the kernel ran faster but its threads kept a
 #: core busy into the next XLA update, and tracked steps took longer (track/jax/DESIGN.md).
 _HOST_THREADS = 1
+#: The thread that runs the host kernel on step-time arrays while the caller's next update
+#: runs (one for every tracker: the kernel's launches go one at a time anyway).
+_HOST_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandv-host-kernel")
 
 
 def _in_host_memory(x: Any, placements: dict[int, bool] | None = None) -> bool:
@@ -452,11 +456,12 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             for dtype, idx in self._groups(arrays):
                 idx = [i for i in idx if _in_host_memory(arrays[i], placements)]
                 if idx:
-                    vectors = host_summaries(
-                        [np.asarray(arrays[i]) for i in idx], self._layout(dtype), _HOST_THREADS
+                    views = [np.asarray(arrays[i]) for i in idx]
+                    future = _HOST_WORKER.submit(
+                        host_summaries, views, self._layout(dtype), _HOST_THREADS
                     )
-                    for i, v in zip(idx, vectors):
-                        rows[i] = v
+                    for r, i in enumerate(idx):
+                        rows[i] = HostRow(future, r)
         rest = [i for i, r in enumerate(rows) if r is None]
         if rest:
             device = [arrays[i] for i in rest]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import jax
@@ -24,7 +25,24 @@ from . import _distributed
 from ._mailbox import MailRead
 from ._summary import DeviceSummary, to_vector
 
-__all__ = ["StackRow", "ShardRows", "Mail", "Transfer", "shard_plan", "send", "to_host"]
+__all__ = [
+    "HostRow",
+    "StackRow",
+    "ShardRows",
+    "Mail",
+    "Transfer",
+    "shard_plan",
+    "send",
+    "to_host",
+]
+
+
+class HostRow(NamedTuple):
+    """Row ``row`` of the summary vectors the host kernel computes in the background
+    (``future`` of :func:`tandv.stats.host.host_summaries`)."""
+
+    future: Future[np.ndarray]
+    row: int
 
 
 class StackRow(NamedTuple):
@@ -155,6 +173,9 @@ def to_host(summaries: list[Any], stacks: dict[int, tuple[Transfer, int]]) -> li
     for s in summaries:
         if isinstance(s, np.ndarray):
             out.append(s)
+            continue
+        if isinstance(s, HostRow):
+            out.append(s.future.result()[s.row])
             continue
         if isinstance(s, _distributed.LocalParts):  # this process's shards of a global array
             out.append(merge_all(to_host(list(s.parts), stacks), s.layout))
