@@ -71,6 +71,32 @@ def lightning(out: Path) -> tuple[int, dict[str, Any]]:
     return trainer.global_rank, spy.seen
 
 
+def tiny_gpt2(out: Path, steps: int, **arguments: Any) -> tuple[Any, list[dict[str, Any]], Any]:
+    """A one-layer GPT-2 of width 16, its 16 training sequences of 8 tokens and the
+    Trainer's arguments for ``steps`` updates on the CPU without logging, saving or progress
+    bars (``arguments``: more TrainingArguments); shared with tests/test_integrations.py."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2)
+    g = torch.Generator().manual_seed(2)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 32, (16, 8), generator=g)]
+    args = transformers.TrainingArguments(
+        output_dir=str(out / "hf"),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        logging_strategy="no",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **arguments,
+    )
+    return transformers.GPT2LMHeadModel(cfg), data, args
+
+
 def hf(out: Path) -> tuple[int, dict[str, Any]]:
     import transformers
 
@@ -84,28 +110,10 @@ def hf(out: Path) -> tuple[int, dict[str, Any]]:
             model = kw["model"]
             self.seen["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
 
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2)
-    g = torch.Generator().manual_seed(2)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 32, (16, 8), generator=g)]
-    args = transformers.TrainingArguments(
-        output_dir=str(out / "hf"),
-        max_steps=STEPS,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        report_to=[],
-        use_cpu=True,
-        logging_strategy="no",
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        ddp_backend="gloo",
-    )
+    model, data, args = tiny_gpt2(out, STEPS, ddp_backend="gloo")
     spy = Spy()
     cb = TandvCallback(out=out / "log", verbose=False, distributed=True)
-    trainer = transformers.Trainer(
-        model=transformers.GPT2LMHeadModel(cfg), args=args, train_dataset=data, callbacks=[cb, spy]
-    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb, spy])
     trainer.train()
     return args.process_index, spy.seen
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _integration_worker import tiny_gpt2
 from torch import nn
 
 from tandv.schema import read_log
@@ -118,24 +119,7 @@ def test_hf_trainer_callback_with_accumulation_and_accelerate(tmp_path):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             self.grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
 
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2)
-    model = transformers.GPT2LMHeadModel(cfg)
-    g = torch.Generator().manual_seed(2)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 32, (16, 8), generator=g)]
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"),
-        max_steps=3,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        learning_rate=1e-3,
-        report_to=[],
-        use_cpu=True,
-        logging_strategy="no",
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+    model, data, args = tiny_gpt2(tmp_path, 3, gradient_accumulation_steps=2)
     cb, spy = TandvCallback(out=tmp_path / "log", verbose=False), Spy()
     transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb, spy]).train()
     df = read_log(cb.out_path)
