@@ -400,3 +400,29 @@ def test_tracked_step_lowers_for_cuda_without_host_callbacks(tmp_path, monkeypat
     # the wide layer's output and its cotangent (the only arrays over FUSED_SIZE)
     assert custom_calls(step).count("__gpu$xla.gpu.triton") == 2
     assert custom_calls(summaries).count("__gpu$xla.gpu.triton") == 1  # the wide kernel
+
+
+def test_a_loop_merge_beyond_int32_counts_is_refused_not_wrapped():
+    """A loop body's mailbox merges every iteration's summary; their int32 counts cannot hold
+    more than 2**31 - 1 elements. merge_jax marks such a union (numel -1, kept by later
+    merges) and to_vector refuses it, naming the row; up to the limit the counts are exact."""
+    from tandv.stats.summary import COUNT_INDEX
+    from tandv.track.jax._summary import MAX_ELEMENTS, summarize_jax
+
+    numel = COUNT_INDEX["numel"]
+    part = summarize_jax(jnp.linspace(-3.0, 3.0, 1000), Layout("float32"))
+
+    def claiming(n: int) -> DeviceSummary:  # the part, as if it had n elements
+        return DeviceSummary(part.counts.at[numel].set(n), part.values)
+
+    merge_fn = jax.jit(merge_jax)
+    exact = merge_fn(claiming(2**30), claiming(2**30 - 1))
+    assert int(exact.counts[numel]) == MAX_ELEMENTS
+    wrapped = merge_fn(claiming(2**30), claiming(2**30))
+    assert int(wrapped.counts[numel]) == -1
+    for more in (part, wrapped):
+        assert int(merge_fn(wrapped, more).counts[numel]) == -1
+        assert int(merge_fn(more, wrapped).counts[numel]) == -1
+    with pytest.raises(ValueError, match=r"Activation row of module 'blocks'.*exclude="):
+        to_vector(jax.device_get(wrapped), "the Activation row of module 'blocks'")
+    to_vector(jax.device_get(exact))  # at the limit: accepted

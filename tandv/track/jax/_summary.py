@@ -413,6 +413,11 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
     va, vb = a.values, b.values
     counts = ca + cb
     numel, nan, inf = COUNT_INDEX["numel"], COUNT_INDEX["nan_count"], COUNT_INDEX["inf_count"]
+    # The counts are int32: a union of more than MAX_ELEMENTS elements (a loop's iterations
+    # together) would wrap them. Its numel becomes -1, stays -1 through later merges, and
+    # to_vector refuses it (every other count is at most numel, so numel alone can tell).
+    too_many = (ca[numel] < 0) | (cb[numel] < 0) | (ca[numel] > MAX_ELEMENTS - cb[numel])
+    counts = counts.at[numel].set(jnp.where(too_many, -1, counts[numel]))
     na = (ca[numel] - ca[nan] - ca[inf]).astype(va.dtype)
     nb = (cb[numel] - cb[nan] - cb[inf]).astype(va.dtype)
     n = na + nb
@@ -498,8 +503,19 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
     return DeviceSummary(counts, values.astype(va.dtype))
 
 
-def to_vector(summary: DeviceSummary) -> np.ndarray:
-    """The float64 summary vector (layout order) of a summary fetched to the host."""
+def to_vector(summary: DeviceSummary, what: str = "a summary") -> np.ndarray:
+    """The float64 summary vector (layout order) of a summary fetched to the host.
+
+    Raises:
+        ValueError: where :func:`merge_jax` marked it as covering more elements than its
+            int32 counts hold (``what`` names it in the message).
+    """
+    if int(np.asarray(summary.counts)[COUNT_INDEX["numel"]]) < 0:
+        raise ValueError(
+            f"tandv: {what} merges more than 2**31 - 1 = {MAX_ELEMENTS:,} elements (the "
+            "iterations of a loop body together), more than its int32 counts hold. Leave "
+            "it out of tracking with track(..., exclude=<a regex matching its name>)."
+        )
     counts = np.asarray(summary.counts, dtype=np.float64)
     values = np.asarray(summary.values, dtype=np.float64)
     return join_summary(counts, values, np)

@@ -189,10 +189,13 @@ def to_host(summaries: list[Any], stacks: dict[int, tuple[Transfer, int]]) -> li
                 )
             )
             continue
+        what = "a summary"
         if isinstance(s, StackRow):
             transfer, i = stacks[id(s.stack)]
             s = DeviceSummary(transfer.get(i)[s.row], transfer.get(i + 1)[s.row])
         elif isinstance(s, Mail):
+            box = s.read.boxes[s.box]
+            what = f"the {box.reports[s.report][0]} row of module {box.name!r}"
             s = s.summary()
-        out.append(to_vector(s))
+        out.append(to_vector(s, what))
     return out
