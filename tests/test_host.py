@@ -53,8 +53,16 @@ def mixed_arrays():
     big[::1001] = 0.0
     big[5::3001] = 2e-41  # subnormals in several chunks
     big[7::50_000] = np.nan
+    # finite only (each chunk takes the pass without inf/NaN selects): zeros, -0.0,
+    # subnormals, magnitudes above the float8 formats' largest and near float32's
+    finite = (rng.standard_normal(host._CHUNK * 2 + 5) * 300).astype(np.float32)
+    finite[::777] = 0.0
+    finite[3::999] = -0.0
+    finite[11::1333] = -3e-40
+    finite[17::2000] = 3e38
     return [
         big,
+        finite,
         specials,
         rng.standard_normal(host._SMALL + 1).astype(np.float32),  # read in place
         np.zeros(5, np.float32),
