@@ -10,7 +10,9 @@ all three alike, and reports each tracked variant's median block time over the u
 It prints the ratio of medians for every=1 and every=10, and per tracked step of the every=1
 tracker: host callbacks (tap reports delivered by callback: none expected, loops included;
 only shard_map/pmap bodies still report so), compilations after warm-up (none expected) and
-device-to-host transfers (one expected).
+device-to-host transfers (one expected); and the host time until the update call returns,
+untracked and intercepted (on accelerators the dispatch: the instrumented program takes the
+mailbox arena, a ``jax.Ref``, which sends its calls through JAX's Python dispatch path).
 
 On a GPU (jax with CUDA, flax, optax, numba, pandas, pyarrow, ml_dtypes installed), from a
 checkout:
@@ -164,15 +166,20 @@ def main() -> None:
         variants = {"untracked": None, "every=1": t1, "every=10": t10}
         carry = {name: (params, state) for name in variants}
 
+        calls: dict[str, list[float]] = {name: [] for name in variants}
+
         def block(name: str) -> float:
             tracker = variants[name]
             p, s = carry[name]
             start = time.perf_counter()
             for _ in range(args.block):
+                called = time.perf_counter()
                 if tracker is None:
                     p, s, g = update(p, s, x, y)
+                    calls[name].append(time.perf_counter() - called)
                 else:
                     p, s, g = tracker.intercept(update, p, s, x, y)
+                    calls[name].append(time.perf_counter() - called)
                     tracker.step(p, s, g)
             jax.block_until_ready(p)
             carry[name] = (p, s)
@@ -180,6 +187,7 @@ def main() -> None:
 
         for name in variants:  # warm-up: compile every version
             block(name)
+            calls[name].clear()
         counters = Counters()
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.rounds):
@@ -208,6 +216,11 @@ def main() -> None:
         f"{counters.compiles / tracked_steps:.2f} compilations and "
         f"{counters.transfers / tracked_steps:.2f} device-to-host transfers per tracked step "
         f"(after warm-up); summaries: {args.summary}"
+    )
+    print(
+        "  host time until the update call returns (median; on accelerators the dispatch, "
+        f"on the CPU partly the run): untracked {1e3 * statistics.median(calls['untracked']):.3f}"
+        f" ms, every=1 intercept {1e3 * statistics.median(calls['every=1']):.3f} ms"
     )
     if positions:
         tracked, untracked = positions
