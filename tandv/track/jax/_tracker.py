@@ -278,7 +278,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         self._on_cpu = False
         self._one_device = True  # whether the intercepted update runs on one device
         self._intercepted = False  # whether intercept() ran in the current step
-        self._next_weights: list[tuple[Leaf, Any, StackRow | np.ndarray]] = []
+        self._next_weights: list[tuple[Leaf, Any, Any]] = []
         self._nnx_tagged: list[Any] = []
         # one process of several (jax.distributed): global arrays are summarized by their
         # shards here, and the steps merged over the processes (see ``_distributed``)
@@ -434,13 +434,15 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             )
         return out
 
-    def _summarize_arrays(self, arrays: list[jax.Array]) -> list[StackRow | np.ndarray]:
-        """Summaries of ``arrays``: one handle per array.
+    def _summarize_arrays(self, arrays: list[jax.Array]) -> list[Any]:
+        """Summaries of ``arrays``: one handle per array (see ``_transfer``).
 
         Arrays in CPU memory (of at most float32 precision, without custom statistics) are
-        summarized at once by the host kernel, reading the arrays' own buffers: finished
-        vectors. The others start on device, in one jitted call: stack rows that
-        :func:`_to_host` fetches at the end of the step."""
+        summarized by the host kernel on its background thread, reading the arrays' own
+        buffers (viewed here, so that the caller's next update cannot reuse them):
+        :class:`HostRow` handles. The others start on device, in one jitted call: stack
+        rows (:class:`StackRow`, :class:`ShardRows`) that :func:`_to_host` fetches when the
+        step is recorded."""
         if self._multi:  # global arrays: this process's shards
             flat, spans = _distributed.split_global(arrays)
             if any(span is not None for span in spans):

@@ -4,9 +4,11 @@ The tracker's observations of a step are handles to summaries that are still on 
 rows of a stack of summaries computed at step time (:class:`StackRow`; of a sharded
 array's shards, :class:`ShardRows`), reports in a mailbox the jitted update wrote
 (:class:`Mail`), or this process's shards of a global array in a multi-process run
-(:class:`._distributed.LocalParts`). :func:`send` starts one copy of all of them to the
-host when the step ends; :func:`to_host` turns the handles into summary vectors once the
-copy is needed (a later step, or closing): the device never waits for the host.
+(:class:`._distributed.LocalParts`); arrays in CPU memory are summarized by the host
+kernel on a background thread instead (:class:`HostRow`). :func:`send` starts one copy of
+all the device summaries to the host when the step ends; :func:`to_host` turns the handles
+into summary vectors once the copy is needed (a later step, or closing): the device never
+waits for the host.
 """
 
 from __future__ import annotations
@@ -167,13 +169,10 @@ def send(summaries: Sequence[Any]) -> dict[int, tuple[Transfer, int]]:
 def to_host(summaries: list[Any], stacks: dict[int, tuple[Transfer, int]]) -> list[np.ndarray]:
     """Summary vectors of one step's observations, from the step's transfer (see
     :func:`send`): step-time stacks (:class:`StackRow`, ``stacks``: where each lies),
-    tap summaries from mailboxes (:class:`Mail`) or delivered directly; the host kernel's
-    vectors are on the host already."""
+    tap summaries from mailboxes (:class:`Mail`) or delivered directly, and the host
+    kernel's vectors (:class:`HostRow`, waited for here)."""
     out = []
     for s in summaries:
-        if isinstance(s, np.ndarray):
-            out.append(s)
-            continue
         if isinstance(s, HostRow):
             out.append(s.future.result()[s.row])
             continue
