@@ -11,8 +11,9 @@ It prints the ratio of medians for every=1 and every=10, and per tracked step of
 tracker: host callbacks (tap reports delivered by callback: none expected, loops included;
 only shard_map/pmap bodies still report so), compilations after warm-up (none expected) and
 device-to-host transfers (one expected); and the host time until the update call returns,
-untracked and intercepted (on accelerators the dispatch: the instrumented program takes the
-mailbox arena, a ``jax.Ref``, which sends its calls through JAX's Python dispatch path).
+untracked and intercepted, and of ``tracker.step()`` (on accelerators the dispatch: the
+instrumented program takes the mailbox arena, a ``jax.Ref``, which sends its calls through
+JAX's Python dispatch path).
 
 On a GPU (jax with CUDA, flax, optax, numba, pandas, pyarrow, ml_dtypes installed), from a
 checkout:
@@ -167,6 +168,7 @@ def main() -> None:
         carry = {name: (params, state) for name in variants}
 
         calls: dict[str, list[float]] = {name: [] for name in variants}
+        steps: dict[str, list[float]] = {name: [] for name in variants}
 
         def block(name: str) -> float:
             tracker = variants[name]
@@ -179,8 +181,10 @@ def main() -> None:
                     calls[name].append(time.perf_counter() - called)
                 else:
                     p, s, g = tracker.intercept(update, p, s, x, y)
-                    calls[name].append(time.perf_counter() - called)
+                    stepped = time.perf_counter()
+                    calls[name].append(stepped - called)
                     tracker.step(p, s, g)
+                    steps[name].append(time.perf_counter() - stepped)
             jax.block_until_ready(p)
             carry[name] = (p, s)
             return time.perf_counter() - start
@@ -188,6 +192,7 @@ def main() -> None:
         for name in variants:  # warm-up: compile every version
             block(name)
             calls[name].clear()
+            steps[name].clear()
         counters = Counters()
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.rounds):
@@ -220,7 +225,10 @@ def main() -> None:
     print(
         "  host time until the update call returns (median; on accelerators the dispatch, "
         f"on the CPU partly the run): untracked {1e3 * statistics.median(calls['untracked']):.3f}"
-        f" ms, every=1 intercept {1e3 * statistics.median(calls['every=1']):.3f} ms"
+        f" ms, every=1 intercept {1e3 * statistics.median(calls['every=1']):.3f} ms, then "
+        f"tracker.step() {1e3 * statistics.median(steps['every=1']):.3f} ms (on accelerators "
+        "a step's host work beyond the untracked call; more than the untracked step time "
+        "and the device waits for the host)"
     )
     if positions:
         tracked, untracked = positions
