@@ -504,18 +504,19 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
 
 
 def to_vector(summary: DeviceSummary, what: str = "a summary") -> np.ndarray:
-    """The float64 summary vector (layout order) of a summary fetched to the host.
+    """The float64 summary vector (layout order) of a summary fetched to the host; of a
+    stack of them (parts of shape ``(k, ...)``), the ``(k, n)`` matrix of their vectors.
 
     Raises:
         ValueError: where :func:`merge_jax` marked it as covering more elements than its
             int32 counts hold (``what`` names it in the message).
     """
-    if int(np.asarray(summary.counts)[COUNT_INDEX["numel"]]) < 0:
+    counts = np.asarray(summary.counts)
+    if (counts[..., COUNT_INDEX["numel"]] < 0).any():
         raise ValueError(
             f"tandv: {what} merges more than 2**31 - 1 = {MAX_ELEMENTS:,} elements (the "
             "iterations of a loop body together), more than its int32 counts hold. Leave "
             "it out of tracking with track(..., exclude=<a regex matching its name>)."
         )
-    counts = np.asarray(summary.counts, dtype=np.float64)
     values = np.asarray(summary.values, dtype=np.float64)
-    return join_summary(counts, values, np)
+    return join_summary(counts.astype(np.float64), values, np)

@@ -264,6 +264,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         self._device_axis = device_axis
         self._module_types: dict[str, type] = {}
         self._names_cache: dict[Any, Any] = {}
+        self._chosen_cache: dict[Any, list[Leaf]] = {}  # _names_cache after include/exclude
         self._summarize_many = jax.jit(self._summaries, static_argnums=(1, 2))
         # Taps call a jitted summary: compiled once per shape and dtype when the update runs
         # eagerly, and traced once per shape (then inlined) when it is jitted. On the CPU it
@@ -617,8 +618,13 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             else:
                 named = [leaf for _, leaf in param_leaves(tree)[0]]
             self._names_cache[cache_key] = named
-        named = [n for n in named if self._selected(n.name, self._owner_of(n.param))]
-        return named, [self._logical(leaves[n.index]) for n in named]
+        # the selection depends on the module classes learned so far, which only grow
+        chosen_key = (cache_key, len(self._module_types))
+        chosen = self._chosen_cache.get(chosen_key)
+        if chosen is None:
+            chosen = [n for n in named if self._selected(n.name, self._owner_of(n.param))]
+            self._chosen_cache[chosen_key] = chosen
+        return chosen, [self._logical(leaves[n.index]) for n in chosen]
 
     def _logical(self, x: Any) -> Any:
         """With ``device_axis``, one replica of a per-device stacked array (``jax.pmap``)."""

@@ -168,33 +168,34 @@ def send(summaries: Sequence[Any]) -> dict[int, tuple[Transfer, int]]:
 
 def to_host(summaries: list[Any], stacks: dict[int, tuple[Transfer, int]]) -> list[np.ndarray]:
     """Summary vectors of one step's observations, from the step's transfer (see
-    :func:`send`): step-time stacks (:class:`StackRow`, ``stacks``: where each lies),
-    tap summaries from mailboxes (:class:`Mail`) or delivered directly, and the host
-    kernel's vectors (:class:`HostRow`, waited for here)."""
+    :func:`send`): step-time stacks (:class:`StackRow`, :class:`ShardRows`; ``stacks``:
+    where each lies, converted once per stack), tap summaries from mailboxes (:class:`Mail`)
+    or delivered directly, and the host kernel's vectors (:class:`HostRow`, waited for
+    here)."""
+    matrices: dict[int, np.ndarray] = {}
+
+    def matrix(stack: tuple[Any, Any]) -> np.ndarray:
+        if id(stack) not in matrices:
+            transfer, i = stacks[id(stack)]
+            matrices[id(stack)] = to_vector(DeviceSummary(transfer.get(i), transfer.get(i + 1)))
+        return matrices[id(stack)]
+
     out = []
     for s in summaries:
         if isinstance(s, HostRow):
             out.append(s.future.result()[s.row])
-            continue
-        if isinstance(s, _distributed.LocalParts):  # this process's shards of a global array
+        elif isinstance(s, _distributed.LocalParts):  # this process's shards of a global array
             out.append(merge_all(to_host(list(s.parts), stacks), s.layout))
-            continue
-        if isinstance(s, ShardRows):
-            transfer, i = stacks[id(s.stack)]
-            counts, values = transfer.get(i), transfer.get(i + 1)
-            out.append(
-                merge_all(
-                    [to_vector(DeviceSummary(counts[r], values[r])) for r in s.rows], s.layout
-                )
-            )
-            continue
-        what = "a summary"
-        if isinstance(s, StackRow):
-            transfer, i = stacks[id(s.stack)]
-            s = DeviceSummary(transfer.get(i)[s.row], transfer.get(i + 1)[s.row])
+        elif isinstance(s, ShardRows):
+            rows = matrix(s.stack)
+            out.append(merge_all([rows[r] for r in s.rows], s.layout))
+        elif isinstance(s, StackRow):
+            out.append(matrix(s.stack)[s.row])
         elif isinstance(s, Mail):
-            box = s.read.boxes[s.box]
+            box, summary = s.read.boxes[s.box], s.summary()
+            assert summary is not None  # the tracker drops mailboxes the update did not write
             what = f"the {box.reports[s.report][0]} row of module {box.name!r}"
-            s = s.summary()
-        out.append(to_vector(s, what))
+            out.append(to_vector(summary, what))
+        else:
+            out.append(to_vector(s))
     return out
