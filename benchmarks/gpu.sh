@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues ask for, in stages that each fit one 10-minute
-# command of the device machine (30 minutes in all; each stage's limits add up to less). Every stage writes its output to
-# $OUT/<stage>-<name>.txt (default gpu-results/) and goes on when one command fails or
-# runs past its own time limit, so a session gets every figure that can be had.
+# command of the device machine (30 minutes in all; each stage's limits add up to less).
+# Every stage writes its output to $OUT/<stage>-<name>.txt (default gpu-results/) and goes
+# on when one command fails or runs past its own time limit, so a session gets every
+# figure that can be had.
 #
 #   bash benchmarks/gpu.sh wheels  # here, with the package index: what the GPU machine lacks
 #                                  # (flax, optax, pytest, hypothesis and what they import)

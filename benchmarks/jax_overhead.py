@@ -248,11 +248,15 @@ def by_position(tracker, update, carry, x, y, cycles):
     last step (else it would run during, and be charged to, the untracked steps)."""
     if not cycles:
         return None
+
+    def drain() -> None:  # wait for the host kernel's background work
+        _tracker._HOST_WORKER.submit(lambda: None).result()
+
     p, s = carry["every=10"]
     while tracker.step_index % 10:  # start at a tracked step
         p, s, g = tracker.intercept(update, p, s, x, y)
         tracker.step(p, s, g)
-    _tracker._HOST_WORKER.submit(lambda: None).result()
+    drain()
     tracked: list[list[float]] = [[] for _ in range(10)]
     untracked = []
     q, r = p, s
@@ -263,7 +267,7 @@ def by_position(tracker, update, carry, x, y, cycles):
             tracker.step(p, s, g)
             jax.block_until_ready(p)
             if i == 9:
-                _tracker._HOST_WORKER.submit(lambda: None).result()
+                drain()
             tracked[i].append(time.perf_counter() - start)
         for _ in range(10):
             start = time.perf_counter()

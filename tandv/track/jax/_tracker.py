@@ -263,8 +263,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         self._subtract = jax.jit(lambda new, old: [a - b for a, b in zip(new, old)])
         self._device_axis = device_axis
         self._module_types: dict[str, type] = {}
-        self._names_cache: dict[Any, Any] = {}
-        self._chosen_cache: dict[Any, list[Leaf]] = {}  # _names_cache after include/exclude
+        self._names_cache: dict[Any, list[Leaf]] = {}  # the selected leaves of a tree shape
         self._summarize_many = jax.jit(self._summaries, static_argnums=(1, 2))
         # Taps call a jitted summary: compiled once per shape and dtype when the update runs
         # eagerly, and traced once per shape (then inlined) when it is jitted. On the CPU it
@@ -603,9 +602,10 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             kind,
             treedef,
             None if params is None else jax.tree_util.tree_structure(params),
+            len(self._module_types),  # include/exclude by class: the classes learned so far
         )
-        named = self._names_cache.get(cache_key)
-        if named is None:
+        chosen = self._names_cache.get(cache_key)
+        if chosen is None:
             if kind == OPTIMISER_STATE:
                 named = optimizer_state_leaves(tree, params)
             elif kind == "collections":
@@ -617,13 +617,8 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
                 ]
             else:
                 named = [leaf for _, leaf in param_leaves(tree)[0]]
-            self._names_cache[cache_key] = named
-        # the selection depends on the module classes learned so far, which only grow
-        chosen_key = (cache_key, len(self._module_types))
-        chosen = self._chosen_cache.get(chosen_key)
-        if chosen is None:
             chosen = [n for n in named if self._selected(n.name, self._owner_of(n.param))]
-            self._chosen_cache[chosen_key] = chosen
+            self._names_cache[cache_key] = chosen
         return chosen, [self._logical(leaves[n.index]) for n in chosen]
 
     def _logical(self, x: Any) -> Any:
