@@ -60,9 +60,15 @@ def mixed_arrays():
     finite[3::999] = -0.0
     finite[11::1333] = -3e-40
     finite[17::2000] = 3e38
+    # the count above a format's largest value runs only in chunks whose largest magnitude
+    # exceeds it: here the middle one (449 > float8_e4m3fn's 448); the last holds 448 itself
+    over_in_one = (rng.standard_normal(host._CHUNK * 3) * 10).astype(np.float32)
+    over_in_one[host._CHUNK + 5] = -449.0
+    over_in_one[2 * host._CHUNK + 9] = 448.0
     return [
         big,
         finite,
+        over_in_one,
         specials,
         rng.standard_normal(host._SMALL + 1).astype(np.float32),  # read in place
         np.zeros(5, np.float32),

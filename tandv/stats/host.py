@@ -6,7 +6,8 @@ costs only the passes over the data. Built from framework operations it costs a 
 sum), each streaming the whole tensor through memory. :func:`host_summaries` reads each
 value from memory once: per 64K-element chunk (which stays in the L2 cache) one loop
 accumulates the extrema and the counts of special values, a second the float64 sums, a
-third counts the exponent fields. The trackers call it for their CPU tensors (PyTorch)
+third counts the exponent fields (a fourth counts the values above the format's largest
+finite value, only in the rare chunks whose largest magnitude exceeds it). The trackers call it for their CPU tensors (PyTorch)
 and arrays (JAX).
 
 Exactness: counts, extrema and exponent counts are exact. The power sums are plain
@@ -81,41 +82,48 @@ _F32_MAX = float(np.finfo(np.float32).max)
 _FAST = {"reassoc", "contract"}  # lets sums vectorize; NaN and inf semantics are kept
 
 
+_I32 = np.int32
+
+
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
 def _bit_reductions(bits):  # pragma: no cover - compiled
-    """Integer reductions of float32 bit patterns: counts of inf and of zeros, and the
-    order keys of the finite minimum and maximum and the bits of the smallest finite
-    magnitude (int32 compares vectorize where float min/max would not)."""
-    inf = 0
-    zero = 0
-    kmin = np.int32(0x7FFFFFFF)
-    kmax = np.int32(-0x7FFFFFFF - 1)
-    amin = np.int32(0x7F800000)
+    """Integer reductions of float32 bit patterns (``bits``: int32): counts of inf and of
+    zeros, the order keys of the finite minimum and maximum, and the bits of the smallest
+    and largest finite magnitudes (int32 compares vectorize where float min/max would not).
+
+    Every intermediate is wrapped in ``int32``: numba widens int32 arithmetic to int64,
+    which halves the lanes of each vector and adds a sign extension per element (0.51 ns
+    per element before, 0.16 after, on the 2-core CPU)."""
+    inf = _I32(0)
+    zero = _I32(0)
+    kmin = _I32(0x7FFFFFFF)
+    kmax = _I32(-0x7FFFFFFF - 1)
+    amin = _I32(0x7F800000)
+    amax = _I32(0)
     for i in range(bits.size):
-        b = np.int32(bits[i])
-        m = b & np.int32(0x7FFFFFFF)  # magnitude bits; finite below the inf pattern
-        fin = m < np.int32(0x7F800000)
-        inf += m == np.int32(0x7F800000)
-        zero += m == np.int32(0)
-        key = b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF))  # orders floats as int32
-        kmin = min(kmin, key if fin else np.int32(0x7FFFFFFF))
-        kmax = max(kmax, key if fin else np.int32(-0x7FFFFFFF - 1))
-        amin = min(amin, m if fin else np.int32(0x7F800000))
-    return inf, zero, kmin, kmax, amin
+        b = bits[i]
+        m = _I32(b & _I32(0x7FFFFFFF))  # magnitude bits; finite below the inf pattern
+        fin = m < _I32(0x7F800000)
+        inf = _I32(inf + _I32(m == _I32(0x7F800000)))
+        zero = _I32(zero + _I32(m == _I32(0)))
+        key = _I32(b ^ _I32(_I32(b >> _I32(31)) & _I32(0x7FFFFFFF)))  # orders floats as int32
+        kmin = min(kmin, key if fin else _I32(0x7FFFFFFF))
+        kmax = max(kmax, key if fin else _I32(-0x7FFFFFFF - 1))
+        amin = min(amin, m if fin else _I32(0x7F800000))
+        amax = max(amax, m if fin else _I32(0))
+    return inf, zero, kmin, kmax, amin, amax
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _float_sums(x, pivot, over_at, scale):  # pragma: no cover - compiled
+def _float_sums(x, pivot, scale):  # pragma: no cover - compiled
     """float64 sums over the finite values: of ``x - pivot`` and its square, of
-    ``|x| * scale`` to the powers 1, 2, 4, 8; and the count of finite magnitudes above
-    ``over_at``."""
+    ``|x| * scale`` to the powers 1, 2, 4, 8."""
     s1 = 0.0
     s2 = 0.0
     a1 = 0.0
     a2 = 0.0
     a4 = 0.0
     a8 = 0.0
-    over = 0
     for i in range(x.size):
         v = np.float64(x[i])
         a = abs(v)
@@ -130,8 +138,18 @@ def _float_sums(x, pivot, over_at, scale):  # pragma: no cover - compiled
         q = q * q
         a4 += q
         a8 += q * q
-        over += fin & (a > over_at)
-    return s1, s2, a1, a2, a4, a8, over
+    return s1, s2, a1, a2, a4, a8
+
+
+@numba.njit(cache=True, nogil=True)
+def _count_over(x, over_at):  # pragma: no cover - compiled
+    """The count of finite magnitudes in ``x`` above ``over_at``: run only on items whose
+    largest finite magnitude exceeds it (rare), so the common item skips the pass."""
+    over = 0
+    for i in range(x.size):
+        a = abs(np.float64(x[i]))
+        over += (a <= 3.4028234663852886e38) & (a > over_at)
+    return over
 
 
 @numba.njit(cache=True, nogil=True)
@@ -149,11 +167,18 @@ def _field_counts(bits, hist):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
+def _f32_of(b):  # pragma: no cover - compiled
+    """The float32 whose bit pattern is the int32 ``b``."""
+    return np.full(1, b, np.int32).view(np.float32)[0]
+
+
+@numba.njit(cache=True, nogil=True)
 def _item(x, bits, pivot, over_at, part, hist, sub):  # pragma: no cover - compiled
-    """Partials of one item ``x`` (with ``bits``, its uint32 view) into ``part``
+    """Partials of one item ``x`` (with ``bits``, its int32 view) into ``part``
     (float64[_NPART]), ``hist`` (int64[4, 256]) and ``sub`` (subnormal exponent counts)."""
-    inf, zero, kmin, kmax, amin = _bit_reductions(bits)
-    s1, s2, a1, a2, a4, a8, over = _float_sums(x, pivot, over_at, 1.0)
+    inf, zero, kmin, kmax, amin, amax = _bit_reductions(bits)
+    s1, s2, a1, a2, a4, a8 = _float_sums(x, pivot, 1.0)
+    over = _count_over(x, over_at) if _f32_of(amax) > over_at else 0
     _field_counts(bits, hist)
     if hist[0, 0] + hist[1, 0] + hist[2, 0] + hist[3, 0] > zero:
         for i in range(bits.size):  # subnormals: their exponents, exactly
@@ -170,7 +195,7 @@ def _run(x, starts, stops, pivots, over_at, part, hist, sub):  # pragma: no cove
     """:func:`_item` of the items ``x[starts[j]:stops[j]]`` with their pivots, into row
     ``j`` of ``part``, ``hist`` and ``sub``, shared among ``numba.get_num_threads()``
     threads (one thread costs about a microsecond more than a plain loop)."""
-    bits = x.view(np.uint32)
+    bits = x.view(np.int32)
     for j in numba.prange(starts.size):
         a, b = starts[j], stops[j]
         _item(x[a:b], bits[a:b], pivots[j], over_at, part[j], hist[j], sub[j])
@@ -311,7 +336,7 @@ def _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, nb, out, ok):  
 def _scaled_powers(x, s, out):  # pragma: no cover - compiled
     """Writes the power sums of ``|x| / s`` over the finite values to ``out``'s p1 .. p8:
     a second pass for arrays whose largest magnitude ``s`` lies outside :data:`SAFE_RANGE`."""
-    _, _, out[_O_P1], out[_O_P2], out[_O_P4], out[_O_P8], _ = _float_sums(x, 0.0, np.inf, 1.0 / s)
+    _, _, out[_O_P1], out[_O_P2], out[_O_P4], out[_O_P8] = _float_sums(x, 0.0, 1.0 / s)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -323,7 +348,7 @@ def summary_serial(x, field_bin, sub_bin, nb, over_at, out):  # pragma: no cover
     numba threads, no Python. ``field_bin``, ``sub_bin`` and ``nb`` come from :func:`_fold`
     and the format; ``over_at`` is the format's largest finite value (at most float32's)."""
     n = x.size
-    bits = x.view(np.uint32)
+    bits = x.view(np.int32)
     items = max(1, (n + _CHUNK - 1) // _CHUNK)
     part = np.zeros((items, _NPART))
     hist = np.zeros((items, 4, 256), dtype=np.int64)
