@@ -7,8 +7,8 @@ sum), each streaming the whole tensor through memory. :func:`host_summaries` rea
 value from memory once: per 64K-element chunk (which stays in the L2 cache) one loop
 accumulates the extrema and the counts of special values, a second the float64 sums, a
 third counts the exponent fields (a fourth counts the values above the format's largest
-finite value, only in the rare chunks whose largest magnitude exceeds it). The trackers call it for their CPU tensors (PyTorch)
-and arrays (JAX).
+finite value, only in the rare chunks whose largest magnitude exceeds it). The trackers
+call it for their CPU tensors (PyTorch) and arrays (JAX).
 
 Exactness: counts, extrema and exponent counts are exact. The power sums are plain
 float64 sums of ``|x|**K`` (relative error ~n * 2**-53), scaled by ``max|x|**K`` at the
