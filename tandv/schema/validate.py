@@ -238,9 +238,9 @@ def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
             f"{SCALAR_STATS!r}: statistic names must be non-empty str; found "
             f"{_examples(bad_labels)}"
         )
-    for c in stats:
+    stat_dtypes = df.dtypes.iloc[np.flatnonzero(cols.get_level_values(0) == SCALAR_STATS)]
+    for c, dt in zip(stats, stat_dtypes):
         col = (SCALAR_STATS, c)
-        dt = df[col].dtype
         if not ptypes.is_numeric_dtype(dt) or ptypes.is_bool_dtype(dt):
             raise SchemaError(
                 f"{col!r}: expected a numeric (float or int) dtype; found {dt}", column=col
@@ -270,11 +270,18 @@ def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
             f"{EXPONENT_COUNTS!r}: column labels must be integer exponents or "
             f"{UNDERFLOW!r}/{OVERFLOW!r}; found {_examples(bad_labels)}"
         )
-    for c in exps:
-        col = (EXPONENT_COUNTS, c)
-        v = _integer(col, df[col], "counts", "; convert with .astype('int64')")
-        if v.dtype.kind == "i" and v.size and v.min() < 0:
-            raise _bad_value(col, df[col], v < 0, "counts >= 0")
+    at = np.flatnonzero(cols.get_level_values(0) == EXPONENT_COUNTS)
+    kinds = {dt.kind if isinstance(dt, np.dtype) else "?" for dt in df.dtypes.iloc[at]}
+    # plain numpy integer columns (what the trackers write) are checked as one block; the
+    # others, or a block holding a negative count, column by column, for the exact error
+    if not kinds <= {"i", "u"} or (
+        len(df) and "i" in kinds and df.iloc[:, at].to_numpy().min(initial=0) < 0
+    ):
+        for c in exps:
+            col = (EXPONENT_COUNTS, c)
+            v = _integer(col, df[col], "counts", "; convert with .astype('int64')")
+            if v.dtype.kind == "i" and v.size and v.min() < 0:
+                raise _bad_value(col, df[col], v < 0, "counts >= 0")
 
     if not duplicates:
         return df
