@@ -289,7 +289,7 @@ def _arrow_columns(df: pd.DataFrame) -> list[pa.Array]:
             arrays[i] = pa.array(
                 s.array if ptypes.is_extension_array_dtype(s.dtype) else s.to_numpy(), type=kind
             )
-    return arrays  # type: ignore[return-value]  # every slot is filled above
+    return arrays
 
 
 def _parquet_files(path: Path) -> list[Path]:
