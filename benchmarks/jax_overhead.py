@@ -13,7 +13,9 @@ only shard_map/pmap bodies still report so), compilations after warm-up (none ex
 device-to-host transfers (one expected); and the host time until the update call returns,
 untracked and intercepted, and of ``tracker.step()`` (on accelerators the dispatch: the
 instrumented program takes the mailbox arena, a ``jax.Ref``, which sends its calls through
-JAX's Python dispatch path).
+JAX's Python dispatch path); and the CPU time per step of each thread (XLA's, the main
+thread, tandv's host kernel and log writer), untracked and every=1, read from ``/proc`` on
+Linux: where a tracked step's extra work goes.
 
 On a GPU (jax with CUDA, flax, optax, numba, pandas, pyarrow, ml_dtypes installed), from a
 checkout:
@@ -30,9 +32,11 @@ all (compare the two to see what the kernel buys); ``--summary pallas`` the kern
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -195,10 +199,15 @@ def main() -> None:
             steps[name].clear()
         counters = Counters()
         times: dict[str, list[float]] = {name: [] for name in variants}
+        cpu: dict[str, dict[str, float]] = {name: {} for name in variants}
         for _ in range(args.rounds):
             for name in variants:
                 counters.active = name == "every=1"
+                before = thread_cpu()
                 times[name].append(block(name))
+                drain()  # the background summaries of this block's steps are charged to it
+                for group, seconds in thread_cpu_delta(before, thread_cpu()).items():
+                    cpu[name][group] = cpu[name].get(group, 0.0) + seconds
                 counters.active = False
         positions = by_position(t10, update, carry, x, y, args.by_position)
         t1.close()
@@ -230,6 +239,14 @@ def main() -> None:
         "a step's host work beyond the untracked call; more than the untracked step time "
         "and the device waits for the host)"
     )
+    if cpu["untracked"]:
+        steps = args.rounds * args.block
+        for name in ("untracked", "every=1"):
+            top = sorted(cpu[name].items(), key=lambda kv: -kv[1])
+            print(
+                f"  CPU per step by thread, {name}: "
+                + ", ".join(f"{group} {1e3 * sec / steps:.2f} ms" for group, sec in top if sec)
+            )
     if positions:
         tracked, untracked = positions
         print(
@@ -240,6 +257,46 @@ def main() -> None:
         )
 
 
+def drain() -> None:
+    """Wait for the host kernel's background work (step-time summaries)."""
+    _tracker._HOST_WORKER.submit(lambda: None).result()
+
+
+def thread_cpu() -> dict[tuple[str, str], float]:
+    """CPU seconds of each thread of this process so far, keyed by (thread id, group): the
+    Python thread's name (MainThread, tandv-host-kernel, tandv-writer) or, for threads that
+    Python did not start (XLA's), the kernel's name for it without its number. Empty where
+    ``/proc`` does not say (not Linux)."""
+    names = {str(t.native_id): t.name.rstrip("_0123456789") for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        group = names.get(tid) or comm.rstrip("_-0123456789") or comm
+        out[(tid, group)] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def thread_cpu_delta(
+    before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]
+) -> dict[str, float]:
+    """CPU seconds spent per thread group between two :func:`thread_cpu` readings."""
+    spent: dict[str, float] = {}
+    for key, seconds in after.items():
+        spent[key[1]] = spent.get(key[1], 0.0) + seconds - before.get(key, 0.0)
+    return spent
+
+
 def by_position(tracker, update, carry, x, y, cycles):
     """Median time of each step position in the every=10 cycle, and the median time of an
     untracked step (``None`` when ``cycles`` is 0). Each cycle of ten tracked-schedule
@@ -248,9 +305,6 @@ def by_position(tracker, update, carry, x, y, cycles):
     last step (else it would run during, and be charged to, the untracked steps)."""
     if not cycles:
         return None
-
-    def drain() -> None:  # wait for the host kernel's background work
-        _tracker._HOST_WORKER.submit(lambda: None).result()
 
     p, s = carry["every=10"]
     while tracker.step_index % 10:  # start at a tracked step
