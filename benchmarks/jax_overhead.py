@@ -267,13 +267,13 @@ def thread_cpu() -> dict[tuple[str, str], float]:
     Python thread's name (MainThread, tandv-host-kernel, tandv-writer) or, for threads that
     Python did not start (XLA's), the kernel's name for it without its number. Empty where
     ``/proc`` does not say (not Linux)."""
-    names = {str(t.native_id): t.name.rstrip("_0123456789") for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    out = {}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
         return {}
+    names = {str(t.native_id): t.name.rstrip("_0123456789") for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
     for tid in tids:
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:

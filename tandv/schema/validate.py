@@ -227,7 +227,10 @@ def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
                 column=(METADATA, DTYPE),
             ) from None
 
-    stats = [c for t, c in cols if t == SCALAR_STATS]
+    groups = cols.get_level_values(0)
+    dtypes = df.dtypes
+    stat_at = np.flatnonzero(groups == SCALAR_STATS)  # positions: no lookup per column
+    stats = [cols[i][1] for i in stat_at]
     if not stats:
         raise SchemaError(
             f"{SCALAR_STATS!r}: expected at least one scalar statistic column; found none"
@@ -238,8 +241,7 @@ def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
             f"{SCALAR_STATS!r}: statistic names must be non-empty str; found "
             f"{_examples(bad_labels)}"
         )
-    stat_dtypes = df.dtypes.iloc[np.flatnonzero(cols.get_level_values(0) == SCALAR_STATS)]
-    for c, dt in zip(stats, stat_dtypes):
+    for c, dt in zip(stats, dtypes.iloc[stat_at]):
         col = (SCALAR_STATS, c)
         if not ptypes.is_numeric_dtype(dt) or ptypes.is_bool_dtype(dt):
             raise SchemaError(
@@ -256,7 +258,8 @@ def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
                     "; convert with .astype('float64')",
                 )
 
-    exps = [c for t, c in cols if t == EXPONENT_COUNTS]
+    exp_at = np.flatnonzero(groups == EXPONENT_COUNTS)
+    exps = [cols[i][1] for i in exp_at]
     for label in (UNDERFLOW, OVERFLOW):
         if label not in exps:
             raise SchemaError(
@@ -270,12 +273,11 @@ def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
             f"{EXPONENT_COUNTS!r}: column labels must be integer exponents or "
             f"{UNDERFLOW!r}/{OVERFLOW!r}; found {_examples(bad_labels)}"
         )
-    at = np.flatnonzero(cols.get_level_values(0) == EXPONENT_COUNTS)
-    kinds = {dt.kind if isinstance(dt, np.dtype) else "?" for dt in df.dtypes.iloc[at]}
+    kinds = {dt.kind if isinstance(dt, np.dtype) else "?" for dt in dtypes.iloc[exp_at]}
     # plain numpy integer columns (what the trackers write) are checked as one block; the
     # others, or a block holding a negative count, column by column, for the exact error
     if not kinds <= {"i", "u"} or (
-        len(df) and "i" in kinds and df.iloc[:, at].to_numpy().min(initial=0) < 0
+        len(df) and "i" in kinds and df.iloc[:, exp_at].to_numpy().min(initial=0) < 0
     ):
         for c in exps:
             col = (EXPONENT_COUNTS, c)
