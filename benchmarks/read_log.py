@@ -40,7 +40,7 @@ TASKS = ("full", "last", "stat", "summary")
 
 def build_log(path: Path, tensors: int, steps: int, steps_per_part: int, seed: int = 0) -> None:
     """Write the benchmark log at ``path`` with tandv's part writer."""
-    from tandv.schema import PartWriter
+    from tandv.schema.writer import PartWriter
     from tandv.stats import summarize
     from tandv.stats.summary import FIELD_INDEX
     from tandv.track.common import TensorKey, build_rows

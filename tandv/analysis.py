@@ -385,18 +385,22 @@ def summarize_log(
     formats: Sequence[str] = ("float8_e4m3fn", "bfloat16"),
     top: int = 3,
     chunk_rows: int = CHUNK_ROWS,
+    *,
+    trust_pickle: bool = False,
 ) -> str:
     """:func:`text_summary` of the log at ``path``. A parquet log is read in chunks of the
     columns the summary needs (memory stays flat however long the run); a pickle is read
-    whole (it runs code from the file: only for pickles you trust).
+    whole, and only with ``trust_pickle=True``: unpickling runs code stored in the file
+    (the command line's ``--trust-pickle``).
 
     Raises:
         FileNotFoundError, tandv.SchemaError: as the readers do.
+        ValueError: for a pickle without ``trust_pickle=True``.
     """
     p = Path(path)
     tally = _SummaryTally(formats)
     if p.suffix.lower() in (".pkl", ".pickle"):
-        tally.add(read_log(p))
+        tally.add(read_log(p, trust_pickle=trust_pickle))
         return tally.text(top)
     log = _ParquetLog(p, statistics=False)
     wanted = [

@@ -24,6 +24,14 @@ class CLIError(Exception):
     """An error shown to the user as one line."""
 
 
+def _printable(text: str) -> str:
+    """``text`` safe for a terminal: control characters (escape sequences from tensor
+    names or paths, say) written as Python escapes, newlines kept."""
+    return "".join(
+        c if c == "\n" or c.isprintable() else c.encode("unicode_escape").decode() for c in text
+    )
+
+
 def _check(path: str, trust_pickle: bool) -> Path:
     """``path`` if it exists, and is not a pickle read without ``--trust-pickle``."""
     p = Path(path)
@@ -55,7 +63,7 @@ def _read(path: str, trust_pickle: bool = False):
     from .schema import read_log
 
     p = _check(path, trust_pickle)
-    return _guarded(path, lambda: read_log(p))
+    return _guarded(path, lambda: read_log(p, trust_pickle=True))  # _check asked for it
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -66,7 +74,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     def count() -> tuple[int, int, int]:
         chunks = (
-            [read_log(p)] if p.suffix.lower() in (".pkl", ".pickle") else read_parquet_chunks(p)
+            [read_log(p, trust_pickle=True)]
+            if p.suffix.lower() in (".pkl", ".pickle")
+            else read_parquet_chunks(p)
         )
         rows, steps, names = 0, set(), set()
         for df in chunks:  # a parquet log in chunks: memory stays flat
@@ -76,7 +86,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         return rows, len(steps), len(names)
 
     rows, steps, names = _guarded(args.log, count)
-    print(f"{args.log}: valid tandv log ({rows} rows, {steps} steps, {names} tensors)")
+    print(_printable(f"{args.log}: valid tandv log ({rows} rows, {steps} steps, {names} tensors)"))
     return 0
 
 
@@ -84,7 +94,7 @@ def _cmd_summary(args: argparse.Namespace) -> int:
     from .analysis import summarize_log
 
     p = _check(args.log, args.trust_pickle)
-    print(_guarded(args.log, lambda: summarize_log(p)))
+    print(_printable(_guarded(args.log, lambda: summarize_log(p, trust_pickle=True))))
     return 0
 
 
@@ -111,7 +121,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
         path = run_jax(steps=args.steps, out=args.out, seed=args.seed)
     print(f"tandv: log written to {path}")
-    df = read_log(path)
+    df = read_log(path, trust_pickle=True)  # the log this command just wrote
     print(text_summary(df))
     if not args.no_report:
         try:
@@ -177,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except CLIError as e:
-        print(f"tandv: error: {' '.join(str(e).split())}", file=sys.stderr)  # one line
+        print(f"tandv: error: {_printable(' '.join(str(e).split()))}", file=sys.stderr)  # one line
         return 1
     except KeyboardInterrupt:
         print("tandv: interrupted", file=sys.stderr)

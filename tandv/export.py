@@ -157,15 +157,18 @@ def tensorboard(
     logdir: str | os.PathLike,
     scalars: Sequence[str] | None = DEFAULT_SCALARS,
     histograms: bool = True,
+    *,
+    trust_pickle: bool = False,
 ) -> Path:
     """Write a log (a path or a DataFrame) as TensorBoard events into ``logdir``; returns
-    ``logdir``. See :class:`TensorBoardSink` for what is written."""
+    ``logdir``. See :class:`TensorBoardSink` for what is written. A pickle log is read only
+    with ``trust_pickle=True`` (unpickling runs code stored in the file)."""
     if isinstance(log, pd.DataFrame):
         df = log
     else:
         from .schema import read_log
 
-        df = read_log(log)
+        df = read_log(log, trust_pickle=trust_pickle)
     sink = TensorBoardSink(logdir, scalars, histograms)
     try:
         sink(df)
@@ -221,12 +224,16 @@ def wandb(
     run: Any,
     scalars: Sequence[str] | None = DEFAULT_SCALARS,
     histograms: bool = True,
+    *,
+    trust_pickle: bool = False,
 ) -> None:
-    """Log a log (a path or a DataFrame) to the W&B ``run``; see :class:`WandbSink`."""
+    """Log a log (a path or a DataFrame) to the W&B ``run``; see :class:`WandbSink`. A
+    pickle log is read only with ``trust_pickle=True`` (unpickling runs code stored in
+    the file)."""
     if isinstance(log, pd.DataFrame):
         df = log
     else:
         from .schema import read_log
 
-        df = read_log(log)
+        df = read_log(log, trust_pickle=trust_pickle)
     WandbSink(run, scalars, histograms)(df)

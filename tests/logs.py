@@ -41,4 +41,4 @@ def make_log(
                 rec.add(TensorKey(name, tt, "Linear", str(x.dtype)), layout, v)
         rec.end_step(step, lambda xs: xs)
     rec.close()
-    return read_log(path), arrays
+    return read_log(path, trust_pickle=True), arrays

@@ -131,7 +131,7 @@ def test_suffix_decides_the_format_and_a_mismatch_is_clear(tmp_path, capsys):
     with pytest.raises(
         tandv.SchemaError, match=r"really-parquet\.pkl' holds parquet data, not a pickle; rename it"
     ):
-        tandv.read_log(tmp_path / "really-parquet.pkl")
+        tandv.read_log(tmp_path / "really-parquet.pkl", trust_pickle=True)
     assert main(["validate", str(tmp_path / "really-parquet.pkl"), "--trust-pickle"]) == 1
     assert "holds parquet data" in capsys.readouterr().err
     df.to_pickle(tmp_path / "pickle-without-suffix")
@@ -142,7 +142,7 @@ def test_suffix_decides_the_format_and_a_mismatch_is_clear(tmp_path, capsys):
     assert main(["summary", str(tmp_path / "pickle-without-suffix")]) == 1
     assert "holds a pickle" in capsys.readouterr().err
     (tmp_path / "renamed.pkl").write_bytes((tmp_path / "pickle-without-suffix").read_bytes())
-    pd.testing.assert_frame_equal(tandv.read_log(tmp_path / "renamed.pkl"), df)
+    pd.testing.assert_frame_equal(tandv.read_log(tmp_path / "renamed.pkl", trust_pickle=True), df)
 
 
 def test_cli_reports_a_damaged_part_in_one_line(tmp_path):
@@ -229,7 +229,7 @@ def test_a_log_records_how_it_was_made(tmp_path, fmt, name):
     from tandv.schema import read_log, run_record
 
     path = _tracked_log(tmp_path, name, out_format=fmt, number_format="float8_e4m3fn", every=1)
-    rec = run_record(read_log(path))
+    rec = run_record(read_log(path, trust_pickle=True))
     assert rec["framework"] == "torch" and rec["model"] == "Linear"
     assert rec["number_format"] == "float8_e4m3fn" and rec["options"]["every"] == 1
     assert rec["options"]["optimizers"] == ["SGD"] and rec["options"]["out_format"] == fmt

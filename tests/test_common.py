@@ -301,10 +301,12 @@ def test_pickle_write_failure_at_close_names_the_log(tmp_path, monkeypatch):
 @pytest.mark.parametrize("fmt", ["pickle", "parquet"])
 def test_default_paths_are_unique_per_recorder(tmp_path, fmt):
     """Recorders opened in the same second without `out` get different logs; the pickle's
-    default path is reserved at start by an empty file that its close replaces."""
+    default path is reserved at start by its claim file, which its close removes."""
+    from tandv.schema.writer import claim_file
+
     recs = [StepRecorder(None, fmt, run_name="same", verbose=False) for _ in range(3)]
     paths = [r.path for r in recs]
-    assert len(set(paths)) == 3 and all(p.exists() for p in paths)
+    assert len(set(paths)) == 3 and all(claim_file(p, fmt).exists() for p in paths)
     v, layout = summarize(np.arange(1, 9, dtype=np.float32))
     for i, r in enumerate(recs):
         r.add(key(f"t{i}"), layout, v)

@@ -15,6 +15,7 @@ naming the file, the column and the row.
 from __future__ import annotations
 
 import bisect
+import errno
 import json
 import operator
 import os
@@ -59,6 +60,8 @@ __all__ = [
     "canonical_columns",
     "drop_empty_exponents",
     "atomic_write",
+    "exclusive_write",
+    "PICKLE_SUFFIXES",
 ]
 
 PathLike = str | os.PathLike
@@ -137,6 +140,45 @@ def atomic_write(path: PathLike, write: Any) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return path
+
+
+def exclusive_write(path: PathLike, write: Any) -> Path:
+    """Call ``write(tmp_path)`` then link the temporary file to ``path``: like
+    :func:`atomic_write`, but it never replaces a file at ``path`` (``os.link`` fails
+    where a file exists, atomically; the log then stays in the temporary file, named in
+    the error).
+
+    Raises:
+        FileExistsError: if a file appeared at ``path`` meanwhile.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    try:
+        write(tmp)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise FileExistsError(
+            errno.EEXIST,
+            f"a file appeared at {str(path)!r} while this run held its claim; it was left "
+            f"alone and this run's log is in {tmp!r}",
+        ) from None
+    except OSError:  # a file system without hard links: the claim still keeps others out
+        if path.exists():
+            raise FileExistsError(
+                errno.EEXIST, f"a file appeared at {str(path)!r}; this run's log is in {tmp!r}"
+            ) from None
+        os.replace(tmp, path)
+        return path
+    os.unlink(tmp)
     return path
 
 
@@ -858,23 +900,42 @@ def log_columns(path: PathLike) -> list[tuple[str, Any]]:
 
 # ----------------------------------------------------------------------------- either
 
-_PICKLE_SUFFIXES = (".pkl", ".pickle")
+#: The suffixes of a pickle log (any other path is read as parquet).
+PICKLE_SUFFIXES = (".pkl", ".pickle")
 
 
 def _suffix_format(path: Path) -> str:
-    return "pickle" if path.suffix.lower() in _PICKLE_SUFFIXES else "parquet"
+    return "pickle" if path.suffix.lower() in PICKLE_SUFFIXES else "parquet"
 
 
-def read_log(path: PathLike, **kwargs: Any) -> pd.DataFrame:
+def require_trust(path: PathLike, trust_pickle: bool, what: str) -> None:
+    """Refuse to unpickle ``path`` unless the caller said it trusts it.
+
+    Raises:
+        ValueError: for a ``.pkl``/``.pickle`` path without ``trust_pickle=True``.
+    """
+    if _suffix_format(Path(path)) == "pickle" and trust_pickle is not True:
+        raise ValueError(
+            f"{what}: {str(path)!r} is a pickle, and reading a pickle runs code stored in it; "
+            f"pass trust_pickle=True if you made it or trust its source (parquet logs are data "
+            f"only and need no such flag)"
+        )
+
+
+def read_log(path: PathLike, *, trust_pickle: bool = False, **kwargs: Any) -> pd.DataFrame:
     """Read a log in either format; the suffix decides: ``.pkl``/``.pickle`` files are
-    read as pickle, anything else as parquet (a file or a directory of parts).
+    read as pickle, and only with ``trust_pickle=True`` (unpickling runs code stored in
+    the file; :func:`read_pickle` is the explicit call), anything else as parquet (a file
+    or a directory of parts; ``kwargs`` go to :func:`read_parquet`).
 
     Raises:
         SchemaError: also when the content does not match the suffix (parquet data in a
             ``.pkl`` file, a pickle without one), saying how to rename it.
+        ValueError: for a pickle without ``trust_pickle=True``.
     """
     p = Path(path)
     if _suffix_format(p) == "pickle":
+        require_trust(p, trust_pickle, "read_log")
         if kwargs:
             raise TypeError(f"read_log: {sorted(kwargs)} apply to parquet logs only")
         return read_pickle(p)

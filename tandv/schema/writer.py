@@ -4,23 +4,123 @@
 directory (``part-000000.parquet``, ...), renamed into place atomically, so a crash
 loses at most the rows not yet flushed and closing never re-reads the log.
 :class:`PickleWriter` keeps the rows and writes one pickle file at close.
+
+A log path belongs to one run from the moment its writer opens: the writer creates a
+claim file (``<dir>/.tandv-claim`` for parquet, ``.<name>.tandv-claim`` beside a pickle)
+with ``O_CREAT | O_EXCL``, which a second run on the same path finds at once and is
+refused by. The claim goes when the writer closes; the pickle's final file is linked
+into place (``os.link``), which fails rather than replace a file someone else made.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import platform
 import tempfile
+import time
 from pathlib import Path
 from typing import Literal
 
 import pandas as pd
 
-from .io import RUN_ATTR, concat_logs, drop_empty_exponents, write_parquet, write_pickle
+from .io import (
+    PICKLE_SUFFIXES,
+    RUN_ATTR,
+    concat_logs,
+    drop_empty_exponents,
+    exclusive_write,
+    write_parquet,
+)
+from .validate import validate
 
-__all__ = ["LogWriter", "PartWriter", "PickleWriter", "open_writer", "prepare_directory", "FORMATS"]
+__all__ = [
+    "LogWriter",
+    "PartWriter",
+    "PickleWriter",
+    "open_writer",
+    "prepare_directory",
+    "claim_log",
+    "check_suffix",
+    "FORMATS",
+]
 
 #: Accepted values of ``out_format``.
 FORMATS = ("parquet", "pickle")
+#: Name of a parquet log's claim file inside its directory.
+CLAIM_NAME = ".tandv-claim"
+
+
+def claim_file(path: Path, out_format: str) -> Path:
+    """Where the claim of the log at ``path`` lives."""
+    if out_format == "parquet":
+        return path / CLAIM_NAME
+    return path.with_name(f".{path.name}.tandv-claim")
+
+
+def claim_log(path: Path, out_format: str) -> Path:
+    """Claim the log path ``path`` for this run: create its claim file atomically
+    (``O_CREAT | O_EXCL``) holding this process's id, host and start time; returns it.
+
+    Raises:
+        FileExistsError: if another run holds the claim (the message names that run and
+            says how to free a claim that a crashed run left behind).
+    """
+    claim = claim_file(path, out_format)
+    note = {"pid": os.getpid(), "host": platform.node(), "since": time.time()}
+    try:
+        fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        try:
+            held = json.loads(claim.read_text())
+            who = (
+                f"process {held['pid']} on host {held['host']}, since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(held['since']))}"
+            )
+        except (OSError, ValueError, KeyError, TypeError, OverflowError):
+            who = "an unknown process"
+        raise FileExistsError(
+            errno.EEXIST,
+            f"log {str(path)!r} is being written by another run ({who}); choose another "
+            f"`out`, or, if no run is writing it (a run that crashed), remove {str(claim)!r}",
+        ) from None
+    with os.fdopen(fd, "w") as f:
+        json.dump(note, f)
+    return claim
+
+
+def release_claim(claim: Path | None) -> None:
+    """Remove a claim file made by :func:`claim_log` in this process (never another's)."""
+    if claim is None:
+        return
+    try:
+        if json.loads(claim.read_text()).get("pid") == os.getpid():
+            claim.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def check_suffix(path: Path, out_format: str) -> None:
+    """Refuse a log path whose suffix says the other format: readers choose the format by
+    the suffix (``.pkl``/``.pickle``: pickle; anything else: parquet), so such a log could
+    not be read back.
+
+    Raises:
+        ValueError: naming ``out_format``, the path and what to change.
+    """
+    pickled = path.suffix.lower() in PICKLE_SUFFIXES
+    if out_format == "pickle" and not pickled:
+        raise ValueError(
+            f"out_format='pickle' with out={str(path)!r}: a pickle log's name must end in "
+            f"{' or '.join(PICKLE_SUFFIXES)} (readers choose the format by the suffix); "
+            f"add the suffix or use out_format='parquet'"
+        )
+    if out_format == "parquet" and pickled:
+        raise ValueError(
+            f"out_format='parquet' with out={str(path)!r}: a name ending in {path.suffix} is "
+            f"read as a pickle; drop the suffix or use out_format='pickle'"
+        )
 
 
 class LogWriter:
@@ -77,12 +177,15 @@ class PartWriter(LogWriter):
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise FileExistsError(f"parquet log directory {str(self.path)!r} is an existing file")
-        if self.path.is_dir() and any(self.path.glob("*.parquet")):
+        prepare_directory(self.path, self.path)
+        self.claim: Path | None = claim_log(self.path, "parquet")
+        # checked once the claim is held: a run that closed just now has its parts in place
+        if any(self.path.glob("*.parquet")):
+            self.close()
             raise FileExistsError(
                 f"parquet log directory {str(self.path)!r} already holds a log; "
                 f"choose another `out` or remove it"
             )
-        prepare_directory(self.path, self.path)
         self._parts = 0
         self.rows_written = 0
 
@@ -97,28 +200,36 @@ class PartWriter(LogWriter):
         self.rows_written += len(df)
 
     def close(self) -> Path:
+        """Give up the claim on the directory (its parts stay)."""
+        release_claim(self.claim)
+        self.claim = None
         return self.path
 
 
 class PickleWriter(LogWriter):
     """Collects rows in memory and writes one pickle file at :meth:`close`.
 
-    The path is checked when the writer opens, as for parquet: an existing file is
-    refused (unless ``reserved``: the empty placeholder that reserved a default path), and
-    so are a parent that is not a directory and a directory where no file can be created.
+    The path is checked and claimed when the writer opens, as for parquet: an existing
+    file is refused, and so are a parent that is not a directory and a directory where no
+    file can be created; ``claimed`` says the caller holds the claim already
+    (:func:`claim_log`, as ``resolve_out`` does for a default path).
     """
 
-    def __init__(self, path: str | os.PathLike, *, reserved: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, *, claimed: bool = False) -> None:
         self.path = Path(path)
         if self.path.is_dir():
             raise IsADirectoryError(
                 f"pickle log path {str(self.path)!r} is a directory; give a file name"
             )
-        if self.path.exists() and not (reserved and self.path.stat().st_size == 0):
+        prepare_directory(self.path.parent, self.path)
+        self.claim: Path | None = (
+            claim_file(self.path, "pickle") if claimed else claim_log(self.path, "pickle")
+        )
+        if self.path.exists() or self.path.is_symlink():
+            release_claim(self.claim)
             raise FileExistsError(
                 f"pickle log {str(self.path)!r} already exists; choose another `out` or remove it"
             )
-        prepare_directory(self.path.parent, self.path)
         self._frames: list[pd.DataFrame] = []
         self.rows_written = 0
 
@@ -129,22 +240,29 @@ class PickleWriter(LogWriter):
         self.rows_written += len(df)
 
     def close(self) -> Path:
-        """Write the pickle (atomically).
+        """Write the pickle (atomically, never replacing a file that appeared at the path
+        meanwhile) and give up the claim.
 
         Raises:
             RuntimeError: naming the log path, with the cause attached, if writing fails.
         """
-        if self._frames:
-            try:
-                df = concat_logs(self._frames)
-                if self.run:
-                    df.attrs[RUN_ATTR] = self.run
-                write_pickle(df, self.path)
-            except Exception as e:
-                raise RuntimeError(
-                    f"tandv: writing the log to {str(self.path)!r} failed: {type(e).__name__}: {e}"
-                ) from e
-            self._frames = []
+        try:
+            if self._frames:
+                try:
+                    df = concat_logs(self._frames)
+                    if self.run:
+                        df.attrs[RUN_ATTR] = self.run
+                    validate(df)
+                    exclusive_write(self.path, lambda tmp: df.to_pickle(tmp))
+                except Exception as e:
+                    raise RuntimeError(
+                        f"tandv: writing the log to {str(self.path)!r} failed: "
+                        f"{type(e).__name__}: {e}"
+                    ) from e
+                self._frames = []
+        finally:
+            release_claim(self.claim)
+            self.claim = None
         return self.path
 
 
@@ -152,17 +270,23 @@ def open_writer(
     path: str | os.PathLike,
     out_format: Literal["parquet", "pickle"],
     *,
-    reserved: bool = False,
+    claimed: bool = False,
     run: dict | None = None,
 ) -> LogWriter:
     """A writer for ``out_format`` at ``path`` (a directory for parquet, a file for pickle);
-    ``reserved`` says that an empty file at ``path`` is the caller's own placeholder;
-    ``run`` is the record of how the log was made (stored with the rows)."""
+    ``claimed`` says that the caller holds the pickle path's claim (:func:`claim_log`);
+    ``run`` is the record of how the log was made (stored with the rows).
+
+    Raises:
+        ValueError: for an unknown format, or a path whose suffix says the other format.
+        FileExistsError: if another run has claimed the path or a log is there.
+    """
+    if out_format not in FORMATS:
+        raise ValueError(f"out_format={out_format!r}: expected one of {FORMATS}")
+    check_suffix(Path(path), out_format)
     if out_format == "parquet":
         writer: LogWriter = PartWriter(path)
-    elif out_format == "pickle":
-        writer = PickleWriter(path, reserved=reserved)
     else:
-        raise ValueError(f"out_format={out_format!r}: expected one of {FORMATS}")
+        writer = PickleWriter(path, claimed=claimed)
     writer.run = dict(run) if run else None
     return writer

@@ -12,7 +12,14 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-__all__ = ["facet_grid", "figure_legend", "step_axis", "AUTO_COLUMNS", "NotebookFigure"]
+__all__ = [
+    "facet_grid",
+    "figure_legend",
+    "step_axis",
+    "plain",
+    "AUTO_COLUMNS",
+    "NotebookFigure",
+]
 
 #: Panels per row when a figure's ``col_wrap`` is not given.
 AUTO_COLUMNS = 4
@@ -57,6 +64,14 @@ def facet_grid(
     for ax in axes[n:]:
         ax.remove()
     return fig, axes[:n]
+
+
+def plain(text: object) -> str:
+    """``text`` (a tensor, statistic or scalar name from a log) as matplotlib shows it
+    literally: ``$`` escaped, so a name like ``$x^$`` is not parsed as mathtext (which
+    fails on it, or changes how it reads), and control characters written as escapes."""
+    s = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in str(text))
+    return s.replace("$", r"\$")
 
 
 def figure_legend(fig: Figure, axes: list[Axes]) -> None:

@@ -26,7 +26,7 @@ from ._data import (
     select_tensor_types,
     thin_steps,
 )
-from ._facets import facet_grid, figure_legend, step_axis
+from ._facets import facet_grid, figure_legend, plain, step_axis
 
 __all__ = ["percentile_bands", "log2_percentiles", "SIGMA_PERCENTILES"]
 
@@ -184,7 +184,7 @@ def percentile_bands(
                 ha="center",
                 va="center",
             )
-        ax.set_title(title, fontsize=9)
+        ax.set_title(plain(title), fontsize=9)
         step_axis(ax)
         ax.set_ylabel("|x| percentiles")
         ax.grid(True, alpha=0.3)

@@ -23,7 +23,7 @@ from ._data import (
     select_layers,
     select_tensor_types,
 )
-from ._facets import facet_grid, figure_legend
+from ._facets import facet_grid, figure_legend, plain
 
 __all__ = ["exp_hist", "format_markers", "MAX_VIEW_SPAN"]
 
@@ -230,7 +230,7 @@ def exp_hist(
     }
     for ax, (name, t, idx) in zip(axes, keys):
         _draw_panel(ax, counts.loc[idx], lo, hi, kind, fmts[idx], colors[t])
-        ax.set_title(f"{name} ({t})", fontsize=9)
+        ax.set_title(plain(f"{name} ({t})"), fontsize=9)
     figure_legend(fig, axes)
     fig.suptitle(f"Exponent histogram at step {step}")
     return fig

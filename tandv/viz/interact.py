@@ -34,7 +34,7 @@ from ._data import (
     select_metrics,
     select_tensor_types,
 )
-from ._facets import step_axis
+from ._facets import plain, step_axis
 from .bands import percentile_bands
 from .exp_hist import exp_hist
 from .scalar import HeatmapPanel, heatmap_panels, scalar_global_heatmap, scalar_line
@@ -380,7 +380,7 @@ class InteractiveView:
         fig = Figure(figsize=(8, 2.6), layout="constrained")
         ax = fig.subplots()
         for c in curves:
-            ax.plot(ts["step"].to_numpy(), ts[c].to_numpy(dtype=np.float64), label=str(c))
+            ax.plot(ts["step"].to_numpy(), ts[c].to_numpy(dtype=np.float64), label=plain(c))
         step_axis(ax)
         ax.set_title("training statistics (click to choose a step)", fontsize=9)
         ax.legend(fontsize=7, loc="best")

@@ -23,6 +23,7 @@ from ..quantities import log_update_ratio
 from ..schema import METADATA, NAME, SCALAR_STATS, STEP, TENSOR_TYPE, TENSOR_TYPES, run_record
 from ..schema.io import atomic_write
 from ._data import check_log, logged_scalars
+from ._facets import plain
 from .bands import percentile_bands
 from .exp_hist import exp_hist
 from .scalar import scalar_global_heatmap
@@ -169,7 +170,7 @@ def _scalars(df: pd.DataFrame) -> str | None:
     for ax, name in zip(axes, names):
         sel = ts[name].notna()
         ax.plot(ts["step"][sel].to_numpy(), ts[name][sel].to_numpy(dtype=np.float64), lw=1)
-        ax.set_title(str(name), fontsize=9)
+        ax.set_title(plain(name), fontsize=9)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
     for ax in axes[len(names) :]:
@@ -190,7 +191,7 @@ def _lines(ax: Any, wide: pd.DataFrame, limit: int) -> str:
     shown = list(last.index[:limit])
     for name in shown:
         col = wide[name].dropna()
-        ax.plot(col.index.to_numpy(), col.to_numpy(dtype=np.float64), lw=1, label=str(name))
+        ax.plot(col.index.to_numpy(), col.to_numpy(dtype=np.float64), lw=1, label=plain(name))
     ax.grid(True, alpha=0.3)
     ax.set_xlabel("step")
     ax.legend(fontsize=6, ncol=2)

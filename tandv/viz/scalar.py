@@ -25,7 +25,7 @@ from ._data import (
     select_steps,
     select_tensor_types,
 )
-from ._facets import NotebookFigure, facet_grid, figure_legend, step_axis
+from ._facets import NotebookFigure, facet_grid, figure_legend, plain, step_axis
 
 __all__ = [
     "scalar_line",
@@ -120,7 +120,7 @@ def scalar_line(
                 rows = rows.sort_values(xcol)
                 xs = rows[xcol].to_numpy()
                 ys = rows[(SCALAR_STATS, m)].to_numpy(dtype=np.float64)
-                label = f"{m} ({t})" if several_tt else m
+                label = plain(f"{m} ({t})" if several_tt else m)
                 color = f"C{m_i * len(tts) + t_i}"
                 if kind == "line":
                     ax.plot(xs, ys, label=label, color=color, marker="." if len(xs) < 30 else None)
@@ -128,14 +128,14 @@ def scalar_line(
                     ax.scatter(xs, ys, label=label, color=color, s=10)
         if use_log:
             ax.set_yscale("log")
-        ax.set_title(name if several_tt else f"{name} ({tts[0]})", fontsize=9)
+        ax.set_title(plain(name if several_tt else f"{name} ({tts[0]})"), fontsize=9)
         if x == "step":
             step_axis(ax)
         else:
             ax.set_xlabel(x)
         ax.grid(True, alpha=0.3)
     figure_legend(fig, axes)
-    fig.suptitle(", ".join(metrics))
+    fig.suptitle(plain(", ".join(metrics)))
     return fig
 
 
@@ -276,7 +276,7 @@ def heatmap_panels(
         ystride = max(1, int(np.ceil(len(names) / 80)))
         ax.set_yticks(
             np.arange(0, len(names), ystride) + 0.5,
-            names[::ystride],
+            [plain(n) for n in names[::ystride]],
             fontsize=7 if len(names) < 40 else 5,
         )
         stride = max(1, int(np.ceil(len(steps) / 12)))
@@ -284,7 +284,7 @@ def heatmap_panels(
             np.arange(0, len(steps), stride) + 0.5, [str(s) for s in steps[::stride]], fontsize=7
         )
         ax.set_xlabel("step")  # ticks at whole steps already: one per column
-        ax.set_title(f"{t}: {metric}", fontsize=10)
+        ax.set_title(plain(f"{t}: {metric}"), fontsize=10)
         panels.append(HeatmapPanel(ax, t, names, steps, mat))
     return fig, panels
 

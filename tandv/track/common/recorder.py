@@ -9,13 +9,16 @@ streaming them to disk) happens here, once, for both frameworks.
 
 from __future__ import annotations
 
+import atexit
 import os
 import platform
 import queue
+import signal
 import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -36,7 +39,14 @@ from ...schema.columns import (
     TENSOR_TYPES,
     UNDERFLOW,
 )
-from ...schema.writer import FORMATS, LogWriter, open_writer, prepare_directory
+from ...schema.writer import (
+    FORMATS,
+    LogWriter,
+    claim_log,
+    open_writer,
+    prepare_directory,
+    release_claim,
+)
 from ...stats.summary import (
     COUNT_STATS,
     DEFAULT_STATS,
@@ -254,8 +264,9 @@ def resolve_out(out: str | os.PathLike | None, out_format: str, run_name: str) -
     for parquet, a ``.pkl`` file for pickle), with ``-2``, ``-3``, ... appended when taken.
 
     A default path is reserved as it is chosen (the parquet directory is created, the
-    pickle file created empty, each only if absent, atomically), so trackers started in
-    the same second, in one process or several, never share a log."""
+    pickle path claimed (:func:`~tandv.schema.writer.claim_log`), each only if absent,
+    atomically), so trackers started in the same second, in one process or several, never
+    share a log."""
     if out_format not in FORMATS:
         raise ValueError(f"out_format={out_format!r}: expected one of {FORMATS}")
     if out is not None:
@@ -271,10 +282,52 @@ def resolve_out(out: str | os.PathLike | None, out_format: str, run_name: str) -
                 path.mkdir()
             else:
                 path = path.with_suffix(".pkl")
-                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+                claim = claim_log(path, "pickle")
+                if path.exists():
+                    release_claim(claim)
+                    raise FileExistsError(path)
             return path
         except FileExistsError:
             k += 1
+
+
+#: Recorders not yet closed, for the SIGTERM handler.
+_OPEN: weakref.WeakSet[StepRecorder] = weakref.WeakSet()
+_TERM = {"installed": False, "fired": False}
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM as SIGINT is handled: an exception on the main thread, so ``with`` blocks
+    close their trackers (the buffered steps are flushed), then exit status 143; trackers
+    not closed by then are closed at exit. With no tracker open, the default action."""
+    if not any(not r.closed for r in list(_OPEN)):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    _TERM["fired"] = True
+    raise SystemExit(128 + signum)
+
+
+def _close_after_sigterm() -> None:
+    if not _TERM["fired"]:
+        return
+    for rec in list(_OPEN):
+        try:
+            rec.close()
+        except Exception as e:  # at exit: say so, close the others
+            print(f"tandv: closing the log {str(rec.path)!r} failed: {e}", file=sys.stderr)
+
+
+def _handle_sigterm() -> None:
+    """Install the SIGTERM handler once, from the main thread, unless the program has a
+    handler of its own."""
+    if _TERM["installed"] or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    atexit.register(_close_after_sigterm)
+    _TERM["installed"] = True
 
 
 class StepRecorder:
@@ -349,7 +402,7 @@ class StepRecorder:
             writer = open_writer(
                 path,
                 out_format,  # type: ignore[arg-type]
-                reserved=out is None,
+                claimed=out is None,
                 run=run,
             )
             return path
@@ -390,6 +443,9 @@ class StepRecorder:
         self.steps_recorded = 0
         self.closed = False
         self.scalars: ScalarRecorder | None = None  # created by the first log_scalars
+        if self.writer is not None:
+            _OPEN.add(self)
+            _handle_sigterm()
 
     def log_scalars(
         self,
@@ -502,7 +558,12 @@ class StepRecorder:
     ) -> int:
         """Record observations taken (:meth:`take`) at step ``step``: move their summaries
         to the host with one ``to_host`` call, merge observations of the same tensor, and
-        buffer the rows. Steps must be committed in order. Returns the row count."""
+        buffer the rows. Steps must be committed in order. Returns the row count.
+
+        Raises:
+            RuntimeError: if writing an earlier batch failed (at the first step after it).
+        """
+        self._raise_writer_error()
         module_rows = any(k.tensor_type in (ACTIVATION, GRADIENT) for k, _, _ in pending)
         if self._had_module_rows and not module_rows and not self._warned_empty_step:
             self._warned_empty_step = True
