@@ -5,7 +5,9 @@ Builds (once, then reused) a 5-million-row parquet log, 500 tensors x 10,000 ste
 rows from :func:`tandv.track.common.build_rows`), then times, each in a fresh Python
 process so that peak resident memory is that of the one task:
 
-- ``full``: ``tandv.read_parquet(LOG)``, the whole log;
+- ``arrow``: the baseline, plain ``pyarrow.dataset`` over the same parts (their schemas
+  unified, every column read into one Arrow table), nothing checked;
+- ``full``: ``tandv.read_parquet(LOG)``, the whole log, validated;
 - ``last``: the last 1,000 steps, ``filters=[("step", ">=", 9000)]``;
 - ``stat``: one statistic for every row, ``columns=["rm2"]``;
 - ``summary``: ``tandv summary LOG`` (the command's ``main``, output discarded).
@@ -15,11 +17,16 @@ tensor has its own scale (10^-6 .. 10^1) and dtype (float32 or bfloat16), its va
 span about 25 binades, and the scale drifts by one binade every 1,000 steps, so parts
 hold different sets of exponent columns, as real logs do.
 
+Each task reports seconds, peak resident memory, and *extra* memory: the peak less the
+resident memory just before the task began (imports done), which is what the
+``full``/``arrow`` ratios printed at the end compare.
+
 Usage::
 
     python benchmarks/read_log.py                    # log in /tmp/tandv-read-bench
     python benchmarks/read_log.py --log DIR --repeat 3
-    python benchmarks/read_log.py --tasks full,last  # a subset of the tasks
+    python benchmarks/read_log.py --tasks arrow,full # a subset of the tasks
+    python benchmarks/read_log.py --tiny             # seconds: the test suite's run
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-TASKS = ("full", "last", "stat", "summary")
+TASKS = ("arrow", "full", "last", "stat", "summary")
 
 
 def build_log(path: Path, tensors: int, steps: int, steps_per_part: int, seed: int = 0) -> None:
@@ -81,15 +88,40 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _rss_mib() -> float:
+    """Resident memory now (Linux: /proc; elsewhere the peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return _peak_mib()
+
+
+def read_arrow(log: str) -> object:
+    """The baseline: every part through one plain ``pyarrow.dataset``, schemas unified."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    files = sorted(str(p) for p in Path(log).glob("*.parquet"))
+    schema = pa.unify_schemas([pq.read_schema(f) for f in files])
+    return ds.dataset(files, schema=schema, format="parquet").to_table()
+
+
 def run_task(task: str, log: str, last_from: int) -> dict:
-    """One task in this process; returns seconds, peak RSS and the result's shape."""
+    """One task in this process; returns seconds, peak and extra RSS, the result's shape."""
     import io
     from contextlib import redirect_stdout
 
+    import pyarrow.dataset  # noqa: F401  (imported before the task, as tandv imports it)
+
     import tandv
 
+    before = _rss_mib()
     t0 = time.perf_counter()
-    if task == "full":
+    if task == "arrow":
+        df = read_arrow(log)
+    elif task == "full":
         df = tandv.read_parquet(log)
     elif task == "last":
         df = tandv.read_parquet(log, filters=[("step", ">=", last_from)])
@@ -108,7 +140,14 @@ def run_task(task: str, log: str, last_from: int) -> dict:
         raise SystemExit(f"unknown task {task!r}; expected one of {TASKS}")
     seconds = time.perf_counter() - t0
     shape = None if df is None else list(df.shape)
-    return {"task": task, "seconds": seconds, "peak_mib": _peak_mib(), "shape": shape}
+    peak = _peak_mib()
+    return {
+        "task": task,
+        "seconds": seconds,
+        "peak_mib": peak,
+        "extra_mib": peak - before,
+        "shape": shape,
+    }
 
 
 def main() -> None:
@@ -128,13 +167,34 @@ def main() -> None:
         "--repeat", type=int, default=1, help="runs of each task (fresh process each)"
     )
     parser.add_argument("--rebuild", action="store_true", help="rebuild the log even if it exists")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a 960-row log of 16 tensors x 60 steps in a fresh folder (the test suite's run)",
+    )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child process's task
     args = parser.parse_args()
+    if args.tiny:
+        import tempfile
+
+        args.tensors, args.steps, args.steps_per_part = 16, 60, 10
+        args.log = tempfile.mkdtemp(prefix="tandv-read-tiny-") + "/log"
     last_from = max(0, args.steps - 1000)
     if args.one:
         print(json.dumps(run_task(args.one, args.log, last_from)))
         return
+    try:
+        for ratios in run(args, last_from).values():
+            print(ratios)
+    finally:
+        if args.tiny:
+            import shutil
 
+            shutil.rmtree(Path(args.log).parent, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, last_from: int) -> dict[str, str]:
+    """Build the log if needed and run the tasks; returns the ratio lines."""
     log = Path(args.log)
     if args.rebuild and log.exists():
         import shutil
@@ -152,28 +212,34 @@ def main() -> None:
     import tandv
 
     print(f"tandv from {Path(tandv.__file__).parent}, {os.cpu_count()} CPUs")
-    print(f"{'task':<10}{'seconds':>10}{'peak MiB':>10}  shape")
-    for task in args.tasks.split(","):
-        for _ in range(args.repeat):
+    print(f"{'task':<10}{'seconds':>10}{'peak MiB':>10}{'extra MiB':>11}  shape")
+    got: dict[str, list[dict]] = {}
+    for _ in range(args.repeat):  # rounds: each task once per round, interleaved
+        for task in args.tasks.split(","):
             out = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--log",
-                    str(log),
-                    "--steps",
-                    str(args.steps),
-                    "--one",
-                    task,
-                ],
+                [sys.executable, __file__, "--log", str(log), "--steps", str(args.steps)]
+                + ["--one", task],
                 capture_output=True,
                 text=True,
             )
             if out.returncode != 0:
-                print(f"{task:<10} failed:\n{out.stderr[-2000:]}")
-                break
+                raise SystemExit(f"{task} failed:\n{out.stderr[-2000:]}")
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{task:<10}{r['seconds']:>10.2f}{r['peak_mib']:>10.0f}  {r['shape']}")
+            got.setdefault(task, []).append(r)
+            print(
+                f"{task:<10}{r['seconds']:>10.2f}{r['peak_mib']:>10.0f}{r['extra_mib']:>11.0f}"
+                f"  {r['shape']}"
+            )
+    ratios = {}
+    if "arrow" in got and "full" in got:  # the same round's runs, paired
+        pairs = list(zip(got["full"], got["arrow"]))
+        t = [f["seconds"] / a["seconds"] for f, a in pairs]
+        m = [f["extra_mib"] / max(a["extra_mib"], 1.0) for f, a in pairs]
+        ratios["full/arrow"] = (
+            f"full / arrow: seconds {min(t):.2f}-{max(t):.2f}x, "
+            f"extra memory {min(m):.2f}-{max(m):.2f}x"
+        )
+    return ratios
 
 
 if __name__ == "__main__":

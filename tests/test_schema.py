@@ -498,7 +498,7 @@ def test_read_parquet_rejects_negative_and_null_integer_counts(tmp_path):
     _write_raw(tmp_path / "part-0.parquet", **{"exponent_counts.0": pa.array([3, -4])})
     with pytest.raises(
         SchemaError,
-        match=r"part-0\.parquet', row 1: \('exponent_counts', 0\): expected counts >= 0; "
+        match=r"part-0\.parquet', column 'exponent_counts\.0', row 1: expected a count >= 0; "
         r"found -4",
     ):
         read_parquet(tmp_path)

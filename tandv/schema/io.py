@@ -645,6 +645,7 @@ class _ParquetLog:
             for i, n in enumerate(names)
             if self.schema.field(n).type != pa.string()
         ]
+        count_names = {n for n in names if n.startswith(EXPONENT_COUNTS + _SEP)}
         strings = [(i, n) for i, n in enumerate(names) if self.schema.field(n).type == pa.string()]
         capacity = (
             self.num_rows if chunk_rows is None else min(self.num_rows, chunk_rows + _BATCH_ROWS)
@@ -704,6 +705,17 @@ class _ParquetLog:
                     if dt.kind != "f":
                         raise self._stored_null(part, name)
                 out[:] = col.to_numpy(zero_copy_only=False)  # a stored null statistic reads NaN
+                # the counts' rule (>= 0) checked here, on data still in cache, so that
+                # validating the frame need not read every count again (check(counts=False))
+                if name in count_names and out.min() < 0:
+                    row = int(np.argmin(out >= 0))
+                    which = " (counting the rows the filters kept)" if expr is not None else ""
+                    raise _part_error(
+                        Path(part),
+                        f"expected a count >= 0; found {out[row].item()}{which}",
+                        seen.get(part, 0) + row,
+                        name,
+                    )
             for i, name in strings:
                 strs[name].append(batch.column(i))
             origin.append((rows, part, seen.get(part, 0)))
@@ -759,7 +771,7 @@ def _validated(
 ) -> pd.DataFrame:
     """``validate(df)``; an error about one row also names the part file and its row there."""
     try:
-        return check(df, duplicates=duplicates)
+        return check(df, duplicates=duplicates, counts=False)  # counts: checked in tables()
     except SchemaError as e:
         if e.row is None or not origin:
             raise

@@ -162,6 +162,28 @@ def _duplicates(df: pd.DataFrame, step: np.ndarray) -> np.ndarray:
     return pd.Series(k).duplicated().to_numpy()
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+#: Columns checked together by :func:`_counts_out_of_range` (bounds the copy it makes).
+_BLOCK_COLUMNS = 16
+
+
+def _counts_out_of_range(df: pd.DataFrame, at: np.ndarray, dtypes: list[Any]) -> bool:
+    """Whether an integer count column at positions ``at`` holds a value below 0 or, in an
+    unsigned column, above the int64 maximum (which parquet readers cannot give back as
+    the log's int64 counts). Columns of one dtype are read a few at a time by position."""
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for i, dt in zip(at, dtypes):
+        by_dtype.setdefault(dt, []).append(int(i))
+    for dt, cols in by_dtype.items():
+        for k in range(0, len(cols), _BLOCK_COLUMNS):
+            block = df.iloc[:, cols[k : k + _BLOCK_COLUMNS]].to_numpy(dtype=dt)
+            if dt.kind == "i" and block.min(initial=0) < 0:
+                return True
+            if dt.kind == "u" and block.max(initial=0) > _INT64_MAX:
+                return True
+    return False
+
+
 def validate(df: pd.DataFrame) -> pd.DataFrame:
     """Check ``df`` against the log schema and return it unchanged.
 
@@ -172,9 +194,10 @@ def validate(df: pd.DataFrame) -> pd.DataFrame:
     return check(df)
 
 
-def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
+def check(df: pd.DataFrame, *, duplicates: bool = True, counts: bool = True) -> pd.DataFrame:
     """:func:`validate`, optionally without the duplicate-row rule (for a reader that
-    checks it across chunks itself)."""
+    checks it across chunks itself) or without looking at the values of plain int64 count
+    columns (for a reader that checked them in Arrow as it decoded them)."""
     if not isinstance(df, pd.DataFrame):
         raise SchemaError(f"a log is a pandas DataFrame; found {type(df).__name__}")
     cols = df.columns
@@ -247,6 +270,12 @@ def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
             raise SchemaError(
                 f"{col!r}: expected a numeric (float or int) dtype; found {dt}", column=col
             )
+        if isinstance(dt, np.dtype) and dt.kind == "u" and len(df):
+            v = df[col].to_numpy()
+            if v.max() > _INT64_MAX:
+                raise _bad_value(
+                    col, df[col], v > _INT64_MAX, f"values <= {_INT64_MAX} (the int64 maximum)"
+                )
         if ptypes.is_extension_array_dtype(dt):
             na = df[col].isna().to_numpy()
             if na.any():
@@ -273,17 +302,23 @@ def check(df: pd.DataFrame, *, duplicates: bool = True) -> pd.DataFrame:
             f"{EXPONENT_COUNTS!r}: column labels must be integer exponents or "
             f"{UNDERFLOW!r}/{OVERFLOW!r}; found {_examples(bad_labels)}"
         )
-    kinds = {dt.kind if isinstance(dt, np.dtype) else "?" for dt in dtypes.iloc[exp_at]}
-    # plain numpy integer columns (what the trackers write) are checked as one block; the
-    # others, or a block holding a negative count, column by column, for the exact error
+    exp_dtypes = list(dtypes.iloc[exp_at])
+    kinds = {dt.kind if isinstance(dt, np.dtype) else "?" for dt in exp_dtypes}
+    # plain numpy integer columns (what the trackers write) are checked in blocks of
+    # columns by position (no lookup per column, a bounded copy); the others, or a block
+    # holding a count out of range, column by column, for the exact error
     if not kinds <= {"i", "u"} or (
-        len(df) and "i" in kinds and df.iloc[:, exp_at].to_numpy().min(initial=0) < 0
+        counts and len(df) and _counts_out_of_range(df, exp_at, exp_dtypes)
     ):
         for c in exps:
             col = (EXPONENT_COUNTS, c)
             v = _integer(col, df[col], "counts", "; convert with .astype('int64')")
             if v.dtype.kind == "i" and v.size and v.min() < 0:
                 raise _bad_value(col, df[col], v < 0, "counts >= 0")
+            if v.dtype.kind == "u" and v.size and v.max() > _INT64_MAX:
+                raise _bad_value(
+                    col, df[col], v > _INT64_MAX, f"counts <= {_INT64_MAX} (the int64 maximum)"
+                )
 
     if not duplicates:
         return df
