@@ -4,6 +4,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -287,10 +288,10 @@ def test_pickle_write_failure_at_close_names_the_log(tmp_path, monkeypatch):
     rec.add(key("a"), layout, v)
     rec.end_step(0, lambda xs: xs)
 
-    def full_disk(self, path, *a, **kw):
+    def full_disk(self, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(pd.DataFrame, "to_pickle", full_disk)
+    monkeypatch.setattr(Path, "write_bytes", full_disk)
     with pytest.raises(
         RuntimeError, match=r"writing the log to '.*run\.pkl' failed: OSError: .*No space left"
     ):

@@ -459,6 +459,8 @@ def test_fuzzed_logs_are_accepted_and_round_trip_or_rejected_with_a_schema_error
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
+from tandv.schema.io import seal_part  # noqa: E402
+
 
 def _write_raw(path, **overrides):
     """A parquet file laid out like a log part, with some flat columns replaced."""
@@ -474,7 +476,8 @@ def _write_raw(path, **overrides):
         "exponent_counts.+inf": pa.array([0, 0]),
     }
     cols.update(overrides)
-    pq.write_table(pa.table({k: v for k, v in cols.items() if v is not None}), path)
+    table = pa.table({k: v for k, v in cols.items() if v is not None})
+    pq.write_table(seal_part(table), path)
     return path
 
 

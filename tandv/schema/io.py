@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import bisect
 import errno
+import hashlib
+import io
 import json
 import operator
 import os
+import pickle
 import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -61,6 +64,8 @@ __all__ = [
     "drop_empty_exponents",
     "atomic_write",
     "exclusive_write",
+    "seal_part",
+    "LOG_VERSION",
     "PICKLE_SUFFIXES",
 ]
 
@@ -185,10 +190,24 @@ def exclusive_write(path: PathLike, write: Any) -> Path:
 # ----------------------------------------------------------------------------- pickle
 
 
+#: What follows the pickle in a pickle log tandv writes: then the SHA-256 (hex) of the bytes
+#: before it. Unpicklers stop at the pickle's end, so ``pandas.read_pickle`` reads the file.
+_PICKLE_SUM = b"\ntandv-sha256:"
+
+
+def pickle_bytes(df: pd.DataFrame) -> bytes:
+    """``df`` pickled, followed by the checksum :func:`read_pickle` verifies."""
+    data = pickle.dumps(df, protocol=pickle.HIGHEST_PROTOCOL)
+    return data + _PICKLE_SUM + hashlib.sha256(data).hexdigest().encode()
+
+
 def write_pickle(df: pd.DataFrame, path: PathLike) -> Path:
-    """Validate ``df`` and write it to ``path`` as a pickle (atomically)."""
+    """Validate ``df`` and write it to ``path`` as a pickle (atomically), with a checksum
+    of its bytes after it that :func:`read_pickle` verifies (a damaged file is an error,
+    not altered values)."""
     validate(df)
-    return atomic_write(path, lambda tmp: df.to_pickle(tmp))
+    data = pickle_bytes(df)
+    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
 def _magic(path: Path) -> str | None:
@@ -200,6 +219,58 @@ def _magic(path: Path) -> str | None:
     if head[:1] == b"\x80":  # pickle protocol 2 and later
         return "pickle"
     return None
+
+
+def _checked_restore(restore: Any) -> Any:
+    """``pyarrow``'s array reconstructor, followed by a full validation of the array it
+    rebuilt (offsets within the data, valid UTF-8): a damaged pickle otherwise yields an
+    Arrow string array whose offsets point anywhere, which crashes the process when read."""
+
+    def restored(*args: Any) -> Any:
+        array = restore(*args)
+        array.validate(full=True)
+        return array
+
+    return restored
+
+
+def _check_unpickled(df: Any) -> None:
+    """Check the internal structure of an unpickled DataFrame before anything reads it: a
+    damaged pickle can rebuild a frame whose column codes or block placements point outside
+    its arrays, which pandas does not check and crashes on. Raises ValueError."""
+    if not isinstance(df, pd.DataFrame):
+        return  # validate() says what it is
+    cols = df.columns
+    if isinstance(cols, pd.MultiIndex):
+        for level, codes in zip(cols.levels, cols.codes):
+            codes = np.asarray(codes)
+            if len(codes) != len(cols.codes[0]) or (
+                codes.size and (codes.min() < -1 or codes.max() >= len(level))
+            ):
+                raise ValueError("column codes out of range")
+    ncols, nrows = len(cols), len(df.index)
+    seen = np.zeros(ncols, dtype=np.int64)
+    for blk in df._mgr.blocks:
+        locs = np.asarray(blk.mgr_locs.as_array)
+        shape = blk.values.shape
+        width = shape[0] if len(shape) == 2 else 1
+        if len(shape) == 2 and shape[1] != nrows or len(shape) == 1 and shape[0] != nrows:
+            raise ValueError("a block's length differs from the index's")
+        if len(locs) != width or (locs.size and (locs.min() < 0 or locs.max() >= ncols)):
+            raise ValueError("a block's column placement is out of range")
+        np.add.at(seen, locs, 1)
+    if not (seen == 1).all():
+        raise ValueError("the blocks do not cover each column exactly once")
+
+
+class _CheckedUnpickler(pickle.Unpickler):
+    """The standard unpickler, except that Arrow arrays are validated as they are rebuilt."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name)
+        if module == "pyarrow.lib" and name == "_restore_array":
+            return _checked_restore(found)
+        return found
 
 
 def read_pickle(path: PathLike) -> pd.DataFrame:
@@ -223,7 +294,20 @@ def read_pickle(path: PathLike) -> pd.DataFrame:
             f"(or read it with read_parquet)"
         )
     try:
-        df = pd.read_pickle(path)
+        data = path.read_bytes()
+        end = data.rfind(_PICKLE_SUM, max(0, len(data) - len(_PICKLE_SUM) - 64))
+        if end >= 0:  # written by tandv: the bytes must be those written
+            digest = data[end + len(_PICKLE_SUM) :]
+            if hashlib.sha256(memoryview(data)[:end]).hexdigest().encode() != digest:
+                raise SchemaError(
+                    f"{str(path)!r}: damaged pickle, its checksum does not match its contents; "
+                    f"restore it from a copy"
+                )
+            data = data[:end]
+        df = _CheckedUnpickler(io.BytesIO(data)).load()
+        _check_unpickled(df)
+    except SchemaError:
+        raise
     except Exception as e:
         raise SchemaError(f"{str(path)!r} is not a readable pickle: {type(e).__name__}: {e}") from e
     try:
@@ -255,7 +339,8 @@ _FILTER_OPS = {
     ">=": operator.ge,
 }
 _STRING_META = frozenset(c for c in META_COLUMNS if c != STEP)
-_INT_LABEL = re.compile(r"-?[0-9]+")
+#: An exponent label as the writer spells it: no leading zeros, no "-0", no "+".
+_INT_LABEL = re.compile(r"0|-?[1-9][0-9]*")
 
 
 def _flat(col: tuple[str, Any]) -> str:
@@ -283,6 +368,68 @@ def run_record(df: pd.DataFrame) -> dict[str, Any]:
     return dict(got) if isinstance(got, Mapping) else {}
 
 
+#: The log format version this module writes and reads (``tandv.log`` in each part).
+LOG_VERSION = b"1"
+#: Schema metadata key of a part's schema checksum (:func:`_schema_sum`).
+_SUM_KEY = b"tandv.schema_sha256"
+
+
+def _schema_sum(schema: pa.Schema, rows: int) -> bytes:
+    """SHA-256 (hex) of what a part's footer says about its contents: each column's name
+    and type, the row count, and tandv's own metadata (version, run record). Written with
+    the part and compared on read, it catches footer damage that still parses (a renamed
+    column, a changed type), which page checksums do not cover."""
+    meta = schema.metadata or {}
+    h = hashlib.sha256()
+    for field in schema:
+        h.update(f"{field.name}\t{field.type}\n".encode())
+    h.update(f"rows\t{rows}\n".encode())
+    for key in (_MARK, _RUN_KEY):
+        h.update(key + b"\t" + meta.get(key, b"") + b"\n")
+    return h.hexdigest().encode()
+
+
+def seal_part(table: pa.Table, run: Mapping[str, Any] | None = None) -> pa.Table:
+    """``table`` with the schema metadata of a log part: the format version, the record of
+    how the log was made (if any), and the schema checksum the readers verify."""
+    meta = {_MARK: LOG_VERSION}
+    if run:
+        meta[_RUN_KEY] = json.dumps(run, default=str).encode()
+    table = table.replace_schema_metadata(meta)
+    meta[_SUM_KEY] = _schema_sum(table.schema, table.num_rows)
+    return table.replace_schema_metadata(meta)
+
+
+def _check_seal(path: Path, schema: pa.Schema, rows: int) -> None:
+    """SchemaError unless the part is marked with this log version and its schema checksum
+    matches its footer."""
+    meta = schema.metadata or {}
+    version = meta.get(_MARK)
+    if version is None:
+        raise SchemaError(
+            f"{str(path)!r} is not a tandv log: it is not marked as one (no "
+            f"{_MARK.decode()!r} version in its schema metadata); write logs with tandv "
+            f"(write_parquet or a tracker)"
+        )
+    if version != LOG_VERSION:
+        raise SchemaError(
+            f"{str(path)!r}: log format version {version.decode(errors='replace')!r}; this "
+            f"tandv reads version {LOG_VERSION.decode()} (a newer tandv wrote it, or the "
+            f"footer is damaged)"
+        )
+    stored = meta.get(_SUM_KEY)
+    if stored is None:
+        raise SchemaError(
+            f"{str(path)!r}: no schema checksum ({_SUM_KEY.decode()!r}) in its footer; the "
+            f"footer is damaged or the part was not written by this version of tandv"
+        )
+    if stored != _schema_sum(schema, rows):
+        raise SchemaError(
+            f"{str(path)!r}: damaged footer, its schema checksum does not match its column "
+            f"names, types and row count; restore the part or move it out of the log"
+        )
+
+
 def write_parquet(df: pd.DataFrame, path: PathLike) -> Path:
     """Validate ``df`` and write it to the parquet file ``path`` (atomically); the record
     of how the log was made (:func:`run_record`) goes into the file's schema metadata.
@@ -293,10 +440,7 @@ def write_parquet(df: pd.DataFrame, path: PathLike) -> Path:
     """
     validate(df)
     table = pa.Table.from_arrays(_arrow_columns(df), names=[_flat(c) for c in df.columns])
-    meta = {_MARK: b"1"}
-    if run_record(df):
-        meta[_RUN_KEY] = json.dumps(run_record(df), default=str).encode()
-    table = table.replace_schema_metadata(meta)
+    table = seal_part(table, run_record(df))
     return atomic_write(
         path,
         lambda tmp: pq.write_table(
@@ -399,6 +543,9 @@ def _check_part(path: Path, schema: pa.Schema) -> None:
     names = schema.names
     if not any(n.startswith(METADATA + _SEP) for n in names):
         raise SchemaError(f"{str(path)!r} is not a tandv log: it has no {METADATA!r} columns")
+    if len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise _part_error(path, "the column appears twice in the part", column=twice)
     for i, name in enumerate(names):
         group, sep, label = name.partition(_SEP)
         if not sep or group not in GROUPS:
@@ -443,8 +590,9 @@ def _check_part(path: Path, schema: pa.Schema) -> None:
             if label not in (UNDERFLOW, OVERFLOW) and not _INT_LABEL.fullmatch(label):
                 raise _part_error(
                     path,
-                    f"exponent labels must be integers or {UNDERFLOW!r}/{OVERFLOW!r}; "
-                    f"found {label!r}",
+                    f"exponent labels must be integers as tandv writes them (e.g. "
+                    f"'-3', '0', '12': no leading zeros, no '-0') or "
+                    f"{UNDERFLOW!r}/{OVERFLOW!r}; found {label!r}",
                     column=name,
                 )
             if pa.types.is_floating(t):
@@ -503,10 +651,12 @@ class _ParquetLog:
                 else:
                     footer = pq.read_metadata(f)
                     schema, rows = footer.schema.to_arrow_schema(), footer.num_rows
-            except (OSError, pa.ArrowException) as e:
+                names = schema.names  # decoded here: a damaged name is not UTF-8
+            except (OSError, pa.ArrowException, UnicodeDecodeError) as e:
                 raise SchemaError(
                     f"{str(f)!r} is not a readable parquet file: {' '.join(str(e).split())}"
                 ) from None
+            _check_seal(f, schema, rows)
             if not self.run and schema.metadata and _RUN_KEY in schema.metadata:
                 try:
                     self.run = json.loads(schema.metadata[_RUN_KEY])
@@ -529,9 +679,9 @@ class _ParquetLog:
                         stat_types.setdefault(field.name, set()).add(field.type)
                     elif group == EXPONENT_COUNTS:
                         exps.add(field.name)
-            self.part_names[fragment.path] = frozenset(schema.names)
+            self.part_names[fragment.path] = frozenset(names)
             self.num_rows += rows
-            for name in schema.names:
+            for name in names:
                 present[name] = present.get(name, 0) + 1
         fields = [
             pa.field(_flat((METADATA, c)), pa.int64() if c == STEP else pa.string())

@@ -31,6 +31,7 @@ from .io import (
     concat_logs,
     drop_empty_exponents,
     exclusive_write,
+    pickle_bytes,
     write_parquet,
 )
 from .validate import validate
@@ -253,7 +254,8 @@ class PickleWriter(LogWriter):
                     if self.run:
                         df.attrs[RUN_ATTR] = self.run
                     validate(df)
-                    exclusive_write(self.path, lambda tmp: df.to_pickle(tmp))
+                    data = pickle_bytes(df)
+                    exclusive_write(self.path, lambda tmp: Path(tmp).write_bytes(data))
                 except Exception as e:
                     raise RuntimeError(
                         f"tandv: writing the log to {str(self.path)!r} failed: "
