@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 
 from tandv.schema import read_parquet, read_pickle
