@@ -490,16 +490,51 @@ def _parquet_files(path: Path) -> list[Path]:
 
 
 def _flat_key(key: Any) -> str:
-    """A user's column key (tuple, metadata name, or flat name) as a flat parquet name."""
+    """A user's column key as a flat parquet name: a ``(group, label)`` tuple, a metadata
+    name, a flat name (``"exponent_counts.-3"``), an exponent label (``-3``, ``"+inf"``)
+    or a statistic name.
+
+    Raises:
+        ValueError: for anything else (a tuple of another length, a float, an unknown
+            group or metadata column, an exponent label not spelt as tandv writes it).
+    """
     if isinstance(key, tuple):
-        return _flat(key)
-    if key in META_COLUMNS:
-        return _flat((METADATA, key))
-    if isinstance(key, str) and key.partition(_SEP)[0] in GROUPS:
-        return key
-    if is_exponent_label(key) or key in (UNDERFLOW, OVERFLOW):
-        return _flat((EXPONENT_COUNTS, key))
-    return _flat((SCALAR_STATS, key))
+        if len(key) != 2:
+            raise ValueError(
+                f"column {key!r}: a column key is a (group, label) tuple with a group in "
+                f"{list(GROUPS)}, e.g. ('scalar_stats', 'rm2') or ('exponent_counts', -3)"
+            )
+        group, label = key
+    elif isinstance(key, str) and key in META_COLUMNS:
+        group, label = METADATA, key
+    elif isinstance(key, str) and key.partition(_SEP)[0] in GROUPS:
+        group, _, label = key.partition(_SEP)
+    elif is_exponent_label(key) or key in (UNDERFLOW, OVERFLOW):
+        group, label = EXPONENT_COUNTS, key
+    elif isinstance(key, str) and key:
+        group, label = SCALAR_STATS, key
+    else:
+        raise ValueError(
+            f"column {key!r}: expected a statistic name (str), an exponent label (int, "
+            f"{UNDERFLOW!r} or {OVERFLOW!r}), a metadata name or a (group, label) tuple"
+        )
+    if group == METADATA and label not in META_COLUMNS:
+        raise ValueError(f"column {key!r}: the metadata columns are {list(META_COLUMNS)}")
+    if group == EXPONENT_COUNTS and not (
+        is_exponent_label(label)
+        or label in (UNDERFLOW, OVERFLOW)
+        or (isinstance(label, str) and _INT_LABEL.fullmatch(label))
+    ):
+        raise ValueError(
+            f"column {key!r}: an exponent label is an int (e.g. -3) or {UNDERFLOW!r}/{OVERFLOW!r}"
+        )
+    if group == SCALAR_STATS and not (isinstance(label, str) and label):
+        raise ValueError(f"column {key!r}: a statistic name is a non-empty str")
+    if group not in GROUPS:
+        raise ValueError(f"column {key!r}: unknown group {group!r}; expected one of {GROUPS}")
+    if group == EXPONENT_COUNTS and not isinstance(label, str):
+        label = int(label)
+    return f"{group}{_SEP}{label}"
 
 
 def _part_error(
@@ -610,6 +645,20 @@ def _check_part(path: Path, schema: pa.Schema) -> None:
         )
 
 
+def _check_filter_value(f: Any, value: Any, strings: bool) -> None:
+    """ValueError unless ``value`` can be compared with the column: a str for the string
+    metadata, a number (not a bool) for steps, statistics and counts."""
+    if strings:
+        if not isinstance(value, str):
+            raise ValueError(f"filters: {f!r}: the column holds strings; compare it with a str")
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise ValueError(
+            f"filters: {f!r}: the column holds numbers; compare it with a number, "
+            f"not {type(value).__name__}"
+        )
+
+
 class _ParquetLog:
     """An opened parquet log: its part files, each checked from its footer, and one
     ``pyarrow.dataset`` over them whose schema is the union of the parts' columns."""
@@ -711,6 +760,11 @@ class _ParquetLog:
         that the result is a valid log."""
         if columns is None:
             return self.schema.names
+        if isinstance(columns, (str, bytes, tuple)) or not isinstance(columns, Iterable):
+            raise ValueError(
+                f"columns={columns!r}: expected a list of statistic names, exponent labels "
+                f"or (group, label) tuples"
+            )
         wanted = [_flat((METADATA, c)) for c in META_COLUMNS]
         wanted += [k for k in map(_flat_key, columns) if k not in wanted]
         for k in wanted:
@@ -720,6 +774,7 @@ class _ParquetLog:
                     f"{[c for g, c in self.columns if g == SCALAR_STATS]} "
                     f"(statistics) and exponent columns"
                 )
+        self._add_exponents([k for k in wanted if k not in self.schema.names])
         stats = [n for n in self.schema.names if n.startswith(SCALAR_STATS + _SEP)]
         if stats and not any(k.startswith(SCALAR_STATS + _SEP) for k in wanted):
             wanted.append(
@@ -731,6 +786,15 @@ class _ParquetLog:
             if _flat((EXPONENT_COUNTS, label)) not in wanted:
                 wanted.append(_flat((EXPONENT_COUNTS, label)))
         return [n for n in map(_flat, canonical_columns(map(_unflat, wanted)))]
+
+    def _add_exponents(self, names: list[str]) -> None:
+        """Exponent columns no part holds, added to the scan's schema: they read as zero
+        counts everywhere, as a missing exponent column means."""
+        if names:
+            self.schema = pa.schema(
+                [*self.schema, *(pa.field(n, pa.int64()) for n in names)], self.schema.metadata
+            )
+            self.dataset = self.dataset.replace_schema(self.schema)
 
     def filter_expression(self, filters: Sequence[Any] | None) -> ds.Expression | None:
         """``filters`` in pyarrow's list form (``[(col, op, value), ...]``, or a list of
@@ -747,7 +811,8 @@ class _ParquetLog:
                 raise ValueError(f"filters: {f!r} is not a (column, op, value) tuple")
             key, op, value = f
             name = _flat_key(key)
-            if name.partition(_SEP)[0] == EXPONENT_COUNTS:
+            group = name.partition(_SEP)[0]
+            if group == EXPONENT_COUNTS:
                 field = (
                     pc.coalesce(ds.field(name), pa.scalar(0, pa.int64()))
                     if name in self.schema.names
@@ -755,15 +820,25 @@ class _ParquetLog:
                 )
             elif name in self.schema.names:
                 field = ds.field(name)
+                if pa.types.is_floating(self.schema.field(name).type):
+                    # as in the full frame: NaN where a part lacks the statistic
+                    field = pc.coalesce(field, pa.scalar(float("nan")))
             else:
                 raise SchemaError(
                     f"filters: no column {_unflat_safe(name)!r} in the log at {str(self.path)!r}"
                 )
-            if op in _FILTER_OPS:
-                return _FILTER_OPS[op](field, value)
+            strings = group == METADATA and name != _flat((METADATA, STEP))
             if op in ("in", "not in"):
-                e = field.isin(list(value))
+                if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+                    raise ValueError(f"filters: {f!r}: {op!r} takes a list of values")
+                value = list(value)
+                for v in value:
+                    _check_filter_value(f, v, strings)
+                e = field.isin(value)
                 return ~e if op == "not in" else e
+            if op in _FILTER_OPS:
+                _check_filter_value(f, value, strings)
+                return _FILTER_OPS[op](field, value)
             raise ValueError(
                 f"filters: unknown operator {op!r} in {f!r}; expected one of "
                 f"{[*_FILTER_OPS, 'in', 'not in']}"
