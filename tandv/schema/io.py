@@ -15,7 +15,6 @@ naming the file, the column and the row.
 from __future__ import annotations
 
 import bisect
-import errno
 import hashlib
 import io
 import json
@@ -172,14 +171,13 @@ def exclusive_write(path: PathLike, write: Any) -> Path:
         os.link(tmp, path)
     except FileExistsError:
         raise FileExistsError(
-            errno.EEXIST,
             f"a file appeared at {str(path)!r} while this run held its claim; it was left "
             f"alone and this run's log is in {tmp!r}",
         ) from None
     except OSError:  # a file system without hard links: the claim still keeps others out
         if path.exists():
             raise FileExistsError(
-                errno.EEXIST, f"a file appeared at {str(path)!r}; this run's log is in {tmp!r}"
+                f"a file appeared at {str(path)!r}; this run's log is in {tmp!r}"
             ) from None
         os.replace(tmp, path)
         return path
@@ -483,6 +481,12 @@ def _parquet_files(path: Path) -> list[Path]:
         files = sorted(p for p in path.glob("*.parquet") if not p.name.startswith("."))
         if not files:
             raise FileNotFoundError(f"no .parquet part files in directory {str(path)!r}")
+        for p in files:
+            if not p.is_file():
+                raise SchemaError(
+                    f"{str(p)!r} is not a part file (a directory or a special file named like "
+                    f"one); move it out of the log"
+                )
         return files
     if path.is_file():
         return [path]
@@ -681,10 +685,17 @@ class _ParquetLog:
                 page_checksum_verification=True
             )
         )
-        found = ds.dataset(
-            [str(f) for f in self.files], schema=pa.schema([]), format=fmt
-        )  # no inference
-        fragments = list(found.get_fragments())
+        try:
+            found = ds.dataset(
+                [str(f) for f in self.files], schema=pa.schema([]), format=fmt
+            )  # no inference
+            fragments = list(found.get_fragments())
+        except pa.ArrowException as e:
+            if isinstance(e, OSError):
+                raise
+            raise SchemaError(
+                f"{str(self.path)!r}: not a readable log: {' '.join(str(e).split())}"
+            ) from None
         self.part_names: dict[str, frozenset[str]] = {}
         stat_types: dict[str, set[pa.DataType]] = {}
         exps: set[str] = set()

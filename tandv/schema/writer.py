@@ -14,7 +14,6 @@ into place (``os.link``), which fails rather than replace a file someone else ma
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import platform
@@ -82,7 +81,6 @@ def claim_log(path: Path, out_format: str) -> Path:
         except (OSError, ValueError, KeyError, TypeError, OverflowError):
             who = "an unknown process"
         raise FileExistsError(
-            errno.EEXIST,
             f"log {str(path)!r} is being written by another run ({who}); choose another "
             f"`out`, or, if no run is writing it (a run that crashed), remove {str(claim)!r}",
         ) from None
