@@ -39,6 +39,9 @@ __all__ = [
     "exponent_range",
     "format_shares",
     "first_nonfinite",
+    "computation_order",
+    "computation_phase",
+    "STEP_PHASES",
     "text_summary",
     "summarize_log",
     "sparsity",
@@ -134,9 +137,50 @@ def format_shares(df: pd.DataFrame, fmt: Any) -> pd.DataFrame:
     return out
 
 
-#: Where each tensor type comes in a step's computation: the weights a forward pass reads,
-#: its activations, the gradients of the backward pass, the optimizer state after the update.
-_STEP_ORDER = {"Weight": 0, "Activation": 1, "Gradient": 2, "Optimiser_State": 3}
+#: The phases of a training step in the order they compute, as :func:`computation_phase`
+#: numbers them: the weights the forward pass reads, the activations it produces, the
+#: gradients of the backward pass, the optimizer state the update leaves, and last the
+#: update itself (``<param>.update`` rows of ``track(..., track_updates=True)``, typed
+#: ``Weight`` in the log but computed from the step's gradients and optimizer state).
+STEP_PHASES: tuple[str, ...] = ("Weight", "Activation", "Gradient", "Optimiser_State", "update")
+
+#: The suffix of the update rows' names (``<param>.update``).
+UPDATE_SUFFIX = ".update"
+
+
+def computation_phase(df: pd.DataFrame) -> np.ndarray:
+    """Per row of ``df``, the index in :data:`STEP_PHASES` of the phase of the step that
+    computed it: 0 weights, 1 activations, 2 gradients, 3 optimizer state, 4 update rows
+    (``Weight`` rows whose name ends in ``.update``); a tensor type the schema does not
+    know sorts after all of them (5)."""
+    kinds = df[(METADATA, "tensor_type")].astype(str).to_numpy()
+    names = df[(METADATA, "name")].astype(str).to_numpy()
+    rank = {k: i for i, k in enumerate(STEP_PHASES[:-1])}
+    phase = np.array([rank.get(k, len(STEP_PHASES)) for k in kinds], dtype=np.int64)
+    if phase.size:
+        update = (kinds == "Weight") & np.char.endswith(names.astype(str), UPDATE_SUFFIX)
+        phase[update] = STEP_PHASES.index("update")
+    return phase
+
+
+def computation_order(df: pd.DataFrame) -> np.ndarray:
+    """The positions of ``df``'s rows in the order a training run computed them:
+    ``df.iloc[computation_order(df)]`` lists them by step, then within a step by phase
+    (:data:`STEP_PHASES`: weights as the forward pass found them, activations in forward
+    order, gradients in backward order, optimizer state, then the update rows), then by the
+    log's own row order.
+
+    The log's row order is the order the tracker observed the tensors (activations in the
+    order their modules finished the forward pass, activation gradients in the order the
+    backward pass reached them); a log re-sorted by hand loses that order within a phase.
+    This is the order in which "first" is meant by :func:`first_nonfinite` (and the HTML
+    report's banner); use it wherever "which tensor went wrong first" is asked.
+    """
+    if len(df) == 0:
+        return np.zeros(0, dtype=np.int64)
+    steps = df[(METADATA, "step")].to_numpy(dtype=np.int64)
+    # lexsort: the last key is the primary one; the row position breaks ties (stable)
+    return np.lexsort((np.arange(len(df)), computation_phase(df), steps)).astype(np.int64)
 
 
 def first_nonfinite(df: pd.DataFrame) -> pd.DataFrame:
@@ -144,10 +188,10 @@ def first_nonfinite(df: pd.DataFrame) -> pd.DataFrame:
     first such step and counts, in the order the values went bad.
 
     Row 0 is *the* first: the earliest step, and within it the first tensor in the order
-    of the step's computation: weights, then activations in forward order, then gradients
-    (in the order the backward pass produced them), then optimizer state. Within a tensor
-    type the order is the log's row order, which is the order the tracker observed the
-    tensors (forward order for activations); a log re-sorted by hand loses it.
+    of the step's computation (:func:`computation_order`): weights, then activations in
+    forward order, then gradients in backward order, then optimizer state, then update
+    rows (``<param>.update``). An update row is therefore never named first when, in the
+    same step, an activation, gradient or optimizer state had already gone non-finite.
 
     Returns:
         Columns ``name``, ``tensor_type``, ``step``, ``nan_count``, ``inf_count``; empty if
@@ -159,12 +203,10 @@ def first_nonfinite(df: pd.DataFrame) -> pd.DataFrame:
     m = _meta(df)
     m["nan_count"] = df[(SCALAR_STATS, "nan_count")].to_numpy()
     m["inf_count"] = df[(SCALAR_STATS, "inf_count")].to_numpy()
-    m["_rank"] = m["tensor_type"].map(_STEP_ORDER).fillna(len(_STEP_ORDER)).to_numpy()
-    m["_row"] = np.arange(len(m))
+    m = m.iloc[computation_order(df)]
     bad = m[(m["nan_count"] > 0) | (m["inf_count"] > 0)]
     if bad.empty:
         return pd.DataFrame(columns=cols)
-    bad = bad.sort_values(["step", "_rank", "_row"], kind="stable")
     first = bad.groupby(["name", "tensor_type"], sort=False).head(1)
     return first[cols].reset_index(drop=True)
 
