@@ -3,6 +3,7 @@ each check compares tandv with numpy computed from the seed system's own definit
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -88,3 +89,52 @@ def test_computation_order_against_a_hand_ordered_log():
     ]
     assert first["step"].tolist() == [0, 1, 1, 1, 1, 1, 1]
     assert computation_order(df.iloc[:0]).tolist() == []
+
+
+# -- 2. Taiyi's RankMe when a step has fewer samples than the layer is wide ------------------
+
+
+def _taiyi_rankme(z: np.ndarray) -> float:
+    """Taiyi's RankMe (Garrido et al.): the entropy of the normalised singular values of the
+    output matrix Z (float64 numpy SVD: min(n, d) of them), offset by 1e-7."""
+    s = np.linalg.svd(z.astype(np.float64), compute_uv=False)
+    p = s / s.sum() + 1e-7
+    return float(np.exp(-(p * np.log(p)).sum()))
+
+
+@pytest.mark.parametrize("n, k, d", [(32, 48, 1024), (40, 48, 256), (300, 96, 64)])
+def test_rankme_torch_and_jax_monitors_agree_with_numpy_when_n_is_below_d(n, k, d):
+    """A Linear(k, d) layer's output over n samples, full rank min(n, d)."""
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    fnn = pytest.importorskip("flax.linen")
+    from tandv.taiyi.jax import Monitor as JaxMonitor
+    from tandv.taiyi.torch import Monitor
+
+    rng = np.random.default_rng(n + d)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    w = (rng.standard_normal((d, k)) / 7).astype(np.float32)
+    b = (rng.standard_normal(d) / 10).astype(np.float32)
+    lin = torch.nn.Linear(k, d)
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(w))
+        lin.bias.copy_(torch.from_numpy(b))
+    mon = Monitor(lin, {torch.nn.Linear: ["RankMe"]})
+    half = n // 2  # two forward passes in one step: their Gram matrices merge
+    lin(torch.from_numpy(x[:half]))
+    lin(torch.from_numpy(x[half:]))
+    mon.track(0)
+    got_torch = mon.to_dataframe()["value"].item()
+
+    jmon = JaxMonitor({fnn.Dense: ["RankMe"]})
+    dense = fnn.Dense(d)
+    variables = {"params": {"kernel": jax.numpy.asarray(w.T), "bias": jax.numpy.asarray(b)}}
+    _, q = jmon.apply(dense, variables, jax.numpy.asarray(x), due=jmon.due(0))
+    jmon.track(q)
+    got_jax = jmon.to_dataframe()["value"].item()
+
+    z = x.astype(np.float64) @ w.T.astype(np.float64) + b
+    want = _taiyi_rankme(z)
+    assert got_torch == pytest.approx(want, rel=1e-7)
+    assert got_jax == pytest.approx(want, rel=1e-5)  # float32 SVD on the JAX side
+    assert got_jax == pytest.approx(got_torch, rel=1e-5)

@@ -163,11 +163,12 @@ QUANTITIES: dict[str, QuantitySpec] = {
             True,
             "RankMe (Garrido et al. 2023, arXiv:2210.02885) of the module's output Z (samples "
             "x features): exp(-sum_k p_k log p_k) with p_k = s_k / ||s||_1 + 1e-7 and s the "
-            "singular values of Z; a smooth effective rank between 1 and min(samples, features). "
-            "s is computed as the square roots of the eigenvalues of Z^T Z (float64), so the "
-            "Gram matrix merges over forward passes; zero singular values then come out near "
-            "1e-8 of the largest, which raises RankMe of a low-rank output slightly (up to about "
-            "1e-4 relative, rank 5 of width 2048).",
+            "the min(samples, features) singular values of Z; a smooth effective rank between 1 "
+            "and min(samples, features). In the PyTorch monitor s is the square roots of the "
+            "largest min(n, d) eigenvalues of Z^T Z (float64), so the Gram matrix merges over "
+            "forward passes; zero singular values of a rank-deficient output then come out near "
+            "1e-8 of the largest, which raises RankMe slightly (up to about 1e-4 relative, rank "
+            "5 of width 2048). The JAX monitor takes s from an SVD of Z.",
         ),
         QuantitySpec(
             "MeanTID",

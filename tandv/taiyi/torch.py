@@ -201,6 +201,7 @@ class _Acc:
     grad_sq: torch.Tensor | None = None
     alive: torch.Tensor | None = None
     gram: torch.Tensor | None = None
+    gram_n: int = 0  # samples (rows of Z) summed into gram
 
 
 @dataclass
@@ -354,6 +355,7 @@ class Monitor(TableWriter):
         if "RankMe" in w.active:
             z = feature_matrix(y, module)
             acc.gram = _add(acc.gram, z.T @ z)
+            acc.gram_n += z.shape[0]
         if "OutputGradSndNorm" in w.active and y.requires_grad:
 
             def grad_hook(g: torch.Tensor) -> None:
@@ -382,7 +384,8 @@ class Monitor(TableWriter):
         ] = []  # (module, type, quantity, 0-dim tensor)
         # symmetric matrices whose eigenvalues are due (input covariances, output Gram matrices
         # for RankMe), grouped by size and device for one batched eigvalsh per group
-        mats: dict[tuple[int, torch.device], list[tuple[_Watch, list[str], torch.Tensor]]] = {}
+        # (for RankMe with the number of samples: Z has min(n, d) singular values)
+        mats: dict[tuple[int, torch.device], list[tuple[_Watch, list[str], torch.Tensor, int]]] = {}
         with torch.no_grad():
             for w in self._watches:
                 due = fired[w.path]
@@ -395,7 +398,9 @@ class Monitor(TableWriter):
                     if acc.cov_n >= 2:
                         assert acc.cov_m2 is not None  # set together with cov_mean
                         c = acc.cov_m2 / (acc.cov_n - 1)
-                        mats.setdefault((c.shape[0], c.device), []).append((w, cov_names, c))
+                        mats.setdefault((c.shape[0], c.device), []).append(
+                            (w, cov_names, c, c.shape[0])
+                        )
                     else:  # one sample has no covariance
                         nan = torch.full(
                             (), float("nan"), dtype=torch.float64, device=acc.cov_mean.device
@@ -403,18 +408,22 @@ class Monitor(TableWriter):
                         values += [(w.path, kind, q, nan) for q in cov_names]
                 if "RankMe" in due and "RankMe" in w.active and acc.gram is not None:
                     mats.setdefault((acc.gram.shape[0], acc.gram.device), []).append(
-                        (w, ["RankMe"], acc.gram)
+                        (w, ["RankMe"], acc.gram, min(acc.gram_n, acc.gram.shape[0]))
                     )
                 for q in [e.name for e in w.entries if e.name in due]:
                     v = self._value(w, q)
                     if v is not None:
                         values.append((w.path, kind, q, v))
             for group in mats.values():
-                eigs = torch.linalg.eigvalsh(torch.stack([c for _, _, c in group]))
+                eigs = torch.linalg.eigvalsh(torch.stack([c for _, _, c, _ in group]))
                 eigs = eigs.clamp_min(0).flip(-1)  # descending; negative round-off is 0
-                for (w, names, _), e in zip(group, eigs):
-                    if names == ["RankMe"]:  # singular values of Z from the eigenvalues of Z^T Z
-                        got = {"RankMe": rankme_from_singular_values(e.sqrt(), torch)}
+                for (w, names, _, k), e in zip(group, eigs):
+                    if names == ["RankMe"]:
+                        # singular values of Z (n x d) from the eigenvalues of Z^T Z (d x d):
+                        # Z has min(n, d) of them; Z^T Z's other d - n eigenvalues are zeros
+                        # that are no singular values of Z (each would add ~1.6e-6 to the
+                        # entropy through RankMe's 1e-7 offset)
+                        got = {"RankMe": rankme_from_singular_values(e[:k].sqrt(), torch)}
                     else:
                         got = finalize_cov_eigs(e, names)
                     values += [(w.path, type(w.module).__name__, q, v) for q, v in got.items()]
