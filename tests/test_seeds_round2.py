@@ -138,3 +138,64 @@ def test_rankme_torch_and_jax_monitors_agree_with_numpy_when_n_is_below_d(n, k, 
     assert got_torch == pytest.approx(want, rel=1e-7)
     assert got_jax == pytest.approx(want, rel=1e-5)  # float32 SVD on the JAX side
     assert got_jax == pytest.approx(got_torch, rel=1e-5)
+
+
+# -- 3. nnstat's trust-ratio one-liner on a zero norm; integer buffers in a state_dict --------
+
+
+def test_nnstat_trust_ratio_one_liner_gives_inf_and_nan_like_update_ratio():
+    torch = pytest.importorskip("torch")
+    from tandv.quantities import update_ratio
+    from tandv.snapshot.torch import from_weight
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    with torch.no_grad():
+        model[0].bias.zero_()  # a zero-initialised bias: ||W|| = 0, its update is not
+        model[1].bias.zero_()  # frozen below: ||update|| = ||W|| = 0
+    model[1].bias.requires_grad_(False)
+    W0 = from_weight(model, clone=True)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model(torch.randn(6, 4)).pow(3).sum().backward()
+    opt.step()
+    update = from_weight(model) - W0
+    ratio = update.norm(2, layerwise=True) / W0.norm(2, layerwise=True)  # nnstat's one-liner
+    # numpy from nnstat's definition ||W_t - W_{t-1}|| / ||W_{t-1}||, IEEE division
+    with np.errstate(all="ignore"):
+        want = {
+            k: np.float64(np.linalg.norm(update[k].numpy().astype(np.float64)))
+            / np.float64(np.linalg.norm(W0[k].numpy().astype(np.float64)))
+            for k in W0
+        }
+    assert np.isinf(ratio["0.bias"]) and np.isnan(ratio["1.bias"])
+    for k, v in want.items():
+        np.testing.assert_allclose(ratio[k], v, rtol=1e-6)
+    ur = update_ratio(update, W0)
+    np.testing.assert_allclose(ur.to_numpy(), [ratio[k] for k in ur.index], rtol=1e-12)
+    # a number divided by a zero number, or by the number 0, likewise
+    assert np.isinf((W0.norm(2, layerwise=True) / 0)["0.weight"])
+
+
+def test_snapshot_of_a_state_dict_with_an_integer_buffer_prints_and_reduces():
+    torch = pytest.importorskip("torch")
+    from tandv.snapshot import Snapshot
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    for _ in range(3):
+        model(torch.randn(5, 3))  # num_batches_tracked = 3 (int64)
+    sd = model.state_dict()
+    snap = Snapshot(sd, "sd")
+    text = str(snap)
+    assert "num_batches_tracked" in text and "int64" in text
+    flat = np.concatenate([v.numpy().astype(np.float64).ravel() for v in sd.values()])
+    assert snap.norm() == pytest.approx(np.linalg.norm(flat), rel=1e-6)
+    assert snap.norm(1) == pytest.approx(np.abs(flat).sum(), rel=1e-6)
+    per = snap.norm(2, layerwise=True)
+    assert per["1.num_batches_tracked"] == 3.0
+    d = snap.describe(layerwise=True)
+    assert d.loc["1.num_batches_tracked", "mean"] == 3.0
+    assert d.loc["1.num_batches_tracked", "dtype"] == "int64"
+    jnp = pytest.importorskip("jax.numpy")
+    js = Snapshot({"step": jnp.arange(3), "w": jnp.ones(2)})
+    assert js.norm() == pytest.approx(np.sqrt(0 + 1 + 4 + 2), rel=1e-7)
+    assert "w" in str(js)

@@ -111,6 +111,12 @@ class Snapshot(Mapping[str, Any]):
       same names (in any order; the left one's order is kept) or between a snapshot and a
       number; :func:`sqrt` / :meth:`sqrt` likewise. A snapshot of numbers (a layerwise norm)
       combines with a snapshot of tensors per name: ``update / weight.norm(layerwise=True)``.
+      Numbers combine in IEEE float64 arithmetic, like tensors: nnstat's trust-ratio one-liner
+      ``update.norm(2, layerwise=True) / W.norm(2, layerwise=True)`` gives ``inf`` where a
+      layer's norm is 0 (a zero-initialised bias) and ``nan`` for ``0 / 0``, as
+      :func:`tandv.quantities.update_ratio` does, not ``ZeroDivisionError``.
+    * Integer and boolean tensors (BatchNorm's ``num_batches_tracked`` in a state_dict) are
+      kept as they are; :meth:`norm` and :meth:`describe` read them as float64.
     * :meth:`norm` and :meth:`describe` reduce it.
 
     Arguments:
@@ -202,7 +208,9 @@ class Snapshot(Mapping[str, Any]):
                 f"another snapshot or a number, not with {type(other).__name__}; "
                 f"wrap per-name tensors in a Snapshot first"
             )
-        out = {k: (op(b, a) if reverse else op(a, b)) for k, (a, b) in pairs.items()}
+        out = {
+            k: (_apply(op, b, a) if reverse else _apply(op, a, b)) for k, (a, b) in pairs.items()
+        }
         return Snapshot(out, self.name)
 
     def __add__(self, o: Any) -> Snapshot:
@@ -367,6 +375,16 @@ def _row(summary: np.ndarray | None, layout: Any, shape: tuple[int, ...], dtype:
     finite = stats["numel"] - stats["nan_count"] - stats["inf_count"]
     norm = stats["rm2"] * math.sqrt(finite) if finite else 0.0
     return [shape, dtype, *(stats[k] for k in DEFAULT_STATS), norm]
+
+
+def _apply(op: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
+    """``op(a, b)``; between two plain numbers (a layerwise norm and another) in IEEE float64
+    arithmetic, as between tensors: ``x / 0`` is ``inf`` (``nan`` for ``0 / 0``) where Python's
+    floats raise ``ZeroDivisionError``."""
+    if _is_scalar(a) and _is_scalar(b):
+        with np.errstate(all="ignore"):
+            return float(op(np.float64(a), np.float64(b)))
+    return op(a, b)
 
 
 def sqrt(x: Snapshot) -> Snapshot:

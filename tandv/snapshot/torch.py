@@ -28,6 +28,8 @@ def _norm(x: torch.Tensor, p: float) -> float:
     x = x.detach()
     if x.numel() == 0:
         return 0.0
+    if not (x.is_floating_point() or x.is_complex()):
+        x = x.double()  # integer/bool buffers (num_batches_tracked): norms need floats
     # Half-precision inputs accumulate in float32 (their own sums lose digits fast).
     dtype = torch.float32 if x.dtype in _HALF else None
     return float(torch.linalg.vector_norm(x, ord=p, dtype=dtype))
