@@ -199,3 +199,97 @@ def test_snapshot_of_a_state_dict_with_an_integer_buffer_prints_and_reduces():
     js = Snapshot({"step": jnp.arange(3), "w": jnp.ones(2)})
     assert js.norm() == pytest.approx(np.sqrt(0 + 1 + 4 + 2), rel=1e-7)
     assert "w" in str(js)
+
+
+# -- 4. the Chainer monitor's whole-model percentiles ---------------------------------------
+
+#: The Chainer monitor's percentiles (the sigma points of a normal distribution).
+CHAINER_PCTS = (0.13, 2.28, 15.87, 50, 84.13, 97.72, 99.87)
+
+
+def _chainer_weight_percentiles(model) -> np.ndarray:
+    """The Chainer monitor's ``weight_statistics`` percentiles: ``np.percentile`` of every
+    layer's ``W`` (not the biases) flattened and concatenated."""
+    ws = [p.detach().double().numpy().ravel() for n, p in model.named_parameters() if "weight" in n]
+    return np.percentile(np.concatenate(ws), CHAINER_PCTS)
+
+
+def test_whole_model_percentiles_exact_from_a_snapshot_and_bracketed_by_aggregate(tmp_path):
+    torch = pytest.importorskip("torch")
+    from tandv.analysis import aggregate
+    from tandv.snapshot.torch import from_weight
+    from tandv.track.torch import track
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16), torch.nn.Linear(16, 3)
+    )
+    with torch.no_grad():
+        model[2].weight.mul_(4.0)  # layers of different scales: percentiles do not average
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want, exact = {}, {}
+    with track(
+        model, opt, out=tmp_path / "log", percentiles=CHAINER_PCTS, every=1, verbose=False
+    ) as tracker:
+        for step in range(3):
+            want[step] = _chainer_weight_percentiles(model)  # the weights the step reads
+            exact[step] = (
+                from_weight(model)
+                .filter(r"\.weight$")
+                .describe(percentiles=CHAINER_PCTS, include=["numel"])
+            )
+            model(torch.randn(8, 6)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            tracker.step()
+    df = tandv.read_log(tmp_path / "log")
+    agg = aggregate(
+        df, groups={"weights": r"\.weight$", "fc1": r"^0\.weight$"}, tensor_types="Weight"
+    )
+    cols = [f"pct{q:g}" for q in CHAINER_PCTS]
+    for step in range(3):
+        # exact: the snapshot's whole-model row is numpy's percentile of the concatenation
+        np.testing.assert_allclose(exact[step][cols].to_numpy()[0], want[step], rtol=1e-12)
+        row = agg[(agg[("metadata", "name")] == "weights") & (agg[("metadata", "step")] == step)]
+        s = row["scalar_stats"].iloc[0]
+        lo = s[[c + "_lo" for c in cols]].to_numpy(np.float64)
+        hi = s[[c + "_hi" for c in cols]].to_numpy(np.float64)
+        est = s[cols].to_numpy(np.float64)
+        tol = 1e-6 * np.abs(want[step]).max()  # the log's percentiles are float32's
+        assert (lo - tol <= want[step]).all() and (want[step] <= hi + tol).all()
+        assert (lo <= est).all() and (est <= hi).all()
+        # a group of one tensor: its own percentiles, exact
+        one = agg[(agg[("metadata", "name")] == "fc1") & (agg[("metadata", "step")] == step)]
+        m = df["metadata"]
+        mine = df[(m["name"] == "0.weight") & (m["tensor_type"] == "Weight") & (m["step"] == step)]
+        np.testing.assert_array_equal(
+            one["scalar_stats"][cols].to_numpy(), mine["scalar_stats"][cols].to_numpy()
+        )
+
+
+def test_merge_percentiles_bounds_hold_on_random_groups():
+    from tandv.analysis import merge_percentiles
+
+    rng = np.random.default_rng(1)
+    qs = (0, *CHAINER_PCTS, 100)
+    for trial in range(200):
+        xs = [
+            rng.standard_normal(int(rng.integers(1, 200))) * rng.uniform(0.1, 10)
+            + rng.uniform(-3, 3)
+            for _ in range(int(rng.integers(2, 6)))
+        ]
+        if trial % 3 == 0:
+            xs = [np.round(x) for x in xs]  # ties
+        est, lo, hi = merge_percentiles(
+            np.array([np.percentile(x, qs) for x in xs]),
+            qs,
+            np.array([x.size for x in xs]),
+            np.array([x.min() for x in xs]),
+            np.array([x.max() for x in xs]),
+        )
+        true = np.percentile(np.concatenate(xs), qs)
+        assert (lo <= true).all() and (true <= hi).all(), trial
+        assert (lo <= est).all() and (est <= hi).all()
+        assert est[0] == true[0] and est[-1] == true[-1]  # the extrema are exact
+    nan = merge_percentiles(np.array([[1.0, np.inf]]), (50, 100), np.array([3]), [0.0], [1.0])
+    assert np.isnan(nan[0]).all()
