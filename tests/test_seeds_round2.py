@@ -293,3 +293,56 @@ def test_merge_percentiles_bounds_hold_on_random_groups():
         assert est[0] == true[0] and est[-1] == true[-1]  # the extrema are exact
     nan = merge_percentiles(np.array([[1.0, np.inf]]), (50, 100), np.array([3]), [0.0], [1.0])
     assert np.isnan(nan[0]).all()
+
+
+# -- 5. definitions that differ from the seeds: a keyword gives the seed's ------------------
+
+
+def test_describe_std_population_by_default_and_nnstat_unbiased_with_ddof_1():
+    torch = pytest.importorskip("torch")
+    from tandv.snapshot.torch import from_weight
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 1))
+    W = from_weight(model)
+    ours = W.describe(layerwise=True, include=["std", "var"])
+    nnstat = W.describe(layerwise=True, include=["std", "var"], ddof=1)
+    for name, p in model.named_parameters():
+        x = p.detach().double()
+        if x.numel() < 2:
+            continue  # checked below
+        # nnstat's layerwise std and variance: torch.std / torch.var (unbiased)
+        assert nnstat.loc[name, "std"] == pytest.approx(x.std().item(), rel=1e-12)
+        assert nnstat.loc[name, "var"] == pytest.approx(x.var().item(), rel=1e-12)
+        assert ours.loc[name, "std"] == pytest.approx(np.std(x.numpy()), rel=1e-12)
+        assert ours.loc[name, "var"] == pytest.approx(np.var(x.numpy()), rel=1e-12)
+    assert np.isnan(nnstat.loc["1.bias", "std"])  # one element: no unbiased std
+    flat = np.concatenate([p.detach().double().numpy().ravel() for p in model.parameters()])
+    whole = W.describe(include=["std", "var"], ddof=1).iloc[0]
+    assert whole["std"] == pytest.approx(np.std(flat, ddof=1), rel=1e-12)
+    assert whole["var"] == pytest.approx(np.var(flat, ddof=1), rel=1e-12)
+    with pytest.raises(ValueError, match="ddof"):
+        W.describe(ddof=-1)
+
+
+def test_var_tid_biased_by_default_and_taiyi_unbiased_with_ddof_1():
+    torch = pytest.importorskip("torch")
+    from tandv.taiyi.torch import Monitor
+
+    torch.manual_seed(6)
+    bn = torch.nn.BatchNorm2d(3, momentum=0.3)
+    mons = {d: Monitor(bn, {torch.nn.BatchNorm2d: ["VarTID"]}, ddof=d) for d in (0, 1)}
+    for step in range(3):
+        x = torch.randn(4, 3, 2, 2) * (1 + step) + step
+        bn(x)
+        xs = x.double().numpy()
+        sr = np.sqrt(bn.running_var.double().numpy())
+        for d, mon in mons.items():
+            mon.track(step)
+            # Taiyi: sigma_B = sqrt(var) per channel (unbiased for Taiyi's torch.var, ddof=1)
+            sigma = xs.transpose(1, 0, 2, 3).reshape(3, -1).std(axis=1, ddof=d)
+            want = np.linalg.norm(sigma - sr) / np.linalg.norm(sr)
+            got = mon.to_dataframe().query("step == @step")["value"].item()
+            assert got == pytest.approx(want, rel=1e-9), (d, step)
+    with pytest.raises(ValueError, match="ddof"):
+        Monitor(bn, {torch.nn.BatchNorm2d: ["VarTID"]}, ddof=-1)

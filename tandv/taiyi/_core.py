@@ -188,8 +188,8 @@ QUANTITIES: dict[str, QuantitySpec] = {
             True,
             "BatchNorm training/inference discrepancy of the scale: the average over the same "
             "batches of ||sigma_B - sigma_run||_2 / ||sigma_run||_2, sigma_B the batch's "
-            "per-channel standard deviation (biased, as BatchNorm normalizes with) and "
-            "sigma_run = sqrt(var_run).",
+            "per-channel standard deviation (biased, as BatchNorm normalizes with; Taiyi's code "
+            "takes the unbiased one: Monitor(..., ddof=1)) and sigma_run = sqrt(var_run).",
         ),
     ]
 }

@@ -261,6 +261,11 @@ class Monitor(TableWriter):
         flush_every: write a part file every this many tracked steps (and at :meth:`close`).
         start_step: the number of the first step, when :meth:`track` is called without one.
         root_name: the name of the root module in the table.
+        ddof: the delta degrees of freedom of ``VarTID``'s per-channel batch standard
+            deviation ``sigma_B = sqrt(sum((x - mu_B)**2) / (n - ddof))``: 0 (default) is
+            the biased one BatchNorm normalizes with; 1 is Taiyi's (``torch.var``'s default,
+            unbiased). The two differ by the factor ``sqrt(n / (n - 1))``, n the samples per
+            channel of a batch (``N*H*W``).
 
     Hooks stay installed until :meth:`close` (or the end of the ``with`` block); on a step
     where nothing of a module fires they return at once.
@@ -275,7 +280,14 @@ class Monitor(TableWriter):
         flush_every: int = 50,
         start_step: int = 0,
         root_name: str = "root",
+        ddof: int = 0,
     ) -> None:
+        if isinstance(ddof, bool) or not isinstance(ddof, int) or ddof < 0:
+            raise ValueError(
+                f"Monitor(ddof={ddof!r}): expected 0 (VarTID's batch std as BatchNorm "
+                f"normalizes with) or 1 (Taiyi's unbiased std)"
+            )
+        self.ddof = ddof
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"Monitor(model=...): expected an nn.Module, got {type(model).__name__}"
@@ -339,7 +351,7 @@ class Monitor(TableWriter):
             if w.keeps_batches:
                 f = feature_matrix(x, module)
                 w.bn_mu.append(f.mean(0))
-                w.bn_sigma.append(f.var(0, unbiased=False).sqrt())
+                w.bn_sigma.append(f.var(0, correction=self.ddof).sqrt())
         y = (
             output
             if isinstance(output, torch.Tensor)
