@@ -346,3 +346,78 @@ def test_var_tid_biased_by_default_and_taiyi_unbiased_with_ddof_1():
             assert got == pytest.approx(want, rel=1e-9), (d, step)
     with pytest.raises(ValueError, match="ddof"):
         Monitor(bn, {torch.nn.BatchNorm2d: ["VarTID"]}, ddof=-1)
+
+
+# -- 6. nnstat's conveniences ---------------------------------------------------------------
+
+
+def test_nnstat_from_state_dict_from_together_and_describe_dict():
+    torch = pytest.importorskip("torch")
+    from tandv.snapshot.torch import from_state_dict, from_together
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 2)
+    )
+    model[2].bias.requires_grad_(False)  # no gradient: left out of from_together
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    model(torch.randn(7, 3)).sum().backward()
+    opt.step()
+    sd = from_state_dict(model.state_dict())
+    assert list(sd) == list(model.state_dict())
+    assert sd.norm() == pytest.approx(
+        np.linalg.norm(
+            np.concatenate([v.double().numpy().ravel() for v in model.state_dict().values()])
+        ),
+        rel=1e-6,  # torch's float32 norm
+    )
+    weight, grad, (m, v) = from_together(model, opt, ["exp_avg", "exp_avg_sq"])
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert list(weight) == list(grad) == list(m) == list(v) == names
+    lr, eps = 0.01, 1e-8
+    # nnstat's recomputed Adam update (without bias correction), per name
+    update = -lr * m / (v.sqrt() + eps)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            st = opt.state[p]
+            want = -lr * st["exp_avg"].numpy() / (np.sqrt(st["exp_avg_sq"].numpy()) + eps)
+            np.testing.assert_allclose(update[n].numpy(), want, rtol=1e-6)
+            np.testing.assert_array_equal(grad[n].numpy(), p.grad.numpy())
+    with pytest.raises(KeyError, match="momentum_buffer"):
+        from_together(model, opt, ["momentum_buffer"])
+    # describe(display=False): nnstat's dict of columns
+    d = weight.describe(layerwise=True, include=["numel", "norm1", "sum"], display=False)
+    assert d["name"] == names
+    flat = {n: p.detach().double().numpy().ravel() for n, p in model.named_parameters()}
+    assert d["numel"] == [flat[n].size for n in names]
+    np.testing.assert_allclose(d["norm1"], [np.abs(flat[n]).sum() for n in names], rtol=1e-12)
+    np.testing.assert_allclose(d["sum"], [flat[n].sum() for n in names], rtol=1e-12)
+
+
+def test_describe_skew_and_kurtosis_match_scipy_layerwise_and_whole():
+    stats = pytest.importorskip("scipy.stats")
+    from tandv.snapshot import Snapshot
+
+    rng = np.random.default_rng(3)
+    values = {
+        "heavy": (rng.standard_t(3, 4000) + 1000.0).astype(np.float32),  # mean dominates
+        "skewed": rng.exponential(2.0, 3000).astype(np.float32),
+        "small": np.array([1.0, 2.0, 4.0], np.float32),
+        "flat": np.full(5, 3.0, np.float32),
+    }
+    snap = Snapshot(values, "v")
+    cols = ["norm1", "sum", "var", "skew", "kurtosis"]
+    lw = snap.describe(layerwise=True, include=cols)
+    for k, x in values.items():
+        x64 = x.astype(np.float64)
+        want = [np.abs(x64).sum(), x64.sum(), x64.var()]
+        if k == "flat":
+            assert np.isnan(lw.loc[k, "skew"]) and np.isnan(lw.loc[k, "kurtosis"])
+        else:
+            want += [stats.skew(x64), stats.kurtosis(x64)]
+        np.testing.assert_allclose(lw.loc[k, cols[: len(want)]].to_numpy(float), want, rtol=1e-9)
+    # the whole row merges the per-tensor moments (Pébay): the concatenation's, exactly
+    flat = np.concatenate([x.astype(np.float64) for x in values.values()])
+    whole = snap.describe(include=cols).iloc[0]
+    want = [np.abs(flat).sum(), flat.sum(), flat.var(), stats.skew(flat), stats.kurtosis(flat)]
+    np.testing.assert_allclose(whole[cols].to_numpy(float), want, rtol=1e-9)
