@@ -421,3 +421,77 @@ def test_describe_skew_and_kurtosis_match_scipy_layerwise_and_whole():
     whole = snap.describe(include=cols).iloc[0]
     want = [np.abs(flat).sum(), flat.sum(), flat.var(), stats.skew(flat), stats.kurtosis(flat)]
     np.testing.assert_allclose(whole[cols].to_numpy(float), want, rtol=1e-9)
+
+
+# -- 6. Taiyi's user-defined quantities -----------------------------------------------------
+
+
+def test_taiyi_user_defined_quantities_from_input_output_gradient_and_weight(tmp_path):
+    torch = pytest.importorskip("torch")
+    from tandv.taiyi import UserQuantity, read_taiyi
+    from tandv.taiyi.torch import Monitor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    mine = [
+        UserQuantity("InputAbsMax", "input", lambda x, m: x.abs().max()),
+        UserQuantity("OutputZeroFrac", "output", lambda y, m: (y == 0).double().mean()),
+        UserQuantity("OutputGradMax", "output_grad", lambda g, m: g.abs().max()),
+        UserQuantity("WeightRows", "weight", lambda w, m: w.shape[0]),  # a Python number
+    ]
+    config = {
+        torch.nn.Linear: ["InputAbsMax", ["OutputGradMax", "linear(2, 0)"], "WeightNorm"],
+        torch.nn.ReLU: ["OutputZeroFrac"],
+        "2": ["WeightRows"],
+    }
+    want: dict = {}
+    acts: dict = {}
+    hooks = [
+        mod.register_forward_hook(lambda m, a, y, k=k: acts.setdefault(k, []).append((a[0], y)))
+        for k, mod in (("0", model[0]), ("1", model[1]), ("2", model[2]))
+    ]
+    grads: dict = {}
+    with Monitor(model, config, out=tmp_path / "log", quantities=mine) as mon:
+        for step in range(3):
+            acts.clear()
+            grads.clear()
+            for _ in range(2):  # two passes per step: per-pass values are averaged
+                out = model(torch.randn(5, 4))
+                for k in ("0", "2"):
+                    y = acts[k][-1][1]
+                    y.register_hook(lambda g, k=k: grads.setdefault(k, []).append(g.clone()))
+                out.pow(2).sum().backward()
+            mon.track()
+            for k in ("0", "2"):
+                want[(step, k, "InputAbsMax")] = np.mean(
+                    [x.detach().abs().max().item() for x, _ in acts[k]]
+                )
+                if step % 2 == 0:
+                    want[(step, k, "OutputGradMax")] = np.mean(
+                        [g.abs().max().item() for g in grads[k]]
+                    )
+            want[(step, "1", "OutputZeroFrac")] = np.mean(
+                [(y == 0).double().mean().item() for _, y in acts["1"]]
+            )
+            want[(step, "2", "WeightRows")] = 2.0
+    for h in hooks:
+        h.remove()
+    df = read_taiyi(tmp_path / "log")  # read back from the table written beside the log
+    got = {
+        (int(s), m, q): v
+        for s, m, q, v in zip(df["step"], df["module"], df["quantity"], df["value"])
+        if q != "WeightNorm"
+    }
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-12), k
+    with pytest.raises(ValueError, match="built-in"):
+        UserQuantity("RankMe", "output", lambda y, m: y.sum())
+    with pytest.raises(ValueError, match="needs"):
+        UserQuantity("X", "gradient", lambda y, m: y.sum())
+    with pytest.raises(ValueError, match="Did you mean 'InputAbsMax'"):
+        Monitor(model, {torch.nn.Linear: ["InputAbsMx"]}, quantities=mine)
+    bad = Monitor(model, {"0": ["Vec"]}, quantities=[UserQuantity("Vec", "output", lambda y, m: y)])
+    with pytest.raises(ValueError, match="one number"):
+        model(torch.randn(2, 4))
+    bad.close()
