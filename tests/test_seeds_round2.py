@@ -495,3 +495,76 @@ def test_taiyi_user_defined_quantities_from_input_output_gradient_and_weight(tmp
     with pytest.raises(ValueError, match="one number"):
         model(torch.randn(2, 4))
     bad.close()
+
+
+# -- 6. the Hessian-weighted noise scale nnstat's README defines ----------------------------
+
+
+def test_hessian_weighted_noise_scale_is_unbiased_for_nnstat_definition():
+    """nnstat: B_noise = tr(H Sigma) / (G^T H G). On a finite population of per-example
+    gradients (sampled with replacement) the two-batch estimates of G^T H G and tr(H Sigma),
+    from H-weighted squared norms, average to the exact values."""
+    from tandv import quantities as q
+    from tandv.snapshot import Snapshot
+
+    rng = np.random.default_rng(0)
+    n, d = 400, 6
+    scale = rng.uniform(0.2, 3, d)
+    per_example = rng.normal(size=(n, d)) * scale + rng.normal(size=d) * 0.5
+    h = 1.0 / scale**2  # a diagonal Hessian, far from the identity
+    G = per_example.mean(0)
+    sigma = np.cov(per_example, rowvar=False, ddof=0)
+    exact_g2, exact_trace = G @ np.diag(h) @ G, np.trace(np.diag(h) @ sigma)
+    b, k, steps = 4, 4, 3000
+    H = Snapshot({"w": h})
+    g2s, traces = [], []
+    for _ in range(steps):
+        micro = [per_example[rng.integers(0, n, b)].mean(0) for _ in range(k)]
+        big = np.mean(micro, axis=0)
+        small = np.mean([q.hessian_sq_norm(Snapshot({"w": m}), H) for m in micro])
+        est = q.noise_scale(small, b, q.hessian_sq_norm(Snapshot({"w": big}), H), b * k)
+        g2s.append(est.g2)
+        traces.append(est.trace)
+    # standard errors of the means, from the samples themselves
+    for got, want in ((g2s, exact_g2), (traces, exact_trace)):
+        se = np.std(got) / np.sqrt(steps)
+        assert abs(np.mean(got) - want) < 4 * se, (np.mean(got), want, se)
+    b_noise = q.NoiseScaleEstimate(float(np.mean(g2s)), float(np.mean(traces))).b_simple
+    assert b_noise == pytest.approx(exact_trace / exact_g2, rel=0.1)
+    # B_simple (H = I) is another number here: the weighting matters
+    assert abs(np.trace(sigma) / (G @ G) - exact_trace / exact_g2) > 0.2 * exact_trace / exact_g2
+
+
+def test_gradient_noise_scale_hessian_option_matches_numpy_micro_batches():
+    torch = pytest.importorskip("torch")
+    from tandv import quantities as q
+    from tandv.track.torch import GradientNoiseScale
+
+    D, B, K = 5, 8, 4
+    torch.manual_seed(0)
+    model = torch.nn.Linear(D, 1, bias=False).double()
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(K * B, D)), rng.normal(size=(K * B, 1))
+    hdiag = np.diag(2.0 * x.T @ x / len(x))  # the least-squares Hessian's diagonal
+    h = torch.from_numpy(hdiag.reshape(1, D).copy())
+    w = model.weight.detach().numpy().T.copy()
+    micro = [2.0 / B * xi.T @ (xi @ w - yi) for xi, yi in zip(np.split(x, K), np.split(y, K))]
+    big = np.mean(micro, axis=0)
+    hw = hdiag.reshape(D, 1)
+    want = q.noise_scale_from_microbatches(
+        [float((hw * g * g).sum()) for g in micro], B, float((hw * big * big).sum())
+    )
+    with GradientNoiseScale(model, B, hessian=lambda: [h]) as ns:
+        for xi, yi in zip(np.split(x, K), np.split(y, K)):
+            loss = ((model(torch.from_numpy(xi)) - torch.from_numpy(yi)) ** 2).mean() / K
+            loss.backward()
+        got = ns.step()
+        hist = ns.history()
+    assert got["noise_g2_h"].item() == pytest.approx(want.g2, rel=1e-9)
+    assert got["noise_trace_h"].item() == pytest.approx(want.trace, rel=1e-9)
+    assert got["noise_b_noise"].item() == pytest.approx(want.b_simple, rel=1e-9)
+    assert hist["noise_trace_h"].tolist() == pytest.approx([want.trace], rel=1e-9)
+    with GradientNoiseScale(model, B, hessian=lambda: [h[:, :2]]) as bad:
+        with pytest.raises(ValueError, match="shaped like the trainable parameters"):
+            model(torch.from_numpy(x[:B])).sum().backward()
+        bad.close()
