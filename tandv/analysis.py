@@ -39,10 +39,14 @@ __all__ = [
     "exponent_range",
     "format_shares",
     "first_nonfinite",
+    "computation_order",
+    "computation_phase",
+    "STEP_PHASES",
     "text_summary",
     "summarize_log",
     "sparsity",
     "aggregate",
+    "merge_percentiles",
 ]
 
 _KEY = ["name", "tensor_type", "step"]
@@ -134,9 +138,50 @@ def format_shares(df: pd.DataFrame, fmt: Any) -> pd.DataFrame:
     return out
 
 
-#: Where each tensor type comes in a step's computation: the weights a forward pass reads,
-#: its activations, the gradients of the backward pass, the optimizer state after the update.
-_STEP_ORDER = {"Weight": 0, "Activation": 1, "Gradient": 2, "Optimiser_State": 3}
+#: The phases of a training step in the order they compute, as :func:`computation_phase`
+#: numbers them: the weights the forward pass reads, the activations it produces, the
+#: gradients of the backward pass, the optimizer state the update leaves, and last the
+#: update itself (``<param>.update`` rows of ``track(..., track_updates=True)``, typed
+#: ``Weight`` in the log but computed from the step's gradients and optimizer state).
+STEP_PHASES: tuple[str, ...] = ("Weight", "Activation", "Gradient", "Optimiser_State", "update")
+
+#: The suffix of the update rows' names (``<param>.update``).
+UPDATE_SUFFIX = ".update"
+
+
+def computation_phase(df: pd.DataFrame) -> np.ndarray:
+    """Per row of ``df``, the index in :data:`STEP_PHASES` of the phase of the step that
+    computed it: 0 weights, 1 activations, 2 gradients, 3 optimizer state, 4 update rows
+    (``Weight`` rows whose name ends in ``.update``); a tensor type the schema does not
+    know sorts after all of them (5)."""
+    kinds = df[(METADATA, "tensor_type")].astype(str).to_numpy()
+    names = df[(METADATA, "name")].astype(str).to_numpy()
+    rank = {k: i for i, k in enumerate(STEP_PHASES[:-1])}
+    phase = np.array([rank.get(k, len(STEP_PHASES)) for k in kinds], dtype=np.int64)
+    if phase.size:
+        update = (kinds == "Weight") & np.char.endswith(names.astype(str), UPDATE_SUFFIX)
+        phase[update] = STEP_PHASES.index("update")
+    return phase
+
+
+def computation_order(df: pd.DataFrame) -> np.ndarray:
+    """The positions of ``df``'s rows in the order a training run computed them:
+    ``df.iloc[computation_order(df)]`` lists them by step, then within a step by phase
+    (:data:`STEP_PHASES`: weights as the forward pass found them, activations in forward
+    order, gradients in backward order, optimizer state, then the update rows), then by the
+    log's own row order.
+
+    The log's row order is the order the tracker observed the tensors (activations in the
+    order their modules finished the forward pass, activation gradients in the order the
+    backward pass reached them); a log re-sorted by hand loses that order within a phase.
+    This is the order in which "first" is meant by :func:`first_nonfinite` (and the HTML
+    report's banner); use it wherever "which tensor went wrong first" is asked.
+    """
+    if len(df) == 0:
+        return np.zeros(0, dtype=np.int64)
+    steps = df[(METADATA, "step")].to_numpy(dtype=np.int64)
+    # lexsort: the last key is the primary one; the row position breaks ties (stable)
+    return np.lexsort((np.arange(len(df)), computation_phase(df), steps)).astype(np.int64)
 
 
 def first_nonfinite(df: pd.DataFrame) -> pd.DataFrame:
@@ -144,10 +189,10 @@ def first_nonfinite(df: pd.DataFrame) -> pd.DataFrame:
     first such step and counts, in the order the values went bad.
 
     Row 0 is *the* first: the earliest step, and within it the first tensor in the order
-    of the step's computation: weights, then activations in forward order, then gradients
-    (in the order the backward pass produced them), then optimizer state. Within a tensor
-    type the order is the log's row order, which is the order the tracker observed the
-    tensors (forward order for activations); a log re-sorted by hand loses it.
+    of the step's computation (:func:`computation_order`): weights, then activations in
+    forward order, then gradients in backward order, then optimizer state, then update
+    rows (``<param>.update``). An update row is therefore never named first when, in the
+    same step, an activation, gradient or optimizer state had already gone non-finite.
 
     Returns:
         Columns ``name``, ``tensor_type``, ``step``, ``nan_count``, ``inf_count``; empty if
@@ -159,12 +204,10 @@ def first_nonfinite(df: pd.DataFrame) -> pd.DataFrame:
     m = _meta(df)
     m["nan_count"] = df[(SCALAR_STATS, "nan_count")].to_numpy()
     m["inf_count"] = df[(SCALAR_STATS, "inf_count")].to_numpy()
-    m["_rank"] = m["tensor_type"].map(_STEP_ORDER).fillna(len(_STEP_ORDER)).to_numpy()
-    m["_row"] = np.arange(len(m))
+    m = m.iloc[computation_order(df)]
     bad = m[(m["nan_count"] > 0) | (m["inf_count"] > 0)]
     if bad.empty:
         return pd.DataFrame(columns=cols)
-    bad = bad.sort_values(["step", "_rank", "_row"], kind="stable")
     first = bad.groupby(["name", "tensor_type"], sort=False).head(1)
     return first[cols].reset_index(drop=True)
 
@@ -436,13 +479,118 @@ def sparsity(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def _percentile_columns(df: pd.DataFrame) -> list[tuple[str, float]]:
+    """The log's percentile statistics (``pct<q>``, as the trackers' ``percentiles`` option
+    names them) with their ``q``, ascending in ``q``."""
+    out = []
+    for g, c in df.columns:
+        if g == SCALAR_STATS and isinstance(c, str) and c.startswith("pct"):
+            try:
+                q = float(c[3:])
+            except ValueError:
+                continue
+            if 0 <= q <= 100:
+                out.append((c, q))
+    return sorted(out, key=lambda cq: cq[1])
+
+
+def merge_percentiles(
+    values: np.ndarray,
+    qs: Sequence[float],
+    counts: np.ndarray,
+    mins: np.ndarray,
+    maxs: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The percentiles ``qs`` of several tensors' elements together, from each tensor's own
+    percentiles: an estimate and bounds that hold the exact value.
+
+    Percentiles do not merge exactly (two tensors' medians do not give their joint median),
+    so this brackets each: tensor ``i`` (``counts[i]`` non-NaN elements, extrema
+    ``mins[i]``, ``maxs[i]``) has, by ``np.percentile``'s linear interpolation at position
+    ``h = q / 100 * (n - 1)`` of its sorted values, at least ``floor(h) + 1`` elements
+    ``<= values[i, j]`` and at most ``ceil(h)`` below it. Summing these bounds over the
+    tensors gives the smallest and largest values the joint percentile can take (``lo``,
+    ``hi``: both among the tensors' own percentile values and extrema). The estimate
+    interpolates each tensor's distribution function linearly between its known points and
+    inverts their count-weighted sum, clipped to ``[lo, hi]``. With one tensor all three are
+    its own percentile; ``q = 0`` and ``q = 100`` are the joint extrema, exact.
+
+    Arguments:
+        values: ``(tensors, len(qs))`` percentiles, ``qs`` ascending in [0, 100].
+        counts: each tensor's number of non-NaN elements (tensors with 0 are left out).
+        mins, maxs: each tensor's smallest and largest element.
+
+    Returns:
+        ``(estimate, lo, hi)``, each of ``len(qs)``; NaN where no tensor has elements or a
+        tensor's percentiles or extrema are not finite (infinities: the bounds need finite
+        points).
+    """
+    q = np.asarray(qs, dtype=np.float64) / 100.0
+    v = np.asarray(values, dtype=np.float64).reshape(-1, q.size)
+    n = np.asarray(counts, dtype=np.float64).ravel()
+    keep = n > 0
+    v, n = v[keep], n[keep]
+    lo_x, hi_x = (
+        np.asarray(mins, np.float64).ravel()[keep],
+        np.asarray(maxs, np.float64).ravel()[keep],
+    )
+    nan = np.full(q.size, np.nan)
+    if n.size == 0 or not (
+        np.isfinite(v).all() and np.isfinite(lo_x).all() and np.isfinite(hi_x).all()
+    ):
+        return nan, nan.copy(), nan.copy()
+    if n.size == 1:
+        return v[0].copy(), v[0].copy(), v[0].copy()
+    # each tensor's known points (fraction, value), anchored by its extrema at 0 and 1
+    fr = np.concatenate([[0.0], q, [1.0]])
+    pts = np.concatenate([lo_x[:, None], v, hi_x[:, None]], axis=1)
+    pts = np.maximum.accumulate(pts, axis=1)  # rounding can not reorder what is sorted
+    pos = fr[None, :] * (n[:, None] - 1)  # np.percentile's positions
+    at_least = np.floor(pos) + 1  # elements <= pts[i, j]
+    below = np.ceil(pos)  # elements < pts[i, j] at most
+    grid = np.unique(pts)
+    # per grid point, summed over tensors: lower and upper bounds of count(<= x) and the
+    # interpolated estimate of it
+    low = np.zeros(grid.size)
+    high = np.zeros(grid.size)
+    est = np.zeros(grid.size)
+    for i in range(n.size):
+        j_le = np.searchsorted(pts[i], grid, side="right") - 1  # last point <= x
+        low += np.where(j_le >= 0, at_least[i][np.clip(j_le, 0, None)], 0.0)
+        j_gt = j_le + 1  # first point > x
+        high += np.where(j_gt < fr.size, below[i][np.clip(j_gt, None, fr.size - 1)], n[i])
+        est += n[i] * np.interp(grid, pts[i], fr, left=0.0, right=1.0)
+    total = n.sum()
+    target = q * (total - 1)  # the joint percentile's position
+    first, last = np.floor(target), np.ceil(target)
+    lo = grid[np.searchsorted(high, first + 1, side="left").clip(None, grid.size - 1)]
+    hi = grid[np.searchsorted(low, last + 1, side="left").clip(None, grid.size - 1)]
+    frac = est / total
+    guess = np.empty(q.size)
+    for k, f in enumerate(q):
+        j = int(np.searchsorted(frac, f, side="left"))
+        if j <= 0:
+            guess[k] = grid[0]
+        elif j >= grid.size:
+            guess[k] = grid[-1]
+        else:
+            a, b = frac[j - 1], frac[j]
+            t = (f - a) / (b - a) if b > a else 1.0
+            guess[k] = grid[j - 1] + t * (grid[j] - grid[j - 1])
+    exact = (q == 0) | (q == 1)
+    lo[q == 0] = hi[q == 0] = grid[0]
+    lo[q == 1] = hi[q == 1] = grid[-1]
+    guess = np.where(exact, lo, np.clip(guess, lo, hi))
+    return guess, lo, hi
+
+
 def aggregate(
     df: pd.DataFrame,
     groups: Mapping[str, str] | None = None,
     tensor_types: str | Sequence[str] | None = None,
     exclude: str | None = r"\.update$",
 ) -> pd.DataFrame:
-    """Aggregate rows: the statistics of all tensors of a group together, per tensor type and
+    r"""Aggregate rows: the statistics of all tensors of a group together, per tensor type and
     step, as if their elements were one tensor (the Chainer monitor's whole-model statistics).
 
     Merged exactly from what each row stores, not averaged from finished statistics: each
@@ -453,8 +601,14 @@ def aggregate(
     centred sum of squares and its spread of means, the power sums behind ``rm2/rm4/rm8``
     and ``mean_abs`` add, rescaled to the group's largest magnitude so that nothing
     overflows), and the merged summaries are finished like any row's. Moments are over the
-    finite elements, as in every row. Custom statistics (percentiles included) do not merge
-    and are left out.
+    finite elements, as in every row. Custom statistics do not merge and are left out.
+
+    Percentiles (the ``pct<q>`` columns of ``track(..., percentiles=...)``) do not merge
+    exactly either; each aggregate row gets ``pct<q>``, an estimate, and ``pct<q>_lo`` /
+    ``pct<q>_hi``, bounds that hold the exact percentile of the members' elements together
+    (:func:`merge_percentiles`). They are exact for a group of one tensor and for ``q`` 0
+    and 100. The Chainer monitor's exact whole-model percentiles come from a snapshot of
+    the model instead: ``from_weight(model).filter(r"\.weight$").describe(percentiles=...)``.
 
     Arguments:
         groups: ``{group name: regex}``; a row belongs to every group whose regex is found
@@ -469,7 +623,8 @@ def aggregate(
         (group, tensor type, step) that has members: ``name`` is the group, ``type``
         ``"aggregate"``, ``dtype`` the members' (the widest format when they differ, whose
         exponent range holds the others'), the default statistics, ``tensors`` (how many
-        rows were merged) and ``sparsity``, and the summed exponent counts.
+        rows were merged), ``sparsity``, the percentile columns (when the log has them) and
+        the summed exponent counts.
 
     Raises:
         ValueError: naming a missing statistic, an unknown tensor type or a bad regex.
@@ -549,6 +704,23 @@ def aggregate(
         stats["sparsity"] = np.where(
             numel > 0, st["zero_count"] / np.where(numel > 0, numel, 1), np.nan
         )
+    pcts = _percentile_columns(df)
+    if pcts:
+        qs = [q for _, q in pcts]
+        values = df[[(SCALAR_STATS, c) for c, _ in pcts]].to_numpy(dtype=np.float64)
+        non_nan = df[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64) - df[
+            (SCALAR_STATS, "nan_count")
+        ].to_numpy(dtype=np.float64)
+        lows, highs = (df[(SCALAR_STATS, k)].to_numpy(dtype=np.float64) for k in ("min", "max"))
+        merged_pct = [
+            merge_percentiles(values[idx], qs, non_nan[idx], lows[idx], highs[idx])
+            for idx in members
+        ]
+        for k, (c, _) in enumerate(pcts):
+            for part, suffix in enumerate(("", "_lo", "_hi")):
+                stats[c + suffix] = np.array(
+                    [m[part][k] for m in merged_pct] if merged_pct else [], dtype=np.float64
+                )
     meta_df = pd.DataFrame(meta, columns=list(META_COLUMNS))
     meta_df["step"] = meta_df["step"].astype(np.int64)
     ex = pd.DataFrame(counts, columns=[c[1] for c in exp_cols])

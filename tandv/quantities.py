@@ -16,7 +16,11 @@ Definitions:
   Training", appendix A): with ``G`` the true gradient and ``Sigma`` the per-example
   gradient covariance, a batch of ``B`` examples has ``E|G_B|^2 = |G|^2 + tr(Sigma)/B``;
   two batch sizes give unbiased estimates of ``|G|^2`` and ``tr(Sigma)``, and
-  ``B_simple = tr(Sigma) / |G|^2``.
+  ``B_simple = tr(Sigma) / |G|^2``. nnstat's README defines the noise scale as
+  ``B_noise = tr(H Sigma) / (G^T H G)`` (McCandlish et al. eq. 2.8, ``H`` the loss's Hessian):
+  with ``H``-weighted squared norms ``g^T H g`` (:func:`hessian_sq_norm` for a diagonal ``H``)
+  in place of ``|g|^2`` the same estimators give ``G^T H G`` and ``tr(H Sigma)``, and
+  :attr:`NoiseScaleEstimate.b_simple` of that estimate is ``B_noise``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = [
     "noise_scale_fit",
     "two_batch_estimate",
     "smoothed_noise_scale",
+    "hessian_sq_norm",
 ]
 
 
@@ -362,6 +367,45 @@ class NoiseScaleEMA:
         if self._weight == 0:
             return NoiseScaleEstimate(math.nan, math.nan)
         return NoiseScaleEstimate(self._g2 / self._weight, self._trace / self._weight)
+
+
+def hessian_sq_norm(grad: Snapshot, hessian: Snapshot) -> float:
+    """``g^T H g`` for a diagonal ``H``: ``sum over names of sum(h * g**2)`` in float64 on the
+    host, the squared norm the Hessian-weighted noise scale needs
+    (``noise_scale(hessian_sq_norm(G_small, H), b_small, hessian_sq_norm(G_big, H),
+    b_big).b_simple`` is ``B_noise = tr(H Sigma) / (G^T H G)``).
+
+    Arguments:
+        grad: a (mean) gradient, as from ``from_grad``.
+        hessian: the diagonal of ``H`` by the same names (a curvature estimate such as
+            Sophia's ``hessian`` state or a Hutchinson estimate, from ``from_optimizer_state``).
+
+    Raises:
+        ValueError: the snapshots hold different names or shapes.
+    """
+    for x, what in ((grad, "grad"), (hessian, "hessian")):
+        if not isinstance(x, Snapshot):
+            raise TypeError(
+                f"hessian_sq_norm({what}=...): expected a tandv.snapshot.Snapshot, got "
+                f"{type(x).__name__}"
+            )
+    if set(grad) != set(hessian):
+        raise ValueError(
+            f"hessian_sq_norm: the snapshots hold different names (only grad: "
+            f"{[k for k in grad if k not in hessian][:5]}; only hessian: "
+            f"{[k for k in hessian if k not in grad][:5]})"
+        )
+    g, h = grad.numpy(), hessian.numpy()
+    total = 0.0
+    for k in g:
+        gk = np.asarray(g[k], dtype=np.float64)
+        hk = np.asarray(h[k], dtype=np.float64)
+        if gk.shape != hk.shape:
+            raise ValueError(
+                f"hessian_sq_norm: {k!r} has shape {gk.shape} in grad but {hk.shape} in hessian"
+            )
+        total += float(np.sum(hk * gk * gk))
+    return total
 
 
 def noise_scale_fit(batch_sizes: Sequence[float], sq_norms: Sequence[float]) -> NoiseScaleEstimate:

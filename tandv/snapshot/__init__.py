@@ -5,6 +5,6 @@
 neither framework.
 """
 
-from ._core import DESCRIBE_COLUMNS, Ops, Snapshot, sqrt
+from ._core import DESCRIBE_COLUMNS, EXTRA_COLUMNS, Ops, Snapshot, sqrt
 
-__all__ = ["DESCRIBE_COLUMNS", "Ops", "Snapshot", "sqrt"]
+__all__ = ["DESCRIBE_COLUMNS", "EXTRA_COLUMNS", "Ops", "Snapshot", "sqrt"]

@@ -26,12 +26,20 @@ import pandas as pd
 from ..stats import DEFAULT_STATS, finalize, merge_all, summarize
 from ..stats.summary import framework_of
 
-__all__ = ["Snapshot", "Ops", "sqrt", "DESCRIBE_COLUMNS"]
+__all__ = ["Snapshot", "Ops", "sqrt", "DESCRIBE_COLUMNS", "EXTRA_COLUMNS"]
 
-#: Columns :meth:`Snapshot.describe` can return, in order: the tensor's shape and dtype, the
-#: log's default statistics (:data:`tandv.stats.DEFAULT_STATS`), and ``norm``, the L2 norm of
-#: the finite elements (``rm2 * sqrt(numel - nan_count - inf_count)``).
+#: Columns :meth:`Snapshot.describe` returns by default, in order: the tensor's shape and dtype,
+#: the log's default statistics (:data:`tandv.stats.DEFAULT_STATS`), and ``norm``, the L2 norm
+#: of the finite elements (``rm2 * sqrt(numel - nan_count - inf_count)``).
 DESCRIBE_COLUMNS: tuple[str, ...] = ("shape", "dtype", *DEFAULT_STATS, "norm")
+
+#: Further columns :meth:`Snapshot.describe` gives when ``include`` names them (nnstat's
+#: ``describe`` columns), all over the finite elements: ``norm1`` the L1 norm, ``sum``,
+#: ``var`` the variance (``M2 / (n - ddof)``), ``skew`` the sample skewness ``m3 / m2**1.5``
+#: and ``kurtosis`` the excess kurtosis ``m4 / m2**2 - 3`` (``m_k`` the k-th central moment,
+#: divided by ``n``: ``scipy.stats.skew`` / ``scipy.stats.kurtosis`` with their defaults, as
+#: nnstat computes them; NaN when all values are equal).
+EXTRA_COLUMNS: tuple[str, ...] = ("norm1", "sum", "var", "skew", "kurtosis")
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,12 @@ class Snapshot(Mapping[str, Any]):
       same names (in any order; the left one's order is kept) or between a snapshot and a
       number; :func:`sqrt` / :meth:`sqrt` likewise. A snapshot of numbers (a layerwise norm)
       combines with a snapshot of tensors per name: ``update / weight.norm(layerwise=True)``.
+      Numbers combine in IEEE float64 arithmetic, like tensors: nnstat's trust-ratio one-liner
+      ``update.norm(2, layerwise=True) / W.norm(2, layerwise=True)`` gives ``inf`` where a
+      layer's norm is 0 (a zero-initialised bias) and ``nan`` for ``0 / 0``, as
+      :func:`tandv.quantities.update_ratio` does, not ``ZeroDivisionError``.
+    * Integer and boolean tensors (BatchNorm's ``num_batches_tracked`` in a state_dict) are
+      kept as they are; :meth:`norm` and :meth:`describe` read them as float64.
     * :meth:`norm` and :meth:`describe` reduce it.
 
     Arguments:
@@ -202,7 +216,9 @@ class Snapshot(Mapping[str, Any]):
                 f"another snapshot or a number, not with {type(other).__name__}; "
                 f"wrap per-name tensors in a Snapshot first"
             )
-        out = {k: (op(b, a) if reverse else op(a, b)) for k, (a, b) in pairs.items()}
+        out = {
+            k: (_apply(op, b, a) if reverse else _apply(op, a, b)) for k, (a, b) in pairs.items()
+        }
         return Snapshot(out, self.name)
 
     def __add__(self, o: Any) -> Snapshot:
@@ -276,38 +292,82 @@ class Snapshot(Mapping[str, Any]):
             return float(m)
         return float(m * np.sum((a / m) ** p) ** (1.0 / p))
 
+    @overload
     def describe(
         self,
         layerwise: bool = False,
         pattern: str | None = None,
         include: Sequence[str] | None = None,
-    ) -> pd.DataFrame:
-        """Statistics of the snapshot as a DataFrame, named as in a tandv log.
+        *,
+        percentiles: Sequence[float] = (),
+        ddof: int = 0,
+        display: Literal[True] | None = None,
+    ) -> pd.DataFrame: ...
+    @overload
+    def describe(
+        self,
+        layerwise: bool = False,
+        pattern: str | None = None,
+        include: Sequence[str] | None = None,
+        *,
+        percentiles: Sequence[float] = (),
+        ddof: int = 0,
+        display: Literal[False],
+    ) -> dict[str, list[Any]]: ...
+    def describe(
+        self,
+        layerwise: bool = False,
+        pattern: str | None = None,
+        include: Sequence[str] | None = None,
+        *,
+        percentiles: Sequence[float] = (),
+        ddof: int = 0,
+        display: bool | None = None,
+    ) -> pd.DataFrame | dict[str, list[Any]]:
+        r"""Statistics of the snapshot as a DataFrame, named as in a tandv log.
 
         Arguments:
             layerwise: one row per value (indexed by name) instead of one row for all
                 values together (indexed by the snapshot's name). The whole-snapshot row
                 merges the per-value summaries exactly, as the trackers merge micro-batches.
             pattern: only names matching this regular expression (``re.search``).
-            include: the columns to return, from :data:`DESCRIBE_COLUMNS` (default: all).
+            include: the columns to return, from :data:`DESCRIBE_COLUMNS` and
+                :data:`EXTRA_COLUMNS` (default: :data:`DESCRIBE_COLUMNS`).
+            percentiles: exact percentiles to add as columns ``pct<q>`` (``q`` in [0, 100]),
+                of the non-NaN elements, interpolated as ``np.percentile``; the whole-snapshot
+                row's are those of all values together (the Chainer monitor's whole-model
+                percentiles: ``from_weight(model).filter(r"\.weight$").describe(
+                percentiles=(...))``).
+            ddof: delta degrees of freedom of ``std`` and ``var``: ``sqrt(M2 / (n - ddof))``
+                over the ``n`` finite elements. The default 0 is a log's (population)
+                standard deviation; ``ddof=1`` is nnstat's (``torch.std``, unbiased). NaN
+                when ``n <= ddof``.
+            display: ``None`` returns the DataFrame; ``True`` also prints it; ``False``
+                returns nnstat's plain dict instead, ``{column: [value per row]}`` with the
+                row names under ``"name"`` (for ``wandb.log`` and the like).
 
         Returns:
-            A DataFrame with the columns of :data:`DESCRIBE_COLUMNS` (or ``include``): the
-            statistics are :func:`tandv.stats.finalize` of :func:`tandv.stats.summarize` of
-            each value, so they agree with a tandv log of the same tensors.
+            A DataFrame with the columns of :data:`DESCRIBE_COLUMNS` (or ``include``) and the
+            percentile columns: the statistics are :func:`tandv.stats.finalize` of
+            :func:`tandv.stats.summarize` of each value, so they agree with a tandv log of
+            the same tensors (``std`` with ``ddof=0``); or the dict (``display=False``).
         """
+        known = (*DESCRIBE_COLUMNS, *EXTRA_COLUMNS)
         cols = list(DESCRIBE_COLUMNS)
         if include is not None:
             wanted = [include] if isinstance(include, str) else list(include)
-            unknown = [c for c in wanted if c not in DESCRIBE_COLUMNS]
+            unknown = [c for c in wanted if c not in known]
             if unknown:
                 raise ValueError(
-                    f"describe(include=...): unknown columns {unknown}; choose from "
-                    f"{list(DESCRIBE_COLUMNS)}"
+                    f"describe(include=...): unknown columns {unknown}; choose from {list(known)}"
                 )
             cols = wanted
+        if isinstance(ddof, bool) or not isinstance(ddof, numbers.Integral) or ddof < 0:
+            raise ValueError(f"describe(ddof={ddof!r}): expected a non-negative integer (0 or 1)")
+        pct = _percentile_names(percentiles)
+        extras = [c for c in cols if c in EXTRA_COLUMNS]
         snap = self if pattern is None else self.filter(pattern)
-        summaries, shapes, dtypes = {}, {}, {}
+        summaries, shapes, dtypes, moments, hosts = {}, {}, {}, {}, {}
         layout = None
         for k, v in snap._values.items():
             arr, dtype = ops_for(v).to_numpy(v)
@@ -315,16 +375,49 @@ class Snapshot(Mapping[str, Any]):
             # lets the whole-snapshot row merge them.
             summaries[k], layout = summarize(arr, fmt="float64")
             shapes[k], dtypes[k] = tuple(np.shape(arr)), dtype
+            if extras:
+                moments[k] = central_moments(arr)
+            if pct:
+                hosts[k] = np.asarray(arr, dtype=np.float64).ravel()
         if layerwise:
-            rows = {k: _row(s, layout, shapes[k], dtypes[k]) for k, s in summaries.items()}
+            rows = {
+                k: _row(s, layout, shapes[k], dtypes[k], moments.get(k), hosts.get(k), pct, ddof)
+                for k, s in summaries.items()
+            }
         else:
             total = merge_all(summaries.values(), layout) if layout else None
             n = int(sum(math.prod(s) for s in shapes.values()))
             kinds = sorted(set(dtypes.values()))
-            rows = {snap.name: _row(total, layout, (n,), kinds[0] if len(kinds) == 1 else "mixed")}
-        df = pd.DataFrame.from_dict(rows, orient="index", columns=list(DESCRIBE_COLUMNS))
+            merged = merge_moments(moments.values()) if extras else None
+            flat = (
+                (np.concatenate(list(hosts.values())) if hosts else np.zeros(0, np.float64))
+                if pct
+                else None
+            )
+            rows = {
+                snap.name: _row(
+                    total,
+                    layout,
+                    (n,),
+                    kinds[0] if len(kinds) == 1 else "mixed",
+                    merged,
+                    flat,
+                    pct,
+                    ddof,
+                )
+            }
+        names = [*known, *(c for c, _ in pct)]
+        df = pd.DataFrame.from_dict(rows, orient="index", columns=names)
         df.index.name = "name"
-        return df[cols]
+        df = df[cols + [c for c, _ in pct]]
+        if display is False:
+            out: dict[str, list[Any]] = {"name": list(df.index)}
+            out.update({c: df[c].tolist() for c in df.columns})
+            return out
+        if display:
+            print(f"[{' Stats ' + snap.name + ' ':=^60}]")
+            print(df.to_string())
+        return df
 
     # -- printing --------------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -358,7 +451,79 @@ class Snapshot(Mapping[str, Any]):
         return "\n".join(lines)
 
 
-def _row(summary: np.ndarray | None, layout: Any, shape: tuple[int, ...], dtype: str) -> list[Any]:
+def _percentile_names(percentiles: Sequence[float]) -> list[tuple[str, float]]:
+    """``describe``'s ``percentiles`` as ``[(column, q)]``, columns named as a log's."""
+    if isinstance(percentiles, (str, bytes)) or not isinstance(percentiles, Sequence):
+        raise TypeError(
+            f"describe(percentiles={percentiles!r}): expected a sequence of percentages, "
+            f"e.g. (1, 50, 99)"
+        )
+    out: dict[str, float] = {}
+    for q in percentiles:
+        if isinstance(q, bool) or not isinstance(q, numbers.Real) or not 0 <= q <= 100:
+            raise ValueError(f"describe(percentiles=...): {q!r} is not a percentage in [0, 100]")
+        out[f"pct{float(q):g}"] = float(q)
+    return list(out.items())
+
+
+#: ``(n, mean, M2, M3, M4)`` of no elements.
+_NO_MOMENTS = (0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def central_moments(x: Any) -> tuple[float, float, float, float, float]:
+    """``(n, mean, M2, M3, M4)`` of the finite elements of ``x`` in float64: their count,
+    mean and centred power sums ``M_k = sum((x - mean)**k)`` (two passes: the mean first,
+    so a large mean costs no digits)."""
+    a = np.asarray(x, dtype=np.float64).ravel()
+    a = a[np.isfinite(a)]
+    if a.size == 0:
+        return _NO_MOMENTS
+    mean = float(a.mean())
+    d = a - mean
+    d2 = d * d
+    return (float(a.size), mean, float(d2.sum()), float((d2 * d).sum()), float((d2 * d2).sum()))
+
+
+def merge_moments(
+    parts: Iterable[tuple[float, float, float, float, float]],
+) -> tuple[float, float, float, float, float]:
+    """The ``(n, mean, M2, M3, M4)`` of several parts' elements together, from each part's
+    (Pébay 2008, the pairwise update of centred power sums): exact, and stable when the
+    parts' means are far from zero."""
+    n, mean, m2, m3, m4 = _NO_MOMENTS
+    for nb, mb, b2, b3, b4 in parts:
+        if nb == 0:
+            continue
+        if n == 0:
+            n, mean, m2, m3, m4 = nb, mb, b2, b3, b4
+            continue
+        na, tot = n, n + nb
+        delta = mb - mean
+        dn = delta / tot
+        m4 = (
+            m4
+            + b4
+            + delta * dn**3 * na * nb * (na * na - na * nb + nb * nb)
+            + 6.0 * dn * dn * (na * na * b2 + nb * nb * m2)
+            + 4.0 * dn * (na * b3 - nb * m3)
+        )
+        m3 = m3 + b3 + delta * dn * dn * na * nb * (na - nb) + 3.0 * dn * (na * b2 - nb * m2)
+        m2 = m2 + b2 + delta * dn * na * nb
+        mean = mean + dn * nb
+        n = tot
+    return n, mean, m2, m3, m4
+
+
+def _row(
+    summary: np.ndarray | None,
+    layout: Any,
+    shape: tuple[int, ...],
+    dtype: str,
+    moments: tuple[float, float, float, float, float] | None,
+    values: np.ndarray | None,
+    pct: list[tuple[str, float]],
+    ddof: int,
+) -> list[Any]:
     if summary is None:  # an empty snapshot
         stats = {k: np.nan for k in DEFAULT_STATS}
         stats.update(numel=0, zero_count=0, nan_count=0, inf_count=0)
@@ -366,7 +531,38 @@ def _row(summary: np.ndarray | None, layout: Any, shape: tuple[int, ...], dtype:
         stats, _ = finalize(summary, layout)
     finite = stats["numel"] - stats["nan_count"] - stats["inf_count"]
     norm = stats["rm2"] * math.sqrt(finite) if finite else 0.0
-    return [shape, dtype, *(stats[k] for k in DEFAULT_STATS), norm]
+    if ddof:  # the finalized std is the population one: rescale to M2 / (n - ddof)
+        stats["std"] = (
+            stats["std"] * math.sqrt(finite / (finite - ddof)) if finite > ddof else np.nan
+        )
+    extra = [np.nan] * len(EXTRA_COLUMNS)
+    if moments is not None:
+        n, mean, m2, m3, m4 = moments
+        with np.errstate(all="ignore"):
+            extra = [
+                stats["mean_abs"] * finite if finite else 0.0,
+                mean * n,
+                m2 / (n - ddof) if n > ddof else np.nan,
+                (m3 / n) / (m2 / n) ** 1.5 if m2 > 0 else np.nan,
+                (m4 / n) / (m2 / n) ** 2 - 3.0 if m2 > 0 else np.nan,
+            ]
+    qs = [q for _, q in pct]
+    if values is not None and qs:
+        kept = values[~np.isnan(values)]
+        got = np.percentile(kept, qs) if kept.size else np.full(len(qs), np.nan)
+    else:
+        got = np.full(len(qs), np.nan)
+    return [shape, dtype, *(stats[k] for k in DEFAULT_STATS), norm, *extra, *got.tolist()]
+
+
+def _apply(op: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
+    """``op(a, b)``; between two plain numbers (a layerwise norm and another) in IEEE float64
+    arithmetic, as between tensors: ``x / 0`` is ``inf`` (``nan`` for ``0 / 0``) where Python's
+    floats raise ``ZeroDivisionError``."""
+    if _is_scalar(a) and _is_scalar(b):
+        with np.errstate(all="ignore"):
+            return float(op(np.float64(a), np.float64(b)))
+    return op(a, b)
 
 
 def sqrt(x: Snapshot) -> Snapshot:

@@ -17,7 +17,7 @@ import numpy as np
 
 from tandv.track.jax._trees import is_float_array, key_name, optimizer_state_leaves, param_leaves
 
-from ._core import Ops, Snapshot
+from ._core import Ops, Snapshot, _np_norm
 
 __all__ = ["from_weight", "from_grad", "from_optimizer_state", "from_activation", "JAX_OPS"]
 
@@ -25,6 +25,8 @@ __all__ = ["from_weight", "from_grad", "from_optimizer_state", "from_activation"
 def _norm(x: Any, p: float) -> float:
     if x.size == 0:
         return 0.0
+    if not jnp.issubdtype(x.dtype, jnp.inexact):  # integer/bool leaves: float64 on the host
+        return _np_norm(np.asarray(x), p)
     # bfloat16/float16 accumulate in float32.
     x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     return float(jnp.linalg.norm(x.ravel(), ord=p))

@@ -9,7 +9,7 @@ gradients: ``W - lr * m / (sqrt(v) + eps)``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,7 +19,15 @@ from torch import nn
 
 from ._core import Ops, Snapshot
 
-__all__ = ["from_weight", "from_grad", "from_optimizer_state", "from_activation", "TORCH_OPS"]
+__all__ = [
+    "from_weight",
+    "from_grad",
+    "from_optimizer_state",
+    "from_activation",
+    "from_state_dict",
+    "from_together",
+    "TORCH_OPS",
+]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -28,6 +36,8 @@ def _norm(x: torch.Tensor, p: float) -> float:
     x = x.detach()
     if x.numel() == 0:
         return 0.0
+    if not (x.is_floating_point() or x.is_complex()):
+        x = x.double()  # integer/bool buffers (num_batches_tracked): norms need floats
     # Half-precision inputs accumulate in float32 (their own sums lose digits fast).
     dtype = torch.float32 if x.dtype in _HALF else None
     return float(torch.linalg.vector_norm(x, ord=p, dtype=dtype))
@@ -135,6 +145,73 @@ def from_optimizer_state(
             )
         )
     return Snapshot(out, f"{type(optimizer).__name__}_{key}")
+
+
+def from_state_dict(
+    state_dict: Mapping[str, Any], clone: bool = False, name: str = "state_dict"
+) -> Snapshot:
+    """A snapshot of a ``state_dict`` (nnstat's ``from_state_dict``): every tensor entry by
+    its key, buffers included (BatchNorm's running statistics, and its integer
+    ``num_batches_tracked``, which :meth:`~tandv.snapshot.Snapshot.norm` and ``describe``
+    read as float64).
+
+    Arguments:
+        state_dict: ``model.state_dict()`` or any mapping of names to tensors (entries that
+            are not tensors, such as an optimizer's step counts, are left out).
+        clone: copy the tensors (``model.state_dict()`` shares storage with the model).
+        name: the snapshot's label.
+    Raises:
+        TypeError: ``state_dict`` is not a mapping; ValueError: it holds no tensor.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"from_state_dict(state_dict=...): expected a mapping of name -> tensor "
+            f"(model.state_dict()), got {type(state_dict).__name__}"
+        )
+    get = (lambda t: t.detach().clone()) if clone else (lambda t: t.detach())
+    out = {str(k): get(v) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+    if not out:
+        raise ValueError("from_state_dict(state_dict=...): the mapping holds no tensor")
+    return Snapshot(out, name)
+
+
+def from_together(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    keys: Sequence[str] = (),
+    clone: bool = False,
+) -> tuple[Snapshot, Snapshot, tuple[Snapshot, ...]]:
+    """Weights, gradients and optimizer state of a model at once (nnstat's
+    ``from_together``): ``weight, grad, (m, v) = from_together(model, opt, ["exp_avg",
+    "exp_avg_sq"])``, all keyed by parameter path, so they combine per name
+    (``-lr * m / (sqrt(v) + eps)``).
+
+    The weights and state are restricted to the parameters that have a gradient (the ones
+    the optimizer steps), so the three line up name for name.
+
+    Arguments:
+        model: the module, after ``backward`` (and ``optimizer.step()`` for the state).
+        optimizer: its optimizer.
+        keys: the optimizer-state entries to return, in order.
+        clone: copy the tensors (see :func:`from_weight`).
+    Raises:
+        ValueError / KeyError: as :func:`from_grad` and :func:`from_optimizer_state`.
+    """
+    if isinstance(keys, str):
+        keys = [keys]
+    grad = from_grad(model, clone=clone)
+    weight = from_weight(model, clone=clone).filter(include=list(grad))
+    states = []
+    for key in keys:
+        state = from_optimizer_state(optimizer, key, model=model, clone=clone)
+        missing = [k for k in grad if k not in state]
+        if missing:
+            raise KeyError(
+                f"from_together(keys=[{key!r}, ...]): the parameters {missing[:5]} have a "
+                f"gradient but no {key!r} state; take an optimizer step first"
+            )
+        states.append(state.filter(include=list(grad)))
+    return weight, grad, tuple(states)
 
 
 @contextmanager

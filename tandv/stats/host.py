@@ -31,10 +31,11 @@ import numba
 import numpy as np
 
 from .formats import NumberFormat
-from .summary import FIELD_INDEX, N_CORE, N_CORE_VALUES, N_LEADING_COUNTS, Layout
+from .summary import FIELD_INDEX, HIGHER_FIELDS, N_CORE, N_CORE_VALUES, N_LEADING_COUNTS, Layout
 
 __all__ = [
     "host_summaries",
+    "host_higher_moments",
     "summary_serial",
     "split_serial",
     "serial_tables",
@@ -497,4 +498,52 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, fmt.num_bins, out, ok)
     for i in np.flatnonzero(~ok):  # largest magnitude outside SAFE_RANGE
         _scaled_powers(flats[i], out[i, _O_MAXABS], out[i])
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _centred_sums(x, mean, inv):  # pragma: no cover - compiled
+    """float64 sums over the finite values of ``d = (x - mean) * inv`` to the powers 1..4,
+    and their count (no fastmath: the order of the sums is kept)."""
+    n = 0.0
+    s1 = 0.0
+    s2 = 0.0
+    s3 = 0.0
+    s4 = 0.0
+    for i in range(x.size):
+        v = np.float64(x[i])
+        if abs(v) <= 1.7976931348623157e308:  # false for inf and NaN
+            d = (v - mean) * inv
+            d2 = d * d
+            n += 1.0
+            s1 += d
+            s2 += d2
+            s3 += d2 * d
+            s4 += d2 * d2
+    return n, s1, s2, s3, s4
+
+
+def host_higher_moments(arrays: Sequence[np.ndarray], summaries: np.ndarray) -> np.ndarray:
+    """The third and fourth centred sums (``m3``, ``m4`` of :data:`HIGHER_FIELDS`) of host
+    arrays, given their summaries from :func:`host_summaries`: one more compiled pass per
+    array (only for ``Layout(moments=4)``), in float64.
+
+    Each array's deviations are taken from its summary's mean and scaled by its largest
+    magnitude, like ``m2``; the rounding of that mean is then taken out exactly
+    (``sum((d - e)**3) = S3 - 3 e S2 + 2 n e**3``, ``e`` the deviations' own mean), so the
+    sums stay accurate when ``|mean| >> std``.
+
+    Returns:
+        A ``(len(arrays), 2)`` float64 array, to append after the custom statistics.
+    """
+    out = np.zeros((len(arrays), len(HIGHER_FIELDS)))
+    for i, a in enumerate(arrays):
+        x = _as_float32(a) if a.dtype != np.float64 else a.reshape(-1)
+        mean = float(summaries[i, _O_MEAN])
+        s = float(summaries[i, _O_MAXABS])
+        n, s1, s2, s3, s4 = _centred_sums(x.reshape(-1), mean, 1.0 / s if s > 0 else 1.0)
+        if n > 0:
+            e = s1 / n
+            out[i, 0] = s3 - 3.0 * e * s2 + 2.0 * n * e**3
+            out[i, 1] = s4 - 4.0 * e * s3 + 6.0 * e * e * s2 - 3.0 * n * e**4
     return out

@@ -24,11 +24,18 @@ Layout (see :class:`Layout`), all float64; counts are exact below 2**53:
 exponent counts       ``-inf`` (underflow), one count per exponent of the format,
                       ``+inf`` (overflow); see :func:`exponent_bins`
 extras                custom statistics, merged by their declared rule
+``m3 m4``             with ``Layout(moments=4)`` only, last: sums over finite x of
+                      ((x - mean) / s)**3 and **4 (centred, scaled like ``m2``)
 ====================  ===========================================================
 
 Moments are scaled by the largest magnitude so that no power overflows, whatever
 the input dtype (|x|**8 overflows float32 already for |x| > 2**16); the variance is
 kept as a centred sum (Chan et al.) so it stays accurate when |mean| >> std.
+
+Skewness and kurtosis are opt-in (``Layout(moments=4)``, :data:`HIGHER_STATS`): the third
+and fourth centred sums merge by Pébay's pairwise update (2008), the higher-order analogue
+of Chan et al.'s, so they too are exact for micro-batches, shards, ranks and steps and stay
+accurate when the mean dominates.
 
 The wire format
 ---------------
@@ -72,6 +79,8 @@ __all__ = [
     "LEADING_COUNTS",
     "CORE_VALUES",
     "DEFAULT_STATS",
+    "HIGHER_STATS",
+    "HIGHER_FIELDS",
     "MERGE_RULES",
     "Layout",
     "summarize",
@@ -137,6 +146,15 @@ DEFAULT_STATS: tuple[str, ...] = (
     "nan_count",
     "inf_count",
 )
+#: The statistics ``Layout(moments=4)`` adds after the default ones: the skewness
+#: ``m3 / m2**1.5`` and the excess kurtosis ``m4 / m2**2 - 3`` of the finite elements, with
+#: ``m_k`` the k-th central moment (sum divided by n): ``scipy.stats.skew`` and
+#: ``scipy.stats.kurtosis`` with their defaults (biased, Fisher). NaN when the finite
+#: elements are all equal, or there are none.
+HIGHER_STATS: tuple[str, ...] = ("skew", "kurtosis")
+#: The summary fields behind :data:`HIGHER_STATS`, at the end of a ``moments=4`` summary.
+HIGHER_FIELDS: tuple[str, ...] = ("m3", "m4")
+
 #: Default statistics that are counts (written as int64 columns).
 COUNT_STATS: frozenset[str] = frozenset({"numel", "zero_count", "nan_count", "inf_count"})
 #: How many fields lead :data:`CORE_FIELDS` as counts: kernels that keep counts in integers
@@ -174,19 +192,28 @@ class Layout:
             thresholds decide underflow and overflow).
         extras: custom statistics appended after the counts, as ``(name, rule)`` pairs
             with ``rule`` one of :data:`MERGE_RULES`.
+        moments: the highest central moment kept: 2 (default: the variance) or 4 (also the
+            third and fourth, :data:`HIGHER_FIELDS`, after the custom statistics, for the
+            skewness and kurtosis).
     """
 
     format: NumberFormat
     extras: tuple[tuple[str, str], ...] = field(default=())
+    moments: int = 2
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "format", number_format(self.format))
+        if self.moments not in (2, 4) or isinstance(self.moments, bool):
+            raise ValueError(
+                f"Layout(moments={self.moments!r}): expected 2 (mean and variance) or 4 "
+                f"(also skewness and kurtosis)"
+            )
         for name, rule in self.extras:
             if rule not in MERGE_RULES:
                 raise ValueError(
                     f"custom statistic {name!r}: merge rule {rule!r} is not one of {MERGE_RULES}"
                 )
-            if name in DEFAULT_STATS:
+            if name in DEFAULT_STATS or name in HIGHER_STATS:
                 raise ValueError(
                     f"custom statistic {name!r} clashes with a default statistic; rename it"
                 )
@@ -207,9 +234,19 @@ class Layout:
         return self.counts_start + self.num_counts
 
     @property
+    def higher_start(self) -> int:
+        """Index of ``m3`` (with ``moments=4``; the vector's end otherwise)."""
+        return self.extras_start + len(self.extras)
+
+    @property
+    def num_higher(self) -> int:
+        """How many higher central moments the vector holds (0, or 2 with ``moments=4``)."""
+        return len(HIGHER_FIELDS) if self.moments == 4 else 0
+
+    @property
     def size(self) -> int:
         """Length of the summary vector."""
-        return self.extras_start + len(self.extras)
+        return self.higher_start + self.num_higher
 
     @property
     def exponent_counts(self) -> slice:
@@ -219,7 +256,12 @@ class Layout:
     @property
     def extra_values(self) -> slice:
         """Where the custom statistics lie in a summary vector."""
-        return slice(self.extras_start, self.size)
+        return slice(self.extras_start, self.higher_start)
+
+    @property
+    def higher_values(self) -> slice:
+        """Where ``m3`` and ``m4`` lie (an empty slice without ``moments=4``)."""
+        return slice(self.higher_start, self.size)
 
     def empty(self) -> np.ndarray:
         """The summary of an empty tensor: the neutral element of :func:`merge`."""
@@ -433,6 +475,7 @@ def summarize(
     x: Any,
     fmt: Any = None,
     extras: Mapping[str, tuple[float, str]] | None = None,
+    moments: int = 2,
 ) -> tuple[np.ndarray, Layout]:
     """Summary of the array ``x`` (numpy reference; the framework kernels must agree).
 
@@ -440,6 +483,7 @@ def summarize(
         x: any array numpy can hold, including ml_dtypes types (bfloat16, float8_*).
         fmt: the number format for the exponent counts; default ``x``'s own dtype.
         extras: already-computed custom statistics, ``{name: (value, merge_rule)}``.
+        moments: 4 to keep the third and fourth central moments too (skewness, kurtosis).
 
     Returns:
         ``(vector, layout)``.
@@ -448,6 +492,7 @@ def summarize(
     layout = Layout(
         number_format(arr.dtype if fmt is None else fmt),
         tuple((k, r) for k, (_, r) in (extras or {}).items()),
+        moments,
     )
     v = layout.empty()
     flat = arr.astype(np.float64).ravel()
@@ -466,12 +511,49 @@ def summarize(
         v[_I["min"]], v[_I["max"]] = fin.min(), fin.max()
         v[_I["min_abs"]], v[_I["max_abs"]] = a.min(), s
         v[_I["mean"]] = mean
-        v[_I["m2"]] = np.sum((fin / scale - mean / scale) ** 2)
+        d = fin / scale - mean / scale
+        v[_I["m2"]] = np.sum(d**2)
         for k in POWERS:
             v[_I[f"p{k}"]] = np.sum((a / scale) ** k)
+        if layout.num_higher:
+            v[layout.higher_values] = higher_sums(d)
     v[layout.exponent_counts] = exponent_bins(flat, layout.format)
     v[layout.extra_values] = [float(value) for value, _ in (extras or {}).values()]
     return v, layout
+
+
+def higher_sums(d: np.ndarray) -> tuple[float, float]:
+    """``(sum(d**3), sum(d**4))`` of centred values ``d`` (``(x - mean) / s``), corrected for
+    the rounding of the mean: ``d``'s own mean ``e`` (zero but for rounding) is taken out,
+    ``sum((d - e)**3) = S3 - 3 e S2 + 2 n e**3`` and likewise for the fourth power."""
+    d = np.asarray(d, dtype=np.float64)
+    if d.size == 0:
+        return 0.0, 0.0
+    n = d.size
+    e = float(d.mean())
+    d2 = d * d
+    s2, s3, s4 = float(d2.sum()), float((d2 * d).sum()), float((d2 * d2).sum())
+    m3 = s3 - 3.0 * e * s2 + 2.0 * n * e**3
+    m4 = s4 - 4.0 * e * s3 + 6.0 * e * e * s2 - 3.0 * n * e**4
+    return m3, m4
+
+
+def _merge_higher(
+    na: Any, nb: Any, delta: Any, a2: Any, a3: Any, a4: Any, b2: Any, b3: Any, b4: Any
+) -> tuple[Any, Any]:
+    """Pébay's merge of two parts' centred sums (all on one scale): ``delta`` is the
+    difference of their means, ``na``, ``nb`` their counts. Returns ``(M3, M4)``."""
+    n = na + nb
+    dn = delta / np.where(n > 0, n, 1.0)
+    m3 = a3 + b3 + delta * dn * dn * na * nb * (na - nb) + 3.0 * dn * (na * b2 - nb * a2)
+    m4 = (
+        a4
+        + b4
+        + delta * dn**3 * na * nb * (na * na - na * nb + nb * nb)
+        + 6.0 * dn * dn * (na * na * b2 + nb * nb * a2)
+        + 4.0 * dn * (na * b3 - nb * a3)
+    )
+    return m3, m4
 
 
 def _scale(s: np.ndarray | float) -> Any:
@@ -517,7 +599,13 @@ def merge(a: np.ndarray, b: np.ndarray, layout: Layout) -> np.ndarray:
         # scaled before subtracting: means near the float64 max must not overflow
         delta = mb / s - ma / s
         out[_I["mean"]] = ma + delta * (nb / n) * s
-        out[_I["m2"]] = a[_I["m2"]] * ra**2 + b[_I["m2"]] * rb**2 + delta**2 * (na * nb / n)
+        a2, b2 = a[_I["m2"]] * ra**2, b[_I["m2"]] * rb**2
+        out[_I["m2"]] = a2 + b2 + delta**2 * (na * nb / n)
+        if layout.num_higher:
+            i3, i4 = layout.higher_start, layout.higher_start + 1
+            out[i3], out[i4] = _merge_higher(
+                na, nb, delta, a2, a[i3] * ra**3, a[i4] * ra**4, b2, b[i3] * rb**3, b[i4] * rb**4
+            )
     for k in POWERS:
         i = _I[f"p{k}"]
         out[i] = a[i] * ra**k + b[i] * rb**k
@@ -607,7 +695,8 @@ def merge_groups(
         raise ValueError(f"merge_groups: groups must lie in [0, {k}); got {g.min()}..{g.max()}")
     width = v.shape[1]
     extras = () if layout is None else layout.extras
-    ends = width - len(extras)
+    high = 0 if layout is None else layout.num_higher
+    ends = width - len(extras) - high
     out = _empty_rows(k, width, layout)
     col = unpack_fields(v)
     sums = [*_LEADING, *range(N_CORE, ends)]
@@ -633,6 +722,19 @@ def merge_groups(
     np.add.at(spread, g, col["m2"] * r**2 + n_i * (col["mean"] / s - mean_s[g]) ** 2)
     out[:, _I["mean"]] = np.where(has, mean_s * scale, 0.0)
     out[:, _I["m2"]] = np.where(has, spread, 0.0)
+    if high:
+        # each row's centred sums moved to the group's mean: with d the row's mean less the
+        # group's, sum((x - mean_g)**k) expands binomially in d (exact)
+        d = col["mean"] / s - mean_s[g]
+        m2r = col["m2"] * r**2
+        m3r = v[:, width - 2] * r**3
+        m4r = v[:, width - 1] * r**4
+        acc3 = np.zeros(k)
+        acc4 = np.zeros(k)
+        np.add.at(acc3, g, m3r + 3.0 * d * m2r + n_i * d**3)
+        np.add.at(acc4, g, m4r + 4.0 * d * m3r + 6.0 * d * d * m2r + n_i * d**4)
+        out[:, width - 2] = np.where(has, acc3, 0.0)
+        out[:, width - 1] = np.where(has, acc4, 0.0)
     for p in POWERS:
         i = _I[f"p{p}"]
         acc1 = np.zeros(k)
@@ -691,7 +793,15 @@ def finalize_many(
     stats.update(numel=numel, zero_count=zero, nan_count=nan, inf_count=inf)
     stats = {k: stats[k] for k in DEFAULT_STATS}
     extras = () if layout is None else layout.extras
-    ends = v.shape[1] - len(extras)
+    high = 0 if layout is None else layout.num_higher
+    ends = v.shape[1] - len(extras) - high
+    if high:
+        m2 = np.maximum(col["m2"], 0.0) / nf
+        ok = has & (m2 > 0)
+        m2s = np.where(ok, m2, 1.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            stats["skew"] = np.where(ok, (v[:, -2] / nf) / m2s**1.5, np.nan)
+            stats["kurtosis"] = np.where(ok, (v[:, -1] / nf) / m2s**2 - 3.0, np.nan)
     for j, (name, _) in enumerate(extras):
         stats[name] = v[:, ends + j].copy()
     counts = np.rint(v[:, N_CORE:ends]).astype(np.int64)
@@ -745,7 +855,9 @@ def unfinalize_many(
     c = c.reshape(-1, c.shape[-1]) if c.ndim > 1 else c[None, :]
     rows = c.shape[0]
     names = [name for name, _ in (() if layout is None else layout.extras)]
-    missing = [k for k in (*INVERTIBLE_STATS, *names) if k not in stats]
+    higher = bool(layout is not None and layout.num_higher)
+    missing = [k for k in (*INVERTIBLE_STATS, *names, *(HIGHER_STATS if higher else ()))]
+    missing = [k for k in missing if k not in stats]
     if missing:
         raise ValueError(f"unfinalize_many: no statistics {missing} to rebuild summaries from")
     if layout is not None and c.shape[1] != layout.num_counts:
@@ -754,7 +866,7 @@ def unfinalize_many(
             f"{layout.num_counts}"
         )
     col = {}
-    for k in (*INVERTIBLE_STATS, *names):
+    for k in (*INVERTIBLE_STATS, *names, *(HIGHER_STATS if higher else ())):
         a = np.asarray(stats[k], dtype=np.float64).reshape(-1)
         if a.size != rows:
             raise ValueError(
@@ -777,7 +889,14 @@ def unfinalize_many(
         }
     core = {k: np.where(has, value, empty) for k, (value, empty) in moments.items()}
     core.update({k: col[k] for k in LEADING_COUNT_FIELDS})
-    extras = np.stack([col[k] for k in names], axis=-1) if names else None
+    tail = [col[k] for k in names]
+    if higher:
+        m2n = core["m2"] / np.where(has, n, 1.0)  # the scaled second central moment
+        with np.errstate(invalid="ignore"):
+            m3 = n * col["skew"] * m2n**1.5
+            m4 = n * (col["kurtosis"] + 3.0) * m2n**2
+        tail += [np.where(has & np.isfinite(m3), m3, 0.0), np.where(has & np.isfinite(m4), m4, 0.0)]
+    extras = np.stack(tail, axis=-1) if tail else None
     return pack_summary(core, c, extras, np)
 
 

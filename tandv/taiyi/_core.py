@@ -25,6 +25,7 @@ from ..track.common.schedule import linear
 __all__ = [
     "QUANTITIES",
     "QuantitySpec",
+    "UserQuantity",
     "Schedule",
     "parse_schedule",
     "parse_quantity_list",
@@ -163,11 +164,12 @@ QUANTITIES: dict[str, QuantitySpec] = {
             True,
             "RankMe (Garrido et al. 2023, arXiv:2210.02885) of the module's output Z (samples "
             "x features): exp(-sum_k p_k log p_k) with p_k = s_k / ||s||_1 + 1e-7 and s the "
-            "singular values of Z; a smooth effective rank between 1 and min(samples, features). "
-            "s is computed as the square roots of the eigenvalues of Z^T Z (float64), so the "
-            "Gram matrix merges over forward passes; zero singular values then come out near "
-            "1e-8 of the largest, which raises RankMe of a low-rank output slightly (up to about "
-            "1e-4 relative, rank 5 of width 2048).",
+            "the min(samples, features) singular values of Z; a smooth effective rank between 1 "
+            "and min(samples, features). In the PyTorch monitor s is the square roots of the "
+            "largest min(n, d) eigenvalues of Z^T Z (float64), so the Gram matrix merges over "
+            "forward passes; zero singular values of a rank-deficient output then come out near "
+            "1e-8 of the largest, which raises RankMe slightly (up to about 1e-4 relative, rank "
+            "5 of width 2048). The JAX monitor takes s from an SVD of Z.",
         ),
         QuantitySpec(
             "MeanTID",
@@ -187,11 +189,77 @@ QUANTITIES: dict[str, QuantitySpec] = {
             True,
             "BatchNorm training/inference discrepancy of the scale: the average over the same "
             "batches of ||sigma_B - sigma_run||_2 / ||sigma_run||_2, sigma_B the batch's "
-            "per-channel standard deviation (biased, as BatchNorm normalizes with) and "
-            "sigma_run = sqrt(var_run).",
+            "per-channel standard deviation (biased, as BatchNorm normalizes with; Taiyi's code "
+            "takes the unbiased one: Monitor(..., ddof=1)) and sigma_run = sqrt(var_run).",
         ),
     ]
 }
+
+#: What a :class:`UserQuantity` can be computed from.
+USER_NEEDS = ("input", "output", "output_grad", "weight")
+
+
+@dataclass(frozen=True)
+class UserQuantity:
+    """A quantity of your own, used in a config like Taiyi's built-in ones (Taiyi's users
+    write their own quantity classes; here a function is enough).
+
+    ``Monitor(model, {nn.Linear: ["OutputAbsMax"]}, quantities=[UserQuantity("OutputAbsMax",
+    "output", lambda y, module: y.abs().max())])``.
+
+    Attributes:
+        name: the name the config and the table use (not a built-in quantity's).
+        needs: what ``fn`` is given: ``"input"`` (the module's first tensor argument) or
+            ``"output"`` (its first tensor output) at each training-mode forward pass,
+            ``"output_grad"`` (the gradient of the loss w.r.t. that output) at each backward
+            pass, or ``"weight"`` (``module.weight``) once, when :meth:`Monitor.track` runs.
+        fn: ``fn(tensor, module)`` returning one number: a 0-dim (or one-element) tensor of
+            the framework, on the tensor's device (it is not copied to the host until the
+            step's values are, once), or a Python number. It runs under ``torch.no_grad()``.
+        doc: the definition, shown by :func:`describe_quantities`-like listings.
+
+    With several passes in a step (gradient accumulation), the step's value is the mean of
+    the per-pass values.
+    """
+
+    name: str
+    needs: str
+    fn: Callable[[Any, Any], Any]
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"UserQuantity(name={self.name!r}): expected a non-empty string")
+        if self.name in QUANTITIES:
+            raise ValueError(
+                f"UserQuantity(name={self.name!r}): a built-in quantity has this name; "
+                f"choose another"
+            )
+        if self.needs not in USER_NEEDS:
+            raise ValueError(
+                f"UserQuantity({self.name!r}, needs={self.needs!r}): expected one of "
+                f"{list(USER_NEEDS)}"
+            )
+        if not callable(self.fn):
+            raise TypeError(
+                f"UserQuantity({self.name!r}, fn=...): expected a callable fn(tensor, module), "
+                f"got {type(self.fn).__name__}"
+            )
+
+
+def user_quantities(quantities: Iterable[UserQuantity] | None) -> dict[str, UserQuantity]:
+    """A monitor's ``quantities=`` argument by name, checked (no name given twice)."""
+    out: dict[str, UserQuantity] = {}
+    for q in quantities or ():
+        if not isinstance(q, UserQuantity):
+            raise TypeError(
+                f"quantities=[...]: expected UserQuantity objects, got {type(q).__name__}"
+            )
+        if q.name in out:
+            raise ValueError(f"quantities=[...]: {q.name!r} is given twice")
+        out[q.name] = q
+    return out
+
 
 #: Percentile of each condition quantity.
 CONDITION_PERCENT = {
@@ -280,22 +348,26 @@ def parse_schedule(spec: str | Schedule | None) -> Schedule:
     return linear(max(interval, 1), offset)
 
 
-def _unknown_quantity(name: Any, where: str) -> ValueError:
-    close = difflib.get_close_matches(str(name), list(QUANTITIES), n=1)
+def _unknown_quantity(name: Any, where: str, extra: Iterable[str] = ()) -> ValueError:
+    known = [*QUANTITIES, *extra]
+    close = difflib.get_close_matches(str(name), known, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return ValueError(
         f"config[{where}]: unknown quantity {name!r}.{hint} Known quantities: "
-        f"{', '.join(QUANTITIES)}."
+        f"{', '.join(known)} (a quantity of your own: Monitor(..., "
+        f"quantities=[UserQuantity(...)]))."
     )
 
 
-def parse_quantity_list(value: Any, where: str) -> list[tuple[str, Schedule, str]]:
+def parse_quantity_list(
+    value: Any, where: str, extra: Iterable[str] = ()
+) -> list[tuple[str, Schedule, str]]:
     """One value of a Taiyi config: the quantities for one module key, each with its
     schedule, as ``(name, schedule, schedule_text)``.
 
     Accepted items (Taiyi's forms): ``"Name"``, ``["Name"]`` and ``["Name", "linear(a, b)"]``;
     also ``("Name", callable)``. A bare string value is one quantity. ``where`` names the
-    config key in error messages.
+    config key in error messages; ``extra`` names user-defined quantities also accepted.
 
     Raises:
         ValueError: an unknown quantity (with the closest known name), a bad schedule, a
@@ -311,6 +383,7 @@ def parse_quantity_list(value: Any, where: str) -> list[tuple[str, Schedule, str
         )
     out: list[tuple[str, Schedule, str]] = []
     seen: set[str] = set()
+    extra = set(extra)
     for item in value:
         if isinstance(item, str):
             name, sched = item, None
@@ -321,8 +394,8 @@ def parse_quantity_list(value: Any, where: str) -> list[tuple[str, Schedule, str
                 f"config[{where}]: item {item!r} is not a quantity; write 'Name', ['Name'] "
                 f"or ['Name', 'linear(interval, offset)']"
             )
-        if name not in QUANTITIES:
-            raise _unknown_quantity(name, where)
+        if name not in QUANTITIES and name not in extra:
+            raise _unknown_quantity(name, where, extra)
         if name in seen:
             raise ValueError(f"config[{where}]: quantity {name!r} is listed twice; keep one entry")
         seen.add(name)
@@ -389,9 +462,9 @@ def _check(df: pd.DataFrame, where: str) -> pd.DataFrame:
             f"{where}: not a Taiyi table: columns {missing} are missing (expected {list(COLUMNS)})"
         )
     df = df[list(COLUMNS)].astype(COLUMNS)
-    unknown = sorted(set(df["quantity"]) - set(QUANTITIES))
-    if unknown:
-        raise ValueError(f"{where}: unknown quantities {unknown} in column 'quantity'")
+    # built-in quantities and user-defined ones (any name) may be there
+    if (df["quantity"].isna() | (df["quantity"].str.len() == 0)).any():
+        raise ValueError(f"{where}: empty quantity names in column 'quantity'")
     return df
 
 

@@ -24,7 +24,7 @@ How the data is taken (the definitions are in :data:`tandv.taiyi.QUANTITIES`):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -39,10 +39,12 @@ from ._core import (
     QUANTITIES,
     Schedule,
     TableWriter,
+    UserQuantity,
     finalize_cov_eigs,
     key_text,
     parse_quantity_list,
     rankme_from_singular_values,
+    user_quantities,
 )
 
 __all__ = ["Monitor", "resolve_config", "feature_matrix"]
@@ -110,14 +112,25 @@ def _matches(model: nn.Module, key: Any, root_name: str) -> list[tuple[str, nn.M
     )
 
 
-def _check_applies(qname: str, path: str, module: nn.Module, where: str) -> None:
-    spec = QUANTITIES[qname]
+def _needs(q: str, user: Mapping[str, UserQuantity]) -> str:
+    """What quantity ``q`` (built-in or user-defined) is computed from."""
+    return QUANTITIES[q].needs if q in QUANTITIES else user[q].needs
+
+
+def _check_applies(
+    qname: str, path: str, module: nn.Module, where: str, user: Mapping[str, UserQuantity]
+) -> None:
     kind = type(module).__name__
-    if spec.needs == "weight" and not isinstance(getattr(module, "weight", None), torch.Tensor):
+    if _needs(qname, user) == "weight" and not isinstance(
+        getattr(module, "weight", None), torch.Tensor
+    ):
         raise ValueError(
             f"config[{where}] quantity {qname!r}: module {path!r} ({kind}) has no weight "
-            f"tensor; WeightNorm applies to modules with a .weight (Linear, Conv, norms)."
+            f"tensor; {qname} applies to modules with a .weight (Linear, Conv, norms)."
         )
+    if qname not in QUANTITIES:
+        return
+    spec = QUANTITIES[qname]
     if spec.modules == "linear" and not isinstance(module, nn.Linear):
         raise ValueError(
             f"config[{where}] quantity {qname!r}: defined for nn.Linear modules, but "
@@ -135,7 +148,10 @@ def _check_applies(qname: str, path: str, module: nn.Module, where: str) -> None
 
 
 def resolve_config(
-    model: nn.Module, config: Mapping[Any, Any], root_name: str = "root"
+    model: nn.Module,
+    config: Mapping[Any, Any],
+    root_name: str = "root",
+    user: Mapping[str, UserQuantity] | None = None,
 ) -> dict[str, tuple[nn.Module, list[_Entry]]]:
     """Which quantities, on which schedules, each module of ``model`` gets from a Taiyi config.
 
@@ -147,6 +163,7 @@ def resolve_config(
             subclasses included), and quantities as
             ``'Name'``, ``['Name']`` or ``['Name', 'linear(interval, offset)']``.
         root_name: the name of the root module (its path is empty in PyTorch).
+        user: user-defined quantities by name, which the config may also list.
 
     Returns:
         ``{module path: (module, entries)}`` in the model's module order.
@@ -161,15 +178,16 @@ def resolve_config(
         raise TypeError(
             f"config: expected a dict {{module key: [quantities]}}, got {type(config).__name__}"
         )
+    user = dict(user or {})
     order = {(name or root_name): i for i, (name, _) in enumerate(model.named_modules())}
     plan: dict[str, tuple[nn.Module, dict[str, _Entry]]] = {}
     for key, value in config.items():
         where = key_text(key, "torch.nn")
-        items = parse_quantity_list(value, where)
+        items = parse_quantity_list(value, where, extra=user)
         for path, module in _matches(model, key, root_name):
             entries = plan.setdefault(path, (module, {}))[1]
             for qname, sched, text in items:
-                _check_applies(qname, path, module, where)
+                _check_applies(qname, path, module, where, user)
                 old = entries.get(qname)
                 if old is not None:
                     if old.schedule_text != text:
@@ -201,6 +219,8 @@ class _Acc:
     grad_sq: torch.Tensor | None = None
     alive: torch.Tensor | None = None
     gram: torch.Tensor | None = None
+    gram_n: int = 0  # samples (rows of Z) summed into gram
+    user: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # per-pass values
 
 
 @dataclass
@@ -208,6 +228,7 @@ class _Watch:
     path: str
     module: nn.Module
     entries: list[_Entry]
+    user: Mapping[str, UserQuantity]
     active: set[str] = field(default_factory=set)  # quantities firing at the current step
     acc: _Acc = field(default_factory=_Acc)
     bn_mu: list[torch.Tensor] = field(default_factory=list)  # per batch, since MeanTID last fired
@@ -216,10 +237,14 @@ class _Watch:
     @property
     def keeps_batches(self) -> bool:
         """Whether MeanTID/VarTID need this module's batch statistics at every step."""
-        return any(QUANTITIES[e.name].needs == "bn_batch" for e in self.entries)
+        return any(_needs(e.name, self.user) == "bn_batch" for e in self.entries)
 
     def needs(self, *what: str) -> bool:
-        return any(QUANTITIES[q].needs in what for q in self.active)
+        return any(_needs(q, self.user) in what for q in self.active)
+
+    def user_active(self, needs: str) -> list[UserQuantity]:
+        """The user-defined quantities firing now that are computed from ``needs``."""
+        return [self.user[q] for q in self.active if q in self.user and self.user[q].needs == needs]
 
 
 def _tensor(m: nn.Module, name: str) -> torch.Tensor:
@@ -229,6 +254,28 @@ def _tensor(m: nn.Module, name: str) -> torch.Tensor:
 
 def _add(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     return b if a is None else a + b
+
+
+def _number(uq: UserQuantity, v: Any, like: torch.Tensor) -> torch.Tensor:
+    """A user quantity's value as a float64 0-dim tensor on ``like``'s device (no sync)."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise ValueError(
+                f"UserQuantity {uq.name!r}: fn returned a tensor of shape {tuple(v.shape)}; "
+                f"it must return one number (reduce it, e.g. with .max() or .norm())"
+            )
+        return v.detach().reshape(()).double()
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return torch.tensor(float(v), dtype=torch.float64, device=like.device)
+    raise TypeError(
+        f"UserQuantity {uq.name!r}: fn returned {type(v).__name__}; expected a one-element "
+        f"tensor or a number"
+    )
+
+
+def _keep(acc: _Acc, uq: UserQuantity, t: torch.Tensor, module: nn.Module) -> None:
+    """Compute a user quantity on one pass's tensor and keep its value for the step."""
+    acc.user.setdefault(uq.name, []).append(_number(uq, uq.fn(t, module), t))
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -260,6 +307,13 @@ class Monitor(TableWriter):
         flush_every: write a part file every this many tracked steps (and at :meth:`close`).
         start_step: the number of the first step, when :meth:`track` is called without one.
         root_name: the name of the root module in the table.
+        ddof: the delta degrees of freedom of ``VarTID``'s per-channel batch standard
+            deviation ``sigma_B = sqrt(sum((x - mu_B)**2) / (n - ddof))``: 0 (default) is
+            the biased one BatchNorm normalizes with; 1 is Taiyi's (``torch.var``'s default,
+            unbiased). The two differ by the factor ``sqrt(n / (n - 1))``, n the samples per
+            channel of a batch (``N*H*W``).
+        quantities: quantities of your own (:class:`tandv.taiyi.UserQuantity`), which the
+            config then lists by name like the built-in ones.
 
     Hooks stay installed until :meth:`close` (or the end of the ``with`` block); on a step
     where nothing of a module fires they return at once.
@@ -274,15 +328,25 @@ class Monitor(TableWriter):
         flush_every: int = 50,
         start_step: int = 0,
         root_name: str = "root",
+        ddof: int = 0,
+        quantities: Iterable[UserQuantity] | None = None,
     ) -> None:
+        if isinstance(ddof, bool) or not isinstance(ddof, int) or ddof < 0:
+            raise ValueError(
+                f"Monitor(ddof={ddof!r}): expected 0 (VarTID's batch std as BatchNorm "
+                f"normalizes with) or 1 (Taiyi's unbiased std)"
+            )
+        self.ddof = ddof
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"Monitor(model=...): expected an nn.Module, got {type(model).__name__}"
             )
         super().__init__(out, flush_every)
         self.model = model
+        self._user = user_quantities(quantities)
         self._watches = [
-            _Watch(p, m, e) for p, (m, e) in resolve_config(model, config, root_name).items()
+            _Watch(p, m, e, self._user)
+            for p, (m, e) in resolve_config(model, config, root_name, self._user).items()
         ]
         self._next_step = start_step
         self._handles: list[Any] = []
@@ -335,10 +399,12 @@ class Monitor(TableWriter):
                 acc.in_sum = _add(acc.in_sum, xd.sum())
                 acc.in_sq = _add(acc.in_sq, xd.square().sum())
                 acc.in_count += x.numel()
+            for uq in w.user_active("input"):
+                _keep(acc, uq, x, module)
             if w.keeps_batches:
                 f = feature_matrix(x, module)
                 w.bn_mu.append(f.mean(0))
-                w.bn_sigma.append(f.var(0, unbiased=False).sqrt())
+                w.bn_sigma.append(f.var(0, correction=self.ddof).sqrt())
         y = (
             output
             if isinstance(output, torch.Tensor)
@@ -354,11 +420,19 @@ class Monitor(TableWriter):
         if "RankMe" in w.active:
             z = feature_matrix(y, module)
             acc.gram = _add(acc.gram, z.T @ z)
-        if "OutputGradSndNorm" in w.active and y.requires_grad:
+            acc.gram_n += z.shape[0]
+        for uq in w.user_active("output"):
+            _keep(acc, uq, y, module)
+        user_grads = w.user_active("output_grad")
+        if ("OutputGradSndNorm" in w.active or user_grads) and y.requires_grad:
+            norm = "OutputGradSndNorm" in w.active
 
             def grad_hook(g: torch.Tensor) -> None:
                 with torch.no_grad():
-                    acc.grad_sq = _add(acc.grad_sq, g.detach().double().square().sum())
+                    if norm:
+                        acc.grad_sq = _add(acc.grad_sq, g.detach().double().square().sum())
+                    for uq in user_grads:
+                        _keep(acc, uq, g.detach(), module)
 
             y.register_hook(grad_hook)
 
@@ -382,7 +456,8 @@ class Monitor(TableWriter):
         ] = []  # (module, type, quantity, 0-dim tensor)
         # symmetric matrices whose eigenvalues are due (input covariances, output Gram matrices
         # for RankMe), grouped by size and device for one batched eigvalsh per group
-        mats: dict[tuple[int, torch.device], list[tuple[_Watch, list[str], torch.Tensor]]] = {}
+        # (for RankMe with the number of samples: Z has min(n, d) singular values)
+        mats: dict[tuple[int, torch.device], list[tuple[_Watch, list[str], torch.Tensor, int]]] = {}
         with torch.no_grad():
             for w in self._watches:
                 due = fired[w.path]
@@ -390,12 +465,16 @@ class Monitor(TableWriter):
                     continue
                 kind = type(w.module).__name__
                 acc = w.acc
-                cov_names = [q for q in due if QUANTITIES[q].needs == "input_cov" and q in w.active]
+                cov_names = [
+                    q for q in due if _needs(q, self._user) == "input_cov" and q in w.active
+                ]
                 if cov_names and acc.cov_mean is not None:
                     if acc.cov_n >= 2:
                         assert acc.cov_m2 is not None  # set together with cov_mean
                         c = acc.cov_m2 / (acc.cov_n - 1)
-                        mats.setdefault((c.shape[0], c.device), []).append((w, cov_names, c))
+                        mats.setdefault((c.shape[0], c.device), []).append(
+                            (w, cov_names, c, c.shape[0])
+                        )
                     else:  # one sample has no covariance
                         nan = torch.full(
                             (), float("nan"), dtype=torch.float64, device=acc.cov_mean.device
@@ -403,18 +482,22 @@ class Monitor(TableWriter):
                         values += [(w.path, kind, q, nan) for q in cov_names]
                 if "RankMe" in due and "RankMe" in w.active and acc.gram is not None:
                     mats.setdefault((acc.gram.shape[0], acc.gram.device), []).append(
-                        (w, ["RankMe"], acc.gram)
+                        (w, ["RankMe"], acc.gram, min(acc.gram_n, acc.gram.shape[0]))
                     )
                 for q in [e.name for e in w.entries if e.name in due]:
                     v = self._value(w, q)
                     if v is not None:
                         values.append((w.path, kind, q, v))
             for group in mats.values():
-                eigs = torch.linalg.eigvalsh(torch.stack([c for _, _, c in group]))
+                eigs = torch.linalg.eigvalsh(torch.stack([c for _, _, c, _ in group]))
                 eigs = eigs.clamp_min(0).flip(-1)  # descending; negative round-off is 0
-                for (w, names, _), e in zip(group, eigs):
-                    if names == ["RankMe"]:  # singular values of Z from the eigenvalues of Z^T Z
-                        got = {"RankMe": rankme_from_singular_values(e.sqrt(), torch)}
+                for (w, names, _, k), e in zip(group, eigs):
+                    if names == ["RankMe"]:
+                        # singular values of Z (n x d) from the eigenvalues of Z^T Z (d x d):
+                        # Z has min(n, d) of them; Z^T Z's other d - n eigenvalues are zeros
+                        # that are no singular values of Z (each would add ~1.6e-6 to the
+                        # entropy through RankMe's 1e-7 offset)
+                        got = {"RankMe": rankme_from_singular_values(e[:k].sqrt(), torch)}
                     else:
                         got = finalize_cov_eigs(e, names)
                     values += [(w.path, type(w.module).__name__, q, v) for q, v in got.items()]
@@ -427,6 +510,15 @@ class Monitor(TableWriter):
         active = q in w.active
         if q == "WeightNorm":
             return torch.linalg.vector_norm(_tensor(m, "weight").detach().double())
+        if q in self._user:
+            uq = self._user[q]
+            if uq.needs == "weight":
+                with torch.no_grad():
+                    return _number(
+                        uq, uq.fn(_tensor(m, "weight").detach(), m), _tensor(m, "weight")
+                    )
+            got = acc.user.get(q)
+            return torch.stack(got).mean() if active and got else None
         if q == "InputMean" and active and acc.in_count:
             assert acc.in_sum is not None  # set with the first counted input
             return acc.in_sum / acc.in_count
@@ -462,7 +554,7 @@ class Monitor(TableWriter):
             for i, x in zip(idx, got):
                 host[i] = x
         order = {w.path: i for i, w in enumerate(self._watches)}
-        qorder = {q: i for i, q in enumerate(QUANTITIES)}
+        qorder = {q: i for i, q in enumerate([*QUANTITIES, *self._user])}
         rows = sorted(
             ((step, p, k, q, host[i]) for i, (p, k, q, _) in enumerate(values)),
             key=lambda r: (order[r[1]], qorder[r[3]]),

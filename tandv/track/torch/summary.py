@@ -58,11 +58,18 @@ import numpy as np
 import torch
 
 from ...stats.formats import NumberFormat
-from ...stats.host import host_summaries
-from ...stats.summary import Layout, append_extras, pack_fields, unpack_fields
+from ...stats.host import host_higher_moments, host_summaries
+from ...stats.summary import (
+    FIELD_INDEX,
+    Layout,
+    append_extras,
+    pack_fields,
+    unpack_fields,
+)
 
 __all__ = [
     "summarize_torch",
+    "higher_moments_torch",
     "raw_device",
     "host_vectors",
     "fused_spec",
@@ -239,8 +246,20 @@ def summarize_torch(
     Raises:
         TypeError: if ``x`` is not a floating-point tensor.
         ValueError: if ``extras`` does not match ``layout.extras``.
+
+    With ``layout.moments == 4`` the skewness and kurtosis sums ``m3``, ``m4`` follow: on the
+    host path from the compiled kernel's second pass
+    (:func:`tandv.stats.host.host_higher_moments`), elsewhere from torch operations on the
+    device (:func:`higher_moments_torch`), after the core summary of whichever path.
     """
     _check_tensor(x)
+    if layout.num_higher:
+        base = Layout(layout.format, layout.extras)
+        host = host_vectors([x], layout, [extras or {}])[0]
+        if host is not None:
+            return torch.from_numpy(host)
+        core = summarize_torch(x, base, extras)
+        return torch.cat([core, higher_moments_torch(x, core)])
     names = _extra_names(layout, extras)
     spec = fused_spec(x)
     if spec is not None:
@@ -263,6 +282,29 @@ def summarize_torch(
     if host is not None:
         return torch.from_numpy(host)
     return finish_raw(raw_device(x, layout, extras), torch)
+
+
+_MEAN, _MAXABS = FIELD_INDEX["mean"], FIELD_INDEX["max_abs"]
+
+
+def higher_moments_torch(x: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
+    """``[m3, m4]``: the third and fourth centred sums of ``x``'s finite elements, scaled
+    by its largest magnitude like ``m2`` (:data:`tandv.stats.summary.HIGHER_FIELDS`), in
+    float64 on ``x``'s device from its core ``summary`` (its mean and largest magnitude),
+    without waiting for the device. The rounding of the mean is taken out exactly
+    (``sum((d - e)**3) = S3 - 3 e S2 + 2 n e**3``, ``e`` the deviations' own mean)."""
+    v = x.detach().reshape(-1).to(torch.float64)
+    fin = torch.isfinite(v)
+    s = summary[_MAXABS]
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    d = torch.where(fin, (v - summary[_MEAN]) / s, torch.zeros_like(v))
+    n = fin.sum().to(torch.float64)
+    d2 = d * d
+    s1, s2, s3, s4 = d.sum(), d2.sum(), (d2 * d).sum(), (d2 * d2).sum()
+    e = s1 / torch.clamp(n, min=1.0)
+    m3 = s3 - 3.0 * e * s2 + 2.0 * n * e**3
+    m4 = s4 - 4.0 * e * s3 + 6.0 * e * e * s2 - 3.0 * n * e**4
+    return torch.stack([m3, m4])
 
 
 def _check_tensor(x: Any) -> None:
@@ -438,10 +480,13 @@ def host_vectors(
         names = _extra_names(layout, extras[host[0][0]])
         threads = torch.get_num_threads()
         vectors = host_summaries([a for _, a in host], layout, threads)
+        higher = host_higher_moments([a for _, a in host], vectors) if layout.num_higher else None
         if torch.get_num_threads() != threads:  # numba's OpenMP layer, starting, resets it
             torch.set_num_threads(threads)
-        for (i, _), v in zip(host, vectors):
+        for j, ((i, _), v) in enumerate(zip(host, vectors)):
             out[i] = append_extras(v, [float(extras[i][k]) for k in names], np) if names else v
+            if higher is not None:
+                out[i] = append_extras(out[i], higher[j], np)
     return out
 
 
