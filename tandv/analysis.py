@@ -39,6 +39,7 @@ __all__ = [
     "exponent_range",
     "format_shares",
     "first_nonfinite",
+    "computation_order",
     "text_summary",
     "summarize_log",
     "sparsity",
@@ -139,6 +140,28 @@ def format_shares(df: pd.DataFrame, fmt: Any) -> pd.DataFrame:
 _STEP_ORDER = {"Weight": 0, "Activation": 1, "Gradient": 2, "Optimiser_State": 3}
 
 
+def computation_order(df: pd.DataFrame) -> np.ndarray:
+    """The positions of ``df``'s rows in the order of the run's computation: by step, and
+    within a step weights, then activations, gradients and optimizer state; within a tensor
+    type the frame's row order (the order the tracker observed the tensors: forward order
+    for activations, backward order for gradients).
+
+    The one definition of that order: :func:`first_nonfinite`, :func:`tandv.first_divergence`
+    and the trackers' alerts all sort by it, so they name the same tensor first.
+
+    Arguments:
+        df: a log (two-level columns) or a flat frame with ``step`` and ``tensor_type``
+            columns.
+
+    Returns:
+        Integer positions (``df.iloc[order]`` is ``df`` in computation order).
+    """
+    m = _meta(df, ["tensor_type", "step"]) if isinstance(df.columns, pd.MultiIndex) else df
+    rank = m["tensor_type"].map(_STEP_ORDER).fillna(len(_STEP_ORDER)).to_numpy()
+    steps = m["step"].to_numpy(dtype=np.int64)
+    return np.lexsort((np.arange(len(m)), rank, steps))
+
+
 def first_nonfinite(df: pd.DataFrame) -> pd.DataFrame:
     """Where NaN or inf appeared: per tensor (name, tensor_type) that ever held one, its
     first such step and counts, in the order the values went bad.
@@ -159,12 +182,10 @@ def first_nonfinite(df: pd.DataFrame) -> pd.DataFrame:
     m = _meta(df)
     m["nan_count"] = df[(SCALAR_STATS, "nan_count")].to_numpy()
     m["inf_count"] = df[(SCALAR_STATS, "inf_count")].to_numpy()
-    m["_rank"] = m["tensor_type"].map(_STEP_ORDER).fillna(len(_STEP_ORDER)).to_numpy()
-    m["_row"] = np.arange(len(m))
+    m = m.iloc[computation_order(m)]
     bad = m[(m["nan_count"] > 0) | (m["inf_count"] > 0)]
     if bad.empty:
         return pd.DataFrame(columns=cols)
-    bad = bad.sort_values(["step", "_rank", "_row"], kind="stable")
     first = bad.groupby(["name", "tensor_type"], sort=False).head(1)
     return first[cols].reset_index(drop=True)
 
