@@ -91,8 +91,16 @@ def _cmd_summary(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from .viz.report import write_report
 
+    against = None if args.against is None else _read(args.against, args.trust_pickle)
+    name = Path(args.log).name
+    if against is not None:
+        name = f"{name} against {Path(args.against).name}"
     out = write_report(
-        _read(args.log, args.trust_pickle), args.output, title=args.title or Path(args.log).name
+        _read(args.log, args.trust_pickle),
+        args.output,
+        title=args.title or name,
+        against=against,
+        against_title=str(args.against),
     )
     print(f"tandv: report written to {out}")
     return 0
@@ -222,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--output", default="report.html", help="HTML file to write (default report.html)"
     )
     p.add_argument("--title", default=None)
+    p.add_argument(
+        "--against",
+        metavar="B",
+        default=None,
+        help="a second log: the report adds a section that overlays the two runs per layer "
+        "and names where they first diverge",
+    )
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser(

@@ -157,3 +157,71 @@ def test_cli_diff(runs, capsys):
     assert main(["diff", str(runs["a"]), str(runs["same"]), "--stats", "bogus"]) == 1
     assert "no statistic ['bogus']" in capsys.readouterr().err
     assert main(["diff", str(runs["a"]), "missing"]) == 1
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _section(text: str, sid: str) -> str:
+    start = text.index(f'<section id="{sid}">')
+    return text[start : text.index("</section>", start)]
+
+
+def _rm2_over_steps(path, name, tensor_type):
+    df = read_log(path)
+    m = df["metadata"]
+    sel = df[(m["name"] == name) & (m["tensor_type"] == tensor_type)]
+    order = np.argsort(sel[("metadata", "step")].to_numpy(), kind="stable")
+    return (
+        sel[("metadata", "step")].to_numpy()[order],
+        sel[("scalar_stats", "rm2")].to_numpy()[order],
+    )
+
+
+def test_report_against_overlays_both_runs(runs):
+    """The two-run section (the whole report is written once, by the CLI test below)."""
+    from tandv.viz.report import _against, overlay_figure
+
+    a, b = read_log(runs["a"]), read_log(runs["perturbed"])
+    view = _against(a, b, "the perturbed run")
+    assert "run B is the perturbed run" in view
+    assert f"First divergence at step {PERTURBED} in Activation 2 " in view
+    # one overlay figure, and the table of the tensors that differ most
+    assert view.count("<img") == 1
+    assert "Tensors that differ most" in view
+    # the overlay draws each run's own values per layer: A solid, B dashed, same color
+    layers = {"Weight": ["0.weight"], "Activation": ["2", "0"]}
+    fig = overlay_figure(tandv.compare(a, b), "rm2", layers)
+    weights, acts = fig.axes[:2]
+    assert acts.get_title() == "Activation: rm2"
+    for i, name in enumerate(["2", "0"]):
+        pair = acts.lines[2 * i : 2 * i + 2]
+        for line, run in zip(pair, ("a", "perturbed")):
+            steps, rm2 = _rm2_over_steps(runs[run], name, "Activation")
+            np.testing.assert_array_equal(line.get_xdata(), steps)
+            np.testing.assert_array_equal(line.get_ydata(), rm2)
+        assert [line.get_linestyle() for line in pair] == ["-", "--"]
+        assert pair[0].get_color() == pair[1].get_color()
+    assert list(acts.lines[4].get_xdata()) == [PERTURBED, PERTURBED]  # where "2" departs
+    # the weights move apart by less than AGAINST_RTOL (1e-3 of rm2) in this run: no marker
+    assert len(weights.lines) == 2
+
+
+def test_report_against_identical_run_says_they_agree(runs):
+    from tandv.viz.report import _against
+
+    view = _against(read_log(runs["a"]), read_log(runs["same"]), "B")
+    assert "The runs agree" in view and "Tensors that differ most" not in view
+
+
+def test_cli_report_against(runs, tmp_path, capsys):
+    out = tmp_path / "two.html"
+    argv = ["report", str(runs["a"]), "--against", str(runs["perturbed"]), "-o", str(out)]
+    assert main(argv) == 0
+    text = out.read_text()
+    nav = text[text.index("<nav>") : text.index("</nav>")]
+    assert 'href="#against"' in nav
+    assert f"First divergence at step {PERTURBED} in Activation 2 " in _section(text, "against")
+    assert "a against perturbed" in text  # the default title names both runs
+    assert main(["report", str(runs["a"]), "--against", str(tmp_path / "nope")]) == 1
+    assert "no such file" in capsys.readouterr().err
