@@ -7,6 +7,7 @@ and ``tandv.track.jax``, figures in ``tandv.viz``.
 from importlib import metadata as _metadata
 
 from .analysis import first_nonfinite
+from .compare import compare, first_divergence
 from .schema import (
     SchemaError,
     read_log,
@@ -17,6 +18,7 @@ from .schema import (
     write_parquet,
     write_pickle,
 )
+from .track.common.alerts import AlertError, NonFiniteError
 
 try:  # written once, in pyproject.toml; read from the installed package's metadata
     __version__ = _metadata.version("tandv")
@@ -24,7 +26,11 @@ except _metadata.PackageNotFoundError:  # a source tree used without installing 
     __version__ = "0+unknown"
 
 __all__ = [
+    "AlertError",
+    "NonFiniteError",
     "SchemaError",
+    "compare",
+    "first_divergence",
     "first_nonfinite",
     "read_scalars",
     "read_log",

@@ -149,13 +149,18 @@ STEP_PHASES: tuple[str, ...] = ("Weight", "Activation", "Gradient", "Optimiser_S
 UPDATE_SUFFIX = ".update"
 
 
+def _column(df: pd.DataFrame, name: str) -> pd.Series:
+    """A metadata column of a log (two-level columns) or of a flat frame of keys."""
+    return df[(METADATA, name)] if isinstance(df.columns, pd.MultiIndex) else df[name]
+
+
 def computation_phase(df: pd.DataFrame) -> np.ndarray:
     """Per row of ``df``, the index in :data:`STEP_PHASES` of the phase of the step that
     computed it: 0 weights, 1 activations, 2 gradients, 3 optimizer state, 4 update rows
     (``Weight`` rows whose name ends in ``.update``); a tensor type the schema does not
     know sorts after all of them (5)."""
-    kinds = df[(METADATA, "tensor_type")].astype(str).to_numpy()
-    names = df[(METADATA, "name")].astype(str).to_numpy()
+    kinds = _column(df, "tensor_type").astype(str).to_numpy()
+    names = _column(df, "name").astype(str).to_numpy()
     rank = {k: i for i, k in enumerate(STEP_PHASES[:-1])}
     phase = np.array([rank.get(k, len(STEP_PHASES)) for k in kinds], dtype=np.int64)
     if phase.size:
@@ -175,11 +180,13 @@ def computation_order(df: pd.DataFrame) -> np.ndarray:
     order their modules finished the forward pass, activation gradients in the order the
     backward pass reached them); a log re-sorted by hand loses that order within a phase.
     This is the order in which "first" is meant by :func:`first_nonfinite` (and the HTML
-    report's banner); use it wherever "which tensor went wrong first" is asked.
+    report's banner), :func:`tandv.first_divergence` and the trackers' alerts; use it
+    wherever "which tensor went wrong first" is asked. ``df`` is a log (two-level columns)
+    or a flat frame with ``name``, ``tensor_type`` and ``step`` columns.
     """
     if len(df) == 0:
         return np.zeros(0, dtype=np.int64)
-    steps = df[(METADATA, "step")].to_numpy(dtype=np.int64)
+    steps = _column(df, "step").to_numpy(dtype=np.int64)
     # lexsort: the last key is the primary one; the row position breaks ties (stable)
     return np.lexsort((np.arange(len(df)), computation_phase(df), steps)).astype(np.int64)
 

@@ -1,4 +1,4 @@
-"""The ``tandv`` command: ``demo``, ``validate``, ``summary``, ``report``.
+"""The ``tandv`` command: ``demo``, ``validate``, ``summary``, ``report``, ``diff``.
 
 Errors a user can fix (a missing file, a file that is not a log, a damaged part) print
 one line starting with ``tandv: error:`` and exit 1, without a traceback. Pickle logs
@@ -101,10 +101,73 @@ def _cmd_summary(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from .viz.report import write_report
 
+    against = None if args.against is None else _read(args.against, args.trust_pickle)
+    name = Path(args.log).name
+    if against is not None:
+        name = f"{name} against {Path(args.against).name}"
     out = write_report(
-        _read(args.log, args.trust_pickle), args.output, title=args.title or Path(args.log).name
+        _read(args.log, args.trust_pickle),
+        args.output,
+        title=args.title or name,
+        against=against,
+        against_title=str(args.against),
     )
     print(f"tandv: report written to {out}")
+    return 0
+
+
+def _parse_stats(text: str) -> list[str]:
+    stats = [s.strip() for s in text.split(",") if s.strip()]
+    if not stats:
+        raise CLIError(
+            f"--stats {text!r}: give statistic names separated by commas, e.g. rm2,max_abs"
+        )
+    return stats
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from .compare import compare, divergence_in, most_different
+
+    if not args.rtol >= 0:
+        raise CLIError(f"--rtol {args.rtol}: expected a number >= 0")
+    if args.top < 0:
+        raise CLIError(f"--top {args.top}: expected a number >= 0")
+    stats = _parse_stats(args.stats)
+    a, b = _read(args.a, args.trust_pickle), _read(args.b, args.trust_pickle)
+    try:
+        table = compare(a, b, stats)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    first = divergence_in(table, args.rtol)
+    shared = table[table["present"] == "both"]
+    print(
+        f"A: {args.a}\nB: {args.b}\n{len(shared)} (tensor, step) rows in both, compared on "
+        f"{', '.join(stats)} (relative difference |a-b|/max(|a|,|b|), rtol {args.rtol:g})"
+    )
+    for which in ("a only", "b only"):
+        only = table[table["present"] == which]
+        if len(only):
+            steps = only["step"]
+            print(
+                f"only in {which[0].upper()}: {len(only)} rows, "
+                f"{only[['tensor_type', 'name']].drop_duplicates().shape[0]} tensors, steps "
+                f"{int(steps.min())}..{int(steps.max())} (not compared)"
+            )
+    if first is None:
+        print(f"no divergence: every shared tensor agrees within rtol {args.rtol:g}")
+    else:
+        values = "; ".join(
+            f"{s} {first[f'{s}_a']:.6g} vs {first[f'{s}_b']:.6g} (rel {first[f'{s}_rel']:.3g})"
+            for s in stats
+        )
+        print(
+            f"first divergence: step {int(first['step'])}, {first['tensor_type']} "
+            f"{first['name']!r}: {values}"
+        )
+    top = most_different(table, args.top)
+    if args.top and len(top):
+        print("\nmost different tensors (largest relative difference over steps and stats):")
+        print(top.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     return 0
 
 
@@ -177,7 +240,32 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--output", default="report.html", help="HTML file to write (default report.html)"
     )
     p.add_argument("--title", default=None)
+    p.add_argument(
+        "--against",
+        metavar="B",
+        default=None,
+        help="a second log: the report adds a section that overlays the two runs per layer "
+        "and names where they first diverge",
+    )
     p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser(
+        "diff", help="compare two logs: where they first diverge and which tensors differ most"
+    )
+    p.add_argument("a", metavar="A", help=log_help)
+    p.add_argument("b", metavar="B", help="the log to compare A with")
+    p.add_argument(
+        "--rtol",
+        type=float,
+        default=1e-3,
+        help="relative difference above which a statistic diverges (default 1e-3)",
+    )
+    p.add_argument(
+        "--stats", default="rm2,max_abs", help="statistics to compare (default rm2,max_abs)"
+    )
+    p.add_argument("--top", type=int, default=10, help="rows of the most-different table")
+    p.add_argument("--trust-pickle", action="store_true", help=_TRUST_HELP)
+    p.set_defaults(func=_cmd_diff)
     return parser
 
 

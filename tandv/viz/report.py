@@ -10,7 +10,7 @@ import base64
 import html
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from .bands import percentile_bands
 from .exp_hist import exp_hist
 from .scalar import scalar_global_heatmap
 
-__all__ = ["write_report", "REPORT_FORMATS", "render_report"]
+__all__ = ["write_report", "REPORT_FORMATS", "render_report", "overlay_figure"]
 
 #: The low-precision formats whose underflow/overflow shares the report tabulates.
 REPORT_FORMATS: tuple[str, ...] = ("float8_e4m3fn", "float8_e5m2", "bfloat16")
@@ -40,6 +40,10 @@ TOP_HISTOGRAMS = 4
 #: Lines drawn in the update-ratio figure and in each Taiyi panel (the largest at the last step).
 UPDATE_LINES = 12
 TAIYI_LINES = 8
+#: The two-run view (``against=``): the relative difference that counts as a divergence,
+#: and the layers overlaid per tensor type.
+AGAINST_RTOL = 1e-3
+AGAINST_LINES = 6
 
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:2rem auto;max-width:1200px;
@@ -383,9 +387,122 @@ def _ranges(df: pd.DataFrame) -> tuple[str, list[str]]:
     return _table(table), figs
 
 
-def render_report(df: pd.DataFrame, title: str) -> str:
+def overlay_figure(table: pd.DataFrame, stat: str, layers: Mapping[str, Sequence[str]]) -> Figure:
+    """Both runs of a :func:`tandv.compare` table overlaid: one panel per tensor type of
+    ``layers`` (``{tensor_type: names}``), a color per layer, run A solid and run B dashed
+    over steps; a dotted red line marks the first step where a drawn layer differs by more
+    than ``AGAINST_RTOL``. The y axis is logarithmic where every value drawn is positive."""
+    kinds = list(layers)
+    cols = min(len(kinds), 2)
+    rows = (len(kinds) + cols - 1) // cols
+    height = 3.2 * rows
+    fig = Figure(figsize=(10, height))
+    # margins in inches (constrained layout costs seconds per figure)
+    fig.subplots_adjust(
+        left=0.07, right=0.98, top=1 - 0.6 / height, bottom=0.5 / height, hspace=0.45
+    )
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False).ravel())
+    for ax, tt in zip(axes, kinds):
+        sub = table[table["tensor_type"] == tt]
+        drawn = []
+        for i, name in enumerate(layers[tt]):
+            t = sub[sub["name"] == name].sort_values("step", kind="stable")
+            for run, style in (("a", "-"), ("b", "--")):
+                v = t[f"{stat}_{run}"]
+                ok = v.notna().to_numpy()
+                ax.plot(
+                    t["step"].to_numpy()[ok],
+                    v.to_numpy(dtype=np.float64)[ok],
+                    style,
+                    color=f"C{i % 10}",
+                    lw=1.2,
+                    label=f"{name} ({run.upper()})",
+                )
+                drawn.append(v.to_numpy(dtype=np.float64)[ok])
+        values = np.concatenate(drawn) if drawn else np.zeros(0)
+        if values.size and (values > 0).all():
+            ax.set_yscale("log")
+        apart = sub[sub["name"].isin(list(layers[tt])) & (sub[f"{stat}_rel"] > AGAINST_RTOL)]
+        if len(apart):
+            ax.axvline(int(apart["step"].min()), color="#b00020", ls=":", lw=1)
+        ax.set_title(f"{tt}: {stat}", fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+    for ax in axes[len(kinds) :]:
+        ax.set_visible(False)
+    fig.suptitle("run A (solid) and run B (dashed), per layer")
+    return fig
+
+
+def _against(df: pd.DataFrame, other: pd.DataFrame, other_title: str) -> str:
+    """The two-run view: where the runs first diverge, what only one logged, the tensors that
+    differ most, and each layer's statistic in both runs, overlaid."""
+    from ..compare import compare, divergence_in, most_different
+
+    stats = [
+        s for s in ("rm2", "max_abs") if {(SCALAR_STATS, s)} <= set(df.columns) & set(other.columns)
+    ]
+    if not stats:
+        return "<p>The two logs share neither rm2 nor max_abs: nothing to compare.</p>"
+    table = compare(df, other, stats)
+    first = divergence_in(table, AGAINST_RTOL)
+    esc = html.escape
+    intro = f"<p>Run A is this log, run B is {esc(other_title)}.</p>"
+    if first is None:
+        head = (
+            f'<p class="banner ok">The runs agree: every tensor both logged is within a relative '
+            f"difference of {AGAINST_RTOL:g} in {', '.join(stats)}.</p>"
+        )
+    else:
+        values = "; ".join(f"{s} {first[f'{s}_a']:.6g} vs {first[f'{s}_b']:.6g}" for s in stats)
+        head = (
+            f'<p class="banner bad">First divergence at step {int(first["step"])} in '
+            f"{esc(str(first['tensor_type']))} {esc(str(first['name']))} ({esc(values)}; "
+            f"relative difference above {AGAINST_RTOL:g}).</p>"
+        )
+    only = []
+    for which, run in (("a only", "A"), ("b only", "B")):
+        n = int((table["present"] == which).sum())
+        if n:
+            only.append(f"{n} rows only in run {run}")
+    extra = f"<p>Not compared: {', '.join(only)}.</p>" if only else ""
+    top = most_different(table, TOP_TENSORS)
+    top_html = (
+        "<h3>Tensors that differ most (largest relative difference over steps)</h3>"
+        + _table(top.rename(columns={"name": "tensor", "tensor_type": "tensor type"}))
+        if len(top)
+        else ""
+    )
+    stat = stats[0]
+    shared = table[table["present"] == "both"]
+    layers, notes = {}, []
+    for tt in TENSOR_TYPES:
+        sub = shared[shared["tensor_type"] == tt]
+        if sub.empty:
+            continue
+        worst = sub.groupby("name", sort=False)[f"{stat}_rel"].max()
+        layers[tt] = list(worst.sort_values(ascending=False, kind="stable").index[:AGAINST_LINES])
+        if len(worst) > len(layers[tt]):
+            notes.append(f"{tt}: {len(layers[tt])} of {len(worst)}")
+    figs = _png(overlay_figure(table, stat, layers)) if layers else ""
+    if notes:
+        drawn = esc("; ".join(notes))
+        figs += f'<p class="muted">Layers drawn, those that differ most first: {drawn}.</p>'
+    return intro + head + extra + top_html + figs
+
+
+def render_report(
+    df: pd.DataFrame,
+    title: str,
+    against: pd.DataFrame | None = None,
+    against_title: str = "run B",
+) -> str:
     """The report of log ``df`` as one HTML string (see :func:`write_report`)."""
     check_log(df)
+    if against is not None:
+        check_log(against)
     tts = [t for t in TENSOR_TYPES if (df[(METADATA, TENSOR_TYPE)] == t).any()]
     metric = (
         "rm2"
@@ -406,6 +523,11 @@ def render_report(df: pd.DataFrame, title: str) -> str:
     taiyi = _taiyi(df)
     sections = [
         ("overview", "Overview", _overview(df) + f"<pre>{esc(text_summary(df))}</pre>"),
+        *(
+            [("against", f"Against {against_title}", _against(df, against, against_title))]
+            if against is not None
+            else []
+        ),
         *([("scalars", "Training scalars", scalars)] if scalars is not None else []),
         ("nonfinite", "Where NaN/inf first appeared", _nonfinite(df)),
         *([("updates", "Update/weight ratio", updates)] if updates is not None else []),
@@ -432,7 +554,13 @@ def render_report(df: pd.DataFrame, title: str) -> str:
     )
 
 
-def write_report(df: pd.DataFrame, path: str | os.PathLike, title: str = "tandv report") -> Path:
+def write_report(
+    df: pd.DataFrame,
+    path: str | os.PathLike,
+    title: str = "tandv report",
+    against: pd.DataFrame | None = None,
+    against_title: str = "run B",
+) -> Path:
     """Write a self-contained HTML report of the log ``df`` to ``path`` and return the path.
 
     The report leads with where NaN/inf first appeared (step and tensor: see
@@ -443,10 +571,16 @@ def write_report(df: pd.DataFrame, path: str | os.PathLike, title: str = "tandv 
     tensors with the widest or most worrying exponent ranges, with their histograms;
     a heatmap of ``rm2`` per tensor type; percentile bands for the whole model.
 
+    With ``against`` (a second log, named ``against_title``), a section after the overview
+    sets the two runs side by side (:func:`tandv.compare`): their first divergence
+    (relative difference above ``AGAINST_RTOL`` in ``rm2`` or ``max_abs``), the rows only one
+    run logged, the tensors that differ most, and per tensor type each layer's ``rm2`` in
+    both runs overlaid (the ``AGAINST_LINES`` layers that differ most).
+
     Raises:
-        tandv.SchemaError: if ``df`` is not a valid log.
+        tandv.SchemaError: if ``df`` (or ``against``) is not a valid log.
         VizArgumentError: if the log has no rows.
     """
-    text = render_report(df, title)
+    text = render_report(df, title, against, against_title)
     out = atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     return out

@@ -23,6 +23,7 @@ import numpy as np
 from ...stats.formats import format_name
 from ...stats.formats import number_format as to_number_format
 from ...stats.summary import Layout
+from .alerts import AlertWatch
 from .distributed import RankMerger
 from .options import TrackOptions
 from .recorder import StepRecorder, TensorKey, make_run_record
@@ -74,6 +75,8 @@ class TrackerCore(Generic[Transfer]):
         #: the step's transfer from :meth:`_send`), oldest first
         self._flights: deque[tuple[int, list[Observation], Transfer]] = deque()
         self._merger: RankMerger | None = None
+        #: the alerts of ``on_nonfinite``/``alerts`` (``None``: none asked for)
+        self._watch = AlertWatch.of(options.on_nonfinite, options.alerts)
 
     # ------------------------------------------------------------------ adapter
 
@@ -158,8 +161,11 @@ class TrackerCore(Generic[Transfer]):
                 },
             ),
             merger=self._merger,
+            inspect=None if self._watch is None else self._watch.inspect,
         )
         self.out_path = self.recorder.path
+        if self._watch is not None:
+            self._watch.path = str(self.out_path)
         try:
             self._start()
         except BaseException:
@@ -212,7 +218,19 @@ class TrackerCore(Generic[Transfer]):
                 finally:
                     self._flights.clear()
                     self.out_path = self.recorder.close()
+        self._raise_alert()
         return self.out_path
+
+    def _raise_alert(self) -> None:
+        """Raise the error of an alert that is due (see ``track(on_nonfinite=...)``), once
+        the log holds every step up to the flagged one: the steps after it are dropped and
+        the tracker is closed first."""
+        if self._watch is None or self._watch.due is None:
+            return
+        error, self._watch.due = self._watch.due, None
+        self._flights.clear()  # later steps are not recorded: the run stops at the bad one
+        self.close()
+        raise error
 
     # ------------------------------------------------------------------ steps
 
@@ -233,6 +251,7 @@ class TrackerCore(Generic[Transfer]):
             recorder.discard()
         self._land()
         self.step_index += 1
+        self._raise_alert()
 
     def _land(self, wait: bool = False) -> None:
         """Record the steps whose summaries have reached the host, in order. A step's
@@ -253,6 +272,8 @@ class TrackerCore(Generic[Transfer]):
                 # commit() calls it before it returns: the lambda sees this transfer
                 lambda s: self._to_host(s, transfer),  # noqa: B023
             )
+            if self._watch is not None and self._watch.due is not None:
+                return  # an alert stops the run at this step: later steps are not recorded
 
     def log_scalars(self, step: int | None = None, **scalars: Any) -> None:
         """Log training scalars (loss, learning rate, ...) beside the log, e.g.

@@ -17,6 +17,7 @@ from typing import Any, TypedDict
 
 from ...schema.writer import FORMATS
 from ...stats.formats import format_name
+from .alerts import check_alert_options
 from .custom import StatFn, StatsSpec, parse_custom_stats, percentile_columns
 from .schedule import Schedule, make_schedule
 from .selection import Pattern, Selector
@@ -95,6 +96,21 @@ class TrackOptions:
             (default ``False``).
         dist_timeout: seconds a process waits for the others in tandv's exchanges before it
             raises (another process died, raised, or steps differently); default 600.
+        on_nonfinite: what to do when a tracked tensor holds NaN or inf, checked when a
+            step's summaries reach the host (no extra sync): ``"raise"`` writes every step up
+            to that one, closes the tracker and raises ``tandv.NonFiniteError`` (naming the
+            step and its first such tensor in computation order) from the next
+            ``tracker.step()`` (or from leaving the ``with`` block), at most 2 steps after the
+            bad one; ``"warn"`` gives a ``RuntimeWarning`` at the first such step; a callable
+            is given the rows (a log frame) of each such step's tensors that hold NaN/inf, and
+            an exception it raises is delivered as ``"raise"`` delivers its error; ``None``
+            (default): no check. Only recorded steps are checked.
+        alerts: further rules: a callable (or list of them) given each recorded step's rows
+            (a log frame, in computation order) that returns a message or ``None``; a message
+            is raised as ``tandv.AlertError`` with the same delivery as
+            ``on_nonfinite="raise"``. Each rule costs building the step's rows on the training
+            thread. In a run over several processes each process checks its own summaries,
+            before they are merged.
     """
 
     track_activations: bool = True
@@ -119,6 +135,8 @@ class TrackOptions:
     distributed: bool | None = None
     rank_logs: bool = False
     dist_timeout: float = 600.0
+    on_nonfinite: str | Callable[[Any], Any] | None = None
+    alerts: Callable[[Any], str | None] | Sequence[Callable[[Any], str | None]] | None = None
 
     # What the options mean, worked out once by the checks (not options themselves).
     #: the tensors ``include`` and ``exclude`` select
@@ -186,6 +204,7 @@ class TrackOptions:
                     f"sinks: expected callables taking a DataFrame of rows; got "
                     f"{type(sink).__name__}"
                 )
+        check_alert_options(self.on_nonfinite, self.alerts)
         fns, rules = parse_custom_stats(self.stats, self.stats_merge)
         derived = {
             "sinks": sinks,
@@ -250,3 +269,5 @@ class TrackKwargs(TypedDict, total=False):
     distributed: bool | None
     rank_logs: bool
     dist_timeout: float
+    on_nonfinite: str | Callable[[Any], Any] | None
+    alerts: Callable[[Any], str | None] | Sequence[Callable[[Any], str | None]] | None

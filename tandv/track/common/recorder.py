@@ -358,6 +358,10 @@ class StepRecorder:
             to :meth:`~tandv.track.common.distributed.RankMerger.rank_path`), and every
             scheduled step takes part in the merge, even with no rows. ``None``: this
             process alone.
+        inspect: called with ``(step, entries)`` for each committed step, once its summaries
+            are on the host and merged per tensor (before a cross-rank merge): the entries
+            are ``(TensorKey, Layout, host summary)``. The trackers' alerts
+            (:class:`~tandv.track.common.alerts.AlertWatch`) check steps here.
     """
 
     def __init__(
@@ -374,7 +378,9 @@ class StepRecorder:
         max_pending_bytes: int = 2**30,
         run: dict[str, Any] | None = None,
         merger: RankMerger | None = None,
+        inspect: Callable[[int, list[tuple[TensorKey, Layout, np.ndarray]]], None] | None = None,
     ) -> None:
+        self.inspect = inspect
         self.sinks = tuple(sinks)  # checked before anything is created
         for sink in self.sinks:
             if not callable(sink):
@@ -590,6 +596,8 @@ class StepRecorder:
             (k, layout, merge_all(vs, layout) if len(vs) > 1 else vs[0])
             for k, (layout, vs) in groups.items()
         ]
+        if self.inspect is not None:
+            self.inspect(step, local)
         if self.merger is not None:
             if self._rank_log is not None:  # written whatever becomes of the merge
                 self._rank_log.commit(step, local, lambda s: s)
