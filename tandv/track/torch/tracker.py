@@ -209,7 +209,11 @@ class Tracker(TrackerCore[Flight | None]):
         self._compiled: CompiledHooks | None = None
         self._active = False
         self._weights_done = False
-        self._grads: dict[str, tuple[TensorKey, Layout, np.ndarray | Slot]] = {}
+        #: gradients captured for the optimizer step under way, by optimizer (``None``: at
+        #: :meth:`step`), by parameter path; recorded when that step completes
+        self._grads: dict[int | None, dict[str, tuple[TensorKey, Layout, np.ndarray | Slot]]] = {}
+        self._grad_rows = 0  # parameter-gradient observations recorded in the current step
+        self._told: set[str] = set()  # the tensor types a loop left nothing for (told once)
 
     # ------------------------------------------------------------------ dry run
 
@@ -337,20 +341,43 @@ class Tracker(TrackerCore[Flight | None]):
         for entry in self._summaries(items):
             self.recorder.add(*entry)  # type: ignore[union-attr]
 
-    def _capture_grads(self, missing_only: bool = False) -> None:
-        """Summarize each selected parameter's current ``.grad`` (overwrites earlier captures
-        of this step: the last optimizer to look at a gradient defines it), or with
-        ``missing_only`` only those not captured yet."""
+    def _capture_grads(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Summarize the current ``.grad`` of each selected parameter that ``optimizer``
+        updates (``None``: of those no tracked optimizer updates), as the gradients of its
+        step under way: a later capture for the same step replaces them (the last look
+        before the update defines them: after unscaling and clipping, after the closure's
+        last call)."""
+        if optimizer is None:
+            owned = {id(p) for opt in self.optimizers for p in _params_of(opt)}
+            params = [(full, p, owner) for full, p, owner in self._params if id(p) not in owned]
+        else:
+            names = self._param_names
+            params = [
+                (names[id(p)][0], p, names[id(p)][1])
+                for p in _params_of(optimizer)
+                if id(p) in names
+            ]
         items = [
             (full, GRADIENT, owner, p.grad)
-            for full, p, owner in self._params
+            for full, p, owner in params
             if p.grad is not None
             and p.grad.is_floating_point()
             and self._selected(full, type(owner))
-            and not (missing_only and full in self._grads)
         ]
+        captured = self._grads.setdefault(None if optimizer is None else id(optimizer), {})
         for entry in self._summaries(items):
-            self._grads[entry[0].name] = entry
+            captured[entry[0].name] = entry
+
+    def _commit_grads(self, optimizer: int | None) -> None:
+        """Record the gradients captured for the step of the optimizer whose ``id`` is
+        ``optimizer`` (it has updated, or the tracked step ends; ``None``: the parameters
+        no tracked optimizer updates): an optimizer stepping twice in a tracked step gives
+        two observations, merged like micro-batches."""
+        captured = self._grads.pop(optimizer, None)
+        if captured and self.recorder is not None:
+            for entry in captured.values():
+                self.recorder.add(*entry)
+            self._grad_rows += len(captured)
 
     def _optimizer_state(self) -> Iterator[tuple[str, torch.Tensor, nn.Module]]:
         for oi, opt in enumerate(self.optimizers):
@@ -427,7 +454,7 @@ class Tracker(TrackerCore[Flight | None]):
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
             if self.kinds[GRADIENT]:
-                self._capture_grads()
+                self._capture_grads(opt)
             return None
         # ``step(closure)``: the closure computes the gradients (PyTorch Lightning always
         # steps this way), so they are captured after it, each time the optimizer calls it
@@ -438,12 +465,18 @@ class Tracker(TrackerCore[Flight | None]):
             loss = closure()
             tr = ref()
             if tr is not None and tr._active and tr.kinds[GRADIENT]:
-                tr._capture_grads()
+                tr._capture_grads(opt)
             return loss
 
         if "closure" in kwargs:
             return args, {**kwargs, "closure": capturing_closure}
         return (args[0], capturing_closure, *args[2:]), kwargs
+
+    def _optimizer_post_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
+        """The update is done: its gradients (those of ``opt``'s parameters alone) are
+        the step's rows."""
+        if self._active:
+            self._commit_grads(id(opt))
 
     def _install(self) -> None:
         """Hooks exist only while a scheduled step runs: unscheduled steps run the user's
@@ -459,6 +492,7 @@ class Tracker(TrackerCore[Flight | None]):
             self._handles.append(register_module_forward_pre_hook(self._first_forward_hook))
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))
+            self._handles.append(opt.register_step_post_hook(self._optimizer_post_hook))
         if self.track_updates:
             from ._updates import UpdateCapture
 
@@ -531,6 +565,7 @@ class Tracker(TrackerCore[Flight | None]):
             self._compiled.switch.active = self._active
         self._weights_done = False
         self._grads = {}
+        self._grad_rows = 0
         self._last = None
         if self._active and not self._handles:
             self._install()
@@ -550,10 +585,12 @@ class Tracker(TrackerCore[Flight | None]):
             if not self._weights_done:
                 self._capture_weights()
             if self.kinds[GRADIENT]:
-                # gradients no optimizer looked at: as they are now
-                self._capture_grads(missing_only=True)
-                for entry in self._grads.values():
-                    recorder.add(*entry)
+                # captures of steps the GradScaler skipped, then the gradients of the
+                # parameters no tracked optimizer updates, as they are now
+                for opt in list(self._grads):
+                    self._commit_grads(opt)
+                self._capture_grads(None)
+                self._commit_grads(None)
             if self.kinds[OPTIMISER_STATE]:
                 items = [
                     (name, OPTIMISER_STATE, owner, value)
@@ -567,29 +604,51 @@ class Tracker(TrackerCore[Flight | None]):
 
 
 class _CaptureAfterUnscale:
-    """Wraps the tracker's ``GradScaler.unscale_`` (an instance attribute, removed by
-    :meth:`remove`) to capture the gradients once unscaled: a step the scaler skips (inf or
-    NaN found) never reaches the optimizer's hook, and its gradients are logged as they
-    were. Steps that do update are captured again just before the update (after any
-    clipping)."""
+    """Wraps the tracker's ``GradScaler.unscale_`` and ``step`` (instance attributes,
+    removed by :meth:`remove`) so that a step the scaler skips (inf or NaN found) keeps
+    gradient rows although it never reaches the optimizer's hooks: the gradients as
+    ``scaler.step(optimizer)`` is handed them (unscaled, after any clipping between
+    ``unscale_`` and ``step``), the ones the optimizer would have used. Steps that update
+    are captured again by the optimizer's own hook, just before the update."""
 
     def __init__(self, tracker: Tracker) -> None:
         scaler = tracker.scaler
-        original = type(scaler).unscale_
+        original_unscale, original_step = type(scaler).unscale_, type(scaler).step
         ref = weakref.ref(tracker)
+        unscaled: set[int] = set()  # optimizers unscaled and not yet stepped
+
+        def capture(optimizer: Any) -> None:
+            tr = ref()
+            if tr is not None and tr._active and tr.kinds[GRADIENT]:
+                tr._capture_grads(_unwrap_optimizer(optimizer))
 
         def unscale_(optimizer: Any) -> Any:
-            out = original(scaler, optimizer)
-            tr = ref()
-            if tr is not None and tr._active:
-                tr._capture_grads()
+            out = original_unscale(scaler, optimizer)
+            unscaled.add(id(optimizer))
+            capture(optimizer)  # (unscale_ inside step: these are the gradients stepped)
             return out
 
+        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if id(optimizer) in unscaled:  # unscaled before: clipping may have come since
+                capture(optimizer)
+            try:
+                return original_step(scaler, optimizer, *args, **kwargs)
+            finally:
+                unscaled.discard(id(optimizer))
+
         scaler.unscale_ = unscale_
+        scaler.step = step
         self._scaler = scaler
 
     def remove(self) -> None:
         self._scaler.__dict__.pop("unscale_", None)
+        self._scaler.__dict__.pop("step", None)
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The parameters ``optimizer`` updates (its param groups' now)."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
 
 
 #: The statistic column of output-gradient rows that holds a tracked GradScaler's scale.
