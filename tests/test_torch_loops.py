@@ -6,6 +6,8 @@ reference."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,3 +129,101 @@ def test_grad_scaler_skipped_step_logs_the_clipped_gradients_it_was_handed(tmp_p
         assert row[("scalar_stats", "inf_count")] == want.isinf().sum().item()
         assert row[("scalar_stats", "zero_count")] == (want == 0).sum().item()
     assert not {"unscale_", "step"} & set(scaler.__dict__)
+
+
+def test_lbfgs_flat_state_is_logged_as_optimizer_state(tmp_path):
+    """LBFGS keeps its search direction and previous gradient as vectors over all the
+    parameters, under the first parameter's state: rows ``optimizer0.<key>`` with the
+    vectors' own values, and no row claims to be the first parameter's."""
+    net, opt = make(0, torch.optim.LBFGS, lr=0.5, max_iter=3)
+    x, y = batch(0)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.mse_loss(net(x), y)
+        loss.backward()
+        return loss
+
+    with track(net, opt, out=tmp_path / "log", track_activations=False, verbose=False) as tr:
+        opt.step(closure)
+        state = opt.state[next(iter(net.parameters()))]
+        flat = {k: state[k].clone() for k in ("d", "prev_flat_grad")}
+        tr.step()
+    total = sum(p.numel() for p in net.parameters())
+    assert all(v.numel() == total for v in flat.values())
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for k, v in flat.items():
+        assert_row(df, idx, (f"optimizer0.{k}", "Optimiser_State", 0), [v])
+    states = df[df[("metadata", "tensor_type")] == "Optimiser_State"]
+    assert not any(n.startswith("fc1.weight.") for n in states[("metadata", "name")])
+
+
+def test_adam_state_stays_per_parameter(tmp_path):
+    """Per-parameter state keeps its parameter's name (the LBFGS rule only moves vectors
+    over all the parameters)."""
+    net, opt = make(0, torch.optim.Adam)
+    with track(net, opt, out=tmp_path / "log", track_activations=False, verbose=False) as tr:
+        x, y = batch(0)
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+        tr.step()
+    states = set(read_log(tr.out_path).pipe(lambda d: d[("metadata", "name")]))
+    assert {f"{p}.{k}" for p in PARAMS for k in ("exp_avg", "exp_avg_sq")} <= states
+
+
+def test_zero_grad_before_step_without_optimizer_is_told_once(tmp_path):
+    """No ``optimizer=`` and ``zero_grad()`` before ``tracker.step()``: nothing is left to
+    record for parameter gradients; the tracker says so once, naming the fix."""
+    net, opt = make(0, torch.optim.SGD)
+    with pytest.warns(RuntimeWarning, match="no parameter gradient.*zero_grad") as record:
+        with track(net, out=tmp_path / "log", verbose=False) as tr:
+            for i in range(3):
+                x, y = batch(i)
+                F.mse_loss(net(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                tr.step()
+    told = [w for w in record if "tandv" in str(w.message)]
+    assert len(told) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the right order: nothing to tell
+        with track(net, out=tmp_path / "log2", verbose=False) as tr:
+            x, y = batch(0)
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+            tr.step()
+            opt.zero_grad()
+
+
+def test_eager_tracking_of_a_model_trained_through_torch_compile(tmp_path):
+    """``track(model)`` while ``torch.compile(model)`` trains: tandv's hooks do nothing
+    inside the graph (no graph break, nothing of tandv traced), the weights and gradients
+    are those the optimizer used, and the missing activations are told once."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    net, opt = make(0, torch.optim.SGD)
+    compiled = torch.compile(net, backend="eager")
+    used = []
+    with pytest.warns(RuntimeWarning, match="no activation.*torch.compile"):
+        with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
+            for i in range(3):
+                x, y = batch(i)
+                weights = {n: p.detach().clone() for n, p in net.named_parameters()}
+                F.mse_loss(compiled(x), y).backward()
+                used.append((weights, grads_of(net)))
+                opt.step()
+                opt.zero_grad()
+                tr.step()
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 1  # no recompilation across steps
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for k in range(3):
+        for name in PARAMS:
+            assert_row(df, idx, (name, "Weight", k), [used[k][0][name]])
+            assert_row(df, idx, (name, "Gradient", k), [used[k][1][name]])
+    torch._dynamo.reset()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Mapping as MappingABC
@@ -40,6 +41,7 @@ import numpy as np
 import pandas as pd
 import torch
 from torch import nn
+from torch.compiler import is_compiling
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ...schema.columns import ACTIVATION, GRADIENT, OPTIMISER_STATE, WEIGHT
@@ -213,7 +215,16 @@ class Tracker(TrackerCore[Flight | None]):
         #: :meth:`step`), by parameter path; recorded when that step completes
         self._grads: dict[int | None, dict[str, tuple[TensorKey, Layout, np.ndarray | Slot]]] = {}
         self._grad_rows = 0  # parameter-gradient observations recorded in the current step
-        self._told: set[str] = set()  # the tensor types a loop left nothing for (told once)
+        #: what a scheduled step has not yet recorded although asked: checked at each
+        #: scheduled step until seen once, or told once (:meth:`_tell_unseen`)
+        self._unseen = {
+            kind
+            for kind, wanted in (
+                (ACTIVATION, self.kinds[ACTIVATION]),
+                (GRADIENT, self.kinds[GRADIENT]),
+            )
+            if wanted
+        }
 
     # ------------------------------------------------------------------ dry run
 
@@ -381,6 +392,10 @@ class Tracker(TrackerCore[Flight | None]):
 
     def _optimizer_state(self) -> Iterator[tuple[str, torch.Tensor, nn.Module]]:
         for oi, opt in enumerate(self.optimizers):
+            # a vector over all the optimizer's parameters at once (LBFGS keeps its
+            # direction and previous gradient so, under its first parameter) is state of the
+            # optimizer, not of that parameter: ``optimizer<i>.<key>``
+            flat = -1  # (counted when a state tensor's size differs from its parameter's)
             for gi, group in enumerate(opt.param_groups):
                 for pi, p in enumerate(group["params"]):
                     state = opt.state.get(p)
@@ -393,7 +408,57 @@ class Tracker(TrackerCore[Flight | None]):
                         base, owner = known
                     for k, v in state.items():
                         if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0:
-                            yield f"{base}.{k}", v, owner
+                            if v.numel() != p.numel() and flat < 0:
+                                flat = sum(q.numel() for q in _params_of(opt))
+                            if v.numel() == flat != p.numel():
+                                yield f"optimizer{oi}.{k}", v, self.module
+                            else:
+                                yield f"{base}.{k}", v, owner
+
+    def _tell_unseen(self, recorder: Any) -> None:
+        """Warn, once per kind, when a scheduled step ends with no activation or no
+        parameter gradient although the tracker was asked for them and has some to
+        record: the loop leaves nothing where the tracker looks (rows silently absent
+        otherwise)."""
+        step = self.step_index
+        if ACTIVATION in self._unseen and (
+            recorder.has_pending_type(ACTIVATION)
+            or not any(self._selected(n, type(m)) for n, m in self._modules)
+        ):
+            self._unseen.discard(ACTIVATION)
+        elif ACTIVATION in self._unseen:
+            self._unseen.discard(ACTIVATION)
+            warnings.warn(
+                f"tandv: step {step} recorded no activation: no training-mode forward of a "
+                f"tracked module ran where the tracker's hooks see it. A module in eval mode "
+                f"is skipped (track(..., track_eval=True) records it); a compiled wrapper of "
+                f"the tracked module (torch.compile(model)) runs its forward inside a graph "
+                f"the tracker was not given: track the compiled module, "
+                f"track(torch.compile(model), ...), to record inside the graph. Said once.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if GRADIENT in self._unseen and (
+            self._grad_rows
+            or not any(p.requires_grad and self._selected(n, type(o)) for n, p, o in self._params)
+        ):
+            self._unseen.discard(GRADIENT)
+        elif GRADIENT in self._unseen:
+            self._unseen.discard(GRADIENT)
+            how = (
+                "no tracked optimizer stepped (a GradScaler skipping the step: pass "
+                "track(..., scaler=scaler)) and no other parameter had a .grad"
+                if self.optimizers
+                else "no parameter had a .grad at tracker.step(): optimizer.zero_grad() "
+                "before tracker.step() clears them. Pass the optimizer, track(model, "
+                "optimizer), to capture them just before its update, or call "
+                "tracker.step() before zero_grad()"
+            )
+            warnings.warn(
+                f"tandv: step {step} recorded no parameter gradient: {how}. Said once.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ hooks
 
@@ -403,6 +468,8 @@ class Tracker(TrackerCore[Flight | None]):
         ref = weakref.ref(self)
 
         def hook(mod: nn.Module, args: Any, output: Any) -> None:
+            if is_compiling():  # inside a graph of a compiled wrapper: see _first_forward_hook
+                return
             tr = ref()
             if tr is None or not tr._active or not (mod.training or tr.track_eval):
                 return
@@ -428,7 +495,7 @@ class Tracker(TrackerCore[Flight | None]):
 
     def _make_grad_hook(self, name: str, module: nn.Module) -> Callable:
         def grad_hook(g: torch.Tensor) -> None:
-            if self._active and g is not None and g.is_floating_point():
+            if not is_compiling() and self._active and g is not None and g.is_floating_point():
                 self._observe(name, GRADIENT, module, g)
 
         return grad_hook
@@ -436,9 +503,17 @@ class Tracker(TrackerCore[Flight | None]):
     def _first_forward_hook(self, mod: nn.Module, args: Any) -> None:
         """Global forward pre-hook (scheduled steps only): weights are captured before the
         first forward of any of the model's modules, so they are those the step used even
-        when a loop never calls the root module."""
+        when a loop never calls the root module.
+
+        Like every module hook of an eager tracker, it does nothing while dynamo traces it
+        (``torch.compile(model)`` of the tracked model): dynamo sees one constant test, no
+        graph break, and none of tandv's code (host kernels, numba) gets traced. Such
+        forwards leave no activation rows (the tracker says so once), and the weights are
+        captured before the optimizer's update; ``track(torch.compile(model))`` records
+        inside the graph instead (:mod:`._compiled`)."""
         if (
-            self._active
+            not is_compiling()
+            and self._active
             and not self._weights_done
             and id(mod) in self._module_ids
             and (mod.training or self.track_eval)
@@ -599,6 +674,8 @@ class Tracker(TrackerCore[Flight | None]):
                 ]
                 for entry in self._summaries(items):
                     recorder.add(*entry)
+            if self._unseen:
+                self._tell_unseen(recorder)
         self._end_step(self._active)
         self._begin()
 
