@@ -227,3 +227,91 @@ def test_eager_tracking_of_a_model_trained_through_torch_compile(tmp_path):
             assert_row(df, idx, (name, "Weight", k), [used[k][0][name]])
             assert_row(df, idx, (name, "Gradient", k), [used[k][1][name]])
     torch._dynamo.reset()
+
+
+class _Attention(nn.Module):
+    """Returns its position bias, computed by the first layer and passed on (like T5)."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+        self.rel = nn.Parameter(torch.randn(3, 3)) if first else None
+
+    def forward(self, h, position_bias=None):
+        if position_bias is None:
+            position_bias = self.rel * 2.0
+        scores = self.q(h) @ h.transpose(-1, -2) + position_bias
+        return scores.softmax(-1) @ h, position_bias
+
+
+class _Block(nn.Module):
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.attn = _Attention(first)
+        self.ff = nn.Linear(4, 4)
+
+    def forward(self, h, position_bias=None):
+        a, position_bias = self.attn(h, position_bias)
+        return torch.tanh(self.ff(a)) + h, position_bias
+
+
+class _T5Like(nn.Module):
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(i == 0) for i in range(3)])
+        self.reentrant = reentrant
+
+    def forward(self, h):
+        from torch.utils.checkpoint import checkpoint
+
+        bias = None
+        for block in self.blocks:
+            if self.reentrant is None:
+                h, bias = block(h, bias)
+            else:
+                h, bias = checkpoint(block, h, bias, use_reentrant=self.reentrant)
+        return h
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_tensor_passed_through_checkpointed_blocks_is_counted_once(reentrant, tmp_path):
+    """The position bias that every checkpointed block takes and returns: each output
+    gradient row holds its tensor once (the recomputation hooks neither the tensor again nor
+    reentrant checkpointing's detached copy of it), with the values of the same model run
+    without checkpointing (captured by the test's own hooks). Under reentrant
+    checkpointing a block returns the copy the checkpoint handed it, whose gradient leaves
+    out the uses before the block: only its size is compared there."""
+    torch.manual_seed(0)
+    plain = _T5Like(None)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    want: dict[str, torch.Tensor] = {}
+
+    def capture(name):
+        def hook(mod, args, out):
+            for i, t in enumerate(out if isinstance(out, tuple) else (out,)):
+                key = f"{name}[{i}]" if isinstance(out, tuple) else name
+                t.register_hook(lambda g, key=key: want.__setitem__(key, g.clone()))
+
+        return hook
+
+    handles = [m.register_forward_hook(capture(n)) for n, m in plain.named_modules() if n]
+    plain(x).square().mean().backward()
+    for h in handles:
+        h.remove()
+    model = _T5Like(reentrant)
+    model.load_state_dict(plain.state_dict())
+    with track(model, out=tmp_path / "log", track_activations=False, verbose=False) as tr:
+        model(x).square().mean().backward()
+        tr.step()
+    df = read_log(tr.out_path)
+    idx = index(df)
+    passed = [n for n in want if n.endswith("[1]")]
+    assert len(passed) == 6
+    for name, g in want.items():
+        if reentrant and name in passed:
+            row = df.iloc[idx[(name, "Gradient", 0)]]
+            assert row[("scalar_stats", "numel")] == g.numel(), name
+        else:
+            assert_row(df, idx, (name, "Gradient", 0), [g])
+    for name, p in plain.named_parameters():
+        assert_row(df, idx, (name, "Gradient", 0), [p.grad])

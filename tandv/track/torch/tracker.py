@@ -70,6 +70,16 @@ def in_backward() -> bool:
     return task_id is not None and task_id() != -1
 
 
+#: The attribute marking tandv's output-gradient hooks (a tensor's ``_backward_hooks``).
+_OUTPUT_GRAD_HOOK = "_tandv_output_gradient"
+
+
+def _hooked(t: torch.Tensor, mark: tuple[int, str]) -> bool:
+    """Whether ``t`` holds the output-gradient hook marked ``mark`` (tracker id, name)."""
+    hooks = t._backward_hooks
+    return bool(hooks) and any(getattr(h, _OUTPUT_GRAD_HOOK, None) == mark for h in hooks.values())
+
+
 def _flatten(value: Any, name: str, out: list[tuple[str, torch.Tensor]], depth: int = 0) -> None:
     """Collect the floating tensors inside a (possibly nested) module output with their names."""
     if isinstance(value, torch.Tensor):
@@ -480,9 +490,17 @@ class Tracker(TrackerCore[Flight | None]):
                 # already. Reentrant checkpointing ran the first forward without grad, so the
                 # output gradients flow through these recomputed outputs (non-reentrant
                 # checkpointing never backpropagates through them: their hooks stay silent).
+                # A tensor passing through the block (an input returned, as T5 returns its
+                # position_bias) was hooked in the first forward: not again, neither the
+                # tensor itself (non-reentrant) nor reentrant's detached copy of it (a leaf,
+                # which sees only the block's share of the gradient).
                 if want_grad:
                     for tname, t in tensors:
-                        if t.requires_grad:
+                        if (
+                            t.requires_grad
+                            and t.grad_fn is not None
+                            and not _hooked(t, (id(tr), tname))
+                        ):
                             t.register_hook(tr._make_grad_hook(tname, mod))
                 return
             for tname, t in tensors:
@@ -498,6 +516,7 @@ class Tracker(TrackerCore[Flight | None]):
             if not is_compiling() and self._active and g is not None and g.is_floating_point():
                 self._observe(name, GRADIENT, module, g)
 
+        setattr(grad_hook, _OUTPUT_GRAD_HOOK, (id(self), name))  # what _hooked looks for
         return grad_hook
 
     def _first_forward_hook(self, mod: nn.Module, args: Any) -> None:
