@@ -544,6 +544,10 @@ class StepRecorder:
         """Whether observations await :meth:`end_step`."""
         return bool(self._pending)
 
+    def has_pending_type(self, tensor_type: str) -> bool:
+        """Whether an observation of ``tensor_type`` awaits :meth:`end_step`."""
+        return any(key.tensor_type == tensor_type for key, _, _ in self._pending)
+
     def end_step(self, step: int, to_host: Callable[[list[Any]], Sequence[np.ndarray]]) -> int:
         """Close step ``step``: move its summaries to the host with one ``to_host`` call,
         merge observations of the same tensor, and buffer the rows. Returns the row count."""

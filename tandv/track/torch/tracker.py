@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Mapping as MappingABC
@@ -40,6 +41,7 @@ import numpy as np
 import pandas as pd
 import torch
 from torch import nn
+from torch.compiler import is_compiling
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ...schema.columns import ACTIVATION, GRADIENT, OPTIMISER_STATE, WEIGHT
@@ -66,6 +68,16 @@ def in_backward() -> bool:
     seen now is a recomputation by activation checkpointing)."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return task_id is not None and task_id() != -1
+
+
+#: The attribute marking tandv's output-gradient hooks (a tensor's ``_backward_hooks``).
+_OUTPUT_GRAD_HOOK = "_tandv_output_gradient"
+
+
+def _hooked(t: torch.Tensor, mark: tuple[int, str]) -> bool:
+    """Whether ``t`` holds the output-gradient hook marked ``mark`` (tracker id, name)."""
+    hooks = t._backward_hooks
+    return bool(hooks) and any(getattr(h, _OUTPUT_GRAD_HOOK, None) == mark for h in hooks.values())
 
 
 def _flatten(value: Any, name: str, out: list[tuple[str, torch.Tensor]], depth: int = 0) -> None:
@@ -209,7 +221,20 @@ class Tracker(TrackerCore[Flight | None]):
         self._compiled: CompiledHooks | None = None
         self._active = False
         self._weights_done = False
-        self._grads: dict[str, tuple[TensorKey, Layout, np.ndarray | Slot]] = {}
+        #: gradients captured for the optimizer step under way, by optimizer (``None``: at
+        #: :meth:`step`), by parameter path; recorded when that step completes
+        self._grads: dict[int | None, dict[str, tuple[TensorKey, Layout, np.ndarray | Slot]]] = {}
+        self._grad_rows = 0  # parameter-gradient observations recorded in the current step
+        #: what a scheduled step has not yet recorded although asked: checked at each
+        #: scheduled step until seen once, or told once (:meth:`_tell_unseen`)
+        self._unseen = {
+            kind
+            for kind, wanted in (
+                (ACTIVATION, self.kinds[ACTIVATION]),
+                (GRADIENT, self.kinds[GRADIENT]),
+            )
+            if wanted
+        }
 
     # ------------------------------------------------------------------ dry run
 
@@ -337,23 +362,50 @@ class Tracker(TrackerCore[Flight | None]):
         for entry in self._summaries(items):
             self.recorder.add(*entry)  # type: ignore[union-attr]
 
-    def _capture_grads(self, missing_only: bool = False) -> None:
-        """Summarize each selected parameter's current ``.grad`` (overwrites earlier captures
-        of this step: the last optimizer to look at a gradient defines it), or with
-        ``missing_only`` only those not captured yet."""
+    def _capture_grads(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Summarize the current ``.grad`` of each selected parameter that ``optimizer``
+        updates (``None``: of those no tracked optimizer updates), as the gradients of its
+        step under way: a later capture for the same step replaces them (the last look
+        before the update defines them: after unscaling and clipping, after the closure's
+        last call)."""
+        if optimizer is None:
+            owned = {id(p) for opt in self.optimizers for p in _params_of(opt)}
+            params = [(full, p, owner) for full, p, owner in self._params if id(p) not in owned]
+        else:
+            names = self._param_names
+            params = [
+                (names[id(p)][0], p, names[id(p)][1])
+                for p in _params_of(optimizer)
+                if id(p) in names
+            ]
         items = [
             (full, GRADIENT, owner, p.grad)
-            for full, p, owner in self._params
+            for full, p, owner in params
             if p.grad is not None
             and p.grad.is_floating_point()
             and self._selected(full, type(owner))
-            and not (missing_only and full in self._grads)
         ]
+        captured = self._grads.setdefault(None if optimizer is None else id(optimizer), {})
         for entry in self._summaries(items):
-            self._grads[entry[0].name] = entry
+            captured[entry[0].name] = entry
+
+    def _commit_grads(self, optimizer: int | None) -> None:
+        """Record the gradients captured for the step of the optimizer whose ``id`` is
+        ``optimizer`` (it has updated, or the tracked step ends; ``None``: the parameters
+        no tracked optimizer updates): an optimizer stepping twice in a tracked step gives
+        two observations, merged like micro-batches."""
+        captured = self._grads.pop(optimizer, None)
+        if captured and self.recorder is not None:
+            for entry in captured.values():
+                self.recorder.add(*entry)
+            self._grad_rows += len(captured)
 
     def _optimizer_state(self) -> Iterator[tuple[str, torch.Tensor, nn.Module]]:
         for oi, opt in enumerate(self.optimizers):
+            # a vector over all the optimizer's parameters at once (LBFGS keeps its
+            # direction and previous gradient so, under its first parameter) is state of the
+            # optimizer, not of that parameter: ``optimizer<i>.<key>``
+            flat = -1  # (counted when a state tensor's size differs from its parameter's)
             for gi, group in enumerate(opt.param_groups):
                 for pi, p in enumerate(group["params"]):
                     state = opt.state.get(p)
@@ -366,7 +418,57 @@ class Tracker(TrackerCore[Flight | None]):
                         base, owner = known
                     for k, v in state.items():
                         if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0:
-                            yield f"{base}.{k}", v, owner
+                            if v.numel() != p.numel() and flat < 0:
+                                flat = sum(q.numel() for q in _params_of(opt))
+                            if v.numel() == flat != p.numel():
+                                yield f"optimizer{oi}.{k}", v, self.module
+                            else:
+                                yield f"{base}.{k}", v, owner
+
+    def _tell_unseen(self, recorder: Any) -> None:
+        """Warn, once per kind, when a scheduled step ends with no activation or no
+        parameter gradient although the tracker was asked for them and has some to
+        record: the loop leaves nothing where the tracker looks (rows silently absent
+        otherwise)."""
+        step = self.step_index
+        if ACTIVATION in self._unseen and (
+            recorder.has_pending_type(ACTIVATION)
+            or not any(self._selected(n, type(m)) for n, m in self._modules)
+        ):
+            self._unseen.discard(ACTIVATION)
+        elif ACTIVATION in self._unseen:
+            self._unseen.discard(ACTIVATION)
+            warnings.warn(
+                f"tandv: step {step} recorded no activation: no training-mode forward of a "
+                f"tracked module ran where the tracker's hooks see it. A module in eval mode "
+                f"is skipped (track(..., track_eval=True) records it); a compiled wrapper of "
+                f"the tracked module (torch.compile(model)) runs its forward inside a graph "
+                f"the tracker was not given: track the compiled module, "
+                f"track(torch.compile(model), ...), to record inside the graph. Said once.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if GRADIENT in self._unseen and (
+            self._grad_rows
+            or not any(p.requires_grad and self._selected(n, type(o)) for n, p, o in self._params)
+        ):
+            self._unseen.discard(GRADIENT)
+        elif GRADIENT in self._unseen:
+            self._unseen.discard(GRADIENT)
+            how = (
+                "no tracked optimizer stepped (a GradScaler skipping the step: pass "
+                "track(..., scaler=scaler)) and no other parameter had a .grad"
+                if self.optimizers
+                else "no parameter had a .grad at tracker.step(): optimizer.zero_grad() "
+                "before tracker.step() clears them. Pass the optimizer, track(model, "
+                "optimizer), to capture them just before its update, or call "
+                "tracker.step() before zero_grad()"
+            )
+            warnings.warn(
+                f"tandv: step {step} recorded no parameter gradient: {how}. Said once.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ hooks
 
@@ -376,6 +478,8 @@ class Tracker(TrackerCore[Flight | None]):
         ref = weakref.ref(self)
 
         def hook(mod: nn.Module, args: Any, output: Any) -> None:
+            if is_compiling():  # inside a graph of a compiled wrapper: see _first_forward_hook
+                return
             tr = ref()
             if tr is None or not tr._active or not (mod.training or tr.track_eval):
                 return
@@ -386,9 +490,17 @@ class Tracker(TrackerCore[Flight | None]):
                 # already. Reentrant checkpointing ran the first forward without grad, so the
                 # output gradients flow through these recomputed outputs (non-reentrant
                 # checkpointing never backpropagates through them: their hooks stay silent).
+                # A tensor passing through the block (an input returned, as T5 returns its
+                # position_bias) was hooked in the first forward: not again, neither the
+                # tensor itself (non-reentrant) nor reentrant's detached copy of it (a leaf,
+                # which sees only the block's share of the gradient).
                 if want_grad:
                     for tname, t in tensors:
-                        if t.requires_grad:
+                        if (
+                            t.requires_grad
+                            and t.grad_fn is not None
+                            and not _hooked(t, (id(tr), tname))
+                        ):
                             t.register_hook(tr._make_grad_hook(tname, mod))
                 return
             for tname, t in tensors:
@@ -401,17 +513,26 @@ class Tracker(TrackerCore[Flight | None]):
 
     def _make_grad_hook(self, name: str, module: nn.Module) -> Callable:
         def grad_hook(g: torch.Tensor) -> None:
-            if self._active and g is not None and g.is_floating_point():
+            if not is_compiling() and self._active and g is not None and g.is_floating_point():
                 self._observe(name, GRADIENT, module, g)
 
+        setattr(grad_hook, _OUTPUT_GRAD_HOOK, (id(self), name))  # what _hooked looks for
         return grad_hook
 
     def _first_forward_hook(self, mod: nn.Module, args: Any) -> None:
         """Global forward pre-hook (scheduled steps only): weights are captured before the
         first forward of any of the model's modules, so they are those the step used even
-        when a loop never calls the root module."""
+        when a loop never calls the root module.
+
+        Like every module hook of an eager tracker, it does nothing while dynamo traces it
+        (``torch.compile(model)`` of the tracked model): dynamo sees one constant test, no
+        graph break, and none of tandv's code (host kernels, numba) gets traced. Such
+        forwards leave no activation rows (the tracker says so once), and the weights are
+        captured before the optimizer's update; ``track(torch.compile(model))`` records
+        inside the graph instead (:mod:`._compiled`)."""
         if (
-            self._active
+            not is_compiling()
+            and self._active
             and not self._weights_done
             and id(mod) in self._module_ids
             and (mod.training or self.track_eval)
@@ -427,7 +548,7 @@ class Tracker(TrackerCore[Flight | None]):
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
             if self.kinds[GRADIENT]:
-                self._capture_grads()
+                self._capture_grads(opt)
             return None
         # ``step(closure)``: the closure computes the gradients (PyTorch Lightning always
         # steps this way), so they are captured after it, each time the optimizer calls it
@@ -438,12 +559,18 @@ class Tracker(TrackerCore[Flight | None]):
             loss = closure()
             tr = ref()
             if tr is not None and tr._active and tr.kinds[GRADIENT]:
-                tr._capture_grads()
+                tr._capture_grads(opt)
             return loss
 
         if "closure" in kwargs:
             return args, {**kwargs, "closure": capturing_closure}
         return (args[0], capturing_closure, *args[2:]), kwargs
+
+    def _optimizer_post_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
+        """The update is done: its gradients (those of ``opt``'s parameters alone) are
+        the step's rows."""
+        if self._active:
+            self._commit_grads(id(opt))
 
     def _install(self) -> None:
         """Hooks exist only while a scheduled step runs: unscheduled steps run the user's
@@ -459,6 +586,7 @@ class Tracker(TrackerCore[Flight | None]):
             self._handles.append(register_module_forward_pre_hook(self._first_forward_hook))
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))
+            self._handles.append(opt.register_step_post_hook(self._optimizer_post_hook))
         if self.track_updates:
             from ._updates import UpdateCapture
 
@@ -531,6 +659,7 @@ class Tracker(TrackerCore[Flight | None]):
             self._compiled.switch.active = self._active
         self._weights_done = False
         self._grads = {}
+        self._grad_rows = 0
         self._last = None
         if self._active and not self._handles:
             self._install()
@@ -550,10 +679,12 @@ class Tracker(TrackerCore[Flight | None]):
             if not self._weights_done:
                 self._capture_weights()
             if self.kinds[GRADIENT]:
-                # gradients no optimizer looked at: as they are now
-                self._capture_grads(missing_only=True)
-                for entry in self._grads.values():
-                    recorder.add(*entry)
+                # captures of steps the GradScaler skipped, then the gradients of the
+                # parameters no tracked optimizer updates, as they are now
+                for opt in list(self._grads):
+                    self._commit_grads(opt)
+                self._capture_grads(None)
+                self._commit_grads(None)
             if self.kinds[OPTIMISER_STATE]:
                 items = [
                     (name, OPTIMISER_STATE, owner, value)
@@ -562,34 +693,58 @@ class Tracker(TrackerCore[Flight | None]):
                 ]
                 for entry in self._summaries(items):
                     recorder.add(*entry)
+            if self._unseen:
+                self._tell_unseen(recorder)
         self._end_step(self._active)
         self._begin()
 
 
 class _CaptureAfterUnscale:
-    """Wraps the tracker's ``GradScaler.unscale_`` (an instance attribute, removed by
-    :meth:`remove`) to capture the gradients once unscaled: a step the scaler skips (inf or
-    NaN found) never reaches the optimizer's hook, and its gradients are logged as they
-    were. Steps that do update are captured again just before the update (after any
-    clipping)."""
+    """Wraps the tracker's ``GradScaler.unscale_`` and ``step`` (instance attributes,
+    removed by :meth:`remove`) so that a step the scaler skips (inf or NaN found) keeps
+    gradient rows although it never reaches the optimizer's hooks: the gradients as
+    ``scaler.step(optimizer)`` is handed them (unscaled, after any clipping between
+    ``unscale_`` and ``step``), the ones the optimizer would have used. Steps that update
+    are captured again by the optimizer's own hook, just before the update."""
 
     def __init__(self, tracker: Tracker) -> None:
         scaler = tracker.scaler
-        original = type(scaler).unscale_
+        original_unscale, original_step = type(scaler).unscale_, type(scaler).step
         ref = weakref.ref(tracker)
+        unscaled: set[int] = set()  # optimizers unscaled and not yet stepped
+
+        def capture(optimizer: Any) -> None:
+            tr = ref()
+            if tr is not None and tr._active and tr.kinds[GRADIENT]:
+                tr._capture_grads(_unwrap_optimizer(optimizer))
 
         def unscale_(optimizer: Any) -> Any:
-            out = original(scaler, optimizer)
-            tr = ref()
-            if tr is not None and tr._active:
-                tr._capture_grads()
+            out = original_unscale(scaler, optimizer)
+            unscaled.add(id(optimizer))
+            capture(optimizer)  # (unscale_ inside step: these are the gradients stepped)
             return out
 
+        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if id(optimizer) in unscaled:  # unscaled before: clipping may have come since
+                capture(optimizer)
+            try:
+                return original_step(scaler, optimizer, *args, **kwargs)
+            finally:
+                unscaled.discard(id(optimizer))
+
         scaler.unscale_ = unscale_
+        scaler.step = step
         self._scaler = scaler
 
     def remove(self) -> None:
         self._scaler.__dict__.pop("unscale_", None)
+        self._scaler.__dict__.pop("step", None)
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The parameters ``optimizer`` updates (its param groups' now)."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
 
 
 #: The statistic column of output-gradient rows that holds a tracked GradScaler's scale.
