@@ -83,7 +83,7 @@ CASES = {
         )(x3),
         Scope(manual=True),
     ),
-    "pmap": (lambda b: jax.pmap(b)(x3[None]), Scope(manual=True)),
+    "pmap": (lambda b: jax.pmap(b)(x3[None]), Scope(manual=True, pmap=True)),
 }
 
 
@@ -172,3 +172,21 @@ def test_manual_keep_counts_a_replicated_value_once():
     )(jnp.arange(4.0), jnp.arange(3.0))
     assert np.asarray(keep_split).tolist() == [True, True], _update("manual_keep")
     assert np.asarray(keep_replicated).tolist() == [True, False], _update("manual_keep")
+
+
+def test_manual_keep_refuses_shard_map_without_varying_axes():
+    """With check_vma=False a replicated value cannot be told from a split one (it would
+    count once per device): refused, naming check_vma. pmap (which checks none either)
+    counts every device."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (tests/conftest.py sets jax_num_cpu_devices=2)")
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+
+    def local(x):
+        return manual_keep(x)[None]
+
+    unchecked = jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P("d"), check_vma=False)
+    with pytest.raises(ValueError, match="check_vma=True"):
+        jax.jit(unchecked)(jnp.arange(3.0))
+    keep = jax.pmap(local, axis_name="d")(jnp.ones((2, 3)))
+    assert np.asarray(keep).ravel().tolist() == [True, True], _update("manual_keep")

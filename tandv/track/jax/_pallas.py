@@ -52,7 +52,8 @@ against the numpy reference. float64 arrays are not handled here (the XLA path s
 
 from __future__ import annotations
 
-from functools import partial
+from dataclasses import dataclass
+from functools import cache, partial
 from typing import Any
 
 import jax
@@ -65,7 +66,15 @@ from ...stats.formats import NumberFormat
 from ...stats.summary import POWERS, pack_parts, unpack_fields
 from ._summary import DeviceSummary, check_countable
 
-__all__ = ["BLOCK", "KERNEL_DTYPES", "chunk_size", "pallas_summary"]
+__all__ = [
+    "BLOCK",
+    "KERNEL_DTYPES",
+    "Fp8Code",
+    "chunk_size",
+    "fp8_code",
+    "pallas_summary",
+    "program_extent",
+]
 
 #: Elements a program reads per pass of its loop (a sub-block of its chunk).
 BLOCK = 128
@@ -75,11 +84,13 @@ TARGET_PROGRAMS = 4 * 132
 MIN_READ_PER_WRITE = 64
 #: Warps per program on GPUs.
 NUM_WARPS = 4
-#: Input dtypes the kernel reads in their own type (others are widened to float32 first).
+#: Input dtypes the kernel reads in their own type; 8-bit floats are read as their raw codes
+#: (:func:`fp8_code`), others are widened to float32 first.
 KERNEL_DTYPES = frozenset({np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)})
 _MB, _BIAS = 23, 127  # float32 mantissa bits, exponent bias
 _MASK = 0x7FFFFFFF
 _INF = 0x7F800000
+_QNAN = 0x7FC00000
 _KEY_NINF = int(np.int32(np.array(-np.inf, np.float32).view(np.int32) ^ _MASK))  # order key of -inf
 _LOW = 16  # width of the low part of a bin index
 _NO_SCALE = 2 * (_BIAS + _MB)  # a lane's scale exponent before its first non-zero value
@@ -142,35 +153,123 @@ def _row(values: list[Any], dtype: Any) -> Any:
     return out
 
 
+@dataclass(frozen=True)
+class Fp8Code:
+    """How an 8-bit float format's codes decode to float32 bits, in integer arithmetic the
+    kernel runs on the raw bytes (no float32 copy of the array): sign in bit 7, then the
+    exponent field, ``nmant`` mantissa bits, exponent ``bias``; the magnitude code of
+    infinity (or None), the first magnitude code that is NaN (or None), and whether the
+    code of -0 is NaN (the ``fnuz`` formats). Read off ml_dtypes' own decoding of all 256
+    codes by :func:`fp8_code`."""
+
+    nmant: int
+    bias: int
+    inf_code: int | None
+    nan_from: int | None
+    nan_negzero: bool
+
+
+def _decode_fp8(b: Any, code: Fp8Code, xp: Any = jnp) -> Any:
+    """float32 bits (int32) of the 8-bit float codes ``b`` (int32 in [0, 256)): normal
+    numbers by moving the fields, subnormals as ``m * 2**(1 - bias - nmant)`` (exact: a
+    normal float32), then the special codes. ``xp``: jnp in the kernel, numpy to check the
+    decoding against ml_dtypes."""
+    i32 = xp.int32
+    sign = (b >> 7) * i32(-(2**31))
+    mag = b & 0x7F
+    e = mag >> code.nmant
+    m = mag & ((1 << code.nmant) - 1)
+    normal = ((e - code.bias + _BIAS) << _MB) | (m << (_MB - code.nmant))
+    tiny = xp.float32(2.0 ** (1 - code.bias - code.nmant))
+    sub = (
+        (m.astype(xp.float32) * tiny).view(i32) if xp is np else _bits(m.astype(jnp.float32) * tiny)
+    )
+    bits = xp.where(e > 0, normal, sub) | sign
+    if code.inf_code is not None:
+        bits = xp.where(mag == code.inf_code, sign | _INF, bits)
+    if code.nan_from is not None:
+        bits = xp.where(mag >= code.nan_from, i32(_QNAN), bits)
+    if code.nan_negzero:
+        bits = xp.where(b == 0x80, i32(_QNAN), bits)
+    return bits.astype(i32)
+
+
+@cache
+def fp8_code(dtype: Any) -> Fp8Code | None:
+    """The :class:`Fp8Code` of an 8-bit float dtype, or None (not an 8-bit float, or one
+    whose codes the arithmetic of :func:`_decode_fp8` does not reproduce bit for bit:
+    ``float8_e8m0fnu`` has no sign bit). Checked here on all 256 codes against ml_dtypes'
+    conversion to float32 (NaNs as NaNs, zeros with their sign)."""
+    dtype = np.dtype(dtype)
+    if dtype.itemsize != 1 or not jnp.issubdtype(dtype, jnp.floating):
+        return None
+    import ml_dtypes
+
+    codes = np.arange(256, dtype=np.uint8)
+    want = codes.view(dtype).astype(np.float32)
+    nmant = int(ml_dtypes.finfo(dtype).nmant)
+    smallest_normal = float(want[1 << nmant])
+    if not 0 < smallest_normal < np.inf:
+        return None
+    mags = np.arange(128)
+    nans = mags[np.isnan(want[:128])]
+    infs = mags[np.isinf(want[:128])]
+    code = Fp8Code(
+        nmant=nmant,
+        bias=1 - int(np.log2(smallest_normal)),
+        inf_code=int(infs[0]) if len(infs) == 1 else None,
+        nan_from=int(nans.min()) if len(nans) else None,
+        nan_negzero=bool(np.isnan(want[0x80])),
+    )
+    got = _decode_fp8(codes.astype(np.int32), code, np).view(np.float32)
+    same = (np.isnan(got) & np.isnan(want)) | (got.view(np.int32) == want.view(np.int32))
+    return code if same.all() else None
+
+
+def program_extent(n: int, chunk: int) -> tuple[int, int]:
+    """``(programs, tail)``: how many programs of ``chunk`` elements cover ``n`` elements,
+    and how many elements the last one reads (the others read ``chunk``). Python integers,
+    exact for any ``n``: the kernel masks its reads by ``tail`` and its own offsets into
+    the chunk, so no value in it grows with the array (``program_id * chunk``, or ``n``,
+    would pass 2**31 before the array does in elements times ``chunk``)."""
+    programs = max(1, -(-n // chunk))
+    return programs, n - (programs - 1) * chunk
+
+
 def _kernel(
     x_ref: Any,
     ints_ref: Any,
     hist_ref: Any,
     moments_ref: Any,
     *,
-    n: int,
+    last: int,
+    tail: int,
     chunk: int,
     nbins: int,
     high: int,
     min_exponent: int,
     under_bits: int,
     over_bits: int,
+    fp8: Fp8Code | None,
 ) -> None:
-    """One program: the ``chunk`` elements from ``program_id * chunk``, :data:`BLOCK` at a
-    time, into one row of each output (see the module docstring)."""
+    """One program: its chunk of ``chunk`` elements (``tail`` for the program ``last``),
+    :data:`BLOCK` at a time, into one row of each output (see the module docstring).
+    ``fp8``: the input holds the raw codes of an 8-bit float format, decoded here."""
     lane = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
-    base = pl.program_id(0) * chunk
+    # elements of this chunk to read: offsets into the chunk only, never into the array
+    limit = jnp.where(pl.program_id(0) == last, tail, chunk)
     lows = jax.lax.broadcasted_iota(jnp.int32, (_LOW, BLOCK), 0)
     highs = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, high), 1)
 
     def step(j: Any, state: tuple[Any, ...]) -> tuple[Any, ...]:
         (nan_n, inf_n, zero_n, key_lo, key_hi, mag_lo, mag_hi), moments, table = state
         start = pl.multiple_of(j * BLOCK, BLOCK)
-        # the last program reads past the end: masked (compared as offsets into the
-        # chunk, which stay in int32 where base + start + lane would not near 2**31)
-        valid = start + lane < n - base
+        # the last program reads past the end: masked
+        valid = start + lane < limit
         x = plt.load(x_ref.at[pl.ds(start, BLOCK)], mask=valid, other=0)
-        bits = _bits(x.astype(jnp.float32))
+        bits = (
+            _bits(x.astype(jnp.float32)) if fp8 is None else _decode_fp8(x.astype(jnp.int32), fp8)
+        )
         mag = bits & _MASK
         nan = valid & (mag > _INF)
         inf = valid & (mag == _INF)
@@ -307,14 +406,19 @@ def _summary(x: Any, fmt: NumberFormat, num_counts: int, interpret: bool) -> tup
     high = max(16, -(-(nbins + 1) // _LOW))
     high = 1 << (high - 1).bit_length()
     flat = jnp.ravel(x)
-    if np.dtype(flat.dtype) not in KERNEL_DTYPES:
+    fp8 = fp8_code(flat.dtype)
+    if fp8 is not None:  # the raw codes, decoded in the kernel (a bitcast: no copy)
+        flat = jax.lax.bitcast_convert_type(flat, jnp.uint8)
+    elif np.dtype(flat.dtype) not in KERNEL_DTYPES:
         flat = flat.astype(jnp.float32)
     n = flat.shape[0]
     chunk = chunk_size(n, flat.dtype.itemsize, high)
-    programs = max(1, -(-n // chunk))
+    programs, tail = program_extent(n, chunk)
     kernel = partial(
         _kernel,
-        n=n,
+        last=programs - 1,
+        tail=tail,
+        fp8=fp8,
         chunk=chunk,
         nbins=nbins,
         high=high,

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import config as _config
 from jax._src import core as _core
+from jax._src import pmap as _pmap
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import partial_eval as _pe
 
@@ -77,6 +78,8 @@ class Scope:
             next.
         batched: under ``jax.vmap`` (a loop body's mailbox, merged per iteration, cannot take
             the batched writes of a vmapped loop).
+        pmap: the innermost ``shard_map`` is the one ``jax.pmap`` builds (which checks no
+            varying axes: see :func:`manual_keep`).
     """
 
     loop: bool = False
@@ -84,6 +87,7 @@ class Scope:
     manual: bool = False
     restaged: bool = False
     batched: bool = False
+    pmap: bool = False
 
 
 # What JAX names the function a trace is made for (``DebugInfo.traced_for``: the first
@@ -96,6 +100,9 @@ LOOP_TRACES = frozenset({"scan", "while_body", "while_cond", "fori_loop"})
 REMAT_TRACE = "checkpoint / remat"
 #: ``jax.shard_map``, and ``jax.pmap`` built on it.
 MANUAL_TRACE = "shard_map"
+#: The source file of the function ``jax.pmap`` traces as its ``shard_map`` body (its
+#: ``DebugInfo.func_src_info`` names it: ``_fun at .../jax/_src/pmap.py:410``).
+PMAP_SOURCE: str = _internal(_pmap, "__file__")
 
 
 def current_scope() -> Scope:
@@ -115,18 +122,20 @@ def current_scope() -> Scope:
     broke whenever JAX moved a function between files. What can still break it is JAX
     renaming a ``traced_for`` label or a trace class; ``tests/test_jax_scope.py`` checks
     each answer inside the real transforms."""
-    loop = remat = manual = partial = batched = False
+    loop = remat = manual = partial = batched = pmap = False
     trace = _trace_ctx.trace
     while trace is not None:
         info = getattr(getattr(trace, "frame", None), "debug_info", None)
         kind = getattr(info, "traced_for", None)
         loop |= kind in LOOP_TRACES
         remat |= kind == REMAT_TRACE
+        if kind == MANUAL_TRACE and not manual:  # the innermost shard_map: pmap's?
+            pmap = PMAP_SOURCE in str(getattr(info, "func_src_info", ""))
         manual |= kind == MANUAL_TRACE
         partial |= isinstance(trace, _JaxprTrace)
         batched |= isinstance(trace, _BatchTrace)
         trace = getattr(trace, "parent_trace", None)
-    return Scope(loop, remat, manual, remat and partial, batched)
+    return Scope(loop, remat, manual, remat and partial, batched, pmap)
 
 
 def is_batched(x: Any) -> bool:
@@ -155,11 +164,25 @@ def manual_keep(x: Any) -> Any:
     Each device reports the summary of its own shard; the recorder merges the reports into
     the summary of the whole array. Over a mesh axis along which ``x`` is the same on every
     device (JAX's varying-axes types say so when the ``shard_map`` checks them), only the
-    device at index 0 counts, so a replicated value is not counted once per device."""
+    device at index 0 counts, so a replicated value is not counted once per device.
+
+    Without varying-axes types (``shard_map(..., check_vma=False)``) a replicated value
+    cannot be told from a split one and would count once per device: refused (ValueError
+    naming ``check_vma``). ``jax.pmap`` checks no varying axes either; there every device
+    counts (pmap maps its inputs over the devices: only a value computed from unmapped,
+    ``in_axes=None``, inputs alone would count once per device)."""
     axes = _get_axis_env().axis_names()
     varying = getattr(getattr(jax.typeof(x), "mat", None), "varying", None)
     if varying is None or not _check_vma.value:
-        return jnp.ones((), jnp.bool_)  # no varying-axes types: every shard is distinct data
+        if not current_scope().pmap:
+            raise ValueError(
+                "tandv: a tracked module runs inside jax.shard_map(..., check_vma=False): "
+                "without JAX's varying-axes types tandv cannot tell a value that is the same "
+                "on every device from one split over them, and a value the same everywhere "
+                "would count once per device; use check_vma=True (JAX's default), or track "
+                "with track_activations=False, track_gradients=False"
+            )
+        return jnp.ones((), jnp.bool_)  # pmap: every device's value is its own data
     keep = jnp.ones((), jnp.bool_)
     for axis in axes:
         if axis not in varying:

@@ -25,14 +25,14 @@ from ..common.distributed import LOCAL, RankMerger, Role
 from ..common.factory import signature_of
 from ..common.options import TrackKwargs, TrackOptions
 from ..common.scalars import Capture
-from . import _distributed, _ffi
+from . import _distributed, _ffi, _misuse
 from ._delivery import Probe
 from ._intercept import interception
 from ._mailbox import Mailboxes
 from ._nnx import acquire_nnx, release_nnx, tag_nnx_paths, untag_nnx_paths
 from ._pallas import pallas_summary
 from ._sink import ROOT_NAME, Report, register
-from ._state import Parts, gradients_of, is_nnx_module, is_nnx_optimizer, parts_of, pmap_stacked
+from ._state import Parts, gradients_of, is_nnx_module, is_nnx_optimizer, parts_of
 from ._summary import (
     CustomStat,
     DeviceSummary,
@@ -212,7 +212,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         model_state: Any = None,
         optimizer_state: Any = None,
         *,
-        device_axis: bool = False,
+        device_axis: bool | None = None,
         **options: Unpack[TrackKwargs],
     ) -> None:
         opts = TrackOptions.of(options)
@@ -228,8 +228,8 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
                 f"{type(model_state).__name__}); pass the parameters, e.g. the dict from "
                 f"model.init(...) or an nnx module"
             )
-        if not isinstance(device_axis, bool):
-            raise TypeError(f"track(device_axis={device_axis!r}): expected True or False")
+        if device_axis is not None and not isinstance(device_axis, bool):
+            raise TypeError(f"track(device_axis={device_axis!r}): expected True, False or None")
         fns = opts.stat_fns
         if opts.percentile_columns:
             from ._percentiles import percentile_stat
@@ -287,6 +287,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         self._roles: dict[TensorKey, Role] = {}
         register(self._token, self._sink)
         self._nnx_acquired = False  # whether this tracker holds the nnx call wrapping
+        self._trees = _misuse.StepTrees.given(model_state, optimizer_state)
         if model_state is not None:
             self._learn_nnx_types(model_state)
             self._prepare_weights(parts_of(model_state), 0)
@@ -295,7 +296,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
     # ------------------------------------------------------------------ adapter
 
     def _run_options(self) -> dict[str, Any]:
-        return {"device_axis": self._device_axis}
+        return {"device_axis": bool(self._device_axis)}
 
     def _start(self) -> None:
         # nnx module classes are wrapped from when the log opens until it closes: a
@@ -668,12 +669,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             )
 
     def _check_not_stacked(self, arrays: Sequence[Any]) -> None:
-        if not self._device_axis and pmap_stacked(arrays):
-            raise ValueError(
-                "tandv: these arrays come out of jax.pmap: their leading axis holds one copy per "
-                "device; track(..., device_axis=True) gives the rows of the logical arrays "
-                "(one replica)"
-            )
+        _misuse.check_replicas(arrays, self._device_axis)
 
     def step(
         self, model_state: Any = None, optimizer_state: Any = None, gradients: Any = None
@@ -694,6 +690,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             ValueError: naming an argument that is missing or that ``track`` was not told about.
         """
         recorder = self._check_open("step")
+        positional = False
         if (
             optimizer_state is not None
             and gradients is None
@@ -702,8 +699,8 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             and self._track_gradients
         ):
             # step(params, grads): no optimizer state was announced, so the second
-            # positional argument can only be the gradients
-            optimizer_state, gradients = None, optimizer_state
+            # positional argument can only be the gradients (checked as such below)
+            optimizer_state, gradients, positional = None, optimizer_state, True
         self._check_step_args(model_state, optimizer_state, gradients)
         k = self.step_index
         parts = None if model_state is None else parts_of(model_state)
@@ -719,6 +716,8 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
                 if parts is not None and parts.opt_state is not None
                 else (None if optimizer_state is None else self._opt_of(optimizer_state))
             )
+            grad_tree = None if gradients is None else gradients_of(self._nnx_grads(gradients))
+            self._trees.check(params, opt_state, grad_tree, positional)
             if opt_state is not None:
                 leaves, arrays = self._named(OPTIMISER_STATE, opt_state, params)
                 named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
