@@ -28,7 +28,7 @@ rng = np.random.default_rng(3)
 def accelerator_path(monkeypatch):
     """Summaries in programs only (no host kernel), and every host callback counted."""
     monkeypatch.setattr(_tracker, "SUMMARY_PATH", "xla")
-    monkeypatch.setattr(_tracker, "host_summaries", None)  # must not be called
+    monkeypatch.setattr(_tracker._ffi, "ffi_summary", None)  # must not be called
     calls = []
     deliver = _intercept._deliver
     monkeypatch.setattr(_intercept, "_deliver", lambda *a: (calls.append(a[1]), deliver(*a)))
