@@ -800,5 +800,3 @@ def test_host_kernel_reads_step_arrays_before_a_donating_update_can_reuse_them(t
     df = read_log(tmp_path / "log")
     for k, w in enumerate(seen):
         assert_row_matches(df, "w", "Weight", k, w)
-
-
