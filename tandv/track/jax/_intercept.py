@@ -78,6 +78,8 @@ def interception(key: Any, on_output: Callable[[str, type, Any], Any]) -> Iterat
 
 #: The type of ``jax.jit``'s functions (jaxlib's ``PjitFunction``).
 JIT_FUNCTION = type(jax.jit(lambda: None))
+#: The type of a sharding left to XLA in a jit's options.
+_UNSPECIFIED = type(jax.jit(lambda: None)._jit_info.out_shardings_leaves[0])
 
 
 def jitted_core(f: Any) -> Any:
@@ -113,10 +115,12 @@ class TrackedProgram:
     boundary, so its calls stay on JAX's C++ dispatch path (a closed-over ref sends every
     call through Python: about 4,000 Python calls per call of a small MLP's update).
 
-    The user's ``static_argnums``/``static_argnames``, ``donate_argnums``/``donate_argnames``,
-    ``in_shardings`` and ``keep_unused`` carry over; the user's function is called inside, so
-    its own output shardings constrain the outputs. ``trace(program, args, kwargs)`` is the
-    traced body (the tracker's: it makes the arena, intercepts, and calls :attr:`inner`)."""
+    It is compiled with the user's jit options (``static_argnums``/``static_argnames``,
+    ``donate_argnums``/``donate_argnames``, ``in_shardings``, ``out_shardings``,
+    ``keep_unused``) and calls the user's own function (:attr:`fun`) in place of the
+    user's jitted one (a jitted function with shardings cannot take a ref: JAX does not
+    discharge one into it). ``trace(program, args, kwargs)`` is the traced body (the
+    tracker's: it makes the arena, intercepts, and calls :attr:`fun`)."""
 
     #: int32 words of a new program's arena (a float32 report takes ~300)
     CAPACITY = 1 << 16
@@ -130,6 +134,8 @@ class TrackedProgram:
         info = inner._jit_info
         #: the user's jitted function (for nnx.jit, the inner one)
         self.inner = inner
+        #: the function it compiles
+        self.fun = inner._fun
         #: the nnx.jit object whose ``jitted_fn`` this replaces during a call (else None)
         self.nnx = nnx
         #: words of the arena its traces make
@@ -156,5 +162,10 @@ class TrackedProgram:
             options["in_shardings"] = jax.tree_util.tree_unflatten(
                 info.in_shardings_treedef, info.in_shardings_leaves
             )
+        out_shardings = jax.tree_util.tree_unflatten(
+            info.out_shardings_treedef, info.out_shardings_leaves
+        )
+        if not all(isinstance(s, _UNSPECIFIED) for s in info.out_shardings_leaves):
+            options["out_shardings"] = (out_shardings, None)  # the words: where XLA puts them
         #: the compiled tracked program: ``call(*args, **kwargs) -> (outputs, words)``
         self.call = jax.jit(tracked, **options)

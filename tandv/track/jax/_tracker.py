@@ -586,7 +586,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
                 (self._token, self._on_cpu, self._one_device, "program", mail.serial),
                 self._on_output,
             ):
-                out = program.inner(*args, **kwargs)
+                out = program.fun(*args, **kwargs)
         finally:
             self._sink.program = None
             program.callbacks = self._sink.callbacks_used
