@@ -148,7 +148,7 @@ def linen_runs(tmp_path_factory):
     for mode, path in (("device", "xla"), ("pallas", "pallas")):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(jax_tracker_module, "SUMMARY_PATH", path)
-            mp.setattr(jax_tracker_module, "host_summaries", None)  # must not be called
+            mp.setattr(jax_tracker_module._ffi, "ffi_summary", None)  # must not be called
             runs[mode] = captured_run(tmp / mode, True)
     return runs
 
@@ -778,15 +778,6 @@ def test_bfloat16_parameters_are_summarized_in_their_own_format(tmp_path):
     assert_row_matches(df, "w", "Weight", 0, np.asarray(params["params"]["w"]))
 
 
-def test_cpu_arrays_go_to_the_host_kernel():
-    """Step-time arrays on CPU devices take the host kernel (see the "device" run for the
-    XLA summaries); other values, and dtypes it does not read, do not."""
-    assert jax_tracker_module._in_host_memory(jnp.ones(3))
-    assert jax_tracker_module._in_host_memory(jnp.ones(3, jnp.bfloat16))
-    assert not jax_tracker_module._in_host_memory(np.ones(3, np.float32))  # not a JAX array
-    assert not jax_tracker_module._in_host_memory(jnp.ones(3, jnp.int32))
-
-
 def test_host_kernel_reads_step_arrays_before_a_donating_update_can_reuse_them(tmp_path):
     """On the CPU the host kernel summarizes the arrays given to ``step`` in a background
     thread while the next update runs. An update that donates its inputs must not change what
@@ -809,23 +800,3 @@ def test_host_kernel_reads_step_arrays_before_a_donating_update_can_reuse_them(t
     df = read_log(tmp_path / "log")
     for k, w in enumerate(seen):
         assert_row_matches(df, "w", "Weight", k, w)
-
-
-def test_a_failure_of_the_background_host_kernel_is_raised(tmp_path, monkeypatch):
-    """An error of the host kernel's background thread reaches the caller (at the latest when
-    the tracker closes), not a log with rows missing."""
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("host kernel broke")
-
-    monkeypatch.setattr(jax_tracker_module, "host_summaries", broken)
-    params = {"w": jnp.ones((64, 64))}
-    with pytest.raises(RuntimeError, match="host kernel broke"):
-        with track(
-            params,
-            track_gradients=False,
-            track_activations=False,
-            out=tmp_path / "log",
-            verbose=False,
-        ) as tracker:
-            tracker.step({"w": params["w"] * 2})

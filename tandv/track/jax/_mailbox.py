@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ import numpy as np
 from ._sink import Report
 from ._summary import DeviceSummary, merge_jax
 
-__all__ = ["Mailboxes", "MailRead"]
+__all__ = ["Mailboxes", "MailRead", "ProgramMailboxes"]
 
 
 @dataclass(eq=False)
@@ -64,6 +64,106 @@ def _read_and_clear(arena: Any) -> Any:
     return out
 
 
+def _write(
+    arena: Any, offset: int, size: int, reports: Sequence[Report], words: list[Any], merge: Any
+) -> list[Any]:
+    """Write one mailbox of ``size`` words at ``offset`` of ``arena`` (traced): its write
+    counter plus one, then ``words`` (the reports' bits), or, with the merge rules
+    ``merge``, the reports merged into what the mailbox holds. Returns the words written."""
+    times = arena[offset]
+    if merge is not None:
+        old = arena[offset : offset + size]
+        at, words = 1, []
+        for _, _, s in reports:
+            parts = []
+            for part in (s.counts, s.values):
+                n = _words(part).shape[0]
+                parts.append(_traced_unwords(old[at : at + n], part))
+                at += n
+            merged = merge_jax(DeviceSummary(*parts), s, merge)
+            words += [_words(jnp.where(times > 0, m, new)) for m, new in zip(merged, s)]
+    arena[offset : offset + size] = jnp.concatenate([(times + 1).reshape(1), *words])
+    return words
+
+
+def _box(
+    name: str,
+    module_type: str,
+    reports: Sequence[Report],
+    words: list[Any],
+    offset: int,
+    remat: bool,
+    merge: Any,
+) -> _Box:
+    """The record of a mailbox written with ``words`` (see :func:`_write`)."""
+    return _Box(
+        name,
+        module_type,
+        [
+            (
+                t,
+                str(d),
+                jax.ShapeDtypeStruct(s.counts.shape, s.counts.dtype),
+                jax.ShapeDtypeStruct(s.values.shape, s.values.dtype),
+            )
+            for t, d, s in reports
+        ],
+        [w.shape[0] for w in words],
+        offset,
+        remat or merge is not None,
+    )
+
+
+class ProgramMailboxes:
+    """The mailboxes of one trace of a tracked program (``_intercept.TrackedProgram``): the
+    arena is made *inside* the program, as zeros, and its written words leave it as an extra
+    output, so the compiled program has no ref among its inputs and outputs and its calls
+    keep JAX's C++ dispatch path. Word 0 of the output is the trace's ``serial``, which names
+    the mailbox layout (:attr:`boxes`) the host decodes them by.
+
+    Made while the program is traced; ``capacity`` words (a trace that wants more sends the
+    rest by callback and says so by :attr:`overflowed`, and the program is traced again with
+    room for all)."""
+
+    def __init__(self, serial: int, capacity: int) -> None:
+        self.serial = serial
+        self.capacity = capacity
+        self.arena = jax.new_ref(jnp.zeros(capacity, jnp.int32))
+        self.boxes: list[_Box] = []
+        self.used = 1  # word 0: the serial
+        self.wanted = 1
+
+    @property
+    def overflowed(self) -> bool:
+        """Whether some tap found no room (it reported by callback instead)."""
+        return self.wanted > self.capacity
+
+    def post(
+        self,
+        name: str,
+        module_type: str,
+        reports: Sequence[Report],
+        arena: Any = None,
+        remat: bool = False,
+        merge: Sequence[str] | None = None,
+    ) -> bool:
+        """As :meth:`Mailboxes.post`, into this trace's arena."""
+        words = [w for _, _, s in reports for w in (_words(s.counts), _words(s.values))]
+        size = 1 + sum(w.shape[0] for w in words)
+        self.wanted += size
+        if self.used + size > self.capacity:
+            return False
+        offset, self.used = self.used, self.used + size
+        words = _write(self.arena if arena is None else arena, offset, size, reports, words, merge)
+        self.boxes.append(_box(name, module_type, reports, words, offset, remat, merge))
+        return True
+
+    def words(self) -> Any:
+        """The words the taps wrote, with the serial in word 0 (traced: the program's extra
+        output)."""
+        return self.arena[: self.used].at[0].set(self.serial)
+
+
 class Mailboxes:
     """The mailboxes of one tracker's taps (see the module docstring), kept in one large int32
     ref, the arena: every ref a program closes over is one more argument of each call and one
@@ -88,7 +188,8 @@ class Mailboxes:
         self._boxes: list[_Box] = []
         self._lock = threading.Lock()
         self._read = jax.jit(_read_and_clear)
-        self._warned: set[str] = set()
+        #: Modules already warned about (a mailbox written more than once per step).
+        self.warned: set[str] = set()
 
     def prepare(self, sharding: Any) -> None:
         """Before an intercepted call (outside any trace): make the first arena, or a larger
@@ -135,39 +236,10 @@ class Mailboxes:
             offset = self._used
             self._used += size
             arena, generation = self._arena if arena is None else arena, self.generation
-        times = arena[offset]
-        if merge is not None:
-            old = arena[offset : offset + size]
-            at, words = 1, []
-            for _, _, s in reports:
-                parts = []
-                for part in (s.counts, s.values):
-                    n = _words(part).shape[0]
-                    parts.append(_traced_unwords(old[at : at + n], part))
-                    at += n
-                merged = merge_jax(DeviceSummary(*parts), s, merge)
-                words += [_words(jnp.where(times > 0, m, new)) for m, new in zip(merged, s)]
-        arena[offset : offset + size] = jnp.concatenate([(times + 1).reshape(1), *words])
+        words = _write(arena, offset, size, reports, words, merge)
         with self._lock:
             if generation == self.generation:
-                self._boxes.append(
-                    _Box(
-                        name,
-                        module_type,
-                        [
-                            (
-                                t,
-                                str(d),
-                                jax.ShapeDtypeStruct(s.counts.shape, s.counts.dtype),
-                                jax.ShapeDtypeStruct(s.values.shape, s.values.dtype),
-                            )
-                            for t, d, s in reports
-                        ],
-                        [w.shape[0] for w in words],
-                        offset,
-                        remat or merge is not None,
-                    )
-                )
+                self._boxes.append(_box(name, module_type, reports, words, offset, remat, merge))
         return True
 
     def read(self) -> MailRead | None:
@@ -178,15 +250,25 @@ class Mailboxes:
             boxes, arena = list(self._boxes), self._arena
         if not boxes:
             return None
-        return MailRead(boxes, self._read(arena), self._warned)
+        return MailRead(boxes, self._read(arena), self.warned)
 
 
 class MailRead:
     """One read of the mailboxes: the words on their way to the host, decoded on first use
     (after the next step has been queued: reading them then does not stall the device)."""
 
-    def __init__(self, boxes: list[_Box], words: Any, warned: set[str]) -> None:
-        self.boxes = boxes
+    def __init__(
+        self,
+        boxes: list[_Box] | None,
+        words: Any,
+        warned: set[str],
+        layouts: Mapping[int, list[_Box]] | None = None,
+    ) -> None:
+        #: the mailboxes; None: those of the layout that word 0 names in ``layouts`` (the
+        #: words of a tracked program, :class:`ProgramMailboxes`), known once they arrive
+        self._boxes = boxes
+        self._layouts = layouts
+        self._host: np.ndarray | None = None
         #: The words, a device array (fetched by :meth:`fetch_from`'s function if one is set).
         self.words = words
         #: Whether the words are a global array replicated over several processes (a
@@ -195,6 +277,21 @@ class MailRead:
         self._warned = warned
         self._fetch: Callable[[], np.ndarray] | None = None
         self._decoded: list[list[DeviceSummary] | None] | None = None
+
+    @property
+    def boxes(self) -> list[_Box]:
+        """The mailboxes these words hold (of a tracked program: read from the words, which
+        waits for them)."""
+        if self._boxes is None:
+            assert self._layouts is not None
+            self._boxes = self._layouts[int(self._fetched()[0])]
+        return self._boxes
+
+    def _fetched(self) -> np.ndarray:
+        if self._host is None:
+            self._host = self._fetch() if self._fetch is not None else np.asarray(self.words)
+            self.words = None
+        return self._host
 
     def fetch_from(self, fetch: Callable[[], np.ndarray]) -> None:
         """Take the words from ``fetch()`` (the host copy of the step's one transfer)."""
@@ -213,10 +310,7 @@ class MailRead:
         """The summary of report ``report`` of mailbox ``box``; None when the computation did
         not write that mailbox (a tap removed as dead code, a branch not taken)."""
         if self._decoded is None:
-            self._decoded = self._decode(
-                self._fetch() if self._fetch is not None else np.asarray(self.words)
-            )
-            self.words = None
+            self._decoded = self._decode(self._fetched())
         got = self._decoded[box]
         return None if got is None else got[report]
 

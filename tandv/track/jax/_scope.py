@@ -80,6 +80,9 @@ class Scope:
             the batched writes of a vmapped loop).
         pmap: the innermost ``shard_map`` is the one ``jax.pmap`` builds (which checks no
             varying axes: see :func:`manual_keep`).
+        branch: inside a branch of ``lax.cond``/``lax.switch`` (``nn.cond``, ``nn.switch``,
+            ``nnx.cond``): JAX's transpose of a branch keeps a ref its backward rules close
+            over as a constant, which it cannot lower.
     """
 
     loop: bool = False
@@ -88,6 +91,7 @@ class Scope:
     restaged: bool = False
     batched: bool = False
     pmap: bool = False
+    branch: bool = False
 
 
 # What JAX names the function a trace is made for (``DebugInfo.traced_for``: the first
@@ -96,6 +100,8 @@ class Scope:
 #: ``fori_loop``'s "fori_loop" (with static bounds it runs a scan, else a while_loop; the
 #: body is named after fori_loop either way).
 LOOP_TRACES = frozenset({"scan", "while_body", "while_cond", "fori_loop"})
+#: ``lax.cond``'s and ``lax.switch``'s branches (``jax/_src/lax/control_flow/conditionals.py``).
+BRANCH_TRACES = frozenset({"cond", "switch"})
 #: ``jax.checkpoint`` (``jax/_src/ad_checkpoint.py``, ``fun_remat``).
 REMAT_TRACE = "checkpoint / remat"
 #: ``jax.shard_map``, and ``jax.pmap`` built on it.
@@ -122,12 +128,13 @@ def current_scope() -> Scope:
     broke whenever JAX moved a function between files. What can still break it is JAX
     renaming a ``traced_for`` label or a trace class; ``tests/test_jax_scope.py`` checks
     each answer inside the real transforms."""
-    loop = remat = manual = partial = batched = pmap = False
+    loop = remat = manual = partial = batched = pmap = branch = False
     trace = _trace_ctx.trace
     while trace is not None:
         info = getattr(getattr(trace, "frame", None), "debug_info", None)
         kind = getattr(info, "traced_for", None)
         loop |= kind in LOOP_TRACES
+        branch |= kind in BRANCH_TRACES
         remat |= kind == REMAT_TRACE
         if kind == MANUAL_TRACE and not manual:  # the innermost shard_map: pmap's?
             pmap = PMAP_SOURCE in str(getattr(info, "func_src_info", ""))
@@ -135,7 +142,7 @@ def current_scope() -> Scope:
         partial |= isinstance(trace, _JaxprTrace)
         batched |= isinstance(trace, _BatchTrace)
         trace = getattr(trace, "parent_trace", None)
-    return Scope(loop, remat, manual, remat and partial, batched, pmap)
+    return Scope(loop, remat, manual, remat and partial, batched, pmap, branch)
 
 
 def is_batched(x: Any) -> bool:

@@ -14,7 +14,10 @@ summarized on device; only the small summaries leave the computation, through th
   (a ref closed over by a differentiated loop body cannot be written by its backward rule;
   one passed in can), each iteration merging into its mailbox;
 - ``shard_map``/``pmap`` and vmapped loop bodies: both by host callback from the rules of
-  :func:`_callback_tap`.
+  :func:`_callback_tap`;
+- a ``lax.cond``/``lax.switch`` branch: the activation as in plain code, the cotangent by
+  host callback (:func:`_cotangent_tap_callback`; loops and ``jax.checkpoint`` inside a
+  branch: :func:`_callback_tap`).
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ def tap(probe: Probe, x: jax.Array) -> jax.Array:
         return _callback_tap(dataclasses.replace(probe, manual=True), x)
     if (scope.loop or scope.restaged) and (scope.batched or is_batched(x)):
         return _callback_tap(probe, x)  # a vmapped loop body: by host callback
+    if scope.branch and (scope.loop or scope.remat):
+        return _callback_tap(probe, x)  # a ref rides as a residual there: a cond refuses it
     sink = sink_of(probe.token)
     arena = None if sink is None else sink.arena
     if scope.loop or scope.restaged:
@@ -66,6 +71,8 @@ def tap(probe: Probe, x: jax.Array) -> jax.Array:
         probe.report("Activation", jax.lax.stop_gradient(x), remat=scope.remat)
     if not probe.backward:
         return x
+    if scope.branch:
+        return _cotangent_tap_callback(probe, x)
     if arena is not None and scope.remat:
         return _cotangent_tap_ref(probe, arena, x)
     return _cotangent_tap(probe, x)
@@ -87,6 +94,26 @@ def _cotangent_bwd(probe: Probe, res: None, g: jax.Array) -> tuple[jax.Array]:
 
 
 _cotangent_tap.defvjp(_cotangent_fwd, _cotangent_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cotangent_tap_callback(probe: Probe, x: jax.Array) -> jax.Array:
+    """:func:`_cotangent_tap` for a ``lax.cond``/``lax.switch`` branch: the cotangent is
+    reported by host callback. JAX transposes a branch into a jaxpr that keeps what its
+    backward rules close over as constants, and cannot lower a ref among them (``No
+    constant handler``); passed in instead, the ref would be a residual, which the
+    branches' joined residuals cannot hold either. A callback of the branch not taken
+    does not run: the rows are those of the branch taken."""
+    return x
+
+
+def _cotangent_callback_bwd(probe: Probe, res: None, g: jax.Array) -> tuple[jax.Array]:
+    dtype, summary, keep = probe.summary(g, whole_batch=False)
+    probe.send([("Gradient", dtype, summary)], keep)
+    return (g,)
+
+
+_cotangent_tap_callback.defvjp(_cotangent_fwd, _cotangent_callback_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

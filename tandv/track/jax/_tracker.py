@@ -7,7 +7,6 @@ import itertools
 import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
@@ -16,7 +15,6 @@ import numpy as np
 
 from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...stats.formats import format_name
-from ...stats.host import HOST_DTYPES, host_summaries
 from ...stats.summary import Layout
 from ..common import TensorKey
 from ..common.core import TrackerCore
@@ -27,8 +25,8 @@ from ..common.options import TrackKwargs, TrackOptions
 from ..common.scalars import Capture
 from . import _distributed, _ffi, _misuse
 from ._delivery import Probe
-from ._intercept import interception
-from ._mailbox import Mailboxes
+from ._intercept import TrackedProgram, interception, jitted_core
+from ._mailbox import Mailboxes, MailRead, ProgramMailboxes
 from ._nnx import acquire_nnx, release_nnx, tag_nnx_paths, untag_nnx_paths
 from ._pallas import pallas_summary
 from ._sink import ROOT_NAME, Report, register
@@ -41,7 +39,7 @@ from ._summary import (
     with_custom,
 )
 from ._taps import tap
-from ._transfer import HostRow, Mail, ShardRows, StackRow, send, shard_plan, to_host
+from ._transfer import Mail, ShardRows, StackRow, send, shard_plan, to_host
 from ._trees import (
     Leaf,
     collection_leaves,
@@ -58,6 +56,10 @@ __all__ = ["JaxTracker", "track"]
 
 T = TypeVar("T")
 _tokens = itertools.count(1)
+#: Numbers the traces of tracked programs (word 0 of their mailbox words names the layout).
+_serials = itertools.count(1)
+#: Tracked programs a tracker keeps (more: the update is made anew at each call).
+_MAX_PROGRAMS = 64
 #: Arrays with at least this many elements are summarized by a program of their own.
 _OWN_PROGRAM_SIZE = 1 << 16
 #: Which summary computation serves, read when a tracker is made (tests set it to run the
@@ -73,31 +75,6 @@ SUMMARY_PATH = os.environ.get("TANDV_JAX_SUMMARY", "auto")
 _PATHS = ("auto", "xla", "pallas")
 #: Arrays with at least this many elements go through the fused kernel on CUDA GPUs.
 FUSED_SIZE = 1 << 16
-#: Threads the host kernel uses. One: with two, the kernel ran faster but its threads kept a
-#: core busy into the next XLA update, and tracked steps took longer (track/jax/DESIGN.md).
-_HOST_THREADS = 1
-#: The thread that runs the host kernel on step-time arrays while the caller's next update
-#: runs (one for every tracker: the kernel's launches go one at a time anyway).
-_HOST_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandv-host-kernel")
-
-
-def _in_host_memory(x: Any, placements: dict[int, bool] | None = None) -> bool:
-    """Whether the host kernel can read ``x`` where it lies: a JAX array on CPU devices, of
-    a dtype the kernel reads (``np.asarray`` then shares its buffer; a sharded array is
-    gathered). ``placements`` memoizes the answer per sharding object (arrays of one step
-    share a few: asking each array costs ~10 us)."""
-    if not isinstance(x, jax.Array) or np.dtype(x.dtype) not in HOST_DTYPES:
-        return False
-    sharding = x.sharding
-    known = None if placements is None else placements.get(id(sharding))
-    if known is None:
-        known = sharding.is_fully_addressable and all(
-            d.platform == "cpu"  # type: ignore[attr-defined]  # jax's Device stub lacks it
-            for d in sharding.device_set
-        )
-        if placements is not None:
-            placements[id(sharding)] = known
-    return known
 
 
 #: What JAX says when a batched value is written to an unbatched ref (a tap's mailbox under vmap).
@@ -160,6 +137,10 @@ class _TapSink:
     ) -> None:
         #: The arena and its mailboxes (the tracker prepares and reads them).
         self.mailboxes = Mailboxes()
+        #: The mailboxes of the tracked program being traced (None: the arena's, above).
+        self.program: ProgramMailboxes | None = None
+        #: The mailbox layout of each trace of a tracked program, by its serial.
+        self.layouts: dict[int, list[Any]] = {}
         #: Whether a tap of the current step reports by host callback (the tracker resets it).
         self.callbacks_used = False
         self._merge_rules = list(merge_rules)
@@ -167,7 +148,7 @@ class _TapSink:
 
     @property
     def arena(self) -> Any:
-        return self.mailboxes.arena
+        return self.mailboxes.arena if self.program is None else self.program.arena
 
     def post(
         self,
@@ -179,7 +160,8 @@ class _TapSink:
         merge: bool = False,
     ) -> bool:
         rules = self._merge_rules if merge else None
-        return self.mailboxes.post(name, module_type, reports, arena, remat, rules)
+        boxes = self.mailboxes if self.program is None else self.program
+        return boxes.post(name, module_type, reports, arena, remat, rules)
 
     def receive(
         self, name: str, module_type: str, tensor_type: str, dtype: str, summary: Any
@@ -275,6 +257,13 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         self._summarize_cpu = jax.jit(self._summarize_in_program)
         self._sink = _TapSink(self._receive, [rule for _, rule in self._extras])
         self._token = next(_tokens)
+        #: the tracked program of each jitted update seen (None: not one jitted function)
+        self._programs: dict[Any, TrackedProgram | None] = {}
+        self._call_args: Any = None  # the arguments of the tracked program being called
+        # a tracked program's mailbox words stand in the step's observations under this key
+        # until they arrive and are decoded into rows (:meth:`_observed`)
+        self._mail_key = self._key(ROOT_NAME, "Activation", "", "float32")
+        self._mail_layout = self._layout("float32")
         self._on_cpu = False
         self._one_device = True  # whether the intercepted update runs on one device
         self._intercepted = False  # whether intercept() ran in the current step
@@ -283,6 +272,9 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         # one process of several (jax.distributed): global arrays are summarized by their
         # shards here, and the steps merged over the processes (see ``_distributed``)
         self._multi = _distributed.multi_process()
+        #: whether the host kernel serves arrays on the CPU (it does not partition over
+        #: processes; where it cannot be built, XLA's operations serve)
+        self._host_kernel = self._path == "auto" and not self._multi and _ffi.available()
         #: the role over the processes of each row of the step being recorded
         self._roles: dict[TensorKey, Role] = {}
         register(self._token, self._sink)
@@ -318,8 +310,21 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         return to_host(summaries, transfer)
 
     def _observed(self, pending: list[Any]) -> list[Any]:
+        expanded = []
+        for key, layout, s in pending:
+            if isinstance(s, Mail) and s.box < 0:  # a tracked program's words: its reports
+                for box, report, name, module_type, tensor_type, dtype in s.read.reports():
+                    expanded.append(
+                        (
+                            self._key(name, tensor_type, module_type, dtype),
+                            self._layout(dtype),
+                            Mail(s.read, box, report),
+                        )
+                    )
+            else:
+                expanded.append((key, layout, s))
         # a mailbox the computation did not write holds no observation
-        pending = [p for p in pending if not isinstance(p[2], Mail) or p[2].summary() is not None]
+        pending = [p for p in expanded if not isinstance(p[2], Mail) or p[2].summary() is not None]
         if self._multi:  # how each row merges over the processes, for the rank merger
             self._roles = {key: _distributed.role(s, Mail) for key, _, s in pending}
         return pending
@@ -375,6 +380,16 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         layout = self._layout(x.dtype)
         return with_custom(_ffi.ffi_summary(x, layout.format, layout.num_counts), x, self._custom)
 
+    def _summarize_anywhere(self, x: jax.Array, fused: bool) -> DeviceSummary:
+        """Traceable summary of a step-time array: where the host kernel serves (the
+        ``auto`` path, one process), the program picks it when it is lowered for the CPU
+        (:meth:`_summarize_in_program`), else :meth:`_summarize`."""
+        if not self._host_kernel:
+            return self._summarize(x, fused)
+        return jax.lax.platform_dependent(
+            x, cpu=self._summarize_in_program, default=lambda a: self._summarize(a, fused)
+        )
+
     @staticmethod
     def _groups(arrays: Sequence[Any]) -> list[tuple[str, list[int]]]:
         """Indices of ``arrays`` by dtype name, in first-seen order."""
@@ -417,16 +432,21 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             idx = [plain[i] for i in idx]
             layout = self._layout(dtype)
             # Large arrays run faster through their own program (no copy into a shared
-            # block); small ones share one, which keeps compile time down.
+            # block); small ones share one, which keeps compile time down. The host kernel
+            # (on the CPU) takes each array on its own.
             small = [
-                i for i in idx if arrays[i].size < _OWN_PROGRAM_SIZE and self._path != "pallas"
+                i
+                for i in idx
+                if arrays[i].size < _OWN_PROGRAM_SIZE
+                and self._path != "pallas"
+                and not self._host_kernel
             ]
             parts = dict(
                 zip(small, summarize_many_jax([arrays[i] for i in small], layout, self._custom))
             )
             for i in idx:
                 if i not in parts:
-                    parts[i] = self._summarize(arrays[i], fused)
+                    parts[i] = self._summarize_anywhere(arrays[i], fused)
             out.append(
                 (
                     jnp.stack([parts[i].counts for i in idx]),
@@ -438,12 +458,11 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
     def _summarize_arrays(self, arrays: list[jax.Array]) -> list[Any]:
         """Summaries of ``arrays``: one handle per array (see ``_transfer``).
 
-        Arrays in CPU memory (of at most float32 precision, without custom statistics) are
-        summarized by the host kernel on its background thread, reading the arrays' own
-        buffers (viewed here, so that the caller's next update cannot reuse them):
-        :class:`HostRow` handles. The others start on device, in one jitted call: stack
-        rows (:class:`StackRow`, :class:`ShardRows`) that :func:`_to_host` fetches when the
-        step is recorded."""
+        All are summarized by one jitted call, dispatched without waiting (queued after the
+        update that computes them, so a later donating update cannot take them first): on
+        the CPU by the host kernel inside the program (see :meth:`_summarize_anywhere`),
+        elsewhere by XLA's operations or the fused kernel. Stack rows (:class:`StackRow`,
+        :class:`ShardRows`) that :func:`_to_host` fetches when the step is recorded."""
         if self._multi:  # global arrays: this process's shards
             flat, spans = _distributed.split_global(arrays)
             if any(span is not None for span in spans):
@@ -453,30 +472,18 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
                         handles[i] = h
                 layouts = [self._layout(x.dtype) for x in arrays]
                 return _distributed.join_global(handles, spans, layouts)
+        if not arrays:
+            return []
         rows: list[Any] = [None] * len(arrays)
-        if not self._custom and self._path == "auto":
-            placements: dict[int, bool] = {}
-            for dtype, idx in self._groups(arrays):
-                idx = [i for i in idx if _in_host_memory(arrays[i], placements)]
-                if idx:
-                    views = [np.asarray(arrays[i]) for i in idx]
-                    future = _HOST_WORKER.submit(
-                        host_summaries, views, self._layout(dtype), _HOST_THREADS
-                    )
-                    for r, i in enumerate(idx):
-                        rows[i] = HostRow(future, r)
-        rest = [i for i, r in enumerate(rows) if r is None]
-        if rest:
-            device = [arrays[i] for i in rest]
-            plans = tuple(shard_plan(x) for x in device)
-            stacks = iter(self._summarize_many(device, len(_devices_of(device)) <= 1, plans))
-            for i, plan in zip(rest, plans):
-                if plan is not None:
-                    rows[i] = ShardRows(next(stacks), plan[2], self._layout(arrays[i].dtype))
-            plain = [i for i, plan in zip(rest, plans) if plan is None]
-            for (_, idx), stack in zip(self._groups([arrays[i] for i in plain]), stacks):
-                for r, i in enumerate(idx):
-                    rows[plain[i]] = StackRow(stack, r)
+        plans = tuple(shard_plan(x) for x in arrays)
+        stacks = iter(self._summarize_many(arrays, len(_devices_of(arrays)) <= 1, plans))
+        for i, plan in enumerate(plans):
+            if plan is not None:
+                rows[i] = ShardRows(next(stacks), plan[2], self._layout(arrays[i].dtype))
+        plain = [i for i, plan in enumerate(plans) if plan is None]
+        for (_, idx), stack in zip(self._groups([arrays[i] for i in plain]), stacks):
+            for r, i in enumerate(idx):
+                rows[plain[i]] = StackRow(stack, r)
         return rows
 
     def _owner_of(self, name: str) -> type | None:
@@ -507,7 +514,93 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             self.step_index
         ):
             return f(*args, **kwargs)
-        devices = _devices_of((args, kwargs))
+        try:
+            program = self._programs.get(f)
+        except TypeError:  # an unhashable callable: not a jitted function
+            program = None
+        if program is None or program.stale:
+            program = self._program_of(f, program)
+        try:
+            if program is None:
+                return self._intercept_python(f, args, kwargs)
+            if program.nnx is None:
+                self._call_args = (args, kwargs)
+                out, words = program.call(*args, **kwargs)
+                self._add_words(program, words)
+                return out  # type: ignore[no-any-return]
+            f.jitted_fn = functools.partial(self._call_program, program)  # type: ignore[attr-defined]
+            try:
+                return f(*args, **kwargs)
+            finally:
+                f.jitted_fn = program.inner  # type: ignore[attr-defined]
+        except Exception as e:
+            if _VMAP_REFUSAL not in str(e):
+                raise
+            raise ValueError(
+                "tandv: a module output's summary came out batched (a vmap tandv did not "
+                "see through); exclude that module (track(..., exclude=[...])) or track with "
+                "track_activations=False, track_gradients=False to keep the other rows"
+            ) from e
+        finally:
+            self._call_args = None
+
+    def _program_of(self, f: Any, old: TrackedProgram | None) -> TrackedProgram | None:
+        """The tracked program of the jitted update ``f`` (made on its first call, and again
+        when ``old``'s arena was outgrown); None where ``f`` is not one jitted function (or
+        runs over several processes): then :meth:`_intercept_python` serves."""
+        inner = None if self._multi else jitted_core(f)
+        if inner is None:
+            return None
+        if len(self._programs) >= _MAX_PROGRAMS:  # updates made anew at every call
+            self._programs.clear()
+        program = TrackedProgram(inner, None if inner is f else f, self._trace_program)
+        if old is not None:
+            program.capacity = old.capacity
+        self._programs[f] = program
+        return program
+
+    def _call_program(self, program: TrackedProgram, *args: Any, **kwargs: Any) -> Any:
+        """Stands for an ``nnx.jit`` function's inner jitted function during a tracked call."""
+        self._call_args = (args, kwargs)
+        out, words = program.call(*args, **kwargs)
+        self._add_words(program, words)
+        return out
+
+    def _add_words(self, program: TrackedProgram, words: Any) -> None:
+        """Observe the mailbox words a tracked program returned (decoded once they arrive,
+        by :meth:`_observed`)."""
+        if program.callbacks:
+            self._sink.callbacks_used = True
+        read = MailRead(None, words, self._sink.mailboxes.warned, self._sink.layouts)
+        self.recorder.add(self._mail_key, self._mail_layout, Mail(read, -1, -1))  # type: ignore[union-attr]
+
+    def _trace_program(self, program: TrackedProgram, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        """The body of ``program``, run while JAX traces it: the user's jitted function
+        traced with taps that write into an arena made inside the program; returns its
+        outputs and the written words."""
+        self._where(self._call_args)  # the arrays of the call being traced
+        mail = ProgramMailboxes(next(_serials), program.capacity)
+        self._sink.program, callbacks = mail, self._sink.callbacks_used
+        self._sink.callbacks_used = False
+        try:
+            with interception(
+                (self._token, self._on_cpu, self._one_device, "program", mail.serial),
+                self._on_output,
+            ):
+                out = program.fun(*args, **kwargs)
+        finally:
+            self._sink.program = None
+            program.callbacks = self._sink.callbacks_used
+            self._sink.callbacks_used |= callbacks
+        self._sink.layouts[mail.serial] = mail.boxes
+        if mail.overflowed:  # the rest went by callback; the next call gets room for all
+            program.capacity, program.stale = 2 * mail.wanted, True
+        return out, mail.words()
+
+    def _where(self, call: Any) -> list[Any]:
+        """Set where the update of the arrays in ``call`` runs (the CPU's in-program host
+        kernel or not; one device or several); returns its devices."""
+        devices = _devices_of(call)
         # The update runs where its arrays are (JAX's default backend when it is given none).
         platforms = {d.platform for d in devices} or {jax.default_backend()}
         self._on_cpu = (
@@ -517,6 +610,13 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             and _ffi.available()
         )
         self._one_device = len(devices) <= 1
+        return devices
+
+    def _intercept_python(self, f: Callable[..., T], args: tuple, kwargs: dict) -> T:
+        """Run an update that is not one jitted function (plain Python, possibly around
+        several jitted functions) with taps writing into the tracker's arena, a ``jax.Ref``
+        that each jitted function closes over (their calls take JAX's Python dispatch)."""
+        devices = self._where((args, kwargs))
         if self._intercepted:  # a second call in this step (e.g. gradient accumulation): the
             self._collect_mailboxes()  # first one's mailboxes are read before they are reused
         self._sink.mailboxes.prepare(_replicated(devices))
@@ -525,16 +625,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             (self._token, self._on_cpu, self._one_device, self._sink.mailboxes.generation),
             self._on_output,
         ):
-            try:
-                return f(*args, **kwargs)
-            except Exception as e:
-                if _VMAP_REFUSAL not in str(e):
-                    raise
-                raise ValueError(
-                    "tandv: a module output's summary came out batched (a vmap tandv did not "
-                    "see through); exclude that module (track(..., exclude=[...])) or track with "
-                    "track_activations=False, track_gradients=False to keep the other rows"
-                ) from e
+            return f(*args, **kwargs)
 
     def _collect_mailboxes(self) -> None:
         """Read the mailboxes (their copy to the host starts now; they are decoded when the

@@ -1,0 +1,267 @@
+"""The tracked update on JAX's C++ dispatch path (``_intercept.TrackedProgram``): a jitted
+update is called through one compiled program that makes its mailbox arena inside and
+returns the words as an extra output, so a tracked call costs about the Python calls of an
+untracked one; the user's donation, static arguments, nnx updates and shardings carry over;
+``tracker.step()`` does not wait for the device."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from test_jax_tracker import assert_row_matches  # noqa: E402
+
+from tandv.schema import read_log  # noqa: E402
+from tandv.track.jax import track  # noqa: E402
+
+
+def python_calls(fn, *args, **kwargs) -> int:
+    """Python function calls made while ``fn(*args, **kwargs)`` runs (``sys.setprofile``'s
+    ``call`` events: Python frames, not C functions)."""
+    calls = [0]
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn(*args, **kwargs)
+    finally:
+        sys.setprofile(None)
+    return calls[0] - 1  # the profiled call itself
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(16, name="hidden")(x))
+        return nn.Dense(1, name="head")(x)
+
+
+def dyadic(tree):
+    """``tree`` rounded to multiples of 1/8."""
+    return jax.tree.map(lambda a: jnp.round(8 * a) / 8, tree)
+
+
+def mlp_setup():
+    """The MLP, its parameters, Adam's state, data and update. Data and parameters are
+    multiples of 1/8 and 1/4 (exact in float32 products and sums: the first step's values
+    are the same wherever they are computed)."""
+    model, opt = MLP(), optax.adam(1e-2)
+    x = jnp.round(4 * jax.random.normal(jax.random.key(0), (8, 5))) / 4
+    y = jnp.round(4 * jax.random.normal(jax.random.key(1), (8, 1))) / 4
+    params = dyadic(model.init(jax.random.key(2), x))
+
+    def loss(p, x, y):
+        return jnp.mean((model.apply(p, x) - y) ** 2)
+
+    def update(p, s, x, y):
+        grads = jax.grad(loss)(p, x, y)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, grads
+
+    return model, params, opt.init(params), x, y, update
+
+
+def test_a_jitted_update_costs_about_the_python_calls_of_an_untracked_call(tmp_path):
+    """Counted with sys.setprofile: the tracked call of a jitted update makes at most
+    2U + 20 Python calls, U those of the untracked call (before the tracked program, a ref
+    closed over by the update sent every call through JAX's Python dispatch: thousands)."""
+    _, params, state, x, y, update = mlp_setup()
+    update = jax.jit(update)
+    for _ in range(3):
+        update(params, state, x, y)
+    untracked = min(python_calls(update, params, state, x, y) for _ in range(3))
+    with track(params, state, out=tmp_path / "log", verbose=False) as tracker:
+        p, s = params, state
+        for _ in range(3):  # compile and warm up
+            p, s, g = tracker.intercept(update, p, s, x, y)
+            tracker.step(p, s, g)
+        tracked = python_calls(tracker.intercept, update, p, s, x, y)
+    assert tracked <= 2 * untracked + 20, (tracked, untracked)
+
+
+def run_log(path, update, steps=3):
+    """Log of ``steps`` tracked steps of ``update`` (jitted or not) on the MLP; returns the
+    log and the gradients of each step."""
+    model, params, state, x, y, _ = mlp_setup()
+    grads = []
+    with track(params, state, out=path, verbose=False) as tracker:
+        p, s = params, state
+        for _ in range(steps):
+            p, s, g = tracker.intercept(update, p, s, x, y)
+            grads.append(g)
+            tracker.step(p, s, g)
+    return read_log(path), grads
+
+
+def test_the_tracked_program_logs_what_the_python_path_logs(tmp_path):
+    """The same steps through the tracked program (a jitted update) and through the
+    closed-over arena (the same jitted function called from plain Python): the same rows,
+    bit for bit, and the module rows equal the numpy reference."""
+    model, params, _, x, y, update = mlp_setup()
+    jitted = jax.jit(update)
+    fast, grads = run_log(tmp_path / "fast", jitted)
+    slow, _ = run_log(tmp_path / "slow", lambda *a: jitted(*a))
+    key = [("metadata", c) for c in ("step", "name", "tensor_type")]
+    fast = fast.sort_values(key).reset_index(drop=True)
+    slow = slow.sort_values(key).reset_index(drop=True)
+    assert len(fast) == len(slow) > 0
+    stats = [c for c in fast.columns if c[0] in ("scalar_stats", "exponent_counts")]
+    np.testing.assert_array_equal(fast[stats].to_numpy(), slow[stats].to_numpy())
+    # the first step's rows against numpy (exact values: see mlp_setup)
+    w = {
+        k: {n: np.asarray(a, np.float64) for n, a in v.items()} for k, v in params["params"].items()
+    }
+    hidden = np.asarray(x, np.float64) @ w["hidden"]["kernel"] + w["hidden"]["bias"]
+    out = np.maximum(hidden, 0) @ w["head"]["kernel"] + w["head"]["bias"]
+    assert_row_matches(fast, "hidden", "Activation", 0, hidden.astype(np.float32))
+    assert_row_matches(fast, "head", "Activation", 0, out.astype(np.float32))
+    cotangent = 2 * (out - np.asarray(y, np.float64)) / out.size
+    assert_row_matches(fast, "head", "Gradient", 0, cotangent.astype(np.float32))
+    assert_row_matches(fast, "head.kernel", "Gradient", 0, grads[0]["params"]["head"]["kernel"])
+
+
+def test_donation_and_static_arguments_carry_over(tmp_path):
+    """``donate_argnums`` and ``static_argnums`` of the user's jit hold for the tracked
+    call: the donated parameters are deleted as by the untracked call, the static argument
+    picks the computation (a new value: a new trace), and the rows follow it."""
+    model = nn.Dense(3)
+    x = jnp.arange(12.0).reshape(4, 3) / 4
+    params = dyadic(model.init(jax.random.key(0), x))
+
+    def update(p, x, scale):
+        g = jax.grad(lambda p: jnp.sum(model.apply(p, x) * scale))(p)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), g
+
+    jitted = jax.jit(update, static_argnums=2, donate_argnums=0)
+    copy = jax.tree.map(jnp.copy, params)
+    jitted(copy, x, 2.0)
+    donates = jax.tree.leaves(copy)[0].is_deleted()
+    outs = []
+    with track(params, out=tmp_path / "log", verbose=False) as tracker:
+        p = jax.tree.map(jnp.copy, params)
+        for scale in (2.0, -3.0):
+            given = p
+            w = {k: np.asarray(a, np.float64) for k, a in p["params"].items()}
+            outs.append(np.asarray(x, np.float64) @ w["kernel"] + w["bias"])
+            p, g = tracker.intercept(jitted, p, x, scale)
+            assert jax.tree.leaves(given)[0].is_deleted() == donates
+            tracker.step(p, g)
+    df = read_log(tmp_path / "log")
+    for step, (out, scale) in enumerate(zip(outs, (2.0, -3.0))):
+        assert_row_matches(df, "root", "Activation", step, out.astype(np.float32))
+        assert_row_matches(df, "root", "Gradient", step, np.full(out.shape, scale, np.float32))
+
+
+def test_nnx_jit_updates_the_model_as_untracked(tmp_path):
+    """An ``nnx.jit`` train step runs its inner jitted function as a tracked program: the
+    model and optimizer are updated as by the untracked step (the same values), the rows
+    are logged, and the call costs about the Python calls of an untracked one."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(4, 8, rngs=rngs)
+            self.out = nnx.Linear(8, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.fc(x)))
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return grads
+
+    x = jax.random.normal(jax.random.key(0), (6, 4))
+    y = jnp.ones((6, 1))
+    ref = Net(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+    model = Net(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    with track(model, optimizer, out=tmp_path / "log", verbose=False) as tracker:
+        for _ in range(3):
+            seen = np.asarray(model(x))
+            train_step(ref, ref_opt, x, y)
+            grads = tracker.intercept(train_step, model, optimizer, x, y)
+            tracker.step(model, optimizer, grads)
+        untracked = python_calls(train_step, ref, ref_opt, x, y)
+        tracked = python_calls(tracker.intercept, train_step, model, optimizer, x, y)
+        tracker.step(model, optimizer, grads)
+    np.testing.assert_array_equal(np.asarray(model.fc.kernel[...]), np.asarray(ref.fc.kernel[...]))
+    assert tracked <= 2 * untracked + 20, (tracked, untracked)
+    df = read_log(tmp_path / "log")
+    assert_row_matches(df, "root", "Activation", 2, seen)
+
+
+def test_shardings_carry_over(tmp_path):
+    """A jit with ``in_shardings``/``out_shardings`` over two CPU devices: the tracked call
+    returns arrays sharded as the untracked call's, and the rows equal the numpy reference
+    of the whole arrays."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two devices (tests/conftest.py sets jax_num_cpu_devices)")
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    rows, repl = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    model = nn.Dense(4)
+    x = jax.device_put(jnp.arange(24.0).reshape(8, 3) / 5, rows)
+    params = jax.device_put(model.init(jax.random.key(0), x), repl)
+
+    def forward(p, x):
+        return model.apply(p, x)
+
+    jitted = jax.jit(forward, in_shardings=(repl, rows), out_shardings=rows)
+    expected = jitted(params, x)
+    with track(params, out=tmp_path / "log", verbose=False, track_gradients=False) as tracker:
+        out = tracker.intercept(jitted, params, x)
+        tracker.step(params)
+    assert out.sharding.is_equivalent_to(expected.sharding, out.ndim)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+    assert_row_matches(read_log(tmp_path / "log"), "root", "Activation", 0, np.asarray(expected))
+
+
+def test_step_returns_before_the_update_has_run(tmp_path):
+    """``tracker.step()`` waits for nothing on the device: the update's gradients pass
+    through a host function that holds them until the test releases it, after step() has
+    returned. Were step() to read any of the step's values (a view, a summary, the
+    mailbox words), it would wait for the release and time out first."""
+    model = nn.Dense(3)
+    x = jnp.arange(12.0).reshape(4, 3) / 7
+    params = model.init(jax.random.key(0), x)
+    release = threading.Event()
+
+    def hold(a):
+        release.wait(20)
+        return a
+
+    @jax.jit
+    def update(p):
+        g = jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2))(p)
+        return jax.tree.map(lambda a: jax.pure_callback(hold, a, a), g)
+
+    with track(params, out=tmp_path / "log", verbose=False) as tracker:
+        release.set()  # the first call compiles: let it through
+        tracker.step(params, tracker.intercept(update, params))
+        release.clear()
+        grads = tracker.intercept(update, params)
+        start = time.monotonic()
+        tracker.step(params, grads)
+        took = time.monotonic() - start
+        held = not release.is_set()
+        release.set()
+    assert held and took < 10, took
+    df = read_log(tmp_path / "log")
+    g = jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2))(params)
+    assert_row_matches(df, "kernel", "Gradient", 1, g["params"]["kernel"])
