@@ -12,8 +12,10 @@ What a row at step ``k`` (counting from 0) holds:
     the gradient w.r.t. each selected module's output (same names as the
     activations), from tensor hooks registered on the outputs; and each parameter's
     ``.grad`` (full parameter path, ``layers.0.attention.wq.weight``) as the optimizer
-    sees it just before update ``k`` (after all backward passes of the step, after any
-    clipping or unscaling); with no optimizer, ``.grad`` at :meth:`Tracker.step`.
+    that updates it sees it just before its update in step ``k`` (after all backward
+    passes of the step, after any clipping or unscaling; several optimizers each capture
+    their own parameters only); for a parameter no tracked optimizer holds, ``.grad`` at
+    :meth:`Tracker.step`.
 ``Weight``
     each parameter as used by step ``k``'s forward pass: captured before the first
     training-mode forward of any of the model's modules in the step (the root's, or a
