@@ -319,3 +319,38 @@ def test_lightning_manual_optimization_with_two_optimizers(tmp_path):
     for k in range(4):
         for name, g in used[k].items():
             assert_row(df, name, "Gradient", k, g)
+
+
+def test_hf_trainer_torch_compile_with_the_callback(tmp_path):
+    """``torch_compile=True``: the Trainer trains a compiled wrapper of the model the
+    callback tracks. Training runs (it used to fail at the first step inside dynamo, which
+    traced tandv's hooks into numba), no graph break comes from tandv, the gradient rows are
+    those the optimizer saw, and the activations the graph hides are told once."""
+    transformers = pytest.importorskip("transformers")
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from tandv.integrations.hf import TandvCallback
+
+    class Spy(transformers.TrainerCallback):
+        def __init__(self):
+            self.grads = []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, data, args = tiny_gpt2(tmp_path, 2, torch_compile=True, torch_compile_backend="eager")
+    cb, spy = TandvCallback(out=tmp_path / "log", verbose=False), Spy()
+    with pytest.warns(RuntimeWarning, match="no activation"):
+        transformers.Trainer(
+            model=model, args=args, train_dataset=data, callbacks=[cb, spy]
+        ).train()
+    breaks = " ".join(counters["graph_break"])
+    assert "tandv" not in breaks and "numba" not in breaks, breaks
+    df = read_log(cb.out_path)
+    for k in range(2):
+        for name in ("transformer.h.0.attn.c_attn.weight", "transformer.wpe.weight"):
+            assert_row(df, name, "Gradient", k, spy.grads[k][name])
+    torch._dynamo.reset()
