@@ -191,7 +191,10 @@ def tensorboard(
 
 
 class WandbSink:
-    """Logs rows to a Weights & Biases run (see the module notes).
+    """Logs rows to a Weights & Biases run (see the module notes): one W&B row per tandv
+    step, its step in the metric ``tandv/step`` (the x-axis of tandv's keys), so no row is
+    dropped whatever else logs to the run; :attr:`refused_steps` lists the steps whose
+    call W&B refused (told once as a warning).
 
     Arguments:
         run: a run from ``wandb.init(...)`` (offline mode works); the caller finishes it.
