@@ -11,9 +11,14 @@ bucket below the lowest exponent column, values that overflow it one bucket endi
 largest double. Needs the ``tensorboard`` package (not TensorFlow).
 
 ``WandbSink(run)`` / ``wandb(log, run)`` log the same scalars to a W&B run, one
-``run.log(..., step=step)`` per step, and the exponent counts as a histogram of
-``log2|x|`` with one bin per exponent (a linear axis of magnitudes would crush them),
-underflow and overflow in a bin just below and above.
+``run.log`` per step, and the exponent counts as a histogram of ``log2|x|`` with one bin
+per exponent (a linear axis of magnitudes would crush them), underflow and overflow in a
+bin just below and above. The step travels as a metric of tandv's own, ``tandv/step``,
+declared (``run.define_metric``) as the x-axis of every ``<tensor_type>/*`` key, never
+as ``run.log(step=...)``: W&B drops a row whose ``step=`` is below its current step, and
+a live sink's rows arrive ``flush_every`` steps late, after the user's own ``run.log``
+calls have moved that step on. A call W&B refuses (a finished run) is reported once as a
+warning, with the steps lost, and the log on disk is not affected.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,9 +34,19 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .schema.columns import EXPONENT_COUNTS, METADATA, OVERFLOW, SCALAR_STATS, UNDERFLOW
+from .schema.columns import (
+    EXPONENT_COUNTS,
+    METADATA,
+    OVERFLOW,
+    SCALAR_STATS,
+    TENSOR_TYPES,
+    UNDERFLOW,
+)
 
-__all__ = ["TensorBoardSink", "tensorboard", "WandbSink", "wandb", "DEFAULT_SCALARS"]
+__all__ = ["TensorBoardSink", "tensorboard", "WandbSink", "wandb", "DEFAULT_SCALARS", "STEP_METRIC"]
+
+#: The W&B metric that carries a row's tandv step (the x-axis of tandv's keys).
+STEP_METRIC = "tandv/step"
 
 #: The statistics written as scalars by default.
 DEFAULT_SCALARS: tuple[str, ...] = (
@@ -178,7 +194,10 @@ def tensorboard(
 
 
 class WandbSink:
-    """Logs rows to a Weights & Biases run (see the module notes).
+    """Logs rows to a Weights & Biases run (see the module notes): one W&B row per tandv
+    step, its step in the metric ``tandv/step`` (the x-axis of tandv's keys), so no row is
+    dropped whatever else logs to the run; :attr:`refused_steps` lists the steps whose
+    call W&B refused (told once as a warning).
 
     Arguments:
         run: a run from ``wandb.init(...)`` (offline mode works); the caller finishes it.
@@ -196,6 +215,18 @@ class WandbSink:
         self.run = run
         self.scalars = None if scalars is None else tuple(scalars)
         self.histograms = histograms
+        self._declared = False
+        self._refused: list[int] = []  # steps W&B refused (told once)
+
+    def _declare(self) -> None:
+        """Make ``tandv/step`` the x-axis of tandv's keys (once, before the first row)."""
+        self._declared = True
+        define = getattr(self.run, "define_metric", None)
+        if define is None:  # a run-like object without custom axes: the step still travels
+            return
+        define(STEP_METRIC)
+        for kind in TENSOR_TYPES:
+            define(f"{kind}/*", step_metric=STEP_METRIC)
 
     def __call__(self, rows: pd.DataFrame) -> None:
         if rows.empty:
@@ -216,7 +247,30 @@ class WandbSink:
                 logged.update({f"{base}/{s}": float(v) for s, v in zip(stat_cols, stats[i])})
                 if self.histograms and counts[i].any():
                     logged[f"{base}/log2_abs"] = wb.Histogram(np_histogram=(counts[i], edges))
-            self.run.log(logged, step=int(step))
+            logged[STEP_METRIC] = int(step)
+            self._send(logged, int(step))
+
+    def _send(self, logged: dict[str, Any], step: int) -> None:
+        """One ``run.log`` call (a W&B row of its own); a refusal is told once and counted."""
+        try:
+            if not self._declared:
+                self._declare()
+            self.run.log(logged)
+        except Exception as e:  # W&B refused the call: say so, keep the log going
+            self._refused.append(step)
+            if len(self._refused) == 1:
+                warnings.warn(
+                    f"tandv: WandbSink: W&B refused the rows of step {step} "
+                    f"({type(e).__name__}: {e}); later refusals are counted in "
+                    f"sink.refused_steps, not told. The tandv log on disk has every row.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    @property
+    def refused_steps(self) -> list[int]:
+        """The steps whose ``run.log`` call W&B refused (raised)."""
+        return list(self._refused)
 
 
 def wandb(

@@ -101,10 +101,11 @@ def test_wandb_sink_offline(tmp_path, monkeypatch):
         to_wandb(tmp_path / "log", run)
     finally:
         run.finish()
-    assert [s for s, _ in calls] == sorted(set(df[("metadata", "step")]))
+    assert all(s is None for s, _ in calls)  # W&B's step is left alone: tandv/step carries it
+    assert [d["tandv/step"] for _, d in calls] == sorted(set(df[("metadata", "step")]))
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # written by W&B
-    for step, data in calls:
-        rows = df[df[("metadata", "step")] == step]
+    for _, data in calls:
+        rows = df[df[("metadata", "step")] == data["tandv/step"]]
         for _, row in rows.iterrows():
             base = f"{row[('metadata', 'tensor_type')]}/{row[('metadata', 'name')]}"
             assert data[f"{base}/max_abs"] == row[("scalar_stats", "max_abs")]

@@ -199,3 +199,158 @@ def test_hf_trainer_ddp_merges_the_ranks_into_one_log(tmp_path):
             & (df[("metadata", "step")] == k)
         ]
         assert wte[("scalar_stats", "numel")].item() == 2 * 2 * 8 * 16  # ranks x batch x seq x d
+
+
+def test_hf_trainer_failure_keeps_completed_steps_removes_hooks_and_trains_again(tmp_path):
+    """Training raises after two updates: the log holds those two steps (as the optimizer
+    saw them), no tandv hook stays on the model, and ``train()`` runs again into a log of
+    its own."""
+    transformers = pytest.importorskip("transformers")
+    from tandv.integrations.hf import TandvCallback
+
+    class Spy(transformers.TrainerCallback):
+        def __init__(self):
+            self.grads = []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+
+    class Boom(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise RuntimeError("boom")
+
+    def hooks(model):
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+    model, data, args = tiny_gpt2(tmp_path, 4)
+    cb, spy, boom = TandvCallback(out=tmp_path / "log", verbose=False), Spy(), Boom()
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[cb, spy, boom]
+    )
+    before = (hooks(model), len(torch.nn.modules.module._global_forward_pre_hooks))
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    assert (hooks(model), len(torch.nn.modules.module._global_forward_pre_hooks)) == before
+    df = read_log(tmp_path / "log")
+    assert sorted(set(df[("metadata", "step")])) == [0, 1]
+    for k in range(2):
+        assert_row(
+            df,
+            "transformer.h.0.attn.c_attn.weight",
+            "Gradient",
+            k,
+            spy.grads[k]["transformer.h.0.attn.c_attn.weight"],
+        )
+    trainer.remove_callback(boom)
+    spy.grads = []
+    trainer.train()
+    assert cb.out_path == tmp_path / "log-2"
+    again = read_log(cb.out_path)
+    assert sorted(set(again[("metadata", "step")])) == [0, 1, 2, 3]
+    assert_row(
+        again, "transformer.wpe.weight", "Gradient", 3, spy.grads[3]["transformer.wpe.weight"]
+    )
+    assert hooks(model) == before[0]
+
+
+def test_lightning_manual_optimization_with_two_optimizers(tmp_path):
+    """A GAN in Lightning's manual optimization: D's optimizer, then G's after a backward
+    that also reaches D. One log step per batch; each parameter's gradient row is the one
+    its own optimizer used (captured in the test's training_step)."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from tandv.integrations.lightning import TandvCallback
+
+    used = []
+
+    class GAN(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            self.G = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 4))
+            self.D = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+
+        def training_step(self, batch, batch_idx):
+            (real,) = batch
+            opt_d, opt_g = self.optimizers()
+            z = torch.randn(real.shape[0], 2, generator=torch.Generator().manual_seed(batch_idx))
+            fake = self.G(z)
+            ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+            d_loss = F.binary_cross_entropy_with_logits(
+                self.D(real), ones
+            ) + F.binary_cross_entropy_with_logits(self.D(fake.detach()), zeros)
+            opt_d.zero_grad()
+            self.manual_backward(d_loss)
+            step = {f"D.{n}": p.grad.clone() for n, p in self.D.named_parameters()}
+            opt_d.step()
+            opt_g.zero_grad()
+            self.manual_backward(F.binary_cross_entropy_with_logits(self.D(fake), ones))
+            step |= {f"G.{n}": p.grad.clone() for n, p in self.G.named_parameters()}
+            opt_g.step()
+            used.append(step)
+
+        def configure_optimizers(self):
+            return (
+                torch.optim.SGD(self.D.parameters(), lr=0.1),
+                torch.optim.Adam(self.G.parameters(), lr=0.01),
+            )
+
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(16, 4, generator=torch.Generator())),
+        batch_size=4,
+    )
+    cb = TandvCallback(out=tmp_path / "log", verbose=False)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(GAN(), data)
+    assert trainer.global_step == 8  # Lightning counts each optimizer's step
+    df = read_log(cb.out_path)
+    assert sorted(set(df[("metadata", "step")])) == [0, 1, 2, 3]  # one per batch
+    for k in range(4):
+        for name, g in used[k].items():
+            assert_row(df, name, "Gradient", k, g)
+
+
+def test_hf_trainer_torch_compile_with_the_callback(tmp_path):
+    """``torch_compile=True``: the Trainer trains a compiled wrapper of the model the
+    callback tracks. Training runs (it used to fail at the first step inside dynamo, which
+    traced tandv's hooks into numba), no graph break comes from tandv, the gradient rows are
+    those the optimizer saw, and the activations the graph hides are told once."""
+    transformers = pytest.importorskip("transformers")
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from tandv.integrations.hf import TandvCallback
+
+    class Spy(transformers.TrainerCallback):
+        def __init__(self):
+            self.grads = []
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, data, args = tiny_gpt2(tmp_path, 2, torch_compile=True, torch_compile_backend="eager")
+    cb, spy = TandvCallback(out=tmp_path / "log", verbose=False), Spy()
+    with pytest.warns(RuntimeWarning, match="no activation"):
+        transformers.Trainer(
+            model=model, args=args, train_dataset=data, callbacks=[cb, spy]
+        ).train()
+    breaks = " ".join(counters["graph_break"])
+    assert "tandv" not in breaks and "numba" not in breaks, breaks
+    df = read_log(cb.out_path)
+    for k in range(2):
+        for name in ("transformer.h.0.attn.c_attn.weight", "transformer.wpe.weight"):
+            assert_row(df, name, "Gradient", k, spy.grads[k][name])
+    torch._dynamo.reset()

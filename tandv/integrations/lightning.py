@@ -14,6 +14,7 @@ else:
         from pytorch_lightning import Callback
 
 from ..track.torch import Tracker, track
+from ._runs import run_options
 
 __all__ = ["TandvCallback"]
 
@@ -25,9 +26,15 @@ class TandvCallback(Callback):
         **options: the keyword options of :func:`tandv.track.torch.track` (``out``,
             ``every``, ``include``, ...).
 
-    One log step per optimizer update: with ``accumulate_grad_batches=N`` the N
-    micro-batches' activations merge into the step's rows, and the gradients are those of
-    the update (Lightning steps with a closure; the tracker captures after it). Only the
+    One log step per training batch that updated the model (``trainer.global_step``
+    moved): with ``accumulate_grad_batches=N`` the N micro-batches' activations merge into
+    the step's rows, and the gradients are those of the update (Lightning steps with a
+    closure; the tracker captures after it). Under manual optimization with several
+    optimizers (a GAN) a log step holds all of the batch's updates, each parameter's
+    gradient the one its own optimizer used; ``global_step`` counts every optimizer's
+    step, so it runs ahead of the log's step. The tracker closes when fitting ends or
+    raises (the completed steps are the log, the hooks leave the model); each later
+    ``fit()`` logs to ``<out>-2``, ``<out>-3``, ... when ``out`` is given. Only the
     global rank 0 process tracks, its own part of the batch, unless ``distributed=None`` or
     ``True`` is passed: then every rank tracks and rank 0 writes the log merged over the
     ranks (see :func:`tandv.track.torch.track`). ``callback.tracker.out_path`` is the
@@ -47,9 +54,7 @@ class TandvCallback(Callback):
         self._merged = options.get("distributed", False) is not False
         self.tracker: Tracker | None = None
         self._updates = 0
-
-    def _track_options(self) -> dict[str, Any]:
-        return {"distributed": False, **self.options}
+        self._runs = 0  # the fit() calls tracked so far
 
     @property
     def out_path(self) -> Path | None:
@@ -59,7 +64,11 @@ class TandvCallback(Callback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if trainer.global_rank != 0 and not self._merged:
             return
-        self.tracker = track(pl_module, list(trainer.optimizers), **self._track_options())
+        self._close()
+        self.tracker = track(
+            pl_module, list(trainer.optimizers), **run_options(self.options, self._runs)
+        )
+        self._runs += 1
         self.tracker.__enter__()
         self._updates = trainer.global_step
 

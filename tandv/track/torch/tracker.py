@@ -12,8 +12,10 @@ What a row at step ``k`` (counting from 0) holds:
     the gradient w.r.t. each selected module's output (same names as the
     activations), from tensor hooks registered on the outputs; and each parameter's
     ``.grad`` (full parameter path, ``layers.0.attention.wq.weight``) as the optimizer
-    sees it just before update ``k`` (after all backward passes of the step, after any
-    clipping or unscaling); with no optimizer, ``.grad`` at :meth:`Tracker.step`.
+    that updates it sees it just before its update in step ``k`` (after all backward
+    passes of the step, after any clipping or unscaling; several optimizers each capture
+    their own parameters only); for a parameter no tracked optimizer holds, ``.grad`` at
+    :meth:`Tracker.step`.
 ``Weight``
     each parameter as used by step ``k``'s forward pass: captured before the first
     training-mode forward of any of the model's modules in the step (the root's, or a
@@ -77,7 +79,9 @@ _OUTPUT_GRAD_HOOK = "_tandv_output_gradient"
 def _hooked(t: torch.Tensor, mark: tuple[int, str]) -> bool:
     """Whether ``t`` holds the output-gradient hook marked ``mark`` (tracker id, name)."""
     hooks = t._backward_hooks
-    return bool(hooks) and any(getattr(h, _OUTPUT_GRAD_HOOK, None) == mark for h in hooks.values())
+    return hooks is not None and any(
+        getattr(h, _OUTPUT_GRAD_HOOK, None) == mark for h in hooks.values()
+    )
 
 
 def _flatten(value: Any, name: str, out: list[tuple[str, torch.Tensor]], depth: int = 0) -> None:
@@ -368,6 +372,7 @@ class Tracker(TrackerCore[Flight | None]):
         step under way: a later capture for the same step replaces them (the last look
         before the update defines them: after unscaling and clipping, after the closure's
         last call)."""
+        params: list[tuple[str, torch.Tensor, nn.Module]]
         if optimizer is None:
             owned = {id(p) for opt in self.optimizers for p in _params_of(opt)}
             params = [(full, p, owner) for full, p, owner in self._params if id(p) not in owned]
