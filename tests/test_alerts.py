@@ -4,6 +4,7 @@ and leaves a log that ends at it."""
 
 from __future__ import annotations
 
+import pickle
 import warnings
 
 import numpy as np
@@ -70,6 +71,13 @@ def test_torch_nan_raises_within_two_steps_naming_step_and_layer(tmp_path):
     assert set(error.rows[("metadata", "name")]) > {"2"}  # more tensors went bad, "2" first
     steps = sorted(read_log(tmp_path / "log")[("metadata", "step")].unique())
     assert steps == list(range(BAD + 1))
+    back = pickle.loads(pickle.dumps(error))
+    assert (type(back), str(back), back.step, back.name) == (
+        tandv.NonFiniteError,
+        str(error),
+        BAD,
+        "2",
+    )
 
 
 def test_torch_pickle_log_is_written_when_it_raises(tmp_path):

@@ -44,6 +44,10 @@ class AlertError(RuntimeError):
         self.step = step
         self.rows = rows
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the arguments again, so that the error crosses processes (multiprocessing, Ray)
+        return (type(self), (str(self), self.step, self.rows))
+
 
 class NonFiniteError(AlertError):
     """A tracked tensor held NaN or inf (``track(on_nonfinite="raise")``). The log on disk
