@@ -164,6 +164,8 @@ def test_torch_alert_rule_over_rows(tmp_path):
 def test_alert_options_are_checked():
     with pytest.raises(ValueError, match="on_nonfinite='stop'"):
         TrackOptions(on_nonfinite="stop")
+    with pytest.raises(ValueError, match="on_nonfinite=array"):
+        TrackOptions(on_nonfinite=np.array(["raise", "warn"]))
     with pytest.raises(TypeError, match="alerts"):
         TrackOptions(alerts=["not callable"])
     TrackOptions(on_nonfinite=print, alerts=lambda rows: None)
