@@ -153,7 +153,9 @@ def _cmd_diff(args: argparse.Namespace) -> int:
                 f"{only[['tensor_type', 'name']].drop_duplicates().shape[0]} tensors, steps "
                 f"{int(steps.min())}..{int(steps.max())} (not compared)"
             )
-    if first is None:
+    if shared.empty:
+        print("nothing to compare: the logs share no (tensor, step)")
+    elif first is None:
         print(f"no divergence: every shared tensor agrees within rtol {args.rtol:g}")
     else:
         values = "; ".join(

@@ -4,6 +4,7 @@ and leaves a log that ends at it."""
 
 from __future__ import annotations
 
+import pickle
 import warnings
 
 import numpy as np
@@ -70,6 +71,13 @@ def test_torch_nan_raises_within_two_steps_naming_step_and_layer(tmp_path):
     assert set(error.rows[("metadata", "name")]) > {"2"}  # more tensors went bad, "2" first
     steps = sorted(read_log(tmp_path / "log")[("metadata", "step")].unique())
     assert steps == list(range(BAD + 1))
+    back = pickle.loads(pickle.dumps(error))
+    assert (type(back), str(back), back.step, back.name) == (
+        tandv.NonFiniteError,
+        str(error),
+        BAD,
+        "2",
+    )
 
 
 def test_torch_pickle_log_is_written_when_it_raises(tmp_path):
@@ -156,6 +164,8 @@ def test_torch_alert_rule_over_rows(tmp_path):
 def test_alert_options_are_checked():
     with pytest.raises(ValueError, match="on_nonfinite='stop'"):
         TrackOptions(on_nonfinite="stop")
+    with pytest.raises(ValueError, match="on_nonfinite=array"):
+        TrackOptions(on_nonfinite=np.array(["raise", "warn"]))
     with pytest.raises(TypeError, match="alerts"):
         TrackOptions(alerts=["not callable"])
     TrackOptions(on_nonfinite=print, alerts=lambda rows: None)
@@ -230,3 +240,31 @@ def test_jax_clean_run_does_not_raise(tmp_path):
     at, error = jax_run(tmp_path / "log", poison_step=-1, on_nonfinite="raise")
     assert error is None and at == STEPS - 1
     assert read_log(tmp_path / "log")[("metadata", "step")].nunique() == STEPS
+
+
+def test_alert_due_when_the_loop_fails_is_reported_beside_the_loops_error(tmp_path, capsys):
+    """JAX lands a step at the next step's end: a loop that fails in between still gets its
+    own error, the alert is printed, and the log ends at the bad step."""
+    jax = pytest.importorskip("jax")
+    from tandv.track.jax import track
+
+    params = {"w": jax.numpy.ones((2, 3))}
+
+    def update(p, bad):
+        return {"w": p["w"] * bad}
+
+    with pytest.raises(KeyError, match="the loop's own"):
+        with track(
+            params, track_gradients=False, out=tmp_path / "log", verbose=False, on_nonfinite="raise"
+        ) as tracker:
+            for step in range(STEPS):
+                if step == BAD + 1:
+                    raise KeyError("the loop's own")
+                # the weights given at step k are the Weight rows of step k + 1
+                params = tracker.intercept(update, params, np.nan if step == BAD - 1 else 1.0)
+                tracker.step(params)
+    err = capsys.readouterr().err
+    assert f"NaN/inf at step {BAD}: first in Weight 'w'" in err
+    assert "could not finish the log" not in err
+    steps = sorted(read_log(tmp_path / "log")[("metadata", "step")].unique())
+    assert steps == list(range(BAD + 1))

@@ -214,6 +214,24 @@ def test_report_against_identical_run_says_they_agree(runs):
     assert "The runs agree" in view and "Tensors that differ most" not in view
 
 
+def test_nothing_shared_is_not_agreement(runs, tmp_path, capsys):
+    from tandv.track.common import StepRecorder
+    from tandv.viz.report import _against
+
+    StepRecorder(tmp_path / "empty", verbose=False).close()  # a run with no step
+    empty = read_log(tmp_path / "empty")
+    a = read_log(runs["a"])
+    table = tandv.compare(a, empty)
+    assert (table["present"] == "a only").all() and len(table) == len(a)
+    assert tandv.first_divergence(a, empty) is None
+    view = _against(a, empty, "B")
+    assert "share no (tensor, step)" in view and "agree" not in view
+    assert f"Not compared: {len(a)} rows only in run A" in view
+    assert main(["diff", str(runs["a"]), str(tmp_path / "empty")]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to compare" in out and "no divergence" not in out
+
+
 def test_cli_report_against(runs, tmp_path, capsys):
     out = tmp_path / "two.html"
     argv = ["report", str(runs["a"]), "--against", str(runs["perturbed"]), "-o", str(out)]

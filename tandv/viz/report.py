@@ -20,7 +20,16 @@ from matplotlib.figure import Figure
 
 from ..analysis import exponent_range, first_nonfinite, format_shares, text_summary
 from ..quantities import log_update_ratio
-from ..schema import METADATA, NAME, SCALAR_STATS, STEP, TENSOR_TYPE, TENSOR_TYPES, run_record
+from ..schema import (
+    METADATA,
+    NAME,
+    SCALAR_STATS,
+    STEP,
+    TENSOR_TYPE,
+    TENSOR_TYPES,
+    run_record,
+    validate,
+)
 from ..schema.io import atomic_write
 from ._data import check_log, logged_scalars
 from ._facets import plain
@@ -450,7 +459,9 @@ def _against(df: pd.DataFrame, other: pd.DataFrame, other_title: str) -> str:
     first = divergence_in(table, AGAINST_RTOL)
     esc = html.escape
     intro = f"<p>Run A is this log, run B is {esc(other_title)}.</p>"
-    if first is None:
+    if not (table["present"] == "both").any():
+        head = '<p class="banner bad">The runs share no (tensor, step): nothing to compare.</p>'
+    elif first is None:
         head = (
             f'<p class="banner ok">The runs agree: every tensor both logged is within a relative '
             f"difference of {AGAINST_RTOL:g} in {', '.join(stats)}.</p>"
@@ -502,7 +513,7 @@ def render_report(
     """The report of log ``df`` as one HTML string (see :func:`write_report`)."""
     check_log(df)
     if against is not None:
-        check_log(against)
+        validate(against)  # rows are not needed: an empty B has nothing in common with A
     tts = [t for t in TENSOR_TYPES if (df[(METADATA, TENSOR_TYPE)] == t).any()]
     metric = (
         "rm2"

@@ -44,6 +44,10 @@ class AlertError(RuntimeError):
         self.step = step
         self.rows = rows
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the arguments again, so that the error crosses processes (multiprocessing, Ray)
+        return (type(self), (str(self), self.step, self.rows))
+
 
 class NonFiniteError(AlertError):
     """A tracked tensor held NaN or inf (``track(on_nonfinite="raise")``). The log on disk
@@ -67,7 +71,8 @@ def check_alert_options(on_nonfinite: Any, alerts: Any) -> tuple[Rule, ...]:
     Raises:
         ValueError / TypeError: naming the argument and what it takes.
     """
-    if not (on_nonfinite is None or on_nonfinite in NONFINITE_MODES or callable(on_nonfinite)):
+    mode = isinstance(on_nonfinite, str) and on_nonfinite in NONFINITE_MODES
+    if not (on_nonfinite is None or mode or callable(on_nonfinite)):
         raise ValueError(
             f"track(on_nonfinite={on_nonfinite!r}): expected None, 'raise', 'warn', or a "
             f"callable taking the rows of the tensors that hold NaN/inf"

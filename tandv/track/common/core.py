@@ -23,7 +23,7 @@ import numpy as np
 from ...stats.formats import format_name
 from ...stats.formats import number_format as to_number_format
 from ...stats.summary import Layout
-from .alerts import AlertWatch
+from .alerts import AlertError, AlertWatch
 from .distributed import RankMerger
 from .options import TrackOptions
 from .recorder import StepRecorder, TensorKey, make_run_record
@@ -135,6 +135,9 @@ class TrackerCore(Generic[Transfer]):
             if exc is None:
                 raise
             # the training loop's error is the one to see; closing's is reported beside it
+            if isinstance(close_error, AlertError):  # the log is finished: only the alert
+                print(close_error, file=sys.stderr)
+                return
             print(
                 f"tandv: could not finish the log after an error: {close_error!r}", file=sys.stderr
             )
