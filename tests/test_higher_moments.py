@@ -125,3 +125,16 @@ def test_torch_paths_match_scipy_and_merge():
     lay64 = Layout("float64", moments=4)
     merged = merge_all([summarize_torch(c, lay64).numpy() for c in chunks], lay64)
     _check(finalize(merged, lay64)[0], x)
+
+
+def test_cost_benchmark_runs_in_tiny_mode():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "higher_moments.py"
+    spec = importlib.util.spec_from_file_location("higher_moments_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    r = bench.run((5000, 300), repeat=3)
+    assert r["elements"] == 5300 and r["core_s"] > 0 and r["moments4_s"] > 0
