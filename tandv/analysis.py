@@ -29,6 +29,7 @@ from .schema.validate import is_exponent_label
 from .stats.formats import number_format
 from .stats.summary import (
     DEFAULT_STATS,
+    HIGHER_STATS,
     INVERTIBLE_STATS,
     finalize_many,
     merge_groups,
@@ -597,7 +598,9 @@ def aggregate(
     centred sum of squares and its spread of means, the power sums behind ``rm2/rm4/rm8``
     and ``mean_abs`` add, rescaled to the group's largest magnitude so that nothing
     overflows), and the merged summaries are finished like any row's. Moments are over the
-    finite elements, as in every row. Custom statistics do not merge and are left out.
+    finite elements, as in every row; ``skew`` and ``kurtosis`` (logged with ``moments=4``)
+    merge exactly too (each row's third and fourth central sums shifted to the group's
+    mean). Custom statistics do not merge and are left out.
 
     Percentiles (the ``pct<q>`` columns of ``track(..., percentiles=...)``) do not merge
     exactly either; each aggregate row gets ``pct<q>``, an estimate, and ``pct<q>_lo`` /
@@ -658,10 +661,15 @@ def aggregate(
     steps = df[(METADATA, "step")].to_numpy(dtype=np.int64)
     dtypes = df[(METADATA, "dtype")].astype(str).to_numpy()
     exp_cols = [c for c in df.columns if c[0] == EXPONENT_COUNTS]
+    # skewness and kurtosis (logged with moments=4) merge too, when every row has them
+    higher = [c for c in HIGHER_STATS if (SCALAR_STATS, c) in df.columns]
+    moments = 4 if len(higher) == len(HIGHER_STATS) else 2
+    wanted = INVERTIBLE_STATS + (HIGHER_STATS if moments == 4 else ())
     # the rows' summaries, their exponent counts in the log's columns (a layout of its own)
     summaries = unfinalize_many(
-        {c: df[(SCALAR_STATS, c)].to_numpy(dtype=np.float64) for c in INVERTIBLE_STATS},
+        {c: df[(SCALAR_STATS, c)].to_numpy(dtype=np.float64) for c in wanted},
         df[exp_cols].to_numpy(dtype=np.float64).reshape(len(df), len(exp_cols)),
+        moments=moments,
     )
     kept = (
         np.ones(len(df), bool)
@@ -691,9 +699,10 @@ def aggregate(
         summaries[rows],
         np.concatenate(group_of) if group_of else np.zeros(0, np.int64),
         num_groups=len(meta),
+        moments=moments,
     )
-    st, counts = finalize_many(merged.reshape(len(meta), summaries.shape[1]))
-    stats = pd.DataFrame({k: st[k] for k in DEFAULT_STATS})
+    st, counts = finalize_many(merged.reshape(len(meta), summaries.shape[1]), moments=moments)
+    stats = pd.DataFrame({k: st[k] for k in DEFAULT_STATS + (HIGHER_STATS if moments == 4 else ())})
     stats["tensors"] = np.array([idx.size for idx in members], dtype=np.int64)
     numel = st["numel"].astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -138,3 +138,26 @@ def test_cost_benchmark_runs_in_tiny_mode():
     spec.loader.exec_module(bench)
     r = bench.run((5000, 300), repeat=3)
     assert r["elements"] == 5300 and r["core_s"] > 0 and r["moments4_s"] > 0
+
+
+def test_log_rows_with_skew_and_kurtosis_aggregate_exactly():
+    from tandv.analysis import aggregate
+    from tandv.schema import concat_logs, validate
+    from tandv.track.common import TensorKey, build_rows
+
+    rows, arrays = [], {}
+    for step in (0, 1):
+        entries = []
+        for i, mean in enumerate((0.0, 50.0, -3.0)):
+            x = _data(10 * step + i, mean, 2000 + 500 * i)
+            arrays[(f"l{i}.weight", step)] = x
+            v, layout = summarize(x, moments=4)
+            entries.append((TensorKey(f"l{i}.weight", "Weight", "Linear", "float32"), layout, v))
+        rows.append(build_rows(step, entries))
+    df = validate(concat_logs(rows))
+    assert {("scalar_stats", k) for k in HIGHER_STATS} <= set(df.columns)
+    agg = aggregate(df, tensor_types="Weight")
+    for step in (0, 1):
+        row = agg[agg[("metadata", "step")] == step]["scalar_stats"].iloc[0]
+        x = np.concatenate([a for (n, s), a in arrays.items() if s == step])
+        _check({k: row[k] for k in HIGHER_STATS}, x)
