@@ -120,6 +120,14 @@ def test_torch_paths_match_scipy_and_merge():
         v = summarize_torch(t, layout)
         assert v.shape == (layout.size,)
         _check(finalize(v.numpy(), layout)[0], x)
+    # the tracker's torch-op path: raw vectors, finished on the host after the step's copy
+    from tandv.track.torch.summary import finish_raw, raw_device
+
+    layout = Layout("float32", moments=4)
+    raw = torch.stack([raw_device(torch.from_numpy(c), layout) for c in np.array_split(x, 3)])
+    vs = finish_raw(raw.numpy(), np)
+    assert vs.shape == (3, layout.size)
+    _check(finalize(merge_all(list(vs), layout), layout)[0], x)
     # micro-batches summarized apart on the op path and merged
     chunks = [torch.from_numpy(c).double() for c in np.array_split(x, 5)]
     lay64 = Layout("float64", moments=4)
