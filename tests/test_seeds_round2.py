@@ -606,3 +606,36 @@ def test_merge_percentiles_estimate_is_close_for_normal_layers():
     assert (lo <= true).all() and (true <= hi).all()
     inner = slice(1, -1)
     assert np.abs(est[inner] - true[inner]).max() < 0.02 * flat.std()
+
+
+def test_taiyi_user_defined_quantities_in_the_jax_monitor():
+    jax = pytest.importorskip("jax")
+    fnn = pytest.importorskip("flax.linen")
+    from tandv.taiyi import UserQuantity
+    from tandv.taiyi.jax import Monitor as JaxMonitor
+
+    jnp = jax.numpy
+    mine = [
+        UserQuantity("OutAbsMax", "output", lambda y, m: jnp.abs(y).max()),
+        UserQuantity("InMean", "input", lambda x, m: x.mean()),
+        UserQuantity("KernelMax", "weight", lambda k, m: k.max()),
+    ]
+    dense = fnn.Dense(3)
+    x = jax.random.normal(jax.random.key(0), (6, 4))
+    variables = dense.init(jax.random.key(1), x)
+    mon = JaxMonitor(
+        {fnn.Dense: ["OutAbsMax", "InMean", "KernelMax", "WeightNorm"]}, quantities=mine
+    )
+    apply = jax.jit(lambda v, x, due: mon.apply(dense, v, x, due=due), static_argnums=2)
+    _, q = apply(variables, x, mon.due(0))
+    mon.track(q)
+    got = dict(zip(mon.to_dataframe()["quantity"], mon.to_dataframe()["value"]))
+    k = np.asarray(variables["params"]["kernel"], np.float64)
+    xs = np.asarray(x, np.float64)
+    y = xs @ k + np.asarray(variables["params"]["bias"], np.float64)
+    assert got["OutAbsMax"] == pytest.approx(np.abs(y).max(), rel=1e-5)
+    assert got["InMean"] == pytest.approx(xs.mean(), rel=1e-5, abs=1e-7)
+    assert got["KernelMax"] == pytest.approx(k.max(), rel=1e-6)
+    assert got["WeightNorm"] == pytest.approx(np.linalg.norm(k), rel=1e-5)
+    with pytest.raises(ValueError, match="forward pass only"):
+        JaxMonitor({}, quantities=[UserQuantity("G", "output_grad", lambda g, m: g.sum())])

@@ -354,7 +354,7 @@ def _unknown_quantity(name: Any, where: str, extra: Iterable[str] = ()) -> Value
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return ValueError(
         f"config[{where}]: unknown quantity {name!r}.{hint} Known quantities: "
-        f"{', '.join(known)} (a quantity of your own: the PyTorch Monitor(..., "
+        f"{', '.join(known)} (a quantity of your own: Monitor(..., "
         f"quantities=[UserQuantity(...)]))."
     )
 
