@@ -8,6 +8,7 @@ run needs memory for one chunk, not for the whole log.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from .schema.validate import is_exponent_label
 from .stats.formats import number_format
 from .stats.summary import (
     DEFAULT_STATS,
+    HIGHER_STATS,
     INVERTIBLE_STATS,
     finalize_many,
     merge_groups,
@@ -501,6 +503,40 @@ def _percentile_columns(df: pd.DataFrame) -> list[tuple[str, float]]:
     return sorted(out, key=lambda cq: cq[1])
 
 
+def _probit(f: float) -> float:
+    """The standard normal quantile of ``f`` (``-inf``/``inf`` at 0 and 1)."""
+    from statistics import NormalDist
+
+    return -math.inf if f <= 0 else math.inf if f >= 1 else NormalDist().inv_cdf(f)
+
+
+def _normal_cdf(z: np.ndarray) -> np.ndarray:
+    """The standard normal distribution function (Abramowitz & Stegun 7.1.26 for erf,
+    absolute error below 1.5e-7: enough for an estimate)."""
+    x = np.abs(z) / math.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * x)
+    poly = t * (
+        0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429)))
+    )
+    erf = 1.0 - poly * np.exp(-x * x)
+    return 0.5 * (1.0 + np.sign(z) * erf)
+
+
+def _interp_cdf(x: np.ndarray, pts: np.ndarray, fr: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """One tensor's distribution function at ``x``, interpolated between its known points
+    ``(pts[j], fr[j])``: linearly in the normal quantile ``z`` between two inner points (a
+    normal tensor's is then exact) and linearly in ``fr`` next to its extrema."""
+    j = np.clip(np.searchsorted(pts, x, side="right") - 1, 0, pts.size - 2)
+    x0, x1 = pts[j], pts[j + 1]
+    t = np.where(x1 > x0, (x - x0) / np.where(x1 > x0, x1 - x0, 1.0), 1.0)
+    t = np.clip(t, 0.0, 1.0)
+    inner = np.isfinite(z[j]) & np.isfinite(z[j + 1])
+    with np.errstate(invalid="ignore"):
+        by_z = _normal_cdf(np.where(inner, z[j] + t * (z[j + 1] - z[j]), 0.0))
+    out = np.where(inner, by_z, fr[j] + t * (fr[j + 1] - fr[j]))
+    return np.where(x < pts[0], 0.0, np.where(x >= pts[-1], 1.0, out))
+
+
 def merge_percentiles(
     values: np.ndarray,
     qs: Sequence[float],
@@ -518,9 +554,11 @@ def merge_percentiles(
     ``<= values[i, j]`` and at most ``ceil(h)`` below it. Summing these bounds over the
     tensors gives the smallest and largest values the joint percentile can take (``lo``,
     ``hi``: both among the tensors' own percentile values and extrema). The estimate
-    interpolates each tensor's distribution function linearly between its known points and
-    inverts their count-weighted sum, clipped to ``[lo, hi]``. With one tensor all three are
-    its own percentile; ``q = 0`` and ``q = 100`` are the joint extrema, exact.
+    interpolates each tensor's distribution function between its known points (linearly in
+    the normal quantile between two of its percentiles, so a normally distributed tensor's
+    is exact there; linearly next to its extrema) and inverts their count-weighted sum,
+    clipped to ``[lo, hi]``. With one tensor all three are its own percentile; ``q = 0``
+    and ``q = 100`` are the joint extrema, exact.
 
     Arguments:
         values: ``(tensors, len(qs))`` percentiles, ``qs`` ascending in [0, 100].
@@ -556,6 +594,7 @@ def merge_percentiles(
     at_least = np.floor(pos) + 1  # elements <= pts[i, j]
     below = np.ceil(pos)  # elements < pts[i, j] at most
     grid = np.unique(pts)
+    z = np.array([_probit(f) for f in fr])  # +-inf at the extrema
     # per grid point, summed over tensors: lower and upper bounds of count(<= x) and the
     # interpolated estimate of it
     low = np.zeros(grid.size)
@@ -566,7 +605,7 @@ def merge_percentiles(
         low += np.where(j_le >= 0, at_least[i][np.clip(j_le, 0, None)], 0.0)
         j_gt = j_le + 1  # first point > x
         high += np.where(j_gt < fr.size, below[i][np.clip(j_gt, None, fr.size - 1)], n[i])
-        est += n[i] * np.interp(grid, pts[i], fr, left=0.0, right=1.0)
+        est += n[i] * _interp_cdf(grid, pts[i], fr, z)
     total = n.sum()
     target = q * (total - 1)  # the joint percentile's position
     first, last = np.floor(target), np.ceil(target)
@@ -608,7 +647,9 @@ def aggregate(
     centred sum of squares and its spread of means, the power sums behind ``rm2/rm4/rm8``
     and ``mean_abs`` add, rescaled to the group's largest magnitude so that nothing
     overflows), and the merged summaries are finished like any row's. Moments are over the
-    finite elements, as in every row. Custom statistics do not merge and are left out.
+    finite elements, as in every row; ``skew`` and ``kurtosis`` (logged with ``moments=4``)
+    merge exactly too (each row's third and fourth central sums shifted to the group's
+    mean). Custom statistics do not merge and are left out.
 
     Percentiles (the ``pct<q>`` columns of ``track(..., percentiles=...)``) do not merge
     exactly either; each aggregate row gets ``pct<q>``, an estimate, and ``pct<q>_lo`` /
@@ -669,10 +710,15 @@ def aggregate(
     steps = df[(METADATA, "step")].to_numpy(dtype=np.int64)
     dtypes = df[(METADATA, "dtype")].astype(str).to_numpy()
     exp_cols = [c for c in df.columns if c[0] == EXPONENT_COUNTS]
+    # skewness and kurtosis (logged with moments=4) merge too, when every row has them
+    higher = [c for c in HIGHER_STATS if (SCALAR_STATS, c) in df.columns]
+    moments = 4 if len(higher) == len(HIGHER_STATS) else 2
+    wanted = INVERTIBLE_STATS + (HIGHER_STATS if moments == 4 else ())
     # the rows' summaries, their exponent counts in the log's columns (a layout of its own)
     summaries = unfinalize_many(
-        {c: df[(SCALAR_STATS, c)].to_numpy(dtype=np.float64) for c in INVERTIBLE_STATS},
+        {c: df[(SCALAR_STATS, c)].to_numpy(dtype=np.float64) for c in wanted},
         df[exp_cols].to_numpy(dtype=np.float64).reshape(len(df), len(exp_cols)),
+        moments=moments,
     )
     kept = (
         np.ones(len(df), bool)
@@ -702,9 +748,10 @@ def aggregate(
         summaries[rows],
         np.concatenate(group_of) if group_of else np.zeros(0, np.int64),
         num_groups=len(meta),
+        moments=moments,
     )
-    st, counts = finalize_many(merged.reshape(len(meta), summaries.shape[1]))
-    stats = pd.DataFrame({k: st[k] for k in DEFAULT_STATS})
+    st, counts = finalize_many(merged.reshape(len(meta), summaries.shape[1]), moments=moments)
+    stats = pd.DataFrame({k: st[k] for k in DEFAULT_STATS + (HIGHER_STATS if moments == 4 else ())})
     stats["tensors"] = np.array([idx.size for idx in members], dtype=np.int64)
     numel = st["numel"].astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):

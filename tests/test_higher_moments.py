@@ -120,8 +120,52 @@ def test_torch_paths_match_scipy_and_merge():
         v = summarize_torch(t, layout)
         assert v.shape == (layout.size,)
         _check(finalize(v.numpy(), layout)[0], x)
+    # the tracker's torch-op path: raw vectors, finished on the host after the step's copy
+    from tandv.track.torch.summary import finish_raw, raw_device
+
+    layout = Layout("float32", moments=4)
+    raw = torch.stack([raw_device(torch.from_numpy(c), layout) for c in np.array_split(x, 3)])
+    vs = finish_raw(raw.numpy(), np)
+    assert vs.shape == (3, layout.size)
+    _check(finalize(merge_all(list(vs), layout), layout)[0], x)
     # micro-batches summarized apart on the op path and merged
     chunks = [torch.from_numpy(c).double() for c in np.array_split(x, 5)]
     lay64 = Layout("float64", moments=4)
     merged = merge_all([summarize_torch(c, lay64).numpy() for c in chunks], lay64)
     _check(finalize(merged, lay64)[0], x)
+
+
+def test_cost_benchmark_runs_in_tiny_mode():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "higher_moments.py"
+    spec = importlib.util.spec_from_file_location("higher_moments_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    r = bench.run((5000, 300), repeat=3)
+    assert r["elements"] == 5300 and r["core_s"] > 0 and r["moments4_s"] > 0
+
+
+def test_log_rows_with_skew_and_kurtosis_aggregate_exactly():
+    from tandv.analysis import aggregate
+    from tandv.schema import concat_logs, validate
+    from tandv.track.common import TensorKey, build_rows
+
+    rows, arrays = [], {}
+    for step in (0, 1):
+        entries = []
+        for i, mean in enumerate((0.0, 50.0, -3.0)):
+            x = _data(10 * step + i, mean, 2000 + 500 * i)
+            arrays[(f"l{i}.weight", step)] = x
+            v, layout = summarize(x, moments=4)
+            entries.append((TensorKey(f"l{i}.weight", "Weight", "Linear", "float32"), layout, v))
+        rows.append(build_rows(step, entries))
+    df = validate(concat_logs(rows))
+    assert {("scalar_stats", k) for k in HIGHER_STATS} <= set(df.columns)
+    agg = aggregate(df, tensor_types="Weight")
+    for step in (0, 1):
+        row = agg[agg[("metadata", "step")] == step]["scalar_stats"].iloc[0]
+        x = np.concatenate([a for (n, s), a in arrays.items() if s == step])
+        _check({k: row[k] for k in HIGHER_STATS}, x)

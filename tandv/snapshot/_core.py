@@ -314,6 +314,17 @@ class Snapshot(Mapping[str, Any]):
         ddof: int = 0,
         display: Literal[False],
     ) -> dict[str, list[Any]]: ...
+    @overload
+    def describe(
+        self,
+        layerwise: bool = False,
+        pattern: str | None = None,
+        include: Sequence[str] | None = None,
+        *,
+        percentiles: Sequence[float] = (),
+        ddof: int = 0,
+        display: bool | None = None,
+    ) -> pd.DataFrame | dict[str, list[Any]]: ...
     def describe(
         self,
         layerwise: bool = False,

@@ -655,8 +655,22 @@ def _checked_rows(v: Any, layout: Layout | None, what: str) -> np.ndarray:
     return v
 
 
+def _num_higher(layout: Layout | None, moments: int) -> int:
+    """How many higher central moments summaries of ``layout`` (or layout-free summaries
+    with ``moments``) end with."""
+    if layout is not None:
+        return layout.num_higher
+    if moments not in (2, 4):
+        raise ValueError(f"moments={moments!r}: expected 2 or 4")
+    return len(HIGHER_FIELDS) if moments == 4 else 0
+
+
 def merge_groups(
-    v: Any, groups: Any, layout: Layout | None = None, num_groups: int | None = None
+    v: Any,
+    groups: Any,
+    layout: Layout | None = None,
+    num_groups: int | None = None,
+    moments: int = 2,
 ) -> np.ndarray:
     """Merge the summaries ``v`` (rows) by group, vectorized: row ``i`` of the result is the
     summary of the union of the rows ``r`` with ``groups[r] == i`` (the empty summary for a
@@ -675,6 +689,7 @@ def merge_groups(
         layout: their layout; ``None`` for summaries without custom statistics whose
             exponent counts are every column after the core (a log's exponent columns).
         num_groups: how many groups (default: ``max(groups) + 1``).
+        moments: with ``layout=None``, 4 when the summaries end with ``m3``, ``m4``.
 
     Returns:
         A ``(num_groups, v.shape[1])`` float64 array of summaries.
@@ -695,7 +710,7 @@ def merge_groups(
         raise ValueError(f"merge_groups: groups must lie in [0, {k}); got {g.min()}..{g.max()}")
     width = v.shape[1]
     extras = () if layout is None else layout.extras
-    high = 0 if layout is None else layout.num_higher
+    high = _num_higher(layout, moments)
     ends = width - len(extras) - high
     out = _empty_rows(k, width, layout)
     col = unpack_fields(v)
@@ -758,13 +773,13 @@ def merge_groups(
 
 
 def finalize_many(
-    v: np.ndarray, layout: Layout | None = None
+    v: np.ndarray, layout: Layout | None = None, moments: int = 2
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """:func:`finalize` of a stack of summaries of one layout (rows of ``v``), vectorized.
 
     ``layout=None`` reads summaries without custom statistics whose exponent counts are
     every column after the core (as :func:`merge_groups` and :func:`unfinalize_many` make
-    them from a log's exponent columns).
+    them from a log's exponent columns), and with ``moments=4`` end with ``m3``, ``m4``.
 
     Returns:
         ``(stats, counts)``: ``stats`` maps each statistic name to an array over the rows
@@ -779,7 +794,7 @@ def finalize_many(
     nf = np.where(has, n, 1).astype(np.float64)
     s = _scale(col["max_abs"])
     with np.errstate(invalid="ignore"):
-        moments = {
+        finished = {
             "mean": col["mean"],
             "std": s * np.sqrt(np.maximum(col["m2"], 0.0) / nf),
             "mean_abs": s * (col["p1"] / nf),  # divided before scaling up: no overflow
@@ -789,11 +804,11 @@ def finalize_many(
             "min": col["min"],
             "max": col["max"],
         }
-    stats: dict[str, np.ndarray] = {k: np.where(has, moments[k], np.nan) for k in moments}
+    stats: dict[str, np.ndarray] = {k: np.where(has, finished[k], np.nan) for k in finished}
     stats.update(numel=numel, zero_count=zero, nan_count=nan, inf_count=inf)
     stats = {k: stats[k] for k in DEFAULT_STATS}
     extras = () if layout is None else layout.extras
-    high = 0 if layout is None else layout.num_higher
+    high = _num_higher(layout, moments)
     ends = v.shape[1] - len(extras) - high
     if high:
         m2 = np.maximum(col["m2"], 0.0) / nf
@@ -820,7 +835,7 @@ INVERTIBLE_STATS: tuple[str, ...] = CORE_FIELDS[: CORE_FIELDS.index("mean") + 1]
 
 
 def unfinalize_many(
-    stats: Mapping[str, Any], counts: Any, layout: Layout | None = None
+    stats: Mapping[str, Any], counts: Any, layout: Layout | None = None, moments: int = 2
 ) -> np.ndarray:
     """Summary vectors rebuilt from finished statistics, the inverse of :func:`finalize_many`:
     what lets rows of a log merge as their tensors' summaries would.
@@ -844,6 +859,8 @@ def unfinalize_many(
             width when ``layout`` is ``None``: a log's exponent columns).
         layout: the summaries' layout, or ``None`` for summaries without custom statistics
             whose exponent counts are ``counts``' columns, whatever they are.
+        moments: with ``layout=None``, 4 to rebuild ``m3``, ``m4`` from ``skew`` and
+            ``kurtosis`` too (a layout says so itself).
 
     Returns:
         A float64 array ``(rows, N_CORE + num_counts + len(extras))`` of summaries.
@@ -855,7 +872,7 @@ def unfinalize_many(
     c = c.reshape(-1, c.shape[-1]) if c.ndim > 1 else c[None, :]
     rows = c.shape[0]
     names = [name for name, _ in (() if layout is None else layout.extras)]
-    higher = bool(layout is not None and layout.num_higher)
+    higher = bool(_num_higher(layout, moments))
     missing = [k for k in (*INVERTIBLE_STATS, *names, *(HIGHER_STATS if higher else ()))]
     missing = [k for k in missing if k not in stats]
     if missing:
@@ -877,7 +894,7 @@ def unfinalize_many(
     has = n > 0
     s = _scale(np.where(has, col["max_abs"], 0.0))
     with np.errstate(invalid="ignore"):
-        moments = {
+        rebuilt = {
             "min": (col["min"], np.inf),
             "max": (col["max"], -np.inf),
             "min_abs": (col["min_abs"], np.inf),
@@ -887,7 +904,7 @@ def unfinalize_many(
             "p1": (n * (col["mean_abs"] / s), 0.0),
             **{f"p{k}": (n * (col[f"rm{k}"] / s) ** k, 0.0) for k in POWERS if k > 1},
         }
-    core = {k: np.where(has, value, empty) for k, (value, empty) in moments.items()}
+    core = {k: np.where(has, value, empty) for k, (value, empty) in rebuilt.items()}
     core.update({k: col[k] for k in LEADING_COUNT_FIELDS})
     tail = [col[k] for k in names]
     if higher:

@@ -16,7 +16,7 @@ eigenvalue, absolute.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -27,10 +27,12 @@ from ._core import (
     QUANTITIES,
     Schedule,
     TableWriter,
+    UserQuantity,
     finalize_cov_eigs,
     key_text,
     parse_quantity_list,
     rankme_from_singular_values,
+    user_quantities,
 )
 
 __all__ = ["Monitor", "JAX_QUANTITIES"]
@@ -66,6 +68,10 @@ class Monitor(TableWriter):
             :class:`tandv.taiyi.TableWriter`).
         start_step: the first step when :meth:`track` is called without one.
         root_name: the root module's name.
+        quantities: quantities of your own (:class:`tandv.taiyi.UserQuantity` with ``needs``
+            ``"input"``, ``"output"`` or ``"weight"``, the ``kernel``), listed in the config
+            by name; ``fn(array, module)`` runs inside ``apply`` (traced: jnp operations)
+            and several calls of a module in one ``apply`` give the mean of their values.
 
     Raises:
         ValueError / TypeError: an unknown quantity, one not available for JAX, a bad
@@ -80,8 +86,16 @@ class Monitor(TableWriter):
         flush_every: int = 50,
         start_step: int = 0,
         root_name: str = "root",
+        quantities: Iterable[UserQuantity] | None = None,
     ) -> None:
         super().__init__(out, flush_every)
+        self._user = user_quantities(quantities)
+        for uq in self._user.values():
+            if uq.needs == "output_grad":
+                raise ValueError(
+                    f"UserQuantity({uq.name!r}, needs='output_grad'): the JAX monitor sees the "
+                    f"forward pass only; use 'input', 'output' or 'weight'"
+                )
         if not isinstance(config, Mapping):
             raise TypeError(
                 f"config: expected a dict {{module key: [quantities]}}, got {type(config).__name__}"
@@ -100,9 +114,9 @@ class Monitor(TableWriter):
                     f"config key {key!r}: expected a module path ('Dense_0'), a class name "
                     f"('Dense') or a linen Module class (nn.Dense), got {type(key).__name__}"
                 )
-            items = parse_quantity_list(value, where)
+            items = parse_quantity_list(value, where, extra=self._user)
             for name, _, _ in items:
-                if name not in JAX_QUANTITIES:
+                if name not in JAX_QUANTITIES and name not in self._user:
                     raise ValueError(
                         f"config[{where}] quantity {name!r}: not available for JAX/Flax yet "
                         f"(only for PyTorch models); the JAX monitor computes "
@@ -144,6 +158,7 @@ class Monitor(TableWriter):
         wanted: dict[str, set[str]] = {}
         calls: dict[str, dict[str, list[jax.Array]]] = {}
         kernels: dict[str, jax.Array] = {}
+        mine: dict[str, dict[str, list[jax.Array]]] = {}  # user quantities' per-call values
 
         def interceptor(next_fun: Callable[..., Any], a: tuple, kw: dict, context: Any) -> Any:
             out = next_fun(*a, **kw)
@@ -169,14 +184,29 @@ class Monitor(TableWriter):
                 store["out"].append(y)
             if "WeightNorm" in names:
                 kernels[path] = module.variables["params"]["kernel"]
+            for q in sorted(names & set(self._user)):
+                uq = self._user[q]
+                arg = {"input": x, "output": y}.get(uq.needs)
+                if uq.needs == "weight":
+                    arg = module.variables.get("params", {}).get("kernel")
+                if arg is not None:
+                    v = jnp.asarray(uq.fn(arg, module))
+                    if v.size != 1:
+                        raise ValueError(
+                            f"UserQuantity {q!r}: fn returned an array of shape {v.shape}; it "
+                            f"must return one number"
+                        )
+                    mine.setdefault(path, {}).setdefault(q, []).append(v.reshape(()))
             return out
 
         with nn.intercept_methods(interceptor):
             result = model.apply(variables, *args, **kwargs)
         quantities = {
-            path: self._compute(names, calls[path], kernels.get(path))
+            path: self._compute(names & set(QUANTITIES), calls[path], kernels.get(path))
             for path, names in wanted.items()
         }
+        for path, got in mine.items():  # a weight's value is the same at every call
+            quantities[path].update({q: jnp.stack(vs).mean() for q, vs in got.items()})
         return result, {p: q for p, q in quantities.items() if q}
 
     def _check_applies(self, names: set[str], path: str, module: nn.Module) -> None:
@@ -246,7 +276,7 @@ class Monitor(TableWriter):
             )
         step = self._next_step if step is None else int(step)
         host = jax.device_get({p: dict(q) for p, q in quantities.items()})
-        order = {q: i for i, q in enumerate(QUANTITIES)}
+        order = {q: i for i, q in enumerate([*QUANTITIES, *self._user])}
         rows = [
             (step, p, self._types.get(p, ""), q, float(v))
             for p, qs in host.items()

@@ -51,6 +51,7 @@ from ...stats.summary import (
     COUNT_STATS,
     DEFAULT_STATS,
     FIELD_INDEX,
+    HIGHER_STATS,
     Layout,
     exponent_labels,
     finalize_many,
@@ -111,6 +112,8 @@ def build_rows(
         groups.setdefault(layout, []).append(i)
     stat_names = list(DEFAULT_STATS)
     for layout in groups:
+        higher = HIGHER_STATS if layout.num_higher else ()  # skew, kurtosis (moments=4)
+        stat_names += [n for n in higher if n not in stat_names]
         stat_names += [name for name, _ in layout.extras if name not in stat_names]
     labels: dict[Any, int] = {}
     for layout in groups:

@@ -59,13 +59,7 @@ import torch
 
 from ...stats.formats import NumberFormat
 from ...stats.host import host_higher_moments, host_summaries
-from ...stats.summary import (
-    FIELD_INDEX,
-    Layout,
-    append_extras,
-    pack_fields,
-    unpack_fields,
-)
+from ...stats.summary import Layout, append_extras, pack_fields, unpack_fields
 
 __all__ = [
     "summarize_torch",
@@ -258,8 +252,7 @@ def summarize_torch(
         host = host_vectors([x], layout, [extras or {}])[0]
         if host is not None:
             return torch.from_numpy(host)
-        core = summarize_torch(x, base, extras)
-        return torch.cat([core, higher_moments_torch(x, core)])
+        return torch.cat([summarize_torch(x, base, extras), higher_moments_torch(x)])
     names = _extra_names(layout, extras)
     spec = fused_spec(x)
     if spec is not None:
@@ -284,21 +277,22 @@ def summarize_torch(
     return finish_raw(raw_device(x, layout, extras), torch)
 
 
-_MEAN, _MAXABS = FIELD_INDEX["mean"], FIELD_INDEX["max_abs"]
-
-
-def higher_moments_torch(x: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
+def higher_moments_torch(x: torch.Tensor) -> torch.Tensor:
     """``[m3, m4]``: the third and fourth centred sums of ``x``'s finite elements, scaled
-    by its largest magnitude like ``m2`` (:data:`tandv.stats.summary.HIGHER_FIELDS`), in
-    float64 on ``x``'s device from its core ``summary`` (its mean and largest magnitude),
-    without waiting for the device. The rounding of the mean is taken out exactly
-    (``sum((d - e)**3) = S3 - 3 e S2 + 2 n e**3``, ``e`` the deviations' own mean)."""
+    by their largest magnitude like ``m2`` (:data:`tandv.stats.summary.HIGHER_FIELDS`), in
+    float64 on ``x``'s device, without waiting for the device (a few more passes over
+    ``x``: only for ``Layout(moments=4)``). The deviations are taken from the float64 mean
+    and its rounding is taken out exactly (``sum((d - e)**3) = S3 - 3 e S2 + 2 n e**3``,
+    ``e`` the deviations' own mean), so the sums are about the exact mean and match any
+    path's core summary (the largest magnitude is exact on every path)."""
     v = x.detach().reshape(-1).to(torch.float64)
     fin = torch.isfinite(v)
-    s = summary[_MAXABS]
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    d = torch.where(fin, (v - summary[_MEAN]) / s, torch.zeros_like(v))
+    vf = torch.where(fin, v, torch.zeros_like(v))
     n = fin.sum().to(torch.float64)
+    pivot = vf.sum() / torch.clamp(n, min=1.0)
+    s = vf.abs().amax() if v.numel() else torch.zeros((), dtype=torch.float64, device=v.device)
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    d = torch.where(fin, (v - pivot) / s, torch.zeros_like(v))
     d2 = d * d
     s1, s2, s3, s4 = d.sum(), d2.sum(), (d2 * d).sum(), (d2 * d2).sum()
     e = s1 / torch.clamp(n, min=1.0)
@@ -346,7 +340,8 @@ def raw_device(
     """The torch-op path's *raw* vector of ``x``, on ``x``'s device: its first
     :data:`RAW_HEAD` entries are partial results that :func:`finish_head` turns into the
     layout's core fields (a tracker finishes a whole step's heads at once on the host);
-    the exponent counts and custom statistics that follow are final."""
+    the exponent counts, custom statistics and (``layout.moments == 4``) ``m3``, ``m4``
+    that follow are final."""
     _check_tensor(x)
     names = _extra_names(layout, extras)
     dev = x.device
@@ -359,6 +354,8 @@ def raw_device(
     parts = [head, counts.to(f64)]
     if names:
         parts.append(extras_vector(extras or {}, names, dev))
+    if layout.num_higher:
+        parts.append(higher_moments_torch(x))
     return torch.cat(parts)
 
 
