@@ -37,12 +37,12 @@ _KEY = ["tensor_type", "name", "step"]
 Log: TypeAlias = "pd.DataFrame | str | os.PathLike[str]"
 
 
-def _load(log: Log, which: str) -> pd.DataFrame:
+def _load(log: Log, which: str, trust_pickle: bool) -> pd.DataFrame:
     """A validated log from a frame or a path (argument ``which`` names it in errors)."""
     if isinstance(log, pd.DataFrame):
         return validate(log)
     if isinstance(log, (str, os.PathLike)):
-        return read_log(log)
+        return read_log(log, trust_pickle=trust_pickle)
     raise TypeError(
         f"compare: {which} must be a log (a DataFrame) or the path of one; got {type(log).__name__}"
     )
@@ -85,12 +85,20 @@ def relative_difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(same, 0.0, np.where(np.isfinite(rel), rel, np.inf))
 
 
-def compare(a: Log, b: Log, stats: str | Sequence[str] = ("rm2", "max_abs")) -> pd.DataFrame:
+def compare(
+    a: Log,
+    b: Log,
+    stats: str | Sequence[str] = ("rm2", "max_abs"),
+    *,
+    trust_pickle: bool = False,
+) -> pd.DataFrame:
     """Line up two runs' statistics: one row per (tensor_type, name, step).
 
     Arguments:
         a, b: the two logs (DataFrames, or paths that :func:`tandv.read_log` reads).
         stats: the ``scalar_stats`` columns to compare; both logs must hold them.
+        trust_pickle: read ``.pkl``/``.pickle`` paths (unpickling runs code stored in the
+            file: only for logs you made or trust), as :func:`tandv.read_log`.
 
     Returns:
         A flat frame, in computation order (:func:`tandv.analysis.computation_order`: by step,
@@ -107,8 +115,8 @@ def compare(a: Log, b: Log, stats: str | Sequence[str] = ("rm2", "max_abs")) -> 
         ValueError: a statistic missing from a log (naming it and the ones there are).
     """
     names = _stats(stats)
-    fa = _flat(_load(a, "a"), names, "a")
-    fb = _flat(_load(b, "b"), names, "b")
+    fa = _flat(_load(a, "a", trust_pickle), names, "a")
+    fb = _flat(_load(b, "b", trust_pickle), names, "b")
     ka = pd.MultiIndex.from_frame(fa[_KEY])
     kb = pd.MultiIndex.from_frame(fb[_KEY])
     in_b = kb.get_indexer(ka)  # where each of a's rows is in b (-1: absent)
@@ -140,6 +148,8 @@ def first_divergence(
     b: Log,
     rtol: float = 1e-3,
     stats: str | Sequence[str] = ("rm2", "max_abs"),
+    *,
+    trust_pickle: bool = False,
 ) -> pd.Series | None:
     """Where two runs first part: the first step at which a tensor both logged differs in
     some statistic by more than ``rtol`` (:func:`relative_difference`), and within that step
@@ -147,7 +157,7 @@ def first_divergence(
     gradients in backward order, optimizer state: the order of :func:`tandv.first_nonfinite`).
 
     Tensors or steps that only one run logged are not divergences (:func:`compare` lists
-    them).
+    them). ``trust_pickle`` as :func:`compare`.
 
     Returns:
         That row of :func:`compare` (``tensor_type``, ``name``, ``step``, and each statistic
@@ -157,7 +167,7 @@ def first_divergence(
         ValueError: ``rtol`` negative or not a number; as :func:`compare`.
     """
     _check_rtol(rtol)
-    return divergence_in(compare(a, b, stats), rtol)
+    return divergence_in(compare(a, b, stats, trust_pickle=trust_pickle), rtol)
 
 
 def divergence_in(table: pd.DataFrame, rtol: float = 1e-3) -> pd.Series | None:

@@ -243,3 +243,16 @@ def test_cli_report_against(runs, tmp_path, capsys):
     assert "a against perturbed" in text  # the default title names both runs
     assert main(["report", str(runs["a"]), "--against", str(tmp_path / "nope")]) == 1
     assert "no such file" in capsys.readouterr().err
+
+
+def test_pickle_logs_are_compared_only_with_trust(runs, tmp_path):
+    """A pickle path runs code when read: compare refuses it as read_log does, and reads it
+    with trust_pickle=True, giving what the parquet log of the same run gives."""
+    pkl = tmp_path / "a.pkl"
+    read_log(runs["a"]).to_pickle(pkl)
+    with pytest.raises(ValueError, match="trust_pickle=True"):
+        tandv.compare(pkl, runs["same"])
+    table = tandv.compare(pkl, runs["perturbed"], trust_pickle=True)
+    pd.testing.assert_frame_equal(table, tandv.compare(runs["a"], runs["perturbed"]))
+    row = tandv.first_divergence(pkl, runs["perturbed"], trust_pickle=True)
+    assert row is not None and row["step"] == PERTURBED
