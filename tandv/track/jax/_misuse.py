@@ -17,10 +17,11 @@ from typing import Any
 
 import jax
 
+from ._scope import differentiated
 from ._state import PMAP_AXIS, is_nnx_optimizer, parts_of, pmap_stacked
-from ._trees import param_leaves
+from ._trees import is_float_array, param_leaves
 
-__all__ = ["StepTrees", "check_replicas", "replica_axis"]
+__all__ = ["Applications", "StepTrees", "check_replicas", "replica_axis"]
 
 
 def _names(tree: Any) -> dict[str, tuple[int, ...]]:
@@ -218,3 +219,46 @@ def check_replicas(arrays: Sequence[Any], device_axis: bool | None) -> None:
             "say so with track(..., device_axis=False)"
         )
     )
+
+
+class Applications:
+    """The module outputs of one intercepted call, by name: whether each was seen
+    differentiated and not (:func:`._scope.differentiated`).
+
+    A tracked model applied twice in one update, once in the training pass and once
+    outside the differentiation (an EMA teacher, a target network, an evaluation pass
+    inside the update), names its modules' outputs alike: their Activation rows would
+    merge both applications (a root of 64 values for a batch of 32). Refused: the error
+    says how to keep the other application out. Calls of one module that are all
+    differentiated (weight sharing, two views of a batch, micro-batches) or all not (a
+    frozen backbone, a forward pass tracked alone) merge into one row, as documented."""
+
+    def __init__(self, activations: bool) -> None:
+        #: whether Activation rows are tracked (without them nothing would merge: the
+        #: other application has no cotangent)
+        self._active = activations
+        self._seen: dict[str, set[bool]] = {}
+
+    def note(self, name: str, module_type: type, out: Any) -> None:
+        """Record the output ``out`` of module ``name``; ValueError when the name has now
+        been output by a differentiated application and by one that is not."""
+        if not self._active:
+            return
+        leaf = next((x for x in jax.tree_util.tree_leaves(out) if is_float_array(x)), None)
+        diff = differentiated(leaf)
+        if diff is None:
+            return
+        kinds = self._seen.setdefault(name, set())
+        kinds.add(diff)
+        if len(kinds) > 1:
+            raise ValueError(
+                f"tandv: module {name!r} ({module_type.__name__}) is output twice in one "
+                f"intercepted call, once differentiated (the training pass) and once not (the "
+                f"model applied again as an EMA teacher, a target network or an evaluation "
+                f"pass, or another model whose modules are named alike, e.g. a frozen linen "
+                f"backbone beside a trained head: each apply() names its outermost module "
+                f"'root'): its Activation rows would merge both. Apply the other one outside "
+                f"tracker.intercept (e.g. compute the teacher's outputs with a jitted function "
+                f"of its own, called before the update, and pass them in), make the models "
+                f"submodules of one parent module, or track_activations=False"
+            )

@@ -288,6 +288,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         register(self._token, self._sink)
         self._nnx_acquired = False  # whether this tracker holds the nnx call wrapping
         self._trees = _misuse.StepTrees.given(model_state, optimizer_state)
+        self._applications = _misuse.Applications(self._track_activations)
         if model_state is not None:
             self._learn_nnx_types(model_state)
             self._prepare_weights(parts_of(model_state), 0)
@@ -521,6 +522,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             self._collect_mailboxes()  # first one's mailboxes are read before they are reused
         self._sink.mailboxes.prepare(_replicated(devices))
         self._intercepted = True
+        self._applications = _misuse.Applications(self._track_activations)  # applied twice
         with interception(
             (self._token, self._on_cpu, self._one_device, self._sink.mailboxes.generation),
             self._on_output,
@@ -547,6 +549,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
     def _on_output(self, name: str, cls: type, out: Any) -> Any:
         """Wrap the float leaves of one module output in taps (called while tracing)."""
         self._module_types.setdefault(name, cls)
+        self._applications.note(name, cls, out)
         flat, treedef = jax.tree_util.tree_flatten_with_path(out)
         wrapped = []
         for path, leaf in flat:
