@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax.sharding import SingleDeviceSharding
 
 from ._scope import differentiated
-from ._state import PMAP_AXIS, is_nnx_optimizer, parts_of, pmap_stacked
+from ._state import PMAP_AXIS, is_nnx_optimizer, parts_of
 from ._trees import is_float_array, param_leaves
 
 __all__ = ["Applications", "StepTrees", "check_replicas", "replica_axis"]
@@ -84,6 +85,29 @@ class StepTrees:
             self._check_opt(opt_state)
         if gradients is not None and self._params is not None:
             self._check_gradients(gradients, gradients_positional)
+
+    def check_new(
+        self,
+        names_cache: dict[Any, Any],
+        known: int,
+        params: Any,
+        opt_state: Any,
+        gradients: Any,
+        gradients_positional: bool = False,
+    ) -> None:
+        """:meth:`check`, where the step named a tree not named before (the tracker's cache
+        of names by tree structure, ``names_cache``, holds more than its ``known`` entries
+        of before the step); on a step whose trees were all named before (and so checked
+        then) it costs nothing. When the check fails, the entries the step added are
+        dropped, so that the same wrong call is checked again."""
+        if len(names_cache) <= known:
+            return
+        try:
+            self.check(params, opt_state, gradients, gradients_positional)
+        except ValueError:
+            for key in list(names_cache)[known:]:
+                del names_cache[key]
+            raise
 
     def _known(self, arg: str, tree: Any) -> tuple[bool, Any]:
         treedef = jax.tree_util.tree_structure(tree)
@@ -194,18 +218,25 @@ def check_replicas(arrays: Sequence[Any], device_axis: bool | None) -> None:
     for such a model."""
     if device_axis:
         return
-    if pmap_stacked(arrays):  # pmap's own axis (no axis_name): pmap's for sure
-        axis: str | None = PMAP_AXIS
-    elif device_axis is None:
-        spread = [
-            x for x in arrays if len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1
-        ]
-        axes = {replica_axis(x) for x in spread}
-        axis = axes.pop() if len(axes) == 1 else None
-    else:
-        axis = None
-    if axis is None:
+    axes: set[str] = set()
+    other = False  # an array on several devices laid out otherwise
+    for x in arrays:
+        sharding = getattr(x, "sharding", None)
+        if sharding is None or isinstance(sharding, SingleDeviceSharding):
+            continue  # the common case, told cheaply
+        axis = replica_axis(x)
+        if axis == PMAP_AXIS or PMAP_AXIS in getattr(
+            getattr(sharding, "mesh", None), "axis_names", ()
+        ):
+            axes, other = {PMAP_AXIS}, False  # pmap's own axis: pmap's for sure
+            break
+        if axis is not None:
+            axes.add(axis)
+        elif len(sharding.device_set) > 1:
+            other = True
+    if other or len(axes) != 1 or device_axis is False and PMAP_AXIS not in axes:
         return
+    axis = axes.pop()
     pmap_own = axis == PMAP_AXIS
     raise ValueError(
         "tandv: these arrays come out of jax.pmap: their leading axis holds one copy per "

@@ -710,6 +710,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         params = None if parts is None else parts.params
         recorded = self._scheduled(k)
         if recorded:
+            known = len(self._names_cache)  # trees named before were checked then
             named: list[tuple[Leaf, str, Any]] = []
             if gradients is not None:
                 leaves, arrays = self._named(GRADIENT, gradients_of(self._nnx_grads(gradients)))
@@ -719,11 +720,11 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
                 if parts is not None and parts.opt_state is not None
                 else (None if optimizer_state is None else self._opt_of(optimizer_state))
             )
-            grad_tree = None if gradients is None else gradients_of(self._nnx_grads(gradients))
-            self._trees.check(params, opt_state, grad_tree, positional)
             if opt_state is not None:
                 leaves, arrays = self._named(OPTIMISER_STATE, opt_state, params)
                 named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
+            grads = None if gradients is None else gradients_of(self._nnx_grads(gradients))
+            self._trees.check_new(self._names_cache, known, params, opt_state, grads, positional)
             if parts is not None and parts.slow is not None:
                 leaves, arrays = self._named("slow", parts.slow)
                 named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
