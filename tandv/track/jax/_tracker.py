@@ -690,7 +690,9 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
                 when ``track`` was given ``model_state`` and ``track_gradients`` is on.
 
         Raises:
-            ValueError: naming an argument that is missing or that ``track`` was not told about.
+            ValueError: naming an argument that is missing, that ``track`` was not told about,
+                or whose tree is not the one ``track`` saw (swapped arguments; a second
+                positional argument taken as the gradients whose leaves name no parameter).
         """
         recorder = self._check_open("step")
         positional = False
