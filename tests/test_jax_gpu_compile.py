@@ -126,7 +126,7 @@ DTYPES = {
 # (dtype, elements, format): a size no block divides, 1M (where the rows must be small
 # beside the input) and 50M (programs at their largest chunks); the array's own format, and
 # once each an array smaller than one chunk (one program) and the float64 format's 2098
-# bins (a histogram of 16 x 256 counts)
+# bins (a histogram of 16 x 256 counts); and two 8-bit float formats, read as bytes
 CASES = [
     (dtype, n, dtype) for dtype in list(DTYPES)[:3] for n in (100_003, 1_000_000, 50_000_000)
 ] + [
