@@ -328,3 +328,19 @@ def test_two_models_with_like_names_one_differentiated_are_refused(tmp_path):
     with track(params, out=tmp_path / "log", verbose=False) as tracker:
         with pytest.raises(ValueError, match="another model whose modules are named alike"):
             tracker.intercept(fine_tune, head_params, params, x)
+
+
+def test_an_nnx_teacher_clone_is_refused_too(tmp_path):
+    """nnx: a clone of the tracked module (an EMA teacher) called in the update carries
+    the same names."""
+    m = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
+    teacher = nnx.clone(m)
+    x, _ = data()
+
+    @nnx.jit
+    def train(m, t, x):
+        return nnx.grad(lambda m: jnp.mean((m(x) - t(x)) ** 2))(m)
+
+    with track(model_state=m, out=tmp_path / "log", verbose=False) as tracker:
+        with pytest.raises(ValueError, match=r"module 'root' \(Linear\) is output twice"):
+            tracker.intercept(train, m, teacher, x)
