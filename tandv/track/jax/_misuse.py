@@ -2,12 +2,15 @@
 
 Each check here guards a mistake that used to give plausible rows: arguments of
 ``tracker.step()`` in the wrong places (an optimizer state named as gradients, gradients
-named as optimizer state), and ``jax.pmap``'s per-device copies summarized as if they were
-one array (every count doubled). Each error names the argument or option to change.
+named as optimizer state: :class:`StepTrees`), ``jax.pmap``'s per-device copies
+summarized as if they were one array (every count doubled: :func:`check_replicas`), and a
+model applied twice in one update, once outside the differentiation (an EMA teacher,
+merged into the training rows: :class:`Applications`). Each error names the argument or
+option to change.
 
-The checks cost little on the steps that pass them: a tree's structure is compared with
-one already accepted (a few microseconds), and names are compared only for a structure
-not seen before.
+What they cost on steps that pass: the argument trees are checked only on a step that
+names a tree not named before; the pmap check reads each array's sharding type; the
+applications are noted while an update is traced, not when it runs.
 """
 
 from __future__ import annotations
