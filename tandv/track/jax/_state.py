@@ -80,4 +80,3 @@ def gradients_of(gradients: Any) -> Any:
 #: The mesh axis JAX names a ``jax.pmap`` without ``axis_name`` (``_misuse`` recognizes
 #: pmap's outputs by it).
 PMAP_AXIS = "_internal_pmap_axis_name"
-
