@@ -116,14 +116,24 @@ def compile_for_sm90(
     )
 
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "float8_e4m3fn": jnp.float8_e4m3fn,  # read as bytes, decoded in the kernel
+    "float8_e5m2": jnp.float8_e5m2,
+}
 # (dtype, elements, format): a size no block divides, 1M (where the rows must be small
 # beside the input) and 50M (programs at their largest chunks); the array's own format, and
 # once each an array smaller than one chunk (one program) and the float64 format's 2098
-# bins (a histogram of 16 x 256 counts)
-CASES = [(dtype, n, dtype) for dtype in DTYPES for n in (100_003, 1_000_000, 50_000_000)] + [
+# bins (a histogram of 16 x 256 counts); and two 8-bit float formats, read as bytes
+CASES = [
+    (dtype, n, dtype) for dtype in list(DTYPES)[:3] for n in (100_003, 1_000_000, 50_000_000)
+] + [
     ("float32", 1_000, "float32"),
     ("float32", 1_000_000, "float64"),
+    ("float8_e4m3fn", 1_000_000, "float8_e4m3fn"),
+    ("float8_e5m2", 100_003, "float8_e5m2"),
 ]
 
 

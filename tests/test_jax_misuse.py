@@ -48,8 +48,9 @@ def test_swapped_step_arguments_are_refused_naming_the_argument(tmp_path):
     update = adam_update(model, opt)
     with track(params, state, out=tmp_path / "log", verbose=False) as tracker:
         p, s, g = tracker.intercept(update, params, state, x)
-        with pytest.raises(ValueError, match="optimizer_state does not have the structure"):
-            tracker.step(p, g, s)
+        for _ in range(2):  # refused again: the failed call left nothing cached
+            with pytest.raises(ValueError, match="optimizer_state does not have the structure"):
+                tracker.step(p, g, s)
         with pytest.raises(ValueError, match="gradients has leaves that name no parameter"):
             tracker.step(p, s, s)  # the optimizer state where the gradients go
         with pytest.raises(ValueError, match="model_state does not hold the parameters"):
@@ -227,3 +228,119 @@ def test_cotangent_rows_are_those_of_the_loss_each_device_differentiates(tmp_pat
     df = read_log(tmp_path / "pm")
     assert_close_row(df, "root", "Gradient", 0, 2 * one_device)
     assert_close_row(df, "kernel", "Gradient", 0, want)  # the pmean'd gradients: one run's
+
+
+# ----------------------------------------------------------------------------- applied twice
+
+
+def teacher_update(model):
+    @jax.jit
+    def update(p, ema, x):
+        def loss(p):
+            teacher = model.apply(ema, x)  # the EMA teacher: not differentiated
+            return jnp.mean((model.apply(p, x) - teacher) ** 2)
+
+        return jax.grad(loss)(p)
+
+    return update
+
+
+def test_a_model_applied_twice_differentiated_and_not_is_refused(tmp_path):
+    """An EMA teacher in the update used to merge into the training rows (root numel 64 =
+    2 x 32, the teacher's max_abs); now refused, saying how to keep it out. Computed outside
+    the intercepted update, the rows are the student's alone."""
+    model, _, x, params, _ = dense_setup()
+    ema = jax.tree.map(lambda a: a * 0.5 + 0.1, params)
+    update = teacher_update(model)
+    with track(params, out=tmp_path / "log", verbose=False) as tracker:
+        with pytest.raises(ValueError, match=r"module .root. \(Dense\) is output twice"):
+            tracker.intercept(update, params, ema, x)
+
+    @jax.jit
+    def student_update(p, teacher, x):
+        return jax.grad(lambda p: jnp.mean((model.apply(p, x) - teacher) ** 2))(p)
+
+    teacher = jax.jit(model.apply)(ema, x)  # outside intercept: not tracked
+    with track(params, out=tmp_path / "ok", verbose=False) as tracker:
+        grads = tracker.intercept(student_update, params, teacher, x)
+        tracker.step(params, gradients=grads)
+    df = read_log(tmp_path / "ok")
+    student = model.apply(params, x)
+    assert_row_matches(df, "root", "Activation", 0, student)
+    assert_close_row(df, "root", "Gradient", 0, 2 * (student - teacher) / student.size)
+
+    # without Activation rows nothing merges (the teacher has no cotangent): allowed
+    with track(params, out=tmp_path / "grads", track_activations=False, verbose=False) as t:
+        grads = t.intercept(update, params, ema, x)
+        t.step(params, gradients=grads)
+    assert_close_row(
+        read_log(tmp_path / "grads"),
+        "root",
+        "Gradient",
+        0,
+        2 * (student - model.apply(ema, x)) / student.size,
+    )
+
+
+def test_calls_all_differentiated_or_all_not_still_merge(tmp_path):
+    """Two views of a batch through one model (both differentiated), and a frozen model
+    feeding a trained head (never differentiated): one row per module merging its calls,
+    as documented for weight sharing."""
+    model, _, x, params, _ = dense_setup()
+    x2 = x[::-1] * 2
+
+    @jax.jit
+    def two_views(p, x, x2):
+        return jax.grad(lambda p: jnp.mean(model.apply(p, x) * model.apply(p, x2)))(p)
+
+    with track(params, out=tmp_path / "views", verbose=False) as tracker:
+        grads = tracker.intercept(two_views, params, x, x2)
+        tracker.step(params, gradients=grads)
+    df = read_log(tmp_path / "views")
+    both = np.concatenate([model.apply(params, x), model.apply(params, x2)])
+    assert_row_matches(df, "root", "Activation", 0, both)
+
+    w = jax.random.normal(jax.random.key(2), (4, 2))  # a trained head on frozen features
+
+    @jax.jit
+    def fine_tune(w, p, x):
+        return jax.grad(lambda w: jnp.sum((model.apply(p, x) @ w) ** 2))(w)
+
+    with track(params, out=tmp_path / "frozen", track_gradients=False, verbose=False) as tracker:
+        tracker.intercept(fine_tune, w, params, x)
+        tracker.intercept(fine_tune, w, params, x2)  # a second batch: merged
+        tracker.step(params)
+    df = read_log(tmp_path / "frozen")
+    assert_row_matches(df, "root", "Activation", 0, both)
+
+
+def test_two_models_with_like_names_one_differentiated_are_refused(tmp_path):
+    """A frozen linen backbone and a trained linen head applied apart both name their
+    outermost output 'root': the rows would merge two models; refused, saying so."""
+    model, _, x, params, _ = dense_setup()
+    head = nn.Dense(2)
+    head_params = head.init(jax.random.key(2), jnp.ones((1, 4)))
+
+    @jax.jit
+    def fine_tune(hp, p, x):
+        return jax.grad(lambda hp: jnp.sum(head.apply(hp, model.apply(p, x)) ** 2))(hp)
+
+    with track(params, out=tmp_path / "log", verbose=False) as tracker:
+        with pytest.raises(ValueError, match="another model whose modules are named alike"):
+            tracker.intercept(fine_tune, head_params, params, x)
+
+
+def test_an_nnx_teacher_clone_is_refused_too(tmp_path):
+    """nnx: a clone of the tracked module (an EMA teacher) called in the update carries
+    the same names."""
+    m = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
+    teacher = nnx.clone(m)
+    x, _ = data()
+
+    @nnx.jit
+    def train(m, t, x):
+        return nnx.grad(lambda m: jnp.mean((m(x) - t(x)) ** 2))(m)
+
+    with track(model_state=m, out=tmp_path / "log", verbose=False) as tracker:
+        with pytest.raises(ValueError, match=r"module 'root' \(Linear\) is output twice"):
+            tracker.intercept(train, m, teacher, x)

@@ -2,12 +2,15 @@
 
 Each check here guards a mistake that used to give plausible rows: arguments of
 ``tracker.step()`` in the wrong places (an optimizer state named as gradients, gradients
-named as optimizer state), and ``jax.pmap``'s per-device copies summarized as if they were
-one array (every count doubled). Each error names the argument or option to change.
+named as optimizer state: :class:`StepTrees`), ``jax.pmap``'s per-device copies
+summarized as if they were one array (every count doubled: :func:`check_replicas`), and a
+model applied twice in one update, once outside the differentiation (an EMA teacher,
+merged into the training rows: :class:`Applications`). Each error names the argument or
+option to change.
 
-The checks cost little on the steps that pass them: a tree's structure is compared with
-one already accepted (a few microseconds), and names are compared only for a structure
-not seen before.
+What they cost on steps that pass: the argument trees are checked only on a step that
+names a tree not named before; the pmap check reads each array's sharding type; the
+applications are noted while an update is traced, not when it runs.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax.sharding import SingleDeviceSharding
 
-from ._state import PMAP_AXIS, is_nnx_optimizer, parts_of, pmap_stacked
-from ._trees import param_leaves
+from ._scope import differentiated
+from ._state import PMAP_AXIS, is_nnx_optimizer, parts_of
+from ._trees import is_float_array, param_leaves
 
-__all__ = ["StepTrees", "check_replicas", "replica_axis"]
+__all__ = ["Applications", "StepTrees", "check_replicas", "replica_axis"]
 
 
 def _names(tree: Any) -> dict[str, tuple[int, ...]]:
@@ -83,6 +88,29 @@ class StepTrees:
             self._check_opt(opt_state)
         if gradients is not None and self._params is not None:
             self._check_gradients(gradients, gradients_positional)
+
+    def check_new(
+        self,
+        names_cache: dict[Any, Any],
+        known: int,
+        params: Any,
+        opt_state: Any,
+        gradients: Any,
+        gradients_positional: bool = False,
+    ) -> None:
+        """:meth:`check`, where the step named a tree not named before (the tracker's cache
+        of names by tree structure, ``names_cache``, holds more than its ``known`` entries
+        of before the step); on a step whose trees were all named before (and so checked
+        then) it costs nothing. When the check fails, the entries the step added are
+        dropped, so that the same wrong call is checked again."""
+        if len(names_cache) <= known:
+            return
+        try:
+            self.check(params, opt_state, gradients, gradients_positional)
+        except ValueError:
+            for key in list(names_cache)[known:]:
+                del names_cache[key]
+            raise
 
     def _known(self, arg: str, tree: Any) -> tuple[bool, Any]:
         treedef = jax.tree_util.tree_structure(tree)
@@ -193,18 +221,25 @@ def check_replicas(arrays: Sequence[Any], device_axis: bool | None) -> None:
     for such a model."""
     if device_axis:
         return
-    if pmap_stacked(arrays):  # pmap's own axis (no axis_name): pmap's for sure
-        axis: str | None = PMAP_AXIS
-    elif device_axis is None:
-        spread = [
-            x for x in arrays if len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1
-        ]
-        axes = {replica_axis(x) for x in spread}
-        axis = axes.pop() if len(axes) == 1 else None
-    else:
-        axis = None
-    if axis is None:
+    axes: set[str] = set()
+    other = False  # an array on several devices laid out otherwise
+    for x in arrays:
+        sharding = getattr(x, "sharding", None)
+        if sharding is None or isinstance(sharding, SingleDeviceSharding):
+            continue  # the common case, told cheaply
+        axis = replica_axis(x)
+        if axis == PMAP_AXIS or PMAP_AXIS in getattr(
+            getattr(sharding, "mesh", None), "axis_names", ()
+        ):
+            axes, other = {PMAP_AXIS}, False  # pmap's own axis: pmap's for sure
+            break
+        if axis is not None:
+            axes.add(axis)
+        elif len(sharding.device_set) > 1:
+            other = True
+    if other or len(axes) != 1 or device_axis is False and PMAP_AXIS not in axes:
         return
+    axis = axes.pop()
     pmap_own = axis == PMAP_AXIS
     raise ValueError(
         "tandv: these arrays come out of jax.pmap: their leading axis holds one copy per "
@@ -218,3 +253,46 @@ def check_replicas(arrays: Sequence[Any], device_axis: bool | None) -> None:
             "say so with track(..., device_axis=False)"
         )
     )
+
+
+class Applications:
+    """The module outputs of one intercepted call, by name: whether each was seen
+    differentiated and not (:func:`._scope.differentiated`).
+
+    A tracked model applied twice in one update, once in the training pass and once
+    outside the differentiation (an EMA teacher, a target network, an evaluation pass
+    inside the update), names its modules' outputs alike: their Activation rows would
+    merge both applications (a root of 64 values for a batch of 32). Refused: the error
+    says how to keep the other application out. Calls of one module that are all
+    differentiated (weight sharing, two views of a batch, micro-batches) or all not (a
+    frozen backbone, a forward pass tracked alone) merge into one row, as documented."""
+
+    def __init__(self, activations: bool) -> None:
+        #: whether Activation rows are tracked (without them nothing would merge: the
+        #: other application has no cotangent)
+        self._active = activations
+        self._seen: dict[str, set[bool]] = {}
+
+    def note(self, name: str, module_type: type, out: Any) -> None:
+        """Record the output ``out`` of module ``name``; ValueError when the name has now
+        been output by a differentiated application and by one that is not."""
+        if not self._active:
+            return
+        leaf = next((x for x in jax.tree_util.tree_leaves(out) if is_float_array(x)), None)
+        diff = differentiated(leaf)
+        if diff is None:
+            return
+        kinds = self._seen.setdefault(name, set())
+        kinds.add(diff)
+        if len(kinds) > 1:
+            raise ValueError(
+                f"tandv: module {name!r} ({module_type.__name__}) is output twice in one "
+                f"intercepted call, once differentiated (the training pass) and once not (the "
+                f"model applied again as an EMA teacher, a target network or an evaluation "
+                f"pass, or another model whose modules are named alike, e.g. a frozen linen "
+                f"backbone beside a trained head: each apply() names its outermost module "
+                f"'root'): its Activation rows would merge both. Apply the other one outside "
+                f"tracker.intercept (e.g. compute the teacher's outputs with a jitted function "
+                f"of its own, called before the update, and pass them in), make the models "
+                f"submodules of one parent module, or track_activations=False"
+            )

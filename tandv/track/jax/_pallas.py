@@ -257,7 +257,7 @@ def _kernel(
     ``fp8``: the input holds the raw codes of an 8-bit float format, decoded here."""
     lane = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
     # elements of this chunk to read: offsets into the chunk only, never into the array
-    limit = jnp.where(pl.program_id(0) == last, tail, chunk)
+    limit = chunk - (pl.program_id(0) == last).astype(jnp.int32) * (chunk - tail)
     lows = jax.lax.broadcasted_iota(jnp.int32, (_LOW, BLOCK), 0)
     highs = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, high), 1)
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import pmap as _pmap
+from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import partial_eval as _pe
 
@@ -32,6 +33,7 @@ __all__ = [
     "Scope",
     "current_scope",
     "is_batched",
+    "differentiated",
     "unbatched",
     "manual_keep",
 ]
@@ -59,6 +61,10 @@ _JaxprTrace = _internal(_pe, "JaxprTrace")
 _BatchTrace = _internal(_batching, "BatchTrace")
 _BatchTracer = _internal(_batching, "BatchTracer")
 _check_vma = _internal(_config, "_check_vma")
+#: The traces of forward-mode differentiation and of linearization (``jax.grad``,
+#: ``jax.vjp``, ``jax.jvp`` build on them), and their tracers.
+_DIFF_TRACES = (_internal(_ad, "JVPTrace"), _internal(_ad, "LinearizeTrace"))
+_DIFF_TRACERS = (_internal(_ad, "JVPTracer"), _internal(_ad, "LinearizeTracer"))
 
 
 @dataclass(frozen=True)
@@ -195,3 +201,14 @@ def manual_keep(x: Any) -> Any:
         if axis not in varying:
             keep &= jax.lax.axis_index(axis) == 0
     return keep
+
+
+def differentiated(x: Any) -> bool | None:
+    """Whether ``x`` is differentiated by the differentiation being traced now: True for a
+    value that depends on what ``jax.grad``/``jax.vjp``/``jax.jvp`` differentiates, False
+    for one that does not (computed from other arrays alone), None where this cannot be
+    told here: outside differentiation, and inside bodies traced on their own (``jit``,
+    ``jax.checkpoint``, loop bodies, ``vmap``), whose values JAX differentiates later."""
+    if not isinstance(_trace_ctx.trace, _DIFF_TRACES):
+        return None
+    return isinstance(x, _DIFF_TRACERS)

@@ -7,7 +7,7 @@ splits each form into what the tracker names and summarizes (:class:`Parts`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -16,7 +16,6 @@ __all__ = [
     "gradients_of",
     "is_nnx_module",
     "is_nnx_optimizer",
-    "pmap_stacked",
 ]
 
 
@@ -78,14 +77,6 @@ def gradients_of(gradients: Any) -> Any:
     return gradients.fast if is_lookahead(gradients) else gradients
 
 
-#: The mesh axis JAX names a ``jax.pmap`` without ``axis_name``.
+#: The mesh axis JAX names a ``jax.pmap`` without ``axis_name`` (``_misuse`` recognizes
+#: pmap's outputs by it).
 PMAP_AXIS = "_internal_pmap_axis_name"
-
-
-def pmap_stacked(arrays: Sequence[Any]) -> bool:
-    """Whether some array came out of ``jax.pmap`` (its sharding is over pmap's own axis)."""
-    for x in arrays:
-        mesh = getattr(getattr(x, "sharding", None), "mesh", None)
-        if mesh is not None and PMAP_AXIS in getattr(mesh, "axis_names", ()):
-            return True
-    return False

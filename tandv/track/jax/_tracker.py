@@ -280,6 +280,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         register(self._token, self._sink)
         self._nnx_acquired = False  # whether this tracker holds the nnx call wrapping
         self._trees = _misuse.StepTrees.given(model_state, optimizer_state)
+        self._applications = _misuse.Applications(self._track_activations)
         if model_state is not None:
             self._learn_nnx_types(model_state)
             self._prepare_weights(parts_of(model_state), 0)
@@ -621,6 +622,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             self._collect_mailboxes()  # first one's mailboxes are read before they are reused
         self._sink.mailboxes.prepare(_replicated(devices))
         self._intercepted = True
+        self._applications = _misuse.Applications(self._track_activations)  # applied twice
         with interception(
             (self._token, self._on_cpu, self._one_device, self._sink.mailboxes.generation),
             self._on_output,
@@ -638,6 +640,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
     def _on_output(self, name: str, cls: type, out: Any) -> Any:
         """Wrap the float leaves of one module output in taps (called while tracing)."""
         self._module_types.setdefault(name, cls)
+        self._applications.note(name, cls, out)
         flat, treedef = jax.tree_util.tree_flatten_with_path(out)
         wrapped = []
         for path, leaf in flat:
@@ -778,7 +781,9 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
                 when ``track`` was given ``model_state`` and ``track_gradients`` is on.
 
         Raises:
-            ValueError: naming an argument that is missing or that ``track`` was not told about.
+            ValueError: naming an argument that is missing, that ``track`` was not told about,
+                or whose tree is not the one ``track`` saw (swapped arguments; a second
+                positional argument taken as the gradients whose leaves name no parameter).
         """
         recorder = self._check_open("step")
         positional = False
@@ -798,6 +803,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         params = None if parts is None else parts.params
         recorded = self._scheduled(k)
         if recorded:
+            known = len(self._names_cache)  # trees named before were checked then
             named: list[tuple[Leaf, str, Any]] = []
             if gradients is not None:
                 leaves, arrays = self._named(GRADIENT, gradients_of(self._nnx_grads(gradients)))
@@ -807,11 +813,11 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
                 if parts is not None and parts.opt_state is not None
                 else (None if optimizer_state is None else self._opt_of(optimizer_state))
             )
-            grad_tree = None if gradients is None else gradients_of(self._nnx_grads(gradients))
-            self._trees.check(params, opt_state, grad_tree, positional)
             if opt_state is not None:
                 leaves, arrays = self._named(OPTIMISER_STATE, opt_state, params)
                 named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
+            grads = None if gradients is None else gradients_of(self._nnx_grads(gradients))
+            self._trees.check_new(self._names_cache, known, params, opt_state, grads, positional)
             if parts is not None and parts.slow is not None:
                 leaves, arrays = self._named("slow", parts.slow)
                 named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
