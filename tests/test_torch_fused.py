@@ -361,6 +361,19 @@ def test_no_synchronization_inside_hooks_on_cuda():
     assert sorted(set(read_log(tr.out_path)[("metadata", "step")])) == [0, 1, 2]
 
 
+def test_kernel_benchmark_runs_in_its_tiny_mode(capsys):
+    """``benchmarks/fused_kernel.py --tiny``: the interpreter, checked against numpy."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fused_kernel.py"
+    spec = importlib.util.spec_from_file_location("fused_kernel_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "torch.float32" in out and "torch.bfloat16" in out and "error" in out
+
+
 @pytest.mark.parametrize("arch", [80, 90])
 def test_kernels_compile_for_gpus_near_memory_speed(arch):
     """The interpreter runs code the GPU compiler may refuse (a branch that changes a
