@@ -161,6 +161,22 @@ def main() -> None:
     built: list[tuple[str, Any, dict[str, Any]]] = []
     _fused._summarize_one = CompileOnly(_fused._summarize_one, built)
     _fused._summarize_many = CompileOnly(_fused._summarize_many, built)
+    launch, checked = _fused._launch, []
+
+    def launch_checked(kernel: Any, programs: int, args: Any, consts: Any, ptrs: Any) -> None:
+        """The prebuilt launchers' argument list equals what Triton's binder makes."""
+        binder = kernel.kernel.device_caches[0][4]
+        bound = tuple(binder(*args, **consts.kwargs)[0].values())
+        full = (*args, *consts.tail)
+        checked.append(
+            len(bound) == len(full)
+            and all(
+                a is b or (not isinstance(a, torch.Tensor) and a == b) for a, b in zip(bound, full)
+            )
+        )
+        launch(kernel, programs, args, consts, ptrs)
+
+    _fused._launch = launch_checked
     report = []
     for dtype in DTYPES:
         spec = _fused.spec_for(dtype)
@@ -176,9 +192,11 @@ def main() -> None:
         if dtype == torch.float32:  # a gappy view, read by its strides
             gappy = torch.zeros(64, 3 * spec.block)[:, ::3]
             _fused.launch_one(gappy, spec, layout, rows, 0, scratch, 16)
+        assert len(checked) == len(built) and all(checked), "launcher arguments differ"
         for name, compiled, kwargs in built:
             report.append({"dtype": str(dtype), **figures(name, compiled, kwargs)})
         built.clear()
+        checked.clear()
     if "--table" in sys.argv:
         print(f"sm_{ARCH}: kernel, dtype: registers, spill bytes, PTX v4 loads, loop 128-bit")
         print("loads, loop instructions / elements per warp = instructions per element")

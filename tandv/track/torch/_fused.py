@@ -63,6 +63,8 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime import driver
 
 from ...stats.formats import number_format
 from ...stats.summary import Layout, pack_summary
@@ -585,11 +587,11 @@ def _summarize(
                 tl.store(row + ext_off, tl.load(ext_ptr).to(tl.float64))
 
 
-@triton.jit(do_not_specialize=["n", "row_off", "ext_off", "s1", "s2", "t0", "t1", "t2"])
+@triton.jit(do_not_specialize=["n", "tiles", "row_off", "ext_off", "s1", "s2", "t0", "t1", "t2"])
 def _summarize_one(
     x_ptr,
     n,
-    per_prog,
+    tiles,
     rows_ptr,
     row_off,
     scratch_ptr,
@@ -618,10 +620,11 @@ def _summarize_one(
     EXT: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    """One tensor ``x_ptr`` of ``n`` elements, ``per_prog`` per program (a multiple of the
-    tile), into the row at ``rows_ptr + row_off``; ``STRIDED``: the elements of the view
-    of sizes ``(., s1, s2)`` and strides ``(t0, t1, t2)``."""
+    """One tensor ``x_ptr`` of ``n`` elements, ``tiles`` tiles per program, into the row
+    at ``rows_ptr + row_off``; ``STRIDED``: the elements of the view of sizes ``(., s1,
+    s2)`` and strides ``(t0, t1, t2)``."""
     pid = tl.program_id(0)
+    per_prog = tiles.to(tl.int64) * (K * SLOTS * VEC)  # the tile's multiple: aligned
     start = pid.to(tl.int64) * per_prog
     end = tl.minimum(start + per_prog, n)
     if MODE == 2:  # bfloat16: read as int16 bits
@@ -886,33 +889,93 @@ def scratch_rows(n: int, max_parts: int, spec: Spec | None = None) -> int:
     return parts if parts > 1 else 0
 
 
+@dataclass(frozen=True, eq=False)
+class _Consts:
+    """A kernel variant: its compile-time arguments and launch options (``kwargs``), and
+    their values in the order of the kernel's parameters after the runtime ones (``tail``:
+    what a prebuilt launcher takes after them)."""
+
+    kwargs: dict[str, Any]
+    tail: tuple[Any, ...]
+
+
 @cache
-def _consts(spec: Spec, over: bool) -> dict[str, Any]:
-    """The compile-time arguments and launch options of ``spec``'s kernels; ``over``:
-    whether values above the layout format's max are counted."""
-    return dict(
+def _consts(
+    spec: Spec, over: bool, strided: bool = False, ext: bool = False, aligned: bool | None = None
+) -> _Consts:
+    """The variant of ``spec``'s kernels: ``over``, values above the layout format's max
+    are counted; ``strided``, a gappy view (no register cap: its index arithmetic would
+    spill); ``ext``, a statistic is copied in; ``aligned`` (:func:`launch_many` only):
+    every address of the table is 16-byte aligned."""
+    bins, zkey, ikey = spec.keys
+    kw: dict[str, Any] = dict(
         MODE=spec.mode,
         SUB=spec.sub,
         DMIN=spec.dmin,
         NBD=spec.nbd,
-        NBP=spec.keys[0],
-        ZKEY=spec.keys[1],
-        IKEY=spec.keys[2],
+        NBP=bins,
+        ZKEY=zkey,
+        IKEY=ikey,
         VEC=spec.vec,
         K=spec.k,
         SLOTS=SLOTS,
         OVER=over,
-        GROUP=GROUP,
-        num_warps=NUM_WARPS,
-        maxnreg=spec.maxnreg,
-        enable_fp_fusion=True,
     )
+    if aligned is None:
+        kw.update(STRIDED=strided, EXT=ext)
+    else:
+        kw.update(ALIGNED=aligned)
+    kw["GROUP"] = GROUP
+    tail = tuple(kw.values())
+    kw.update(num_warps=NUM_WARPS, maxnreg=None if strided else spec.maxnreg, enable_fp_fusion=True)
+    return _Consts(kw, tail)
 
 
-def _strided_consts(spec: Spec, layout: Layout) -> dict[str, Any]:
-    """:func:`_consts` for a gappy view: no register cap (its index arithmetic would
-    spill)."""
-    return {**_consts(spec, _over(spec, layout)), "maxnreg": None}
+#: Prebuilt launchers: the compiled kernel of each variant, device and pointer alignment.
+_launchers: dict[tuple[Any, ...], Any] = {}
+
+
+def _launch(
+    kernel: Any,
+    programs: int,
+    args: tuple[Any, ...],
+    consts: _Consts,
+    ptrs: tuple[torch.Tensor, ...],
+) -> None:
+    """``kernel[(programs,)](*args, **consts.kwargs)`` on the current stream.
+
+    Triton's ``kernel[grid](...)`` binds and specializes the arguments on every call. The
+    first call of a variant does that (and compiles); later calls launch the compiled
+    kernel directly, keyed by everything Triton specializes these kernels on: the variant
+    (compile-time arguments), the device and the 16-byte alignment of each pointer (every
+    integer argument is ``do_not_specialize``, floats never are)."""
+    if INTERPRETED:
+        kernel[(programs,)](*args, **consts.kwargs)
+        return
+    device = ptrs[0].device.index
+    key = (kernel, consts, device, *(t.data_ptr() % 16 == 0 for t in ptrs))
+    compiled = _launchers.get(key)
+    if compiled is None:
+        compiled = kernel[(programs,)](*args, **consts.kwargs)
+        if compiled is not None:  # (None: a compile-only stand-in)
+            _launchers[key] = compiled
+        return
+    stream = driver.active.get_current_stream(device)
+    full = (*args, *consts.tail)
+    hook = knobs.runtime.launch_enter_hook
+    meta = None if hook is None else compiled.launch_metadata((programs, 1, 1), stream, *full)
+    compiled.run(
+        programs,
+        1,
+        1,
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        meta,
+        hook,
+        knobs.runtime.launch_exit_hook,
+        *full,
+    )
 
 
 def _over(spec: Spec, layout: Layout) -> bool:
@@ -999,23 +1062,11 @@ def launch_one(
     else:
         ext_off = spec.row_size + extra[0]
         ext = extra[1]
-    _summarize_one[(parts,)](
-        base,
-        n,
-        per,
-        rows,
-        offset,
-        scratch,
-        _lut(spec, x.device, rows),
-        _fmax(layout),
-        float(weight),
-        ext,
-        ext_off,
-        *(geo or (1, 1, 0, 0, 0)),
-        STRIDED=geo is not None,
-        EXT=extra is not None,
-        **(_consts(spec, _over(spec, layout)) if geo is None else _strided_consts(spec, layout)),
-    )
+    lut = _lut(spec, x.device, rows)
+    consts = _consts(spec, _over(spec, layout), geo is not None, extra is not None)
+    args = (base, n, -(-per // spec.block), rows, offset, scratch, lut, _fmax(layout))
+    args += (float(weight), ext, ext_off, *(geo or (1, 1, 0, 0, 0)))
+    _launch(_summarize_one, parts, args, consts, (base, rows, scratch, lut, ext))
 
 
 def launch_many(
@@ -1075,15 +1126,10 @@ def launch_many(
     if rows.device.type == "cuda":  # pinned by the caching host allocator: reused once copied
         host_table = host_table.pin_memory()
     dev_table = host_table.to(rows.device, non_blocking=True)
-    _summarize_many[(owner.size,)](
-        dev_table,
-        rows,
-        scratch,
-        _lut(spec, rows.device, rows),
-        _fmax(layout),
-        ALIGNED=bool((addresses % 16 == 0).all()),
-        **_consts(spec, _over(spec, layout)),
-    )
+    lut = _lut(spec, rows.device, rows)
+    consts = _consts(spec, _over(spec, layout), aligned=bool((addresses % 16 == 0).all()))
+    args = (dev_table, rows, scratch, lut, _fmax(layout))
+    _launch(_summarize_many, int(owner.size), args, consts, (dev_table, rows, scratch, lut))
 
 
 def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
