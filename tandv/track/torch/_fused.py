@@ -1064,8 +1064,8 @@ def launch_one(
         ext = extra[1]
     lut = _lut(spec, x.device, rows)
     consts = _consts(spec, _over(spec, layout), geo is not None, extra is not None)
-    args = (base, n, -(-per // spec.block), rows, offset, scratch, lut, _fmax(layout))
-    args += (float(weight), ext, ext_off, *(geo or (1, 1, 0, 0, 0)))
+    args: tuple[Any, ...] = (base, n, -(-per // spec.block), rows, offset, scratch, lut)
+    args += (_fmax(layout), float(weight), ext, ext_off, *(geo or (1, 1, 0, 0, 0)))
     _launch(_summarize_one, parts, args, consts, (base, rows, scratch, lut, ext))
 
 
