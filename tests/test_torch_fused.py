@@ -272,13 +272,26 @@ def test_one_launch_for_many_tensors_of_mixed_sizes():
         torch.randn(5, generator=g),
         big,
         torch.tensor([float("nan"), 2.0, -0.0]),
-        torch.randn(1000, generator=g)[1:],
-    ]  # offset by 4 bytes from its allocation
+        torch.randn(1000, generator=g)[1:],  # offset by 4 bytes from its allocation
+        torch.randn(40, 30, generator=g)[:, ::4],  # gappy: a launch of its own, in place
+        torch.randn(1, 50, generator=g).expand(7, 50),  # broadcast: likewise
+    ]
     tensors = [t.to(DEVICE) for t in tensors]
     layout = Layout("float32", (("peak", "max"),))
     ws = _workspace.Workspace()
     spec = _fused.spec_for(torch.float32)
-    slots = ws.fused(tensors, spec, layout, [{"peak": torch.tensor(float(i))} for i in range(4)])
+    extras = [{"peak": torch.tensor(float(i))} for i in range(len(tensors))]
+    launches = []
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("launch_one", "launch_many"):
+            real = getattr(_fused, name)
+            mp.setattr(
+                _fused,
+                name,
+                lambda *a, name=name, real=real, **k: launches.append(name) or real(*a, **k),
+            )
+        slots = ws.fused(tensors, spec, layout, extras)
+    assert launches == ["launch_many", "launch_one", "launch_one"]
     got = _workspace.to_host(slots, ws.end_step())
     for i, t in enumerate(tensors):
         ref, lay = reference(t, "float32", {"peak": (float(i), "max")})

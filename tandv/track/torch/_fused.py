@@ -884,7 +884,7 @@ def _parts(n: int, max_parts: int, block: int) -> tuple[int, int]:
 def scratch_rows(n: int, max_parts: int, spec: Spec | None = None) -> int:
     """Scratch rows (of :data:`PART` float64) one tensor of ``n`` elements of ``spec``'s
     dtype needs (without ``spec``: enough for any dtype)."""
-    block = spec.block if spec is not None else SLOTS * PER_THREAD
+    block = spec.block if spec is not None else SLOTS * PER_THREAD // 2  # float64's, the least
     parts = _parts(n, max_parts, block)[0]
     return parts if parts > 1 else 0
 
