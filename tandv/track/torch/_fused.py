@@ -947,13 +947,14 @@ def _launch(
     Triton's ``kernel[grid](...)`` binds and specializes the arguments on every call. The
     first call of a variant does that (and compiles); later calls launch the compiled
     kernel directly, keyed by everything Triton specializes these kernels on: the variant
-    (compile-time arguments), the device and the 16-byte alignment of each pointer (every
-    integer argument is ``do_not_specialize``, floats never are)."""
+    (compile-time arguments), the device, and the element type and 16-byte alignment of
+    each pointer ``ptrs`` (every integer argument is ``do_not_specialize``, floats never
+    are)."""
     if INTERPRETED:
         kernel[(programs,)](*args, **consts.kwargs)
         return
     device = ptrs[0].device.index
-    key = (kernel, consts, device, *(t.data_ptr() % 16 == 0 for t in ptrs))
+    key = (kernel, consts, device, *((t.dtype, t.data_ptr() % 16 == 0) for t in ptrs))
     compiled = _launchers.get(key)
     if compiled is None:
         compiled = kernel[(programs,)](*args, **consts.kwargs)
