@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         _fused.PER_THREAD = args.per_thread
     if args.maxnreg is not None:
         _fused.MAXNREG = args.maxnreg or None
-    _fused._consts.cache_clear()
+    _fused.clear_caches()
     if args.tiny:
         tiny(_fused)
     else:

@@ -87,7 +87,7 @@ def test_programs_of_one_tensor_merge_exactly(monkeypatch):
     tiles each, the last one's partial)."""
     monkeypatch.setattr(_fused, "ONE_PROGRAM", 0)  # split from the second tile on
     monkeypatch.setattr(_fused, "GROUP", 4)  # merge groups of 4 partial rows
-    _fused._consts.cache_clear()
+    _fused.clear_caches()
     block = _fused.spec_for(torch.float32).block
     g = torch.Generator().manual_seed(0)
     n = 9 * block - 5
@@ -99,7 +99,7 @@ def test_programs_of_one_tensor_merge_exactly(monkeypatch):
     for max_parts, programs in ((1, 1), (2, 2), (7, 5), (9, 9)):  # 7: 5 programs of 2 tiles
         check(one(x, layout, max_parts), ref, layout)
         assert _fused._parts(n, max_parts, block)[0] == programs
-    _fused._consts.cache_clear()
+    _fused.clear_caches()
 
 
 def test_tiles_merge_moments_when_mean_dwarfs_spread():

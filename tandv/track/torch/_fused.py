@@ -55,7 +55,7 @@ import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from typing import Any
 
 import ml_dtypes
@@ -772,7 +772,7 @@ class Spec:
     vmax: float
     lut: np.ndarray | None = field(default=None, compare=False)
 
-    @property
+    @cached_property
     def keys(self) -> tuple[int, int, int]:
         """``(bins, zero's bin, inf's bin)`` of a program's histogram (NaN's is inf's + 1).
 
@@ -789,28 +789,28 @@ class Spec:
                 return bins, zero, inf
             bins *= 2
 
-    @property
+    @cached_property
     def per_thread(self) -> int:
         """Elements a thread reads per tile: :data:`PER_THREAD`, half as many of float64
         (twice the registers each)."""
         return PER_THREAD // 2 if self.mode == 4 else PER_THREAD
 
-    @property
+    @cached_property
     def vec(self) -> int:
         """Elements of one load: 16 bytes, 8 bytes of 8-bit formats."""
         return min(16 // self.dtype.itemsize, self.per_thread)
 
-    @property
+    @cached_property
     def k(self) -> int:
         """Loads per thread and tile."""
         return self.per_thread // self.vec
 
-    @property
+    @cached_property
     def maxnreg(self) -> int | None:
         """The register cap of the kernels (none for float64: it would spill)."""
         return None if self.mode == 4 else MAXNREG
 
-    @property
+    @cached_property
     def block(self) -> int:
         """Elements of a tile."""
         return self.k * SLOTS * self.vec
@@ -1038,6 +1038,21 @@ def _view(x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, int, tuple[int, ..
     return x, weight, (s1, s2, t0, t1, t2)
 
 
+def clear_caches() -> None:
+    """Forget the kernel variants, launchers and dtype specs (after a change of the tile
+    constants: tests and tuning)."""
+    _consts.cache_clear()
+    spec_for.cache_clear()
+    _fold.cache_clear()
+    _plans.clear()
+    _launchers.clear()
+
+
+#: launch_one's variant and format max per (spec, layout, strided, statistic copied), by
+#: identity (hashing the dataclasses on every hook would cost more than the rest).
+_plans: dict[tuple[int, int, bool, bool], tuple[_Consts, float, Spec, Layout]] = {}
+
+
 def launch_one(
     x: torch.Tensor,
     spec: Spec,
@@ -1064,9 +1079,14 @@ def launch_one(
         ext_off = spec.row_size + extra[0]
         ext = extra[1]
     lut = _lut(spec, x.device, rows)
-    consts = _consts(spec, _over(spec, layout), geo is not None, extra is not None)
+    key = (id(spec), id(layout), geo is not None, extra is not None)
+    plan = _plans.get(key)
+    if plan is None:  # (the key's objects are kept alive with the plan)
+        consts = _consts(spec, _over(spec, layout), geo is not None, extra is not None)
+        plan = _plans[key] = (consts, _fmax(layout), spec, layout)
     args: tuple[Any, ...] = (base, n, -(-per // spec.block), rows, offset, scratch, lut)
-    args += (_fmax(layout), float(weight), ext, ext_off, *(geo or (1, 1, 0, 0, 0)))
+    args += (plan[1], float(weight), ext, ext_off, *(geo or (1, 1, 0, 0, 0)))
+    consts = plan[0]
     _launch(_summarize_one, parts, args, consts, (base, rows, scratch, lut, ext))
 
 
