@@ -237,11 +237,14 @@ def _tile(
     """Elements ``off .. off + K * SLOTS * VEC`` (those below ``end`` when ``MASKED``) as
     a ``[K, SLOTS, VEC]`` tile: thread ``t`` holds ``VEC`` consecutive elements of each
     of ``K`` rows (one 16-byte load each). ``STRIDED``: the elements of a view of sizes
-    ``(., s1, s2)`` and strides ``(t0, t1, t2)`` (``geo``), in row-major order."""
+    ``(., s1, s2)`` and strides ``(t0, t1, t2)`` (``geo``), in row-major order (1: in
+    32-bit arithmetic, 2: 64-bit)."""
     idx = off + tl.arange(0, K * SLOTS * VEC)
     m = idx < end
     if STRIDED:
         s1, s2, t0, t1, t2 = geo
+        if STRIDED == 1:  # every index and offset below 2**31: 32-bit arithmetic
+            idx = idx.to(tl.int32)
         outer = idx // s2
         addr = (outer // s1) * t0 + (outer % s1) * t1 + (idx % s2) * t2
     else:
@@ -901,10 +904,11 @@ class _Consts:
 
 @cache
 def _consts(
-    spec: Spec, over: bool, strided: bool = False, ext: bool = False, aligned: bool | None = None
+    spec: Spec, over: bool, strided: int = 0, ext: bool = False, aligned: bool | None = None
 ) -> _Consts:
     """The variant of ``spec``'s kernels: ``over``, values above the layout format's max
-    are counted; ``strided``, a gappy view (no register cap: its index arithmetic would
+    are counted; ``strided``, a gappy view (1: offsets below 2**31, 2: larger; no
+    register cap: its index arithmetic would
     spill); ``ext``, a statistic is copied in; ``aligned`` (:func:`launch_many` only):
     every address of the table is 16-byte aligned."""
     bins, zkey, ikey = spec.keys
@@ -997,6 +1001,13 @@ def _dense(x: torch.Tensor) -> bool:
     return True
 
 
+def _reach(n: int, geo: tuple[int, ...]) -> int:
+    """The largest element index or offset the kernel computes for ``n`` elements of a
+    view of geometry ``geo`` (sizes ``(., s1, s2)``, strides ``(t0, t1, t2)``)."""
+    s1, s2, t0, t1, t2 = geo
+    return max(n + 8 * SLOTS * PER_THREAD, (n // (s1 * s2)) * t0 + s1 * t1 + s2 * t2)
+
+
 def _view(x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, int, tuple[int, ...] | None]:
     """``(base, weight, geometry)``: how the kernel reads ``x`` without a copy.
 
@@ -1050,7 +1061,7 @@ def clear_caches() -> None:
 
 #: launch_one's variant and format max per (spec, layout, strided, statistic copied), by
 #: identity (hashing the dataclasses on every hook would cost more than the rest).
-_plans: dict[tuple[int, int, bool, bool], tuple[_Consts, float, Spec, Layout]] = {}
+_plans: dict[tuple[int, int, int, bool], tuple[_Consts, float, Spec, Layout]] = {}
 
 
 def launch_one(
@@ -1079,10 +1090,11 @@ def launch_one(
         ext_off = spec.row_size + extra[0]
         ext = extra[1]
     lut = _lut(spec, x.device, rows)
-    key = (id(spec), id(layout), geo is not None, extra is not None)
+    strided = 0 if geo is None else 1 if _reach(n, geo) < 2**31 else 2
+    key = (id(spec), id(layout), strided, extra is not None)
     plan = _plans.get(key)
     if plan is None:  # (the key's objects are kept alive with the plan)
-        consts = _consts(spec, _over(spec, layout), geo is not None, extra is not None)
+        consts = _consts(spec, _over(spec, layout), strided, extra is not None)
         plan = _plans[key] = (consts, _fmax(layout), spec, layout)
     args: tuple[Any, ...] = (base, n, -(-per // spec.block), rows, offset, scratch, lut)
     args += (plan[1], float(weight), ext, ext_off, *(geo or (1, 1, 0, 0, 0)))
