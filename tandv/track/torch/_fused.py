@@ -7,28 +7,43 @@ layout's summary vectors (:mod:`tandv.stats.summary`) on the host.
 
 How a program works
 -------------------
-A program reads a contiguous range of one tensor, :data:`BLOCK` elements at a time,
-into registers. Per block it reduces the counts and extrema, and sums the moments of the
-block's values scaled by a power of two ``2**-E`` (``E`` the running scale: every
-magnitude is below ``2**E``, so no power overflows float32): the power sums of ``|x|``,
-and the mean and centred second moment by Chan's formula, the block's deviations taken
-from its own rounded mean (well conditioned even when ``|mean| >> std``). Blocks merge
-into float64 scalars; a larger ``E`` rescales what came before (a power of two: exact).
+A program reads a contiguous range of one tensor a *tile* at a time: each of its
+:data:`SLOTS` threads loads 16 bytes (4 float32, 8 bfloat16 ...) per row of the tile,
+one vector load, and keeps its own running state in registers, a *slot*. Per element
+there is only in-thread work: the extrema (kept as the bits of ``|x|``, which order
+magnitudes), the exponent's histogram key, and the powers of ``x / 2**E``. Per tile,
+each slot merges its block of elements into float64 moments: the power sums of ``|x|``
+and the mean and centred second moment by Chan's formula (the block's deviations from
+its own mean, well conditioned even when ``|mean| >> std``). ``E`` is the slot's running
+scale (every magnitude it has read is below ``2**E``, so no power overflows the compute
+type); a block that raises it rescales the slot's sums by a power of two, exactly.
+The slots are reduced across the program once, at its end.
 
-Exponent counts without contended global atomics: each program counts its blocks with
-``tl.histogram`` (which Triton 3.9 lowers to shared-memory atomics, one per element) into
-its own registers, and adds its table to the tensor's row once. The dtype's exponent of
-every finite non-zero value is exact, float32 subnormals included.
+Non-finite values count as zeros in the moments (one select instead of per-element
+counting); :func:`finish_rows` removes them again from the NaN and inf counts. Those
+counts, the zero count and the counts of each exponent come from one histogram per
+program (``tl.histogram``: warp-aggregated shared-memory atomics), whose table the
+program adds to the tensor's row once. The dtype's exponent of every finite non-zero
+value is exact, subnormals included.
+
+The moments are computed in float32 (float64 for float64 tensors) per block and
+accumulated in float64: relative error ~1e-7 per block, not per element.
 
 Programs of one tensor
 ----------------------
-A tensor of up to :data:`MIN_CHUNK` elements is one program, which writes the tensor's
-row. A larger tensor is split among programs: each adds its exponent counts to the row
+A tensor of up to :data:`ONE_PROGRAM` tiles is one program, which writes the tensor's
+row. A larger one is split among programs of whole tiles, up to one tile each (a
+262,144-element float32 activation gets 128 programs): each adds its counts to the row
 with one atomic add per occupied bin, writes its other partials to a scratch row, and
 counts itself done on an atomic counter; the last program merges the partial rows into
 the tensor's row. So one launch per tensor (or per batch of tensors: :func:`launch_many`
 takes a table of addresses), no second stage, no memset per launch (the caller zeroes
 the row buffer once per step).
+
+Views are read where they lie: a permuted dense tensor as its memory, a gappy one
+(``x[:, ::2]``, a slice of columns) by its strides, and a broadcast dimension (stride 0,
+``expand``) once, its counts and sums weighted by its size. A 1-element tensor (the
+loss scale of a ``GradScaler``) can ride along into a custom statistic of the row.
 
 Everything here also runs on the CPU in Triton's interpreter (``TRITON_INTERPRET=1``),
 which the tests use against the numpy reference.
@@ -40,7 +55,7 @@ import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from typing import Any
 
 import ml_dtypes
@@ -48,6 +63,8 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime import driver
 
 from ...stats.formats import number_format
 from ...stats.summary import Layout, pack_summary
@@ -69,7 +86,8 @@ __all__ = [
     "scratch_rows",
 ]
 
-# The fields of a row, in order; the exponent counts follow the counter.
+# The fields of a row, in order; the exponent counts follow the counter. N_READ counts
+# the elements the moments read (non-finite ones as zeros).
 (
     NAN,
     INF,
@@ -80,7 +98,7 @@ __all__ = [
     MIN_ABS,
     MAX_ABS,
     SCALE_EXP,
-    N_FINITE,
+    N_READ,
     MEAN,
     M2,
     P1,
@@ -95,17 +113,25 @@ COUNTER = 16
 #: Length of a row before its exponent counts.
 HEADER = 17
 
-#: Elements a program holds in registers at once.
-BLOCK = 2048
-#: A tensor of at most this many elements is one program (a multiple of BLOCK).
-MIN_CHUNK = 8 * BLOCK
-#: Partial rows the last program of a tensor merges per iteration.
-GROUP = 32
 NUM_WARPS = 8
+#: Registers per thread at most: 3 programs of 256 threads per SM (the kernel needs ~100
+#: unbounded; 80 costs no spills and ~1% more instructions).
+MAXNREG = 80
+#: Slots of a program: one per thread, each accumulating its own elements.
+SLOTS = 32 * NUM_WARPS
+#: Elements a thread reads per tile (one or more 16-byte loads).
+PER_THREAD = 8
+#: A tensor of at most this many tiles is one program.
+ONE_PROGRAM = 4
+#: Partial rows the last program of a tensor merges at once (one per thread).
+GROUP = SLOTS
 #: The table columns of :func:`launch_many`.
 _TABLE = 7
 
 _F32_MAX = float(np.finfo(np.float32).max)
+_ADD = tl.standard._sum_combine
+_MIN = tl.standard._elementwise_min
+_MAX = tl.standard._elementwise_max
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -119,60 +145,290 @@ def _pow2_f32(e):
 
 @triton.jit
 def _pow2_f64(e):
-    """2**e as float64, for integer e in [-1022, 1023]."""
-    return ((e.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+    """2**e as float64, for integer e <= 1023 (2**-1022 below -1022: a scale on sums of
+    values so small next to the others that their share is below float64's resolution)."""
+    return ((tl.maximum(e.to(tl.int64), -1022) + 1023) << 52).to(tl.float64, bitcast=True)
 
 
 @triton.jit
-def _exponent(bits, SUB: tl.constexpr):
-    """floor(log2 m) of finite non-zero float32 magnitudes m given by their bits; with
-    ``SUB``, exact for subnormals too (their mantissa, an integer, converts exactly)."""
-    field = bits >> 23
-    e = field - 127
-    if SUB:
-        lead = (bits.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
-        e = tl.where(field == 0, lead - 149, e)
-    return e
-
-
-@triton.jit
-def _typed(addr, MODE: tl.constexpr):
-    """The address ``addr`` (int64) as a pointer to the elements :func:`_load` reads."""
-    if MODE == 0:
-        p = addr.to(tl.pointer_type(tl.float32))
-    elif MODE == 1:
-        p = addr.to(tl.pointer_type(tl.float16))
-    elif MODE == 2:
-        p = addr.to(tl.pointer_type(tl.int16))
+def _pow2(e, MODE: tl.constexpr):
+    """2**e in the compute type: float64 for float64 tensors (mode 4), else float32."""
+    if MODE == 4:
+        p = _pow2_f64(e)
     else:
-        p = addr.to(tl.pointer_type(tl.uint8))
+        p = _pow2_f32(e)
     return p
 
 
 @triton.jit
-def _load(ptr, idx, m, lut_ptr, MODE: tl.constexpr):
-    """Elements ``idx`` of a tensor as float32 (exact): float32 and float16 as they are,
-    bfloat16 from its bits (the top half of a float32), 8-bit formats through a table of
-    their 256 values."""
-    if MODE == 0:
-        x = tl.load(ptr + idx, mask=m, other=0.0)
-    elif MODE == 1:
-        x = tl.load(ptr + idx, mask=m, other=0.0).to(tl.float32)
-    elif MODE == 2:
-        b = tl.load(ptr + idx, mask=m, other=0)
-        x = ((b.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+def _inf_bits(MODE: tl.constexpr):
+    """The bits of +inf in the compute type, as an integer."""
+    if MODE == 4:
+        b = tl.full([], 0x7FF0000000000000, tl.int64)
     else:
-        b = tl.load(ptr + idx, mask=m, other=0)
-        x = tl.load(lut_ptr + b.to(tl.int32), mask=m, other=0.0)
+        b = tl.full([], 0x7F800000, tl.int32)
+    return b
+
+
+@triton.jit
+def _magnitude_bits(x, MODE: tl.constexpr):
+    """The bits of ``|x|`` as integers: they order magnitudes, with inf above every
+    finite value and NaN above inf."""
+    if MODE == 4:
+        bits = x.to(tl.int64, bitcast=True) & 0x7FFFFFFFFFFFFFFF
+    else:
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return bits
+
+
+@triton.jit
+def _exponent(bits, SUB: tl.constexpr, MODE: tl.constexpr):
+    """floor(log2 m) (int32) of finite non-zero magnitudes m given by their bits; with
+    ``SUB``, exact for subnormals too (their mantissa, an integer, converts exactly)."""
+    if MODE == 4:
+        field = (bits >> 52).to(tl.int32)
+        e = field - 1023
+        if SUB:
+            lead = (bits.to(tl.float64).to(tl.int64, bitcast=True) >> 52).to(tl.int32)
+            e = tl.where(field == 0, lead - 2097, e)
+    else:
+        field = bits >> 23
+        e = field - 127
+        if SUB:
+            lead = bits.to(tl.float32).to(tl.int32, bitcast=True) >> 23
+            e = tl.where(field == 0, lead - 276, e)
+    return e
+
+
+@triton.jit
+def _load(ptr, addr, m, lut_ptr, MODE: tl.constexpr, MASKED: tl.constexpr):
+    """Elements ``addr`` of a tensor in the compute type (exactly): float32 and float64 as
+    they are, float16 converted, bfloat16 from its bits (the top half of a float32), 8-bit
+    formats through a table of their 256 values. Masked-off elements read as 0."""
+    if MASKED:
+        raw = tl.load(ptr + addr, mask=m, other=0)
+    else:
+        raw = tl.load(ptr + addr)
+    if MODE == 0 or MODE == 4:
+        x = raw
+    elif MODE == 1:
+        x = raw.to(tl.float32)
+    elif MODE == 2:
+        x = ((raw.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(lut_ptr + raw.to(tl.int32))
     return x
 
 
 @triton.jit
-def _no_moments():
-    """The moments of no values: scale exponent (below any float32's), count, mean, m2
-    and the power sums."""
-    zero = tl.full([], 0.0, tl.float64)
-    return tl.full([], -149, tl.int32), zero, zero, zero, zero, zero, zero, zero
+def _tile(
+    ptr,
+    off,
+    end,
+    lut_ptr,
+    geo,
+    MODE: tl.constexpr,
+    VEC: tl.constexpr,
+    K: tl.constexpr,
+    SLOTS: tl.constexpr,
+    MASKED: tl.constexpr,
+    STRIDED: tl.constexpr,
+):
+    """Elements ``off .. off + K * SLOTS * VEC`` (those below ``end`` when ``MASKED``) as
+    a ``[K, SLOTS, VEC]`` tile: thread ``t`` holds ``VEC`` consecutive elements of each
+    of ``K`` rows (one 16-byte load each). ``STRIDED``: the elements of a view of sizes
+    ``(., s1, s2)`` and strides ``(t0, t1, t2)`` (``geo``), in row-major order (1: in
+    32-bit arithmetic, 2: 64-bit)."""
+    idx = off + tl.arange(0, K * SLOTS * VEC)
+    m = idx < end
+    if STRIDED:
+        s1, s2, t0, t1, t2 = geo
+        if STRIDED == 1:  # every index and offset below 2**31: 32-bit arithmetic
+            idx = idx.to(tl.int32)
+        outer = idx // s2
+        addr = (outer // s1) * t0 + (outer % s1) * t1 + (idx % s2) * t2
+    else:
+        addr = idx
+    x = _load(ptr, addr, m, lut_ptr, MODE, MASKED)
+    return tl.reshape(x, [K, SLOTS, VEC]), tl.reshape(m, [K, SLOTS, VEC])
+
+
+@triton.jit
+def _step(
+    x,
+    m,
+    state,
+    hist,
+    fmax,
+    MODE: tl.constexpr,
+    SUB: tl.constexpr,
+    DMIN: tl.constexpr,
+    NBD: tl.constexpr,
+    NBP: tl.constexpr,
+    OVER: tl.constexpr,
+    MASKED: tl.constexpr,
+    PER: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The slots' ``state`` and the program's exponent counts ``hist`` with a tile ``x``
+    added (its elements where ``m`` when ``MASKED``).
+
+    (Reductions call ``tl.reduce`` with Triton's own combine functions rather than
+    ``tl.sum`` and the like: the same code compiled, and many times faster in the
+    interpreter, which patches its language module on every call of a jit function.)"""
+    E, cnt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over = state
+    bits = _magnitude_bits(x, MODE)
+    inf = _inf_bits(MODE)
+    fin = bits < inf
+    if MASKED:
+        fin = fin & m
+        amin = tl.minimum(amin, tl.reduce(tl.reduce(tl.where(m, bits, inf), 2, _MIN), 0, _MIN))
+    else:
+        amin = tl.minimum(
+            amin, tl.reduce(tl.reduce(bits, 2, _MIN), 0, _MIN)
+        )  # non-finite: above inf, clipped at the end
+    xf = tl.where(fin, x, 0.0)
+    amax = tl.maximum(amax, tl.reduce(tl.reduce(tl.abs(xf), 2, _MAX), 0, _MAX))
+    top = _magnitude_bits(amax, MODE)  # the slot's largest finite magnitude so far
+    # extrema with non-finite values read as 0 (patched on the host, see finish_rows)
+    if MASKED:
+        mn = tl.minimum(mn, tl.reduce(tl.reduce(tl.where(m, xf, float("inf")), 2, _MIN), 0, _MIN))
+        mx = tl.maximum(mx, tl.reduce(tl.reduce(tl.where(m, xf, float("-inf")), 2, _MAX), 0, _MAX))
+    else:
+        mn = tl.minimum(mn, tl.reduce(tl.reduce(xf, 2, _MIN), 0, _MIN))
+        mx = tl.maximum(mx, tl.reduce(tl.reduce(xf, 2, _MAX), 0, _MAX))
+    if OVER:
+        over += tl.reduce(tl.reduce((tl.abs(xf) > fmax).to(tl.int32), 2, _ADD), 0, _ADD)
+
+    # the slot's scale: every magnitude so far below 2**E; x / 2**E in two factors that
+    # each stay normal in the compute type; powers of two, so rescaling is exact
+    En = tl.maximum(E, _exponent(top, SUB, MODE) + 1)
+    h = En >> 1
+    q = (xf * _pow2(-h, MODE)[None, :, None]) * _pow2(h - En, MODE)[None, :, None]
+    r = _pow2_f64(E - En)
+    r2 = r * r
+    r4 = r2 * r2
+
+    # the block's moments: its mean from a float64 sum (the mean may be far smaller than
+    # the spread), the centred sum from deviations of the mean rounded to float32, c,
+    # corrected for c's offset (exact: sum (q - c)**2 = m2 + nb * (mean - c)**2)
+    s = tl.reduce(tl.reduce(q.to(tl.float64), 2, _ADD), 0, _ADD)
+    if MASKED:
+        nb = tl.reduce(tl.reduce(m.to(tl.float32), 2, _ADD), 0, _ADD)
+        mb = s / tl.maximum(nb, 1.0)
+        c = mb.to(q.dtype)
+        d = tl.where(m, q - c[None, :, None], 0.0)
+    else:
+        nb = tl.full(q.shape[1:2], PER, tl.float32)
+        mb = s * (1.0 / PER)  # PER elements per slot, a power of two: exact
+        c = mb.to(q.dtype)
+        d = q - c[None, :, None]
+    off = mb - c.to(tl.float64)
+    m2b = tl.reduce(tl.reduce(d * d, 2, _ADD), 0, _ADD).to(tl.float64) - nb * off * off
+    a = tl.abs(q)
+    a2 = a * a
+    a4 = a2 * a2
+    nt = cnt + nb
+    w = (nb / tl.maximum(nt, 1.0)).to(tl.float64)
+    mean = mean * r
+    delta = mb - mean
+    m2 = m2 * r2 + tl.maximum(m2b, 0.0) + delta * delta * (cnt.to(tl.float64) * w)
+    mean = mean + delta * w
+    p1 = p1 * r + tl.reduce(tl.reduce(a, 2, _ADD), 0, _ADD).to(tl.float64)
+    p2 = p2 * r2 + tl.reduce(tl.reduce(a2, 2, _ADD), 0, _ADD).to(tl.float64)
+    p4 = p4 * r4 + tl.reduce(tl.reduce(a4, 2, _ADD), 0, _ADD).to(tl.float64)
+    p8 = p8 * (r4 * r4) + tl.reduce(tl.reduce(a4 * a4, 2, _ADD), 0, _ADD).to(tl.float64)
+
+    # exponent counts: bins [0, NBD) for the exponents; zeros, infinities and NaNs land
+    # in bins of their own as they are (the exponent formula gives inf and NaN the
+    # exponent one above the largest, zeros one far below the smallest, wrapped around by
+    # the mask: NBP leaves room, see Spec.keys); the mask also tells the compiler that
+    # the key is in range, which drops tl.histogram's bounds check around each atomic
+    key = (_exponent(bits, SUB, MODE) - DMIN + (bits > inf).to(tl.int32)) & (NBP - 1)
+    if MASKED:
+        hist += tl.histogram(tl.reshape(key, [BLOCK]), NBP, mask=tl.reshape(m, [BLOCK]))
+    else:
+        hist += tl.histogram(tl.reshape(key, [BLOCK]), NBP)
+    return (En, nt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over), hist
+
+
+@triton.jit
+def _scan(
+    ptr,
+    start,
+    end,
+    lut_ptr,
+    fmax,
+    geo,
+    MODE: tl.constexpr,
+    SUB: tl.constexpr,
+    DMIN: tl.constexpr,
+    NBD: tl.constexpr,
+    NBP: tl.constexpr,
+    VEC: tl.constexpr,
+    K: tl.constexpr,
+    SLOTS: tl.constexpr,
+    OVER: tl.constexpr,
+    STRIDED: tl.constexpr,
+):
+    """The slots' states after elements ``[start, end)`` of a tensor (``start`` a multiple
+    of the tile), and their exponent counts: whole tiles unmasked, then the rest."""
+    BLOCK: tl.constexpr = K * SLOTS * VEC
+    if MODE == 4:
+        ct = tl.float64
+        it = tl.int64
+        e0 = -1074  # below every exponent + 1, and 2**-e0 in two normal factors
+    else:
+        ct = tl.float32
+        it = tl.int32
+        e0 = -149
+    zero = tl.zeros([SLOTS], tl.float64)
+    state = (
+        tl.full([SLOTS], e0, tl.int32),
+        tl.zeros([SLOTS], tl.float32),
+        zero,
+        zero,
+        zero,
+        zero,
+        zero,
+        zero,
+        tl.full([SLOTS], float("inf"), ct),
+        tl.full([SLOTS], float("-inf"), ct),
+        tl.zeros([SLOTS], it) + _inf_bits(MODE),
+        tl.zeros([SLOTS], ct),
+        tl.zeros([SLOTS], tl.int32),
+    )
+    hist = tl.zeros([NBP], tl.int32)
+    full_end = start + ((end - start) // BLOCK) * BLOCK
+    for off in range(start, full_end, BLOCK):
+        x, m = _tile(
+            ptr, tl.multiple_of(off, BLOCK), end, lut_ptr, geo, MODE, VEC, K, SLOTS, False, STRIDED
+        )
+        state, hist = _step(
+            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, False, K * VEC, BLOCK
+        )
+    if full_end < end:
+        x, m = _tile(ptr, full_end, end, lut_ptr, geo, MODE, VEC, K, SLOTS, True, STRIDED)
+        state, hist = _step(
+            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, True, K * VEC, BLOCK
+        )
+    return state, hist
+
+
+@triton.jit
+def _merged(E, n, mean, m2, p1, p2, p4, p8):
+    """The moments of parts ``(E, n, mean, m2, p1, p2, p4, p8)`` (vectors; each part's
+    sums scaled by ``2**-E``) as one part scaled by the largest ``2**-E``."""
+    Et = tl.max(E)
+    r = _pow2_f64(E - Et)
+    r2 = r * r
+    r4 = r2 * r2
+    nt = tl.sum(n)
+    mean = mean * r
+    mt = tl.sum(n * mean) / tl.maximum(nt, 1.0)
+    dev = mean - mt
+    m2t = tl.sum(m2 * r2 + n * dev * dev)
+    return Et, nt, mt, m2t, tl.sum(p1 * r), tl.sum(p2 * r2), tl.sum(p4 * r4), tl.sum(p8 * (r4 * r4))
 
 
 @triton.jit
@@ -204,147 +460,47 @@ def _merge(a, b):
 
 
 @triton.jit
-def _scan(
-    ptr,
-    start,
-    end,
-    lut_ptr,
-    fmax,
-    MODE: tl.constexpr,
-    SUB: tl.constexpr,
-    DMIN: tl.constexpr,
-    NBP: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """The partial summary of elements ``[start, end)`` of a tensor, and its exponent
-    counts (index ``e - DMIN`` for exponent ``e``) in ``NBP`` registers."""
-    ar = tl.arange(0, BLOCK)
-    nan_c = tl.full([], 0, tl.int64)
-    inf_c = tl.full([], 0, tl.int64)
-    zero_c = tl.full([], 0, tl.int64)
-    over_c = tl.full([], 0, tl.int64)
-    mn = tl.full([], float("inf"), tl.float32)
-    mx = tl.full([], float("-inf"), tl.float32)
-    amin = tl.full([], 0x7F800000, tl.int32)  # bits of the smallest finite magnitude
-    amax = tl.full([], 0, tl.int32)
-    E, n, mean, m2, p1, p2, p4, p8 = _no_moments()
-    hist = tl.zeros([NBP], tl.int32)
-    for off in range(start, end, BLOCK):
-        idx = off + ar
-        m = idx < end
-        x = _load(ptr, idx, m, lut_ptr, MODE)
-        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        fin = m & (bits < 0x7F800000)
-        zero = m & (bits == 0)
-        nan_c += tl.sum((m & (bits > 0x7F800000)).to(tl.int32))
-        inf_c += tl.sum((m & (bits == 0x7F800000)).to(tl.int32))
-        zero_c += tl.sum(zero.to(tl.int32))
-        xf = tl.where(fin, x, 0.0)
-        a = tl.abs(xf)
-        over_c += tl.sum((a > fmax).to(tl.int32))
-        mn = tl.minimum(mn, tl.min(tl.where(fin, x, float("inf"))))
-        mx = tl.maximum(mx, tl.max(tl.where(fin, x, float("-inf"))))
-        amin = tl.minimum(amin, tl.min(tl.where(fin, bits, 0x7F800000)))
-        top_bits = tl.max(tl.where(fin, bits, 0))
-        amax = tl.maximum(amax, top_bits)
-
-        # moments of the block, scaled by 2**-Eb, Eb the block's largest exponent + 1 (at
-        # least the running E; subnormals exactly: -148 for 2**-149), in two factors that
-        # each stay a normal float32
-        Eb = tl.maximum(E, _exponent(top_bits, SUB) + 1)
-        h = Eb >> 1
-        q_signed = (xf * _pow2_f32(-h)) * _pow2_f32(h - Eb)
-        q = tl.abs(q_signed)
-        nb = tl.sum(fin.to(tl.int32)).to(tl.float64)
-        # float64 sum for the mean (it may be far smaller than the spread); the centred
-        # sum from deviations of the float32-rounded mean c, corrected for c's offset
-        meanb = tl.sum(q_signed.to(tl.float64)) / tl.maximum(nb, 1.0)
-        c = meanb.to(tl.float32)
-        d = tl.where(fin, q_signed - c, 0.0)
-        shift = meanb - c.to(tl.float64)
-        m2b = tl.sum(d * d).to(tl.float64) - nb * shift * shift
-        q2 = q * q
-        q4 = q2 * q2
-        p1b = tl.sum(q).to(tl.float64)
-        p2b = tl.sum(q2).to(tl.float64)
-        p4b = tl.sum(q4).to(tl.float64)
-        p8b = tl.sum(q4 * q4).to(tl.float64)
-        block = (Eb, nb, meanb, tl.maximum(m2b, 0.0), p1b, p2b, p4b, p8b)
-        E, n, mean, m2, p1, p2, p4, p8 = _merge((E, n, mean, m2, p1, p2, p4, p8), block)
-
-        # exponent counts
-        ex = _exponent(bits, SUB) - DMIN
-        hist += tl.histogram(ex, NBP, mask=fin & ~zero)
-    amin_f, amax_f = amin.to(tl.float32, bitcast=True), amax.to(tl.float32, bitcast=True)
-    counts = (nan_c, inf_c, zero_c, over_c, mn, mx, amin_f, amax_f)
-    return counts, (E, n, mean, m2, p1, p2, p4, p8), hist
-
-
-@triton.jit
-def _store_part(ptr, counts, moments):
-    """Writes the 16 fields of a (partial) row at ``ptr`` as float64: the 8 ``counts``
-    ``(nan, inf, zero, over, min, max, min|x|, max|x|)``, then the 8 ``moments``."""
-    for i in tl.static_range(8):
-        tl.store(ptr + i, counts[i].to(tl.float64))
-    for i in tl.static_range(8):
-        tl.store(ptr + 8 + i, moments[i].to(tl.float64))
-
-
-@triton.jit
-def _column(tile, cols, c: tl.constexpr):
-    """Column ``c`` of a ``[GROUP, 16]`` tile of partial rows."""
-    return tl.sum(tl.where(cols[None, :] == c, tile, 0.0), axis=1)
+def _store_fields(ptr, fields):
+    """Writes fields ``OVER .. P8`` (3 .. 15) of a (partial) row at ``ptr`` as float64."""
+    for i in tl.static_range(13):
+        tl.store(ptr + 3 + i, fields[i].to(tl.float64))
 
 
 @triton.jit
 def _merge_parts(base, n_parts, GROUP: tl.constexpr):
-    """The merge of the ``n_parts`` partial rows at ``base`` (written by other programs:
-    read past the caches)."""
+    """Fields ``OVER .. P8`` of the merge of the ``n_parts`` partial rows at ``base``
+    (written by other programs: read past the caches)."""
     g = tl.arange(0, GROUP)
-    cols = tl.arange(0, 16)
-    nan_c = tl.full([], 0.0, tl.float64)
-    inf_c = tl.full([], 0.0, tl.float64)
-    zero_c = tl.full([], 0.0, tl.float64)
-    over_c = tl.full([], 0.0, tl.float64)
+    over = tl.full([], 0.0, tl.float64)
     mn = tl.full([], float("inf"), tl.float64)
     mx = tl.full([], float("-inf"), tl.float64)
     amin = tl.full([], float("inf"), tl.float64)
     amax = tl.full([], 0.0, tl.float64)
-    E, n, mean, m2, p1, p2, p4, p8 = _no_moments()
+    zero = tl.full([], 0.0, tl.float64)
+    moments = (tl.full([], -1074, tl.int32), zero, zero, zero, zero, zero, zero, zero)
     for i0 in range(0, n_parts, GROUP):
         ok = (i0 + g) < n_parts
-        tile = tl.load(
-            base + (i0 + g)[:, None] * 16 + cols[None, :],
-            mask=ok[:, None],
-            other=0.0,
-            volatile=True,
+        rows = base + (i0 + g) * 16
+        over += tl.sum(tl.load(rows + 3, mask=ok, other=0.0, volatile=True))
+        mn = tl.minimum(mn, tl.min(tl.load(rows + 4, mask=ok, other=float("inf"), volatile=True)))
+        mx = tl.maximum(mx, tl.max(tl.load(rows + 5, mask=ok, other=float("-inf"), volatile=True)))
+        amin = tl.minimum(
+            amin, tl.min(tl.load(rows + 6, mask=ok, other=float("inf"), volatile=True))
         )
-        nan_c += tl.sum(_column(tile, cols, 0))
-        inf_c += tl.sum(_column(tile, cols, 1))
-        zero_c += tl.sum(_column(tile, cols, 2))
-        over_c += tl.sum(_column(tile, cols, 3))
-        mn = tl.minimum(mn, tl.min(tl.where(ok, _column(tile, cols, 4), float("inf"))))
-        mx = tl.maximum(mx, tl.max(tl.where(ok, _column(tile, cols, 5), float("-inf"))))
-        amin = tl.minimum(amin, tl.min(tl.where(ok, _column(tile, cols, 6), float("inf"))))
-        amax = tl.maximum(amax, tl.max(_column(tile, cols, 7)))
-        Ei = tl.where(ok, _column(tile, cols, 8), -149.0).to(tl.int32)
-        ni = _column(tile, cols, 9)
-        Eg = tl.max(Ei)
-        r = _pow2_f64(Ei - Eg)
-        r2 = r * r
-        r4 = r2 * r2
-        meani = _column(tile, cols, 10) * r
-        ng = tl.sum(ni)
-        meang = tl.sum(ni * meani) / tl.maximum(ng, 1.0)
-        dev = meani - meang
-        m2g = tl.sum(_column(tile, cols, 11) * r2 + ni * dev * dev)
-        p1g = tl.sum(_column(tile, cols, 12) * r)
-        p2g = tl.sum(_column(tile, cols, 13) * r2)
-        p4g = tl.sum(_column(tile, cols, 14) * r4)
-        p8g = tl.sum(_column(tile, cols, 15) * (r4 * r4))
-        group = (Eg, ng, meang, m2g, p1g, p2g, p4g, p8g)
-        E, n, mean, m2, p1, p2, p4, p8 = _merge((E, n, mean, m2, p1, p2, p4, p8), group)
-    return (nan_c, inf_c, zero_c, over_c, mn, mx, amin, amax), (E, n, mean, m2, p1, p2, p4, p8)
+        amax = tl.maximum(amax, tl.max(tl.load(rows + 7, mask=ok, other=0.0, volatile=True)))
+        group = _merged(
+            tl.load(rows + 8, mask=ok, other=-1074.0, volatile=True).to(tl.int32),
+            tl.load(rows + 9, mask=ok, other=0.0, volatile=True),
+            tl.load(rows + 10, mask=ok, other=0.0, volatile=True),
+            tl.load(rows + 11, mask=ok, other=0.0, volatile=True),
+            tl.load(rows + 12, mask=ok, other=0.0, volatile=True),
+            tl.load(rows + 13, mask=ok, other=0.0, volatile=True),
+            tl.load(rows + 14, mask=ok, other=0.0, volatile=True),
+            tl.load(rows + 15, mask=ok, other=0.0, volatile=True),
+        )
+        moments = _merge(moments, group)
+    E, n, mean, m2, p1, p2, p4, p8 = moments
+    return (over, mn, mx, amin, amax, E, n, mean, m2, p1, p2, p4, p8)
 
 
 @triton.jit
@@ -358,57 +514,120 @@ def _summarize(
     n_parts,
     lut_ptr,
     fmax,
+    weight,
+    ext_ptr,
+    ext_off,
+    geo,
     MODE: tl.constexpr,
     SUB: tl.constexpr,
     DMIN: tl.constexpr,
     NBD: tl.constexpr,
     NBP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    ZKEY: tl.constexpr,
+    IKEY: tl.constexpr,
+    VEC: tl.constexpr,
+    K: tl.constexpr,
+    SLOTS: tl.constexpr,
+    OVER: tl.constexpr,
+    STRIDED: tl.constexpr,
+    EXT: tl.constexpr,
     GROUP: tl.constexpr,
 ):
     """One program's share ``[start, end)`` of a tensor whose row is at ``row``; with
     ``n_parts > 1`` programs, its partial row goes to ``part_ptr`` and the last program
-    merges the ``n_parts`` rows at ``parts_ptr`` into ``row``."""
-    counts, moments, hist = _scan(ptr, start, end, lut_ptr, fmax, MODE, SUB, DMIN, NBP, BLOCK)
-    bins = tl.arange(0, NBP)
-    if n_parts == 1:
-        _store_part(row, counts, moments)
-        tl.store(row + 17 + bins, hist.to(tl.float64), mask=bins < NBD)
+    merges the ``n_parts`` rows at ``parts_ptr`` into ``row``. Counts and sums are
+    multiplied by ``weight`` (the size of broadcast dimensions); with ``EXT``, the value
+    at ``ext_ptr`` is written to ``row + ext_off``."""
+    state, hist = _scan(
+        ptr, start, end, lut_ptr, fmax, geo, MODE, SUB, DMIN, NBD, NBP, VEC, K, SLOTS, OVER, STRIDED
+    )
+    E, cnt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over = state
+    wt = weight * tl.full([], 1.0, tl.float64)
+    Et, n, mt, m2t, p1t, p2t, p4t, p8t = _merged(E, cnt.to(tl.float64), mean, m2, p1, p2, p4, p8)
+    amin_t = tl.minimum(tl.min(amin), _inf_bits(MODE))
+    if MODE == 4:
+        amin_f = amin_t.to(tl.float64, bitcast=True)
     else:
-        _store_part(part_ptr, counts, moments)
+        amin_f = amin_t.to(tl.float32, bitcast=True)
+    fields = (
+        tl.sum(over).to(tl.float64) * wt,
+        tl.min(mn),
+        tl.max(mx),
+        amin_f,
+        tl.max(amax),
+        Et,
+        n * wt,
+        mt,
+        m2t * wt,
+        p1t * wt,
+        p2t * wt,
+        p4t * wt,
+        p8t * wt,
+    )
+    # the histogram's bins to the row: exponents after the header, then zero, inf, NaN
+    bins = tl.arange(0, NBP)
+    # HEADER + exponent, then the ZERO, INF and NAN fields
+    dest = tl.where(bins < NBD, 17 + bins, tl.where(bins == ZKEY, 2, (bins == IKEY).to(tl.int32)))
+    kept = (bins < NBD) | (bins == ZKEY) | (bins == IKEY) | (bins == IKEY + 1)
+    counts = hist.to(tl.float64) * wt
+    if n_parts == 1:
+        tl.store(row + dest, counts, mask=kept)
+        _store_fields(row, fields)
+        if EXT:
+            tl.store(row + ext_off, tl.load(ext_ptr).to(tl.float64))
+    else:
+        _store_fields(part_ptr, fields)
         tl.atomic_add(
-            row + 17 + bins, hist.to(tl.float64), mask=(bins < NBD) & (hist != 0), sem="relaxed"
+            row + dest, counts, mask=kept & (hist != 0), sem="relaxed"
         )  # read only by the host, after the kernel
         # every thread's stores before the counter's release (a barrier, then the atomic)
         tl.debug_barrier()
-        done = tl.atomic_add(row + 16, 1.0, sem="acq_rel")
+        done = tl.atomic_add(row + 16, 1.0, sem="acq_rel")  # COUNTER
         if done == n_parts - 1:
-            # the last program of the tensor (new names: a branch may not retype a value)
-            all_counts, all_moments = _merge_parts(parts_ptr, n_parts, GROUP)
-            _store_part(row, all_counts, all_moments)
+            # the last program of the tensor
+            _store_fields(row, _merge_parts(parts_ptr, n_parts, GROUP))
+            if EXT:
+                tl.store(row + ext_off, tl.load(ext_ptr).to(tl.float64))
 
 
-@triton.jit(do_not_specialize=["n", "row_off"])
+@triton.jit(do_not_specialize=["n", "tiles", "row_off", "ext_off", "s1", "s2", "t0", "t1", "t2"])
 def _summarize_one(
     x_ptr,
     n,
-    per_prog,
+    tiles,
     rows_ptr,
     row_off,
     scratch_ptr,
     lut_ptr,
     fmax,
+    weight,
+    ext_ptr,
+    ext_off,
+    s1,
+    s2,
+    t0,
+    t1,
+    t2,
     MODE: tl.constexpr,
     SUB: tl.constexpr,
     DMIN: tl.constexpr,
     NBD: tl.constexpr,
     NBP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    ZKEY: tl.constexpr,
+    IKEY: tl.constexpr,
+    VEC: tl.constexpr,
+    K: tl.constexpr,
+    SLOTS: tl.constexpr,
+    OVER: tl.constexpr,
+    STRIDED: tl.constexpr,
+    EXT: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    """One tensor ``x_ptr`` of ``n`` elements, ``per_prog`` per program, into the row at
-    ``rows_ptr + row_off``."""
+    """One tensor ``x_ptr`` of ``n`` elements, ``tiles`` tiles per program, into the row
+    at ``rows_ptr + row_off``; ``STRIDED``: the elements of the view of sizes ``(., s1,
+    s2)`` and strides ``(t0, t1, t2)``."""
     pid = tl.program_id(0)
+    per_prog = tiles.to(tl.int64) * (K * SLOTS * VEC)  # the tile's multiple: aligned
     start = pid.to(tl.int64) * per_prog
     end = tl.minimum(start + per_prog, n)
     if MODE == 2:  # bfloat16: read as int16 bits
@@ -425,14 +644,44 @@ def _summarize_one(
         tl.num_programs(0),
         lut_ptr,
         fmax,
+        weight,
+        ext_ptr,
+        ext_off,
+        (s1, s2, t0, t1, t2),
         MODE,
         SUB,
         DMIN,
         NBD,
         NBP,
-        BLOCK,
+        ZKEY,
+        IKEY,
+        VEC,
+        K,
+        SLOTS,
+        OVER,
+        STRIDED,
+        EXT,
         GROUP,
     )
+
+
+@triton.jit
+def _typed(addr, MODE: tl.constexpr, ALIGNED: tl.constexpr):
+    """The address ``addr`` (int64) as a pointer to the elements :func:`_load` reads
+    (known to be 16-byte aligned when ``ALIGNED``)."""
+    if MODE == 0:
+        p = addr.to(tl.pointer_type(tl.float32))
+    elif MODE == 1:
+        p = addr.to(tl.pointer_type(tl.float16))
+    elif MODE == 2:
+        p = addr.to(tl.pointer_type(tl.int16))
+    elif MODE == 4:
+        p = addr.to(tl.pointer_type(tl.float64))
+    else:
+        p = addr.to(tl.pointer_type(tl.uint8))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
 
 
 @triton.jit
@@ -447,18 +696,24 @@ def _summarize_many(
     DMIN: tl.constexpr,
     NBD: tl.constexpr,
     NBP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    ZKEY: tl.constexpr,
+    IKEY: tl.constexpr,
+    VEC: tl.constexpr,
+    K: tl.constexpr,
+    SLOTS: tl.constexpr,
+    OVER: tl.constexpr,
+    ALIGNED: tl.constexpr,
     GROUP: tl.constexpr,
 ):
     """Many tensors of one dtype: program ``i`` reads row ``i`` of the table ``(address,
-    start, end, row offset, part, parts, first part)``."""
+    start, end, row offset, part, parts, first part)``; ``ALIGNED``: every address is a
+    multiple of 16 bytes."""
     t = table_ptr + tl.program_id(0) * 7
-    ptr = _typed(tl.load(t), MODE)
     part = tl.load(t + 4)
     first = tl.load(t + 6)
     _summarize(
-        ptr,
-        tl.load(t + 1),
+        _typed(tl.load(t), MODE, ALIGNED),
+        tl.multiple_of(tl.load(t + 1), K * SLOTS * VEC),
         tl.load(t + 2),
         rows_ptr + tl.load(t + 3),
         scratch_ptr + (first + part) * 16,
@@ -466,12 +721,23 @@ def _summarize_many(
         tl.load(t + 5),
         lut_ptr,
         fmax,
+        1.0,
+        rows_ptr,
+        0,
+        (1, 1, 0, 0, 0),
         MODE,
         SUB,
         DMIN,
         NBD,
         NBP,
-        BLOCK,
+        ZKEY,
+        IKEY,
+        VEC,
+        K,
+        SLOTS,
+        OVER,
+        False,
+        False,
         GROUP,
     )
 
@@ -491,10 +757,13 @@ class Spec:
     Attributes:
         dtype: the torch dtype.
         mode: 0 float32, 1 float16, 2 bfloat16 (as int16 bits), 3 an 8-bit format (as
-            uint8 codes through a table of their values).
-        sub: whether values can be float32 subnormals (their exponents need more work).
+            uint8 codes through a table of their values), 4 float64.
+        sub: whether values can be subnormal in the compute type (float32, float64 for
+            mode 4): their exponents need more work.
         dmin, nbd: the dtype's smallest exponent and its number of exponents: a row
             holds ``nbd`` counts, of exponents ``dmin .. dmin + nbd - 1``.
+        vmax: the dtype's largest finite value (values above a format's max exist only
+            when it is larger).
         lut: the 256 values of an 8-bit format as float32 (mode 3), else ``None``.
     """
 
@@ -503,12 +772,51 @@ class Spec:
     sub: bool
     dmin: int
     nbd: int
+    vmax: float
     lut: np.ndarray | None = field(default=None, compare=False)
 
-    @property
-    def nbp(self) -> int:
-        """Registers of a program's exponent table: ``nbd`` rounded up to a power of two."""
-        return 1 << max(4, (self.nbd - 1).bit_length())
+    @cached_property
+    def keys(self) -> tuple[int, int, int]:
+        """``(bins, zero's bin, inf's bin)`` of a program's histogram (NaN's is inf's + 1).
+
+        The kernel's key of a value is ``(e - dmin + isnan) & (bins - 1)`` for the
+        exponent ``e`` its formula gives: the exponent for finite non-zero values, one
+        above the compute type's largest for inf and NaN, a fixed one far below the
+        smallest for zeros (wrapped around by the mask). ``bins`` is the smallest power
+        of two that keeps those three bins apart and above the exponents' ``nbd``."""
+        top, low = (1024, -2097) if self.mode == 4 else (128, -276 if self.sub else -127)
+        bins = 16
+        while True:
+            zero, inf = (low - self.dmin) % bins, (top - self.dmin) % bins
+            if len({zero, inf, (inf + 1) % bins}) == 3 and min(zero, inf, inf + 1) >= self.nbd:
+                return bins, zero, inf
+            bins *= 2
+
+    @cached_property
+    def per_thread(self) -> int:
+        """Elements a thread reads per tile: :data:`PER_THREAD`, half as many of float64
+        (twice the registers each)."""
+        return PER_THREAD // 2 if self.mode == 4 else PER_THREAD
+
+    @cached_property
+    def vec(self) -> int:
+        """Elements of one load: 16 bytes, 8 bytes of 8-bit formats."""
+        return min(16 // self.dtype.itemsize, self.per_thread)
+
+    @cached_property
+    def k(self) -> int:
+        """Loads per thread and tile."""
+        return self.per_thread // self.vec
+
+    @cached_property
+    def maxnreg(self) -> int | None:
+        """The register cap of the kernels (none for float64: it would spill)."""
+        return None if self.mode == 4 else MAXNREG
+
+    @cached_property
+    def block(self) -> int:
+        """Elements of a tile."""
+        return self.k * SLOTS * self.vec
 
     @property
     def row_size(self) -> int:
@@ -516,13 +824,13 @@ class Spec:
         return HEADER + self.nbd
 
 
-_MODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_MODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 4}
 
 
 @cache
 def spec_for(dtype: torch.dtype) -> Spec | None:
-    """The :class:`Spec` of ``dtype``, or ``None`` if the kernel does not read it (float64,
-    and formats wider than 8 bits that are not float32, float16 or bfloat16)."""
+    """The :class:`Spec` of ``dtype``, or ``None`` if the kernel does not read it (formats
+    wider than 8 bits other than float64, float32, float16 and bfloat16)."""
     name = str(dtype).removeprefix("torch.")
     mode = _MODES.get(dtype)
     lut = None
@@ -535,7 +843,8 @@ def spec_for(dtype: torch.dtype) -> Spec | None:
     if mode is None:
         mode = 3
         lut = np.arange(256, dtype=np.uint8).view(getattr(ml_dtypes, name)).astype(np.float32)
-    return Spec(dtype, mode, fmt.min_exponent < -126, fmt.min_exponent, fmt.num_bins, lut)
+    sub = fmt.min_exponent < (-1022 if mode == 4 else -126)
+    return Spec(dtype, mode, sub, fmt.min_exponent, fmt.num_bins, fmt.max, lut)
 
 
 def row_size(spec: Spec, layout: Layout) -> int:
@@ -563,49 +872,120 @@ def _lut(spec: Spec, device: torch.device, fallback: torch.Tensor) -> torch.Tens
     return t
 
 
-def _parts(n: int, max_parts: int) -> tuple[int, int]:
-    """``(parts, elements per part)`` for a tensor of ``n`` elements: one part up to
-    :data:`MIN_CHUNK` elements, at most ``max_parts``, each a multiple of :data:`BLOCK`."""
-    parts = min(max(1, -(-n // MIN_CHUNK)), max_parts)
-    per_part = -(-n // parts)
-    per = -(-per_part // BLOCK) * BLOCK
+def _parts(n: int, max_parts: int, block: int) -> tuple[int, int]:
+    """``(programs, elements per program)`` for a tensor of ``n`` elements and tiles of
+    ``block``: one program up to :data:`ONE_PROGRAM` tiles, else up to ``max_parts`` of
+    whole tiles, as many as there are tiles (mid-size tensors fill the GPU)."""
+    if n <= ONE_PROGRAM * block:
+        return 1, n
+    tiles = -(-n // block)
+    parts = min(tiles, max_parts)
+    per = -(-tiles // parts) * block
     return -(-n // per), per
 
 
-def scratch_rows(n: int, max_parts: int) -> int:
-    """Scratch rows (of :data:`PART` float64) one tensor of ``n`` elements needs."""
-    parts = _parts(n, max_parts)[0]
+def scratch_rows(n: int, max_parts: int, spec: Spec | None = None) -> int:
+    """Scratch rows (of :data:`PART` float64) one tensor of ``n`` elements of ``spec``'s
+    dtype needs (without ``spec``: enough for any dtype)."""
+    block = spec.block if spec is not None else SLOTS * PER_THREAD // 2  # float64's, the least
+    parts = _parts(n, max_parts, block)[0]
     return parts if parts > 1 else 0
 
 
+@dataclass(frozen=True, eq=False)
+class _Consts:
+    """A kernel variant: its compile-time arguments and launch options (``kwargs``), and
+    their values in the order of the kernel's parameters after the runtime ones (``tail``:
+    what a prebuilt launcher takes after them)."""
+
+    kwargs: dict[str, Any]
+    tail: tuple[Any, ...]
+
+
 @cache
-def _consts(spec: Spec) -> dict[str, Any]:
-    """The compile-time arguments and launch options of ``spec``'s kernels."""
-    return dict(
+def _consts(
+    spec: Spec, over: bool, strided: int = 0, ext: bool = False, aligned: bool | None = None
+) -> _Consts:
+    """The variant of ``spec``'s kernels: ``over``, values above the layout format's max
+    are counted; ``strided``, a gappy view (1: offsets below 2**31, 2: larger; no
+    register cap: its index arithmetic would
+    spill); ``ext``, a statistic is copied in; ``aligned`` (:func:`launch_many` only):
+    every address of the table is 16-byte aligned."""
+    bins, zkey, ikey = spec.keys
+    kw: dict[str, Any] = dict(
         MODE=spec.mode,
         SUB=spec.sub,
         DMIN=spec.dmin,
         NBD=spec.nbd,
-        NBP=spec.nbp,
-        BLOCK=BLOCK,
-        GROUP=GROUP,
-        num_warps=NUM_WARPS,
-        enable_fp_fusion=True,
+        NBP=bins,
+        ZKEY=zkey,
+        IKEY=ikey,
+        VEC=spec.vec,
+        K=spec.k,
+        SLOTS=SLOTS,
+        OVER=over,
+    )
+    if aligned is None:
+        kw.update(STRIDED=strided, EXT=ext)
+    else:
+        kw.update(ALIGNED=aligned)
+    kw["GROUP"] = GROUP
+    tail = tuple(kw.values())
+    kw.update(num_warps=NUM_WARPS, maxnreg=None if strided else spec.maxnreg, enable_fp_fusion=True)
+    return _Consts(kw, tail)
+
+
+#: Prebuilt launchers: the compiled kernel of each variant, device and pointer alignment.
+_launchers: dict[tuple[Any, ...], Any] = {}
+
+
+def _launch(
+    kernel: Any,
+    programs: int,
+    args: tuple[Any, ...],
+    consts: _Consts,
+    ptrs: tuple[torch.Tensor, ...],
+) -> None:
+    """``kernel[(programs,)](*args, **consts.kwargs)`` on the current stream.
+
+    Triton's ``kernel[grid](...)`` binds and specializes the arguments on every call. The
+    first call of a variant does that (and compiles); later calls launch the compiled
+    kernel directly, keyed by everything Triton specializes these kernels on: the variant
+    (compile-time arguments), the device, and the element type and 16-byte alignment of
+    each pointer ``ptrs`` (every integer argument is ``do_not_specialize``, floats never
+    are)."""
+    if INTERPRETED:
+        kernel[(programs,)](*args, **consts.kwargs)
+        return
+    device = ptrs[0].device.index
+    key = (kernel, consts, device, *((t.dtype, t.data_ptr() % 16 == 0) for t in ptrs))
+    compiled = _launchers.get(key)
+    if compiled is None:
+        compiled = kernel[(programs,)](*args, **consts.kwargs)
+        if compiled is not None:  # (None: a compile-only stand-in)
+            _launchers[key] = compiled
+        return
+    stream = driver.active.get_current_stream(device)
+    full = (*args, *consts.tail)
+    hook = knobs.runtime.launch_enter_hook
+    meta = None if hook is None else compiled.launch_metadata((programs, 1, 1), stream, *full)
+    compiled.run(
+        programs,
+        1,
+        1,
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        meta,
+        hook,
+        knobs.runtime.launch_exit_hook,
+        *full,
     )
 
 
-def _flat(x: torch.Tensor, spec: Spec) -> torch.Tensor:
-    """``x``'s elements as one dense range of memory: ``x`` itself when it covers its
-    memory without gaps in any order (the statistics ignore order), else a contiguous
-    copy (and a lazily negated view, whose memory holds the values' negatives, is resolved
-    into one). 8-bit formats are viewed as bytes."""
-    if x.is_neg():
-        x = x.resolve_neg()
-    if not (x.is_contiguous() or _dense(x)):
-        x = x.contiguous()
-    if spec.mode == 3:
-        x = x.view(torch.uint8)
-    return x
+def _over(spec: Spec, layout: Layout) -> bool:
+    """Whether ``spec``'s dtype holds finite values above the layout format's max."""
+    return spec.vmax > layout.format.max
 
 
 def _dense(x: torch.Tensor) -> bool:
@@ -621,6 +1001,69 @@ def _dense(x: torch.Tensor) -> bool:
     return True
 
 
+def _reach(n: int, geo: tuple[int, ...]) -> int:
+    """The largest element index or offset the kernel computes for ``n`` elements of a
+    view of geometry ``geo`` (sizes ``(., s1, s2)``, strides ``(t0, t1, t2)``)."""
+    s1, s2, t0, t1, t2 = geo
+    return max(n + 8 * SLOTS * PER_THREAD, (n // (s1 * s2)) * t0 + s1 * t1 + s2 * t2)
+
+
+def _view(x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, int, tuple[int, ...] | None]:
+    """``(base, weight, geometry)``: how the kernel reads ``x`` without a copy.
+
+    Broadcast dimensions (stride 0) are read once and weighted by their sizes' product.
+    ``geometry`` is ``None`` when the rest covers its memory densely (in any order: the
+    statistics ignore order), else ``(s1, s2, t0, t1, t2)``: the rest as a view of at
+    most three dimensions, sizes ``(., s1, s2)`` and strides ``(t0, t1, t2)`` in
+    elements from ``base``'s data pointer. A view that needs more dimensions is copied
+    (rare: a gappy slice of a gappy slice). A lazily negated view, whose memory holds the
+    values' negatives, is resolved into a copy. 8-bit formats are viewed as bytes."""
+    if x.is_neg():
+        x = x.resolve_neg()
+    weight = 1
+    if 0 in x.stride():
+        idx = tuple(
+            slice(0, 1) if st == 0 and sz > 1 else slice(None)
+            for sz, st in zip(x.shape, x.stride())
+        )
+        for sz, st in zip(x.shape, x.stride()):
+            if st == 0:
+                weight *= sz
+        x = x[idx]
+    if spec.mode == 3:
+        x = x.view(torch.uint8)
+    if x.is_contiguous() or _dense(x):
+        return x, weight, None
+    dims = sorted(((sz, st) for sz, st in zip(x.shape, x.stride()) if sz != 1), key=lambda p: -p[1])
+    merged: list[list[int]] = []
+    for sz, st in dims:  # join a dimension to the one before when it continues it
+        if merged and merged[-1][1] == st * sz:
+            merged[-1] = [merged[-1][0] * sz, st]
+        else:
+            merged.append([sz, st])
+    if len(merged) > 3:
+        return x.contiguous(), weight, None
+    while len(merged) < 3:
+        merged.insert(0, [1, 0])
+    (_, t0), (s1, t1), (s2, t2) = merged
+    return x, weight, (s1, s2, t0, t1, t2)
+
+
+def clear_caches() -> None:
+    """Forget the kernel variants, launchers and dtype specs (after a change of the tile
+    constants: tests and tuning)."""
+    _consts.cache_clear()
+    spec_for.cache_clear()
+    _fold.cache_clear()
+    _plans.clear()
+    _launchers.clear()
+
+
+#: launch_one's variant and format max per (spec, layout, strided, statistic copied), by
+#: identity (hashing the dataclasses on every hook would cost more than the rest).
+_plans: dict[tuple[int, int, int, bool], tuple[_Consts, float, Spec, Layout]] = {}
+
+
 def launch_one(
     x: torch.Tensor,
     spec: Spec,
@@ -629,23 +1072,34 @@ def launch_one(
     offset: int,
     scratch: torch.Tensor,
     max_parts: int,
+    *,
+    extra: tuple[int, torch.Tensor] | None = None,
 ) -> None:
     """Summarize ``x`` (dtype ``spec.dtype``, not empty) into ``rows[offset:]`` (zeros) in
-    one launch, on the current stream; ``scratch`` holds :func:`scratch_rows` rows."""
-    flat = _flat(x, spec)
-    n = flat.numel()
-    parts, per = _parts(n, max_parts)
-    _summarize_one[(parts,)](
-        flat,
-        n,
-        per,
-        rows,
-        offset,
-        scratch,
-        _lut(spec, x.device, rows),
-        _fmax(layout),
-        **_consts(spec),
-    )
+    one launch, on the current stream; ``scratch`` holds :func:`scratch_rows` rows.
+
+    ``extra``: ``(column, value)``: the kernel also writes the 1-element tensor ``value``
+    (on ``x``'s device; a ``GradScaler``'s scale) to custom statistic ``column`` of the
+    layout, instead of a copy of its own per call."""
+    base, weight, geo = _view(x, spec)
+    n = base.numel()
+    parts, per = _parts(n, max_parts, spec.block)
+    if extra is None:
+        ext, ext_off = rows, 0
+    else:
+        ext_off = spec.row_size + extra[0]
+        ext = extra[1]
+    lut = _lut(spec, x.device, rows)
+    strided = 0 if geo is None else 1 if _reach(n, geo) < 2**31 else 2
+    key = (id(spec), id(layout), strided, extra is not None)
+    plan = _plans.get(key)
+    if plan is None:  # (the key's objects are kept alive with the plan)
+        consts = _consts(spec, _over(spec, layout), strided, extra is not None)
+        plan = _plans[key] = (consts, _fmax(layout), spec, layout)
+    args: tuple[Any, ...] = (base, n, -(-per // spec.block), rows, offset, scratch, lut)
+    args += (plan[1], float(weight), ext, ext_off, *(geo or (1, 1, 0, 0, 0)))
+    consts = plan[0]
+    _launch(_summarize_one, parts, args, consts, (base, rows, scratch, lut, ext))
 
 
 def launch_many(
@@ -658,14 +1112,32 @@ def launch_many(
     max_parts: int,
 ) -> None:
     """Summarize non-empty tensors of dtype ``spec.dtype`` on one device into
-    ``rows[offsets[i]:]`` in one launch, on the current stream.
+    ``rows[offsets[i]:]`` in one launch, on the current stream; a tensor that does not
+    cover its memory densely (rare among parameters and their state) gets its own launch
+    (:func:`launch_one`), which reads it in place.
 
     ``scratch_for(k)`` must return a float64 tensor of at least ``k`` partial rows. The
-    table (and any contiguous copy of a gappy view) may be dropped once launched: the
-    caching allocator reuses memory only for work queued after it on this stream."""
-    flats = [_flat(t, spec) for t in tensors]
+    table may be dropped once launched: the caching allocator reuses memory only for work
+    queued after it on this stream."""
+    flats, offs = [], []
+    for t, off in zip(tensors, offsets):
+        if t.is_neg() or not (t.is_contiguous() or _dense(t)):
+            launch_one(
+                t,
+                spec,
+                layout,
+                rows,
+                off,
+                scratch_for(scratch_rows(t.numel(), max_parts, spec)),
+                max_parts,
+            )
+        else:
+            flats.append(t.view(torch.uint8) if spec.mode == 3 else t)
+            offs.append(off)
+    if not flats:
+        return
     ns = np.array([f.numel() for f in flats], dtype=np.int64)
-    split = [_parts(int(k), max_parts) for k in ns]
+    split = [_parts(int(k), max_parts, spec.block) for k in ns]
     parts = np.array([p for p, _ in split], dtype=np.int64)
     per = np.array([q for _, q in split], dtype=np.int64)
     owner = np.repeat(np.arange(len(flats)), parts)
@@ -673,11 +1145,12 @@ def launch_many(
     part = np.arange(owner.size) - first_of[owner]
     multi = parts > 1
     scratch_first = np.cumsum(np.where(multi, parts, 0)) - np.where(multi, parts, 0)
+    addresses = np.array([f.data_ptr() for f in flats], dtype=np.int64)
     table = np.empty((owner.size, _TABLE), dtype=np.int64)
-    table[:, 0] = np.array([f.data_ptr() for f in flats], dtype=np.int64)[owner]
+    table[:, 0] = addresses[owner]
     table[:, 1] = part * per[owner]
     table[:, 2] = np.minimum(table[:, 1] + per[owner], ns[owner])
-    table[:, 3] = np.asarray(offsets, dtype=np.int64)[owner]
+    table[:, 3] = np.asarray(offs, dtype=np.int64)[owner]
     table[:, 4] = part
     table[:, 5] = parts[owner]
     table[:, 6] = scratch_first[owner]
@@ -686,40 +1159,56 @@ def launch_many(
     if rows.device.type == "cuda":  # pinned by the caching host allocator: reused once copied
         host_table = host_table.pin_memory()
     dev_table = host_table.to(rows.device, non_blocking=True)
-    _summarize_many[(owner.size,)](
-        dev_table, rows, scratch, _lut(spec, rows.device, rows), _fmax(layout), **_consts(spec)
-    )
+    lut = _lut(spec, rows.device, rows)
+    consts = _consts(spec, _over(spec, layout), aligned=bool((addresses % 16 == 0).all()))
+    args = (dev_table, rows, scratch, lut, _fmax(layout))
+    _launch(_summarize_many, int(owner.size), args, consts, (dev_table, rows, scratch, lut))
 
 
 def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
     """The layout's summary vectors (``CORE_FIELDS``, exponent counts, custom statistics)
     from rows of ``spec``'s tensors, one per row of the 2-D array ``rows``.
 
+    The kernel read non-finite values as zeros in the moments and the extrema; here they
+    are taken out again: ``n`` values of mean ``mean`` and centred second moment ``m2``
+    of which ``z`` are such zeros hold ``n - z`` finite values of mean
+    ``mean * n / (n - z)`` and second moment ``m2 - mean_f**2 * (n - z) * z / n``
+    (Chan's formula backwards); a 0 that is no value changes the min or max only when
+    there are no zeros, where the min of positive values is ``min|x|`` (and the max of
+    negative ones ``-min|x|``).
+
     Arguments:
         rows: float64 rows of :func:`row_size` values (numpy, or torch with ``xp=torch``).
         xp: the array module: ``numpy`` (host) or ``torch`` (on the rows' device).
     """
     col = [rows[:, i] for i in range(PART)]
-    nfin = col[N_FINITE]
+    numel = col[N_READ]
+    z = col[NAN] + col[INF]
+    nfin = numel - z
     has = nfin > 0
-    numel = nfin + col[NAN] + col[INF]
     s = col[MAX_ABS]
     e = col[SCALE_EXP]
-    # moments were summed of x / 2**E; the layout's are of x / max|x| (1 when 0)
-    r = 2.0**e / xp.where(s > 0, s, 1.0)
+    # moments were summed of x / 2**E; the layout's are of x / max|x| (1 when 0); 2**E
+    # in halves: it reaches 2**1024 for float64 tensors near their max
+    h = 2.0 ** (e - 1)
+    r = h / xp.where(s > 0, s, 1.0) * 2.0
     r2 = r * r
+    mean_f = col[MEAN] * numel / xp.where(has, nfin, 1.0)
+    m2 = col[M2] - mean_f * mean_f * nfin * z / xp.where(numel > 0, numel, 1.0)
+    patched = (z > 0) & (col[ZERO] == 0)
+    mn, mx, amin = col[MIN], col[MAX], col[MIN_ABS]
     inf = float("inf")
     core = {
         "numel": numel,
         "nan_count": col[NAN],
         "inf_count": col[INF],
         "zero_count": col[ZERO],
-        "min": xp.where(has, col[MIN], inf),
-        "max": xp.where(has, col[MAX], -inf),
-        "min_abs": xp.where(has, col[MIN_ABS], inf),
+        "min": xp.where(has, xp.where(patched & (mn >= 0), amin, mn), inf),
+        "max": xp.where(has, xp.where(patched & (mx <= 0), -amin, mx), -inf),
+        "min_abs": xp.where(has, amin, inf),
         "max_abs": xp.where(has, s, 0.0),
-        "mean": xp.where(has, col[MEAN] * 2.0**e, 0.0),
-        "m2": col[M2] * r2,
+        "mean": xp.where(has, mean_f * h * 2.0, 0.0),
+        "m2": xp.where(m2 > 0, m2, 0.0) * r2,
         "p1": col[P1] * r,
         "p2": col[P2] * r2,
         "p4": col[P4] * r2 * r2,

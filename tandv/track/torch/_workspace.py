@@ -178,6 +178,10 @@ class Workspace:
         with space.lock, _on(device):  # the rows buffer may not be replaced before the launch
             slots = [Slot(device, space.reserve(size), size, layout, spec) for _ in tensors]
             live = [(t, s.offset) for t, s in zip(tensors, slots) if t.numel()]
+            names = [name for name, _ in layout.extras]
+            # a hook's only statistic, a 1-element device tensor (a GradScaler's scale):
+            # written by the kernel, not copied by one more operation
+            extra = _scalar_on(extras[0], names, device) if len(slots) == len(live) == 1 else None
             if len(live) == 1:
                 t, off = live[0]
                 _fused.launch_one(
@@ -186,8 +190,9 @@ class Workspace:
                     layout,
                     space.rows,
                     off,
-                    space.scratch_for(_fused.scratch_rows(t.numel(), space.max_parts)),
+                    space.scratch_for(_fused.scratch_rows(t.numel(), space.max_parts, spec)),
                     space.max_parts,
+                    extra=extra,
                 )
             elif live:
                 _fused.launch_many(
@@ -199,9 +204,8 @@ class Workspace:
                     space.scratch_for,
                     space.max_parts,
                 )
-            names = [name for name, _ in layout.extras]
             for s, ex in zip(slots, extras):
-                if names:
+                if names and extra is None:
                     a = s.offset + spec.row_size
                     space.rows[a : a + len(names)].copy_(extras_vector(ex, names, device))
         return slots
@@ -266,6 +270,24 @@ def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> li
         for i, v in zip(idx, done):
             out[i] = v
     return out
+
+
+def _scalar_on(
+    extras: Mapping[str, Any], names: list[str], device: torch.device
+) -> tuple[int, torch.Tensor] | None:
+    """``(0, value)`` when ``extras`` is one floating-point 1-element tensor on ``device``
+    (the fused kernel then writes it), else ``None``."""
+    if len(names) != 1:
+        return None
+    v = extras[names[0]]
+    if (
+        isinstance(v, torch.Tensor)
+        and v.numel() == 1
+        and v.is_floating_point()
+        and v.device == device
+    ):
+        return 0, v
+    return None
 
 
 def _on(device: torch.device) -> Any:
