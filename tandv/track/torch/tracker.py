@@ -203,7 +203,7 @@ class Tracker(TrackerCore[Flight | None]):
             for b, v in m.named_buffers(recurse=False)
             if v is not None and v.is_floating_point()
         ]
-        self._last: tuple[torch.Tensor, int, Layout, np.ndarray | Slot] | None = None
+        self._last: tuple[weakref.ref[torch.Tensor], int, Layout, np.ndarray | Slot] | None = None
         self._workspace = Workspace()
         self._handles: list[Any] = []
         self._compiled: CompiledHooks | None = None
@@ -254,10 +254,12 @@ class Tracker(TrackerCore[Flight | None]):
         if part is None:
             return None
         last = self._last
-        if last is not None and last[0] is x and last[1] == x._version:
+        if last is not None and last[0]() is x and last[1] == x._version:
             # The same tensor again, unchanged: a container returning its last child's
             # output (``mlp`` and ``mlp.fc2``, the root and its head) or the gradient both
-            # receive. Reuse its summary instead of reducing it twice.
+            # receive. Reuse its summary instead of reducing it twice. The tensor is held
+            # by a weak reference: the root's output (the logits) must not live on through
+            # the loss and the backward pass because the tracker saw it.
             return key, last[2], last[3]
         d = part.detach()
         extras = self._extras(d)
@@ -267,7 +269,9 @@ class Tracker(TrackerCore[Flight | None]):
                 extras[LOSS_SCALE] = scale
         lay = self._layout(d.dtype, tuple(extras))
         summary = self._workspace.summaries([d], lay, [extras])[0]
-        self._last = (x, x._version, lay, summary)  # held until the next observation or step end
+        # (a weak reference: a dead tensor cannot be seen again, and a new tensor at the
+        # same address is another object)
+        self._last = (weakref.ref(x), x._version, lay, summary)
         return key, lay, summary
 
     def _summaries(
