@@ -52,6 +52,11 @@ class TrackerCore(Generic[Transfer]):
     #: whether a tracker used without ``with`` opens its log at its first use; otherwise such
     #: a use is an error (PyTorch's hooks must be in place before the step's forward pass)
     opens_lazily: ClassVar[bool] = False
+    #: whether a landed step's summaries are moved to the host (:meth:`_to_host`), merged
+    #: and built into rows later on the log's writer thread, off the training thread (the
+    #: adapter's ``_to_host`` must then be safe to call there; a run over several ranks
+    #: merges on the training thread regardless)
+    defers_rows: ClassVar[bool] = False
 
     def __init__(self, options: TrackOptions, model: str, run_name: str) -> None:
         """``model``: the model's class name for the log's record; ``run_name``: the name of
@@ -250,8 +255,10 @@ class TrackerCore(Generic[Transfer]):
             self.recorder.commit(
                 step,
                 self._observed(pending),
-                # commit() calls it before it returns: the lambda sees this transfer
-                lambda s: self._to_host(s, transfer),  # noqa: B023
+                # bound to this step's transfer (called by commit, or later on the writer
+                # thread with `defers_rows`, when the loop has moved on)
+                lambda s, t=transfer: self._to_host(s, t),
+                defer=self.defers_rows,
             )
 
     def log_scalars(self, step: int | None = None, **scalars: Any) -> None:
