@@ -12,6 +12,7 @@ the host: the methods marked *adapter* below.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -257,7 +258,7 @@ class TrackerCore(Generic[Transfer]):
                 self._observed(pending),
                 # bound to this step's transfer (called by commit, or later on the writer
                 # thread with `defers_rows`, when the loop has moved on)
-                lambda s, t=transfer: self._to_host(s, t),
+                functools.partial(self._to_host, transfer=transfer),
                 defer=self.defers_rows,
             )
 

@@ -360,7 +360,8 @@ class Workspace:
 
     def end_step(self) -> Flight | None:
         """Start the copy of this step's rows to the host (see the module notes)."""
-        copies: list[tuple[torch.device, torch.Tensor, int, torch.cuda.Event | None]] = []
+        # (device, host rows, values used, the copy's event or the CPU space to hand back to)
+        copies: list[tuple[torch.device, torch.Tensor, int, Any]] = []
         for device, space in self._spaces.items():
             with space.lock:
                 used = space.used

@@ -265,12 +265,12 @@ class Tracker(TrackerCore[Flight | None]):
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             what = "output gradient" if kind == GRADIENT else "output"
             raise _capture_error(f"the {what} of module {name!r}")
-        if type(x) is torch.Tensor and self._ranks is None:
-            part = x  # the common case, decided without a call
-        else:
-            part = local_part(x, key, True, self._ranks)  # a DTensor's shard; notes the role
-            if part is None:
+        part = x  # the common case, decided without a call
+        if type(x) is not torch.Tensor or self._ranks is not None:
+            shard = local_part(x, key, True, self._ranks)  # a DTensor's shard; notes the role
+            if shard is None:
                 return None
+            part = shard
         last = self._last
         if last is not None and last[0]() is x and last[1] == x._version:
             # The same tensor again, unchanged: a container returning its last child's
@@ -298,7 +298,10 @@ class Tracker(TrackerCore[Flight | None]):
         """:meth:`_summary` of several distinct tensors (parameters, their gradients,
         optimizer state) at once: tensors sharing a layout are reduced together (one host
         kernel call for the CPU tensors, one fused launch per device and dtype)."""
-        keys, layouts, extras, tensors = [], [], [], []
+        keys: list[TensorKey] = []
+        layouts: list[Layout] = []
+        extras: list[dict[str, Any]] = []
+        tensors: list[torch.Tensor] = []
         known_keys = self._observed_keys
         plain = self._ranks is None
         custom = bool(self.stat_fns)
@@ -310,12 +313,12 @@ class Tracker(TrackerCore[Flight | None]):
                 key = self._key(name, kind, module_type(owner), dtype)
                 known = known_keys[(name, kind, dtype)] = (key, self._layout(dtype, ()))
             key = known[0]
-            if plain and type(x) in _PLAIN:
-                part = x
-            else:
-                part = local_part(x, key, False, self._ranks)  # a DTensor's local shard
-                if part is None:
+            part = x
+            if not (plain and type(x) in _PLAIN):
+                shard = local_part(x, key, False, self._ranks)  # a DTensor's local shard
+                if shard is None:
                     continue
+                part = shard
             if len(keys) == 0 and part.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise _capture_error(f"{kind} {name!r}")
             d = part.detach() if part.requires_grad else part
