@@ -15,6 +15,10 @@ less the clock's own cost): the forward hooks and output-gradient hooks (togethe
 observation: one activation or activation gradient), and, per step, everything else on the
 training thread (the global forward pre-hook that captures weights, the optimizer's
 pre-hook, ``tracker.step()``). The writer thread's CPU time per step is printed beside them.
+Python's cyclic garbage collector is paused during the timed steps: a collection runs in
+whatever code allocates when it falls due, and a full one walks every object of the
+process (the imports of torch, Triton and pandas alone make ~230,000), so left on it would
+charge a random hook with tens of milliseconds.
 
 Triton's own launch time per call: in a subprocess without the interpreter, a kernel is
 compiled for sm_90 (no GPU needed) and launched through ``kernel[grid](...)`` with only the
@@ -41,6 +45,7 @@ if "--triton-worker" not in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -171,6 +176,8 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
                 if i == warmup:
                     clock.reset()
                     clock.on = True
+                    gc.collect()
+                    gc.disable()  # see the module notes
                     writer0 = thread_cpu_s(tracker.recorder._thread)  # type: ignore[union-attr]
                 t0 = time.perf_counter()
                 _step(model, opt, data, i)
@@ -187,6 +194,7 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
                 step_ms.append((time.perf_counter() - t0) * 1e3)
             writer = thread_cpu_s(tracker.recorder._thread) - writer0  # type: ignore[union-attr]
             clock.on = False
+            gc.enable()
     launches = _fused._summarize_one.calls + _fused._summarize_many.calls  # type: ignore[attr-defined]
     return {
         "observations_per_step": observations / steps,
@@ -272,10 +280,10 @@ def triton_worker(reps: int) -> None:
     consts = _fused._consts(spec)
     for _ in range(100):
         launch(*args, **consts)
-    t0 = time.perf_counter()
+    t0 = time.thread_time_ns()
     for _ in range(reps):
         launch(*args, **consts)
-    dt = (time.perf_counter() - t0) / reps
+    dt = (time.thread_time_ns() - t0) / 1e9 / reps
     print(json.dumps({"triton_run_us_per_call": dt * 1e6}))
 
 

@@ -238,10 +238,16 @@ class Workspace:
                     _fused._lut(spec, device, self._spaces[device].rows)
 
     def summary(
-        self, tensor: torch.Tensor, layout: Layout, extras: Mapping[str, Any]
+        self,
+        tensor: torch.Tensor,
+        layout: Layout,
+        extras: Mapping[str, Any],
+        spec: Any = None,
     ) -> np.ndarray | Slot:
-        """The summary of one tensor (a hook's): :meth:`summaries` of one, kept short."""
-        spec = fused_spec(tensor)
+        """The summary of one tensor (a hook's): :meth:`summaries` of one, kept short.
+        ``spec``: ``fused_spec(tensor)`` when the caller knows it already (else ``None``)."""
+        if spec is None:
+            spec = fused_spec(tensor)
         if spec is None:
             return self.summaries([tensor], layout, [extras])[0]
         device = tensor.device
@@ -285,16 +291,21 @@ class Workspace:
             got = host_vectors([tensors[i] for i in cpu], layout, [extras[i] for i in cpu])
             for i, v in zip(cpu, got):
                 out[i] = v
-        # by device and dtype spec (keys by identity: hashing a Spec is slow)
-        groups: dict[tuple[int, int], tuple[Any, list[int]]] = {}
+        # by device and dtype; the path of a plain tensor depends on nothing else, so it is
+        # decided once per group
+        groups: dict[tuple[int, torch.dtype], list[int]] = {}
         for i, t in enumerate(tensors):
             if out[i] is None:
-                spec = fused_spec(t)
-                if spec is None:
+                if type(t) in _PLAIN:
+                    groups.setdefault((t.get_device(), t.dtype), []).append(i)
+                else:  # a tensor subclass: the torch-op path
                     out[i] = self.raw(raw_device(t, layout, extras[i]), layout)
-                else:
-                    groups.setdefault((t.get_device(), id(spec)), (spec, []))[1].append(i)
-        for spec, idx in groups.values():
+        for idx in groups.values():
+            spec = fused_spec(tensors[idx[0]])
+            if spec is None:
+                for i in idx:
+                    out[i] = self.raw(raw_device(tensors[i], layout, extras[i]), layout)
+                continue
             slots = self.fused([tensors[i] for i in idx], spec, layout, [extras[i] for i in idx])
             for i, s in zip(idx, slots):
                 out[i] = s
@@ -454,6 +465,7 @@ def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> li
 
 
 _fused_state: list[Any] = []
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types fused_spec may take
 
 
 def _fused_module() -> Any:

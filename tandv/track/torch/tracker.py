@@ -54,6 +54,7 @@ from ..common.scalars import Capture
 from ._compiled import CompiledHooks, compiled_root
 from ._distributed import TorchRanks, distributed_world, local_part, module_type, unwrap_ddp
 from ._workspace import Flight, Slot, Workspace, to_host
+from .summary import fused_spec
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -213,9 +214,12 @@ class Tracker(TrackerCore[Flight | None]):
         self._active = False
         self._weights_done = False
         self._grads: dict[str, tuple[TensorKey, Layout, np.ndarray | Slot]] = {}
-        # (name, kind, dtype) of an activation or output gradient -> its row key and its
-        # layout without custom statistics: looked up once per tensor, not per hook call
+        # (name, kind, dtype) of a parameter, gradient or state -> its row key and its
+        # layout without custom statistics: looked up once per tensor, not per step
         self._observed_keys: dict[tuple[str, str, torch.dtype], tuple[TensorKey, Layout]] = {}
+        # the same for activations and output gradients, by (name, kind, dtype, on CUDA),
+        # with the fused kernel's spec (None: another path)
+        self._hooked: dict[tuple[str, str, torch.dtype, bool], tuple[TensorKey, Layout, Any]] = {}
         self._weight_params: list[tuple[str, nn.Parameter, nn.Module]] | None = None
 
     # ------------------------------------------------------------------ dry run
@@ -256,13 +260,17 @@ class Tracker(TrackerCore[Flight | None]):
         self, name: str, kind: str, owner: nn.Module, x: torch.Tensor
     ) -> tuple[TensorKey, Layout, np.ndarray | Slot] | None:
         """An activation's or output gradient's summary (``None``: not tracked)."""
-        dtype = x.dtype
-        known = self._observed_keys.get((name, kind, dtype))
-        if known is None:
+        dtype, cuda = x.dtype, x.is_cuda
+        known = self._hooked.get((name, kind, dtype, cuda))
+        if known is None:  # the row key, the layout and the path, found once per tensor
             key = self._key(name, kind, module_type(owner), dtype)
-            known = self._observed_keys[(name, kind, dtype)] = (key, self._layout(dtype, ()))
+            known = self._hooked[(name, kind, dtype, cuda)] = (
+                key,
+                self._layout(dtype, ()),
+                fused_spec(x) if type(x) is torch.Tensor else None,
+            )
         key = known[0]
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if cuda and torch.cuda.is_current_stream_capturing():
             what = "output gradient" if kind == GRADIENT else "output"
             raise _capture_error(f"the {what} of module {name!r}")
         part = x  # the common case, decided without a call
@@ -286,7 +294,8 @@ class Tracker(TrackerCore[Flight | None]):
             if scale is not None:  # output gradients are in loss-scaled units: log the scale
                 extras[LOSS_SCALE] = scale
         lay = self._layout(d.dtype, tuple(extras)) if extras else known[1]
-        summary = self._workspace.summary(d, lay, extras)
+        spec = known[2] if part is x else fused_spec(d)
+        summary = self._workspace.summary(d, lay, extras, spec)
         # (a weak reference: a dead tensor cannot be seen again, and a new tensor at the
         # same address is another object)
         self._last = (weakref.ref(x), x._version, lay, summary)
