@@ -12,6 +12,7 @@ the host: the methods marked *adapter* below.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -53,6 +54,11 @@ class TrackerCore(Generic[Transfer]):
     #: whether a tracker used without ``with`` opens its log at its first use; otherwise such
     #: a use is an error (PyTorch's hooks must be in place before the step's forward pass)
     opens_lazily: ClassVar[bool] = False
+    #: whether a landed step's summaries are moved to the host (:meth:`_to_host`), merged
+    #: and built into rows later on the log's writer thread, off the training thread (the
+    #: adapter's ``_to_host`` must then be safe to call there; a run over several ranks
+    #: merges on the training thread regardless)
+    defers_rows: ClassVar[bool] = False
 
     def __init__(self, options: TrackOptions, model: str, run_name: str) -> None:
         """``model``: the model's class name for the log's record; ``run_name``: the name of
@@ -272,8 +278,10 @@ class TrackerCore(Generic[Transfer]):
             self.recorder.commit(
                 step,
                 self._observed(pending),
-                # commit() calls it before it returns: the lambda sees this transfer
-                lambda s: self._to_host(s, transfer),  # noqa: B023
+                # bound to this step's transfer (called by commit, or later on the writer
+                # thread with `defers_rows`, when the loop has moved on)
+                functools.partial(self._to_host, transfer=transfer),
+                defer=self.defers_rows,
             )
             if self._watch is not None and self._watch.due is not None:
                 return  # an alert stops the run at this step: later steps are not recorded

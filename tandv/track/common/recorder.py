@@ -71,6 +71,9 @@ __all__ = [
     "DEFAULT_LOG_DIR",
 ]
 
+#: A step's merged host summaries: (row key, layout, summary vector) per row.
+Entries = list[tuple["TensorKey", Layout, np.ndarray]]
+
 #: Where logs go when a tracker is given no ``out``.
 DEFAULT_LOG_DIR = Path("tandv_logs")
 
@@ -196,6 +199,28 @@ def make_run_record(
         "host": platform.node(),
         "started": datetime.now().astimezone().isoformat(timespec="seconds"),
     }
+
+
+def _merged(
+    step: int,
+    pending: list[tuple[TensorKey, Layout, Any]],
+    to_host: Callable[[list[Any]], Sequence[np.ndarray]],
+) -> list[tuple[TensorKey, Layout, np.ndarray]]:
+    """A step's observations on the host (one ``to_host`` call), those of the same tensor
+    merged into one summary."""
+    host = to_host([s for _, _, s in pending]) if pending else []
+    groups: dict[TensorKey, tuple[Layout, list[np.ndarray]]] = {}
+    for (key, layout, _), v in zip(pending, host):
+        if key in groups and groups[key][0] != layout:
+            raise ValueError(
+                f"tensor {key.name!r} ({key.tensor_type}) changed its summary layout within "
+                f"step {step}; it must keep one number format and one set of custom statistics"
+            )
+        groups.setdefault(key, (layout, []))[1].append(np.asarray(v, dtype=np.float64))
+    return [
+        (k, layout, merge_all(vs, layout) if len(vs) > 1 else vs[0])
+        for k, (layout, vs) in groups.items()
+    ]
 
 
 def _merge_dtypes(
@@ -442,9 +467,11 @@ class StepRecorder:
         self.flush_every = flush_every
         self.flush_seconds = flush_seconds
         self._pending: list[tuple[TensorKey, Layout, Any]] = []
+        self._sizes: dict[int, tuple[Layout, int]] = {}  # bytes of a summary, by id(layout)
         # (step, merged host summaries) of the recorded steps not yet written: rows are
-        # built at flush time, for all buffered steps at once
-        self._buffer: list[tuple[int, list[tuple[TensorKey, Layout, np.ndarray]]]] = []
+        # built at flush time, for all buffered steps at once; a deferred step (commit's
+        # `defer`) holds the function that merges its summaries, called by the writer
+        self._buffer: list[tuple[int, Entries | Callable[[], Entries]]] = []
         self._last_flush = time.monotonic()
         self._queue: queue.Queue = queue.Queue(maxsize=2)
         self._thread: threading.Thread | None = None
@@ -511,7 +538,10 @@ class StepRecorder:
             RuntimeError: when the observations waiting for the end of the step pass
                 ``max_pending_bytes`` (``tracker.step()`` is not being called).
         """
-        self._pending_bytes += 8 * layout.size
+        sized = self._sizes.get(id(layout))
+        if sized is None or sized[0] is not layout:  # (the size of a layout, found once)
+            sized = self._sizes[id(layout)] = (layout, 8 * layout.size)
+        self._pending_bytes += sized[1]
         if self._pending_bytes > self.warn_pending_bytes:
             self._check_pending()
         self._pending.append((key, layout, summary))
@@ -568,10 +598,17 @@ class StepRecorder:
         step: int,
         pending: list[tuple[TensorKey, Layout, Any]],
         to_host: Callable[[list[Any]], Sequence[np.ndarray]],
+        defer: bool = False,
     ) -> int:
         """Record observations taken (:meth:`take`) at step ``step``: move their summaries
         to the host with one ``to_host`` call, merge observations of the same tensor, and
-        buffer the rows. Steps must be committed in order. Returns the row count.
+        buffer the rows. Steps must be committed in order. Returns the row count (with
+        ``defer``, the number of observations).
+
+        With ``defer`` (and no rank merge and no ``inspect``), ``to_host`` and the merging
+        run later on the writer thread, with the building of the rows: the training thread
+        only queues the step (``to_host`` must then be callable from another thread, later).
+        An ``inspect`` (the alerts) needs the step's summaries now, so it turns ``defer`` off.
 
         Raises:
             RuntimeError: if writing an earlier batch failed (at the first step after it).
@@ -590,19 +627,11 @@ class StepRecorder:
         self._had_module_rows |= module_rows
         if not pending and self.merger is None:
             return 0
-        host = to_host([s for _, _, s in pending]) if pending else []
-        groups: dict[TensorKey, tuple[Layout, list[np.ndarray]]] = {}
-        for (key, layout, _), v in zip(pending, host):
-            if key in groups and groups[key][0] != layout:
-                raise ValueError(
-                    f"tensor {key.name!r} ({key.tensor_type}) changed its summary layout within "
-                    f"step {step}; it must keep one number format and one set of custom statistics"
-                )
-            groups.setdefault(key, (layout, []))[1].append(np.asarray(v, dtype=np.float64))
-        local = [
-            (k, layout, merge_all(vs, layout) if len(vs) > 1 else vs[0])
-            for k, (layout, vs) in groups.items()
-        ]
+        if defer and self.merger is None and self.inspect is None:
+            self._buffer.append((step, lambda: _merge_dtypes(_merged(step, pending, to_host))))
+            self._buffered()
+            return len(pending)
+        local = _merged(step, pending, to_host)
         if self.inspect is not None:
             self.inspect(step, local)
         if self.merger is not None:
@@ -614,6 +643,11 @@ class StepRecorder:
                 return 0
         entries = _merge_dtypes(local)
         self._buffer.append((step, entries))
+        self._buffered()
+        return len(entries)
+
+    def _buffered(self) -> None:
+        """Count the step just buffered, and hand the buffer over when it is time."""
         self.steps_recorded += 1
         if (
             len(self._buffer) >= self.flush_every
@@ -621,7 +655,6 @@ class StepRecorder:
         ):
             self._hand_over()
             self._raise_writer_error()
-        return len(entries)
 
     def flush(self) -> None:
         """Write buffered rows now, and wait until they are on disk."""
@@ -656,6 +689,7 @@ class StepRecorder:
                 if batch is None:
                     return
                 if self._error is None:  # after a failure, later batches are not written
+                    batch = [(step, e() if callable(e) else e) for step, e in batch]
                     rows = build_rows(
                         [step for step, entries in batch for _ in entries],
                         [entry for _, entries in batch for entry in entries],

@@ -9,14 +9,24 @@ grows between or, rarely, within steps (a stream-ordered copy keeps what was wri
 At the end of a step, :meth:`Workspace.end_step` starts one non-blocking copy of each
 device's used rows into pinned host memory, records an event and zeroes the rows for the
 next step (the kernel accumulates exponent counts atomically into zeros). The returned
-:class:`Flight` is finished on the host later, when its events have completed: the
-device never waits for the host. Two pinned buffers per device alternate, so the caller
-must finish a flight before starting the second one after it (the tracker finishes step
-``k - 1`` at the end of step ``k``).
+:class:`Flight` owns its host buffer (from torch's caching pinned allocator, returned to
+it when the flight is dropped) and is finished later, on any thread (the log's writer
+thread), once its events have completed: neither the device nor the training thread
+waits.
 
-All kernels run on the current stream of the tensor's device, as the model's own kernels
-do: a model that computes on side streams must join them to the current stream before
-the tensors it tracks are summarized (as it must before the optimizer uses them).
+Streams. Every kernel runs on the current stream of the tensor's device when it is
+summarized: the stream that produced the tensor (autograd runs a backward node, and so
+the hooks of its gradients, on the stream of the forward operation; a forward hook runs
+inside the module's call). The rows of a step may so be written from several streams;
+each space remembers the streams that wrote it this step, and whatever next reads or
+replaces the rows (growing them, the end of the step) first makes its stream wait for
+those. A buffer that a stream other than its allocation stream reads (rows, scratch) is
+marked with ``record_stream`` for it, so that replacing it never hands its memory to
+new work while that stream may still read it.
+
+CUDA graphs. A summary captured into a graph would be replayed into the rows of the step
+captured, not those of the step replayed, and the step's copy would never see it; the
+tracker refuses tracking inside a capture (:func:`capturing`).
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,18 +53,33 @@ _F64 = torch.float64
 _INITIAL = 1 << 16
 
 
-@dataclass(frozen=True, eq=False)
 class Slot:
     """Where one observation's summary lies in a step's device rows.
 
     ``spec`` is the fused kernel's dtype spec, or ``None`` for a raw vector of the
-    torch-op path (:func:`tandv.track.torch.summary.finish_raw`)."""
+    torch-op path (:func:`tandv.track.torch.summary.finish_raw`). (A plain class with
+    slots: one is made per observation, in the hooks.)"""
 
-    device: torch.device
-    offset: int
-    size: int
-    layout: Layout
-    spec: _fused.Spec | None
+    __slots__ = ("device", "offset", "size", "layout", "spec")
+
+    def __init__(
+        self,
+        device: torch.device,
+        offset: int,
+        size: int,
+        layout: Layout,
+        spec: _fused.Spec | None,
+    ) -> None:
+        self.device = device
+        self.offset = offset
+        self.size = size
+        self.layout = layout
+        self.spec = spec
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether work queued now on ``device`` would be captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class _Space:
@@ -62,17 +87,63 @@ class _Space:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.cuda = device.type == "cuda"
         self.rows = torch.zeros(_INITIAL, dtype=_F64, device=device)
+        self.capacity = _INITIAL  # rows.numel()
         self.used = 0
         self.scratch = torch.empty(0, dtype=_F64, device=device)
-        if device.type == "cuda":
+        if self.cuda:
             # enough programs per tensor to fill the device a few times over
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             self.max_parts = min(4 * sms, 1024)
+            # the stream the buffers were allocated on, and the others that wrote the rows
+            # this step (see the module notes)
+            self.home: Any = torch.cuda.current_stream(device)
         else:
             self.max_parts = 16  # Triton's interpreter: one program at a time
-        self.pinned: list[torch.Tensor | None] = [None, None]
+            self.home = None
+        self.writers: list[Any] = []
         self.lock = threading.RLock()  # held from a reservation through its launch
+        # zeroed buffers handed back by finished flights (CPU: see Workspace.end_step)
+        self.spares: list[torch.Tensor] = []
+
+    def take_spare(self) -> torch.Tensor:
+        """A zeroed rows buffer of the current capacity (CPU), a spare if one is left."""
+        while self.spares:
+            spare = self.spares.pop()
+            if spare.numel() == self.capacity:
+                return spare
+        return torch.zeros(self.capacity, dtype=_F64, device=self.device)
+
+    def stream(self) -> Any:
+        """The current stream, which the next launch uses, once it may write the rows:
+        ordered after the rows' zeroing and growth (on the home stream) the first time it
+        writes them, and marked as a reader of the buffers (``None`` on the CPU)."""
+        if not self.cuda:
+            return None
+        s = torch.cuda.current_stream(self.device)
+        if s != self.home and s not in self.writers:
+            s.wait_stream(self.home)
+            self.rows.record_stream(s)
+            self.scratch.record_stream(s)
+            self.writers.append(s)
+        return s
+
+    def join(self) -> None:
+        """Make the current stream wait for every stream that wrote the rows this step,
+        and take it as the home stream of what follows (growth, the end of the step)."""
+        if not self.cuda:
+            return
+        s = torch.cuda.current_stream(self.device)
+        for w in self.writers:
+            if w != s:
+                s.wait_stream(w)
+        if s != self.home:
+            s.wait_stream(self.home)
+            self.rows.record_stream(s)
+            self.scratch.record_stream(s)
+        self.home = s
+        self.writers = []
 
     def reserve(self, size: int) -> int:
         """The offset of ``size`` fresh (zero) row values (hooks may run on several
@@ -81,46 +152,60 @@ class _Space:
             off = self.used
             need = off + size
             if need > self.rows.numel():
+                self.join()  # the copy follows every kernel already queued on the rows
                 bigger = torch.zeros(
                     max(2 * self.rows.numel(), need), dtype=_F64, device=self.device
                 )
-                bigger[:off].copy_(
-                    self.rows[:off]
-                )  # after the kernels already queued: stream order
+                bigger[:off].copy_(self.rows[:off])
                 self.rows = bigger
+                self.capacity = bigger.numel()
             self.used = need
             return off
 
     def scratch_for(self, parts: int) -> torch.Tensor:
-        """Scratch for ``parts`` partial rows (memory reuse is stream-ordered: replacing a
-        buffer that queued kernels still use is safe)."""
+        """Scratch for ``parts`` partial rows (the buffer replaced is kept for the streams
+        that read it: see :meth:`stream`)."""
         need = parts * 16  # _fused.PART float64 values per partial row
         if self.scratch.numel() < need:
             self.scratch = torch.empty(
                 max(need, 2 * self.scratch.numel()), dtype=_F64, device=self.device
             )
+            if self.cuda:
+                s = torch.cuda.current_stream(self.device)
+                for w in (self.home, *self.writers):
+                    if w != s:
+                        self.scratch.record_stream(w)
         return self.scratch
 
 
 class Flight:
-    """A step's rows on their way to the host: per device, a host buffer, the number of
-    values and the event that marks the copy done (``None`` on the CPU)."""
+    """A step's rows on their way to the host: per device, a host buffer of its own, the
+    number of values and the event that marks the copy done (``None`` on the CPU)."""
 
     def __init__(self, copies: list[tuple[torch.device, torch.Tensor, int, Any]]) -> None:
         self._copies = copies
 
     def ready(self) -> bool:
         """Whether every copy has landed (never waits)."""
-        return all(ev is None or ev.query() for _, _, _, ev in self._copies)
+        return all(not isinstance(ev, torch.cuda.Event) or ev.query() for *_, ev in self._copies)
 
     def wait(self) -> dict[torch.device, np.ndarray]:
         """Each device's rows on the host (waits for copies still under way)."""
         out = {}
         for device, host, used, ev in self._copies:
-            if ev is not None:
+            if isinstance(ev, torch.cuda.Event):
                 ev.synchronize()
-            out[device] = host[:used].numpy().copy()
+            out[device] = host[:used].numpy()
         return out
+
+    def release(self) -> None:
+        """Done with the rows: a CPU space's buffer, taken by the flight, is zeroed and
+        handed back to its space as a spare."""
+        for _, host, used, space in self._copies:
+            if isinstance(space, _Space):
+                host[:used].zero_()
+                space.spares.append(host)
+        self._copies = []
 
 
 class Workspace:
@@ -128,13 +213,67 @@ class Workspace:
 
     def __init__(self) -> None:
         self._spaces: dict[torch.device, _Space] = {}
-        self._flights = 0
+        # row size by (id(spec), id(layout)), with the two
+        self._sizes: dict[tuple[int, int], tuple[Any, Layout, int]] = {}
 
     def _space(self, device: torch.device) -> _Space:
         space = self._spaces.get(device)
         if space is None:
             space = self._spaces[device] = _Space(device)
         return space
+
+    def prepare(self, device: torch.device) -> None:
+        """Make ready what the first summary on ``device`` needs, outside any hook: its row
+        buffer, and the value tables of the 8-bit formats on the device (their copy from the
+        host waits for the device, which a hook must not do)."""
+        if device.type != "cuda":
+            return
+        self._space(device)
+        from . import _fused
+
+        with _on(device):
+            for dtype in _fused_8bit_dtypes():
+                spec = _fused.spec_for(dtype)
+                if spec is not None and spec.lut is not None:
+                    _fused._lut(spec, device, self._spaces[device].rows)
+
+    def summary(
+        self,
+        tensor: torch.Tensor,
+        layout: Layout,
+        extras: Mapping[str, Any],
+        spec: Any = None,
+    ) -> np.ndarray | Slot:
+        """The summary of one tensor (a hook's): :meth:`summaries` of one, kept short.
+        ``spec``: ``fused_spec(tensor)`` when the caller knows it already (else ``None``)."""
+        if spec is None:
+            spec = fused_spec(tensor)
+        if spec is None:
+            return self.summaries([tensor], layout, [extras])[0]
+        device = tensor.device
+        space = self._spaces.get(device) or self._space(device)
+        # the row size by identity (hashing a Spec and a Layout costs more than the rest)
+        sized = self._sizes.get((id(spec), id(layout)))
+        if sized is None or sized[0] is not spec or sized[1] is not layout:
+            sized = self._sizes[(id(spec), id(layout))] = (
+                spec,
+                layout,
+                _fused_module().row_size(spec, layout),
+            )
+        size = sized[2]
+        with space.lock:  # the rows buffer may not be replaced before the launch
+            off = space.used
+            if off + size <= space.capacity:
+                space.used = off + size
+            else:
+                off = space.reserve(size)
+            if space.cuda:
+                with _on(device):
+                    space.stream()
+                    _write_one(space, tensor, spec, layout, off, extras)
+            else:
+                _write_one(space, tensor, spec, layout, off, extras)
+        return Slot(device, off, size, layout, spec)
 
     def summaries(
         self, tensors: Sequence[torch.Tensor], layout: Layout, extras: Sequence[Mapping[str, Any]]
@@ -146,16 +285,27 @@ class Workspace:
             spec = fused_spec(tensors[0])
             if spec is not None:
                 return self.fused(tensors, spec, layout, extras)  # type: ignore[return-value]
-        out: list[Any] = host_vectors(list(tensors), layout, list(extras))
-        groups: dict[tuple[torch.device, Any], list[int]] = {}
+        out: list[Any] = [None] * len(tensors)
+        cpu = [i for i, t in enumerate(tensors) if t.is_cpu]
+        if cpu:  # the host path first (when it is on)
+            got = host_vectors([tensors[i] for i in cpu], layout, [extras[i] for i in cpu])
+            for i, v in zip(cpu, got):
+                out[i] = v
+        # by device and dtype; the path of a plain tensor depends on nothing else, so it is
+        # decided once per group
+        groups: dict[tuple[int, torch.dtype], list[int]] = {}
         for i, t in enumerate(tensors):
             if out[i] is None:
-                spec = fused_spec(t)
-                if spec is None:
+                if type(t) in _PLAIN:
+                    groups.setdefault((t.get_device(), t.dtype), []).append(i)
+                else:  # a tensor subclass: the torch-op path
                     out[i] = self.raw(raw_device(t, layout, extras[i]), layout)
-                else:
-                    groups.setdefault((t.device, spec), []).append(i)
-        for (_, spec), idx in groups.items():
+        for idx in groups.values():
+            spec = fused_spec(tensors[idx[0]])
+            if spec is None:
+                for i in idx:
+                    out[i] = self.raw(raw_device(tensors[i], layout, extras[i]), layout)
+                continue
             slots = self.fused([tensors[i] for i in idx], spec, layout, [extras[i] for i in idx])
             for i, s in zip(idx, slots):
                 out[i] = s
@@ -176,7 +326,11 @@ class Workspace:
         space = self._spaces.get(device) or self._space(device)
         size = _fused.row_size(spec, layout)
         with space.lock, _on(device):  # the rows buffer may not be replaced before the launch
-            slots = [Slot(device, space.reserve(size), size, layout, spec) for _ in tensors]
+            first = space.reserve(size * len(tensors))
+            slots = [
+                Slot(device, first + i * size, size, layout, spec) for i in range(len(tensors))
+            ]
+            space.stream()
             live = [(t, s.offset) for t, s in zip(tensors, slots) if t.numel()]
             names = [name for name, _ in layout.extras]
             # a hook's only statistic, a 1-element device tensor (a GradScaler's scale):
@@ -213,45 +367,89 @@ class Workspace:
     def raw(self, vector: torch.Tensor, layout: Layout) -> Slot:
         """Keep a raw vector of the torch-op path (on its device) with this step's rows."""
         space = self._space(vector.device)
-        with space.lock:
+        with space.lock, _on(vector.device):
             off = space.reserve(vector.numel())
+            space.stream()
             space.rows[off : off + vector.numel()].copy_(vector)
         return Slot(vector.device, off, vector.numel(), layout, None)
 
     def end_step(self) -> Flight | None:
         """Start the copy of this step's rows to the host (see the module notes)."""
-        copies: list[tuple[torch.device, torch.Tensor, int, torch.cuda.Event | None]] = []
-        parity = self._flights % 2
+        # (device, host rows, values used, the copy's event or the CPU space to hand back to)
+        copies: list[tuple[torch.device, torch.Tensor, int, Any]] = []
         for device, space in self._spaces.items():
-            used = space.used
-            if not used:
-                continue
-            space.used = 0
-            rows = space.rows[:used]
-            if device.type == "cpu":
-                copies.append((device, rows.clone(), used, None))
-            else:
-                pinned = space.pinned[parity]
-                if pinned is None or pinned.numel() < used:
-                    pinned = space.pinned[parity] = torch.empty(
-                        space.rows.numel(), dtype=_F64, pin_memory=True
+            with space.lock:
+                used = space.used
+                if not used:
+                    continue
+                if capturing(device):
+                    raise RuntimeError(
+                        "tandv: tracker.step() was called inside a CUDA graph capture; end "
+                        "the step outside the captured region (tracked steps cannot be "
+                        "captured: see track's `module` argument)"
                     )
-                with _on(device):
-                    pinned[:used].copy_(rows, non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record()
-                copies.append((device, pinned, used, ev))
-            rows.zero_()
+                space.used = 0
+                rows = space.rows[:used]
+                if device.type == "cpu":
+                    # no device to copy and zero them in the background: the flight takes
+                    # the rows themselves, the space a spare buffer of zeros, and whoever
+                    # finishes the flight (the writer thread) zeroes these and returns them
+                    copies.append((device, space.rows, used, space))
+                    space.rows = space.take_spare()
+                    continue
+                else:
+                    with _on(device):
+                        space.join()  # after every stream that wrote the rows
+                        # a buffer of its own (torch's caching pinned allocator reuses it
+                        # once the flight is dropped and its copy is done)
+                        host = torch.empty(used, dtype=_F64, pin_memory=True)
+                        host.copy_(rows, non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record()
+                    copies.append((device, host, used, ev))
+                rows.zero_()
         if not copies:
             return None
-        self._flights += 1
         return Flight(copies)
+
+
+def _write_one(
+    space: _Space,
+    tensor: torch.Tensor,
+    spec: _fused.Spec,
+    layout: Layout,
+    off: int,
+    extras: Mapping[str, Any],
+) -> None:
+    """Queue the fused kernel of one tensor, and the copy of its custom statistics, into
+    the row at ``off`` of ``space``."""
+    fused = _fused_module()
+    n = tensor.numel()
+    names = [name for name, _ in layout.extras] if extras else []
+    # a hook's only statistic, a 1-element device tensor (a GradScaler's scale): written
+    # by the kernel, not copied by one more operation
+    extra = _scalar_on(extras, names, space.device) if n and names else None
+    if n:
+        fused.launch_one(
+            tensor,
+            spec,
+            layout,
+            space.rows,
+            off,
+            space.scratch_for(fused.scratch_rows(n, space.max_parts, spec)),
+            space.max_parts,
+            extra=extra,
+        )
+    if names and extra is None:
+        a = off + spec.row_size
+        space.rows[a : a + len(names)].copy_(extras_vector(extras, names, space.device))
 
 
 def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> list[np.ndarray]:
     """A step's summaries as finished layout vectors on the host: the host path's as they
     are, the :class:`Slot` s from their devices' rows (``flight``, waited for if needed);
-    rows of one dtype and layout are finished together."""
+    rows of one dtype and layout are finished together. (The tracker calls it on the log's
+    writer thread.)"""
     host = flight.wait() if flight is not None else {}
     out: list[Any] = list(summaries)
     groups: dict[tuple, list[tuple[int, Slot]]] = {}
@@ -269,6 +467,8 @@ def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> li
             done = _fused.finish_rows(rows, spec, layout)
         for i, v in zip(idx, done):
             out[i] = v
+    if flight is not None:
+        flight.release()
     return out
 
 
@@ -288,6 +488,29 @@ def _scalar_on(
     ):
         return 0, v
     return None
+
+
+_fused_state: list[Any] = []
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types fused_spec may take
+
+
+def _fused_module() -> Any:
+    """:mod:`._fused`, imported at its first use (it imports Triton)."""
+    if not _fused_state:
+        from . import _fused
+
+        _fused_state.append(_fused)
+    return _fused_state[0]
+
+
+@cache
+def _fused_8bit_dtypes() -> tuple[torch.dtype, ...]:
+    """The 8-bit torch dtypes (each read through a value table by the fused kernel)."""
+    return tuple(
+        getattr(torch, name)
+        for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+        if hasattr(torch, name)
+    )
 
 
 def _on(device: torch.device) -> Any:

@@ -58,6 +58,7 @@ from ..common.scalars import Capture
 from ._compiled import CompiledHooks, compiled_root
 from ._distributed import TorchRanks, distributed_world, local_part, module_type, unwrap_ddp
 from ._workspace import Flight, Slot, Workspace, to_host
+from .summary import fused_spec
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -65,11 +66,13 @@ if TYPE_CHECKING:
 __all__ = ["Tracker", "track", "StatFn"]
 
 
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread (a forward
     seen now is a recomputation by activation checkpointing)."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
+    return _graph_task_id is not None and _graph_task_id() != -1
 
 
 #: The attribute marking tandv's output-gradient hooks (a tensor's ``_backward_hooks``).
@@ -112,6 +115,7 @@ class Tracker(TrackerCore[Flight | None]):
     """
 
     framework = "torch"
+    defers_rows = True  # a step's rows are finished on the writer thread (to_host is numpy)
 
     def __init__(
         self,
@@ -219,7 +223,7 @@ class Tracker(TrackerCore[Flight | None]):
             for b, v in m.named_buffers(recurse=False)
             if v is not None and v.is_floating_point()
         ]
-        self._last: tuple[torch.Tensor, int, Layout, np.ndarray | Slot] | None = None
+        self._last: tuple[weakref.ref[torch.Tensor], int, Layout, np.ndarray | Slot] | None = None
         self._workspace = Workspace()
         self._handles: list[Any] = []
         self._compiled: CompiledHooks | None = None
@@ -239,6 +243,15 @@ class Tracker(TrackerCore[Flight | None]):
             )
             if wanted
         }
+        # (name, kind, dtype) of a parameter, gradient or state -> its row key and its
+        # layout without custom statistics: looked up once per tensor, not per step
+        self._observed_keys: dict[tuple[str, str, torch.dtype], tuple[TensorKey, Layout]] = {}
+        # the same for activations and output gradients, by (name, kind, dtype, on CUDA),
+        # with the fused kernel's spec (None: another path)
+        self._hook_keys: dict[
+            tuple[str, str, torch.dtype, bool], tuple[TensorKey, Layout, Any]
+        ] = {}
+        self._weight_params: list[tuple[str, nn.Parameter, nn.Module]] | None = None
 
     # ------------------------------------------------------------------ dry run
 
@@ -278,25 +291,45 @@ class Tracker(TrackerCore[Flight | None]):
         self, name: str, kind: str, owner: nn.Module, x: torch.Tensor
     ) -> tuple[TensorKey, Layout, np.ndarray | Slot] | None:
         """An activation's or output gradient's summary (``None``: not tracked)."""
-        key = self._key(name, kind, module_type(owner), x.dtype)
-        part = local_part(x, key, True, self._ranks)  # a DTensor's local shard; notes the role
-        if part is None:
-            return None
+        dtype, cuda = x.dtype, x.is_cuda
+        known = self._hook_keys.get((name, kind, dtype, cuda))
+        if known is None:  # the row key, the layout and the path, found once per tensor
+            key = self._key(name, kind, module_type(owner), dtype)
+            known = self._hook_keys[(name, kind, dtype, cuda)] = (
+                key,
+                self._layout(dtype, ()),
+                fused_spec(x) if type(x) is torch.Tensor else None,
+            )
+        key = known[0]
+        if cuda and torch.cuda.is_current_stream_capturing():
+            what = "output gradient" if kind == GRADIENT else "output"
+            raise _capture_error(f"the {what} of module {name!r}")
+        part = x  # the common case, decided without a call
+        if type(x) is not torch.Tensor or self._ranks is not None:
+            shard = local_part(x, key, True, self._ranks)  # a DTensor's shard; notes the role
+            if shard is None:
+                return None
+            part = shard
         last = self._last
-        if last is not None and last[0] is x and last[1] == x._version:
+        if last is not None and last[0]() is x and last[1] == x._version:
             # The same tensor again, unchanged: a container returning its last child's
             # output (``mlp`` and ``mlp.fc2``, the root and its head) or the gradient both
-            # receive. Reuse its summary instead of reducing it twice.
+            # receive. Reuse its summary instead of reducing it twice. The tensor is held
+            # by a weak reference: the root's output (the logits) must not live on through
+            # the loss and the backward pass because the tracker saw it.
             return key, last[2], last[3]
         d = part.detach()
-        extras = self._extras(d)
+        extras = self._extras(d) if self.stat_fns else {}
         if kind == GRADIENT and self.scaler is not None and self.scaler.is_enabled():
             scale = getattr(self.scaler, "_scale", None)  # the device tensor: no sync
             if scale is not None:  # output gradients are in loss-scaled units: log the scale
                 extras[LOSS_SCALE] = scale
-        lay = self._layout(d.dtype, tuple(extras))
-        summary = self._workspace.summaries([d], lay, [extras])[0]
-        self._last = (x, x._version, lay, summary)  # held until the next observation or step end
+        lay = self._layout(d.dtype, tuple(extras)) if extras else known[1]
+        spec = known[2] if part is x else fused_spec(d)
+        summary = self._workspace.summary(d, lay, extras, spec)
+        # (a weak reference: a dead tensor cannot be seen again, and a new tensor at the
+        # same address is another object)
+        self._last = (weakref.ref(x), x._version, lay, summary)
         return key, lay, summary
 
     def _summaries(
@@ -305,23 +338,44 @@ class Tracker(TrackerCore[Flight | None]):
         """:meth:`_summary` of several distinct tensors (parameters, their gradients,
         optimizer state) at once: tensors sharing a layout are reduced together (one host
         kernel call for the CPU tensors, one fused launch per device and dtype)."""
-        keys, layouts, extras, tensors = [], [], [], []
+        keys: list[TensorKey] = []
+        layouts: list[Layout] = []
+        extras: list[dict[str, Any]] = []
+        tensors: list[torch.Tensor] = []
+        known_keys = self._observed_keys
+        plain = self._ranks is None
+        custom = bool(self.stat_fns)
+        no_extras: dict[str, Any] = {}
         for name, kind, owner, x in items:
-            key = self._key(name, kind, module_type(owner), x.dtype)
-            part = local_part(x, key, False, self._ranks)  # a DTensor's local shard
-            if part is None:
-                continue
-            d = part.detach()
-            ex = self._extras(d)
+            dtype = x.dtype
+            known = known_keys.get((name, kind, dtype))
+            if known is None:
+                key = self._key(name, kind, module_type(owner), dtype)
+                known = known_keys[(name, kind, dtype)] = (key, self._layout(dtype, ()))
+            key = known[0]
+            part = x
+            if not (plain and type(x) in _PLAIN):
+                shard = local_part(x, key, False, self._ranks)  # a DTensor's local shard
+                if shard is None:
+                    continue
+                part = shard
+            if len(keys) == 0 and part.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise _capture_error(f"{kind} {name!r}")
+            d = part.detach() if part.requires_grad else part
             keys.append(key)
             tensors.append(d)
-            extras.append(ex)
-            layouts.append(self._layout(d.dtype, tuple(ex)))
-        by_layout: dict[Layout, list[int]] = {}
+            if custom:
+                ex = self._extras(d)
+                extras.append(ex)
+                layouts.append(self._layout(d.dtype, tuple(ex)))
+            else:
+                extras.append(no_extras)
+                layouts.append(known[1])
+        by_layout: dict[int, tuple[Layout, list[int]]] = {}  # by identity: layouts are cached
         for i, lay in enumerate(layouts):
-            by_layout.setdefault(lay, []).append(i)
+            by_layout.setdefault(id(lay), (lay, []))[1].append(i)
         raws: list[Any] = [None] * len(keys)
-        for lay, idx in by_layout.items():
+        for lay, idx in by_layout.values():
             got = self._workspace.summaries(
                 [tensors[i] for i in idx], lay, [extras[i] for i in idx]
             )
@@ -352,10 +406,16 @@ class Tracker(TrackerCore[Flight | None]):
         self._weights_done = True
         if not self.kinds[WEIGHT]:
             return
+        if self._weight_params is None:  # the selection is made once
+            self._weight_params = [
+                (full, p, owner)
+                for full, p, owner in self._params
+                if self._selected(full, type(owner))
+            ]
         items = [
             (full, WEIGHT, owner, p)
-            for full, p, owner in self._params
-            if p.is_floating_point() and self._selected(full, type(owner))
+            for full, p, owner in self._weight_params
+            if p.is_floating_point()
         ]
         if self.track_buffers:
             items += [
@@ -481,6 +541,13 @@ class Tracker(TrackerCore[Flight | None]):
         want_act = self.kinds[ACTIVATION]
         want_grad = self.kinds[GRADIENT]
         ref = weakref.ref(self)
+        grad_hooks: dict[str, Callable] = {}  # one per output name, made once
+
+        def grad_hook_of(tr: Tracker, tname: str, mod: nn.Module) -> Callable:
+            h = grad_hooks.get(tname)
+            if h is None:
+                h = grad_hooks[tname] = tr._make_grad_hook(tname, mod)
+            return h
 
         def hook(mod: nn.Module, args: Any, output: Any) -> None:
             if is_compiling():  # inside a graph of a compiled wrapper: see _first_forward_hook
@@ -489,7 +556,11 @@ class Tracker(TrackerCore[Flight | None]):
             if tr is None or not tr._active or not (mod.training or tr.track_eval):
                 return
             tensors: list[tuple[str, torch.Tensor]] = []
-            _flatten(output, name, tensors)
+            if type(output) is torch.Tensor:  # the common case, without a call
+                if output.is_floating_point():
+                    tensors.append((name, output))
+            else:
+                _flatten(output, name, tensors)
             if in_backward():
                 # activation checkpointing recomputing the forward: its activations were seen
                 # already. Reentrant checkpointing ran the first forward without grad, so the
@@ -506,20 +577,29 @@ class Tracker(TrackerCore[Flight | None]):
                             and t.grad_fn is not None
                             and not _hooked(t, (id(tr), tname))
                         ):
-                            t.register_hook(tr._make_grad_hook(tname, mod))
+                            t.register_hook(grad_hook_of(tr, tname, mod))
                 return
             for tname, t in tensors:
                 if want_act:
                     tr._observe(tname, ACTIVATION, mod, t)
                 if want_grad and t.requires_grad:
-                    t.register_hook(tr._make_grad_hook(tname, mod))
+                    t.register_hook(grad_hook_of(tr, tname, mod))
 
         return hook
 
     def _make_grad_hook(self, name: str, module: nn.Module) -> Callable:
+        ref = weakref.ref(self)  # the module's hooks keep it: it must not keep the tracker
+
         def grad_hook(g: torch.Tensor) -> None:
-            if not is_compiling() and self._active and g is not None and g.is_floating_point():
-                self._observe(name, GRADIENT, module, g)
+            tr = ref()
+            if (
+                not is_compiling()
+                and tr is not None
+                and tr._active
+                and g is not None
+                and g.is_floating_point()
+            ):
+                tr._observe(name, GRADIENT, module, g)
 
         setattr(grad_hook, _OUTPUT_GRAD_HOOK, (id(self), name))  # what _hooked looks for
         return grad_hook
@@ -630,6 +710,9 @@ class Tracker(TrackerCore[Flight | None]):
         return None
 
     def _start(self) -> None:
+        # the first hook on a device finds its rows and 8-bit value tables there already
+        for device in {t.device for t in (*self.module.parameters(), *self.module.buffers())}:
+            self._workspace.prepare(device)
         if self._is_compiled:
             self._compiled = CompiledHooks(self, self._wrapper)
         self._begin()
@@ -750,6 +833,23 @@ def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """The parameters ``optimizer`` updates (its param groups' now)."""
     for group in optimizer.param_groups:
         yield from group["params"]
+
+
+#: Tensor types that are never a DTensor (checked without a call).
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def _capture_error(what: str) -> RuntimeError:
+    """The error of a tracked tensor (``what``: which, in words) met inside a CUDA graph
+    capture."""
+    return RuntimeError(
+        f"tandv: {what} would be summarized inside a CUDA graph capture "
+        f"(torch.cuda.graph, make_graphed_callables, or torch.compile's "
+        f"mode='reduce-overhead'); a captured summary would be replayed into the rows of the "
+        f"step captured, not those of the step replayed. Track outside the captured region: "
+        f"exclude the captured modules (track(..., exclude=[...])), or capture an untracked "
+        f"copy"
+    )
 
 
 #: The statistic column of output-gradient rows that holds a tracked GradScaler's scale.

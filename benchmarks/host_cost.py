@@ -1,0 +1,346 @@
+"""Host (CPU) cost of the PyTorch tracker's GPU path, measured on a machine without a GPU.
+
+On a GPU a small model's step is short and host-bound: what the tracker spends on the
+host per hook and per step decides its overhead there. This script measures that time on
+the CPU. It trains the 4-layer GPT of ``benchmarks/overhead.py`` (d_model 256, seq 128,
+batch 8, AdamW) on CPU tensors with the fused path forced (as the tests force it:
+``TRITON_INTERPRET=1``, ``summary.HOST_PATH = False``, ``summary.FUSED_ON_CPU = True``),
+and with the two Triton kernels replaced by no-ops called with the same arguments: every
+other thing tandv does (reserving rows, the launch code in ``_fused``, its custom
+statistics, the end-of-step copy and zeroing of the rows, finishing rows, merging, building
+the log's rows and writing them) runs for real.
+
+It times tandv's own entry points with the thread's CPU clock (``time.thread_time_ns``,
+less the clock's own cost): the forward hooks and output-gradient hooks (together, per
+observation: one activation or activation gradient), and, per step, everything else on the
+training thread (the global forward pre-hook that captures weights, the optimizer's
+pre-hook, ``tracker.step()``). The writer thread's CPU time per step is printed beside them.
+Python's cyclic garbage collector is paused during the timed steps: a collection runs in
+whatever code allocates when it falls due, and a full one walks every object of the
+process (the imports of torch, Triton and pandas alone make ~230,000), so left on it would
+charge a random hook with tens of milliseconds.
+
+Triton's own launch time per call: in a subprocess without the interpreter, a kernel is
+compiled for sm_90 (no GPU needed) and launched through ``kernel[grid](...)`` with only the
+final C launcher (which packs the arguments and calls ``cuLaunchKernel``) replaced by a
+no-op; the time per call is Triton's Python launch path (binding and specializing the
+arguments, the cache lookup), not the driver's. ``--no-triton`` skips it.
+
+Usage::
+
+    PYTHONPATH=. python benchmarks/host_cost.py            # 20 steps after 3 of warm-up
+    PYTHONPATH=. python benchmarks/host_cost.py --tiny     # seconds: the tests' mode
+
+The last two lines are ``host_us_per_observation: X`` and ``host_us_fixed_per_step: Y``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# the fused kernels run in Triton's interpreter on CPU tensors (set before tandv's kernels
+# are imported), except in the subprocess that compiles one for a GPU
+if "--triton-worker" not in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from overhead import PRESETS, _step, _trainer  # noqa: E402
+
+from tandv.demos.torch_gpt import GPTConfig  # noqa: E402
+from tandv.track.torch import summary as kernel  # noqa: E402
+from tandv.track.torch import track  # noqa: E402
+from tandv.track.torch.tracker import Tracker  # noqa: E402
+
+
+class NoLaunch:
+    """Stands for a Triton kernel: ``kernel[grid](*args, **kwargs)`` takes the launch's
+    arguments and does nothing (no device work, on the CPU or anywhere)."""
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = name
+        self.calls = 0
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.calls += 1
+
+        return launch
+
+
+class Clock:
+    """CPU time of the training thread in tandv's entry points, by kind."""
+
+    def __init__(self) -> None:
+        self.ns = {"hook": 0, "fixed": 0}
+        self.calls = {"hook": 0, "fixed": 0}
+        self.on = False
+        # the cost of one clock pair around an empty call, subtracted per call
+        self.tare = 0.0
+        f = self.timed("hook", lambda: None)
+        self.on = True
+        reps = 20000
+        t0 = time.thread_time_ns()
+        for _ in range(reps):
+            f()
+        inner = time.thread_time_ns() - t0
+        g = lambda: None  # noqa: E731
+        t0 = time.thread_time_ns()
+        for _ in range(reps):
+            g()
+        bare = time.thread_time_ns() - t0
+        self.tare = max(inner - bare, 0) / reps
+        self.reset()
+        self.on = False
+
+    def reset(self) -> None:
+        self.ns = {"hook": 0, "fixed": 0}
+        self.calls = {"hook": 0, "fixed": 0}
+
+    def timed(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        clock = time.thread_time_ns
+        ns, calls = self.ns, self.calls
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return fn(*args, **kwargs)
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ns[kind] += clock() - t0
+                self.calls[kind] += 1
+
+        del ns, calls
+        return wrapper
+
+    def us(self, kind: str) -> float:
+        """Microseconds in ``kind``, less the clock's own cost."""
+        return (self.ns[kind] - self.tare * self.calls[kind]) / 1e3
+
+
+def instrument(clock: Clock) -> None:
+    """Time the tracker's hooks (per observation) and its per-step entry points."""
+    make_fwd, make_grad = Tracker._make_forward_hook, Tracker._make_grad_hook
+    Tracker._make_forward_hook = lambda self, name, m: clock.timed(  # type: ignore[method-assign]
+        "hook", make_fwd(self, name, m)
+    )
+    Tracker._make_grad_hook = lambda self, name, m: clock.timed(  # type: ignore[method-assign]
+        "hook", make_grad(self, name, m)
+    )
+    for name in ("_first_forward_hook", "_optimizer_pre_hook"):
+        setattr(Tracker, name, clock.timed("fixed", getattr(Tracker, name)))
+
+
+def thread_cpu_s(thread: threading.Thread | None) -> float:
+    """CPU seconds of a running thread (0 when there is none)."""
+    if thread is None or thread.ident is None:
+        return 0.0
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, float]:
+    """Run ``warmup + steps`` tracked steps (every step scheduled) and return tandv's host
+    time per observation and per step, and the counts behind them."""
+    from tandv.track.torch import _fused
+
+    _fused._summarize_one = NoLaunch("_summarize_one")  # type: ignore[assignment]
+    _fused._summarize_many = NoLaunch("_summarize_many")  # type: ignore[assignment]
+    kernel.HOST_PATH = False
+    kernel.FUSED_ON_CPU = True
+    clock = Clock()
+    instrument(clock)
+    model, opt, data = _trainer(cfg, batch, 0, "cpu")
+    observations = 0
+    step_ms = []
+    with tempfile.TemporaryDirectory() as tmp:
+        with track(model, opt, out=Path(tmp) / "log", verbose=False) as tracker:
+            writer0 = 0.0
+            for i in range(warmup + steps):
+                if i == warmup:
+                    clock.reset()
+                    clock.on = True
+                    gc.collect()
+                    gc.disable()  # see the module notes
+                    writer0 = thread_cpu_s(tracker.recorder._thread)  # type: ignore[union-attr]
+                t0 = time.perf_counter()
+                _step(model, opt, data, i)
+                if clock.on:  # the step's activations and output gradients
+                    observations += sum(
+                        k.tensor_type in ("Activation", "Gradient")
+                        for k, _, _ in tracker.recorder._pending  # type: ignore[union-attr]
+                    )
+                    c0 = time.thread_time_ns()
+                tracker.step()
+                if clock.on:
+                    clock.ns["fixed"] += time.thread_time_ns() - c0
+                    clock.calls["fixed"] += 1
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+            writer = thread_cpu_s(tracker.recorder._thread) - writer0  # type: ignore[union-attr]
+            clock.on = False
+            gc.enable()
+    launches = _fused._summarize_one.calls + _fused._summarize_many.calls  # type: ignore[attr-defined]
+    return {
+        "observations_per_step": observations / steps,
+        "host_us_per_observation": clock.us("hook") / observations,
+        "host_us_fixed_per_step": clock.us("fixed") / steps,
+        "writer_us_per_step": writer * 1e6 / steps,
+        "launches_per_step": launches / (warmup + steps),
+        "step_ms_median": statistics.median(step_ms[warmup:]),
+        "clock_tare_us": clock.tare / 1e3,
+    }
+
+
+def triton_launch_us(reps: int) -> dict[str, float]:
+    """Triton's Python launch path per call (see the module notes), measured in a
+    subprocess without the interpreter; empty when Triton's CUDA backend is missing."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    run = subprocess.run(
+        [sys.executable, __file__, "--triton-worker", str(reps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if run.returncode != 0:
+        print(f"Triton launch not measured: {run.stderr.strip()[-500:]}", file=sys.stderr)
+        return {}
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def triton_worker(reps: int) -> None:
+    """The subprocess of :func:`triton_launch_us`: compile ``_summarize_one`` for float32
+    on sm_90, then time ``kernel[grid](...)`` with the C launcher a no-op."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    from tandv.stats.summary import Layout
+    from tandv.track.torch import _fused
+
+    assert not _fused.INTERPRETED, "run without TRITON_INTERPRET"
+
+    class NoDevice:
+        """The driver's module loader, for a device that is not there."""
+
+        def get_device_properties(self, device: int) -> dict[str, int]:
+            return {"max_shared_mem": 232448, "multiprocessor_count": 132}
+
+        def load_binary(self, *args: Any) -> tuple[int, int, int, int, int]:
+            return 1, 1, 0, 0, 1024  # module, function, registers, spills, max threads
+
+        def unload_module(self, module: Any) -> None:
+            pass
+
+    class CompileOnlyDevice:
+        """What Triton's launcher asks of the active driver: it compiles for sm_90, and its
+        C launcher (which packs the arguments and calls cuLaunchKernel) does nothing."""
+
+        utils = NoDevice()
+
+        @staticmethod
+        def launcher_cls(src: Any, metadata: Any) -> Callable[..., None]:
+            return lambda *args: None
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+    driver.set_active(CompileOnlyDevice())
+    spec = _fused.spec_for(torch.float32)
+    layout = Layout("float32")
+    x = torch.zeros(262144)
+    rows = torch.zeros(_fused.row_size(spec, layout) * 4, dtype=torch.float64)
+    scratch = torch.zeros(64 * _fused.PART, dtype=torch.float64)
+    k = _fused._summarize_one
+    parts, per = _fused._parts(x.numel(), 64)
+    args = (x, x.numel(), per, rows, 0, scratch, rows, 3.0e38)
+    launch = k[(parts,)]
+    consts = _fused._consts(spec)
+    for _ in range(100):
+        launch(*args, **consts)
+    t0 = time.thread_time_ns()
+    for _ in range(reps):
+        launch(*args, **consts)
+    dt = (time.thread_time_ns() - t0) / 1e9 / reps
+    print(json.dumps({"triton_run_us_per_call": dt * 1e6}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=12,
+        help="untimed steps (past the first flush: the buffers the writer hands back)",
+    )
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--tiny", action="store_true", help="a 1-layer d_model 32 GPT, 3 steps")
+    p.add_argument("--no-triton", action="store_true", help="skip Triton's launch time")
+    p.add_argument("--triton-worker", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.triton_worker is not None:
+        triton_worker(args.triton_worker)
+        return 0
+    torch.set_num_threads(args.threads)
+    size = dict(PRESETS["small"])
+    if args.tiny:
+        size.update(layers=1, d_model=32, heads=2, mlp=64, vocab=64, seq=16, batch=2)
+        args.steps, args.warmup = 3, 2
+    cfg = GPTConfig(
+        vocab_size=size["vocab"],
+        seq_len=size["seq"],
+        d_model=size["d_model"],
+        n_layers=size["layers"],
+        n_heads=size["heads"],
+        d_mlp=size["mlp"],
+    )
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, {os.cpu_count()} CPUs"
+    )
+    print(f"{cfg}, batch {size['batch']}, AdamW; fused path forced, kernels replaced by no-ops")
+    if not args.no_triton:
+        t = triton_launch_us(200 if args.tiny else 5000)
+        if t:
+            print(
+                "Triton's launch path per call (kernel[grid](...) of a compiled sm_90 kernel, "
+                "binding, specialization and cache lookup; the C launcher and cuLaunchKernel "
+                f"excluded): {t['triton_run_us_per_call']:.2f} us"
+            )
+    r = host_cost(cfg, size["batch"], args.steps, args.warmup)
+    print(
+        f"{r['observations_per_step']:.0f} activation/activation-gradient observations per "
+        f"step, {r['launches_per_step']:.1f} kernel launches per step; tracked step "
+        f"{r['step_ms_median']:.1f} ms (median, the model's own CPU compute included); "
+        f"writer thread {r['writer_us_per_step']:.0f} us CPU per step; "
+        f"clock cost {r['clock_tare_us']:.2f} us per timed call (subtracted)"
+    )
+    print(f"host_us_per_observation: {r['host_us_per_observation']:.2f}")
+    print(f"host_us_fixed_per_step: {r['host_us_fixed_per_step']:.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,225 @@
+"""The host side of the GPU path, checked on the CPU: the host-cost benchmark's tiny mode,
+the order of stream joins and buffer marks (with stand-in streams), and the refusal of
+tracking inside a CUDA graph capture."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandv.track.torch import _workspace, track
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_host_cost_benchmark_tiny_mode():
+    """The benchmark runs (kernels replaced by no-ops), ends with its two figures, and the
+    tracker launched at most one kernel per activation or activation gradient plus 8."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "host_cost.py"), "--tiny", "--no-triton"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    x = re.fullmatch(r"host_us_per_observation: ([0-9.]+)", lines[-2])
+    y = re.fullmatch(r"host_us_fixed_per_step: ([0-9.]+)", lines[-1])
+    assert x and y, lines[-2:]
+    assert float(x.group(1)) > 0 and float(y.group(1)) > 0
+    counts = re.search(
+        r"(\d+) activation/activation-gradient observations per step, "
+        r"([0-9.]+) kernel launches per step",
+        run.stdout,
+    )
+    assert counts, run.stdout
+    observations, launches = int(counts.group(1)), float(counts.group(2))
+    assert observations > 10
+    assert 0 < launches <= observations + 8
+
+
+class Log(list):
+    """The calls made on the stand-ins, in order."""
+
+
+class FakeStream:
+    def __init__(self, name: str, log: Log) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.log.append(("wait", self.name, other.name))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FakeStream) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+class FakeBuffer:
+    """A device buffer's stand-in: records ``record_stream`` calls."""
+
+    def __init__(self, name: str, log: Log, n: int) -> None:
+        self.name, self.log, self.n = name, log, n
+
+    def record_stream(self, s: FakeStream) -> None:
+        self.log.append(("record", self.name, s.name))
+
+    def numel(self) -> int:
+        return self.n
+
+
+@pytest.fixture
+def space(monkeypatch):
+    """A CPU space that believes it is a CUDA one, with stand-in streams and buffers; the
+    current stream is ``space.current[0]``."""
+    log = Log()
+    sp = _workspace._Space(torch.device("cpu"))
+    sp.cuda = True
+    sp.home = FakeStream("home", log)
+    sp.rows = FakeBuffer("rows", log, sp.capacity)
+    sp.scratch = FakeBuffer("scratch", log, 0)
+    sp.current = [sp.home]
+    sp.log = log
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: sp.current[0])
+    return sp
+
+
+def test_side_stream_waits_for_the_rows_and_marks_the_buffers_once(space):
+    side = FakeStream("side", space.log)
+    space.stream()  # the home stream: nothing to order
+    assert space.log == []
+    space.current[0] = side
+    space.stream()
+    space.stream()  # again on the same stream this step: nothing more
+    assert space.log == [
+        ("wait", "side", "home"),  # after the rows' zeroing on the home stream
+        ("record", "rows", "side"),
+        ("record", "scratch", "side"),
+    ]
+
+
+def test_join_orders_the_reader_after_every_writer(space):
+    a, b = FakeStream("a", space.log), FakeStream("b", space.log)
+    for s in (a, b):
+        space.current[0] = s
+        space.stream()
+    space.log.clear()
+    space.current[0] = space.home
+    space.join()  # e.g. the end of the step, on the home stream
+    assert space.log == [("wait", "home", "a"), ("wait", "home", "b")]
+    assert space.writers == []
+    space.log.clear()
+    space.current[0] = a  # the next step's first write from a waits for home again
+    space.stream()
+    assert space.log[0] == ("wait", "a", "home")
+
+
+def test_join_from_a_new_stream_takes_it_as_home(space):
+    a, c = FakeStream("a", space.log), FakeStream("c", space.log)
+    space.current[0] = a
+    space.stream()
+    space.log.clear()
+    space.current[0] = c
+    space.join()
+    assert space.log == [
+        ("wait", "c", "a"),
+        ("wait", "c", "home"),
+        ("record", "rows", "c"),
+        ("record", "scratch", "c"),
+    ]
+    assert space.home == c
+
+
+def test_growing_the_rows_first_joins_the_writers(space, monkeypatch):
+    """The copy into the bigger buffer follows every kernel queued on the old one."""
+    a = FakeStream("a", space.log)
+    space.current[0] = a
+    space.stream()
+    space.log.clear()
+    space.current[0] = space.home
+
+    class Rows(FakeBuffer):
+        def __getitem__(self, key):
+            return torch.ones(self.n, dtype=torch.float64)[key]
+
+    space.rows = Rows("rows", space.log, space.capacity)
+    real_zeros = torch.zeros
+
+    def zeros(*args, **kwargs):
+        space.log.append(("alloc",))
+        return real_zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    old = space.capacity
+    space.used = old - 1
+    assert space.reserve(8) == old - 1
+    assert space.log == [("wait", "home", "a"), ("alloc",)]
+    assert space.capacity == space.rows.numel() >= old + 7
+    assert space.rows[: old - 1].eq(1).all() and space.rows[old - 1 :].eq(0).all()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+@pytest.fixture
+def capturing(monkeypatch):
+    """CPU tensors that say they are on CUDA while a graph capture is under way (only the
+    tracker asks; the model's own operations run on the CPU)."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+
+
+def test_capture_of_a_tracked_activation_is_refused_naming_the_module(capturing):
+    net = Net()
+    with track(net, out="log", track_weights=False, verbose=False):
+        with pytest.raises(RuntimeError, match=r"output of module 'fc1'.*CUDA graph capture"):
+            net(torch.randn(3, 4))
+
+
+def test_capture_of_tracked_weights_is_refused_naming_the_parameter(capturing):
+    net = Net()
+    with track(net, out="log", verbose=False):
+        with pytest.raises(RuntimeError, match=r"Weight 'fc1.weight'.*CUDA graph capture"):
+            net(torch.randn(3, 4))
+
+
+def test_no_capture_no_refusal(monkeypatch):
+    """The check does not fire on CUDA-less tensors, capture or not."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with track(net, opt, out="log", verbose=False) as tr:
+        F.mse_loss(net(torch.randn(3, 4)), torch.zeros(3, 2)).backward()
+        opt.step()
+        tr.step()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_8bit_value_tables_are_on_the_device_when_tracking_starts():
+    pytest.importorskip("triton")
+    from tandv.track.torch import _fused
+
+    net = Net().cuda()
+    with track(net, out="log", verbose=False):
+        dev = next(net.parameters()).device
+        for dtype in _workspace._fused_8bit_dtypes():
+            assert (dtype, dev) in _fused._luts
