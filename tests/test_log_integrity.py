@@ -306,3 +306,28 @@ def test_summary_prints_no_raw_escape_sequences(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out
     assert r"evil\x1b[2J\x07" in out  # shown, as an escape
+
+
+# ------------------------------------------------------------------ the reading benchmark
+
+
+def test_read_benchmark_runs_in_its_tiny_mode():
+    """benchmarks/read_log.py (the README's reading figures) builds a log with tandv's
+    writer and times every task, each in a fresh process: it must keep working."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "read_log.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    rows: dict[str, list[str]] = {}
+    for line in lines:
+        if line.split():
+            rows.setdefault(line.split()[0], line.split())  # the table's row, not the ratio
+    for task in ("arrow", "full", "last", "stat", "summary"):
+        assert task in rows, out.stdout
+    assert rows["full"][4:] == rows["arrow"][4:] == ["[960,", "58]"]  # the whole log, both ways
+    assert any(line.startswith("full / arrow: seconds") for line in lines)
