@@ -149,6 +149,41 @@ def test_sigterm_flushes_like_sigint(tmp_path, fmt, name):
     assert sorted(df[("metadata", "step")]) == [0, 1, 2, 3, 4]
 
 
+_FORK_CHILD = """
+import os, signal, sys, time
+import numpy as np
+from tandv.stats import summarize
+from tandv.track.common import StepRecorder, TensorKey
+rec = StepRecorder(sys.argv[1], verbose=False, flush_every=1000, flush_seconds=1e6)
+v, layout = summarize(np.arange(1, 9, dtype=np.float32))
+rec.add(TensorKey("a", "Weight", "Linear", "float32"), layout, v)
+rec.end_step(0, lambda xs: xs)
+pid = os.fork()
+if pid == 0:  # a data loader worker, say: not the log's writer
+    time.sleep(60)
+    os._exit(0)
+time.sleep(0.2)
+os.kill(pid, signal.SIGTERM)
+_, status = os.waitpid(pid, 0)
+print("child", os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM)
+rec.close()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_sigterm_in_a_forked_child_leaves_the_parents_log_alone(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_CHILD, str(tmp_path / "log")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    assert out.stdout.strip() == "child True", out.stderr  # the default action: killed
+    assert len(list((tmp_path / "log").glob("*.parquet"))) == 1  # the parent's part only
+    assert read_parquet(tmp_path / "log")[("metadata", "step")].tolist() == [0]
+
+
 def test_write_error_surfaces_at_the_next_step(tmp_path):
     rec = StepRecorder(tmp_path / "log", verbose=False, flush_every=5)
 
