@@ -149,6 +149,41 @@ def test_sigterm_flushes_like_sigint(tmp_path, fmt, name):
     assert sorted(df[("metadata", "step")]) == [0, 1, 2, 3, 4]
 
 
+_FORK_CHILD = """
+import os, signal, sys, time
+import numpy as np
+from tandv.stats import summarize
+from tandv.track.common import StepRecorder, TensorKey
+rec = StepRecorder(sys.argv[1], verbose=False, flush_every=1000, flush_seconds=1e6)
+v, layout = summarize(np.arange(1, 9, dtype=np.float32))
+rec.add(TensorKey("a", "Weight", "Linear", "float32"), layout, v)
+rec.end_step(0, lambda xs: xs)
+pid = os.fork()
+if pid == 0:  # a data loader worker, say: not the log's writer
+    time.sleep(60)
+    os._exit(0)
+time.sleep(0.2)
+os.kill(pid, signal.SIGTERM)
+_, status = os.waitpid(pid, 0)
+print("child", os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM)
+rec.close()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_sigterm_in_a_forked_child_leaves_the_parents_log_alone(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_CHILD, str(tmp_path / "log")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    assert out.stdout.strip() == "child True", out.stderr  # the default action: killed
+    assert len(list((tmp_path / "log").glob("*.parquet"))) == 1  # the parent's part only
+    assert read_parquet(tmp_path / "log")[("metadata", "step")].tolist() == [0]
+
+
 def test_write_error_surfaces_at_the_next_step(tmp_path):
     rec = StepRecorder(tmp_path / "log", verbose=False, flush_every=5)
 
@@ -306,3 +341,59 @@ def test_summary_prints_no_raw_escape_sequences(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out
     assert r"evil\x1b[2J\x07" in out  # shown, as an escape
+
+
+# ------------------------------------------------------------------ the reading benchmark
+
+
+def test_read_benchmark_runs_in_its_tiny_mode():
+    """benchmarks/read_log.py (the README's reading figures) builds a log with tandv's
+    writer and times every task, each in a fresh process: it must keep working."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "read_log.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    rows: dict[str, list[str]] = {}
+    for line in lines:
+        if line.split():
+            rows.setdefault(line.split()[0], line.split())  # the table's row, not the ratio
+    for task in ("arrow", "full", "last", "stat", "summary"):
+        assert task in rows, out.stdout
+    assert rows["full"][4:] == rows["arrow"][4:] == ["[960,", "58]"]  # the whole log, both ways
+    assert any(line.startswith("full / arrow: seconds") for line in lines)
+
+
+def test_a_full_read_allocates_about_the_frame_it_returns(tmp_path):
+    """Validation on read works on the decoded columns in place: the numpy memory a full
+    read allocates is about the frame's numeric columns (copying the exponent block into
+    one 2-D array to check it, as before, doubled it)."""
+    import tracemalloc
+
+    rows, exps = 20_000, 64
+    rng = np.random.default_rng(0)
+    meta = [("metadata", c) for c in ("name", "type", "tensor_type", "step", "dtype")]
+    counts = [("exponent_counts", e) for e in ("-inf", *range(-exps, 0), "+inf")]
+    data: dict = {
+        ("metadata", "name"): [f"t{i % 100}" for i in range(rows)],
+        ("metadata", "type"): ["L"] * rows,
+        ("metadata", "tensor_type"): ["Weight"] * rows,
+        ("metadata", "step"): np.arange(rows) // 100,
+        ("metadata", "dtype"): ["float32"] * rows,
+        ("scalar_stats", "rm2"): rng.random(rows),
+    }
+    data.update({c: rng.integers(0, 100, rows) for c in counts})
+    cols = pd.MultiIndex.from_tuples([*meta, ("scalar_stats", "rm2"), *counts])
+    write_parquet(pd.DataFrame(data, columns=cols), tmp_path / "x.parquet")
+    tracemalloc.start()
+    try:
+        got = read_parquet(tmp_path / "x.parquet")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    numeric = sum(got[c].to_numpy().nbytes for c in got.columns if got[c].dtype.kind in "if")
+    assert peak < 1.4 * numeric, (peak, numeric)

@@ -51,7 +51,7 @@ def test_torch_scalars_round_trip_every_step_whatever_the_schedule(tmp_path, out
     by_path = tandv.read_scalars(tmp_path / out)
     pd.testing.assert_frame_equal(by_path, expected, check_dtype=False, rtol=1e-7)
     assert by_path["step"].dtype == np.int64
-    df = tandv.read_log(tmp_path / out)
+    df = tandv.read_log(tmp_path / out, trust_pickle=True)
     assert sorted(df[("metadata", "step")].unique()) == [
         0,
         2,

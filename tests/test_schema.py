@@ -674,3 +674,145 @@ def test_frames_read_are_ordinary_editable_frames(tmp_path):
         back[("exponent_counts", "-inf")] += 1
         assert back[("scalar_stats", "rm2")].iloc[0] == 5.0
         assert (back[("exponent_counts", "-inf")] >= 1).all()
+
+
+# ------------------------------------------------------------------ no silent misreads (issue 30)
+
+
+@pytest.mark.parametrize("label", ["07", "0012", "-0", "+3", "-03"])
+def test_exponent_labels_only_in_the_writers_spelling(tmp_path, label):
+    """`exponent_counts.07` is not the column 7 (nor 0012 the 12, -0 the 0): refused,
+    naming the file and the column, by read_parquet and `tandv validate`."""
+    from tandv.cli import main
+
+    path = _write_raw(tmp_path / "p.parquet", **{f"exponent_counts.{label}": pa.array([5, 5])})
+    with pytest.raises(
+        SchemaError,
+        match=rf"p\.parquet', column 'exponent_counts\.{re.escape(label)}': exponent labels "
+        r"must be integers as tandv writes them",
+    ):
+        read_parquet(path)
+    assert main(["validate", str(path)]) == 1
+
+
+def test_a_column_twice_in_a_part_is_refused(tmp_path):
+    table = pa.Table.from_arrays(
+        [
+            pa.array(["a"]),
+            pa.array(["L"]),
+            pa.array(["Weight"]),
+            pa.array([0]),
+            pa.array(["float32"]),
+            pa.array([1.0]),
+            pa.array([0]),
+            pa.array([1]),
+            pa.array([2]),
+            pa.array([0]),
+        ],
+        names=[
+            "metadata.name",
+            "metadata.type",
+            "metadata.tensor_type",
+            "metadata.step",
+            "metadata.dtype",
+            "scalar_stats.rm2",
+            "exponent_counts.-inf",
+            "exponent_counts.-3",
+            "exponent_counts.-3",
+            "exponent_counts.+inf",
+        ],
+    )
+    pq.write_table(seal_part(table), tmp_path / "p.parquet")
+    with pytest.raises(
+        SchemaError, match=r"p\.parquet', column 'exponent_counts\.-3': the column appears twice"
+    ):
+        read_parquet(tmp_path / "p.parquet")
+
+
+@pytest.mark.parametrize("version", [b"2", b"999", None])
+def test_unknown_log_versions_are_refused(tmp_path, version):
+    path = _write_raw(tmp_path / "p.parquet")
+    table = pq.read_table(path)
+    meta = dict(table.schema.metadata)
+    if version is None:
+        del meta[b"tandv.log"]
+        match = r"p\.parquet' is not a tandv log: it is not marked as one"
+    else:
+        meta[b"tandv.log"] = version
+        match = rf"p\.parquet': log format version '{version.decode()}'; this tandv reads version 1"
+    pq.write_table(table.replace_schema_metadata(meta), path)
+    with pytest.raises(SchemaError, match=match):
+        read_parquet(path)
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        (b"scalar_stats.max_abs", b"scalar_stats.?ax_abs"),  # a statistic renamed
+        (b"exponent_counts.-50", b"exponent_counts.-57"),  # counts moved to another bin
+        (b"exponent_counts.-50", b"exponent_counts.-52"),  # ... onto an existing one
+    ],
+)
+def test_footer_damage_that_still_parses_is_caught_by_the_schema_checksum(tmp_path, old, new):
+    extra = {
+        "scalar_stats.max_abs": pa.array([1.0, 2.0]),
+        "exponent_counts.-52": pa.array([1, 1]),
+        "exponent_counts.-50": pa.array([2, 2]),
+    }
+    path = _write_raw(tmp_path / "p.parquet", **extra)
+    data = path.read_bytes()
+    footer = len(data) - int.from_bytes(data[-8:-4], "little") - 8
+    assert data.count(old, footer) >= 1  # the name as the footer stores it
+    path.write_bytes(data[:footer] + data[footer:].replace(old, new))
+    with pytest.raises(SchemaError, match=r"p\.parquet'.*(damaged footer|appears twice)"):
+        read_parquet(path)
+
+
+def test_a_name_that_is_not_utf8_is_a_schema_error(tmp_path):
+    path = _write_raw(tmp_path / "p.parquet")
+    data = path.read_bytes()
+    footer = len(data) - int.from_bytes(data[-8:-4], "little") - 8
+    path.write_bytes(
+        data[:footer] + data[footer:].replace(b"scalar_stats.rm2", b"scalar_stats.r\xff2")
+    )
+    with pytest.raises(SchemaError, match=r"p\.parquet' is not a readable parquet file"):
+        read_parquet(path)
+
+
+def test_column_selection_and_filters_as_pandas_on_the_full_frame(tmp_path):
+    """Two parts, the second with a statistic and an exponent column the first lacks:
+    selections and filters give what pandas gives on the whole frame (a missing
+    statistic is NaN there, a missing count 0)."""
+    d = tmp_path / "log"
+    d.mkdir()
+    _write_raw(d / "part-0.parquet", **{"metadata.step": pa.array([0, 0])})
+    _write_raw(
+        d / "part-1.parquet",
+        **{
+            "metadata.step": pa.array([1, 1]),
+            "scalar_stats.peak": pa.array([5.0, 7.0]),
+            "exponent_counts.-3": pa.array([0, 9]),
+        },
+    )
+    full = read_parquet(d)
+    peak = full[("scalar_stats", "peak")]
+    assert peak.isna().tolist() == [True, True, False, False]
+    for filters, mask in [
+        ([("peak", "!=", 5.0)], peak != 5.0),
+        ([("peak", "<", 6.0)], peak < 6.0),
+        ([("peak", "not in", [7.0])], ~peak.isin([7.0])),
+        ([(-3, "==", 0)], full[("exponent_counts", -3)] == 0),
+    ]:
+        got = read_parquet(d, filters=filters)
+        pd.testing.assert_frame_equal(got, full[mask.to_numpy()].reset_index(drop=True))
+    absent = read_parquet(d, columns=[99, "rm2"])
+    assert absent[("exponent_counts", 99)].tolist() == [0, 0, 0, 0]
+    assert absent[("exponent_counts", 99)].dtype == np.int64
+    with pytest.raises(ValueError, match=r"column \('x',\): a column key is a \(group, label\)"):
+        read_parquet(d, columns=[("x",)])
+    with pytest.raises(ValueError, match=r"column 1\.5: expected a statistic name"):
+        read_parquet(d, columns=[1.5])
+    with pytest.raises(ValueError, match=r"\('step', '>=', '1'\): the column holds numbers"):
+        read_parquet(d, filters=[("step", ">=", "1")])
+    with pytest.raises(ValueError, match=r"\('name', '==', 3\): the column holds strings"):
+        read_parquet(d, filters=[("name", "==", 3)])

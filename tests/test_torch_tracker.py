@@ -336,7 +336,7 @@ def test_keyboard_interrupt_keeps_completed_steps():
         with track(net, opt, out="log.pkl", out_format="pickle") as tr:
             train(net, opt, 2, tr)
             raise KeyboardInterrupt
-    df = read_log(tr.out_path)
+    df = read_log(tr.out_path, trust_pickle=True)
     assert sorted(set(df[("metadata", "step")])) == [0, 1]
 
 

@@ -1138,10 +1138,12 @@ def _check_unique(
         )
 
 
-def log_columns(path: PathLike) -> list[tuple[str, Any]]:
-    """The column keys of a log in log order (a parquet log's from its footers alone)."""
+def log_columns(path: PathLike, *, trust_pickle: bool = False) -> list[tuple[str, Any]]:
+    """The column keys of a log in log order (a parquet log's from its footers alone; a
+    pickle's only with ``trust_pickle=True``, as :func:`read_log`)."""
     p = Path(path)
     if _suffix_format(p) == "pickle":
+        require_trust(p, trust_pickle, "log_columns")
         return list(read_pickle(p).columns)
     return _ParquetLog(p, statistics=False).columns
 

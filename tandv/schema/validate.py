@@ -163,20 +163,23 @@ def _duplicates(df: pd.DataFrame, step: np.ndarray) -> np.ndarray:
 
 
 _INT64_MAX = np.iinfo(np.int64).max
-#: Columns checked together by :func:`_counts_out_of_range` (bounds the copy it makes).
-_BLOCK_COLUMNS = 16
+#: Values checked together by :func:`_counts_out_of_range` (bounds the copy it makes to
+#: 32 MB: a tracker's part is one block, a frame of millions of rows a column at a time).
+_BLOCK_VALUES = 2**22
 
 
 def _counts_out_of_range(df: pd.DataFrame, at: np.ndarray, dtypes: list[Any]) -> bool:
     """Whether an integer count column at positions ``at`` holds a value below 0 or, in an
     unsigned column, above the int64 maximum (which parquet readers cannot give back as
-    the log's int64 counts). Columns of one dtype are read a few at a time by position."""
+    the log's int64 counts). Columns of one dtype are read by position, as many at a time
+    as fit in :data:`_BLOCK_VALUES`."""
     by_dtype: dict[np.dtype, list[int]] = {}
     for i, dt in zip(at, dtypes):
         by_dtype.setdefault(dt, []).append(int(i))
+    step = max(1, _BLOCK_VALUES // max(1, len(df)))
     for dt, cols in by_dtype.items():
-        for k in range(0, len(cols), _BLOCK_COLUMNS):
-            block = df.iloc[:, cols[k : k + _BLOCK_COLUMNS]].to_numpy(dtype=dt)
+        for k in range(0, len(cols), step):
+            block = df.iloc[:, cols[k : k + step]].to_numpy(dtype=dt)
             if dt.kind == "i" and block.min(initial=0) < 0:
                 return True
             if dt.kind == "u" and block.max(initial=0) > _INT64_MAX:

@@ -324,11 +324,17 @@ _OPEN: weakref.WeakSet[StepRecorder] = weakref.WeakSet()
 _TERM = {"installed": False, "fired": False}
 
 
+def _own_open() -> list[StepRecorder]:
+    """The open recorders this process made (a forked child, e.g. a data loader worker,
+    inherits copies of its parent's, which are not its to write)."""
+    return [r for r in list(_OPEN) if not r.closed and r._pid == os.getpid()]
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     """SIGTERM as SIGINT is handled: an exception on the main thread, so ``with`` blocks
     close their trackers (the buffered steps are flushed), then exit status 143; trackers
     not closed by then are closed at exit. With no tracker open, the default action."""
-    if not any(not r.closed for r in list(_OPEN)):
+    if not _own_open():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
         return
@@ -339,7 +345,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def _close_after_sigterm() -> None:
     if not _TERM["fired"]:
         return
-    for rec in list(_OPEN):
+    for rec in _own_open():
         try:
             rec.close()
         except Exception as e:  # at exit: say so, close the others
@@ -479,6 +485,7 @@ class StepRecorder:
         self.steps_recorded = 0
         self.closed = False
         self.scalars: ScalarRecorder | None = None  # created by the first log_scalars
+        self._pid = os.getpid()
         if self.writer is not None:
             _OPEN.add(self)
             _handle_sigterm()
