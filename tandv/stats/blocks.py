@@ -40,6 +40,7 @@ is tested against.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -160,7 +161,7 @@ def _rows(x: Any, block: int) -> tuple[np.ndarray, np.ndarray]:
     """``x`` as float64 rows of whole blocks ``(rows, blocks, block)`` (padded with NaN, which
     every statistic leaves out) and the mask of its finite values."""
     a = np.asarray(x)
-    a = a.astype(np.float64).reshape(-1, a.shape[-1] if a.ndim else 1)
+    a = a.astype(np.float64).reshape(math.prod(a.shape[:-1]), a.shape[-1] if a.ndim else 1)
     rows, n = a.shape
     nb = -(-n // block)
     pad = np.full((rows, nb * block), np.nan)
