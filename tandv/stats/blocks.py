@@ -166,8 +166,8 @@ def _rows(x: Any, block: int) -> tuple[np.ndarray, np.ndarray]:
     nb = -(-n // block)
     pad = np.full((rows, nb * block), np.nan)
     pad[:, :n] = a
-    pad = pad.reshape(rows, nb, block)
-    return pad, np.isfinite(pad)
+    blocks = pad.reshape(rows, nb, block)
+    return blocks, np.isfinite(blocks)
 
 
 def _round(v: np.ndarray, f: BlockFormat) -> np.ndarray:

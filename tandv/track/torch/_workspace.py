@@ -143,14 +143,14 @@ class Workspace:
         vectors of the host path (CPU tensors), :class:`Slot` s of the fused kernel (one
         launch per device and dtype) and of the torch-op path."""
         if len(tensors) == 1:  # a hook's tensor: kept short
-            spec = fused_spec(tensors[0])
+            spec = fused_spec(tensors[0], layout)
             if spec is not None:
                 return self.fused(tensors, spec, layout, extras)  # type: ignore[return-value]
         out: list[Any] = host_vectors(list(tensors), layout, list(extras))
         groups: dict[tuple[torch.device, Any], list[int]] = {}
         for i, t in enumerate(tensors):
             if out[i] is None:
-                spec = fused_spec(t)
+                spec = fused_spec(t, layout)
                 if spec is None:
                     out[i] = self.raw(raw_device(t, layout, extras[i]), layout)
                 else:
