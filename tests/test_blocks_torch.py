@@ -9,13 +9,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from test_blocks import COLS, NAMES, _random_arrays  # noqa: E402
+
 import tandv  # noqa: E402
 from tandv.stats.blocks import BLOCK_FORMATS, block_stats  # noqa: E402
 from tandv.track.torch import summary as kernel  # noqa: E402
 from tandv.track.torch import track  # noqa: E402
 from tandv.track.torch._blocks import block_columns  # noqa: E402
-
-from test_blocks import COLS, NAMES, _random_arrays  # noqa: E402
 
 
 def _torch(a: np.ndarray) -> torch.Tensor:
