@@ -80,3 +80,36 @@ def test_option_errors() -> None:
         track(model, block_formats=("fp8",))
     with pytest.raises(ValueError, match="clashes with a block_formats column"):
         track(model, block_formats=("nvfp4",), stats={"nvfp4.sq_err": (lambda x: x.sum(), "sum")})
+
+
+def test_shares_and_report(tmp_path) -> None:
+    from tandv.quantities import block_format_names, block_shares
+    from tandv.viz.report import render_report
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.ReLU(), torch.nn.Linear(24, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    formats = ("mxfp4_e2m1", "mxfp8_e4m3")
+    with track(model, opt, block_formats=formats, out=tmp_path / "log", verbose=False) as tr:
+        for _ in range(2):
+            model(torch.randn(4, 40)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            tr.step()
+    df = tandv.read_parquet(tmp_path / "log")
+    assert block_format_names(df) == list(formats)
+    sh = block_shares(df, "mxfp4_e2m1")
+    w = model[0].weight.detach().numpy()
+    got = sh[(sh["name"] == "0.weight") & (sh["tensor_type"] == "Weight")].iloc[-1]
+    ref = block_stats(w, "mxfp4_e2m1")
+    assert got["underflow"] == ref["underflow"] / w.size
+    assert got["saturated"] == ref["saturated"] / w.size
+    power = float(np.sum(w.astype(np.float64) ** 2))
+    assert got["rel_err"] == pytest.approx(ref["sq_err"] / power, rel=1e-6)
+    assert 0 < got["rel_err"] < 1
+    with pytest.raises(ValueError, match="nvfp4"):
+        block_shares(df, "nvfp4")
+    page = render_report(df, "t")
+    assert '<section id="blocks"><h2>Block formats</h2>' in page
+    plain = df.drop(columns=[c for c in df.columns if c[0] == "scalar_stats" and "." in str(c[1])])
+    assert 'id="blocks"' not in render_report(plain, "t")

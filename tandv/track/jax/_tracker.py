@@ -784,7 +784,6 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         ]
 
 
-@signature_of(JaxTracker)
 def _host_kernel_only(layout: Layout, what: str) -> None:
     """Refuses a summary of ``layout`` off the host kernel when it carries block formats'
     columns: only the host kernel computes them in JAX so far (never a row without them).
@@ -801,6 +800,7 @@ def _host_kernel_only(layout: Layout, what: str) -> None:
         )
 
 
+@signature_of(JaxTracker)
 def track(*args: Any, **options: Any) -> JaxTracker:
     """Track a JAX/Flax training run; use as a context manager around the training loop.
 
