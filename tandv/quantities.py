@@ -450,9 +450,9 @@ def block_shares(df: pd.DataFrame, fmt: str | Sequence[str] | None = None) -> pd
     parts = []
     with np.errstate(divide="ignore", invalid="ignore"):
         for f in want:
-            col = {c: s[f"{f}.{c}"].to_numpy(dtype=np.float64) for c in _BLOCK_COLUMNS}
-            share = {c: np.where(numel > 0, col[c] / numel, 0.0) for c in _BLOCK_COLUMNS[:3]}
-            rel = np.where(power > 0, col["sq_err"] / power, np.nan)
+            vals = {c: s[f"{f}.{c}"].to_numpy(dtype=np.float64) for c in _BLOCK_COLUMNS}
+            share = {c: np.where(numel > 0, vals[c] / numel, 0.0) for c in _BLOCK_COLUMNS[:3]}
+            rel = np.where(power > 0, vals["sq_err"] / power, np.nan)
             parts.append(
                 pd.DataFrame(
                     {
@@ -460,7 +460,7 @@ def block_shares(df: pd.DataFrame, fmt: str | Sequence[str] | None = None) -> pd
                         "format": f,
                         **share,
                         "rel_err": rel,
-                        "block_range": col["block_range"],
+                        "block_range": vals["block_range"],
                     }
                 )
             )

@@ -327,8 +327,11 @@ def _block_formats(df: pd.DataFrame) -> str | None:
         return None
     sh = block_shares(df, formats)
     sh["tensor"] = sh["name"].astype(str) + " (" + sh["tensor_type"].astype(str) + ")"
-    panels = (("underflow", "underflow share"), ("saturated", "saturated share"))
-    panels += (("rel_err", "relative error power"),)
+    panels = [
+        ("underflow", "underflow share"),
+        ("saturated", "saturated share"),
+        ("rel_err", "relative error power"),
+    ]
     fig = Figure(figsize=(12, 2.8 * len(formats)), layout="constrained")
     axes = fig.subplots(len(formats), len(panels), squeeze=False)
     summary = []
