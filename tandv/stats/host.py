@@ -291,6 +291,130 @@ def _one_block(x, s, e, p, s_t, acc):  # pragma: no cover - compiled
     acc[_B_ERR] += err
 
 
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def _block_bits(bits, a, size, nblk, hi, lo):  # pragma: no cover - compiled
+    """The bits of the largest finite magnitude (``hi``) and of the smallest non-zero one
+    (``lo``; the inf pattern if none) of each of the ``nblk`` blocks of ``size`` from
+    ``a`` (int32 compares vectorize, as in :func:`_bit_reductions`)."""
+    for k in range(nblk):
+        mx = _I32(0)
+        mn = _I32(0x7F800000)
+        for j in range(a + k * size, a + k * size + size):
+            m = _I32(bits[j] & _I32(0x7FFFFFFF))
+            fin = m < _I32(0x7F800000)
+            mx = max(mx, m if fin else _I32(0))
+            mn = min(mn, m if fin & (m > _I32(0)) else _I32(0x7F800000))
+        hi[k] = mx
+        lo[k] = mn
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _mx_elements(x, a, size, nblk, inv, scl, p, acc):  # pragma: no cover - compiled
+    """Adds the counts and squared errors of the MX blocks (scaled by ``inv``, dequantized
+    by ``scl``, one per block) to ``acc``. ``reassoc`` lets the sums vectorize; the
+    rounding (:func:`_round_element`, compiled without it) keeps IEEE semantics."""
+    split, subk, normal, fmax = p[_B_SPLIT], p[_B_SUBK], p[_B_NORMAL], p[_B_MAX]
+    under = 0
+    subn = 0
+    sat = 0
+    err = 0.0
+    for k in range(nblk):
+        iv = inv[k]
+        sc = scl[k]
+        for j in range(a + k * size, a + k * size + size):
+            v = abs(np.float64(x[j]))
+            fin = v <= _F32_MAX
+            t = v * iv
+            q = _round_element(min(t, fmax), split, subk, normal)
+            nz = fin & (v > 0.0)
+            sat += fin & (t > fmax)
+            under += nz & (q == 0.0)
+            subn += nz & (q > 0.0) & (q < normal)
+            d = (q - t) * sc
+            err += d * d if fin else 0.0
+    acc[_B_UNDER] += under
+    acc[_B_SUBN] += subn
+    acc[_B_SAT] += sat
+    acc[_B_ERR] += err
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _nv_elements(x, a, size, nblk, scl, p, acc):  # pragma: no cover - compiled
+    """As :func:`_mx_elements` for NVFP4 blocks of float32 scales ``scl`` (blocks whose
+    scale is 0 are skipped: the caller counted them)."""
+    split, subk, normal, fmax = p[_B_SPLIT], p[_B_SUBK], p[_B_NORMAL], p[_B_MAX]
+    under = 0
+    subn = 0
+    sat = 0
+    err = 0.0
+    for k in range(nblk):
+        s = scl[k]
+        if s == 0:
+            continue
+        s64 = np.float64(s)
+        for j in range(a + k * size, a + k * size + size):
+            xi = x[j]
+            v = abs(np.float64(xi))
+            fin = v <= _F32_MAX
+            t = abs(np.float64(xi / s))
+            q = _round_element(min(t, fmax), split, subk, normal)
+            nz = fin & (v > 0.0)
+            sat += fin & (t > fmax)
+            under += nz & (q == 0.0)
+            subn += nz & (q > 0.0) & (q < normal)
+            d = q * s64 - v
+            err += d * d if fin else 0.0
+    acc[_B_UNDER] += under
+    acc[_B_SUBN] += subn
+    acc[_B_SAT] += sat
+    acc[_B_ERR] += err
+
+
+@numba.njit(cache=True, nogil=True)
+def _tiled(x, a, b, size, p, s_t, acc):  # pragma: no cover - compiled
+    """:func:`_blocks` where the blocks tile ``x[a:b]`` (rows a multiple of ``size`` long,
+    ``a`` and ``b`` on block bounds): block maxima and scales first, then one vectorized
+    loop over the elements."""
+    nblk = (b - a) // size
+    hi = np.empty(nblk, np.int32)
+    lo = np.empty(nblk, np.int32)
+    _block_bits(x.view(np.int32), a, size, nblk, hi, lo)
+    amax = hi.view(np.float32)
+    amin = lo.view(np.float32)
+    ratio = acc[_B_RATIO]
+    for k in range(nblk):
+        if amax[k] > 0:
+            ratio = max(ratio, np.float64(amax[k]) / np.float64(amin[k]))
+    acc[_B_RATIO] = ratio
+    if not np.isnan(p[_B_EMAX]):  # MX
+        inv = np.ones(nblk)
+        scl = np.ones(nblk)
+        emax = int(p[_B_EMAX])
+        for k in range(nblk):
+            if amax[k] > 0:
+                ex = math.frexp(np.float64(amax[k]))[1] - 1 - emax
+                scl[k] = math.ldexp(1.0, ex)
+                inv[k] = math.ldexp(1.0, -ex)
+        _mx_elements(x, a, size, nblk, inv, scl, p, acc)
+        return
+    f32 = np.float32
+    st = f32(s_t)
+    scl32 = np.zeros(nblk, np.float32)
+    for k in range(nblk):
+        m = amax[k]
+        if m > 0:
+            u = min(np.float64((m / f32(6.0)) / st), 448.0)
+            s_b = _round_element(u, _NV_E4M3[0], _NV_E4M3[1], _NV_E4M3[2])
+            scl32[k] = f32(f32(s_b) * st)
+            if scl32[k] == 0:  # the block's scale rounds to zero: its values underflow
+                for j in range(a + k * size, a + k * size + size):
+                    v = abs(np.float64(x[j]))
+                    if v <= _F32_MAX and v > 0:
+                        acc[_B_UNDER] += 1
+                        acc[_B_ERR] += v * v
+    _nv_elements(x, a, size, nblk, scl32, p, acc)
+
+
 @numba.njit(cache=True, nogil=True)
 def _blocks(x, a, b, rowlen, table, s_t, acc):  # pragma: no cover - compiled
     """Partials (``acc``: formats x 5) of the blocks of each format that start in
@@ -301,6 +425,9 @@ def _blocks(x, a, b, rowlen, table, s_t, acc):  # pragma: no cover - compiled
     for k in range(table.shape[0]):
         p = table[k]
         size = int(p[_B_SIZE])
+        if rowlen % size == 0 and a % size == 0 and b % size == 0:
+            _tiled(x, a, b, size, p, s_t[k], acc[k])
+            continue
         r = a // rowlen
         o = (a - r * rowlen + size - 1) // size * size
         if o >= rowlen:
