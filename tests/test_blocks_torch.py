@@ -113,3 +113,18 @@ def test_shares_and_report(tmp_path) -> None:
     assert '<section id="blocks"><h2>Block formats</h2>' in page
     plain = df.drop(columns=[c for c in df.columns if c[0] == "scalar_stats" and "." in str(c[1])])
     assert 'id="blocks"' not in render_report(plain, "t")
+
+
+def test_block_cost_benchmark_tiny_mode() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
+    spec = importlib.util.spec_from_file_location("overhead_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = bench.GPTConfig(vocab_size=32, seq_len=8, d_model=32, n_layers=1, n_heads=2, d_mlp=64)
+    r = bench.block_cost(cfg, 2, steps=2, warmup=1, formats=("mxfp8_e4m3", "nvfp4"), device="cpu")
+    assert r["median_blocks_ms"] > 0 and r["median_tracked_ms"] > 0
+    assert r["ratio_blocks_to_tracked"] == r["median_blocks_ms"] / r["median_tracked_ms"]
