@@ -105,6 +105,11 @@ def test_float32_subnormal_inputs(impl: str) -> None:
     _check(impl, x, "mxfp8_e4m3", block_range=9.0)
     # E2M1: scale 2**-142; 2**-141 -> 2 exact, 2**-149 -> 2**-7: underflow
     _check(impl, x, "mxfp4_e2m1", underflow=1.0, sq_err=2.0**-298, block_range=9.0)
+    # a whole block of them (the kernel's tiled path, whose 1/scale is no float32)
+    y = np.full(32, 2.0**-140, np.float32)
+    y[9] = 2.0**-149
+    _check(impl, y, "mxfp8_e4m3", block_range=9.0)
+    _check(impl, y, "mxfp4_e2m1", underflow=1.0, sq_err=2.0**-298, block_range=9.0)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

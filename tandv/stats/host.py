@@ -195,7 +195,7 @@ def _item(x, bits, pivot, over_at, part, hist, sub):  # pragma: no cover - compi
 
 # ------------------------------------------------------------------ block-scaled formats
 # Parameters of one block format, a row of the float64 table :func:`_block_table` builds.
-_B_SIZE, _B_SPLIT, _B_SUBK, _B_NORMAL, _B_MAX, _B_EMAX = range(6)
+_B_SIZE, _B_SPLIT, _B_SUBK, _B_NORMAL, _B_MAX, _B_EMAX, _B_SPLIT32, _B_SUBK32 = range(8)
 # Columns of a block format's partial results: the four sums, then the largest block ratio.
 _B_UNDER, _B_SUBN, _B_SAT, _B_ERR, _B_RATIO = range(5)
 _NV_E4M3 = (2.0**49 + 1.0, 2.0 ** (52 - 6 - 3), 2.0**-6)  # E4M3 split, subnormal K, normal
@@ -203,9 +203,10 @@ _NV_E4M3 = (2.0**49 + 1.0, 2.0 ** (52 - 6 - 3), 2.0**-6)  # E4M3 split, subnorma
 
 def _block_table(formats: Sequence[BlockFormat]) -> np.ndarray:
     """One row of kernel parameters per block format: block size, the Veltkamp constant that
-    rounds to the element's mantissa, the constant that rounds to its subnormal grid, its
-    smallest normal and largest finite value, and the MX emax (NaN: NVFP4)."""
-    t = np.zeros((len(formats), 6))
+    rounds a float64 to the element's mantissa, the constant that rounds it to the
+    element's subnormal grid, its smallest normal and largest finite value, the MX emax
+    (NaN: NVFP4), and the two rounding constants for float32."""
+    t = np.zeros((len(formats), 8))
     for i, f in enumerate(formats):
         t[i] = (
             f.block,
@@ -214,6 +215,8 @@ def _block_table(formats: Sequence[BlockFormat]) -> np.ndarray:
             f.smallest_normal,
             f.max,
             np.nan if f.emax is None else f.emax,
+            2.0 ** (23 - f.mantissa) + 1.0,  # the same two constants for float32
+            2.0 ** (23 + f.emin - f.mantissa),
         )
     return t
 
@@ -310,10 +313,19 @@ def _block_bits(bits, a, size, nblk, hi, lo):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
 def _mx_elements(x, a, size, nblk, inv, scl, p, acc):  # pragma: no cover - compiled
-    """Adds the counts and squared errors of the MX blocks (scaled by ``inv``, dequantized
-    by ``scl``, one per block) to ``acc``. ``reassoc`` lets the sums vectorize; the
-    rounding (:func:`_round_element`, compiled without it) keeps IEEE semantics."""
-    split, subk, normal, fmax = p[_B_SPLIT], p[_B_SUBK], p[_B_NORMAL], p[_B_MAX]
+    """Adds the counts and squared errors of the MX blocks (scaled by ``inv``, float32 powers
+    of two, dequantized by ``scl``, one per block) to ``acc``. Scaling and rounding run in
+    float32 (sixteen lanes): ``x * inv`` is exact wherever it is not far below the element's
+    smallest subnormal (where it rounds to zero either way), and the error is taken in
+    float64 from the original value. ``reassoc`` lets the sums vectorize; the rounding
+    (:func:`_round_element`, compiled without it) keeps IEEE semantics."""
+    f32 = np.float32
+    split, subk, normal, fmax = (
+        f32(p[_B_SPLIT32]),
+        f32(p[_B_SUBK32]),
+        f32(p[_B_NORMAL]),
+        f32(p[_B_MAX]),
+    )
     under = 0
     subn = 0
     sat = 0
@@ -322,15 +334,15 @@ def _mx_elements(x, a, size, nblk, inv, scl, p, acc):  # pragma: no cover - comp
         iv = inv[k]
         sc = scl[k]
         for j in range(a + k * size, a + k * size + size):
-            v = abs(np.float64(x[j]))
-            fin = v <= _F32_MAX
-            t = v * iv
+            xj = abs(x[j])
+            fin = xj <= _F32_MAX
+            t = xj * iv
             q = _round_element(min(t, fmax), split, subk, normal)
-            nz = fin & (v > 0.0)
+            nz = fin & (xj > 0)
             sat += fin & (t > fmax)
-            under += nz & (q == 0.0)
-            subn += nz & (q > 0.0) & (q < normal)
-            d = (q - t) * sc
+            under += nz & (q == 0)
+            subn += nz & (q > 0) & (q < normal)
+            d = np.float64(q) * sc - np.float64(xj)
             err += d * d if fin else 0.0
     acc[_B_UNDER] += under
     acc[_B_SUBN] += subn
@@ -341,8 +353,15 @@ def _mx_elements(x, a, size, nblk, inv, scl, p, acc):  # pragma: no cover - comp
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
 def _nv_elements(x, a, size, nblk, scl, p, acc):  # pragma: no cover - compiled
     """As :func:`_mx_elements` for NVFP4 blocks of float32 scales ``scl`` (blocks whose
-    scale is 0 are skipped: the caller counted them)."""
-    split, subk, normal, fmax = p[_B_SPLIT], p[_B_SUBK], p[_B_NORMAL], p[_B_MAX]
+    scale is 0 are skipped: the caller counted them); the division is float32's, as the
+    definition says."""
+    f32 = np.float32
+    split, subk, normal, fmax = (
+        f32(p[_B_SPLIT32]),
+        f32(p[_B_SUBK32]),
+        f32(p[_B_NORMAL]),
+        f32(p[_B_MAX]),
+    )
     under = 0
     subn = 0
     sat = 0
@@ -353,16 +372,15 @@ def _nv_elements(x, a, size, nblk, scl, p, acc):  # pragma: no cover - compiled
             continue
         s64 = np.float64(s)
         for j in range(a + k * size, a + k * size + size):
-            xi = x[j]
-            v = abs(np.float64(xi))
-            fin = v <= _F32_MAX
-            t = abs(np.float64(xi / s))
+            xj = abs(x[j])
+            fin = xj <= _F32_MAX
+            t = xj / s
             q = _round_element(min(t, fmax), split, subk, normal)
-            nz = fin & (v > 0.0)
+            nz = fin & (xj > 0)
             sat += fin & (t > fmax)
-            under += nz & (q == 0.0)
-            subn += nz & (q > 0.0) & (q < normal)
-            d = q * s64 - v
+            under += nz & (q == 0)
+            subn += nz & (q > 0) & (q < normal)
+            d = np.float64(q) * s64 - np.float64(xj)
             err += d * d if fin else 0.0
     acc[_B_UNDER] += under
     acc[_B_SUBN] += subn
@@ -387,12 +405,17 @@ def _tiled(x, a, b, size, p, s_t, acc):  # pragma: no cover - compiled
             ratio = max(ratio, np.float64(amax[k]) / np.float64(amin[k]))
     acc[_B_RATIO] = ratio
     if not np.isnan(p[_B_EMAX]):  # MX
-        inv = np.ones(nblk)
+        inv = np.ones(nblk, np.float32)
         scl = np.ones(nblk)
         emax = int(p[_B_EMAX])
         for k in range(nblk):
             if amax[k] > 0:
                 ex = math.frexp(np.float64(amax[k]))[1] - 1 - emax
+                if ex < -126:  # 1/scale is no float32: this item takes the float64 blocks
+                    for kk in range(nblk):
+                        s0 = a + kk * size
+                        _one_block(x, s0, s0 + size, p, s_t, acc)
+                    return
                 scl[k] = math.ldexp(1.0, ex)
                 inv[k] = math.ldexp(1.0, -ex)
         _mx_elements(x, a, size, nblk, inv, scl, p, acc)
