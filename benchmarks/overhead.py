@@ -22,6 +22,7 @@ Usage::
     python benchmarks/overhead.py --device cuda --preset gpt2-small --steps 10
     python benchmarks/overhead.py --memory                        # CPU: RSS growth and close time
     python benchmarks/overhead.py --compile --every 1 10          # both models model.compile()'d
+    python benchmarks/overhead.py --block-formats mxfp8_e4m3 nvfp4  # cost of block_formats
 
 With ``--compile`` both copies are compiled in place (``model.compile()``, inductor) and
 the tracker's hooks run inside the tracked copy's graph; the warm-up steps compile (a
@@ -137,6 +138,43 @@ def overhead(
         out["graphs_after_warmup"] = graphs_after_warmup + _compile_count("unique_graphs")
         out["graph_breaks"] = float(sum(_compile_counters()["graph_break"].values()))
     return out
+
+
+def block_cost(
+    cfg: GPTConfig, batch: int, steps: int, warmup: int, formats: tuple[str, ...], device: str
+) -> dict[str, float]:
+    """The cost of ``track(block_formats=formats)``: three copies of the model step in turn
+    (untracked, tracked, tracked with the block formats, every=1) so that machine noise hits
+    them alike; returns the median step times and the ratio of the block formats' tracked
+    step to the plain tracked step."""
+    m_u, o_u, data = _trainer(cfg, batch, 0, device)
+    m_t, m_b = copy.deepcopy(m_u), copy.deepcopy(m_u)
+    o_t = torch.optim.AdamW(m_t.parameters(), lr=1e-3)
+    o_b = torch.optim.AdamW(m_b.parameters(), lr=1e-3)
+    times: dict[str, list[float]] = {"untracked": [], "tracked": [], "blocks": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        with (
+            track(m_t, o_t, out=Path(tmp) / "t", verbose=False) as tr_t,
+            track(m_b, o_b, out=Path(tmp) / "b", block_formats=formats, verbose=False) as tr_b,
+        ):
+            runs = (("untracked", m_u, o_u, None), ("tracked", m_t, o_t, tr_t))
+            runs += (("blocks", m_b, o_b, tr_b),)
+            for i in range(warmup + steps):
+                for name, model, opt, tracker in runs:
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    _step(model, opt, data, i)
+                    if tracker is not None:
+                        tracker.step()
+                    _sync(device)
+                    if i >= warmup:
+                        times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return {
+        **{f"median_{k}_ms": v for k, v in med.items()},
+        "ratio_blocks_to_tracked": med["blocks"] / med["tracked"],
+        "ratio_tracked_to_untracked": med["tracked"] / med["untracked"],
+    }
 
 
 def _compile_counters() -> Any:
@@ -330,6 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-steps", type=int, default=1000)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument(
+        "--block-formats",
+        nargs="+",
+        default=None,
+        help="measure the cost of track(block_formats=...) instead (every=1), e.g. "
+        "mxfp8_e4m3 nvfp4",
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="compile both models in place (model.compile(), inductor)",
@@ -363,6 +408,16 @@ def main(argv: list[str] | None = None) -> int:
         d_mlp=size["mlp"],
     )
     batch = size["batch"]
+    if args.block_formats:
+        formats = tuple(args.block_formats)
+        r = block_cost(cfg, batch, args.steps, args.warmup, formats, args.device)
+        print(
+            f"{cfg}, batch {batch}, every=1, block_formats={formats}: untracked "
+            f"{r['median_untracked_ms']:.1f} ms, tracked {r['median_tracked_ms']:.1f} ms, tracked "
+            f"with block formats {r['median_blocks_ms']:.1f} ms (medians) -> block formats add "
+            f"{100 * (r['ratio_blocks_to_tracked'] - 1):.1f}% to a tracked step"
+        )
+        return 0
     print(
         f"{cfg}, batch {batch}, AdamW, {args.device}"
         + (", both compiled (model.compile())" if args.compile else "")

@@ -12,6 +12,10 @@ Definitions:
   plus ``weight_decay * W``: pass that direction as ``grad`` and ``weight_decay=0``.
   (nnstat calls ``||update|| / ||W||`` its trust ratio; that is :func:`update_ratio` here.)
 * **Update/weight ratio**: per layer ``||W_after - W_before|| / ||W_before||``.
+* **Block-scaled formats** (``track(block_formats=...)``, definitions in
+  :mod:`tandv.stats.blocks`): per tensor the shares of its elements that would underflow,
+  be subnormal or saturate, and the relative error power ``sq_err / sum(x**2)`` (sum over
+  the finite values, ``rm2**2 * (numel - nan_count - inf_count)``).
 * **Gradient noise scale** (McCandlish et al. 2018, "An Empirical Model of Large-Batch
   Training", appendix A): with ``G`` the true gradient and ``Sigma`` the per-example
   gradient covariance, a batch of ``B`` examples has ``E|G_B|^2 = |G|^2 + tr(Sigma)/B``;
@@ -49,6 +53,8 @@ __all__ = [
     "two_batch_estimate",
     "smoothed_noise_scale",
     "hessian_sq_norm",
+    "block_format_names",
+    "block_shares",
 ]
 
 
@@ -430,3 +436,76 @@ def noise_scale_fit(batch_sizes: Sequence[float], sq_norms: Sequence[float]) -> 
     design = np.column_stack([np.ones_like(b), 1.0 / b])
     (g2, trace), *_ = np.linalg.lstsq(design, y, rcond=None)
     return NoiseScaleEstimate(float(g2), float(trace))
+
+
+_BLOCK_COLUMNS = ("underflow", "subnormal", "saturated", "sq_err", "block_range")
+
+
+def block_format_names(df: pd.DataFrame) -> list[str]:
+    """The block-scaled formats whose columns a log holds (``track(block_formats=...)``), in
+    column order."""
+    stats = [c for g, c in df.columns if g == "scalar_stats"]
+    have = set(stats)
+    names = [c.rpartition(".")[0] for c in stats if c.endswith(".underflow")]
+    return [n for n in names if all(f"{n}.{col}" in have for col in _BLOCK_COLUMNS)]
+
+
+def block_shares(df: pd.DataFrame, fmt: str | Sequence[str] | None = None) -> pd.DataFrame:
+    """What block-scaled formats would do to each logged tensor, as shares: one row per log
+    row and format.
+
+    Columns: ``step``, ``name``, ``tensor_type``, ``format``; ``underflow``, ``subnormal``
+    and ``saturated``, each the share of the tensor's elements (of ``numel``);
+    ``rel_err``, the relative error power ``sq_err / (rm2**2 * n)`` with ``n`` the finite
+    elements (NaN for a tensor without a non-zero finite value), whose ``10 * log10`` is
+    minus the format's signal-to-noise ratio in dB; ``block_range``, as logged.
+
+    Arguments:
+        df: a tandv log with the columns of ``track(block_formats=...)``.
+        fmt: the format(s) to give (default: every one the log holds).
+
+    Raises:
+        ValueError: if the log holds no block format's columns, or not those of ``fmt``.
+    """
+    have = block_format_names(df)
+    want = have if fmt is None else ([fmt] if isinstance(fmt, str) else list(fmt))
+    missing = [f for f in want if f not in have]
+    if not have or missing:
+        raise ValueError(
+            f"block_shares: the log holds no columns of {missing or 'any block format'} "
+            f"(it has {have or 'none'}); track with block_formats=(...) to log them"
+        )
+    for col in ("rm2", "numel", "nan_count", "inf_count"):
+        if ("scalar_stats", col) not in df.columns:
+            raise ValueError(f"block_shares: the log has no scalar_stats column {col!r}")
+    s = df["scalar_stats"]
+    numel = s["numel"].to_numpy(dtype=np.float64)
+    finite = (
+        numel
+        - s["nan_count"].to_numpy(dtype=np.float64)
+        - s["inf_count"].to_numpy(dtype=np.float64)
+    )
+    power = s["rm2"].to_numpy(dtype=np.float64) ** 2 * finite
+    meta = {
+        "step": df[("metadata", "step")].to_numpy(),
+        "name": df[("metadata", "name")].to_numpy(),
+        "tensor_type": df[("metadata", "tensor_type")].to_numpy(),
+    }
+    parts = []
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for f in want:
+            vals = {c: s[f"{f}.{c}"].to_numpy(dtype=np.float64) for c in _BLOCK_COLUMNS}
+            share = {c: np.where(numel > 0, vals[c] / numel, 0.0) for c in _BLOCK_COLUMNS[:3]}
+            rel = np.where(power > 0, vals["sq_err"] / power, np.nan)
+            parts.append(
+                pd.DataFrame(
+                    {
+                        **meta,
+                        "format": f,
+                        **share,
+                        "rel_err": rel,
+                        "block_range": vals["block_range"],
+                    }
+                )
+            )
+    return pd.concat(parts, ignore_index=True)

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import cache
+from typing import NamedTuple
 
 import ml_dtypes
 import numba
 import numpy as np
 
+from .blocks import BLOCK_COLUMNS, BlockFormat, block_formats_of
 from .formats import NumberFormat
 from .summary import FIELD_INDEX, HIGHER_FIELDS, N_CORE, N_CORE_VALUES, N_LEADING_COUNTS, Layout
 
@@ -191,15 +194,303 @@ def _item(x, bits, pivot, over_at, part, hist, sub):  # pragma: no cover - compi
         part[c] = got[c]
 
 
+# ------------------------------------------------------------------ block-scaled formats
+# Parameters of one block format, a row of the float64 table :func:`_block_table` builds.
+_B_SIZE, _B_SPLIT, _B_SUBK, _B_NORMAL, _B_MAX, _B_EMAX, _B_SPLIT32, _B_SUBK32 = range(8)
+# Columns of a block format's partial results: the four sums, then the largest block ratio.
+_B_UNDER, _B_SUBN, _B_SAT, _B_ERR, _B_RATIO = range(5)
+_NV_E4M3 = (2.0**49 + 1.0, 2.0 ** (52 - 6 - 3), 2.0**-6)  # E4M3 split, subnormal K, normal
+
+
+def _block_table(formats: Sequence[BlockFormat]) -> np.ndarray:
+    """One row of kernel parameters per block format: block size, the Veltkamp constant that
+    rounds a float64 to the element's mantissa, the constant that rounds it to the
+    element's subnormal grid, its smallest normal and largest finite value, the MX emax
+    (NaN: NVFP4), and the two rounding constants for float32."""
+    t = np.zeros((len(formats), 8))
+    for i, f in enumerate(formats):
+        t[i] = (
+            f.block,
+            2.0 ** (52 - f.mantissa) + 1.0,
+            2.0 ** (52 + f.emin - f.mantissa),
+            f.smallest_normal,
+            f.max,
+            np.nan if f.emax is None else f.emax,
+            2.0 ** (23 - f.mantissa) + 1.0,  # the same two constants for float32
+            2.0 ** (23 + f.emin - f.mantissa),
+        )
+    return t
+
+
+@numba.njit(cache=True, nogil=True)
+def _round_element(a, split, subk, normal):  # pragma: no cover - compiled
+    """``a >= 0`` rounded to nearest-even onto the element grid: Veltkamp's split keeps the
+    mantissa's bits where ``a`` is normal, adding and removing ``subk`` rounds to the
+    subnormal spacing below (both exact float64 tricks: this function has no fastmath)."""
+    g = split * a
+    qn = g - (g - a)
+    qs = (a + subk) - subk
+    return qs if a < normal else qn
+
+
+@numba.njit(cache=True, nogil=True)
+def _one_block(x, s, e, p, s_t, acc):  # pragma: no cover - compiled
+    """Adds block ``x[s:e]`` of the format with parameters ``p`` to ``acc`` (its partials);
+    ``s_t`` is the tensor's float32 scale (NVFP4 only)."""
+    amax = 0.0
+    amin = np.inf
+    for i in range(s, e):
+        v = abs(np.float64(x[i]))
+        if v <= _F32_MAX:
+            amax = max(amax, v)
+            if v > 0.0:
+                amin = min(amin, v)
+    if amax == 0.0:  # no non-zero finite value: nothing to count, no error
+        return
+    acc[_B_RATIO] = max(acc[_B_RATIO], amax / amin)
+    split, subk, normal, fmax = p[_B_SPLIT], p[_B_SUBK], p[_B_NORMAL], p[_B_MAX]
+    under = 0.0
+    subn = 0.0
+    sat = 0.0
+    err = 0.0
+    if not np.isnan(p[_B_EMAX]):  # MX: a power of two, exact in float64
+        ex = math.frexp(amax)[1] - 1 - int(p[_B_EMAX])
+        scale = math.ldexp(1.0, ex)
+        inv = math.ldexp(1.0, -ex)
+        for i in range(s, e):
+            v = abs(np.float64(x[i]))
+            fin = v <= _F32_MAX
+            a = v * inv
+            q = _round_element(min(a, fmax), split, subk, normal)
+            nz = fin & (v > 0.0)
+            sat += fin & (a > fmax)
+            under += nz & (q == 0.0)
+            subn += nz & (q > 0.0) & (q < normal)
+            d = (q - a) * scale if fin else 0.0
+            err += d * d
+    else:  # NVFP4, in float32 in the definition's order
+        f32 = np.float32
+        u = min(np.float64((f32(amax) / f32(6.0)) / f32(s_t)), 448.0)
+        s_b = _round_element(u, _NV_E4M3[0], _NV_E4M3[1], _NV_E4M3[2])
+        scale = f32(f32(s_b) * f32(s_t))
+        for i in range(s, e):
+            xi = x[i]
+            v = abs(np.float64(xi))
+            fin = v <= _F32_MAX
+            nz = fin & (v > 0.0)
+            if scale == 0.0:  # the block's scale rounds to zero
+                under += nz
+                err += v * v if fin else 0.0
+                continue
+            a = abs(np.float64(f32(xi) / scale))
+            q = _round_element(min(a, fmax), split, subk, normal)
+            sat += fin & (a > fmax)
+            under += nz & (q == 0.0)
+            subn += nz & (q > 0.0) & (q < normal)
+            d = q * np.float64(scale) - v if fin else 0.0
+            err += d * d
+    acc[_B_UNDER] += under
+    acc[_B_SUBN] += subn
+    acc[_B_SAT] += sat
+    acc[_B_ERR] += err
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def _block_bits(bits, a, size, nblk, hi, lo):  # pragma: no cover - compiled
+    """The bits of the largest finite magnitude (``hi``) and of the smallest non-zero one
+    (``lo``; the inf pattern if none) of each of the ``nblk`` blocks of ``size`` from
+    ``a`` (int32 compares vectorize, as in :func:`_bit_reductions`)."""
+    for k in range(nblk):
+        mx = _I32(0)
+        mn = _I32(0x7F800000)
+        for j in range(a + k * size, a + k * size + size):
+            m = _I32(bits[j] & _I32(0x7FFFFFFF))
+            fin = m < _I32(0x7F800000)
+            mx = max(mx, m if fin else _I32(0))
+            mn = min(mn, m if fin & (m > _I32(0)) else _I32(0x7F800000))
+        hi[k] = mx
+        lo[k] = mn
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _mx_elements(x, a, size, nblk, inv, scl, p, acc):  # pragma: no cover - compiled
+    """Adds the counts and squared errors of the MX blocks (scaled by ``inv``, float32 powers
+    of two, dequantized by ``scl``, one per block) to ``acc``. Scaling and rounding run in
+    float32 (sixteen lanes): ``x * inv`` is exact wherever it is not far below the element's
+    smallest subnormal (where it rounds to zero either way), and the error is taken in
+    float64 from the original value. ``reassoc`` lets the sums vectorize; the rounding
+    (:func:`_round_element`, compiled without it) keeps IEEE semantics."""
+    f32 = np.float32
+    split, subk, normal, fmax = (
+        f32(p[_B_SPLIT32]),
+        f32(p[_B_SUBK32]),
+        f32(p[_B_NORMAL]),
+        f32(p[_B_MAX]),
+    )
+    under = 0
+    subn = 0
+    sat = 0
+    err = 0.0
+    for k in range(nblk):
+        iv = inv[k]
+        sc = scl[k]
+        for j in range(a + k * size, a + k * size + size):
+            xj = abs(x[j])
+            fin = xj <= _F32_MAX
+            t = xj * iv
+            q = _round_element(min(t, fmax), split, subk, normal)
+            nz = fin & (xj > 0)
+            sat += fin & (t > fmax)
+            under += nz & (q == 0)
+            subn += nz & (q > 0) & (q < normal)
+            d = np.float64(q) * sc - np.float64(xj)
+            err += d * d if fin else 0.0
+    acc[_B_UNDER] += under
+    acc[_B_SUBN] += subn
+    acc[_B_SAT] += sat
+    acc[_B_ERR] += err
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _nv_elements(x, a, size, nblk, scl, p, acc):  # pragma: no cover - compiled
+    """As :func:`_mx_elements` for NVFP4 blocks of float32 scales ``scl`` (blocks whose
+    scale is 0 are skipped: the caller counted them); the division is float32's, as the
+    definition says."""
+    f32 = np.float32
+    split, subk, normal, fmax = (
+        f32(p[_B_SPLIT32]),
+        f32(p[_B_SUBK32]),
+        f32(p[_B_NORMAL]),
+        f32(p[_B_MAX]),
+    )
+    under = 0
+    subn = 0
+    sat = 0
+    err = 0.0
+    for k in range(nblk):
+        s = scl[k]
+        if s == 0:
+            continue
+        s64 = np.float64(s)
+        for j in range(a + k * size, a + k * size + size):
+            xj = abs(x[j])
+            fin = xj <= _F32_MAX
+            t = xj / s
+            q = _round_element(min(t, fmax), split, subk, normal)
+            nz = fin & (xj > 0)
+            sat += fin & (t > fmax)
+            under += nz & (q == 0)
+            subn += nz & (q > 0) & (q < normal)
+            d = np.float64(q) * s64 - np.float64(xj)
+            err += d * d if fin else 0.0
+    acc[_B_UNDER] += under
+    acc[_B_SUBN] += subn
+    acc[_B_SAT] += sat
+    acc[_B_ERR] += err
+
+
+@numba.njit(cache=True, nogil=True)
+def _tiled(x, a, b, size, p, s_t, acc):  # pragma: no cover - compiled
+    """:func:`_blocks` where the blocks tile ``x[a:b]`` (rows a multiple of ``size`` long,
+    ``a`` and ``b`` on block bounds): block maxima and scales first, then one vectorized
+    loop over the elements."""
+    nblk = (b - a) // size
+    hi = np.empty(nblk, np.int32)
+    lo = np.empty(nblk, np.int32)
+    _block_bits(x.view(np.int32), a, size, nblk, hi, lo)
+    amax = hi.view(np.float32)
+    amin = lo.view(np.float32)
+    ratio = acc[_B_RATIO]
+    for k in range(nblk):
+        if amax[k] > 0:
+            ratio = max(ratio, np.float64(amax[k]) / np.float64(amin[k]))
+    acc[_B_RATIO] = ratio
+    if not np.isnan(p[_B_EMAX]):  # MX
+        inv = np.ones(nblk, np.float32)
+        scl = np.ones(nblk)
+        emax = int(p[_B_EMAX])
+        for k in range(nblk):
+            if amax[k] > 0:
+                ex = math.frexp(np.float64(amax[k]))[1] - 1 - emax
+                if ex < -126:  # 1/scale is no float32: this item takes the float64 blocks
+                    for kk in range(nblk):
+                        s0 = a + kk * size
+                        _one_block(x, s0, s0 + size, p, s_t, acc)
+                    return
+                scl[k] = math.ldexp(1.0, ex)
+                inv[k] = math.ldexp(1.0, -ex)
+        _mx_elements(x, a, size, nblk, inv, scl, p, acc)
+        return
+    f32 = np.float32
+    st = f32(s_t)
+    scl32 = np.zeros(nblk, np.float32)
+    for k in range(nblk):
+        m = amax[k]
+        if m > 0:
+            u = min(np.float64((m / f32(6.0)) / st), 448.0)
+            s_b = _round_element(u, _NV_E4M3[0], _NV_E4M3[1], _NV_E4M3[2])
+            scl32[k] = f32(f32(s_b) * st)
+            if scl32[k] == 0:  # the block's scale rounds to zero: its values underflow
+                for j in range(a + k * size, a + k * size + size):
+                    v = abs(np.float64(x[j]))
+                    if v <= _F32_MAX and v > 0:
+                        acc[_B_UNDER] += 1
+                        acc[_B_ERR] += v * v
+    _nv_elements(x, a, size, nblk, scl32, p, acc)
+
+
+@numba.njit(cache=True, nogil=True)
+def _blocks(x, a, b, rowlen, table, s_t, acc):  # pragma: no cover - compiled
+    """Partials (``acc``: formats x 5) of the blocks of each format that start in
+    ``x[a:b]``, ``x`` being one tensor's values with rows of ``rowlen`` elements (a block
+    may reach past ``b``, never past its row)."""
+    if rowlen == 0:
+        return
+    for k in range(table.shape[0]):
+        p = table[k]
+        size = int(p[_B_SIZE])
+        if rowlen % size == 0 and a % size == 0 and b % size == 0:
+            _tiled(x, a, b, size, p, s_t[k], acc[k])
+            continue
+        r = a // rowlen
+        o = (a - r * rowlen + size - 1) // size * size
+        if o >= rowlen:
+            r += 1
+            o = 0
+        st = r * rowlen + o
+        while st < b:
+            _one_block(x, st, min(st + size, r * rowlen + rowlen), p, s_t[k], acc[k])
+            o += size
+            if o >= rowlen:
+                r += 1
+                o = 0
+            st = r * rowlen + o
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _run(x, starts, stops, pivots, over_at, part, hist, sub):  # pragma: no cover - compiled
+def _run(x, starts, stops, pivots, over_at, part, hist, sub, blk):  # pragma: no cover - compiled
     """:func:`_item` of the items ``x[starts[j]:stops[j]]`` with their pivots, into row
     ``j`` of ``part``, ``hist`` and ``sub``, shared among ``numba.get_num_threads()``
-    threads (one thread costs about a microsecond more than a plain loop)."""
+    threads (one thread costs about a microsecond more than a plain loop). With a
+    :class:`_Blocks` ``blk``, each item's blocks of its MX formats too, while the item is
+    in cache."""
     bits = x.view(np.int32)
     for j in numba.prange(starts.size):
         a, b = starts[j], stops[j]
         _item(x[a:b], bits[a:b], pivots[j], over_at, part[j], hist[j], sub[j])
+        if blk.table.shape[0]:
+            t0, t1 = blk.bases[j], blk.ends[j]
+            _blocks(x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, blk.s_t[j], blk.acc[j])
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _run_blocks(x, starts, stops, blk):  # pragma: no cover - compiled
+    """The blocks of the items of ``x`` (as :func:`_run`) alone: NVFP4's pass, which needs
+    each tensor's largest magnitude before its first block."""
+    for j in numba.prange(starts.size):
+        t0, t1 = blk.bases[j], blk.ends[j]
+        a, b = starts[j] - t0, stops[j] - t0
+        _blocks(x[t0:t1], a, b, blk.rowlens[j], blk.table, blk.s_t[j], blk.acc[j])
 
 
 @numba.njit(cache=True, nogil=True)
@@ -410,6 +701,46 @@ def serial_tables(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray, int, float
 _launch = threading.Lock()
 
 
+class _Blocks(NamedTuple):
+    """What the kernel needs for the block-scaled formats of its items (row ``j`` each):
+    the formats' parameters (:func:`_block_table`; no rows: none), the extent of the item's
+    tensor in the buffer (``bases``, ``ends``), its row length, the tensor's NVFP4 scale per
+    format, and the partials (items x formats x 5)."""
+
+    table: np.ndarray
+    bases: np.ndarray
+    ends: np.ndarray
+    rowlens: np.ndarray
+    s_t: np.ndarray
+    acc: np.ndarray
+
+    def rows(self, rows: slice) -> _Blocks:
+        """The items ``rows`` of these."""
+        return _Blocks(
+            self.table,
+            self.bases[rows],
+            self.ends[rows],
+            self.rowlens[rows],
+            self.s_t[rows],
+            self.acc[rows],
+        )
+
+
+@contextmanager
+def _numba_threads(threads: int, elements: int) -> Iterator[None]:
+    """Runs the block with ``threads`` numba threads (fewer for less than two chunks of
+    ``elements``), one launch at a time, and restores the caller's setting."""
+    with _launch:
+        before = numba.get_num_threads()  # the caller's setting, restored below
+        # numba.config sets its options with setattr at import time: invisible to mypy
+        most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+        numba.set_num_threads(max(1, min(threads, most, elements // _CHUNK)))
+        try:
+            yield
+        finally:
+            numba.set_num_threads(before)
+
+
 def _run_all(
     sources: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
     over_at: float,
@@ -417,40 +748,43 @@ def _run_all(
     hist: np.ndarray,
     sub: np.ndarray,
     threads: int,
+    blk: _Blocks,
+    blocks_only: bool = False,
 ) -> None:
     """Runs every item of ``sources`` (``(x, starts, stops, pivots)``; rows numbered in
     order), on ``threads`` threads when there are at least two items' worth of elements.
     Threads come from numba's parallel loop, not a Python thread pool (stats/DESIGN.md
-    says why)."""
+    says why). The block formats of ``blk`` run in the same pass over each item; with
+    ``blocks_only``, they alone (NVFP4's pass)."""
     total = sum(int(sp[-1] - st[0]) for _, st, sp, _ in sources if st.size)
-    row = 0
-    with _launch:
-        before = numba.get_num_threads()  # the caller's setting, restored below
-        # numba.config sets its options with setattr at import time: invisible to mypy
-        most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
-        numba.set_num_threads(max(1, min(threads, most, total // _CHUNK)))
-        try:
-            for x, st, sp, pv in sources:
-                rows = slice(row, row + st.size)
-                row += st.size
-                _run(x, st, sp, pv, over_at, part[rows], hist[rows], sub[rows])
-        finally:
-            numba.set_num_threads(before)
+    with _numba_threads(threads, total):
+        row = 0
+        for x, st, sp, pv in sources:
+            rows = slice(row, row + st.size)
+            row += st.size
+            if blocks_only:
+                _run_blocks(x, st, sp, blk.rows(rows))
+            else:
+                _run(x, st, sp, pv, over_at, part[rows], hist[rows], sub[rows], blk.rows(rows))
 
 
 def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 1) -> np.ndarray:
-    """Summary vectors of host arrays, all in one layout (custom statistics excluded).
+    """Summary vectors of host arrays, all in one layout (custom statistics excluded, but
+    for the block-scaled formats' columns that lead them: :func:`tandv.stats.blocks.
+    block_formats_of`).
 
     Arguments:
-        arrays: numpy arrays of a dtype in :data:`HOST_DTYPES`, any shape.
-        layout: gives the number format of the exponent counts.
+        arrays: numpy arrays of a dtype in :data:`HOST_DTYPES`, any shape (blocks run
+            along the last dimension).
+        layout: gives the number format of the exponent counts, and the block formats.
         threads: how many threads may share the work (numba's threads, at most
             ``numba.config.NUMBA_NUM_THREADS``); less than two chunks of elements
             (:data:`_CHUNK`) run on the calling thread alone.
 
     Returns:
-        A float64 array with one row per input: the fields of ``CORE_FIELDS``, then the
-        exponent counts (``layout.extras_start`` columns).
+        A float64 array with one row per input: the fields of ``CORE_FIELDS``, the
+        exponent counts, then the block formats' columns (``layout.extras_start + 5 *
+        formats`` columns).
 
     Raises:
         TypeError: if an array's dtype is not one of :data:`HOST_DTYPES`.
@@ -463,14 +797,17 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
                 f"{', '.join(str(d) for d in HOST_DTYPES)}"
             )
         flats.append(_as_float32(a))
+    formats = block_formats_of(layout.extras)
     k = len(flats)
-    out = np.zeros((k, layout.extras_start))
+    out = np.zeros((k, layout.extras_start + len(BLOCK_COLUMNS) * len(formats)))
     if k == 0:
         return out
     lens = np.array([f.size for f in flats], dtype=np.int64)
+    rowlens = np.array([a.shape[-1] if a.ndim else 1 for a in arrays], dtype=np.int64)
     # Items: each array cut in chunks (read in place, all with the array's pivot), except
     # the small ones, concatenated into one buffer, one item and pivot each.
     sources: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    bases = []
     small = lens <= _SMALL
     for i in np.flatnonzero(~small):
         x = flats[i]
@@ -479,12 +816,14 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
         sources.append(
             (x, st, np.minimum(st + _CHUNK, lens[i]), np.full(st.size, pivot), np.full(st.size, i))
         )
+        bases.append(np.zeros(st.size, np.int64))
     if small.any():
         idx = np.flatnonzero(small)
         sp = np.cumsum(lens[idx])
         st = sp - lens[idx]
         x = np.concatenate([flats[i] for i in idx]) if idx.size > 1 else flats[idx[0]]
         sources.append((x, st, sp, _first_finite(x, st, sp), idx))
+        bases.append(st)
     item_seg = np.concatenate([src[4] for src in sources])
     n_items = item_seg.size
     part = np.zeros((n_items, _NPART))
@@ -492,12 +831,43 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     sub = np.zeros((n_items, _NSUB), dtype=np.int64)
     part[:, _PIVOT] = np.concatenate([src[3] for src in sources])
     fmt = layout.format
-    _run_all([src[:4] for src in sources], min(fmt.max, _F32_MAX), part, hist, sub, threads)
+    base = np.concatenate(bases)
+    mx = [f for f in formats if f.emax is not None]
+    nv = [f for f in formats if f.emax is None]
+
+    def blocks(fs: list[BlockFormat]) -> _Blocks:
+        return _Blocks(
+            _block_table(fs),
+            base,
+            base + lens[item_seg],
+            rowlens[item_seg],
+            np.ones((n_items, len(fs))),
+            np.zeros((n_items, len(fs), len(BLOCK_COLUMNS))),
+        )
+
+    blk = blocks(mx)
+    items = [src[:4] for src in sources]
+    _run_all(items, min(fmt.max, _F32_MAX), part, hist, sub, threads, blk)
     field_bin, sub_bin = _fold(fmt)
     ok = np.zeros(k, dtype=np.bool_)
     _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, fmt.num_bins, out, ok)
     for i in np.flatnonzero(~ok):  # largest magnitude outside SAFE_RANGE
         _scaled_powers(flats[i], out[i, _O_MAXABS], out[i])
+    if not formats:
+        return out
+    acc = blk.acc
+    if nv:  # NVFP4 needs the tensor's largest magnitude first: a second pass
+        blk_nv = blocks(nv)
+        amax = out[:, _O_MAXABS].astype(np.float32)
+        with np.errstate(under="ignore"):
+            s_t = np.where(amax > 0, amax / np.float32(448.0 * 6.0), np.float32(1.0))
+        blk_nv.s_t[:] = s_t[item_seg, None]
+        _run_all(items, 0.0, part, hist, sub, threads, blk_nv, blocks_only=True)
+        acc = np.concatenate([acc, blk_nv.acc], axis=1)
+    cols = _block_columns(acc, item_seg, k)
+    where = {f.name: i for i, f in enumerate(mx + nv)}
+    order = [where[f.name] for f in formats]
+    out[:, layout.extras_start :] = cols[:, order].reshape(k, -1)
     return out
 
 
@@ -547,3 +917,14 @@ def host_higher_moments(arrays: Sequence[np.ndarray], summaries: np.ndarray) -> 
             out[i, 0] = s3 - 3.0 * e * s2 + 2.0 * n * e**3
             out[i, 1] = s4 - 4.0 * e * s3 + 6.0 * e * e * s2 - 3.0 * n * e**4
     return out
+
+
+def _block_columns(acc: np.ndarray, item_seg: np.ndarray, k: int) -> np.ndarray:
+    """The block formats' columns (``k`` arrays x formats x 5) from their items' partials:
+    sums added, the largest block ratio as its log2."""
+    merged = np.zeros((k, acc.shape[1], len(BLOCK_COLUMNS)))
+    np.add.at(merged, item_seg, acc)
+    ratio = np.zeros((k, acc.shape[1]))
+    np.maximum.at(ratio, item_seg, acc[:, :, _B_RATIO])
+    merged[:, :, _B_RATIO] = np.log2(np.maximum(ratio, 1.0))
+    return merged

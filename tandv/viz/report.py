@@ -19,7 +19,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from ..analysis import exponent_range, first_nonfinite, format_shares, text_summary
-from ..quantities import log_update_ratio
+from ..quantities import block_format_names, block_shares, log_update_ratio
 from ..schema import (
     METADATA,
     NAME,
@@ -53,6 +53,8 @@ TAIYI_LINES = 8
 #: and the layers overlaid per tensor type.
 AGAINST_RTOL = 1e-3
 AGAINST_LINES = 6
+#: Lines per panel of the block formats' figure (the largest at the last step).
+BLOCK_LINES = 8
 
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:2rem auto;max-width:1200px;
@@ -330,6 +332,50 @@ def _shares(df: pd.DataFrame, formats: Sequence[str]) -> str:
     return out
 
 
+def _block_formats(df: pd.DataFrame) -> str | None:
+    """What the block-scaled formats of ``track(block_formats=...)`` would do, per tensor and
+    step: underflow and saturation shares and the relative error power, a row of panels
+    per format; ``None`` when the log has none of their columns."""
+    formats = block_format_names(df)
+    if not formats:
+        return None
+    sh = block_shares(df, formats)
+    sh["tensor"] = sh["name"].astype(str) + " (" + sh["tensor_type"].astype(str) + ")"
+    panels = [
+        ("underflow", "underflow share"),
+        ("saturated", "saturated share"),
+        ("rel_err", "relative error power"),
+    ]
+    fig = Figure(figsize=(12, 2.8 * len(formats)), layout="constrained")
+    axes = fig.subplots(len(formats), len(panels), squeeze=False)
+    summary = []
+    for row, f in zip(axes, formats):
+        one = sh[sh["format"] == f]
+        for ax, (col, label) in zip(row, panels):
+            _lines(ax, one.pivot_table(index="step", columns="tensor", values=col), BLOCK_LINES)
+            ax.set_title(f"{f}: {label}", fontsize=9)
+            if col == "rel_err" and (one[col] > 0).any():
+                ax.set_yscale("log")
+        last = one[one["step"] == one["step"].max()]
+        worst = last.sort_values("rel_err", ascending=False, na_position="last").iloc[0]
+        summary.append(
+            {
+                "format": f,
+                "underflow (last step, max)": _pct(float(last["underflow"].max())),
+                "saturated (last step, max)": _pct(float(last["saturated"].max())),
+                "median relative error (last step)": f"{last['rel_err'].median():.3g}",
+                "worst tensor": f"{worst['tensor']}: {worst['rel_err']:.3g}",
+            }
+        )
+    text = (
+        "What quantizing each tensor into each block-scaled format would do (blocks along "
+        "the last dimension; definitions in tandv.stats.blocks): the share of its elements "
+        "that would underflow to zero or saturate, and the relative error power "
+        "sq_err / (rm2^2 * n); each panel draws the tensors largest at the last step."
+    )
+    return f"<p>{html.escape(text)}</p>" + _table(pd.DataFrame(summary)) + _png(fig)
+
+
 def _ranges(df: pd.DataFrame) -> tuple[str, list[str]]:
     """The tensors with the widest exponent ranges, or holding NaN/inf, and histograms of
     the top ones per tensor type at the step where their range is widest."""
@@ -532,6 +578,7 @@ def render_report(
     scalars = _scalars(df)
     updates = _updates(df)
     taiyi = _taiyi(df)
+    blocks = _block_formats(df)
     sections = [
         ("overview", "Overview", _overview(df) + f"<pre>{esc(text_summary(df))}</pre>"),
         *(
@@ -544,6 +591,7 @@ def render_report(
         *([("updates", "Update/weight ratio", updates)] if updates is not None else []),
         *([("taiyi", "Taiyi quantities", taiyi)] if taiyi is not None else []),
         ("formats", "Underflow and overflow in low-precision formats", _shares(df, REPORT_FORMATS)),
+        *([("blocks", "Block formats", blocks)] if blocks is not None else []),
         ("ranges", "Widest or most worrying exponent ranges", range_table + "".join(hists)),
         ("heatmaps", f"{metric} per layer and step", "".join(heatmaps)),
         ("bands", "Percentiles of |x| over training (whole model)", bands),
@@ -578,7 +626,8 @@ def write_report(
     :func:`tandv.first_nonfinite`), or says that none did. Sections: an overview and text
     summary; the training scalars logged beside the log (``tracker.log_scalars``), when
     there are any; each tensor's first NaN/inf; the share of
-    values that would underflow/overflow float8_e4m3fn, float8_e5m2 and bfloat16; the
+    values that would underflow/overflow float8_e4m3fn, float8_e5m2 and bfloat16; what the
+    block-scaled formats of ``track(block_formats=...)`` would do, when logged; the
     tensors with the widest or most worrying exponent ranges, with their histograms;
     a heatmap of ``rm2`` per tensor type; percentile bands for the whole model.
 

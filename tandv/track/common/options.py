@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from ...schema.writer import FORMATS
+from ...stats.blocks import block_extras, parse_block_formats
 from ...stats.formats import format_name
 from .alerts import check_alert_options
 from .custom import StatFn, StatsSpec, parse_custom_stats, percentile_columns
@@ -68,6 +69,13 @@ class TrackOptions:
             (slow: narrow the tensors with ``include``). Exact for a tensor seen once per
             step; several observations in one step (micro-batches) log their element-weighted
             mean, an approximation.
+        block_formats: block-scaled formats to simulate, any of ``"mxfp8_e4m3"``,
+            ``"mxfp8_e5m2"``, ``"mxfp4_e2m1"``, ``"nvfp4"``: for each tracked tensor and format
+            ``f``, the columns ``f.underflow``, ``f.subnormal``, ``f.saturated``, ``f.sq_err``
+            and ``f.block_range`` say what quantizing the tensor into ``f`` (blocks along its
+            last dimension) would do; definitions in :mod:`tandv.stats.blocks`, shares from
+            :func:`tandv.quantities.block_shares`. Computed by the host kernel (CPU tensors)
+            and the torch-op path; default none.
         number_format: the format of the exponent counts of every tensor, e.g.
             ``"float8_e4m3fn"`` to see what would underflow (``-inf``) or overflow (``+inf``)
             in it; default each tensor's own dtype.
@@ -125,6 +133,7 @@ class TrackOptions:
     stats: StatsSpec = None
     stats_merge: Mapping[str, str] | None = None
     percentiles: Sequence[float] | None = None
+    block_formats: Sequence[str] | None = None
     number_format: Any = None
     out: str | os.PathLike | None = None
     out_format: str = "parquet"
@@ -149,6 +158,9 @@ class TrackOptions:
     merge_rules: Mapping[str, str] = field(init=False, repr=False, compare=False)
     #: ``((column, q), ...)`` of ``percentiles`` (empty without them)
     percentile_columns: tuple[tuple[str, float], ...] = field(init=False, repr=False, compare=False)
+    #: the summary extras of ``block_formats`` (``(column, merge rule)``; they lead the
+    #: custom statistics in every layout)
+    block_extras: tuple[tuple[str, str], ...] = field(init=False, repr=False, compare=False)
     #: the canonical name of ``number_format`` (``None``: each tensor's own dtype)
     format: str | None = field(init=False, repr=False, compare=False)
 
@@ -206,6 +218,12 @@ class TrackOptions:
                 )
         check_alert_options(self.on_nonfinite, self.alerts)
         fns, rules = parse_custom_stats(self.stats, self.stats_merge)
+        blocks = block_extras(parse_block_formats(self.block_formats))
+        clash = sorted(set(rules) & {name for name, _ in blocks})
+        if clash:
+            raise ValueError(
+                f"custom statistic {clash[0]!r} clashes with a block_formats column; rename it"
+            )
         derived = {
             "sinks": sinks,
             "selector": Selector.build(self.include, self.exclude),
@@ -213,6 +231,7 @@ class TrackOptions:
             "stat_fns": fns,
             "merge_rules": rules,
             "percentile_columns": percentile_columns(self.percentiles),
+            "block_extras": blocks,
             "format": None if self.number_format is None else format_name(self.number_format),
         }
         for name, value in derived.items():
@@ -259,6 +278,7 @@ class TrackKwargs(TypedDict, total=False):
     stats: StatsSpec
     stats_merge: Mapping[str, str] | None
     percentiles: Sequence[float] | None
+    block_formats: Sequence[str] | None
     number_format: Any
     out: str | os.PathLike | None
     out_format: str

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
+from ...stats.blocks import block_formats_of
 from ...stats.formats import format_name
 from ...stats.summary import Layout
 from ..common import TensorKey
@@ -356,6 +357,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         (XLA partitions its own operations over a sharded array; a kernel would need the
         whole array on each device)."""
         layout = self._layout(x.dtype)
+        _host_kernel_only(layout, "an array off the host kernel (an accelerator's, float64)")
         if jnp.dtype(x.dtype) == jnp.float64 or (
             self._path != "pallas" and (x.size < FUSED_SIZE or not fused)
         ):
@@ -379,6 +381,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         if jnp.dtype(x.dtype) == jnp.float64:
             return self._summarize(x)
         layout = self._layout(x.dtype)
+        _host_kernel_only(layout, "the taps of intercept() (activations, output gradients)")
         return with_custom(_ffi.ffi_summary(x, layout.format, layout.num_counts), x, self._custom)
 
     def _summarize_anywhere(self, x: jax.Array, fused: bool) -> DeviceSummary:
@@ -414,6 +417,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             if plan is not None:
                 mesh, spec, _ = plan
                 layout = self._layout(arrays[i].dtype)
+                _host_kernel_only(layout, "a sharded array")
 
                 def local(a: jax.Array, layout: Layout = layout) -> tuple[jax.Array, jax.Array]:
                     summary = summarize_jax(a, layout, self._custom)
@@ -432,6 +436,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         for dtype, idx in self._groups([arrays[i] for i in plain]):
             idx = [plain[i] for i in idx]
             layout = self._layout(dtype)
+            _host_kernel_only(layout, "an array off the host kernel (an accelerator's, float64)")
             # Large arrays run faster through their own program (no copy into a shared
             # block); small ones share one, which keeps compile time down. The host kernel
             # (on the CPU) takes each array on its own.
@@ -873,6 +878,22 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
             (Leaf(n.index, n.name + ".update", n.param), WEIGHT, d)
             for n, d in zip(new_leaves, diffs)
         ]
+
+
+def _host_kernel_only(layout: Layout, what: str) -> None:
+    """Refuses a summary of ``layout`` off the host kernel when it carries block formats'
+    columns: only the host kernel computes them in JAX so far (never a row without them).
+
+    Raises:
+        NotImplementedError: naming ``what`` and what to do instead.
+    """
+    if block_formats_of(layout.extras):
+        raise NotImplementedError(
+            f"track(block_formats=...): the JAX tracker computes the block formats' columns "
+            f"in its host kernel only, for the CPU arrays step() is given; {what} not yet. "
+            f"Call step() without intercept() (weights, gradients, optimizer state on the "
+            f"CPU), or leave block_formats out"
+        )
 
 
 @signature_of(JaxTracker)

@@ -245,9 +245,10 @@ class Workspace:
         spec: Any = None,
     ) -> np.ndarray | Slot:
         """The summary of one tensor (a hook's): :meth:`summaries` of one, kept short.
-        ``spec``: ``fused_spec(tensor)`` when the caller knows it already (else ``None``)."""
+        ``spec``: ``fused_spec(tensor, layout)`` when the caller knows it already (else
+        ``None``)."""
         if spec is None:
-            spec = fused_spec(tensor)
+            spec = fused_spec(tensor, layout)
         if spec is None:
             return self.summaries([tensor], layout, [extras])[0]
         device = tensor.device
@@ -282,7 +283,7 @@ class Workspace:
         vectors of the host path (CPU tensors), :class:`Slot` s of the fused kernel (one
         launch per device and dtype) and of the torch-op path."""
         if len(tensors) == 1:  # a hook's tensor: kept short
-            spec = fused_spec(tensors[0])
+            spec = fused_spec(tensors[0], layout)
             if spec is not None:
                 return self.fused(tensors, spec, layout, extras)  # type: ignore[return-value]
         out: list[Any] = [None] * len(tensors)
@@ -301,7 +302,7 @@ class Workspace:
                 else:  # a tensor subclass: the torch-op path
                     out[i] = self.raw(raw_device(t, layout, extras[i]), layout)
         for idx in groups.values():
-            spec = fused_spec(tensors[idx[0]])
+            spec = fused_spec(tensors[idx[0]], layout)
             if spec is None:
                 for i in idx:
                     out[i] = self.raw(raw_device(tensors[i], layout, extras[i]), layout)

@@ -57,9 +57,11 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from ...stats.blocks import BLOCK_COLUMNS, block_formats_of
 from ...stats.formats import NumberFormat
 from ...stats.host import host_higher_moments, host_summaries
 from ...stats.summary import Layout, append_extras, pack_fields, unpack_fields
+from ._blocks import block_columns
 
 __all__ = [
     "summarize_torch",
@@ -254,7 +256,7 @@ def summarize_torch(
             return torch.from_numpy(host)
         return torch.cat([summarize_torch(x, base, extras), higher_moments_torch(x)])
     names = _extra_names(layout, extras)
-    spec = fused_spec(x)
+    spec = fused_spec(x, layout)
     if spec is not None:
         from . import _fused
 
@@ -321,9 +323,15 @@ def extras_vector(
     )
 
 
+def _n_block_columns(layout: Layout) -> int:
+    """How many of the layout's extras are block formats' columns (they lead the rest)."""
+    return len(BLOCK_COLUMNS) * len(block_formats_of(layout.extras))
+
+
 def _extra_names(layout: Layout, extras: Mapping[str, Any] | None) -> list[str]:
-    """The layout's custom statistic names, after checking that ``extras`` gives each."""
-    names = [name for name, _ in layout.extras]
+    """The layout's custom statistic names (after the block formats' columns, which the
+    kernels compute), after checking that ``extras`` gives each."""
+    names = [name for name, _ in layout.extras[_n_block_columns(layout) :]]
     if sorted(extras or {}) != sorted(names):
         raise ValueError(
             f"summarize_torch: extras {sorted(extras or {})} do not match the "
@@ -352,6 +360,9 @@ def raw_device(
     else:
         head, counts = _raw_core(x.detach().reshape(-1), layout.format)
     parts = [head, counts.to(f64)]
+    formats = block_formats_of(layout.extras)
+    if formats:
+        parts.append(block_columns(x, formats))
     if names:
         parts.append(extras_vector(extras or {}, names, dev))
     if layout.num_higher:
@@ -472,7 +483,7 @@ def host_vectors(
     for i, t in enumerate(tensors):
         arr = _host_array(t)
         if arr is not None:
-            host.append((i, arr))
+            host.append((i, arr.reshape(t.shape)))  # blocks run along the last dimension
     if host:
         names = _extra_names(layout, extras[host[0][0]])
         threads = torch.get_num_threads()
@@ -493,9 +504,13 @@ FUSED_ON_CPU = False
 _fused_state: dict[str, Any] = {}
 
 
-def fused_spec(x: torch.Tensor) -> Any:
+def fused_spec(x: torch.Tensor, layout: Layout | None = None) -> Any:
     """The fused kernel's :class:`~._fused.Spec` for ``x`` if ``x`` takes the fused path,
-    else ``None``. Without Triton, CUDA tensors take the torch-op path, with one warning."""
+    else ``None``. Without Triton, CUDA tensors take the torch-op path, with one warning.
+    So do tensors whose ``layout`` asks for block formats: the fused kernel does not
+    compute their columns yet (:mod:`._blocks` does)."""
+    if layout is not None and _n_block_columns(layout):
+        return None
     if type(x) not in (torch.Tensor, torch.nn.Parameter):
         return None  # tensor subclasses: DTensor and the like hold a shard
     kind = x.device.type

@@ -295,10 +295,11 @@ class Tracker(TrackerCore[Flight | None]):
         known = self._hook_keys.get((name, kind, dtype, cuda))
         if known is None:  # the row key, the layout and the path, found once per tensor
             key = self._key(name, kind, module_type(owner), dtype)
+            base = self._layout(dtype, ())
             known = self._hook_keys[(name, kind, dtype, cuda)] = (
                 key,
-                self._layout(dtype, ()),
-                fused_spec(x) if type(x) is torch.Tensor else None,
+                base,
+                fused_spec(x, base) if type(x) is torch.Tensor else None,
             )
         key = known[0]
         if cuda and torch.cuda.is_current_stream_capturing():
@@ -325,7 +326,7 @@ class Tracker(TrackerCore[Flight | None]):
             if scale is not None:  # output gradients are in loss-scaled units: log the scale
                 extras[LOSS_SCALE] = scale
         lay = self._layout(d.dtype, tuple(extras)) if extras else known[1]
-        spec = known[2] if part is x else fused_spec(d)
+        spec = known[2] if part is x else fused_spec(d, lay)
         summary = self._workspace.summary(d, lay, extras, spec)
         # (a weak reference: a dead tensor cannot be seen again, and a new tensor at the
         # same address is another object)

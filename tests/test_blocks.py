@@ -1,0 +1,226 @@
+"""Block-scaled formats: the numpy reference against hand-computed cases, and the host kernel
+against the reference (exact counts and block ranges, sq_err to 1e-6 relative)."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tandv.stats.blocks import (
+    BLOCK_FORMATS,
+    block_extras,
+    block_formats_of,
+    block_stats,
+    parse_block_formats,
+)
+from tandv.stats.formats import number_format
+from tandv.stats.host import host_summaries
+from tandv.stats.summary import Layout, merge
+
+NAMES = tuple(BLOCK_FORMATS)
+COLS = ("underflow", "subnormal", "saturated", "sq_err", "block_range")
+
+
+def _layout(names: tuple[str, ...] = NAMES) -> Layout:
+    return Layout(number_format("float32"), block_extras(names))
+
+
+def host_block_stats(x: np.ndarray, name: str) -> dict[str, float]:
+    """The host kernel's columns of ``x`` for format ``name``."""
+    lay = _layout((name,))
+    row = host_summaries([np.asarray(x)], lay)[0]
+    return dict(zip(COLS, row[lay.extras_start :].tolist()))
+
+
+IMPLS = {"reference": block_stats, "host": host_block_stats}
+
+
+def _check(impl: str, x: np.ndarray, name: str, **want: float) -> None:
+    got = IMPLS[impl](x, name)
+    full = dict.fromkeys(COLS, 0.0) | want
+    assert got == pytest.approx(full, rel=1e-12, abs=0), (name, got, full)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_zero_blocks(impl: str) -> None:
+    for name in NAMES:
+        _check(impl, np.zeros((3, 40), np.float32), name)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_one_huge_value(impl: str) -> None:
+    x = np.ones(32, np.float32)
+    x[5] = 1024.0
+    # E4M3: scale 2**(10 - 8) = 4, 1/4 exact (normal): nothing lost
+    _check(impl, x, "mxfp8_e4m3", block_range=10.0)
+    _check(impl, x, "mxfp8_e5m2", block_range=10.0)
+    # E2M1: scale 2**(10 - 2) = 256, 1/256 is below half the smallest subnormal (0.5): zero
+    _check(impl, x, "mxfp4_e2m1", underflow=31.0, sq_err=31.0, block_range=10.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nvfp4_by_hand(impl: str) -> None:
+    # max 2688 = 448 * 6 makes the tensor scale 1 exactly. Block 1: scale 448, 2688 -> 6
+    # exact, the ones -> 1/448 underflow (15 values). Block 2 (ones): 1/6 in float32 rounds
+    # into E4M3 to 11/64; 1/(11/64) = 5.82 -> 6; dequantized 66/64, error (2/64)**2 each.
+    x = np.ones(32, np.float32)
+    x[0] = 2688.0
+    _check(
+        impl,
+        x,
+        "nvfp4",
+        underflow=15.0,
+        sq_err=15.0 + 16 * (2 / 64) ** 2,
+        block_range=math.log2(2688.0),
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_subnormals_and_midpoints(impl: str) -> None:
+    # amax 256: E4M3 scale 1. 2**-7 is an E4M3 subnormal (normal from 2**-6, spacing
+    # 2**-9); 2**-10 is the midpoint between 0 and 2**-9: even is 0 (underflow); 3 * 2**-10
+    # lies between 2**-9 and 2**-8: even is 2**-8 (subnormal). 1 + 1/16 -> 1 and
+    # 1 + 3/16 -> 1.25 (mantissa midpoints, to even).
+    x = np.array([256.0, 2.0**-7, 2.0**-10, 3 * 2.0**-10, 1 + 1 / 16, 1 + 3 / 16], np.float32)
+    _check(
+        impl,
+        x,
+        "mxfp8_e4m3",
+        underflow=1.0,
+        subnormal=2.0,
+        sq_err=2.0**-20 + 2.0**-20 + 2 * (1 / 16) ** 2,
+        block_range=18.0,
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_float32_subnormal_inputs(impl: str) -> None:
+    # a block of float32 subnormals: the power-of-two scale brings them back to normal
+    x = np.array([2.0**-140, 2.0**-141, 2.0**-149], np.float32)
+    assert x[2] > 0
+    # scale 2**(-140 - 8): 2**-149 -> 2**-1 exact (E4M3 normal), no loss
+    _check(impl, x, "mxfp8_e4m3", block_range=9.0)
+    # E2M1: scale 2**-142; 2**-141 -> 2 exact, 2**-149 -> 2**-7: underflow
+    _check(impl, x, "mxfp4_e2m1", underflow=1.0, sq_err=2.0**-298, block_range=9.0)
+    # a whole block of them (the kernel's tiled path, whose 1/scale is no float32)
+    y = np.full(32, 2.0**-140, np.float32)
+    y[9] = 2.0**-149
+    _check(impl, y, "mxfp8_e4m3", block_range=9.0)
+    _check(impl, y, "mxfp4_e2m1", underflow=1.0, sq_err=2.0**-298, block_range=9.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_saturation(impl: str) -> None:
+    # 464 has floor(log2) 8: E4M3 scale 1, and 464 > 448 saturates (error 16**2)
+    _check(
+        impl,
+        np.array([464.0, 1.0], np.float32),
+        "mxfp8_e4m3",
+        saturated=1.0,
+        sq_err=256.0,
+        block_range=math.log2(464.0),
+    )
+    # rows of length 1: 7 -> E2M1 scale 1, 7 > 6 saturates; 3 -> scale 1/2, 6 exact
+    _check(impl, np.array([[7.0], [3.0]], np.float32), "mxfp4_e2m1", saturated=1.0, sq_err=1.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nan_and_inf_left_out(impl: str) -> None:
+    x = np.array([np.nan, np.inf, -np.inf, 256.0, 2.0**-10, -1.0], np.float32)
+    _check(impl, x, "mxfp8_e4m3", underflow=1.0, sq_err=2.0**-20, block_range=18.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_blocks_follow_rows(impl: str) -> None:
+    # rows of 33: a block of 32 values of 64 and a last block of one value 1, per row.
+    # Blocks of the flat array would put a 1 beside 64s (1/16 underflows in E2M1).
+    x = np.full((2, 33), 64.0, np.float32)
+    x[:, 32] = 1.0
+    _check(impl, x, "mxfp4_e2m1")
+    # rows of 31: one short block each; 1 beside 64 underflows in E2M1 (scale 2**4)
+    y = np.full((2, 31), 64.0, np.float32)
+    y[:, 3] = 1.0
+    _check(impl, y, "mxfp4_e2m1", underflow=2.0, sq_err=2.0, block_range=6.0)
+    # rows of 32 and a 1-d tensor are the same blocks
+    z = np.full((1, 32), 64.0, np.float32)
+    z[0, 7] = 1.0
+    _check(impl, z, "mxfp4_e2m1", underflow=1.0, sq_err=1.0, block_range=6.0)
+    _check(impl, z[0], "mxfp4_e2m1", underflow=1.0, sq_err=1.0, block_range=6.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bfloat16_input(impl: str) -> None:
+    x = np.array([256.0, 2.0**-10, 1 + 1 / 16], ml_dtypes.bfloat16)
+    _check(impl, x, "mxfp8_e4m3", underflow=1.0, sq_err=2.0**-20 + (1 / 16) ** 2, block_range=18.0)
+
+
+def _random_arrays(seed: int) -> list[np.ndarray]:
+    r = np.random.default_rng(seed)
+    out = []
+    for shape in [(1,), (31,), (32,), (33,), (5, 1), (4, 31), (3, 32), (6, 33), (7, 100), ()]:
+        a = r.standard_normal(shape) * np.exp(r.uniform(-8, 8, shape))
+        out.append(np.asarray(a, np.float32))
+    big = r.standard_normal((700, 97)).astype(np.float32)  # blocks straddle 64K chunks
+    big[r.random(big.shape) < 0.3] = 0.0
+    big[r.random(big.shape) < 0.001] = np.nan
+    big[r.random(big.shape) < 0.001] = -np.inf
+    big *= np.exp(r.uniform(-20, 20, (700, 1))).astype(np.float32)
+    out.append(big)
+    out.append((r.standard_normal((65, 1056)) * 1e-30).astype(np.float32))  # tiny values
+    out.append(r.standard_normal((9, 48)).astype(ml_dtypes.bfloat16))
+    out.append(np.zeros(0, np.float32))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_host_kernel_equals_reference_on_random_arrays(seed: int) -> None:
+    arrays = _random_arrays(seed)
+    lay = _layout()
+    rows = host_summaries(arrays, lay, threads=2)
+    for a, row in zip(arrays, rows):
+        got = row[lay.extras_start :].reshape(len(NAMES), len(COLS))
+        for name, g in zip(NAMES, got):
+            ref = block_stats(a, name)
+            for col, value in zip(COLS, g):
+                tol = 1e-6 if col == "sq_err" else 0.0
+                assert value == pytest.approx(ref[col], rel=tol, abs=0), (a.shape, name, col)
+            # the random arrays exercise every column somewhere
+    total = np.abs(rows[:, lay.extras_start :]).reshape(len(arrays), len(NAMES), -1).sum((0, 1))
+    assert (total > 0).all()
+
+
+def test_merge_adds_counts_and_takes_the_largest_range() -> None:
+    r = np.random.default_rng(3)
+    a = r.standard_normal((4, 64)).astype(np.float32)
+    b = (r.standard_normal((4, 64)) * np.exp(r.uniform(-9, 9, (4, 1)))).astype(np.float32)
+    lay = _layout(("mxfp4_e2m1", "mxfp8_e4m3"))
+    va, vb = host_summaries([a, b], lay)
+    both = merge(va, vb, lay)[lay.extras_start :].reshape(2, 5)
+    for k, name in enumerate(("mxfp4_e2m1", "mxfp8_e4m3")):
+        ra, rb = block_stats(a, name), block_stats(b, name)
+        for j, col in enumerate(COLS[:4]):
+            assert both[k, j] == pytest.approx(ra[col] + rb[col], rel=1e-12)
+        assert both[k, 4] == max(ra["block_range"], rb["block_range"])
+
+
+def test_parse_and_layout_columns() -> None:
+    assert parse_block_formats(None) == ()
+    assert parse_block_formats("nvfp4") == ("nvfp4",)
+    assert parse_block_formats(["nvfp4", "mxfp8_e4m3", "nvfp4"]) == ("nvfp4", "mxfp8_e4m3")
+    with pytest.raises(ValueError, match="unknown format 'mxfp6'.*mxfp8_e4m3, mxfp8_e5m2"):
+        parse_block_formats(("mxfp6",))
+    with pytest.raises(TypeError, match="block_formats"):
+        parse_block_formats(3)
+    extras = block_extras(("nvfp4", "mxfp8_e5m2")) + (("mine", "mean"),)
+    assert extras[:5] == (
+        ("nvfp4.underflow", "sum"),
+        ("nvfp4.subnormal", "sum"),
+        ("nvfp4.saturated", "sum"),
+        ("nvfp4.sq_err", "sum"),
+        ("nvfp4.block_range", "max"),
+    )
+    assert [f.name for f in block_formats_of(extras)] == ["nvfp4", "mxfp8_e5m2"]
+    assert block_formats_of((("mine", "mean"),)) == ()

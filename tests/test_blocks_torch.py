@@ -1,0 +1,130 @@
+"""Block-scaled formats in the PyTorch tracker: every path (host kernel, torch-op, and the
+fused path, which hands such tensors to the torch-op path) against the numpy reference."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_blocks import COLS, NAMES, _random_arrays  # noqa: E402
+
+import tandv  # noqa: E402
+from tandv.stats.blocks import BLOCK_FORMATS, block_stats  # noqa: E402
+from tandv.track.torch import summary as kernel  # noqa: E402
+from tandv.track.torch import track  # noqa: E402
+from tandv.track.torch._blocks import block_columns  # noqa: E402
+
+
+def _torch(a: np.ndarray) -> torch.Tensor:
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(np.array(a))
+
+
+def _assert_columns(got: dict[str, float], ref: dict[str, float], what: object) -> None:
+    for col in COLS:
+        tol = 1e-6 if col == "sq_err" else 0.0
+        assert got[col] == pytest.approx(ref[col], rel=tol, abs=0), (what, col, got, ref)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_torch_ops_equal_reference(seed: int) -> None:
+    formats = [BLOCK_FORMATS[n] for n in NAMES]
+    for a in _random_arrays(seed):
+        got = block_columns(_torch(a), formats).numpy().reshape(len(NAMES), len(COLS))
+        for name, g in zip(NAMES, got):
+            _assert_columns(dict(zip(COLS, g.tolist())), block_stats(a, name), (a.shape, name))
+
+
+@pytest.fixture(params=["host", "torch_ops", "fused"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(kernel, "HOST_PATH", request.param == "host")
+    monkeypatch.setattr(kernel, "FUSED_ON_CPU", request.param == "fused")
+    return str(request.param)
+
+
+def test_tracker_rows_equal_reference(path: str, tmp_path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 31), torch.nn.Tanh(), torch.nn.Linear(31, 1))
+    with torch.no_grad():
+        model[0].weight[3, :5] = 0.0  # an all-zero stretch and a wide block range
+        model[0].weight[4, 7] = 300.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay as they are
+    formats = ("mxfp4_e2m1", "nvfp4", "mxfp8_e5m2")
+    out = tmp_path / "log"
+    with track(model, opt, block_formats=formats, out=out, verbose=False) as tracker:
+        x = torch.randn(5, 33)
+        model(x).square().sum().backward()
+        opt.step()
+        tracker.step()
+    df = tandv.read_parquet(out)
+    weights = df[df.metadata.tensor_type == "Weight"]
+    assert len(weights) == 4
+    for _, row in weights.iterrows():
+        w = dict(model.named_parameters())[row.metadata["name"]].detach().numpy()
+        for name in formats:
+            got = {c: row.scalar_stats[f"{name}.{c}"] for c in COLS}
+            _assert_columns(got, block_stats(w, name), (path, row.metadata["name"], name))
+    # activations too: the first layer's output, rows of 31
+    act = df[(df.metadata.tensor_type == "Activation") & (df.metadata.name == "0")].iloc[0]
+    ref = block_stats(model[0](x).detach().numpy(), "nvfp4")
+    _assert_columns({c: act.scalar_stats[f"nvfp4.{c}"] for c in COLS}, ref, "activation")
+
+
+def test_option_errors() -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="unknown format 'fp8'.*mxfp8_e4m3, mxfp8_e5m2"):
+        track(model, block_formats=("fp8",))
+    with pytest.raises(ValueError, match="clashes with a block_formats column"):
+        track(model, block_formats=("nvfp4",), stats={"nvfp4.sq_err": (lambda x: x.sum(), "sum")})
+
+
+def test_shares_and_report(tmp_path) -> None:
+    from tandv.quantities import block_format_names, block_shares
+    from tandv.viz.report import render_report
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.ReLU(), torch.nn.Linear(24, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    formats = ("mxfp4_e2m1", "mxfp8_e4m3")
+    with track(model, opt, block_formats=formats, out=tmp_path / "log", verbose=False) as tr:
+        for _ in range(2):
+            model(torch.randn(4, 40)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            tr.step()
+    df = tandv.read_parquet(tmp_path / "log")
+    assert block_format_names(df) == list(formats)
+    sh = block_shares(df, "mxfp4_e2m1")
+    w = model[0].weight.detach().numpy()
+    got = sh[(sh["name"] == "0.weight") & (sh["tensor_type"] == "Weight")].iloc[-1]
+    ref = block_stats(w, "mxfp4_e2m1")
+    assert got["underflow"] == ref["underflow"] / w.size
+    assert got["saturated"] == ref["saturated"] / w.size
+    power = float(np.sum(w.astype(np.float64) ** 2))
+    assert got["rel_err"] == pytest.approx(ref["sq_err"] / power, rel=1e-6)
+    assert 0 < got["rel_err"] < 1
+    with pytest.raises(ValueError, match="nvfp4"):
+        block_shares(df, "nvfp4")
+    page = render_report(df, "t")
+    assert '<section id="blocks"><h2>Block formats</h2>' in page
+    plain = df.drop(columns=[c for c in df.columns if c[0] == "scalar_stats" and "." in str(c[1])])
+    assert 'id="blocks"' not in render_report(plain, "t")
+
+
+def test_block_cost_benchmark_tiny_mode() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
+    spec = importlib.util.spec_from_file_location("overhead_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = bench.GPTConfig(vocab_size=32, seq_len=8, d_model=32, n_layers=1, n_heads=2, d_mlp=64)
+    r = bench.block_cost(cfg, 2, steps=2, warmup=1, formats=("mxfp8_e4m3", "nvfp4"), device="cpu")
+    assert r["median_blocks_ms"] > 0 and r["median_tracked_ms"] > 0
+    assert r["ratio_blocks_to_tracked"] == r["median_blocks_ms"] / r["median_tracked_ms"]
