@@ -526,7 +526,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
                 self._call_args = (args, kwargs)
                 out, words = program.call(*args, **kwargs)
                 self._add_words(program, words)
-                return out  # type: ignore[no-any-return]
+                return out
             f.jitted_fn = functools.partial(self._call_program, program)  # type: ignore[attr-defined]
             try:
                 return f(*args, **kwargs)

@@ -3,9 +3,9 @@
 The tracker's observations of a step are handles to summaries that are still on devices:
 rows of a stack of summaries computed at step time (:class:`StackRow`; of a sharded
 array's shards, :class:`ShardRows`), reports in a mailbox the jitted update wrote
-(:class:`Mail`), or this process's shards of a global array in a multi-process run
-(:class:`._distributed.LocalParts`); arrays in CPU memory are summarized by the host
-kernel on a background thread instead (:class:`HostRow`). :func:`send` starts one copy of
+(:class:`Mail`: a tracked program's words, or the arena read after a Python-path update),
+or this process's shards of a global array in a multi-process run
+(:class:`._distributed.LocalParts`). :func:`send` starts one copy of
 all the device summaries to the host when the step ends; :func:`to_host` turns the handles
 into summary vectors once the copy is needed (a later step, or closing): the device never
 waits for the host.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import jax
@@ -28,7 +27,6 @@ from ._mailbox import MailRead
 from ._summary import DeviceSummary, to_vector
 
 __all__ = [
-    "HostRow",
     "StackRow",
     "ShardRows",
     "Mail",
@@ -37,14 +35,6 @@ __all__ = [
     "send",
     "to_host",
 ]
-
-
-class HostRow(NamedTuple):
-    """Row ``row`` of the summary vectors the host kernel computes in the background
-    (``future`` of :func:`tandv.stats.host.host_summaries`)."""
-
-    future: Future[np.ndarray]
-    row: int
 
 
 class StackRow(NamedTuple):
@@ -170,8 +160,7 @@ def to_host(summaries: list[Any], stacks: dict[int, tuple[Transfer, int]]) -> li
     """Summary vectors of one step's observations, from the step's transfer (see
     :func:`send`): step-time stacks (:class:`StackRow`, :class:`ShardRows`; ``stacks``:
     where each lies, converted once per stack), tap summaries from mailboxes (:class:`Mail`)
-    or delivered directly, and the host kernel's vectors (:class:`HostRow`, waited for
-    here)."""
+    or delivered directly."""
     matrices: dict[int, np.ndarray] = {}
 
     def matrix(stack: tuple[Any, Any]) -> np.ndarray:
@@ -182,9 +171,7 @@ def to_host(summaries: list[Any], stacks: dict[int, tuple[Transfer, int]]) -> li
 
     out = []
     for s in summaries:
-        if isinstance(s, HostRow):
-            out.append(s.future.result()[s.row])
-        elif isinstance(s, _distributed.LocalParts):  # this process's shards of a global array
+        if isinstance(s, _distributed.LocalParts):  # this process's shards of a global array
             out.append(merge_all(to_host(list(s.parts), stacks), s.layout))
         elif isinstance(s, ShardRows):
             rows = matrix(s.stack)
