@@ -293,9 +293,9 @@ def drain(tracker) -> None:
     """Wait for the summaries of ``tracker``'s steps still in flight (their programs run
     after the update's; None: nothing)."""
     if tracker is not None:
-        for _, _, transfer in tracker._flights:
-            for t, _ in transfer.values():
-                jax.block_until_ready(t._device)
+        for _, _, sent in tracker._flights:
+            if sent.transfer is not None and sent.transfer._device is not None:
+                jax.block_until_ready(sent.transfer._device)
 
 
 def thread_cpu() -> dict[tuple[str, str], float]:

@@ -39,7 +39,7 @@ from ._summary import (
     with_custom,
 )
 from ._taps import tap
-from ._transfer import Mail, ShardRows, StackRow, send, shard_plan, to_host
+from ._transfer import Mail, Sent, ShardRows, StackRow, send, shard_plan, to_host
 from ._trees import (
     Leaf,
     collection_leaves,
@@ -174,7 +174,7 @@ class _TapSink:
         self.callbacks_used = True
 
 
-class JaxTracker(TrackerCore[dict[int, Any]]):
+class JaxTracker(TrackerCore[Sent]):
     """Tracks one JAX/Flax training run; create it with :func:`track`.
 
     Use it as a context manager (the log opens when the block starts); a tracker used
@@ -188,6 +188,10 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
 
     framework = "jax"
     opens_lazily = True
+    #: a step is recorded when its summaries have been computed (checked at each step's end),
+    #: or at the latest when this many later steps have ended (then ``step()`` waits for it):
+    #: the caller's loop runs ahead of the device
+    in_flight_steps = 3
 
     def __init__(
         self,
@@ -302,11 +306,14 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         untag_nnx_paths(self._nnx_tagged)
         self._nnx_tagged = []
 
-    def _send(self, pending: list[Any]) -> dict[int, Any]:
+    def _send(self, pending: list[Any]) -> Sent:
         return send([p[2] for p in pending])
 
-    def _to_host(self, summaries: list[Any], transfer: dict[int, Any]) -> list[np.ndarray]:
-        return to_host(summaries, transfer)
+    def _arrived(self, transfer: Sent) -> bool:
+        return transfer.arrived()
+
+    def _to_host(self, summaries: list[Any], transfer: Sent) -> list[np.ndarray]:
+        return to_host(summaries, transfer.stacks)
 
     def _observed(self, pending: list[Any]) -> list[Any]:
         expanded = []

@@ -31,6 +31,7 @@ __all__ = [
     "ShardRows",
     "Mail",
     "Transfer",
+    "Sent",
     "shard_plan",
     "send",
     "to_host",
@@ -119,6 +120,10 @@ class Transfer:
             part.copy_to_host_async()
         self._host: list[np.ndarray] | None = None
 
+    def ready(self) -> bool:
+        """Whether the arrays are computed (their copies to the host started with them)."""
+        return self._device is None or all(part.is_ready() for part in self._device)
+
     def get(self, i: int) -> np.ndarray:
         """The host copy of array ``i`` (waits for the copy the first time)."""
         if self._host is None:
@@ -135,9 +140,21 @@ class Transfer:
         return self._host[i]
 
 
-def send(summaries: Sequence[Any]) -> dict[int, tuple[Transfer, int]]:
+class Sent(NamedTuple):
+    """A step's transfer (None: nothing to copy) and where each step-time stack's counts lie
+    in it (by the stack's ``id``)."""
+
+    transfer: Transfer | None
+    stacks: dict[int, tuple[Transfer, int]]
+
+    def arrived(self) -> bool:
+        """Whether the summaries have been computed (reading them waits for no program)."""
+        return self.transfer is None or self.transfer.ready()
+
+
+def send(summaries: Sequence[Any]) -> Sent:
     """Start the one transfer of a step's device summaries: each step-time stack's parts and
-    each mailbox read go into it. Returns where each stack's counts lie in it (by ``id``)."""
+    each mailbox read go into it."""
     arrays: list[Any] = []
     stacks: dict[int, tuple[Any, int]] = {}
     reads: dict[int, tuple[MailRead, int]] = {}
@@ -149,18 +166,18 @@ def send(summaries: Sequence[Any]) -> dict[int, tuple[Transfer, int]]:
             reads[id(s.read)] = (s.read, len(arrays))
             arrays.append(_distributed.local_view(s.read.words))
     if not arrays:
-        return {}
+        return Sent(None, {})
     transfer = Transfer(arrays)
     for read, i in reads.values():
         read.fetch_from(functools.partial(transfer.get, i))
-    return {key: (transfer, i) for key, (_, i) in stacks.items()}
+    return Sent(transfer, {key: (transfer, i) for key, (_, i) in stacks.items()})
 
 
 def to_host(summaries: list[Any], stacks: dict[int, tuple[Transfer, int]]) -> list[np.ndarray]:
     """Summary vectors of one step's observations, from the step's transfer (see
     :func:`send`): step-time stacks (:class:`StackRow`, :class:`ShardRows`; ``stacks``:
-    where each lies, converted once per stack), tap summaries from mailboxes (:class:`Mail`)
-    or delivered directly."""
+    where each lies, :attr:`Sent.stacks`, converted once per stack), tap summaries from
+    mailboxes (:class:`Mail`) or delivered directly."""
     matrices: dict[int, np.ndarray] = {}
 
     def matrix(stack: tuple[Any, Any]) -> np.ndarray:
