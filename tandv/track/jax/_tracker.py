@@ -143,6 +143,9 @@ class _TapSink:
         self.layouts: dict[int, list[Any]] = {}
         #: Whether a tap of the current step reports by host callback (the tracker resets it).
         self.callbacks_used = False
+        #: Whether any tap was ever traced to report by host callback (a compiled function
+        #: is traced once: its later calls say nothing).
+        self.callbacks_seen = False
         self._merge_rules = list(merge_rules)
         self._receive = weakref.WeakMethod(receive)  # a bound method of the tracker
 
@@ -171,7 +174,7 @@ class _TapSink:
             receive(name, module_type, tensor_type, dtype, summary)
 
     def note_callback(self) -> None:
-        self.callbacks_used = True
+        self.callbacks_used = self.callbacks_seen = True
 
 
 class JaxTracker(TrackerCore[Sent]):
@@ -627,11 +630,16 @@ class JaxTracker(TrackerCore[Sent]):
             self._collect_mailboxes()  # first one's mailboxes are read before they are reused
         self._sink.mailboxes.prepare(_replicated(devices))
         self._intercepted = True
-        with interception(
-            (self._token, self._on_cpu, self._one_device, self._sink.mailboxes.generation),
-            self._on_output,
-        ):
-            return f(*args, **kwargs)
+        try:
+            with interception(
+                (self._token, self._on_cpu, self._one_device, self._sink.mailboxes.generation),
+                self._on_output,
+            ):
+                return f(*args, **kwargs)
+        finally:
+            # a jitted function traced with callbacks earlier calls back now too: step()
+            # waits for them (callbacks deliver into the step being built)
+            self._sink.callbacks_used |= self._sink.callbacks_seen
 
     def _collect_mailboxes(self) -> None:
         """Read the mailboxes (their copy to the host starts now; they are decoded when the
