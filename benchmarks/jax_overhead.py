@@ -10,12 +10,18 @@ all three alike, and reports each tracked variant's median block time over the u
 It prints the ratio of medians for every=1 and every=10, and per tracked step of the every=1
 tracker: host callbacks (tap reports delivered by callback: none expected, loops included;
 only shard_map/pmap bodies still report so), compilations after warm-up (none expected) and
-device-to-host transfers (one expected); and the host time until the update call returns,
-untracked and intercepted, and of ``tracker.step()`` (on accelerators the dispatch: the
-instrumented program takes the mailbox arena, a ``jax.Ref``, which sends its calls through
-JAX's Python dispatch path); and the CPU time per step of each thread (XLA's, the main
-thread, tandv's host kernel and log writer), untracked and every=1, read from ``/proc`` on
-Linux: where a tracked step's extra work goes.
+device-to-host transfers (one expected); the host time until the update call returns,
+untracked and intercepted, and of ``tracker.step()``; the CPU time per step of each thread
+(XLA's, the main thread, tandv's log writer), untracked and every=1, read from ``/proc`` on
+Linux: where a tracked step's extra work goes. Last, for the model it ran:
+
+    python_calls_per_tracked_call: X (untracked: U)
+    host_ms_per_tracked_step: Y
+
+X: Python function calls (``sys.setprofile``) of one ``tracker.intercept(update, ...)``,
+U of one untracked ``update(...)`` (a jitted update stays on JAX's C++ dispatch path);
+Y: main-thread CPU milliseconds of intercept plus ``tracker.step()``, median over the
+every=1 tracker's timed steps.
 
 On a GPU (jax with CUDA, flax, optax, numba, pandas, pyarrow, ml_dtypes installed), from a
 checkout:

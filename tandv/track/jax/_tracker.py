@@ -193,8 +193,9 @@ class JaxTracker(TrackerCore[Sent]):
     opens_lazily = True
     #: a step is recorded when its summaries have been computed (checked at each step's end),
     #: or at the latest when this many later steps have ended (then ``step()`` waits for it):
-    #: the caller's loop runs ahead of the device
-    in_flight_steps = 3
+    #: the caller's loop runs ahead of the device as it would untracked (a step in flight
+    #: holds only its small summaries)
+    in_flight_steps = 32
 
     def __init__(
         self,
