@@ -512,7 +512,11 @@ class JaxTracker(TrackerCore[Sent]):
 
         ``f`` may be plain Python, ``jax.jit``/``nnx.jit``-compiled, or call jitted code; it is
         traced twice (with and without tracking; once more if its taps outgrow the first
-        mailbox arena), not once per step. Exceptions from ``f`` propagate unchanged, except
+        mailbox arena), not once per step. A jitted ``f`` runs as a tracked program of its
+        own (:class:`._intercept.TrackedProgram`: the user's jit options carried over, the
+        summaries returned as an extra output), whose calls keep JAX's C++ dispatch path;
+        other updates take the Python path (:meth:`_intercept_python`). Exceptions from
+        ``f`` propagate unchanged, except
         JAX's refusal to write a batched summary (module outputs under ``jax.vmap``), which
         becomes a ``ValueError`` that says what to do. Several calls in one step (gradient
         accumulation) are all observed.
