@@ -10,12 +10,18 @@ all three alike, and reports each tracked variant's median block time over the u
 It prints the ratio of medians for every=1 and every=10, and per tracked step of the every=1
 tracker: host callbacks (tap reports delivered by callback: none expected, loops included;
 only shard_map/pmap bodies still report so), compilations after warm-up (none expected) and
-device-to-host transfers (one expected); and the host time until the update call returns,
-untracked and intercepted, and of ``tracker.step()`` (on accelerators the dispatch: the
-instrumented program takes the mailbox arena, a ``jax.Ref``, which sends its calls through
-JAX's Python dispatch path); and the CPU time per step of each thread (XLA's, the main
-thread, tandv's host kernel and log writer), untracked and every=1, read from ``/proc`` on
-Linux: where a tracked step's extra work goes.
+device-to-host transfers (one expected); the host time until the update call returns,
+untracked and intercepted, and of ``tracker.step()``; the CPU time per step of each thread
+(XLA's, the main thread, tandv's log writer), untracked and every=1, read from ``/proc`` on
+Linux: where a tracked step's extra work goes. Last, for the model it ran:
+
+    python_calls_per_tracked_call: X (untracked: U)
+    host_ms_per_tracked_step: Y
+
+X: Python function calls (``sys.setprofile``) of one ``tracker.intercept(update, ...)``,
+U of one untracked ``update(...)`` (a jitted update stays on JAX's C++ dispatch path);
+Y: main-thread CPU milliseconds of intercept plus ``tracker.step()``, median over the
+every=1 tracker's timed steps.
 
 On a GPU (jax with CUDA, flax, optax, numba, pandas, pyarrow, ml_dtypes installed), from a
 checkout:
@@ -173,6 +179,7 @@ def main() -> None:
 
         calls: dict[str, list[float]] = {name: [] for name in variants}
         steps: dict[str, list[float]] = {name: [] for name in variants}
+        host: list[float] = []  # main-thread CPU seconds of intercept + step(), every=1
 
         def block(name: str) -> float:
             tracker = variants[name]
@@ -184,11 +191,14 @@ def main() -> None:
                     p, s, g = update(p, s, x, y)
                     calls[name].append(time.perf_counter() - called)
                 else:
+                    cpu = time.thread_time()
                     p, s, g = tracker.intercept(update, p, s, x, y)
                     stepped = time.perf_counter()
                     calls[name].append(stepped - called)
                     tracker.step(p, s, g)
                     steps[name].append(time.perf_counter() - stepped)
+                    if tracker is t1:
+                        host.append(time.thread_time() - cpu)
             jax.block_until_ready(p)
             carry[name] = (p, s)
             return time.perf_counter() - start
@@ -197,6 +207,13 @@ def main() -> None:
             block(name)
             calls[name].clear()
             steps[name].clear()
+        host.clear()
+        untracked_calls, tracked_calls = [], []
+        for _ in range(3):  # tracked calls of t1's steps: counted, then each step ended
+            untracked_calls.append(count_calls(update, *carry["untracked"], x, y)[0])
+            n, out = count_calls(t1.intercept, update, *carry["every=1"], x, y)
+            tracked_calls.append(n)
+            t1.step(*out)
         counters = Counters()
         times: dict[str, list[float]] = {name: [] for name in variants}
         cpu: dict[str, dict[str, float]] = {name: {} for name in variants}
@@ -205,7 +222,7 @@ def main() -> None:
                 counters.active = name == "every=1"
                 before = thread_cpu()
                 times[name].append(block(name))
-                drain()  # the background summaries of this block's steps are charged to it
+                drain(variants[name])  # this block's summaries are charged to it
                 for group, seconds in thread_cpu_delta(before, thread_cpu()).items():
                     cpu[name][group] = cpu[name].get(group, 0.0) + seconds
                 counters.active = False
@@ -255,11 +272,36 @@ def main() -> None:
             + ", ".join(f"{1e3 * t:.1f}" for t in tracked)
             + f"; sum over one cycle / 10 untracked: {sum(tracked) / (10 * untracked):.3f}"
         )
+    print(
+        f"python_calls_per_tracked_call: {min(tracked_calls)} (untracked: {min(untracked_calls)})"
+    )
+    print(f"host_ms_per_tracked_step: {1e3 * statistics.median(host):.3f}")
 
 
-def drain() -> None:
-    """Wait for the host kernel's background work (step-time summaries)."""
-    _tracker._HOST_WORKER.submit(lambda: None).result()
+def count_calls(fn, *args):
+    """Python function calls (``sys.setprofile`` call events) made by ``fn(*args)``, and
+    what it returned."""
+    calls = [0]
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        out = fn(*args)
+    finally:
+        sys.setprofile(None)
+    return calls[0] - 1, out  # less the profiled call itself
+
+
+def drain(tracker) -> None:
+    """Wait for the summaries of ``tracker``'s steps still in flight (their programs run
+    after the update's; None: nothing)."""
+    if tracker is not None:
+        for _, _, sent in tracker._flights:
+            if sent.transfer is not None and sent.transfer._device is not None:
+                jax.block_until_ready(sent.transfer._device)
 
 
 def thread_cpu() -> dict[tuple[str, str], float]:
@@ -310,7 +352,7 @@ def by_position(tracker, update, carry, x, y, cycles):
     while tracker.step_index % 10:  # start at a tracked step
         p, s, g = tracker.intercept(update, p, s, x, y)
         tracker.step(p, s, g)
-    drain()
+    drain(tracker)
     tracked: list[list[float]] = [[] for _ in range(10)]
     untracked = []
     q, r = p, s
@@ -321,7 +363,7 @@ def by_position(tracker, update, carry, x, y, cycles):
             tracker.step(p, s, g)
             jax.block_until_ready(p)
             if i == 9:
-                drain()
+                drain(tracker)
             tracked[i].append(time.perf_counter() - start)
         for _ in range(10):
             start = time.perf_counter()

@@ -265,3 +265,29 @@ def test_step_returns_before_the_update_has_run(tmp_path):
     df = read_log(tmp_path / "log")
     g = jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2))(params)
     assert_row_matches(df, "kernel", "Gradient", 1, g["params"]["kernel"])
+
+
+def test_overhead_benchmark_tiny_mode():
+    """``benchmarks/jax_overhead.py`` on a tiny MLP: it runs, and prints last the Python
+    calls per tracked call (within 2U + 20 of the untracked call's U) and the host time per
+    tracked step."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "jax_overhead.py"), "--width", "16"]
+        + ["--depth", "2", "--batch", "8", "--block", "10", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    last = done.stdout.strip().splitlines()[-2:]
+    calls = re.fullmatch(r"python_calls_per_tracked_call: (\d+) \(untracked: (\d+)\)", last[0])
+    assert calls, last
+    tracked, untracked = int(calls[1]), int(calls[2])
+    assert tracked <= 2 * untracked + 20, last
+    host = re.fullmatch(r"host_ms_per_tracked_step: ([0-9.]+)", last[1])
+    assert host and float(host[1]) > 0, last

@@ -59,6 +59,9 @@ class TrackerCore(Generic[Transfer]):
     #: adapter's ``_to_host`` must then be safe to call there; a run over several ranks
     #: merges on the training thread regardless)
     defers_rows: ClassVar[bool] = False
+    #: ended steps that may stay in flight, not yet arrived, before the oldest is waited for
+    #: (over several ranks always 0: steps land at the same point on every rank)
+    in_flight_steps: ClassVar[int] = 0
 
     def __init__(self, options: TrackOptions, model: str, run_name: str) -> None:
         """``model``: the model's class name for the log's record; ``run_name``: the name of
@@ -272,7 +275,8 @@ class TrackerCore(Generic[Transfer]):
         while self._flights:
             step, pending, transfer = self._flights[0]
             early = self._merger is None and self._arrived(transfer)
-            if not (wait or step < self.step_index or early):
+            lag = 0 if self._merger is not None else self.in_flight_steps
+            if not (wait or step < self.step_index - lag or early):
                 return
             self._flights.popleft()
             self.recorder.commit(

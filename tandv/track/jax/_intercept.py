@@ -79,7 +79,7 @@ def interception(key: Any, on_output: Callable[[str, type, Any], Any]) -> Iterat
 #: The type of ``jax.jit``'s functions (jaxlib's ``PjitFunction``).
 JIT_FUNCTION = type(jax.jit(lambda: None))
 #: The type of a sharding left to XLA in a jit's options.
-_UNSPECIFIED = type(jax.jit(lambda: None)._jit_info.out_shardings_leaves[0])
+_UNSPECIFIED = type(jax.jit(lambda: None)._jit_info.out_shardings_leaves[0])  # type: ignore[attr-defined]
 
 
 def jitted_core(f: Any) -> Any:

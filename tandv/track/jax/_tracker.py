@@ -40,7 +40,7 @@ from ._summary import (
     with_custom,
 )
 from ._taps import tap
-from ._transfer import Mail, ShardRows, StackRow, send, shard_plan, to_host
+from ._transfer import Mail, Sent, ShardRows, StackRow, send, shard_plan, to_host
 from ._trees import (
     Leaf,
     collection_leaves,
@@ -144,6 +144,9 @@ class _TapSink:
         self.layouts: dict[int, list[Any]] = {}
         #: Whether a tap of the current step reports by host callback (the tracker resets it).
         self.callbacks_used = False
+        #: Whether any tap was ever traced to report by host callback (a compiled function
+        #: is traced once: its later calls say nothing).
+        self.callbacks_seen = False
         self._merge_rules = list(merge_rules)
         self._receive = weakref.WeakMethod(receive)  # a bound method of the tracker
 
@@ -172,10 +175,10 @@ class _TapSink:
             receive(name, module_type, tensor_type, dtype, summary)
 
     def note_callback(self) -> None:
-        self.callbacks_used = True
+        self.callbacks_used = self.callbacks_seen = True
 
 
-class JaxTracker(TrackerCore[dict[int, Any]]):
+class JaxTracker(TrackerCore[Sent]):
     """Tracks one JAX/Flax training run; create it with :func:`track`.
 
     Use it as a context manager (the log opens when the block starts); a tracker used
@@ -189,6 +192,11 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
 
     framework = "jax"
     opens_lazily = True
+    #: a step is recorded when its summaries have been computed (checked at each step's end),
+    #: or at the latest when this many later steps have ended (then ``step()`` waits for it):
+    #: the caller's loop runs ahead of the device as it would untracked (a step in flight
+    #: holds only its small summaries)
+    in_flight_steps = 32
 
     def __init__(
         self,
@@ -305,11 +313,14 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         untag_nnx_paths(self._nnx_tagged)
         self._nnx_tagged = []
 
-    def _send(self, pending: list[Any]) -> dict[int, Any]:
+    def _send(self, pending: list[Any]) -> Sent:
         return send([p[2] for p in pending])
 
-    def _to_host(self, summaries: list[Any], transfer: dict[int, Any]) -> list[np.ndarray]:
-        return to_host(summaries, transfer)
+    def _arrived(self, transfer: Sent) -> bool:
+        return transfer.arrived()
+
+    def _to_host(self, summaries: list[Any], transfer: Sent) -> list[np.ndarray]:
+        return to_host(summaries, transfer.stacks)
 
     def _observed(self, pending: list[Any]) -> list[Any]:
         expanded = []
@@ -508,7 +519,11 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
 
         ``f`` may be plain Python, ``jax.jit``/``nnx.jit``-compiled, or call jitted code; it is
         traced twice (with and without tracking; once more if its taps outgrow the first
-        mailbox arena), not once per step. Exceptions from ``f`` propagate unchanged, except
+        mailbox arena), not once per step. A jitted ``f`` runs as a tracked program of its
+        own (:class:`._intercept.TrackedProgram`: the user's jit options carried over, the
+        summaries returned as an extra output), whose calls keep JAX's C++ dispatch path;
+        other updates take the Python path (:meth:`_intercept_python`). Exceptions from
+        ``f`` propagate unchanged, except
         JAX's refusal to write a batched summary (module outputs under ``jax.vmap``), which
         becomes a ``ValueError`` that says what to do. Several calls in one step (gradient
         accumulation) are all observed.
@@ -533,7 +548,7 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
                 self._call_args = (args, kwargs)
                 out, words = program.call(*args, **kwargs)
                 self._add_words(program, words)
-                return out  # type: ignore[no-any-return]
+                return out
             f.jitted_fn = functools.partial(self._call_program, program)  # type: ignore[attr-defined]
             try:
                 return f(*args, **kwargs)
@@ -628,11 +643,16 @@ class JaxTracker(TrackerCore[dict[int, Any]]):
         self._sink.mailboxes.prepare(_replicated(devices))
         self._intercepted = True
         self._applications = _misuse.Applications(self._track_activations)  # applied twice
-        with interception(
-            (self._token, self._on_cpu, self._one_device, self._sink.mailboxes.generation),
-            self._on_output,
-        ):
-            return f(*args, **kwargs)
+        try:
+            with interception(
+                (self._token, self._on_cpu, self._one_device, self._sink.mailboxes.generation),
+                self._on_output,
+            ):
+                return f(*args, **kwargs)
+        finally:
+            # a jitted function traced with callbacks earlier calls back now too: step()
+            # waits for them (callbacks deliver into the step being built)
+            self._sink.callbacks_used |= self._sink.callbacks_seen
 
     def _collect_mailboxes(self) -> None:
         """Read the mailboxes (their copy to the host starts now; they are decoded when the

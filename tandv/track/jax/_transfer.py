@@ -3,9 +3,9 @@
 The tracker's observations of a step are handles to summaries that are still on devices:
 rows of a stack of summaries computed at step time (:class:`StackRow`; of a sharded
 array's shards, :class:`ShardRows`), reports in a mailbox the jitted update wrote
-(:class:`Mail`), or this process's shards of a global array in a multi-process run
-(:class:`._distributed.LocalParts`); arrays in CPU memory are summarized by the host
-kernel on a background thread instead (:class:`HostRow`). :func:`send` starts one copy of
+(:class:`Mail`: a tracked program's words, or the arena read after a Python-path update),
+or this process's shards of a global array in a multi-process run
+(:class:`._distributed.LocalParts`). :func:`send` starts one copy of
 all the device summaries to the host when the step ends; :func:`to_host` turns the handles
 into summary vectors once the copy is needed (a later step, or closing): the device never
 waits for the host.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import jax
@@ -28,23 +27,15 @@ from ._mailbox import MailRead
 from ._summary import DeviceSummary, to_vector
 
 __all__ = [
-    "HostRow",
     "StackRow",
     "ShardRows",
     "Mail",
     "Transfer",
+    "Sent",
     "shard_plan",
     "send",
     "to_host",
 ]
-
-
-class HostRow(NamedTuple):
-    """Row ``row`` of the summary vectors the host kernel computes in the background
-    (``future`` of :func:`tandv.stats.host.host_summaries`)."""
-
-    future: Future[np.ndarray]
-    row: int
 
 
 class StackRow(NamedTuple):
@@ -129,6 +120,10 @@ class Transfer:
             part.copy_to_host_async()
         self._host: list[np.ndarray] | None = None
 
+    def ready(self) -> bool:
+        """Whether the arrays are computed (their copies to the host started with them)."""
+        return self._device is None or all(part.is_ready() for part in self._device)
+
     def get(self, i: int) -> np.ndarray:
         """The host copy of array ``i`` (waits for the copy the first time)."""
         if self._host is None:
@@ -145,9 +140,21 @@ class Transfer:
         return self._host[i]
 
 
-def send(summaries: Sequence[Any]) -> dict[int, tuple[Transfer, int]]:
+class Sent(NamedTuple):
+    """A step's transfer (None: nothing to copy) and where each step-time stack's counts lie
+    in it (by the stack's ``id``)."""
+
+    transfer: Transfer | None
+    stacks: dict[int, tuple[Transfer, int]]
+
+    def arrived(self) -> bool:
+        """Whether the summaries have been computed (reading them waits for no program)."""
+        return self.transfer is None or self.transfer.ready()
+
+
+def send(summaries: Sequence[Any]) -> Sent:
     """Start the one transfer of a step's device summaries: each step-time stack's parts and
-    each mailbox read go into it. Returns where each stack's counts lie in it (by ``id``)."""
+    each mailbox read go into it."""
     arrays: list[Any] = []
     stacks: dict[int, tuple[Any, int]] = {}
     reads: dict[int, tuple[MailRead, int]] = {}
@@ -159,19 +166,18 @@ def send(summaries: Sequence[Any]) -> dict[int, tuple[Transfer, int]]:
             reads[id(s.read)] = (s.read, len(arrays))
             arrays.append(_distributed.local_view(s.read.words))
     if not arrays:
-        return {}
+        return Sent(None, {})
     transfer = Transfer(arrays)
     for read, i in reads.values():
         read.fetch_from(functools.partial(transfer.get, i))
-    return {key: (transfer, i) for key, (_, i) in stacks.items()}
+    return Sent(transfer, {key: (transfer, i) for key, (_, i) in stacks.items()})
 
 
 def to_host(summaries: list[Any], stacks: dict[int, tuple[Transfer, int]]) -> list[np.ndarray]:
     """Summary vectors of one step's observations, from the step's transfer (see
     :func:`send`): step-time stacks (:class:`StackRow`, :class:`ShardRows`; ``stacks``:
-    where each lies, converted once per stack), tap summaries from mailboxes (:class:`Mail`)
-    or delivered directly, and the host kernel's vectors (:class:`HostRow`, waited for
-    here)."""
+    where each lies, :attr:`Sent.stacks`, converted once per stack), tap summaries from
+    mailboxes (:class:`Mail`) or delivered directly."""
     matrices: dict[int, np.ndarray] = {}
 
     def matrix(stack: tuple[Any, Any]) -> np.ndarray:
@@ -182,9 +188,7 @@ def to_host(summaries: list[Any], stacks: dict[int, tuple[Transfer, int]]) -> li
 
     out = []
     for s in summaries:
-        if isinstance(s, HostRow):
-            out.append(s.future.result()[s.row])
-        elif isinstance(s, _distributed.LocalParts):  # this process's shards of a global array
+        if isinstance(s, _distributed.LocalParts):  # this process's shards of a global array
             out.append(merge_all(to_host(list(s.parts), stacks), s.layout))
         elif isinstance(s, ShardRows):
             rows = matrix(s.stack)
