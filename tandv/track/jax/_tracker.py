@@ -492,16 +492,49 @@ class JaxTracker(TrackerCore[Sent]):
         if not arrays:
             return []
         rows: list[Any] = [None] * len(arrays)
-        plans = tuple(shard_plan(x) for x in arrays)
-        stacks = iter(self._summarize_many(arrays, len(_devices_of(arrays)) <= 1, plans))
-        for i, plan in enumerate(plans):
+        for i, vector in self._block_rows(arrays).items():
+            rows[i] = vector
+        rest = [i for i, r in enumerate(rows) if r is None]
+        if not rest:
+            return rows
+        device = [arrays[i] for i in rest]
+        plans = tuple(shard_plan(x) for x in device)
+        stacks = iter(self._summarize_many(device, len(_devices_of(device)) <= 1, plans))
+        for i, plan in zip(rest, plans):
             if plan is not None:
                 rows[i] = ShardRows(next(stacks), plan[2], self._layout(arrays[i].dtype))
-        plain = [i for i, plan in enumerate(plans) if plan is None]
+        plain = [i for i, plan in zip(rest, plans) if plan is None]
         for (_, idx), stack in zip(self._groups([arrays[i] for i in plain]), stacks):
             for r, i in enumerate(idx):
                 rows[plain[i]] = StackRow(stack, r)
         return rows
+
+    def _block_rows(self, arrays: list[jax.Array]) -> dict[int, np.ndarray]:
+        """With ``block_formats``, the finished vectors of the arrays the host kernel can
+        take (one CPU device, a dtype of :data:`HOST_DTYPES`, no custom statistics), by
+        index: only the host kernel computes the block formats' columns so far, and the
+        program that runs it inside (:meth:`_summarize_in_program`) does not, so these
+        arrays are read here, waiting for the update that computes them. The others go on
+        to :meth:`_summarize_many`, which refuses them (:func:`_host_kernel_only`)."""
+        if self._custom or not self._host_kernel or not arrays:
+            return {}
+        if not block_formats_of(self._layout(arrays[0].dtype).extras):
+            return {}
+        from ...stats.host import HOST_DTYPES, host_summaries
+
+        out: dict[int, np.ndarray] = {}
+        for dtype, idx in self._groups(arrays):
+            idx = [
+                i
+                for i in idx
+                if np.dtype(arrays[i].dtype) in HOST_DTYPES
+                and shard_plan(arrays[i]) is None
+                and all(d.platform == "cpu" for d in arrays[i].devices())
+            ]
+            if idx:
+                vectors = host_summaries([np.asarray(arrays[i]) for i in idx], self._layout(dtype))
+                out.update(zip(idx, vectors))
+        return out
 
     def _owner_of(self, name: str) -> type | None:
         """The class of the module owning parameter ``name`` (``None`` while unknown)."""

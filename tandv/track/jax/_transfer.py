@@ -177,7 +177,8 @@ def to_host(summaries: list[Any], stacks: dict[int, tuple[Transfer, int]]) -> li
     """Summary vectors of one step's observations, from the step's transfer (see
     :func:`send`): step-time stacks (:class:`StackRow`, :class:`ShardRows`; ``stacks``:
     where each lies, :attr:`Sent.stacks`, converted once per stack), tap summaries from
-    mailboxes (:class:`Mail`) or delivered directly."""
+    mailboxes (:class:`Mail`) or delivered directly, and vectors the host finished already
+    (the block formats' rows: ``JaxTracker._block_rows``)."""
     matrices: dict[int, np.ndarray] = {}
 
     def matrix(stack: tuple[Any, Any]) -> np.ndarray:
@@ -195,6 +196,8 @@ def to_host(summaries: list[Any], stacks: dict[int, tuple[Transfer, int]]) -> li
             out.append(merge_all([rows[r] for r in s.rows], s.layout))
         elif isinstance(s, StackRow):
             out.append(matrix(s.stack)[s.row])
+        elif isinstance(s, np.ndarray):  # a vector finished on the host already
+            out.append(s)
         elif isinstance(s, Mail):
             box, summary = s.read.boxes[s.box], s.summary()
             assert summary is not None  # the tracker drops mailboxes the update did not write
