@@ -754,6 +754,7 @@ class _ParquetLog:
         for key in canonical_columns(_unflat(n) for n in exps):
             fields.append(pa.field(_flat(key), pa.int64()))
         self.schema = pa.schema(fields)
+        self._fragments = fragments if statistics else []
         self.dataset = (
             ds.FileSystemDataset(fragments, self.schema, fmt, found.filesystem)
             if statistics
@@ -856,14 +857,44 @@ class _ParquetLog:
             )
 
         expr = None
+        used: set[str] = set()
         for conj in dnf:
             c = None
             for f in conj:
                 t = term(f)
+                used.add(_flat_key(f[0]))
                 c = t if c is None else c & t
             if c is not None:
                 expr = c if expr is None else expr | c
+        self._check_statistics(used)
         return expr
+
+    def _check_statistics(self, names: set[str]) -> None:
+        """SchemaError for a part whose footer describes a filtered column's chunks with a
+        physical type other than its schema's, or with statistics that do not decode: the
+        scan evaluates the filter on those statistics, and pyarrow then hangs or aborts the
+        process instead of raising (a bit flip in the footer can do it)."""
+        for fragment in self._fragments:
+            md = fragment.metadata
+            at = {md.schema.column(i).path: i for i in range(md.num_columns)}
+            for name in names & at.keys():
+                i = at[name]
+                want = md.schema.column(i).physical_type
+                for r in range(md.num_row_groups):
+                    try:
+                        chunk = md.row_group(r).column(i)
+                        ok = chunk.physical_type == want
+                        if ok and chunk.is_stats_set and chunk.statistics.has_min_max:
+                            chunk.statistics.min, chunk.statistics.max
+                    except (OSError, ValueError, pa.ArrowException):
+                        ok = False
+                    if not ok:
+                        raise _part_error(
+                            Path(fragment.path),
+                            "damaged footer: the column's chunks are described with another "
+                            "type than its schema's; restore the part or move it out of the log",
+                            column=name,
+                        )
 
     def tables(
         self, names: list[str], expr: ds.Expression | None, chunk_rows: int | None
