@@ -885,7 +885,7 @@ class _ParquetLog:
                         chunk = md.row_group(r).column(i)
                         ok = chunk.physical_type == want
                         if ok and chunk.is_stats_set and chunk.statistics.has_min_max:
-                            chunk.statistics.min, chunk.statistics.max
+                            _ = (chunk.statistics.min, chunk.statistics.max)  # they decode
                     except (OSError, ValueError, pa.ArrowException):
                         ok = False
                     if not ok:
