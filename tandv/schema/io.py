@@ -366,8 +366,12 @@ def run_record(df: pd.DataFrame) -> dict[str, Any]:
     return dict(got) if isinstance(got, Mapping) else {}
 
 
-#: The log format version this module writes and reads (``tandv.log`` in each part).
-LOG_VERSION = b"1"
+#: The log format version this module writes (``tandv.log`` in each part): 2, parts with a
+#: schema checksum. Version 1 (written before the checksum existed: no footer check is
+#: possible) is still read; any other version is refused.
+LOG_VERSION = b"2"
+#: The version of parts written before the schema checksum, still read.
+_UNSEALED_VERSION = b"1"
 #: Schema metadata key of a part's schema checksum (:func:`_schema_sum`).
 _SUM_KEY = b"tandv.schema_sha256"
 
@@ -409,11 +413,13 @@ def _check_seal(path: Path, schema: pa.Schema, rows: int) -> None:
             f"{_MARK.decode()!r} version in its schema metadata); write logs with tandv "
             f"(write_parquet or a tracker)"
         )
+    if version == _UNSEALED_VERSION:
+        return  # an older tandv's part: its footer carries no checksum to verify
     if version != LOG_VERSION:
         raise SchemaError(
             f"{str(path)!r}: log format version {version.decode(errors='replace')!r}; this "
-            f"tandv reads version {LOG_VERSION.decode()} (a newer tandv wrote it, or the "
-            f"footer is damaged)"
+            f"tandv reads versions {_UNSEALED_VERSION.decode()} and {LOG_VERSION.decode()} "
+            f"(a newer tandv wrote it, or the footer is damaged)"
         )
     stored = meta.get(_SUM_KEY)
     if stored is None:
