@@ -729,7 +729,7 @@ def test_a_column_twice_in_a_part_is_refused(tmp_path):
         read_parquet(tmp_path / "p.parquet")
 
 
-@pytest.mark.parametrize("version", [b"2", b"999", None])
+@pytest.mark.parametrize("version", [b"3", b"0", b"999", None])
 def test_unknown_log_versions_are_refused(tmp_path, version):
     path = _write_raw(tmp_path / "p.parquet")
     table = pq.read_table(path)
@@ -739,10 +739,30 @@ def test_unknown_log_versions_are_refused(tmp_path, version):
         match = r"p\.parquet' is not a tandv log: it is not marked as one"
     else:
         meta[b"tandv.log"] = version
-        match = rf"p\.parquet': log format version '{version.decode()}'; this tandv reads version 1"
+        match = (
+            rf"p\.parquet': log format version '{version.decode()}'; this tandv reads "
+            rf"versions 1 and 2"
+        )
     pq.write_table(table.replace_schema_metadata(meta), path)
     with pytest.raises(SchemaError, match=match):
         read_parquet(path)
+
+
+def test_version_1_parts_written_before_the_checksum_still_read(tmp_path):
+    """A part an older tandv wrote (marked version 1, no schema checksum) reads as the
+    same frame; the checksum is required of version-2 parts only."""
+    path = _write_raw(tmp_path / "p.parquet")
+    want = read_parquet(path)
+    table = pq.read_table(path)
+    meta = dict(table.schema.metadata)
+    assert meta[b"tandv.log"] == b"2"
+    del meta[b"tandv.schema_sha256"]
+    pq.write_table(table.replace_schema_metadata(meta), path)
+    with pytest.raises(SchemaError, match="no schema checksum"):
+        read_parquet(path)
+    meta[b"tandv.log"] = b"1"
+    pq.write_table(table.replace_schema_metadata(meta), path)
+    pd.testing.assert_frame_equal(read_parquet(path), want)
 
 
 @pytest.mark.parametrize(

@@ -366,8 +366,12 @@ def run_record(df: pd.DataFrame) -> dict[str, Any]:
     return dict(got) if isinstance(got, Mapping) else {}
 
 
-#: The log format version this module writes and reads (``tandv.log`` in each part).
-LOG_VERSION = b"1"
+#: The log format version this module writes (``tandv.log`` in each part): 2, parts with a
+#: schema checksum. Version 1 (written before the checksum existed: no footer check is
+#: possible) is still read; any other version is refused.
+LOG_VERSION = b"2"
+#: The version of parts written before the schema checksum, still read.
+_UNSEALED_VERSION = b"1"
 #: Schema metadata key of a part's schema checksum (:func:`_schema_sum`).
 _SUM_KEY = b"tandv.schema_sha256"
 
@@ -409,11 +413,13 @@ def _check_seal(path: Path, schema: pa.Schema, rows: int) -> None:
             f"{_MARK.decode()!r} version in its schema metadata); write logs with tandv "
             f"(write_parquet or a tracker)"
         )
+    if version == _UNSEALED_VERSION:
+        return  # an older tandv's part: its footer carries no checksum to verify
     if version != LOG_VERSION:
         raise SchemaError(
             f"{str(path)!r}: log format version {version.decode(errors='replace')!r}; this "
-            f"tandv reads version {LOG_VERSION.decode()} (a newer tandv wrote it, or the "
-            f"footer is damaged)"
+            f"tandv reads versions {_UNSEALED_VERSION.decode()} and {LOG_VERSION.decode()} "
+            f"(a newer tandv wrote it, or the footer is damaged)"
         )
     stored = meta.get(_SUM_KEY)
     if stored is None:
@@ -754,6 +760,7 @@ class _ParquetLog:
         for key in canonical_columns(_unflat(n) for n in exps):
             fields.append(pa.field(_flat(key), pa.int64()))
         self.schema = pa.schema(fields)
+        self._fragments = fragments if statistics else []
         self.dataset = (
             ds.FileSystemDataset(fragments, self.schema, fmt, found.filesystem)
             if statistics
@@ -856,14 +863,44 @@ class _ParquetLog:
             )
 
         expr = None
+        used: set[str] = set()
         for conj in dnf:
             c = None
             for f in conj:
                 t = term(f)
+                used.add(_flat_key(f[0]))
                 c = t if c is None else c & t
             if c is not None:
                 expr = c if expr is None else expr | c
+        self._check_statistics(used)
         return expr
+
+    def _check_statistics(self, names: set[str]) -> None:
+        """SchemaError for a part whose footer describes a filtered column's chunks with a
+        physical type other than its schema's, or with statistics that do not decode: the
+        scan evaluates the filter on those statistics, and pyarrow then hangs or aborts the
+        process instead of raising (a bit flip in the footer can do it)."""
+        for fragment in self._fragments:
+            md = fragment.metadata
+            at = {md.schema.column(i).path: i for i in range(md.num_columns)}
+            for name in names & at.keys():
+                i = at[name]
+                want = md.schema.column(i).physical_type
+                for r in range(md.num_row_groups):
+                    try:
+                        chunk = md.row_group(r).column(i)
+                        ok = chunk.physical_type == want
+                        if ok and chunk.is_stats_set and chunk.statistics.has_min_max:
+                            _ = (chunk.statistics.min, chunk.statistics.max)  # they decode
+                    except (OSError, ValueError, pa.ArrowException):
+                        ok = False
+                    if not ok:
+                        raise _part_error(
+                            Path(fragment.path),
+                            "damaged footer: the column's chunks are described with another "
+                            "type than its schema's; restore the part or move it out of the log",
+                            column=name,
+                        )
 
     def tables(
         self, names: list[str], expr: ds.Expression | None, chunk_rows: int | None
