@@ -424,7 +424,7 @@ class JaxTracker(TrackerCore[Sent]):
         return list(groups.items())
 
     def _summaries(
-        self, arrays: list[jax.Array], fused: bool, plans: tuple[Any, ...], exact: bool
+        self, arrays: list[jax.Array], fused: bool, plans: tuple[Any, ...], exact: bool = False
     ) -> list[tuple[jax.Array, ...]]:
         """Traced: per dtype group, the stacked counts and values of its arrays' summaries
         (stacked so that the host fetches a few arrays, not two per tensor); ``fused``: see
