@@ -800,3 +800,36 @@ def test_host_kernel_reads_step_arrays_before_a_donating_update_can_reuse_them(t
     df = read_log(tmp_path / "log")
     for k, w in enumerate(seen):
         assert_row_matches(df, "w", "Weight", k, w)
+
+
+@pytest.mark.skipif(
+    not jax_tracker_module._ffi.available(), reason="no in-program kernel on this machine"
+)
+def test_step_time_rows_keep_the_host_kernels_float64_moments(tmp_path):
+    """On the CPU the arrays given to ``step`` are summarized by the host kernel inside an
+    XLA program, whose float outputs are float32 without x64. Their moments still come out
+    as the kernel's float64 sums: equal to numpy's float64 computation to 1e-12, where
+    float32 rounding is off by about 1e-8; counts stay exact."""
+    rng = np.random.default_rng(11)
+    w = (rng.standard_normal(1001) * 3 + 0.7).astype(np.float32)
+    w[::97] = 0
+    g = (rng.standard_normal((13, 77)) * 1e-3 - 2e-4).astype(np.float32)
+    params = {"w": jnp.asarray(w), "k": jnp.asarray(g * 50)}
+    with track(params, out=tmp_path / "log", verbose=False) as tracker:
+        tracker.step(params, gradients={"w": jnp.asarray(w * -2), "k": jnp.asarray(g)})
+        tracker.step({"w": jnp.asarray(w[::-1]), "k": params["k"]}, gradients=params)
+    df = read_log(tmp_path / "log")
+    for step, name, tensor_type, a in [
+        (0, "w", "Weight", w),
+        (0, "k", "Weight", g * 50),
+        (0, "w", "Gradient", w * -2),
+        (0, "k", "Gradient", g),
+        (1, "w", "Weight", w[::-1]),
+        (1, "w", "Gradient", w),
+    ]:
+        s = row(df, name, tensor_type, step)["scalar_stats"]
+        d = a.astype(np.float64).ravel()
+        for stat, want in (("mean", d.mean()), ("std", d.std())):
+            assert abs(float(np.float32(want)) - want) > 1e-11 * abs(want)  # float32 would fail
+            assert s[stat] == pytest.approx(want, rel=1e-12, abs=0), (step, name, tensor_type)
+        assert s["numel"] == a.size and s["zero_count"] == int((a == 0).sum())

@@ -21,7 +21,9 @@ stable ABI (``xla/ffi/api/c_api.h``), through raw pointers:
 Arguments: the array as float32 (narrower floats are widened first, exactly), the layout's
 two bin tables (int32) and ``(num_bins, over_at)`` as float32. Results: the summary as
 :class:`._summary.DeviceSummary` parts, int32 counts and float32 values, the types of the
-XLA path, so either path can serve any tap.
+XLA path, so either path can serve any tap; optionally a third, the kernel's float64 core
+values as uint32 words (their bits), so that step-time rows keep float64 moments
+(:func:`ffi_summary_exact`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,14 @@ from ...stats.host import serial_tables, split_serial, summary_serial
 from ...stats.summary import N_CORE_VALUES, N_LEADING_COUNTS
 from ._summary import DeviceSummary, check_countable
 
-__all__ = ["available", "ffi_summary", "TARGET", "SUPPORTED"]
+__all__ = [
+    "available",
+    "ffi_summary",
+    "ffi_summary_exact",
+    "exact_values",
+    "TARGET",
+    "SUPPORTED",
+]
 
 #: The custom-call target's name.
 TARGET = "tandv_summary_f32"
@@ -59,6 +68,8 @@ _METADATA = 1  # XLA_FFI_Extension_Metadata
 _FRAME_SIZE = 120
 _LIST_SIZE = 40
 _BUFFER_SIZE = 48
+_NLEAD = N_LEADING_COUNTS
+_NVALUES = N_CORE_VALUES
 
 
 @intrinsic
@@ -157,22 +168,23 @@ def _handle(frame):  # pragma: no cover - compiled by available()
     if carray(frame, (10,), np.int32)[8] != _EXECUTE:
         return _pointer(0)
     # The layout read here, checked where the frame says it: struct sizes (a later API may
-    # append fields, never move them), 4 arguments, 2 results. Otherwise nothing is written,
-    # and available()'s self-test turns the kernel off.
+    # append fields, never move them), 4 arguments, 2 or 3 results. Otherwise nothing is
+    # written, and available()'s self-test turns the kernel off.
+    nrets = words[12]
     if (
         words[0] < _FRAME_SIZE
         or words[5] < _LIST_SIZE
         or words[10] < _LIST_SIZE
         or words[7] != 4
-        or words[12] != 2
+        or (nrets != 2 and nrets != 3)
     ):
         return _pointer(0)
     args = carray(_pointer(words[9]), (4,), np.int64)
-    rets = carray(_pointer(words[14]), (2,), np.int64)
+    rets = carray(_pointer(words[14]), (nrets,), np.int64)
     for i in range(4):
         if carray(_pointer(args[i]), (1,), np.int64)[0] < _BUFFER_SIZE:
             return _pointer(0)
-    for i in range(2):
+    for i in range(nrets):
         if carray(_pointer(rets[i]), (1,), np.int64)[0] < _BUFFER_SIZE:
             return _pointer(0)
     data, n = _buffer(args[0])
@@ -192,6 +204,11 @@ def _handle(frame):  # pragma: no cover - compiled by available()
     _set_fp_control(control & ~_FLUSH_BITS)
     summary_serial(x, field_bin, sub_bin, np.int64(params[0]), np.float64(params[1]), out)
     split_serial(out, counts, values)
+    if nrets == 3:  # the core values' float64 bits, two uint32 words each
+        data, w = _buffer(rets[2])
+        exact = carray(_pointer(data), (w // 2,), np.float64)
+        for i in range(min(w // 2, _NVALUES)):
+            exact[i] = out[_NLEAD + i]
     _set_fp_control(control)
     return _pointer(0)
 
@@ -256,7 +273,13 @@ def _self_test() -> None:
         jax.device_get(jax.jit(lambda a: ffi_summary(a, layout.format, layout.num_counts))(on_cpu))
     )
     want = host_summaries([x], layout)[0]
-    if not np.allclose(got, want, rtol=1e-6, atol=0, equal_nan=True):
+    _, words = jax.device_get(
+        jax.jit(lambda a: ffi_summary_exact(a, layout.format, layout.num_counts))(on_cpu)
+    )
+    core = slice(N_LEADING_COUNTS, N_LEADING_COUNTS + N_CORE_VALUES)
+    if not np.allclose(got, want, rtol=1e-6, atol=0, equal_nan=True) or not np.allclose(
+        exact_values(words), want[core], rtol=1e-12, atol=0, equal_nan=True
+    ):
         raise RuntimeError(
             "its results on a test array differ from the host kernel's (an XLA FFI "
             "call frame this version of tandv does not know?)"
@@ -272,25 +295,46 @@ def _tables(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return field_bin, sub_bin, np.array([nb, over_at], np.float32)
 
 
+def _call(x: Any, fmt: NumberFormat, num_counts: int, exact: bool) -> tuple[Any, ...]:
+    """The custom call on ``x``: counts, values and, where ``exact``, the exact words."""
+    check_countable(x)
+    field_bin, sub_bin, params = _tables(fmt)
+    results = [
+        jax.ShapeDtypeStruct((N_LEADING_COUNTS + num_counts,), jnp.int32),
+        jax.ShapeDtypeStruct((N_CORE_VALUES,), jnp.float32),
+    ]
+    if exact:
+        results.append(jax.ShapeDtypeStruct((2 * N_CORE_VALUES,), jnp.uint32))
+    call = jax.ffi.ffi_call(TARGET, tuple(results), vmap_method="sequential")
+    return tuple(
+        call(
+            jnp.ravel(x).astype(jnp.float32),
+            jnp.asarray(field_bin),
+            jnp.asarray(sub_bin),
+            jnp.asarray(params),
+        )
+    )
+
+
 def ffi_summary(x: Any, fmt: NumberFormat, num_counts: int) -> DeviceSummary:
     """The core summary of ``x`` (any float dtype but float64) for format ``fmt``, computed
     by the host kernel inside the XLA:CPU program (traceable; CPU only). Its ``values`` hold
     the core fields only: the caller appends custom statistics. Call only where
     :func:`available` said True."""
-    check_countable(x)
-    field_bin, sub_bin, params = _tables(fmt)
-    call = jax.ffi.ffi_call(
-        TARGET,
-        (
-            jax.ShapeDtypeStruct((N_LEADING_COUNTS + num_counts,), jnp.int32),
-            jax.ShapeDtypeStruct((N_CORE_VALUES,), jnp.float32),
-        ),
-        vmap_method="sequential",
-    )
-    counts, values = call(
-        jnp.ravel(x).astype(jnp.float32),
-        jnp.asarray(field_bin),
-        jnp.asarray(sub_bin),
-        jnp.asarray(params),
-    )
+    counts, values = _call(x, fmt, num_counts, exact=False)
     return DeviceSummary(counts, values)
+
+
+def ffi_summary_exact(x: Any, fmt: NumberFormat, num_counts: int) -> tuple[DeviceSummary, Any]:
+    """:func:`ffi_summary` and the kernel's float64 core values, exact, as ``2 *
+    N_CORE_VALUES`` uint32 words (each value's bit pattern; :func:`exact_values` reads
+    them on the host). A program's float outputs are float32 unless JAX runs with x64; the
+    words carry the float64 sums through it without turning x64 on."""
+    counts, values, words = _call(x, fmt, num_counts, exact=True)
+    return DeviceSummary(counts, values), words
+
+
+def exact_values(words: np.ndarray) -> np.ndarray:
+    """The float64 core values (shape ``(..., N_CORE_VALUES)``) of words from
+    :func:`ffi_summary_exact` fetched to the host (shape ``(..., 2 * N_CORE_VALUES)``)."""
+    return np.ascontiguousarray(words, dtype=np.uint32).view(np.float64)

@@ -255,7 +255,7 @@ class JaxTracker(TrackerCore[Sent]):
         self._device_axis = device_axis
         self._module_types: dict[str, type] = {}
         self._names_cache: dict[Any, list[Leaf]] = {}  # the selected leaves of a tree shape
-        self._summarize_many = jax.jit(self._summaries, static_argnums=(1, 2))
+        self._summarize_many = jax.jit(self._summaries, static_argnums=(1, 2, 3))
         # Taps call a jitted summary: compiled once per shape and dtype when the update runs
         # eagerly, and traced once per shape (then inlined) when it is jitted. On the CPU it
         # is the host kernel called from inside the program (see ``_ffi``).
@@ -395,6 +395,16 @@ class JaxTracker(TrackerCore[Sent]):
         _host_kernel_only(layout, "the taps of intercept() (activations, output gradients)")
         return with_custom(_ffi.ffi_summary(x, layout.format, layout.num_counts), x, self._custom)
 
+    def _summarize_exact(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Traceable, on the CPU (not float64): counts, values (custom statistics appended)
+        and the exact float64 core values as uint32 words of ``x``'s summary by the host
+        kernel in the program (see :func:`._ffi.ffi_summary_exact`)."""
+        layout = self._layout(x.dtype)
+        _host_kernel_only(layout, "an array given to step()")
+        core, words = _ffi.ffi_summary_exact(x, layout.format, layout.num_counts)
+        summary = with_custom(core, x, self._custom)
+        return summary.counts, summary.values, words
+
     def _summarize_anywhere(self, x: jax.Array, fused: bool) -> DeviceSummary:
         """Traceable summary of a step-time array: where the host kernel serves (the
         ``auto`` path, one process), the program picks it when it is lowered for the CPU
@@ -414,16 +424,21 @@ class JaxTracker(TrackerCore[Sent]):
         return list(groups.items())
 
     def _summaries(
-        self, arrays: list[jax.Array], fused: bool, plans: tuple[Any, ...]
-    ) -> list[tuple[jax.Array, jax.Array]]:
+        self, arrays: list[jax.Array], fused: bool, plans: tuple[Any, ...], exact: bool = False
+    ) -> list[tuple[jax.Array, ...]]:
         """Traced: per dtype group, the stacked counts and values of its arrays' summaries
         (stacked so that the host fetches a few arrays, not two per tensor); ``fused``: see
         :meth:`_summarize`. Then, for each array with a :func:`shard_plan` in ``plans``,
         the stacked summaries of its shards, each computed on the device that holds it (no
-        collective: the host merges them)."""
+        collective: the host merges them).
+
+        ``exact``: the arrays are in CPU memory and the host kernel serves them; it runs in
+        the program as a custom call, and the stacks of groups it summarizes have a third
+        part, its float64 core values as uint32 words (:func:`._ffi.ffi_summary_exact`),
+        so that these rows keep float64 moments without x64."""
         from jax.sharding import PartitionSpec
 
-        out = []
+        out: list[tuple[jax.Array, ...]] = []
         for i, plan in enumerate(plans):
             if plan is not None:
                 mesh, spec, _ = plan
@@ -451,6 +466,10 @@ class JaxTracker(TrackerCore[Sent]):
             # Large arrays run faster through their own program (no copy into a shared
             # block); small ones share one, which keeps compile time down. The host kernel
             # (on the CPU) takes each array on its own.
+            if exact and jnp.dtype(arrays[idx[0]].dtype) != jnp.float64:
+                done = [self._summarize_exact(arrays[i]) for i in idx]
+                out.append(tuple(jnp.stack(part) for part in zip(*done)))
+                continue
             small = [
                 i
                 for i in idx
@@ -499,7 +518,9 @@ class JaxTracker(TrackerCore[Sent]):
             return rows
         device = [arrays[i] for i in rest]
         plans = tuple(shard_plan(x) for x in device)
-        stacks = iter(self._summarize_many(device, len(_devices_of(device)) <= 1, plans))
+        devices = _devices_of(device)
+        exact = self._host_kernel and {d.platform for d in devices} == {"cpu"}
+        stacks = iter(self._summarize_many(device, len(devices) <= 1, plans, exact))
         for i, plan in zip(rest, plans):
             if plan is not None:
                 rows[i] = ShardRows(next(stacks), plan[2], self._layout(arrays[i].dtype))

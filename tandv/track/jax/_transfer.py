@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...stats.summary import Layout, merge_all
+from ...stats.summary import N_CORE_VALUES, Layout, merge_all
 from . import _distributed
+from ._ffi import exact_values
 from ._mailbox import MailRead
 from ._summary import DeviceSummary, to_vector
 
@@ -39,9 +40,11 @@ __all__ = [
 
 
 class StackRow(NamedTuple):
-    """Row ``row`` of a stacked device summary ``(counts, values)`` of several tensors."""
+    """Row ``row`` of a stacked device summary ``(counts, values)`` of several tensors
+    (``(counts, values, words)`` where the host kernel summarized them in the program: the
+    float64 core values as uint32 words, see :func:`._ffi.ffi_summary_exact`)."""
 
-    stack: tuple[Any, Any]
+    stack: tuple[Any, ...]
     row: int
 
 
@@ -181,10 +184,14 @@ def to_host(summaries: list[Any], stacks: dict[int, tuple[Transfer, int]]) -> li
     (the block formats' rows: ``JaxTracker._block_rows``)."""
     matrices: dict[int, np.ndarray] = {}
 
-    def matrix(stack: tuple[Any, Any]) -> np.ndarray:
+    def matrix(stack: tuple[Any, ...]) -> np.ndarray:
         if id(stack) not in matrices:
             transfer, i = stacks[id(stack)]
-            matrices[id(stack)] = to_vector(DeviceSummary(transfer.get(i), transfer.get(i + 1)))
+            values = transfer.get(i + 1)
+            if len(stack) == 3:  # the host kernel's float64 core values, as uint32 words
+                values = values.astype(np.float64)
+                values[:, :N_CORE_VALUES] = exact_values(transfer.get(i + 2))
+            matrices[id(stack)] = to_vector(DeviceSummary(transfer.get(i), values))
         return matrices[id(stack)]
 
     out = []
