@@ -196,11 +196,17 @@ def test_step_does_not_wait_for_its_summaries(tmp_path, accelerator_path, monkey
     gradients) and returns: they are read (decoded) at a later step's end once computed, or
     when the tracker closes, and the rows are those of the values computed here."""
     transfers = []
+    # XLA:CPU may run a small program inline, so step 0's summaries can be computed before
+    # step() returns; held, its transfer reports "not computed yet" as a device's would
+    held = {"on": True}
 
     class Counted(_transfer.Transfer):
         def __init__(self, arrays):
             transfers.append(len(arrays))
             super().__init__(arrays)
+
+        def ready(self) -> bool:
+            return not held["on"] and super().ready()
 
     monkeypatch.setattr(_transfer, "Transfer", Counted)
     model = nn.Dense(3)
@@ -219,6 +225,7 @@ def test_step_does_not_wait_for_its_summaries(tmp_path, accelerator_path, monkey
         assert step == 0 and len(mail) == 1
         assert mail[0].read._decoded is None  # not read yet
         jax.block_until_ready(tracker._flights[0][2].transfer._device)  # step 0 computed
+        held["on"] = False
         grads = tracker.intercept(update, params, x)
         tracker.step(params, gradients=grads)
         assert 0 not in [s for s, _, _ in tracker._flights]  # step 0 recorded
