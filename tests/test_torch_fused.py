@@ -419,3 +419,22 @@ def test_kernels_compile_for_gpus_near_memory_speed(arch):
             assert r["ptx_v4_loads"] > 0 and r["loop_128bit_loads"] > 0, r
             assert r["instructions_per_element"] <= 1.5, r
             assert r["registers"] <= _fused.MAXNREG, r  # 3 programs of 256 threads per SM
+
+
+def test_launch_many_reuses_its_table_only_for_the_same_tensors():
+    """The table of programs is built once for the same tensors in the same rows, and
+    rebuilt for tensors at other addresses: each launch summarizes the tensors it is given."""
+    _fused.clear_caches()
+    spec = _fused.spec_for(torch.float32)
+    layout = Layout("float32")
+    g = torch.Generator().manual_seed(5)
+    first = [torch.randn(n, generator=g).to(DEVICE) for n in (7, 3 * spec.block + 5)]
+    second = [torch.randn(n, generator=g).to(DEVICE) * 8 for n in (7, 3 * spec.block + 5)]
+    ws = _workspace.Workspace()
+    for tensors, tables in ((first, 1), (first, 1), (second, 2), (first, 2)):
+        slots = ws.fused(tensors, spec, layout, [{}, {}])
+        assert len(_fused._tables) == tables
+        got = _workspace.to_host(slots, ws.end_step())
+        for i, t in enumerate(tensors):
+            check(got[i], reference(t, "float32")[0], layout)
+    _fused.clear_caches()

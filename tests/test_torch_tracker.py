@@ -1047,3 +1047,27 @@ def test_buffers_are_tracked_on_request():
     with track(net, opt, out="log2") as tr:
         train(net, opt, 1, tr)
     assert not any("running" in n for n in read_log(tr.out_path)[("metadata", "name")])
+
+
+def test_optimizer_state_replaced_between_steps_is_the_one_recorded(any_path):
+    """The tracker keeps the list of state tensors between steps: state values replaced
+    by new tensors and a state reloaded (the old tensors still alive) are the ones
+    summarized at the next step."""
+    net, opt = make()
+    rec = []
+    with track(net, opt, out="log") as tr:
+        train(net, opt, 2, tr)
+        old = [state["exp_avg"] for state in opt.state.values()]  # kept alive
+        for state in opt.state.values():
+            state["exp_avg"] = state["exp_avg"] * 3.0 + 1.0
+        train(net, opt, 1, tr, record=rec)
+        old.append(opt.state_dict())
+        opt.load_state_dict(opt.state_dict())  # new state dicts of copies
+        for state in opt.state.values():
+            state["exp_avg_sq"].mul_(5.0)
+        train(net, opt, 1, tr, record=rec)
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for step, r in zip((2, 3), rec):
+        for name, value in r["state"].items():
+            assert_row(df, idx, (name, "Optimiser_State", step), [value])

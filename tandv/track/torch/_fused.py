@@ -1056,6 +1056,8 @@ def clear_caches() -> None:
     spec_for.cache_clear()
     _fold.cache_clear()
     _plans.clear()
+    _plans_many.clear()
+    _tables.clear()
     _launchers.clear()
 
 
@@ -1117,8 +1119,9 @@ def launch_many(
     (:func:`launch_one`), which reads it in place.
 
     ``scratch_for(k)`` must return a float64 tensor of at least ``k`` partial rows. The
-    table may be dropped once launched: the caching allocator reuses memory only for work
-    queued after it on this stream."""
+    table of programs is kept for the next launch of the same tensors (:data:`_tables`),
+    by stream: when it is dropped, the caching allocator reuses its memory only for work
+    queued after it on that stream."""
     flats, offs = [], []
     for t, off in zip(tensors, offsets):
         if t.is_neg() or not (t.is_contiguous() or _dense(t)):
@@ -1136,33 +1139,76 @@ def launch_many(
             offs.append(off)
     if not flats:
         return
-    ns = np.array([f.numel() for f in flats], dtype=np.int64)
-    split = [_parts(int(k), max_parts, spec.block) for k in ns]
+    addresses = tuple(f.data_ptr() for f in flats)
+    ns = tuple(f.numel() for f in flats)
+    device = rows.device
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, spec.block, max_parts, addresses, ns, tuple(offs))
+    table = _tables.get(key)
+    if table is None:  # new tensors, sizes or rows: built once, reused while they stay
+        if len(_tables) >= _TABLES_KEPT:
+            _tables.clear()
+        table = _tables[key] = _table(addresses, ns, offs, spec.block, max_parts, device)
+    dev_table, programs, scratch_parts, aligned = table
+    scratch = scratch_for(scratch_parts)
+    lut = _lut(spec, device, rows)
+    plan_key = (id(spec), id(layout), aligned)
+    plan = _plans_many.get(plan_key)
+    if plan is None:  # (the key's objects are kept alive with the plan)
+        consts = _consts(spec, _over(spec, layout), aligned=aligned)
+        plan = _plans_many[plan_key] = (consts, _fmax(layout), spec, layout)
+    args = (dev_table, rows, scratch, lut, plan[1])
+    _launch(_summarize_many, programs, args, plan[0], (dev_table, rows, scratch, lut))
+
+
+#: launch_many's tables on their devices, by (device, stream, tile, max programs,
+#: addresses, sizes, row offsets): a training loop summarizes the same weights and optimizer state
+#: (and, with a caching allocator, gradients at the same addresses) into the same rows
+#: every step, so the table is built and copied to the device once. A table depends on
+#: nothing else; it is only read by the kernel, never written after its copy.
+_tables: dict[tuple[Any, ...], tuple[torch.Tensor, int, int, bool]] = {}
+#: Tables kept at most (all are dropped when one more is needed: a loop that keeps
+#: changing its tensors' addresses rebuilds its few tables each step, as without a cache).
+_TABLES_KEPT = 64
+#: launch_many's variant and format max per (spec, layout, aligned), by identity.
+_plans_many: dict[tuple[int, int, bool], tuple[_Consts, float, Spec, Layout]] = {}
+
+
+def _table(
+    addresses: tuple[int, ...],
+    sizes: tuple[int, ...],
+    offsets: Sequence[int],
+    block: int,
+    max_parts: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, int, int, bool]:
+    """launch_many's table of programs for tensors at ``addresses`` of ``sizes`` elements
+    summarized into rows at ``offsets``, on ``device``: ``(table, programs, scratch rows,
+    every address 16-byte aligned)``."""
+    ns = np.array(sizes, dtype=np.int64)
+    split = [_parts(k, max_parts, block) for k in sizes]
     parts = np.array([p for p, _ in split], dtype=np.int64)
     per = np.array([q for _, q in split], dtype=np.int64)
-    owner = np.repeat(np.arange(len(flats)), parts)
+    owner = np.repeat(np.arange(len(sizes)), parts)
     first_of = np.cumsum(parts) - parts
     part = np.arange(owner.size) - first_of[owner]
     multi = parts > 1
     scratch_first = np.cumsum(np.where(multi, parts, 0)) - np.where(multi, parts, 0)
-    addresses = np.array([f.data_ptr() for f in flats], dtype=np.int64)
+    address = np.array(addresses, dtype=np.int64)
     table = np.empty((owner.size, _TABLE), dtype=np.int64)
-    table[:, 0] = addresses[owner]
+    table[:, 0] = address[owner]
     table[:, 1] = part * per[owner]
     table[:, 2] = np.minimum(table[:, 1] + per[owner], ns[owner])
-    table[:, 3] = np.asarray(offs, dtype=np.int64)[owner]
+    table[:, 3] = np.asarray(offsets, dtype=np.int64)[owner]
     table[:, 4] = part
     table[:, 5] = parts[owner]
     table[:, 6] = scratch_first[owner]
-    scratch = scratch_for(int(parts[multi].sum()))
     host_table = torch.from_numpy(table)
-    if rows.device.type == "cuda":  # pinned by the caching host allocator: reused once copied
+    if device.type == "cuda":  # pinned: the copy to the device does not wait
         host_table = host_table.pin_memory()
-    dev_table = host_table.to(rows.device, non_blocking=True)
-    lut = _lut(spec, rows.device, rows)
-    consts = _consts(spec, _over(spec, layout), aligned=bool((addresses % 16 == 0).all()))
-    args = (dev_table, rows, scratch, lut, _fmax(layout))
-    _launch(_summarize_many, int(owner.size), args, consts, (dev_table, rows, scratch, lut))
+    dev_table = host_table.to(device, non_blocking=True)
+    aligned = bool((address % 16 == 0).all())
+    return dev_table, int(owner.size), int(parts[multi].sum()), aligned
 
 
 def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:

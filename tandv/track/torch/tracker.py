@@ -246,6 +246,9 @@ class Tracker(TrackerCore[Flight | None]):
         # (name, kind, dtype) of a parameter, gradient or state -> its row key and its
         # layout without custom statistics: looked up once per tensor, not per step
         self._observed_keys: dict[tuple[str, str, torch.dtype], tuple[TensorKey, Layout]] = {}
+        # the optimizer state's tracked items, and what they were found from (see
+        # _state_items)
+        self._state_cache: tuple[tuple[int, ...], list[Any]] | None = None
         # the same for activations and output gradients, by (name, kind, dtype, on CUDA),
         # with the fused kernel's spec (None: another path)
         self._hook_keys: dict[
@@ -465,6 +468,41 @@ class Tracker(TrackerCore[Flight | None]):
             for entry in captured.values():
                 self.recorder.add(*entry)
             self._grad_rows += len(captured)
+
+    def _state_items(self) -> list[tuple[str, str, nn.Module, torch.Tensor]]:
+        """The selected optimizer state tensors, as :meth:`_summaries` takes them.
+
+        Finding them walks every parameter's state through ``opt.state.get(p)``, which
+        hashes each parameter with Python's ``Tensor.__hash__``, and tests every state
+        value: the list is kept while the optimizers hold the same state, told by the
+        identities of their parameter lists, parameters, state dicts and state values,
+        read without hashing a tensor. The tensors are held by weak references (the
+        tracker keeps no state alive): while they live, their identities are theirs, so
+        equal identities are the same tensors at the same places."""
+        sign: list[int] = []
+        for opt in self.optimizers:
+            sign.append(-1)  # (an optimizer's boundary)
+            for g in opt.param_groups:
+                sign.append(id(g["params"]))
+                sign.append(len(g["params"]))
+            for p, state in opt.state.items():
+                sign.append(id(p))
+                sign.append(id(state))
+                sign.extend(map(id, state.values()))
+        signature = tuple(sign)
+        cached = self._state_cache
+        if cached is not None and cached[0] == signature:
+            items = [(name, kind, owner, ref()) for name, kind, owner, ref in cached[1]]
+            if all(item[3] is not None for item in items):
+                return items
+        items = [
+            (name, OPTIMISER_STATE, owner, value)
+            for name, value, owner in self._optimizer_state()
+            if self._selected(name, type(owner))
+        ]
+        refs = [(name, kind, owner, weakref.ref(value)) for name, kind, owner, value in items]
+        self._state_cache = (signature, refs)
+        return items
 
     def _optimizer_state(self) -> Iterator[tuple[str, torch.Tensor, nn.Module]]:
         for oi, opt in enumerate(self.optimizers):
@@ -775,12 +813,7 @@ class Tracker(TrackerCore[Flight | None]):
                 self._capture_grads(None)
                 self._commit_grads(None)
             if self.kinds[OPTIMISER_STATE]:
-                items = [
-                    (name, OPTIMISER_STATE, owner, value)
-                    for name, value, owner in self._optimizer_state()
-                    if self._selected(name, type(owner))
-                ]
-                for entry in self._summaries(items):
+                for entry in self._summaries(self._state_items()):
                     recorder.add(*entry)
             if self._unseen:
                 self._tell_unseen(recorder)
