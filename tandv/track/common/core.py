@@ -307,7 +307,7 @@ class TrackerCore(Generic[Transfer]):
     def _layout(self, dtype: Any, extras: tuple[str, ...] | None = None) -> Layout:
         """The summary layout of a tensor of ``dtype`` with the custom statistics ``extras``
         (by default those every summary carries): in ``number_format``, else in the
-        tensor's own format (cached)."""
+        tensor's own format, with the central moments up to ``moments`` (cached)."""
         extras = self._extra_names if extras is None else extras
         key = (dtype, extras)
         layout = self._layouts.get(key)
@@ -315,6 +315,7 @@ class TrackerCore(Generic[Transfer]):
             layout = self._layouts[key] = Layout(
                 to_number_format(self.options.format or format_name(dtype)),
                 tuple((name, self._merge_rules.get(name, "mean")) for name in extras),
+                self.options.moments,
             )
         return layout
 

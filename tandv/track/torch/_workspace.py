@@ -142,7 +142,8 @@ class Workspace:
         """The summaries of distinct tensors sharing ``layout``, each by its path: finished
         vectors of the host path (CPU tensors), :class:`Slot` s of the fused kernel (one
         launch per device and dtype) and of the torch-op path."""
-        if len(tensors) == 1:  # a hook's tensor: kept short
+        fusable = not layout.num_higher  # the fused kernel has no m3/m4 yet: torch ops do
+        if len(tensors) == 1 and fusable:  # a hook's tensor: kept short
             spec = fused_spec(tensors[0])
             if spec is not None:
                 return self.fused(tensors, spec, layout, extras)  # type: ignore[return-value]
@@ -150,7 +151,7 @@ class Workspace:
         groups: dict[tuple[torch.device, Any], list[int]] = {}
         for i, t in enumerate(tensors):
             if out[i] is None:
-                spec = fused_spec(t)
+                spec = fused_spec(t) if fusable else None
                 if spec is None:
                     out[i] = self.raw(raw_device(t, layout, extras[i]), layout)
                 else:
