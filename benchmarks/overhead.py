@@ -22,6 +22,11 @@ Usage::
     python benchmarks/overhead.py --device cuda --preset gpt2-small --steps 10
     python benchmarks/overhead.py --memory                        # CPU: RSS growth and close time
     python benchmarks/overhead.py --compile --every 1 10          # both models model.compile()'d
+    python benchmarks/overhead.py --every 1 --moments 2 4         # also skew/kurtosis (moments=4)
+
+With ``--moments 2 4`` each ``every`` is measured with the tracker's default statistics and
+again with ``track(moments=4)`` (skewness and kurtosis), one after the other in the same
+process, each against its own interleaved untracked steps.
 
 With ``--compile`` both copies are compiled in place (``model.compile()``, inductor) and
 the tracker's hooks run inside the tracked copy's graph; the warm-up steps compile (a
@@ -95,9 +100,11 @@ def overhead(
     every: int,
     device: str,
     compile: bool = False,
+    moments: int = 2,
 ) -> dict[str, float]:
     """Interleaved tracked/untracked step times; returns medians, means and their ratios
-    (with ``compile``, also the graph breaks and the graphs compiled after the warm-up)."""
+    (with ``compile``, also the graph breaks and the graphs compiled after the warm-up).
+    ``moments``: the tracker's ``moments`` option (4: also skewness and kurtosis)."""
     m_a, o_a, data = _trainer(cfg, batch, 0, device)
     m_b = copy.deepcopy(m_a)
     o_b = torch.optim.AdamW(m_b.parameters(), lr=1e-3)
@@ -107,7 +114,8 @@ def overhead(
     tracked, plain = [], []
     graphs_after_warmup = 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        with track(m_a, o_a, every=every, out=Path(tmp) / "log", verbose=False) as tracker:
+        log = Path(tmp) / "log"
+        with track(m_a, o_a, every=every, out=log, verbose=False, moments=moments) as tracker:
             for i in range(warmup + steps):
                 if compile and i == warmup:
                     graphs_after_warmup = -_compile_count("unique_graphs")
@@ -320,6 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--every", type=int, nargs="*", default=[1, 10])
     p.add_argument(
+        "--moments",
+        type=int,
+        nargs="*",
+        choices=[2, 4],
+        default=[2],
+        help="the tracker's moments option(s), each measured in turn (4: skew and kurtosis)",
+    )
+    p.add_argument(
         "--no-extras",
         action="store_true",
         help="GPU: skip launch counts, peak memory and the floor",
@@ -367,10 +383,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg}, batch {batch}, AdamW, {args.device}"
         + (", both compiled (model.compile())" if args.compile else "")
     )
-    for every in args.every:
-        r = overhead(cfg, batch, args.steps, args.warmup, every, args.device, args.compile)
+    for every, moments in [(e, m) for e in args.every for m in args.moments]:
+        r = overhead(cfg, batch, args.steps, args.warmup, every, args.device, args.compile, moments)
         print(
-            f"every={every}: tracked {r['median_tracked_ms']:.1f} ms, untracked "
+            f"every={every}"
+            + (f", moments={moments}" if moments != 2 else "")
+            + ": tracked {r['median_tracked_ms']:.1f} ms, untracked "
             f"{r['median_plain_ms']:.1f} ms (medians) -> ratio of medians {r['ratio_median']:.3f}; "
             f"ratio of means {r['ratio_mean']:.3f}",
             flush=True,

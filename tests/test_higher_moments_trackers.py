@@ -197,3 +197,19 @@ def test_jax_tracker_refuses_moments_4():
     params = {"w": jax.numpy.ones((3, 2))}
     with pytest.raises(NotImplementedError, match=r"moments=4.*does not compute skewness"):
         track(model_state=params, moments=4, verbose=False)
+
+
+def test_overhead_benchmark_with_moments_runs_in_tiny_mode(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
+    spec = importlib.util.spec_from_file_location("overhead_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tiny = "--layers 1 --d-model 16 --heads 2 --mlp 32 --vocab 32 --seq 8 --batch 2"
+    argv = tiny.split() + "--steps 2 --warmup 1 --every 1 --moments 2 4".split()
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "every=1: tracked" in out and "every=1, moments=4: tracked" in out
