@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"every={every}"
             + (f", moments={moments}" if moments != 2 else "")
-            + ": tracked {r['median_tracked_ms']:.1f} ms, untracked "
+            + f": tracked {r['median_tracked_ms']:.1f} ms, untracked "
             f"{r['median_plain_ms']:.1f} ms (medians) -> ratio of medians {r['ratio_median']:.3f}; "
             f"ratio of means {r['ratio_mean']:.3f}",
             flush=True,
