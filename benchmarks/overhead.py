@@ -22,11 +22,11 @@ Usage::
     python benchmarks/overhead.py --device cuda --preset gpt2-small --steps 10
     python benchmarks/overhead.py --memory                        # CPU: RSS growth and close time
     python benchmarks/overhead.py --compile --every 1 10          # both models model.compile()'d
-    python benchmarks/overhead.py --every 1 --moments 2 4         # also skew/kurtosis (moments=4)
+    python benchmarks/overhead.py --every 1 --moments             # the cost of moments=4
 
-With ``--moments 2 4`` each ``every`` is measured with the tracker's default statistics and
-again with ``track(moments=4)`` (skewness and kurtosis), one after the other in the same
-process, each against its own interleaved untracked steps.
+With ``--moments`` three copies step in turn, untracked, tracked and tracked with
+``track(moments=4)`` (skewness and kurtosis), and the script prints both tracked copies'
+ratios to the untracked one and their ratio to each other.
 
 With ``--compile`` both copies are compiled in place (``model.compile()``, inductor) and
 the tracker's hooks run inside the tracked copy's graph; the warm-up steps compile (a
@@ -100,11 +100,9 @@ def overhead(
     every: int,
     device: str,
     compile: bool = False,
-    moments: int = 2,
 ) -> dict[str, float]:
     """Interleaved tracked/untracked step times; returns medians, means and their ratios
-    (with ``compile``, also the graph breaks and the graphs compiled after the warm-up).
-    ``moments``: the tracker's ``moments`` option (4: also skewness and kurtosis)."""
+    (with ``compile``, also the graph breaks and the graphs compiled after the warm-up)."""
     m_a, o_a, data = _trainer(cfg, batch, 0, device)
     m_b = copy.deepcopy(m_a)
     o_b = torch.optim.AdamW(m_b.parameters(), lr=1e-3)
@@ -114,8 +112,7 @@ def overhead(
     tracked, plain = [], []
     graphs_after_warmup = 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "log"
-        with track(m_a, o_a, every=every, out=log, verbose=False, moments=moments) as tracker:
+        with track(m_a, o_a, every=every, out=Path(tmp) / "log", verbose=False) as tracker:
             for i in range(warmup + steps):
                 if compile and i == warmup:
                     graphs_after_warmup = -_compile_count("unique_graphs")
@@ -145,6 +142,36 @@ def overhead(
         out["graphs_after_warmup"] = graphs_after_warmup + _compile_count("unique_graphs")
         out["graph_breaks"] = float(sum(_compile_counters()["graph_break"].values()))
     return out
+
+
+def moments_cost(
+    cfg: GPTConfig, batch: int, steps: int, warmup: int, every: int, device: str
+) -> dict[str, float]:
+    """Three identical models stepped in turn (untracked, tracked, tracked with
+    ``moments=4``), so that machine noise hits all three alike; returns each tracked copy's
+    ratio of medians to the untracked one and the ratio of the two tracked medians."""
+    m_p, o_p, data = _trainer(cfg, batch, 0, device)
+    models = [(m_p, o_p)]
+    for _ in range(2):
+        m = copy.deepcopy(m_p)
+        models.append((m, torch.optim.AdamW(m.parameters(), lr=1e-3)))
+    times: list[list[float]] = [[], [], []]
+    with tempfile.TemporaryDirectory() as tmp:
+        t2 = track(*models[1], every=every, out=Path(tmp) / "a", verbose=False)
+        t4 = track(*models[2], every=every, out=Path(tmp) / "b", verbose=False, moments=4)
+        with t2, t4:
+            for i in range(warmup + steps):
+                for k, ((m, o), tracker) in enumerate(zip(models, (None, t2, t4))):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    _step(m, o, data, i)
+                    if tracker is not None:
+                        tracker.step()
+                    _sync(device)
+                    if i >= warmup:
+                        times[k].append(time.perf_counter() - t0)
+    plain, two, four = (statistics.median(t) for t in times)
+    return {"ratio_2": two / plain, "ratio_4": four / plain, "ratio_4_over_2": four / two}
 
 
 def _compile_counters() -> Any:
@@ -329,11 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, nargs="*", default=[1, 10])
     p.add_argument(
         "--moments",
-        type=int,
-        nargs="*",
-        choices=[2, 4],
-        default=[2],
-        help="the tracker's moments option(s), each measured in turn (4: skew and kurtosis)",
+        action="store_true",
+        help="instead: the cost of track(moments=4) (skew, kurtosis) beside the default",
     )
     p.add_argument(
         "--no-extras",
@@ -383,12 +407,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg}, batch {batch}, AdamW, {args.device}"
         + (", both compiled (model.compile())" if args.compile else "")
     )
-    for every, moments in [(e, m) for e in args.every for m in args.moments]:
-        r = overhead(cfg, batch, args.steps, args.warmup, every, args.device, args.compile, moments)
+    if args.moments:
+        for every in args.every:
+            r = moments_cost(cfg, batch, args.steps, args.warmup, every, args.device)
+            print(
+                f"every={every}: tracked / untracked (ratio of medians): default "
+                f"{r['ratio_2']:.3f}, moments=4 {r['ratio_4']:.3f}; moments=4 / default "
+                f"{r['ratio_4_over_2']:.3f}",
+                flush=True,
+            )
+        return 0
+    for every in args.every:
+        r = overhead(cfg, batch, args.steps, args.warmup, every, args.device, args.compile)
         print(
-            f"every={every}"
-            + (f", moments={moments}" if moments != 2 else "")
-            + f": tracked {r['median_tracked_ms']:.1f} ms, untracked "
+            f"every={every}: tracked {r['median_tracked_ms']:.1f} ms, untracked "
             f"{r['median_plain_ms']:.1f} ms (medians) -> ratio of medians {r['ratio_median']:.3f}; "
             f"ratio of means {r['ratio_mean']:.3f}",
             flush=True,
