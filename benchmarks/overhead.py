@@ -23,6 +23,11 @@ Usage::
     python benchmarks/overhead.py --memory                        # CPU: RSS growth and close time
     python benchmarks/overhead.py --compile --every 1 10          # both models model.compile()'d
     python benchmarks/overhead.py --block-formats mxfp8_e4m3 nvfp4  # cost of block_formats
+    python benchmarks/overhead.py --every 1 --moments             # the cost of moments=4
+
+With ``--block-formats`` or ``--moments`` three copies step in turn, untracked, tracked and
+tracked with that option, and the script prints both tracked copies' ratios to the
+untracked one and the option's ratio to the plain tracked copy.
 
 With ``--compile`` both copies are compiled in place (``model.compile()``, inductor) and
 the tracker's hooks run inside the tracked copy's graph; the warm-up steps compile (a
@@ -140,25 +145,30 @@ def overhead(
     return out
 
 
-def block_cost(
-    cfg: GPTConfig, batch: int, steps: int, warmup: int, formats: tuple[str, ...], device: str
+def variant_cost(
+    cfg: GPTConfig,
+    batch: int,
+    steps: int,
+    warmup: int,
+    every: int,
+    device: str,
+    **option: Any,
 ) -> dict[str, float]:
-    """The cost of ``track(block_formats=formats)``: three copies of the model step in turn
-    (untracked, tracked, tracked with the block formats, every=1) so that machine noise hits
-    them alike; returns the median step times and the ratio of the block formats' tracked
-    step to the plain tracked step."""
+    """The cost of one tracking ``option`` (``block_formats=...``, ``moments=4``): three
+    copies of the model step in turn (untracked, tracked, tracked with the option), so that
+    machine noise hits them alike. Returns the median step times (ms) and the ratios of
+    medians: each tracked copy's to the untracked one, and the option's to plain tracking."""
     m_u, o_u, data = _trainer(cfg, batch, 0, device)
-    m_t, m_b = copy.deepcopy(m_u), copy.deepcopy(m_u)
+    m_t, m_v = copy.deepcopy(m_u), copy.deepcopy(m_u)
     o_t = torch.optim.AdamW(m_t.parameters(), lr=1e-3)
-    o_b = torch.optim.AdamW(m_b.parameters(), lr=1e-3)
-    times: dict[str, list[float]] = {"untracked": [], "tracked": [], "blocks": []}
+    o_v = torch.optim.AdamW(m_v.parameters(), lr=1e-3)
+    times: dict[str, list[float]] = {"untracked": [], "tracked": [], "variant": []}
     with tempfile.TemporaryDirectory() as tmp:
-        with (
-            track(m_t, o_t, out=Path(tmp) / "t", verbose=False) as tr_t,
-            track(m_b, o_b, out=Path(tmp) / "b", block_formats=formats, verbose=False) as tr_b,
-        ):
-            runs = (("untracked", m_u, o_u, None), ("tracked", m_t, o_t, tr_t))
-            runs += (("blocks", m_b, o_b, tr_b),)
+        t_t = track(m_t, o_t, every=every, out=Path(tmp) / "t", verbose=False)
+        t_v = track(m_v, o_v, every=every, out=Path(tmp) / "v", verbose=False, **option)
+        with t_t, t_v:
+            runs = (("untracked", m_u, o_u, None), ("tracked", m_t, o_t, t_t))
+            runs += (("variant", m_v, o_v, t_v),)
             for i in range(warmup + steps):
                 for name, model, opt, tracker in runs:
                     _sync(device)
@@ -172,8 +182,9 @@ def block_cost(
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {
         **{f"median_{k}_ms": v for k, v in med.items()},
-        "ratio_blocks_to_tracked": med["blocks"] / med["tracked"],
-        "ratio_tracked_to_untracked": med["tracked"] / med["untracked"],
+        "ratio_tracked": med["tracked"] / med["untracked"],
+        "ratio_variant": med["variant"] / med["untracked"],
+        "ratio_variant_to_tracked": med["variant"] / med["tracked"],
     }
 
 
@@ -358,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--every", type=int, nargs="*", default=[1, 10])
     p.add_argument(
+        "--moments",
+        action="store_true",
+        help="instead: the cost of track(moments=4) (skew, kurtosis) beside plain tracking",
+    )
+    p.add_argument(
         "--no-extras",
         action="store_true",
         help="GPU: skip launch counts, peak memory and the floor",
@@ -371,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         "--block-formats",
         nargs="+",
         default=None,
-        help="measure the cost of track(block_formats=...) instead (every=1), e.g. "
+        help="instead: the cost of track(block_formats=...) beside plain tracking, e.g. "
         "mxfp8_e4m3 nvfp4",
     )
     p.add_argument(
@@ -408,20 +424,28 @@ def main(argv: list[str] | None = None) -> int:
         d_mlp=size["mlp"],
     )
     batch = size["batch"]
+    variant: dict[str, Any] = {}
     if args.block_formats:
-        formats = tuple(args.block_formats)
-        r = block_cost(cfg, batch, args.steps, args.warmup, formats, args.device)
-        print(
-            f"{cfg}, batch {batch}, every=1, block_formats={formats}: untracked "
-            f"{r['median_untracked_ms']:.1f} ms, tracked {r['median_tracked_ms']:.1f} ms, tracked "
-            f"with block formats {r['median_blocks_ms']:.1f} ms (medians) -> block formats add "
-            f"{100 * (r['ratio_blocks_to_tracked'] - 1):.1f}% to a tracked step"
-        )
-        return 0
+        variant["block_formats"] = tuple(args.block_formats)
+    if args.moments:
+        variant["moments"] = 4
     print(
         f"{cfg}, batch {batch}, AdamW, {args.device}"
         + (", both compiled (model.compile())" if args.compile else "")
     )
+    if variant:
+        label = ", ".join(f"{k}={v!r}" for k, v in variant.items())
+        for every in args.every:
+            r = variant_cost(cfg, batch, args.steps, args.warmup, every, args.device, **variant)
+            print(
+                f"every={every}: untracked {r['median_untracked_ms']:.1f} ms, tracked "
+                f"{r['median_tracked_ms']:.1f} ms, with {label} {r['median_variant_ms']:.1f} ms "
+                f"(medians); tracked / untracked {r['ratio_tracked']:.3f}, with {label} "
+                f"{r['ratio_variant']:.3f}; with {label} / tracked "
+                f"{r['ratio_variant_to_tracked']:.3f}",
+                flush=True,
+            )
+        return 0
     for every in args.every:
         r = overhead(cfg, batch, args.steps, args.warmup, every, args.device, args.compile)
         print(

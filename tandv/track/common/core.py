@@ -319,7 +319,8 @@ class TrackerCore(Generic[Transfer]):
     def _layout(self, dtype: Any, extras: tuple[str, ...] | None = None) -> Layout:
         """The summary layout of a tensor of ``dtype`` with the custom statistics ``extras``
         (by default those every summary carries), after the columns of ``block_formats``:
-        in ``number_format``, else in the tensor's own format (cached)."""
+        in ``number_format``, else in the tensor's own format, with the central moments up
+        to ``moments`` (cached)."""
         extras = self._extra_names if extras is None else extras
         key = (dtype, extras)
         layout = self._layouts.get(key)
@@ -328,6 +329,7 @@ class TrackerCore(Generic[Transfer]):
                 to_number_format(self.options.format or format_name(dtype)),
                 self.options.block_extras
                 + tuple((name, self._merge_rules.get(name, "mean")) for name in extras),
+                self.options.moments,
             )
         return layout
 

@@ -76,6 +76,11 @@ class TrackOptions:
             last dimension) would do; definitions in :mod:`tandv.stats.blocks`, shares from
             :func:`tandv.quantities.block_shares`. Computed by the host kernel (CPU tensors)
             and the torch-op path; default none.
+        moments: the highest central moment to log: 2 (default: mean and variance, ``std``)
+            or 4, which adds ``skew`` and ``kurtosis`` columns (as ``scipy.stats.skew`` and
+            ``scipy.stats.kurtosis`` with their defaults: biased, Fisher's excess kurtosis)
+            of every tracked tensor, merged over micro-batches and processes exactly like the
+            other moments. Costs one more pass over each tensor.
         number_format: the format of the exponent counts of every tensor, e.g.
             ``"float8_e4m3fn"`` to see what would underflow (``-inf``) or overflow (``+inf``)
             in it; default each tensor's own dtype.
@@ -134,6 +139,7 @@ class TrackOptions:
     stats_merge: Mapping[str, str] | None = None
     percentiles: Sequence[float] | None = None
     block_formats: Sequence[str] | None = None
+    moments: int = 2
     number_format: Any = None
     out: str | os.PathLike | None = None
     out_format: str = "parquet"
@@ -216,6 +222,11 @@ class TrackOptions:
                     f"sinks: expected callables taking a DataFrame of rows; got "
                     f"{type(sink).__name__}"
                 )
+        if self.moments not in (2, 4) or isinstance(self.moments, bool):
+            raise ValueError(
+                f"track(moments={self.moments!r}): expected 2 (mean and variance, the "
+                f"default) or 4 (also skewness and kurtosis: the skew and kurtosis columns)"
+            )
         check_alert_options(self.on_nonfinite, self.alerts)
         fns, rules = parse_custom_stats(self.stats, self.stats_merge)
         blocks = block_extras(parse_block_formats(self.block_formats))
@@ -279,6 +290,7 @@ class TrackKwargs(TypedDict, total=False):
     stats_merge: Mapping[str, str] | None
     percentiles: Sequence[float] | None
     block_formats: Sequence[str] | None
+    moments: int
     number_format: Any
     out: str | os.PathLike | None
     out_format: str

@@ -270,6 +270,7 @@ def _rebin(v: np.ndarray, src: Layout, dst: Layout) -> np.ndarray | None:
     f, g = src.format, dst.format
     nested = (
         src.extras == dst.extras
+        and src.moments == dst.moments
         and g.min_exponent <= f.min_exponent
         and g.max_exponent >= f.max_exponent
         and g.max >= f.max
@@ -284,6 +285,7 @@ def _rebin(v: np.ndarray, src: Layout, dst: Layout) -> np.ndarray | None:
     out[first : first + f.num_bins] = counts[1:-1]
     out[dst.extras_start - 1] = inf
     out[dst.extra_values] = v[src.extra_values]
+    out[dst.higher_values] = v[src.higher_values]  # m3, m4 (scaled by the same max)
     return out
 
 

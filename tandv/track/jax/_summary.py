@@ -25,6 +25,7 @@ from ...stats.summary import (
     N_CORE_VALUES,
     POWERS,
     VALUE_FIELDS,
+    VALUE_INDEX,
     Layout,
     append_extras,
     join_summary,
@@ -174,8 +175,39 @@ def summarize_many_jax(
     )
     out = []
     for i, a in enumerate(arrays):
-        out.append(with_custom(DeviceSummary(counts[i], values[i]), a, custom))
+        got = with_custom(DeviceSummary(counts[i], values[i]), a, custom)
+        if layout.num_higher:
+            extra = higher_moments_jax(a, got.values).astype(got.values.dtype)
+            got = DeviceSummary(got.counts, append_extras(got.values, extra, jnp))
+        out.append(got)
     return out
+
+
+def higher_moments_jax(x: Any, values: Any) -> jax.Array:
+    """``[m3, m4]`` of ``x`` (the centred third and fourth sums of its finite elements, scaled
+    by their largest magnitude like ``m2``), computed from ``x`` and the float part ``values``
+    of its core summary (traceable; only for ``Layout(moments=4)``).
+
+    The deviations are taken from the core's mean in the compute dtype (exact by Sterbenz
+    where the mean dominates), and that mean's rounding is taken out with the deviations' own
+    mean ``e`` (``sum((d - e)**3) = S3 - 3 e S2 + 2 n e**3``, likewise for the fourth), so
+    the sums are about the exact mean of ``x``; rows of :data:`ROW` are summed first, then
+    the rows (shorter rounding chains than one long sum)."""
+    mean = values[VALUE_INDEX["mean"]]
+    big = values[VALUE_INDEX["max_abs"]]
+    s = jnp.where(big > 0, big, jnp.ones_like(big))
+    v = jnp.asarray(x).reshape(-1).astype(values.dtype)
+    fin = jnp.isfinite(v)
+    d = jnp.where(fin, (v - mean) / s, jnp.zeros_like(v))
+    pad = -d.size % ROW
+    rows = jnp.pad(d, (0, pad)).reshape(-1, ROW)
+    d2 = rows * rows
+    s1, s2, s3, s4 = (jnp.sum(jnp.sum(p, axis=1)) for p in (rows, d2, d2 * rows, d2 * d2))
+    n = jnp.sum(fin).astype(values.dtype)
+    e = s1 / jnp.maximum(n, 1)
+    m3 = s3 - 3 * e * s2 + 2 * n * e**3
+    m4 = s4 - 4 * e * s3 + 6 * e * e * s2 - 3 * n * e**4
+    return jnp.stack([m3, m4])
 
 
 def with_custom(

@@ -207,6 +207,7 @@ class JaxTracker(TrackerCore[Sent]):
         **options: Unpack[TrackKwargs],
     ) -> None:
         opts = TrackOptions.of(options)
+        _misuse.check_moments(opts.moments)
         super().__init__(opts, type(model_state).__name__, "jax")
         if optimizer_state is not None and model_state is None:
             raise ValueError(

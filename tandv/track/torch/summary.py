@@ -507,9 +507,10 @@ _fused_state: dict[str, Any] = {}
 def fused_spec(x: torch.Tensor, layout: Layout | None = None) -> Any:
     """The fused kernel's :class:`~._fused.Spec` for ``x`` if ``x`` takes the fused path,
     else ``None``. Without Triton, CUDA tensors take the torch-op path, with one warning.
-    So do tensors whose ``layout`` asks for block formats: the fused kernel does not
-    compute their columns yet (:mod:`._blocks` does)."""
-    if layout is not None and _n_block_columns(layout):
+    So do tensors whose ``layout`` asks for block formats or for moments beyond the second:
+    the fused kernel does not compute those columns yet (:mod:`._blocks` and the torch ops
+    do)."""
+    if layout is not None and (_n_block_columns(layout) or layout.num_higher):
         return None
     if type(x) not in (torch.Tensor, torch.nn.Parameter):
         return None  # tensor subclasses: DTensor and the like hold a shard
