@@ -232,6 +232,10 @@ def test_shardings_carry_over(tmp_path):
     assert_row_matches(read_log(tmp_path / "log"), "root", "Activation", 0, np.asarray(expected))
 
 
+#: How long the held update's host function waits for the test's release (seconds).
+HOLD_S = 4.0
+
+
 def test_step_returns_before_the_update_has_run(tmp_path):
     """``tracker.step()`` waits for nothing on the device: the update's gradients pass
     through a host function that holds them until the test releases it, after step() has
@@ -243,7 +247,7 @@ def test_step_returns_before_the_update_has_run(tmp_path):
     release = threading.Event()
 
     def hold(a):
-        release.wait(20)
+        release.wait(HOLD_S)
         return a
 
     @jax.jit
@@ -255,13 +259,18 @@ def test_step_returns_before_the_update_has_run(tmp_path):
         release.set()  # the first call compiles: let it through
         tracker.step(params, tracker.intercept(update, params))
         release.clear()
-        grads = tracker.intercept(update, params)
         start = time.monotonic()
+        grads = tracker.intercept(update, params)
+        dispatched = time.monotonic()
         tracker.step(params, grads)
-        took = time.monotonic() - start
+        took = time.monotonic() - dispatched
         held = not release.is_set()
         release.set()
-    assert held and took < 10, took
+    if dispatched - start >= HOLD_S:
+        # XLA:CPU ran the update inline on this thread (it may, for a small program whose
+        # inputs are ready): its values were computed before step(), nothing to wait for
+        pytest.skip("the update ran inline in intercept(); step() had nothing to wait for")
+    assert held and took < HOLD_S / 2, took
     df = read_log(tmp_path / "log")
     g = jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2))(params)
     assert_row_matches(df, "kernel", "Gradient", 1, g["params"]["kernel"])
