@@ -20,11 +20,12 @@ whatever code allocates when it falls due, and a full one walks every object of 
 process (the imports of torch, Triton and pandas alone make ~230,000), so left on it would
 charge a random hook with tens of milliseconds.
 
-Triton's own launch time per call: in a subprocess without the interpreter, a kernel is
-compiled for sm_90 (no GPU needed) and launched through ``kernel[grid](...)`` with only the
-final C launcher (which packs the arguments and calls ``cuLaunchKernel``) replaced by a
-no-op; the time per call is Triton's Python launch path (binding and specializing the
-arguments, the cache lookup), not the driver's. ``--no-triton`` skips it.
+The launch path per call: in a subprocess without the interpreter, the single-tensor
+kernel is compiled for sm_90 (no GPU needed) and launched through ``launch_one`` (tandv's
+launch code, then the prebuilt launcher it keeps after a variant's first call) with only
+Triton's final C launcher (which packs the arguments and calls ``cuLaunchKernel``) replaced
+by a no-op; the time per call is that Python launch path, not the driver's. ``--no-triton``
+skips it.
 
 Usage::
 
@@ -272,17 +273,18 @@ def triton_worker(reps: int) -> None:
     layout = Layout("float32")
     x = torch.zeros(262144)
     rows = torch.zeros(_fused.row_size(spec, layout) * 4, dtype=torch.float64)
-    scratch = torch.zeros(64 * _fused.PART, dtype=torch.float64)
-    k = _fused._summarize_one
-    parts, per = _fused._parts(x.numel(), 64)
-    args = (x, x.numel(), per, rows, 0, scratch, rows, 3.0e38)
-    launch = k[(parts,)]
-    consts = _fused._consts(spec)
-    for _ in range(100):
-        launch(*args, **consts)
+    scratch = torch.zeros(
+        _fused.scratch_rows(x.numel(), 64, spec) * _fused.PART, dtype=torch.float64
+    )
+
+    def launch() -> None:
+        _fused.launch_one(x, spec, layout, rows, 0, scratch, 64)
+
+    for _ in range(100):  # compiles, then the prebuilt launcher serves
+        launch()
     t0 = time.thread_time_ns()
     for _ in range(reps):
-        launch(*args, **consts)
+        launch()
     dt = (time.thread_time_ns() - t0) / 1e9 / reps
     print(json.dumps({"triton_run_us_per_call": dt * 1e6}))
 
@@ -325,9 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         t = triton_launch_us(200 if args.tiny else 5000)
         if t:
             print(
-                "Triton's launch path per call (kernel[grid](...) of a compiled sm_90 kernel, "
-                "binding, specialization and cache lookup; the C launcher and cuLaunchKernel "
-                f"excluded): {t['triton_run_us_per_call']:.2f} us"
+                "launch path per call (launch_one of a compiled sm_90 kernel through its "
+                "prebuilt launcher; Triton's C launcher and cuLaunchKernel excluded): "
+                f"{t['triton_run_us_per_call']:.2f} us"
             )
     r = host_cost(cfg, size["batch"], args.steps, args.warmup)
     print(

@@ -49,6 +49,25 @@ def test_host_cost_benchmark_tiny_mode():
     assert 0 < launches <= observations + 8
 
 
+def test_launch_path_worker_times_launch_one():
+    """The benchmark's launch-path figure: ``launch_one`` of a kernel compiled for sm_90
+    with Triton's C launcher a no-op (no GPU needed) gives a positive time per call. Run so
+    that a change of the launch code's signatures cannot leave the figure unmeasured."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "host_cost.py"), "--triton-worker", "20"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = re.fullmatch(r'\{"triton_run_us_per_call": ([0-9.e+-]+)\}', run.stdout.splitlines()[-1])
+    assert got and float(got.group(1)) > 0, run.stdout[-500:]
+
+
 class Log(list):
     """The calls made on the stand-ins, in order."""
 
