@@ -62,7 +62,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import PRESETS, _step, _trainer  # noqa: E402
+from overhead import PRESETS, _step, _trainer, config_of  # noqa: E402
 
 from tandv.demos.torch_gpt import GPTConfig  # noqa: E402
 from tandv.track.torch import summary as kernel  # noqa: E402
@@ -311,14 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         size.update(layers=1, d_model=32, heads=2, mlp=64, vocab=64, seq=16, batch=2)
         args.steps, args.warmup = 3, 2
-    cfg = GPTConfig(
-        vocab_size=size["vocab"],
-        seq_len=size["seq"],
-        d_model=size["d_model"],
-        n_layers=size["layers"],
-        n_heads=size["heads"],
-        d_mlp=size["mlp"],
-    )
+    cfg = config_of(size)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, {os.cpu_count()} CPUs"
     )

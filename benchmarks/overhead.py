@@ -354,6 +354,19 @@ def memory_and_close(
     return out
 
 
+def config_of(size: dict[str, int]) -> GPTConfig:
+    """The model of a size preset (:data:`PRESETS`' keys), for this and the host-cost
+    benchmark."""
+    return GPTConfig(
+        vocab_size=size["vocab"],
+        seq_len=size["seq"],
+        d_model=size["d_model"],
+        n_layers=size["layers"],
+        n_heads=size["heads"],
+        d_mlp=size["mlp"],
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -415,14 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         given = getattr(args, name.replace("-", "_"))
         if given is not None:
             size[name] = given
-    cfg = GPTConfig(
-        vocab_size=size["vocab"],
-        seq_len=size["seq"],
-        d_model=size["d_model"],
-        n_layers=size["layers"],
-        n_heads=size["heads"],
-        d_mlp=size["mlp"],
-    )
+    cfg = config_of(size)
     batch = size["batch"]
     variant: dict[str, Any] = {}
     if args.block_formats:
