@@ -1,6 +1,7 @@
 # `make test`: create .venv from the repository's files and run the test suite.
 # `make lint`: create .venv and run ruff (lint and format check) and mypy on the package.
 # `make demo`: create .venv and run the main job (train a small transformer, tracked).
+# `make docs`: create .venv and build the documentation site into site/ (warnings are errors).
 # `make test-lowest`: the suite in .venv-lowest, every declared dependency at its floor.
 PY ?= python3
 VENV := .venv
@@ -11,7 +12,7 @@ $(VENV)/.installed: requirements-dev.txt requirements-torch.txt requirements-jax
 	$(VENV)/bin/pip install -q -r requirements-dev.txt
 	touch $@
 
-.PHONY: test lint demo test-lowest
+.PHONY: test lint demo docs test-lowest
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -q --durations=15
 
@@ -22,6 +23,10 @@ lint: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/tandv demo
+
+# mkdocs.yml at the root; --strict makes a broken link, anchor or snippet an error
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # The floors in pyproject.toml are honest only if the suite passes with them installed.
 test-lowest:

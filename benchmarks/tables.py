@@ -35,7 +35,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 OUT = ROOT / "docs" / "benchmarks"
-HEADER = "<!-- written by `python benchmarks/tables.py` from benchmarks/results/{name}.json: do not edit -->\n"
+HEADER = (
+    "<!-- written by `python benchmarks/tables.py` from benchmarks/results/{name}.json:"
+    " do not edit -->\n"
+)
 
 
 def _number(x: float | int | None, unit: str, decimals: int | None) -> str:

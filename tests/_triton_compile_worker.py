@@ -22,7 +22,7 @@ warp instructions a warp issues per tile, an upper bound. One tile gives each wa
 * VEC)``. The loop's 128-bit loads (``LDG.E.128``) and any spill traffic in it
 (``STL``/``LDL``) are counted in the same span.
 
-With ``--table`` it prints the figures as a table instead (for the README).
+With ``--table`` it prints the figures as a table instead (for docs/cost-torch.md).
 """
 
 from __future__ import annotations

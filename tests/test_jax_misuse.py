@@ -196,7 +196,7 @@ def test_cotangent_rows_are_those_of_the_loss_each_device_differentiates(tmp_pat
     differentiates. shard_map with the global loss (pmean of the per-device means): equal
     to a one-device run over the whole batch. pmap's idiom (per-device mean loss, gradients
     pmean'd afterwards): each device differentiates N times its share of the global loss,
-    and its cotangents are N times the one-device run's (as the README says)."""
+    and its cotangents are N times the one-device run's (as docs/distributed.md says)."""
     devices = two_devices()
     mesh = Mesh(np.array(devices), ("d",))
     model, _, x, params, _ = dense_setup()

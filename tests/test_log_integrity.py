@@ -347,7 +347,7 @@ def test_summary_prints_no_raw_escape_sequences(tmp_path, capsys):
 
 
 def test_read_benchmark_runs_in_its_tiny_mode():
-    """benchmarks/read_log.py (the README's reading figures) builds a log with tandv's
+    """benchmarks/read_log.py (the reading figures of docs/reading.md) builds a log with tandv's
     writer and times every task, each in a fresh process: it must keep working."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "read_log.py"), "--tiny"],

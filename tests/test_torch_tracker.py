@@ -966,7 +966,7 @@ def test_weights_are_those_of_the_forward_when_the_root_is_never_called():
 @pytest.mark.parametrize("explicit_unscale", [True, False])
 def test_grad_scaler_skipped_steps_keep_their_gradient_rows(explicit_unscale):
     """With ``scaler=``, gradients are unscaled in the rows, and the step the scaler skips
-    (an inf gradient) keeps its gradient rows, infinities included, although the README's
+    (an inf gradient) keeps its gradient rows, infinities included, although the docs'
     order zeroes the gradients before ``tracker.step()``."""
     net, opt = make(0, torch.optim.SGD)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)

@@ -1,6 +1,7 @@
-"""The README read as a new engineer would, against the code: the "Development" map (every
-room of ``tandv/`` is named there, every file it names is where it says), the Public API
-table (each module's exports) and the option tables (each argument of ``track``)."""
+"""The documentation read as a new engineer would, against the code: the map of the code in
+docs/development.md (every room of ``tandv/`` is named there, every file it names is where
+it says), the API reference in docs/api.md (each module's exports) and the option tables in
+docs/options.md (each argument of both ``track`` functions)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tandv"
+DOCS = ROOT / "docs"
 
 
 def _rooms() -> dict[str, str]:
-    """``{room: its description}`` from the first code block of the Development section."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("\n## Development") :]
+    """``{room: its description}`` from the first code block of the Development page."""
+    section = (DOCS / "development.md").read_text()
     block = section[section.index("```\n") + 4 :]
     block = block[: block.index("```")]
     lines = block.splitlines()
@@ -45,10 +46,10 @@ def test_every_room_of_the_package_is_named():
         p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py")
     }
     assert present - named == set(), (
-        f"rooms missing from README's Development map: {present - named}"
+        f"rooms missing from docs/development.md's map: {present - named}"
     )
     assert named - present == set(), (
-        f"README's Development map names rooms that are gone: {named - present}"
+        f"docs/development.md's map names rooms that are gone: {named - present}"
     )
 
 
@@ -59,7 +60,7 @@ def test_every_file_the_map_names_is_in_its_room():
             continue
         for name in set(re.findall(r"\b(_?[a-z][a-z0-9_]*\.py)\b", text)):
             assert (where / name).is_file(), (
-                f"README's Development map says {room} holds {name}, but tandv/{room}{name} "
+                f"docs/development.md's map says {room} holds {name}, but tandv/{room}{name} "
                 f"does not exist"
             )
 
@@ -76,16 +77,14 @@ def test_rooms_with_kernels_keep_a_design_note():
 
 
 def test_the_public_api_table_lists_each_module_s_exports():
-    """README's "Public API" table names every name a public module exports, in that
-    module's row, and no name the module does not export."""
+    """docs/api.md's table names every name a public module exports, in that module's
+    row, and no name the module does not export."""
     import importlib
 
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("\n## Public API") :]
-    section = section[: section.index("\n## ", 1)]
+    section = (DOCS / "api.md").read_text()
     rows = dict(re.findall(r"^\| `(tandv[\w.]*)` \| (.*) \|$", section, flags=re.M))
     for module in ("tandv", "tandv.track.torch", "tandv.track.jax", "tandv.viz", "tandv.schema"):
-        assert module in rows, f"README's Public API table has no row for {module}"
+        assert module in rows, f"docs/api.md has no row for {module}"
         exported = set(importlib.import_module(module).__all__)
         named = set(re.findall(r"`(\w+)(?:\(\w*\))?`", rows[module]))
         assert exported - named == set(), (
@@ -99,7 +98,7 @@ def test_the_public_api_table_lists_each_module_s_exports():
 def _option_table(heading: str) -> tuple[str, set[str]]:
     """The text between ``heading`` and the end of the table after it, and the backticked
     names in the first column of that table."""
-    text = (ROOT / "README.md").read_text()
+    text = (DOCS / "options.md").read_text()
     start = text.index(heading)
     table_start = text.index("\n|", start)
     end = text.index("\n\n", table_start)
@@ -109,7 +108,7 @@ def _option_table(heading: str) -> tuple[str, set[str]]:
 
 def test_the_option_tables_list_every_argument_of_track():
     """Each ``track()`` argument (the shared options and the framework's own) has a row in
-    its README table, and each row names an argument that exists: the tables are what users
+    its table on docs/options.md, and each row names an argument that exists: the tables are what users
     read instead of the docstrings, so they must not drift from the signatures."""
     import inspect
 
@@ -117,8 +116,8 @@ def test_the_option_tables_list_every_argument_of_track():
     from tandv.track.torch import track as torch_track
 
     for heading, track in (
-        ("\n### Options\n", torch_track),
-        ("\n### Arguments of `track`", jax_track),
+        ("\n## PyTorch\n", torch_track),
+        ("\nArguments of `track` (`tandv.track.jax.track`)", jax_track),
     ):
         section, rows = _option_table(heading)
         params = set(inspect.signature(track).parameters)
@@ -129,5 +128,5 @@ def test_the_option_tables_list_every_argument_of_track():
             for n in re.findall(r"\w+", call)
         }
         missing = params - rows - shown
-        assert missing == set(), f"{track.__module__}.track: no README row for {sorted(missing)}"
-        assert rows - params == set(), f"README rows for no argument: {sorted(rows - params)}"
+        assert missing == set(), f"{track.__module__}.track: no docs/options.md row for {sorted(missing)}"
+        assert rows - params == set(), f"docs/options.md rows for no argument: {sorted(rows - params)}"
