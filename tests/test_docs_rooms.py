@@ -108,8 +108,8 @@ def _option_table(heading: str) -> tuple[str, set[str]]:
 
 def test_the_option_tables_list_every_argument_of_track():
     """Each ``track()`` argument (the shared options and the framework's own) has a row in
-    its table on docs/options.md, and each row names an argument that exists: the tables are what users
-    read instead of the docstrings, so they must not drift from the signatures."""
+    its table on docs/options.md, and each row names an argument that exists: the tables are
+    what users read instead of the docstrings, so they must not drift from the signatures."""
     import inspect
 
     from tandv.track.jax import track as jax_track
@@ -128,5 +128,6 @@ def test_the_option_tables_list_every_argument_of_track():
             for n in re.findall(r"\w+", call)
         }
         missing = params - rows - shown
-        assert missing == set(), f"{track.__module__}.track: no docs/options.md row for {sorted(missing)}"
-        assert rows - params == set(), f"docs/options.md rows for no argument: {sorted(rows - params)}"
+        where = f"{track.__module__}.track"
+        assert missing == set(), f"{where}: no docs/options.md row for {sorted(missing)}"
+        assert rows - params == set(), f"docs/options.md rows for no argument: {rows - params}"
