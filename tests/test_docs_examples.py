@@ -139,7 +139,9 @@ def test_the_benchmark_tables_are_the_rendered_results():
     )
     assert out.returncode == 0, out.stderr
     results = {p.stem for p in (ROOT / "benchmarks" / "results").glob("*.json")}
-    included = {m for p in PAGES for m in re.findall(r'^--8<-- "(\w+)\.md"$', p.read_text(), re.M)}
+    included = {
+        m for p in PAGES for m in re.findall(r'^--8<-- "([a-z_]+)\.md"$', p.read_text(), re.M)
+    }
     assert included == results, (
         f"results not shown: {results - included}; missing: {included - results}"
     )
