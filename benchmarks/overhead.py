@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import importlib.util
 import os
 import statistics
 import sys
@@ -367,6 +368,26 @@ def config_of(size: dict[str, int]) -> GPTConfig:
     )
 
 
+def record(results: str, cfg: GPTConfig, argv: list[str] | None, measured: dict[str, Any]) -> None:
+    """Add one run (untracked median step, ratio of medians with the ratio of means in
+    parentheses per ``every``) as a row of ``results`` through ``benchmarks/tables.py``."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_tables", Path(__file__).with_name("tables.py")
+    )
+    assert spec is not None and spec.loader is not None
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    params = sum(p.numel() for p in GPT(cfg).parameters())
+    row = {
+        "model": f"{cfg.n_layers} layers, d_model {cfg.d_model} ({params / 1e6:.1f} M params)",
+        "threads": str(torch.get_num_threads()),
+        **measured,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["benchmarks/overhead.py", *(sys.argv[1:] if argv is None else argv)]),
+    }
+    tables.append_row(results, row)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -407,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         "--compile",
         action="store_true",
         help="compile both models in place (model.compile(), inductor)",
+    )
+    p.add_argument(
+        "--results",
+        default=None,
+        help="also add this run's ratios as a row of this results file (e.g. "
+        "benchmarks/results/torch_overhead.json; benchmarks/tables.py renders it for the docs)",
     )
     args = p.parse_args(argv)
     if args.threads:
@@ -452,8 +479,14 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         return 0
+    measured: dict[str, Any] = {}
     for every in args.every:
         r = overhead(cfg, batch, args.steps, args.warmup, every, args.device, args.compile)
+        measured[f"every{every}"] = {
+            "value": round(r["ratio_median"], 3),
+            "paren": round(r["ratio_mean"], 3),
+        }
+        measured["untracked"] = round(r["median_plain_ms"], 1)
         print(
             f"every={every}: tracked {r['median_tracked_ms']:.1f} ms, untracked "
             f"{r['median_plain_ms']:.1f} ms (medians) -> ratio of medians {r['ratio_median']:.3f}; "
@@ -466,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['graphs_after_warmup']:.0f}",
                 flush=True,
             )
+    if args.results:
+        record(args.results, cfg, argv, measured)
     if args.device == "cuda" and not args.no_extras and not args.compile:
         gc.collect()
         torch.cuda.empty_cache()

@@ -13,10 +13,10 @@ or none to write numbers as the file holds them),
 * an object ``{"value": ..., "paren": ..., "runs": n, "step_by_step": x}``: the value,
   then ``(paren)``, ``, n runs`` and ``; step by step x``.
 
-Benchmarks add their measurements with :func:`append_row` (``--results FILE`` in
-``overhead.py`` and ``read_log.py``); a figure kept from before the scripts wrote JSON
-was transcribed once from the README it was reported in, with its command and date in
-the file's ``source``.
+Benchmarks add their measurements with :func:`append_row` (``overhead.py --results
+FILE`` does); the figures kept from before the scripts wrote JSON were transcribed once
+from the README they were reported in, with their command, machine and date in the
+file's ``source``.
 
 Usage::
 

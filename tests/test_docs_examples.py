@@ -166,3 +166,39 @@ def test_the_table_renderer_writes_ranges_pairs_and_notes():
     assert tables.cell(4.4) == "4.4"
     with pytest.raises(ValueError, match="a cell object takes"):
         tables.cell({"valeu": 1})
+
+
+def test_the_overhead_benchmark_adds_its_run_to_a_results_file(tmp_path):
+    """``benchmarks/overhead.py --results FILE`` (a tiny model, 2 steps) appends a row with
+    the run's ratios to a copy of the docs' results file, and the table renders it."""
+    import json
+    import shutil
+
+    results = tmp_path / "torch_overhead.json"
+    shutil.copy(ROOT / "benchmarks" / "results" / "torch_overhead.json", results)
+    before = json.loads(results.read_text())["rows"]
+    size = "--layers 1 --d-model 32 --heads 2 --mlp 64 --vocab 32 --seq 8 --batch 2".split()
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), *size]
+        + ["--steps", "2", "--warmup", "1", "--every", "1", "10", "--results", str(results)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(results.read_text())["rows"]
+    assert rows[:-1] == before
+    row = rows[-1]
+    printed = re.search(
+        r"every=1: .* ratio of medians ([\d.]+); ratio of means ([\d.]+)", out.stdout
+    )
+    assert printed, out.stdout
+    assert row["every1"] == {"value": float(printed[1]), "paren": float(printed[2])}
+    assert row["model"].startswith("1 layers, d_model 32") and row["untracked"] > 0
+    spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "benchmarks" / "tables.py")
+    assert spec is not None and spec.loader is not None
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    table = tables.render(json.loads(results.read_text()), "torch_overhead")
+    assert table.splitlines()[-1].startswith("| 1 layers, d_model 32")
