@@ -127,6 +127,16 @@ def test_the_examples_of_a_page_run(page, tmp_path, monkeypatch, capsys):
     assert ran > 0
 
 
+def test_the_readme_links_to_pages_that_exist():
+    """mkdocs checks the site's links; the README is not part of the site, so its links to
+    docs/ pages (and their anchors' files) are checked here."""
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    local = [link for link in links if "://" not in link]
+    assert len(local) >= 10, local
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert missing == [], f"README.md links to files that do not exist: {missing}"
+
+
 def test_the_benchmark_tables_are_the_rendered_results():
     """Every docs/benchmarks/*.md is what benchmarks/tables.py renders from its results
     file, and every table a page includes exists (mkdocs would fail on a missing one too)."""
