@@ -337,15 +337,23 @@ def _step(
     mean = mean * r
     delta = mb - mean
     if HOFF:
-        # the block's third and fourth sums about mb (c's offset taken out exactly, as for
-        # m2: the deviations' own mean is off), merged into the slot's by Pebay's update
+        # the third and fourth sums about the new mean: the slot's shifted by u (its old
+        # mean less the new), the block's from its float32 sums of d = q - c shifted by
+        # t = c - the new mean (binomially; sum d = nb * off); u and t are within the spread
+        c2 = m2 * r2
+        c3 = m3 * (r2 * r)
+        na = cnt.to(tl.float64)
+        u = -delta * w
+        t = c.to(tl.float64) - (mean + delta * w)
+        s1 = nb * off
         s3 = tl.reduce(tl.reduce(d2 * d, 2, _ADD), 0, _ADD).to(tl.float64)
         s4 = tl.reduce(tl.reduce(d2 * d2, 2, _ADD), 0, _ADD).to(tl.float64)
-        nb64 = nb.to(tl.float64)
-        m3b = s3 - 3.0 * off * s2 + 2.0 * nb64 * off * off * off
-        m4b = s4 - 4.0 * off * s3 + 6.0 * off * off * s2 - 3.0 * nb64 * (off * off) * (off * off)
-        m3, m4 = _pebay(
-            cnt.to(tl.float64), nb64, delta, m2 * r2, m3 * (r2 * r), m4 * r4, m2b, m3b, m4b
+        m3 = c3 + u * (3.0 * c2 + na * u * u) + s3 + t * (3.0 * s2 + t * (3.0 * s1 + nb * t))
+        m4 = (
+            m4 * r4
+            + u * (4.0 * c3 + u * (6.0 * c2 + na * u * u))
+            + s4
+            + t * (4.0 * s3 + t * (6.0 * s2 + t * (4.0 * s1 + nb * t)))
         )
     m2 = m2 * r2 + m2b + delta * delta * (cnt.to(tl.float64) * w)
     mean = mean + delta * w
@@ -1045,7 +1053,10 @@ def _consts(
     kw["GROUP"] = GROUP
     kw["HOFF"] = hoff
     tail = tuple(kw.values())
-    kw.update(num_warps=NUM_WARPS, maxnreg=None if strided else spec.maxnreg, enable_fp_fusion=True)
+    # no register cap for a gappy view (its index arithmetic would spill) nor with m3, m4
+    # (their float64 state and update: ~120 registers, 2 programs per SM, no spills)
+    cap = None if strided or hoff else spec.maxnreg
+    kw.update(num_warps=NUM_WARPS, maxnreg=cap, enable_fp_fusion=True)
     return _Consts(kw, tail)
 
 
