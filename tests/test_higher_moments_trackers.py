@@ -60,15 +60,16 @@ def test_option_is_checked():
     assert TrackOptions(moments=4).moments == 4
 
 
-@pytest.fixture(params=["host", "ops"])
+@pytest.fixture(params=["host", "fused", "ops"])
 def torch_path(request, monkeypatch):
-    """CPU tensors by the host kernel, and by the path CUDA tensors take (the fused kernel's
-    place, in Triton's interpreter: moments=4 goes to torch operations)."""
+    """CPU tensors by the host kernel, by the fused Triton kernel CUDA tensors take (in
+    Triton's interpreter), and by the torch-op path (CUDA tensors without Triton)."""
     from tandv.track.torch import summary as kernel
 
-    if request.param == "ops":
-        pytest.importorskip("triton")
+    if request.param != "host":
         monkeypatch.setattr(kernel, "HOST_PATH", False)
+    if request.param == "fused":
+        pytest.importorskip("triton")
         monkeypatch.setattr(kernel, "FUSED_ON_CPU", True)
     return request.param
 
