@@ -191,15 +191,6 @@ def test_jax_summary_computes_m3_m4(mean, rtol):
         assert got["kurtosis"] + 3 == pytest.approx(kurt + 3, rel=rtol)
 
 
-def test_jax_tracker_refuses_moments_4():
-    jax = pytest.importorskip("jax")
-    from tandv.track.jax import track
-
-    params = {"w": jax.numpy.ones((3, 2))}
-    with pytest.raises(NotImplementedError, match=r"moments=4.*does not compute skewness"):
-        track(model_state=params, moments=4, verbose=False)
-
-
 def test_overhead_benchmark_with_moments_runs_in_tiny_mode(capsys):
     import importlib.util
     import re

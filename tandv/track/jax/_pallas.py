@@ -396,7 +396,7 @@ def _kernel(
             for p, s in zip(POWERS, powers)
         },
     }
-    columns = _MOMENT_COLUMNS
+    columns: tuple[str, ...] = _MOMENT_COLUMNS
     if higher:  # the lanes' centred sums (about their means), then shifted to the program's
         e = s1 / lane_n
         s3, s4 = moments[9], moments[10]
