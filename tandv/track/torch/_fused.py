@@ -29,6 +29,13 @@ value is exact, subnormals included.
 The moments are computed in float32 (float64 for float64 tensors) per block and
 accumulated in float64: relative error ~1e-7 per block, not per element.
 
+With ``moments=4`` (the compile-time ``HOFF``, where ``m3`` lies in the row; 0 compiles
+the kernel without any of this) each block also sums the cubes and fourth powers of its
+deviations, and the slot's sums and the block's are shifted binomially to their merged mean
+(float64); the slots, and the programs of a tensor (their partial rows hold ``m3``, ``m4``
+in the fields of the counts, which go to the tensor's row directly), merge the same way
+(Pébay's update). The row holds ``m3``, ``m4`` after the custom statistics, as the layout.
+
 Programs of one tensor
 ----------------------
 A tensor of up to :data:`ONE_PROGRAM` tiles is one program, which writes the tensor's
