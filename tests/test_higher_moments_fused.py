@@ -175,3 +175,13 @@ def test_default_rows_are_unchanged():
     v2, v4 = one(x, two, 1), one(x, four, 1)
     assert v2.shape == (two.size,)
     np.testing.assert_array_equal(v4[: two.size], v2)
+
+
+def test_summarize_torch_with_a_custom_statistic():
+    """``summarize_torch`` on the fused path: the custom statistic in its column, m3 and m4
+    after it."""
+    x = data(3000, 5.0, 6).to(DEVICE)
+    layout = Layout("float32", (("scale", "max"),), moments=4)
+    v = kernel.summarize_torch(x, layout, {"scale": 2.5}).cpu().numpy()
+    assert v.shape == (layout.size,) and v[layout.extras_start] == 2.5
+    check(v, layout, [values(x)])

@@ -265,7 +265,9 @@ def summarize_torch(
             with torch.cuda.device(x.device) if x.device.type == "cuda" else nullcontext():
                 _fused.launch_one(x.detach(), spec, layout, rows, 0, scratch, max_parts)
         if names:
-            rows[spec.row_size :] = extras_vector(extras or {}, names, x.device)
+            rows[spec.row_size : spec.row_size + len(names)] = extras_vector(
+                extras or {}, names, x.device
+            )
         return _fused.finish_rows(rows[None], spec, layout, torch)[0]
     if layout.num_higher:
         base = Layout(layout.format, layout.extras)
