@@ -181,11 +181,14 @@ def variant_cost(
                     if i >= warmup:
                         times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    paired = [v / t for v, t in zip(times["variant"], times["tracked"])]
     return {
         **{f"median_{k}_ms": v for k, v in med.items()},
         "ratio_tracked": med["tracked"] / med["untracked"],
         "ratio_variant": med["variant"] / med["untracked"],
         "ratio_variant_to_tracked": med["variant"] / med["tracked"],
+        # the median of each iteration's ratio: the two tracked steps ran back to back
+        "paired_variant_to_tracked": statistics.median(paired),
     }
 
 

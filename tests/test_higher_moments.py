@@ -148,6 +148,28 @@ def test_cost_benchmark_runs_in_tiny_mode():
     assert r["elements"] == 5300 and r["core_s"] > 0 and r["moments4_s"] > 0
 
 
+def test_step_cost_benchmark_runs_in_tiny_mode(capsys):
+    """The training step with and without moments=4 (a tiny model, 3 steps): the printed
+    ratio of medians is that of the printed medians."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    path = Path(__file__).parent.parent / "benchmarks" / "higher_moments.py"
+    spec = importlib.util.spec_from_file_location("higher_moments_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tiny", "--steps", "3", "--warmup", "1"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("tiny GPT on the CPU")
+    nums = [float(v) for v in re.findall(r"\d+\.\d+", line.split("every=1")[1])]
+    untracked, tracked, with4, paired, of_medians = nums
+    assert min(untracked, tracked, with4, paired) > 0
+    assert of_medians == pytest.approx(with4 / tracked, rel=0.02)
+
+
 def test_log_rows_with_skew_and_kurtosis_aggregate_exactly():
     from tandv.analysis import aggregate
     from tandv.schema import concat_logs, validate

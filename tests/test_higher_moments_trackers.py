@@ -60,15 +60,16 @@ def test_option_is_checked():
     assert TrackOptions(moments=4).moments == 4
 
 
-@pytest.fixture(params=["host", "ops"])
+@pytest.fixture(params=["host", "fused", "ops"])
 def torch_path(request, monkeypatch):
-    """CPU tensors by the host kernel, and by the path CUDA tensors take (the fused kernel's
-    place, in Triton's interpreter: moments=4 goes to torch operations)."""
+    """CPU tensors by the host kernel, by the fused Triton kernel CUDA tensors take (in
+    Triton's interpreter), and by the torch-op path (CUDA tensors without Triton)."""
     from tandv.track.torch import summary as kernel
 
-    if request.param == "ops":
-        pytest.importorskip("triton")
+    if request.param != "host":
         monkeypatch.setattr(kernel, "HOST_PATH", False)
+    if request.param == "fused":
+        pytest.importorskip("triton")
         monkeypatch.setattr(kernel, "FUSED_ON_CPU", True)
     return request.param
 
@@ -188,15 +189,6 @@ def test_jax_summary_computes_m3_m4(mean, rtol):
         got, _ = finalize(v, layout)
         assert got["skew"] == pytest.approx(skew, rel=rtol, abs=rtol)
         assert got["kurtosis"] + 3 == pytest.approx(kurt + 3, rel=rtol)
-
-
-def test_jax_tracker_refuses_moments_4():
-    jax = pytest.importorskip("jax")
-    from tandv.track.jax import track
-
-    params = {"w": jax.numpy.ones((3, 2))}
-    with pytest.raises(NotImplementedError, match=r"moments=4.*does not compute skewness"):
-        track(model_state=params, moments=4, verbose=False)
 
 
 def test_overhead_benchmark_with_moments_runs_in_tiny_mode(capsys):

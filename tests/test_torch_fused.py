@@ -410,15 +410,19 @@ def test_kernels_compile_for_gpus_near_memory_speed(arch):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.splitlines()[-1])
-    compiled = {(r["dtype"], r["kernel"], r["strided"]) for r in report}
-    assert len(compiled) == 11  # 5 dtypes x (one tensor, a table of tensors), a strided view
+    compiled = {(r["dtype"], r["kernel"], r["strided"], r["moments"]) for r in report}
+    # 5 dtypes x (one tensor, a table of tensors), a strided view, float32 with moments=4
+    assert len(compiled) == 13
     for r in report:
         print(r)
         assert 0 < r["registers"] <= 255 and r["loop_spill_instructions"] == 0, r
         if r["dtype"] in ("torch.float32", "torch.bfloat16", "torch.float16") and not r["strided"]:
             assert r["ptx_v4_loads"] > 0 and r["loop_128bit_loads"] > 0, r
-            assert r["instructions_per_element"] <= 1.5, r
-            assert r["registers"] <= _fused.MAXNREG, r  # 3 programs of 256 threads per SM
+            if r["moments"] == 2:
+                assert r["instructions_per_element"] <= 1.5, r
+                assert r["registers"] <= _fused.MAXNREG, r  # 3 programs of 256 threads per SM
+            else:  # m3, m4 too: their float64 update per tile (no register cap, no spills)
+                assert r["instructions_per_element"] <= 1.7, r
 
 
 def test_launch_many_reuses_its_table_only_for_the_same_tensors():

@@ -39,6 +39,7 @@ from .summary import FIELD_INDEX, HIGHER_FIELDS, N_CORE, N_CORE_VALUES, N_LEADIN
 __all__ = [
     "host_summaries",
     "host_higher_moments",
+    "higher_serial",
     "summary_serial",
     "split_serial",
     "serial_tables",
@@ -893,6 +894,21 @@ def _centred_sums(x, mean, inv):  # pragma: no cover - compiled
     return n, s1, s2, s3, s4
 
 
+@numba.njit(cache=True, nogil=True)
+def higher_serial(x, v, out):  # pragma: no cover - compiled
+    """``out[0], out[1] = m3, m4`` of a flat array ``x`` given its summary vector ``v`` (the
+    mean and largest magnitude are read from it), on the calling thread: the pass of
+    :func:`host_higher_moments` for compiled callers (XLA's custom call)."""
+    s = v[_O_MAXABS]
+    n, s1, s2, s3, s4 = _centred_sums(x, v[_O_MEAN], 1.0 / s if s > 0 else 1.0)
+    out[0] = 0.0
+    out[1] = 0.0
+    if n > 0:
+        e = s1 / n
+        out[0] = s3 - 3.0 * e * s2 + 2.0 * n * e**3
+        out[1] = s4 - 4.0 * e * s3 + 6.0 * e * e * s2 - 3.0 * n * e**4
+
+
 def host_higher_moments(arrays: Sequence[np.ndarray], summaries: np.ndarray) -> np.ndarray:
     """The third and fourth centred sums (``m3``, ``m4`` of :data:`HIGHER_FIELDS`) of host
     arrays, given their summaries from :func:`host_summaries`: one more compiled pass per
@@ -909,13 +925,7 @@ def host_higher_moments(arrays: Sequence[np.ndarray], summaries: np.ndarray) -> 
     out = np.zeros((len(arrays), len(HIGHER_FIELDS)))
     for i, a in enumerate(arrays):
         x = _as_float32(a) if a.dtype != np.float64 else a.reshape(-1)
-        mean = float(summaries[i, _O_MEAN])
-        s = float(summaries[i, _O_MAXABS])
-        n, s1, s2, s3, s4 = _centred_sums(x.reshape(-1), mean, 1.0 / s if s > 0 else 1.0)
-        if n > 0:
-            e = s1 / n
-            out[i, 0] = s3 - 3.0 * e * s2 + 2.0 * n * e**3
-            out[i, 1] = s4 - 4.0 * e * s3 + 6.0 * e * e * s2 - 3.0 * n * e**4
+        higher_serial(x.reshape(-1), np.ascontiguousarray(summaries[i], np.float64), out[i])
     return out
 
 

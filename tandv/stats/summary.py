@@ -542,9 +542,10 @@ def _merge_higher(
     na: Any, nb: Any, delta: Any, a2: Any, a3: Any, a4: Any, b2: Any, b3: Any, b4: Any
 ) -> tuple[Any, Any]:
     """Pébay's merge of two parts' centred sums (all on one scale): ``delta`` is the
-    difference of their means, ``na``, ``nb`` their counts. Returns ``(M3, M4)``."""
+    difference of their means, ``na``, ``nb`` their counts. Returns ``(M3, M4)``. Numbers or
+    arrays of any array module (numpy, ``jax.numpy`` in :func:`merge_jax`, torch)."""
     n = na + nb
-    dn = delta / np.where(n > 0, n, 1.0)
+    dn = delta / array_module(n).where(n > 0, n, 1.0)
     m3 = a3 + b3 + delta * dn * dn * na * nb * (na - nb) + 3.0 * dn * (na * b2 - nb * a2)
     m4 = (
         a4

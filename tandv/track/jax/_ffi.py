@@ -45,7 +45,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ...stats.formats import NumberFormat
-from ...stats.host import serial_tables, split_serial, summary_serial
+from ...stats.host import higher_serial, serial_tables, split_serial, summary_serial
 from ...stats.summary import N_CORE_VALUES, N_LEADING_COUNTS
 from ._summary import DeviceSummary, check_countable
 
@@ -199,11 +199,16 @@ def _handle(frame):  # pragma: no cover - compiled by available()
     counts = carray(_pointer(data), (m,), np.int32)
     data, k = _buffer(rets[1])
     values = carray(_pointer(data), (k,), np.float32)
-    out = np.empty(k + m)
+    out = np.empty(m + _NVALUES)
     control = _fp_control()
     _set_fp_control(control & ~_FLUSH_BITS)
     summary_serial(x, field_bin, sub_bin, np.int64(params[0]), np.float64(params[1]), out)
     split_serial(out, counts, values)
+    if k == _NVALUES + 2:  # moments=4: m3, m4 after the core values (one more pass)
+        higher = np.empty(2)
+        higher_serial(x, out, higher)
+        values[_NVALUES] = higher[0]
+        values[_NVALUES + 1] = higher[1]
     if nrets == 3:  # the core values' float64 bits, two uint32 words each
         data, w = _buffer(rets[2])
         exact = carray(_pointer(data), (w // 2,), np.float64)
@@ -295,13 +300,17 @@ def _tables(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return field_bin, sub_bin, np.array([nb, over_at], np.float32)
 
 
-def _call(x: Any, fmt: NumberFormat, num_counts: int, exact: bool) -> tuple[Any, ...]:
-    """The custom call on ``x``: counts, values and, where ``exact``, the exact words."""
+def _call(
+    x: Any, fmt: NumberFormat, num_counts: int, exact: bool, moments: int = 2
+) -> tuple[Any, ...]:
+    """The custom call on ``x``: counts, values (with ``moments=4``, ``m3`` and ``m4`` after
+    the core values: the handler then makes the second pass) and, where ``exact``, the
+    exact words."""
     check_countable(x)
     field_bin, sub_bin, params = _tables(fmt)
     results = [
         jax.ShapeDtypeStruct((N_LEADING_COUNTS + num_counts,), jnp.int32),
-        jax.ShapeDtypeStruct((N_CORE_VALUES,), jnp.float32),
+        jax.ShapeDtypeStruct((N_CORE_VALUES + (2 if moments == 4 else 0),), jnp.float32),
     ]
     if exact:
         results.append(jax.ShapeDtypeStruct((2 * N_CORE_VALUES,), jnp.uint32))
@@ -316,21 +325,24 @@ def _call(x: Any, fmt: NumberFormat, num_counts: int, exact: bool) -> tuple[Any,
     )
 
 
-def ffi_summary(x: Any, fmt: NumberFormat, num_counts: int) -> DeviceSummary:
+def ffi_summary(x: Any, fmt: NumberFormat, num_counts: int, moments: int = 2) -> DeviceSummary:
     """The core summary of ``x`` (any float dtype but float64) for format ``fmt``, computed
     by the host kernel inside the XLA:CPU program (traceable; CPU only). Its ``values`` hold
-    the core fields only: the caller appends custom statistics. Call only where
-    :func:`available` said True."""
-    counts, values = _call(x, fmt, num_counts, exact=False)
+    the core fields, then with ``moments=4`` ``m3``, ``m4`` (float64 sums about the exact
+    mean, rounded to float32; :func:`._summary.with_custom` puts custom statistics before
+    them). Call only where :func:`available` said True."""
+    counts, values = _call(x, fmt, num_counts, exact=False, moments=moments)
     return DeviceSummary(counts, values)
 
 
-def ffi_summary_exact(x: Any, fmt: NumberFormat, num_counts: int) -> tuple[DeviceSummary, Any]:
+def ffi_summary_exact(
+    x: Any, fmt: NumberFormat, num_counts: int, moments: int = 2
+) -> tuple[DeviceSummary, Any]:
     """:func:`ffi_summary` and the kernel's float64 core values, exact, as ``2 *
     N_CORE_VALUES`` uint32 words (each value's bit pattern; :func:`exact_values` reads
     them on the host). A program's float outputs are float32 unless JAX runs with x64; the
     words carry the float64 sums through it without turning x64 on."""
-    counts, values, words = _call(x, fmt, num_counts, exact=True)
+    counts, values, words = _call(x, fmt, num_counts, exact=True, moments=moments)
     return DeviceSummary(counts, values), words
 
 

@@ -296,16 +296,3 @@ class Applications:
                 f"of its own, called before the update, and pass them in), make the models "
                 f"submodules of one parent module, or track_activations=False"
             )
-
-
-def check_moments(moments: int) -> None:
-    """Refuse ``track(moments=4)`` in the JAX tracker: its summaries (XLA's operations, the
-    host kernel's custom call, the Pallas kernel, and their in-program merges) carry no
-    third and fourth central moments yet, and a log must not look as if they were there."""
-    if moments != 2:
-        raise NotImplementedError(
-            f"tandv.track.jax.track(moments={moments!r}): the JAX tracker does not compute "
-            "skewness and kurtosis yet (the PyTorch tracker does); leave moments at 2, or "
-            "summarize an array yourself with tandv.track.jax.summarize_jax(x, "
-            "Layout(..., moments=4)) (XLA's operations)"
-        )

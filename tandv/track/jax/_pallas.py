@@ -100,6 +100,12 @@ _ONEHOT = jnp.int8  # one-hot factors: 0 and 1 exact, products accumulate in int
 #: moments of its values times ``2**k``. The epilogue reads them by name.
 _INT_COLUMNS = ("nan", "inf", "zero", "finite", "key_min", "key_max", "mag_min", "mag_max")
 _MOMENT_COLUMNS = ("k", "mean", "m2", "p1", "p2", "p4", "p8")
+#: With ``moments=4``: the program's third and fourth centred sums too (a row of 16).
+#: ``mean_lo``: the program's mean less its float32 ``mean``, from the lanes' shifts and
+#: residues (a float32 mean is off by up to half its last bit, far beyond the spread when the
+#: mean dominates; the third moment's merge needs the means' differences to the spread's
+#: precision).
+_HIGHER_COLUMNS = (*_MOMENT_COLUMNS, "m3", "m4", "mean_lo")
 
 
 def _bits(x: Any) -> Any:
@@ -144,10 +150,11 @@ def _rescaled(m: Any, k: Any) -> Any:
     return full.astype(jnp.float32) * _pow2(e - _MB + k)
 
 
-def _row(values: list[Any], dtype: Any) -> Any:
-    """The scalars ``values`` as one vector of 8 (built by selection: Triton has no stack)."""
-    lane = jax.lax.broadcasted_iota(jnp.int32, (8,), 0)
-    out = jnp.zeros((8,), dtype)
+def _row(values: list[Any], dtype: Any, width: int = 8) -> Any:
+    """The scalars ``values`` as one vector of ``width`` (built by selection: Triton has no
+    stack)."""
+    lane = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+    out = jnp.zeros((width,), dtype)
     for j, v in enumerate(values):
         out = jnp.where(lane == j, v.astype(dtype), out)
     return out
@@ -251,10 +258,14 @@ def _kernel(
     under_bits: int,
     over_bits: int,
     fp8: Fp8Code | None,
+    higher: bool,
 ) -> None:
     """One program: its chunk of ``chunk`` elements (``tail`` for the program ``last``),
     :data:`BLOCK` at a time, into one row of each output (see the module docstring).
-    ``fp8``: the input holds the raw codes of an 8-bit float format, decoded here."""
+    ``fp8``: the input holds the raw codes of an 8-bit float format, decoded here.
+    ``higher`` (``moments=4``): each lane also sums the cubes and fourth powers of its
+    differences from its shift, moved with the shift binomially, and the moments row ends
+    with the program's ``m3``, ``m4``."""
     lane = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
     # elements of this chunk to read: offsets into the chunk only, never into the array
     limit = chunk - (pl.program_id(0) == last).astype(jnp.int32) * (chunk - tail)
@@ -295,7 +306,7 @@ def _kernel(
         # s2 - s1**2 / n does not cancel, whatever the values' offset (Welford's update
         # loses the spread of values that vary only in their last bits, about 2% of the
         # deviation of 1000 + N(0, 1e-3) in float32)
-        count, k, c, s1, s2, *powers = moments
+        count, k, c, s1, s2, *powers = moments[:9]
         k_new = jnp.where(nonzero, jnp.minimum(k, -e), k)
         r = _pow2(k_new - k)
         xs = jnp.where(fin, _rescaled(mag, k_new), 0.0)
@@ -307,12 +318,17 @@ def _kernel(
         c_new = jnp.where(count == 0, xs, c + s1 / jnp.maximum(n_old, 1.0))
         h = c_new - c  # exact (c_new is c or near it), or times n_old = 0
         nh = n_old * h
+        if higher:  # the sums of cubes and fourth powers about c_new (binomially)
+            s3, s4 = moments[9] * (r * r * r), moments[10] * (r * r * (r * r))
+            s4 = s4 - h * (4.0 * s3 - h * (6.0 * s2 - h * (4.0 * s1 - nh)))
+            s3 = s3 - h * (3.0 * s2 - h * (3.0 * s1 - nh))
         s2 = s2 - 2.0 * h * s1 + nh * h
         s1 = s1 - nh
         c = c_new
         d = jnp.where(fin, xs - c, 0.0)
         s1 = s1 + d
-        s2 = s2 + d * d
+        d2 = d * d
+        s2 = s2 + d2
         count = count + fin.astype(jnp.int32)
         u = jnp.abs(xs)
         u2 = u * u
@@ -321,6 +337,8 @@ def _kernel(
             s * _pow2(p * (k_new - k)) + v for p, s, v in zip(POWERS, powers, (u, u2, u4, u4 * u4))
         ]
         moments = (count, k_new, c, s1, s2, *powers)
+        if higher:
+            moments = (*moments, s3 + d2 * d, s4 + d2 * d2)
 
         # exponent counts: bin 0 underflow, nbins - 1 overflow, nbins dropped (zeros, NaN,
         # padding); onehot(low)^T @ onehot(high): with the 16 low values as the product's
@@ -340,10 +358,10 @@ def _kernel(
     zeros = jnp.zeros((BLOCK,), jnp.int32)
     fzeros = jnp.zeros((BLOCK,), jnp.float32)
     ints0 = (zeros, zeros, zeros, zeros + _INF, zeros + _KEY_NINF, zeros + _INF, zeros)
-    moments0 = (zeros, zeros + _NO_SCALE, *([fzeros] * 7))
+    moments0 = (zeros, zeros + _NO_SCALE, *([fzeros] * (9 if higher else 7)))
     table0 = jnp.zeros((_LOW, high), jnp.int32)
     ints, moments, table = jax.lax.fori_loop(0, chunk // BLOCK, step, (ints0, moments0, table0))
-    count, k, c, s1, s2, *powers = moments
+    count, k, c, s1, s2, *powers = moments[:9]
     amax = jnp.max(ints[6])
     n_fin = jnp.sum(count)
     row = {
@@ -366,19 +384,53 @@ def _kernel(
     m2 = s2 - s1 * s1 / lane_n
     r = jnp.where(has, _pow2(jnp.minimum(big_k - k, 0)), 0.0)
     means = mean * r
-    mean_p = jnp.sum(count.astype(jnp.float32) * means) / jnp.maximum(n_fin, 1).astype(jnp.float32)
+    lane_c = count.astype(jnp.float32)
+    mean_p = jnp.sum(lane_c * means) / jnp.maximum(n_fin, 1).astype(jnp.float32)
     dev = jnp.where(has, means - mean_p, 0.0)
     out = {
         "k": big_k,
         "mean": mean_p,
-        "m2": jnp.sum(m2 * (r * r)) + jnp.sum(count.astype(jnp.float32) * dev * dev),
+        "m2": jnp.sum(m2 * (r * r)) + jnp.sum(lane_c * dev * dev),
         **{
             f"p{p}": jnp.sum(jnp.where(has, s * _pow2(jnp.minimum(p * (big_k - k), 0)), 0.0))
             for p, s in zip(POWERS, powers)
         },
     }
-    moments_ref[...] = _row([out[c] for c in _MOMENT_COLUMNS], jnp.float32)
+    columns: tuple[str, ...] = _MOMENT_COLUMNS
+    if higher:  # the lanes' centred sums (about their means), then shifted to the program's
+        e = s1 / lane_n
+        s3, s4 = moments[9], moments[10]
+        m3 = s3 - e * (3.0 * s2 - 2.0 * s1 * e)
+        m4 = s4 - e * (4.0 * s3 - e * (6.0 * s2 - 3.0 * s1 * e))
+        # the lanes' means less the program's from their shifts and residues (shifts near
+        # the float32 mean subtract exactly), then less their weighted mean: the program's
+        # own rounding, mean_lo
+        lo, dev_h = _recentred(lane_c, has, c * r - mean_p, e * r, n_fin)
+        out["m3"], out["m4"] = _shifted(lane_c, dev_h, m2 * (r * r), m3 * r**3, m4 * r**4)
+        out["mean_lo"] = lo
+        out["m2"] = jnp.sum(m2 * (r * r)) + jnp.sum(lane_c * dev_h * dev_h)  # likewise
+        columns = _HIGHER_COLUMNS
+    moments_ref[...] = _row([out[c] for c in columns], jnp.float32, 16 if higher else 8)
     hist_ref[...] = table
+
+
+def _recentred(n: Any, has: Any, head: Any, tail: Any, total: Any) -> tuple[Any, Any]:
+    """``(lo, dev)`` of parts (vectors; ``has``: the part holds values) whose means are a
+    float32 mean ``M`` plus ``head + tail`` (``head`` exact: a shift less ``M``, ``tail`` a
+    small residue): ``lo``, the parts' weighted mean less ``M``, and ``dev``, each part's
+    mean less the weighted one, both to the residues' precision."""
+    raw = jnp.where(has, head + tail, 0.0)
+    lo = jnp.sum(n * raw) / jnp.maximum(total, 1).astype(jnp.float32)
+    return lo, jnp.where(has, raw - lo, 0.0)
+
+
+def _shifted(n: Any, dev: Any, m2: Any, m3: Any, m4: Any) -> tuple[Any, Any]:
+    """The third and fourth centred sums of parts (vectors: counts ``n``, means ``dev`` from
+    the total's mean, centred sums ``m2 .. m4``, one scale) together: each part's sums
+    shifted to the total's mean (binomially; its own first centred sum is 0)."""
+    m3t = jnp.sum(m3 + dev * (3.0 * m2 + n * dev * dev))
+    m4t = jnp.sum(m4 + dev * (4.0 * m3 + dev * (6.0 * m2 + n * dev * dev)))
+    return m3t, m4t
 
 
 def chunk_size(n: int, itemsize: int, high: int) -> int:
@@ -399,8 +451,10 @@ def _bits_of(value: float) -> int:
         return int(np.array(value, np.float32).view(np.int32))
 
 
-@partial(jax.jit, static_argnames=("fmt", "num_counts", "interpret"))
-def _summary(x: Any, fmt: NumberFormat, num_counts: int, interpret: bool) -> tuple[Any, Any]:
+@partial(jax.jit, static_argnames=("fmt", "num_counts", "interpret", "higher"))
+def _summary(
+    x: Any, fmt: NumberFormat, num_counts: int, interpret: bool, higher: bool
+) -> tuple[Any, Any]:
     nbins = num_counts
     # bins plus the dropped one, as high x _LOW with high >= 16 (Triton's smallest dot)
     high = max(16, -(-(nbins + 1) // _LOW))
@@ -425,7 +479,9 @@ def _summary(x: Any, fmt: NumberFormat, num_counts: int, interpret: bool) -> tup
         min_exponent=fmt.min_exponent,
         under_bits=_bits_of(fmt.underflow_threshold),
         over_bits=_bits_of(fmt.overflow_threshold),
+        higher=higher,
     )
+    width = 16 if higher else 8
     ints, hist, moments = pl.pallas_call(
         kernel,
         grid=(programs,),
@@ -433,23 +489,26 @@ def _summary(x: Any, fmt: NumberFormat, num_counts: int, interpret: bool) -> tup
         out_specs=[
             pl.BlockSpec((None, 8), lambda i: (i, 0)),
             pl.BlockSpec((None, _LOW, high), lambda i: (i, 0, 0)),
-            pl.BlockSpec((None, 8), lambda i: (i, 0)),
+            pl.BlockSpec((None, width), lambda i: (i, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((programs, 8), jnp.int32),
             jax.ShapeDtypeStruct((programs, _LOW, high), jnp.int32),
-            jax.ShapeDtypeStruct((programs, 8), jnp.float32),
+            jax.ShapeDtypeStruct((programs, width), jnp.float32),
         ],
         interpret=interpret,
         compiler_params=None if interpret else plt.CompilerParams(num_warps=NUM_WARPS),
     )(flat if n else jnp.zeros(1, flat.dtype))
-    return _merge_blocks(ints, hist, moments, n, nbins)
+    return _merge_blocks(ints, hist, moments, n, nbins, higher)
 
 
-def _merge_blocks(ints: Any, hist: Any, moments: Any, n: int, nbins: int) -> tuple[Any, Any]:
-    """The summary's counts and values from the per-program rows (XLA, small arrays)."""
+def _merge_blocks(
+    ints: Any, hist: Any, moments: Any, n: int, nbins: int, higher: bool = False
+) -> tuple[Any, Any]:
+    """The summary's counts and values from the per-program rows (XLA, small arrays); with
+    ``higher``, the values end with ``m3``, ``m4``."""
     col = unpack_fields(ints, _INT_COLUMNS)
-    mom = unpack_fields(moments, _MOMENT_COLUMNS)
+    mom = unpack_fields(moments, _HIGHER_COLUMNS if higher else _MOMENT_COLUMNS)
     n_nan, n_inf, n_zero, n_fin = (jnp.sum(col[c]) for c in ("nan", "inf", "zero", "finite"))
     has = n_fin > 0
     kmin = jnp.where(has, jnp.min(col["key_min"]), _INF)
@@ -482,18 +541,28 @@ def _merge_blocks(ints: Any, hist: Any, moments: Any, n: int, nbins: int) -> tup
         "m2": m2,
         **{f"p{p}": v for p, v in zip(POWERS, powers)},
     }
-    return pack_parts(core, bins, xp=jnp)
+    if not higher:
+        return pack_parts(core, bins, xp=jnp)
+    # the programs' means less mean_k to their residues' precision (see _HIGHER_COLUMNS)
+    part = col["finite"] > 0
+    _, dev_h = _recentred(nb, part, mom["mean"] * r - mean_k, mom["mean_lo"] * r, n_fin)
+    m3, m4 = _shifted(nb, dev_h, mom["m2"] * r * r, mom["m3"] * r**3, mom["m4"] * r**4)
+    m2_h = jnp.sum(mom["m2"] * r * r) + jnp.sum(nb * dev_h * dev_h)
+    core["m2"] = m2_h / (s_scaled * s_scaled)  # likewise
+    higher_sums = jnp.stack([m3 / s_scaled**3, m4 / s_scaled**4])
+    return pack_parts(core, bins, higher_sums, xp=jnp)
 
 
 def pallas_summary(
-    x: Any, fmt: NumberFormat, num_counts: int, interpret: bool | None = None
+    x: Any, fmt: NumberFormat, num_counts: int, interpret: bool | None = None, moments: int = 2
 ) -> DeviceSummary:
     """The core summary of ``x`` (any float dtype but float64) for format ``fmt`` by the
     fused kernel (traceable); :func:`._summary.to_vector` of it equals
-    ``tandv.stats.summarize(x, fmt)`` (counts, extrema and exponent counts exactly, moments
-    to float32 rounding). Its ``values`` hold the core fields only: the caller appends
-    custom statistics. ``interpret``: run Pallas's interpreter (default: on the CPU)."""
+    ``tandv.stats.summarize(x, fmt, moments=moments)`` (counts, extrema and exponent counts
+    exactly, moments to float32 rounding). Its ``values`` hold the core fields, then with
+    ``moments=4`` ``m3``, ``m4`` (:func:`._summary.with_custom` puts custom statistics
+    before them). ``interpret``: run Pallas's interpreter (default: on the CPU)."""
     check_countable(x)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    return DeviceSummary(*_summary(x, fmt, num_counts, interpret))
+    return DeviceSummary(*_summary(x, fmt, num_counts, interpret, moments == 4))

@@ -27,6 +27,7 @@ from ...stats.summary import (
     VALUE_FIELDS,
     VALUE_INDEX,
     Layout,
+    _merge_higher,
     append_extras,
     join_summary,
     pack_fields,
@@ -213,12 +214,17 @@ def higher_moments_jax(x: Any, values: Any) -> jax.Array:
 def with_custom(
     core: DeviceSummary, x: Any, custom: Mapping[str, CustomStat] | None
 ) -> DeviceSummary:
-    """``core`` (the layout's core fields of ``x``) with the custom statistics of ``x``
-    appended to its values, in ``custom``'s order (traceable)."""
+    """``core`` (the layout's core fields of ``x``, then ``m3``, ``m4`` where a kernel
+    computed them for ``moments=4``) with the custom statistics of ``x`` after the core
+    fields, in ``custom``'s order: the layout's order, ``m3`` and ``m4`` last (traceable)."""
     if not custom:
         return core
-    extra = [jnp.asarray(fn(x), core.values.dtype).reshape(1) for fn in custom.values()]
-    return DeviceSummary(core.counts, append_extras(core.values, jnp.concatenate(extra), jnp))
+    extra = jnp.concatenate(
+        [jnp.asarray(fn(x), core.values.dtype).reshape(1) for fn in custom.values()]
+    )
+    v = core.values
+    values = jnp.concatenate([v[..., :N_CORE_VALUES], extra, v[..., N_CORE_VALUES:]], axis=-1)
+    return DeviceSummary(core.counts, values)
 
 
 def _reduce_rows(ops: list[tuple[Any, str]]) -> list[Any]:
@@ -436,13 +442,22 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
     Counts, extrema and exponent counts merge exactly; the mean, the centred second moment
     (Chan's update) and the power sums are rescaled from each part's largest magnitude to
     the merged one. ``rules``: the merge rule of each custom statistic (``"sum"``, ``"min"``,
-    ``"max"``, ``"mean"``: weighted by element count), in the values' order.
+    ``"max"``, ``"mean"``: weighted by element count), in the values' order. Values two
+    longer than the core fields and custom statistics end with ``m3``, ``m4``
+    (``moments=4``), merged by Pébay's update like :func:`tandv.stats.summary.merge`.
 
     Why on device: a tap inside a loop body (``lax.scan``, ``nn.scan``) writes its mailbox
     once per iteration, and each write merges into what the mailbox holds, so one summary
     of all iterations leaves the program."""
     ca, cb = a.counts, b.counts
     va, vb = a.values, b.values
+    higher = va.shape[-1] - N_CORE_VALUES - len(rules)
+    if higher not in (0, 2) or vb.shape[-1] != va.shape[-1]:
+        raise ValueError(
+            f"merge_jax: values of {va.shape[-1]} and {vb.shape[-1]} entries for "
+            f"{len(rules)} custom statistics; expected {N_CORE_VALUES + len(rules)} "
+            f"(or 2 more, m3 and m4 of moments=4) in both"
+        )
     counts = ca + cb
     numel, nan, inf = COUNT_INDEX["numel"], COUNT_INDEX["nan_count"], COUNT_INDEX["inf_count"]
     # The counts are int32: a union of more than MAX_ELEMENTS elements (a loop's iterations
@@ -529,6 +544,20 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
             extras.append(
                 jnp.where(total > 0, (va[i] * wa + vb[i] * wb) / jnp.where(total > 0, total, 1), 0)
             )
+    if higher:  # Pébay's update, the sums rescaled to the merged scale like m2's
+        i3 = N_CORE_VALUES + len(rules)
+        m3, m4 = _merge_higher(
+            na,
+            nb,
+            delta,
+            m2a * ra**2,
+            va[i3] * ra**3,
+            va[i3 + 1] * ra**4,
+            xb["m2"] * rb**2,
+            vb[i3] * rb**3,
+            vb[i3 + 1] * rb**4,
+        )
+        extras += [jnp.where(has, m3, va[i3]), jnp.where(has, m4, va[i3 + 1])]
     values = pack_fields(core, VALUE_FIELDS, jnp)
     if extras:
         values = append_extras(values, jnp.stack(extras), jnp)

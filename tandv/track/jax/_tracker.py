@@ -207,7 +207,6 @@ class JaxTracker(TrackerCore[Sent]):
         **options: Unpack[TrackKwargs],
     ) -> None:
         opts = TrackOptions.of(options)
-        _misuse.check_moments(opts.moments)
         super().__init__(opts, type(model_state).__name__, "jax")
         if optimizer_state is not None and model_state is None:
             raise ValueError(
@@ -376,7 +375,9 @@ class JaxTracker(TrackerCore[Sent]):
             return summarize_jax(x, layout, self._custom)
 
         def kernel(a: jax.Array, interpret: bool | None = None) -> DeviceSummary:
-            core = pallas_summary(a, layout.format, layout.num_counts, interpret=interpret)
+            core = pallas_summary(
+                a, layout.format, layout.num_counts, interpret=interpret, moments=layout.moments
+            )
             return with_custom(core, a, self._custom)
 
         if self._path == "pallas":
@@ -394,7 +395,8 @@ class JaxTracker(TrackerCore[Sent]):
             return self._summarize(x)
         layout = self._layout(x.dtype)
         _host_kernel_only(layout, "the taps of intercept() (activations, output gradients)")
-        return with_custom(_ffi.ffi_summary(x, layout.format, layout.num_counts), x, self._custom)
+        core = _ffi.ffi_summary(x, layout.format, layout.num_counts, layout.moments)
+        return with_custom(core, x, self._custom)
 
     def _summarize_exact(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Traceable, on the CPU (not float64): counts, values (custom statistics appended)
@@ -402,7 +404,7 @@ class JaxTracker(TrackerCore[Sent]):
         kernel in the program (see :func:`._ffi.ffi_summary_exact`)."""
         layout = self._layout(x.dtype)
         _host_kernel_only(layout, "an array given to step()")
-        core, words = _ffi.ffi_summary_exact(x, layout.format, layout.num_counts)
+        core, words = _ffi.ffi_summary_exact(x, layout.format, layout.num_counts, layout.moments)
         summary = with_custom(core, x, self._custom)
         return summary.counts, summary.values, words
 
@@ -542,7 +544,7 @@ class JaxTracker(TrackerCore[Sent]):
             return {}
         if not block_formats_of(self._layout(arrays[0].dtype).extras):
             return {}
-        from ...stats.host import HOST_DTYPES, host_summaries
+        from ...stats.host import HOST_DTYPES, host_higher_moments, host_summaries
 
         out: dict[int, np.ndarray] = {}
         for dtype, idx in self._groups(arrays):
@@ -554,7 +556,10 @@ class JaxTracker(TrackerCore[Sent]):
                 and all(d.platform == "cpu" for d in arrays[i].devices())
             ]
             if idx:
-                vectors = host_summaries([np.asarray(arrays[i]) for i in idx], self._layout(dtype))
+                host = [np.asarray(arrays[i]) for i in idx]
+                vectors = host_summaries(host, self._layout(dtype))
+                if self.options.moments == 4:  # m3, m4 after the block formats' columns
+                    vectors = np.hstack([vectors, host_higher_moments(host, vectors)])
                 out.update(zip(idx, vectors))
         return out
 

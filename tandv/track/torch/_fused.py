@@ -29,6 +29,13 @@ value is exact, subnormals included.
 The moments are computed in float32 (float64 for float64 tensors) per block and
 accumulated in float64: relative error ~1e-7 per block, not per element.
 
+With ``moments=4`` (the compile-time ``HOFF``, where ``m3`` lies in the row; 0 compiles
+the kernel without any of this) each block also sums the cubes and fourth powers of its
+deviations, and the slot's sums and the block's are shifted binomially to their merged mean
+(float64); the slots, and the programs of a tensor (their partial rows hold ``m3``, ``m4``
+in the fields of the counts, which go to the tensor's row directly), merge the same way
+(Pébay's update). The row holds ``m3``, ``m4`` after the custom statistics, as the layout.
+
 Programs of one tensor
 ----------------------
 A tensor of up to :data:`ONE_PROGRAM` tiles is one program, which writes the tensor's
@@ -67,7 +74,7 @@ from triton import knobs
 from triton.runtime import driver
 
 from ...stats.formats import number_format
-from ...stats.summary import Layout, pack_summary
+from ...stats.summary import Layout, append_extras, pack_summary
 
 if "mask" not in inspect.signature(tl.histogram).parameters:
     raise ImportError(
@@ -269,14 +276,16 @@ def _step(
     MASKED: tl.constexpr,
     PER: tl.constexpr,
     BLOCK: tl.constexpr,
+    HOFF: tl.constexpr,
 ):
     """The slots' ``state`` and the program's exponent counts ``hist`` with a tile ``x``
-    added (its elements where ``m`` when ``MASKED``).
+    added (its elements where ``m`` when ``MASKED``); with ``HOFF`` (moments=4), the
+    third and fourth centred sums too.
 
     (Reductions call ``tl.reduce`` with Triton's own combine functions rather than
     ``tl.sum`` and the like: the same code compiled, and many times faster in the
     interpreter, which patches its language module on every call of a jit function.)"""
-    E, cnt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over = state
+    E, cnt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over, m3, m4 = state
     bits = _magnitude_bits(x, MODE)
     inf = _inf_bits(MODE)
     fin = bits < inf
@@ -324,7 +333,9 @@ def _step(
         c = mb.to(q.dtype)
         d = q - c[None, :, None]
     off = mb - c.to(tl.float64)
-    m2b = tl.reduce(tl.reduce(d * d, 2, _ADD), 0, _ADD).to(tl.float64) - nb * off * off
+    d2 = d * d
+    s2 = tl.reduce(tl.reduce(d2, 2, _ADD), 0, _ADD).to(tl.float64)
+    m2b = tl.maximum(s2 - nb * off * off, 0.0)
     a = tl.abs(q)
     a2 = a * a
     a4 = a2 * a2
@@ -332,7 +343,26 @@ def _step(
     w = (nb / tl.maximum(nt, 1.0)).to(tl.float64)
     mean = mean * r
     delta = mb - mean
-    m2 = m2 * r2 + tl.maximum(m2b, 0.0) + delta * delta * (cnt.to(tl.float64) * w)
+    if HOFF:
+        # the third and fourth sums about the new mean: the slot's shifted by u (its old
+        # mean less the new), the block's from its float32 sums of d = q - c shifted by
+        # t = c - the new mean (binomially; sum d = nb * off); u and t are within the spread
+        c2 = m2 * r2
+        c3 = m3 * (r2 * r)
+        na = cnt.to(tl.float64)
+        u = -delta * w
+        t = c.to(tl.float64) - (mean + delta * w)
+        s1 = nb * off
+        s3 = tl.reduce(tl.reduce(d2 * d, 2, _ADD), 0, _ADD).to(tl.float64)
+        s4 = tl.reduce(tl.reduce(d2 * d2, 2, _ADD), 0, _ADD).to(tl.float64)
+        m3 = c3 + u * (3.0 * c2 + na * u * u) + s3 + t * (3.0 * s2 + t * (3.0 * s1 + nb * t))
+        m4 = (
+            m4 * r4
+            + u * (4.0 * c3 + u * (6.0 * c2 + na * u * u))
+            + s4
+            + t * (4.0 * s3 + t * (6.0 * s2 + t * (4.0 * s1 + nb * t)))
+        )
+    m2 = m2 * r2 + m2b + delta * delta * (cnt.to(tl.float64) * w)
     mean = mean + delta * w
     p1 = p1 * r + tl.reduce(tl.reduce(a, 2, _ADD), 0, _ADD).to(tl.float64)
     p2 = p2 * r2 + tl.reduce(tl.reduce(a2, 2, _ADD), 0, _ADD).to(tl.float64)
@@ -349,7 +379,7 @@ def _step(
         hist += tl.histogram(tl.reshape(key, [BLOCK]), NBP, mask=tl.reshape(m, [BLOCK]))
     else:
         hist += tl.histogram(tl.reshape(key, [BLOCK]), NBP)
-    return (En, nt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over), hist
+    return (En, nt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over, m3, m4), hist
 
 
 @triton.jit
@@ -370,6 +400,7 @@ def _scan(
     SLOTS: tl.constexpr,
     OVER: tl.constexpr,
     STRIDED: tl.constexpr,
+    HOFF: tl.constexpr,
 ):
     """The slots' states after elements ``[start, end)`` of a tensor (``start`` a multiple
     of the tile), and their exponent counts: whole tiles unmasked, then the rest."""
@@ -397,6 +428,8 @@ def _scan(
         tl.zeros([SLOTS], it) + _inf_bits(MODE),
         tl.zeros([SLOTS], ct),
         tl.zeros([SLOTS], tl.int32),
+        zero,
+        zero,
     )
     hist = tl.zeros([NBP], tl.int32)
     full_end = start + ((end - start) // BLOCK) * BLOCK
@@ -405,20 +438,40 @@ def _scan(
             ptr, tl.multiple_of(off, BLOCK), end, lut_ptr, geo, MODE, VEC, K, SLOTS, False, STRIDED
         )
         state, hist = _step(
-            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, False, K * VEC, BLOCK
+            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, False, K * VEC, BLOCK, HOFF
         )
     if full_end < end:
         x, m = _tile(ptr, full_end, end, lut_ptr, geo, MODE, VEC, K, SLOTS, True, STRIDED)
         state, hist = _step(
-            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, True, K * VEC, BLOCK
+            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, True, K * VEC, BLOCK, HOFF
         )
     return state, hist
 
 
 @triton.jit
-def _merged(E, n, mean, m2, p1, p2, p4, p8):
-    """The moments of parts ``(E, n, mean, m2, p1, p2, p4, p8)`` (vectors; each part's
-    sums scaled by ``2**-E``) as one part scaled by the largest ``2**-E``."""
+def _pebay(na, nb, delta, a2, a3, a4, b2, b3, b4):
+    """The third and fourth centred sums of two parts merged (Pebay 2008: Chan et al.'s
+    update one and two orders up): counts ``na``, ``nb``, ``delta`` the second part's mean
+    less the first's, ``a2 .. a4`` and ``b2 .. b4`` their centred sums (one scale)."""
+    n = na + nb
+    dn = delta / tl.maximum(n, 1.0)
+    nab = na * nb
+    m3 = a3 + b3 + delta * dn * dn * nab * (na - nb) + 3.0 * dn * (na * b2 - nb * a2)
+    m4 = (
+        a4
+        + b4
+        + delta * dn * dn * dn * nab * (na * na - nab + nb * nb)
+        + 6.0 * dn * dn * (na * na * b2 + nb * nb * a2)
+        + 4.0 * dn * (na * b3 - nb * a3)
+    )
+    return m3, m4
+
+
+@triton.jit
+def _merged(E, n, mean, m2, p1, p2, p4, p8, m3, m4, HOFF: tl.constexpr):
+    """The moments of parts ``(E, n, mean, m2, p1, p2, p4, p8, m3, m4)`` (vectors; each
+    part's sums scaled by ``2**-E``) as one part scaled by the largest ``2**-E`` (``m3``,
+    ``m4`` with ``HOFF`` only: each part's sums shifted to the total mean, exactly)."""
     Et = tl.max(E)
     r = _pow2_f64(E - Et)
     r2 = r * r
@@ -427,17 +480,27 @@ def _merged(E, n, mean, m2, p1, p2, p4, p8):
     mean = mean * r
     mt = tl.sum(n * mean) / tl.maximum(nt, 1.0)
     dev = mean - mt
-    m2t = tl.sum(m2 * r2 + n * dev * dev)
-    return Et, nt, mt, m2t, tl.sum(p1 * r), tl.sum(p2 * r2), tl.sum(p4 * r4), tl.sum(p8 * (r4 * r4))
+    m2 = m2 * r2
+    m2t = tl.sum(m2 + n * dev * dev)
+    if HOFF:
+        m3 = m3 * (r2 * r)
+        m3t = tl.sum(m3 + dev * (3.0 * m2 + n * dev * dev))
+        m4t = tl.sum(m4 * r4 + dev * (4.0 * m3 + dev * (6.0 * m2 + n * dev * dev)))
+    else:
+        m3t = tl.sum(m3)
+        m4t = tl.sum(m4)
+    p4t = tl.sum(p4 * r4)
+    p8t = tl.sum(p8 * (r4 * r4))
+    return Et, nt, mt, m2t, tl.sum(p1 * r), tl.sum(p2 * r2), p4t, p8t, m3t, m4t
 
 
 @triton.jit
-def _merge(a, b):
-    """Merge two partial moment sets ``(E, n, mean, m2, p1, p2, p4, p8)``, their sums
-    scaled by ``2**-E`` and ``2**-Eb``, into one scaled by ``2**-max(E, Eb)`` (Chan et al.
-    for the centred second moment)."""
-    E, n, mean, m2, p1, p2, p4, p8 = a
-    Eb, nb, meanb, m2b, p1b, p2b, p4b, p8b = b
+def _merge(a, b, HOFF: tl.constexpr):
+    """Merge two partial moment sets ``(E, n, mean, m2, p1, p2, p4, p8, m3, m4)``, their
+    sums scaled by ``2**-E`` and ``2**-Eb``, into one scaled by ``2**-max(E, Eb)`` (Chan et
+    al. for the centred second moment, Pebay for ``m3``, ``m4`` with ``HOFF``)."""
+    E, n, mean, m2, p1, p2, p4, p8, m3, m4 = a
+    Eb, nb, meanb, m2b, p1b, p2b, p4b, p8b, m3b, m4b = b
     Ec = tl.maximum(E, Eb)
     r = _pow2_f64(E - Ec)
     rb = _pow2_f64(Eb - Ec)
@@ -450,13 +513,17 @@ def _merge(a, b):
     nt = n + nb
     w = nb / tl.maximum(nt, 1.0)
     delta = meanb - mean
+    if HOFF:
+        m3, m4 = _pebay(
+            n, nb, delta, m2 * r2, m3 * (r2 * r), m4 * r4, m2b * rb2, m3b * (rb2 * rb), m4b * rb4
+        )
     m2 = m2 * r2 + m2b * rb2 + delta * delta * n * w
     mean = mean + delta * w
     p1 = p1 * r + p1b * rb
     p2 = p2 * r2 + p2b * rb2
     p4 = p4 * r4 + p4b * rb4
     p8 = p8 * (r4 * r4) + p8b * (rb4 * rb4)
-    return Ec, nt, mean, m2, p1, p2, p4, p8
+    return Ec, nt, mean, m2, p1, p2, p4, p8, m3, m4
 
 
 @triton.jit
@@ -467,9 +534,10 @@ def _store_fields(ptr, fields):
 
 
 @triton.jit
-def _merge_parts(base, n_parts, GROUP: tl.constexpr):
+def _merge_parts(base, n_parts, GROUP: tl.constexpr, HOFF: tl.constexpr):
     """Fields ``OVER .. P8`` of the merge of the ``n_parts`` partial rows at ``base``
-    (written by other programs: read past the caches)."""
+    (written by other programs: read past the caches), then ``m3``, ``m4`` (with ``HOFF``,
+    from the partial rows' first two fields; else zeros)."""
     g = tl.arange(0, GROUP)
     over = tl.full([], 0.0, tl.float64)
     mn = tl.full([], float("inf"), tl.float64)
@@ -477,7 +545,7 @@ def _merge_parts(base, n_parts, GROUP: tl.constexpr):
     amin = tl.full([], float("inf"), tl.float64)
     amax = tl.full([], 0.0, tl.float64)
     zero = tl.full([], 0.0, tl.float64)
-    moments = (tl.full([], -1074, tl.int32), zero, zero, zero, zero, zero, zero, zero)
+    moments = (tl.full([], -1074, tl.int32), zero, zero, zero, zero, zero, zero, zero, zero, zero)
     for i0 in range(0, n_parts, GROUP):
         ok = (i0 + g) < n_parts
         rows = base + (i0 + g) * 16
@@ -497,10 +565,24 @@ def _merge_parts(base, n_parts, GROUP: tl.constexpr):
             tl.load(rows + 13, mask=ok, other=0.0, volatile=True),
             tl.load(rows + 14, mask=ok, other=0.0, volatile=True),
             tl.load(rows + 15, mask=ok, other=0.0, volatile=True),
+            _load_higher(rows, ok, 0, HOFF),
+            _load_higher(rows, ok, 1, HOFF),
+            HOFF,
         )
-        moments = _merge(moments, group)
-    E, n, mean, m2, p1, p2, p4, p8 = moments
-    return (over, mn, mx, amin, amax, E, n, mean, m2, p1, p2, p4, p8)
+        moments = _merge(moments, group, HOFF)
+    E, n, mean, m2, p1, p2, p4, p8, m3, m4 = moments
+    return (over, mn, mx, amin, amax, E, n, mean, m2, p1, p2, p4, p8, m3, m4)
+
+
+@triton.jit
+def _load_higher(rows, ok, i: tl.constexpr, HOFF: tl.constexpr):
+    """Field ``i`` of partial rows ``rows`` (``m3``, ``m4`` with ``HOFF``: a partial row's
+    first fields, whose counts go to the tensor's row directly), zeros without."""
+    if HOFF:
+        v = tl.load(rows + i, mask=ok, other=0.0, volatile=True)
+    else:
+        v = tl.zeros(ok.shape, tl.float64)
+    return v
 
 
 @triton.jit
@@ -532,18 +614,38 @@ def _summarize(
     STRIDED: tl.constexpr,
     EXT: tl.constexpr,
     GROUP: tl.constexpr,
+    HOFF: tl.constexpr,
 ):
     """One program's share ``[start, end)`` of a tensor whose row is at ``row``; with
     ``n_parts > 1`` programs, its partial row goes to ``part_ptr`` and the last program
     merges the ``n_parts`` rows at ``parts_ptr`` into ``row``. Counts and sums are
     multiplied by ``weight`` (the size of broadcast dimensions); with ``EXT``, the value
-    at ``ext_ptr`` is written to ``row + ext_off``."""
+    at ``ext_ptr`` is written to ``row + ext_off``; with ``HOFF`` (moments=4), ``m3`` and
+    ``m4`` to ``row + HOFF`` and ``+ HOFF + 1`` (a partial row's first two fields)."""
     state, hist = _scan(
-        ptr, start, end, lut_ptr, fmax, geo, MODE, SUB, DMIN, NBD, NBP, VEC, K, SLOTS, OVER, STRIDED
+        ptr,
+        start,
+        end,
+        lut_ptr,
+        fmax,
+        geo,
+        MODE,
+        SUB,
+        DMIN,
+        NBD,
+        NBP,
+        VEC,
+        K,
+        SLOTS,
+        OVER,
+        STRIDED,
+        HOFF,
     )
-    E, cnt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over = state
+    E, cnt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over, m3, m4 = state
     wt = weight * tl.full([], 1.0, tl.float64)
-    Et, n, mt, m2t, p1t, p2t, p4t, p8t = _merged(E, cnt.to(tl.float64), mean, m2, p1, p2, p4, p8)
+    Et, n, mt, m2t, p1t, p2t, p4t, p8t, m3t, m4t = _merged(
+        E, cnt.to(tl.float64), mean, m2, p1, p2, p4, p8, m3, m4, HOFF
+    )
     amin_t = tl.minimum(tl.min(amin), _inf_bits(MODE))
     if MODE == 4:
         amin_f = amin_t.to(tl.float64, bitcast=True)
@@ -575,8 +677,14 @@ def _summarize(
         _store_fields(row, fields)
         if EXT:
             tl.store(row + ext_off, tl.load(ext_ptr).to(tl.float64))
+        if HOFF:
+            tl.store(row + HOFF, m3t * wt)
+            tl.store(row + HOFF + 1, m4t * wt)
     else:
         _store_fields(part_ptr, fields)
+        if HOFF:
+            tl.store(part_ptr, m3t * wt)
+            tl.store(part_ptr + 1, m4t * wt)
         tl.atomic_add(
             row + dest, counts, mask=kept & (hist != 0), sem="relaxed"
         )  # read only by the host, after the kernel
@@ -585,9 +693,13 @@ def _summarize(
         done = tl.atomic_add(row + 16, 1.0, sem="acq_rel")  # COUNTER
         if done == n_parts - 1:
             # the last program of the tensor
-            _store_fields(row, _merge_parts(parts_ptr, n_parts, GROUP))
+            merged = _merge_parts(parts_ptr, n_parts, GROUP, HOFF)
+            _store_fields(row, merged)
             if EXT:
                 tl.store(row + ext_off, tl.load(ext_ptr).to(tl.float64))
+            if HOFF:
+                tl.store(row + HOFF, merged[13])
+                tl.store(row + HOFF + 1, merged[14])
 
 
 @triton.jit(do_not_specialize=["n", "tiles", "row_off", "ext_off", "s1", "s2", "t0", "t1", "t2"])
@@ -622,6 +734,7 @@ def _summarize_one(
     STRIDED: tl.constexpr,
     EXT: tl.constexpr,
     GROUP: tl.constexpr,
+    HOFF: tl.constexpr,
 ):
     """One tensor ``x_ptr`` of ``n`` elements, ``tiles`` tiles per program, into the row
     at ``rows_ptr + row_off``; ``STRIDED``: the elements of the view of sizes ``(., s1,
@@ -662,6 +775,7 @@ def _summarize_one(
         STRIDED,
         EXT,
         GROUP,
+        HOFF,
     )
 
 
@@ -704,6 +818,7 @@ def _summarize_many(
     OVER: tl.constexpr,
     ALIGNED: tl.constexpr,
     GROUP: tl.constexpr,
+    HOFF: tl.constexpr,
 ):
     """Many tensors of one dtype: program ``i`` reads row ``i`` of the table ``(address,
     start, end, row offset, part, parts, first part)``; ``ALIGNED``: every address is a
@@ -739,6 +854,7 @@ def _summarize_many(
         False,
         False,
         GROUP,
+        HOFF,
     )
 
 
@@ -848,8 +964,14 @@ def spec_for(dtype: torch.dtype) -> Spec | None:
 
 
 def row_size(spec: Spec, layout: Layout) -> int:
-    """Length of a row of ``spec``'s tensors in ``layout`` (custom statistics included)."""
-    return spec.row_size + len(layout.extras)
+    """Length of a row of ``spec``'s tensors in ``layout`` (custom statistics included, and
+    ``m3``, ``m4`` after them with ``layout.moments == 4``)."""
+    return spec.row_size + len(layout.extras) + layout.num_higher
+
+
+def _hoff(spec: Spec, layout: Layout) -> int:
+    """The kernels' ``HOFF``: where ``m3`` lies in a row (0: the layout has no ``m3``)."""
+    return spec.row_size + len(layout.extras) if layout.num_higher else 0
 
 
 def _fmax(layout: Layout) -> float:
@@ -904,13 +1026,19 @@ class _Consts:
 
 @cache
 def _consts(
-    spec: Spec, over: bool, strided: int = 0, ext: bool = False, aligned: bool | None = None
+    spec: Spec,
+    over: bool,
+    strided: int = 0,
+    ext: bool = False,
+    aligned: bool | None = None,
+    hoff: int = 0,
 ) -> _Consts:
     """The variant of ``spec``'s kernels: ``over``, values above the layout format's max
     are counted; ``strided``, a gappy view (1: offsets below 2**31, 2: larger; no
     register cap: its index arithmetic would
     spill); ``ext``, a statistic is copied in; ``aligned`` (:func:`launch_many` only):
-    every address of the table is 16-byte aligned."""
+    every address of the table is 16-byte aligned; ``hoff``: the third and fourth moments
+    are computed into the row at ``hoff`` (:func:`_hoff`; 0: not computed)."""
     bins, zkey, ikey = spec.keys
     kw: dict[str, Any] = dict(
         MODE=spec.mode,
@@ -930,8 +1058,12 @@ def _consts(
     else:
         kw.update(ALIGNED=aligned)
     kw["GROUP"] = GROUP
+    kw["HOFF"] = hoff
     tail = tuple(kw.values())
-    kw.update(num_warps=NUM_WARPS, maxnreg=None if strided else spec.maxnreg, enable_fp_fusion=True)
+    # no register cap for a gappy view (its index arithmetic would spill) nor with m3, m4
+    # (their float64 state and update: ~120 registers, 2 programs per SM, no spills)
+    cap = None if strided or hoff else spec.maxnreg
+    kw.update(num_warps=NUM_WARPS, maxnreg=cap, enable_fp_fusion=True)
     return _Consts(kw, tail)
 
 
@@ -1096,7 +1228,9 @@ def launch_one(
     key = (id(spec), id(layout), strided, extra is not None)
     plan = _plans.get(key)
     if plan is None:  # (the key's objects are kept alive with the plan)
-        consts = _consts(spec, _over(spec, layout), strided, extra is not None)
+        consts = _consts(
+            spec, _over(spec, layout), strided, extra is not None, hoff=_hoff(spec, layout)
+        )
         plan = _plans[key] = (consts, _fmax(layout), spec, layout)
     args: tuple[Any, ...] = (base, n, -(-per // spec.block), rows, offset, scratch, lut)
     args += (plan[1], float(weight), ext, ext_off, *(geo or (1, 1, 0, 0, 0)))
@@ -1155,7 +1289,7 @@ def launch_many(
     plan_key = (id(spec), id(layout), aligned)
     plan = _plans_many.get(plan_key)
     if plan is None:  # (the key's objects are kept alive with the plan)
-        consts = _consts(spec, _over(spec, layout), aligned=aligned)
+        consts = _consts(spec, _over(spec, layout), aligned=aligned, hoff=_hoff(spec, layout))
         plan = _plans_many[plan_key] = (consts, _fmax(layout), spec, layout)
     args = (dev_table, rows, scratch, lut, plan[1])
     _launch(_summarize_many, programs, args, plan[0], (dev_table, rows, scratch, lut))
@@ -1275,7 +1409,24 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
     counts[:, top] = counts[:, top] - move
     counts[:, over] = counts[:, over] + move + col[INF]
     extras = rows[:, spec.row_size : spec.row_size + len(layout.extras)]
-    return pack_summary(core, counts, extras, xp)
+    out = pack_summary(core, counts, extras, xp)
+    if not layout.num_higher:
+        return out
+    # m3, m4 likewise: the z zeros taken out by Pebay's update backwards (the finite part
+    # a and the zeros b merged gave the kernel's sums; delta = 0 - mean_f)
+    hoff = _hoff(spec, layout)
+    a2 = xp.where(m2 > 0, m2, 0.0)
+    dn = -mean_f / xp.where(numel > 0, numel, 1.0)
+    na_nb = nfin * z
+    m3 = rows[:, hoff] + dn * (3.0 * z * a2 - dn * dn * numel * na_nb * (nfin - z))
+    m4 = (
+        rows[:, hoff + 1]
+        - dn * dn * dn * dn * numel * na_nb * (nfin * nfin - na_nb + z * z)
+        - 6.0 * dn * dn * z * z * a2
+        + 4.0 * dn * z * m3
+    )
+    higher = xp.stack([xp.where(has, m3, 0.0) * (r2 * r), xp.where(has, m4, 0.0) * (r2 * r2)], 1)
+    return append_extras(out, higher, xp)
 
 
 @cache

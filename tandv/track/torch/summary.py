@@ -243,18 +243,12 @@ def summarize_torch(
         TypeError: if ``x`` is not a floating-point tensor.
         ValueError: if ``extras`` does not match ``layout.extras``.
 
-    With ``layout.moments == 4`` the skewness and kurtosis sums ``m3``, ``m4`` follow: on the
-    host path from the compiled kernel's second pass
-    (:func:`tandv.stats.host.host_higher_moments`), elsewhere from torch operations on the
-    device (:func:`higher_moments_torch`), after the core summary of whichever path.
+    With ``layout.moments == 4`` the skewness and kurtosis sums ``m3``, ``m4`` follow: from
+    the fused kernel in the same pass, on the host path from the compiled kernel's second
+    pass (:func:`tandv.stats.host.host_higher_moments`), elsewhere from torch operations on
+    the device (:func:`higher_moments_torch`), after the core summary of that path.
     """
     _check_tensor(x)
-    if layout.num_higher:
-        base = Layout(layout.format, layout.extras)
-        host = host_vectors([x], layout, [extras or {}])[0]
-        if host is not None:
-            return torch.from_numpy(host)
-        return torch.cat([summarize_torch(x, base, extras), higher_moments_torch(x)])
     names = _extra_names(layout, extras)
     spec = fused_spec(x, layout)
     if spec is not None:
@@ -271,8 +265,16 @@ def summarize_torch(
             with torch.cuda.device(x.device) if x.device.type == "cuda" else nullcontext():
                 _fused.launch_one(x.detach(), spec, layout, rows, 0, scratch, max_parts)
         if names:
-            rows[spec.row_size :] = extras_vector(extras or {}, names, x.device)
+            rows[spec.row_size : spec.row_size + len(names)] = extras_vector(
+                extras or {}, names, x.device
+            )
         return _fused.finish_rows(rows[None], spec, layout, torch)[0]
+    if layout.num_higher:
+        base = Layout(layout.format, layout.extras)
+        host = host_vectors([x], layout, [extras or {}])[0]
+        if host is not None:
+            return torch.from_numpy(host)
+        return torch.cat([summarize_torch(x, base, extras), higher_moments_torch(x)])
     host = host_vectors([x], layout, [extras or {}])[0]
     if host is not None:
         return torch.from_numpy(host)
@@ -507,10 +509,10 @@ _fused_state: dict[str, Any] = {}
 def fused_spec(x: torch.Tensor, layout: Layout | None = None) -> Any:
     """The fused kernel's :class:`~._fused.Spec` for ``x`` if ``x`` takes the fused path,
     else ``None``. Without Triton, CUDA tensors take the torch-op path, with one warning.
-    So do tensors whose ``layout`` asks for block formats or for moments beyond the second:
-    the fused kernel does not compute those columns yet (:mod:`._blocks` and the torch ops
-    do)."""
-    if layout is not None and (_n_block_columns(layout) or layout.num_higher):
+    So do tensors whose ``layout`` asks for block formats: the fused kernel does not
+    compute those columns yet (:mod:`._blocks` does). (It does compute ``m3``, ``m4`` for
+    ``moments=4``.)"""
+    if layout is not None and _n_block_columns(layout):
         return None
     if type(x) not in (torch.Tensor, torch.nn.Parameter):
         return None  # tensor subclasses: DTensor and the like hold a shard
