@@ -296,15 +296,17 @@ def _one_block(x, s, e, p, s_t, acc):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _block_bits(bits, a, size, nblk, hi, lo):  # pragma: no cover - compiled
+def _block_bits(bits, hi, lo):  # pragma: no cover - compiled
     """The bits of the largest finite magnitude (``hi``) and of the smallest non-zero one
-    (``lo``; the inf pattern if none) of each of the ``nblk`` blocks of ``size`` from
-    ``a`` (int32 compares vectorize, as in :func:`_bit_reductions`)."""
-    for k in range(nblk):
+    (``lo``; the inf pattern if none) of each block, a row of ``bits`` (int32, blocks x
+    block size). int32 compares vectorize, as in :func:`_bit_reductions`; the 2-D indices
+    (loop counters, known non-negative) let LLVM vectorize the row loop, where flat indices
+    ``a + k * size + j`` kept it scalar (numba's negative-index wrap-around)."""
+    for k in range(bits.shape[0]):
         mx = _I32(0)
         mn = _I32(0x7F800000)
-        for j in range(a + k * size, a + k * size + size):
-            m = _I32(bits[j] & _I32(0x7FFFFFFF))
+        for j in range(bits.shape[1]):
+            m = _I32(bits[k, j] & _I32(0x7FFFFFFF))
             fin = m < _I32(0x7F800000)
             mx = max(mx, m if fin else _I32(0))
             mn = min(mn, m if fin & (m > _I32(0)) else _I32(0x7F800000))
@@ -313,12 +315,15 @@ def _block_bits(bits, a, size, nblk, hi, lo):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _mx_elements(x, a, size, nblk, inv, scl, p, acc):  # pragma: no cover - compiled
-    """Adds the counts and squared errors of the MX blocks (scaled by ``inv``, float32 powers
-    of two, dequantized by ``scl``, one per block) to ``acc``. Scaling and rounding run in
-    float32 (sixteen lanes): ``x * inv`` is exact wherever it is not far below the element's
-    smallest subnormal (where it rounds to zero either way), and the error is taken in
-    float64 from the original value. ``reassoc`` lets the sums vectorize; the rounding
+def _mx_elements(x, inv, scl, p, acc):  # pragma: no cover - compiled
+    """Adds the counts and squared errors of the MX blocks, the rows of ``x`` (float32,
+    blocks x block size), scaled by ``inv`` and dequantized by ``scl`` (float32 powers of
+    two, one per block), to ``acc``. All in float32 (sixteen lanes), and exact: ``x * inv``
+    is exact wherever it is not far below the element's smallest subnormal (where it rounds
+    to zero either way), and the error ``q * scl - |x|`` is exact too (the rounding error of
+    a rounding to a coarser grid is a float32; the caller keeps blocks whose scale is not a
+    normal float32 away), so only its square is taken in float64. Counts add in int32
+    (numba's int64 halves the lanes). ``reassoc`` lets the sums vectorize; the rounding
     (:func:`_round_element`, compiled without it) keeps IEEE semantics."""
     f32 = np.float32
     split, subk, normal, fmax = (
@@ -327,24 +332,25 @@ def _mx_elements(x, a, size, nblk, inv, scl, p, acc):  # pragma: no cover - comp
         f32(p[_B_NORMAL]),
         f32(p[_B_MAX]),
     )
-    under = 0
-    subn = 0
-    sat = 0
+    big = f32(_F32_MAX)
+    under = _I32(0)
+    subn = _I32(0)
+    sat = _I32(0)
     err = 0.0
-    for k in range(nblk):
+    for k in range(x.shape[0]):
         iv = inv[k]
         sc = scl[k]
-        for j in range(a + k * size, a + k * size + size):
-            xj = abs(x[j])
-            fin = xj <= _F32_MAX
+        for j in range(x.shape[1]):
+            xj = abs(x[k, j])
+            fin = xj <= big
             t = xj * iv
             q = _round_element(min(t, fmax), split, subk, normal)
-            nz = fin & (xj > 0)
-            sat += fin & (t > fmax)
-            under += nz & (q == 0)
-            subn += nz & (q > 0) & (q < normal)
-            d = np.float64(q) * sc - np.float64(xj)
-            err += d * d if fin else 0.0
+            nz = fin & (xj > f32(0))
+            sat = _I32(sat + _I32(fin & (t > fmax)))
+            under = _I32(under + _I32(nz & (q == f32(0))))
+            subn = _I32(subn + _I32(nz & (q > f32(0)) & (q < normal)))
+            d = np.float64(q * sc - xj) if fin else 0.0
+            err += d * d
     acc[_B_UNDER] += under
     acc[_B_SUBN] += subn
     acc[_B_SAT] += sat
@@ -352,10 +358,10 @@ def _mx_elements(x, a, size, nblk, inv, scl, p, acc):  # pragma: no cover - comp
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _nv_elements(x, a, size, nblk, scl, p, acc):  # pragma: no cover - compiled
+def _nv_elements(x, scl, p, acc):  # pragma: no cover - compiled
     """As :func:`_mx_elements` for NVFP4 blocks of float32 scales ``scl`` (blocks whose
     scale is 0 are skipped: the caller counted them); the division is float32's, as the
-    definition says."""
+    definition says, and the error is taken in float64 (``scl`` is no power of two)."""
     f32 = np.float32
     split, subk, normal, fmax = (
         f32(p[_B_SPLIT32]),
@@ -363,26 +369,27 @@ def _nv_elements(x, a, size, nblk, scl, p, acc):  # pragma: no cover - compiled
         f32(p[_B_NORMAL]),
         f32(p[_B_MAX]),
     )
-    under = 0
-    subn = 0
-    sat = 0
+    big = f32(_F32_MAX)
+    under = _I32(0)
+    subn = _I32(0)
+    sat = _I32(0)
     err = 0.0
-    for k in range(nblk):
+    for k in range(x.shape[0]):
         s = scl[k]
-        if s == 0:
+        if s == f32(0):
             continue
         s64 = np.float64(s)
-        for j in range(a + k * size, a + k * size + size):
-            xj = abs(x[j])
-            fin = xj <= _F32_MAX
+        for j in range(x.shape[1]):
+            xj = abs(x[k, j])
+            fin = xj <= big
             t = xj / s
             q = _round_element(min(t, fmax), split, subk, normal)
-            nz = fin & (xj > 0)
-            sat += fin & (t > fmax)
-            under += nz & (q == 0)
-            subn += nz & (q > 0) & (q < normal)
-            d = np.float64(q) * s64 - np.float64(xj)
-            err += d * d if fin else 0.0
+            nz = fin & (xj > f32(0))
+            sat = _I32(sat + _I32(fin & (t > fmax)))
+            under = _I32(under + _I32(nz & (q == f32(0))))
+            subn = _I32(subn + _I32(nz & (q > f32(0)) & (q < normal)))
+            d = np.float64(q) * s64 - np.float64(xj) if fin else 0.0
+            err += d * d
     acc[_B_UNDER] += under
     acc[_B_SUBN] += subn
     acc[_B_SAT] += sat
@@ -395,9 +402,10 @@ def _tiled(x, a, b, size, p, s_t, acc):  # pragma: no cover - compiled
     ``a`` and ``b`` on block bounds): block maxima and scales first, then one vectorized
     loop over the elements."""
     nblk = (b - a) // size
+    rows = x[a:b].reshape(nblk, size)  # one block a row: 2-D loops vectorize
     hi = np.empty(nblk, np.int32)
     lo = np.empty(nblk, np.int32)
-    _block_bits(x.view(np.int32), a, size, nblk, hi, lo)
+    _block_bits(rows.view(np.int32), hi, lo)
     amax = hi.view(np.float32)
     amin = lo.view(np.float32)
     ratio = acc[_B_RATIO]
@@ -407,19 +415,19 @@ def _tiled(x, a, b, size, p, s_t, acc):  # pragma: no cover - compiled
     acc[_B_RATIO] = ratio
     if not np.isnan(p[_B_EMAX]):  # MX
         inv = np.ones(nblk, np.float32)
-        scl = np.ones(nblk)
+        scl = np.ones(nblk, np.float32)
         emax = int(p[_B_EMAX])
         for k in range(nblk):
             if amax[k] > 0:
                 ex = math.frexp(np.float64(amax[k]))[1] - 1 - emax
-                if ex < -126:  # 1/scale is no float32: this item takes the float64 blocks
+                if ex < -126:  # the scale is no normal float32: the float64 blocks
                     for kk in range(nblk):
                         s0 = a + kk * size
                         _one_block(x, s0, s0 + size, p, s_t, acc)
                     return
                 scl[k] = math.ldexp(1.0, ex)
                 inv[k] = math.ldexp(1.0, -ex)
-        _mx_elements(x, a, size, nblk, inv, scl, p, acc)
+        _mx_elements(rows, inv, scl, p, acc)
         return
     f32 = np.float32
     st = f32(s_t)
@@ -436,7 +444,7 @@ def _tiled(x, a, b, size, p, s_t, acc):  # pragma: no cover - compiled
                     if v <= _F32_MAX and v > 0:
                         acc[_B_UNDER] += 1
                         acc[_B_ERR] += v * v
-    _nv_elements(x, a, size, nblk, scl32, p, acc)
+    _nv_elements(rows, scl32, p, acc)
 
 
 @numba.njit(cache=True, nogil=True)
