@@ -39,6 +39,18 @@ def test_torch_ops_equal_reference(seed: int) -> None:
             _assert_columns(dict(zip(COLS, g.tolist())), block_stats(a, name), (a.shape, name))
 
 
+def test_torch_ops_nvfp4_tensor_scale_underflows() -> None:
+    # s_t is 0 in float32 (max |x| < 2688 * 2**-149): the scales 448 * 0 and 0 / 0 count as
+    # zero, every non-zero value underflows (as in the reference)
+    x = np.zeros((2, 32), np.float32)
+    x[0, :5] = np.float32(2.0**-149) * np.arange(1, 6)
+    x[1, 3] = 2.0**-148
+    got = block_columns(_torch(x), [BLOCK_FORMATS["nvfp4"]]).numpy()
+    ref = block_stats(x, "nvfp4")
+    assert ref["underflow"] == 6.0
+    _assert_columns(dict(zip(COLS, got.tolist())), ref, "s_t = 0")
+
+
 @pytest.fixture(params=["host", "torch_ops", "fused"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setattr(kernel, "HOST_PATH", request.param == "host")

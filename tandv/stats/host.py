@@ -233,10 +233,11 @@ def _round_element(a, split, subk, normal):  # pragma: no cover - compiled
     return qs if a < normal else qn
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _one_block(x, s, e, p, s_t, acc):  # pragma: no cover - compiled
     """Adds block ``x[s:e]`` of the format with parameters ``p`` to ``acc`` (its partials);
-    ``s_t`` is the tensor's float32 scale (NVFP4 only)."""
+    ``s_t`` is the tensor's float32 scale (NVFP4 only; IEEE division by an ``s_t`` of 0,
+    as in :func:`_nv_scales`)."""
     amax = 0.0
     amin = np.inf
     for i in range(s, e):
@@ -278,7 +279,7 @@ def _one_block(x, s, e, p, s_t, acc):  # pragma: no cover - compiled
             v = abs(np.float64(xi))
             fin = v <= _F32_MAX
             nz = fin & (v > 0.0)
-            if scale == 0.0:  # the block's scale rounds to zero
+            if not scale > 0.0:  # the block's scale is zero (or NaN: 0 / 0, s_t = 0)
                 under += nz
                 err += v * v if fin else 0.0
                 continue
@@ -396,54 +397,84 @@ def _nv_elements(x, scl, p, acc):  # pragma: no cover - compiled
     acc[_B_ERR] += err
 
 
+@numba.njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
+def _largest_ratio(hi, lo, ratio):  # pragma: no cover - compiled
+    """The largest of ``ratio`` and the blocks' ``max / min`` (float64; ``hi``, ``lo`` from
+    :func:`_block_bits`; blocks without a non-zero value give 0). Branch-free, so that it
+    vectorizes; no value is NaN or inf (a block without a non-zero value divides 0 by 1),
+    which the flags rely on; the division stays exact (no ``arcp``)."""
+    amax = hi.view(np.float32)
+    amin = lo.view(np.float32)
+    for k in range(hi.size):
+        m = amin[k] if hi[k] > _I32(0) else np.float32(1.0)
+        ratio = max(ratio, np.float64(amax[k]) / np.float64(m))
+    return ratio
+
+
+@numba.njit(cache=True, nogil=True)
+def _mx_scales(hi, emax, inv, scl):  # pragma: no cover - compiled
+    """Each block's MX scale ``2**(floor(log2 max) - emax)`` (``scl``) and its inverse
+    (``inv``), both float32, built from the bits of the block maxima ``hi`` (1 for a block
+    without a non-zero value). Returns False where a scale is no normal float32 (a block
+    maximum below ``2**(emax - 126)``): the caller then takes the float64 blocks."""
+    ok = True
+    one = _I32(127 << 23)
+    for k in range(hi.size):
+        h = hi[k]
+        e = _I32(h >> _I32(23))  # the biased exponent of the block maximum
+        ok &= (h == _I32(0)) | (e > emax)
+        inv[k] = one if h == _I32(0) else _I32(_I32(_I32(254) - e + emax) << _I32(23))
+        scl[k] = one if h == _I32(0) else _I32(_I32(e - emax) << _I32(23))
+    return ok
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _nv_scales(hi, st, scl):  # pragma: no cover - compiled
+    """Each NVFP4 block's float32 scale ``s_b * s_t`` from its maximum's bits ``hi`` and
+    the tensor's scale ``st``, in the definition's order (``s_b``: ``(max / 6) / s_t``
+    rounded to E4M3 in float64, exact for a float32 value; 0 for a block without a
+    non-zero value). IEEE division (``error_model="numpy"``): ``s_t`` is 0 where the
+    tensor's maximum is a float32 subnormal (``/ 2688`` underflows), and every block's
+    ``u`` is then inf, saturating at 448 (scale 0: all its values underflow)."""
+    f32 = np.float32
+    amax = hi.view(np.float32)
+    for k in range(hi.size):
+        u = min(np.float64((amax[k] / f32(6.0)) / st), 448.0)
+        s_b = _round_element(u, _NV_E4M3[0], _NV_E4M3[1], _NV_E4M3[2])
+        scl[k] = f32(f32(s_b) * st)
+
+
 @numba.njit(cache=True, nogil=True)
 def _tiled(x, a, b, size, p, s_t, acc):  # pragma: no cover - compiled
     """:func:`_blocks` where the blocks tile ``x[a:b]`` (rows a multiple of ``size`` long,
-    ``a`` and ``b`` on block bounds): block maxima and scales first, then one vectorized
-    loop over the elements."""
+    ``a`` and ``b`` on block bounds): block maxima and scales first (loops over the blocks
+    that vectorize), then one vectorized loop over the elements."""
     nblk = (b - a) // size
     rows = x[a:b].reshape(nblk, size)  # one block a row: 2-D loops vectorize
     hi = np.empty(nblk, np.int32)
     lo = np.empty(nblk, np.int32)
     _block_bits(rows.view(np.int32), hi, lo)
-    amax = hi.view(np.float32)
-    amin = lo.view(np.float32)
-    ratio = acc[_B_RATIO]
-    for k in range(nblk):
-        if amax[k] > 0:
-            ratio = max(ratio, np.float64(amax[k]) / np.float64(amin[k]))
-    acc[_B_RATIO] = ratio
+    acc[_B_RATIO] = _largest_ratio(hi, lo, acc[_B_RATIO])
     if not np.isnan(p[_B_EMAX]):  # MX
-        inv = np.ones(nblk, np.float32)
-        scl = np.ones(nblk, np.float32)
-        emax = int(p[_B_EMAX])
-        for k in range(nblk):
-            if amax[k] > 0:
-                ex = math.frexp(np.float64(amax[k]))[1] - 1 - emax
-                if ex < -126:  # the scale is no normal float32: the float64 blocks
-                    for kk in range(nblk):
-                        s0 = a + kk * size
-                        _one_block(x, s0, s0 + size, p, s_t, acc)
-                    return
-                scl[k] = math.ldexp(1.0, ex)
-                inv[k] = math.ldexp(1.0, -ex)
-        _mx_elements(rows, inv, scl, p, acc)
+        inv = np.empty(nblk, np.int32)
+        scl = np.empty(nblk, np.int32)
+        if not _mx_scales(hi, _I32(p[_B_EMAX]), inv, scl):
+            for k in range(nblk):  # the float64 blocks
+                _one_block(x, a + k * size, a + k * size + size, p, s_t, acc)
+            return
+        _mx_elements(rows, inv.view(np.float32), scl.view(np.float32), p, acc)
         return
-    f32 = np.float32
-    st = f32(s_t)
-    scl32 = np.zeros(nblk, np.float32)
+    st = np.float32(s_t)
+    scl32 = np.empty(nblk, np.float32)
+    _nv_scales(hi, st, scl32)
     for k in range(nblk):
-        m = amax[k]
-        if m > 0:
-            u = min(np.float64((m / f32(6.0)) / st), 448.0)
-            s_b = _round_element(u, _NV_E4M3[0], _NV_E4M3[1], _NV_E4M3[2])
-            scl32[k] = f32(f32(s_b) * st)
-            if scl32[k] == 0:  # the block's scale rounds to zero: its values underflow
-                for j in range(a + k * size, a + k * size + size):
-                    v = abs(np.float64(x[j]))
-                    if v <= _F32_MAX and v > 0:
-                        acc[_B_UNDER] += 1
-                        acc[_B_ERR] += v * v
+        if not scl32[k] > 0:  # a scale of zero (or NaN where s_t = 0): the values underflow
+            scl32[k] = 0  # skipped by _nv_elements
+            for j in range(size):
+                v = abs(np.float64(rows[k, j]))
+                if v <= _F32_MAX and v > 0:
+                    acc[_B_UNDER] += 1
+                    acc[_B_ERR] += v * v
     _nv_elements(rows, scl32, p, acc)
 
 
