@@ -324,8 +324,10 @@ def _mx_elements(x, inv, scl, p, acc):  # pragma: no cover - compiled
     to zero either way), and the error ``q * scl - |x|`` is exact too (the rounding error of
     a rounding to a coarser grid is a float32; the caller keeps blocks whose scale is not a
     normal float32 away), so only its square is taken in float64. Counts add in int32
-    (numba's int64 halves the lanes). ``reassoc`` lets the sums vectorize; the rounding
-    (:func:`_round_element`, compiled without it) keeps IEEE semantics."""
+    (numba's int64 halves the lanes), one accumulator per position in the block, so that
+    no block ends in a horizontal sum of the vector registers. ``reassoc`` lets the sums
+    vectorize; the rounding (:func:`_round_element`, compiled without it) keeps IEEE
+    semantics."""
     f32 = np.float32
     split, subk, normal, fmax = (
         f32(p[_B_SPLIT32]),
@@ -334,28 +336,29 @@ def _mx_elements(x, inv, scl, p, acc):  # pragma: no cover - compiled
         f32(p[_B_MAX]),
     )
     big = f32(_F32_MAX)
-    under = _I32(0)
-    subn = _I32(0)
-    sat = _I32(0)
-    err = 0.0
+    size = x.shape[1]
+    under = np.zeros(size, np.int32)  # one accumulator per position in the block
+    subn = np.zeros(size, np.int32)
+    sat = np.zeros(size, np.int32)
+    err = np.zeros(size)
     for k in range(x.shape[0]):
         iv = inv[k]
         sc = scl[k]
-        for j in range(x.shape[1]):
+        for j in range(size):
             xj = abs(x[k, j])
             fin = xj <= big
             t = xj * iv
             q = _round_element(min(t, fmax), split, subk, normal)
             nz = fin & (xj > f32(0))
-            sat = _I32(sat + _I32(fin & (t > fmax)))
-            under = _I32(under + _I32(nz & (q == f32(0))))
-            subn = _I32(subn + _I32(nz & (q > f32(0)) & (q < normal)))
+            sat[j] += _I32(fin & (t > fmax))
+            under[j] += _I32(nz & (q == f32(0)))
+            subn[j] += _I32(nz & (q > f32(0)) & (q < normal))
             d = np.float64(q * sc - xj) if fin else 0.0
-            err += d * d
-    acc[_B_UNDER] += under
-    acc[_B_SUBN] += subn
-    acc[_B_SAT] += sat
-    acc[_B_ERR] += err
+            err[j] += d * d
+    acc[_B_UNDER] += under.sum()
+    acc[_B_SUBN] += subn.sum()
+    acc[_B_SAT] += sat.sum()
+    acc[_B_ERR] += err.sum()
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
@@ -371,30 +374,31 @@ def _nv_elements(x, scl, p, acc):  # pragma: no cover - compiled
         f32(p[_B_MAX]),
     )
     big = f32(_F32_MAX)
-    under = _I32(0)
-    subn = _I32(0)
-    sat = _I32(0)
-    err = 0.0
+    size = x.shape[1]
+    under = np.zeros(size, np.int32)  # one accumulator per position in the block
+    subn = np.zeros(size, np.int32)
+    sat = np.zeros(size, np.int32)
+    err = np.zeros(size)
     for k in range(x.shape[0]):
         s = scl[k]
         if s == f32(0):
             continue
         s64 = np.float64(s)
-        for j in range(x.shape[1]):
+        for j in range(size):
             xj = abs(x[k, j])
             fin = xj <= big
             t = xj / s
             q = _round_element(min(t, fmax), split, subk, normal)
             nz = fin & (xj > f32(0))
-            sat = _I32(sat + _I32(fin & (t > fmax)))
-            under = _I32(under + _I32(nz & (q == f32(0))))
-            subn = _I32(subn + _I32(nz & (q > f32(0)) & (q < normal)))
+            sat[j] += _I32(fin & (t > fmax))
+            under[j] += _I32(nz & (q == f32(0)))
+            subn[j] += _I32(nz & (q > f32(0)) & (q < normal))
             d = np.float64(q) * s64 - np.float64(xj) if fin else 0.0
-            err += d * d
-    acc[_B_UNDER] += under
-    acc[_B_SUBN] += subn
-    acc[_B_SAT] += sat
-    acc[_B_ERR] += err
+            err[j] += d * d
+    acc[_B_UNDER] += under.sum()
+    acc[_B_SUBN] += subn.sum()
+    acc[_B_SAT] += sat.sum()
+    acc[_B_ERR] += err.sum()
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
