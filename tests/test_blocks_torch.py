@@ -141,3 +141,5 @@ def test_block_cost_benchmark_tiny_mode() -> None:
     r = bench.variant_cost(cfg, 2, 2, 1, 1, "cpu", block_formats=formats)
     assert r["median_variant_ms"] > 0 and r["median_tracked_ms"] > 0
     assert r["ratio_variant_to_tracked"] == r["median_variant_ms"] / r["median_tracked_ms"]
+    cpu = r["median_variant_cpu_ms"] / r["median_tracked_cpu_ms"]
+    assert r["median_tracked_cpu_ms"] > 0 and r["cpu_ratio_variant_to_tracked"] == cpu
