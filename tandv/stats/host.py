@@ -899,7 +899,15 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     if not formats:
         return out
     acc = blk.acc
-    if nv:  # NVFP4 needs the tensor's largest magnitude first: a second pass
+    # NVFP4 needs the tensor's largest magnitude first: a second read. No smaller summary
+    # of a block can stand in for it: before s_t is known, the block's scale s_b * s_t is
+    # known only within E4M3's rounding (a factor 1 +- 2**-4 for a normal s_b, up to 2 for a
+    # subnormal one, 0 or not for blocks far below the tensor's maximum), and an element's
+    # count and error depend on where x / (s_b * s_t) falls against E2M1's midpoints (0.25,
+    # 0.75, ..., 5) and 6, where any element may lie within that window; the error
+    # s**2 sum(q**2) - 2 s sum(q |x|) + sum(x**2) needs every q, which moves with s. So
+    # exact counts need the block's values, that is, a second read.
+    if nv:
         blk_nv = blocks(nv)
         amax = out[:, _O_MAXABS].astype(np.float32)
         with np.errstate(under="ignore"):
