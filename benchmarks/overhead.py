@@ -158,12 +158,16 @@ def variant_cost(
     """The cost of one tracking ``option`` (``block_formats=...``, ``moments=4``): three
     copies of the model step in turn (untracked, tracked, tracked with the option), so that
     machine noise hits them alike. Returns the median step times (ms) and the ratios of
-    medians: each tracked copy's to the untracked one, and the option's to plain tracking."""
+    medians: each tracked copy's to the untracked one, and the option's to plain tracking;
+    also the median CPU time of the process per step (all its threads) and the option's
+    ratio of those to plain tracking, which a shared machine's load disturbs less than the
+    wall-clock time (the option's work is CPU work on the CPU)."""
     m_u, o_u, data = _trainer(cfg, batch, 0, device)
     m_t, m_v = copy.deepcopy(m_u), copy.deepcopy(m_u)
     o_t = torch.optim.AdamW(m_t.parameters(), lr=1e-3)
     o_v = torch.optim.AdamW(m_v.parameters(), lr=1e-3)
     times: dict[str, list[float]] = {"untracked": [], "tracked": [], "variant": []}
+    cpu: dict[str, list[float]] = {"untracked": [], "tracked": [], "variant": []}
     with tempfile.TemporaryDirectory() as tmp:
         t_t = track(m_t, o_t, every=every, out=Path(tmp) / "t", verbose=False)
         t_v = track(m_v, o_v, every=every, out=Path(tmp) / "v", verbose=False, **option)
@@ -173,6 +177,7 @@ def variant_cost(
             for i in range(warmup + steps):
                 for name, model, opt, tracker in runs:
                     _sync(device)
+                    c0 = time.process_time()
                     t0 = time.perf_counter()
                     _step(model, opt, data, i)
                     if tracker is not None:
@@ -180,10 +185,14 @@ def variant_cost(
                     _sync(device)
                     if i >= warmup:
                         times[name].append(time.perf_counter() - t0)
+                        cpu[name].append(time.process_time() - c0)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     paired = [v / t for v, t in zip(times["variant"], times["tracked"])]
+    med_cpu = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
     return {
         **{f"median_{k}_ms": v for k, v in med.items()},
+        **{f"median_{k}_cpu_ms": v for k, v in med_cpu.items()},
+        "cpu_ratio_variant_to_tracked": med_cpu["variant"] / med_cpu["tracked"],
         "ratio_tracked": med["tracked"] / med["untracked"],
         "ratio_variant": med["variant"] / med["untracked"],
         "ratio_variant_to_tracked": med["variant"] / med["tracked"],
@@ -479,6 +488,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"(medians); tracked / untracked {r['ratio_tracked']:.3f}, with {label} "
                 f"{r['ratio_variant']:.3f}; with {label} / tracked "
                 f"{r['ratio_variant_to_tracked']:.3f}",
+                flush=True,
+            )
+            print(
+                f"  CPU time of the process per step (medians): untracked "
+                f"{r['median_untracked_cpu_ms']:.1f} ms, tracked {r['median_tracked_cpu_ms']:.1f}"
+                f" ms, with {label} {r['median_variant_cpu_ms']:.1f} ms; with {label} / tracked "
+                f"{r['cpu_ratio_variant_to_tracked']:.3f}",
                 flush=True,
             )
         return 0

@@ -224,3 +224,45 @@ def test_parse_and_layout_columns() -> None:
     )
     assert [f.name for f in block_formats_of(extras)] == ["nvfp4", "mxfp8_e5m2"]
     assert block_formats_of((("mine", "mean"),)) == ()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tiled_rows_over_the_whole_float32_range(seed: int) -> None:
+    # rows a multiple of 32 take the kernel's tiled path: blocks of every magnitude (float32
+    # subnormals to near the largest float32, so MX scales out of float32's normal range and
+    # NVFP4 block scales that round to zero), element values on the formats' rounding
+    # midpoints, and NaN/inf inside blocks
+    r = np.random.default_rng(seed)
+    blocks = 4096
+    mant = r.integers(0, 16, (blocks, 32)) / 8.0 + 0.0625 * r.integers(0, 2, (blocks, 32))
+    e_blk = r.integers(-149, 125, (blocks, 1))
+    e_el = e_blk - r.integers(0, 30, (blocks, 32))
+    x = np.ldexp(mant, e_el) * r.choice([-1.0, 1.0], (blocks, 32))
+    noise = r.random((blocks, 32)) < 0.3
+    x = np.where(noise, x * (1 + r.standard_normal((blocks, 32)) * 1e-3), x)
+    x = x.astype(np.float32)
+    x.reshape(-1)[r.integers(0, x.size, 40)] = np.nan
+    x.reshape(-1)[r.integers(0, x.size, 40)] = np.inf
+    # the whole array, and the blocks of each magnitude alone (so that the error of the
+    # smallest blocks is not lost in that of the largest)
+    bands = [x[e_blk[:, 0] == e] for e in range(-149, 125)]
+    arrays = [x.reshape(64, -1)] + [b for b in bands if len(b)]
+    rows = host_summaries(arrays, _layout())
+    for arr, row in zip(arrays, rows):
+        got = row[_layout().extras_start :].reshape(len(NAMES), len(COLS))
+        for name, g in zip(NAMES, got):
+            ref = block_stats(arr, name)
+            for col, value in zip(COLS, g):
+                tol = 1e-6 if col == "sq_err" else 0.0
+                assert value == pytest.approx(ref[col], rel=tol, abs=0), (name, col)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nvfp4_tensor_scale_underflows(impl: str) -> None:
+    # max |x| = 2**-148 < 2688 * 2**-149: s_t is 0 in float32, so every block's scale is
+    # 448 * 0 or 0 / 0, both counted as zero: every non-zero value underflows
+    x = np.zeros((2, 32), np.float32)
+    x[0, :5] = np.float32(2.0**-149) * np.arange(1, 6)
+    x[1, 3] = 2.0**-148
+    sq = float(np.sum(x.astype(np.float64) ** 2))
+    _check(impl, x, "nvfp4", underflow=6.0, sq_err=sq, block_range=math.log2(5.0))

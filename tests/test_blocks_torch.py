@@ -39,6 +39,18 @@ def test_torch_ops_equal_reference(seed: int) -> None:
             _assert_columns(dict(zip(COLS, g.tolist())), block_stats(a, name), (a.shape, name))
 
 
+def test_torch_ops_nvfp4_tensor_scale_underflows() -> None:
+    # s_t is 0 in float32 (max |x| < 2688 * 2**-149): the scales 448 * 0 and 0 / 0 count as
+    # zero, every non-zero value underflows (as in the reference)
+    x = np.zeros((2, 32), np.float32)
+    x[0, :5] = np.float32(2.0**-149) * np.arange(1, 6)
+    x[1, 3] = 2.0**-148
+    got = block_columns(_torch(x), [BLOCK_FORMATS["nvfp4"]]).numpy()
+    ref = block_stats(x, "nvfp4")
+    assert ref["underflow"] == 6.0
+    _assert_columns(dict(zip(COLS, got.tolist())), ref, "s_t = 0")
+
+
 @pytest.fixture(params=["host", "torch_ops", "fused"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setattr(kernel, "HOST_PATH", request.param == "host")
@@ -129,3 +141,5 @@ def test_block_cost_benchmark_tiny_mode() -> None:
     r = bench.variant_cost(cfg, 2, 2, 1, 1, "cpu", block_formats=formats)
     assert r["median_variant_ms"] > 0 and r["median_tracked_ms"] > 0
     assert r["ratio_variant_to_tracked"] == r["median_variant_ms"] / r["median_tracked_ms"]
+    cpu = r["median_variant_cpu_ms"] / r["median_tracked_cpu_ms"]
+    assert r["median_tracked_cpu_ms"] > 0 and r["cpu_ratio_variant_to_tracked"] == cpu

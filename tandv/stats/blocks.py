@@ -30,6 +30,9 @@ Definitions:
   All in float32 arithmetic in that order (``s_t``, ``amax_b / 6``, ``/ s_t``, the product
   ``s_b * s_t`` rounded to float32, the division); a block whose scale is zero counts each
   of its non-zero values as underflow. The dequantized value is ``q * (s_b * s_t)``.
+  (A tensor whose largest magnitude is below ``2688 * 2**-149`` has ``s_t`` 0 in float32:
+  its block scales are then ``448 * 0`` or, where ``amax_b / 6`` is 0 too, ``0 / 0``; both
+  count as zero, so all its non-zero values underflow.)
 - NaN and inf are left out of every count, of the error and of the block maxima.
 
 Summaries carry the columns as custom statistics (:attr:`tandv.stats.summary.Layout.extras`)
@@ -219,7 +222,7 @@ def block_stats(x: Any, name: str) -> dict[str, float]:
         y = y.astype(np.float64)
         sat = fin & (np.abs(y) > f.max)
         q = _round(y, f)
-        deq = q * scale.astype(np.float64)
+        deq = np.where(scale > 0, q * scale.astype(np.float64), 0.0)
     qa = np.abs(q)
     return {
         "underflow": float((nz & (qa == 0)).sum()),

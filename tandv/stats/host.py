@@ -234,10 +234,11 @@ def _round_element(a, split, subk, normal):  # pragma: no cover - compiled
     return qs if a < normal else qn
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _one_block(x, s, e, p, s_t, acc):  # pragma: no cover - compiled
     """Adds block ``x[s:e]`` of the format with parameters ``p`` to ``acc`` (its partials);
-    ``s_t`` is the tensor's float32 scale (NVFP4 only)."""
+    ``s_t`` is the tensor's float32 scale (NVFP4 only; IEEE division by an ``s_t`` of 0,
+    as in :func:`_nv_scales`)."""
     amax = 0.0
     amin = np.inf
     for i in range(s, e):
@@ -279,7 +280,7 @@ def _one_block(x, s, e, p, s_t, acc):  # pragma: no cover - compiled
             v = abs(np.float64(xi))
             fin = v <= _F32_MAX
             nz = fin & (v > 0.0)
-            if scale == 0.0:  # the block's scale rounds to zero
+            if not scale > 0.0:  # the block's scale is zero (or NaN: 0 / 0, s_t = 0)
                 under += nz
                 err += v * v if fin else 0.0
                 continue
@@ -297,15 +298,17 @@ def _one_block(x, s, e, p, s_t, acc):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _block_bits(bits, a, size, nblk, hi, lo):  # pragma: no cover - compiled
+def _block_bits(bits, hi, lo):  # pragma: no cover - compiled
     """The bits of the largest finite magnitude (``hi``) and of the smallest non-zero one
-    (``lo``; the inf pattern if none) of each of the ``nblk`` blocks of ``size`` from
-    ``a`` (int32 compares vectorize, as in :func:`_bit_reductions`)."""
-    for k in range(nblk):
+    (``lo``; the inf pattern if none) of each block, a row of ``bits`` (int32, blocks x
+    block size). int32 compares vectorize, as in :func:`_bit_reductions`; the 2-D indices
+    (loop counters, known non-negative) let LLVM vectorize the row loop, where flat indices
+    ``a + k * size + j`` kept it scalar (numba's negative-index wrap-around)."""
+    for k in range(bits.shape[0]):
         mx = _I32(0)
         mn = _I32(0x7F800000)
-        for j in range(a + k * size, a + k * size + size):
-            m = _I32(bits[j] & _I32(0x7FFFFFFF))
+        for j in range(bits.shape[1]):
+            m = _I32(bits[k, j] & _I32(0x7FFFFFFF))
             fin = m < _I32(0x7F800000)
             mx = max(mx, m if fin else _I32(0))
             mn = min(mn, m if fin & (m > _I32(0)) else _I32(0x7F800000))
@@ -314,13 +317,18 @@ def _block_bits(bits, a, size, nblk, hi, lo):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _mx_elements(x, a, size, nblk, inv, scl, p, acc):  # pragma: no cover - compiled
-    """Adds the counts and squared errors of the MX blocks (scaled by ``inv``, float32 powers
-    of two, dequantized by ``scl``, one per block) to ``acc``. Scaling and rounding run in
-    float32 (sixteen lanes): ``x * inv`` is exact wherever it is not far below the element's
-    smallest subnormal (where it rounds to zero either way), and the error is taken in
-    float64 from the original value. ``reassoc`` lets the sums vectorize; the rounding
-    (:func:`_round_element`, compiled without it) keeps IEEE semantics."""
+def _mx_elements(x, inv, scl, p, acc):  # pragma: no cover - compiled
+    """Adds the counts and squared errors of the MX blocks, the rows of ``x`` (float32,
+    blocks x block size), scaled by ``inv`` and dequantized by ``scl`` (float32 powers of
+    two, one per block), to ``acc``. All in float32 (sixteen lanes), and exact: ``x * inv``
+    is exact wherever it is not far below the element's smallest subnormal (where it rounds
+    to zero either way), and the error ``q * scl - |x|`` is exact too (the rounding error of
+    a rounding to a coarser grid is a float32; the caller keeps blocks whose scale is not a
+    normal float32 away), so only its square is taken in float64. Counts add in int32
+    (numba's int64 halves the lanes), one accumulator per position in the block, so that
+    no block ends in a horizontal sum of the vector registers. ``reassoc`` lets the sums
+    vectorize; the rounding (:func:`_round_element`, compiled without it) keeps IEEE
+    semantics."""
     f32 = np.float32
     split, subk, normal, fmax = (
         f32(p[_B_SPLIT32]),
@@ -328,35 +336,37 @@ def _mx_elements(x, a, size, nblk, inv, scl, p, acc):  # pragma: no cover - comp
         f32(p[_B_NORMAL]),
         f32(p[_B_MAX]),
     )
-    under = 0
-    subn = 0
-    sat = 0
-    err = 0.0
-    for k in range(nblk):
+    big = f32(_F32_MAX)
+    size = x.shape[1]
+    under = np.zeros(size, np.int32)  # one accumulator per position in the block
+    subn = np.zeros(size, np.int32)
+    sat = np.zeros(size, np.int32)
+    err = np.zeros(size)
+    for k in range(x.shape[0]):
         iv = inv[k]
         sc = scl[k]
-        for j in range(a + k * size, a + k * size + size):
-            xj = abs(x[j])
-            fin = xj <= _F32_MAX
+        for j in range(size):
+            xj = abs(x[k, j])
+            fin = xj <= big
             t = xj * iv
             q = _round_element(min(t, fmax), split, subk, normal)
-            nz = fin & (xj > 0)
-            sat += fin & (t > fmax)
-            under += nz & (q == 0)
-            subn += nz & (q > 0) & (q < normal)
-            d = np.float64(q) * sc - np.float64(xj)
-            err += d * d if fin else 0.0
-    acc[_B_UNDER] += under
-    acc[_B_SUBN] += subn
-    acc[_B_SAT] += sat
-    acc[_B_ERR] += err
+            nz = fin & (xj > f32(0))
+            sat[j] += _I32(fin & (t > fmax))
+            under[j] += _I32(nz & (q == f32(0)))
+            subn[j] += _I32(nz & (q > f32(0)) & (q < normal))
+            d = np.float64(q * sc - xj) if fin else 0.0
+            err[j] += d * d
+    acc[_B_UNDER] += under.sum()
+    acc[_B_SUBN] += subn.sum()
+    acc[_B_SAT] += sat.sum()
+    acc[_B_ERR] += err.sum()
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _nv_elements(x, a, size, nblk, scl, p, acc):  # pragma: no cover - compiled
+def _nv_elements(x, scl, p, acc):  # pragma: no cover - compiled
     """As :func:`_mx_elements` for NVFP4 blocks of float32 scales ``scl`` (blocks whose
     scale is 0 are skipped: the caller counted them); the division is float32's, as the
-    definition says."""
+    definition says, and the error is taken in float64 (``scl`` is no power of two)."""
     f32 = np.float32
     split, subk, normal, fmax = (
         f32(p[_B_SPLIT32]),
@@ -364,80 +374,113 @@ def _nv_elements(x, a, size, nblk, scl, p, acc):  # pragma: no cover - compiled
         f32(p[_B_NORMAL]),
         f32(p[_B_MAX]),
     )
-    under = 0
-    subn = 0
-    sat = 0
-    err = 0.0
-    for k in range(nblk):
+    big = f32(_F32_MAX)
+    size = x.shape[1]
+    under = np.zeros(size, np.int32)  # one accumulator per position in the block
+    subn = np.zeros(size, np.int32)
+    sat = np.zeros(size, np.int32)
+    err = np.zeros(size)
+    for k in range(x.shape[0]):
         s = scl[k]
-        if s == 0:
+        if s == f32(0):
             continue
         s64 = np.float64(s)
-        for j in range(a + k * size, a + k * size + size):
-            xj = abs(x[j])
-            fin = xj <= _F32_MAX
+        for j in range(size):
+            xj = abs(x[k, j])
+            fin = xj <= big
             t = xj / s
             q = _round_element(min(t, fmax), split, subk, normal)
-            nz = fin & (xj > 0)
-            sat += fin & (t > fmax)
-            under += nz & (q == 0)
-            subn += nz & (q > 0) & (q < normal)
-            d = np.float64(q) * s64 - np.float64(xj)
-            err += d * d if fin else 0.0
-    acc[_B_UNDER] += under
-    acc[_B_SUBN] += subn
-    acc[_B_SAT] += sat
-    acc[_B_ERR] += err
+            nz = fin & (xj > f32(0))
+            sat[j] += _I32(fin & (t > fmax))
+            under[j] += _I32(nz & (q == f32(0)))
+            subn[j] += _I32(nz & (q > f32(0)) & (q < normal))
+            d = np.float64(q) * s64 - np.float64(xj) if fin else 0.0
+            err[j] += d * d
+    acc[_B_UNDER] += under.sum()
+    acc[_B_SUBN] += subn.sum()
+    acc[_B_SAT] += sat.sum()
+    acc[_B_ERR] += err.sum()
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
+def _largest_ratio(hi, lo, ratio):  # pragma: no cover - compiled
+    """The largest of ``ratio`` and the blocks' ``max / min`` (float64; ``hi``, ``lo`` from
+    :func:`_block_bits`; blocks without a non-zero value give 0). Branch-free, so that it
+    vectorizes; no value is NaN or inf (a block without a non-zero value divides 0 by 1),
+    which the flags rely on; the division stays exact (no ``arcp``)."""
+    amax = hi.view(np.float32)
+    amin = lo.view(np.float32)
+    for k in range(hi.size):
+        m = amin[k] if hi[k] > _I32(0) else np.float32(1.0)
+        ratio = max(ratio, np.float64(amax[k]) / np.float64(m))
+    return ratio
+
+
+@numba.njit(cache=True, nogil=True)
+def _mx_scales(hi, emax, inv, scl):  # pragma: no cover - compiled
+    """Each block's MX scale ``2**(floor(log2 max) - emax)`` (``scl``) and its inverse
+    (``inv``), both float32, built from the bits of the block maxima ``hi`` (1 for a block
+    without a non-zero value). Returns False where a scale is no normal float32 (a block
+    maximum below ``2**(emax - 126)``): the caller then takes the float64 blocks."""
+    ok = True
+    one = _I32(127 << 23)
+    for k in range(hi.size):
+        h = hi[k]
+        e = _I32(h >> _I32(23))  # the biased exponent of the block maximum
+        ok &= (h == _I32(0)) | (e > emax)
+        inv[k] = one if h == _I32(0) else _I32(_I32(_I32(254) - e + emax) << _I32(23))
+        scl[k] = one if h == _I32(0) else _I32(_I32(e - emax) << _I32(23))
+    return ok
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _nv_scales(hi, st, scl):  # pragma: no cover - compiled
+    """Each NVFP4 block's float32 scale ``s_b * s_t`` from its maximum's bits ``hi`` and
+    the tensor's scale ``st``, in the definition's order (``s_b``: ``(max / 6) / s_t``
+    rounded to E4M3 in float64, exact for a float32 value; 0 for a block without a
+    non-zero value). IEEE division (``error_model="numpy"``): ``s_t`` is 0 where the
+    tensor's maximum is a float32 subnormal (``/ 2688`` underflows), and every block's
+    ``u`` is then inf, saturating at 448 (scale 0: all its values underflow)."""
+    f32 = np.float32
+    amax = hi.view(np.float32)
+    for k in range(hi.size):
+        u = min(np.float64((amax[k] / f32(6.0)) / st), 448.0)
+        s_b = _round_element(u, _NV_E4M3[0], _NV_E4M3[1], _NV_E4M3[2])
+        scl[k] = f32(f32(s_b) * st)
 
 
 @numba.njit(cache=True, nogil=True)
 def _tiled(x, a, b, size, p, s_t, acc):  # pragma: no cover - compiled
     """:func:`_blocks` where the blocks tile ``x[a:b]`` (rows a multiple of ``size`` long,
-    ``a`` and ``b`` on block bounds): block maxima and scales first, then one vectorized
-    loop over the elements."""
+    ``a`` and ``b`` on block bounds): block maxima and scales first (loops over the blocks
+    that vectorize), then one vectorized loop over the elements."""
     nblk = (b - a) // size
+    rows = x[a:b].reshape(nblk, size)  # one block a row: 2-D loops vectorize
     hi = np.empty(nblk, np.int32)
     lo = np.empty(nblk, np.int32)
-    _block_bits(x.view(np.int32), a, size, nblk, hi, lo)
-    amax = hi.view(np.float32)
-    amin = lo.view(np.float32)
-    ratio = acc[_B_RATIO]
-    for k in range(nblk):
-        if amax[k] > 0:
-            ratio = max(ratio, np.float64(amax[k]) / np.float64(amin[k]))
-    acc[_B_RATIO] = ratio
+    _block_bits(rows.view(np.int32), hi, lo)
+    acc[_B_RATIO] = _largest_ratio(hi, lo, acc[_B_RATIO])
     if not np.isnan(p[_B_EMAX]):  # MX
-        inv = np.ones(nblk, np.float32)
-        scl = np.ones(nblk)
-        emax = int(p[_B_EMAX])
-        for k in range(nblk):
-            if amax[k] > 0:
-                ex = math.frexp(np.float64(amax[k]))[1] - 1 - emax
-                if ex < -126:  # 1/scale is no float32: this item takes the float64 blocks
-                    for kk in range(nblk):
-                        s0 = a + kk * size
-                        _one_block(x, s0, s0 + size, p, s_t, acc)
-                    return
-                scl[k] = math.ldexp(1.0, ex)
-                inv[k] = math.ldexp(1.0, -ex)
-        _mx_elements(x, a, size, nblk, inv, scl, p, acc)
+        inv = np.empty(nblk, np.int32)
+        scl = np.empty(nblk, np.int32)
+        if not _mx_scales(hi, _I32(p[_B_EMAX]), inv, scl):
+            for k in range(nblk):  # the float64 blocks
+                _one_block(x, a + k * size, a + k * size + size, p, s_t, acc)
+            return
+        _mx_elements(rows, inv.view(np.float32), scl.view(np.float32), p, acc)
         return
-    f32 = np.float32
-    st = f32(s_t)
-    scl32 = np.zeros(nblk, np.float32)
+    st = np.float32(s_t)
+    scl32 = np.empty(nblk, np.float32)
+    _nv_scales(hi, st, scl32)
     for k in range(nblk):
-        m = amax[k]
-        if m > 0:
-            u = min(np.float64((m / f32(6.0)) / st), 448.0)
-            s_b = _round_element(u, _NV_E4M3[0], _NV_E4M3[1], _NV_E4M3[2])
-            scl32[k] = f32(f32(s_b) * st)
-            if scl32[k] == 0:  # the block's scale rounds to zero: its values underflow
-                for j in range(a + k * size, a + k * size + size):
-                    v = abs(np.float64(x[j]))
-                    if v <= _F32_MAX and v > 0:
-                        acc[_B_UNDER] += 1
-                        acc[_B_ERR] += v * v
-    _nv_elements(x, a, size, nblk, scl32, p, acc)
+        if not scl32[k] > 0:  # a scale of zero (or NaN where s_t = 0): the values underflow
+            scl32[k] = 0  # skipped by _nv_elements
+            for j in range(size):
+                v = abs(np.float64(rows[k, j]))
+                if v <= _F32_MAX and v > 0:
+                    acc[_B_UNDER] += 1
+                    acc[_B_ERR] += v * v
+    _nv_elements(rows, scl32, p, acc)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -857,7 +900,15 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     if not formats:
         return out
     acc = blk.acc
-    if nv:  # NVFP4 needs the tensor's largest magnitude first: a second pass
+    # NVFP4 needs the tensor's largest magnitude first: a second read. No smaller summary
+    # of a block can stand in for it: before s_t is known, the block's scale s_b * s_t is
+    # known only within E4M3's rounding (a factor 1 +- 2**-4 for a normal s_b, up to 2 for a
+    # subnormal one, 0 or not for blocks far below the tensor's maximum), and an element's
+    # count and error depend on where x / (s_b * s_t) falls against E2M1's midpoints (0.25,
+    # 0.75, ..., 5) and 6, where any element may lie within that window; the error
+    # s**2 sum(q**2) - 2 s sum(q |x|) + sum(x**2) needs every q, which moves with s. So
+    # exact counts need the block's values, that is, a second read.
+    if nv:
         blk_nv = blocks(nv)
         amax = out[:, _O_MAXABS].astype(np.float32)
         with np.errstate(under="ignore"):

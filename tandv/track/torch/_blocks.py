@@ -68,7 +68,7 @@ def block_columns(x: torch.Tensor, formats: Sequence[BlockFormat]) -> torch.Tens
             scale32 = (s_b.to(_F32) * s_t).to(_F32)
             y = torch.where(scale32 > 0, v.to(_F32) / scale32, 0.0)
             a = y.to(_F64)
-            scale = scale32.to(_F64)
+            scale = torch.where(scale32 > 0, scale32, 0.0).to(_F64)  # NaN where s_t = 0
         q = _round(a.clamp(max=f.max), f.mantissa, f.emin)
         err = torch.where(fin, (q * scale - v) ** 2, 0.0).sum()
         out.append(
