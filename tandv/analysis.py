@@ -25,7 +25,7 @@ from .schema.columns import (
     TENSOR_TYPES,
     UNDERFLOW,
 )
-from .schema.io import CHUNK_ROWS, _ParquetLog, read_log, read_parquet_chunks, run_record
+from .schema.io import CHUNK_ROWS, ParquetLog, read_log, read_parquet_chunks, run_record
 from .schema.validate import is_exponent_label
 from .stats.formats import number_format
 from .stats.summary import (
@@ -454,7 +454,7 @@ def summarize_log(
     if p.suffix.lower() in (".pkl", ".pickle"):
         tally.add(read_log(p, trust_pickle=trust_pickle))
         return tally.text(top)
-    log = _ParquetLog(p, statistics=False)
+    log = ParquetLog(p, statistics=False)
     wanted = [
         c
         for g, c in log.columns

@@ -45,11 +45,11 @@ from .columns import (
     STEP,
     UNDERFLOW,
 )
-from .scalars import SOURCE_ATTR
 from .validate import SchemaError, check, is_exponent_label, validate
 
 __all__ = [
     "RUN_ATTR",
+    "SOURCE_ATTR",
     "run_record",
     "read_pickle",
     "write_pickle",
@@ -67,6 +67,10 @@ __all__ = [
     "LOG_VERSION",
     "PICKLE_SUFFIXES",
 ]
+
+#: ``df.attrs[SOURCE_ATTR]``: the path a log frame was read from (set by the readers), so
+#: that its scalars can be found from the frame alone (:func:`tandv.schema.scalars.read_scalars`).
+SOURCE_ATTR = "tandv.source"
 
 PathLike = str | os.PathLike
 
@@ -669,7 +673,7 @@ def _check_filter_value(f: Any, value: Any, strings: bool) -> None:
         )
 
 
-class _ParquetLog:
+class ParquetLog:
     """An opened parquet log: its part files, each checked from its footer, and one
     ``pyarrow.dataset`` over them whose schema is the union of the parts' columns."""
 
@@ -1083,7 +1087,7 @@ def read_parquet(
         SchemaError: if a file is not a tandv log, is damaged, or holds a value the
             schema forbids (the message names the file, the column and the row).
     """
-    log = _ParquetLog(path, statistics=bool(filters))
+    log = ParquetLog(path, statistics=bool(filters))
     names = log.projection(columns)
     expr = log.filter_expression(filters)
     table, origin = next(log.tables(names, expr, None))
@@ -1095,7 +1099,7 @@ def read_parquet(
 
 
 def read_parquet_chunks(
-    path: PathLike | _ParquetLog,
+    path: PathLike | ParquetLog,
     columns: Sequence[Any] | None = None,
     filters: Sequence[Any] | None = None,
     chunk_rows: int = CHUNK_ROWS,
@@ -1104,7 +1108,7 @@ def read_parquet_chunks(
     frame, so that a log larger than memory can be summarized. Rows come in the log's
     order; once all are read, a (name, tensor_type, step) seen twice anywhere in the log
     raises SchemaError, as :func:`read_parquet` would."""
-    log = path if isinstance(path, _ParquetLog) else _ParquetLog(path, statistics=bool(filters))
+    log = path if isinstance(path, ParquetLog) else ParquetLog(path, statistics=bool(filters))
     names = log.projection(columns)
     expr = log.filter_expression(filters)
     ids: dict[tuple[str, str], int] = {}
@@ -1182,7 +1186,7 @@ def log_columns(path: PathLike, *, trust_pickle: bool = False) -> list[tuple[str
     if _suffix_format(p) == "pickle":
         require_trust(p, trust_pickle, "log_columns")
         return list(read_pickle(p).columns)
-    return _ParquetLog(p, statistics=False).columns
+    return ParquetLog(p, statistics=False).columns
 
 
 # ----------------------------------------------------------------------------- either

@@ -25,13 +25,12 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .io import SOURCE_ATTR, atomic_write
+
 __all__ = ["SCALARS_DIR", "SOURCE_ATTR", "scalars_path", "write_scalars_part", "read_scalars"]
 
 #: The scalars' sub-directory of a parquet log directory.
 SCALARS_DIR = "scalars"
-#: ``df.attrs[SOURCE_ATTR]``: the path a log frame was read from (set by the readers), so
-#: that its scalars can be found from the frame alone (:func:`read_scalars`).
-SOURCE_ATTR = "tandv.source"
 _MARK = b"tandv.scalars"
 
 
@@ -50,8 +49,6 @@ def write_scalars_part(
 ) -> Path:
     """Write the scalars of ``steps`` (``rows[i]``: name -> value at ``steps[i]``) as part
     ``index`` of ``directory`` (created if needed), atomically."""
-    from .io import atomic_write
-
     names: dict[str, None] = {}
     for r in rows:
         names.update(dict.fromkeys(r))
