@@ -25,7 +25,7 @@ import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -72,7 +72,7 @@ __all__ = [
 #: that its scalars can be found from the frame alone (:func:`tandv.schema.scalars.read_scalars`).
 SOURCE_ATTR = "tandv.source"
 
-PathLike = str | os.PathLike
+PathLike = str | os.PathLike[str]
 
 
 def canonical_columns(columns: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -781,7 +781,7 @@ class ParquetLog:
         always, and a statistic (``numel`` if the log has it) when none is asked for, so
         that the result is a valid log."""
         if columns is None:
-            return self.schema.names
+            return cast(list[str], self.schema.names)
         if isinstance(columns, (str, bytes, tuple)) or not isinstance(columns, Iterable):
             raise ValueError(
                 f"columns={columns!r}: expected a list of statistic names, exponent labels "

@@ -34,7 +34,7 @@ SCALARS_DIR = "scalars"
 _MARK = b"tandv.scalars"
 
 
-def scalars_path(log: str | os.PathLike) -> Path:
+def scalars_path(log: str | os.PathLike[str]) -> Path:
     """The directory holding the scalars of the log at ``log`` (see the module docstring).
 
     A path that does not exist yet is taken as a parquet log directory unless its name
