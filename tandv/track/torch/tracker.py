@@ -98,7 +98,8 @@ class Tracker(TrackerCore[Flight | None]):
     framework = "torch"
     defers_rows = True  # a step's rows are finished on the writer thread (to_host is numpy)
 
-    def __init__(
+    # issue 31: split after the torch tracker work lands (composed tracker, TrackOptions only)
+    def __init__(  # noqa: C901, PLR0912, PLR0915
         self,
         module: nn.Module,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
