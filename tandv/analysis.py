@@ -25,7 +25,7 @@ from .schema.columns import (
     TENSOR_TYPES,
     UNDERFLOW,
 )
-from .schema.io import CHUNK_ROWS, _ParquetLog, read_log, read_parquet_chunks, run_record
+from .schema.io import CHUNK_ROWS, ParquetLog, read_log, read_parquet_chunks, run_record
 from .schema.validate import is_exponent_label
 from .stats.formats import number_format
 from .stats.summary import (
@@ -250,6 +250,97 @@ class _TypeTally:
         self.lost: dict[str, list[float]] = {}  # format -> [underflow, overflow] counts
         self.numel = 0.0
 
+    def add(self, c: _Chunk, idx: np.ndarray) -> None:
+        """Tally rows ``idx`` of chunk ``c`` (the rows of this tensor type)."""
+        codes = c.name_codes[idx]
+        names = _Names(c.name_values, codes)
+        steps = c.steps[idx]
+        self.names.update(c.name_values[np.unique(codes)].tolist())
+        first_step, last_step = int(steps.min()), int(steps.max())
+        self.step_min = first_step if self.step_min is None else min(self.step_min, first_step)
+        if c.nan is not None and c.inf is not None:
+            self._add_nonfinite(c, idx, names, steps)
+        w = c.width[idx]
+        i = int(np.argmax(w))
+        if w[i] > 0 and (self.widest is None or w[i] > self.widest[0]):
+            r = idx[i]
+            self.widest = (int(w[i]), names[i], int(steps[i]), int(c.lo[r]), int(c.hi[r]))
+        if c.rm2 is not None:
+            if self.step_max is None or last_step > self.step_max:
+                self.last = []
+            if self.step_max is None or last_step >= self.step_max:
+                at = steps == last_step
+                self.last += list(zip(c.name_values[codes[at]], c.rm2[idx][at]))
+        self.step_max = last_step if self.step_max is None else max(self.step_max, last_step)
+        if c.numel is not None:
+            self.numel += c.numel[idx].sum()
+            for f, (under, over) in c.lost.items():
+                acc = self.lost.setdefault(f, [0.0, 0.0])
+                acc[0] += under[idx].sum()
+                acc[1] += over[idx].sum()
+
+    def _add_nonfinite(self, c: _Chunk, idx: np.ndarray, names: _Names, steps: np.ndarray) -> None:
+        """The first NaN/inf of each name, and the row with the most of them."""
+        assert c.nan is not None and c.inf is not None
+        nan, inf = c.nan[idx], c.inf[idx]
+        bad = np.flatnonzero((nan > 0) | (inf > 0))
+        for i in bad[np.argsort(steps[bad], kind="stable")]:
+            if names[i] not in self.first or steps[i] < self.first[names[i]][0]:
+                self.first[names[i]] = (int(steps[i]), int(nan[i]), int(inf[i]))
+        if bad.size:
+            total = nan + inf
+            i = int(np.argmax(total))
+            if self.worst is None or total[i] > self.worst[0]:
+                size = int(c.numel[idx[i]]) if c.numel is not None else 0
+                self.worst = (int(total[i]), names[i], int(steps[i]), size)
+
+
+class _Chunk:
+    """The columns of one chunk of a log that :class:`_SummaryTally` reads, as numpy arrays
+    (``None`` for a statistic the log lacks)."""
+
+    def __init__(self, df: pd.DataFrame, formats: Sequence[str]) -> None:
+        n = len(df)
+        self.steps = df[(METADATA, "step")].to_numpy(dtype=np.int64)
+        self.name_codes, name_values = pd.factorize(df[(METADATA, "name")])
+        self.name_values = np.asarray(name_values, dtype=object)
+        labels, counts = _exponents(df)  # one (rows, exponents) matrix per chunk
+        nz = counts > 0
+        seen = nz.any(axis=1)
+        if labels.size:
+            self.lo = labels[nz.argmax(axis=1)]
+            self.hi = labels[labels.size - 1 - nz[:, ::-1].argmax(axis=1)]
+        else:
+            self.lo = self.hi = np.zeros(n, np.int64)
+        self.width = np.where(seen, self.hi - self.lo + 1, 0)
+        del nz
+        has = {c for g, c in df.columns if g == SCALAR_STATS}
+
+        def stat(name: str, dtype: Any = None) -> np.ndarray | None:
+            return df[(SCALAR_STATS, name)].to_numpy(dtype=dtype) if name in has else None
+
+        self.numel = stat("numel", np.float64)
+        self.rm2 = stat("rm2", np.float64)
+        nonfinite = {"nan_count", "inf_count"} <= has
+        self.nan = stat("nan_count") if nonfinite else None
+        self.inf = stat("inf_count") if nonfinite else None
+        #: format -> (underflow, overflow) count of each row, NaN where not knowable
+        self.lost: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        if self.numel is None:
+            return
+        under_col = df[(EXPONENT_COUNTS, UNDERFLOW)].to_numpy()
+        over_col = df[(EXPONENT_COUNTS, OVERFLOW)].to_numpy()
+        positive = self.numel > 0  # as format_shares: a row without elements has share 0
+        for f in formats:
+            fmt = number_format(f)
+            under_ok, over_ok = _knowable(df, f)
+            under = under_col + counts[:, labels < fmt.min_exponent].sum(axis=1)
+            over = over_col + counts[:, labels > fmt.max_exponent].sum(axis=1)
+            self.lost[f] = (
+                np.where(positive, under, 0.0) if under_ok else np.full(n, np.nan),
+                np.where(positive, over, 0.0) if over_ok else np.full(n, np.nan),
+            )
+
 
 class _SummaryTally:
     """Running totals behind :func:`text_summary`: :meth:`add` each chunk of a log (in log
@@ -270,88 +361,15 @@ class _SummaryTally:
         self.run = self.run or run_record(df)
         if df.empty:
             return
-        n = len(df)
-        self.rows += n
-        steps_all = df[(METADATA, "step")].to_numpy(dtype=np.int64)
-        name_codes, name_values = pd.factorize(df[(METADATA, "name")])
-        name_values = np.asarray(name_values, dtype=object)
-        self.steps.update(np.unique(steps_all).tolist())
-        self.names.update(name_values.tolist())
-        labels, counts = _exponents(df)  # one (rows, exponents) matrix per chunk
-        nz = counts > 0
-        seen = nz.any(axis=1)
-        if labels.size:
-            lo = labels[nz.argmax(axis=1)]
-            hi = labels[labels.size - 1 - nz[:, ::-1].argmax(axis=1)]
-        else:
-            lo = hi = np.zeros(n, np.int64)
-        width = np.where(seen, hi - lo + 1, 0)
-        del nz
-        under_col = df[(EXPONENT_COUNTS, UNDERFLOW)].to_numpy()
-        over_col = df[(EXPONENT_COUNTS, OVERFLOW)].to_numpy()
-        has = {c for g, c in df.columns if g == SCALAR_STATS}
-        numel_all = (
-            df[(SCALAR_STATS, "numel")].to_numpy(dtype=np.float64) if "numel" in has else None
-        )
-        lost = {}
-        if numel_all is not None:
-            for f in self.formats:
-                fmt = number_format(f)
-                under_ok, over_ok = _knowable(df, f)
-                under = under_col + counts[:, labels < fmt.min_exponent].sum(axis=1)
-                over = over_col + counts[:, labels > fmt.max_exponent].sum(axis=1)
-                positive = numel_all > 0  # as format_shares: a row without elements has share 0
-                lost[f] = (
-                    np.where(positive, under, 0.0) if under_ok else np.full(n, np.nan),
-                    np.where(positive, over, 0.0) if over_ok else np.full(n, np.nan),
-                )
-        nonfinite = {"nan_count", "inf_count"} <= has
-        if nonfinite:
-            nan_all = df[(SCALAR_STATS, "nan_count")].to_numpy()
-            inf_all = df[(SCALAR_STATS, "inf_count")].to_numpy()
-        rm2_all = df[(SCALAR_STATS, "rm2")].to_numpy(dtype=np.float64) if "rm2" in has else None
+        chunk = _Chunk(df, self.formats)
+        self.rows += len(df)
+        self.steps.update(np.unique(chunk.steps).tolist())
+        self.names.update(chunk.name_values.tolist())
         kind_codes, kind_values = pd.factorize(df[(METADATA, "tensor_type")])
-        kind_values = list(np.asarray(kind_values, dtype=object))
+        kinds = list(np.asarray(kind_values, dtype=object))
         for tt, t in self.types.items():
-            if tt not in kind_values:
-                continue
-            idx = np.flatnonzero(kind_codes == kind_values.index(tt))
-            codes = name_codes[idx]
-            names = _Names(name_values, codes)
-            steps = steps_all[idx]
-            t.names.update(name_values[np.unique(codes)].tolist())
-            first_step, last_step = int(steps.min()), int(steps.max())
-            t.step_min = first_step if t.step_min is None else min(t.step_min, first_step)
-            if nonfinite:
-                nan, inf = nan_all[idx], inf_all[idx]
-                bad = np.flatnonzero((nan > 0) | (inf > 0))
-                for i in bad[np.argsort(steps[bad], kind="stable")]:
-                    if names[i] not in t.first or steps[i] < t.first[names[i]][0]:
-                        t.first[names[i]] = (int(steps[i]), int(nan[i]), int(inf[i]))
-                if bad.size:
-                    total = nan + inf
-                    i = int(np.argmax(total))
-                    if t.worst is None or total[i] > t.worst[0]:
-                        size = int(numel_all[idx[i]]) if numel_all is not None else 0
-                        t.worst = (int(total[i]), names[i], int(steps[i]), size)
-            w = width[idx]
-            i = int(np.argmax(w))
-            if w[i] > 0 and (t.widest is None or w[i] > t.widest[0]):
-                r = idx[i]
-                t.widest = (int(w[i]), names[i], int(steps[i]), int(lo[r]), int(hi[r]))
-            if rm2_all is not None:
-                if t.step_max is None or last_step > t.step_max:
-                    t.last = []
-                if t.step_max is None or last_step >= t.step_max:
-                    at = steps == last_step
-                    t.last += list(zip(name_values[codes[at]], rm2_all[idx][at]))
-            t.step_max = last_step if t.step_max is None else max(t.step_max, last_step)
-            if numel_all is not None:
-                t.numel += numel_all[idx].sum()
-                for f, (under, over) in lost.items():
-                    acc = t.lost.setdefault(f, [0.0, 0.0])
-                    acc[0] += under[idx].sum()
-                    acc[1] += over[idx].sum()
+            if tt in kinds:
+                t.add(chunk, np.flatnonzero(kind_codes == kinds.index(tt)))
 
     def text(self, top: int) -> str:
         if not self.rows:
@@ -454,7 +472,7 @@ def summarize_log(
     if p.suffix.lower() in (".pkl", ".pickle"):
         tally.add(read_log(p, trust_pickle=trust_pickle))
         return tally.text(top)
-    log = _ParquetLog(p, statistics=False)
+    log = ParquetLog(p, statistics=False)
     wanted = [
         c
         for g, c in log.columns

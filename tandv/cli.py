@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+T = TypeVar("T")
 
 __all__ = ["main"]
 
@@ -45,7 +51,7 @@ def _check(path: str, trust_pickle: bool) -> Path:
     return p
 
 
-def _guarded(path: str, read):
+def _guarded(path: str, read: Callable[[], T]) -> T:
     """``read()``, with the readers' failures turned into one-line CLI errors."""
     import pyarrow as pa
 
@@ -59,7 +65,7 @@ def _guarded(path: str, read):
         raise CLIError(f"{path}: {e}") from None
 
 
-def _read(path: str, trust_pickle: bool = False):
+def _read(path: str, trust_pickle: bool = False) -> pd.DataFrame:
     from .schema import read_log
 
     p = _check(path, trust_pickle)

@@ -30,14 +30,12 @@ Definitions:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import pandas as pd
-
-from .snapshot import Snapshot
 
 __all__ = [
     "trust_ratio",
@@ -58,8 +56,22 @@ __all__ = [
 ]
 
 
-def _norms(x: Snapshot, what: str, pattern: str | None) -> pd.Series:
-    if not isinstance(x, Snapshot):
+@runtime_checkable
+class SnapshotLike(Protocol):
+    """What the ratios read from a :class:`tandv.snapshot.Snapshot`: its names, a filter by
+    name, layerwise norms and a host copy. Declared here, by the reader, so that this module
+    (below the trackers, whose noise-scale hooks use it) does not import the snapshots, which
+    sit above the trackers."""
+
+    def __iter__(self) -> Iterator[str]: ...
+    def __contains__(self, key: object) -> bool: ...
+    def filter(self, pattern: str | None = None) -> SnapshotLike: ...
+    def norm(self, p: float, layerwise: Literal[True]) -> Mapping[str, Any]: ...
+    def numpy(self) -> Mapping[str, Any]: ...
+
+
+def _norms(x: SnapshotLike, what: str, pattern: str | None) -> pd.Series:
+    if not isinstance(x, SnapshotLike):
         raise TypeError(f"{what}: expected a tandv.snapshot.Snapshot, got {type(x).__name__}")
     if pattern is not None:
         x = x.filter(pattern)
@@ -85,7 +97,7 @@ def _ratio(
 
 
 def trust_ratio(
-    weight: Snapshot, grad: Snapshot, weight_decay: float = 0.0, pattern: str | None = None
+    weight: SnapshotLike, grad: SnapshotLike, weight_decay: float = 0.0, pattern: str | None = None
 ) -> pd.Series:
     """LARS trust ratio per layer: ``||W|| / (||grad|| + weight_decay * ||W||)``.
 
@@ -102,7 +114,9 @@ def trust_ratio(
     return _ratio(w, g + weight_decay * w).rename("trust_ratio")
 
 
-def update_ratio(update: Snapshot, weight: Snapshot, pattern: str | None = None) -> pd.Series:
+def update_ratio(
+    update: SnapshotLike, weight: SnapshotLike, pattern: str | None = None
+) -> pd.Series:
     """Update/weight ratio per layer: ``||update|| / ||weight||``.
 
     Arguments:
@@ -375,7 +389,7 @@ class NoiseScaleEMA:
         return NoiseScaleEstimate(self._g2 / self._weight, self._trace / self._weight)
 
 
-def hessian_sq_norm(grad: Snapshot, hessian: Snapshot) -> float:
+def hessian_sq_norm(grad: SnapshotLike, hessian: SnapshotLike) -> float:
     """``g^T H g`` for a diagonal ``H``: ``sum over names of sum(h * g**2)`` in float64 on the
     host, the squared norm the Hessian-weighted noise scale needs
     (``noise_scale(hessian_sq_norm(G_small, H), b_small, hessian_sq_norm(G_big, H),
@@ -390,7 +404,7 @@ def hessian_sq_norm(grad: Snapshot, hessian: Snapshot) -> float:
         ValueError: the snapshots hold different names or shapes.
     """
     for x, what in ((grad, "grad"), (hessian, "hessian")):
-        if not isinstance(x, Snapshot):
+        if not isinstance(x, SnapshotLike):
             raise TypeError(
                 f"hessian_sq_norm({what}=...): expected a tandv.snapshot.Snapshot, got "
                 f"{type(x).__name__}"

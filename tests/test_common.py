@@ -21,6 +21,19 @@ def steps(schedule, n=30):
     return [s for s in range(n) if schedule(s)]
 
 
+def test_linear_0_fires_every_step_from_its_offset_for_trackers_and_taiyi():
+    """One parser reads ``"linear(interval, offset)"`` for both (issue 31): interval 0, the
+    form of Taiyi's documented default ``"linear(0, 0)"``, is every step from the offset on
+    (the trackers' parser used to reject it while Taiyi's accepted it)."""
+    from tandv.taiyi import parse_schedule
+
+    assert steps(make_schedule(schedule="linear(0, 3)"), 8) == [3, 4, 5, 6, 7]
+    assert steps(parse_schedule("linear(0, 3)"), 8) == [3, 4, 5, 6, 7]
+    assert steps(make_schedule(schedule="linear(0, 0)"), 8) == list(range(8))
+    with pytest.raises(ValueError, match="interval must be an int >= 1"):
+        linear(0, 1)  # the function keeps asking for an interval, as documented
+
+
 def test_every_and_linear_and_ranges():
     assert steps(make_schedule()) == list(range(30))
     assert steps(make_schedule(every=10)) == [0, 10, 20]
@@ -37,7 +50,7 @@ def test_every_and_linear_and_ranges():
     [
         ({"every": 0}, "every=0: expected an int >= 1"),
         ({"schedule": "cosine(3)"}, "expected 'linear(interval, offset)'"),
-        ({"schedule": "linear(0, 1)"}, "interval must be an int >= 1"),
+        ({"schedule": "linear(-1, 1)"}, "expected 'linear(interval, offset)'"),
         ({"start": -1}, "start=-1"),
         ({"start": 5, "end": 2}, "end=2: expected None or an int >= start"),
         ({"schedule": 3.5}, "expected a callable"),

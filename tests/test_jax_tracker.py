@@ -16,7 +16,7 @@ from tandv.schema import read_log  # noqa: E402
 from tandv.stats import exponent_labels, finalize, summarize  # noqa: E402
 from tandv.track.jax import _tracker as jax_tracker_module  # noqa: E402
 from tandv.track.jax import track  # noqa: E402
-from tandv.track.jax._trees import optimizer_state_leaves  # noqa: E402
+from tandv.track.jax.trees import optimizer_state_leaves  # noqa: E402
 
 EXACT_STATS = ["min", "max", "min_abs", "max_abs", "numel", "zero_count", "nan_count", "inf_count"]
 MOMENT_STATS = ["mean", "std", "mean_abs", "rm2", "rm4", "rm8"]
@@ -746,7 +746,7 @@ def test_sharded_run_logs_global_statistics(tmp_path, linen_runs):
 
 
 def test_param_names_skip_other_linen_collections_and_non_float_leaves():
-    from tandv.track.jax._trees import param_leaves
+    from tandv.track.jax.trees import param_leaves
 
     variables = {
         "params": {

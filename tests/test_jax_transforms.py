@@ -19,7 +19,7 @@ from test_jax_tracker import assert_row_matches, data, names, row  # noqa: E402
 
 from tandv.schema import read_log  # noqa: E402
 from tandv.track.jax import track  # noqa: E402
-from tandv.track.jax._trees import optimizer_state_leaves  # noqa: E402
+from tandv.track.jax.trees import optimizer_state_leaves  # noqa: E402
 
 
 def two_devices():

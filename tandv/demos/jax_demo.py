@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -90,7 +91,7 @@ def run(
         return optax.softmax_cross_entropy_with_integer_labels(logits, target).mean()
 
     @jax.jit
-    def update(p: dict, s: optax.OptState, key: jax.Array):
+    def update(p: dict, s: optax.OptState, key: jax.Array) -> tuple[Any, Any, Any, jax.Array]:
         tokens, target = _batch(key)
         loss, grads = jax.value_and_grad(loss_fn)(p, tokens, target)
         updates, s = opt.update(grads, s, p)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -56,7 +57,9 @@ TAIYI_CONFIG = {
 }
 
 
-def _batches(data: torch.Tensor, seq_len: int, batch: int, gen: torch.Generator):
+def _batches(
+    data: torch.Tensor, seq_len: int, batch: int, gen: torch.Generator
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     while True:
         starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=gen)
         chunk = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])

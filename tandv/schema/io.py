@@ -25,7 +25,7 @@ import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -45,11 +45,11 @@ from .columns import (
     STEP,
     UNDERFLOW,
 )
-from .scalars import SOURCE_ATTR
 from .validate import SchemaError, check, is_exponent_label, validate
 
 __all__ = [
     "RUN_ATTR",
+    "SOURCE_ATTR",
     "run_record",
     "read_pickle",
     "write_pickle",
@@ -68,7 +68,11 @@ __all__ = [
     "PICKLE_SUFFIXES",
 ]
 
-PathLike = str | os.PathLike
+#: ``df.attrs[SOURCE_ATTR]``: the path a log frame was read from (set by the readers), so
+#: that its scalars can be found from the frame alone (:func:`tandv.schema.scalars.read_scalars`).
+SOURCE_ATTR = "tandv.source"
+
+PathLike = str | os.PathLike[str]
 
 
 def canonical_columns(columns: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -582,6 +586,49 @@ def _first_bad_count(values: pa.ChunkedArray | pa.Array) -> tuple[int, Any] | No
     return (int(rows[0]), a[rows[0]].item()) if rows.size else None
 
 
+def _is_string_type(t: pa.DataType) -> bool:
+    """A string column as Arrow stores it: plain, large, or dictionary-encoded."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t))
+
+
+def _check_meta_field(path: Path, name: str, label: str, t: pa.DataType) -> None:
+    """A part's metadata column ``name`` (``label`` within the group), stored as ``t``."""
+    if label not in META_COLUMNS:
+        raise _part_error(
+            path,
+            f"unexpected metadata column; expected exactly {list(META_COLUMNS)}",
+            column=name,
+        )
+    ok = pa.types.is_integer(t) if label == STEP else _is_string_type(t)
+    if not ok:
+        raise _part_error(
+            path,
+            f"expected {'integer steps' if label == STEP else 'strings'}; stored as {t}",
+            column=name,
+        )
+
+
+def _check_count_field(path: Path, name: str, label: str, t: pa.DataType) -> None:
+    """A part's exponent-count column ``name`` (``label`` within the group), stored as
+    ``t``; a float column's values are read and checked to be whole counts >= 0."""
+    if label not in (UNDERFLOW, OVERFLOW) and not _INT_LABEL.fullmatch(label):
+        raise _part_error(
+            path,
+            f"exponent labels must be integers as tandv writes them (e.g. "
+            f"'-3', '0', '12': no leading zeros, no '-0') or "
+            f"{UNDERFLOW!r}/{OVERFLOW!r}; found {label!r}",
+            column=name,
+        )
+    if pa.types.is_floating(t):
+        bad = _first_bad_count(pq.read_table(path, columns=[name]).column(0))
+        if bad is not None:
+            raise _part_error(path, f"expected a whole count >= 0; found {bad[1]!r}", bad[0], name)
+    elif not pa.types.is_integer(t):
+        raise _part_error(path, f"expected integer counts; stored as {t}", column=name)
+
+
 def _check_part(path: Path, schema: pa.Schema) -> None:
     """Check one part's columns against the log schema from its footer alone, and the
     values of any count column stored as floats (read here, for this part only)."""
@@ -602,52 +649,12 @@ def _check_part(path: Path, schema: pa.Schema) -> None:
             )
         t = schema.field(i).type
         if group == METADATA:
-            if label not in META_COLUMNS:
-                raise _part_error(
-                    path,
-                    f"unexpected metadata column; expected exactly {list(META_COLUMNS)}",
-                    column=name,
-                )
-            if label == STEP:
-                ok = pa.types.is_integer(t)
-            else:
-                ok = (
-                    pa.types.is_string(t)
-                    or pa.types.is_large_string(t)
-                    or (
-                        pa.types.is_dictionary(t)
-                        and (
-                            pa.types.is_string(t.value_type)
-                            or pa.types.is_large_string(t.value_type)
-                        )
-                    )
-                )
-            if not ok:
-                raise _part_error(
-                    path,
-                    f"expected {'integer steps' if label == STEP else 'strings'}; stored as {t}",
-                    column=name,
-                )
+            _check_meta_field(path, name, label, t)
         elif group == SCALAR_STATS:
             if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
                 raise _part_error(path, f"expected a numeric statistic; stored as {t}", column=name)
         else:
-            if label not in (UNDERFLOW, OVERFLOW) and not _INT_LABEL.fullmatch(label):
-                raise _part_error(
-                    path,
-                    f"exponent labels must be integers as tandv writes them (e.g. "
-                    f"'-3', '0', '12': no leading zeros, no '-0') or "
-                    f"{UNDERFLOW!r}/{OVERFLOW!r}; found {label!r}",
-                    column=name,
-                )
-            if pa.types.is_floating(t):
-                bad = _first_bad_count(pq.read_table(path, columns=[name]).column(0))
-                if bad is not None:
-                    raise _part_error(
-                        path, f"expected a whole count >= 0; found {bad[1]!r}", bad[0], name
-                    )
-            elif not pa.types.is_integer(t):
-                raise _part_error(path, f"expected integer counts; stored as {t}", column=name)
+            _check_count_field(path, name, label, t)
     missing = [c for c in META_COLUMNS if _flat((METADATA, c)) not in names]
     if missing:
         raise _part_error(
@@ -669,7 +676,73 @@ def _check_filter_value(f: Any, value: Any, strings: bool) -> None:
         )
 
 
-class _ParquetLog:
+def _open_fragments(path: Path, files: Sequence[Path], fmt: Any) -> tuple[Any, list[Any]]:
+    """The dataset over a log's part ``files`` (no schema inference) and its fragments."""
+    try:
+        found = ds.dataset([str(f) for f in files], schema=pa.schema([]), format=fmt)
+        return found, list(found.get_fragments())
+    except pa.ArrowException as e:
+        if isinstance(e, OSError):
+            raise
+        raise SchemaError(
+            f"{str(path)!r}: not a readable log: {' '.join(str(e).split())}"
+        ) from None
+
+
+def _read_footer(f: Path, fragment: Any, statistics: bool) -> tuple[pa.Schema, int, list[str]]:
+    """Part ``f``'s schema, row count and column names from its footer (kept by the
+    fragment for the scan with ``statistics``)."""
+    try:
+        if statistics:  # footer read once, kept by the fragment for the scan
+            fragment.ensure_complete_metadata()
+            schema, rows = fragment.physical_schema, fragment.metadata.num_rows
+        else:
+            footer = pq.read_metadata(f)
+            schema, rows = footer.schema.to_arrow_schema(), footer.num_rows
+        names = schema.names  # decoded here: a damaged name is not UTF-8
+    except (OSError, pa.ArrowException, UnicodeDecodeError) as e:
+        raise SchemaError(
+            f"{str(f)!r} is not a readable parquet file: {' '.join(str(e).split())}"
+        ) from None
+    return schema, int(rows), list(names)
+
+
+def _run_of(f: Path, schema: pa.Schema) -> dict[str, Any]:
+    """The record of how the log was made, from part ``f``'s schema metadata ({} if none)."""
+    if not (schema.metadata and _RUN_KEY in schema.metadata):
+        return {}
+    try:
+        return cast(dict[str, Any], json.loads(schema.metadata[_RUN_KEY]))
+    except ValueError:
+        raise SchemaError(
+            f"{str(f)!r}: the record of how the log was made "
+            f"({_RUN_KEY.decode()} in the schema metadata) is not JSON"
+        ) from None
+
+
+def _union_schema(
+    stat_types: Mapping[str, set[pa.DataType]],
+    exps: Iterable[str],
+    present: Mapping[str, int],
+    num_parts: int,
+) -> pa.Schema:
+    """The schema of a log whose parts hold the statistics ``stat_types`` (name -> the
+    types they are stored as), the exponent-count columns ``exps``, and each column in
+    ``present[name]`` of its ``num_parts`` parts."""
+    fields = [
+        pa.field(_flat((METADATA, c)), pa.int64() if c == STEP else pa.string())
+        for c in META_COLUMNS
+    ]
+    for name, types in stat_types.items():  # in order of first appearance
+        # a statistic some part lacks is NaN there: only a float column can say so
+        whole = all(pa.types.is_integer(t) for t in types) and present[name] == num_parts
+        fields.append(pa.field(name, pa.int64() if whole else pa.float64()))
+    for key in canonical_columns(_unflat(n) for n in exps):
+        fields.append(pa.field(_flat(key), pa.int64()))
+    return pa.schema(fields)
+
+
+class ParquetLog:
     """An opened parquet log: its part files, each checked from its footer, and one
     ``pyarrow.dataset`` over them whose schema is the union of the parts' columns."""
 
@@ -691,17 +764,7 @@ class _ParquetLog:
                 page_checksum_verification=True
             )
         )
-        try:
-            found = ds.dataset(
-                [str(f) for f in self.files], schema=pa.schema([]), format=fmt
-            )  # no inference
-            fragments = list(found.get_fragments())
-        except pa.ArrowException as e:
-            if isinstance(e, OSError):
-                raise
-            raise SchemaError(
-                f"{str(self.path)!r}: not a readable log: {' '.join(str(e).split())}"
-            ) from None
+        found, fragments = _open_fragments(self.path, self.files, fmt)
         self.part_names: dict[str, frozenset[str]] = {}
         stat_types: dict[str, set[pa.DataType]] = {}
         exps: set[str] = set()
@@ -710,27 +773,10 @@ class _ParquetLog:
         self.num_rows = 0
         self.run: dict[str, Any] = {}
         for f, fragment in zip(self.files, fragments):
-            try:
-                if statistics:  # footer read once, kept by the fragment for the scan
-                    fragment.ensure_complete_metadata()
-                    schema, rows = fragment.physical_schema, fragment.metadata.num_rows
-                else:
-                    footer = pq.read_metadata(f)
-                    schema, rows = footer.schema.to_arrow_schema(), footer.num_rows
-                names = schema.names  # decoded here: a damaged name is not UTF-8
-            except (OSError, pa.ArrowException, UnicodeDecodeError) as e:
-                raise SchemaError(
-                    f"{str(f)!r} is not a readable parquet file: {' '.join(str(e).split())}"
-                ) from None
+            schema, rows, names = _read_footer(f, fragment, statistics)
             _check_seal(f, schema, rows)
-            if not self.run and schema.metadata and _RUN_KEY in schema.metadata:
-                try:
-                    self.run = json.loads(schema.metadata[_RUN_KEY])
-                except ValueError:
-                    raise SchemaError(
-                        f"{str(f)!r}: the record of how the log was made "
-                        f"({_RUN_KEY.decode()} in the schema metadata) is not JSON"
-                    ) from None
+            if not self.run:
+                self.run = _run_of(f, schema)
             if schema not in checked:
                 _check_part(f, schema)
                 if not any(
@@ -749,17 +795,7 @@ class _ParquetLog:
             self.num_rows += rows
             for name in names:
                 present[name] = present.get(name, 0) + 1
-        fields = [
-            pa.field(_flat((METADATA, c)), pa.int64() if c == STEP else pa.string())
-            for c in META_COLUMNS
-        ]
-        for name, types in stat_types.items():  # in order of first appearance
-            # a statistic some part lacks is NaN there: only a float column can say so
-            whole = all(pa.types.is_integer(t) for t in types) and present[name] == len(fragments)
-            fields.append(pa.field(name, pa.int64() if whole else pa.float64()))
-        for key in canonical_columns(_unflat(n) for n in exps):
-            fields.append(pa.field(_flat(key), pa.int64()))
-        self.schema = pa.schema(fields)
+        self.schema = _union_schema(stat_types, exps, present, len(fragments))
         self._fragments = fragments if statistics else []
         self.dataset = (
             ds.FileSystemDataset(fragments, self.schema, fmt, found.filesystem)
@@ -777,7 +813,7 @@ class _ParquetLog:
         always, and a statistic (``numel`` if the log has it) when none is asked for, so
         that the result is a valid log."""
         if columns is None:
-            return self.schema.names
+            return cast(list[str], self.schema.names)
         if isinstance(columns, (str, bytes, tuple)) or not isinstance(columns, Iterable):
             raise ValueError(
                 f"columns={columns!r}: expected a list of statistic names, exponent labels "
@@ -967,28 +1003,15 @@ class _ParquetLog:
             n = batch.num_rows
             if n == 0:
                 continue
-            has = self.part_names[part]
             for i, name, dt in numeric:
-                col = batch.column(i)
-                out = nums[name][rows : rows + n]
-                if col.null_count:
-                    if name not in has:
-                        out[:] = np.nan if dt.kind == "f" else 0  # absent from this part
-                        continue
-                    if dt.kind != "f":
-                        raise self._stored_null(part, name)
-                out[:] = col.to_numpy(zero_copy_only=False)  # a stored null statistic reads NaN
-                # the counts' rule (>= 0) checked here, on data still in cache, so that
-                # validating the frame need not read every count again (check(counts=False))
-                if name in count_names and out.min() < 0:
-                    row = int(np.argmin(out >= 0))
-                    which = " (counting the rows the filters kept)" if expr is not None else ""
-                    raise _part_error(
-                        Path(part),
-                        f"expected a count >= 0; found {out[row].item()}{which}",
-                        seen.get(part, 0) + row,
-                        name,
-                    )
+                self._copy_column(
+                    batch.column(i),
+                    nums[name][rows : rows + n],
+                    (part, name, dt),
+                    name in count_names,
+                    seen.get(part, 0),
+                    expr is not None,
+                )
             for i, name in strings:
                 strs[name].append(batch.column(i))
             origin.append((rows, part, seen.get(part, 0)))
@@ -1000,6 +1023,38 @@ class _ParquetLog:
                 origin, rows = [], 0
         if rows or chunk_rows is None:
             yield table(nums, strs, rows), origin
+
+    def _copy_column(
+        self,
+        col: pa.Array,
+        out: np.ndarray,
+        where: tuple[str, str, np.dtype[Any]],
+        is_count: bool,
+        before: int,
+        filtered: bool,
+    ) -> None:
+        """Copy one batch's column ``col`` into ``out``; ``where``: its part, column name
+        and numpy dtype; ``before``: the part's rows read before this batch. A column the
+        part lacks is zeros (a statistic: NaN); a count's rule (>= 0) is checked here, on
+        data still in cache, so that validating the frame need not read every count again
+        (``check(counts=False)``)."""
+        part, name, dt = where
+        if col.null_count:
+            if name not in self.part_names[part]:
+                out[:] = np.nan if dt.kind == "f" else 0  # absent from this part
+                return
+            if dt.kind != "f":
+                raise self._stored_null(part, name)
+        out[:] = col.to_numpy(zero_copy_only=False)  # a stored null statistic reads NaN
+        if is_count and out.min() < 0:
+            row = int(np.argmin(out >= 0))
+            which = " (counting the rows the filters kept)" if filtered else ""
+            raise _part_error(
+                Path(part),
+                f"expected a count >= 0; found {out[row].item()}{which}",
+                before + row,
+                name,
+            )
 
     def _stored_null(self, part: str, name: str) -> SchemaError:
         col = pq.read_table(part, columns=[name]).column(0)
@@ -1083,7 +1138,7 @@ def read_parquet(
         SchemaError: if a file is not a tandv log, is damaged, or holds a value the
             schema forbids (the message names the file, the column and the row).
     """
-    log = _ParquetLog(path, statistics=bool(filters))
+    log = ParquetLog(path, statistics=bool(filters))
     names = log.projection(columns)
     expr = log.filter_expression(filters)
     table, origin = next(log.tables(names, expr, None))
@@ -1095,7 +1150,7 @@ def read_parquet(
 
 
 def read_parquet_chunks(
-    path: PathLike | _ParquetLog,
+    path: PathLike | ParquetLog,
     columns: Sequence[Any] | None = None,
     filters: Sequence[Any] | None = None,
     chunk_rows: int = CHUNK_ROWS,
@@ -1104,7 +1159,7 @@ def read_parquet_chunks(
     frame, so that a log larger than memory can be summarized. Rows come in the log's
     order; once all are read, a (name, tensor_type, step) seen twice anywhere in the log
     raises SchemaError, as :func:`read_parquet` would."""
-    log = path if isinstance(path, _ParquetLog) else _ParquetLog(path, statistics=bool(filters))
+    log = path if isinstance(path, ParquetLog) else ParquetLog(path, statistics=bool(filters))
     names = log.projection(columns)
     expr = log.filter_expression(filters)
     ids: dict[tuple[str, str], int] = {}
@@ -1182,7 +1237,7 @@ def log_columns(path: PathLike, *, trust_pickle: bool = False) -> list[tuple[str
     if _suffix_format(p) == "pickle":
         require_trust(p, trust_pickle, "log_columns")
         return list(read_pickle(p).columns)
-    return _ParquetLog(p, statistics=False).columns
+    return ParquetLog(p, statistics=False).columns
 
 
 # ----------------------------------------------------------------------------- either

@@ -25,17 +25,16 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .io import SOURCE_ATTR, atomic_write
+
 __all__ = ["SCALARS_DIR", "SOURCE_ATTR", "scalars_path", "write_scalars_part", "read_scalars"]
 
 #: The scalars' sub-directory of a parquet log directory.
 SCALARS_DIR = "scalars"
-#: ``df.attrs[SOURCE_ATTR]``: the path a log frame was read from (set by the readers), so
-#: that its scalars can be found from the frame alone (:func:`read_scalars`).
-SOURCE_ATTR = "tandv.source"
 _MARK = b"tandv.scalars"
 
 
-def scalars_path(log: str | os.PathLike) -> Path:
+def scalars_path(log: str | os.PathLike[str]) -> Path:
     """The directory holding the scalars of the log at ``log`` (see the module docstring).
 
     A path that does not exist yet is taken as a parquet log directory unless its name
@@ -50,8 +49,6 @@ def write_scalars_part(
 ) -> Path:
     """Write the scalars of ``steps`` (``rows[i]``: name -> value at ``steps[i]``) as part
     ``index`` of ``directory`` (created if needed), atomically."""
-    from .io import atomic_write
-
     names: dict[str, None] = {}
     for r in rows:
         names.update(dict.fromkeys(r))

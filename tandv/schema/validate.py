@@ -7,7 +7,7 @@ was found, and for a bad value the first row (by position) that holds it. Whatev
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import ml_dtypes
 import numpy as np
@@ -141,8 +141,8 @@ def _integer(col: Any, s: pd.Series, what: str, hint: str) -> np.ndarray:
         na = s.isna().to_numpy()
         if na.any():
             raise _bad_value(col, s, na, f"{what} (no missing value)")
-        return s.to_numpy(dtype=np.int64)
-    return s.to_numpy()
+        return cast(np.ndarray, s.to_numpy(dtype=np.int64))
+    return cast(np.ndarray, s.to_numpy())
 
 
 def _duplicates(df: pd.DataFrame, step: np.ndarray) -> np.ndarray:
@@ -155,11 +155,14 @@ def _duplicates(df: pd.DataFrame, step: np.ndarray) -> np.ndarray:
     low = int(step.min())
     span = int(step.max()) - low + 1
     if (int(names.max()) + 1) * len(kind_values) * span >= 2**62:  # no room: pandas' general way
-        return df.duplicated(
-            subset=[(METADATA, NAME), (METADATA, TENSOR_TYPE), (METADATA, STEP)]
-        ).to_numpy()
+        return cast(
+            np.ndarray,
+            df.duplicated(
+                subset=[(METADATA, NAME), (METADATA, TENSOR_TYPE), (METADATA, STEP)]
+            ).to_numpy(),
+        )
     k = (names.astype(np.int64) * len(kind_values) + kinds) * span + (step.astype(np.int64) - low)
-    return pd.Series(k).duplicated().to_numpy()
+    return cast(np.ndarray, pd.Series(k).duplicated().to_numpy())
 
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -203,7 +206,17 @@ def check(df: pd.DataFrame, *, duplicates: bool = True, counts: bool = True) -> 
     columns (for a reader that checked them in Arrow as it decoded them)."""
     if not isinstance(df, pd.DataFrame):
         raise SchemaError(f"a log is a pandas DataFrame; found {type(df).__name__}")
-    cols = df.columns
+    _check_columns(df.columns)
+    step = _check_metadata(df)
+    _check_scalar_stats(df)
+    _check_exponent_counts(df, counts)
+    if duplicates:
+        _check_duplicates(df, step)
+    return df
+
+
+def _check_columns(cols: pd.Index) -> None:
+    """The column index: two levels, known groups, no column twice."""
     if not isinstance(cols, pd.MultiIndex) or cols.nlevels != 2:
         levels = cols.nlevels if isinstance(cols, pd.MultiIndex) else 1
         raise SchemaError(
@@ -220,6 +233,10 @@ def check(df: pd.DataFrame, *, duplicates: bool = True, counts: bool = True) -> 
     if cols.duplicated().any():
         raise SchemaError(f"columns: duplicated column {_examples(list(cols[cols.duplicated()]))}")
 
+
+def _check_metadata(df: pd.DataFrame) -> np.ndarray:
+    """The metadata columns and their values; returns the steps (as integers)."""
+    cols = df.columns
     meta = [c for t, c in cols if t == METADATA]
     missing = [c for c in META_COLUMNS if c not in meta]
     if missing:
@@ -245,14 +262,19 @@ def check(df: pd.DataFrame, *, duplicates: bool = True, counts: bool = True) -> 
         raise _bad_value(tt_col, df[tt_col], bad, f"one of {list(TENSOR_TYPES)}")
     for name in pd.unique(df[(METADATA, DTYPE)]):
         try:
-            ml_dtypes.finfo(name)
+            ml_dtypes.finfo(name)  # type: ignore[no-untyped-call]  # ml_dtypes: no annotations
         except Exception:
             raise SchemaError(
                 f"{(METADATA, DTYPE)!r}: {name!r} is not a floating-point dtype name that "
                 f"ml_dtypes.finfo can parse (e.g. 'float32', 'bfloat16', 'float8_e4m3fn')",
                 column=(METADATA, DTYPE),
             ) from None
+    return step
 
+
+def _check_scalar_stats(df: pd.DataFrame) -> None:
+    """The statistic columns: at least one, named by a string, numeric, no <NA>."""
+    cols = df.columns
     groups = cols.get_level_values(0)
     dtypes = df.dtypes
     stat_at = np.flatnonzero(groups == SCALAR_STATS)  # positions: no lookup per column
@@ -290,6 +312,13 @@ def check(df: pd.DataFrame, *, duplicates: bool = True, counts: bool = True) -> 
                     "; convert with .astype('float64')",
                 )
 
+
+def _check_exponent_counts(df: pd.DataFrame, counts: bool) -> None:
+    """The exponent-count columns: the underflow and overflow counts, integer labels,
+    integer counts in range (their values only with ``counts``, or where not plain int64)."""
+    cols = df.columns
+    groups = cols.get_level_values(0)
+    dtypes = df.dtypes
     exp_at = np.flatnonzero(groups == EXPONENT_COUNTS)
     exps = [cols[i][1] for i in exp_at]
     for label in (UNDERFLOW, OVERFLOW):
@@ -323,8 +352,10 @@ def check(df: pd.DataFrame, *, duplicates: bool = True, counts: bool = True) -> 
                     col, df[col], v > _INT64_MAX, f"counts <= {_INT64_MAX} (the int64 maximum)"
                 )
 
-    if not duplicates:
-        return df
+
+def _check_duplicates(df: pd.DataFrame, step: np.ndarray) -> None:
+    """No two rows for one (name, tensor_type, step)."""
+    step_col = (METADATA, STEP)
     key = [(METADATA, NAME), (METADATA, TENSOR_TYPE), step_col]
     dup = _duplicates(df, step)
     if dup.any():
@@ -335,4 +366,3 @@ def check(df: pd.DataFrame, *, duplicates: bool = True, counts: bool = True) -> 
             f"(row {row} repeats an earlier row); each tensor has at most one row per step",
             row=row,
         )
-    return df

@@ -20,7 +20,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pandas as pd
 
@@ -128,7 +128,7 @@ class LogWriter:
     path: Path
     rows_written: int = 0
     #: The record of how the log was made, written with every part (see ``run_record``).
-    run: dict | None = None
+    run: dict[str, Any] | None = None
 
     def write(self, df: pd.DataFrame, *, allow_empty: bool = False) -> None:  # pragma: no cover
         """Write rows; an empty frame is skipped unless ``allow_empty`` (an empty log)."""
@@ -172,7 +172,7 @@ class PartWriter(LogWriter):
     each part's statistics cover a step range and a step filter skips the others.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise FileExistsError(f"parquet log directory {str(self.path)!r} is an existing file")
@@ -214,7 +214,7 @@ class PickleWriter(LogWriter):
     (:func:`claim_log`, as ``resolve_out`` does for a default path).
     """
 
-    def __init__(self, path: str | os.PathLike, *, claimed: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, claimed: bool = False) -> None:
         self.path = Path(path)
         if self.path.is_dir():
             raise IsADirectoryError(
@@ -267,11 +267,11 @@ class PickleWriter(LogWriter):
 
 
 def open_writer(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     out_format: Literal["parquet", "pickle"],
     *,
     claimed: bool = False,
-    run: dict | None = None,
+    run: dict[str, Any] | None = None,
 ) -> LogWriter:
     """A writer for ``out_format`` at ``path`` (a directory for parquet, a file for pickle);
     ``claimed`` says that the caller holds the pickle path's claim (:func:`claim_log`);

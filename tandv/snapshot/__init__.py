@@ -5,6 +5,7 @@
 neither framework.
 """
 
-from ._core import DESCRIBE_COLUMNS, EXTRA_COLUMNS, Ops, Snapshot, sqrt
+from ._core import DESCRIBE_COLUMNS, EXTRA_COLUMNS, Snapshot, sqrt
+from ._ops import Ops
 
 __all__ = ["DESCRIBE_COLUMNS", "EXTRA_COLUMNS", "Ops", "Snapshot", "sqrt"]

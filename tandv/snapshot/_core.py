@@ -6,8 +6,8 @@ values stay in their own framework and on their own device: arithmetic uses the 
 operators, and only :meth:`Snapshot.describe` copies to the host, where the statistics are those
 of :func:`tandv.stats.summarize` / :func:`tandv.stats.finalize`, exactly as in a tandv log.
 Which framework a value belongs to is read from its type, so this module imports neither torch
-nor JAX; their operations live in the adapters (:mod:`tandv.snapshot.torch`,
-:mod:`tandv.snapshot.jax`), imported the first time one of their arrays is seen.
+nor JAX; their operations live in :mod:`tandv.snapshot._ops`, which imports a framework the
+first time one of its arrays is seen.
 """
 
 from __future__ import annotations
@@ -17,16 +17,15 @@ import numbers
 import operator
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 import numpy as np
 import pandas as pd
 
 from ..stats import DEFAULT_STATS, finalize, merge_all, summarize
-from ..stats.summary import framework_of
+from ._ops import ops_for
 
-__all__ = ["Snapshot", "Ops", "sqrt", "DESCRIBE_COLUMNS", "EXTRA_COLUMNS"]
+__all__ = ["Snapshot", "sqrt", "DESCRIBE_COLUMNS", "EXTRA_COLUMNS"]
 
 #: Columns :meth:`Snapshot.describe` returns by default, in order: the tensor's shape and dtype,
 #: the log's default statistics (:data:`tandv.stats.DEFAULT_STATS`), and ``norm``, the L2 norm
@@ -40,61 +39,6 @@ DESCRIBE_COLUMNS: tuple[str, ...] = ("shape", "dtype", *DEFAULT_STATS, "norm")
 #: divided by ``n``: ``scipy.stats.skew`` / ``scipy.stats.kurtosis`` with their defaults, as
 #: nnstat computes them; NaN when all values are equal).
 EXTRA_COLUMNS: tuple[str, ...] = ("norm1", "sum", "var", "skew", "kurtosis")
-
-
-@dataclass(frozen=True)
-class Ops:
-    """What a snapshot needs from one array framework.
-
-    Arguments:
-        sqrt: elementwise square root, result in the same framework and device.
-        norm: ``norm(x, p)``, the vector p-norm of all elements of ``x`` as a Python float
-            (``p = inf`` the largest magnitude).
-        to_numpy: a host copy of ``x`` as a numpy array (float32 for dtypes numpy lacks)
-            and the name of ``x``'s dtype (``"bfloat16"``).
-        clone: an independent copy of ``x`` that later in-place changes do not reach.
-    """
-
-    sqrt: Callable[[Any], Any]
-    norm: Callable[[Any, float], float]
-    to_numpy: Callable[[Any], tuple[np.ndarray, str]]
-    clone: Callable[[Any], Any]
-
-
-def _np_norm(x: Any, p: float) -> float:
-    a = np.abs(np.asarray(x, dtype=np.float64)).ravel()
-    if a.size == 0:
-        return 0.0
-    if math.isinf(p):
-        return float(a.max())
-    return float(np.sum(a**p) ** (1.0 / p))
-
-
-def _np_to_numpy(x: Any) -> tuple[np.ndarray, str]:
-    arr = np.asarray(x)
-    return arr, arr.dtype.name
-
-
-NUMPY_OPS = Ops(
-    sqrt=np.sqrt,
-    norm=_np_norm,
-    to_numpy=_np_to_numpy,
-    clone=lambda x: np.array(x, copy=True) if isinstance(x, np.ndarray) else x,
-)
-
-
-def ops_for(x: Any) -> Ops:
-    """The :class:`Ops` of the framework ``x`` belongs to (numpy for numbers and numpy arrays)."""
-    framework = framework_of(x)
-    if framework == "torch":
-        from .torch import TORCH_OPS
-
-        return TORCH_OPS
-    if framework == "jax":
-        from .jax import JAX_OPS
-
-        return JAX_OPS
-    return NUMPY_OPS
 
 
 def _is_scalar(x: Any) -> bool:

@@ -1,6 +1,6 @@
 """Snapshots of JAX pytrees: Flax params, gradients, optax state and captured intermediates.
 
-Names are those of the JAX tracker (:mod:`tandv.track.jax._trees`): parameters by their dotted
+Names are those of the JAX tracker (:mod:`tandv.track.jax.trees`): parameters by their dotted
 path under the ``params`` collection (``Dense_0.kernel``; nnx ``.value`` wrappers dropped),
 optimizer state keyed by the parameter it mirrors (so ``mu`` and ``nu`` combine with weights),
 activations by module path (``root`` for the outermost module).
@@ -12,33 +12,18 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from tandv.track.jax._trees import is_float_array, key_name, optimizer_state_leaves, param_leaves
+from tandv.track.jax.trees import is_float_array, key_name, optimizer_state_leaves, param_leaves
 
-from ._core import Ops, Snapshot, _np_norm
+from ._core import Snapshot
+from ._ops import jax_ops
 
 __all__ = ["from_weight", "from_grad", "from_optimizer_state", "from_activation", "JAX_OPS"]
 
 
-def _norm(x: Any, p: float) -> float:
-    if x.size == 0:
-        return 0.0
-    if not jnp.issubdtype(x.dtype, jnp.inexact):  # integer/bool leaves: float64 on the host
-        return _np_norm(np.asarray(x), p)
-    # bfloat16/float16 accumulate in float32.
-    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    return float(jnp.linalg.norm(x.ravel(), ord=p))
-
-
-def _to_numpy(x: Any) -> tuple[np.ndarray, str]:
-    return np.asarray(x), jnp.dtype(x.dtype).name
-
-
 #: The operations a :class:`~tandv.snapshot.Snapshot` of JAX arrays uses (arrays are
 #: immutable, so a clone is the array itself).
-JAX_OPS = Ops(sqrt=jnp.sqrt, norm=_norm, to_numpy=_to_numpy, clone=lambda x: x)
+JAX_OPS = jax_ops()
 
 
 def _named(tree: Any, fn: str) -> dict[str, Any]:

@@ -13,11 +13,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from ._core import Ops, Snapshot
+from tandv.track.torch.naming import flatten_outputs
+
+from ._core import Snapshot
+from ._ops import torch_ops
 
 __all__ = [
     "from_weight",
@@ -29,30 +31,8 @@ __all__ = [
     "TORCH_OPS",
 ]
 
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def _norm(x: torch.Tensor, p: float) -> float:
-    x = x.detach()
-    if x.numel() == 0:
-        return 0.0
-    if not (x.is_floating_point() or x.is_complex()):
-        x = x.double()  # integer/bool buffers (num_batches_tracked): norms need floats
-    # Half-precision inputs accumulate in float32 (their own sums lose digits fast).
-    dtype = torch.float32 if x.dtype in _HALF else None
-    return float(torch.linalg.vector_norm(x, ord=p, dtype=dtype))
-
-
-def _to_numpy(x: torch.Tensor) -> tuple[np.ndarray, str]:
-    x = x.detach().cpu()
-    name = str(x.dtype).removeprefix("torch.")
-    if x.dtype in _HALF:
-        x = x.float()  # exact: every half value is a float32 value
-    return x.numpy(), name
-
-
 #: The operations a :class:`~tandv.snapshot.Snapshot` of torch tensors uses.
-TORCH_OPS = Ops(sqrt=torch.sqrt, norm=_norm, to_numpy=_to_numpy, clone=lambda x: x.detach().clone())
+TORCH_OPS = torch_ops()
 
 
 def _check_model(model: Any, fn: str) -> nn.Module:
@@ -226,14 +206,12 @@ def from_activation(model: nn.Module, clone: bool = False) -> Iterator[Snapshot]
         model: the module whose submodules are observed.
         clone: copy the outputs (needed if the forward pass changes them in place later).
     """
-    from tandv.track.torch.tracker import _flatten  # the tracker's naming of structured outputs
-
     snap = Snapshot({}, f"{type(_check_model(model, 'from_activation')).__name__}_activations")
 
     def hook_for(path: str) -> Any:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             found: list[tuple[str, torch.Tensor]] = []
-            _flatten(output, path, found)
+            flatten_outputs(output, path, found)
             for name, t in found:
                 snap._values[name] = t.detach().clone() if clone else t.detach()
 

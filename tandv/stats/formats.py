@@ -131,7 +131,7 @@ def _floor_log2(x: float) -> int:
 
 @cache
 def _format_by_name(name: str) -> NumberFormat:
-    info = ml_dtypes.finfo(name)
+    info = ml_dtypes.finfo(name)  # type: ignore[no-untyped-call]  # ml_dtypes: no annotations
     smallest_subnormal = float(info.smallest_subnormal)
     fmax = float(info.max)
     return NumberFormat(

@@ -60,7 +60,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -82,6 +82,8 @@ __all__ = [
     "HIGHER_STATS",
     "HIGHER_FIELDS",
     "MERGE_RULES",
+    "FIELD_RULES",
+    "RULE_UFUNCS",
     "Layout",
     "summarize",
     "merge",
@@ -182,6 +184,44 @@ VALUE_INDEX: Mapping[str, int] = MappingProxyType({name: i for i, name in enumer
 #: How an extra (custom) statistic of two parts combines: ``mean`` is weighted by numel.
 MERGE_RULES: tuple[str, ...] = ("sum", "min", "max", "mean")
 
+#: How each core field of two summaries combines when they merge: the one table of the merge
+#: arithmetic, which :func:`merge`, :func:`merge_groups` and the JAX tracker's on-device merge
+#: follow. ``"sum"``: the counts add (exactly); ``"min"`` / ``"max"``: the extremum is kept;
+#: ``"moment"``: the count-weighted mean and the centred sum of squares (Chan et al.; with
+#: ``moments=4`` also ``m3``, ``m4``, Pébay), computed on the merged scale; ``"power"``: a
+#: power sum scaled by the part's largest magnitude, rescaled to the merged one. The exponent
+#: counts add; a custom statistic merges by its own rule (:data:`MERGE_RULES`).
+FIELD_RULES: Mapping[str, str] = MappingProxyType(
+    {
+        **dict.fromkeys(LEADING_COUNT_FIELDS, "sum"),
+        "min": "min",
+        "max": "max",
+        "min_abs": "min",
+        "max_abs": "max",
+        "mean": "moment",
+        "m2": "moment",
+        **{f"p{k}": "power" for k in POWERS},
+    }
+)
+assert tuple(FIELD_RULES) == CORE_FIELDS, "FIELD_RULES must give every core field a rule"
+
+#: The rules that merge value by value, as numpy ufuncs: ``ufunc(a, b)`` merges two values,
+#: ``ufunc.at(out, groups, values)`` merges groups of them (core fields and custom statistics).
+RULE_UFUNCS: Mapping[str, np.ufunc] = MappingProxyType(
+    {"sum": np.add, "min": np.minimum, "max": np.maximum}
+)
+#: The neutral element of each rule (an empty summary's value), 0 for those not named; but
+#: ``max_abs``, whose values are never negative, is 0 in an empty summary (see ``_EMPTY_CORE``).
+_NEUTRAL: Mapping[str, float] = MappingProxyType({"min": np.inf, "max": -np.inf})
+#: The core fields of an empty summary, the neutral element of the merge.
+_EMPTY_CORE = np.array([_NEUTRAL.get(rule, 0.0) for rule in FIELD_RULES.values()])
+_EMPTY_CORE[FIELD_INDEX["max_abs"]] = 0.0  # the scale of the power sums: 0 keeps them 0
+_EMPTY_CORE.flags.writeable = False
+#: The core fields of each value-by-value rule, by position.
+_RULE_FIELDS: Mapping[str, list[int]] = MappingProxyType(
+    {rule: [FIELD_INDEX[f] for f, r in FIELD_RULES.items() if r == rule] for rule in RULE_UFUNCS}
+)
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -266,11 +306,9 @@ class Layout:
     def empty(self) -> np.ndarray:
         """The summary of an empty tensor: the neutral element of :func:`merge`."""
         out = np.zeros(self.size, dtype=np.float64)
-        out[_I["min"]] = np.inf
-        out[_I["max"]] = -np.inf
-        out[_I["min_abs"]] = np.inf
+        out[:N_CORE] = _EMPTY_CORE
         for i, (_, rule) in enumerate(self.extras):
-            out[self.extras_start + i] = {"min": np.inf, "max": -np.inf}.get(rule, 0.0)
+            out[self.extras_start + i] = _NEUTRAL.get(rule, 0.0)
         return out
 
 
@@ -566,10 +604,6 @@ def _n_finite(v: Any) -> Any:
     return v[..., _I["numel"]] - v[..., _I["nan_count"]] - v[..., _I["inf_count"]]
 
 
-#: Indices of the leading counts (they add up when summaries merge).
-_LEADING = list(range(N_LEADING_COUNTS))
-
-
 def merge(a: np.ndarray, b: np.ndarray, layout: Layout) -> np.ndarray:
     """The summary of the union of two tensors' elements, from their summaries.
 
@@ -578,19 +612,15 @@ def merge(a: np.ndarray, b: np.ndarray, layout: Layout) -> np.ndarray:
     """
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
-    out = a.copy()
-    sums = [*_LEADING, *range(layout.counts_start, layout.extras_start)]
-    out[sums] = a[sums] + b[sums]  # counts and exponent counts
+    out: np.ndarray = a.copy()
+    for rule, ufunc in RULE_UFUNCS.items():  # counts add, extrema are kept (FIELD_RULES)
+        idx = _RULE_FIELDS[rule]
+        out[idx] = ufunc(a[idx], b[idx])
+    counts = layout.exponent_counts
+    out[counts] = a[counts] + b[counts]
     na = _n_finite(a)
     nb = _n_finite(b)
     n = na + nb
-    for name, fn in (
-        ("min", np.minimum),
-        ("min_abs", np.minimum),
-        ("max", np.maximum),
-        ("max_abs", np.maximum),
-    ):
-        out[_I[name]] = fn(a[_I[name]], b[_I[name]])
     # Rescale each part's sums from its own scale to the merged one. A part whose
     # largest magnitude is 0 has all-zero scaled sums, so its ratio may be 0.
     s = _scale(out[_I["max_abs"]])
@@ -613,13 +643,9 @@ def merge(a: np.ndarray, b: np.ndarray, layout: Layout) -> np.ndarray:
     wa, wb = a[_I["numel"]], b[_I["numel"]]
     for j, (_, rule) in enumerate(layout.extras):
         i = layout.extras_start + j
-        if rule == "min":
-            out[i] = min(a[i], b[i])
-        elif rule == "max":
-            out[i] = max(a[i], b[i])
-        elif rule == "sum":
-            out[i] = a[i] + b[i]
-        elif rule == "mean":
+        if rule in RULE_UFUNCS:
+            out[i] = RULE_UFUNCS[rule](a[i], b[i])
+        else:  # "mean", weighted by numel
             total = wa + wb
             out[i] = (a[i] * wa + b[i] * wb) / total if total else 0.0
     return out
@@ -638,22 +664,21 @@ def _empty_rows(rows: int, width: int, layout: Layout | None) -> np.ndarray:
     if layout is not None:
         return np.tile(layout.empty(), (rows, 1))
     out = np.zeros((rows, width))
-    out[:, _I["min"]] = out[:, _I["min_abs"]] = np.inf
-    out[:, _I["max"]] = -np.inf
+    out[:, :N_CORE] = _EMPTY_CORE
     return out
 
 
 def _checked_rows(v: Any, layout: Layout | None, what: str) -> np.ndarray:
     """``v`` as a 2-D float64 stack of summaries, its width checked against ``layout``."""
     v = np.asarray(v, dtype=np.float64)
-    v = v.reshape(-1, v.shape[-1]) if v.ndim > 1 else v[None, :]
+    rows: np.ndarray = v.reshape(-1, v.shape[-1]) if v.ndim > 1 else v[None, :]
     want = N_CORE if layout is None else layout.size
-    if (v.shape[1] < want) if layout is None else (v.shape[1] != want):
+    if (rows.shape[1] < want) if layout is None else (rows.shape[1] != want):
         raise ValueError(
-            f"{what}: summaries of {v.shape[1]} values; expected "
+            f"{what}: summaries of {rows.shape[1]} values; expected "
             + (f"at least {N_CORE}" if layout is None else f"{want} (the layout's size)")
         )
-    return v
+    return rows
 
 
 def _num_higher(layout: Layout | None, moments: int) -> int:
@@ -715,14 +740,13 @@ def merge_groups(
     ends = width - len(extras) - high
     out = _empty_rows(k, width, layout)
     col = unpack_fields(v)
-    sums = [*_LEADING, *range(N_CORE, ends)]
+    sums = [*_RULE_FIELDS["sum"], *range(N_CORE, ends)]  # counts and exponent counts
     acc = np.zeros((k, len(sums)))
     np.add.at(acc, g, v[:, sums])  # counts: integers, added exactly in float64
     out[:, sums] = acc
-    for name in ("min", "min_abs"):
-        np.minimum.at(out[:, _I[name]], g, col[name])
-    for name in ("max", "max_abs"):
-        np.maximum.at(out[:, _I[name]], g, col[name])
+    for rule in ("min", "max"):  # the extrema (FIELD_RULES)
+        for i in _RULE_FIELDS[rule]:
+            RULE_UFUNCS[rule].at(out[:, i], g, v[:, i])
     n_i = _n_finite(v)
     n = np.zeros(k)
     np.add.at(n, g, n_i)
@@ -742,35 +766,55 @@ def merge_groups(
         # each row's centred sums moved to the group's mean: with d the row's mean less the
         # group's, sum((x - mean_g)**k) expands binomially in d (exact)
         d = col["mean"] / s - mean_s[g]
-        m2r = col["m2"] * r**2
-        m3r = v[:, width - 2] * r**3
-        m4r = v[:, width - 1] * r**4
-        acc3 = np.zeros(k)
-        acc4 = np.zeros(k)
-        np.add.at(acc3, g, m3r + 3.0 * d * m2r + n_i * d**3)
-        np.add.at(acc4, g, m4r + 4.0 * d * m3r + 6.0 * d * d * m2r + n_i * d**4)
-        out[:, width - 2] = np.where(has, acc3, 0.0)
-        out[:, width - 1] = np.where(has, acc4, 0.0)
+        out[:, width - 2], out[:, width - 1] = _group_higher(
+            v[:, width - 2 :], col["m2"], r, d, n_i, g, k, has
+        )
     for p in POWERS:
         i = _I[f"p{p}"]
         acc1 = np.zeros(k)
         np.add.at(acc1, g, col[f"p{p}"] * r**p)
         out[:, i] = acc1
+    _group_extras(out, v, extras, ends, col["numel"], g, k)
+    return out
+
+
+def _group_higher(
+    m34: np.ndarray, m2: Any, r: Any, d: Any, n_i: Any, g: Any, k: int, has: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """The groups' ``m3``, ``m4`` (:func:`merge_groups`) from the rows' (``m34``), ``m2``,
+    ratios ``r`` of their scales to their group's, and ``d``, their means less their
+    group's (on the group's scale)."""
+    m2r = m2 * r**2
+    m3r = m34[:, 0] * r**3
+    m4r = m34[:, 1] * r**4
+    acc3 = np.zeros(k)
+    acc4 = np.zeros(k)
+    np.add.at(acc3, g, m3r + 3.0 * d * m2r + n_i * d**3)
+    np.add.at(acc4, g, m4r + 4.0 * d * m3r + 6.0 * d * d * m2r + n_i * d**4)
+    return np.where(has, acc3, 0.0), np.where(has, acc4, 0.0)
+
+
+def _group_extras(
+    out: np.ndarray,
+    v: np.ndarray,
+    extras: Sequence[tuple[str, str]],
+    start: int,
+    numel: Any,
+    g: Any,
+    k: int,
+) -> None:
+    """Merge the custom statistics (columns ``start`` on) of the rows ``v`` by group into
+    ``out``, each by its rule; ``mean`` weighted by ``numel``."""
     weight = np.zeros(k)
-    np.add.at(weight, g, col["numel"])
+    np.add.at(weight, g, numel)
     for j, (_, rule) in enumerate(extras):
-        i = ends + j
-        if rule == "min":
-            np.minimum.at(out[:, i], g, v[:, i])
-        elif rule == "max":
-            np.maximum.at(out[:, i], g, v[:, i])
-        elif rule == "sum":
-            np.add.at(out[:, i], g, v[:, i])
+        i = start + j
+        if rule in RULE_UFUNCS:
+            RULE_UFUNCS[rule].at(out[:, i], g, v[:, i])
         else:  # "mean", weighted by numel
             acc1 = np.zeros(k)
-            np.add.at(acc1, g, v[:, i] * col["numel"])
+            np.add.at(acc1, g, v[:, i] * numel)
             out[:, i] = np.where(weight > 0, acc1 / np.where(weight > 0, weight, 1.0), 0.0)
-    return out
 
 
 def finalize_many(
@@ -915,7 +959,7 @@ def unfinalize_many(
             m4 = n * (col["kurtosis"] + 3.0) * m2n**2
         tail += [np.where(has & np.isfinite(m3), m3, 0.0), np.where(has & np.isfinite(m4), m4, 0.0)]
     extras = np.stack(tail, axis=-1) if tail else None
-    return pack_summary(core, c, extras, np)
+    return cast(np.ndarray, pack_summary(core, c, extras, np))
 
 
 def finalize(v: np.ndarray, layout: Layout) -> tuple[dict[str, float | int], np.ndarray]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..track.common.schedule import linear
+from ..track.common.schedule import Schedule, parse_linear
 
 __all__ = [
     "QUANTITIES",
@@ -40,7 +39,6 @@ __all__ = [
     "TableWriter",
 ]
 
-Schedule = Callable[[int], bool]
 
 # -- the quantities -------------------------------------------------------------------------------
 
@@ -312,8 +310,6 @@ def rankme_from_singular_values(s: Any, xp: Any) -> Any:
 
 # -- schedules ------------------------------------------------------------------------------------
 
-_LINEAR = re.compile(r"^\s*linear\s*\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)\s*$")
-
 
 def parse_schedule(spec: str | Schedule | None) -> Schedule:
     """Taiyi's schedule string as a callable ``step -> bool``.
@@ -322,7 +318,9 @@ def parse_schedule(spec: str | Schedule | None) -> Schedule:
     2 * interval, ...`` (Taiyi's example: ``"linear(5, 2)"`` fires at 2, 7, 12, ...); steps
     count from 0 as :meth:`Monitor.track` counts them. ``interval`` 0 means every step from
     ``offset`` on: Taiyi documents ``"linear(0, 0)"`` as the default, and its default
-    tracks every step. ``None`` (no setting) is every step; a callable is used as it is.
+    tracks every step. The string is read by
+    :func:`tandv.track.common.schedule.parse_linear`, as the trackers' ``schedule=`` is.
+    ``None`` (no setting) is every step; a callable is used as it is.
 
     Raises:
         ValueError: for any other string, saying what is accepted.
@@ -337,15 +335,7 @@ def parse_schedule(spec: str | Schedule | None) -> Schedule:
             f"schedule {spec!r}: expected a string like 'linear(5, 0)' or a callable "
             f"step -> bool, got {type(spec).__name__}"
         )
-    m = _LINEAR.match(spec)
-    if not m:
-        raise ValueError(
-            f"schedule {spec!r}: expected 'linear(interval, offset)' with non-negative "
-            f"integers, e.g. 'linear(5, 2)' for steps 2, 7, 12, ... ('linear' is the only "
-            f"kind Taiyi has)"
-        )
-    interval, offset = int(m.group(1)), int(m.group(2) or 0)
-    return linear(max(interval, 1), offset)
+    return parse_linear(spec, "schedule ", " ('linear' is the only kind Taiyi has)")
 
 
 def _unknown_quantity(name: Any, where: str, extra: Iterable[str] = ()) -> ValueError:

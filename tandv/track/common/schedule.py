@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Collection
 
-__all__ = ["Schedule", "make_schedule", "linear"]
+__all__ = ["Schedule", "make_schedule", "linear", "parse_linear"]
 
 Schedule = Callable[[int], bool]
 
@@ -24,6 +24,32 @@ def linear(interval: int, offset: int = 0) -> Schedule:
 _LINEAR = re.compile(r"^\s*linear\s*\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)\s*$")
 
 
+def parse_linear(text: str, what: str = "schedule=", note: str = "") -> Schedule:
+    """Taiyi's schedule string ``"linear(interval, offset)"`` as a schedule: the one parser
+    of it, for the trackers' ``schedule=`` and for Taiyi configs.
+
+    It fires at steps ``offset, offset + interval, offset + 2 * interval, ...``
+    (``"linear(5, 2)"``: 2, 7, 12, ...); ``offset`` defaults to 0. ``interval`` 0 means every
+    step from ``offset`` on: Taiyi documents ``"linear(0, 0)"`` as its default, and its
+    default tracks every step.
+
+    Arguments:
+        text: the string.
+        what: how the error names the setting (``"schedule="``).
+        note: said at the end of the error (what else the caller accepts).
+
+    Raises:
+        ValueError: for any other string, saying what is accepted.
+    """
+    m = _LINEAR.match(text)
+    if not m:
+        raise ValueError(
+            f"{what}{text!r}: expected 'linear(interval, offset)' with non-negative integers, "
+            f"e.g. 'linear(5, 2)' for steps 2, 7, 12, ...{note}"
+        )
+    return linear(max(int(m.group(1)), 1), int(m.group(2) or 0))
+
+
 def make_schedule(
     every: int = 1,
     schedule: Schedule | str | Collection[int] | None = None,
@@ -34,8 +60,8 @@ def make_schedule(
 
     Arguments:
         every: track every N-th step (0, N, 2N, ...); ignored when ``schedule`` is given.
-        schedule: a callable ``step -> bool``; a string ``"linear(interval, offset)"``;
-            or a collection of step numbers.
+        schedule: a callable ``step -> bool``; a string ``"linear(interval, offset)"``
+            (:func:`parse_linear`); or a collection of step numbers.
         start, end: track only steps with ``start <= step < end`` (``end=None``: no end).
 
     Raises:
@@ -50,13 +76,7 @@ def make_schedule(
     if schedule is None:
         base: Schedule = (lambda step: step % every == 0) if every > 1 else (lambda step: True)
     elif isinstance(schedule, str):
-        m = _LINEAR.match(schedule)
-        if not m:
-            raise ValueError(
-                f"schedule={schedule!r}: expected 'linear(interval, offset)', e.g. 'linear(5, 2)' "
-                f"for steps 2, 7, 12, ..."
-            )
-        base = linear(int(m.group(1)), int(m.group(2) or 0))
+        base = parse_linear(schedule)
     elif callable(schedule):
         base = schedule
     elif isinstance(schedule, Collection):

@@ -23,7 +23,7 @@ from jax.sharding import SingleDeviceSharding
 
 from ._scope import differentiated
 from ._state import PMAP_AXIS, is_nnx_optimizer, parts_of
-from ._trees import is_float_array, param_leaves
+from .trees import is_float_array, param_leaves
 
 __all__ = ["Applications", "StepTrees", "check_replicas", "replica_axis"]
 

@@ -243,7 +243,8 @@ def program_extent(n: int, chunk: int) -> tuple[int, int]:
     return programs, n - (programs - 1) * chunk
 
 
-def _kernel(
+# issue 31: split after the jax _pallas work lands
+def _kernel(  # noqa: PLR0915
     x_ref: Any,
     ints_ref: Any,
     hist_ref: Any,

@@ -296,7 +296,8 @@ def _platform_histogram(idx: Any, length: int) -> Any:
     )
 
 
-def _summarize_rows(
+# issue 31: split after the jax _summary work (higher moments) lands
+def _summarize_rows(  # noqa: PLR0915
     block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: Layout, fb: _Bits
 ) -> tuple[Any, Any]:
     """Counts ``[num, N_LEADING_COUNTS + bins]`` and values ``[num, N_CORE_VALUES]`` (the

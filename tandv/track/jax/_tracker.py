@@ -41,7 +41,7 @@ from ._summary import (
 )
 from ._taps import tap
 from ._transfer import Mail, Sent, ShardRows, StackRow, send, shard_plan, to_host
-from ._trees import (
+from .trees import (
     Leaf,
     collection_leaves,
     is_float_array,

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ...schema.columns import ACTIVATION, GRADIENT
+from .naming import flatten_outputs
 
 if TYPE_CHECKING:
     from torch._dynamo.eval_frame import OptimizedModule
@@ -143,13 +144,12 @@ def _make_hook(
 ) -> Callable:
     """The forward hook of module ``index`` (path ``name``): traceable by dynamo, no
     host-side call but the custom operator."""
-    from .tracker import _flatten
 
     def hook(mod: nn.Module, args: Any, output: Any) -> None:
         if not switch.active or not (mod.training or track_eval):
             return
         tensors: list[tuple[str, torch.Tensor]] = []
-        _flatten(output, name, tensors)
+        flatten_outputs(output, name, tensors)
         for tname, t in tensors:
             if want_act:
                 torch.ops.tandv.observe(t, number, index, tname, ACTIVATION)

@@ -31,7 +31,6 @@ observations of a tensor; the recorder merges them into one row per tensor and s
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import warnings
 import weakref
@@ -58,6 +57,7 @@ from ..common.scalars import Capture
 from ._compiled import CompiledHooks, compiled_root
 from ._distributed import TorchRanks, distributed_world, local_part, module_type, unwrap_ddp
 from ._workspace import Flight, Slot, Workspace, to_host
+from .naming import flatten_outputs as _flatten
 from .summary import fused_spec
 
 if TYPE_CHECKING:
@@ -87,25 +87,6 @@ def _hooked(t: torch.Tensor, mark: tuple[int, str]) -> bool:
     )
 
 
-def _flatten(value: Any, name: str, out: list[tuple[str, torch.Tensor]], depth: int = 0) -> None:
-    """Collect the floating tensors inside a (possibly nested) module output with their names."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            out.append((name, value))
-        return
-    if depth > 8:
-        return
-    if isinstance(value, MappingABC):
-        for k, v in value.items():
-            _flatten(v, f"{name}[{k}]", out, depth + 1)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            _flatten(getattr(value, f.name), f"{name}[{f.name}]", out, depth + 1)
-    elif isinstance(value, (tuple, list)):
-        for i, v in enumerate(value):
-            _flatten(v, f"{name}[{i}]", out, depth + 1)
-
-
 class Tracker(TrackerCore[Flight | None]):
     """Tracks one module (and optionally its optimizers) during training.
 
@@ -117,7 +98,8 @@ class Tracker(TrackerCore[Flight | None]):
     framework = "torch"
     defers_rows = True  # a step's rows are finished on the writer thread (to_host is numpy)
 
-    def __init__(
+    # issue 31: split after the torch tracker work lands (composed tracker, TrackOptions only)
+    def __init__(  # noqa: C901, PLR0912, PLR0915
         self,
         module: nn.Module,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,

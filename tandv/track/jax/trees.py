@@ -5,6 +5,9 @@ Parameters are named by their dotted pytree path under the ``params`` collection
 trailing ``.value`` to the path, which is dropped. Optimizer-state leaves are named
 ``<parameter name>.<field>`` where ``field`` is the name of the optax state field that holds
 a parameter-shaped tree (``mu``, ``nu``, ``trace``, ...); see :func:`optimizer_state_leaves`.
+
+A public module of the JAX adapter: :mod:`tandv.snapshot.jax` names leaves with it, so that
+snapshots and logs use the same names.
 """
 
 from __future__ import annotations
