@@ -14,7 +14,7 @@ $(VENV)/.installed: requirements-dev.txt requirements-torch.txt requirements-jax
 
 .PHONY: test lint demo docs test-lowest
 test: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -q --durations=15
+	$(VENV)/bin/python -m pytest -q --durations=15 -n auto --dist loadfile --no-loadscope-reorder
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,8 @@
 """The per-rank program of tests/test_distributed_torch.py (run under torchrun, gloo, CPU).
 
-``python -m torch.distributed.run --nproc_per_node 2 tests/_dist_worker.py SCENARIO OUT``
-with SCENARIO one of:
+``python -m torch.distributed.run --nproc_per_node 2 tests/_dist_worker.py SCENARIOS OUT``
+with SCENARIOS a comma-separated list, run in order in the one process group (one
+torchrun for several checks: each start costs three processes importing torch), of:
 
 ``ddp``
     the model under DistributedDataParallel, tracked with ``rank_logs`` into ``OUT/ddp``;
@@ -11,7 +12,8 @@ with SCENARIO one of:
     the model with ``fully_shard`` on each Linear and the root, tracked into ``OUT/fsdp``.
 ``fail``
     rank 1 raises before its first ``tracker.step()``; rank 0 notes the error it gets and
-    how long it took in ``OUT/fail0.txt``.
+    how long it took in ``OUT/fail0.txt``. It leaves the process group broken: it comes
+    last.
 
 Each rank feeds its half of the same global batches as :func:`reference` (a single
 process with gradient accumulation over the two halves, loss ``mean / WORLD`` each), with
@@ -143,7 +145,11 @@ def fail(out: Path, rank: int) -> None:
     except KeyError:
         if rank != 1:
             raise
-        time.sleep(timeout + 5)  # alive but gone from the run: rank 0 must time out
+        # alive but gone from the run until rank 0 has timed out and noted it (its
+        # fail0.txt), for at most timeout + 5 s: waiting longer waits for nothing
+        deadline = time.monotonic() + timeout + 5
+        while not (out / "fail0.txt").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return
     except RuntimeError as e:
         (out / f"fail{rank}.txt").write_text(f"{time.monotonic() - started:.3f}\n{e}")
@@ -154,12 +160,16 @@ def fail(out: Path, rank: int) -> None:
 def main() -> None:
     import torch.distributed as dist
 
-    scenario, out = sys.argv[1], Path(sys.argv[2])
+    scenarios, out = sys.argv[1].split(","), Path(sys.argv[2]).resolve()
+    if "fail" in scenarios[:-1]:
+        raise SystemExit("_dist_worker.py: 'fail' leaves the process group broken: put it last")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    {"ddp": ddp, "fsdp": fsdp, "fail": fail}[scenario](out, rank)
-    if scenario != "fail":
-        dist.barrier()
+    for scenario in scenarios:
+        {"ddp": ddp, "fsdp": fsdp, "fail": fail}[scenario](out, rank)
+        if scenario != "fail":
+            dist.barrier()
+    if scenarios[-1] != "fail":
         dist.destroy_process_group()
 
 

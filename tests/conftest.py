@@ -31,3 +31,33 @@ def _run_in_tmp(tmp_path, monkeypatch):
     """Every test runs in its own temporary directory, so default log folders
     (``tandv_logs/``) never land in the repository."""
     monkeypatch.chdir(tmp_path)
+
+
+# The files that take longest on a 2-core machine (process groups, compiled programs),
+# slowest first. `make test` runs the suite on pytest-xdist workers, a whole file at a
+# time in collection order (--dist loadfile --no-loadscope-reorder): begun first, a long
+# file does not keep one worker busy after the others have run out of files. The rest
+# keep their order after these; a name not found here orders nothing.
+SLOW_FILES = (
+    "test_jax_summary.py",
+    "test_jax_tracker.py",
+    "test_torch_tracker.py",
+    "test_distributed_jax.py",
+    "test_torch_fused.py",
+    "test_jax_transforms.py",
+    "test_integrations.py",
+    "test_torch_summary.py",
+    "test_report.py",
+    "test_jax_device_path.py",
+    "test_jax_pallas_offsets.py",
+    "test_torch_compile.py",
+    "test_distributed_torch.py",
+    "test_jax_fastpath.py",
+    "test_log_integrity.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the files of ``SLOW_FILES`` first (a stable sort: each file's own order stays)."""
+    first = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(SLOW_FILES)))

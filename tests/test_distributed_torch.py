@@ -101,16 +101,27 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
     return read_parquet(worker.reference(tmp_path_factory.mktemp("ref") / "log"))
 
 
+def has_fsdp2() -> bool:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    out = tmp_path_factory.mktemp("ddp")
-    proc = launch("ddp", out)
+def dist_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One torchrun for the module's checks: DDP, FSDP2 (where torch has it), then a rank
+    that raises (last: it breaks the process group). A launch per check started three
+    processes importing torch each time."""
+    out = tmp_path_factory.mktemp("dist")
+    proc = launch("ddp,fsdp,fail" if has_fsdp2() else "ddp,fail", out, timeout=300)
     return out, proc.stdout + proc.stderr
 
 
 @needs_gloo
-def test_ddp_log_equals_one_process_over_the_global_batch(ddp_run, reference):
-    out, _ = ddp_run
+def test_ddp_log_equals_one_process_over_the_global_batch(dist_run, reference):
+    out, _ = dist_run
     got = read_parquet(out / "ddp")
     kinds = set(got[METADATA]["tensor_type"])
     assert kinds == {ACTIVATION, GRADIENT, WEIGHT, OPTIMISER_STATE}
@@ -122,8 +133,8 @@ def test_ddp_log_equals_one_process_over_the_global_batch(ddp_run, reference):
 
 
 @needs_gloo
-def test_ddp_rank_logs_hold_each_ranks_own_rows(ddp_run):
-    out, _ = ddp_run
+def test_ddp_rank_logs_hold_each_ranks_own_rows(dist_run):
+    out, _ = dist_run
     merged = rows(read_parquet(out / "ddp"))
     per_rank = [rows(read_parquet(out / "ddp" / f"rank{r}")) for r in range(worker.WORLD)]
     for own in per_rank:
@@ -146,8 +157,8 @@ def test_ddp_rank_logs_hold_each_ranks_own_rows(ddp_run):
 
 
 @needs_gloo
-def test_ddp_default_out_is_one_log_written_by_rank_0(ddp_run):
-    out, output = ddp_run
+def test_ddp_default_out_is_one_log_written_by_rank_0(dist_run):
+    out, output = dist_run
     paths = {(out / f"default_path{r}.txt").read_text() for r in range(worker.WORLD)}
     assert len(paths) == 1  # the same path on both ranks
     writes = [(out / f"writes_log{r}.txt").read_text() for r in range(worker.WORLD)]
@@ -160,12 +171,12 @@ def test_ddp_default_out_is_one_log_written_by_rank_0(ddp_run):
 
 
 @needs_gloo
-def test_fsdp2_rows_equal_the_unsharded_model(tmp_path, reference):
+def test_fsdp2_rows_equal_the_unsharded_model(dist_run, reference):
     pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) needs torch>=2.6")
     from torch.distributed.fsdp import fully_shard  # noqa: F401
 
-    launch("fsdp", tmp_path)
-    log = read_parquet(tmp_path / "fsdp")
+    out, _ = dist_run
+    log = read_parquet(out / "fsdp")
     params = {n for n, _ in worker.make_model().named_parameters()}
     is_param = log[METADATA]["name"].isin(params).to_numpy()
     got = rows(log[is_param], (WEIGHT, GRADIENT))
@@ -192,13 +203,13 @@ def test_fsdp2_rows_equal_the_unsharded_model(tmp_path, reference):
 
 
 @needs_gloo
-def test_a_rank_raising_makes_the_other_fail_within_the_timeout(tmp_path):
-    launch("fail", tmp_path)
-    elapsed, message = (tmp_path / "fail0.txt").read_text().split("\n", 1)
+def test_a_rank_raising_makes_the_other_fail_within_the_timeout(dist_run):
+    out, _ = dist_run
+    elapsed, message = (out / "fail0.txt").read_text().split("\n", 1)
     assert "dist_timeout=5s" in message and "rank 0 of 2" in message, message
     assert "step 3" in message, message
     assert 4.0 < float(elapsed) < 5.0 + 10.0  # waited for the timeout, not for ever
-    log = read_parquet(tmp_path / "fail")  # the steps before stay readable
+    log = read_parquet(out / "fail")  # the steps before stay readable
     assert sorted(set(log[METADATA]["step"])) == [0, 1, 2]
 
 
