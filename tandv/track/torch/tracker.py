@@ -255,6 +255,11 @@ class Tracker(TrackerCore[Flight | None]):
             tuple[str, str, torch.dtype, bool], tuple[TensorKey, Layout, Any]
         ] = {}
         self._weight_params: list[tuple[str, nn.Parameter, nn.Module]] | None = None
+        # the selected parameters whose gradients are captured, by optimizer (see
+        # _grad_params), with what they were found from
+        self._grad_param_cache: dict[
+            int | None, tuple[tuple[Any, ...], list[tuple[str, torch.Tensor, nn.Module]]]
+        ] = {}
 
     # ------------------------------------------------------------------ dry run
 
@@ -427,8 +432,7 @@ class Tracker(TrackerCore[Flight | None]):
                 for full, owner, attr in self._buffers
                 if self._selected(full, type(owner)) and getattr(owner, attr, None) is not None
             ]
-        for entry in self._summaries(items):
-            self.recorder.add(*entry)  # type: ignore[union-attr]
+        self.recorder.add_many(self._summaries(items))  # type: ignore[union-attr]
 
     def _capture_grads(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Summarize the current ``.grad`` of each selected parameter that ``optimizer``
@@ -436,6 +440,30 @@ class Tracker(TrackerCore[Flight | None]):
         step under way: a later capture for the same step replaces them (the last look
         before the update defines them: after unscaling and clipping, after the closure's
         last call)."""
+        items = []
+        for full, p, owner in self._grad_params(optimizer):
+            g = p.grad
+            if g is not None and g.is_floating_point():
+                items.append((full, GRADIENT, owner, g))
+        captured = self._grads.setdefault(None if optimizer is None else id(optimizer), {})
+        for entry in self._summaries(items):
+            captured[entry[0].name] = entry
+
+    def _grad_params(
+        self, optimizer: torch.optim.Optimizer | None
+    ) -> list[tuple[str, torch.Tensor, nn.Module]]:
+        """The selected parameters whose gradients :meth:`_capture_grads` reads for
+        ``optimizer`` (``None``: those no tracked optimizer updates), with their paths and
+        owners: found again only when an optimizer's parameter lists change (told by the
+        identities of the lists and of the parameters in them), not at every capture."""
+        opts = self.optimizers if optimizer is None else (optimizer,)
+        signature = tuple(
+            (id(g["params"]), *map(id, g["params"])) for opt in opts for g in opt.param_groups
+        )
+        cache_key = None if optimizer is None else id(optimizer)
+        cached = self._grad_param_cache.get(cache_key)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
         params: list[tuple[str, torch.Tensor, nn.Module]]
         if optimizer is None:
             owned = {id(p) for opt in self.optimizers for p in _params_of(opt)}
@@ -447,16 +475,11 @@ class Tracker(TrackerCore[Flight | None]):
                 for p in _params_of(optimizer)
                 if id(p) in names
             ]
-        items = [
-            (full, GRADIENT, owner, p.grad)
-            for full, p, owner in params
-            if p.grad is not None
-            and p.grad.is_floating_point()
-            and self._selected(full, type(owner))
+        params = [
+            (full, p, owner) for full, p, owner in params if self._selected(full, type(owner))
         ]
-        captured = self._grads.setdefault(None if optimizer is None else id(optimizer), {})
-        for entry in self._summaries(items):
-            captured[entry[0].name] = entry
+        self._grad_param_cache[cache_key] = (signature, params)
+        return params
 
     def _commit_grads(self, optimizer: int | None) -> None:
         """Record the gradients captured for the step of the optimizer whose ``id`` is
@@ -465,8 +488,7 @@ class Tracker(TrackerCore[Flight | None]):
         two observations, merged like micro-batches."""
         captured = self._grads.pop(optimizer, None)
         if captured and self.recorder is not None:
-            for entry in captured.values():
-                self.recorder.add(*entry)
+            self.recorder.add_many(list(captured.values()))
             self._grad_rows += len(captured)
 
     def _state_items(self) -> list[tuple[str, str, nn.Module, torch.Tensor]]:
@@ -655,9 +677,9 @@ class Tracker(TrackerCore[Flight | None]):
         captured before the optimizer's update; ``track(torch.compile(model))`` records
         inside the graph instead (:mod:`._compiled`)."""
         if (
-            not is_compiling()
+            not self._weights_done  # (first: every module's call after the first ends here)
             and self._active
-            and not self._weights_done
+            and not is_compiling()
             and id(mod) in self._module_ids
             and (mod.training or self.track_eval)
         ):
@@ -813,8 +835,7 @@ class Tracker(TrackerCore[Flight | None]):
                 self._capture_grads(None)
                 self._commit_grads(None)
             if self.kinds[OPTIMISER_STATE]:
-                for entry in self._summaries(self._state_items()):
-                    recorder.add(*entry)
+                recorder.add_many(self._summaries(self._state_items()))
             if self._unseen:
                 self._tell_unseen(recorder)
         self._end_step(self._active)
