@@ -1055,9 +1055,11 @@ def clear_caches() -> None:
     _consts.cache_clear()
     spec_for.cache_clear()
     _fold.cache_clear()
+    _fold_runs.cache_clear()
     _plans.clear()
     _plans_many.clear()
     _tables.clear()
+    _table_layouts.clear()
     _launchers.clear()
 
 
@@ -1209,7 +1211,30 @@ def _table(
 ) -> tuple[torch.Tensor, int, int, bool]:
     """launch_many's table of programs for tensors at ``addresses`` of ``sizes`` elements
     summarized into rows at ``offsets``, on ``device``: ``(table, programs, scratch rows,
-    every address 16-byte aligned)``."""
+    every address 16-byte aligned)``. Only the address column is filled per table: the
+    rest depends on the sizes and offsets alone (:func:`_table_layout`), which stay when
+    a loop's gradients come back at new addresses every step."""
+    template, owner, scratch_parts = _table_layout(sizes, tuple(offsets), block, max_parts)
+    address = np.array(addresses, dtype=np.int64)
+    table = template.copy()
+    table[:, 0] = address[owner]
+    host_table = torch.from_numpy(table)
+    if device.type == "cuda":  # pinned: the copy to the device does not wait
+        host_table = host_table.pin_memory()
+    dev_table = host_table.to(device, non_blocking=True)
+    aligned = bool((address % 16 == 0).all())
+    return dev_table, int(owner.size), scratch_parts, aligned
+
+
+def _table_layout(
+    sizes: tuple[int, ...], offsets: tuple[int, ...], block: int, max_parts: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """The columns of a :func:`_table` that do not depend on the addresses (column 0 left
+    zero), the tensor of each program, and the scratch rows (cached: the last few)."""
+    key = (sizes, offsets, block, max_parts)
+    got = _table_layouts.get(key)
+    if got is not None:
+        return got
     ns = np.array(sizes, dtype=np.int64)
     split = [_parts(k, max_parts, block) for k in sizes]
     parts = np.array([p for p, _ in split], dtype=np.int64)
@@ -1219,21 +1244,21 @@ def _table(
     part = np.arange(owner.size) - first_of[owner]
     multi = parts > 1
     scratch_first = np.cumsum(np.where(multi, parts, 0)) - np.where(multi, parts, 0)
-    address = np.array(addresses, dtype=np.int64)
-    table = np.empty((owner.size, _TABLE), dtype=np.int64)
-    table[:, 0] = address[owner]
+    table = np.zeros((owner.size, _TABLE), dtype=np.int64)
     table[:, 1] = part * per[owner]
     table[:, 2] = np.minimum(table[:, 1] + per[owner], ns[owner])
     table[:, 3] = np.asarray(offsets, dtype=np.int64)[owner]
     table[:, 4] = part
     table[:, 5] = parts[owner]
     table[:, 6] = scratch_first[owner]
-    host_table = torch.from_numpy(table)
-    if device.type == "cuda":  # pinned: the copy to the device does not wait
-        host_table = host_table.pin_memory()
-    dev_table = host_table.to(device, non_blocking=True)
-    aligned = bool((address % 16 == 0).all())
-    return dev_table, int(owner.size), int(parts[multi].sum()), aligned
+    if len(_table_layouts) >= _TABLES_KEPT:
+        _table_layouts.clear()
+    got = _table_layouts[key] = (table, owner, int(parts[multi].sum()))
+    return got
+
+
+#: :func:`_table_layout`'s results by (sizes, offsets, tile, max programs).
+_table_layouts: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, int]] = {}
 
 
 def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:

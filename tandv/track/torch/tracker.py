@@ -37,6 +37,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Mapping as MappingABC
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -255,6 +256,9 @@ class Tracker(TrackerCore[Flight | None]):
             tuple[str, str, torch.dtype, bool], tuple[TensorKey, Layout, Any]
         ] = {}
         self._weight_params: list[tuple[str, nn.Parameter, nn.Module]] | None = None
+        #: the row keys, layouts and groups of layouts of the items _summaries_plain has
+        #: seen, by their names, kinds and dtypes
+        self._batch_plans: dict[tuple[Any, ...], Any] = {}
         # the selected parameters whose gradients are captured, by optimizer (see
         # _grad_params), with what they were found from
         self._grad_param_cache: dict[
@@ -347,6 +351,10 @@ class Tracker(TrackerCore[Flight | None]):
         """:meth:`_summary` of several distinct tensors (parameters, their gradients,
         optimizer state) at once: tensors sharing a layout are reduced together (one host
         kernel call for the CPU tensors, one fused launch per device and dtype)."""
+        if items and self._ranks is None and not self.stat_fns:
+            fast = self._summaries_plain(items)
+            if fast is not None:
+                return fast
         keys: list[TensorKey] = []
         layouts: list[Layout] = []
         extras: list[dict[str, Any]] = []
@@ -390,6 +398,56 @@ class Tracker(TrackerCore[Flight | None]):
             )
             for i, raw in zip(idx, got):
                 raws[i] = raw
+        return list(zip(keys, layouts, raws))
+
+    def _summaries_plain(
+        self, items: Sequence[tuple[str, str, nn.Module, torch.Tensor]]
+    ) -> list[tuple[TensorKey, Layout, np.ndarray | Slot]] | None:
+        """:meth:`_summaries` of plain tensors (no subclass) without custom statistics on
+        one process, with the row keys and layouts of the items' names, kinds and dtypes
+        found once (:attr:`_batch_plans`) rather than item by item at every step; ``None``
+        where the items are not all plain tensors."""
+        tensors = list(map(_fourth, items))
+        if not set(map(type, tensors)) <= _PLAIN_TYPES:
+            return None
+        sig = (
+            tuple(map(_first, items)),
+            tuple(map(_second, items)),
+            tuple(map(_dtype_of, tensors)),
+        )
+        plan = self._batch_plans.get(sig)
+        if plan is None:
+            keys: list[TensorKey] = []
+            layouts: list[Layout] = []
+            for name, kind, owner, x in items:
+                ck = (name, kind, x.dtype)
+                known = self._observed_keys.get(ck)
+                if known is None:
+                    key = self._key(name, kind, module_type(owner), x.dtype)
+                    known = self._observed_keys[ck] = (key, self._layout(x.dtype, ()))
+                keys.append(known[0])
+                layouts.append(known[1])
+            by_layout: dict[int, tuple[Layout, list[int]]] = {}  # (layouts are cached)
+            for i, lay in enumerate(layouts):
+                by_layout.setdefault(id(lay), (lay, []))[1].append(i)
+            if len(self._batch_plans) >= 64:  # (items that keep changing: found afresh)
+                self._batch_plans.clear()
+            plan = self._batch_plans[sig] = (keys, layouts, list(by_layout.values()))
+        keys, layouts, groups = plan
+        if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            name, kind = items[0][0], items[0][1]
+            raise _capture_error(f"{kind} {name!r}")
+        ds = [x.detach() if x.requires_grad else x for x in tensors]
+        no_extras: list[dict[str, Any]] = [{}] * len(ds)
+        raws: list[Any]
+        if len(groups) == 1:
+            raws = self._workspace.summaries(ds, layouts[0], no_extras)
+        else:
+            raws = [None] * len(ds)
+            for lay, idx in groups:
+                got = self._workspace.summaries([ds[i] for i in idx], lay, no_extras[: len(idx)])
+                for i, raw in zip(idx, got):
+                    raws[i] = raw
         return list(zip(keys, layouts, raws))
 
     def _extras(self, d: torch.Tensor) -> dict[str, Any]:
@@ -892,6 +950,9 @@ def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
 
 #: Tensor types that are never a DTensor (checked without a call).
 _PLAIN = (torch.Tensor, nn.Parameter)
+_PLAIN_TYPES = frozenset(_PLAIN)
+_first, _second, _fourth = itemgetter(0), itemgetter(1), itemgetter(3)
+_dtype_of = attrgetter("dtype")
 
 
 def _capture_error(what: str) -> RuntimeError:
