@@ -88,6 +88,17 @@ class TensorKey:
     def __post_init__(self) -> None:
         if self.tensor_type not in TENSOR_TYPES:
             raise ValueError(f"tensor_type {self.tensor_type!r} is not one of {TENSOR_TYPES}")
+        # the hash, found once: a step's summaries are grouped by key on the writer thread
+        object.__setattr__(
+            self, "_hash", hash((self.name, self.tensor_type, self.module_type, self.dtype))
+        )
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str, str, str]]:
+        # by the fields (a string's hash differs between processes: it is found anew)
+        return (TensorKey, (self.name, self.tensor_type, self.module_type, self.dtype))
 
 
 def build_rows(

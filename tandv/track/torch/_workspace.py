@@ -495,13 +495,23 @@ def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> li
     writer thread.)"""
     host = flight.wait() if flight is not None else {}
     out: list[Any] = list(summaries)
-    groups: dict[tuple, list[tuple[int, Slot]]] = {}
+    # by the identities of spec and layout (hashing them costs more than the rest)
+    groups: dict[tuple, tuple[Any, Layout, int, list[tuple[int, Slot]]]] = {}
     for i, s in enumerate(summaries):
-        if isinstance(s, Slot):
-            groups.setdefault((s.spec, s.layout, s.size), []).append((i, s))
-    for (spec, layout, size), members in groups.items():
+        if type(s) is Slot:
+            gk = (id(s.spec), id(s.layout), s.size)
+            group = groups.get(gk)
+            if group is None:
+                group = groups[gk] = (s.spec, s.layout, s.size, [])
+            group[3].append((i, s))
+    for spec, layout, size, members in groups.values():
         idx = [i for i, _ in members]
-        rows = np.stack([host[s.device][s.offset : s.offset + size] for _, s in members])
+        device = members[0][1].device
+        if all(s.device == device for _, s in members):  # one gather from the rows
+            at = np.fromiter((s.offset for _, s in members), np.int64, len(members))
+            rows = host[device][at[:, None] + np.arange(size)]
+        else:
+            rows = np.stack([host[s.device][s.offset : s.offset + size] for _, s in members])
         if spec is None:
             done = finish_raw(rows, np)
         else:
