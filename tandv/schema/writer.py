@@ -19,23 +19,42 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import ml_dtypes
+import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
+from .columns import (
+    EXPONENT_COUNTS,
+    META_COLUMNS,
+    METADATA,
+    OVERFLOW,
+    SCALAR_STATS,
+    TENSOR_TYPES,
+    UNDERFLOW,
+)
 from .io import (
     PICKLE_SUFFIXES,
+    ROW_GROUP_ROWS,
     RUN_ATTR,
+    atomic_write,
     concat_logs,
     drop_empty_exponents,
     exclusive_write,
     pickle_bytes,
+    seal_part,
     write_parquet,
 )
-from .validate import validate
+from .validate import is_exponent_label, validate
 
 __all__ = [
+    "Rows",
     "LogWriter",
     "PartWriter",
     "PickleWriter",
@@ -122,6 +141,124 @@ def check_suffix(path: Path, out_format: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Log rows as plain columns, before any DataFrame: what a tracker's recorder builds
+    for each part (:func:`tandv.track.common.build_rows` makes the DataFrame of them).
+
+    A parquet part is written from these columns straight into Arrow
+    (:meth:`PartWriter.write`): building, checking and converting a two-level
+    pandas frame cost most of the writer thread's time per step.
+
+    Attributes:
+        names, types, tensor_types, dtypes: the string metadata columns, one value per row.
+        steps: the step of each row (int64).
+        stats: the scalar statistics by column name, in column order (float64, or int64
+            for the counts).
+        labels: the exponent-count column labels in column order (``-inf``, ascending
+            exponents, ``+inf``).
+        counts: the ``(rows, len(labels))`` int64 exponent counts.
+    """
+
+    names: Sequence[str]
+    types: Sequence[str]
+    tensor_types: Sequence[str]
+    steps: np.ndarray
+    dtypes: Sequence[str]
+    stats: dict[str, np.ndarray]
+    labels: Sequence[int | str]
+    counts: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def _meta(self) -> dict[str, Any]:
+        return dict(
+            zip(META_COLUMNS, (self.names, self.types, self.tensor_types, self.steps, self.dtypes))
+        )
+
+    def frame(self) -> pd.DataFrame:
+        """The rows as a log DataFrame (two-level columns: metadata, scalar_stats,
+        exponent_counts)."""
+        parts = [
+            pd.DataFrame(self._meta(), columns=list(META_COLUMNS)),
+            pd.DataFrame(self.stats),
+            pd.DataFrame(self.counts, columns=list(self.labels)),
+        ]
+        return pd.concat(parts, axis=1, keys=[METADATA, SCALAR_STATS, EXPONENT_COUNTS])
+
+    def table(self) -> pa.Table:
+        """The rows as the Arrow table of a parquet part (flat column names
+        ``"<group>.<label>"``), exponent columns that are zero in every row left out (as
+        :func:`~tandv.schema.io.drop_empty_exponents` does); the same columns, types and
+        values as :func:`~tandv.schema.io.write_parquet` stores for :meth:`frame`."""
+        arrays: list[pa.Array] = []
+        names: list[str] = []
+        for c, values in self._meta().items():
+            arrays.append(pa.array(values) if c == "step" else pa.array(values, pa.string()))
+            names.append(f"{METADATA}.{c}")
+        for c, values in self.stats.items():
+            arrays.append(pa.array(values))
+            names.append(f"{SCALAR_STATS}.{c}")
+        keep: np.ndarray = np.asarray(self.counts.any(axis=0))
+        block = np.ascontiguousarray(self.counts.T)  # a row per column
+        for j, label in enumerate(self.labels):
+            if keep[j] or label in (UNDERFLOW, OVERFLOW):
+                arrays.append(pa.array(block[j]))
+                names.append(f"{EXPONENT_COUNTS}.{label}")
+        return pa.Table.from_arrays(arrays, names=names)
+
+    def conforms(self) -> bool:
+        """Whether the rows certainly pass :func:`~tandv.schema.validate.validate`, told
+        from the columns without a DataFrame (what :meth:`frame` would be checked for: str
+        metadata, known tensor types, float dtype names, non-negative steps and counts,
+        numeric statistics, no repeated column and no repeated (name, tensor_type, step)).
+        ``False`` says only that the full check must decide."""
+        n = len(self)
+        string_cols = (self.names, self.types, self.tensor_types, self.dtypes)
+        if any(len(c) != n for c in string_cols) or self.counts.shape != (n, len(self.labels)):
+            return False
+        for col in string_cols:
+            if not all(type(v) is str for v in set(col)):
+                return False
+        if not set(self.tensor_types) <= set(TENSOR_TYPES):
+            return False
+        if not all(_float_dtype_name(d) for d in set(self.dtypes)):
+            return False
+        if self.steps.dtype != np.int64 or (n and self.steps.min() < 0):
+            return False
+        if self.counts.dtype != np.int64 or (self.counts.size and self.counts.min() < 0):
+            return False
+        if not self.stats or not all(
+            type(k) is str and k and v.dtype.kind in "if" and v.shape == (n,)
+            for k, v in self.stats.items()
+        ):
+            return False
+        labels = list(self.labels)
+        if (
+            UNDERFLOW not in labels
+            or OVERFLOW not in labels
+            or len(set(labels)) != len(labels)
+            or not all(is_exponent_label(x) or x in (UNDERFLOW, OVERFLOW) for x in labels)
+        ):
+            return False
+        return len(set(zip(self.names, self.tensor_types, self.steps.tolist()))) == n
+
+
+#: dtype names known to be parsed by ``ml_dtypes.finfo`` (the schema's rule for them).
+_FLOAT_NAMES: set[str] = set()
+
+
+def _float_dtype_name(name: str) -> bool:
+    if name not in _FLOAT_NAMES:
+        try:
+            ml_dtypes.finfo(name)
+        except Exception:
+            return False
+        _FLOAT_NAMES.add(name)
+    return True
+
+
 class LogWriter:
     """Base class: ``write(df)`` some rows, ``close()`` once; ``path`` is where the log is."""
 
@@ -130,8 +267,11 @@ class LogWriter:
     #: The record of how the log was made, written with every part (see ``run_record``).
     run: dict[str, Any] | None = None
 
-    def write(self, df: pd.DataFrame, *, allow_empty: bool = False) -> None:  # pragma: no cover
-        """Write rows; an empty frame is skipped unless ``allow_empty`` (an empty log)."""
+    def write(
+        self, df: pd.DataFrame | Rows, *, allow_empty: bool = False
+    ) -> None:  # pragma: no cover
+        """Write rows (a log DataFrame, or :class:`Rows`); none at all is skipped unless
+        ``allow_empty`` (an empty log)."""
         raise NotImplementedError
 
     def close(self) -> Path:  # pragma: no cover - interface
@@ -188,7 +328,14 @@ class PartWriter(LogWriter):
         self._parts = 0
         self.rows_written = 0
 
-    def write(self, df: pd.DataFrame, *, allow_empty: bool = False) -> None:
+    def write(self, df: pd.DataFrame | Rows, *, allow_empty: bool = False) -> None:
+        """Write rows as one part file. :class:`Rows` go straight from their columns into
+        Arrow (the same file content as their DataFrame, :meth:`Rows.frame`, would give);
+        rows that may not conform to the schema are checked as a DataFrame first
+        (:func:`validate` raises its usual error)."""
+        if isinstance(df, Rows):
+            self._write_rows(df)
+            return
         if df.empty and not allow_empty:
             return
         part = drop_empty_exponents(df)
@@ -197,6 +344,21 @@ class PartWriter(LogWriter):
         write_parquet(part, self.path / f"part-{self._parts:06d}.parquet")
         self._parts += 1
         self.rows_written += len(df)
+
+    def _write_rows(self, rows: Rows) -> None:
+        if not len(rows):
+            return
+        if not rows.conforms():
+            validate(rows.frame())
+        table = seal_part(rows.table(), self.run)
+        atomic_write(
+            self.path / f"part-{self._parts:06d}.parquet",
+            lambda tmp: pq.write_table(
+                table, tmp, row_group_size=ROW_GROUP_ROWS, write_page_checksum=True
+            ),
+        )
+        self._parts += 1
+        self.rows_written += len(rows)
 
     def close(self) -> Path:
         """Give up the claim on the directory (its parts stay)."""
@@ -232,7 +394,9 @@ class PickleWriter(LogWriter):
         self._frames: list[pd.DataFrame] = []
         self.rows_written = 0
 
-    def write(self, df: pd.DataFrame, *, allow_empty: bool = False) -> None:
+    def write(self, df: pd.DataFrame | Rows, *, allow_empty: bool = False) -> None:
+        if isinstance(df, Rows):
+            df = df.frame()
         if df.empty and not allow_empty:
             return
         self._frames.append(drop_empty_exponents(df))

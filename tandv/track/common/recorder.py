@@ -30,18 +30,15 @@ import pandas as pd
 
 from ...schema.columns import (
     ACTIVATION,
-    EXPONENT_COUNTS,
     GRADIENT,
-    META_COLUMNS,
-    METADATA,
     OVERFLOW,
-    SCALAR_STATS,
     TENSOR_TYPES,
     UNDERFLOW,
 )
 from ...schema.writer import (
     FORMATS,
     LogWriter,
+    Rows,
     claim_log,
     open_writer,
     prepare_directory,
@@ -66,6 +63,7 @@ __all__ = [
     "TensorKey",
     "StepRecorder",
     "build_rows",
+    "row_columns",
     "resolve_out",
     "make_run_record",
     "DEFAULT_LOG_DIR",
@@ -90,10 +88,21 @@ class TensorKey:
     def __post_init__(self) -> None:
         if self.tensor_type not in TENSOR_TYPES:
             raise ValueError(f"tensor_type {self.tensor_type!r} is not one of {TENSOR_TYPES}")
+        # the hash, found once: a step's summaries are grouped by key on the writer thread
+        object.__setattr__(
+            self, "_hash", hash((self.name, self.tensor_type, self.module_type, self.dtype))
+        )
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str, str, str]]:
+        # by the fields (a string's hash differs between processes: it is found anew)
+        return (TensorKey, (self.name, self.tensor_type, self.module_type, self.dtype))
 
 
 def build_rows(
-    step: int | Sequence[int], entries: Sequence[tuple[TensorKey, Layout, np.ndarray]]
+    step: int | Sequence[int] | np.ndarray, entries: Sequence[tuple[TensorKey, Layout, np.ndarray]]
 ) -> pd.DataFrame:
     """Log rows from merged host summaries, one row per entry, in order.
 
@@ -102,6 +111,14 @@ def build_rows(
     together (vectorized). Exponent columns are the union over the entries' formats; a
     format that lacks an exponent contributes a zero count there.
     """
+    return row_columns(step, entries).frame()
+
+
+def row_columns(
+    step: int | Sequence[int] | np.ndarray, entries: Sequence[tuple[TensorKey, Layout, np.ndarray]]
+) -> Rows:
+    """:func:`build_rows` as plain columns (:class:`~tandv.schema.writer.Rows`), which
+    the log's writer stores without a DataFrame."""
     n = len(entries)
     steps = (
         np.full(n, step, dtype=np.int64)
@@ -126,31 +143,38 @@ def build_rows(
     stats.update({k: np.zeros(n, np.int64) for k in COUNT_STATS})
     counts = np.zeros((n, len(labels)), dtype=np.int64)
     for layout, rows in groups.items():
-        idx = np.asarray(rows, dtype=np.intp)
         st, c = finalize_many(np.stack([entries[r][2] for r in rows]), layout)
+        if len(rows) == n:  # one layout (the common case): every row, no index
+            for k, a in st.items():
+                stats[k][:] = a
+            cols = [labels[lab] for lab in exponent_labels(layout.format)]
+            if cols == list(range(len(labels))):
+                counts = c
+            else:
+                counts[:, cols] = c
+            continue
+        idx = np.asarray(rows, dtype=np.intp)
         for k, a in st.items():
             stats[k][idx] = a
-        cols = np.array([labels[lab] for lab in exponent_labels(layout.format)], dtype=np.intp)
-        counts[np.ix_(idx, cols)] = c
+        cols_ix = np.array([labels[lab] for lab in exponent_labels(layout.format)], dtype=np.intp)
+        counts[np.ix_(idx, cols_ix)] = c
     order = [UNDERFLOW, *sorted(l for l in labels if l not in (UNDERFLOW, OVERFLOW)), OVERFLOW]
-    counts = counts[:, [labels[lab] for lab in order]] if labels else np.zeros((n, 2), np.int64)
-    meta = pd.DataFrame(
-        {
-            "name": [k.name for k, _, _ in entries],
-            "type": [k.module_type for k, _, _ in entries],
-            "tensor_type": [k.tensor_type for k, _, _ in entries],
-            "step": steps,
-            "dtype": [k.dtype for k, _, _ in entries],
-        },
-        columns=list(META_COLUMNS),
+    if not labels:
+        counts = np.zeros((n, 2), np.int64)
+    else:
+        at = [labels[lab] for lab in order]
+        if at != list(range(len(labels))):
+            counts = counts[:, at]
+    return Rows(
+        names=[k.name for k, _, _ in entries],
+        types=[k.module_type for k, _, _ in entries],
+        tensor_types=[k.tensor_type for k, _, _ in entries],
+        steps=steps,
+        dtypes=[k.dtype for k, _, _ in entries],
+        stats={k: stats[k] for k in stat_names},
+        labels=order,
+        counts=counts,
     )
-    parts = [
-        meta,
-        pd.DataFrame({k: stats[k] for k in stat_names}),
-        pd.DataFrame(counts, columns=order),
-    ]
-    df = pd.concat(parts, axis=1, keys=[METADATA, SCALAR_STATS, EXPONENT_COUNTS])
-    return df
 
 
 def make_run_record(
@@ -555,6 +579,34 @@ class StepRecorder:
             self._check_pending()
         self._pending.append((key, layout, summary))
 
+    def add_many(self, entries: Sequence[tuple[TensorKey, Layout, Any]]) -> None:
+        """:meth:`add` of several observations (``(key, layout, summary)`` each) at once: a
+        step's parameters, gradients or optimizer state.
+
+        Raises:
+            RuntimeError: as :meth:`add`.
+        """
+        if not entries:
+            return
+        sizes = self._sizes
+        nbytes = 0
+        layout: Any = None
+        size = 0
+        for _, lay, _ in entries:  # (a run of one layout costs one lookup)
+            if lay is not layout:
+                layout = lay
+                sized = sizes.get(id(lay))
+                if sized is None or sized[0] is not lay:
+                    sized = sizes[id(lay)] = (lay, 8 * lay.size)
+                size = sized[1]
+            nbytes += size
+        if self._pending_bytes + nbytes > self.warn_pending_bytes:
+            for entry in entries:  # one at a time: the warning and the error as with add
+                self.add(*entry)
+            return
+        self._pending_bytes += nbytes
+        self._pending.extend(entries)
+
     def _check_pending(self) -> None:
         n, mib = len(self._pending) + 1, self._pending_bytes / 2**20
         what = (
@@ -699,14 +751,19 @@ class StepRecorder:
                     return
                 if self._error is None:  # after a failure, later batches are not written
                     batch = [(step, e() if callable(e) else e) for step, e in batch]
-                    rows = build_rows(
-                        [step for step, entries in batch for _ in entries],
+                    rows = row_columns(
+                        np.repeat(
+                            np.array([step for step, _ in batch], dtype=np.int64),
+                            [len(entries) for _, entries in batch],
+                        ),
                         [entry for _, entries in batch for entry in entries],
                     )
                     assert self.writer is not None  # only the writing rank buffers rows
                     self.writer.write(rows)
-                    for sink in self.sinks:
-                        sink(rows)
+                    if self.sinks:
+                        frame = rows.frame()
+                        for sink in self.sinks:
+                            sink(frame)
             except BaseException as e:  # handed to the training thread
                 self._error = e
             finally:

@@ -1187,9 +1187,11 @@ def clear_caches() -> None:
     _consts.cache_clear()
     spec_for.cache_clear()
     _fold.cache_clear()
+    _fold_runs.cache_clear()
     _plans.clear()
     _plans_many.clear()
     _tables.clear()
+    _table_layouts.clear()
     _launchers.clear()
 
 
@@ -1256,25 +1258,19 @@ def launch_many(
     table of programs is kept for the next launch of the same tensors (:data:`_tables`),
     by stream: when it is dropped, the caching allocator reuses its memory only for work
     queued after it on that stream."""
-    flats, offs = [], []
-    for t, off in zip(tensors, offsets):
-        if t.is_neg() or not (t.is_contiguous() or _dense(t)):
-            launch_one(
-                t,
-                spec,
-                layout,
-                rows,
-                off,
-                scratch_for(scratch_rows(t.numel(), max_parts, spec)),
-                max_parts,
-            )
-        else:
-            flats.append(t.view(torch.uint8) if spec.mode == 3 else t)
-            offs.append(off)
+    flats: Sequence[torch.Tensor]
+    offs: Sequence[int]
+    if not any(map(torch.Tensor.is_neg, tensors)) and all(
+        map(torch.Tensor.is_contiguous, tensors)
+    ):  # (the common case, told without a Python loop per tensor)
+        flats = [t.view(torch.uint8) for t in tensors] if spec.mode == 3 else tensors
+        offs = offsets
+    else:
+        flats, offs = _split_many(tensors, spec, layout, rows, offsets, scratch_for, max_parts)
     if not flats:
         return
-    addresses = tuple(f.data_ptr() for f in flats)
-    ns = tuple(f.numel() for f in flats)
+    addresses = tuple(map(torch.Tensor.data_ptr, flats))
+    ns = tuple(map(torch.Tensor.numel, flats))
     device = rows.device
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream, spec.block, max_parts, addresses, ns, tuple(offs))
@@ -1293,6 +1289,37 @@ def launch_many(
         plan = _plans_many[plan_key] = (consts, _fmax(layout), spec, layout)
     args = (dev_table, rows, scratch, lut, plan[1])
     _launch(_summarize_many, programs, args, plan[0], (dev_table, rows, scratch, lut))
+
+
+def _split_many(
+    tensors: Sequence[torch.Tensor],
+    spec: Spec,
+    layout: Layout,
+    rows: torch.Tensor,
+    offsets: Sequence[int],
+    scratch_for: Any,
+    max_parts: int,
+) -> tuple[list[torch.Tensor], list[int]]:
+    """:func:`launch_many`'s tensors that it reads as flat memory, with their row offsets;
+    each of the others (not covering its memory densely, or a negated view) is launched
+    here on its own (:func:`launch_one`), which reads it in place."""
+    flats: list[torch.Tensor] = []
+    offs: list[int] = []
+    for t, off in zip(tensors, offsets):
+        if t.is_neg() or not (t.is_contiguous() or _dense(t)):
+            launch_one(
+                t,
+                spec,
+                layout,
+                rows,
+                off,
+                scratch_for(scratch_rows(t.numel(), max_parts, spec)),
+                max_parts,
+            )
+        else:
+            flats.append(t.view(torch.uint8) if spec.mode == 3 else t)
+            offs.append(off)
+    return flats, offs
 
 
 #: launch_many's tables on their devices, by (device, stream, tile, max programs,
@@ -1318,7 +1345,30 @@ def _table(
 ) -> tuple[torch.Tensor, int, int, bool]:
     """launch_many's table of programs for tensors at ``addresses`` of ``sizes`` elements
     summarized into rows at ``offsets``, on ``device``: ``(table, programs, scratch rows,
-    every address 16-byte aligned)``."""
+    every address 16-byte aligned)``. Only the address column is filled per table: the
+    rest depends on the sizes and offsets alone (:func:`_table_layout`), which stay when
+    a loop's gradients come back at new addresses every step."""
+    template, owner, scratch_parts = _table_layout(sizes, tuple(offsets), block, max_parts)
+    address = np.array(addresses, dtype=np.int64)
+    table = template.copy()
+    table[:, 0] = address[owner]
+    host_table = torch.from_numpy(table)
+    if device.type == "cuda":  # pinned: the copy to the device does not wait
+        host_table = host_table.pin_memory()
+    dev_table = host_table.to(device, non_blocking=True)
+    aligned = bool((address % 16 == 0).all())
+    return dev_table, int(owner.size), scratch_parts, aligned
+
+
+def _table_layout(
+    sizes: tuple[int, ...], offsets: tuple[int, ...], block: int, max_parts: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """The columns of a :func:`_table` that do not depend on the addresses (column 0 left
+    zero), the tensor of each program, and the scratch rows (cached: the last few)."""
+    key = (sizes, offsets, block, max_parts)
+    got = _table_layouts.get(key)
+    if got is not None:
+        return got
     ns = np.array(sizes, dtype=np.int64)
     split = [_parts(k, max_parts, block) for k in sizes]
     parts = np.array([p for p, _ in split], dtype=np.int64)
@@ -1328,21 +1378,21 @@ def _table(
     part = np.arange(owner.size) - first_of[owner]
     multi = parts > 1
     scratch_first = np.cumsum(np.where(multi, parts, 0)) - np.where(multi, parts, 0)
-    address = np.array(addresses, dtype=np.int64)
-    table = np.empty((owner.size, _TABLE), dtype=np.int64)
-    table[:, 0] = address[owner]
+    table = np.zeros((owner.size, _TABLE), dtype=np.int64)
     table[:, 1] = part * per[owner]
     table[:, 2] = np.minimum(table[:, 1] + per[owner], ns[owner])
     table[:, 3] = np.asarray(offsets, dtype=np.int64)[owner]
     table[:, 4] = part
     table[:, 5] = parts[owner]
     table[:, 6] = scratch_first[owner]
-    host_table = torch.from_numpy(table)
-    if device.type == "cuda":  # pinned: the copy to the device does not wait
-        host_table = host_table.pin_memory()
-    dev_table = host_table.to(device, non_blocking=True)
-    aligned = bool((address % 16 == 0).all())
-    return dev_table, int(owner.size), int(parts[multi].sum()), aligned
+    if len(_table_layouts) >= _TABLES_KEPT:
+        _table_layouts.clear()
+    got = _table_layouts[key] = (table, owner, int(parts[multi].sum()))
+    return got
+
+
+#: :func:`_table_layout`'s results by (sizes, offsets, tile, max programs).
+_table_layouts: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, int]] = {}
 
 
 def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
@@ -1397,7 +1447,13 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
     fold, above = _fold(spec, layout.format.name)
     hist = rows[:, HEADER : HEADER + spec.nbd]
     if xp is np:
-        counts = hist @ fold
+        # the fold as sums of runs of adjacent dtype exponents (each format bin takes one
+        # run): the same exact integer sums as ``hist @ fold`` without its multiply-adds
+        # over the whole 0/1 matrix (a BLAS call that took most of a step's finishing)
+        starts, targets = _fold_runs(spec, layout.format.name)
+        counts = np.zeros((hist.shape[0], fold.shape[1]))
+        if hist.shape[0]:
+            counts[:, targets] = np.add.reduceat(hist, starts, axis=1)
         beyond = hist[:, above:].sum(axis=1)
     else:
         counts = hist @ torch.from_numpy(fold).to(rows.device)
@@ -1427,6 +1483,16 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
     )
     higher = xp.stack([xp.where(has, m3, 0.0) * (r2 * r), xp.where(has, m4, 0.0) * (r2 * r2)], 1)
     return append_extras(out, higher, xp)
+
+
+@cache
+def _fold_runs(spec: Spec, fmt_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_fold` as runs: the first dtype exponent of each run that lands in one
+    format bin, and that bin (the bins of successive exponents never decrease)."""
+    fold, _ = _fold(spec, fmt_name)
+    bins = fold.argmax(axis=1)
+    starts = np.flatnonzero(np.r_[True, bins[1:] != bins[:-1]])
+    return starts, bins[starts]
 
 
 @cache

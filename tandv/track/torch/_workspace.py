@@ -35,12 +35,14 @@ import threading
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from functools import cache
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ...stats.summary import Layout
+from . import summary as _summary
 from .summary import extras_vector, finish_raw, fused_spec, host_vectors, raw_device
 
 if TYPE_CHECKING:  # the fused kernels import Triton: only when a tensor needs them
@@ -215,6 +217,8 @@ class Workspace:
         self._spaces: dict[torch.device, _Space] = {}
         # row size by (id(spec), id(layout)), with the two
         self._sizes: dict[tuple[int, int], tuple[Any, Layout, int]] = {}
+        # the slots of rows reserved together (see _slots), with the layout and spec
+        self._slot_lists: dict[tuple[Any, ...], tuple[Layout, Any, list[Slot]]] = {}
 
     def _space(self, device: torch.device) -> _Space:
         space = self._spaces.get(device)
@@ -286,6 +290,12 @@ class Workspace:
             spec = fused_spec(tensors[0], layout)
             if spec is not None:
                 return self.fused(tensors, spec, layout, extras)  # type: ignore[return-value]
+        elif tensors and _uniform(tensors):  # a step's parameters, gradients or state
+            first = tensors[0]
+            if not (first.is_cpu and _summary.HOST_PATH):
+                spec = fused_spec(first, layout)
+                if spec is not None:
+                    return self.fused(tensors, spec, layout, extras)  # type: ignore[return-value]
         out: list[Any] = [None] * len(tensors)
         cpu = [i for i, t in enumerate(tensors) if t.is_cpu]
         if cpu:  # the host path first (when it is on)
@@ -328,12 +338,27 @@ class Workspace:
         size = _fused.row_size(spec, layout)
         with space.lock, _on(device):  # the rows buffer may not be replaced before the launch
             first = space.reserve(size * len(tensors))
-            slots = [
-                Slot(device, first + i * size, size, layout, spec) for i in range(len(tensors))
-            ]
+            slots = self._slots(device, first, size, len(tensors), layout, spec)
             space.stream()
-            live = [(t, s.offset) for t, s in zip(tensors, slots) if t.numel()]
             names = [name for name, _ in layout.extras]
+            if len(tensors) > 1 and all(map(torch.Tensor.numel, tensors)):
+                # a step's parameters, gradients or state: all written, rows in order
+                launch_all = _fused.launch_many
+                launch_all(
+                    tensors,
+                    spec,
+                    layout,
+                    space.rows,
+                    range(first, first + size * len(tensors), size),
+                    space.scratch_for,
+                    space.max_parts,
+                )
+                if names:
+                    for s, ex in zip(slots, extras):
+                        a = s.offset + spec.row_size
+                        space.rows[a : a + len(names)].copy_(extras_vector(ex, names, device))
+                return slots
+            live = [(t, s.offset) for t, s in zip(tensors, slots) if t.numel()]
             # a hook's only statistic, a 1-element device tensor (a GradScaler's scale):
             # written by the kernel, not copied by one more operation
             extra = _scalar_on(extras[0], names, device) if len(slots) == len(live) == 1 else None
@@ -364,6 +389,23 @@ class Workspace:
                     a = s.offset + spec.row_size
                     space.rows[a : a + len(names)].copy_(extras_vector(ex, names, device))
         return slots
+
+    def _slots(
+        self, device: torch.device, first: int, size: int, count: int, layout: Layout, spec: Any
+    ) -> list[Slot]:
+        """The slots of ``count`` rows of ``size`` values from ``first``: the same list as
+        the last time these rows were reserved (a step's parameters, gradients and state
+        take the same rows every step, and a slot is never changed once made)."""
+        if count == 1:
+            return [Slot(device, first, size, layout, spec)]
+        key = (device, first, size, count, id(layout), id(spec))
+        got = self._slot_lists.get(key)
+        if got is None or got[0] is not layout or got[1] is not spec:
+            if len(self._slot_lists) >= 64:  # (rows that keep moving: made afresh)
+                self._slot_lists.clear()
+            slots = [Slot(device, first + i * size, size, layout, spec) for i in range(count)]
+            got = self._slot_lists[key] = (layout, spec, slots)
+        return got[2]
 
     def raw(self, vector: torch.Tensor, layout: Layout) -> Slot:
         """Keep a raw vector of the torch-op path (on its device) with this step's rows."""
@@ -453,13 +495,23 @@ def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> li
     writer thread.)"""
     host = flight.wait() if flight is not None else {}
     out: list[Any] = list(summaries)
-    groups: dict[tuple, list[tuple[int, Slot]]] = {}
+    # by the identities of spec and layout (hashing them costs more than the rest)
+    groups: dict[tuple, tuple[Any, Layout, int, list[tuple[int, Slot]]]] = {}
     for i, s in enumerate(summaries):
-        if isinstance(s, Slot):
-            groups.setdefault((s.spec, s.layout, s.size), []).append((i, s))
-    for (spec, layout, size), members in groups.items():
+        if type(s) is Slot:
+            gk = (id(s.spec), id(s.layout), s.size)
+            group = groups.get(gk)
+            if group is None:
+                group = groups[gk] = (s.spec, s.layout, s.size, [])
+            group[3].append((i, s))
+    for spec, layout, size, members in groups.values():
         idx = [i for i, _ in members]
-        rows = np.stack([host[s.device][s.offset : s.offset + size] for _, s in members])
+        device = members[0][1].device
+        if all(s.device == device for _, s in members):  # one gather from the rows
+            at = np.fromiter((s.offset for _, s in members), np.int64, len(members))
+            rows = host[device][at[:, None] + np.arange(size)]
+        else:
+            rows = np.stack([host[s.device][s.offset : s.offset + size] for _, s in members])
         if spec is None:
             done = finish_raw(rows, np)
         else:
@@ -493,6 +545,19 @@ def _scalar_on(
 
 _fused_state: list[Any] = []
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types fused_spec may take
+_PLAIN_TYPES = frozenset(_PLAIN)
+_device_of = attrgetter("device")
+_dtype_of = attrgetter("dtype")
+
+
+def _uniform(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are plain tensors (no subclass) of one dtype on one device,
+    told without a Python loop per tensor: then one path summarizes them all."""
+    return (
+        set(map(type, tensors)) <= _PLAIN_TYPES
+        and len(set(map(_dtype_of, tensors))) == 1
+        and len(set(map(_device_of, tensors))) == 1
+    )
 
 
 def _fused_module() -> Any:

@@ -36,6 +36,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Mapping as MappingABC
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -237,6 +238,14 @@ class Tracker(TrackerCore[Flight | None]):
             tuple[str, str, torch.dtype, bool], tuple[TensorKey, Layout, Any]
         ] = {}
         self._weight_params: list[tuple[str, nn.Parameter, nn.Module]] | None = None
+        #: the row keys, layouts and groups of layouts of the items _summaries_plain has
+        #: seen, by their names, kinds and dtypes
+        self._batch_plans: dict[tuple[Any, ...], Any] = {}
+        # the selected parameters whose gradients are captured, by optimizer (see
+        # _grad_params), with what they were found from
+        self._grad_param_cache: dict[
+            int | None, tuple[tuple[Any, ...], list[tuple[str, torch.Tensor, nn.Module]]]
+        ] = {}
 
     # ------------------------------------------------------------------ dry run
 
@@ -324,6 +333,10 @@ class Tracker(TrackerCore[Flight | None]):
         """:meth:`_summary` of several distinct tensors (parameters, their gradients,
         optimizer state) at once: tensors sharing a layout are reduced together (one host
         kernel call for the CPU tensors, one fused launch per device and dtype)."""
+        if items and self._ranks is None and not self.stat_fns:
+            fast = self._summaries_plain(items)
+            if fast is not None:
+                return fast
         keys: list[TensorKey] = []
         layouts: list[Layout] = []
         extras: list[dict[str, Any]] = []
@@ -369,6 +382,56 @@ class Tracker(TrackerCore[Flight | None]):
                 raws[i] = raw
         return list(zip(keys, layouts, raws))
 
+    def _summaries_plain(
+        self, items: Sequence[tuple[str, str, nn.Module, torch.Tensor]]
+    ) -> list[tuple[TensorKey, Layout, np.ndarray | Slot]] | None:
+        """:meth:`_summaries` of plain tensors (no subclass) without custom statistics on
+        one process, with the row keys and layouts of the items' names, kinds and dtypes
+        found once (:attr:`_batch_plans`) rather than item by item at every step; ``None``
+        where the items are not all plain tensors."""
+        tensors = list(map(_fourth, items))
+        if not set(map(type, tensors)) <= _PLAIN_TYPES:
+            return None
+        sig = (
+            tuple(map(_first, items)),
+            tuple(map(_second, items)),
+            tuple(map(_dtype_of, tensors)),
+        )
+        plan = self._batch_plans.get(sig)
+        if plan is None:
+            keys: list[TensorKey] = []
+            layouts: list[Layout] = []
+            for name, kind, owner, x in items:
+                ck = (name, kind, x.dtype)
+                known = self._observed_keys.get(ck)
+                if known is None:
+                    key = self._key(name, kind, module_type(owner), x.dtype)
+                    known = self._observed_keys[ck] = (key, self._layout(x.dtype, ()))
+                keys.append(known[0])
+                layouts.append(known[1])
+            by_layout: dict[int, tuple[Layout, list[int]]] = {}  # (layouts are cached)
+            for i, lay in enumerate(layouts):
+                by_layout.setdefault(id(lay), (lay, []))[1].append(i)
+            if len(self._batch_plans) >= 64:  # (items that keep changing: found afresh)
+                self._batch_plans.clear()
+            plan = self._batch_plans[sig] = (keys, layouts, list(by_layout.values()))
+        keys, layouts, groups = plan
+        if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            name, kind = items[0][0], items[0][1]
+            raise _capture_error(f"{kind} {name!r}")
+        ds = [x.detach() if x.requires_grad else x for x in tensors]
+        no_extras: list[dict[str, Any]] = [{}] * len(ds)
+        raws: list[Any]
+        if len(groups) == 1:
+            raws = self._workspace.summaries(ds, layouts[0], no_extras)
+        else:
+            raws = [None] * len(ds)
+            for lay, idx in groups:
+                got = self._workspace.summaries([ds[i] for i in idx], lay, no_extras[: len(idx)])
+                for i, raw in zip(idx, got):
+                    raws[i] = raw
+        return list(zip(keys, layouts, raws))
+
     def _extras(self, d: torch.Tensor) -> dict[str, Any]:
         """The custom statistics of ``d``, by name."""
         extras: dict[str, Any] = {}
@@ -409,8 +472,7 @@ class Tracker(TrackerCore[Flight | None]):
                 for full, owner, attr in self._buffers
                 if self._selected(full, type(owner)) and getattr(owner, attr, None) is not None
             ]
-        for entry in self._summaries(items):
-            self.recorder.add(*entry)  # type: ignore[union-attr]
+        self.recorder.add_many(self._summaries(items))  # type: ignore[union-attr]
 
     def _capture_grads(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Summarize the current ``.grad`` of each selected parameter that ``optimizer``
@@ -418,6 +480,30 @@ class Tracker(TrackerCore[Flight | None]):
         step under way: a later capture for the same step replaces them (the last look
         before the update defines them: after unscaling and clipping, after the closure's
         last call)."""
+        items = []
+        for full, p, owner in self._grad_params(optimizer):
+            g = p.grad
+            if g is not None and g.is_floating_point():
+                items.append((full, GRADIENT, owner, g))
+        captured = self._grads.setdefault(None if optimizer is None else id(optimizer), {})
+        for entry in self._summaries(items):
+            captured[entry[0].name] = entry
+
+    def _grad_params(
+        self, optimizer: torch.optim.Optimizer | None
+    ) -> list[tuple[str, torch.Tensor, nn.Module]]:
+        """The selected parameters whose gradients :meth:`_capture_grads` reads for
+        ``optimizer`` (``None``: those no tracked optimizer updates), with their paths and
+        owners: found again only when an optimizer's parameter lists change (told by the
+        identities of the lists and of the parameters in them), not at every capture."""
+        opts = self.optimizers if optimizer is None else (optimizer,)
+        signature = tuple(
+            (id(g["params"]), *map(id, g["params"])) for opt in opts for g in opt.param_groups
+        )
+        cache_key = None if optimizer is None else id(optimizer)
+        cached = self._grad_param_cache.get(cache_key)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
         params: list[tuple[str, torch.Tensor, nn.Module]]
         if optimizer is None:
             owned = {id(p) for opt in self.optimizers for p in _params_of(opt)}
@@ -429,16 +515,11 @@ class Tracker(TrackerCore[Flight | None]):
                 for p in _params_of(optimizer)
                 if id(p) in names
             ]
-        items = [
-            (full, GRADIENT, owner, p.grad)
-            for full, p, owner in params
-            if p.grad is not None
-            and p.grad.is_floating_point()
-            and self._selected(full, type(owner))
+        params = [
+            (full, p, owner) for full, p, owner in params if self._selected(full, type(owner))
         ]
-        captured = self._grads.setdefault(None if optimizer is None else id(optimizer), {})
-        for entry in self._summaries(items):
-            captured[entry[0].name] = entry
+        self._grad_param_cache[cache_key] = (signature, params)
+        return params
 
     def _commit_grads(self, optimizer: int | None) -> None:
         """Record the gradients captured for the step of the optimizer whose ``id`` is
@@ -447,8 +528,7 @@ class Tracker(TrackerCore[Flight | None]):
         two observations, merged like micro-batches."""
         captured = self._grads.pop(optimizer, None)
         if captured and self.recorder is not None:
-            for entry in captured.values():
-                self.recorder.add(*entry)
+            self.recorder.add_many(list(captured.values()))
             self._grad_rows += len(captured)
 
     def _state_items(self) -> list[tuple[str, str, nn.Module, torch.Tensor]]:
@@ -637,9 +717,9 @@ class Tracker(TrackerCore[Flight | None]):
         captured before the optimizer's update; ``track(torch.compile(model))`` records
         inside the graph instead (:mod:`._compiled`)."""
         if (
-            not is_compiling()
+            not self._weights_done  # (first: every module's call after the first ends here)
             and self._active
-            and not self._weights_done
+            and not is_compiling()
             and id(mod) in self._module_ids
             and (mod.training or self.track_eval)
         ):
@@ -795,8 +875,7 @@ class Tracker(TrackerCore[Flight | None]):
                 self._capture_grads(None)
                 self._commit_grads(None)
             if self.kinds[OPTIMISER_STATE]:
-                for entry in self._summaries(self._state_items()):
-                    recorder.add(*entry)
+                recorder.add_many(self._summaries(self._state_items()))
             if self._unseen:
                 self._tell_unseen(recorder)
         self._end_step(self._active)
@@ -853,6 +932,9 @@ def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
 
 #: Tensor types that are never a DTensor (checked without a call).
 _PLAIN = (torch.Tensor, nn.Parameter)
+_PLAIN_TYPES = frozenset(_PLAIN)
+_first, _second, _fourth = itemgetter(0), itemgetter(1), itemgetter(3)
+_dtype_of = attrgetter("dtype")
 
 
 def _capture_error(what: str) -> RuntimeError:

@@ -1,0 +1,208 @@
+"""The recorder's per-step path: rows built as plain columns and written straight to
+Arrow, the fused path's finishing of rows, and the per-run caches of the PyTorch tracker's
+step (what ``benchmarks/host_cost.py`` times). Each is checked against the slower, general
+path it replaces."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch import nn
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tandv.schema import SchemaError, read_parquet, validate  # noqa: E402
+from tandv.schema.writer import PartWriter, Rows  # noqa: E402
+from tandv.stats.summary import summarize  # noqa: E402
+from tandv.track.common.recorder import TensorKey, build_rows, row_columns  # noqa: E402
+from tandv.track.torch import _fused, _workspace, track  # noqa: E402
+from tandv.track.torch import summary as kernel  # noqa: E402
+
+
+def entries(seed: int, names: list[str]) -> list[tuple[TensorKey, object, np.ndarray]]:
+    """Summaries of random tensors: float32 and bfloat16 formats (exponent columns that
+    differ), one with a custom statistic (a layout of its own), zeros and a NaN."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, name in enumerate(names):
+        x = (rng.standard_normal(64) * 10.0 ** rng.integers(-6, 6)).astype(np.float32)
+        x[:3] = 0.0
+        if i == 1:
+            x[5] = np.nan
+        fmt = "bfloat16" if i % 3 == 2 else "float32"
+        extras = {"peak": (float(i), "max")} if i == 4 else None
+        v, layout = summarize(x, fmt, extras)
+        kind = "Weight" if i % 2 else "Activation"
+        out.append((TensorKey(name, kind, "Linear", fmt), layout, v))
+    return out
+
+
+def batch() -> tuple[np.ndarray, list]:
+    names = [f"layer{i}" for i in range(6)]
+    steps, rows = [], []
+    for step in (0, 3, 4):
+        got = entries(step, names)
+        steps += [step] * len(got)
+        rows += got
+    return np.array(steps, dtype=np.int64), rows
+
+
+def test_rows_go_to_parquet_as_their_dataframe_would(tmp_path):
+    """A part written from the columns holds the same columns, types, values and footer
+    metadata as the part written from the same rows' DataFrame; it reads back as it."""
+    steps, got = batch()
+    rows = row_columns(steps, got)
+    frame = build_rows(steps, got)
+    assert frame.equals(rows.frame())
+    run = {"framework": "torch", "options": {"every": 1}}
+    tables = []
+    for name, what in (("direct", rows), ("frame", frame)):
+        w = PartWriter(tmp_path / name)
+        w.run = run
+        w.write(what)
+        w.close()
+        tables.append(pq.read_table(tmp_path / name / "part-000000.parquet"))
+    direct, reference = tables
+    assert direct.schema.equals(reference.schema, check_metadata=True)
+    assert direct.column_names == reference.column_names
+    for name in direct.column_names:  # (NaN statistics: compared as equal)
+        a, b = direct[name].to_numpy(), reference[name].to_numpy()
+        assert a.dtype == b.dtype, name
+        assert np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), name
+    # exponent columns zero in every row are left out, the -inf/+inf counts kept
+    stored = [c for c in direct.column_names if c.startswith("exponent_counts.")]
+    assert "exponent_counts.-inf" in stored and "exponent_counts.+inf" in stored
+    assert len(stored) < len(rows.labels)
+    back = read_parquet(tmp_path / "direct")
+    assert np.array_equal(back[("metadata", "step")].to_numpy(), steps)
+    assert np.array_equal(
+        back[("scalar_stats", "numel")].to_numpy(), frame[("scalar_stats", "numel")].to_numpy()
+    )
+
+
+def test_rows_that_break_the_schema_get_validates_error(tmp_path):
+    """Rows the fast check cannot vouch for are checked as a DataFrame: a repeated
+    (name, tensor_type, step) is refused with the error validate gives."""
+    got = entries(0, ["a", "b"])
+    twice = got + [got[0]]
+    rows = row_columns(7, twice)
+    assert not rows.conforms()
+    with pytest.raises(SchemaError) as expected:
+        validate(rows.frame())
+    w = PartWriter(tmp_path / "log")
+    with pytest.raises(SchemaError) as err:
+        w.write(rows)
+    assert str(err.value) == str(expected.value)
+    assert not list((tmp_path / "log").glob("*.parquet"))
+    assert row_columns(7, got).conforms()
+
+
+@pytest.mark.parametrize("bad", ["negative count", "unknown dtype", "non-str name"])
+def test_conforms_says_no_to_what_validate_rejects(bad):
+    rows = row_columns(1, entries(1, ["a", "b", "c"]))
+    fields = {f: getattr(rows, f) for f in Rows.__dataclass_fields__}
+    if bad == "negative count":
+        counts = rows.counts.copy()
+        counts[1, 0] = -1
+        fields["counts"] = counts
+    elif bad == "unknown dtype":
+        fields["dtypes"] = ["float32", "float33", "float32"]
+    else:
+        fields["names"] = ["a", 2, "c"]
+    broken = Rows(**fields)
+    assert not broken.conforms()
+    with pytest.raises(SchemaError):
+        validate(broken.frame())
+
+
+def test_tensor_key_hash_survives_pickling():
+    """The key's hash is kept on it; a pickled key (another process: another string hash)
+    finds it afresh, so it still finds its equal in a dict."""
+    key = TensorKey("blocks.0.mlp", "Gradient", "Linear", "float32")
+    back = pickle.loads(pickle.dumps(key))
+    assert back == key and {key: 1}[back] == 1
+    assert "_hash" not in repr(key)
+
+
+@pytest.mark.parametrize(
+    "dtype, fmt",
+    [
+        (torch.float32, "float32"),
+        (torch.float32, "bfloat16"),
+        (torch.float16, "float32"),
+        (torch.bfloat16, "float8_e4m3fn"),
+    ],
+)
+def test_finishing_rows_on_the_host_folds_as_the_device_does(dtype, fmt):
+    """finish_rows folds the dtype's exponent counts into the format's bins by runs on the
+    host; the torch path (used on the device) does it with the 0/1 matrix: the same
+    summaries, exactly, counts included."""
+    from tandv.stats.summary import Layout
+
+    spec = _fused.spec_for(dtype)
+    layout = Layout(fmt)
+    rng = np.random.default_rng(2)
+    rows = np.zeros((5, _fused.row_size(spec, layout)))
+    rows[:, : _fused.HEADER] = np.abs(rng.standard_normal((5, _fused.HEADER))) + 1.0
+    rows[:, _fused.N_READ] = 1000.0
+    rows[:, _fused.HEADER : _fused.HEADER + spec.nbd] = rng.integers(0, 9, (5, spec.nbd))
+    host = _fused.finish_rows(rows, spec, layout)
+    device = _fused.finish_rows(torch.from_numpy(rows), spec, layout, torch).numpy()
+    assert np.array_equal(host[:, layout.exponent_counts], device[:, layout.exponent_counts])
+    np.testing.assert_allclose(host, device, rtol=1e-12, equal_nan=True)
+
+
+@pytest.fixture
+def fused_path(monkeypatch):
+    monkeypatch.setattr(kernel, "HOST_PATH", False)
+    monkeypatch.setattr(kernel, "FUSED_ON_CPU", True)
+
+
+def test_plain_batches_summarize_as_the_general_path(fused_path, monkeypatch, tmp_path):
+    """The cached row keys and layouts of a step's parameters give the summaries the
+    general loop gives, and the same slots come back when the rows are the same."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with track(net, verbose=False, out=tmp_path / "log") as tr:
+        items = [(name, "Weight", net, p) for name, p in net.named_parameters()]
+        fast = tr._summaries(items)
+        fast_host = _workspace.to_host([s for *_, s in fast], tr._workspace.end_step())
+        again = tr._summaries(items)
+        assert [s for *_, s in again] == [s for *_, s in fast]  # the same slot objects
+        tr._workspace.end_step()
+        monkeypatch.setattr(tr, "_summaries_plain", lambda items: None)
+        slow = tr._summaries(items)
+        slow_host = _workspace.to_host([s for *_, s in slow], tr._workspace.end_step())
+    assert [(k, lay) for k, lay, _ in fast] == [(k, lay) for k, lay, _ in slow]
+    for a, b in zip(fast_host, slow_host):
+        assert np.array_equal(a, b, equal_nan=True)
+
+
+def test_a_parameter_moved_into_the_optimizer_is_captured_once(fused_path, tmp_path):
+    """The parameters whose gradients are captured are found again when an optimizer's
+    parameter groups change: a parameter added to the optimizer after the first step is
+    captured by the optimizer's hook, not also at tracker.step() (twice: a gradient row
+    counting every value twice)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    opt = torch.optim.SGD(net[0].parameters(), lr=0.1)
+    with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
+        for step in range(3):
+            if step == 1:
+                opt.add_param_group({"params": list(net[1].parameters())})
+            net(torch.randn(3, 4)).square().sum().backward()
+            opt.step()
+            tr.step()
+            opt.zero_grad()
+            net.zero_grad()
+    df = read_parquet(tmp_path / "log")
+    rows = df[
+        (df[("metadata", "tensor_type")] == "Gradient") & (df[("metadata", "name")] == "1.weight")
+    ]
+    assert rows[("metadata", "step")].tolist() == [0, 1, 2]
+    assert rows[("scalar_stats", "numel")].tolist() == [12, 12, 12]
