@@ -292,6 +292,9 @@ class JaxTracker(TrackerCore[Sent]):
         #: the tracked program of each jitted update seen (None: not one jitted function)
         self._programs: dict[Any, TrackedProgram | None] = {}
         self._call_args: Any = None  # the arguments of the tracked program being called
+        #: the summaries a tracked program made of its outputs in this step: (position of
+        #: each output by its id, the outputs, their :class:`Stacks`), or None
+        self._made: tuple[dict[int, int], list[Any], Stacks] | None = None
         # a tracked program's mailbox words stand in the step's observations under this key
         # until they arrive and are decoded into rows (:meth:`_observed`)
         self._mail_key = self._key(ROOT_NAME, "Activation", "", "float32")
@@ -572,6 +575,11 @@ class JaxTracker(TrackerCore[Sent]):
         None)``, see :meth:`_summarize_arrays`)."""
         if not arrays:
             return [], None
+        if self._made is not None:  # the arrays a tracked program returned: summarized there
+            position, _, made = self._made
+            at = [position.get(id(a), -1) for a in arrays]
+            if -1 not in at:
+                return None, made.select(at)
         # All on one device (the common case: no replicas to refuse, no shard to plan) is
         # told from the arrays' slots, as cheaply as can be per array; None where they lack
         # them (numpy arrays, another sharding, or another JAX version: the general path)
@@ -670,8 +678,8 @@ class JaxTracker(TrackerCore[Sent]):
                 return self._intercept_python(f, args, kwargs)
             if program.nnx is None:
                 self._call_args = (args, kwargs)
-                out, words = program.call(*args, **kwargs)
-                self._add_words(program, words)
+                out, words, made = program.call(*args, **kwargs)
+                self._add_words(program, words, out, made)
                 return out
             f.jitted_fn = functools.partial(self._call_program, program)  # type: ignore[attr-defined]
             try:
@@ -707,22 +715,48 @@ class JaxTracker(TrackerCore[Sent]):
     def _call_program(self, program: TrackedProgram, *args: Any, **kwargs: Any) -> Any:
         """Stands for an ``nnx.jit`` function's inner jitted function during a tracked call."""
         self._call_args = (args, kwargs)
-        out, words = program.call(*args, **kwargs)
-        self._add_words(program, words)
+        out, words, made = program.call(*args, **kwargs)
+        self._add_words(program, words, out, made)
         return out
 
-    def _add_words(self, program: TrackedProgram, words: Any) -> None:
+    def _add_words(self, program: TrackedProgram, words: Any, out: Any, made: Any) -> None:
         """Observe the mailbox words a tracked program returned (decoded once they arrive,
-        by :meth:`_observed`)."""
+        by :meth:`_observed`), and keep the summaries of its outputs ``made`` (None where
+        it computed none) for :meth:`step`, by the outputs' identity."""
         if program.callbacks:
             self._sink.callbacks_used = True
         read = MailRead(None, words, self._sink.mailboxes.warned, self._sink.layouts)
         self.recorder.add(self._mail_key, self._mail_layout, Mail(read, -1, -1))  # type: ignore[union-attr]
+        self._made = None
+        if made is not None:
+            leaves = jax.tree_util.tree_leaves(out)
+            # the arrays are held with their positions: an id names no other array meanwhile
+            outputs = [leaves[i] for i in made.leaves]
+            self._made = ({id(a): j for j, a in enumerate(outputs)}, outputs, made)
 
-    def _trace_program(self, program: TrackedProgram, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    def _output_summaries(self, out: Any) -> Stacks | None:
+        """Traced, at the end of a tracked program: the summaries of its float outputs
+        (those that ``step()`` is given, usually: parameters, optimizer state, gradients),
+        computed in the program so that ``step()`` makes no call of its own for them. None
+        on several devices or processes (their arrays' shards are summarized apart, at
+        ``step()``) and with block formats (read on the host)."""
+        if not self._one_device or self._multi or self.options.block_extras:
+            return None
+        leaves = jax.tree_util.tree_leaves(out)
+        at = tuple(i for i, x in enumerate(leaves) if is_float_array(x) and hasattr(x, "shape"))
+        if not at:
+            return None
+        made = self._stacks([leaves[i] for i in at], self._on_cpu)
+        made.leaves = at
+        return made
+
+    def _trace_program(
+        self, program: TrackedProgram, args: tuple, kwargs: dict
+    ) -> tuple[Any, Any, Any]:
         """The body of ``program``, run while JAX traces it: the user's jitted function
         traced with taps that write into an arena made inside the program; returns its
-        outputs and the written words."""
+        outputs, the written words and the summaries of its float outputs
+        (:meth:`_output_summaries`)."""
         self._where(self._call_args)  # the arrays of the call being traced
         mail = ProgramMailboxes(next(_serials), program.capacity)
         self._sink.program, callbacks = mail, self._sink.callbacks_used
@@ -740,7 +774,7 @@ class JaxTracker(TrackerCore[Sent]):
         self._sink.layouts[mail.serial] = mail.boxes
         if mail.overflowed:  # the rest went by callback; the next call gets room for all
             program.capacity, program.stale = 2 * mail.wanted, True
-        return out, mail.words()
+        return out, mail.words(), self._output_summaries(out)
 
     def _where(self, call: Any) -> list[Any]:
         """Set where the update of the arrays in ``call`` runs (the CPU's in-program host
@@ -1029,6 +1063,7 @@ class JaxTracker(TrackerCore[Sent]):
         if parts is not None:
             self._prepare_weights(parts, k + 1)
             self._keep_before(parts, k + 1)
+        self._made = None  # (the next step's outputs are another call's)
 
     def _keep_before(self, parts: Parts, step: int) -> None:
         """With ``track_updates``, keep the parameters step ``step`` starts from (references:

@@ -114,17 +114,26 @@ class Stacks:
         stacks: list[tuple[Any, ...]],
         rows: tuple[tuple[int, int], ...],
         dtypes: tuple[Any, ...],
+        leaves: tuple[int, ...] = (),
     ) -> None:
         self.stacks = stacks
         self.rows = rows
         self.dtypes = dtypes
+        #: of the summaries of a tracked program's outputs: the index of each summarized
+        #: array among the outputs' leaves
+        self.leaves = leaves
 
-    def tree_flatten(self) -> tuple[tuple[Any], tuple[Any, Any]]:
-        return (self.stacks,), (self.rows, self.dtypes)
+    def tree_flatten(self) -> tuple[tuple[Any], tuple[Any, Any, Any]]:
+        return (self.stacks,), (self.rows, self.dtypes, self.leaves)
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[Any, Any], children: tuple[Any]) -> Stacks:
+    def tree_unflatten(cls, aux: tuple[Any, Any, Any], children: tuple[Any]) -> Stacks:
         return cls(children[0], *aux)
+
+    def select(self, at: Sequence[int]) -> Stacks:
+        """The same stacks, as the summaries of the arrays ``at`` of those summarized."""
+        rows, dtypes = self.rows, self.dtypes
+        return Stacks(self.stacks, tuple([rows[i] for i in at]), tuple([dtypes[i] for i in at]))
 
 
 class Batch(NamedTuple):
