@@ -90,6 +90,63 @@ def test_a_jitted_update_costs_about_the_python_calls_of_an_untracked_call(tmp_p
     assert tracked <= 2 * untracked + 20, (tracked, untracked)
 
 
+class Deep(nn.Module):
+    depth: int
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = nn.relu(nn.Dense(8)(x))
+        return nn.Dense(1)(x)
+
+
+def steady_calls(tmp_path, depth):
+    """Python calls of one tracked call and of one ``step()`` of an MLP of ``depth`` hidden
+    layers with Adam (after warm-up; each ``step()`` records the step before it), and the
+    calls of the step-time summarizing program that ``step()`` made."""
+    model, opt = Deep(depth), optax.adam(1e-2)
+    x, y = jnp.ones((4, 5)), jnp.ones((4, 1))
+    params = model.init(jax.random.key(0), x)
+
+    @jax.jit
+    def update(p, s):
+        g = jax.grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, g
+
+    with track(params, opt.init(params), out=tmp_path / f"d{depth}", verbose=False) as tracker:
+        # each step() records the step before it, no other: the same work at every step
+        tracker.in_flight_steps = 0
+        tracker._arrived = lambda transfer: False  # (not also the step itself, when done)
+        tracker.recorder.flush_seconds = float("inf")  # (nor the log's hand-over)
+        p, s = params, opt.init(params)
+        for _ in range(4):
+            out = tracker.intercept(update, p, s)
+            tracker.step(*out)
+            p, s, _ = out
+        for _, _, sent in tracker._flights:  # the step to record has arrived
+            jax.block_until_ready(sent.transfer._device)
+        summarized = []
+        own = tracker._summarize_one_device
+        tracker._summarize_one_device = lambda *a: summarized.append(a) or own(*a)
+        out = [None]
+        intercept = python_calls(lambda: out.__setitem__(0, tracker.intercept(update, p, s)))
+        stepped = python_calls(tracker.step, *out[0])
+    return intercept, stepped, summarized
+
+
+def test_a_tracked_step_costs_the_same_python_calls_for_any_model_size(tmp_path):
+    """A tracked step of a jitted update does no Python work per array: the tracked program
+    summarizes its outputs (parameters, optimizer state, gradients) itself, so step() makes
+    no summarizing call of its own, and the rows of a step are one observation, expanded on
+    the log's writer thread. An MLP of 1 and of 6 hidden layers (12 and 42 tracked arrays
+    per step): the same Python calls on the training thread."""
+    small = steady_calls(tmp_path, 1)
+    large = steady_calls(tmp_path, 6)
+    assert small[2] == large[2] == []  # no summarizing call in step()
+    assert large[:2] == small[:2], (small, large)
+
+
 def run_log(path, update, steps=3):
     """Log of ``steps`` tracked steps of ``update`` (jitted or not) on the MLP; returns the
     log and the gradients of each step."""

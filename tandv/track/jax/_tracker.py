@@ -292,9 +292,11 @@ class JaxTracker(TrackerCore[Sent]):
         #: the tracked program of each jitted update seen (None: not one jitted function)
         self._programs: dict[Any, TrackedProgram | None] = {}
         self._call_args: Any = None  # the arguments of the tracked program being called
-        #: the summaries a tracked program made of its outputs in this step: (position of
-        #: each output by its id, the outputs, their :class:`Stacks`), or None
-        self._made: tuple[dict[int, int], list[Any], Stacks] | None = None
+        #: the outputs of this step's tracked program and the summaries it made of them
+        #: (:class:`Stacks`), or None; and, once looked up, the position of each summarized
+        #: output by its id (with the outputs)
+        self._made: tuple[Any, Stacks] | None = None
+        self._made_at: tuple[dict[int, int], list[Any]] | None = None
         # a tracked program's mailbox words stand in the step's observations under this key
         # until they arrive and are decoded into rows (:meth:`_observed`)
         self._mail_key = self._key(ROOT_NAME, "Activation", "", "float32")
@@ -576,7 +578,12 @@ class JaxTracker(TrackerCore[Sent]):
         if not arrays:
             return [], None
         if self._made is not None:  # the arrays a tracked program returned: summarized there
-            position, _, made = self._made
+            out, made = self._made
+            if self._made_at is None:  # (found by identity; made once a step)
+                leaves = jax.tree_util.tree_leaves(out)
+                outputs = [leaves[i] for i in made.leaves]  # (held: an id names no other)
+                self._made_at = {id(a): j for j, a in enumerate(outputs)}, outputs
+            position = self._made_at[0]
             at = [position.get(id(a), -1) for a in arrays]
             if -1 not in at:
                 return None, made.select(at)
@@ -727,12 +734,7 @@ class JaxTracker(TrackerCore[Sent]):
             self._sink.callbacks_used = True
         read = MailRead(None, words, self._sink.mailboxes.warned, self._sink.layouts)
         self.recorder.add(self._mail_key, self._mail_layout, Mail(read, -1, -1))  # type: ignore[union-attr]
-        self._made = None
-        if made is not None:
-            leaves = jax.tree_util.tree_leaves(out)
-            # the arrays are held with their positions: an id names no other array meanwhile
-            outputs = [leaves[i] for i in made.leaves]
-            self._made = ({id(a): j for j, a in enumerate(outputs)}, outputs, made)
+        self._made, self._made_at = None if made is None else (out, made), None
 
     def _output_summaries(self, out: Any) -> Stacks | None:
         """Traced, at the end of a tracked program: the summaries of its float outputs
@@ -1063,7 +1065,7 @@ class JaxTracker(TrackerCore[Sent]):
         if parts is not None:
             self._prepare_weights(parts, k + 1)
             self._keep_before(parts, k + 1)
-        self._made = None  # (the next step's outputs are another call's)
+        self._made = self._made_at = None  # (the next step's outputs are another call's)
 
     def _keep_before(self, parts: Parts, step: int) -> None:
         """With ``track_updates``, keep the parameters step ``step`` starts from (references:
