@@ -4,6 +4,8 @@ no host callback, also from loop bodies, where each iteration's summary merges o
 
 from __future__ import annotations
 
+import threading
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from tandv.schema import read_log  # noqa: E402
 from tandv.stats import Layout, summarize  # noqa: E402
 from tandv.stats.summary import merge  # noqa: E402
 from tandv.track.jax import _intercept, _tracker, _transfer, to_vector, track  # noqa: E402
+from tandv.track.jax._mailbox import MailRead  # noqa: E402
 from tandv.track.jax._summary import DeviceSummary, merge_jax  # noqa: E402
 
 rng = np.random.default_rng(3)
@@ -193,8 +196,9 @@ def test_loops_report_through_mailboxes_and_each_program_compiles_once(tmp_path,
 
 def test_step_does_not_wait_for_its_summaries(tmp_path, accelerator_path, monkeypatch):
     """tracker.step() starts one copy of all the step's summaries (mailboxes, weights,
-    gradients) and returns: they are read (decoded) at a later step's end once computed, or
-    when the tracker closes, and the rows are those of the values computed here."""
+    gradients) and returns: the step is recorded at a later step's end once they are
+    computed (or when the tracker closes), and they are read (decoded) with its rows on the
+    log's writer thread, not by step(); the rows are those of the values computed here."""
     transfers = []
     # XLA:CPU may run a small program inline, so step 0's summaries can be computed before
     # step() returns; held, its transfer reports "not computed yet" as a device's would
@@ -209,6 +213,14 @@ def test_step_does_not_wait_for_its_summaries(tmp_path, accelerator_path, monkey
             return not held["on"] and super().ready()
 
     monkeypatch.setattr(_transfer, "Transfer", Counted)
+    decoded_on = []  # the threads that decode mailbox words
+    decode = MailRead._decode
+
+    def recorded(self, got):
+        decoded_on.append(threading.current_thread())
+        return decode(self, got)
+
+    monkeypatch.setattr(MailRead, "_decode", recorded)
     model = nn.Dense(3)
     x, _ = data()
     params = model.init(jax.random.key(1), x)
@@ -229,7 +241,9 @@ def test_step_does_not_wait_for_its_summaries(tmp_path, accelerator_path, monkey
         grads = tracker.intercept(update, params, x)
         tracker.step(params, gradients=grads)
         assert 0 not in [s for s, _, _ in tracker._flights]  # step 0 recorded
-        assert mail[0].read._decoded is not None
+    # its rows were built on the writer thread, at the latest when the log was closed
+    assert mail[0].read._decoded is not None
+    assert decoded_on and threading.main_thread() not in decoded_on, decoded_on
     df = read_log(tmp_path / "log")
     out = np.asarray(model.apply(params, x), np.float64)
     for step in (0, 1):

@@ -7,7 +7,6 @@ untracked one; the user's donation, static arguments, nnx updates and shardings 
 from __future__ import annotations
 
 import sys
-import threading
 import time
 
 import numpy as np
@@ -89,6 +88,63 @@ def test_a_jitted_update_costs_about_the_python_calls_of_an_untracked_call(tmp_p
             tracker.step(p, s, g)
         tracked = python_calls(tracker.intercept, update, p, s, x, y)
     assert tracked <= 2 * untracked + 20, (tracked, untracked)
+
+
+class Deep(nn.Module):
+    depth: int
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = nn.relu(nn.Dense(8)(x))
+        return nn.Dense(1)(x)
+
+
+def steady_calls(tmp_path, depth):
+    """Python calls of one tracked call and of one ``step()`` of an MLP of ``depth`` hidden
+    layers with Adam (after warm-up; each ``step()`` records the step before it), and the
+    calls of the step-time summarizing program that ``step()`` made."""
+    model, opt = Deep(depth), optax.adam(1e-2)
+    x, y = jnp.ones((4, 5)), jnp.ones((4, 1))
+    params = model.init(jax.random.key(0), x)
+
+    @jax.jit
+    def update(p, s):
+        g = jax.grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, g
+
+    with track(params, opt.init(params), out=tmp_path / f"d{depth}", verbose=False) as tracker:
+        # each step() records the step before it, no other: the same work at every step
+        tracker.in_flight_steps = 0
+        tracker._arrived = lambda transfer: False  # (not also the step itself, when done)
+        tracker.recorder.flush_seconds = float("inf")  # (nor the log's hand-over)
+        p, s = params, opt.init(params)
+        for _ in range(4):
+            out = tracker.intercept(update, p, s)
+            tracker.step(*out)
+            p, s, _ = out
+        for _, _, sent in tracker._flights:  # the step to record has arrived
+            jax.block_until_ready(sent.transfer._device)
+        summarized = []
+        own = tracker._summarize_one_device
+        tracker._summarize_one_device = lambda *a: summarized.append(a) or own(*a)
+        out = [None]
+        intercept = python_calls(lambda: out.__setitem__(0, tracker.intercept(update, p, s)))
+        stepped = python_calls(tracker.step, *out[0])
+    return intercept, stepped, summarized
+
+
+def test_a_tracked_step_costs_the_same_python_calls_for_any_model_size(tmp_path):
+    """A tracked step of a jitted update does no Python work per array: the tracked program
+    summarizes its outputs (parameters, optimizer state, gradients) itself, so step() makes
+    no summarizing call of its own, and the rows of a step are one observation, expanded on
+    the log's writer thread. An MLP of 1 and of 6 hidden layers (12 and 42 tracked arrays
+    per step): the same Python calls on the training thread."""
+    small = steady_calls(tmp_path, 1)
+    large = steady_calls(tmp_path, 6)
+    assert small[2] == large[2] == []  # no summarizing call in step()
+    assert large[:2] == small[:2], (small, large)
 
 
 def run_log(path, update, steps=3):
@@ -232,45 +288,51 @@ def test_shardings_carry_over(tmp_path):
     assert_row_matches(read_log(tmp_path / "log"), "root", "Activation", 0, np.asarray(expected))
 
 
-#: How long the held update's host function waits for the test's release (seconds).
-HOLD_S = 4.0
+#: How long the update of the test below takes on the device, at least (seconds).
+BUSY_S = 1.0
 
 
 def test_step_returns_before_the_update_has_run(tmp_path):
-    """``tracker.step()`` waits for nothing on the device: the update's gradients pass
-    through a host function that holds them until the test releases it, after step() has
-    returned. Were step() to read any of the step's values (a view, a summary, the
-    mailbox words), it would wait for the release and time out first."""
+    """``tracker.step()`` waits for nothing on the device: the update's gradients depend on
+    a loop of matrix products that keeps XLA:CPU busy for about ``BUSY_S`` seconds (its
+    length measured first), and when ``intercept()`` and ``step()`` have returned the
+    gradients are still being computed (``is_ready()`` is False). Were step() to read any of
+    the step's values (a view, a summary, the mailbox words), they would be ready.
+
+    (A program holding its values in a host callback, as ``jax.pure_callback``, cannot
+    show it: XLA:CPU runs such a program synchronously, inside the call.)"""
     model = nn.Dense(3)
     x = jnp.arange(12.0).reshape(4, 3) / 7
     params = model.init(jax.random.key(0), x)
-    release = threading.Event()
+    w = jnp.eye(256) * 0.5 + 0.25 / 256
 
-    def hold(a):
-        release.wait(HOLD_S)
-        return a
+    def busy(n):
+        """n products of 256 x 256 matrices, and a 4 x 3 zero matrix that depends on them."""
+        m = jax.lax.fori_loop(0, n, lambda i, m: jnp.tanh(m @ w), jnp.ones((256, 256)))
+        return jnp.zeros((4, 3)) * m[:4, :3]
 
     @jax.jit
-    def update(p):
-        g = jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2))(p)
-        return jax.tree.map(lambda a: jax.pure_callback(hold, a, a), g)
+    def update(p, n):
+        return jax.grad(lambda p: jnp.sum(model.apply(p, x + busy(n)) ** 2))(p)
+
+    def kernel_of(grads):
+        return grads["params"]["kernel"]
 
     with track(params, out=tmp_path / "log", verbose=False) as tracker:
-        release.set()  # the first call compiles: let it through
-        tracker.step(params, tracker.intercept(update, params))
-        release.clear()
-        start = time.monotonic()
-        grads = tracker.intercept(update, params)
-        dispatched = time.monotonic()
+        tracker.step(params, tracker.intercept(update, params, 1))  # compiles
+        n = 16
+        while True:  # a loop long enough to outlast the host's work by far
+            start = time.monotonic()
+            jax.block_until_ready(update(params, n))
+            if time.monotonic() - start >= BUSY_S / 4 or n >= 1 << 20:
+                break
+            n *= 4
+        grads = tracker.intercept(update, params, 4 * n)
+        dispatched = not kernel_of(grads).is_ready()
         tracker.step(params, grads)
-        took = time.monotonic() - dispatched
-        held = not release.is_set()
-        release.set()
-    if dispatched - start >= HOLD_S:
-        # XLA:CPU ran the update inline on this thread (it may, for a small program whose
-        # inputs are ready): its values were computed before step(), nothing to wait for
-        pytest.skip("the update ran inline in intercept(); step() had nothing to wait for")
-    assert held and took < HOLD_S / 2, took
+        still_running = not kernel_of(grads).is_ready()
+    assert dispatched, "intercept() returned after the update had run"
+    assert still_running, "step() returned after the update had run: it waited for it"
     df = read_log(tmp_path / "log")
     g = jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2))(params)
     assert_row_matches(df, "kernel", "Gradient", 1, g["params"]["kernel"])

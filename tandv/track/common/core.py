@@ -116,7 +116,8 @@ class TrackerCore(Generic[Transfer]):
         raise NotImplementedError
 
     def _observed(self, pending: list[Observation]) -> list[Observation]:
-        """*Adapter*: those of a step's observations that took place (all by default)."""
+        """*Adapter*: those of a step's observations that took place (all by default). Called
+        where :meth:`_to_host` is (with :attr:`defers_rows`, on the writer thread)."""
         return pending
 
     def _rank_merger(self) -> RankMerger | None:
@@ -281,11 +282,12 @@ class TrackerCore(Generic[Transfer]):
             self._flights.popleft()
             self.recorder.commit(
                 step,
-                self._observed(pending),
+                pending,
                 # bound to this step's transfer (called by commit, or later on the writer
-                # thread with `defers_rows`, when the loop has moved on)
+                # thread with `defers_rows`, when the loop has moved on, as `_observed` is)
                 functools.partial(self._to_host, transfer=transfer),
                 defer=self.defers_rows,
+                observe=self._observed,
             )
             if self._watch is not None and self._watch.due is not None:
                 return  # an alert stops the run at this step: later steps are not recorded

@@ -660,11 +660,14 @@ class StepRecorder:
         pending: list[tuple[TensorKey, Layout, Any]],
         to_host: Callable[[list[Any]], Sequence[np.ndarray]],
         defer: bool = False,
+        observe: Callable[[list[Any]], list[Any]] | None = None,
     ) -> int:
         """Record observations taken (:meth:`take`) at step ``step``: move their summaries
         to the host with one ``to_host`` call, merge observations of the same tensor, and
         buffer the rows. Steps must be committed in order. Returns the row count (with
-        ``defer``, the number of observations).
+        ``defer``, the number of observations). ``observe``: turns the observations taken
+        into those that took place (run where ``to_host`` runs: it may read the step's
+        summaries, as JAX's mailbox words, whose layout says which rows they hold).
 
         With ``defer`` (and no rank merge and no ``inspect``), ``to_host`` and the merging
         run later on the writer thread, with the building of the rows: the training thread
@@ -689,9 +692,16 @@ class StepRecorder:
         if not pending and self.merger is None:
             return 0
         if defer and self.merger is None and self.inspect is None:
-            self._buffer.append((step, lambda: _merge_dtypes(_merged(step, pending, to_host))))
+
+            def later() -> list[tuple[TensorKey, Layout, np.ndarray]]:
+                observed = pending if observe is None else observe(pending)
+                return _merge_dtypes(_merged(step, observed, to_host))
+
+            self._buffer.append((step, later))
             self._buffered()
             return len(pending)
+        if observe is not None:
+            pending = observe(pending)
         local = _merged(step, pending, to_host)
         if self.inspect is not None:
             self.inspect(step, local)

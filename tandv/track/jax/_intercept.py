@@ -120,7 +120,9 @@ class TrackedProgram:
     ``keep_unused``) and calls the user's own function (:attr:`fun`) in place of the
     user's jitted one (a jitted function with shardings cannot take a ref: JAX does not
     discharge one into it). ``trace(program, args, kwargs)`` is the traced body (the
-    tracker's: it makes the arena, intercepts, and calls :attr:`fun`)."""
+    tracker's: it makes the arena, intercepts, and calls :attr:`fun`; it returns
+    ``(outputs, words, summaries)``, the last the summaries of the float outputs that the
+    tracker computes in the same program where it can, else None)."""
 
     #: int32 words of a new program's arena (a float32 report takes ~300)
     CAPACITY = 1 << 16
@@ -129,7 +131,7 @@ class TrackedProgram:
         self,
         inner: Any,
         nnx: Any,
-        trace: Callable[[TrackedProgram, tuple, dict], tuple[Any, Any]],
+        trace: Callable[[TrackedProgram, tuple, dict], tuple[Any, Any, Any]],
     ) -> None:
         info = inner._jit_info
         #: the user's jitted function (for nnx.jit, the inner one)
@@ -145,7 +147,7 @@ class TrackedProgram:
         #: whether some tap of its last trace reports by host callback (shard_map bodies)
         self.callbacks = False
 
-        def tracked(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        def tracked(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
             return trace(self, args, kwargs)
 
         tracked.__name__ = tracked.__qualname__ = (
@@ -166,6 +168,8 @@ class TrackedProgram:
             info.out_shardings_treedef, info.out_shardings_leaves
         )
         if not all(isinstance(s, _UNSPECIFIED) for s in info.out_shardings_leaves):
-            options["out_shardings"] = (out_shardings, None)  # the words: where XLA puts them
-        #: the compiled tracked program: ``call(*args, **kwargs) -> (outputs, words)``
+            # the words and the outputs' summaries: where XLA puts them
+            options["out_shardings"] = (out_shardings, None, None)
+        #: the compiled tracked program: ``call(*args, **kwargs) -> (outputs, words,
+        #: summaries)``
         self.call = jax.jit(tracked, **options)

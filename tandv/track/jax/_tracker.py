@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -40,7 +41,17 @@ from ._summary import (
     with_custom,
 )
 from ._taps import tap
-from ._transfer import Mail, Sent, ShardRows, StackRow, send, shard_plan, to_host
+from ._transfer import (
+    Batch,
+    Mail,
+    Sent,
+    ShardRows,
+    StackRow,
+    Stacks,
+    send,
+    shard_plan,
+    to_host,
+)
 from .trees import (
     Leaf,
     collection_leaves,
@@ -192,6 +203,9 @@ class JaxTracker(TrackerCore[Sent]):
 
     framework = "jax"
     opens_lazily = True
+    #: a recorded step's summaries are read, its mailbox words decoded and its rows built on
+    #: the log's writer thread (``_observed`` and ``_to_host`` are numpy and device reads)
+    defers_rows = True
     #: a step is recorded when its summaries have been computed (checked at each step's end),
     #: or at the latest when this many later steps have ended (then ``step()`` waits for it):
     #: the caller's loop runs ahead of the device as it would untracked (a step in flight
@@ -255,7 +269,15 @@ class JaxTracker(TrackerCore[Sent]):
         self._device_axis = device_axis
         self._module_types: dict[str, type] = {}
         self._names_cache: dict[Any, list[Leaf]] = {}  # the selected leaves of a tree shape
+        #: of each list of the names cache (by id), what takes its arrays from the leaves
+        self._pickers: dict[int, tuple[list[Leaf], Callable[[list[Any]], list[Any]]]] = {}
+        #: the row keys and layouts of a list of leaves of the names cache, by (its id,
+        #: tensor type, the arrays' dtypes, module types known): see :meth:`_keys_of`
+        self._keys_cache: dict[Any, tuple[list[Leaf], list[TensorKey], list[Layout]]] = {}
+        #: whether the host kernel summarizes step-time arrays on a device (in the program)
+        self._exact_on: dict[Any, bool] = {}
         self._summarize_many = jax.jit(self._summaries, static_argnums=(1, 2, 3))
+        self._summarize_one_device = jax.jit(self._stacks, static_argnums=1)
         # Taps call a jitted summary: compiled once per shape and dtype when the update runs
         # eagerly, and traced once per shape (then inlined) when it is jitted. On the CPU it
         # is the host kernel called from inside the program (see ``_ffi``).
@@ -269,14 +291,28 @@ class JaxTracker(TrackerCore[Sent]):
         #: the tracked program of each jitted update seen (None: not one jitted function)
         self._programs: dict[Any, TrackedProgram | None] = {}
         self._call_args: Any = None  # the arguments of the tracked program being called
+        #: the outputs of this step's tracked program and the summaries it made of them
+        #: (:class:`Stacks`), or None; and, once looked up, the position of each summarized
+        #: output by its id (with the outputs)
+        self._made: tuple[Any, Stacks] | None = None
+        self._made_at: tuple[dict[int, int], list[Any]] | None = None
         # a tracked program's mailbox words stand in the step's observations under this key
         # until they arrive and are decoded into rows (:meth:`_observed`)
         self._mail_key = self._key(ROOT_NAME, "Activation", "", "float32")
         self._mail_layout = self._layout("float32")
+        # a step's arrays stand under these keys until recorded (:class:`Batch`); Gradient
+        # where they hold gradients (the log's check for steps without module rows sees them)
+        self._batch_keys = {
+            kind: self._key(ROOT_NAME, kind, "", "float32") for kind in (WEIGHT, GRADIENT)
+        }
         self._on_cpu = False
         self._one_device = True  # whether the intercepted update runs on one device
         self._intercepted = False  # whether intercept() ran in the current step
-        self._next_weights: list[tuple[Leaf, Any, Any]] = []
+        #: the summaries of the weights the next step's update uses (:meth:`_prepare_weights`:
+        #: what :meth:`_add_batch` takes), None when the next step is not recorded
+        self._next_weights: tuple[Any, ...] | None = None
+        #: the ``.update`` leaves of each list of parameter leaves (see :meth:`_updates`)
+        self._update_leaves: dict[int, tuple[list[Leaf], list[Leaf]]] = {}
         self._nnx_tagged: list[Any] = []
         # one process of several (jax.distributed): global arrays are summarized by their
         # shards here, and the steps merged over the processes (see ``_distributed``)
@@ -325,6 +361,9 @@ class JaxTracker(TrackerCore[Sent]):
     def _observed(self, pending: list[Any]) -> list[Any]:
         expanded = []
         for key, layout, s in pending:
+            if isinstance(s, Batch):  # a step's arrays, added as one observation
+                expanded += s.expand()
+                continue
             if isinstance(s, Mail) and s.box < 0:  # a tracked program's words: its reports
                 for box, report, name, module_type, tensor_type, dtype in s.read.reports():
                     expanded.append(
@@ -533,6 +572,51 @@ class JaxTracker(TrackerCore[Sent]):
                 rows[plain[i]] = StackRow(stack, r)
         return rows
 
+    def _summarize_batch(self, arrays: list[Any]) -> tuple[list[Any] | None, Stacks | None]:
+        """Summaries of a step's ``arrays`` (refused first where they are ``jax.pmap``
+        replicas without ``device_axis``): arrays on one device by one call that returns
+        :class:`Stacks` (``(None, stacks)``), others one handle per array (``(handles,
+        None)``, see :meth:`_summarize_arrays`)."""
+        if not arrays:
+            return [], None
+        if self._made is not None:  # the arrays a tracked program returned: summarized there
+            out, made = self._made
+            if self._made_at is None:  # (found by identity; made once a step)
+                leaves = jax.tree_util.tree_leaves(out)
+                outputs = [leaves[i] for i in made.leaves]  # (held: an id names no other)
+                self._made_at = {id(a): j for j, a in enumerate(outputs)}, outputs
+            position = self._made_at[0]
+            at = [position.get(id(a), -1) for a in arrays]
+            if -1 not in at:
+                return None, made.select(at)
+        # All on one device (the common case: no replicas to refuse, no shard to plan) is
+        # told from the arrays' slots, as cheaply as can be per array; None where they lack
+        # them (numpy arrays, another sharding, or another JAX version: the general path)
+        devices = {getattr(getattr(a, "_sharding", None), "_device", None) for a in arrays}
+        if (
+            len(devices) == 1
+            and None not in devices
+            and not self._multi
+            and not self.options.block_extras  # (the host reads such arrays itself)
+        ):
+            device: Any = next(iter(devices))
+            exact = self._exact_on.get(device)
+            if exact is None:
+                exact = self._exact_on[device] = self._host_kernel and device.platform == "cpu"
+            return None, self._summarize_one_device(arrays, exact)
+        self._check_not_stacked(arrays)
+        return self._summarize_arrays(arrays), None
+
+    def _stacks(self, arrays: list[jax.Array], exact: bool) -> Stacks:
+        """Traced: :meth:`_summaries` of arrays on one device, with each array's (stack,
+        row) and dtype as the result's static data."""
+        rows = [(0, 0)] * len(arrays)
+        for g, (_, idx) in enumerate(self._groups(arrays)):
+            for r, i in enumerate(idx):
+                rows[i] = (g, r)
+        stacks = self._summaries(arrays, True, (None,) * len(arrays), exact)
+        return Stacks(stacks, tuple(rows), tuple(np.dtype(a.dtype) for a in arrays))
+
     def _block_rows(self, arrays: list[jax.Array]) -> dict[int, np.ndarray]:
         """With ``block_formats``, the finished vectors of the arrays the host kernel can
         take (one CPU device, a dtype of :data:`HOST_DTYPES`, no custom statistics), by
@@ -606,8 +690,8 @@ class JaxTracker(TrackerCore[Sent]):
                 return self._intercept_python(f, args, kwargs)
             if program.nnx is None:
                 self._call_args = (args, kwargs)
-                out, words = program.call(*args, **kwargs)
-                self._add_words(program, words)
+                out, words, made = program.call(*args, **kwargs)
+                self._add_words(program, words, out, made)
                 return out
             f.jitted_fn = functools.partial(self._call_program, program)  # type: ignore[attr-defined]
             try:
@@ -643,22 +727,43 @@ class JaxTracker(TrackerCore[Sent]):
     def _call_program(self, program: TrackedProgram, *args: Any, **kwargs: Any) -> Any:
         """Stands for an ``nnx.jit`` function's inner jitted function during a tracked call."""
         self._call_args = (args, kwargs)
-        out, words = program.call(*args, **kwargs)
-        self._add_words(program, words)
+        out, words, made = program.call(*args, **kwargs)
+        self._add_words(program, words, out, made)
         return out
 
-    def _add_words(self, program: TrackedProgram, words: Any) -> None:
+    def _add_words(self, program: TrackedProgram, words: Any, out: Any, made: Any) -> None:
         """Observe the mailbox words a tracked program returned (decoded once they arrive,
-        by :meth:`_observed`)."""
+        by :meth:`_observed`), and keep the summaries of its outputs ``made`` (None where
+        it computed none) for :meth:`step`, by the outputs' identity."""
         if program.callbacks:
             self._sink.callbacks_used = True
         read = MailRead(None, words, self._sink.mailboxes.warned, self._sink.layouts)
         self.recorder.add(self._mail_key, self._mail_layout, Mail(read, -1, -1))  # type: ignore[union-attr]
+        self._made, self._made_at = None if made is None else (out, made), None
 
-    def _trace_program(self, program: TrackedProgram, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    def _output_summaries(self, out: Any) -> Stacks | None:
+        """Traced, at the end of a tracked program: the summaries of its float outputs
+        (those that ``step()`` is given, usually: parameters, optimizer state, gradients),
+        computed in the program so that ``step()`` makes no call of its own for them. None
+        on several devices or processes (their arrays' shards are summarized apart, at
+        ``step()``) and with block formats (read on the host)."""
+        if not self._one_device or self._multi or self.options.block_extras:
+            return None
+        leaves = jax.tree_util.tree_leaves(out)
+        at = tuple(i for i, x in enumerate(leaves) if is_float_array(x) and hasattr(x, "shape"))
+        if not at:
+            return None
+        made = self._stacks([leaves[i] for i in at], self._on_cpu)
+        made.leaves = at
+        return made
+
+    def _trace_program(
+        self, program: TrackedProgram, args: tuple, kwargs: dict
+    ) -> tuple[Any, Any, Any]:
         """The body of ``program``, run while JAX traces it: the user's jitted function
         traced with taps that write into an arena made inside the program; returns its
-        outputs and the written words."""
+        outputs, the written words and the summaries of its float outputs
+        (:meth:`_output_summaries`)."""
         self._where(self._call_args)  # the arrays of the call being traced
         mail = ProgramMailboxes(next(_serials), program.capacity)
         self._sink.program, callbacks = mail, self._sink.callbacks_used
@@ -676,7 +781,7 @@ class JaxTracker(TrackerCore[Sent]):
         self._sink.layouts[mail.serial] = mail.boxes
         if mail.overflowed:  # the rest went by callback; the next call gets room for all
             program.capacity, program.stale = 2 * mail.wanted, True
-        return out, mail.words()
+        return out, mail.words(), self._output_summaries(out)
 
     def _where(self, call: Any) -> list[Any]:
         """Set where the update of the arrays in ``call`` runs (the CPU's in-program host
@@ -799,7 +904,13 @@ class JaxTracker(TrackerCore[Sent]):
                 named = [leaf for _, leaf in param_leaves(tree)[0]]
             chosen = [n for n in named if self._selected(n.name, self._owner_of(n.param))]
             self._names_cache[cache_key] = chosen
-        return chosen, [self._logical(leaves[n.index]) for n in chosen]
+        pick = self._pickers.get(id(chosen))
+        if pick is None or pick[0] is not chosen:
+            pick = self._pickers[id(chosen)] = (chosen, _picker([n.index for n in chosen]))
+        arrays = pick[1](leaves)
+        if self._device_axis:
+            arrays = [self._logical(x) for x in arrays]
+        return chosen, arrays
 
     def _logical(self, x: Any) -> Any:
         """With ``device_axis``, one replica of a per-device stacked array (``jax.pmap``)."""
@@ -808,16 +919,56 @@ class JaxTracker(TrackerCore[Sent]):
     def _prepare_weights(self, parts: Parts, step: int) -> None:
         """Start summarizing the weights (and model state outside the parameters) that step
         ``step``'s forward pass will use (now, so a later buffer donation cannot delete them)."""
-        self._next_weights = []
+        self._next_weights = None
         if not self._scheduled(step):
             return
         named, arrays = self._named(WEIGHT, parts.params)
+        segments = [(named, WEIGHT)]
         if parts.collections is not None:
             more, extra = self._named("collections", parts.collections)
-            named, arrays = named + more, arrays + extra
-        self._check_not_stacked(arrays)
-        summaries = self._summarize_arrays(arrays)
-        self._next_weights = [(n, a.dtype, s) for n, a, s in zip(named, arrays, summaries)]
+            segments.append((more, WEIGHT))
+            arrays = arrays + extra
+        # the keys are made in step(): module types may be known by then
+        self._next_weights = (segments, arrays, *self._summarize_batch(arrays))
+
+    def _keys_of(
+        self, leaves: list[Leaf], tensor_type: str, dtypes: tuple[Any, ...]
+    ) -> tuple[list[TensorKey], list[Layout]]:
+        """The row keys and summary layouts of ``leaves`` (a list of :meth:`_named`'s
+        cache, or one kept by :meth:`_updates`) of ``tensor_type``, their arrays of
+        ``dtypes``: made once per list (and module types known), not at every step."""
+        ck = (id(leaves), tensor_type, dtypes, len(self._module_types))
+        hit = self._keys_cache.get(ck)
+        if hit is None or hit[0] is not leaves:
+            keys = [self._leaf_key(n, tensor_type, d) for n, d in zip(leaves, dtypes)]
+            hit = self._keys_cache[ck] = (leaves, keys, [self._layout(d) for d in dtypes])
+        return hit[1], hit[2]
+
+    def _add_batch(
+        self,
+        segments: Sequence[tuple[list[Leaf], str]],
+        arrays: list[Any],
+        handles: list[Any] | None,
+        stacks: Stacks | None,
+    ) -> None:
+        """Observe the summaries of a step's ``arrays`` (those of the leaves of
+        ``segments``, each with its tensor type, in order: :meth:`_summarize_batch`'s
+        ``handles`` or ``stacks``) as one :class:`Batch`."""
+        if not arrays:
+            return
+        dtypes = stacks.dtypes if stacks is not None else tuple([a.dtype for a in arrays])
+        keys: list[TensorKey] = []
+        layouts: list[Layout] = []
+        at = 0
+        for leaves, tensor_type in segments:
+            k, lay = self._keys_of(leaves, tensor_type, dtypes[at : at + len(leaves)])
+            keys += k
+            layouts += lay
+            at += len(leaves)
+        kind = GRADIENT if any(t == GRADIENT for _, t in segments) else WEIGHT
+        self.recorder.add(  # type: ignore[union-attr]
+            self._batch_keys[kind], self._mail_layout, Batch(keys, layouts, handles, stacks)
+        )
 
     def _check_step_args(self, model_state: Any, optimizer_state: Any, gradients: Any) -> None:
         for arg, given, told in (
@@ -870,7 +1021,7 @@ class JaxTracker(TrackerCore[Sent]):
                 or whose tree is not the one ``track`` saw (swapped arguments; a second
                 positional argument taken as the gradients whose leaves name no parameter).
         """
-        recorder = self._check_open("step")
+        self._check_open("step")
         positional = False
         if (
             optimizer_state is not None
@@ -889,40 +1040,37 @@ class JaxTracker(TrackerCore[Sent]):
         recorded = self._scheduled(k)
         if recorded:
             known = len(self._names_cache)  # trees named before were checked then
-            named: list[tuple[Leaf, str, Any]] = []
-            if gradients is not None:
-                leaves, arrays = self._named(GRADIENT, gradients_of(self._nnx_grads(gradients)))
-                named += [(n, GRADIENT, a) for n, a in zip(leaves, arrays)]
+            segments: list[tuple[list[Leaf], list[Any], str]] = []
+            grads = None if gradients is None else gradients_of(self._nnx_grads(gradients))
+            if grads is not None:
+                segments.append((*self._named(GRADIENT, grads), GRADIENT))
             opt_state = (
                 parts.opt_state
                 if parts is not None and parts.opt_state is not None
                 else (None if optimizer_state is None else self._opt_of(optimizer_state))
             )
             if opt_state is not None:
-                leaves, arrays = self._named(OPTIMISER_STATE, opt_state, params)
-                named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
-            grads = None if gradients is None else gradients_of(self._nnx_grads(gradients))
+                segments.append((*self._named(OPTIMISER_STATE, opt_state, params), OPTIMISER_STATE))
             self._trees.check_new(self._names_cache, known, params, opt_state, grads, positional)
             if parts is not None and parts.slow is not None:
-                leaves, arrays = self._named("slow", parts.slow)
-                named += [(n, OPTIMISER_STATE, a) for n, a in zip(leaves, arrays)]
+                segments.append((*self._named("slow", parts.slow), OPTIMISER_STATE))
             if parts is not None and self._before is not None:
-                named += self._updates(parts)
-            self._check_not_stacked([a for _, _, a in named])
-            summaries = self._summarize_arrays([a for _, _, a in named])
+                segments.append((*self._updates(parts), WEIGHT))
+            arrays = [a for _, seg, _ in segments for a in seg]
+            summaries = self._summarize_batch(arrays)
             self._collect_mailboxes()
             if self._sink.callbacks_used:
                 jax.effects_barrier()  # every tap callback of this step has run
-            for leaf, dtype, s in self._next_weights:  # keys now: module types may be known
-                recorder.add(self._leaf_key(leaf, WEIGHT, dtype), self._layout(dtype), s)
-            for (leaf, tt, a), s in zip(named, summaries):
-                recorder.add(self._leaf_key(leaf, tt, a.dtype), self._layout(a.dtype), s)
+            if self._next_weights is not None:  # keys now: module types may be known
+                self._add_batch(*self._next_weights)
+            self._add_batch([(leaves, tt) for leaves, _, tt in segments], arrays, *summaries)
         self._end_step(recorded)
         self._sink.callbacks_used = False
         self._intercepted = False
         if parts is not None:
             self._prepare_weights(parts, k + 1)
             self._keep_before(parts, k + 1)
+        self._made = self._made_at = None  # (the next step's outputs are another call's)
 
     def _keep_before(self, parts: Parts, step: int) -> None:
         """With ``track_updates``, keep the parameters step ``step`` starts from (references:
@@ -933,9 +1081,9 @@ class JaxTracker(TrackerCore[Sent]):
             else None
         )
 
-    def _updates(self, parts: Parts) -> list[tuple[Leaf, str, Any]]:
-        """``<param>.update`` leaves (Weight rows): the parameters given now minus those kept
-        by :meth:`_keep_before`."""
+    def _updates(self, parts: Parts) -> tuple[list[Leaf], list[Any]]:
+        """``<param>.update`` leaves (Weight rows) and their arrays: the parameters given now
+        minus those kept by :meth:`_keep_before`."""
         (old_leaves, old), self._before = self._before, None  # type: ignore[misc]
         new_leaves, new = self._named(WEIGHT, parts.params)
         if [n.name for n in new_leaves] != [n.name for n in old_leaves]:
@@ -953,11 +1101,19 @@ class JaxTracker(TrackerCore[Sent]):
                 f"donate_argnums=...)): {gone[:3]}; do not donate the parameters, or track "
                 f"without track_updates"
             )
-        diffs = self._subtract(new, old)
-        return [
-            (Leaf(n.index, n.name + ".update", n.param), WEIGHT, d)
-            for n, d in zip(new_leaves, diffs)
-        ]
+        leaves = self._update_leaves.get(id(new_leaves))
+        if leaves is None or leaves[0] is not new_leaves:
+            named = [Leaf(n.index, n.name + ".update", n.param) for n in new_leaves]
+            leaves = self._update_leaves[id(new_leaves)] = (new_leaves, named)
+        return leaves[1], self._subtract(new, old)
+
+
+def _picker(indices: list[int]) -> Callable[[list[Any]], list[Any]]:
+    """A function that takes the items at ``indices`` of a list, in C (no Python loop)."""
+    if len(indices) > 1:
+        get = operator.itemgetter(*indices)
+        return lambda items: list(get(items))
+    return lambda items: [items[i] for i in indices]
 
 
 def _host_kernel_only(layout: Layout, what: str) -> None:

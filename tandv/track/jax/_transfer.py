@@ -31,6 +31,8 @@ __all__ = [
     "StackRow",
     "ShardRows",
     "Mail",
+    "Batch",
+    "Stacks",
     "Transfer",
     "Sent",
     "shard_plan",
@@ -100,6 +102,62 @@ class Mail(NamedTuple):
         return self.read.summary(self.box, self.report)
 
 
+@jax.tree_util.register_pytree_node_class
+class Stacks:
+    """What a jitted call returns for a list of arrays on one device: the stacked summaries
+    of each dtype group (``stacks``, device arrays) and, as static data of the pytree (set
+    when the call is traced, returned by each call without any work on the arrays), each
+    array's ``(stack, row)`` in them and its dtype."""
+
+    def __init__(
+        self,
+        stacks: list[tuple[Any, ...]],
+        rows: tuple[tuple[int, int], ...],
+        dtypes: tuple[Any, ...],
+        leaves: tuple[int, ...] = (),
+    ) -> None:
+        self.stacks = stacks
+        self.rows = rows
+        self.dtypes = dtypes
+        #: of the summaries of a tracked program's outputs: the index of each summarized
+        #: array among the outputs' leaves
+        self.leaves = leaves
+
+    def tree_flatten(self) -> tuple[tuple[Any], tuple[Any, Any, Any]]:
+        return (self.stacks,), (self.rows, self.dtypes, self.leaves)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[Any, Any, Any], children: tuple[Any]) -> Stacks:
+        return cls(children[0], *aux)
+
+    def select(self, at: Sequence[int]) -> Stacks:
+        """The same stacks, as the summaries of the arrays ``at`` of those summarized."""
+        rows, dtypes = self.rows, self.dtypes
+        return Stacks(self.stacks, tuple([rows[i] for i in at]), tuple([dtypes[i] for i in at]))
+
+
+class Batch(NamedTuple):
+    """The observations of a step's arrays, added as one: the rows' keys and layouts, in
+    order, and either their summary handles or the :class:`Stacks` they are rows of. The
+    tracker expands it into one observation per array (:meth:`expand`) when the step is
+    recorded, on the writer thread: a step costs one observation, not one per array, and
+    :func:`send` need not look at each handle."""
+
+    keys: Sequence[Any]
+    layouts: Sequence[Any]
+    handles: Sequence[Any] | None
+    stacks: Stacks | None
+
+    def expand(self) -> list[tuple[Any, Any, Any]]:
+        """One ``(key, layout, handle)`` per array."""
+        handles = self.handles
+        if handles is None:
+            assert self.stacks is not None
+            stacks = self.stacks.stacks
+            handles = [StackRow(stacks[g], r) for g, r in self.stacks.rows]
+        return list(zip(self.keys, self.layouts, handles))
+
+
 def _pack_words(arrays: list[Any]) -> Any:
     """The bits of ``arrays`` (4- or 8-byte elements) as one flat int32 vector."""
     return jnp.concatenate([jax.lax.bitcast_convert_type(a, jnp.int32).reshape(-1) for a in arrays])
@@ -125,7 +183,8 @@ class Transfer:
 
     def ready(self) -> bool:
         """Whether the arrays are computed (their copies to the host started with them)."""
-        return self._device is None or all(part.is_ready() for part in self._device)
+        device = self._device  # (set to None by get(), perhaps on the writer thread)
+        return device is None or all(part.is_ready() for part in device)
 
     def get(self, i: int) -> np.ndarray:
         """The host copy of array ``i`` (waits for the copy the first time)."""
@@ -157,11 +216,23 @@ class Sent(NamedTuple):
 
 def send(summaries: Sequence[Any]) -> Sent:
     """Start the one transfer of a step's device summaries: each step-time stack's parts and
-    each mailbox read go into it."""
+    each mailbox read go into it (those of :class:`Batch` observations too)."""
     arrays: list[Any] = []
     stacks: dict[int, tuple[Any, int]] = {}
     reads: dict[int, tuple[MailRead, int]] = {}
-    for s in _distributed.flatten(summaries):
+    loose: list[Any] = []
+    for s in summaries:
+        if isinstance(s, Batch):
+            if s.stacks is None:
+                loose += s.handles or ()
+            else:
+                for stack in s.stacks.stacks:
+                    if id(stack) not in stacks:
+                        stacks[id(stack)] = (stack, len(arrays))
+                        arrays += list(stack)
+        else:
+            loose.append(s)
+    for s in _distributed.flatten(loose):
         if isinstance(s, (StackRow, ShardRows)) and id(s.stack) not in stacks:
             stacks[id(s.stack)] = (s.stack, len(arrays))
             arrays += list(s.stack)
