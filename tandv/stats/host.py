@@ -891,7 +891,28 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
 
     blk = blocks(mx)
     items = [src[:4] for src in sources]
-    _run_all(items, min(fmt.max, _F32_MAX), part, hist, sub, threads, blk)
+    over_at = min(fmt.max, _F32_MAX)
+    # NVFP4 needs the tensor's largest magnitude first: a second read. No smaller summary
+    # of a block can stand in for it: before s_t is known, the block's scale s_b * s_t is
+    # known only within E4M3's rounding (a factor 1 +- 2**-4 for a normal s_b, up to 2 for a
+    # subnormal one, 0 or not for blocks far below the tensor's maximum), and an element's
+    # count and error depend on where x / (s_b * s_t) falls against E2M1's midpoints (0.25,
+    # 0.75, ..., 5) and 6, where any element may lie within that window; the error
+    # s**2 sum(q**2) - 2 s sum(q |x|) + sum(x**2) needs every q, which moves with s. So
+    # exact counts need the block's values, that is, a second read. It follows the first
+    # source by source (a large array, or the buffer of the small ones), so that it finds
+    # the values still in the cache where they fit, not after every other array's pass.
+    blk_nv = blocks(nv) if nv else None
+    if blk_nv is None:
+        _run_all(items, over_at, part, hist, sub, threads, blk)
+    row = 0
+    for item in items if blk_nv is not None else ():
+        rows = slice(row, row + item[1].size)
+        row = rows.stop
+        _run_all([item], over_at, part[rows], hist[rows], sub[rows], threads, blk.rows(rows))
+        blk_nv.s_t[rows] = _tensor_scales(part[rows], item_seg[rows], k)[:, None]
+        nv_rows = blk_nv.rows(rows)
+        _run_all([item], 0.0, part[rows], hist[rows], sub[rows], threads, nv_rows, True)
     field_bin, sub_bin = _fold(fmt)
     ok = np.zeros(k, dtype=np.bool_)
     _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, fmt.num_bins, out, ok)
@@ -900,21 +921,7 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     if not formats:
         return out
     acc = blk.acc
-    # NVFP4 needs the tensor's largest magnitude first: a second read. No smaller summary
-    # of a block can stand in for it: before s_t is known, the block's scale s_b * s_t is
-    # known only within E4M3's rounding (a factor 1 +- 2**-4 for a normal s_b, up to 2 for a
-    # subnormal one, 0 or not for blocks far below the tensor's maximum), and an element's
-    # count and error depend on where x / (s_b * s_t) falls against E2M1's midpoints (0.25,
-    # 0.75, ..., 5) and 6, where any element may lie within that window; the error
-    # s**2 sum(q**2) - 2 s sum(q |x|) + sum(x**2) needs every q, which moves with s. So
-    # exact counts need the block's values, that is, a second read.
-    if nv:
-        blk_nv = blocks(nv)
-        amax = out[:, _O_MAXABS].astype(np.float32)
-        with np.errstate(under="ignore"):
-            s_t = np.where(amax > 0, amax / np.float32(448.0 * 6.0), np.float32(1.0))
-        blk_nv.s_t[:] = s_t[item_seg, None]
-        _run_all(items, 0.0, part, hist, sub, threads, blk_nv, blocks_only=True)
+    if blk_nv is not None:
         acc = np.concatenate([acc, blk_nv.acc], axis=1)
     cols = _block_columns(acc, item_seg, k)
     where = {f.name: i for i, f in enumerate(mx + nv)}
@@ -978,6 +985,22 @@ def host_higher_moments(arrays: Sequence[np.ndarray], summaries: np.ndarray) -> 
         x = _as_float32(a) if a.dtype != np.float64 else a.reshape(-1)
         higher_serial(x.reshape(-1), np.ascontiguousarray(summaries[i], np.float64), out[i])
     return out
+
+
+def _tensor_scales(part: np.ndarray, seg: np.ndarray, k: int) -> np.ndarray:
+    """NVFP4's tensor scale ``s_t = max|x| / (448 * 6)`` (float32; 1 without a non-zero
+    finite value) of each item's array, from the items' partials (``part``, as
+    :func:`_item` leaves them; ``seg``, their arrays among ``k``), which must hold every
+    item of those arrays: the largest magnitude as :func:`_finish` takes it, from the
+    order keys of the extrema."""
+    keys = part[:, [_MIN, _MAX]].astype(np.int32)
+    ext = np.abs((keys ^ ((keys >> 31) & 0x7FFFFFFF)).view(np.float32))
+    item_max = np.fmax(ext[:, 0], ext[:, 1])  # NaN: no finite value (fmax takes the 0)
+    amax = np.zeros(k, np.float32)
+    np.fmax.at(amax, seg, item_max)
+    amax = amax[seg]
+    with np.errstate(under="ignore"):
+        return np.where(amax > 0, amax / np.float32(448.0 * 6.0), np.float32(1.0))
 
 
 def _block_columns(acc: np.ndarray, item_seg: np.ndarray, k: int) -> np.ndarray:
