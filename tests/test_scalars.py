@@ -108,6 +108,9 @@ def test_log_scalars_errors_name_the_argument(tmp_path):
     }
 
 
+# no forward or backward pass runs: the tracker warns that the steps recorded no activation
+# and no gradient, which is not what this test looks at
+@pytest.mark.filterwarnings("ignore:tandv. step 0 recorded no:RuntimeWarning")
 def test_a_cpu_tensor_is_read_when_logged(tmp_path):
     """A running total changed in place after logging keeps the logged value."""
     from tandv.track.torch import track
