@@ -127,9 +127,15 @@ def row_columns(
     )
     if steps.shape != (n,):
         raise ValueError(f"build_rows: {len(steps)} steps for {n} entries")
-    groups: dict[Layout, list[int]] = {}
+    # by identity (hashing a Layout costs more than the rest; layouts are cached, and equal
+    # layouts in two groups give the same columns)
+    by_id: dict[int, tuple[Layout, list[int]]] = {}
     for i, (_, layout, _) in enumerate(entries):
-        groups.setdefault(layout, []).append(i)
+        group = by_id.get(id(layout))
+        if group is None:
+            group = by_id[id(layout)] = (layout, [])
+        group[1].append(i)
+    groups = dict(by_id.values()) if len(by_id) == 1 else _by_layout(by_id)
     stat_names = list(DEFAULT_STATS)
     for layout in groups:
         higher = HIGHER_STATS if layout.num_higher else ()  # skew, kurtosis (moments=4)
@@ -175,6 +181,14 @@ def row_columns(
         labels=order,
         counts=counts,
     )
+
+
+def _by_layout(by_id: dict[int, tuple[Layout, list[int]]]) -> dict[Layout, list[int]]:
+    """Groups of entries by equal layout, from groups by layout identity (in order)."""
+    groups: dict[Layout, list[int]] = {}
+    for layout, rows in by_id.values():
+        groups.setdefault(layout, []).extend(rows)
+    return {k: sorted(v) for k, v in groups.items()}
 
 
 def make_run_record(

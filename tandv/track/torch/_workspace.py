@@ -343,8 +343,7 @@ class Workspace:
             names = [name for name, _ in layout.extras]
             if len(tensors) > 1 and all(map(torch.Tensor.numel, tensors)):
                 # a step's parameters, gradients or state: all written, rows in order
-                launch_all = _fused.launch_many
-                launch_all(
+                _fused.launch_many(
                     tensors,
                     spec,
                     layout,
