@@ -8,10 +8,12 @@ Run as ``python jax_distributed_worker.py MODE OUT DEVICES [PROCESSES PROCESS_ID
 (OUT ``-``: the default log path); with PROCESSES > 1 the process joins a
 ``jax.distributed`` run on 127.0.0.1:PORT with DEVICES CPU devices. With the environment
 variable ``DIE_AT=k``, process 1 stops at step k before calling ``tracker.step()`` and
-exits 15 s later (a process that hangs, then dies); ``DIST_TIMEOUT`` is the tracker's
-``dist_timeout``. The values are small multiples of 1/8, so every matmul and reduction of
-the step is exact in float32: the sharded and unsharded runs compute the same bits, and
-their logs can be compared exactly."""
+exits once process 0 has raised (a process that hangs, then dies; process 0 marks its
+uncaught error with the file ``DIED_MARK``, and process 1 waits at most 90 s for it, so a
+slow, loaded machine cannot make process 1 die before process 0 has timed out);
+``DIST_TIMEOUT`` is the tracker's ``dist_timeout``. The values are small multiples of
+1/8, so every matmul and reduction of the step is exact in float32: the sharded and
+unsharded runs compute the same bits, and their logs can be compared exactly."""
 
 from __future__ import annotations
 
@@ -25,6 +27,16 @@ MODE, OUT, DEVICES = sys.argv[1], sys.argv[2], int(sys.argv[3])
 PROCESSES, PROCESS_ID, PORT = (int(a) for a in sys.argv[4:7]) if len(sys.argv) > 4 else (1, 0, 0)
 STEPS = 3
 DIE_AT = int(os.environ.get("DIE_AT", "-1"))
+DIED_MARK = os.environ.get("DIED_MARK", "")
+
+if DIED_MARK and PROCESS_ID == 0:
+    _excepthook = sys.excepthook
+
+    def _mark_then_report(*exc_info):  # (runs before JAX's shutdown barrier at exit)
+        open(DIED_MARK, "w").close()
+        _excepthook(*exc_info)
+
+    sys.excepthook = _mark_then_report
 
 jax.config.update("jax_num_cpu_devices", DEVICES)
 if PROCESSES > 1:
@@ -158,7 +170,9 @@ with track(
         if k == DIE_AT and PROCESS_ID == 1:
             # stop stepping (hung, as a process stuck elsewhere is), then die: process 0
             # must give up waiting for this process's summaries on its own
-            time.sleep(15)
+            deadline = time.monotonic() + 90
+            while not os.path.exists(DIED_MARK) and time.monotonic() < deadline:
+                time.sleep(0.2)
             os._exit(3)
         tracker.log_scalars(loss=loss)
         tracker.step(params, state, grads)

@@ -153,7 +153,12 @@ def test_a_process_that_dies_does_not_hang_process_0(tmp_path):
     ours.)"""
     start = time.monotonic()
     (_, out0), (code1, _) = _processes(
-        "dp", tmp_path / "log", tmp_path, DIST_TIMEOUT="4", DIE_AT="2"
+        "dp",
+        tmp_path / "log",
+        tmp_path,
+        DIST_TIMEOUT="4",
+        DIE_AT="2",
+        DIED_MARK=str(tmp_path / "died0"),
     )
     # process 1 exits by itself (3) or, once process 0 and its coordination service are
     # gone, JAX's heartbeat aborts it (SIGABRT): either way it never finished normally
