@@ -88,11 +88,20 @@ def _model():
     return model, opt, tokens
 
 
-def test_tracked_step_peak_memory_is_the_untracked_one_on_the_cpu():
+@pytest.fixture
+def one_thread():
+    """torch on one thread (one arena's worth of threads: fewer stray allocations), and
+    the process's setting back afterwards for the tests that follow."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_tracked_step_peak_memory_is_the_untracked_one_on_the_cpu(one_thread):
     info = _mallinfo2()
     if info is None:
         pytest.skip("needs glibc's mallinfo2 to read the C heap")
-    torch.set_num_threads(1)  # one arena's worth of threads: fewer stray allocations
     model, opt, tokens = _model()
     for _ in range(2):
         _step(model, opt, tokens)  # the optimizer state and the allocator settle
