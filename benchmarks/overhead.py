@@ -27,7 +27,8 @@ Usage::
 
 With ``--block-formats`` or ``--moments`` three copies step in turn, untracked, tracked and
 tracked with that option, and the script prints both tracked copies' ratios to the
-untracked one and the option's ratio to the plain tracked copy.
+untracked one and the option's ratio to the plain tracked copy, of wall-clock step times
+and of the process's CPU time per step.
 
 With ``--compile`` both copies are compiled in place (``model.compile()``, inductor) and
 the tracker's hooks run inside the tracked copy's graph; the warm-up steps compile (a

@@ -905,14 +905,15 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     blk_nv = blocks(nv) if nv else None
     if blk_nv is None:
         _run_all(items, over_at, part, hist, sub, threads, blk)
-    row = 0
-    for item in items if blk_nv is not None else ():
-        rows = slice(row, row + item[1].size)
-        row = rows.stop
-        _run_all([item], over_at, part[rows], hist[rows], sub[rows], threads, blk.rows(rows))
-        blk_nv.s_t[rows] = _tensor_scales(part[rows], item_seg[rows], k)[:, None]
-        nv_rows = blk_nv.rows(rows)
-        _run_all([item], 0.0, part[rows], hist[rows], sub[rows], threads, nv_rows, True)
+    else:
+        row = 0
+        for item in items:
+            rows = slice(row, row + item[1].size)
+            row = rows.stop
+            _run_all([item], over_at, part[rows], hist[rows], sub[rows], threads, blk.rows(rows))
+            blk_nv.s_t[rows] = _tensor_scales(part[rows], item_seg[rows], k)[:, None]
+            nv_rows = blk_nv.rows(rows)
+            _run_all([item], 0.0, part[rows], hist[rows], sub[rows], threads, nv_rows, True)
     field_bin, sub_bin = _fold(fmt)
     ok = np.zeros(k, dtype=np.bool_)
     _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, fmt.num_bins, out, ok)
