@@ -79,56 +79,53 @@ class NoLaunch:
         self.calls = 0
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
-        def launch(*args: Any, **kwargs: Any) -> None:
-            self.calls += 1
+        return self.launch
 
-        return launch
+    def launch(self, *args: Any, **kwargs: Any) -> None:
+        self.calls += 1
 
 
 class Clock:
-    """CPU time of the training thread in tandv's entry points, by kind."""
+    """CPU time of the training thread in tandv's entry points, by kind, and the
+    garbage-collected objects they leave behind (made and not freed by the call: what
+    tandv keeps for the end of the step and the writer thread)."""
 
     def __init__(self) -> None:
-        self.ns = {"hook": 0, "fixed": 0}
-        self.calls = {"hook": 0, "fixed": 0}
-        self.on = False
-        # the cost of one clock pair around an empty call, subtracted per call
+        self.reset()
+        # the time a clock pair reads around an empty call, subtracted per call
         self.tare = 0.0
         f = self.timed("hook", lambda: None)
         self.on = True
         reps = 20000
-        t0 = time.thread_time_ns()
         for _ in range(reps):
             f()
-        inner = time.thread_time_ns() - t0
-        g = lambda: None  # noqa: E731
-        t0 = time.thread_time_ns()
-        for _ in range(reps):
-            g()
-        bare = time.thread_time_ns() - t0
-        self.tare = max(inner - bare, 0) / reps
+        self.tare = self.ns["hook"] / reps
         self.reset()
-        self.on = False
 
     def reset(self) -> None:
         self.ns = {"hook": 0, "fixed": 0}
         self.calls = {"hook": 0, "fixed": 0}
+        self.kept = {"hook": 0, "fixed": 0}
+        self.on = False
 
     def timed(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         clock = time.thread_time_ns
-        ns, calls = self.ns, self.calls
+        count = gc.get_count
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not self.on:
                 return fn(*args, **kwargs)
+            g0 = count()[0]
+            clock()  # the clock's own first-call cost (cold caches) falls outside the reading
             t0 = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.ns[kind] += clock() - t0
+                t1 = clock()
+                self.ns[kind] += t1 - t0
                 self.calls[kind] += 1
+                self.kept[kind] += count()[0] - g0  # (the collector is paused: see host_cost)
 
-        del ns, calls
         return wrapper
 
     def us(self, kind: str) -> float:
@@ -177,14 +174,16 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
                 if i == warmup:
                     clock.reset()
                     clock.on = True
+                    params = {name for name, _, _ in tracker._params}
                     gc.collect()
                     gc.disable()  # see the module notes
                     writer0 = thread_cpu_s(tracker.recorder._thread)  # type: ignore[union-attr]
                 t0 = time.perf_counter()
                 _step(model, opt, data, i)
-                if clock.on:  # the step's activations and output gradients
+                if clock.on:  # the step's activations and output (not parameter) gradients
                     observations += sum(
-                        k.tensor_type in ("Activation", "Gradient")
+                        k.tensor_type == "Activation"
+                        or (k.tensor_type == "Gradient" and k.name not in params)
                         for k, _, _ in tracker.recorder._pending  # type: ignore[union-attr]
                     )
                     c0 = time.thread_time_ns()
@@ -199,7 +198,9 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
     launches = _fused._summarize_one.calls + _fused._summarize_many.calls  # type: ignore[attr-defined]
     return {
         "observations_per_step": observations / steps,
-        "host_us_per_observation": clock.us("hook") / observations,
+        "hook_calls_per_step": clock.calls["hook"] / steps,
+        "host_us_per_observation": clock.us("hook") / clock.calls["hook"],
+        "objects_kept_per_hook_call": clock.kept["hook"] / clock.calls["hook"],
         "host_us_fixed_per_step": clock.us("fixed") / steps,
         "writer_us_per_step": writer * 1e6 / steps,
         "launches_per_step": launches / (warmup + steps),
@@ -327,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     r = host_cost(cfg, size["batch"], args.steps, args.warmup)
     print(
         f"{r['observations_per_step']:.0f} activation/activation-gradient observations per "
-        f"step, {r['launches_per_step']:.1f} kernel launches per step; tracked step "
+        f"step, {r['launches_per_step']:.1f} kernel launches per step; "
+        f"{r['hook_calls_per_step']:.0f} hook calls per step, each leaving "
+        f"{r['objects_kept_per_hook_call']:.1f} garbage-collected objects; tracked step "
         f"{r['step_ms_median']:.1f} ms (median, the model's own CPU compute included); "
         f"writer thread {r['writer_us_per_step']:.0f} us CPU per step; "
         f"clock cost {r['clock_tare_us']:.2f} us per timed call (subtracted)"

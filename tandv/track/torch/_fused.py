@@ -945,8 +945,9 @@ def _launch(
     args: tuple[Any, ...],
     consts: _Consts,
     ptrs: tuple[torch.Tensor, ...],
-) -> None:
-    """``kernel[(programs,)](*args, **consts.kwargs)`` on the current stream.
+) -> Any:
+    """``kernel[(programs,)](*args, **consts.kwargs)`` on the current stream; returns the
+    compiled kernel launched (``None`` in the interpreter).
 
     Triton's ``kernel[grid](...)`` binds and specializes the arguments on every call. The
     first call of a variant does that (and compiles); later calls launch the compiled
@@ -956,7 +957,7 @@ def _launch(
     are)."""
     if INTERPRETED:
         kernel[(programs,)](*args, **consts.kwargs)
-        return
+        return None
     device = ptrs[0].device.index
     key = (kernel, consts, device, *((t.dtype, t.data_ptr() % 16 == 0) for t in ptrs))
     compiled = _launchers.get(key)
@@ -964,7 +965,7 @@ def _launch(
         compiled = kernel[(programs,)](*args, **consts.kwargs)
         if compiled is not None:  # (None: a compile-only stand-in)
             _launchers[key] = compiled
-        return
+        return compiled
     stream = driver.active.get_current_stream(device)
     full = (*args, *consts.tail)
     hook = knobs.runtime.launch_enter_hook
@@ -981,6 +982,7 @@ def _launch(
         knobs.runtime.launch_exit_hook,
         *full,
     )
+    return compiled
 
 
 def _over(spec: Spec, layout: Layout) -> bool:
@@ -1093,15 +1095,20 @@ def launch_one(
         ext = extra[1]
     lut = _lut(spec, x.device, rows)
     strided = 0 if geo is None else 1 if _reach(n, geo) < 2**31 else 2
-    key = (id(spec), id(layout), strided, extra is not None)
-    plan = _plans.get(key)
-    if plan is None:  # (the key's objects are kept alive with the plan)
-        consts = _consts(spec, _over(spec, layout), strided, extra is not None)
-        plan = _plans[key] = (consts, _fmax(layout), spec, layout)
+    consts, fmax = plan_one(spec, layout, strided, extra is not None)
     args: tuple[Any, ...] = (base, n, -(-per // spec.block), rows, offset, scratch, lut)
-    args += (plan[1], float(weight), ext, ext_off, *(geo or (1, 1, 0, 0, 0)))
-    consts = plan[0]
+    args += (fmax, float(weight), ext, ext_off, *(geo or (1, 1, 0, 0, 0)))
     _launch(_summarize_one, parts, args, consts, (base, rows, scratch, lut, ext))
+
+
+def plan_one(spec: Spec, layout: Layout, strided: int, ext: bool) -> tuple[_Consts, float]:
+    """:func:`launch_one`'s kernel variant and format max for ``spec``'s tensors in
+    ``layout`` (``strided``, ``ext``: see :func:`_consts`), looked up by identity."""
+    plan = _plans.get((id(spec), id(layout), strided, ext))
+    if plan is None:  # (the key's objects are kept alive with the plan)
+        consts = _consts(spec, _over(spec, layout), strided, ext)
+        plan = _plans[(id(spec), id(layout), strided, ext)] = (consts, _fmax(layout), spec, layout)
+    return plan[0], plan[1]
 
 
 def launch_many(

@@ -32,9 +32,11 @@ observations of a tensor; the recorder merges them into one row per tensor and s
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Mapping as MappingABC
 from typing import TYPE_CHECKING, Any
@@ -57,7 +59,7 @@ from ..common.options import ROOT_NAME, TrackKwargs, TrackOptions
 from ..common.scalars import Capture
 from ._compiled import CompiledHooks, compiled_root
 from ._distributed import TorchRanks, distributed_world, local_part, module_type, unwrap_ddp
-from ._workspace import Flight, Slot, Workspace, to_host
+from ._workspace import Flight, HookLaunch, Slot, Workspace, to_host
 from .summary import fused_spec
 
 if TYPE_CHECKING:
@@ -66,13 +68,13 @@ if TYPE_CHECKING:
 __all__ = ["Tracker", "track", "StatFn"]
 
 
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread (a forward
     seen now is a recomputation by activation checkpointing)."""
-    return _graph_task_id is not None and _graph_task_id() != -1
+    return _graph_task_id() != -1
 
 
 #: The attribute marking tandv's output-gradient hooks (a tensor's ``_backward_hooks``).
@@ -85,6 +87,45 @@ def _hooked(t: torch.Tensor, mark: tuple[int, str]) -> bool:
     return hooks is not None and any(
         getattr(h, _OUTPUT_GRAD_HOOK, None) == mark for h in hooks.values()
     )
+
+
+#: Keys of the output-gradient hooks added by :func:`_add_grad_hook`: negative, so apart
+#: from torch's own (``RemovableHandle`` ids count up from 0).
+_hook_ids = itertools.count(-1, -1)
+
+
+def _add_grad_hook(t: torch.Tensor, hook: Callable) -> None:
+    """``t.register_hook(hook)`` for a plain tensor that requires grad, without the
+    handle (never used: the hook lives and dies with ``t``): what ``Tensor.register_hook``
+    does for such a tensor, at a third of its cost (a forward hook registers one per
+    tracked output)."""
+    hooks = t._backward_hooks
+    if hooks is None:
+        hooks = t._backward_hooks = OrderedDict()
+        grad_fn = t.grad_fn
+        if grad_fn is not None:
+            grad_fn._register_hook_dict(t)
+    hooks[next(_hook_ids)] = hook
+
+
+class _HookSite:
+    """One module's activation or output gradient as its hooks see it: its name and kind,
+    its row key and layout, and the fused launch of its tensors (``launch``, for tensors
+    of ``dtype``; ``None`` while none is known, or where its tensors take another path:
+    custom statistics, a GradScaler's scale, DTensor shards, the host path), made by the
+    first tensor :meth:`Tracker._summary` summarizes."""
+
+    __slots__ = ("name", "kind", "owner", "dtype", "key", "layout", "launch", "cuda")
+
+    def __init__(self, name: str, kind: str, owner: nn.Module) -> None:
+        self.name = name
+        self.kind = kind
+        self.owner = owner
+        self.dtype: torch.dtype | None = None
+        self.key: TensorKey | None = None
+        self.layout: Layout | None = None
+        self.launch: HookLaunch | None = None
+        self.cuda = False
 
 
 def _flatten(value: Any, name: str, out: list[tuple[str, torch.Tensor]], depth: int = 0) -> None:
@@ -291,9 +332,16 @@ class Tracker(TrackerCore[Flight | None]):
     # ------------------------------------------------------------------ observing
 
     def _summary(
-        self, name: str, kind: str, owner: nn.Module, x: torch.Tensor
+        self,
+        name: str,
+        kind: str,
+        owner: nn.Module,
+        x: torch.Tensor,
+        site: _HookSite | None = None,
     ) -> tuple[TensorKey, Layout, np.ndarray | Slot] | None:
-        """An activation's or output gradient's summary (``None``: not tracked)."""
+        """An activation's or output gradient's summary (``None``: not tracked). ``site``:
+        the hook's, given the fused launch of ``x``'s dtype where the fused kernel reads
+        ``x`` with nothing else to write (no custom statistic, no loss scale, no shard)."""
         dtype, cuda = x.dtype, x.is_cuda
         known = self._hook_keys.get((name, kind, dtype, cuda))
         if known is None:  # the row key, the layout and the path, found once per tensor
@@ -330,6 +378,15 @@ class Tracker(TrackerCore[Flight | None]):
                 extras[LOSS_SCALE] = scale
         lay = self._layout(d.dtype, tuple(extras)) if extras else known[1]
         spec = known[2] if part is x else fused_spec(d, lay)
+        if (
+            site is not None
+            and spec is not None
+            and part is x
+            and not self.stat_fns
+            and not (kind == GRADIENT and self.scaler is not None)
+        ):
+            site.dtype, site.key, site.layout, site.cuda = dtype, key, lay, cuda
+            site.launch = self._workspace.hook_launch(spec, lay, x.device)
         summary = self._workspace.summary(d, lay, extras, spec)
         # (a weak reference: a dead tensor cannot be seen again, and a new tensor at the
         # same address is another object)
@@ -405,6 +462,31 @@ class Tracker(TrackerCore[Flight | None]):
         entry = self._summary(name, kind, owner, x)
         if entry is not None:
             self.recorder.add(*entry)
+
+    def _observe_site(self, site: _HookSite, x: torch.Tensor) -> None:
+        """:meth:`_observe` of a hook's tensor ``x`` at ``site``: by the site's fused launch
+        when it reads ``x`` (see :class:`_HookSite`), else by :meth:`_summary`. The hot
+        path of every hook: it asks ``x`` for its dtype, device, layout, size and version
+        and runs no torch operation."""
+        launch = site.launch
+        if launch is not None and x.dtype is site.dtype and type(x) is torch.Tensor:
+            last = self._last
+            if last is not None and last[0]() is x and last[1] == x._version:
+                # the same tensor again, unchanged (see _summary)
+                self.recorder.add(site.key, last[2], last[3])  # type: ignore[union-attr,arg-type]
+                return
+            if site.cuda and torch.cuda.is_current_stream_capturing():
+                what = "output gradient" if site.kind == GRADIENT else "output"
+                raise _capture_error(f"the {what} of module {site.name!r}")
+            slot = launch.summarize(x)
+            if slot is not None:
+                self._last = (weakref.ref(x), x._version, site.layout, slot)  # type: ignore[assignment]
+                self.recorder.add(site.key, site.layout, slot)  # type: ignore[union-attr,arg-type]
+                return
+        if x.is_floating_point():
+            entry = self._summary(site.name, site.kind, site.owner, x, site)
+            if entry is not None:
+                self.recorder.add(*entry)  # type: ignore[union-attr]
 
     def _capture_weights(self) -> None:
         self._weights_done = True
@@ -580,7 +662,14 @@ class Tracker(TrackerCore[Flight | None]):
         want_act = self.kinds[ACTIVATION]
         want_grad = self.kinds[GRADIENT]
         ref = weakref.ref(self)
-        grad_hooks: dict[str, Callable] = {}  # one per output name, made once
+        # per output name (``name``, or ``name[i]`` inside a structured output), made once:
+        # the activation's site and the output gradient's hook
+        sites: dict[str, _HookSite] = {name: _HookSite(name, ACTIVATION, module)}
+        grad_hooks: dict[str, Callable] = {}
+        site = sites[name]
+        grad_hook = self._make_grad_hook(name, module) if want_grad else None
+        if grad_hook is not None:
+            grad_hooks[name] = grad_hook
 
         def grad_hook_of(tr: Tracker, tname: str, mod: nn.Module) -> Callable:
             h = grad_hooks.get(tname)
@@ -588,14 +677,27 @@ class Tracker(TrackerCore[Flight | None]):
                 h = grad_hooks[tname] = tr._make_grad_hook(tname, mod)
             return h
 
+        def site_of(tname: str, mod: nn.Module) -> _HookSite:
+            got = sites.get(tname)
+            if got is None:
+                got = sites[tname] = _HookSite(tname, ACTIVATION, mod)
+            return got
+
         def hook(mod: nn.Module, args: Any, output: Any) -> None:
             if is_compiling():  # inside a graph of a compiled wrapper: see _first_forward_hook
                 return
             tr = ref()
             if tr is None or not tr._active or not (mod.training or tr.track_eval):
                 return
+            if type(output) is torch.Tensor and _graph_task_id() == -1:
+                # the common case, without a call: one plain tensor, in a forward pass
+                if want_act:
+                    tr._observe_site(site, output)  # (a floating one only)
+                if grad_hook is not None and output.requires_grad:
+                    _add_grad_hook(output, grad_hook)
+                return
             tensors: list[tuple[str, torch.Tensor]] = []
-            if type(output) is torch.Tensor:  # the common case, without a call
+            if type(output) is torch.Tensor:
                 if output.is_floating_point():
                     tensors.append((name, output))
             else:
@@ -620,7 +722,7 @@ class Tracker(TrackerCore[Flight | None]):
                 return
             for tname, t in tensors:
                 if want_act:
-                    tr._observe(tname, ACTIVATION, mod, t)
+                    tr._observe_site(site_of(tname, mod), t)
                 if want_grad and t.requires_grad:
                     t.register_hook(grad_hook_of(tr, tname, mod))
 
@@ -628,17 +730,14 @@ class Tracker(TrackerCore[Flight | None]):
 
     def _make_grad_hook(self, name: str, module: nn.Module) -> Callable:
         ref = weakref.ref(self)  # the module's hooks keep it: it must not keep the tracker
+        site = _HookSite(name, GRADIENT, module)
 
         def grad_hook(g: torch.Tensor) -> None:
+            if is_compiling():
+                return
             tr = ref()
-            if (
-                not is_compiling()
-                and tr is not None
-                and tr._active
-                and g is not None
-                and g.is_floating_point()
-            ):
-                tr._observe(name, GRADIENT, module, g)
+            if tr is not None and tr._active and g is not None:
+                tr._observe_site(site, g)  # (a floating one only)
 
         setattr(grad_hook, _OUTPUT_GRAD_HOOK, (id(self), name))  # what _hooked looks for
         return grad_hook
