@@ -241,6 +241,7 @@ class HookLaunch:
         "fmax",
         "consts",
         "tail",
+        "options",
         "fused",
         "stream",
         "n",
@@ -264,7 +265,9 @@ class HookLaunch:
         self.lut = fused._lut(spec, space.device, space.rows) if spec.lut is not None else None
         self.codes = spec.mode == 3  # an 8-bit format: the kernel reads the bytes
         self.consts, self.fmax = fused.plan_one(spec, layout, 0, False)
-        self.tail = self.consts.tail
+        self.tail = self.consts.tail  # the compile-time arguments' values, in order
+        # the launch options (what follows the compile-time arguments in consts.kwargs)
+        self.options = dict(list(self.consts.kwargs.items())[len(self.tail) :])
         # the raw current stream of a device, as Triton's launcher takes it
         self.stream: Any = None if fused.INTERPRETED else fused.driver.active.get_current_stream
         self.n = -1  # the element count the next five fields are for
@@ -314,7 +317,7 @@ class HookLaunch:
                 x, n, self.tiles, rows, off, scratch, lut, self.fmax, 1.0, rows, 0, 1, 1, 0, 0, 0
             )  # fmt: skip
             if self.call is not None:  # Triton's interpreter
-                self.call(*args, **self.consts.kwargs)
+                self.call(*args, *self.tail, **self.options)
             else:
                 self._launch(x, args, rows, scratch, lut)
         return _new_tuple(Slot, (off, self.kind))

@@ -56,6 +56,7 @@ from ..common.custom import StatFn
 from ..common.distributed import RankMerger
 from ..common.factory import signature_of
 from ..common.options import ROOT_NAME, TrackKwargs, TrackOptions
+from ..common.recorder import StepRecorder
 from ..common.scalars import Capture
 from ._compiled import CompiledHooks, compiled_root
 from ._distributed import TorchRanks, distributed_world, local_part, module_type, unwrap_ddp
@@ -88,6 +89,10 @@ def _hooked(t: torch.Tensor, mark: tuple[int, str]) -> bool:
         getattr(h, _OUTPUT_GRAD_HOOK, None) == mark for h in hooks.values()
     )
 
+
+#: Hook observations kept at most before they are handed to the recorder in the middle of
+#: a step (see Tracker.recorder), which then checks the memory they hold.
+_HOOK_ROWS = 1024
 
 #: Keys of the output-gradient hooks added by :func:`_add_grad_hook`: negative, so apart
 #: from torch's own (``RemovableHandle`` ids count up from 0).
@@ -122,8 +127,8 @@ class _HookSite:
         self.kind = kind
         self.owner = owner
         self.dtype: torch.dtype | None = None
-        self.key: TensorKey | None = None
-        self.layout: Layout | None = None
+        self.key: Any = None  # (a TensorKey and a Layout once the launch is made)
+        self.layout: Any = None
         self.launch: HookLaunch | None = None
         self.cuda = False
 
@@ -465,28 +470,66 @@ class Tracker(TrackerCore[Flight | None]):
 
     def _observe_site(self, site: _HookSite, x: torch.Tensor) -> None:
         """:meth:`_observe` of a hook's tensor ``x`` at ``site``: by the site's fused launch
-        when it reads ``x`` (see :class:`_HookSite`), else by :meth:`_summary`. The hot
-        path of every hook: it asks ``x`` for its dtype, device, layout, size and version
-        and runs no torch operation."""
+        when it reads ``x`` (see :class:`_HookSite`), else by :meth:`_summary`.
+
+        The hot path of every hook: it asks ``x`` for its dtype, device, layout, size and
+        version, runs no torch operation, and keeps the observation in
+        :attr:`_hook_rows` (handed to the recorder before anything else reads or adds to
+        it: see :attr:`recorder`)."""
         launch = site.launch
         if launch is not None and x.dtype is site.dtype and type(x) is torch.Tensor:
             last = self._last
             if last is not None and last[0]() is x and last[1] == x._version:
                 # the same tensor again, unchanged (see _summary)
-                self.recorder.add(site.key, last[2], last[3])  # type: ignore[union-attr,arg-type]
-                return
-            if site.cuda and torch.cuda.is_current_stream_capturing():
-                what = "output gradient" if site.kind == GRADIENT else "output"
-                raise _capture_error(f"the {what} of module {site.name!r}")
-            slot = launch.summarize(x)
-            if slot is not None:
-                self._last = (weakref.ref(x), x._version, site.layout, slot)  # type: ignore[assignment]
-                self.recorder.add(site.key, site.layout, slot)  # type: ignore[union-attr,arg-type]
-                return
+                entry = (site.key, last[2], last[3])
+            else:
+                if site.cuda and torch.cuda.is_current_stream_capturing():
+                    what = "output gradient" if site.kind == GRADIENT else "output"
+                    raise _capture_error(f"the {what} of module {site.name!r}")
+                slot = launch.summarize(x)
+                if slot is None:  # not a tensor the launch reads
+                    self._observe_slow(site, x)
+                    return
+                self._last = (weakref.ref(x), x._version, site.layout, slot)
+                entry = (site.key, site.layout, slot)
+            rows = self._hook_rows
+            rows.append(entry)
+            if len(rows) >= _HOOK_ROWS:  # (tracker.step() is not being called: see recorder)
+                self._hand_over()
+            return
+        self._observe_slow(site, x)
+
+    def _observe_slow(self, site: _HookSite, x: torch.Tensor) -> None:
+        """:meth:`_observe_site` by :meth:`_summary`, which makes the site's launch where
+        the fused kernel reads ``x``."""
         if x.is_floating_point():
             entry = self._summary(site.name, site.kind, site.owner, x, site)
             if entry is not None:
                 self.recorder.add(*entry)  # type: ignore[union-attr]
+
+    @property
+    def recorder(self) -> StepRecorder | None:
+        """The log's recorder of the steps (``None`` before the log opens). The hooks'
+        fast path keeps its observations in :attr:`_hook_rows` rather than calling the
+        recorder for each: every use of the recorder (adding other observations, ending
+        or dropping the step, asking what it holds) hands them over first, in the order
+        they came, so the recorder sees every observation in order, as if each had been
+        added at once."""
+        if self._hook_rows:
+            self._hand_over()
+        return self._recorder
+
+    @recorder.setter
+    def recorder(self, value: StepRecorder | None) -> None:
+        self._recorder = value
+        self._hook_rows: list[tuple[TensorKey, Layout, Any]] = []
+
+    def _hand_over(self) -> None:
+        """Add the hooks' observations kept in :attr:`_hook_rows` to the recorder."""
+        rows, self._hook_rows = self._hook_rows, []
+        if self._recorder is not None:
+            for entry in rows:
+                self._recorder.add(*entry)
 
     def _capture_weights(self) -> None:
         self._weights_done = True
