@@ -968,8 +968,11 @@ def _launch(
         return compiled
     stream = driver.active.get_current_stream(device)
     full = (*args, *consts.tail)
-    hook = knobs.runtime.launch_enter_hook
-    meta = None if hook is None else compiled.launch_metadata((programs, 1, 1), stream, *full)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if launch_hooked(enter, leave):
+        meta = compiled.launch_metadata((programs, 1, 1), stream, *full)
+    else:  # (no launch metadata to build, no empty hook chain to call)
+        meta = enter = leave = None
     compiled.run(
         programs,
         1,
@@ -978,11 +981,21 @@ def _launch(
         compiled.function,
         compiled.packed_metadata,
         meta,
-        hook,
-        knobs.runtime.launch_exit_hook,
+        enter,
+        leave,
         *full,
     )
     return compiled
+
+
+def launch_hooked(enter: Any, leave: Any) -> bool:
+    """Whether Triton's launch hooks (``knobs.runtime.launch_enter_hook`` and
+    ``launch_exit_hook``: a profiler's) would do anything: each is ``None``, a function, or
+    a chain of functions (Triton >= 3.4: always a chain, empty unless a profiler added
+    one)."""
+    return (enter is not None and bool(getattr(enter, "calls", True))) or (
+        leave is not None and bool(getattr(leave, "calls", True))
+    )
 
 
 def _over(spec: Spec, layout: Layout) -> bool:

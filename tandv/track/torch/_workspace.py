@@ -327,16 +327,18 @@ class HookLaunch:
     ) -> None:
         """Launch the compiled kernel: directly by Triton's launcher once this pointer
         alignment has been launched (the other buffers are whole allocations, 16-byte
-        aligned), the first time and under a launch hook (a profiler's) by
+        aligned); the first time, and while a profiler's launch hooks are set, by
         :func:`._fused._launch`."""
         fused = self.fused
         aligned = x.data_ptr() % 16 == 0
         compiled = self.compiled[aligned]
-        enter = fused.knobs.runtime.launch_enter_hook
-        if compiled is None or enter is not None:
+        runtime = fused.knobs.runtime
+        if compiled is None or fused.launch_hooked(
+            runtime.launch_enter_hook, runtime.launch_exit_hook
+        ):
             ptrs = (x, rows, scratch, lut, rows)
             got = fused._launch(fused._summarize_one, self.programs, args, self.consts, ptrs)
-            if got is not None and enter is None:
+            if got is not None:
                 self.compiled[aligned] = got
             return
         compiled.run(
@@ -348,7 +350,7 @@ class HookLaunch:
             compiled.packed_metadata,
             None,
             None,
-            fused.knobs.runtime.launch_exit_hook,
+            None,
             *args,
             *self.tail,
         )
