@@ -11,21 +11,32 @@ statistics, the end-of-step copy and zeroing of the rows, finishing rows, mergin
 the log's rows and writing them) runs for real.
 
 It times tandv's own entry points with the thread's CPU clock (``time.thread_time_ns``,
-less the clock's own cost): the forward hooks and output-gradient hooks (together, per
-observation: one activation or activation gradient), and, per step, everything else on the
+less what a clock pair reads around an empty call): the forward hooks and output-gradient
+hooks (together, per hook call: ``host_us_per_observation``; in this model each call
+observes one activation or activation gradient), and, per step, everything else on the
 training thread (the global forward pre-hook that captures weights, the optimizer's
-pre-hook, ``tracker.step()``). The writer thread's CPU time per step is printed beside them.
+pre-hook, ``tracker.step()``). The clock is read once before each reading starts, so that
+its own first-call cost on cold caches is not charged to tandv. Not included: torch's cost
+of calling a Python hook at all (``Module.__call__``'s hook loop, autograd's call into
+Python), which any hook pays. The writer thread's CPU time per step is printed beside them.
+
 Python's cyclic garbage collector is paused during the timed steps: a collection runs in
 whatever code allocates when it falls due, and a full one walks every object of the
 process (the imports of torch, Triton and pandas alone make ~230,000), so left on it would
-charge a random hook with tens of milliseconds.
+charge a random hook with tens of milliseconds. What tandv adds to the collector's work is
+printed instead: the garbage-collected objects each hook call leaves alive (its row's slot
+and entry, kept for the end of the step).
+
+Between hooks the model's own operations run, so a hook runs on cold caches: on a loaded
+machine it costs several times what the same hook costs called in a tight loop.
 
 The launch path per call: in a subprocess without the interpreter, the single-tensor
 kernel is compiled for sm_90 (no GPU needed) and launched through ``launch_one`` (tandv's
 launch code, then the prebuilt launcher it keeps after a variant's first call) with only
 Triton's final C launcher (which packs the arguments and calls ``cuLaunchKernel``) replaced
-by a no-op; the time per call is that Python launch path, not the driver's. ``--no-triton``
-skips it.
+by a no-op; the time per call is that Python launch path, not the driver's. It also times
+a hook's launch (``HookLaunch.summarize``: a row reserved, then the compiled kernel called
+directly). ``--no-triton`` skips both.
 
 Usage::
 
