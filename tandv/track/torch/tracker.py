@@ -301,6 +301,8 @@ class Tracker(TrackerCore[Flight | None]):
             tuple[str, str, torch.dtype, bool], tuple[TensorKey, Layout, Any]
         ] = {}
         self._weight_params: list[tuple[str, nn.Parameter, nn.Module]] | None = None
+        # the hooks' sites, by (name, kind): see _site
+        self._sites: dict[tuple[str, str], _HookSite] = {}
 
     # ------------------------------------------------------------------ dry run
 
@@ -701,13 +703,22 @@ class Tracker(TrackerCore[Flight | None]):
 
     # ------------------------------------------------------------------ hooks
 
+    def _site(self, name: str, kind: str, owner: nn.Module) -> _HookSite:
+        """The :class:`_HookSite` of ``name``'s ``kind``: one per tracker, kept while the
+        hooks come and go (they are installed anew at each scheduled step after an
+        unscheduled one), so its launch is made once."""
+        site = self._sites.get((name, kind))
+        if site is None:
+            site = self._sites[(name, kind)] = _HookSite(name, kind, owner)
+        return site
+
     def _make_forward_hook(self, name: str, module: nn.Module) -> Callable:
         want_act = self.kinds[ACTIVATION]
         want_grad = self.kinds[GRADIENT]
         ref = weakref.ref(self)
         # per output name (``name``, or ``name[i]`` inside a structured output), made once:
         # the activation's site and the output gradient's hook
-        sites: dict[str, _HookSite] = {name: _HookSite(name, ACTIVATION, module)}
+        sites: dict[str, _HookSite] = {name: self._site(name, ACTIVATION, module)}
         grad_hooks: dict[str, Callable] = {}
         site = sites[name]
         grad_hook = self._make_grad_hook(name, module) if want_grad else None
@@ -720,10 +731,10 @@ class Tracker(TrackerCore[Flight | None]):
                 h = grad_hooks[tname] = tr._make_grad_hook(tname, mod)
             return h
 
-        def site_of(tname: str, mod: nn.Module) -> _HookSite:
+        def site_of(tr: Tracker, tname: str, mod: nn.Module) -> _HookSite:
             got = sites.get(tname)
             if got is None:
-                got = sites[tname] = _HookSite(tname, ACTIVATION, mod)
+                got = sites[tname] = tr._site(tname, ACTIVATION, mod)
             return got
 
         def hook(mod: nn.Module, args: Any, output: Any) -> None:
@@ -765,7 +776,7 @@ class Tracker(TrackerCore[Flight | None]):
                 return
             for tname, t in tensors:
                 if want_act:
-                    tr._observe_site(site_of(tname, mod), t)
+                    tr._observe_site(site_of(tr, tname, mod), t)
                 if want_grad and t.requires_grad:
                     t.register_hook(grad_hook_of(tr, tname, mod))
 
@@ -773,7 +784,7 @@ class Tracker(TrackerCore[Flight | None]):
 
     def _make_grad_hook(self, name: str, module: nn.Module) -> Callable:
         ref = weakref.ref(self)  # the module's hooks keep it: it must not keep the tracker
-        site = _HookSite(name, GRADIENT, module)
+        site = self._site(name, GRADIENT, module)
 
         def grad_hook(g: torch.Tensor) -> None:
             if is_compiling():
