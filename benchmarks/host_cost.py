@@ -11,21 +11,32 @@ statistics, the end-of-step copy and zeroing of the rows, finishing rows, mergin
 the log's rows and writing them) runs for real.
 
 It times tandv's own entry points with the thread's CPU clock (``time.thread_time_ns``,
-less the clock's own cost): the forward hooks and output-gradient hooks (together, per
-observation: one activation or activation gradient), and, per step, everything else on the
+less what a clock pair reads around an empty call): the forward hooks and output-gradient
+hooks (together, per hook call: ``host_us_per_observation``; in this model each call
+observes one activation or activation gradient), and, per step, everything else on the
 training thread (the global forward pre-hook that captures weights, the optimizer's
-pre-hook, ``tracker.step()``). The writer thread's CPU time per step is printed beside them.
+pre-hook, ``tracker.step()``). The clock is read once before each reading starts, so that
+its own first-call cost on cold caches is not charged to tandv. Not included: torch's cost
+of calling a Python hook at all (``Module.__call__``'s hook loop, autograd's call into
+Python), which any hook pays. The writer thread's CPU time per step is printed beside them.
+
 Python's cyclic garbage collector is paused during the timed steps: a collection runs in
 whatever code allocates when it falls due, and a full one walks every object of the
 process (the imports of torch, Triton and pandas alone make ~230,000), so left on it would
-charge a random hook with tens of milliseconds.
+charge a random hook with tens of milliseconds. What tandv adds to the collector's work is
+printed instead: the garbage-collected objects each hook call leaves alive (its row's slot
+and entry, kept for the end of the step).
+
+Between hooks the model's own operations run, so a hook runs on cold caches: on a loaded
+machine it costs several times what the same hook costs called in a tight loop.
 
 The launch path per call: in a subprocess without the interpreter, the single-tensor
 kernel is compiled for sm_90 (no GPU needed) and launched through ``launch_one`` (tandv's
 launch code, then the prebuilt launcher it keeps after a variant's first call) with only
 Triton's final C launcher (which packs the arguments and calls ``cuLaunchKernel``) replaced
-by a no-op; the time per call is that Python launch path, not the driver's. ``--no-triton``
-skips it.
+by a no-op; the time per call is that Python launch path, not the driver's. It also times
+a hook's launch (``HookLaunch.summarize``: a row reserved, then the compiled kernel called
+directly). ``--no-triton`` skips both.
 
 Usage::
 
@@ -79,56 +90,53 @@ class NoLaunch:
         self.calls = 0
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
-        def launch(*args: Any, **kwargs: Any) -> None:
-            self.calls += 1
+        return self.launch
 
-        return launch
+    def launch(self, *args: Any, **kwargs: Any) -> None:
+        self.calls += 1
 
 
 class Clock:
-    """CPU time of the training thread in tandv's entry points, by kind."""
+    """CPU time of the training thread in tandv's entry points, by kind, and the
+    garbage-collected objects they leave behind (made and not freed by the call: what
+    tandv keeps for the end of the step and the writer thread)."""
 
     def __init__(self) -> None:
-        self.ns = {"hook": 0, "fixed": 0}
-        self.calls = {"hook": 0, "fixed": 0}
-        self.on = False
-        # the cost of one clock pair around an empty call, subtracted per call
+        self.reset()
+        # the time a clock pair reads around an empty call, subtracted per call
         self.tare = 0.0
         f = self.timed("hook", lambda: None)
         self.on = True
         reps = 20000
-        t0 = time.thread_time_ns()
         for _ in range(reps):
             f()
-        inner = time.thread_time_ns() - t0
-        g = lambda: None  # noqa: E731
-        t0 = time.thread_time_ns()
-        for _ in range(reps):
-            g()
-        bare = time.thread_time_ns() - t0
-        self.tare = max(inner - bare, 0) / reps
+        self.tare = self.ns["hook"] / reps
         self.reset()
-        self.on = False
 
     def reset(self) -> None:
         self.ns = {"hook": 0, "fixed": 0}
         self.calls = {"hook": 0, "fixed": 0}
+        self.kept = {"hook": 0, "fixed": 0}
+        self.on = False
 
     def timed(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         clock = time.thread_time_ns
-        ns, calls = self.ns, self.calls
+        count = gc.get_count
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not self.on:
                 return fn(*args, **kwargs)
+            g0 = count()[0]
+            clock()  # the clock's own first-call cost (cold caches) falls outside the reading
             t0 = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.ns[kind] += clock() - t0
+                t1 = clock()
+                self.ns[kind] += t1 - t0
                 self.calls[kind] += 1
+                self.kept[kind] += count()[0] - g0  # (the collector is paused: see host_cost)
 
-        del ns, calls
         return wrapper
 
     def us(self, kind: str) -> float:
@@ -177,14 +185,16 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
                 if i == warmup:
                     clock.reset()
                     clock.on = True
+                    params = {name for name, _, _ in tracker._params}
                     gc.collect()
                     gc.disable()  # see the module notes
                     writer0 = thread_cpu_s(tracker.recorder._thread)  # type: ignore[union-attr]
                 t0 = time.perf_counter()
                 _step(model, opt, data, i)
-                if clock.on:  # the step's activations and output gradients
+                if clock.on:  # the step's activations and output (not parameter) gradients
                     observations += sum(
-                        k.tensor_type in ("Activation", "Gradient")
+                        k.tensor_type == "Activation"
+                        or (k.tensor_type == "Gradient" and k.name not in params)
                         for k, _, _ in tracker.recorder._pending  # type: ignore[union-attr]
                     )
                     c0 = time.thread_time_ns()
@@ -199,7 +209,9 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
     launches = _fused._summarize_one.calls + _fused._summarize_many.calls  # type: ignore[attr-defined]
     return {
         "observations_per_step": observations / steps,
-        "host_us_per_observation": clock.us("hook") / observations,
+        "hook_calls_per_step": clock.calls["hook"] / steps,
+        "host_us_per_observation": clock.us("hook") / clock.calls["hook"],
+        "objects_kept_per_hook_call": clock.kept["hook"] / clock.calls["hook"],
         "host_us_fixed_per_step": clock.us("fixed") / steps,
         "writer_us_per_step": writer * 1e6 / steps,
         "launches_per_step": launches / (warmup + steps),
@@ -234,6 +246,7 @@ def triton_worker(reps: int) -> None:
 
     from tandv.stats.summary import Layout
     from tandv.track.torch import _fused
+    from tandv.track.torch._workspace import Workspace
 
     assert not _fused.INTERPRETED, "run without TRITON_INTERPRET"
 
@@ -280,13 +293,24 @@ def triton_worker(reps: int) -> None:
     def launch() -> None:
         _fused.launch_one(x, spec, layout, rows, 0, scratch, 64)
 
-    for _ in range(100):  # compiles, then the prebuilt launcher serves
-        launch()
-    t0 = time.thread_time_ns()
-    for _ in range(reps):
-        launch()
-    dt = (time.thread_time_ns() - t0) / 1e9 / reps
-    print(json.dumps({"triton_run_us_per_call": dt * 1e6}))
+    # a hook's launch (the tracker's fast path): a row reserved in a workspace, then the
+    # compiled kernel called through Triton's launcher
+    hook = Workspace().hook_launch(spec, layout, x.device)
+
+    def hook_launch() -> None:
+        hook.space.used = 0  # (the same row every time: the buffer does not grow)
+        assert hook.summarize(x) is not None
+
+    out = {}
+    for name, fn in (("triton_run_us_per_call", launch), ("hook_launch_us_per_call", hook_launch)):
+        for _ in range(100):  # compiles, then the prebuilt launcher serves
+            fn()
+        t0 = time.thread_time_ns()
+        for _ in range(reps):
+            fn()
+        out[name] = (time.thread_time_ns() - t0) / 1e3 / reps
+    assert hook.compiled != [None, None], "the hook's launch never reached the compiled kernel"
+    print(json.dumps(out))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,12 +346,15 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 "launch path per call (launch_one of a compiled sm_90 kernel through its "
                 "prebuilt launcher; Triton's C launcher and cuLaunchKernel excluded): "
-                f"{t['triton_run_us_per_call']:.2f} us"
+                f"{t['triton_run_us_per_call']:.2f} us; a hook's launch (row reserved, "
+                f"compiled kernel called directly): {t['hook_launch_us_per_call']:.2f} us"
             )
     r = host_cost(cfg, size["batch"], args.steps, args.warmup)
     print(
         f"{r['observations_per_step']:.0f} activation/activation-gradient observations per "
-        f"step, {r['launches_per_step']:.1f} kernel launches per step; tracked step "
+        f"step, {r['launches_per_step']:.1f} kernel launches per step; "
+        f"{r['hook_calls_per_step']:.0f} hook calls per step, each leaving "
+        f"{r['objects_kept_per_hook_call']:.1f} garbage-collected objects; tracked step "
         f"{r['step_ms_median']:.1f} ms (median, the model's own CPU compute included); "
         f"writer thread {r['writer_us_per_step']:.0f} us CPU per step; "
         f"clock cost {r['clock_tare_us']:.2f} us per timed call (subtracted)"

@@ -1077,8 +1077,9 @@ def _launch(
     args: tuple[Any, ...],
     consts: _Consts,
     ptrs: tuple[torch.Tensor, ...],
-) -> None:
-    """``kernel[(programs,)](*args, **consts.kwargs)`` on the current stream.
+) -> Any:
+    """``kernel[(programs,)](*args, **consts.kwargs)`` on the current stream; returns the
+    compiled kernel launched (``None`` in the interpreter).
 
     Triton's ``kernel[grid](...)`` binds and specializes the arguments on every call. The
     first call of a variant does that (and compiles); later calls launch the compiled
@@ -1088,7 +1089,7 @@ def _launch(
     are)."""
     if INTERPRETED:
         kernel[(programs,)](*args, **consts.kwargs)
-        return
+        return None
     device = ptrs[0].device.index
     key = (kernel, consts, device, *((t.dtype, t.data_ptr() % 16 == 0) for t in ptrs))
     compiled = _launchers.get(key)
@@ -1096,11 +1097,14 @@ def _launch(
         compiled = kernel[(programs,)](*args, **consts.kwargs)
         if compiled is not None:  # (None: a compile-only stand-in)
             _launchers[key] = compiled
-        return
+        return compiled
     stream = driver.active.get_current_stream(device)
     full = (*args, *consts.tail)
-    hook = knobs.runtime.launch_enter_hook
-    meta = None if hook is None else compiled.launch_metadata((programs, 1, 1), stream, *full)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if launch_hooked(enter, leave):
+        meta = compiled.launch_metadata((programs, 1, 1), stream, *full)
+    else:  # (no launch metadata to build, no empty hook chain to call)
+        meta = enter = leave = None
     compiled.run(
         programs,
         1,
@@ -1109,9 +1113,20 @@ def _launch(
         compiled.function,
         compiled.packed_metadata,
         meta,
-        hook,
-        knobs.runtime.launch_exit_hook,
+        enter,
+        leave,
         *full,
+    )
+    return compiled
+
+
+def launch_hooked(enter: Any, leave: Any) -> bool:
+    """Whether Triton's launch hooks (``knobs.runtime.launch_enter_hook`` and
+    ``launch_exit_hook``: a profiler's) would do anything: each is ``None``, a function, or
+    a chain of functions (Triton >= 3.4: always a chain, empty unless a profiler added
+    one)."""
+    return (enter is not None and bool(getattr(enter, "calls", True))) or (
+        leave is not None and bool(getattr(leave, "calls", True))
     )
 
 
@@ -1227,17 +1242,20 @@ def launch_one(
         ext = extra[1]
     lut = _lut(spec, x.device, rows)
     strided = 0 if geo is None else 1 if _reach(n, geo) < 2**31 else 2
-    key = (id(spec), id(layout), strided, extra is not None)
-    plan = _plans.get(key)
-    if plan is None:  # (the key's objects are kept alive with the plan)
-        consts = _consts(
-            spec, _over(spec, layout), strided, extra is not None, hoff=_hoff(spec, layout)
-        )
-        plan = _plans[key] = (consts, _fmax(layout), spec, layout)
+    consts, fmax = plan_one(spec, layout, strided, extra is not None)
     args: tuple[Any, ...] = (base, n, -(-per // spec.block), rows, offset, scratch, lut)
-    args += (plan[1], float(weight), ext, ext_off, *(geo or (1, 1, 0, 0, 0)))
-    consts = plan[0]
+    args += (fmax, float(weight), ext, ext_off, *(geo or (1, 1, 0, 0, 0)))
     _launch(_summarize_one, parts, args, consts, (base, rows, scratch, lut, ext))
+
+
+def plan_one(spec: Spec, layout: Layout, strided: int, ext: bool) -> tuple[_Consts, float]:
+    """:func:`launch_one`'s kernel variant and format max for ``spec``'s tensors in
+    ``layout`` (``strided``, ``ext``: see :func:`_consts`), looked up by identity."""
+    plan = _plans.get((id(spec), id(layout), strided, ext))
+    if plan is None:  # (the key's objects are kept alive with the plan)
+        consts = _consts(spec, _over(spec, layout), strided, ext, hoff=_hoff(spec, layout))
+        plan = _plans[(id(spec), id(layout), strided, ext)] = (consts, _fmax(layout), spec, layout)
+    return plan[0], plan[1]
 
 
 def launch_many(

@@ -48,35 +48,76 @@ from .summary import extras_vector, finish_raw, fused_spec, host_vectors, raw_de
 if TYPE_CHECKING:  # the fused kernels import Triton: only when a tensor needs them
     from . import _fused
 
-__all__ = ["Slot", "Flight", "Workspace", "to_host"]
+__all__ = ["Slot", "RowKind", "HookLaunch", "Flight", "Workspace", "to_host"]
 
 _F64 = torch.float64
 #: Initial rows buffer per device (float64 values; grows by doubling).
 _INITIAL = 1 << 16
 
 
-class Slot:
-    """Where one observation's summary lies in a step's device rows.
+class RowKind:
+    """What the rows of some slots hold: their device, row length, layout and the fused
+    kernel's dtype spec (``None``: a raw vector of the torch-op path,
+    :func:`tandv.track.torch.summary.finish_raw`). One per kind and device space, shared
+    by the slots of every step."""
 
-    ``spec`` is the fused kernel's dtype spec, or ``None`` for a raw vector of the
-    torch-op path (:func:`tandv.track.torch.summary.finish_raw`). (A plain class with
-    slots: one is made per observation, in the hooks.)"""
-
-    __slots__ = ("device", "offset", "size", "layout", "spec")
+    __slots__ = ("device", "size", "layout", "spec")
 
     def __init__(
-        self,
+        self, device: torch.device, size: int, layout: Layout, spec: _fused.Spec | None
+    ) -> None:
+        self.device = device
+        self.size = size
+        self.layout = layout
+        self.spec = spec
+
+
+class Slot(tuple):
+    """Where one observation's summary lies in a step's device rows: ``(offset, kind)``,
+    the offset of its row in its device's buffer and its :class:`RowKind`.
+
+    A tuple: one is made per observation, in the hooks, which build it with
+    ``tuple.__new__(Slot, (offset, kind))`` and a kind of their own (no Python call, no
+    attribute writes)."""
+
+    __slots__ = ()
+
+    def __new__(
+        cls,
         device: torch.device,
         offset: int,
         size: int,
         layout: Layout,
         spec: _fused.Spec | None,
-    ) -> None:
-        self.device = device
-        self.offset = offset
-        self.size = size
-        self.layout = layout
-        self.spec = spec
+    ) -> Slot:
+        return tuple.__new__(cls, (offset, RowKind(device, size, layout, spec)))
+
+    @property
+    def offset(self) -> int:
+        return self[0]
+
+    @property
+    def kind(self) -> RowKind:
+        return self[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self[1].device
+
+    @property
+    def size(self) -> int:
+        return self[1].size
+
+    @property
+    def layout(self) -> Layout:
+        return self[1].layout
+
+    @property
+    def spec(self) -> _fused.Spec | None:
+        return self[1].spec
+
+
+_new_tuple = tuple.__new__
 
 
 def capturing(device: torch.device) -> bool:
@@ -180,6 +221,143 @@ class _Space:
         return self.scratch
 
 
+class HookLaunch:
+    """The fused summaries of one hook's tensors: one module's output or output gradient,
+    of one dtype, on one device, read densely (contiguous, not a lazily negated view).
+
+    Made at the first such tensor (:meth:`Workspace.hook_launch`) with everything that
+    does not depend on the tensor: its row kind and length, the kernel variant and its
+    arguments, and what depends on the element count only (kept for the last count seen);
+    after the first launch of each pointer alignment, the compiled kernel itself. A later
+    tensor then costs a few questions to the tensor, a row reservation and the launch
+    (Triton's launcher, called directly): no torch operation, no Python object besides
+    its slot."""
+
+    __slots__ = (
+        "space",
+        "kind",
+        "size",
+        "device",
+        "block",
+        "lut",
+        "fmax",
+        "consts",
+        "tail",
+        "options",
+        "fused",
+        "stream",
+        "n",
+        "programs",
+        "tiles",
+        "scratch_parts",
+        "call",
+        "compiled",
+        "codes",
+    )
+
+    def __init__(self, space: _Space, spec: _fused.Spec, layout: Layout) -> None:
+        fused = self.fused = _fused_module()
+        self.space = space
+        self.size = fused.row_size(spec, layout)
+        self.kind = RowKind(space.device, self.size, layout, spec)
+        # what Tensor.get_device() says of the tensors: -1 on the CPU
+        self.device = space.device.index if space.cuda else -1
+        self.block = spec.block
+        # the value table of an 8-bit format (None: the kernel reads none; the rows stand in)
+        self.lut = fused._lut(spec, space.device, space.rows) if spec.lut is not None else None
+        self.codes = spec.mode == 3  # an 8-bit format: the kernel reads the bytes
+        self.consts, self.fmax = fused.plan_one(spec, layout, 0, False)
+        self.tail = self.consts.tail  # the compile-time arguments' values, in order
+        # the launch options (what follows the compile-time arguments in consts.kwargs)
+        self.options = dict(list(self.consts.kwargs.items())[len(self.tail) :])
+        # the raw current stream of a device, as Triton's launcher takes it
+        self.stream: Any = None if fused.INTERPRETED else fused.driver.active.get_current_stream
+        self.n = -1  # the element count the next five fields are for
+        self.programs = self.tiles = self.scratch_parts = 0
+        self.call: Any = None  # (interpreter) the kernel with its grid
+        # (compiled kernels) the compiled kernel for unaligned and 16-byte aligned tensors
+        self.compiled: list[Any] = [None, None]
+
+    def _resize(self, n: int) -> None:
+        """Prepare the launch of tensors of ``n`` (> 0) elements."""
+        fused = self.fused
+        parts, per = fused._parts(n, self.space.max_parts, self.block)
+        self.programs, self.tiles = parts, -(-per // self.block)
+        self.scratch_parts = parts if parts > 1 else 0
+        self.call = fused._summarize_one[(parts,)] if fused.INTERPRETED else None
+        self.n = n
+
+    def summarize(self, x: torch.Tensor) -> Slot | None:
+        """Queue the summary of ``x`` (a plain tensor of the launch's dtype) into a fresh
+        row and return its slot; ``None`` (nothing done) when ``x`` is not one this launch
+        reads: on another device, not dense, lazily negated or empty."""
+        n = x.numel()
+        if n != self.n:
+            if not n:
+                return None
+            self._resize(n)
+        if x.get_device() != self.device or not x.is_contiguous() or x.is_neg():
+            return None
+        if self.codes:
+            x = x.view(torch.uint8)
+        space, size = self.space, self.size
+        with space.lock:  # the rows buffer may not be replaced before the launch
+            if space.cuda:
+                if torch.cuda.current_device() != self.device:
+                    return None  # (Triton launches on the current device)
+                space.stream()
+            off = space.used
+            if off + size <= space.capacity:
+                space.used = off + size
+            else:
+                off = space.reserve(size)
+            rows = space.rows
+            scratch = space.scratch_for(self.scratch_parts) if self.scratch_parts else space.scratch
+            lut = rows if self.lut is None else self.lut
+            # (the kernel's arguments: a dense view of weight 1, no statistic copied in)
+            args: tuple[Any, ...] = (
+                x, n, self.tiles, rows, off, scratch, lut, self.fmax, 1.0, rows, 0, 1, 1, 0, 0, 0
+            )  # fmt: skip
+            if self.call is not None:  # Triton's interpreter
+                self.call(*args, *self.tail, **self.options)
+            else:
+                self._launch(x, args, rows, scratch, lut)
+        return _new_tuple(Slot, (off, self.kind))
+
+    def _launch(
+        self, x: torch.Tensor, args: tuple[Any, ...], rows: torch.Tensor, scratch: Any, lut: Any
+    ) -> None:
+        """Launch the compiled kernel: directly by Triton's launcher once this pointer
+        alignment has been launched (the other buffers are whole allocations, 16-byte
+        aligned); the first time, and while a profiler's launch hooks are set, by
+        :func:`._fused._launch`."""
+        fused = self.fused
+        aligned = x.data_ptr() % 16 == 0
+        compiled = self.compiled[aligned]
+        runtime = fused.knobs.runtime
+        if compiled is None or fused.launch_hooked(
+            runtime.launch_enter_hook, runtime.launch_exit_hook
+        ):
+            ptrs = (x, rows, scratch, lut, rows)
+            got = fused._launch(fused._summarize_one, self.programs, args, self.consts, ptrs)
+            if got is not None:
+                self.compiled[aligned] = got
+            return
+        compiled.run(
+            self.programs,
+            1,
+            1,
+            self.stream(self.device),
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *args,
+            *self.tail,
+        )
+
+
 class Flight:
     """A step's rows on their way to the host: per device, a host buffer of its own, the
     number of values and the event that marks the copy done (``None`` on the CPU)."""
@@ -240,6 +418,10 @@ class Workspace:
                 spec = _fused.spec_for(dtype)
                 if spec is not None and spec.lut is not None:
                     _fused._lut(spec, device, self._spaces[device].rows)
+
+    def hook_launch(self, spec: _fused.Spec, layout: Layout, device: torch.device) -> HookLaunch:
+        """A :class:`HookLaunch` of ``spec``'s tensors in ``layout`` on ``device``."""
+        return HookLaunch(self._spaces.get(device) or self._space(device), spec, layout)
 
     def summary(
         self,

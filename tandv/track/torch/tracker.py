@@ -31,9 +31,11 @@ observations of a tensor; the recorder merges them into one row per tensor and s
 
 from __future__ import annotations
 
+import itertools
 import re
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Mapping as MappingABC
 from operator import attrgetter, itemgetter
@@ -54,10 +56,11 @@ from ..common.custom import StatFn
 from ..common.distributed import RankMerger
 from ..common.factory import signature_of
 from ..common.options import ROOT_NAME, TrackKwargs, TrackOptions
+from ..common.recorder import StepRecorder
 from ..common.scalars import Capture
 from ._compiled import CompiledHooks, compiled_root
 from ._distributed import TorchRanks, distributed_world, local_part, module_type, unwrap_ddp
-from ._workspace import Flight, Slot, Workspace, to_host
+from ._workspace import Flight, HookLaunch, Slot, Workspace, to_host
 from .naming import flatten_outputs as _flatten
 from .summary import fused_spec
 
@@ -67,13 +70,13 @@ if TYPE_CHECKING:
 __all__ = ["Tracker", "track", "StatFn"]
 
 
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread (a forward
     seen now is a recomputation by activation checkpointing)."""
-    return _graph_task_id is not None and _graph_task_id() != -1
+    return _graph_task_id() != -1
 
 
 #: The attribute marking tandv's output-gradient hooks (a tensor's ``_backward_hooks``).
@@ -86,6 +89,49 @@ def _hooked(t: torch.Tensor, mark: tuple[int, str]) -> bool:
     return hooks is not None and any(
         getattr(h, _OUTPUT_GRAD_HOOK, None) == mark for h in hooks.values()
     )
+
+
+#: Hook observations kept at most before they are handed to the recorder in the middle of
+#: a step (see Tracker.recorder), which then checks the memory they hold.
+_HOOK_ROWS = 1024
+
+#: Keys of the output-gradient hooks added by :func:`_add_grad_hook`: negative, so apart
+#: from torch's own (``RemovableHandle`` ids count up from 0).
+_hook_ids = itertools.count(-1, -1)
+
+
+def _add_grad_hook(t: torch.Tensor, hook: Callable) -> None:
+    """``t.register_hook(hook)`` for a plain tensor that requires grad, without the
+    handle (never used: the hook lives and dies with ``t``): what ``Tensor.register_hook``
+    does for such a tensor, at a third of its cost (a forward hook registers one per
+    tracked output)."""
+    hooks = t._backward_hooks
+    if hooks is None:
+        hooks = t._backward_hooks = OrderedDict()
+        grad_fn = t.grad_fn
+        if grad_fn is not None:
+            grad_fn._register_hook_dict(t)
+    hooks[next(_hook_ids)] = hook
+
+
+class _HookSite:
+    """One module's activation or output gradient as its hooks see it: its name and kind,
+    its row key and layout, and the fused launch of its tensors (``launch``, for tensors
+    of ``dtype``; ``None`` while none is known, or where its tensors take another path:
+    custom statistics, a GradScaler's scale, DTensor shards, the host path), made by the
+    first tensor :meth:`Tracker._summary` summarizes."""
+
+    __slots__ = ("name", "kind", "owner", "dtype", "key", "layout", "launch", "cuda")
+
+    def __init__(self, name: str, kind: str, owner: nn.Module) -> None:
+        self.name = name
+        self.kind = kind
+        self.owner = owner
+        self.dtype: torch.dtype | None = None
+        self.key: Any = None  # (a TensorKey and a Layout once the launch is made)
+        self.layout: Any = None
+        self.launch: HookLaunch | None = None
+        self.cuda = False
 
 
 class Tracker(TrackerCore[Flight | None]):
@@ -246,6 +292,8 @@ class Tracker(TrackerCore[Flight | None]):
         self._grad_param_cache: dict[
             int | None, tuple[tuple[Any, ...], list[tuple[str, torch.Tensor, nn.Module]]]
         ] = {}
+        # the hooks' sites, by (name, kind): see _site
+        self._sites: dict[tuple[str, str], _HookSite] = {}
 
     # ------------------------------------------------------------------ dry run
 
@@ -282,9 +330,16 @@ class Tracker(TrackerCore[Flight | None]):
     # ------------------------------------------------------------------ observing
 
     def _summary(
-        self, name: str, kind: str, owner: nn.Module, x: torch.Tensor
+        self,
+        name: str,
+        kind: str,
+        owner: nn.Module,
+        x: torch.Tensor,
+        site: _HookSite | None = None,
     ) -> tuple[TensorKey, Layout, np.ndarray | Slot] | None:
-        """An activation's or output gradient's summary (``None``: not tracked)."""
+        """An activation's or output gradient's summary (``None``: not tracked). ``site``:
+        the hook's, given the fused launch of ``x``'s dtype where the fused kernel reads
+        ``x`` with nothing else to write (no custom statistic, no loss scale, no shard)."""
         dtype, cuda = x.dtype, x.is_cuda
         known = self._hook_keys.get((name, kind, dtype, cuda))
         if known is None:  # the row key, the layout and the path, found once per tensor
@@ -321,6 +376,15 @@ class Tracker(TrackerCore[Flight | None]):
                 extras[LOSS_SCALE] = scale
         lay = self._layout(d.dtype, tuple(extras)) if extras else known[1]
         spec = known[2] if part is x else fused_spec(d, lay)
+        if (
+            site is not None
+            and spec is not None
+            and part is x
+            and not self.stat_fns
+            and not (kind == GRADIENT and self.scaler is not None)
+        ):
+            site.dtype, site.key, site.layout, site.cuda = dtype, key, lay, cuda
+            site.launch = self._workspace.hook_launch(spec, lay, x.device)
         summary = self._workspace.summary(d, lay, extras, spec)
         # (a weak reference: a dead tensor cannot be seen again, and a new tensor at the
         # same address is another object)
@@ -450,6 +514,69 @@ class Tracker(TrackerCore[Flight | None]):
         entry = self._summary(name, kind, owner, x)
         if entry is not None:
             self.recorder.add(*entry)
+
+    def _observe_site(self, site: _HookSite, x: torch.Tensor) -> None:
+        """:meth:`_observe` of a hook's tensor ``x`` at ``site``: by the site's fused launch
+        when it reads ``x`` (see :class:`_HookSite`), else by :meth:`_summary`.
+
+        The hot path of every hook: it asks ``x`` for its dtype, device, layout, size and
+        version, runs no torch operation, and keeps the observation in
+        :attr:`_hook_rows` (handed to the recorder before anything else reads or adds to
+        it: see :attr:`recorder`)."""
+        launch = site.launch
+        if launch is not None and x.dtype is site.dtype and type(x) is torch.Tensor:
+            last = self._last
+            if last is not None and last[0]() is x and last[1] == x._version:
+                # the same tensor again, unchanged (see _summary)
+                entry = (site.key, last[2], last[3])
+            else:
+                if site.cuda and torch.cuda.is_current_stream_capturing():
+                    what = "output gradient" if site.kind == GRADIENT else "output"
+                    raise _capture_error(f"the {what} of module {site.name!r}")
+                slot = launch.summarize(x)
+                if slot is None:  # not a tensor the launch reads
+                    self._observe_slow(site, x)
+                    return
+                self._last = (weakref.ref(x), x._version, site.layout, slot)
+                entry = (site.key, site.layout, slot)
+            rows = self._hook_rows
+            rows.append(entry)
+            if len(rows) >= _HOOK_ROWS:  # (tracker.step() is not being called: see recorder)
+                self._hand_over()
+            return
+        self._observe_slow(site, x)
+
+    def _observe_slow(self, site: _HookSite, x: torch.Tensor) -> None:
+        """:meth:`_observe_site` by :meth:`_summary`, which makes the site's launch where
+        the fused kernel reads ``x``."""
+        if x.is_floating_point():
+            entry = self._summary(site.name, site.kind, site.owner, x, site)
+            if entry is not None:
+                self.recorder.add(*entry)  # type: ignore[union-attr]
+
+    @property
+    def recorder(self) -> StepRecorder | None:
+        """The log's recorder of the steps (``None`` before the log opens). The hooks'
+        fast path keeps its observations in :attr:`_hook_rows` rather than calling the
+        recorder for each: every use of the recorder (adding other observations, ending
+        or dropping the step, asking what it holds) hands them over first, in the order
+        they came, so the recorder sees every observation in order, as if each had been
+        added at once."""
+        if self._hook_rows:
+            self._hand_over()
+        return self._recorder
+
+    @recorder.setter
+    def recorder(self, value: StepRecorder | None) -> None:
+        self._recorder = value
+        self._hook_rows: list[tuple[TensorKey, Layout, Any]] = []
+
+    def _hand_over(self) -> None:
+        """Add the hooks' observations kept in :attr:`_hook_rows` to the recorder."""
+        rows, self._hook_rows = self._hook_rows, []
+        if self._recorder is not None:
+            for entry in rows:
+                self._recorder.add(*entry)
 
     def _capture_weights(self) -> None:
         self._weights_done = True
@@ -638,11 +765,27 @@ class Tracker(TrackerCore[Flight | None]):
 
     # ------------------------------------------------------------------ hooks
 
+    def _site(self, name: str, kind: str, owner: nn.Module) -> _HookSite:
+        """The :class:`_HookSite` of ``name``'s ``kind``: one per tracker, kept while the
+        hooks come and go (they are installed anew at each scheduled step after an
+        unscheduled one), so its launch is made once."""
+        site = self._sites.get((name, kind))
+        if site is None:
+            site = self._sites[(name, kind)] = _HookSite(name, kind, owner)
+        return site
+
     def _make_forward_hook(self, name: str, module: nn.Module) -> Callable:
         want_act = self.kinds[ACTIVATION]
         want_grad = self.kinds[GRADIENT]
         ref = weakref.ref(self)
-        grad_hooks: dict[str, Callable] = {}  # one per output name, made once
+        # per output name (``name``, or ``name[i]`` inside a structured output), made once:
+        # the activation's site and the output gradient's hook
+        sites: dict[str, _HookSite] = {name: self._site(name, ACTIVATION, module)}
+        grad_hooks: dict[str, Callable] = {}
+        site = sites[name]
+        grad_hook = self._make_grad_hook(name, module) if want_grad else None
+        if grad_hook is not None:
+            grad_hooks[name] = grad_hook
 
         def grad_hook_of(tr: Tracker, tname: str, mod: nn.Module) -> Callable:
             h = grad_hooks.get(tname)
@@ -650,14 +793,27 @@ class Tracker(TrackerCore[Flight | None]):
                 h = grad_hooks[tname] = tr._make_grad_hook(tname, mod)
             return h
 
+        def site_of(tr: Tracker, tname: str, mod: nn.Module) -> _HookSite:
+            got = sites.get(tname)
+            if got is None:
+                got = sites[tname] = tr._site(tname, ACTIVATION, mod)
+            return got
+
         def hook(mod: nn.Module, args: Any, output: Any) -> None:
             if is_compiling():  # inside a graph of a compiled wrapper: see _first_forward_hook
                 return
             tr = ref()
             if tr is None or not tr._active or not (mod.training or tr.track_eval):
                 return
+            if type(output) is torch.Tensor and _graph_task_id() == -1:
+                # the common case, without a call: one plain tensor, in a forward pass
+                if want_act:
+                    tr._observe_site(site, output)  # (a floating one only)
+                if grad_hook is not None and output.requires_grad:
+                    _add_grad_hook(output, grad_hook)
+                return
             tensors: list[tuple[str, torch.Tensor]] = []
-            if type(output) is torch.Tensor:  # the common case, without a call
+            if type(output) is torch.Tensor:
                 if output.is_floating_point():
                     tensors.append((name, output))
             else:
@@ -682,7 +838,7 @@ class Tracker(TrackerCore[Flight | None]):
                 return
             for tname, t in tensors:
                 if want_act:
-                    tr._observe(tname, ACTIVATION, mod, t)
+                    tr._observe_site(site_of(tr, tname, mod), t)
                 if want_grad and t.requires_grad:
                     t.register_hook(grad_hook_of(tr, tname, mod))
 
@@ -690,17 +846,14 @@ class Tracker(TrackerCore[Flight | None]):
 
     def _make_grad_hook(self, name: str, module: nn.Module) -> Callable:
         ref = weakref.ref(self)  # the module's hooks keep it: it must not keep the tracker
+        site = self._site(name, GRADIENT, module)
 
         def grad_hook(g: torch.Tensor) -> None:
+            if is_compiling():
+                return
             tr = ref()
-            if (
-                not is_compiling()
-                and tr is not None
-                and tr._active
-                and g is not None
-                and g.is_floating_point()
-            ):
-                tr._observe(name, GRADIENT, module, g)
+            if tr is not None and tr._active and g is not None:
+                tr._observe_site(site, g)  # (a floating one only)
 
         setattr(grad_hook, _OUTPUT_GRAD_HOOK, (id(self), name))  # what _hooked looks for
         return grad_hook
