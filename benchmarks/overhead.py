@@ -401,7 +401,8 @@ def record(results: str, cfg: GPTConfig, argv: list[str] | None, measured: dict[
     tables.append_row(results, row)
 
 
-def main(argv: list[str] | None = None) -> int:
+# issue 31: benchmarks: split main into one function per mode
+def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument(

@@ -436,7 +436,8 @@ def _summarize_rows(  # noqa: PLR0915
     return pack_parts(core, bins, xp=jnp)
 
 
-def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> DeviceSummary:
+# issue 31: split after the jax moments work lands (FIELD_RULES table)
+def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> DeviceSummary:  # noqa: PLR0915
     """The summary of the union of two arrays' elements from their summaries, on device
     (traceable): :func:`tandv.stats.summary.merge` in the summaries' own float type.
 

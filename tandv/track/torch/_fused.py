@@ -261,7 +261,8 @@ def _tile(
 
 
 @triton.jit
-def _step(
+# issue 31: a Triton kernel body: one straight-line program
+def _step(  # noqa: PLR0915
     x,
     m,
     state,

@@ -774,7 +774,8 @@ class Tracker(TrackerCore[Flight | None]):
             site = self._sites[(name, kind)] = _HookSite(name, kind, owner)
         return site
 
-    def _make_forward_hook(self, name: str, module: nn.Module) -> Callable:
+    # issue 31: split after the torch hook-path work lands
+    def _make_forward_hook(self, name: str, module: nn.Module) -> Callable:  # noqa: C901
         want_act = self.kinds[ACTIVATION]
         want_grad = self.kinds[GRADIENT]
         ref = weakref.ref(self)
