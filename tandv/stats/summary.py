@@ -576,7 +576,7 @@ def higher_sums(d: np.ndarray) -> tuple[float, float]:
     return m3, m4
 
 
-def _merge_higher(
+def merge_higher(
     na: Any, nb: Any, delta: Any, a2: Any, a3: Any, a4: Any, b2: Any, b3: Any, b4: Any
 ) -> tuple[Any, Any]:
     """Pébay's merge of two parts' centred sums (all on one scale): ``delta`` is the
@@ -634,7 +634,7 @@ def merge(a: np.ndarray, b: np.ndarray, layout: Layout) -> np.ndarray:
         out[_I["m2"]] = a2 + b2 + delta**2 * (na * nb / n)
         if layout.num_higher:
             i3, i4 = layout.higher_start, layout.higher_start + 1
-            out[i3], out[i4] = _merge_higher(
+            out[i3], out[i4] = merge_higher(
                 na, nb, delta, a2, a[i3] * ra**3, a[i4] * ra**4, b2, b[i3] * rb**3, b[i4] * rb**4
             )
     for k in POWERS:

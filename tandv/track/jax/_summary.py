@@ -27,9 +27,9 @@ from ...stats.summary import (
     VALUE_FIELDS,
     VALUE_INDEX,
     Layout,
-    _merge_higher,
     append_extras,
     join_summary,
+    merge_higher,
     pack_fields,
     pack_parts,
     unpack_fields,
@@ -548,7 +548,7 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
             )
     if higher:  # Pébay's update, the sums rescaled to the merged scale like m2's
         i3 = N_CORE_VALUES + len(rules)
-        m3, m4 = _merge_higher(
+        m3, m4 = merge_higher(
             na,
             nb,
             delta,
