@@ -14,6 +14,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 stats = pytest.importorskip("scipy.stats")
 
+from test_torch_fused import one  # noqa: E402  (one launch, finished)
+
 from tandv.stats.summary import Layout, finalize, merge, summarize  # noqa: E402
 from tandv.track.torch import _fused, _workspace  # noqa: E402
 from tandv.track.torch import summary as kernel  # noqa: E402
@@ -46,19 +48,6 @@ def check(v: np.ndarray, layout: Layout, xs: list[np.ndarray]) -> None:
     got, _ = finalize(v, layout)
     assert got["skew"] == pytest.approx(stats.skew(a), rel=RTOL, abs=RTOL)
     assert got["kurtosis"] + 3 == pytest.approx(stats.kurtosis(a) + 3, rel=RTOL)
-
-
-def one(x: torch.Tensor, layout: Layout, max_parts: int) -> np.ndarray:
-    """``x`` summarized by one launch of at most ``max_parts`` programs, finished."""
-    spec = _fused.spec_for(x.dtype)
-    rows = torch.zeros(_fused.row_size(spec, layout), dtype=torch.float64, device=x.device)
-    scratch = torch.zeros(
-        max(1, _fused.scratch_rows(x.numel(), max_parts)) * _fused.PART,
-        dtype=torch.float64,
-        device=x.device,
-    )
-    _fused.launch_one(x, spec, layout, rows, 0, scratch, max_parts)
-    return _fused.finish_rows(rows.cpu().numpy()[None], spec, layout)[0]
 
 
 def data(n: int, mean: float, seed: int) -> torch.Tensor:
