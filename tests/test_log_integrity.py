@@ -131,20 +131,21 @@ while True:
 def test_sigterm_flushes_like_sigint(tmp_path, fmt, name):
     """Five recorded steps, none flushed (flush_every=1000): SIGTERM writes them all."""
     path = tmp_path / name
-    child = subprocess.Popen(
+    with subprocess.Popen(  # (closes its pipes on leaving: no ResourceWarning)
         [sys.executable, "-c", _TERM_CHILD, str(path), fmt],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    try:
-        assert child.stdout.readline().strip() == "ready"
-        child.send_signal(signal.SIGTERM)
-        rc = child.wait(timeout=60)
-    finally:
-        child.kill()
-    assert rc == 128 + signal.SIGTERM, child.stderr.read()
+    ) as child:
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            child.send_signal(signal.SIGTERM)
+            rc = child.wait(timeout=60)
+        finally:
+            child.kill()
+        err = child.stderr.read()
+    assert rc == 128 + signal.SIGTERM, err
     df = read_parquet(path) if fmt == "parquet" else read_pickle(path)
     assert sorted(df[("metadata", "step")]) == [0, 1, 2, 3, 4]
 
