@@ -282,6 +282,31 @@ def test_a_model_applied_twice_differentiated_and_not_is_refused(tmp_path):
     )
 
 
+def test_an_evaluation_call_in_a_training_step_is_refused(tmp_path):
+    """An evaluation pass given to intercept in the step of a training call would merge
+    its Activation rows into the training pass's: refused, naming the module and the step.
+    On a step of its own, or after tracker.step(), it is recorded alone; a second training
+    call in a step (gradient accumulation) still merges."""
+    model, _, x, params, _ = dense_setup()
+    x2 = x[::-1] * 3
+    train = jax.jit(lambda p, x: jax.grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(p))
+    evaluate = jax.jit(model.apply)
+    with track(params, out=tmp_path / "log", verbose=False) as tracker:
+        g = tracker.intercept(train, params, x)
+        g2 = tracker.intercept(train, params, x2)  # accumulation: both differentiated
+        tracker.step(params, gradients=jax.tree.map(jnp.add, g, g2))
+        tracker.intercept(evaluate, params, x2)  # a step of its own: alone
+        tracker.step(params, gradients=g)
+        g = tracker.intercept(train, params, x)
+        with pytest.raises(ValueError, match=r"module 'root' is output by two intercepted calls"):
+            tracker.intercept(evaluate, params, x2)
+    df = read_log(tmp_path / "log")
+    both = np.concatenate([model.apply(params, x), model.apply(params, x2)])
+    assert_row_matches(df, "root", "Activation", 0, both)
+    assert_row_matches(df, "root", "Activation", 1, model.apply(params, x2))
+    assert set(df[("metadata", "step")]) == {0, 1}  # the refused step is not written
+
+
 def test_calls_all_differentiated_or_all_not_still_merge(tmp_path):
     """Two views of a batch through one model (both differentiated), and a frozen model
     feeding a trained head (never differentiated): one row per module merging its calls,

@@ -146,6 +146,9 @@ class TrackedProgram:
         self.stale = False
         #: whether some tap of its last trace reports by host callback (shard_map bodies)
         self.callbacks = False
+        #: the module names its last trace output, and those of them differentiated
+        #: (``_misuse.Applications``): what a call of it adds to the step's applications
+        self.applied: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
 
         def tracked(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
             return trace(self, args, kwargs)

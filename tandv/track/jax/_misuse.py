@@ -272,6 +272,13 @@ class Applications:
         #: other application has no cotangent)
         self._active = activations
         self._seen: dict[str, set[bool]] = {}
+        #: every module name output in the call (differentiated, not, or not known)
+        self.names: set[str] = set()
+
+    @property
+    def trained(self) -> frozenset[str]:
+        """The names output by a differentiated application in this call."""
+        return frozenset(n for n, kinds in self._seen.items() if True in kinds)
 
     def note(self, name: str, module_type: type, out: Any) -> None:
         """Record the output ``out`` of module ``name``; ValueError when the name has now
@@ -279,6 +286,8 @@ class Applications:
         if not self._active:
             return
         leaf = next((x for x in jax.tree_util.tree_leaves(out) if is_float_array(x)), None)
+        if leaf is not None:
+            self.names.add(name)
         diff = differentiated(leaf)
         if diff is None:
             return
@@ -295,4 +304,41 @@ class Applications:
                 f"tracker.intercept (e.g. compute the teacher's outputs with a jitted function "
                 f"of its own, called before the update, and pass them in), make the models "
                 f"submodules of one parent module, or track_activations=False"
+            )
+
+
+class StepApplications:
+    """The module outputs of one step's intercepted calls, split into those of training
+    calls (some module output differentiated) and of the others (an evaluation pass, a
+    teacher applied in a call of its own), by step.
+
+    Several intercepted calls in one step merge into the step's rows, which is what
+    gradient accumulation wants; an evaluation call in a training step would merge its
+    Activation rows into the training pass's (a root of twice the batch). Refused, like
+    a second application inside one call (:class:`Applications`). A training call whose
+    model is applied only inside a nested ``jit``, ``remat`` or loop body looks like one
+    that is not differentiated (JAX differentiates those bodies later): two such calls in
+    a step still merge, as documented."""
+
+    def __init__(self) -> None:
+        self._step = -1
+        self._trained: set[str] = set()
+        self._other: set[str] = set()
+
+    def add(self, step: int, names: frozenset[str], trained: frozenset[str]) -> None:
+        """Record one intercepted call of step ``step`` (its module names, and those it
+        output differentiated); ValueError when a module is now output by a training call
+        and by another call of the same step."""
+        if step != self._step:
+            self._step, self._trained, self._other = step, set(), set()
+        (self._trained if trained else self._other).update(names)
+        both = self._trained & self._other
+        if both:
+            raise ValueError(
+                f"tandv: module {min(both)!r} is output by two intercepted calls of step "
+                f"{step}, one a training call (differentiated) and one not (an evaluation "
+                f"pass or a teacher given to tracker.intercept in a training step): its "
+                f"Activation rows would merge both. Run the other call outside "
+                f"tracker.intercept (e.g. the evaluation after tracker.step(), or on a step "
+                f"of its own), or track_activations=False"
             )

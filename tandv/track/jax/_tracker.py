@@ -309,6 +309,8 @@ class JaxTracker(TrackerCore[Sent]):
         self._on_cpu = False
         self._one_device = True  # whether the intercepted update runs on one device
         self._intercepted = False  # whether intercept() ran in the current step
+        #: the module outputs of this step's intercepted calls (training calls and others)
+        self._step_applications = _misuse.StepApplications()
         #: the summaries of the weights the next step's update uses (:meth:`_prepare_weights`:
         #: what :meth:`_add_batch` takes), None when the next step is not recorded
         self._next_weights: tuple[Any, ...] | None = None
@@ -736,6 +738,7 @@ class JaxTracker(TrackerCore[Sent]):
         """Observe the mailbox words a tracked program returned (decoded once they arrive,
         by :meth:`_observed`), and keep the summaries of its outputs ``made`` (None where
         it computed none) for :meth:`step`, by the outputs' identity."""
+        self._step_applications.add(self.step_index, *program.applied)
         if program.callbacks:
             self._sink.callbacks_used = True
         read = MailRead(None, words, self._sink.mailboxes.warned, self._sink.layouts)
@@ -769,6 +772,7 @@ class JaxTracker(TrackerCore[Sent]):
         mail = ProgramMailboxes(next(_serials), program.capacity)
         self._sink.program, callbacks = mail, self._sink.callbacks_used
         self._sink.callbacks_used = False
+        self._applications = applications = _misuse.Applications(self._track_activations)
         try:
             with interception(
                 (self._token, self._on_cpu, self._one_device, "program", mail.serial),
@@ -779,6 +783,7 @@ class JaxTracker(TrackerCore[Sent]):
             self._sink.program = None
             program.callbacks = self._sink.callbacks_used
             self._sink.callbacks_used |= callbacks
+        program.applied = (frozenset(applications.names), applications.trained)
         self._sink.layouts[mail.serial] = mail.boxes
         if mail.overflowed:  # the rest went by callback; the next call gets room for all
             program.capacity, program.stale = 2 * mail.wanted, True
@@ -808,13 +813,16 @@ class JaxTracker(TrackerCore[Sent]):
             self._collect_mailboxes()  # first one's mailboxes are read before they are reused
         self._sink.mailboxes.prepare(_replicated(devices))
         self._intercepted = True
-        self._applications = _misuse.Applications(self._track_activations)  # applied twice
+        self._applications = applications = _misuse.Applications(self._track_activations)
         try:
             with interception(
                 (self._token, self._on_cpu, self._one_device, self._sink.mailboxes.generation),
                 self._on_output,
             ):
-                return f(*args, **kwargs)
+                out = f(*args, **kwargs)
+            names = frozenset(applications.names)
+            self._step_applications.add(self.step_index, names, applications.trained)
+            return out
         finally:
             # a jitted function traced with callbacks earlier calls back now too: step()
             # waits for them (callbacks deliver into the step being built)
