@@ -273,12 +273,12 @@ class TrackerCore(Generic[Transfer]):
         lands (its merge is a collective) at the same point on every rank: at the next step's
         end, whether or not its transfer arrived earlier."""
         assert self.recorder is not None
+        # alerts promise their error from the next step() (docs/alerts-compare.md): with a
+        # watch, a step lands at the next step's end, not up to in_flight_steps later
+        lag = 0 if self._merger is not None or self._watch is not None else self.in_flight_steps
         while self._flights:
             step, pending, transfer = self._flights[0]
             early = self._merger is None and self._arrived(transfer)
-            # alerts promise their error from the next step() (docs/alerts-compare.md): with
-            # a watch, a step lands at the next step's end, not up to in_flight_steps later
-            lag = 0 if self._merger is not None or self._watch is not None else self.in_flight_steps
             if not (wait or step < self.step_index - lag or early):
                 return
             self._flights.popleft()

@@ -585,10 +585,7 @@ class StepRecorder:
             RuntimeError: when the observations waiting for the end of the step pass
                 ``max_pending_bytes`` (``tracker.step()`` is not being called).
         """
-        sized = self._sizes.get(id(layout))
-        if sized is None or sized[0] is not layout:  # (the size of a layout, found once)
-            sized = self._sizes[id(layout)] = (layout, 8 * layout.size)
-        self._pending_bytes += sized[1]
+        self._pending_bytes += self._bytes_of(layout)
         if self._pending_bytes > self.warn_pending_bytes:
             self._check_pending()
         self._pending.append((key, layout, summary))
@@ -602,17 +599,12 @@ class StepRecorder:
         """
         if not entries:
             return
-        sizes = self._sizes
         nbytes = 0
         layout: Any = None
         size = 0
         for _, lay, _ in entries:  # (a run of one layout costs one lookup)
             if lay is not layout:
-                layout = lay
-                sized = sizes.get(id(lay))
-                if sized is None or sized[0] is not lay:
-                    sized = sizes[id(lay)] = (lay, 8 * lay.size)
-                size = sized[1]
+                layout, size = lay, self._bytes_of(lay)
             nbytes += size
         if self._pending_bytes + nbytes > self.warn_pending_bytes:
             for entry in entries:  # one at a time: the warning and the error as with add
@@ -620,6 +612,14 @@ class StepRecorder:
             return
         self._pending_bytes += nbytes
         self._pending.extend(entries)
+
+    def _bytes_of(self, layout: Layout) -> int:
+        """The bytes of one summary in ``layout`` (found once per layout, by identity:
+        hashing the dataclass at every observation would cost more)."""
+        sized = self._sizes.get(id(layout))
+        if sized is None or sized[0] is not layout:
+            sized = self._sizes[id(layout)] = (layout, 8 * layout.size)
+        return sized[1]
 
     def _check_pending(self) -> None:
         n, mib = len(self._pending) + 1, self._pending_bytes / 2**20

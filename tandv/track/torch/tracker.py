@@ -575,8 +575,7 @@ class Tracker(TrackerCore[Flight | None]):
         """Add the hooks' observations kept in :attr:`_hook_rows` to the recorder."""
         rows, self._hook_rows = self._hook_rows, []
         if self._recorder is not None:
-            for entry in rows:
-                self._recorder.add(*entry)
+            self._recorder.add_many(rows)
 
     def _capture_weights(self) -> None:
         self._weights_done = True
