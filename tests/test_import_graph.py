@@ -8,7 +8,10 @@ module it names. The tests check three rules of the house (issue 31):
 * the rooms form layers (:data:`LAYERS`): a room imports only itself and rooms of lower
   layers, so there is no upward arrow and no circle between rooms;
 * no circle among the modules inside a room, but for :data:`KNOWN_CIRCLES`;
-* no module reads another package's private (``_``-prefixed) module or name.
+* no module reads another package's private (``_``-prefixed) module or name;
+* no module reads a private member of the torch tracker (:data:`TRACKER_CLASSES`) but the
+  tracker's own: its extensions (compiled hooks, update capture) talk to it through the
+  protocol of ``track/torch/_seams.py``.
 """
 
 from __future__ import annotations
@@ -41,9 +44,6 @@ LAYERS: tuple[frozenset[str], ...] = (
 #: other (one strongly connected component of the module graph). Remove an entry when its
 #: circle is gone: the test then fails until it is.
 KNOWN_CIRCLES: tuple[frozenset[str], ...] = (
-    # issue 31: _compiled and _updates read the torch Tracker's privates and the tracker
-    # imports them; they go once they talk to the tracker through a declared protocol.
-    frozenset({"track.torch.tracker", "track.torch._compiled", "track.torch._updates"}),
     # issue 31: the recorder merges ranks through distributed, which builds on the
     # recorder's rows; split when StepRecorder becomes a step buffer and a log stream.
     frozenset({"track.common.recorder", "track.common.distributed"}),
@@ -209,6 +209,86 @@ def test_no_module_reads_another_package_s_privates():
     inside the package that holds it (and its sub-packages)."""
     found = [r for name, path in MODULES.items() for r in _private_reads(name, path)]
     assert not found, "private modules or names read from outside:\n" + "\n".join(found)
+
+
+#: The tracker classes whose ``_``-prefixed members are read by no other module, by the
+#: file that defines each: the torch ``Tracker`` and the ``TrackerCore`` it extends.
+TRACKER_CLASSES: dict[str, str] = {
+    "track.torch.tracker": "Tracker",
+    "track.common.core": "TrackerCore",
+}
+
+#: The modules that may read those members besides their own: the JAX adapter, whose
+#: ``JaxTracker`` extends ``TrackerCore`` too (its own privates are its business).
+TRACKER_FRIENDS = ("track.jax",)
+
+
+def _private_members(path: Path, cls: str) -> set[str]:
+    """The ``_``-prefixed (not dunder) members of class ``cls`` in ``path``: its methods
+    and the attributes it assigns on ``self``."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.ClassDef) and node.name == cls):
+            continue
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.add(sub.name)
+            elif (
+                isinstance(sub, ast.Attribute)
+                and isinstance(sub.ctx, ast.Store)
+                and isinstance(sub.value, ast.Name)
+                and sub.value.id == "self"
+            ):
+                found.add(sub.attr)
+    return {n for n in found if n.startswith("_") and not n.startswith("__")}
+
+
+def _tracker_reads(path: Path, members: set[str]) -> list[str]:
+    """Where ``path`` reads one of ``members`` of an object other than its own ``self``
+    (``tracker._active``, ``self._tracker()._observe``, ``tr._modules``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in members
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        ):
+            found.append(f"{path.name}:{node.lineno} reads {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reads_the_torch_tracker_s_privates():
+    """Only the tracker's own modules read its ``_``-prefixed members; an extension is
+    given a ``TrackerSeam`` (``track/torch/_seams.py``) instead. (A module reading a
+    same-named private member of another class, an ``nn.Module``'s ``_buffers`` say, is
+    caught too: read it through a public name, or give the tracker's member another one.)"""
+    members = set().union(*(_private_members(MODULES[m], c) for m, c in TRACKER_CLASSES.items()))
+    assert {"_active", "_observe", "_summaries", "_selected", "_flights"} <= members
+    found = [
+        r
+        for name, path in MODULES.items()
+        if name not in TRACKER_CLASSES and _room(name) not in TRACKER_FRIENDS
+        for r in _tracker_reads(path, members)
+    ]
+    assert not found, "the tracker's private members read from outside:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "source, bad",
+    [
+        ("if tr._active:\n    pass\n", True),
+        ("self._tracker()._observe('a', 'Activation', m, x)\n", True),
+        ("for name, m in tracker._modules:\n    pass\n", True),
+        ("self._active = False\n", False),  # its own member of that name
+        ("if tr.recording:\n    tr.observe('a', 'Activation', m, x)\n", False),
+        ("m._forward_hooks.clear()\n", False),  # not a member of the tracker
+    ],
+)
+def test_the_tracker_privacy_rule_on_hand_written_code(tmp_path, source, bad):
+    path = tmp_path / "x.py"
+    path.write_text(source)
+    members = {"_active", "_observe", "_modules"}
+    assert bool(_tracker_reads(path, members)) == bad
 
 
 @pytest.mark.parametrize(

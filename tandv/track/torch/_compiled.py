@@ -20,10 +20,11 @@ do only three things:
   does.
 
 At run time the operator hands its tensor to the tracker's ordinary observation path
-(:meth:`Tracker._observe`): the same summaries (host kernel on the CPU, the fused Triton
+(:meth:`._seams.TrackerSeam.observe`): the same summaries (host kernel on the CPU, the fused Triton
 kernel into the device workspace on a GPU), the same rows, the same names as in eager
-mode. The operator identifies the tracker by a number and the module by its index in
-the tracker's module list; tensor names are constants of the graph.
+mode. The operator identifies the tracker's hooks by a number and the module by its index
+in their module list; tensor names are constants of the graph. The hooks know the tracker
+only as a :class:`._seams.TrackerSeam`.
 
 CUDA graphs (``mode="reduce-overhead"``) are refused: a replayed graph would not call
 back into the tracker, so its rows would be silently missing.
@@ -46,12 +47,13 @@ from .naming import flatten_outputs
 if TYPE_CHECKING:
     from torch._dynamo.eval_frame import OptimizedModule
 
-    from .tracker import Tracker
+    from ._seams import TrackerSeam
 
 __all__ = ["Switch", "CompiledHooks", "compiled_root", "observe"]
 
-#: Live trackers of compiled models, by the number their graphs call them with.
-_TRACKERS: dict[int, weakref.ref[Tracker]] = {}
+#: The hooks of live trackers of compiled models, by the number their graphs call them with
+#: (held weakly: the tracker holds its hooks).
+_HOOKS: dict[int, weakref.ref[CompiledHooks]] = {}
 _numbers = itertools.count()
 
 
@@ -77,20 +79,10 @@ def observe(
     ``tracker``; ``kind`` its tensor type) into the tracker's current step, as the eager
     hooks would; with ``kind="alias"``, record instead that the output gradient
     ``(module, name)`` is that of ``(first_module, first_name)``."""
-    ref = _TRACKERS.get(tracker)
-    tr = ref() if ref is not None else None
-    if tr is None or not tr._active or tr._compiled is None:
-        return
-    if kind == _ALIAS:
-        tr._compiled.alias((module, name), (first_module, first_name))
-        return
-    # Compiled kernels write buffers in place without bumping their version counter:
-    # the eager path's reuse of the last summary for the same tensor object is unsafe.
-    tr._last = None
-    tr._observe(name, kind, tr._modules[module][1], x)
-    if kind == GRADIENT:  # the same tensor, output of other modules too
-        for alias_module, alias in tr._compiled.followers.get((module, name), ()):
-            tr._observe(alias, kind, tr._modules[alias_module][1], x)
+    ref = _HOOKS.get(tracker)
+    hooks = ref() if ref is not None else None
+    if hooks is not None:
+        hooks.observe(x, module, name, kind, first_module, first_name)
 
 
 @observe.register_fake
@@ -178,33 +170,36 @@ class CompiledHooks:
     it compiled before: with its default ``skip_nnmodule_hook_guards`` it does not notice
     hooks that come or go, and would keep running graphs without (or with stale) hooks."""
 
-    def __init__(self, tracker: Tracker, wrapper: nn.Module | None) -> None:
+    def __init__(self, tracker: TrackerSeam, wrapper: nn.Module | None) -> None:
         self.number = next(_numbers)
+        self._tracker = tracker
         self.switch = Switch()
         #: ``(module, name)`` of an output gradient -> the ``(module, name)`` whose hook sees it
         self.aliases: dict[tuple[int, str], tuple[int, str]] = {}
         #: the inverse: whose hook sees a gradient -> the outputs it is also the gradient of
         #: (an ordered set), so a gradient's observation finds its aliases without a scan
         self.followers: dict[tuple[int, str], dict[tuple[int, str], None]] = {}
-        _TRACKERS[self.number] = weakref.ref(tracker)
+        _HOOKS[self.number] = weakref.ref(self)
         want_act, want_grad = tracker.kinds[ACTIVATION], tracker.kinds[GRADIENT]
+        #: the hooked modules, by the index their graphs name them with
+        self._owners: list[nn.Module] = []
         self._handles = []
         if want_act or want_grad:
-            for index, (name, m) in enumerate(tracker._modules):
-                if tracker._selected(name, type(m)):
-                    self._handles.append(
-                        m.register_forward_hook(
-                            _make_hook(
-                                self.number,
-                                index,
-                                name,
-                                self.switch,
-                                want_act,
-                                want_grad,
-                                tracker.track_eval,
-                            )
+            for index, (name, m) in enumerate(tracker.hooked_modules()):
+                self._owners.append(m)
+                self._handles.append(
+                    m.register_forward_hook(
+                        _make_hook(
+                            self.number,
+                            index,
+                            name,
+                            self.switch,
+                            want_act,
+                            want_grad,
+                            tracker.track_eval,
                         )
                     )
+                )
         # Dynamo does not trace the call of the compiled module itself (a frame of
         # torch.nn): it would run that module's hooks outside its graph, each a graph of
         # its own. Its ``wrap_top_frame`` option makes the call traced, hooks and all;
@@ -220,6 +215,29 @@ class CompiledHooks:
                     self._wrapper._initialize()
                 self._in_place = _recompile_in_place(tracker.module)
             _drop_compiled_code()
+
+    def observe(
+        self,
+        x: torch.Tensor,
+        module: int,
+        name: str,
+        kind: str,
+        first_module: int,
+        first_name: str,
+    ) -> None:
+        """The work of one :func:`observe` call (see there) while the tracker records."""
+        tracker = self._tracker
+        if not tracker.recording:
+            return
+        if kind == _ALIAS:
+            self.alias((module, name), (first_module, first_name))
+            return
+        # Compiled kernels write buffers in place without bumping their version counter:
+        # the eager path's reuse of the last summary for the same tensor object is unsafe.
+        tracker.observe(name, kind, self._owners[module], x, fresh=True)
+        if kind == GRADIENT:  # the same tensor, output of other modules too
+            for alias_module, alias in self.followers.get((module, name), ()):
+                tracker.observe(alias, kind, self._owners[alias_module], x)
 
     def alias(self, output: tuple[int, str], first: tuple[int, str]) -> None:
         """Record that the gradient of ``output`` is the one ``first``'s hook sees."""
@@ -245,7 +263,7 @@ class CompiledHooks:
             self._in_place = []
             _drop_compiled_code()
         self.switch.active = False
-        _TRACKERS.pop(self.number, None)
+        _HOOKS.pop(self.number, None)
 
 
 def _recompile_in_place(module: nn.Module) -> list[tuple[nn.Module, Callable]]:

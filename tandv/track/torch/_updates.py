@@ -8,11 +8,12 @@ of those parameters' memory, held from just before the optimizer step until its 
 is summarized, on scheduled steps only; unscheduled steps hold and compute nothing.
 An optimizer that steps several times in one tracked step gives several observations of
 each update, merged like micro-batches (the statistics of all of them together).
+
+The hooks know the tracker only as a :class:`._seams.TrackerSeam`.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from ...schema.columns import WEIGHT
 
 if TYPE_CHECKING:
-    from .tracker import Tracker
+    from ._seams import TrackerSeam
 
 __all__ = ["UPDATE_SUFFIX", "UpdateCapture"]
 
@@ -31,8 +32,8 @@ UPDATE_SUFFIX = ".update"
 class UpdateCapture:
     """The pair of optimizer hooks that logs one optimizer's updates; ``remove()`` them."""
 
-    def __init__(self, tracker: Tracker, optimizer: torch.optim.Optimizer) -> None:
-        self._tracker = weakref.ref(tracker)
+    def __init__(self, tracker: TrackerSeam, optimizer: torch.optim.Optimizer) -> None:
+        self._tracker = tracker  # (it holds the tracker weakly)
         #: (name, owner, parameter) of the tracked parameters, and their copies, in one order
         self._before: list[tuple[str, torch.nn.Module, torch.Tensor]] = []
         self._copies: list[torch.Tensor] = []
@@ -42,33 +43,29 @@ class UpdateCapture:
         ]
 
     def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        tr = self._tracker()
+        tr = self._tracker
         self._before, self._copies = [], []
-        if tr is None or not tr._active:
+        if not tr.recording:
             return
         for group in opt.param_groups:
             for p in group["params"]:
-                known = tr._param_names.get(id(p))
                 # (with step(closure) the gradients do not exist yet: frozen parameters,
                 # requires_grad=False, are those an optimizer never moves)
-                if (
-                    known is None
-                    or not p.requires_grad
-                    or not p.is_floating_point()
-                    or not tr._selected(known[0], type(known[1]))
-                ):
+                if not p.requires_grad or not p.is_floating_point():
                     continue
-                self._before.append((known[0], known[1], p.detach()))
+                known = tr.parameter(p)
+                if known is not None:
+                    self._before.append((known[0], known[1], p.detach()))
         if self._before:
             # one multi-tensor copy (x * 1 is exact, -0.0 and NaN included), not a launch
             # per parameter
             self._copies = list(torch._foreach_mul([p for _, _, p in self._before], 1.0))
 
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        tr = self._tracker()
+        tr = self._tracker
         before, self._before = self._before, []
         copies, self._copies = self._copies, []
-        if tr is None or not tr._active or not before or tr.recorder is None:
+        if not before or not tr.recording:
             return
         with torch.no_grad():  # the copies become after - before, in place
             torch._foreach_neg_(copies)
@@ -77,8 +74,7 @@ class UpdateCapture:
             (f"{name}{UPDATE_SUFFIX}", WEIGHT, owner, d)
             for (name, owner, _), d in zip(before, copies)
         ]
-        for entry in tr._summaries(items):
-            tr.recorder.add(*entry)
+        tr.record(items)
 
     def remove(self) -> None:
         for h in self._handles:

@@ -929,7 +929,7 @@ class Tracker(TrackerCore[Flight | None]):
         if self.track_updates:
             from ._updates import UpdateCapture
 
-            self._handles += [UpdateCapture(self, opt) for opt in self.optimizers]
+            self._handles += [UpdateCapture(_Seam(self), opt) for opt in self.optimizers]
         if self.scaler is not None and self.kinds[GRADIENT]:
             self._handles.append(_CaptureAfterUnscale(self))
 
@@ -968,7 +968,7 @@ class Tracker(TrackerCore[Flight | None]):
         for device in {t.device for t in (*self.module.parameters(), *self.module.buffers())}:
             self._workspace.prepare(device)
         if self._is_compiled:
-            self._compiled = CompiledHooks(self, self._wrapper)
+            self._compiled = CompiledHooks(_Seam(self), self._wrapper)
         self._begin()
 
     def _stop(self) -> None:
@@ -1075,6 +1075,63 @@ class _CaptureAfterUnscale:
     def remove(self) -> None:
         self._scaler.__dict__.pop("unscale_", None)
         self._scaler.__dict__.pop("step", None)
+
+
+class _Seam:
+    """The tracker as its extensions see it (:class:`._seams.TrackerSeam`): the compiled
+    model's hooks and the update capture hold it, and it holds the tracker by a weak
+    reference, so that they keep no tracker alive."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, tracker: Tracker) -> None:
+        self._ref = weakref.ref(tracker)
+
+    def _tracker(self) -> Tracker:
+        tr = self._ref()
+        if tr is None:
+            raise RuntimeError("tandv: the tracker of these hooks is gone")
+        return tr
+
+    @property
+    def recording(self) -> bool:
+        tr = self._ref()
+        return tr is not None and tr._active
+
+    @property
+    def module(self) -> nn.Module:
+        return self._tracker().module
+
+    @property
+    def kinds(self) -> dict[str, bool]:
+        return self._tracker().kinds
+
+    @property
+    def track_eval(self) -> bool:
+        return self._tracker().track_eval
+
+    def hooked_modules(self) -> list[tuple[str, nn.Module]]:
+        tr = self._tracker()
+        return [(name, m) for name, m in tr._modules if tr._selected(name, type(m))]
+
+    def parameter(self, p: torch.Tensor) -> tuple[str, nn.Module] | None:
+        tr = self._tracker()
+        known = tr._param_names.get(id(p))
+        return known if known is not None and tr._selected(known[0], type(known[1])) else None
+
+    def observe(
+        self, name: str, kind: str, owner: nn.Module, x: torch.Tensor, *, fresh: bool = False
+    ) -> None:
+        tr = self._ref()
+        if tr is not None:
+            if fresh:
+                tr._last = None
+            tr._observe(name, kind, owner, x)
+
+    def record(self, items: Sequence[tuple[str, str, nn.Module, torch.Tensor]]) -> None:
+        tr = self._ref()
+        if tr is not None and tr.recorder is not None:
+            tr.recorder.add_many(tr._summaries(items))
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
