@@ -3,6 +3,8 @@ fused path, which hands such tensors to the torch-op path) against the numpy ref
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -52,10 +54,9 @@ def test_torch_ops_nvfp4_tensor_scale_underflows() -> None:
 
 
 @pytest.fixture(params=["host", "torch_ops", "fused"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(kernel, "HOST_PATH", request.param == "host")
-    monkeypatch.setattr(kernel, "FUSED_ON_CPU", request.param == "fused")
-    return str(request.param)
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
+    with kernel.cpu_path("ops" if request.param == "torch_ops" else request.param):
+        yield str(request.param)
 
 
 def test_tracker_rows_equal_reference(path: str, tmp_path) -> None:

@@ -25,9 +25,9 @@ RTOL = 1e-6
 
 
 @pytest.fixture(autouse=True)
-def fused_path(monkeypatch):
-    monkeypatch.setattr(kernel, "HOST_PATH", False)
-    monkeypatch.setattr(kernel, "FUSED_ON_CPU", True)
+def fused_path():
+    with kernel.cpu_path("fused"):
+        yield
 
 
 def values(x: torch.Tensor) -> np.ndarray:

@@ -61,17 +61,15 @@ def test_option_is_checked():
 
 
 @pytest.fixture(params=["host", "fused", "ops"])
-def torch_path(request, monkeypatch):
+def torch_path(request):
     """CPU tensors by the host kernel, by the fused Triton kernel CUDA tensors take (in
     Triton's interpreter), and by the torch-op path (CUDA tensors without Triton)."""
     from tandv.track.torch import summary as kernel
 
-    if request.param != "host":
-        monkeypatch.setattr(kernel, "HOST_PATH", False)
     if request.param == "fused":
         pytest.importorskip("triton")
-        monkeypatch.setattr(kernel, "FUSED_ON_CPU", True)
-    return request.param
+    with kernel.cpu_path(request.param):
+        yield request.param
 
 
 def test_torch_tracker_logs_exact_skew_and_kurtosis(tmp_path, torch_path):

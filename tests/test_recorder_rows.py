@@ -158,9 +158,9 @@ def test_finishing_rows_on_the_host_folds_as_the_device_does(dtype, fmt):
 
 
 @pytest.fixture
-def fused_path(monkeypatch):
-    monkeypatch.setattr(kernel, "HOST_PATH", False)
-    monkeypatch.setattr(kernel, "FUSED_ON_CPU", True)
+def fused_path():
+    with kernel.cpu_path("fused"):
+        yield
 
 
 def test_plain_batches_summarize_as_the_general_path(fused_path, monkeypatch, tmp_path):

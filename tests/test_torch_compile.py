@@ -186,16 +186,15 @@ def test_unscheduled_steps_run_a_graph_without_tracking(tmp_path):
     assert_same_log(log, want)
 
 
-def test_compiled_graph_uses_the_fused_kernel_workspace(tmp_path, monkeypatch):
+def test_compiled_graph_uses_the_fused_kernel_workspace(tmp_path):
     """The operator's summaries go through the tracker's device path (the fused Triton
     kernel into the workspace rows, in Triton's interpreter here) and match the eager
     run on the same path."""
     pytest.importorskip("triton")
-    monkeypatch.setattr(kernel, "HOST_PATH", False)
-    monkeypatch.setattr(kernel, "FUSED_ON_CPU", True)
     torch._dynamo.reset()
-    log, _, _ = train(GraphRecorder(), str(tmp_path / "log"), steps=3)
-    want, _, _ = train("eager", str(tmp_path / "eager"), steps=3)
+    with kernel.cpu_path("fused"):
+        log, _, _ = train(GraphRecorder(), str(tmp_path / "log"), steps=3)
+        want, _, _ = train("eager", str(tmp_path / "eager"), steps=3)
     assert_same_log(log, want)
 
 

@@ -33,9 +33,9 @@ EXACT = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "min_abs
 
 
 @pytest.fixture(autouse=True)
-def fused_path(monkeypatch):
-    monkeypatch.setattr(kernel, "HOST_PATH", False)
-    monkeypatch.setattr(kernel, "FUSED_ON_CPU", True)
+def fused_path():
+    with kernel.cpu_path("fused"):
+        yield
 
 
 def reference(x: torch.Tensor, fmt=None, extras=None):

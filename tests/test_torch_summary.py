@@ -21,13 +21,12 @@ except ImportError:  # pragma: no cover - triton ships with CUDA builds of torch
 
 
 @pytest.fixture(autouse=True, params=PATHS)
-def kernel_path(request, monkeypatch):
+def kernel_path(request):
     """Every test runs each path: the host kernel CPU tensors take, the torch-op path of
     float64 and tensor subclasses, and the fused Triton kernel of CUDA tensors (forced here
     on CPU tensors, in Triton's interpreter when no GPU is present)."""
-    monkeypatch.setattr(kernel, "HOST_PATH", request.param == "host")
-    monkeypatch.setattr(kernel, "FUSED_ON_CPU", request.param == "fused")
-    return request.param
+    with kernel.cpu_path(request.param):
+        yield request.param
 
 
 EXACT = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "min_abs", "max_abs")
@@ -317,3 +316,21 @@ def test_float64_values_near_the_largest_keep_finite_moments():
     """Finishing takes the scale's power of two in halves: 2**1024 would overflow."""
     x = torch.tensor([2.0**1023, -(2.0**1023), 1.5 * 2.0**1023, 3.0], dtype=torch.float64)
     assert_matches_reference(x)
+
+
+def test_the_cpu_path_hook_routes_cpu_tensors_and_restores(kernel_path):
+    """``cpu_path`` (the test hook the fixture above uses) sends a CPU tensor to the host
+    kernel only on ``"host"`` and to the fused kernel only on ``"fused"``; a ``with`` block
+    puts the path before back, also when it raises; an unknown path is refused."""
+    x = torch.ones(8)
+    assert kernel.current_cpu_path() == kernel_path
+    assert (kernel._host_array(x) is not None) == (kernel_path == "host")
+    assert (kernel.fused_spec(x) is not None) == (kernel_path == "fused")
+    with pytest.raises(KeyError), kernel.cpu_path("host"):
+        assert kernel.current_cpu_path() == "host"
+        assert kernel._host_array(x) is not None and kernel.fused_spec(x) is None
+        raise KeyError("inside")
+    assert kernel.current_cpu_path() == kernel_path
+    with pytest.raises(ValueError, match="cpu_path\\('device'\\): expected one of 'host'"):
+        kernel.cpu_path("device")
+    assert kernel.current_cpu_path() == kernel_path

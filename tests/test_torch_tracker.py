@@ -29,14 +29,13 @@ KINDS = ("Activation", "Gradient", "Weight", "Optimiser_State")
 
 
 @pytest.fixture(params=["host", "fused"])
-def any_path(request, monkeypatch):
+def any_path(request):
     """Runs a test with CPU tensors on the host kernel, and again on the fused Triton kernel
     that CUDA tensors take (in Triton's interpreter when no GPU is present)."""
     if request.param == "fused":
         pytest.importorskip("triton")
-        monkeypatch.setattr(kernel, "HOST_PATH", False)
-        monkeypatch.setattr(kernel, "FUSED_ON_CPU", True)
-    return request.param
+    with kernel.cpu_path(request.param):
+        yield request.param
 
 
 class Net(nn.Module):
@@ -398,14 +397,12 @@ def test_no_host_sync_inside_hooks(monkeypatch, path):
     the fused path also runs under CUDA's sync debug mode set to raise."""
     if path == "fused":
         pytest.importorskip("triton")
-    monkeypatch.setattr(kernel, "HOST_PATH", False)
-    monkeypatch.setattr(kernel, "FUSED_ON_CPU", path == "fused")
     net, opt = make(0, torch.optim.SGD, momentum=0.9)
 
     def forbidden(*a, **k):
         raise AssertionError("host sync inside a hook")
 
-    with track(net, opt, out="log") as tr:
+    with kernel.cpu_path(path), track(net, opt, out="log") as tr:
         for i in range(2):
             x, y = batch(i)
             with monkeypatch.context() as m:

@@ -474,7 +474,7 @@ class Workspace:
                 return self.fused(tensors, spec, layout, extras)  # type: ignore[return-value]
         elif tensors and _uniform(tensors):  # a step's parameters, gradients or state
             first = tensors[0]
-            if not (first.is_cpu and _summary.HOST_PATH):
+            if not (first.is_cpu and _summary.current_cpu_path() == "host"):
                 spec = fused_spec(first, layout)
                 if spec is not None:
                     return self.fused(tensors, spec, layout, extras)  # type: ignore[return-value]

@@ -18,7 +18,8 @@ Three paths
   branch-free arithmetic on device tensors. The rest of this note describes it.
 
 All paths give the same results; the tests run each on the same inputs (the fused kernel
-in Triton's interpreter on the CPU).
+in Triton's interpreter on the CPU), sending CPU tensors down the path they check with the
+test hook :func:`cpu_path`.
 
 Exponent counts in one scatter
 ------------------------------
@@ -51,7 +52,8 @@ import threading
 import warnings
 from collections.abc import Mapping
 from contextlib import nullcontext
-from typing import Any
+from types import TracebackType
+from typing import Any, Literal
 
 import ml_dtypes
 import numpy as np
@@ -69,6 +71,8 @@ __all__ = [
     "raw_device",
     "host_vectors",
     "fused_spec",
+    "cpu_path",
+    "current_cpu_path",
     "finish_head",
     "finish_raw",
     "RAW_FIELDS",
@@ -447,9 +451,64 @@ def _raw_core(x: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.T
     return head, counts
 
 
-#: Whether CPU tensors take the host kernel (tests switch it off to run the device path on
-#: CPU).
-HOST_PATH = True
+#: The paths a CPU tensor may take (see :func:`cpu_path`).
+CpuPath = Literal["host", "ops", "fused"]
+_CPU_PATHS: tuple[CpuPath, ...] = ("host", "ops", "fused")
+#: The path CPU tensors take now: only :func:`cpu_path` changes it.
+_cpu_path: CpuPath = "host"
+
+
+class _RestoreCpuPath:
+    """What :func:`cpu_path` returns: as a context manager, it puts the path before back
+    at the end of its ``with`` block."""
+
+    def __init__(self, previous: CpuPath) -> None:
+        self._previous = previous
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        global _cpu_path
+        _cpu_path = self._previous
+
+
+def cpu_path(path: CpuPath) -> _RestoreCpuPath:
+    """Test hook: the path CPU tensors take, so that a machine without a GPU runs the
+    paths of accelerator tensors on the same inputs as the host kernel (for tests and
+    benchmarks; the tracker's results do not depend on it).
+
+    ``"host"`` (the default): the host kernel, for the dtypes it reads (float64 and tensor
+    subclasses take the torch-op path); ``"ops"``: the torch-op path, that of CUDA tensors
+    without Triton; ``"fused"``: the fused Triton kernel of CUDA tensors, run by Triton's
+    interpreter (``TRITON_INTERPRET=1`` must be set before tandv's kernels are imported).
+
+    It takes effect at the call, for every tracker of the process; used in a ``with``
+    statement, the path before comes back at the block's end::
+
+        with summary.cpu_path("fused"):
+            ...  # CPU tensors take the fused kernel here
+
+    Raises:
+        ValueError: if ``path`` is not one of ``"host"``, ``"ops"``, ``"fused"``.
+    """
+    global _cpu_path
+    if path not in _CPU_PATHS:
+        raise ValueError(f"cpu_path({path!r}): expected one of {', '.join(map(repr, _CPU_PATHS))}")
+    previous, _cpu_path = _cpu_path, path
+    return _RestoreCpuPath(previous)
+
+
+def current_cpu_path() -> CpuPath:
+    """The path CPU tensors take now (see :func:`cpu_path`)."""
+    return _cpu_path
+
+
 _NUMPY_DTYPES = frozenset({torch.float32, torch.float16})  # .numpy() gives these as they are
 _BIT_DTYPES = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16)}
 for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
@@ -463,7 +522,11 @@ def _host_array(x: torch.Tensor) -> np.ndarray | None:
     host kernel does not read (float64), a tensor not on the CPU, or a tensor subclass
     (``DTensor`` and the like hold only a shard: their own operations give the global
     statistics)."""
-    if not HOST_PATH or x.device.type != "cpu" or type(x) not in (torch.Tensor, torch.nn.Parameter):
+    if (
+        _cpu_path != "host"
+        or x.device.type != "cpu"
+        or type(x) not in (torch.Tensor, torch.nn.Parameter)
+    ):
         return None
     flat = x.detach().reshape(-1).resolve_neg()
     if x.dtype in _NUMPY_DTYPES:
@@ -500,9 +563,6 @@ def host_vectors(
     return out
 
 
-#: CPU tensors take the fused kernel (in Triton's interpreter) instead of the host path:
-#: the tests switch it on to check the kernel against the reference without a GPU.
-FUSED_ON_CPU = False
 _fused_state: dict[str, Any] = {}
 
 
@@ -517,7 +577,7 @@ def fused_spec(x: torch.Tensor, layout: Layout | None = None) -> Any:
     if type(x) not in (torch.Tensor, torch.nn.Parameter):
         return None  # tensor subclasses: DTensor and the like hold a shard
     kind = x.device.type
-    if kind != "cuda" and not (kind == "cpu" and FUSED_ON_CPU):
+    if kind != "cuda" and not (kind == "cpu" and _cpu_path == "fused"):
         return None
     fused: Any = _fused_state.get("module")
     if fused is None:
@@ -538,7 +598,7 @@ def fused_spec(x: torch.Tensor, layout: Layout | None = None) -> Any:
         fused = _fused
         if kind == "cpu" and not fused.INTERPRETED:
             raise RuntimeError(
-                "FUSED_ON_CPU needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                "cpu_path('fused') needs Triton's interpreter: set TRITON_INTERPRET=1 "
                 "before tandv's fused kernels are imported"
             )
         _fused_state["module"] = fused
