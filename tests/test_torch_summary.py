@@ -323,12 +323,17 @@ def test_the_cpu_path_hook_routes_cpu_tensors_and_restores(kernel_path):
     kernel only on ``"host"`` and to the fused kernel only on ``"fused"``; a ``with`` block
     puts the path before back, also when it raises; an unknown path is refused."""
     x = torch.ones(8)
+    _, layout = summarize(x.numpy())
+
+    def host(t):  # whether the host kernel takes t
+        return kernel.host_vectors([t], layout, [{}])[0] is not None
+
     assert kernel.current_cpu_path() == kernel_path
-    assert (kernel._host_array(x) is not None) == (kernel_path == "host")
+    assert host(x) == (kernel_path == "host")
     assert (kernel.fused_spec(x) is not None) == (kernel_path == "fused")
     with pytest.raises(KeyError), kernel.cpu_path("host"):
         assert kernel.current_cpu_path() == "host"
-        assert kernel._host_array(x) is not None and kernel.fused_spec(x) is None
+        assert host(x) and kernel.fused_spec(x) is None
         raise KeyError("inside")
     assert kernel.current_cpu_path() == kernel_path
     with pytest.raises(ValueError, match="cpu_path\\('device'\\): expected one of 'host'"):
