@@ -83,6 +83,57 @@ def test_torch_track_updates_needs_an_optimizer():
         track(torch.nn.Linear(2, 2), track_updates=True)
 
 
+def test_torch_update_capture_works_with_any_tracker_seam():
+    """The update capture knows the tracker only as a ``TrackerSeam``: driven by a
+    hand-written one, it records ``after - before`` (exactly) of the parameters the seam
+    names, under ``<path>.update``, and nothing while the seam is not recording."""
+    torch = pytest.importorskip("torch")
+    from tandv.track.torch._updates import UpdateCapture
+
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+
+    class Seam:  # tracks the weight only (the bias is not selected)
+        recording = True
+        module = net
+        kinds = {"Weight": True}
+        track_eval = False
+
+        def __init__(self):
+            self.recorded = []
+
+        def hooked_modules(self):
+            return []
+
+        def parameter(self, p):
+            return ("weight", net) if p is net.weight else None
+
+        def observe(self, name, kind, owner, x, *, fresh=False):
+            raise AssertionError("the update capture observes no hook tensor")
+
+        def record(self, items):
+            self.recorded.append([(n, k, o, t.clone()) for n, k, o, t in items])
+
+    seam = Seam()
+    capture = UpdateCapture(seam, opt)
+    for step in range(3):
+        seam.recording = step != 1
+        net(torch.randn(4, 3)).square().sum().backward()
+        before = net.weight.detach().clone()
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            assert len(seam.recorded) == 1  # nothing recorded at step 1
+            continue
+        [(name, kind, owner, d)] = seam.recorded[-1]
+        assert (name, kind, owner) == ("weight.update", "Weight", net)
+        np.testing.assert_array_equal(d.numpy(), (net.weight.detach() - before).numpy())
+    capture.remove()
+    net(torch.randn(4, 3)).square().sum().backward()
+    opt.step()
+    assert len(seam.recorded) == 2  # no hooks once removed
+
+
 def test_jax_update_rows_match_numpy(tmp_path):
     jax = pytest.importorskip("jax")
     optax = pytest.importorskip("optax")
