@@ -44,9 +44,6 @@ KNOWN_CIRCLES: tuple[frozenset[str], ...] = (
     # issue 31: _compiled and _updates read the torch Tracker's privates and the tracker
     # imports them; they go once they talk to the tracker through a declared protocol.
     frozenset({"track.torch.tracker", "track.torch._compiled", "track.torch._updates"}),
-    # issue 31: the recorder merges ranks through distributed, which builds on the
-    # recorder's rows; split when StepRecorder becomes a step buffer and a log stream.
-    frozenset({"track.common.recorder", "track.common.distributed"}),
 )
 
 

@@ -89,7 +89,7 @@ def check_alert_options(on_nonfinite: Any, alerts: Any) -> tuple[Rule, ...]:
 
 def _rows(step: int, entries: Sequence[Any]) -> pd.DataFrame:
     """The rows of ``entries`` at ``step``, in computation order."""
-    from .recorder import build_rows
+    from .rows import build_rows
 
     rows = build_rows(step, entries)
     return rows.iloc[computation_order(rows)].reset_index(drop=True)

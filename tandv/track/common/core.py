@@ -27,7 +27,8 @@ from ...stats.summary import Layout
 from .alerts import AlertError, AlertWatch
 from .distributed import RankMerger
 from .options import TrackOptions
-from .recorder import StepRecorder, TensorKey, make_run_record
+from .recorder import StepRecorder, make_run_record
+from .rows import TensorKey
 from .scalars import Capture
 
 __all__ = ["TrackerCore"]

@@ -41,7 +41,7 @@ from typing import Protocol
 import numpy as np
 
 from ...stats.summary import Layout, merge_groups
-from .recorder import TensorKey
+from .rows import TensorKey
 
 __all__ = [
     "LOCAL",
