@@ -9,7 +9,7 @@ writer thread. They live here, beneath all three, so that each imports them one 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,17 +40,18 @@ class TensorKey:
     tensor_type: str
     module_type: str
     dtype: str
+    #: the hash, found once: a step's summaries are grouped by key on the writer thread
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tensor_type not in TENSOR_TYPES:
             raise ValueError(f"tensor_type {self.tensor_type!r} is not one of {TENSOR_TYPES}")
-        # the hash, found once: a step's summaries are grouped by key on the writer thread
         object.__setattr__(
             self, "_hash", hash((self.name, self.tensor_type, self.module_type, self.dtype))
         )
 
     def __hash__(self) -> int:
-        return self._hash  # type: ignore[attr-defined]
+        return self._hash
 
     def __reduce__(self) -> tuple[Any, tuple[str, str, str, str]]:
         # by the fields (a string's hash differs between processes: it is found anew)
