@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...schema.columns import ACTIVATION, GRADIENT
-from ...stats.summary import FIELD_INDEX, Layout, merge_all
+from ...stats.summary import Layout, merge_all, rebin
 from .rows import TensorKey
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def _merge_dtypes(
         merged = []
         for i in idx:
             k, layout, v = entries[i]
-            moved = _rebin(v, layout, target)
+            moved = rebin(v, layout, target)
             if moved is None:
                 out.append(
                     (
@@ -86,34 +86,6 @@ def _merge_dtypes(
             else:
                 merged.append(moved)
         out.append((key, target, merge_all(merged, target)))
-    return out
-
-
-def _rebin(v: np.ndarray, src: Layout, dst: Layout) -> np.ndarray | None:
-    """Summary ``v`` of layout ``src`` in layout ``dst``, or ``None`` where that is not
-    exact: the formats' exponent ranges must nest and ``v`` must count no underflow and no
-    finite overflow of its own format."""
-    if src == dst:
-        return v
-    f, g = src.format, dst.format
-    nested = (
-        src.extras == dst.extras
-        and src.moments == dst.moments
-        and g.min_exponent <= f.min_exponent
-        and g.max_exponent >= f.max_exponent
-        and g.max >= f.max
-    )
-    counts = v[src.exponent_counts]
-    inf = v[FIELD_INDEX["inf_count"]]
-    if not nested or counts[0] != 0 or counts[-1] != inf:
-        return None
-    out = dst.empty()
-    out[: src.counts_start] = v[: src.counts_start]
-    first = dst.counts_start + 1 + f.min_exponent - g.min_exponent
-    out[first : first + f.num_bins] = counts[1:-1]
-    out[dst.extras_start - 1] = inf
-    out[dst.extra_values] = v[src.extra_values]
-    out[dst.higher_values] = v[src.higher_values]  # m3, m4 (scaled by the same max)
     return out
 
 
