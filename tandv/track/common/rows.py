@@ -63,7 +63,7 @@ def build_rows(
 ) -> pd.DataFrame:
     """Log rows from merged host summaries, one row per entry, in order.
 
-    ``step`` is the step of every entry, or one step per entry (the recorder builds the
+    ``step`` is the step of every entry, or one step per entry (the log stream builds the
     rows of several buffered steps at once). Entries sharing a layout are finalized
     together (vectorized). Exponent columns are the union over the entries' formats; a
     format that lacks an exponent contributes a zero count there.
