@@ -187,14 +187,14 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
                     params = {name for name, _, _ in tracker._params}
                     gc.collect()
                     gc.disable()  # see the module notes
-                    writer0 = thread_cpu_s(tracker.recorder._thread)  # type: ignore[union-attr]
+                    writer0 = thread_cpu_s(tracker.recorder.stream.writer_thread)  # type: ignore[union-attr]
                 t0 = time.perf_counter()
                 _step(model, opt, data, i)
                 if clock.on:  # the step's activations and output (not parameter) gradients
                     observations += sum(
                         k.tensor_type == "Activation"
                         or (k.tensor_type == "Gradient" and k.name not in params)
-                        for k, _, _ in tracker.recorder._pending  # type: ignore[union-attr]
+                        for k, _, _ in tracker.recorder.buffer.pending  # type: ignore[union-attr]
                     )
                     c0 = time.thread_time_ns()
                 tracker.step()
@@ -202,7 +202,7 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
                     clock.ns["fixed"] += time.thread_time_ns() - c0
                     clock.calls["fixed"] += 1
                 step_ms.append((time.perf_counter() - t0) * 1e3)
-            writer = thread_cpu_s(tracker.recorder._thread) - writer0  # type: ignore[union-attr]
+            writer = thread_cpu_s(tracker.recorder.stream.writer_thread) - writer0  # type: ignore[union-attr]
             clock.on = False
             gc.enable()
     launches = _fused._summarize_one.calls + _fused._summarize_many.calls  # type: ignore[attr-defined]

@@ -106,7 +106,7 @@ def test_recorder_merges_observations_of_one_step(tmp_path):
         v, layout = summarize(m)
         rec.add(key("fc"), layout, v)
     transfers = []
-    rec.end_step(0, lambda xs: transfers.append(len(xs)) or xs)
+    rec.commit(0, rec.take(), lambda xs: transfers.append(len(xs)) or xs)
     rec.close()
     assert transfers == [3]  # one host transfer for the step
     df = read_parquet(tmp_path / "log")
@@ -124,7 +124,7 @@ def test_recorder_streams_parts_and_pickle_once(tmp_path):
     rec = StepRecorder(tmp_path / "log", verbose=False, flush_every=2)
     for step in range(5):
         rec.add(key("a"), layout, v)
-        rec.end_step(step, lambda xs: xs)
+        rec.commit(step, rec.take(), lambda xs: xs)
         # parts appear while the run goes, written by the writer thread: after steps 1 and 3
         deadline = time.monotonic() + 10
         while len(list((tmp_path / "log").glob("*.parquet"))) < (step + 1) // 2 < 3:
@@ -137,7 +137,7 @@ def test_recorder_streams_parts_and_pickle_once(tmp_path):
 
     rec = StepRecorder(tmp_path / "log.pkl", "pickle", verbose=False)
     rec.add(key("a"), layout, v)
-    rec.end_step(0, lambda xs: xs)
+    rec.commit(0, rec.take(), lambda xs: xs)
     assert not (tmp_path / "log.pkl").exists()
     rec.close()
     assert list(read_pickle(tmp_path / "log.pkl")[("metadata", "name")]) == ["a"]
@@ -149,7 +149,7 @@ def test_recorder_write_failure_reaches_the_training_thread(tmp_path):
     v, layout = summarize(np.arange(1, 9, dtype=np.float32))
     rec = StepRecorder(tmp_path / "log", verbose=False)
     rec.add(key("a"), layout, v)
-    rec.end_step(0, lambda xs: xs)
+    rec.commit(0, rec.take(), lambda xs: xs)
     rec.flush()
     real = rec.writer.write
 
@@ -158,7 +158,7 @@ def test_recorder_write_failure_reaches_the_training_thread(tmp_path):
 
     rec.writer.write = full_disk
     rec.add(key("a"), layout, v)
-    rec.end_step(1, lambda xs: xs)
+    rec.commit(1, rec.take(), lambda xs: xs)
     with pytest.raises(RuntimeError, match="writing the log to .* failed") as err:
         rec.flush()
     assert isinstance(err.value.__cause__, OSError)
@@ -201,7 +201,7 @@ def test_rows_mix_formats_with_zero_fill(tmp_path):
     for name, x in (("a", a), ("b", b)):
         v, layout = summarize(x)
         rec.add(key(name, dtype=str(x.dtype)), layout, v)
-    rec.end_step(0, lambda xs: xs)
+    rec.commit(0, rec.take(), lambda xs: xs)
     rec.close()
     df = read_parquet(tmp_path / "log").set_index(("metadata", "name"))
     assert (
@@ -247,7 +247,7 @@ def test_rows_of_one_tensor_in_two_dtypes_merge_into_the_widest_or_stay_apart():
     """The recorder merges a tensor's float16 and float32 summaries of one step into the
     float32 layout exactly; a summary it cannot re-bin exactly keeps a row named by dtype."""
     from tandv.stats.summary import merge_all, summarize
-    from tandv.track.common.recorder import _merge_dtypes
+    from tandv.track.common.buffer import _merge_dtypes
 
     a = np.array([1.5, -2.0, 0.0, 6.0e-5, np.inf], dtype=np.float16)
     b = np.array([3.0e-30, -7.0, 1e30], dtype=np.float32)
@@ -298,7 +298,7 @@ def test_pickle_write_failure_at_close_names_the_log(tmp_path, monkeypatch):
     v, layout = summarize(np.arange(1, 9, dtype=np.float32))
     rec = StepRecorder(tmp_path / "run.pkl", "pickle", verbose=False)
     rec.add(key("a"), layout, v)
-    rec.end_step(0, lambda xs: xs)
+    rec.commit(0, rec.take(), lambda xs: xs)
 
     def full_disk(self, data):
         raise OSError(28, "No space left on device")
@@ -323,7 +323,7 @@ def test_default_paths_are_unique_per_recorder(tmp_path, fmt):
     v, layout = summarize(np.arange(1, 9, dtype=np.float32))
     for i, r in enumerate(recs):
         r.add(key(f"t{i}"), layout, v)
-        r.end_step(0, lambda xs: xs)
+        r.commit(0, r.take(), lambda xs: xs)
         r.close()
     read = read_pickle if fmt == "pickle" else read_parquet
     assert [list(read(p)[("metadata", "name")]) for p in paths] == [["t0"], ["t1"], ["t2"]]
@@ -348,10 +348,10 @@ def test_forgotten_step_warns_then_raises(tmp_path):
         match=r"21 tensor observations .*call tracker\.step\(\) once per training step",
     ):
         rec.add(key("a"), layout, v)
-    rec.end_step(0, lambda xs: xs)  # the step ends: the count starts again
+    rec.commit(0, rec.take(), lambda xs: xs)  # the step ends: the count starts again
     for _ in range(10):
         rec.add(key("a"), layout, v)
-    rec.end_step(1, lambda xs: xs)
+    rec.commit(1, rec.take(), lambda xs: xs)
     rec.close()
     assert list(read_parquet(tmp_path / "log")[("metadata", "step")]) == [0, 1]
 
@@ -361,14 +361,14 @@ def test_second_step_call_without_activations_warns(tmp_path):
     rec = StepRecorder(tmp_path / "log", verbose=False)
     rec.add(key("a", "Activation"), layout, v)
     rec.add(key("w", "Weight"), layout, v)
-    rec.end_step(0, lambda xs: xs)
+    rec.commit(0, rec.take(), lambda xs: xs)
     rec.add(key("w", "Weight"), layout, v)
     with pytest.warns(
         RuntimeWarning,
         match=r"step 1 observed no activation or gradient .* more than once per "
         r"training step",
     ):
-        rec.end_step(1, lambda xs: xs)
+        rec.commit(1, rec.take(), lambda xs: xs)
     rec.close()
 
 

@@ -7,7 +7,7 @@ module it names. The tests check three rules of the house (issue 31):
 
 * the rooms form layers (:data:`LAYERS`): a room imports only itself and rooms of lower
   layers, so there is no upward arrow and no circle between rooms;
-* no circle among the modules inside a room, but for :data:`KNOWN_CIRCLES`;
+* no circle among the modules inside a room;
 * no module reads another package's private (``_``-prefixed) module or name;
 * no module reads a private member of the torch tracker (:data:`TRACKER_CLASSES`) but the
   tracker's own: its extensions (compiled hooks, update capture) talk to it through the
@@ -39,16 +39,6 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"cli", ""}),  # the command line and the public face
     frozenset({"__main__"}),  # `python -m tandv`: the command line
 )
-
-#: Circles among modules that are still there, each a set of modules that import each
-#: other (one strongly connected component of the module graph). Remove an entry when its
-#: circle is gone: the test then fails until it is.
-KNOWN_CIRCLES: tuple[frozenset[str], ...] = (
-    # issue 31: the recorder merges ranks through distributed, which builds on the
-    # recorder's rows; split when StepRecorder becomes a step buffer and a log stream.
-    frozenset({"track.common.recorder", "track.common.distributed"}),
-)
-
 
 def _module_name(path: Path) -> str:
     """``tandv/track/torch/tracker.py`` -> ``track.torch.tracker``; a package's
@@ -166,15 +156,9 @@ def test_rooms_import_only_lower_layers():
     assert not upward, "imports that are not downward:\n" + "\n".join(sorted(upward))
 
 
-def test_no_circle_among_modules_but_the_known_ones():
-    circles = set(_circles(_graph()))
-    assert circles - set(KNOWN_CIRCLES) == set(), (
-        f"new import circles: {[sorted(c) for c in circles - set(KNOWN_CIRCLES)]}"
-    )
-    assert set(KNOWN_CIRCLES) - circles == set(), (
-        f"these circles are gone; remove them from KNOWN_CIRCLES: "
-        f"{[sorted(c) for c in set(KNOWN_CIRCLES) - circles]}"
-    )
+def test_no_circle_among_modules():
+    circles = _circles(_graph())
+    assert not circles, f"import circles: {[sorted(c) for c in circles]}"
 
 
 def _private_part(dotted: str) -> int | None:

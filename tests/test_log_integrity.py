@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _record(rec: StepRecorder, step: int, name: str = "a") -> None:
     v, layout = summarize(np.arange(1, 9, dtype=np.float32) * (step + 1))
     rec.add(TensorKey(name, "Weight", "Linear", "float32"), layout, v)
-    rec.end_step(step, lambda xs: xs)
+    rec.commit(step, rec.take(), lambda xs: xs)
 
 
 # ------------------------------------------------------------------ one run per path
@@ -120,7 +120,7 @@ rec = StepRecorder(sys.argv[1], sys.argv[2], verbose=False, flush_every=1000, fl
 for step in range(5):
     v, layout = summarize(np.arange(1, 9, dtype=np.float32))
     rec.add(TensorKey("a", "Weight", "Linear", "float32"), layout, v)
-    rec.end_step(step, lambda xs: xs)
+    rec.commit(step, rec.take(), lambda xs: xs)
 print("ready", flush=True)
 while True:
     time.sleep(0.05)
@@ -158,7 +158,7 @@ from tandv.track.common import StepRecorder, TensorKey
 rec = StepRecorder(sys.argv[1], verbose=False, flush_every=1000, flush_seconds=1e6)
 v, layout = summarize(np.arange(1, 9, dtype=np.float32))
 rec.add(TensorKey("a", "Weight", "Linear", "float32"), layout, v)
-rec.end_step(0, lambda xs: xs)
+rec.commit(0, rec.take(), lambda xs: xs)
 pid = os.fork()
 if pid == 0:  # a data loader worker, say: not the log's writer
     time.sleep(60)
@@ -194,7 +194,7 @@ def test_write_error_surfaces_at_the_next_step(tmp_path):
     rec.writer.write = full
     for step in range(5):  # the fifth step hands the batch to the writer thread
         _record(rec, step)
-    rec._queue.join()  # the write has failed by now
+    rec.stream._queue.join()  # the write has failed by now
     with pytest.raises(RuntimeError, match="writing the log .* failed") as err:
         _record(rec, 5)
     assert isinstance(err.value.__cause__, OSError)
@@ -322,7 +322,7 @@ def _named_log(path: Path) -> None:
         for name in ("$x^$", "evil\x1b[2J\x07"):
             v, layout = summarize(np.arange(1, 9, dtype=np.float32))
             rec.add(TensorKey(name, "Weight", "Lin$ear", "float32"), layout, v)
-        rec.end_step(step, lambda xs: xs)
+        rec.commit(step, rec.take(), lambda xs: xs)
     rec.close()
 
 

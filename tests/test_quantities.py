@@ -26,7 +26,7 @@ from tandv.schema import validate
 from tandv.snapshot import Snapshot
 from tandv.stats import summarize
 from tandv.track.common import TensorKey
-from tandv.track.common.recorder import build_rows
+from tandv.track.common.rows import build_rows
 
 
 # -- trust ratio and update ratio from snapshots ------------------------------------------------

@@ -19,7 +19,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from tandv.schema import SchemaError, read_parquet, validate  # noqa: E402
 from tandv.schema.writer import PartWriter, Rows  # noqa: E402
 from tandv.stats.summary import summarize  # noqa: E402
-from tandv.track.common.recorder import TensorKey, build_rows, row_columns  # noqa: E402
+from tandv.track.common.rows import TensorKey, build_rows, row_columns  # noqa: E402
 from tandv.track.torch import _fused, _workspace, track  # noqa: E402
 from tandv.track.torch import summary as kernel  # noqa: E402
 

@@ -21,6 +21,7 @@ from tandv.stats import (
     number_format,
     summarize,
 )
+from tandv.stats.summary import rebin
 
 
 def counts_dict(x, fmt=None):
@@ -297,3 +298,18 @@ def test_moments_of_float64_values_near_the_max_stay_finite():
             for k, e in expected.items():
                 assert np.isfinite(stats[k]), k
                 assert stats[k] / 2.0**1000 == pytest.approx(e, rel=1e-12), k
+
+
+def test_rebin_moves_a_summary_into_a_wider_format_exactly_or_refuses():
+    """A bfloat16-format summary of bfloat16 values, re-binned into the float32 layout, is
+    the float32-format summary of the same values; a summary that counted an underflow of
+    its own format, or a format that does not nest in the target, is refused (``None``)."""
+    x = np.array([1.5, -2.0, 0.0, 3.0e-30, np.inf, -7.0e20], dtype=ml_dtypes.bfloat16)
+    v16, l16 = summarize(x)
+    v32, l32 = summarize(x.astype(np.float32), "float32")
+    assert l16 != l32
+    np.testing.assert_array_equal(rebin(v16, l16, l32), v32)
+    assert rebin(v16, l16, l16) is v16
+    under, lu = summarize(np.array([1e-9, 2.0], np.float32), "float16")  # 1e-9 underflows
+    assert rebin(under, lu, l32) is None
+    assert rebin(v32, l32, l16) is None  # float32's subnormals reach below bfloat16's

@@ -88,6 +88,7 @@ __all__ = [
     "summarize",
     "merge",
     "merge_all",
+    "rebin",
     "finalize",
     "finalize_many",
     "unfinalize_many",
@@ -656,6 +657,39 @@ def merge_all(parts: Iterable[np.ndarray], layout: Layout) -> np.ndarray:
     out = layout.empty()
     for p in parts:
         out = merge(out, p, layout)
+    return out
+
+
+def rebin(v: np.ndarray, src: Layout, dst: Layout) -> np.ndarray | None:
+    """Summary ``v`` of layout ``src`` in layout ``dst``, or ``None`` where that is not
+    exact: the formats' exponent ranges must nest and ``v`` must count no underflow and no
+    finite overflow of its own format.
+
+    What lets a tensor seen in two dtypes within a step (a shared module fed float32 and
+    bfloat16) keep one row, in the wider format: the exponent counts move to the wider
+    format's bins, every other field keeps its value.
+    """
+    if src == dst:
+        return v
+    f, g = src.format, dst.format
+    nested = (
+        src.extras == dst.extras
+        and src.moments == dst.moments
+        and g.min_exponent <= f.min_exponent
+        and g.max_exponent >= f.max_exponent
+        and g.max >= f.max
+    )
+    counts = v[src.exponent_counts]
+    inf = v[FIELD_INDEX["inf_count"]]
+    if not nested or counts[0] != 0 or counts[-1] != inf:
+        return None
+    out = dst.empty()
+    out[: src.counts_start] = v[: src.counts_start]
+    first = dst.counts_start + 1 + f.min_exponent - g.min_exponent
+    out[first : first + f.num_bins] = counts[1:-1]
+    out[dst.extras_start - 1] = inf
+    out[dst.extra_values] = v[src.extra_values]
+    out[dst.higher_values] = v[src.higher_values]  # m3, m4 (scaled by the same max)
     return out
 
 

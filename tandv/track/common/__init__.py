@@ -4,16 +4,11 @@ build on, selection, schedules, step bookkeeping, rows, log IO."""
 from ...schema.io import read_log, read_parquet, read_pickle
 from .core import TrackerCore
 from .options import ROOT_NAME, TrackKwargs, TrackOptions
-from .recorder import (
-    DEFAULT_LOG_DIR,
-    StepRecorder,
-    TensorKey,
-    build_rows,
-    make_run_record,
-    resolve_out,
-)
+from .recorder import StepRecorder
+from .rows import TensorKey, build_rows
 from .schedule import Schedule, linear, make_schedule
 from .selection import Pattern, Selector
+from .stream import DEFAULT_LOG_DIR, make_run_record, resolve_out
 
 __all__ = [
     "TrackOptions",

@@ -1,10 +1,11 @@
 """Alerts while training: a step that went non-finite, or that a user's rule flags, stops the
 run (or warns) as soon as its summaries reach the host.
 
-The check runs where a step's host summaries become rows (:meth:`StepRecorder.commit`), so
-it costs no transfer and no sync of its own, and both trackers share it. :class:`AlertWatch`
-inspects each committed step and keeps the first error due; the tracker core raises it from
-the next ``tracker.step()`` (or from closing), after writing every step up to the bad one.
+The check runs where a step's host summaries become entries of the log
+(:meth:`~tandv.track.common.buffer.StepBuffer.commit`), so it costs no transfer and no sync
+of its own, and both trackers share it. :class:`AlertWatch` inspects each committed step and
+keeps the first error due; the tracker core raises it from the next ``tracker.step()`` (or
+from closing), after writing every step up to the bad one.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def check_alert_options(on_nonfinite: Any, alerts: Any) -> tuple[Rule, ...]:
 
 def _rows(step: int, entries: Sequence[Any]) -> pd.DataFrame:
     """The rows of ``entries`` at ``step``, in computation order."""
-    from .recorder import build_rows
+    from .rows import build_rows
 
     rows = build_rows(step, entries)
     return rows.iloc[computation_order(rows)].reset_index(drop=True)

@@ -27,8 +27,10 @@ from ...stats.summary import Layout
 from .alerts import AlertError, AlertWatch
 from .distributed import RankMerger
 from .options import TrackOptions
-from .recorder import StepRecorder, TensorKey, make_run_record
+from .recorder import StepRecorder
+from .rows import TensorKey
 from .scalars import Capture
+from .stream import make_run_record
 
 __all__ = ["TrackerCore"]
 

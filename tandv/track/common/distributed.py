@@ -41,7 +41,7 @@ from typing import Protocol
 import numpy as np
 
 from ...stats.summary import Layout, merge_groups
-from .recorder import TensorKey
+from .rows import TensorKey
 
 __all__ = [
     "LOCAL",
@@ -220,9 +220,10 @@ def merge_ranks(step: int, rows: Sequence[Row], comm: Collectives, writer: int =
 
 
 class RankMerger:
-    """What a :class:`~tandv.track.common.recorder.StepRecorder` of a distributed run is
-    given (its ``merger``): which rank writes, the shared log path, and the merge of each
-    committed step's rows (:func:`merge_ranks`).
+    """What the recorder of a distributed run is given (its ``merger``): which rank writes
+    and the shared log path (for its :class:`~tandv.track.common.stream.LogStream`), and the
+    merge of each committed step's rows (for its
+    :class:`~tandv.track.common.buffer.StepBuffer`: :func:`merge_ranks`).
 
     Arguments:
         comm: the framework's collectives (with their timeout).

@@ -141,7 +141,7 @@ class TrackOptions:
     block_formats: Sequence[str] | None = None
     moments: int = 2
     number_format: Any = None
-    out: str | os.PathLike | None = None
+    out: str | os.PathLike[str] | None = None
     out_format: str = "parquet"
     run_name: str | None = None
     flush_every: int = 10
@@ -292,7 +292,7 @@ class TrackKwargs(TypedDict, total=False):
     block_formats: Sequence[str] | None
     moments: int
     number_format: Any
-    out: str | os.PathLike | None
+    out: str | os.PathLike[str] | None
     out_format: str
     run_name: str | None
     flush_every: int

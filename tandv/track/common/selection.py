@@ -9,7 +9,7 @@ from dataclasses import dataclass
 __all__ = ["Selector", "Pattern"]
 
 #: One selection entry: a regex searched in the tensor name, a class name, or a class.
-Pattern = str | re.Pattern | type
+Pattern = str | re.Pattern[str] | type
 
 
 def _as_list(value: Pattern | Sequence[Pattern] | None, arg: str) -> tuple[Pattern, ...]:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..common.distributed import LOCAL, REPLICATED, RankMerger, Role, Shard
-from ..common.recorder import TensorKey
+from ..common.rows import TensorKey
 
 __all__ = ["TorchCollectives", "TorchRanks", "distributed_world", "unwrap_ddp", "module_type"]
 

@@ -1,0 +1,148 @@
+"""The rows of a log: a row's identity (:class:`TensorKey`) and the building of rows from a
+step's merged host summaries (:func:`row_columns`, :func:`build_rows`).
+
+Both the step buffer (which merges a step's summaries into entries) and the cross-rank merge
+(:mod:`.distributed`) speak in these types; the log stream builds the rows from them on its
+writer thread. They live here, beneath all three, so that each imports them one way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ...schema.columns import OVERFLOW, TENSOR_TYPES, UNDERFLOW
+from ...schema.writer import Rows
+from ...stats.summary import (
+    COUNT_STATS,
+    DEFAULT_STATS,
+    HIGHER_STATS,
+    Layout,
+    exponent_labels,
+    finalize_many,
+)
+
+__all__ = ["TensorKey", "Entries", "build_rows", "row_columns"]
+
+#: A step's merged host summaries: (row key, layout, summary vector) per row.
+Entries = list[tuple["TensorKey", Layout, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class TensorKey:
+    """Identity of one row of a step: which tensor, of which kind, from which module class."""
+
+    name: str
+    tensor_type: str
+    module_type: str
+    dtype: str
+    #: the hash, found once: a step's summaries are grouped by key on the writer thread
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.tensor_type not in TENSOR_TYPES:
+            raise ValueError(f"tensor_type {self.tensor_type!r} is not one of {TENSOR_TYPES}")
+        object.__setattr__(
+            self, "_hash", hash((self.name, self.tensor_type, self.module_type, self.dtype))
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str, str, str]]:
+        # by the fields (a string's hash differs between processes: it is found anew)
+        return (TensorKey, (self.name, self.tensor_type, self.module_type, self.dtype))
+
+
+def build_rows(
+    step: int | Sequence[int] | np.ndarray, entries: Sequence[tuple[TensorKey, Layout, np.ndarray]]
+) -> pd.DataFrame:
+    """Log rows from merged host summaries, one row per entry, in order.
+
+    ``step`` is the step of every entry, or one step per entry (the log stream builds the
+    rows of several buffered steps at once). Entries sharing a layout are finalized
+    together (vectorized). Exponent columns are the union over the entries' formats; a
+    format that lacks an exponent contributes a zero count there.
+    """
+    return row_columns(step, entries).frame()
+
+
+def row_columns(
+    step: int | Sequence[int] | np.ndarray, entries: Sequence[tuple[TensorKey, Layout, np.ndarray]]
+) -> Rows:
+    """:func:`build_rows` as plain columns (:class:`~tandv.schema.writer.Rows`), which
+    the log's writer stores without a DataFrame."""
+    n = len(entries)
+    steps = (
+        np.full(n, step, dtype=np.int64)
+        if isinstance(step, (int, np.integer))
+        else np.asarray(step, dtype=np.int64)
+    )
+    if steps.shape != (n,):
+        raise ValueError(f"build_rows: {len(steps)} steps for {n} entries")
+    # by identity (hashing a Layout costs more than the rest; layouts are cached, and equal
+    # layouts in two groups give the same columns)
+    by_id: dict[int, tuple[Layout, list[int]]] = {}
+    for i, (_, layout, _) in enumerate(entries):
+        group = by_id.get(id(layout))
+        if group is None:
+            group = by_id[id(layout)] = (layout, [])
+        group[1].append(i)
+    groups = dict(by_id.values()) if len(by_id) == 1 else _by_layout(by_id)
+    stat_names = list(DEFAULT_STATS)
+    for layout in groups:
+        higher = HIGHER_STATS if layout.num_higher else ()  # skew, kurtosis (moments=4)
+        stat_names += [n for n in higher if n not in stat_names]
+        stat_names += [name for name, _ in layout.extras if name not in stat_names]
+    labels: dict[Any, int] = {}
+    for layout in groups:
+        for lab in exponent_labels(layout.format):
+            labels.setdefault(lab, len(labels))
+    stats = {k: np.full(n, np.nan) for k in stat_names if k not in COUNT_STATS}
+    stats.update({k: np.zeros(n, np.int64) for k in COUNT_STATS})
+    counts = np.zeros((n, len(labels)), dtype=np.int64)
+    for layout, rows in groups.items():
+        st, c = finalize_many(np.stack([entries[r][2] for r in rows]), layout)
+        if len(rows) == n:  # one layout (the common case): every row, no index
+            for k, a in st.items():
+                stats[k][:] = a
+            cols = [labels[lab] for lab in exponent_labels(layout.format)]
+            if cols == list(range(len(labels))):
+                counts = c
+            else:
+                counts[:, cols] = c
+            continue
+        idx = np.asarray(rows, dtype=np.intp)
+        for k, a in st.items():
+            stats[k][idx] = a
+        cols_ix = np.array([labels[lab] for lab in exponent_labels(layout.format)], dtype=np.intp)
+        counts[np.ix_(idx, cols_ix)] = c
+    order = [UNDERFLOW, *sorted(l for l in labels if l not in (UNDERFLOW, OVERFLOW)), OVERFLOW]
+    if not labels:
+        counts = np.zeros((n, 2), np.int64)
+    else:
+        at = [labels[lab] for lab in order]
+        if at != list(range(len(labels))):
+            counts = counts[:, at]
+    return Rows(
+        names=[k.name for k, _, _ in entries],
+        types=[k.module_type for k, _, _ in entries],
+        tensor_types=[k.tensor_type for k, _, _ in entries],
+        steps=steps,
+        dtypes=[k.dtype for k, _, _ in entries],
+        stats={k: stats[k] for k in stat_names},
+        labels=order,
+        counts=counts,
+    )
+
+
+def _by_layout(by_id: dict[int, tuple[Layout, list[int]]]) -> dict[Layout, list[int]]:
+    """Groups of entries by equal layout, from groups by layout identity (in order)."""
+    groups: dict[Layout, list[int]] = {}
+    for layout, rows in by_id.values():
+        groups.setdefault(layout, []).extend(rows)
+    return {k: sorted(v) for k, v in groups.items()}
