@@ -73,6 +73,7 @@ import triton.language as tl
 from triton import knobs
 from triton.runtime import driver
 
+from ...stats.blocks import BLOCK_COLUMNS, block_formats_of
 from ...stats.formats import number_format
 from ...stats.summary import Layout, append_extras, pack_summary
 
@@ -91,6 +92,8 @@ __all__ = [
     "finish_rows",
     "row_size",
     "scratch_rows",
+    "launch_blocks",
+    "block_columns_at",
 ]
 
 # The fields of a row, in order; the exponent counts follow the counter. N_READ counts
@@ -859,6 +862,203 @@ def _summarize_many(
     )
 
 
+# ------------------------------------------------------------------ block-scaled formats
+
+
+@triton.jit
+def _round_grid(v, M: tl.constexpr, EMIN: tl.constexpr):
+    """``v >= 0`` (float32, at most ``2**(EMIN + 23 - M)`` times the grid's top binade)
+    rounded to nearest-even onto the grid of an element format with ``M`` mantissa bits
+    and smallest normal ``2**EMIN`` (no saturation). Adding ``k``, a power of two whose
+    float32 spacing is the grid's spacing at ``v``, rounds (IEEE, to even); subtracting it
+    is exact. Only additions: no multiply-add can be contracted into the rounding."""
+    field = v.to(tl.int32, bitcast=True) >> 23
+    k = ((tl.maximum(field, EMIN + 127) + (23 - M)) << 23).to(tl.float32, bitcast=True)
+    return (v + k) - k
+
+
+@triton.jit
+def _sum1(v):
+    """Sum along axis 1 (the elements of each block)."""
+    return tl.reduce(v, 1, _ADD)
+
+
+@triton.jit
+def _mx_tile(a, e, big, EMAX: tl.constexpr, EMIN: tl.constexpr, M: tl.constexpr, FMAX: tl.constexpr):
+    """One MX format's per-block sums of a ``[blocks, 32]`` tile of magnitudes ``a`` (0
+    where no finite value), ``e`` ``[blocks, 1]`` the floor(log2) of each block's largest
+    (0 for a block without a non-zero value): ``(underflow, subnormal, saturated)`` counts
+    and the squared errors of the ``big`` elements (those at least ``2**(e - 32)``) as
+    ``sum((q - y)**2) * 2**(120 - 2 EMAX)``, float32: ``y = a / 2**(e - EMAX)`` is exact
+    (two power-of-two factors, each a normal float32) for every element that can round to a
+    non-zero element, and so is ``q - y``; the scaled squares of the big elements are
+    normal floats below ``2**122``. The others are zero in every MX format; their error
+    (``a`` itself) is summed apart (:func:`_small_err`)."""
+    k = EMAX - e
+    h = k >> 1
+    y = (a * _pow2_f32(h)) * _pow2_f32(k - h)
+    q = _round_grid(tl.minimum(y, FMAX), M, EMIN)
+    nz = a > 0
+    under = _sum1((nz & (q == 0)).to(tl.int32))
+    subn = _sum1(((q > 0) & (q < _pow2_f32(EMIN + 0 * h))).to(tl.int32))
+    sat = _sum1((y > FMAX).to(tl.int32))
+    d = tl.where(big, (q - y) * _pow2_f32(60 - EMAX + 0 * h), 0.0)
+    return under, subn, sat, _sum1(d * d)
+
+
+@triton.jit
+def _small_err(a, ea, e, small):
+    """Per block, the float64 sum of ``a**2`` over the ``small`` elements (non-zero, below
+    ``2**(e - 32)``: zero in every MX format, so their squared error is ``a**2``), exact to
+    float32's rounding: in two float32 sums of squares scaled into the normal range (by
+    ``2**(93 - e)``, and ``2**(217 - e)`` for elements below ``2**(e - 156)``)."""
+    tiny = ea < e - 156
+    t = tl.minimum(tl.where(tiny, 217 - e, 93 - e), 250)
+    h = t >> 1
+    v = (tl.where(small, a, 0.0) * _pow2_f32(h)) * _pow2_f32(t - h)
+    v2 = v * v
+    s2 = _sum1(tl.where(small & ~tiny, v2, 0.0)).to(tl.float64)
+    s3 = _sum1(tl.where(small & tiny, v2, 0.0)).to(tl.float64)
+    eb = tl.reshape(e, [e.shape[0]])
+    return s2 * _pow2_f64(2 * eb - 186) + s3 * _pow2_f64(2 * eb - 434)
+
+
+@triton.jit
+def _nv_tile(a, s_t, st_ok):
+    """NVFP4's per-block ``(underflow, subnormal, saturated, squared error, max/min)`` of
+    a ``[blocks, 16]`` tile of magnitudes ``a``, given the tensor's scale ``s_t`` (1 where
+    ``st_ok`` is false: the tensor scale is 0, every block's scale too). float32 in the
+    definition's order (divisions rounded to nearest); the error in float64, where the
+    dequantized value ``q * (s_b * s_t)`` and its difference from ``a`` are exact."""
+    amax = tl.reduce(a, 1, _MAX)
+    amin = tl.reduce(tl.where(a > 0, a, float("inf")), 1, _MIN)
+    ratio = tl.where(amax > 0, amax.to(tl.float64) / amin.to(tl.float64), 0.0)
+    u = tl.math.div_rn(tl.math.div_rn(amax, 6.0), s_t)
+    u = tl.where(st_ok, tl.where(amax > 0, tl.minimum(u, 448.0), 0.0), 0.0)
+    scale = _round_grid(u, 3, -6) * s_t
+    ok = scale > 0
+    y = tl.math.div_rn(a, tl.where(ok, scale, 1.0)[:, None])
+    q = tl.where(ok[:, None], _round_grid(tl.minimum(y, 6.0), 1, 0), 0.0)
+    nz = a > 0
+    under = _sum1((nz & (q == 0)).to(tl.int32))
+    subn = _sum1(((q > 0) & (q < 1.0)).to(tl.int32))
+    sat = _sum1((ok[:, None] & (y > 6.0)).to(tl.int32))
+    d = q.to(tl.float64) * tl.where(ok, scale, 0.0).to(tl.float64)[:, None] - a.to(tl.float64)
+    return under, subn, sat, _sum1(d * d), ratio
+
+
+@triton.jit
+def _add_columns(ptr, under, subn, sat, err, ratio):
+    """Adds one program's columns of a format to the row's (``ptr``: its first column);
+    the block range as the largest ``max/min`` ratio (its float64 bits: positive floats
+    order as integers), turned into log2 by :func:`finish_rows`."""
+    tl.atomic_add(ptr, tl.sum(under.to(tl.float64)), sem="relaxed")
+    tl.atomic_add(ptr + 1, tl.sum(subn.to(tl.float64)), sem="relaxed")
+    tl.atomic_add(ptr + 2, tl.sum(sat.to(tl.float64)), sem="relaxed")
+    tl.atomic_add(ptr + 3, tl.sum(err), sem="relaxed")
+    bits = ptr.to(tl.pointer_type(tl.int64), bitcast=True) + 4
+    tl.atomic_max(bits, tl.max(ratio).to(tl.int64, bitcast=True), sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["length", "per_row", "blocks", "per_prog", "rs", "cs", "row_off"])
+# a Triton kernel body: one straight-line program
+def _blocks_one(  # noqa: PLR0915
+    x_ptr,
+    length,
+    per_row,
+    blocks,
+    per_prog,
+    rs,
+    cs,
+    rows_ptr,
+    row_off,
+    lut_ptr,
+    MODE: tl.constexpr,
+    NB: tl.constexpr,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
+    C_NV: tl.constexpr,
+):
+    """The block-scaled formats' columns of one tensor (after :func:`_summarize_one` or
+    :func:`_summarize_many` wrote its row: NVFP4 takes the tensor's largest magnitude from
+    it), a second read: rows of ``length`` elements (row stride ``rs``, element stride
+    ``cs``) in ``blocks`` blocks of 32, ``per_row`` per row, read as tiles of ``NB``
+    blocks (tile row ``b`` is block ``b``: row ``b // per_row``, elements from ``(b %
+    per_row) * 32``, masked past the row's end), ``per_prog`` blocks per program. ``C_*``:
+    the row column of each format's first column (0: not computed). Each program adds its
+    sums to the row (atomics; the row starts at zero)."""
+    pid = tl.program_id(0)
+    b0 = pid.to(tl.int64) * per_prog
+    b_end = tl.minimum(b0 + per_prog, blocks)
+    row = rows_ptr + row_off
+    if MODE == 2:  # bfloat16: read as int16 bits
+        ptr = x_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+    else:
+        ptr = x_ptr
+    MX: tl.constexpr = C_E4M3 + C_E5M2 + C_E2M1
+    amax_t = tl.load(row + 7).to(tl.float32)  # MAX_ABS, written by the summary kernel
+    st_ok = amax_t > 0
+    s_t = tl.math.div_rn(tl.where(st_ok, amax_t, 2688.0), 2688.0)
+    st_ok = s_t > 0  # (a tensor maximum below 2688 * 2**-149 gives 0)
+    s_t = tl.where(st_ok, s_t, 1.0)
+    zi = tl.zeros([NB], tl.int32)
+    zf = tl.zeros([NB], tl.float64)
+    zi2 = tl.zeros([2 * NB], tl.int32)
+    zf2 = tl.zeros([2 * NB], tl.float64)
+    acc = (zi, zi, zi, zf, zi, zi, zi, zf, zi, zi, zi, zf, zf, zf, zi2, zi2, zi2, zf2, zf2)
+    j = tl.arange(0, 32)[None, :]
+    for t0 in range(b0, b_end, NB):
+        b = t0 + tl.arange(0, NB).to(tl.int64)[:, None]
+        r = b // per_row
+        col = (b - r * per_row) * 32 + j
+        m = (b < b_end) & (col < length)
+        x = _load(ptr, r * rs + col * cs, m, lut_ptr, MODE, True)
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        a = tl.where(m & (bits < 0x7F800000), tl.abs(x), 0.0)
+        u1, s1, t1, e1, u2, s2, t2, e2, u3, s3, t3, e3, es, rmx, un, sn, tn, en, rnv = acc
+        if MX:
+            amax = tl.reduce(a, 1, _MAX)
+            amin = tl.reduce(tl.where(a > 0, a, float("inf")), 1, _MIN)
+            rmx = tl.maximum(
+                rmx, tl.where(amax > 0, amax.to(tl.float64) / amin.to(tl.float64), 0.0)
+            )
+            abits = a.to(tl.int32, bitcast=True)
+            top = amax.to(tl.int32, bitcast=True)
+            e = tl.where(amax > 0, _exponent(top, True, 0), 0)[:, None]
+            ea = _exponent(abits, True, 0)
+            big = ea >= e - 32
+            es += _small_err(a, ea, e, (a > 0) & ~big)
+            if C_E4M3:
+                du, ds, dt, de = _mx_tile(a, e, big, 8, -6, 3, 448.0)
+                u1, s1, t1, e1 = u1 + du, s1 + ds, t1 + dt, e1 + de.to(tl.float64) * _pow2_f64(
+                    2 * tl.reshape(e, [NB]) - 120
+                )
+            if C_E5M2:
+                du, ds, dt, de = _mx_tile(a, e, big, 15, -14, 2, 57344.0)
+                u2, s2, t2, e2 = u2 + du, s2 + ds, t2 + dt, e2 + de.to(tl.float64) * _pow2_f64(
+                    2 * tl.reshape(e, [NB]) - 120
+                )
+            if C_E2M1:
+                du, ds, dt, de = _mx_tile(a, e, big, 2, 0, 1, 6.0)
+                u3, s3, t3, e3 = u3 + du, s3 + ds, t3 + dt, e3 + de.to(tl.float64) * _pow2_f64(
+                    2 * tl.reshape(e, [NB]) - 120
+                )
+        if C_NV:
+            du, ds, dt, de, dr = _nv_tile(tl.reshape(a, [2 * NB, 16]), s_t, st_ok)
+            un, sn, tn, en, rnv = un + du, sn + ds, tn + dt, en + de, tl.maximum(rnv, dr)
+        acc = (u1, s1, t1, e1, u2, s2, t2, e2, u3, s3, t3, e3, es, rmx, un, sn, tn, en, rnv)
+    u1, s1, t1, e1, u2, s2, t2, e2, u3, s3, t3, e3, es, rmx, un, sn, tn, en, rnv = acc
+    if C_E4M3:
+        _add_columns(row + C_E4M3, u1, s1, t1, e1 + es, rmx)
+    if C_E5M2:
+        _add_columns(row + C_E5M2, u2, s2, t2, e2 + es, rmx)
+    if C_E2M1:
+        _add_columns(row + C_E2M1, u3, s3, t3, e3 + es, rmx)
+    if C_NV:
+        _add_columns(row + C_NV, un, sn, tn, en, rnv)
+
+
 #: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when this module
 #: was imported), which reads CPU tensors; compiled kernels read CUDA tensors.
 INTERPRETED = not isinstance(_summarize_one, triton.runtime.JITFunction)
@@ -1201,6 +1401,7 @@ def clear_caches() -> None:
     """Forget the kernel variants, launchers and dtype specs (after a change of the tile
     constants: tests and tuning)."""
     _consts.cache_clear()
+    _block_consts.cache_clear()
     spec_for.cache_clear()
     _fold.cache_clear()
     _fold_runs.cache_clear()
@@ -1239,7 +1440,7 @@ def launch_one(
     if extra is None:
         ext, ext_off = rows, 0
     else:
-        ext_off = spec.row_size + extra[0]
+        ext_off = block_columns_at(spec, layout) + extra[0]
         ext = extra[1]
     lut = _lut(spec, x.device, rows)
     strided = 0 if geo is None else 1 if _reach(n, geo) < 2**31 else 2
@@ -1247,6 +1448,7 @@ def launch_one(
     args: tuple[Any, ...] = (base, n, -(-per // spec.block), rows, offset, scratch, lut)
     args += (fmax, float(weight), ext, ext_off, *(geo or (1, 1, 0, 0, 0)))
     _launch(_summarize_one, parts, args, consts, (base, rows, scratch, lut, ext))
+    launch_blocks(x, spec, layout, rows, offset, max_parts)
 
 
 def plan_one(spec: Spec, layout: Layout, strided: int, ext: bool) -> tuple[_Consts, float]:
@@ -1257,6 +1459,65 @@ def plan_one(spec: Spec, layout: Layout, strided: int, ext: bool) -> tuple[_Cons
         consts = _consts(spec, _over(spec, layout), strided, ext, hoff=_hoff(spec, layout))
         plan = _plans[(id(spec), id(layout), strided, ext)] = (consts, _fmax(layout), spec, layout)
     return plan[0], plan[1]
+
+
+#: The block formats the block kernel computes, in the order of its ``C_*`` arguments.
+_BLOCK_KERNEL_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1", "nvfp4")
+#: Blocks of 32 per tile of the block kernel.
+BLOCK_TILE = 64
+
+
+def block_columns_at(spec: Spec, layout: Layout) -> int:
+    """Where the layout's custom statistics that the caller writes start in a row of
+    ``spec``'s tensors: after the block formats' columns, which the kernels write."""
+    return spec.row_size + len(BLOCK_COLUMNS) * len(block_formats_of(layout.extras))
+
+
+@cache
+def _block_consts(spec: Spec, names: tuple[str, ...]) -> _Consts | None:
+    """The block kernel's variant for ``spec``'s tensors and the block formats ``names`` (in
+    the layout's order; ``None`` if none)."""
+    if not names:
+        return None
+    cols = [0] * len(_BLOCK_KERNEL_FORMATS)
+    for i, name in enumerate(names):
+        cols[_BLOCK_KERNEL_FORMATS.index(name)] = spec.row_size + len(BLOCK_COLUMNS) * i
+    kw: dict[str, Any] = dict(MODE=spec.mode, NB=BLOCK_TILE)
+    kw.update(zip(("C_E4M3", "C_E5M2", "C_E2M1", "C_NV"), cols))
+    tail = tuple(kw.values())
+    kw.update(num_warps=NUM_WARPS, enable_fp_fusion=True)
+    return _Consts(kw, tail)
+
+
+def launch_blocks(
+    x: torch.Tensor, spec: Spec, layout: Layout, rows: torch.Tensor, offset: int, max_parts: int
+) -> None:
+    """Queue the block formats' columns of ``x`` (not empty; its row at ``offset`` already
+    queued: NVFP4 reads the tensor's largest magnitude there) on the current stream: a
+    second read of ``x``, by :func:`_blocks_one`; nothing without block formats. Rows
+    are read by the strides of ``x`` viewed as ``(rows, last dimension)``; a view whose
+    leading dimensions do not merge into one is copied."""
+    consts = _block_consts(spec, tuple(f.name for f in block_formats_of(layout.extras)))
+    if consts is None:
+        return
+    length = x.shape[-1] if x.dim() else 1
+    if spec.mode == 3:
+        x = x.view(torch.uint8)
+    if x.dim() <= 1:
+        v, rs, cs = x, 0, x.stride(0) if x.dim() else 1
+    else:
+        try:
+            v = x.view(-1, length)
+        except RuntimeError:  # leading dimensions that do not merge: a copy
+            v = x.contiguous().view(-1, length)
+        rs, cs = v.stride()
+    per_row = -(-length // 32)
+    blocks = (x.numel() // length) * per_row
+    tiles = -(-blocks // BLOCK_TILE)
+    per_prog = -(-tiles // min(tiles, max_parts)) * BLOCK_TILE
+    lut = _lut(spec, x.device, rows)
+    args = (v, length, per_row, blocks, per_prog, rs, cs, rows, offset, lut)
+    _launch(_blocks_one, -(-blocks // per_prog), args, consts, (v, rows, lut))
 
 
 def launch_many(
@@ -1308,6 +1569,9 @@ def launch_many(
         plan = _plans_many[plan_key] = (consts, _fmax(layout), spec, layout)
     args = (dev_table, rows, scratch, lut, plan[1])
     _launch(_summarize_many, programs, args, plan[0], (dev_table, rows, scratch, lut))
+    if layout.extras and block_formats_of(layout.extras):
+        for t, off in zip(flats, offs):
+            launch_blocks(t, spec, layout, rows, off, max_parts)
 
 
 def _split_many(
@@ -1484,6 +1748,12 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
     counts[:, top] = counts[:, top] - move
     counts[:, over] = counts[:, over] + move + col[INF]
     extras = rows[:, spec.row_size : spec.row_size + len(layout.extras)]
+    n_formats = len(block_formats_of(layout.extras))
+    if n_formats:  # the block kernel kept each format's largest max/min ratio: its log2
+        extras = extras.clone() if xp is torch else extras.copy()
+        at = [len(BLOCK_COLUMNS) * i + len(BLOCK_COLUMNS) - 1 for i in range(n_formats)]
+        ratio = extras[:, at]
+        extras[:, at] = xp.log2(xp.where(ratio > 1.0, ratio, 1.0))
     out = pack_summary(core, counts, extras, xp)
     if not layout.num_higher:
         return out
