@@ -1,0 +1,198 @@
+"""Block-scaled formats on the fused path (Triton; in its interpreter on CPU tensors without a
+GPU): the block kernel's columns against the numpy reference, exactly (counts and block
+ranges; ``sq_err`` to 1e-6 relative), on the crafted tensors of ``test_blocks.py`` and more,
+on random tensors, with one, two and several programs per tensor, and on views."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from test_blocks import COLS, NAMES, _random_arrays  # noqa: E402
+
+from tandv.stats.blocks import block_extras, block_stats  # noqa: E402
+from tandv.stats.formats import number_format  # noqa: E402
+from tandv.stats.summary import Layout, summarize  # noqa: E402
+from tandv.track.torch import _fused  # noqa: E402
+from tandv.track.torch import summary as kernel  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernel, "HOST_PATH", False)
+    monkeypatch.setattr(kernel, "FUSED_ON_CPU", True)
+
+
+def _torch(a: np.ndarray) -> torch.Tensor:
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16).to(DEVICE)
+    return torch.from_numpy(np.array(a)).to(DEVICE)
+
+
+def fused_columns(
+    x: torch.Tensor, names: tuple[str, ...] = NAMES, max_parts: int = 16
+) -> np.ndarray:
+    """The block columns (formats x 5) of ``x`` by :func:`_fused.launch_one` (the summary
+    kernel, then the block kernel) with at most ``max_parts`` programs, finished."""
+    layout = Layout(number_format(kernel.dtype_name(x.dtype)), block_extras(names))
+    spec = _fused.spec_for(x.dtype)
+    rows = torch.zeros(_fused.row_size(spec, layout), dtype=torch.float64, device=x.device)
+    parts = max(1, _fused.scratch_rows(x.numel(), max_parts, spec))
+    scratch = torch.zeros(parts * _fused.PART, dtype=torch.float64, device=x.device)
+    _fused.launch_one(x, spec, layout, rows, 0, scratch, max_parts)
+    vec = _fused.finish_rows(rows[None].cpu().numpy(), spec, layout)[0]
+    return vec[layout.extras_start :].reshape(len(names), len(COLS))
+
+
+def _check(got: np.ndarray, values: np.ndarray, names: tuple[str, ...], what: object) -> None:
+    for name, g in zip(names, got):
+        ref = block_stats(values, name)
+        for col, value in zip(COLS, g.tolist()):
+            tol = 1e-6 if col == "sq_err" else 0.0
+            assert value == pytest.approx(ref[col], rel=tol, abs=0), (what, name, col, ref)
+
+
+def _crafted() -> list[np.ndarray]:
+    """The crafted tensors: all-zero blocks, one huge value (exactly representable, so the
+    error is all in the values it pushes to zero), float32 subnormals, rounding midpoints,
+    saturation, NaN and inf inside blocks, rows of 1, 31, 32 and 33."""
+    out = [np.zeros((3, 40), np.float32)]
+    one_huge = np.ones(32, np.float32)
+    one_huge[5] = 1024.0
+    out.append(one_huge)
+    for big in (2.0**120, 2.0**127):  # the others 2**-120 .. 2**-276 of the block's max
+        b = np.ones((2, 32), np.float32)
+        b[0, 0] = big
+        b[1] = 2.0**-149
+        b[1, 3] = big
+        out.append(b)
+    nv = np.ones(32, np.float32)
+    nv[0] = 2688.0  # NVFP4's tensor scale 1
+    out.append(nv)
+    out.append(
+        np.array([256.0, 2.0**-7, 2.0**-10, 3 * 2.0**-10, 1 + 1 / 16, 1 + 3 / 16], np.float32)
+    )
+    out.append(np.array([2.0**-140, 2.0**-141, 2.0**-149], np.float32))
+    sub = np.full(32, 2.0**-140, np.float32)
+    sub[9] = 2.0**-149
+    out.append(sub)
+    out.append(np.array([464.0, 1.0], np.float32))
+    out.append(np.array([[7.0], [3.0]], np.float32))
+    out.append(np.array([np.nan, np.inf, -np.inf, 256.0, 2.0**-10, -1.0], np.float32))
+    for length in (1, 31, 32, 33):
+        rows = np.full((3, length), 64.0, np.float32)
+        rows[:, length // 2] = 1.0
+        rows[1, -1] = np.nan
+        out.append(rows)
+    # values on every E2M1 and E4M3 midpoint, scaled into blocks of 32
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0], np.float32)
+    grid = np.tile(np.concatenate([mids, mids * 64, mids / 64, mids * 4]), (2, 1))
+    grid[:, 0] = 448.0 * 1.0625  # E4M3's largest plus half a step: saturates
+    out.append(grid)
+    tiny = np.zeros((2, 32), np.float32)  # NVFP4's tensor scale 0 in float32
+    tiny[0, :5] = np.float32(2.0**-149) * np.arange(1, 6)
+    tiny[1, 3] = 2.0**-148
+    out.append(tiny)
+    out.append(np.array([256.0, 2.0**-10, 1 + 1 / 16], ml_dtypes.bfloat16))
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(_crafted())))
+def test_crafted_tensors(case: int) -> None:
+    a = _crafted()[case]
+    _check(fused_columns(_torch(a)), a, NAMES, a.shape)
+
+
+@pytest.mark.parametrize("max_parts", [1, 2, 16])
+def test_random_tensors_with_one_two_and_several_programs(max_parts: int) -> None:
+    for a in _random_arrays(max_parts):
+        if a.size == 0:
+            continue
+        _check(fused_columns(_torch(a), max_parts=max_parts), a, NAMES, (a.shape, max_parts))
+
+
+def test_blocks_over_the_whole_float32_range() -> None:
+    # blocks of every magnitude (float32 subnormals to near the largest float32), elements
+    # on the rounding midpoints and up to 2**-29 below their block's largest; each band of
+    # magnitudes alone too, so that no band's error is lost in a larger one's
+    r = np.random.default_rng(5)
+    blocks = 1024
+    mant = r.integers(0, 16, (blocks, 32)) / 8.0 + 0.0625 * r.integers(0, 2, (blocks, 32))
+    e_blk = r.integers(-149, 125, (blocks, 1))
+    x = np.ldexp(mant, e_blk - r.integers(0, 30, (blocks, 32))) * r.choice([-1.0, 1.0], (blocks, 32))
+    x = np.where(r.random((blocks, 32)) < 0.3, x * (1 + r.standard_normal((blocks, 32)) * 1e-3), x)
+    x = x.astype(np.float32)
+    x.reshape(-1)[r.integers(0, x.size, 20)] = np.nan
+    x.reshape(-1)[r.integers(0, x.size, 20)] = np.inf
+    arrays = [x.reshape(16, -1)]
+    for lo, hi in ((-149, -120), (-20, 20), (100, 125)):
+        arrays.append(x[(e_blk[:, 0] >= lo) & (e_blk[:, 0] < hi)])
+    for a in arrays:
+        _check(fused_columns(_torch(a), max_parts=4), a, NAMES, a.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_narrow_dtypes(dtype: torch.dtype) -> None:
+    r = np.random.default_rng(7)
+    x = torch.from_numpy((r.standard_normal((9, 45)) * 4.0).astype(np.float32)).to(dtype)
+    x[2, 3] = 0.0
+    values = x.float().cpu().numpy()
+    _check(fused_columns(x.to(DEVICE)), values, NAMES, dtype)
+
+
+def test_views_are_read_by_their_rows() -> None:
+    r = np.random.default_rng(11)
+    base = torch.from_numpy(
+        (r.standard_normal((40, 70)) * np.exp(r.uniform(-6, 6, (40, 1)))).astype(np.float32)
+    ).to(DEVICE)
+    views = {
+        "transposed": base.t(),
+        "gappy": base[:, ::3],
+        "negated": torch._neg_view(base[3:9]),
+        "expanded": base[0].expand(5, 70),
+        "permuted 3-d": base.reshape(4, 10, 70).permute(1, 2, 0),  # leading dims: a copy
+        "0-d": base[1, 2],
+    }
+    for what, v in views.items():
+        _check(fused_columns(v, max_parts=3), v.resolve_neg().cpu().numpy(), NAMES, what)
+
+
+def test_summary_and_custom_statistics_beside_block_columns() -> None:
+    # the core summary is the fused kernel's as without block formats, and a custom
+    # statistic lands after the block columns
+    r = np.random.default_rng(2)
+    a = (r.standard_normal((6, 50)) * 3).astype(np.float32)
+    x = torch.from_numpy(a).to(DEVICE)
+    names = ("nvfp4", "mxfp8_e4m3")
+    layout = Layout(number_format("float32"), (*block_extras(names), ("mine", "sum")))
+    got = kernel.summarize_torch(x, layout, {"mine": 4.5}).cpu().numpy()
+    plain, _ = summarize(a, "float32", {"mine": (4.5, "sum")})
+    core = layout.extras_start
+    np.testing.assert_allclose(got[:core], plain[:core], rtol=2e-6)
+    assert got[-1] == 4.5
+    _check(got[core:-1].reshape(2, 5), a, names, "summarize_torch")
+
+
+def test_float64_takes_the_torch_op_path() -> None:
+    layout = Layout(number_format("float64"), block_extras(("mxfp4_e2m1",)))
+    x = torch.zeros(3, dtype=torch.float64, device=DEVICE)
+    assert kernel.fused_spec(x, layout) is None
+    assert kernel.fused_spec(x.float(), layout) is not None
+
+
+def test_nvfp4_scale_by_hand() -> None:
+    # the NVFP4 case of test_blocks worked by hand: tensor scale 1; block 1 scale 448 (the
+    # ones underflow), block 2 scale 11/64 (the ones dequantize to 66/64)
+    x = np.ones(32, np.float32)
+    x[0] = 2688.0
+    got = fused_columns(_torch(x), ("nvfp4",))[0]
+    want = [15.0, 0.0, 0.0, 15.0 + 16 * (2 / 64) ** 2, math.log2(2688.0)]
+    assert got.tolist() == pytest.approx(want, rel=1e-12, abs=0)
