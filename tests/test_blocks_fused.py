@@ -127,7 +127,9 @@ def test_blocks_over_the_whole_float32_range() -> None:
     blocks = 1024
     mant = r.integers(0, 16, (blocks, 32)) / 8.0 + 0.0625 * r.integers(0, 2, (blocks, 32))
     e_blk = r.integers(-149, 125, (blocks, 1))
-    x = np.ldexp(mant, e_blk - r.integers(0, 30, (blocks, 32))) * r.choice([-1.0, 1.0], (blocks, 32))
+    x = np.ldexp(mant, e_blk - r.integers(0, 30, (blocks, 32))) * r.choice(
+        [-1.0, 1.0], (blocks, 32)
+    )
     x = np.where(r.random((blocks, 32)) < 0.3, x * (1 + r.standard_normal((blocks, 32)) * 1e-3), x)
     x = x.astype(np.float32)
     x.reshape(-1)[r.integers(0, x.size, 20)] = np.nan

@@ -884,7 +884,9 @@ def _sum1(v):
 
 
 @triton.jit
-def _mx_tile(a, e, big, EMAX: tl.constexpr, EMIN: tl.constexpr, M: tl.constexpr, FMAX: tl.constexpr):
+def _mx_tile(
+    a, e, big, EMAX: tl.constexpr, EMIN: tl.constexpr, M: tl.constexpr, FMAX: tl.constexpr
+):
     """One MX format's per-block sums of a ``[blocks, 32]`` tile of magnitudes ``a`` (0
     where no finite value), ``e`` ``[blocks, 1]`` the floor(log2) of each block's largest
     (0 for a block without a non-zero value): ``(underflow, subnormal, saturated)`` counts
@@ -975,6 +977,7 @@ def _blocks_one(  # noqa: PLR0915
     lut_ptr,
     MODE: tl.constexpr,
     NB: tl.constexpr,
+    DENSE: tl.constexpr,
     C_E4M3: tl.constexpr,
     C_E5M2: tl.constexpr,
     C_E2M1: tl.constexpr,
@@ -986,7 +989,9 @@ def _blocks_one(  # noqa: PLR0915
     ``cs``) in ``blocks`` blocks of 32, ``per_row`` per row, read as tiles of ``NB``
     blocks (tile row ``b`` is block ``b``: row ``b // per_row``, elements from ``(b %
     per_row) * 32``, masked past the row's end), ``per_prog`` blocks per program. ``C_*``:
-    the row column of each format's first column (0: not computed). Each program adds its
+    the row column of each format's first column (0: not computed). ``DENSE``: the element
+    stride is 1 and the row length a multiple of 32 and of ``DENSE`` (16 bytes of
+    elements), so that the compiler reads each block's elements by vector loads. Each program adds its
     sums to the row (atomics; the row starts at zero)."""
     pid = tl.program_id(0)
     b0 = pid.to(tl.int64) * per_prog
@@ -1012,8 +1017,12 @@ def _blocks_one(  # noqa: PLR0915
         b = t0 + tl.arange(0, NB).to(tl.int64)[:, None]
         r = b // per_row
         col = (b - r * per_row) * 32 + j
-        m = (b < b_end) & (col < length)
-        x = _load(ptr, r * rs + col * cs, m, lut_ptr, MODE, True)
+        if DENSE:  # whole blocks of consecutive elements, DENSE-aligned: vector loads
+            m = tl.broadcast_to(b < b_end, [NB, 32])
+            x = _load(ptr, r * rs * DENSE + col, m, lut_ptr, MODE, True)  # rs: in DENSE units
+        else:
+            m = (b < b_end) & (col < length)
+            x = _load(ptr, r * rs + col * cs, m, lut_ptr, MODE, True)
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         a = tl.where(m & (bits < 0x7F800000), tl.abs(x), 0.0)
         u1, s1, t1, e1, u2, s2, t2, e2, u3, s3, t3, e3, es, rmx, un, sn, tn, en, rnv = acc
@@ -1031,18 +1040,27 @@ def _blocks_one(  # noqa: PLR0915
             es += _small_err(a, ea, e, (a > 0) & ~big)
             if C_E4M3:
                 du, ds, dt, de = _mx_tile(a, e, big, 8, -6, 3, 448.0)
-                u1, s1, t1, e1 = u1 + du, s1 + ds, t1 + dt, e1 + de.to(tl.float64) * _pow2_f64(
-                    2 * tl.reshape(e, [NB]) - 120
+                u1, s1, t1, e1 = (
+                    u1 + du,
+                    s1 + ds,
+                    t1 + dt,
+                    e1 + de.to(tl.float64) * _pow2_f64(2 * tl.reshape(e, [NB]) - 120),
                 )
             if C_E5M2:
                 du, ds, dt, de = _mx_tile(a, e, big, 15, -14, 2, 57344.0)
-                u2, s2, t2, e2 = u2 + du, s2 + ds, t2 + dt, e2 + de.to(tl.float64) * _pow2_f64(
-                    2 * tl.reshape(e, [NB]) - 120
+                u2, s2, t2, e2 = (
+                    u2 + du,
+                    s2 + ds,
+                    t2 + dt,
+                    e2 + de.to(tl.float64) * _pow2_f64(2 * tl.reshape(e, [NB]) - 120),
                 )
             if C_E2M1:
                 du, ds, dt, de = _mx_tile(a, e, big, 2, 0, 1, 6.0)
-                u3, s3, t3, e3 = u3 + du, s3 + ds, t3 + dt, e3 + de.to(tl.float64) * _pow2_f64(
-                    2 * tl.reshape(e, [NB]) - 120
+                u3, s3, t3, e3 = (
+                    u3 + du,
+                    s3 + ds,
+                    t3 + dt,
+                    e3 + de.to(tl.float64) * _pow2_f64(2 * tl.reshape(e, [NB]) - 120),
                 )
         if C_NV:
             du, ds, dt, de, dr = _nv_tile(tl.reshape(a, [2 * NB, 16]), s_t, st_ok)
@@ -1474,15 +1492,16 @@ def block_columns_at(spec: Spec, layout: Layout) -> int:
 
 
 @cache
-def _block_consts(spec: Spec, names: tuple[str, ...]) -> _Consts | None:
+def _block_consts(spec: Spec, names: tuple[str, ...], dense: bool) -> _Consts | None:
     """The block kernel's variant for ``spec``'s tensors and the block formats ``names`` (in
-    the layout's order; ``None`` if none)."""
+    the layout's order; ``None`` if none); ``dense``: see ``DENSE``."""
     if not names:
         return None
     cols = [0] * len(_BLOCK_KERNEL_FORMATS)
     for i, name in enumerate(names):
         cols[_BLOCK_KERNEL_FORMATS.index(name)] = spec.row_size + len(BLOCK_COLUMNS) * i
-    kw: dict[str, Any] = dict(MODE=spec.mode, NB=BLOCK_TILE)
+    vec = 16 // spec.dtype.itemsize
+    kw: dict[str, Any] = dict(MODE=spec.mode, NB=BLOCK_TILE, DENSE=vec if dense else 0)
     kw.update(zip(("C_E4M3", "C_E5M2", "C_E2M1", "C_NV"), cols))
     tail = tuple(kw.values())
     kw.update(num_warps=NUM_WARPS, enable_fp_fusion=True)
@@ -1497,8 +1516,8 @@ def launch_blocks(
     second read of ``x``, by :func:`_blocks_one`; nothing without block formats. Rows
     are read by the strides of ``x`` viewed as ``(rows, last dimension)``; a view whose
     leading dimensions do not merge into one is copied."""
-    consts = _block_consts(spec, tuple(f.name for f in block_formats_of(layout.extras)))
-    if consts is None:
+    names = tuple(f.name for f in block_formats_of(layout.extras))
+    if not names:
         return
     length = x.shape[-1] if x.dim() else 1
     if spec.mode == 3:
@@ -1516,6 +1535,11 @@ def launch_blocks(
     tiles = -(-blocks // BLOCK_TILE)
     per_prog = -(-tiles // min(tiles, max_parts)) * BLOCK_TILE
     lut = _lut(spec, x.device, rows)
+    dense = cs == 1 and length % 32 == 0 and rs % (16 // spec.dtype.itemsize) == 0
+    consts = _block_consts(spec, names, dense)
+    assert consts is not None
+    if dense:
+        rs //= 16 // spec.dtype.itemsize
     args = (v, length, per_row, blocks, per_prog, rs, cs, rows, offset, lut)
     _launch(_blocks_one, -(-blocks // per_prog), args, consts, (v, rows, lut))
 
