@@ -991,8 +991,9 @@ def _blocks_one(  # noqa: PLR0915
     per_row) * 32``, masked past the row's end), ``per_prog`` blocks per program. ``C_*``:
     the row column of each format's first column (0: not computed). ``DENSE``: the element
     stride is 1 and the row length a multiple of 32 and of ``DENSE`` (16 bytes of
-    elements), so that the compiler reads each block's elements by vector loads. Each program adds its
-    sums to the row (atomics; the row starts at zero)."""
+    elements; ``rs`` is then in units of ``DENSE``), so that the compiler reads each
+    block's elements by vector loads (a mask per block row, not per element). Each program
+    adds its sums to the row (atomics; the row starts at zero).
     pid = tl.program_id(0)
     b0 = pid.to(tl.int64) * per_prog
     b_end = tl.minimum(b0 + per_prog, blocks)
