@@ -993,7 +993,7 @@ def _blocks_one(  # noqa: PLR0915
     stride is 1 and the row length a multiple of 32 and of ``DENSE`` (16 bytes of
     elements; ``rs`` is then in units of ``DENSE``), so that the compiler reads each
     block's elements by vector loads (a mask per block row, not per element). Each program
-    adds its sums to the row (atomics; the row starts at zero).
+    adds its sums to the row (atomics; the row starts at zero)."""
     pid = tl.program_id(0)
     b0 = pid.to(tl.int64) * per_prog
     b_end = tl.minimum(b0 + per_prog, blocks)
