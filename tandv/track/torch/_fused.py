@@ -281,10 +281,15 @@ def _step(  # noqa: PLR0915
     PER: tl.constexpr,
     BLOCK: tl.constexpr,
     HOFF: tl.constexpr,
+    blk,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
 ):
     """The slots' ``state`` and the program's exponent counts ``hist`` with a tile ``x``
     added (its elements where ``m`` when ``MASKED``); with ``HOFF`` (moments=4), the
-    third and fourth centred sums too.
+    third and fourth centred sums too; with a ``C_*`` not 0, the MX formats' sums ``blk``
+    (:func:`_mx_blocks`) too, the tile being whole blocks of 32 (rows of a multiple of 32).
 
     (Reductions call ``tl.reduce`` with Triton's own combine functions rather than
     ``tl.sum`` and the like: the same code compiled, and many times faster in the
@@ -301,6 +306,10 @@ def _step(  # noqa: PLR0915
             amin, tl.reduce(tl.reduce(bits, 2, _MIN), 0, _MIN)
         )  # non-finite: above inf, clipped at the end
     xf = tl.where(fin, x, 0.0)
+    if C_E4M3 + C_E5M2 + C_E2M1:  # MX blocks: 32 consecutive elements of the tile each
+        blk = _mx_blocks(
+            tl.reshape(tl.abs(xf), [BLOCK // 32, 32]).to(tl.float32), blk, C_E4M3, C_E5M2, C_E2M1
+        )
     amax = tl.maximum(amax, tl.reduce(tl.reduce(tl.abs(xf), 2, _MAX), 0, _MAX))
     top = _magnitude_bits(amax, MODE)  # the slot's largest finite magnitude so far
     # extrema with non-finite values read as 0 (patched on the host, see finish_rows)
@@ -383,7 +392,7 @@ def _step(  # noqa: PLR0915
         hist += tl.histogram(tl.reshape(key, [BLOCK]), NBP, mask=tl.reshape(m, [BLOCK]))
     else:
         hist += tl.histogram(tl.reshape(key, [BLOCK]), NBP)
-    return (En, nt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over, m3, m4), hist
+    return (En, nt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over, m3, m4), hist, blk
 
 
 @triton.jit
@@ -405,9 +414,13 @@ def _scan(
     OVER: tl.constexpr,
     STRIDED: tl.constexpr,
     HOFF: tl.constexpr,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
 ):
     """The slots' states after elements ``[start, end)`` of a tensor (``start`` a multiple
-    of the tile), and their exponent counts: whole tiles unmasked, then the rest."""
+    of the tile), and their exponent counts: whole tiles unmasked, then the rest; and the
+    MX formats' sums (:func:`_mx_blocks`; 0 without)."""
     BLOCK: tl.constexpr = K * SLOTS * VEC
     if MODE == 4:
         ct = tl.float64
@@ -436,20 +449,26 @@ def _scan(
         zero,
     )
     hist = tl.zeros([NBP], tl.int32)
+    if C_E4M3 + C_E5M2 + C_E2M1:
+        blk = _mx_zeros(BLOCK // 32)
+    else:
+        blk = 0
     full_end = start + ((end - start) // BLOCK) * BLOCK
     for off in range(start, full_end, BLOCK):
         x, m = _tile(
             ptr, tl.multiple_of(off, BLOCK), end, lut_ptr, geo, MODE, VEC, K, SLOTS, False, STRIDED
         )
-        state, hist = _step(
-            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, False, K * VEC, BLOCK, HOFF
-        )
+        state, hist, blk = _step(
+            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, False, K * VEC, BLOCK, HOFF,
+            blk, C_E4M3, C_E5M2, C_E2M1,
+        )  # fmt: skip
     if full_end < end:
         x, m = _tile(ptr, full_end, end, lut_ptr, geo, MODE, VEC, K, SLOTS, True, STRIDED)
-        state, hist = _step(
-            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, True, K * VEC, BLOCK, HOFF
-        )
-    return state, hist
+        state, hist, blk = _step(
+            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, True, K * VEC, BLOCK, HOFF,
+            blk, C_E4M3, C_E5M2, C_E2M1,
+        )  # fmt: skip
+    return state, hist, blk
 
 
 @triton.jit
@@ -619,14 +638,19 @@ def _summarize(
     EXT: tl.constexpr,
     GROUP: tl.constexpr,
     HOFF: tl.constexpr,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
 ):
     """One program's share ``[start, end)`` of a tensor whose row is at ``row``; with
     ``n_parts > 1`` programs, its partial row goes to ``part_ptr`` and the last program
     merges the ``n_parts`` rows at ``parts_ptr`` into ``row``. Counts and sums are
     multiplied by ``weight`` (the size of broadcast dimensions); with ``EXT``, the value
     at ``ext_ptr`` is written to ``row + ext_off``; with ``HOFF`` (moments=4), ``m3`` and
-    ``m4`` to ``row + HOFF`` and ``+ HOFF + 1`` (a partial row's first two fields)."""
-    state, hist = _scan(
+    ``m4`` to ``row + HOFF`` and ``+ HOFF + 1`` (a partial row's first two fields); with a
+    ``C_*`` not 0, that MX format's columns are added to the row at ``row + C_*`` (each
+    program's, by atomics)."""
+    state, hist, blk = _scan(
         ptr,
         start,
         end,
@@ -644,7 +668,12 @@ def _summarize(
         OVER,
         STRIDED,
         HOFF,
+        C_E4M3,
+        C_E5M2,
+        C_E2M1,
     )
+    if C_E4M3 + C_E5M2 + C_E2M1:
+        _mx_columns(row, blk, C_E4M3, C_E5M2, C_E2M1)
     E, cnt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over, m3, m4 = state
     wt = weight * tl.full([], 1.0, tl.float64)
     Et, n, mt, m2t, p1t, p2t, p4t, p8t, m3t, m4t = _merged(
@@ -739,6 +768,9 @@ def _summarize_one(
     EXT: tl.constexpr,
     GROUP: tl.constexpr,
     HOFF: tl.constexpr,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
 ):
     """One tensor ``x_ptr`` of ``n`` elements, ``tiles`` tiles per program, into the row
     at ``rows_ptr + row_off``; ``STRIDED``: the elements of the view of sizes ``(., s1,
@@ -780,6 +812,9 @@ def _summarize_one(
         EXT,
         GROUP,
         HOFF,
+        C_E4M3,
+        C_E5M2,
+        C_E2M1,
     )
 
 
@@ -823,6 +858,9 @@ def _summarize_many(
     ALIGNED: tl.constexpr,
     GROUP: tl.constexpr,
     HOFF: tl.constexpr,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
 ):
     """Many tensors of one dtype: program ``i`` reads row ``i`` of the table ``(address,
     start, end, row offset, part, parts, first part)``; ``ALIGNED``: every address is a
@@ -859,6 +897,9 @@ def _summarize_many(
         False,
         GROUP,
         HOFF,
+        C_E4M3,
+        C_E5M2,
+        C_E2M1,
     )
 
 
@@ -962,6 +1003,55 @@ def _add_columns(ptr, under, subn, sat, err, ratio):
     tl.atomic_max(bits, tl.max(ratio).to(tl.int64, bitcast=True), sem="relaxed")
 
 
+@triton.jit
+def _mx_zeros(NB: tl.constexpr):
+    """The MX formats' per-block sums of :func:`_mx_blocks` for tiles of ``NB`` blocks, zero."""
+    zi = tl.zeros([NB], tl.int32)
+    zf = tl.zeros([NB], tl.float64)
+    return (zi, zi, zi, zf, zi, zi, zi, zf, zi, zi, zi, zf, zf, zf)
+
+
+@triton.jit
+def _mx_blocks(a, acc, C_E4M3: tl.constexpr, C_E5M2: tl.constexpr, C_E2M1: tl.constexpr):
+    """``acc``, the MX formats' sums per block of tile (underflow, subnormal, saturated,
+    scaled error of each format, the error of the small elements, the largest max/min
+    ratio), with the ``[blocks, 32]`` tile of magnitudes ``a`` (0: no finite value) added:
+    the formats whose ``C_*`` is not 0. Each block's error is taken back to float64 and
+    its scale here."""
+    u1, s1, t1, e1, u2, s2, t2, e2, u3, s3, t3, e3, es, rmx = acc
+    NB: tl.constexpr = a.shape[0]
+    amax = tl.reduce(a, 1, _MAX)
+    amin = tl.reduce(tl.where(a > 0, a, float("inf")), 1, _MIN)
+    rmx = tl.maximum(rmx, tl.where(amax > 0, amax.to(tl.float64) / amin.to(tl.float64), 0.0))
+    e = tl.where(amax > 0, _exponent(amax.to(tl.int32, bitcast=True), True, 0), 0)[:, None]
+    ea = _exponent(a.to(tl.int32, bitcast=True), True, 0)
+    big = ea >= e - 32
+    es += _small_err(a, ea, e, (a > 0) & ~big)
+    back = _pow2_f64(2 * tl.reshape(e, [NB]) - 120)  # the scaled errors' factor
+    if C_E4M3:
+        du, ds, dt, de = _mx_tile(a, e, big, 8, -6, 3, 448.0)
+        u1, s1, t1, e1 = u1 + du, s1 + ds, t1 + dt, e1 + de.to(tl.float64) * back
+    if C_E5M2:
+        du, ds, dt, de = _mx_tile(a, e, big, 15, -14, 2, 57344.0)
+        u2, s2, t2, e2 = u2 + du, s2 + ds, t2 + dt, e2 + de.to(tl.float64) * back
+    if C_E2M1:
+        du, ds, dt, de = _mx_tile(a, e, big, 2, 0, 1, 6.0)
+        u3, s3, t3, e3 = u3 + du, s3 + ds, t3 + dt, e3 + de.to(tl.float64) * back
+    return (u1, s1, t1, e1, u2, s2, t2, e2, u3, s3, t3, e3, es, rmx)
+
+
+@triton.jit
+def _mx_columns(row, acc, C_E4M3: tl.constexpr, C_E5M2: tl.constexpr, C_E2M1: tl.constexpr):
+    """Adds a program's MX sums (:func:`_mx_blocks`) to the row ``row``."""
+    u1, s1, t1, e1, u2, s2, t2, e2, u3, s3, t3, e3, es, rmx = acc
+    if C_E4M3:
+        _add_columns(row + C_E4M3, u1, s1, t1, e1 + es, rmx)
+    if C_E5M2:
+        _add_columns(row + C_E5M2, u2, s2, t2, e2 + es, rmx)
+    if C_E2M1:
+        _add_columns(row + C_E2M1, u3, s3, t3, e3 + es, rmx)
+
+
 @triton.jit(do_not_specialize=["length", "per_row", "blocks", "per_prog", "rs", "cs", "row_off"])
 # a Triton kernel body: one straight-line program
 def _blocks_one(  # noqa: PLR0915
@@ -1008,11 +1098,9 @@ def _blocks_one(  # noqa: PLR0915
     s_t = tl.math.div_rn(tl.where(st_ok, amax_t, 2688.0), 2688.0)
     st_ok = s_t > 0  # (a tensor maximum below 2688 * 2**-149 gives 0)
     s_t = tl.where(st_ok, s_t, 1.0)
-    zi = tl.zeros([NB], tl.int32)
-    zf = tl.zeros([NB], tl.float64)
     zi2 = tl.zeros([2 * NB], tl.int32)
     zf2 = tl.zeros([2 * NB], tl.float64)
-    acc = (zi, zi, zi, zf, zi, zi, zi, zf, zi, zi, zi, zf, zf, zf, zi2, zi2, zi2, zf2, zf2)
+    acc = (_mx_zeros(NB), (zi2, zi2, zi2, zf2, zf2))
     j = tl.arange(0, 32)[None, :]
     for t0 in range(b0, b_end, NB):
         b = t0 + tl.arange(0, NB).to(tl.int64)[:, None]
@@ -1026,55 +1114,18 @@ def _blocks_one(  # noqa: PLR0915
             x = _load(ptr, r * rs + col * cs, m, lut_ptr, MODE, True)
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         a = tl.where(m & (bits < 0x7F800000), tl.abs(x), 0.0)
-        u1, s1, t1, e1, u2, s2, t2, e2, u3, s3, t3, e3, es, rmx, un, sn, tn, en, rnv = acc
+        mx, nv = acc
         if MX:
-            amax = tl.reduce(a, 1, _MAX)
-            amin = tl.reduce(tl.where(a > 0, a, float("inf")), 1, _MIN)
-            rmx = tl.maximum(
-                rmx, tl.where(amax > 0, amax.to(tl.float64) / amin.to(tl.float64), 0.0)
-            )
-            abits = a.to(tl.int32, bitcast=True)
-            top = amax.to(tl.int32, bitcast=True)
-            e = tl.where(amax > 0, _exponent(top, True, 0), 0)[:, None]
-            ea = _exponent(abits, True, 0)
-            big = ea >= e - 32
-            es += _small_err(a, ea, e, (a > 0) & ~big)
-            if C_E4M3:
-                du, ds, dt, de = _mx_tile(a, e, big, 8, -6, 3, 448.0)
-                u1, s1, t1, e1 = (
-                    u1 + du,
-                    s1 + ds,
-                    t1 + dt,
-                    e1 + de.to(tl.float64) * _pow2_f64(2 * tl.reshape(e, [NB]) - 120),
-                )
-            if C_E5M2:
-                du, ds, dt, de = _mx_tile(a, e, big, 15, -14, 2, 57344.0)
-                u2, s2, t2, e2 = (
-                    u2 + du,
-                    s2 + ds,
-                    t2 + dt,
-                    e2 + de.to(tl.float64) * _pow2_f64(2 * tl.reshape(e, [NB]) - 120),
-                )
-            if C_E2M1:
-                du, ds, dt, de = _mx_tile(a, e, big, 2, 0, 1, 6.0)
-                u3, s3, t3, e3 = (
-                    u3 + du,
-                    s3 + ds,
-                    t3 + dt,
-                    e3 + de.to(tl.float64) * _pow2_f64(2 * tl.reshape(e, [NB]) - 120),
-                )
+            mx = _mx_blocks(a, mx, C_E4M3, C_E5M2, C_E2M1)
         if C_NV:
+            un, sn, tn, en, rnv = nv
             du, ds, dt, de, dr = _nv_tile(tl.reshape(a, [2 * NB, 16]), s_t, st_ok)
-            un, sn, tn, en, rnv = un + du, sn + ds, tn + dt, en + de, tl.maximum(rnv, dr)
-        acc = (u1, s1, t1, e1, u2, s2, t2, e2, u3, s3, t3, e3, es, rmx, un, sn, tn, en, rnv)
-    u1, s1, t1, e1, u2, s2, t2, e2, u3, s3, t3, e3, es, rmx, un, sn, tn, en, rnv = acc
-    if C_E4M3:
-        _add_columns(row + C_E4M3, u1, s1, t1, e1 + es, rmx)
-    if C_E5M2:
-        _add_columns(row + C_E5M2, u2, s2, t2, e2 + es, rmx)
-    if C_E2M1:
-        _add_columns(row + C_E2M1, u3, s3, t3, e3 + es, rmx)
+            nv = (un + du, sn + ds, tn + dt, en + de, tl.maximum(rnv, dr))
+        acc = (mx, nv)
+    mx, nv = acc
+    _mx_columns(row, mx, C_E4M3, C_E5M2, C_E2M1)
     if C_NV:
+        un, sn, tn, en, rnv = nv
         _add_columns(row + C_NV, un, sn, tn, en, rnv)
 
 
@@ -1252,13 +1303,15 @@ def _consts(
     ext: bool = False,
     aligned: bool | None = None,
     hoff: int = 0,
+    mx: tuple[int, int, int] = (0, 0, 0),
 ) -> _Consts:
     """The variant of ``spec``'s kernels: ``over``, values above the layout format's max
     are counted; ``strided``, a gappy view (1: offsets below 2**31, 2: larger; no
     register cap: its index arithmetic would
     spill); ``ext``, a statistic is copied in; ``aligned`` (:func:`launch_many` only):
     every address of the table is 16-byte aligned; ``hoff``: the third and fourth moments
-    are computed into the row at ``hoff`` (:func:`_hoff`; 0: not computed)."""
+    are computed into the row at ``hoff`` (:func:`_hoff`; 0: not computed); ``mx``: the row
+    columns of the MX formats computed in the pass (``C_E4M3, C_E5M2, C_E2M1``; 0: not)."""
     bins, zkey, ikey = spec.keys
     kw: dict[str, Any] = dict(
         MODE=spec.mode,
@@ -1279,10 +1332,11 @@ def _consts(
         kw.update(ALIGNED=aligned)
     kw["GROUP"] = GROUP
     kw["HOFF"] = hoff
+    kw.update(zip(("C_E4M3", "C_E5M2", "C_E2M1"), mx))
     tail = tuple(kw.values())
     # no register cap for a gappy view (its index arithmetic would spill) nor with m3, m4
     # (their float64 state and update: ~120 registers, 2 programs per SM, no spills)
-    cap = None if strided or hoff else spec.maxnreg
+    cap = None if strided or hoff or any(mx) else spec.maxnreg
     kw.update(num_warps=NUM_WARPS, maxnreg=cap, enable_fp_fusion=True)
     return _Consts(kw, tail)
 
@@ -1433,7 +1487,7 @@ def clear_caches() -> None:
 
 #: launch_one's variant and format max per (spec, layout, strided, statistic copied), by
 #: identity (hashing the dataclasses on every hook would cost more than the rest).
-_plans: dict[tuple[int, int, int, bool], tuple[_Consts, float, Spec, Layout]] = {}
+_plans: dict[tuple[int, int, int, bool, bool], tuple[_Consts, float, Spec, Layout]] = {}
 
 
 def launch_one(
@@ -1463,20 +1517,26 @@ def launch_one(
         ext = extra[1]
     lut = _lut(spec, x.device, rows)
     strided = 0 if geo is None else 1 if _reach(n, geo) < 2**31 else 2
-    consts, fmax = plan_one(spec, layout, strided, extra is not None)
+    mx = bool(layout.extras) and _mx_in_pass(x, spec, layout)
+    consts, fmax = plan_one(spec, layout, strided, extra is not None, mx)
     args: tuple[Any, ...] = (base, n, -(-per // spec.block), rows, offset, scratch, lut)
     args += (fmax, float(weight), ext, ext_off, *(geo or (1, 1, 0, 0, 0)))
     _launch(_summarize_one, parts, args, consts, (base, rows, scratch, lut, ext))
-    launch_blocks(x, spec, layout, rows, offset, max_parts)
+    launch_blocks(x, spec, layout, rows, offset, max_parts, mx_done=mx)
 
 
-def plan_one(spec: Spec, layout: Layout, strided: int, ext: bool) -> tuple[_Consts, float]:
+def plan_one(
+    spec: Spec, layout: Layout, strided: int, ext: bool, mx: bool = False
+) -> tuple[_Consts, float]:
     """:func:`launch_one`'s kernel variant and format max for ``spec``'s tensors in
-    ``layout`` (``strided``, ``ext``: see :func:`_consts`), looked up by identity."""
-    plan = _plans.get((id(spec), id(layout), strided, ext))
+    ``layout`` (``strided``, ``ext``: see :func:`_consts`; ``mx``: the layout's MX formats
+    in the pass), looked up by identity."""
+    plan = _plans.get((id(spec), id(layout), strided, ext, mx))
     if plan is None:  # (the key's objects are kept alive with the plan)
-        consts = _consts(spec, _over(spec, layout), strided, ext, hoff=_hoff(spec, layout))
-        plan = _plans[(id(spec), id(layout), strided, ext)] = (consts, _fmax(layout), spec, layout)
+        cols = _mx_cols(spec, layout) if mx else (0, 0, 0)
+        consts = _consts(spec, _over(spec, layout), strided, ext, hoff=_hoff(spec, layout), mx=cols)
+        plan = (consts, _fmax(layout), spec, layout)
+        _plans[(id(spec), id(layout), strided, ext, mx)] = plan
     return plan[0], plan[1]
 
 
@@ -1493,14 +1553,43 @@ def block_columns_at(spec: Spec, layout: Layout) -> int:
 
 
 @cache
-def _block_consts(spec: Spec, names: tuple[str, ...], dense: bool) -> _Consts | None:
-    """The block kernel's variant for ``spec``'s tensors and the block formats ``names`` (in
-    the layout's order; ``None`` if none); ``dense``: see ``DENSE``."""
-    if not names:
-        return None
+def _block_cols(spec: Spec, names: tuple[str, ...]) -> tuple[int, int, int, int]:
+    """The row column of the first column of each of :data:`_BLOCK_KERNEL_FORMATS` for
+    ``spec``'s tensors and the block formats ``names`` (in the layout's order; 0: absent)."""
     cols = [0] * len(_BLOCK_KERNEL_FORMATS)
     for i, name in enumerate(names):
         cols[_BLOCK_KERNEL_FORMATS.index(name)] = spec.row_size + len(BLOCK_COLUMNS) * i
+    return cols[0], cols[1], cols[2], cols[3]
+
+
+def _mx_cols(spec: Spec, layout: Layout) -> tuple[int, int, int]:
+    """The summary kernels' ``C_E4M3, C_E5M2, C_E2M1`` for ``layout``'s MX formats."""
+    return _block_cols(spec, tuple(f.name for f in block_formats_of(layout.extras)))[:3]
+
+
+def _mx_in_pass(x: torch.Tensor, spec: Spec, layout: Layout) -> bool:
+    """Whether the summary kernel computes ``layout``'s MX formats of ``x`` in its pass:
+    there are some, and ``x`` lies in memory in its own order (contiguous) in rows of a
+    multiple of 32 elements, so that each 32 consecutive elements of a tile are a block
+    (not float64, whose block columns take the torch-op path)."""
+    return (
+        spec.mode != 4
+        and any(_mx_cols(spec, layout))
+        and x.is_contiguous()
+        and (x.shape[-1] if x.dim() else 1) % 32 == 0
+    )
+
+
+@cache
+def _block_consts(spec: Spec, names: tuple[str, ...], dense: bool, mx_done: bool) -> _Consts | None:
+    """The block kernel's variant for ``spec``'s tensors and the block formats ``names`` (in
+    the layout's order; NVFP4 alone with ``mx_done``; ``None`` if none); ``dense``: see
+    ``DENSE``."""
+    cols = _block_cols(spec, names)
+    if mx_done:
+        cols = (0, 0, 0, cols[3])
+    if not any(cols):
+        return None
     vec = 16 // spec.dtype.itemsize
     kw: dict[str, Any] = dict(MODE=spec.mode, NB=BLOCK_TILE, DENSE=vec if dense else 0)
     kw.update(zip(("C_E4M3", "C_E5M2", "C_E2M1", "C_NV"), cols))
@@ -1510,15 +1599,23 @@ def _block_consts(spec: Spec, names: tuple[str, ...], dense: bool) -> _Consts | 
 
 
 def launch_blocks(
-    x: torch.Tensor, spec: Spec, layout: Layout, rows: torch.Tensor, offset: int, max_parts: int
+    x: torch.Tensor,
+    spec: Spec,
+    layout: Layout,
+    rows: torch.Tensor,
+    offset: int,
+    max_parts: int,
+    *,
+    mx_done: bool = False,
 ) -> None:
     """Queue the block formats' columns of ``x`` (not empty; its row at ``offset`` already
     queued: NVFP4 reads the tensor's largest magnitude there) on the current stream: a
-    second read of ``x``, by :func:`_blocks_one`; nothing without block formats. Rows
-    are read by the strides of ``x`` viewed as ``(rows, last dimension)``; a view whose
-    leading dimensions do not merge into one is copied."""
+    second read of ``x``, by :func:`_blocks_one`; nothing without block formats, or with
+    ``mx_done`` (the summary kernel computed the MX formats in its pass) without NVFP4.
+    Rows are read by the strides of ``x`` viewed as ``(rows, last dimension)``; a view
+    whose leading dimensions do not merge into one is copied."""
     names = tuple(f.name for f in block_formats_of(layout.extras))
-    if not names:
+    if not names or (mx_done and "nvfp4" not in names):
         return
     length = x.shape[-1] if x.dim() else 1
     if spec.mode == 3:
@@ -1537,7 +1634,7 @@ def launch_blocks(
     per_prog = -(-tiles // min(tiles, max_parts)) * BLOCK_TILE
     lut = _lut(spec, x.device, rows)
     dense = cs == 1 and length % 32 == 0 and rs % (16 // spec.dtype.itemsize) == 0
-    consts = _block_consts(spec, names, dense)
+    consts = _block_consts(spec, names, dense, mx_done)
     assert consts is not None
     if dense:
         rs //= 16 // spec.dtype.itemsize
@@ -1587,16 +1684,20 @@ def launch_many(
     dev_table, programs, scratch_parts, aligned = table
     scratch = scratch_for(scratch_parts)
     lut = _lut(spec, device, rows)
-    plan_key = (id(spec), id(layout), aligned)
+    mx = bool(layout.extras) and all(_mx_in_pass(t, spec, layout) for t in flats)
+    plan_key = (id(spec), id(layout), aligned, mx)
     plan = _plans_many.get(plan_key)
     if plan is None:  # (the key's objects are kept alive with the plan)
-        consts = _consts(spec, _over(spec, layout), aligned=aligned, hoff=_hoff(spec, layout))
+        cols = _mx_cols(spec, layout) if mx else (0, 0, 0)
+        consts = _consts(
+            spec, _over(spec, layout), aligned=aligned, hoff=_hoff(spec, layout), mx=cols
+        )
         plan = _plans_many[plan_key] = (consts, _fmax(layout), spec, layout)
     args = (dev_table, rows, scratch, lut, plan[1])
     _launch(_summarize_many, programs, args, plan[0], (dev_table, rows, scratch, lut))
     if layout.extras and block_formats_of(layout.extras):
         for t, off in zip(flats, offs):
-            launch_blocks(t, spec, layout, rows, off, max_parts)
+            launch_blocks(t, spec, layout, rows, off, max_parts, mx_done=mx)
 
 
 def _split_many(
@@ -1640,7 +1741,7 @@ _tables: dict[tuple[Any, ...], tuple[torch.Tensor, int, int, bool]] = {}
 #: changing its tensors' addresses rebuilds its few tables each step, as without a cache).
 _TABLES_KEPT = 64
 #: launch_many's variant and format max per (spec, layout, aligned), by identity.
-_plans_many: dict[tuple[int, int, bool], tuple[_Consts, float, Spec, Layout]] = {}
+_plans_many: dict[tuple[int, int, bool, bool], tuple[_Consts, float, Spec, Layout]] = {}
 
 
 def _table(
