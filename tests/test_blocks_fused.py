@@ -198,3 +198,70 @@ def test_nvfp4_scale_by_hand() -> None:
     got = fused_columns(_torch(x), ("nvfp4",))[0]
     want = [15.0, 0.0, 0.0, 15.0 + 16 * (2 / 64) ** 2, math.log2(2688.0)]
     assert got.tolist() == pytest.approx(want, rel=1e-12, abs=0)
+
+
+def _launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[int, ...]]]:
+    """Records each kernel launch: which kernel, and its block columns ``C_*`` (0: none)."""
+    seen: list[tuple[str, tuple[int, ...]]] = []
+    launch = _fused._launch
+    names = {
+        id(_fused._summarize_one): "one",
+        id(_fused._summarize_many): "many",
+        id(_fused._blocks_one): "blocks",
+    }
+
+    def spy(kernel, programs, args, consts, ptrs):  # type: ignore[no-untyped-def]
+        cols = ("C_E4M3", "C_E5M2", "C_E2M1", "C_NV")
+        seen.append((names[id(kernel)], tuple(consts.kwargs.get(c, 0) for c in cols)))
+        return launch(kernel, programs, args, consts, ptrs)
+
+    monkeypatch.setattr(_fused, "_launch", spy)
+    return seen
+
+
+def test_mx_formats_in_the_summary_pass_where_tile_rows_are_blocks(monkeypatch) -> None:
+    seen = _launches(monkeypatch)
+    r = np.random.default_rng(4)
+    a = (r.standard_normal((4, 64)) * np.exp(r.uniform(-9, 9, (4, 1)))).astype(np.float32)
+    mx = ("mxfp4_e2m1", "mxfp8_e4m3")
+    # rows of 64, contiguous: the summary kernel alone computes the MX formats
+    _check(fused_columns(_torch(a), mx), a, mx, "in the pass")
+    assert [k for k, _ in seen] == ["one"] and all(seen[0][1][i] for i in (0, 2))
+    # with NVFP4: a second read for NVFP4 alone
+    seen.clear()
+    both = ("mxfp8_e4m3", "nvfp4")
+    _check(fused_columns(_torch(a), both), a, both, "in the pass, and NVFP4")
+    assert [k for k, _ in seen] == ["one", "blocks"]
+    assert seen[0][1][0] and not seen[0][1][3] and seen[1][1][:3] == (0, 0, 0) and seen[1][1][3]
+    # rows of 33, and a transposed view: the block kernel computes every format
+    for x in (_torch(a[:, :33]), _torch(a).t()):
+        seen.clear()
+        values = x.cpu().numpy()
+        _check(fused_columns(x, both), values, both, x.shape)
+        assert [k for k, _ in seen] == ["one", "blocks"]
+        assert seen[0][1] == (0, 0, 0, 0) and seen[1][1][0] and seen[1][1][3]
+
+
+def test_launch_many_computes_the_mx_formats_in_its_pass_when_every_tensor_allows(
+    monkeypatch,
+) -> None:
+    seen = _launches(monkeypatch)
+    r = np.random.default_rng(6)
+    names = ("mxfp8_e5m2", "nvfp4", "mxfp8_e4m3")
+    layout = Layout(number_format("float32"), block_extras(names))
+    spec = _fused.spec_for(torch.float32)
+    size = _fused.row_size(spec, layout)
+    for shapes, in_pass in ((((9, 64), (3, 32), (5000, 32)), True), (((9, 64), (5, 33)), False)):
+        seen.clear()
+        arrays = [(r.standard_normal(s) * 5).astype(np.float32) for s in shapes]
+        rows = torch.zeros(size * len(arrays), dtype=torch.float64, device=DEVICE)
+        scratch = torch.zeros(64 * _fused.PART, dtype=torch.float64, device=DEVICE)
+        tensors = [_torch(a) for a in arrays]
+        offsets = [size * i for i in range(len(arrays))]
+        _fused.launch_many(tensors, spec, layout, rows, offsets, lambda k, s=scratch: s, 8)
+        vecs = _fused.finish_rows(rows.view(len(arrays), size).cpu().numpy(), spec, layout)
+        for a, v in zip(arrays, vecs):
+            _check(v[layout.extras_start :].reshape(3, 5), a, names, (a.shape, in_pass))
+        assert seen[0][0] == "many" and bool(seen[0][1][0]) == in_pass
+        assert [k for k, _ in seen[1:]] == ["blocks"] * len(arrays)
+        assert all(bool(c[0]) != in_pass and c[3] for _, c in seen[1:])
