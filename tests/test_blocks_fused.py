@@ -142,9 +142,10 @@ def test_blocks_over_the_whole_float32_range() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
-def test_narrow_dtypes(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("shape", [(9, 45), (6, 64)])
+def test_narrow_dtypes(dtype: torch.dtype, shape: tuple[int, int]) -> None:
     r = np.random.default_rng(7)
-    x = torch.from_numpy((r.standard_normal((9, 45)) * 4.0).astype(np.float32)).to(dtype)
+    x = torch.from_numpy((r.standard_normal(shape) * 4.0).astype(np.float32)).to(dtype)
     x[2, 3] = 0.0
     values = x.float().cpu().numpy()
     _check(fused_columns(x.to(DEVICE)), values, NAMES, dtype)
@@ -181,6 +182,20 @@ def test_summary_and_custom_statistics_beside_block_columns() -> None:
     np.testing.assert_allclose(got[:core], plain[:core], rtol=2e-6)
     assert got[-1] == 4.5
     _check(got[core:-1].reshape(2, 5), a, names, "summarize_torch")
+
+
+@pytest.mark.parametrize("cols", [64, 40])
+def test_with_third_and_fourth_moments(cols: int) -> None:
+    r = np.random.default_rng(9)
+    a = (r.standard_normal((5, cols)) * 2 + 0.5).astype(np.float32)
+    names = ("mxfp8_e4m3", "nvfp4")
+    layout = Layout(number_format("float32"), block_extras(names), moments=4)
+    got = kernel.summarize_torch(_torch(a), layout).cpu().numpy()
+    plain, _ = summarize(a, "float32", moments=4)
+    core = layout.extras_start
+    np.testing.assert_allclose(got[:core], plain[:core], rtol=2e-6)
+    np.testing.assert_allclose(got[-2:], plain[-2:], rtol=1e-5)
+    _check(got[core:-2].reshape(2, 5), a, names, "moments=4")
 
 
 def test_float64_takes_the_torch_op_path() -> None:

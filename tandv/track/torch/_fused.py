@@ -1335,7 +1335,8 @@ def _consts(
     kw.update(zip(("C_E4M3", "C_E5M2", "C_E2M1"), mx))
     tail = tuple(kw.values())
     # no register cap for a gappy view (its index arithmetic would spill) nor with m3, m4
-    # (their float64 state and update: ~120 registers, 2 programs per SM, no spills)
+    # (their float64 state and update: ~120 registers, 2 programs per SM, no spills) nor
+    # with MX formats in the pass (~210 registers; a cap of 128 spills inside the loop)
     cap = None if strided or hoff or any(mx) else spec.maxnreg
     kw.update(num_warps=NUM_WARPS, maxnreg=cap, enable_fp_fusion=True)
     return _Consts(kw, tail)
