@@ -141,7 +141,9 @@ def test_blocks_over_the_whole_float32_range() -> None:
         _check(fused_columns(_torch(a), max_parts=4), a, NAMES, a.shape)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+)
 @pytest.mark.parametrize("shape", [(9, 45), (6, 64)])
 def test_narrow_dtypes(dtype: torch.dtype, shape: tuple[int, int]) -> None:
     r = np.random.default_rng(7)
