@@ -1476,6 +1476,8 @@ def clear_caches() -> None:
     constants: tests and tuning)."""
     _consts.cache_clear()
     _block_consts.cache_clear()
+    _block_cols.cache_clear()
+    _block_names.cache_clear()
     spec_for.cache_clear()
     _fold.cache_clear()
     _fold_runs.cache_clear()
@@ -1550,7 +1552,22 @@ BLOCK_TILE = 64
 def block_columns_at(spec: Spec, layout: Layout) -> int:
     """Where the layout's custom statistics that the caller writes start in a row of
     ``spec``'s tensors: after the block formats' columns, which the kernels write."""
-    return spec.row_size + len(BLOCK_COLUMNS) * len(block_formats_of(layout.extras))
+    return spec.row_size + len(BLOCK_COLUMNS) * len(_names_of(layout.extras))
+
+
+@cache
+def _block_names(extras: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    """The names of the block formats whose columns lead a layout's ``extras``."""
+    return tuple(f.name for f in block_formats_of(extras))
+
+
+def _names_of(extras: Any) -> tuple[str, ...]:
+    """:func:`_block_names` (cached) of a layout's extras, also where they are not
+    hashable (lists)."""
+    try:
+        return _block_names(extras)
+    except TypeError:
+        return tuple(f.name for f in block_formats_of(extras))
 
 
 @cache
@@ -1565,7 +1582,7 @@ def _block_cols(spec: Spec, names: tuple[str, ...]) -> tuple[int, int, int, int]
 
 def _mx_cols(spec: Spec, layout: Layout) -> tuple[int, int, int]:
     """The summary kernels' ``C_E4M3, C_E5M2, C_E2M1`` for ``layout``'s MX formats."""
-    return _block_cols(spec, tuple(f.name for f in block_formats_of(layout.extras)))[:3]
+    return _block_cols(spec, _names_of(layout.extras))[:3]
 
 
 def _mx_in_pass(x: torch.Tensor, spec: Spec, layout: Layout) -> bool:
@@ -1615,7 +1632,7 @@ def launch_blocks(
     ``mx_done`` (the summary kernel computed the MX formats in its pass) without NVFP4.
     Rows are read by the strides of ``x`` viewed as ``(rows, last dimension)``; a view
     whose leading dimensions do not merge into one is copied."""
-    names = tuple(f.name for f in block_formats_of(layout.extras))
+    names = _names_of(layout.extras)
     if not names or (mx_done and "nvfp4" not in names):
         return
     length = x.shape[-1] if x.dim() else 1
@@ -1696,7 +1713,7 @@ def launch_many(
         plan = _plans_many[plan_key] = (consts, _fmax(layout), spec, layout)
     args = (dev_table, rows, scratch, lut, plan[1])
     _launch(_summarize_many, programs, args, plan[0], (dev_table, rows, scratch, lut))
-    if layout.extras and block_formats_of(layout.extras):
+    if layout.extras and _names_of(layout.extras):
         for t, off in zip(flats, offs):
             launch_blocks(t, spec, layout, rows, off, max_parts, mx_done=mx)
 
@@ -1875,7 +1892,7 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
     counts[:, top] = counts[:, top] - move
     counts[:, over] = counts[:, over] + move + col[INF]
     extras = rows[:, spec.row_size : spec.row_size + len(layout.extras)]
-    n_formats = len(block_formats_of(layout.extras))
+    n_formats = len(_names_of(layout.extras))
     if n_formats:  # the block kernel kept each format's largest max/min ratio: its log2
         extras = extras.clone() if xp is torch else extras.copy()
         at = [len(BLOCK_COLUMNS) * i + len(BLOCK_COLUMNS) - 1 for i in range(n_formats)]
