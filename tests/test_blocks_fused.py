@@ -225,6 +225,7 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[int, ...
         id(_fused._summarize_one): "one",
         id(_fused._summarize_many): "many",
         id(_fused._blocks_one): "blocks",
+        id(_fused._blocks_many): "blocks_many",
     }
 
     def spy(kernel, programs, args, consts, ptrs):  # type: ignore[no-untyped-def]
@@ -268,17 +269,30 @@ def test_launch_many_computes_the_mx_formats_in_its_pass_when_every_tensor_allow
     layout = Layout(number_format("float32"), block_extras(names))
     spec = _fused.spec_for(torch.float32)
     size = _fused.row_size(spec, layout)
-    for shapes, in_pass in ((((9, 64), (3, 32), (5000, 32)), True), (((9, 64), (5, 33)), False)):
+    cases = [
+        ([(9, 64), (3, 32), (5000, 32)], True),  # every row a multiple of 32: in the pass
+        ([(9, 64), (5, 33), (2, 3, 40)], False),
+        ([(9, 64), "t"], False),  # a transposed (dense) tensor: its blocks by its strides
+    ]
+    for shapes, in_pass in cases:
         seen.clear()
-        arrays = [(r.standard_normal(s) * 5).astype(np.float32) for s in shapes]
-        rows = torch.zeros(size * len(arrays), dtype=torch.float64, device=DEVICE)
+        tensors = [
+            torch.from_numpy((r.standard_normal((64, 40)) * 5).astype(np.float32)).to(DEVICE).t()
+            if s == "t"
+            else torch.from_numpy((r.standard_normal(s) * 5).astype(np.float32)).to(DEVICE)
+            for s in shapes
+        ]
+        rows = torch.zeros(size * len(tensors), dtype=torch.float64, device=DEVICE)
         scratch = torch.zeros(64 * _fused.PART, dtype=torch.float64, device=DEVICE)
-        tensors = [_torch(a) for a in arrays]
-        offsets = [size * i for i in range(len(arrays))]
+        offsets = [size * i for i in range(len(tensors))]
         _fused.launch_many(tensors, spec, layout, rows, offsets, lambda k, s=scratch: s, 8)
-        vecs = _fused.finish_rows(rows.view(len(arrays), size).cpu().numpy(), spec, layout)
-        for a, v in zip(arrays, vecs):
+        vecs = _fused.finish_rows(rows.view(len(tensors), size).cpu().numpy(), spec, layout)
+        for t, v in zip(tensors, vecs):
+            a = t.cpu().numpy()
             _check(v[layout.extras_start :].reshape(3, 5), a, names, (a.shape, in_pass))
-        assert seen[0][0] == "many" and bool(seen[0][1][0]) == in_pass
-        assert [k for k, _ in seen[1:]] == ["blocks"] * len(arrays)
-        assert all(bool(c[0]) != in_pass and c[3] for _, c in seen[1:])
+        many = [c for k, c in seen if k == "many"]
+        assert len(many) == 1 and bool(many[0][0]) == in_pass
+        blocks = [(k, c) for k, c in seen if k.startswith("blocks")]
+        # one launch for the contiguous tensors' blocks, one per other tensor
+        assert sorted(k for k, _ in blocks) == ["blocks"] * ("t" in shapes) + ["blocks_many"]
+        assert all(bool(c[0]) != in_pass and c[3] for _, c in blocks)

@@ -1052,18 +1052,17 @@ def _mx_columns(row, acc, C_E4M3: tl.constexpr, C_E5M2: tl.constexpr, C_E2M1: tl
         _add_columns(row + C_E2M1, u3, s3, t3, e3 + es, rmx)
 
 
-@triton.jit(do_not_specialize=["length", "per_row", "blocks", "per_prog", "rs", "cs", "row_off"])
+@triton.jit
 # a Triton kernel body: one straight-line program
-def _blocks_one(  # noqa: PLR0915
-    x_ptr,
+def _blocks(  # noqa: PLR0915
+    ptr,
     length,
     per_row,
-    blocks,
-    per_prog,
+    b0,
+    b_end,
     rs,
     cs,
-    rows_ptr,
-    row_off,
+    row,
     lut_ptr,
     MODE: tl.constexpr,
     NB: tl.constexpr,
@@ -1073,25 +1072,17 @@ def _blocks_one(  # noqa: PLR0915
     C_E2M1: tl.constexpr,
     C_NV: tl.constexpr,
 ):
-    """The block-scaled formats' columns of one tensor (after :func:`_summarize_one` or
-    :func:`_summarize_many` wrote its row: NVFP4 takes the tensor's largest magnitude from
-    it), a second read: rows of ``length`` elements (row stride ``rs``, element stride
-    ``cs``) in ``blocks`` blocks of 32, ``per_row`` per row, read as tiles of ``NB``
-    blocks (tile row ``b`` is block ``b``: row ``b // per_row``, elements from ``(b %
-    per_row) * 32``, masked past the row's end), ``per_prog`` blocks per program. ``C_*``:
-    the row column of each format's first column (0: not computed). ``DENSE``: the element
-    stride is 1 and the row length a multiple of 32 and of ``DENSE`` (16 bytes of
-    elements; ``rs`` is then in units of ``DENSE``), so that the compiler reads each
-    block's elements by vector loads (a mask per block row, not per element). Each program
-    adds its sums to the row (atomics; the row starts at zero)."""
-    pid = tl.program_id(0)
-    b0 = pid.to(tl.int64) * per_prog
-    b_end = tl.minimum(b0 + per_prog, blocks)
-    row = rows_ptr + row_off
-    if MODE == 2:  # bfloat16: read as int16 bits
-        ptr = x_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
-    else:
-        ptr = x_ptr
+    """One program's share, blocks ``[b0, b_end)``, of the block-scaled formats' columns of
+    one tensor whose row is at ``row`` (written by :func:`_summarize_one` or
+    :func:`_summarize_many` before: NVFP4 takes the tensor's largest magnitude from it), a
+    second read: rows of ``length`` elements (row stride ``rs``, element stride ``cs``),
+    ``per_row`` blocks of 32 per row, read as tiles of ``NB`` blocks (tile row ``b`` is
+    block ``b``: row ``b // per_row``, elements from ``(b % per_row) * 32``, masked past
+    the row's end). ``C_*``: the row column of each format's first column (0: not
+    computed). ``DENSE``: the element stride is 1 and the row length a multiple of 32 and
+    of ``DENSE`` (16 bytes of elements; ``rs`` is then in units of ``DENSE``), so that the
+    compiler reads each block's elements by vector loads (a mask per block row, not per
+    element). The program adds its sums to the row (atomics; the row starts at zero)."""
     MX: tl.constexpr = C_E4M3 + C_E5M2 + C_E2M1
     amax_t = tl.load(row + 7).to(tl.float32)  # MAX_ABS, written by the summary kernel
     st_ok = amax_t > 0
@@ -1127,6 +1118,90 @@ def _blocks_one(  # noqa: PLR0915
     if C_NV:
         un, sn, tn, en, rnv = nv
         _add_columns(row + C_NV, un, sn, tn, en, rnv)
+
+
+@triton.jit(do_not_specialize=["length", "per_row", "blocks", "per_prog", "rs", "cs", "row_off"])
+def _blocks_one(
+    x_ptr,
+    length,
+    per_row,
+    blocks,
+    per_prog,
+    rs,
+    cs,
+    rows_ptr,
+    row_off,
+    lut_ptr,
+    MODE: tl.constexpr,
+    NB: tl.constexpr,
+    DENSE: tl.constexpr,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
+    C_NV: tl.constexpr,
+):
+    """:func:`_blocks` of one tensor of ``blocks`` blocks, ``per_prog`` per program, into
+    the row at ``rows_ptr + row_off``."""
+    b0 = tl.program_id(0).to(tl.int64) * per_prog
+    if MODE == 2:  # bfloat16: read as int16 bits
+        ptr = x_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+    else:
+        ptr = x_ptr
+    _blocks(
+        ptr,
+        length,
+        per_row,
+        b0,
+        tl.minimum(b0 + per_prog, blocks),
+        rs,
+        cs,
+        rows_ptr + row_off,
+        lut_ptr,
+        MODE,
+        NB,
+        DENSE,
+        C_E4M3,
+        C_E5M2,
+        C_E2M1,
+        C_NV,
+    )
+
+
+@triton.jit
+def _blocks_many(
+    table_ptr,
+    rows_ptr,
+    lut_ptr,
+    MODE: tl.constexpr,
+    NB: tl.constexpr,
+    DENSE: tl.constexpr,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
+    C_NV: tl.constexpr,
+):
+    """:func:`_blocks` of many contiguous tensors of one dtype: program ``i`` reads row
+    ``i`` of the table ``(address, row length, blocks per row, first block, end block,
+    row stride (in units of DENSE with DENSE), row offset)``."""
+    t = table_ptr + tl.program_id(0) * 7
+    _blocks(
+        _typed(tl.load(t), MODE, DENSE > 0),
+        tl.load(t + 1),
+        tl.load(t + 2),
+        tl.load(t + 3),
+        tl.load(t + 4),
+        tl.load(t + 5),
+        1,
+        rows_ptr + tl.load(t + 6),
+        lut_ptr,
+        MODE,
+        NB,
+        DENSE,
+        C_E4M3,
+        C_E5M2,
+        C_E2M1,
+        C_NV,
+    )
 
 
 #: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when this module
@@ -1478,6 +1553,7 @@ def clear_caches() -> None:
     _block_consts.cache_clear()
     _block_cols.cache_clear()
     _block_names.cache_clear()
+    _block_tables.clear()
     spec_for.cache_clear()
     _fold.cache_clear()
     _fold_runs.cache_clear()
@@ -1714,8 +1790,92 @@ def launch_many(
     args = (dev_table, rows, scratch, lut, plan[1])
     _launch(_summarize_many, programs, args, plan[0], (dev_table, rows, scratch, lut))
     if layout.extras and _names_of(layout.extras):
-        for t, off in zip(flats, offs):
-            launch_blocks(t, spec, layout, rows, off, max_parts, mx_done=mx)
+        _launch_blocks_many(flats, spec, layout, rows, offs, max_parts, mx, stream)
+
+
+def _launch_blocks_many(
+    tensors: Sequence[torch.Tensor],
+    spec: Spec,
+    layout: Layout,
+    rows: torch.Tensor,
+    offsets: Sequence[int],
+    max_parts: int,
+    mx_done: bool,
+    stream: int,
+) -> None:
+    """:func:`launch_blocks` of many tensors: the contiguous ones in one launch of
+    :func:`_blocks_many` (its table kept, as :func:`launch_many`'s, for the next launch of
+    the same tensors into the same rows), each other one on its own."""
+    names = _names_of(layout.extras)
+    if not names or (mx_done and "nvfp4" not in names):
+        return
+    flat: list[torch.Tensor] = []
+    offs: list[int] = []
+    for t, off in zip(tensors, offsets):
+        if t.is_contiguous():
+            flat.append(t)
+            offs.append(off)
+        else:  # (a permuted dense tensor: by its strides)
+            launch_blocks(t, spec, layout, rows, off, max_parts, mx_done=mx_done)
+    if not flat:
+        return
+    device = rows.device
+    addresses = tuple(map(torch.Tensor.data_ptr, flat))
+    shapes = tuple(t.shape for t in flat)
+    key = (device, stream, max_parts, addresses, shapes, tuple(offs))
+    got = _block_tables.get(key)
+    if got is None:
+        if len(_block_tables) >= _TABLES_KEPT:
+            _block_tables.clear()
+        got = _block_tables[key] = _block_table(addresses, shapes, offs, spec, max_parts, device)
+    table, programs, dense = got
+    consts = _block_consts(spec, names, dense, mx_done)
+    assert consts is not None
+    lut = _lut(spec, device, rows)
+    _launch(_blocks_many, programs, (table, rows, lut), consts, (table, rows, lut))
+
+
+#: :func:`_launch_blocks_many`'s tables on their devices, with their program counts and
+#: whether they read whole aligned blocks (``DENSE``), by (device, stream, max programs,
+#: addresses, shapes, row offsets).
+_block_tables: dict[tuple[Any, ...], tuple[torch.Tensor, int, bool]] = {}
+
+
+def _block_table(
+    addresses: tuple[int, ...],
+    shapes: tuple[torch.Size, ...],
+    offsets: Sequence[int],
+    spec: Spec,
+    max_parts: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, int, bool]:
+    """:func:`_blocks_many`'s table (on ``device``) for contiguous tensors at ``addresses``
+    of ``shapes`` with rows at ``offsets``: programs of up to ``max_parts`` per tensor,
+    each of whole tiles of blocks; and whether every tensor is read by ``DENSE`` loads."""
+    vec = 16 // spec.dtype.itemsize
+    length = np.array([s[-1] if len(s) else 1 for s in shapes], dtype=np.int64)
+    numel = np.array([math.prod(s) for s in shapes], dtype=np.int64)
+    address = np.array(addresses, dtype=np.int64)
+    dense = bool(((length % 32 == 0) & (length % vec == 0) & (address % 16 == 0)).all())
+    per_row = -(-length // 32)
+    blocks = numel // length * per_row
+    tiles = -(-blocks // BLOCK_TILE)
+    per_prog = -(-tiles // np.minimum(tiles, max_parts)) * BLOCK_TILE
+    parts = -(-blocks // per_prog)
+    owner = np.repeat(np.arange(len(shapes)), parts)
+    part = np.arange(owner.size) - (np.cumsum(parts) - parts)[owner]
+    table = np.empty((owner.size, 7), dtype=np.int64)
+    table[:, 0] = address[owner]
+    table[:, 1] = length[owner]
+    table[:, 2] = per_row[owner]
+    table[:, 3] = part * per_prog[owner]
+    table[:, 4] = np.minimum(table[:, 3] + per_prog[owner], blocks[owner])
+    table[:, 5] = (length // vec if dense else length)[owner]
+    table[:, 6] = np.asarray(offsets, dtype=np.int64)[owner]
+    host = torch.from_numpy(table)
+    if device.type == "cuda":  # pinned: the copy to the device does not wait
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True), int(owner.size), dense
 
 
 def _split_many(
