@@ -925,6 +925,14 @@ def _sum1(v):
 
 
 @triton.jit
+def _counts(c0, c1, c2):
+    """The per-block counts of three conditions on a tile of blocks, in one reduction:
+    packed into one integer per element (a block holds at most 32 elements: 8 bits each)."""
+    packed = _sum1(c0.to(tl.int32) | (c1.to(tl.int32) << 8) | (c2.to(tl.int32) << 16))
+    return packed & 255, (packed >> 8) & 255, packed >> 16
+
+
+@triton.jit
 def _mx_tile(
     a, e, big, EMAX: tl.constexpr, EMIN: tl.constexpr, M: tl.constexpr, FMAX: tl.constexpr
 ):
@@ -941,10 +949,9 @@ def _mx_tile(
     h = k >> 1
     y = (a * _pow2_f32(h)) * _pow2_f32(k - h)
     q = _round_grid(tl.minimum(y, FMAX), M, EMIN)
-    nz = a > 0
-    under = _sum1((nz & (q == 0)).to(tl.int32))
-    subn = _sum1(((q > 0) & (q < _pow2_f32(EMIN + 0 * h))).to(tl.int32))
-    sat = _sum1((y > FMAX).to(tl.int32))
+    under, subn, sat = _counts(
+        (a > 0) & (q == 0), (q > 0) & (q < _pow2_f32(EMIN + 0 * h)), y > FMAX
+    )
     d = tl.where(big, (q - y) * _pow2_f32(60 - EMAX + 0 * h), 0.0)
     return under, subn, sat, _sum1(d * d)
 
@@ -982,10 +989,7 @@ def _nv_tile(a, s_t, st_ok):
     ok = scale > 0
     y = tl.math.div_rn(a, tl.where(ok, scale, 1.0)[:, None])
     q = tl.where(ok[:, None], _round_grid(tl.minimum(y, 6.0), 1, 0), 0.0)
-    nz = a > 0
-    under = _sum1((nz & (q == 0)).to(tl.int32))
-    subn = _sum1(((q > 0) & (q < 1.0)).to(tl.int32))
-    sat = _sum1((ok[:, None] & (y > 6.0)).to(tl.int32))
+    under, subn, sat = _counts((a > 0) & (q == 0), (q > 0) & (q < 1.0), ok[:, None] & (y > 6.0))
     d = q.to(tl.float64) * tl.where(ok, scale, 0.0).to(tl.float64)[:, None] - a.to(tl.float64)
     return under, subn, sat, _sum1(d * d), ratio
 
