@@ -52,6 +52,16 @@ Views are read where they lie: a permuted dense tensor as its memory, a gappy on
 ``expand``) once, its counts and sums weighted by its size. A 1-element tensor (the
 loss scale of a ``GradScaler``) can ride along into a custom statistic of the row.
 
+Block-scaled formats
+--------------------
+With a layout's ``block_formats`` (:mod:`tandv.stats.blocks`), the summary kernel also
+computes the MX formats' columns in its pass where a tensor is contiguous with rows of a
+multiple of 32 elements (``C_E4M3`` .. ``C_E2M1``: each 32 consecutive elements of a tile
+are a block; 0 compiles the kernel without any of this). :func:`_blocks_one` and
+:func:`_blocks_many`, launched after it, read the tensor again, block-major, for NVFP4
+(its tensor scale comes from the largest magnitude in the row) and for the MX formats of
+the other tensors. Both add each program's sums to the row by atomics.
+
 Everything here also runs on the CPU in Triton's interpreter (``TRITON_INTERPRET=1``),
 which the tests use against the numpy reference.
 """
