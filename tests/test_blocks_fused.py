@@ -116,6 +116,8 @@ def test_random_tensors_with_one_two_and_several_programs(max_parts: int) -> Non
     for a in _random_arrays(max_parts):
         if a.size == 0:
             continue
+        if a.size > 10000 and a.shape[-1] % 32:  # (ragged rows: the interpreter's slowest)
+            a = a[:120]
         _check(fused_columns(_torch(a), max_parts=max_parts), a, NAMES, (a.shape, max_parts))
 
 

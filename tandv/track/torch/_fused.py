@@ -1699,7 +1699,9 @@ def _block_consts(spec: Spec, names: tuple[str, ...], dense: bool, mx_done: bool
     if not any(cols):
         return None
     vec = 16 // spec.dtype.itemsize
-    kw: dict[str, Any] = dict(MODE=spec.mode, NB=BLOCK_TILE, DENSE=vec if dense else 0)
+    # (per-element loads spread each block over a warp: fewer blocks a tile, fewer registers)
+    nb = BLOCK_TILE if dense else BLOCK_TILE // 4
+    kw: dict[str, Any] = dict(MODE=spec.mode, NB=nb, DENSE=vec if dense else 0)
     kw.update(zip(("C_E4M3", "C_E5M2", "C_E2M1", "C_NV"), cols))
     tail = tuple(kw.values())
     kw.update(num_warps=NUM_WARPS, enable_fp_fusion=True)
