@@ -1,5 +1,5 @@
 """Block-scaled formats in the PyTorch tracker: every path (host kernel, torch-op, and the
-fused path, which hands such tensors to the torch-op path) against the numpy reference."""
+fused Triton path: see also test_blocks_fused.py) against the numpy reference."""
 
 from __future__ import annotations
 

@@ -52,6 +52,16 @@ Views are read where they lie: a permuted dense tensor as its memory, a gappy on
 ``expand``) once, its counts and sums weighted by its size. A 1-element tensor (the
 loss scale of a ``GradScaler``) can ride along into a custom statistic of the row.
 
+Block-scaled formats
+--------------------
+With a layout's ``block_formats`` (:mod:`tandv.stats.blocks`), the summary kernel also
+computes the MX formats' columns in its pass where a tensor is contiguous with rows of a
+multiple of 32 elements (``C_E4M3`` .. ``C_E2M1``: each 32 consecutive elements of a tile
+are a block; 0 compiles the kernel without any of this). :func:`_blocks_one` and
+:func:`_blocks_many`, launched after it, read the tensor again, block-major, for NVFP4
+(its tensor scale comes from the largest magnitude in the row) and for the MX formats of
+the other tensors. Both add each program's sums to the row by atomics.
+
 Everything here also runs on the CPU in Triton's interpreter (``TRITON_INTERPRET=1``),
 which the tests use against the numpy reference.
 """
@@ -73,6 +83,7 @@ import triton.language as tl
 from triton import knobs
 from triton.runtime import driver
 
+from ...stats.blocks import BLOCK_COLUMNS, block_formats_of
 from ...stats.formats import number_format
 from ...stats.summary import Layout, append_extras, pack_summary
 
@@ -91,6 +102,8 @@ __all__ = [
     "finish_rows",
     "row_size",
     "scratch_rows",
+    "launch_blocks",
+    "block_columns_at",
 ]
 
 # The fields of a row, in order; the exponent counts follow the counter. N_READ counts
@@ -278,10 +291,15 @@ def _step(  # noqa: PLR0915
     PER: tl.constexpr,
     BLOCK: tl.constexpr,
     HOFF: tl.constexpr,
+    blk,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
 ):
     """The slots' ``state`` and the program's exponent counts ``hist`` with a tile ``x``
     added (its elements where ``m`` when ``MASKED``); with ``HOFF`` (moments=4), the
-    third and fourth centred sums too.
+    third and fourth centred sums too; with a ``C_*`` not 0, the MX formats' sums ``blk``
+    (:func:`_mx_blocks`) too, the tile being whole blocks of 32 (rows of a multiple of 32).
 
     (Reductions call ``tl.reduce`` with Triton's own combine functions rather than
     ``tl.sum`` and the like: the same code compiled, and many times faster in the
@@ -298,6 +316,10 @@ def _step(  # noqa: PLR0915
             amin, tl.reduce(tl.reduce(bits, 2, _MIN), 0, _MIN)
         )  # non-finite: above inf, clipped at the end
     xf = tl.where(fin, x, 0.0)
+    if C_E4M3 + C_E5M2 + C_E2M1:  # MX blocks: 32 consecutive elements of the tile each
+        blk = _mx_blocks(
+            tl.reshape(tl.abs(xf), [BLOCK // 32, 32]).to(tl.float32), blk, C_E4M3, C_E5M2, C_E2M1
+        )
     amax = tl.maximum(amax, tl.reduce(tl.reduce(tl.abs(xf), 2, _MAX), 0, _MAX))
     top = _magnitude_bits(amax, MODE)  # the slot's largest finite magnitude so far
     # extrema with non-finite values read as 0 (patched on the host, see finish_rows)
@@ -380,7 +402,7 @@ def _step(  # noqa: PLR0915
         hist += tl.histogram(tl.reshape(key, [BLOCK]), NBP, mask=tl.reshape(m, [BLOCK]))
     else:
         hist += tl.histogram(tl.reshape(key, [BLOCK]), NBP)
-    return (En, nt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over, m3, m4), hist
+    return (En, nt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over, m3, m4), hist, blk
 
 
 @triton.jit
@@ -402,9 +424,13 @@ def _scan(
     OVER: tl.constexpr,
     STRIDED: tl.constexpr,
     HOFF: tl.constexpr,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
 ):
     """The slots' states after elements ``[start, end)`` of a tensor (``start`` a multiple
-    of the tile), and their exponent counts: whole tiles unmasked, then the rest."""
+    of the tile), and their exponent counts: whole tiles unmasked, then the rest; and the
+    MX formats' sums (:func:`_mx_blocks`; 0 without)."""
     BLOCK: tl.constexpr = K * SLOTS * VEC
     if MODE == 4:
         ct = tl.float64
@@ -433,20 +459,26 @@ def _scan(
         zero,
     )
     hist = tl.zeros([NBP], tl.int32)
+    if C_E4M3 + C_E5M2 + C_E2M1:
+        blk = _mx_zeros(BLOCK // 32)
+    else:
+        blk = 0
     full_end = start + ((end - start) // BLOCK) * BLOCK
     for off in range(start, full_end, BLOCK):
         x, m = _tile(
             ptr, tl.multiple_of(off, BLOCK), end, lut_ptr, geo, MODE, VEC, K, SLOTS, False, STRIDED
         )
-        state, hist = _step(
-            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, False, K * VEC, BLOCK, HOFF
-        )
+        state, hist, blk = _step(
+            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, False, K * VEC, BLOCK, HOFF,
+            blk, C_E4M3, C_E5M2, C_E2M1,
+        )  # fmt: skip
     if full_end < end:
         x, m = _tile(ptr, full_end, end, lut_ptr, geo, MODE, VEC, K, SLOTS, True, STRIDED)
-        state, hist = _step(
-            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, True, K * VEC, BLOCK, HOFF
-        )
-    return state, hist
+        state, hist, blk = _step(
+            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, True, K * VEC, BLOCK, HOFF,
+            blk, C_E4M3, C_E5M2, C_E2M1,
+        )  # fmt: skip
+    return state, hist, blk
 
 
 @triton.jit
@@ -616,14 +648,19 @@ def _summarize(
     EXT: tl.constexpr,
     GROUP: tl.constexpr,
     HOFF: tl.constexpr,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
 ):
     """One program's share ``[start, end)`` of a tensor whose row is at ``row``; with
     ``n_parts > 1`` programs, its partial row goes to ``part_ptr`` and the last program
     merges the ``n_parts`` rows at ``parts_ptr`` into ``row``. Counts and sums are
     multiplied by ``weight`` (the size of broadcast dimensions); with ``EXT``, the value
     at ``ext_ptr`` is written to ``row + ext_off``; with ``HOFF`` (moments=4), ``m3`` and
-    ``m4`` to ``row + HOFF`` and ``+ HOFF + 1`` (a partial row's first two fields)."""
-    state, hist = _scan(
+    ``m4`` to ``row + HOFF`` and ``+ HOFF + 1`` (a partial row's first two fields); with a
+    ``C_*`` not 0, that MX format's columns are added to the row at ``row + C_*`` (each
+    program's, by atomics)."""
+    state, hist, blk = _scan(
         ptr,
         start,
         end,
@@ -641,7 +678,12 @@ def _summarize(
         OVER,
         STRIDED,
         HOFF,
+        C_E4M3,
+        C_E5M2,
+        C_E2M1,
     )
+    if C_E4M3 + C_E5M2 + C_E2M1:
+        _mx_columns(row, blk, C_E4M3, C_E5M2, C_E2M1)
     E, cnt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over, m3, m4 = state
     wt = weight * tl.full([], 1.0, tl.float64)
     Et, n, mt, m2t, p1t, p2t, p4t, p8t, m3t, m4t = _merged(
@@ -736,6 +778,9 @@ def _summarize_one(
     EXT: tl.constexpr,
     GROUP: tl.constexpr,
     HOFF: tl.constexpr,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
 ):
     """One tensor ``x_ptr`` of ``n`` elements, ``tiles`` tiles per program, into the row
     at ``rows_ptr + row_off``; ``STRIDED``: the elements of the view of sizes ``(., s1,
@@ -777,6 +822,9 @@ def _summarize_one(
         EXT,
         GROUP,
         HOFF,
+        C_E4M3,
+        C_E5M2,
+        C_E2M1,
     )
 
 
@@ -820,6 +868,9 @@ def _summarize_many(
     ALIGNED: tl.constexpr,
     GROUP: tl.constexpr,
     HOFF: tl.constexpr,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
 ):
     """Many tensors of one dtype: program ``i`` reads row ``i`` of the table ``(address,
     start, end, row offset, part, parts, first part)``; ``ALIGNED``: every address is a
@@ -856,6 +907,314 @@ def _summarize_many(
         False,
         GROUP,
         HOFF,
+        C_E4M3,
+        C_E5M2,
+        C_E2M1,
+    )
+
+
+# ------------------------------------------------------------------ block-scaled formats
+
+
+@triton.jit
+def _round_grid(v, M: tl.constexpr, EMIN: tl.constexpr):
+    """``v >= 0`` (float32, at most ``2**(EMIN + 23 - M)`` times the grid's top binade)
+    rounded to nearest-even onto the grid of an element format with ``M`` mantissa bits
+    and smallest normal ``2**EMIN`` (no saturation). Adding ``k``, a power of two whose
+    float32 spacing is the grid's spacing at ``v``, rounds (IEEE, to even); subtracting it
+    is exact. Only additions: no multiply-add can be contracted into the rounding."""
+    field = v.to(tl.int32, bitcast=True) >> 23
+    k = ((tl.maximum(field, EMIN + 127) + (23 - M)) << 23).to(tl.float32, bitcast=True)
+    return (v + k) - k
+
+
+@triton.jit
+def _sum1(v):
+    """Sum along axis 1 (the elements of each block)."""
+    return tl.reduce(v, 1, _ADD)
+
+
+@triton.jit
+def _counts(c0, c1, c2):
+    """The per-block counts of three conditions on a tile of blocks, in one reduction:
+    packed into one integer per element (a block holds at most 32 elements: 8 bits each)."""
+    packed = _sum1(c0.to(tl.int32) | (c1.to(tl.int32) << 8) | (c2.to(tl.int32) << 16))
+    return packed & 255, (packed >> 8) & 255, packed >> 16
+
+
+@triton.jit
+def _mx_tile(
+    a, e, big, EMAX: tl.constexpr, EMIN: tl.constexpr, M: tl.constexpr, FMAX: tl.constexpr
+):
+    """One MX format's per-block sums of a ``[blocks, 32]`` tile of magnitudes ``a`` (0
+    where no finite value), ``e`` ``[blocks, 1]`` the floor(log2) of each block's largest
+    (0 for a block without a non-zero value): ``(underflow, subnormal, saturated)`` counts
+    and the squared errors of the ``big`` elements (those at least ``2**(e - 32)``) as
+    ``sum((q - y)**2) * 2**(120 - 2 EMAX)``, float32: ``y = a / 2**(e - EMAX)`` is exact
+    (two power-of-two factors, each a normal float32) for every element that can round to a
+    non-zero element, and so is ``q - y``; the scaled squares of the big elements are
+    normal floats below ``2**122``. The others are zero in every MX format; their error
+    (``a`` itself) is summed apart (:func:`_small_err`)."""
+    k = EMAX - e
+    h = k >> 1
+    y = (a * _pow2_f32(h)) * _pow2_f32(k - h)
+    q = _round_grid(tl.minimum(y, FMAX), M, EMIN)
+    under, subn, sat = _counts(
+        (a > 0) & (q == 0), (q > 0) & (q < _pow2_f32(EMIN + 0 * h)), y > FMAX
+    )
+    d = tl.where(big, (q - y) * _pow2_f32(60 - EMAX + 0 * h), 0.0)
+    return under, subn, sat, _sum1(d * d)
+
+
+@triton.jit
+def _small_err(a, ea, e, small):
+    """Per block, the float64 sum of ``a**2`` over the ``small`` elements (non-zero, below
+    ``2**(e - 32)``: zero in every MX format, so their squared error is ``a**2``), exact to
+    float32's rounding: in two float32 sums of squares scaled into the normal range (by
+    ``2**(93 - e)``, and ``2**(217 - e)`` for elements below ``2**(e - 156)``)."""
+    tiny = ea < e - 156
+    t = tl.minimum(tl.where(tiny, 217 - e, 93 - e), 250)
+    h = t >> 1
+    v = (tl.where(small, a, 0.0) * _pow2_f32(h)) * _pow2_f32(t - h)
+    v2 = v * v
+    s2 = _sum1(tl.where(small & ~tiny, v2, 0.0)).to(tl.float64)
+    s3 = _sum1(tl.where(small & tiny, v2, 0.0)).to(tl.float64)
+    eb = tl.reshape(e, [e.shape[0]])
+    return s2 * _pow2_f64(2 * eb - 186) + s3 * _pow2_f64(2 * eb - 434)
+
+
+@triton.jit
+def _nv_tile(a, s_t, st_ok):
+    """NVFP4's per-block ``(underflow, subnormal, saturated, squared error, max/min)`` of
+    a ``[blocks, 16]`` tile of magnitudes ``a``, given the tensor's scale ``s_t`` (1 where
+    ``st_ok`` is false: the tensor scale is 0, every block's scale too). float32 in the
+    definition's order (divisions rounded to nearest); the error in float64, where the
+    dequantized value ``q * (s_b * s_t)`` and its difference from ``a`` are exact."""
+    amax = tl.reduce(a, 1, _MAX)
+    amin = tl.reduce(tl.where(a > 0, a, float("inf")), 1, _MIN)
+    ratio = tl.where(amax > 0, amax.to(tl.float64) / amin.to(tl.float64), 0.0)
+    u = tl.math.div_rn(tl.math.div_rn(amax, 6.0), s_t)
+    u = tl.where(st_ok, tl.where(amax > 0, tl.minimum(u, 448.0), 0.0), 0.0)
+    scale = _round_grid(u, 3, -6) * s_t
+    ok = scale > 0
+    y = tl.math.div_rn(a, tl.where(ok, scale, 1.0)[:, None])
+    q = tl.where(ok[:, None], _round_grid(tl.minimum(y, 6.0), 1, 0), 0.0)
+    under, subn, sat = _counts((a > 0) & (q == 0), (q > 0) & (q < 1.0), ok[:, None] & (y > 6.0))
+    d = q.to(tl.float64) * tl.where(ok, scale, 0.0).to(tl.float64)[:, None] - a.to(tl.float64)
+    return under, subn, sat, _sum1(d * d), ratio
+
+
+@triton.jit
+def _add_columns(ptr, under, subn, sat, err, ratio):
+    """Adds one program's columns of a format to the row's (``ptr``: its first column);
+    the block range as the largest ``max/min`` ratio (its float64 bits: positive floats
+    order as integers), turned into log2 by :func:`finish_rows`."""
+    tl.atomic_add(ptr, tl.sum(under.to(tl.float64)), sem="relaxed")
+    tl.atomic_add(ptr + 1, tl.sum(subn.to(tl.float64)), sem="relaxed")
+    tl.atomic_add(ptr + 2, tl.sum(sat.to(tl.float64)), sem="relaxed")
+    tl.atomic_add(ptr + 3, tl.sum(err), sem="relaxed")
+    bits = ptr.to(tl.pointer_type(tl.int64), bitcast=True) + 4
+    tl.atomic_max(bits, tl.max(ratio).to(tl.int64, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _mx_zeros(NB: tl.constexpr):
+    """The MX formats' per-block sums of :func:`_mx_blocks` for tiles of ``NB`` blocks, zero."""
+    zi = tl.zeros([NB], tl.int32)
+    zf = tl.zeros([NB], tl.float64)
+    return (zi, zi, zi, zf, zi, zi, zi, zf, zi, zi, zi, zf, zf, zf)
+
+
+@triton.jit
+def _mx_blocks(a, acc, C_E4M3: tl.constexpr, C_E5M2: tl.constexpr, C_E2M1: tl.constexpr):
+    """``acc``, the MX formats' sums per block of tile (underflow, subnormal, saturated,
+    scaled error of each format, the error of the small elements, the largest max/min
+    ratio), with the ``[blocks, 32]`` tile of magnitudes ``a`` (0: no finite value) added:
+    the formats whose ``C_*`` is not 0. Each block's error is taken back to float64 and
+    its scale here."""
+    u1, s1, t1, e1, u2, s2, t2, e2, u3, s3, t3, e3, es, rmx = acc
+    NB: tl.constexpr = a.shape[0]
+    amax = tl.reduce(a, 1, _MAX)
+    amin = tl.reduce(tl.where(a > 0, a, float("inf")), 1, _MIN)
+    rmx = tl.maximum(rmx, tl.where(amax > 0, amax.to(tl.float64) / amin.to(tl.float64), 0.0))
+    e = tl.where(amax > 0, _exponent(amax.to(tl.int32, bitcast=True), True, 0), 0)[:, None]
+    ea = _exponent(a.to(tl.int32, bitcast=True), True, 0)
+    big = ea >= e - 32
+    es += _small_err(a, ea, e, (a > 0) & ~big)
+    back = _pow2_f64(2 * tl.reshape(e, [NB]) - 120)  # the scaled errors' factor
+    if C_E4M3:
+        du, ds, dt, de = _mx_tile(a, e, big, 8, -6, 3, 448.0)
+        u1, s1, t1, e1 = u1 + du, s1 + ds, t1 + dt, e1 + de.to(tl.float64) * back
+    if C_E5M2:
+        du, ds, dt, de = _mx_tile(a, e, big, 15, -14, 2, 57344.0)
+        u2, s2, t2, e2 = u2 + du, s2 + ds, t2 + dt, e2 + de.to(tl.float64) * back
+    if C_E2M1:
+        du, ds, dt, de = _mx_tile(a, e, big, 2, 0, 1, 6.0)
+        u3, s3, t3, e3 = u3 + du, s3 + ds, t3 + dt, e3 + de.to(tl.float64) * back
+    return (u1, s1, t1, e1, u2, s2, t2, e2, u3, s3, t3, e3, es, rmx)
+
+
+@triton.jit
+def _mx_columns(row, acc, C_E4M3: tl.constexpr, C_E5M2: tl.constexpr, C_E2M1: tl.constexpr):
+    """Adds a program's MX sums (:func:`_mx_blocks`) to the row ``row``."""
+    u1, s1, t1, e1, u2, s2, t2, e2, u3, s3, t3, e3, es, rmx = acc
+    if C_E4M3:
+        _add_columns(row + C_E4M3, u1, s1, t1, e1 + es, rmx)
+    if C_E5M2:
+        _add_columns(row + C_E5M2, u2, s2, t2, e2 + es, rmx)
+    if C_E2M1:
+        _add_columns(row + C_E2M1, u3, s3, t3, e3 + es, rmx)
+
+
+@triton.jit
+# a Triton kernel body: one straight-line program
+def _blocks(  # noqa: PLR0915
+    ptr,
+    length,
+    per_row,
+    b0,
+    b_end,
+    rs,
+    cs,
+    row,
+    lut_ptr,
+    MODE: tl.constexpr,
+    NB: tl.constexpr,
+    DENSE: tl.constexpr,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
+    C_NV: tl.constexpr,
+):
+    """One program's share, blocks ``[b0, b_end)``, of the block-scaled formats' columns of
+    one tensor whose row is at ``row`` (written by :func:`_summarize_one` or
+    :func:`_summarize_many` before: NVFP4 takes the tensor's largest magnitude from it), a
+    second read: rows of ``length`` elements (row stride ``rs``, element stride ``cs``),
+    ``per_row`` blocks of 32 per row, read as tiles of ``NB`` blocks (tile row ``b`` is
+    block ``b``: row ``b // per_row``, elements from ``(b % per_row) * 32``, masked past
+    the row's end). ``C_*``: the row column of each format's first column (0: not
+    computed). ``DENSE``: the element stride is 1 and the row length a multiple of 32 and
+    of ``DENSE`` (16 bytes of elements; ``rs`` is then in units of ``DENSE``), so that the
+    compiler reads each block's elements by vector loads (a mask per block row, not per
+    element). The program adds its sums to the row (atomics; the row starts at zero)."""
+    MX: tl.constexpr = C_E4M3 + C_E5M2 + C_E2M1
+    amax_t = tl.load(row + 7).to(tl.float32)  # MAX_ABS, written by the summary kernel
+    st_ok = amax_t > 0
+    s_t = tl.math.div_rn(tl.where(st_ok, amax_t, 2688.0), 2688.0)
+    st_ok = s_t > 0  # (a tensor maximum below 2688 * 2**-149 gives 0)
+    s_t = tl.where(st_ok, s_t, 1.0)
+    zi2 = tl.zeros([2 * NB], tl.int32)
+    zf2 = tl.zeros([2 * NB], tl.float64)
+    acc = (_mx_zeros(NB), (zi2, zi2, zi2, zf2, zf2))
+    j = tl.arange(0, 32)[None, :]
+    for t0 in range(b0, b_end, NB):
+        b = t0 + tl.arange(0, NB).to(tl.int64)[:, None]
+        r = b // per_row
+        col = (b - r * per_row) * 32 + j
+        if DENSE:  # whole blocks of consecutive elements, DENSE-aligned: vector loads
+            m = tl.broadcast_to(b < b_end, [NB, 32])
+            x = _load(ptr, r * rs * DENSE + col, m, lut_ptr, MODE, True)  # rs: in DENSE units
+        else:
+            m = (b < b_end) & (col < length)
+            x = _load(ptr, r * rs + col * cs, m, lut_ptr, MODE, True)
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        a = tl.where(m & (bits < 0x7F800000), tl.abs(x), 0.0)
+        mx, nv = acc
+        if MX:
+            mx = _mx_blocks(a, mx, C_E4M3, C_E5M2, C_E2M1)
+        if C_NV:
+            un, sn, tn, en, rnv = nv
+            du, ds, dt, de, dr = _nv_tile(tl.reshape(a, [2 * NB, 16]), s_t, st_ok)
+            nv = (un + du, sn + ds, tn + dt, en + de, tl.maximum(rnv, dr))
+        acc = (mx, nv)
+    mx, nv = acc
+    _mx_columns(row, mx, C_E4M3, C_E5M2, C_E2M1)
+    if C_NV:
+        un, sn, tn, en, rnv = nv
+        _add_columns(row + C_NV, un, sn, tn, en, rnv)
+
+
+@triton.jit(do_not_specialize=["length", "per_row", "blocks", "per_prog", "rs", "cs", "row_off"])
+def _blocks_one(
+    x_ptr,
+    length,
+    per_row,
+    blocks,
+    per_prog,
+    rs,
+    cs,
+    rows_ptr,
+    row_off,
+    lut_ptr,
+    MODE: tl.constexpr,
+    NB: tl.constexpr,
+    DENSE: tl.constexpr,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
+    C_NV: tl.constexpr,
+):
+    """:func:`_blocks` of one tensor of ``blocks`` blocks, ``per_prog`` per program, into
+    the row at ``rows_ptr + row_off``."""
+    b0 = tl.program_id(0).to(tl.int64) * per_prog
+    if MODE == 2:  # bfloat16: read as int16 bits
+        ptr = x_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+    else:
+        ptr = x_ptr
+    _blocks(
+        ptr,
+        length,
+        per_row,
+        b0,
+        tl.minimum(b0 + per_prog, blocks),
+        rs,
+        cs,
+        rows_ptr + row_off,
+        lut_ptr,
+        MODE,
+        NB,
+        DENSE,
+        C_E4M3,
+        C_E5M2,
+        C_E2M1,
+        C_NV,
+    )
+
+
+@triton.jit
+def _blocks_many(
+    table_ptr,
+    rows_ptr,
+    lut_ptr,
+    MODE: tl.constexpr,
+    NB: tl.constexpr,
+    DENSE: tl.constexpr,
+    C_E4M3: tl.constexpr,
+    C_E5M2: tl.constexpr,
+    C_E2M1: tl.constexpr,
+    C_NV: tl.constexpr,
+):
+    """:func:`_blocks` of many contiguous tensors of one dtype: program ``i`` reads row
+    ``i`` of the table ``(address, row length, blocks per row, first block, end block,
+    row stride (in units of DENSE with DENSE), row offset)``."""
+    t = table_ptr + tl.program_id(0) * 7
+    _blocks(
+        _typed(tl.load(t), MODE, DENSE > 0),
+        tl.load(t + 1),
+        tl.load(t + 2),
+        tl.load(t + 3),
+        tl.load(t + 4),
+        tl.load(t + 5),
+        1,
+        rows_ptr + tl.load(t + 6),
+        lut_ptr,
+        MODE,
+        NB,
+        DENSE,
+        C_E4M3,
+        C_E5M2,
+        C_E2M1,
+        C_NV,
     )
 
 
@@ -1033,13 +1392,15 @@ def _consts(
     ext: bool = False,
     aligned: bool | None = None,
     hoff: int = 0,
+    mx: tuple[int, int, int] = (0, 0, 0),
 ) -> _Consts:
     """The variant of ``spec``'s kernels: ``over``, values above the layout format's max
     are counted; ``strided``, a gappy view (1: offsets below 2**31, 2: larger; no
     register cap: its index arithmetic would
     spill); ``ext``, a statistic is copied in; ``aligned`` (:func:`launch_many` only):
     every address of the table is 16-byte aligned; ``hoff``: the third and fourth moments
-    are computed into the row at ``hoff`` (:func:`_hoff`; 0: not computed)."""
+    are computed into the row at ``hoff`` (:func:`_hoff`; 0: not computed); ``mx``: the row
+    columns of the MX formats computed in the pass (``C_E4M3, C_E5M2, C_E2M1``; 0: not)."""
     bins, zkey, ikey = spec.keys
     kw: dict[str, Any] = dict(
         MODE=spec.mode,
@@ -1060,10 +1421,12 @@ def _consts(
         kw.update(ALIGNED=aligned)
     kw["GROUP"] = GROUP
     kw["HOFF"] = hoff
+    kw.update(zip(("C_E4M3", "C_E5M2", "C_E2M1"), mx))
     tail = tuple(kw.values())
     # no register cap for a gappy view (its index arithmetic would spill) nor with m3, m4
-    # (their float64 state and update: ~120 registers, 2 programs per SM, no spills)
-    cap = None if strided or hoff else spec.maxnreg
+    # (their float64 state and update: ~120 registers, 2 programs per SM, no spills) nor
+    # with MX formats in the pass (~210 registers; a cap of 128 spills inside the loop)
+    cap = None if strided or hoff or any(mx) else spec.maxnreg
     kw.update(num_warps=NUM_WARPS, maxnreg=cap, enable_fp_fusion=True)
     return _Consts(kw, tail)
 
@@ -1201,6 +1564,10 @@ def clear_caches() -> None:
     """Forget the kernel variants, launchers and dtype specs (after a change of the tile
     constants: tests and tuning)."""
     _consts.cache_clear()
+    _block_consts.cache_clear()
+    _block_cols.cache_clear()
+    _block_names.cache_clear()
+    _block_tables.clear()
     spec_for.cache_clear()
     _fold.cache_clear()
     _fold_runs.cache_clear()
@@ -1213,7 +1580,7 @@ def clear_caches() -> None:
 
 #: launch_one's variant and format max per (spec, layout, strided, statistic copied), by
 #: identity (hashing the dataclasses on every hook would cost more than the rest).
-_plans: dict[tuple[int, int, int, bool], tuple[_Consts, float, Spec, Layout]] = {}
+_plans: dict[tuple[int, int, int, bool, bool], tuple[_Consts, float, Spec, Layout]] = {}
 
 
 def launch_one(
@@ -1239,24 +1606,150 @@ def launch_one(
     if extra is None:
         ext, ext_off = rows, 0
     else:
-        ext_off = spec.row_size + extra[0]
+        ext_off = block_columns_at(spec, layout) + extra[0]
         ext = extra[1]
     lut = _lut(spec, x.device, rows)
     strided = 0 if geo is None else 1 if _reach(n, geo) < 2**31 else 2
-    consts, fmax = plan_one(spec, layout, strided, extra is not None)
+    mx = bool(layout.extras) and _mx_in_pass(x, spec, layout)
+    consts, fmax = plan_one(spec, layout, strided, extra is not None, mx)
     args: tuple[Any, ...] = (base, n, -(-per // spec.block), rows, offset, scratch, lut)
     args += (fmax, float(weight), ext, ext_off, *(geo or (1, 1, 0, 0, 0)))
     _launch(_summarize_one, parts, args, consts, (base, rows, scratch, lut, ext))
+    launch_blocks(x, spec, layout, rows, offset, max_parts, mx_done=mx)
 
 
-def plan_one(spec: Spec, layout: Layout, strided: int, ext: bool) -> tuple[_Consts, float]:
+def plan_one(
+    spec: Spec, layout: Layout, strided: int, ext: bool, mx: bool = False
+) -> tuple[_Consts, float]:
     """:func:`launch_one`'s kernel variant and format max for ``spec``'s tensors in
-    ``layout`` (``strided``, ``ext``: see :func:`_consts`), looked up by identity."""
-    plan = _plans.get((id(spec), id(layout), strided, ext))
+    ``layout`` (``strided``, ``ext``: see :func:`_consts`; ``mx``: the layout's MX formats
+    in the pass), looked up by identity."""
+    plan = _plans.get((id(spec), id(layout), strided, ext, mx))
     if plan is None:  # (the key's objects are kept alive with the plan)
-        consts = _consts(spec, _over(spec, layout), strided, ext, hoff=_hoff(spec, layout))
-        plan = _plans[(id(spec), id(layout), strided, ext)] = (consts, _fmax(layout), spec, layout)
+        cols = _mx_cols(spec, layout) if mx else (0, 0, 0)
+        consts = _consts(spec, _over(spec, layout), strided, ext, hoff=_hoff(spec, layout), mx=cols)
+        plan = (consts, _fmax(layout), spec, layout)
+        _plans[(id(spec), id(layout), strided, ext, mx)] = plan
     return plan[0], plan[1]
+
+
+#: The block formats the block kernel computes, in the order of its ``C_*`` arguments.
+_BLOCK_KERNEL_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1", "nvfp4")
+#: Blocks of 32 per tile of the block kernel.
+BLOCK_TILE = 64
+
+
+def block_columns_at(spec: Spec, layout: Layout) -> int:
+    """Where the layout's custom statistics that the caller writes start in a row of
+    ``spec``'s tensors: after the block formats' columns, which the kernels write."""
+    return spec.row_size + len(BLOCK_COLUMNS) * len(_names_of(layout.extras))
+
+
+@cache
+def _block_names(extras: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    """The names of the block formats whose columns lead a layout's ``extras``."""
+    return tuple(f.name for f in block_formats_of(extras))
+
+
+def _names_of(extras: Any) -> tuple[str, ...]:
+    """:func:`_block_names` (cached) of a layout's extras, also where they are not
+    hashable (lists)."""
+    try:
+        return _block_names(extras)
+    except TypeError:
+        return tuple(f.name for f in block_formats_of(extras))
+
+
+@cache
+def _block_cols(spec: Spec, names: tuple[str, ...]) -> tuple[int, int, int, int]:
+    """The row column of the first column of each of :data:`_BLOCK_KERNEL_FORMATS` for
+    ``spec``'s tensors and the block formats ``names`` (in the layout's order; 0: absent)."""
+    cols = [0] * len(_BLOCK_KERNEL_FORMATS)
+    for i, name in enumerate(names):
+        cols[_BLOCK_KERNEL_FORMATS.index(name)] = spec.row_size + len(BLOCK_COLUMNS) * i
+    return cols[0], cols[1], cols[2], cols[3]
+
+
+def _mx_cols(spec: Spec, layout: Layout) -> tuple[int, int, int]:
+    """The summary kernels' ``C_E4M3, C_E5M2, C_E2M1`` for ``layout``'s MX formats."""
+    return _block_cols(spec, _names_of(layout.extras))[:3]
+
+
+def _mx_in_pass(x: torch.Tensor, spec: Spec, layout: Layout) -> bool:
+    """Whether the summary kernel computes ``layout``'s MX formats of ``x`` in its pass:
+    there are some, and ``x`` lies in memory in its own order (contiguous) in rows of a
+    multiple of 32 elements, so that each 32 consecutive elements of a tile are a block
+    (not float64, whose block columns take the torch-op path)."""
+    return (
+        spec.mode != 4
+        and any(_mx_cols(spec, layout))
+        and x.is_contiguous()
+        and (x.shape[-1] if x.dim() else 1) % 32 == 0
+    )
+
+
+@cache
+def _block_consts(spec: Spec, names: tuple[str, ...], dense: bool, mx_done: bool) -> _Consts | None:
+    """The block kernel's variant for ``spec``'s tensors and the block formats ``names`` (in
+    the layout's order; NVFP4 alone with ``mx_done``; ``None`` if none); ``dense``: see
+    ``DENSE``."""
+    cols = _block_cols(spec, names)
+    if mx_done:
+        cols = (0, 0, 0, cols[3])
+    if not any(cols):
+        return None
+    vec = 16 // spec.dtype.itemsize
+    # (per-element loads spread each block over a warp: fewer blocks a tile, fewer registers)
+    nb = BLOCK_TILE if dense else BLOCK_TILE // 4
+    kw: dict[str, Any] = dict(MODE=spec.mode, NB=nb, DENSE=vec if dense else 0)
+    kw.update(zip(("C_E4M3", "C_E5M2", "C_E2M1", "C_NV"), cols))
+    tail = tuple(kw.values())
+    kw.update(num_warps=NUM_WARPS, enable_fp_fusion=True)
+    return _Consts(kw, tail)
+
+
+def launch_blocks(
+    x: torch.Tensor,
+    spec: Spec,
+    layout: Layout,
+    rows: torch.Tensor,
+    offset: int,
+    max_parts: int,
+    *,
+    mx_done: bool = False,
+) -> None:
+    """Queue the block formats' columns of ``x`` (not empty; its row at ``offset`` already
+    queued: NVFP4 reads the tensor's largest magnitude there) on the current stream: a
+    second read of ``x``, by :func:`_blocks_one`; nothing without block formats, or with
+    ``mx_done`` (the summary kernel computed the MX formats in its pass) without NVFP4.
+    Rows are read by the strides of ``x`` viewed as ``(rows, last dimension)``; a view
+    whose leading dimensions do not merge into one is copied."""
+    names = _names_of(layout.extras)
+    if not names or (mx_done and "nvfp4" not in names):
+        return
+    length = x.shape[-1] if x.dim() else 1
+    if spec.mode == 3:
+        x = x.view(torch.uint8)
+    if x.dim() <= 1:
+        v, rs, cs = x, 0, x.stride(0) if x.dim() else 1
+    else:
+        try:
+            v = x.view(-1, length)
+        except RuntimeError:  # leading dimensions that do not merge: a copy
+            v = x.contiguous().view(-1, length)
+        rs, cs = v.stride()
+    per_row = -(-length // 32)
+    blocks = (x.numel() // length) * per_row
+    tiles = -(-blocks // BLOCK_TILE)
+    per_prog = -(-tiles // min(tiles, max_parts)) * BLOCK_TILE
+    lut = _lut(spec, x.device, rows)
+    dense = cs == 1 and length % 32 == 0 and rs % (16 // spec.dtype.itemsize) == 0
+    consts = _block_consts(spec, names, dense, mx_done)
+    assert consts is not None
+    if dense:
+        rs //= 16 // spec.dtype.itemsize
+    args = (v, length, per_row, blocks, per_prog, rs, cs, rows, offset, lut)
+    _launch(_blocks_one, -(-blocks // per_prog), args, consts, (v, rows, lut))
 
 
 def launch_many(
@@ -1301,13 +1794,104 @@ def launch_many(
     dev_table, programs, scratch_parts, aligned = table
     scratch = scratch_for(scratch_parts)
     lut = _lut(spec, device, rows)
-    plan_key = (id(spec), id(layout), aligned)
+    mx = bool(layout.extras) and all(_mx_in_pass(t, spec, layout) for t in flats)
+    plan_key = (id(spec), id(layout), aligned, mx)
     plan = _plans_many.get(plan_key)
     if plan is None:  # (the key's objects are kept alive with the plan)
-        consts = _consts(spec, _over(spec, layout), aligned=aligned, hoff=_hoff(spec, layout))
+        cols = _mx_cols(spec, layout) if mx else (0, 0, 0)
+        consts = _consts(
+            spec, _over(spec, layout), aligned=aligned, hoff=_hoff(spec, layout), mx=cols
+        )
         plan = _plans_many[plan_key] = (consts, _fmax(layout), spec, layout)
     args = (dev_table, rows, scratch, lut, plan[1])
     _launch(_summarize_many, programs, args, plan[0], (dev_table, rows, scratch, lut))
+    if layout.extras and _names_of(layout.extras):
+        _launch_blocks_many(flats, spec, layout, rows, offs, max_parts, mx, stream)
+
+
+def _launch_blocks_many(
+    tensors: Sequence[torch.Tensor],
+    spec: Spec,
+    layout: Layout,
+    rows: torch.Tensor,
+    offsets: Sequence[int],
+    max_parts: int,
+    mx_done: bool,
+    stream: int,
+) -> None:
+    """:func:`launch_blocks` of many tensors: the contiguous ones in one launch of
+    :func:`_blocks_many` (its table kept, as :func:`launch_many`'s, for the next launch of
+    the same tensors into the same rows), each other one on its own."""
+    names = _names_of(layout.extras)
+    if not names or (mx_done and "nvfp4" not in names):
+        return
+    flat: list[torch.Tensor] = []
+    offs: list[int] = []
+    for t, off in zip(tensors, offsets):
+        if t.is_contiguous():
+            flat.append(t)
+            offs.append(off)
+        else:  # (a permuted dense tensor: by its strides)
+            launch_blocks(t, spec, layout, rows, off, max_parts, mx_done=mx_done)
+    if not flat:
+        return
+    device = rows.device
+    addresses = tuple(map(torch.Tensor.data_ptr, flat))
+    shapes = tuple(t.shape for t in flat)
+    key = (device, stream, max_parts, addresses, shapes, tuple(offs))
+    got = _block_tables.get(key)
+    if got is None:
+        if len(_block_tables) >= _TABLES_KEPT:
+            _block_tables.clear()
+        got = _block_tables[key] = _block_table(addresses, shapes, offs, spec, max_parts, device)
+    table, programs, dense = got
+    consts = _block_consts(spec, names, dense, mx_done)
+    assert consts is not None
+    lut = _lut(spec, device, rows)
+    _launch(_blocks_many, programs, (table, rows, lut), consts, (table, rows, lut))
+
+
+#: :func:`_launch_blocks_many`'s tables on their devices, with their program counts and
+#: whether they read whole aligned blocks (``DENSE``), by (device, stream, max programs,
+#: addresses, shapes, row offsets).
+_block_tables: dict[tuple[Any, ...], tuple[torch.Tensor, int, bool]] = {}
+
+
+def _block_table(
+    addresses: tuple[int, ...],
+    shapes: tuple[torch.Size, ...],
+    offsets: Sequence[int],
+    spec: Spec,
+    max_parts: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, int, bool]:
+    """:func:`_blocks_many`'s table (on ``device``) for contiguous tensors at ``addresses``
+    of ``shapes`` with rows at ``offsets``: programs of up to ``max_parts`` per tensor,
+    each of whole tiles of blocks; and whether every tensor is read by ``DENSE`` loads."""
+    vec = 16 // spec.dtype.itemsize
+    length = np.array([s[-1] if len(s) else 1 for s in shapes], dtype=np.int64)
+    numel = np.array([math.prod(s) for s in shapes], dtype=np.int64)
+    address = np.array(addresses, dtype=np.int64)
+    dense = bool(((length % 32 == 0) & (length % vec == 0) & (address % 16 == 0)).all())
+    per_row = -(-length // 32)
+    blocks = numel // length * per_row
+    tiles = -(-blocks // BLOCK_TILE)
+    per_prog = -(-tiles // np.minimum(tiles, max_parts)) * BLOCK_TILE
+    parts = -(-blocks // per_prog)
+    owner = np.repeat(np.arange(len(shapes)), parts)
+    part = np.arange(owner.size) - (np.cumsum(parts) - parts)[owner]
+    table = np.empty((owner.size, 7), dtype=np.int64)
+    table[:, 0] = address[owner]
+    table[:, 1] = length[owner]
+    table[:, 2] = per_row[owner]
+    table[:, 3] = part * per_prog[owner]
+    table[:, 4] = np.minimum(table[:, 3] + per_prog[owner], blocks[owner])
+    table[:, 5] = (length // vec if dense else length)[owner]
+    table[:, 6] = np.asarray(offsets, dtype=np.int64)[owner]
+    host = torch.from_numpy(table)
+    if device.type == "cuda":  # pinned: the copy to the device does not wait
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True), int(owner.size), dense
 
 
 def _split_many(
@@ -1351,7 +1935,7 @@ _tables: dict[tuple[Any, ...], tuple[torch.Tensor, int, int, bool]] = {}
 #: changing its tensors' addresses rebuilds its few tables each step, as without a cache).
 _TABLES_KEPT = 64
 #: launch_many's variant and format max per (spec, layout, aligned), by identity.
-_plans_many: dict[tuple[int, int, bool], tuple[_Consts, float, Spec, Layout]] = {}
+_plans_many: dict[tuple[int, int, bool, bool], tuple[_Consts, float, Spec, Layout]] = {}
 
 
 def _table(
@@ -1484,6 +2068,12 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
     counts[:, top] = counts[:, top] - move
     counts[:, over] = counts[:, over] + move + col[INF]
     extras = rows[:, spec.row_size : spec.row_size + len(layout.extras)]
+    n_formats = len(_names_of(layout.extras))
+    if n_formats:  # the block kernel kept each format's largest max/min ratio: its log2
+        extras = extras.clone() if xp is torch else extras.copy()
+        at = [len(BLOCK_COLUMNS) * i + len(BLOCK_COLUMNS) - 1 for i in range(n_formats)]
+        ratio = extras[:, at]
+        extras[:, at] = xp.log2(xp.where(ratio > 1.0, ratio, 1.0))
     out = pack_summary(core, counts, extras, xp)
     if not layout.num_higher:
         return out

@@ -43,7 +43,14 @@ import torch
 
 from ...stats.summary import Layout
 from . import summary as _summary
-from .summary import extras_vector, finish_raw, fused_spec, host_vectors, raw_device
+from .summary import (
+    custom_names,
+    extras_vector,
+    finish_raw,
+    fused_spec,
+    host_vectors,
+    raw_device,
+)
 
 if TYPE_CHECKING:  # the fused kernels import Triton: only when a tensor needs them
     from . import _fused
@@ -262,6 +269,10 @@ class HookLaunch:
         self.kind = RowKind(space.device, self.size, layout, spec)
         # what Tensor.get_device() says of the tensors: -1 on the CPU
         self.device = space.device.index if space.cuda else -1
+        if _fused_module().block_columns_at(spec, layout) != spec.row_size:
+            # block formats: their kernel is launched by launch_one, not here; no tensor's
+            # get_device() is -2, so summarize() declines every tensor (the hook's slow path)
+            self.device = -2
         self.block = spec.block
         # the value table of an 8-bit format (None: the kernel reads none; the rows stand in)
         self.lut = fused._lut(spec, space.device, space.rows) if spec.lut is not None else None
@@ -522,7 +533,7 @@ class Workspace:
             first = space.reserve(size * len(tensors))
             slots = self._slots(device, first, size, len(tensors), layout, spec)
             space.stream()
-            names = [name for name, _ in layout.extras]
+            names = custom_names(layout)
             if len(tensors) > 1 and all(map(torch.Tensor.numel, tensors)):
                 # a step's parameters, gradients or state: all written, rows in order
                 _fused.launch_many(
@@ -536,7 +547,7 @@ class Workspace:
                 )
                 if names:
                     for s, ex in zip(slots, extras):
-                        a = s.offset + spec.row_size
+                        a = s.offset + _fused.block_columns_at(spec, layout)
                         space.rows[a : a + len(names)].copy_(extras_vector(ex, names, device))
                 return slots
             live = [(t, s.offset) for t, s in zip(tensors, slots) if t.numel()]
@@ -567,7 +578,7 @@ class Workspace:
                 )
             for s, ex in zip(slots, extras):
                 if names and extra is None:
-                    a = s.offset + spec.row_size
+                    a = s.offset + _fused.block_columns_at(spec, layout)
                     space.rows[a : a + len(names)].copy_(extras_vector(ex, names, device))
         return slots
 
@@ -649,7 +660,7 @@ def _write_one(
     the row at ``off`` of ``space``."""
     fused = _fused_module()
     n = tensor.numel()
-    names = [name for name, _ in layout.extras] if extras else []
+    names = custom_names(layout) if extras else []
     # a hook's only statistic, a 1-element device tensor (a GradScaler's scale): written
     # by the kernel, not copied by one more operation
     extra = _scalar_on(extras, names, space.device) if n and names else None
@@ -665,7 +676,7 @@ def _write_one(
             extra=extra,
         )
     if names and extra is None:
-        a = off + spec.row_size
+        a = off + fused.block_columns_at(spec, layout)
         space.rows[a : a + len(names)].copy_(extras_vector(extras, names, space.device))
 
 

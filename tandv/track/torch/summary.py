@@ -78,6 +78,7 @@ __all__ = [
     "RAW_FIELDS",
     "RAW_HEAD",
     "dtype_name",
+    "custom_names",
 ]
 
 _F64_BIAS = 1023
@@ -269,9 +270,8 @@ def summarize_torch(
             with torch.cuda.device(x.device) if x.device.type == "cuda" else nullcontext():
                 _fused.launch_one(x.detach(), spec, layout, rows, 0, scratch, max_parts)
         if names:
-            rows[spec.row_size : spec.row_size + len(names)] = extras_vector(
-                extras or {}, names, x.device
-            )
+            at = _fused.block_columns_at(spec, layout)
+            rows[at : at + len(names)] = extras_vector(extras or {}, names, x.device)
         return _fused.finish_rows(rows[None], spec, layout, torch)[0]
     if layout.num_higher:
         base = Layout(layout.format, layout.extras)
@@ -334,10 +334,16 @@ def _n_block_columns(layout: Layout) -> int:
     return len(BLOCK_COLUMNS) * len(block_formats_of(layout.extras))
 
 
+def custom_names(layout: Layout) -> list[str]:
+    """The layout's custom statistic names that callers give (those after the block
+    formats' columns, which the kernels compute)."""
+    return [name for name, _ in layout.extras[_n_block_columns(layout) :]]
+
+
 def _extra_names(layout: Layout, extras: Mapping[str, Any] | None) -> list[str]:
     """The layout's custom statistic names (after the block formats' columns, which the
     kernels compute), after checking that ``extras`` gives each."""
-    names = [name for name, _ in layout.extras[_n_block_columns(layout) :]]
+    names = custom_names(layout)
     if sorted(extras or {}) != sorted(names):
         raise ValueError(
             f"summarize_torch: extras {sorted(extras or {})} do not match the "
@@ -569,10 +575,11 @@ _fused_state: dict[str, Any] = {}
 def fused_spec(x: torch.Tensor, layout: Layout | None = None) -> Any:
     """The fused kernel's :class:`~._fused.Spec` for ``x`` if ``x`` takes the fused path,
     else ``None``. Without Triton, CUDA tensors take the torch-op path, with one warning.
-    So do tensors whose ``layout`` asks for block formats: the fused kernel does not
-    compute those columns yet (:mod:`._blocks` does). (It does compute ``m3``, ``m4`` for
-    ``moments=4``.)"""
-    if layout is not None and _n_block_columns(layout):
+    So do float64 tensors whose ``layout`` asks for block formats: the block kernel
+    (:func:`._fused.launch_blocks`) computes in float32, exact for the values of narrower
+    dtypes only (:mod:`._blocks` serves them). (The fused kernel computes ``m3``, ``m4``
+    for ``moments=4`` in its pass.)"""
+    if x.dtype == torch.float64 and layout is not None and _n_block_columns(layout):
         return None
     if type(x) not in (torch.Tensor, torch.nn.Parameter):
         return None  # tensor subclasses: DTensor and the like hold a shard
