@@ -6,6 +6,7 @@ on random tensors, with one, two and several programs per tensor, and on views."
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -26,9 +27,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)
-def fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernel, "HOST_PATH", False)
-    monkeypatch.setattr(kernel, "FUSED_ON_CPU", True)
+def fused_path() -> Iterator[None]:
+    with kernel.cpu_path("fused"):
+        yield
 
 
 def _torch(a: np.ndarray) -> torch.Tensor:
