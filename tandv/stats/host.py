@@ -450,32 +450,77 @@ def _nv_scales(hi, st, scl):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _tiled(x, a, b, size, p, s_t, acc):  # pragma: no cover - compiled
-    """:func:`_blocks` where the blocks tile ``x[a:b]`` (rows a multiple of ``size`` long,
-    ``a`` and ``b`` on block bounds): block maxima and scales first (loops over the blocks
-    that vectorize), then one vectorized loop over the elements."""
+def _tiles(rowlen, a, b, size):  # pragma: no cover - compiled
+    """Whether blocks of ``size`` tile ``[a, b)`` of rows of ``rowlen``: the rows are a
+    multiple of ``size`` long and ``a``, ``b`` lie on block bounds."""
+    return rowlen % size == 0 and a % size == 0 and b % size == 0
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def _pair_bits(hi16, lo16, hi32, lo32):  # pragma: no cover - compiled
+    """The maxima and minima bits of blocks of 32 (``hi32``, ``lo32``) from those of the
+    blocks of 16 (:func:`_block_bits`): the larger and the smaller of each pair (int32
+    compares of non-negative float bits order as the floats do)."""
+    h = hi16.reshape(hi32.size, 2)
+    lo = lo16.reshape(lo32.size, 2)
+    for k in range(hi32.size):
+        hi32[k] = max(h[k, 0], h[k, 1])
+        lo32[k] = min(lo[k, 0], lo[k, 1])
+
+
+@numba.njit(cache=True, nogil=True)
+def _untiled(x, a, b, rowlen, p, s_t, acc):  # pragma: no cover - compiled
+    """Partials (``acc``: 5) of format ``p``'s blocks that start in ``x[a:b]``, block by
+    block (:func:`_one_block`): where they do not tile it. ``x`` is one tensor's values in
+    rows of ``rowlen`` elements; a block may reach past ``b``, never past its row."""
+    size = int(p[_B_SIZE])
+    r = a // rowlen
+    o = (a - r * rowlen + size - 1) // size * size
+    if o >= rowlen:
+        r += 1
+        o = 0
+    st = r * rowlen + o
+    while st < b:
+        _one_block(x, st, min(st + size, r * rowlen + rowlen), p, s_t, acc)
+        o += size
+        if o >= rowlen:
+            r += 1
+            o = 0
+        st = r * rowlen + o
+
+
+@numba.njit(cache=True, nogil=True)
+def _mx_tiled(x, a, b, p, hi, lo, acc):  # pragma: no cover - compiled
+    """The MX blocks that tile ``x[a:b]``, given the bits of their maxima and minima
+    (``hi``, ``lo``): the largest block ratio, the scales (loops over the blocks that
+    vectorize), then one vectorized loop over the elements; blocks whose scale is no normal
+    float32 take :func:`_one_block`."""
+    size = int(p[_B_SIZE])
     nblk = (b - a) // size
-    rows = x[a:b].reshape(nblk, size)  # one block a row: 2-D loops vectorize
-    hi = np.empty(nblk, np.int32)
-    lo = np.empty(nblk, np.int32)
-    _block_bits(rows.view(np.int32), hi, lo)
     acc[_B_RATIO] = _largest_ratio(hi, lo, acc[_B_RATIO])
-    if not np.isnan(p[_B_EMAX]):  # MX
-        inv = np.empty(nblk, np.int32)
-        scl = np.empty(nblk, np.int32)
-        if not _mx_scales(hi, _I32(p[_B_EMAX]), inv, scl):
-            for k in range(nblk):  # the float64 blocks
-                _one_block(x, a + k * size, a + k * size + size, p, s_t, acc)
-            return
-        _mx_elements(rows, inv.view(np.float32), scl.view(np.float32), p, acc)
+    inv = np.empty(nblk, np.int32)
+    scl = np.empty(nblk, np.int32)
+    if not _mx_scales(hi, _I32(p[_B_EMAX]), inv, scl):
+        for k in range(nblk):  # the float64 blocks
+            _one_block(x, a + k * size, a + k * size + size, p, 1.0, acc)
         return
-    st = np.float32(s_t)
+    rows = x[a:b].reshape(nblk, size)  # one block a row: 2-D loops vectorize
+    _mx_elements(rows, inv.view(np.float32), scl.view(np.float32), p, acc)
+
+
+@numba.njit(cache=True, nogil=True)
+def _nv_tiled(x, a, b, p, hi, st, acc):  # pragma: no cover - compiled
+    """The NVFP4 blocks that tile ``x[a:b]`` but for their ratios (the first pass took
+    them), given the bits of their maxima ``hi`` (kept from the first pass) and the
+    tensor's scale ``st`` (float32): the block scales, then the elements."""
+    nblk = (b - a) // 16
+    rows = x[a:b].reshape(nblk, 16)
     scl32 = np.empty(nblk, np.float32)
     _nv_scales(hi, st, scl32)
     for k in range(nblk):
         if not scl32[k] > 0:  # a scale of zero (or NaN where s_t = 0): the values underflow
             scl32[k] = 0  # skipped by _nv_elements
-            for j in range(size):
+            for j in range(16):
                 v = abs(np.float64(rows[k, j]))
                 if v <= _F32_MAX and v > 0:
                     acc[_B_UNDER] += 1
@@ -484,57 +529,134 @@ def _tiled(x, a, b, size, p, s_t, acc):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _blocks(x, a, b, rowlen, table, s_t, acc):  # pragma: no cover - compiled
-    """Partials (``acc``: formats x 5) of the blocks of each format that start in
-    ``x[a:b]``, ``x`` being one tensor's values with rows of ``rowlen`` elements (a block
-    may reach past ``b``, never past its row)."""
+def _has_nv(table):  # pragma: no cover - compiled
+    """Whether the formats' table (:func:`_block_table`) holds NVFP4 (emax NaN)."""
+    for k in range(table.shape[0]):
+        if np.isnan(table[k, _B_EMAX]):
+            return True
+    return False
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_blocks(x, a, b, rowlen, table, acc, hi16):  # pragma: no cover - compiled
+    """The first pass's share of the block formats (partials ``acc``: formats x 5) over
+    the blocks that start in ``x[a:b]``, ``x`` being one tensor's values in rows of
+    ``rowlen`` elements: MX formats whole, NVFP4's block ratios where its blocks tile the
+    item. With NVFP4, the maxima of the blocks of 16 are read once (their bits kept in
+    ``hi16``, ``(b - a) // 16`` long, for the second pass), and the MX blocks of 32 take
+    the larger of each pair; without it, the MX blocks read their own."""
+    if rowlen == 0:
+        return
+    t16 = _has_nv(table) and _tiles(rowlen, a, b, 16)
+    lo16 = np.empty(hi16.size if t16 else 0, np.int32)
+    if t16:
+        _block_bits(x[a:b].reshape(hi16.size, 16).view(np.int32), hi16, lo16)
+    hi32 = np.empty(0, np.int32)
+    lo32 = np.empty(0, np.int32)
+    for k in range(table.shape[0]):
+        p = table[k]
+        if np.isnan(p[_B_EMAX]):  # NVFP4: the rest needs the tensor's scale
+            if t16:
+                acc[k, _B_RATIO] = _largest_ratio(hi16, lo16, acc[k, _B_RATIO])
+            continue
+        size = int(p[_B_SIZE])
+        if not _tiles(rowlen, a, b, size):
+            _untiled(x, a, b, rowlen, p, 1.0, acc[k])
+            continue
+        if hi32.size == 0 and b > a:  # the maxima of the blocks of 32, for every MX format
+            hi32 = np.empty((b - a) // size, np.int32)
+            lo32 = np.empty(hi32.size, np.int32)
+            if t16 and size == 32:
+                _pair_bits(hi16, lo16, hi32, lo32)
+            else:
+                _block_bits(x[a:b].reshape(hi32.size, size).view(np.int32), hi32, lo32)
+        _mx_tiled(x, a, b, p, hi32, lo32, acc[k])
+
+
+@numba.njit(cache=True, nogil=True)
+def _second_blocks(x, a, b, rowlen, table, st, acc, hi16):  # pragma: no cover - compiled
+    """NVFP4's share of the second pass (see :func:`_first_blocks`), given the tensor's
+    scale ``st`` (float32): the tiled blocks from the maxima the first pass kept in
+    ``hi16``, the others block by block."""
     if rowlen == 0:
         return
     for k in range(table.shape[0]):
         p = table[k]
-        size = int(p[_B_SIZE])
-        if rowlen % size == 0 and a % size == 0 and b % size == 0:
-            _tiled(x, a, b, size, p, s_t[k], acc[k])
+        if not np.isnan(p[_B_EMAX]):
             continue
-        r = a // rowlen
-        o = (a - r * rowlen + size - 1) // size * size
-        if o >= rowlen:
-            r += 1
-            o = 0
-        st = r * rowlen + o
-        while st < b:
-            _one_block(x, st, min(st + size, r * rowlen + rowlen), p, s_t[k], acc[k])
-            o += size
-            if o >= rowlen:
-                r += 1
-                o = 0
-            st = r * rowlen + o
+        if _tiles(rowlen, a, b, 16):
+            _nv_tiled(x, a, b, p, hi16, st, acc[k])
+        else:
+            _untiled(x, a, b, rowlen, p, st, acc[k])
+
+
+@numba.njit(cache=True, nogil=True)
+def _tensor_scales(part, seg, st):  # pragma: no cover - compiled
+    """NVFP4's tensor scale ``s_t = max|x| / (448 * 6)`` (float32; 1 without a non-zero
+    finite value) into ``st``, one per item, from the items' partials (``part``, as
+    :func:`_item` leaves them: the largest magnitude is the larger of the extrema's, from
+    their order keys) and their tensors (``seg``; the items of a tensor are consecutive
+    and all present)."""
+    n = seg.size
+    j = 0
+    while j < n:
+        e = j
+        m = np.float32(0)
+        while e < n and seg[e] == seg[j]:
+            for c in (_MIN, _MAX):
+                key = _I32(part[e, c])
+                v = abs(_f32_of(_I32(key ^ _I32(_I32(key >> _I32(31)) & _I32(0x7FFFFFFF)))))
+                if v > m:  # False for NaN (an item without a finite value)
+                    m = v
+            e += 1
+        s = m / np.float32(448.0 * 6.0) if m > 0 else np.float32(1.0)
+        for i in range(j, e):
+            st[i] = s
+        j = e
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _run(x, starts, stops, pivots, over_at, part, hist, sub, blk):  # pragma: no cover - compiled
+def _first_pass(x, starts, stops, pivots, over_at, part, hist, sub, blk):  # pragma: no cover
     """:func:`_item` of the items ``x[starts[j]:stops[j]]`` with their pivots, into row
-    ``j`` of ``part``, ``hist`` and ``sub``, shared among ``numba.get_num_threads()``
-    threads (one thread costs about a microsecond more than a plain loop). With a
-    :class:`_Blocks` ``blk``, each item's blocks of its MX formats too, while the item is
-    in cache."""
+    ``j`` of ``part``, ``hist`` and ``sub``, and their blocks' share of the first pass
+    (:func:`_first_blocks`), shared among ``numba.get_num_threads()`` threads."""
     bits = x.view(np.int32)
+    nf = blk.table.shape[0]
     for j in numba.prange(starts.size):
         a, b = starts[j], stops[j]
         _item(x[a:b], bits[a:b], pivots[j], over_at, part[j], hist[j], sub[j])
-        if blk.table.shape[0]:
+        if nf:
             t0, t1 = blk.bases[j], blk.ends[j]
-            _blocks(x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, blk.s_t[j], blk.acc[j])
+            h = blk.hi16[blk.hoff[j] : blk.hoff[j] + (b - a) // 16]
+            _first_blocks(x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, blk.acc[j], h)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _run_blocks(x, starts, stops, blk):  # pragma: no cover - compiled
-    """The blocks of the items of ``x`` (as :func:`_run`) alone: NVFP4's pass, which needs
-    each tensor's largest magnitude before its first block."""
+def _second_pass(x, starts, stops, st, blk):  # pragma: no cover - compiled
+    """:func:`_second_blocks` of the items (as :func:`_first_pass`) with their tensors'
+    NVFP4 scales ``st``."""
     for j in numba.prange(starts.size):
+        a, b = starts[j], stops[j]
         t0, t1 = blk.bases[j], blk.ends[j]
-        a, b = starts[j] - t0, stops[j] - t0
-        _blocks(x[t0:t1], a, b, blk.rowlens[j], blk.table, blk.s_t[j], blk.acc[j])
+        h = blk.hi16[blk.hoff[j] : blk.hoff[j] + (b - a) // 16]
+        _second_blocks(x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, st[j], blk.acc[j], h)
+
+
+@numba.njit(cache=True, nogil=True)
+def _run(x, starts, stops, pivots, over_at, part, hist, sub, blk):  # pragma: no cover - compiled
+    """The items ``x[starts[j]:stops[j]]`` with their pivots, into row ``j`` of ``part``,
+    ``hist`` and ``sub``, shared among ``numba.get_num_threads()`` threads (one thread
+    costs about a microsecond more than a plain loop). With a :class:`_Blocks` ``blk``,
+    each item's blocks too, while the item is in cache: MX formats in the same pass;
+    NVFP4, which needs each tensor's largest magnitude before its first block, in a second
+    pass over these items once the first has found it (the items of a tensor are all
+    here), from the block maxima the first pass kept."""
+    _first_pass(x, starts, stops, pivots, over_at, part, hist, sub, blk)
+    if blk.table.shape[0] == 0 or not _has_nv(blk.table):
+        return
+    st = np.empty(starts.size, np.float32)
+    _tensor_scales(part, blk.seg, st)
+    _second_pass(x, starts, stops, st, blk)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -748,24 +870,30 @@ _launch = threading.Lock()
 class _Blocks(NamedTuple):
     """What the kernel needs for the block-scaled formats of its items (row ``j`` each):
     the formats' parameters (:func:`_block_table`; no rows: none), the extent of the item's
-    tensor in the buffer (``bases``, ``ends``), its row length, the tensor's NVFP4 scale per
-    format, and the partials (items x formats x 5)."""
+    tensor in the buffer (``bases``, ``ends``), its row length, its tensor (``seg``: the
+    items of one tensor are consecutive), the offset (``hoff``) of its blocks' maxima in
+    ``hi16`` (one int32 per block of 16 of each item, kept from the first pass for NVFP4's
+    second; empty without NVFP4), and the partials (``acc``: items x formats x 5)."""
 
     table: np.ndarray
     bases: np.ndarray
     ends: np.ndarray
     rowlens: np.ndarray
-    s_t: np.ndarray
+    seg: np.ndarray
+    hoff: np.ndarray
+    hi16: np.ndarray
     acc: np.ndarray
 
     def rows(self, rows: slice) -> _Blocks:
-        """The items ``rows`` of these."""
+        """The items ``rows`` of these (``table`` and ``hi16`` are shared)."""
         return _Blocks(
             self.table,
             self.bases[rows],
             self.ends[rows],
             self.rowlens[rows],
-            self.s_t[rows],
+            self.seg[rows],
+            self.hoff[rows],
+            self.hi16,
             self.acc[rows],
         )
 
@@ -793,23 +921,20 @@ def _run_all(
     sub: np.ndarray,
     threads: int,
     blk: _Blocks,
-    blocks_only: bool = False,
 ) -> None:
     """Runs every item of ``sources`` (``(x, starts, stops, pivots)``; rows numbered in
     order), on ``threads`` threads when there are at least two items' worth of elements.
     Threads come from numba's parallel loop, not a Python thread pool (stats/DESIGN.md
-    says why). The block formats of ``blk`` run in the same pass over each item; with
-    ``blocks_only``, they alone (NVFP4's pass)."""
+    says why). The block formats of ``blk`` run in the same call, source by source: a
+    source's NVFP4 pass follows its first pass, so that it finds the values still in the
+    cache where they fit, not after every other array's pass."""
     total = sum(int(sp[-1] - st[0]) for _, st, sp, _ in sources if st.size)
     with _numba_threads(threads, total):
         row = 0
         for x, st, sp, pv in sources:
             rows = slice(row, row + st.size)
             row += st.size
-            if blocks_only:
-                _run_blocks(x, st, sp, blk.rows(rows))
-            else:
-                _run(x, st, sp, pv, over_at, part[rows], hist[rows], sub[rows], blk.rows(rows))
+            _run(x, st, sp, pv, over_at, part[rows], hist[rows], sub[rows], blk.rows(rows))
 
 
 # issue 31: split after the block-format host kernel work lands
@@ -877,22 +1002,8 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     part[:, _PIVOT] = np.concatenate([src[3] for src in sources])
     fmt = layout.format
     base = np.concatenate(bases)
-    mx = [f for f in formats if f.emax is not None]
-    nv = [f for f in formats if f.emax is None]
-
-    def blocks(fs: list[BlockFormat]) -> _Blocks:
-        return _Blocks(
-            _block_table(fs),
-            base,
-            base + lens[item_seg],
-            rowlens[item_seg],
-            np.ones((n_items, len(fs))),
-            np.zeros((n_items, len(fs), len(BLOCK_COLUMNS))),
-        )
-
-    blk = blocks(mx)
-    items = [src[:4] for src in sources]
-    over_at = min(fmt.max, _F32_MAX)
+    starts = np.concatenate([src[1] for src in sources])
+    stops = np.concatenate([src[2] for src in sources])
     # NVFP4 needs the tensor's largest magnitude first: a second read. No smaller summary
     # of a block can stand in for it: before s_t is known, the block's scale s_b * s_t is
     # known only within E4M3's rounding (a factor 1 +- 2**-4 for a normal s_b, up to 2 for a
@@ -900,21 +1011,23 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     # count and error depend on where x / (s_b * s_t) falls against E2M1's midpoints (0.25,
     # 0.75, ..., 5) and 6, where any element may lie within that window; the error
     # s**2 sum(q**2) - 2 s sum(q |x|) + sum(x**2) needs every q, which moves with s. So
-    # exact counts need the block's values, that is, a second read. It follows the first
-    # source by source (a large array, or the buffer of the small ones), so that it finds
-    # the values still in the cache where they fit, not after every other array's pass.
-    blk_nv = blocks(nv) if nv else None
-    if blk_nv is None:
-        _run_all(items, over_at, part, hist, sub, threads, blk)
-    else:
-        row = 0
-        for item in items:
-            rows = slice(row, row + item[1].size)
-            row = rows.stop
-            _run_all([item], over_at, part[rows], hist[rows], sub[rows], threads, blk.rows(rows))
-            blk_nv.s_t[rows] = _tensor_scales(part[rows], item_seg[rows], k)[:, None]
-            nv_rows = blk_nv.rows(rows)
-            _run_all([item], 0.0, part[rows], hist[rows], sub[rows], threads, nv_rows, True)
+    # exact counts need the block's values, that is, a second read; the first pass keeps
+    # the blocks' maxima (1/16 of the values) for it.
+    nv = any(f.emax is None for f in formats)
+    per_item = (stops - starts) // 16 if nv else np.zeros(n_items, np.int64)
+    hoff = np.concatenate([[0], np.cumsum(per_item)[:-1]]).astype(np.int64)
+    blk = _Blocks(
+        _block_table(formats),
+        base,
+        base + lens[item_seg],
+        rowlens[item_seg],
+        item_seg,
+        hoff,
+        np.empty(int(per_item.sum()), np.int32),
+        np.zeros((n_items, len(formats), len(BLOCK_COLUMNS))),
+    )
+    over_at = min(fmt.max, _F32_MAX)
+    _run_all([src[:4] for src in sources], over_at, part, hist, sub, threads, blk)
     field_bin, sub_bin = _fold(fmt)
     ok = np.zeros(k, dtype=np.bool_)
     _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, fmt.num_bins, out, ok)
@@ -922,13 +1035,8 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
         _scaled_powers(flats[i], out[i, _O_MAXABS], out[i])
     if not formats:
         return out
-    acc = blk.acc
-    if blk_nv is not None:
-        acc = np.concatenate([acc, blk_nv.acc], axis=1)
-    cols = _block_columns(acc, item_seg, k)
-    where = {f.name: i for i, f in enumerate(mx + nv)}
-    order = [where[f.name] for f in formats]
-    out[:, layout.extras_start :] = cols[:, order].reshape(k, -1)
+    cols = _block_columns(blk.acc, item_seg, k)
+    out[:, layout.extras_start :] = cols.reshape(k, -1)
     return out
 
 
@@ -987,22 +1095,6 @@ def host_higher_moments(arrays: Sequence[np.ndarray], summaries: np.ndarray) -> 
         x = _as_float32(a) if a.dtype != np.float64 else a.reshape(-1)
         higher_serial(x.reshape(-1), np.ascontiguousarray(summaries[i], np.float64), out[i])
     return out
-
-
-def _tensor_scales(part: np.ndarray, seg: np.ndarray, k: int) -> np.ndarray:
-    """NVFP4's tensor scale ``s_t = max|x| / (448 * 6)`` (float32; 1 without a non-zero
-    finite value) of each item's array, from the items' partials (``part``, as
-    :func:`_item` leaves them; ``seg``, their arrays among ``k``), which must hold every
-    item of those arrays: the largest magnitude as :func:`_finish` takes it, from the
-    order keys of the extrema."""
-    keys = part[:, [_MIN, _MAX]].astype(np.int32)
-    ext = np.abs((keys ^ ((keys >> 31) & 0x7FFFFFFF)).view(np.float32))
-    item_max = np.fmax(ext[:, 0], ext[:, 1])  # NaN: no finite value (fmax takes the 0)
-    amax = np.zeros(k, np.float32)
-    np.fmax.at(amax, seg, item_max)
-    amax = amax[seg]
-    with np.errstate(under="ignore"):
-        return np.where(amax > 0, amax / np.float32(448.0 * 6.0), np.float32(1.0))
 
 
 def _block_columns(acc: np.ndarray, item_seg: np.ndarray, k: int) -> np.ndarray:
