@@ -88,10 +88,16 @@ _FAST = {"reassoc", "contract"}  # lets sums vectorize; NaN and inf semantics ar
 
 
 _I32 = np.int32
+#: A float of the compiled code: float64 or float32, as the loop computes.
+_F = float | np.float32
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _bit_reductions(bits):  # pragma: no cover - compiled
+def _bit_reductions(
+    bits: np.ndarray,
+) -> tuple[
+    np.int32, np.int32, np.int32, np.int32, np.int32, np.int32
+]:  # pragma: no cover - compiled
     """Integer reductions of float32 bit patterns (``bits``: int32): counts of inf and of
     zeros, the order keys of the finite minimum and maximum, and the bits of the smallest
     and largest finite magnitudes (int32 compares vectorize where float min/max would not).
@@ -120,7 +126,9 @@ def _bit_reductions(bits):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _float_sums(x, pivot, scale):  # pragma: no cover - compiled
+def _float_sums(
+    x: np.ndarray, pivot: float, scale: float
+) -> tuple[float, float, float, float, float, float]:  # pragma: no cover - compiled
     """float64 sums over the finite values: of ``x - pivot`` and its square, of
     ``|x| * scale`` to the powers 1, 2, 4, 8."""
     s1 = 0.0
@@ -147,7 +155,7 @@ def _float_sums(x, pivot, scale):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _count_over(x, over_at):  # pragma: no cover - compiled
+def _count_over(x: np.ndarray, over_at: float) -> int:  # pragma: no cover - compiled
     """The count of finite magnitudes in ``x`` above ``over_at``: run only on items whose
     largest finite magnitude exceeds it (rare), so the common item skips the pass."""
     over = 0
@@ -158,7 +166,7 @@ def _count_over(x, over_at):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _field_counts(bits, hist):  # pragma: no cover - compiled
+def _field_counts(bits: np.ndarray, hist: np.ndarray) -> None:  # pragma: no cover - compiled
     """Adds the counts of the exponent fields to ``hist`` (int64[4, 256]): four tables
     so that consecutive increments of one field do not wait for each other."""
     n = bits.size // 4 * 4
@@ -172,13 +180,22 @@ def _field_counts(bits, hist):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _f32_of(b):  # pragma: no cover - compiled
+def _f32_of(b: int | np.int32) -> np.float32:  # pragma: no cover - compiled
     """The float32 whose bit pattern is the int32 ``b``."""
-    return np.full(1, b, np.int32).view(np.float32)[0]
+    f: np.float32 = np.full(1, b, np.int32).view(np.float32)[0]
+    return f
 
 
 @numba.njit(cache=True, nogil=True)
-def _item(x, bits, pivot, over_at, part, hist, sub):  # pragma: no cover - compiled
+def _item(
+    x: np.ndarray,
+    bits: np.ndarray,
+    pivot: float,
+    over_at: float,
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+) -> None:  # pragma: no cover - compiled
     """Partials of one item ``x`` (with ``bits``, its int32 view) into ``part``
     (float64[_NPART]), ``hist`` (int64[4, 256]) and ``sub`` (subnormal exponent counts)."""
     inf, zero, kmin, kmax, amin, amax = _bit_reductions(bits)
@@ -224,7 +241,7 @@ def _block_table(formats: Sequence[BlockFormat]) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True)
-def _round_element(a, split, subk, normal):  # pragma: no cover - compiled
+def _round_element(a: _F, split: _F, subk: _F, normal: _F) -> _F:  # pragma: no cover - compiled
     """``a >= 0`` rounded to nearest-even onto the element grid: Veltkamp's split keeps the
     mantissa's bits where ``a`` is normal, adding and removing ``subk`` rounds to the
     subnormal spacing below (both exact float64 tricks: this function has no fastmath)."""
@@ -235,7 +252,9 @@ def _round_element(a, split, subk, normal):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _one_block(x, s, e, p, s_t, acc):  # pragma: no cover - compiled
+def _one_block(
+    x: np.ndarray, s: int, e: int, p: np.ndarray, s_t: _F, acc: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """Adds block ``x[s:e]`` of the format with parameters ``p`` to ``acc`` (its partials);
     ``s_t`` is the tensor's float32 scale (NVFP4 only; IEEE division by an ``s_t`` of 0,
     as in :func:`_nv_scales`)."""
@@ -272,7 +291,7 @@ def _one_block(x, s, e, p, s_t, acc):  # pragma: no cover - compiled
             err += d * d
     else:  # NVFP4, in float32 in the definition's order
         f32 = np.float32
-        u = min(np.float64((f32(amax) / f32(6.0)) / f32(s_t)), 448.0)
+        u: float = min(np.float64((f32(amax) / f32(6.0)) / f32(s_t)), 448.0)
         s_b = _round_element(u, _NV_E4M3[0], _NV_E4M3[1], _NV_E4M3[2])
         scale = f32(f32(s_b) * f32(s_t))
         for i in range(s, e):
@@ -298,7 +317,9 @@ def _one_block(x, s, e, p, s_t, acc):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _block_bits(bits, hi, lo):  # pragma: no cover - compiled
+def _block_bits(
+    bits: np.ndarray, hi: np.ndarray, lo: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """The bits of the largest finite magnitude (``hi``) and of the smallest non-zero one
     (``lo``; the inf pattern if none) of each block, a row of ``bits`` (int32, blocks x
     block size). int32 compares vectorize, as in :func:`_bit_reductions`; the 2-D indices
@@ -317,7 +338,9 @@ def _block_bits(bits, hi, lo):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _mx_elements(x, inv, scl, p, acc):  # pragma: no cover - compiled
+def _mx_elements(
+    x: np.ndarray, inv: np.ndarray, scl: np.ndarray, p: np.ndarray, acc: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """Adds the counts and squared errors of the MX blocks, the rows of ``x`` (float32,
     blocks x block size), scaled by ``inv`` and dequantized by ``scl`` (float32 powers of
     two, one per block), to ``acc``. All in float32 (sixteen lanes), and exact: ``x * inv``
@@ -363,7 +386,9 @@ def _mx_elements(x, inv, scl, p, acc):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _nv_elements(x, scl, p, acc):  # pragma: no cover - compiled
+def _nv_elements(
+    x: np.ndarray, scl: np.ndarray, p: np.ndarray, acc: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """As :func:`_mx_elements` for NVFP4 blocks of float32 scales ``scl`` (blocks whose
     scale is 0 are skipped: the caller counted them); the division is float32's, as the
     definition says, and the error is taken in float64 (``scl`` is no power of two)."""
@@ -403,7 +428,9 @@ def _nv_elements(x, scl, p, acc):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
-def _largest_ratio(hi, lo, ratio):  # pragma: no cover - compiled
+def _largest_ratio(
+    hi: np.ndarray, lo: np.ndarray, ratio: float
+) -> float:  # pragma: no cover - compiled
     """The largest of ``ratio`` and the blocks' ``max / min`` (float64; ``hi``, ``lo`` from
     :func:`_block_bits`; blocks without a non-zero value give 0). Branch-free, so that it
     vectorizes; no value is NaN or inf (a block without a non-zero value divides 0 by 1),
@@ -417,7 +444,9 @@ def _largest_ratio(hi, lo, ratio):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _mx_scales(hi, emax, inv, scl):  # pragma: no cover - compiled
+def _mx_scales(
+    hi: np.ndarray, emax: np.int32, inv: np.ndarray, scl: np.ndarray
+) -> bool:  # pragma: no cover - compiled
     """Each block's MX scale ``2**(floor(log2 max) - emax)`` (``scl``) and its inverse
     (``inv``), both float32, built from the bits of the block maxima ``hi`` (1 for a block
     without a non-zero value). Returns False where a scale is no normal float32 (a block
@@ -434,7 +463,9 @@ def _mx_scales(hi, emax, inv, scl):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _nv_scales(hi, st, scl):  # pragma: no cover - compiled
+def _nv_scales(
+    hi: np.ndarray, st: np.float32, scl: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """Each NVFP4 block's float32 scale ``s_b * s_t`` from its maximum's bits ``hi`` and
     the tensor's scale ``st``, in the definition's order (``s_b``: ``(max / 6) / s_t``
     rounded to E4M3 in float64, exact for a float32 value; 0 for a block without a
@@ -444,20 +475,22 @@ def _nv_scales(hi, st, scl):  # pragma: no cover - compiled
     f32 = np.float32
     amax = hi.view(np.float32)
     for k in range(hi.size):
-        u = min(np.float64((amax[k] / f32(6.0)) / st), 448.0)
+        u: float = min(np.float64((amax[k] / f32(6.0)) / st), 448.0)
         s_b = _round_element(u, _NV_E4M3[0], _NV_E4M3[1], _NV_E4M3[2])
         scl[k] = f32(f32(s_b) * st)
 
 
 @numba.njit(cache=True, nogil=True)
-def _tiles(rowlen, a, b, size):  # pragma: no cover - compiled
+def _tiles(rowlen: int, a: int, b: int, size: int) -> bool:  # pragma: no cover - compiled
     """Whether blocks of ``size`` tile ``[a, b)`` of rows of ``rowlen``: the rows are a
     multiple of ``size`` long and ``a``, ``b`` lie on block bounds."""
     return rowlen % size == 0 and a % size == 0 and b % size == 0
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _pair_bits(hi16, lo16, hi32, lo32):  # pragma: no cover - compiled
+def _pair_bits(
+    hi16: np.ndarray, lo16: np.ndarray, hi32: np.ndarray, lo32: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """The maxima and minima bits of blocks of 32 (``hi32``, ``lo32``) from those of the
     blocks of 16 (:func:`_block_bits`): the larger and the smaller of each pair (int32
     compares of non-negative float bits order as the floats do)."""
@@ -469,7 +502,9 @@ def _pair_bits(hi16, lo16, hi32, lo32):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _untiled(x, a, b, rowlen, p, s_t, acc):  # pragma: no cover - compiled
+def _untiled(
+    x: np.ndarray, a: int, b: int, rowlen: int, p: np.ndarray, s_t: _F, acc: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """Partials (``acc``: 5) of format ``p``'s blocks that start in ``x[a:b]``, block by
     block (:func:`_one_block`): where they do not tile it. ``x`` is one tensor's values in
     rows of ``rowlen`` elements; a block may reach past ``b``, never past its row."""
@@ -490,7 +525,9 @@ def _untiled(x, a, b, rowlen, p, s_t, acc):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _mx_tiled(x, a, b, p, hi, lo, acc):  # pragma: no cover - compiled
+def _mx_tiled(
+    x: np.ndarray, a: int, b: int, p: np.ndarray, hi: np.ndarray, lo: np.ndarray, acc: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """The MX blocks that tile ``x[a:b]``, given the bits of their maxima and minima
     (``hi``, ``lo``): the largest block ratio, the scales (loops over the blocks that
     vectorize), then one vectorized loop over the elements; blocks whose scale is no normal
@@ -509,7 +546,9 @@ def _mx_tiled(x, a, b, p, hi, lo, acc):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _nv_tiled(x, a, b, p, hi, st, acc):  # pragma: no cover - compiled
+def _nv_tiled(
+    x: np.ndarray, a: int, b: int, p: np.ndarray, hi: np.ndarray, st: np.float32, acc: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """The NVFP4 blocks that tile ``x[a:b]`` but for their ratios (the first pass took
     them), given the bits of their maxima ``hi`` (kept from the first pass) and the
     tensor's scale ``st`` (float32): the block scales, then the elements."""
@@ -529,7 +568,7 @@ def _nv_tiled(x, a, b, p, hi, st, acc):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _has_nv(table):  # pragma: no cover - compiled
+def _has_nv(table: np.ndarray) -> bool:  # pragma: no cover - compiled
     """Whether the formats' table (:func:`_block_table`) holds NVFP4 (emax NaN)."""
     for k in range(table.shape[0]):
         if np.isnan(table[k, _B_EMAX]):
@@ -538,7 +577,9 @@ def _has_nv(table):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _first_blocks(x, a, b, rowlen, table, acc, hi16):  # pragma: no cover - compiled
+def _first_blocks(
+    x: np.ndarray, a: int, b: int, rowlen: int, table: np.ndarray, acc: np.ndarray, hi16: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """The first pass's share of the block formats (partials ``acc``: formats x 5) over
     the blocks that start in ``x[a:b]``, ``x`` being one tensor's values in rows of
     ``rowlen`` elements: MX formats whole, NVFP4's block ratios where its blocks tile the
@@ -574,7 +615,16 @@ def _first_blocks(x, a, b, rowlen, table, acc, hi16):  # pragma: no cover - comp
 
 
 @numba.njit(cache=True, nogil=True)
-def _second_blocks(x, a, b, rowlen, table, st, acc, hi16):  # pragma: no cover - compiled
+def _second_blocks(
+    x: np.ndarray,
+    a: int,
+    b: int,
+    rowlen: int,
+    table: np.ndarray,
+    st: np.float32,
+    acc: np.ndarray,
+    hi16: np.ndarray,
+) -> None:  # pragma: no cover - compiled
     """NVFP4's share of the second pass (see :func:`_first_blocks`), given the tensor's
     scale ``st`` (float32): the tiled blocks from the maxima the first pass kept in
     ``hi16``, the others block by block."""
@@ -591,7 +641,9 @@ def _second_blocks(x, a, b, rowlen, table, st, acc, hi16):  # pragma: no cover -
 
 
 @numba.njit(cache=True, nogil=True)
-def _tensor_scales(part, seg, st):  # pragma: no cover - compiled
+def _tensor_scales(
+    part: np.ndarray, seg: np.ndarray, st: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """NVFP4's tensor scale ``s_t = max|x| / (448 * 6)`` (float32; 1 without a non-zero
     finite value) into ``st``, one per item, from the items' partials (``part``, as
     :func:`_item` leaves them: the largest magnitude is the larger of the extrema's, from
@@ -616,7 +668,17 @@ def _tensor_scales(part, seg, st):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _first_pass(x, starts, stops, pivots, over_at, part, hist, sub, blk):  # pragma: no cover
+def _first_pass(
+    x: np.ndarray,
+    starts: np.ndarray,
+    stops: np.ndarray,
+    pivots: np.ndarray,
+    over_at: float,
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+    blk: _Blocks,
+) -> None:  # pragma: no cover - compiled
     """:func:`_item` of the items ``x[starts[j]:stops[j]]`` with their pivots, into row
     ``j`` of ``part``, ``hist`` and ``sub``, and their blocks' share of the first pass
     (:func:`_first_blocks`), shared among ``numba.get_num_threads()`` threads."""
@@ -632,7 +694,9 @@ def _first_pass(x, starts, stops, pivots, over_at, part, hist, sub, blk):  # pra
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _second_pass(x, starts, stops, st, blk):  # pragma: no cover - compiled
+def _second_pass(
+    x: np.ndarray, starts: np.ndarray, stops: np.ndarray, st: np.ndarray, blk: _Blocks
+) -> None:  # pragma: no cover - compiled
     """:func:`_second_blocks` of the items (as :func:`_first_pass`) with their tensors'
     NVFP4 scales ``st``."""
     for j in numba.prange(starts.size):
@@ -643,7 +707,17 @@ def _second_pass(x, starts, stops, st, blk):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _run(x, starts, stops, pivots, over_at, part, hist, sub, blk):  # pragma: no cover - compiled
+def _run(
+    x: np.ndarray,
+    starts: np.ndarray,
+    stops: np.ndarray,
+    pivots: np.ndarray,
+    over_at: float,
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+    blk: _Blocks,
+) -> None:  # pragma: no cover - compiled
     """The items ``x[starts[j]:stops[j]]`` with their pivots, into row ``j`` of ``part``,
     ``hist`` and ``sub``, shared among ``numba.get_num_threads()`` threads (one thread
     costs about a microsecond more than a plain loop). With a :class:`_Blocks` ``blk``,
@@ -660,7 +734,9 @@ def _run(x, starts, stops, pivots, over_at, part, hist, sub, blk):  # pragma: no
 
 
 @numba.njit(cache=True, nogil=True)
-def _first_finite(x, starts, stops):  # pragma: no cover - compiled
+def _first_finite(
+    x: np.ndarray, starts: np.ndarray, stops: np.ndarray
+) -> np.ndarray:  # pragma: no cover - compiled
     """The first finite value of each segment ``x[starts[j]:stops[j]]`` (0 if none)."""
     out = np.zeros(starts.size)
     for j in range(starts.size):
@@ -718,7 +794,18 @@ _NVALUES = N_CORE_VALUES
 
 
 @numba.njit(cache=True, nogil=True)
-def _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, nb, out, ok):  # pragma: no cover
+def _finish(
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+    item_seg: np.ndarray,
+    lens: np.ndarray,
+    field_bin: np.ndarray,
+    sub_bin: np.ndarray,
+    nb: int,
+    out: np.ndarray,
+    ok: np.ndarray,
+) -> None:  # pragma: no cover - compiled
     """Combines the items of each array and writes its summary vector to ``out`` (core
     fields, then the ``nb + 2`` exponent counts); ``ok`` marks the rows whose largest
     magnitude lies in :data:`SAFE_RANGE` (or is 0): the others' power sums are left to
@@ -791,14 +878,21 @@ def _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, nb, out, ok):  
 
 
 @numba.njit(cache=True, nogil=True)
-def _scaled_powers(x, s, out):  # pragma: no cover - compiled
+def _scaled_powers(x: np.ndarray, s: float, out: np.ndarray) -> None:  # pragma: no cover - compiled
     """Writes the power sums of ``|x| / s`` over the finite values to ``out``'s p1 .. p8:
     a second pass for arrays whose largest magnitude ``s`` lies outside :data:`SAFE_RANGE`."""
     _, _, out[_O_P1], out[_O_P2], out[_O_P4], out[_O_P8] = _float_sums(x, 0.0, 1.0 / s)
 
 
 @numba.njit(cache=True, nogil=True)
-def summary_serial(x, field_bin, sub_bin, nb, over_at, out):  # pragma: no cover - compiled
+def summary_serial(
+    x: np.ndarray,
+    field_bin: np.ndarray,
+    sub_bin: np.ndarray,
+    nb: int,
+    over_at: float,
+    out: np.ndarray,
+) -> None:  # pragma: no cover - compiled
     """The summary vector of one float32 array ``x`` into ``out`` on the calling thread,
     valid whatever its range (out-of-range arrays take a second, scaled pass).
 
@@ -836,7 +930,9 @@ def summary_serial(x, field_bin, sub_bin, nb, over_at, out):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
-def split_serial(v, counts, values):  # pragma: no cover - compiled
+def split_serial(
+    v: np.ndarray, counts: np.ndarray, values: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """:func:`tandv.stats.summary.split_summary` of one summary ``v`` without custom
     statistics, for compiled callers (XLA's custom call): the leading and exponent counts
     into ``counts`` (``len(v) - N_CORE_VALUES`` of them) and the core values into
@@ -1041,7 +1137,9 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _centred_sums(x, mean, inv):  # pragma: no cover - compiled
+def _centred_sums(
+    x: np.ndarray, mean: float, inv: float
+) -> tuple[float, float, float, float, float]:  # pragma: no cover - compiled
     """float64 sums over the finite values of ``d = (x - mean) * inv`` to the powers 1..4,
     and their count (reassociated, so the sums vectorize; NaN and inf semantics kept)."""
     n = 0.0
@@ -1063,7 +1161,9 @@ def _centred_sums(x, mean, inv):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def higher_serial(x, v, out):  # pragma: no cover - compiled
+def higher_serial(
+    x: np.ndarray, v: np.ndarray, out: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """``out[0], out[1] = m3, m4`` of a flat array ``x`` given its summary vector ``v`` (the
     mean and largest magnitude are read from it), on the calling thread: the pass of
     :func:`host_higher_moments` for compiled callers (XLA's custom call)."""
