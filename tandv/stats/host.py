@@ -220,11 +220,19 @@ _B_UNDER, _B_SUBN, _B_SAT, _B_ERR, _B_RATIO = range(5)
 _NV_E4M3 = (2.0**49 + 1.0, 2.0 ** (52 - 6 - 3), 2.0**-6)  # E4M3 split, subnormal K, normal
 
 
-def _block_table(formats: Sequence[BlockFormat]) -> np.ndarray:
+@cache
+def _formats_of(extras: tuple[tuple[str, str], ...]) -> tuple[BlockFormat, ...]:
+    """:func:`tandv.stats.blocks.block_formats_of`, once per layout's extras."""
+    return block_formats_of(extras)
+
+
+@cache
+def _block_table(formats: tuple[BlockFormat, ...]) -> np.ndarray:
     """One row of kernel parameters per block format: block size, the Veltkamp constant that
     rounds a float64 to the element's mantissa, the constant that rounds it to the
     element's subnormal grid, its smallest normal and largest finite value, the MX emax
-    (NaN: NVFP4), and the two rounding constants for float32."""
+    (NaN: NVFP4), and the two rounding constants for float32. Cached: shared by calls,
+    which only read it."""
     t = np.zeros((len(formats), 8))
     for i, f in enumerate(formats):
         t[i] = (
@@ -1063,7 +1071,7 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
                 f"{', '.join(str(d) for d in HOST_DTYPES)}"
             )
         flats.append(_as_float32(a))
-    formats = block_formats_of(layout.extras)
+    formats = _formats_of(layout.extras)
     k = len(flats)
     out = np.zeros((k, layout.extras_start + len(BLOCK_COLUMNS) * len(formats)))
     if k == 0:
@@ -1198,11 +1206,12 @@ def host_higher_moments(arrays: Sequence[np.ndarray], summaries: np.ndarray) -> 
 
 
 def _block_columns(acc: np.ndarray, item_seg: np.ndarray, k: int) -> np.ndarray:
-    """The block formats' columns (``k`` arrays x formats x 5) from their items' partials:
-    sums added, the largest block ratio as its log2."""
+    """The block formats' columns (``k`` arrays x formats x 5) from their items' partials
+    (the items of an array are consecutive): sums added, the largest block ratio as its
+    log2."""
+    first = np.flatnonzero(np.diff(item_seg, prepend=-1))  # each array's first item
     merged = np.zeros((k, acc.shape[1], len(BLOCK_COLUMNS)))
-    np.add.at(merged, item_seg, acc)
-    ratio = np.zeros((k, acc.shape[1]))
-    np.maximum.at(ratio, item_seg, acc[:, :, _B_RATIO])
-    merged[:, :, _B_RATIO] = np.log2(np.maximum(ratio, 1.0))
+    merged[item_seg[first]] = np.add.reduceat(acc, first)
+    ratio = np.maximum.reduceat(acc[:, :, _B_RATIO], first)
+    merged[item_seg[first], :, _B_RATIO] = np.log2(np.maximum(ratio, 1.0))
     return merged
