@@ -1041,8 +1041,7 @@ def _run_all(
             _run(x, st, sp, pv, over_at, part[rows], hist[rows], sub[rows], blk.rows(rows))
 
 
-# issue 31: split after the block-format host kernel work lands
-def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 1) -> np.ndarray:  # noqa: PLR0915
+def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 1) -> np.ndarray:
     """Summary vectors of host arrays, all in one layout (custom statistics excluded, but
     for the block-scaled formats' columns that lead them: :func:`tandv.stats.blocks.
     block_formats_of`).
