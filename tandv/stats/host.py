@@ -345,19 +345,52 @@ def _block_bits(
         lo[k] = mn
 
 
+#: The element loops take this many blocks per pass over the positions of a block, so that
+#: the accumulators (one per position) are read and written once per that many blocks.
+_GROUP = 4
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _mx_one(
+    x: np.float32,
+    iv: np.float32,
+    sc: np.float32,
+    split: np.float32,
+    subk: np.float32,
+    normal: np.float32,
+    fmax: np.float32,
+) -> tuple[np.int32, np.int32, np.int32, float]:  # pragma: no cover - compiled
+    """One element ``x`` of an MX block scaled by ``iv`` and dequantized by ``sc``: whether
+    it saturates, underflows, becomes a subnormal, and its squared error (float64)."""
+    f32 = np.float32
+    xj = abs(x)
+    fin = xj <= f32(_F32_MAX)
+    t = xj * iv
+    q = _round_element(min(t, fmax), split, subk, normal)
+    nz = fin & (xj > f32(0))
+    d = np.float64(q * sc - xj) if fin else 0.0
+    return (
+        _I32(fin & (t > fmax)),
+        _I32(nz & (q == f32(0))),
+        _I32(nz & (q > f32(0)) & (q < normal)),
+        d * d,
+    )
+
+
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
 def _mx_elements(
     x: np.ndarray, inv: np.ndarray, scl: np.ndarray, p: np.ndarray, acc: np.ndarray
 ) -> None:  # pragma: no cover - compiled
     """Adds the counts and squared errors of the MX blocks, the rows of ``x`` (float32,
     blocks x block size), scaled by ``inv`` and dequantized by ``scl`` (float32 powers of
-    two, one per block), to ``acc``. All in float32 (sixteen lanes), and exact: ``x * inv``
+    two, one per block), to ``acc``. All in float32 (vector lanes), and exact: ``x * inv``
     is exact wherever it is not far below the element's smallest subnormal (where it rounds
     to zero either way), and the error ``q * scl - |x|`` is exact too (the rounding error of
     a rounding to a coarser grid is a float32; the caller keeps blocks whose scale is not a
     normal float32 away), so only its square is taken in float64. Counts add in int32
     (numba's int64 halves the lanes), one accumulator per position in the block, so that
-    no block ends in a horizontal sum of the vector registers. ``reassoc`` lets the sums
+    no block ends in a horizontal sum of the vector registers; :data:`_GROUP` blocks at a
+    time, so that the accumulators leave memory once per group. ``reassoc`` lets the sums
     vectorize; the rounding (:func:`_round_element`, compiled without it) keeps IEEE
     semantics."""
     f32 = np.float32
@@ -367,39 +400,74 @@ def _mx_elements(
         f32(p[_B_NORMAL]),
         f32(p[_B_MAX]),
     )
-    big = f32(_F32_MAX)
     size = x.shape[1]
     under = np.zeros(size, np.int32)  # one accumulator per position in the block
     subn = np.zeros(size, np.int32)
     sat = np.zeros(size, np.int32)
     err = np.zeros(size)
-    for k in range(x.shape[0]):
-        iv = inv[k]
-        sc = scl[k]
+    whole = x.shape[0] // _GROUP * _GROUP
+    for k in range(0, whole, _GROUP):
+        i0, i1, i2, i3 = inv[k], inv[k + 1], inv[k + 2], inv[k + 3]
+        s0, s1, s2, s3 = scl[k], scl[k + 1], scl[k + 2], scl[k + 3]
         for j in range(size):
-            xj = abs(x[k, j])
-            fin = xj <= big
-            t = xj * iv
-            q = _round_element(min(t, fmax), split, subk, normal)
-            nz = fin & (xj > f32(0))
-            sat[j] += _I32(fin & (t > fmax))
-            under[j] += _I32(nz & (q == f32(0)))
-            subn[j] += _I32(nz & (q > f32(0)) & (q < normal))
-            d = np.float64(q * sc - xj) if fin else 0.0
-            err[j] += d * d
+            a0, b0, c0, d0 = _mx_one(x[k, j], i0, s0, split, subk, normal, fmax)
+            a1, b1, c1, d1 = _mx_one(x[k + 1, j], i1, s1, split, subk, normal, fmax)
+            a2, b2, c2, d2 = _mx_one(x[k + 2, j], i2, s2, split, subk, normal, fmax)
+            a3, b3, c3, d3 = _mx_one(x[k + 3, j], i3, s3, split, subk, normal, fmax)
+            sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
+            under[j] += _I32(_I32(b0 + b1) + _I32(b2 + b3))
+            subn[j] += _I32(_I32(c0 + c1) + _I32(c2 + c3))
+            err[j] += (d0 + d1) + (d2 + d3)
+    for k in range(whole, x.shape[0]):
+        for j in range(size):
+            a0, b0, c0, d0 = _mx_one(x[k, j], inv[k], scl[k], split, subk, normal, fmax)
+            sat[j] += a0
+            under[j] += b0
+            subn[j] += c0
+            err[j] += d0
     acc[_B_UNDER] += under.sum()
     acc[_B_SUBN] += subn.sum()
     acc[_B_SAT] += sat.sum()
     acc[_B_ERR] += err.sum()
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _nv_one(
+    x: np.float32,
+    s: np.float32,
+    s64: float,
+    split: np.float32,
+    subk: np.float32,
+    normal: np.float32,
+    fmax: np.float32,
+) -> tuple[np.int32, np.int32, np.int32, float]:  # pragma: no cover - compiled
+    """One element ``x`` of an NVFP4 block divided by ``s`` and dequantized by ``s64``:
+    whether it saturates, underflows, becomes a subnormal, and its squared error."""
+    f32 = np.float32
+    xj = abs(x)
+    fin = xj <= f32(_F32_MAX)
+    t = xj / s
+    q = _round_element(min(t, fmax), split, subk, normal)
+    nz = fin & (xj > f32(0))
+    d = np.float64(q) * s64 - np.float64(xj) if fin else 0.0
+    return (
+        _I32(fin & (t > fmax)),
+        _I32(nz & (q == f32(0))),
+        _I32(nz & (q > f32(0)) & (q < normal)),
+        d * d,
+    )
+
+
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
 def _nv_elements(
-    x: np.ndarray, scl: np.ndarray, p: np.ndarray, acc: np.ndarray
+    x: np.ndarray, div: np.ndarray, deq: np.ndarray, p: np.ndarray, acc: np.ndarray
 ) -> None:  # pragma: no cover - compiled
-    """As :func:`_mx_elements` for NVFP4 blocks of float32 scales ``scl`` (blocks whose
-    scale is 0 are skipped: the caller counted them); the division is float32's, as the
-    definition says, and the error is taken in float64 (``scl`` is no power of two)."""
+    """As :func:`_mx_elements` for NVFP4 blocks divided by the float32 scales ``div`` and
+    dequantized by ``deq`` (the same scales, but for blocks whose scale is zero: ``div``
+    inf, so that each value becomes 0 and a non-zero one counts as underflow, and ``deq``
+    0, so that its error is its square, as the definition says); the division is
+    float32's, as the definition says, and the error is taken in float64 (the scales are
+    no powers of two)."""
     f32 = np.float32
     split, subk, normal, fmax = (
         f32(p[_B_SPLIT32]),
@@ -407,28 +475,33 @@ def _nv_elements(
         f32(p[_B_NORMAL]),
         f32(p[_B_MAX]),
     )
-    big = f32(_F32_MAX)
     size = x.shape[1]
     under = np.zeros(size, np.int32)  # one accumulator per position in the block
     subn = np.zeros(size, np.int32)
     sat = np.zeros(size, np.int32)
     err = np.zeros(size)
-    for k in range(x.shape[0]):
-        s = scl[k]
-        if s == f32(0):
-            continue
-        s64 = np.float64(s)
+    whole = x.shape[0] // _GROUP * _GROUP
+    for k in range(0, whole, _GROUP):
+        s0, s1, s2, s3 = div[k], div[k + 1], div[k + 2], div[k + 3]
+        e0, e1 = np.float64(deq[k]), np.float64(deq[k + 1])
+        e2, e3 = np.float64(deq[k + 2]), np.float64(deq[k + 3])
         for j in range(size):
-            xj = abs(x[k, j])
-            fin = xj <= big
-            t = xj / s
-            q = _round_element(min(t, fmax), split, subk, normal)
-            nz = fin & (xj > f32(0))
-            sat[j] += _I32(fin & (t > fmax))
-            under[j] += _I32(nz & (q == f32(0)))
-            subn[j] += _I32(nz & (q > f32(0)) & (q < normal))
-            d = np.float64(q) * s64 - np.float64(xj) if fin else 0.0
-            err[j] += d * d
+            a0, b0, c0, d0 = _nv_one(x[k, j], s0, e0, split, subk, normal, fmax)
+            a1, b1, c1, d1 = _nv_one(x[k + 1, j], s1, e1, split, subk, normal, fmax)
+            a2, b2, c2, d2 = _nv_one(x[k + 2, j], s2, e2, split, subk, normal, fmax)
+            a3, b3, c3, d3 = _nv_one(x[k + 3, j], s3, e3, split, subk, normal, fmax)
+            sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
+            under[j] += _I32(_I32(b0 + b1) + _I32(b2 + b3))
+            subn[j] += _I32(_I32(c0 + c1) + _I32(c2 + c3))
+            err[j] += (d0 + d1) + (d2 + d3)
+    for k in range(whole, x.shape[0]):
+        e0 = np.float64(deq[k])
+        for j in range(size):
+            a0, b0, c0, d0 = _nv_one(x[k, j], div[k], e0, split, subk, normal, fmax)
+            sat[j] += a0
+            under[j] += b0
+            subn[j] += c0
+            err[j] += d0
     acc[_B_UNDER] += under.sum()
     acc[_B_SUBN] += subn.sum()
     acc[_B_SAT] += sat.sum()
@@ -472,20 +545,25 @@ def _mx_scales(
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _nv_scales(
-    hi: np.ndarray, st: np.float32, scl: np.ndarray
+    hi: np.ndarray, st: np.float32, div: np.ndarray, deq: np.ndarray
 ) -> None:  # pragma: no cover - compiled
-    """Each NVFP4 block's float32 scale ``s_b * s_t`` from its maximum's bits ``hi`` and
-    the tensor's scale ``st``, in the definition's order (``s_b``: ``(max / 6) / s_t``
-    rounded to E4M3 in float64, exact for a float32 value; 0 for a block without a
-    non-zero value). IEEE division (``error_model="numpy"``): ``s_t`` is 0 where the
-    tensor's maximum is a float32 subnormal (``/ 2688`` underflows), and every block's
-    ``u`` is then inf, saturating at 448 (scale 0: all its values underflow)."""
+    """Each NVFP4 block's float32 scale ``s_b * s_t`` (``deq``) from its maximum's bits
+    ``hi`` and the tensor's scale ``st``, in the definition's order (``s_b``: ``(max / 6) /
+    s_t`` rounded to E4M3 in float64, exact for a float32 value; 0 for a block without a
+    non-zero value), and the divisor of its values (``div``: the scale, inf where it is
+    zero, see :func:`_nv_elements`). IEEE division (``error_model="numpy"``): ``s_t`` is 0
+    where the tensor's maximum is a float32 subnormal (``/ 2688`` underflows), and every
+    block's ``u`` is then inf, saturating at 448, or NaN (``0 / 0``): its scale ``448 * 0``
+    or NaN counts as zero (all its values underflow)."""
     f32 = np.float32
     amax = hi.view(np.float32)
     for k in range(hi.size):
         u: float = min(np.float64((amax[k] / f32(6.0)) / st), 448.0)
         s_b = _round_element(u, _NV_E4M3[0], _NV_E4M3[1], _NV_E4M3[2])
-        scl[k] = f32(f32(s_b) * st)
+        s = f32(f32(s_b) * st)
+        ok = s > f32(0)  # False for 0 and NaN
+        deq[k] = s if ok else f32(0)
+        div[k] = s if ok else f32(np.inf)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -561,18 +639,10 @@ def _nv_tiled(
     them), given the bits of their maxima ``hi`` (kept from the first pass) and the
     tensor's scale ``st`` (float32): the block scales, then the elements."""
     nblk = (b - a) // 16
-    rows = x[a:b].reshape(nblk, 16)
-    scl32 = np.empty(nblk, np.float32)
-    _nv_scales(hi, st, scl32)
-    for k in range(nblk):
-        if not scl32[k] > 0:  # a scale of zero (or NaN where s_t = 0): the values underflow
-            scl32[k] = 0  # skipped by _nv_elements
-            for j in range(16):
-                v = abs(np.float64(rows[k, j]))
-                if v <= _F32_MAX and v > 0:
-                    acc[_B_UNDER] += 1
-                    acc[_B_ERR] += v * v
-    _nv_elements(rows, scl32, p, acc)
+    div = np.empty(nblk, np.float32)
+    deq = np.empty(nblk, np.float32)
+    _nv_scales(hi, st, div, deq)
+    _nv_elements(x[a:b].reshape(nblk, 16), div, deq, p, acc)
 
 
 @numba.njit(cache=True, nogil=True)
