@@ -44,6 +44,7 @@ import gc
 import importlib.util
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -199,6 +200,38 @@ def variant_cost(
         "ratio_variant_to_tracked": med["variant"] / med["tracked"],
         # the median of each iteration's ratio: the two tracked steps ran back to back
         "paired_variant_to_tracked": statistics.median(paired),
+    }
+
+
+def variant_row(
+    r: dict[str, float], formats: list[str], every: int, load: float, load_after: float
+) -> dict[str, Any]:
+    """The columns of a block-formats run (:func:`variant_cost`'s result ``r``) for
+    ``benchmarks/results/block_formats.json``: median step times, the paired ratio of the
+    step with the formats to the plain tracked one (the CPU-time ratio in parentheses),
+    the machine's load average before and after, and the commit measured (uncommitted
+    changes are not marked)."""
+    try:  # the code measured, for before/after rows
+        code = subprocess.run(
+            ["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        code = "-"
+    return {
+        "code": code,
+        "formats": " + ".join(formats),
+        "every": every,
+        "load": [round(load, 1), round(load_after, 1)],
+        "untracked": round(r["median_untracked_ms"], 1),
+        "tracked": round(r["median_tracked_ms"], 1),
+        "variant": round(r["median_variant_ms"], 1),
+        "ratio": {
+            "value": round(r["paired_variant_to_tracked"], 3),
+            "paren": round(r["cpu_ratio_variant_to_tracked"], 3),
+        },
     }
 
 
@@ -401,6 +434,51 @@ def record(results: str, cfg: GPTConfig, argv: list[str] | None, measured: dict[
     tables.append_row(results, row)
 
 
+def run_variant(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    cfg: GPTConfig,
+    batch: int,
+    variant: dict[str, Any],
+) -> int:
+    """Measures and prints the cost of a tracking option (``--block-formats``,
+    ``--moments``) per ``every``; with ``--results``, adds a block-formats run's row."""
+    label = ", ".join(f"{k}={v!r}" for k, v in variant.items())
+    for every in args.every:
+        load = os.getloadavg()[0]  # the machine's load (shared machines: say it)
+        r = variant_cost(cfg, batch, args.steps, args.warmup, every, args.device, **variant)
+        load_after = os.getloadavg()[0]
+        print(
+            f"every={every}: untracked {r['median_untracked_ms']:.1f} ms, tracked "
+            f"{r['median_tracked_ms']:.1f} ms, with {label} {r['median_variant_ms']:.1f} ms "
+            f"(medians); tracked / untracked {r['ratio_tracked']:.3f}, with {label} "
+            f"{r['ratio_variant']:.3f}; with {label} / tracked "
+            f"{r['ratio_variant_to_tracked']:.3f}",
+            flush=True,
+        )
+        print(
+            f"  CPU time of the process per step (medians): untracked "
+            f"{r['median_untracked_cpu_ms']:.1f} ms, tracked {r['median_tracked_cpu_ms']:.1f}"
+            f" ms, with {label} {r['median_variant_cpu_ms']:.1f} ms; with {label} / tracked "
+            f"{r['cpu_ratio_variant_to_tracked']:.3f}",
+            flush=True,
+        )
+        print(
+            f"  paired (median of each step's ratio): with {label} / tracked "
+            f"{r['paired_variant_to_tracked']:.3f}; 1-min load average {load:.1f} -> "
+            f"{load_after:.1f}",
+            flush=True,
+        )
+        if args.results and args.block_formats:
+            record(
+                args.results,
+                cfg,
+                argv,
+                variant_row(r, args.block_formats, every, load, load_after),
+            )
+    return 0
+
+
 # issue 31: benchmarks: split main into one function per mode
 def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -481,25 +559,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
         + (", both compiled (model.compile())" if args.compile else "")
     )
     if variant:
-        label = ", ".join(f"{k}={v!r}" for k, v in variant.items())
-        for every in args.every:
-            r = variant_cost(cfg, batch, args.steps, args.warmup, every, args.device, **variant)
-            print(
-                f"every={every}: untracked {r['median_untracked_ms']:.1f} ms, tracked "
-                f"{r['median_tracked_ms']:.1f} ms, with {label} {r['median_variant_ms']:.1f} ms "
-                f"(medians); tracked / untracked {r['ratio_tracked']:.3f}, with {label} "
-                f"{r['ratio_variant']:.3f}; with {label} / tracked "
-                f"{r['ratio_variant_to_tracked']:.3f}",
-                flush=True,
-            )
-            print(
-                f"  CPU time of the process per step (medians): untracked "
-                f"{r['median_untracked_cpu_ms']:.1f} ms, tracked {r['median_tracked_cpu_ms']:.1f}"
-                f" ms, with {label} {r['median_variant_cpu_ms']:.1f} ms; with {label} / tracked "
-                f"{r['cpu_ratio_variant_to_tracked']:.3f}",
-                flush=True,
-            )
-        return 0
+        return run_variant(args, argv, cfg, batch, variant)
     measured: dict[str, Any] = {}
     for every in args.every:
         r = overhead(cfg, batch, args.steps, args.warmup, every, args.device, args.compile)

@@ -266,3 +266,52 @@ def test_nvfp4_tensor_scale_underflows(impl: str) -> None:
     x[1, 3] = 2.0**-148
     sq = float(np.sum(x.astype(np.float64) ** 2))
     _check(impl, x, "nvfp4", underflow=6.0, sq_err=sq, block_range=math.log2(5.0))
+
+
+def _crafted_rows(rowlen: int, rows: int, seed: int) -> np.ndarray:
+    """Rows of ``rowlen`` built to hit every case of a block: all-zero blocks, one huge
+    value beside small ones, float32 subnormals, values on E2M1's and E4M3's rounding
+    midpoints (relative to a power-of-two block maximum), NaN and inf."""
+    r = np.random.default_rng(seed)
+    x = r.standard_normal((rows, rowlen)) * np.exp2(r.integers(-20, 20, (rows, 1)))
+    kind = np.arange(rows) % 6
+    x[kind == 0] = 0.0  # all-zero blocks
+    one = np.flatnonzero(kind == 1)
+    x[one, r.integers(0, rowlen, one.size)] = 2.0**60  # one huge value beside small ones
+    sub = kind == 2  # float32 subnormals
+    x[sub] = np.ldexp(
+        r.integers(1, 8, (sub.sum(), rowlen)), r.integers(-149, -140, (sub.sum(), rowlen))
+    )
+    mid = kind == 3  # E2M1's and E4M3's midpoints, in blocks whose maximum is 6 * 2**e
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 1.0625, 1.1875, 448.0, 464.0])
+    e = r.integers(-30, 30, (mid.sum(), 1))
+    x[mid] = np.ldexp(r.choice(mids, (mid.sum(), rowlen)), e)
+    x[mid, 0] = np.ldexp(6.0, e[:, 0])
+    bad = np.flatnonzero(kind == 4)  # NaN and inf inside a block
+    x[bad, r.integers(0, rowlen, bad.size)] = np.nan
+    x[bad, r.integers(0, rowlen, bad.size)] = -np.inf
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("rowlen", [1, 31, 32, 33, 48, 64, 1024])
+def test_first_pass_block_maxima_serve_every_format(rowlen: int) -> None:
+    # All formats at once: the first pass reads the maxima of the blocks of 16 once,
+    # the MX blocks of 32 take pairs of them, and NVFP4's pass reuses them with the
+    # tensor's scale. Small arrays share one buffer; large ones (several 64K chunks, the
+    # largest value in the last chunk, so s_t spans the items) are read in place.
+    small = [_crafted_rows(rowlen, 12, seed) for seed in range(3)]
+    big_rows = -(-3 * 65536 // rowlen)
+    big = _crafted_rows(rowlen, big_rows, 7)
+    big[-1, -1] = 1.37 * 2.0**66  # (not a power of two times the 2**60 of other chunks)
+    arrays = [*small, small[0].astype(ml_dtypes.bfloat16)]
+    if rowlen > 1:  # (the reference takes seconds over 196K rows of one value)
+        arrays += [big, big.astype(ml_dtypes.bfloat16)]
+    lay = _layout()
+    rows = host_summaries(arrays, lay, threads=2)
+    for a, row in zip(arrays, rows):
+        got = row[lay.extras_start :].reshape(len(NAMES), len(COLS))
+        for name, g in zip(NAMES, got):
+            ref = block_stats(a, name)
+            for col, value in zip(COLS, g):
+                tol = 1e-6 if col == "sq_err" else 0.0
+                assert value == pytest.approx(ref[col], rel=tol, abs=0), (a.shape, name, col)

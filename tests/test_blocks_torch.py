@@ -4,6 +4,7 @@ fused Triton path: see also test_blocks_fused.py) against the numpy reference.""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -128,9 +129,9 @@ def test_shares_and_report(tmp_path) -> None:
     assert 'id="blocks"' not in render_report(plain, "t")
 
 
-def test_block_cost_benchmark_tiny_mode() -> None:
+def test_block_cost_benchmark_tiny_mode(tmp_path: Path) -> None:
     import importlib.util
-    from pathlib import Path
+    import json
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
     spec = importlib.util.spec_from_file_location("overhead_bench", path)
@@ -144,3 +145,16 @@ def test_block_cost_benchmark_tiny_mode() -> None:
     assert r["ratio_variant_to_tracked"] == r["median_variant_ms"] / r["median_tracked_ms"]
     cpu = r["median_variant_cpu_ms"] / r["median_tracked_cpu_ms"]
     assert r["median_tracked_cpu_ms"] > 0 and r["cpu_ratio_variant_to_tracked"] == cpu
+    # the command line, with a row added to a copy of the results file (no rows)
+    root = Path(__file__).resolve().parents[1]
+    table = json.loads((root / "benchmarks" / "results" / "block_formats.json").read_text())
+    table["rows"] = []
+    results = tmp_path / "block_formats.json"
+    results.write_text(json.dumps(table))
+    size = ["--layers", "1", "--d-model", "32", "--heads", "2", "--mlp", "64", "--vocab", "32"]
+    size += ["--seq", "8", "--batch", "2", "--steps", "2", "--warmup", "1", "--every", "1"]
+    assert bench.main([*size, "--block-formats", *formats, "--results", str(results)]) == 0
+    (row,) = json.loads(results.read_text())["rows"]
+    assert row["formats"] == "mxfp8_e4m3 + nvfp4" and row["every"] == 1
+    assert row["variant"] > 0 and row["tracked"] > 0 and row["ratio"]["value"] > 0
+    assert len(row["load"]) == 2 and "--block-formats mxfp8_e4m3 nvfp4" in row["command"]

@@ -175,8 +175,9 @@ def _rows(x: Any, block: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _round(v: np.ndarray, f: BlockFormat) -> np.ndarray:
     """``v`` rounded to nearest-even into ``f``'s element format, saturating (float64)."""
-    dtype = getattr(ml_dtypes, f.element)
-    return np.clip(v, -f.max, f.max).astype(dtype).astype(np.float64)
+    dtype = np.dtype(getattr(ml_dtypes, f.element))
+    rounded: np.ndarray = np.clip(v, -f.max, f.max).astype(dtype)  # numpy's stubs: Any
+    return rounded.astype(np.float64)
 
 
 def block_stats(x: Any, name: str) -> dict[str, float]:

@@ -88,10 +88,16 @@ _FAST = {"reassoc", "contract"}  # lets sums vectorize; NaN and inf semantics ar
 
 
 _I32 = np.int32
+#: A float of the compiled code: float64 or float32, as the loop computes.
+_F = float | np.float32
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _bit_reductions(bits):  # pragma: no cover - compiled
+def _bit_reductions(
+    bits: np.ndarray,
+) -> tuple[
+    np.int32, np.int32, np.int32, np.int32, np.int32, np.int32
+]:  # pragma: no cover - compiled
     """Integer reductions of float32 bit patterns (``bits``: int32): counts of inf and of
     zeros, the order keys of the finite minimum and maximum, and the bits of the smallest
     and largest finite magnitudes (int32 compares vectorize where float min/max would not).
@@ -120,7 +126,9 @@ def _bit_reductions(bits):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _float_sums(x, pivot, scale):  # pragma: no cover - compiled
+def _float_sums(
+    x: np.ndarray, pivot: float, scale: float
+) -> tuple[float, float, float, float, float, float]:  # pragma: no cover - compiled
     """float64 sums over the finite values: of ``x - pivot`` and its square, of
     ``|x| * scale`` to the powers 1, 2, 4, 8."""
     s1 = 0.0
@@ -147,7 +155,7 @@ def _float_sums(x, pivot, scale):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _count_over(x, over_at):  # pragma: no cover - compiled
+def _count_over(x: np.ndarray, over_at: float) -> int:  # pragma: no cover - compiled
     """The count of finite magnitudes in ``x`` above ``over_at``: run only on items whose
     largest finite magnitude exceeds it (rare), so the common item skips the pass."""
     over = 0
@@ -158,7 +166,7 @@ def _count_over(x, over_at):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _field_counts(bits, hist):  # pragma: no cover - compiled
+def _field_counts(bits: np.ndarray, hist: np.ndarray) -> None:  # pragma: no cover - compiled
     """Adds the counts of the exponent fields to ``hist`` (int64[4, 256]): four tables
     so that consecutive increments of one field do not wait for each other."""
     n = bits.size // 4 * 4
@@ -172,13 +180,22 @@ def _field_counts(bits, hist):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _f32_of(b):  # pragma: no cover - compiled
+def _f32_of(b: int | np.int32) -> np.float32:  # pragma: no cover - compiled
     """The float32 whose bit pattern is the int32 ``b``."""
-    return np.full(1, b, np.int32).view(np.float32)[0]
+    f: np.float32 = np.full(1, b, np.int32).view(np.float32)[0]
+    return f
 
 
 @numba.njit(cache=True, nogil=True)
-def _item(x, bits, pivot, over_at, part, hist, sub):  # pragma: no cover - compiled
+def _item(
+    x: np.ndarray,
+    bits: np.ndarray,
+    pivot: float,
+    over_at: float,
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+) -> None:  # pragma: no cover - compiled
     """Partials of one item ``x`` (with ``bits``, its int32 view) into ``part``
     (float64[_NPART]), ``hist`` (int64[4, 256]) and ``sub`` (subnormal exponent counts)."""
     inf, zero, kmin, kmax, amin, amax = _bit_reductions(bits)
@@ -203,11 +220,19 @@ _B_UNDER, _B_SUBN, _B_SAT, _B_ERR, _B_RATIO = range(5)
 _NV_E4M3 = (2.0**49 + 1.0, 2.0 ** (52 - 6 - 3), 2.0**-6)  # E4M3 split, subnormal K, normal
 
 
-def _block_table(formats: Sequence[BlockFormat]) -> np.ndarray:
+@cache
+def _formats_of(extras: tuple[tuple[str, str], ...]) -> tuple[BlockFormat, ...]:
+    """:func:`tandv.stats.blocks.block_formats_of`, once per layout's extras."""
+    return block_formats_of(extras)
+
+
+@cache
+def _block_table(formats: tuple[BlockFormat, ...]) -> np.ndarray:
     """One row of kernel parameters per block format: block size, the Veltkamp constant that
     rounds a float64 to the element's mantissa, the constant that rounds it to the
     element's subnormal grid, its smallest normal and largest finite value, the MX emax
-    (NaN: NVFP4), and the two rounding constants for float32."""
+    (NaN: NVFP4), and the two rounding constants for float32. Cached: shared by calls,
+    which only read it."""
     t = np.zeros((len(formats), 8))
     for i, f in enumerate(formats):
         t[i] = (
@@ -224,7 +249,7 @@ def _block_table(formats: Sequence[BlockFormat]) -> np.ndarray:
 
 
 @numba.njit(cache=True, nogil=True)
-def _round_element(a, split, subk, normal):  # pragma: no cover - compiled
+def _round_element(a: _F, split: _F, subk: _F, normal: _F) -> _F:  # pragma: no cover - compiled
     """``a >= 0`` rounded to nearest-even onto the element grid: Veltkamp's split keeps the
     mantissa's bits where ``a`` is normal, adding and removing ``subk`` rounds to the
     subnormal spacing below (both exact float64 tricks: this function has no fastmath)."""
@@ -235,7 +260,9 @@ def _round_element(a, split, subk, normal):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _one_block(x, s, e, p, s_t, acc):  # pragma: no cover - compiled
+def _one_block(
+    x: np.ndarray, s: int, e: int, p: np.ndarray, s_t: _F, acc: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """Adds block ``x[s:e]`` of the format with parameters ``p`` to ``acc`` (its partials);
     ``s_t`` is the tensor's float32 scale (NVFP4 only; IEEE division by an ``s_t`` of 0,
     as in :func:`_nv_scales`)."""
@@ -272,7 +299,7 @@ def _one_block(x, s, e, p, s_t, acc):  # pragma: no cover - compiled
             err += d * d
     else:  # NVFP4, in float32 in the definition's order
         f32 = np.float32
-        u = min(np.float64((f32(amax) / f32(6.0)) / f32(s_t)), 448.0)
+        u: float = min(np.float64((f32(amax) / f32(6.0)) / f32(s_t)), 448.0)
         s_b = _round_element(u, _NV_E4M3[0], _NV_E4M3[1], _NV_E4M3[2])
         scale = f32(f32(s_b) * f32(s_t))
         for i in range(s, e):
@@ -298,7 +325,9 @@ def _one_block(x, s, e, p, s_t, acc):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _block_bits(bits, hi, lo):  # pragma: no cover - compiled
+def _block_bits(
+    bits: np.ndarray, hi: np.ndarray, lo: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """The bits of the largest finite magnitude (``hi``) and of the smallest non-zero one
     (``lo``; the inf pattern if none) of each block, a row of ``bits`` (int32, blocks x
     block size). int32 compares vectorize, as in :func:`_bit_reductions`; the 2-D indices
@@ -316,17 +345,52 @@ def _block_bits(bits, hi, lo):  # pragma: no cover - compiled
         lo[k] = mn
 
 
+#: The element loops take this many blocks per pass over the positions of a block, so that
+#: the accumulators (one per position) are read and written once per that many blocks.
+_GROUP = 4
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _mx_one(
+    x: np.float32,
+    iv: np.float32,
+    sc: np.float32,
+    split: np.float32,
+    subk: np.float32,
+    normal: np.float32,
+    fmax: np.float32,
+) -> tuple[np.int32, np.int32, np.int32, float]:  # pragma: no cover - compiled
+    """One element ``x`` of an MX block scaled by ``iv`` and dequantized by ``sc``: whether
+    it saturates, underflows, becomes a subnormal, and its squared error (float64)."""
+    f32 = np.float32
+    xj = abs(x)
+    fin = xj <= f32(_F32_MAX)
+    t = xj * iv
+    q = _round_element(min(t, fmax), split, subk, normal)
+    nz = fin & (xj > f32(0))
+    d = np.float64(q * sc - xj) if fin else 0.0
+    return (
+        _I32(fin & (t > fmax)),
+        _I32(nz & (q == f32(0))),
+        _I32(nz & (q > f32(0)) & (q < normal)),
+        d * d,
+    )
+
+
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _mx_elements(x, inv, scl, p, acc):  # pragma: no cover - compiled
+def _mx_elements(
+    x: np.ndarray, inv: np.ndarray, scl: np.ndarray, p: np.ndarray, acc: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """Adds the counts and squared errors of the MX blocks, the rows of ``x`` (float32,
     blocks x block size), scaled by ``inv`` and dequantized by ``scl`` (float32 powers of
-    two, one per block), to ``acc``. All in float32 (sixteen lanes), and exact: ``x * inv``
+    two, one per block), to ``acc``. All in float32 (vector lanes), and exact: ``x * inv``
     is exact wherever it is not far below the element's smallest subnormal (where it rounds
     to zero either way), and the error ``q * scl - |x|`` is exact too (the rounding error of
     a rounding to a coarser grid is a float32; the caller keeps blocks whose scale is not a
     normal float32 away), so only its square is taken in float64. Counts add in int32
     (numba's int64 halves the lanes), one accumulator per position in the block, so that
-    no block ends in a horizontal sum of the vector registers. ``reassoc`` lets the sums
+    no block ends in a horizontal sum of the vector registers; :data:`_GROUP` blocks at a
+    time, so that the accumulators leave memory once per group. ``reassoc`` lets the sums
     vectorize; the rounding (:func:`_round_element`, compiled without it) keeps IEEE
     semantics."""
     f32 = np.float32
@@ -336,37 +400,74 @@ def _mx_elements(x, inv, scl, p, acc):  # pragma: no cover - compiled
         f32(p[_B_NORMAL]),
         f32(p[_B_MAX]),
     )
-    big = f32(_F32_MAX)
     size = x.shape[1]
     under = np.zeros(size, np.int32)  # one accumulator per position in the block
     subn = np.zeros(size, np.int32)
     sat = np.zeros(size, np.int32)
     err = np.zeros(size)
-    for k in range(x.shape[0]):
-        iv = inv[k]
-        sc = scl[k]
+    whole = x.shape[0] // _GROUP * _GROUP
+    for k in range(0, whole, _GROUP):
+        i0, i1, i2, i3 = inv[k], inv[k + 1], inv[k + 2], inv[k + 3]
+        s0, s1, s2, s3 = scl[k], scl[k + 1], scl[k + 2], scl[k + 3]
         for j in range(size):
-            xj = abs(x[k, j])
-            fin = xj <= big
-            t = xj * iv
-            q = _round_element(min(t, fmax), split, subk, normal)
-            nz = fin & (xj > f32(0))
-            sat[j] += _I32(fin & (t > fmax))
-            under[j] += _I32(nz & (q == f32(0)))
-            subn[j] += _I32(nz & (q > f32(0)) & (q < normal))
-            d = np.float64(q * sc - xj) if fin else 0.0
-            err[j] += d * d
+            a0, b0, c0, d0 = _mx_one(x[k, j], i0, s0, split, subk, normal, fmax)
+            a1, b1, c1, d1 = _mx_one(x[k + 1, j], i1, s1, split, subk, normal, fmax)
+            a2, b2, c2, d2 = _mx_one(x[k + 2, j], i2, s2, split, subk, normal, fmax)
+            a3, b3, c3, d3 = _mx_one(x[k + 3, j], i3, s3, split, subk, normal, fmax)
+            sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
+            under[j] += _I32(_I32(b0 + b1) + _I32(b2 + b3))
+            subn[j] += _I32(_I32(c0 + c1) + _I32(c2 + c3))
+            err[j] += (d0 + d1) + (d2 + d3)
+    for k in range(whole, x.shape[0]):
+        for j in range(size):
+            a0, b0, c0, d0 = _mx_one(x[k, j], inv[k], scl[k], split, subk, normal, fmax)
+            sat[j] += a0
+            under[j] += b0
+            subn[j] += c0
+            err[j] += d0
     acc[_B_UNDER] += under.sum()
     acc[_B_SUBN] += subn.sum()
     acc[_B_SAT] += sat.sum()
     acc[_B_ERR] += err.sum()
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _nv_one(
+    x: np.float32,
+    s: np.float32,
+    s64: float,
+    split: np.float32,
+    subk: np.float32,
+    normal: np.float32,
+    fmax: np.float32,
+) -> tuple[np.int32, np.int32, np.int32, float]:  # pragma: no cover - compiled
+    """One element ``x`` of an NVFP4 block divided by ``s`` and dequantized by ``s64``:
+    whether it saturates, underflows, becomes a subnormal, and its squared error."""
+    f32 = np.float32
+    xj = abs(x)
+    fin = xj <= f32(_F32_MAX)
+    t = xj / s
+    q = _round_element(min(t, fmax), split, subk, normal)
+    nz = fin & (xj > f32(0))
+    d = np.float64(q) * s64 - np.float64(xj) if fin else 0.0
+    return (
+        _I32(fin & (t > fmax)),
+        _I32(nz & (q == f32(0))),
+        _I32(nz & (q > f32(0)) & (q < normal)),
+        d * d,
+    )
+
+
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _nv_elements(x, scl, p, acc):  # pragma: no cover - compiled
-    """As :func:`_mx_elements` for NVFP4 blocks of float32 scales ``scl`` (blocks whose
-    scale is 0 are skipped: the caller counted them); the division is float32's, as the
-    definition says, and the error is taken in float64 (``scl`` is no power of two)."""
+def _nv_elements(
+    x: np.ndarray, div: np.ndarray, deq: np.ndarray, p: np.ndarray, acc: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """As :func:`_mx_elements` for NVFP4 blocks divided by the float32 scales ``div`` and
+    dequantized by ``deq`` (the same scales, but for blocks whose scale is zero: ``div``
+    inf, so that each value becomes 0 and a non-zero one counts as underflow, and ``deq``
+    0, so that its error is its square, as the definition says); the division is
+    float32's, as the definition says, and the error is taken in float64 (the scales are
+    no powers of two)."""
     f32 = np.float32
     split, subk, normal, fmax = (
         f32(p[_B_SPLIT32]),
@@ -374,28 +475,33 @@ def _nv_elements(x, scl, p, acc):  # pragma: no cover - compiled
         f32(p[_B_NORMAL]),
         f32(p[_B_MAX]),
     )
-    big = f32(_F32_MAX)
     size = x.shape[1]
     under = np.zeros(size, np.int32)  # one accumulator per position in the block
     subn = np.zeros(size, np.int32)
     sat = np.zeros(size, np.int32)
     err = np.zeros(size)
-    for k in range(x.shape[0]):
-        s = scl[k]
-        if s == f32(0):
-            continue
-        s64 = np.float64(s)
+    whole = x.shape[0] // _GROUP * _GROUP
+    for k in range(0, whole, _GROUP):
+        s0, s1, s2, s3 = div[k], div[k + 1], div[k + 2], div[k + 3]
+        e0, e1 = np.float64(deq[k]), np.float64(deq[k + 1])
+        e2, e3 = np.float64(deq[k + 2]), np.float64(deq[k + 3])
         for j in range(size):
-            xj = abs(x[k, j])
-            fin = xj <= big
-            t = xj / s
-            q = _round_element(min(t, fmax), split, subk, normal)
-            nz = fin & (xj > f32(0))
-            sat[j] += _I32(fin & (t > fmax))
-            under[j] += _I32(nz & (q == f32(0)))
-            subn[j] += _I32(nz & (q > f32(0)) & (q < normal))
-            d = np.float64(q) * s64 - np.float64(xj) if fin else 0.0
-            err[j] += d * d
+            a0, b0, c0, d0 = _nv_one(x[k, j], s0, e0, split, subk, normal, fmax)
+            a1, b1, c1, d1 = _nv_one(x[k + 1, j], s1, e1, split, subk, normal, fmax)
+            a2, b2, c2, d2 = _nv_one(x[k + 2, j], s2, e2, split, subk, normal, fmax)
+            a3, b3, c3, d3 = _nv_one(x[k + 3, j], s3, e3, split, subk, normal, fmax)
+            sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
+            under[j] += _I32(_I32(b0 + b1) + _I32(b2 + b3))
+            subn[j] += _I32(_I32(c0 + c1) + _I32(c2 + c3))
+            err[j] += (d0 + d1) + (d2 + d3)
+    for k in range(whole, x.shape[0]):
+        e0 = np.float64(deq[k])
+        for j in range(size):
+            a0, b0, c0, d0 = _nv_one(x[k, j], div[k], e0, split, subk, normal, fmax)
+            sat[j] += a0
+            under[j] += b0
+            subn[j] += c0
+            err[j] += d0
     acc[_B_UNDER] += under.sum()
     acc[_B_SUBN] += subn.sum()
     acc[_B_SAT] += sat.sum()
@@ -403,7 +509,9 @@ def _nv_elements(x, scl, p, acc):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
-def _largest_ratio(hi, lo, ratio):  # pragma: no cover - compiled
+def _largest_ratio(
+    hi: np.ndarray, lo: np.ndarray, ratio: float
+) -> float:  # pragma: no cover - compiled
     """The largest of ``ratio`` and the blocks' ``max / min`` (float64; ``hi``, ``lo`` from
     :func:`_block_bits`; blocks without a non-zero value give 0). Branch-free, so that it
     vectorizes; no value is NaN or inf (a block without a non-zero value divides 0 by 1),
@@ -417,7 +525,9 @@ def _largest_ratio(hi, lo, ratio):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _mx_scales(hi, emax, inv, scl):  # pragma: no cover - compiled
+def _mx_scales(
+    hi: np.ndarray, emax: np.int32, inv: np.ndarray, scl: np.ndarray
+) -> bool:  # pragma: no cover - compiled
     """Each block's MX scale ``2**(floor(log2 max) - emax)`` (``scl``) and its inverse
     (``inv``), both float32, built from the bits of the block maxima ``hi`` (1 for a block
     without a non-zero value). Returns False where a scale is no normal float32 (a block
@@ -434,111 +544,277 @@ def _mx_scales(hi, emax, inv, scl):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _nv_scales(hi, st, scl):  # pragma: no cover - compiled
-    """Each NVFP4 block's float32 scale ``s_b * s_t`` from its maximum's bits ``hi`` and
-    the tensor's scale ``st``, in the definition's order (``s_b``: ``(max / 6) / s_t``
-    rounded to E4M3 in float64, exact for a float32 value; 0 for a block without a
-    non-zero value). IEEE division (``error_model="numpy"``): ``s_t`` is 0 where the
-    tensor's maximum is a float32 subnormal (``/ 2688`` underflows), and every block's
-    ``u`` is then inf, saturating at 448 (scale 0: all its values underflow)."""
+def _nv_scales(
+    hi: np.ndarray, st: np.float32, div: np.ndarray, deq: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """Each NVFP4 block's float32 scale ``s_b * s_t`` (``deq``) from its maximum's bits
+    ``hi`` and the tensor's scale ``st``, in the definition's order (``s_b``: ``(max / 6) /
+    s_t`` rounded to E4M3 in float64, exact for a float32 value; 0 for a block without a
+    non-zero value), and the divisor of its values (``div``: the scale, inf where it is
+    zero, see :func:`_nv_elements`). IEEE division (``error_model="numpy"``): ``s_t`` is 0
+    where the tensor's maximum is a float32 subnormal (``/ 2688`` underflows), and every
+    block's ``u`` is then inf, saturating at 448, or NaN (``0 / 0``): its scale ``448 * 0``
+    or NaN counts as zero (all its values underflow)."""
     f32 = np.float32
     amax = hi.view(np.float32)
     for k in range(hi.size):
-        u = min(np.float64((amax[k] / f32(6.0)) / st), 448.0)
+        u: float = min(np.float64((amax[k] / f32(6.0)) / st), 448.0)
         s_b = _round_element(u, _NV_E4M3[0], _NV_E4M3[1], _NV_E4M3[2])
-        scl[k] = f32(f32(s_b) * st)
+        s = f32(f32(s_b) * st)
+        ok = s > f32(0)  # False for 0 and NaN
+        deq[k] = s if ok else f32(0)
+        div[k] = s if ok else f32(np.inf)
 
 
 @numba.njit(cache=True, nogil=True)
-def _tiled(x, a, b, size, p, s_t, acc):  # pragma: no cover - compiled
-    """:func:`_blocks` where the blocks tile ``x[a:b]`` (rows a multiple of ``size`` long,
-    ``a`` and ``b`` on block bounds): block maxima and scales first (loops over the blocks
-    that vectorize), then one vectorized loop over the elements."""
-    nblk = (b - a) // size
-    rows = x[a:b].reshape(nblk, size)  # one block a row: 2-D loops vectorize
-    hi = np.empty(nblk, np.int32)
-    lo = np.empty(nblk, np.int32)
-    _block_bits(rows.view(np.int32), hi, lo)
-    acc[_B_RATIO] = _largest_ratio(hi, lo, acc[_B_RATIO])
-    if not np.isnan(p[_B_EMAX]):  # MX
-        inv = np.empty(nblk, np.int32)
-        scl = np.empty(nblk, np.int32)
-        if not _mx_scales(hi, _I32(p[_B_EMAX]), inv, scl):
-            for k in range(nblk):  # the float64 blocks
-                _one_block(x, a + k * size, a + k * size + size, p, s_t, acc)
-            return
-        _mx_elements(rows, inv.view(np.float32), scl.view(np.float32), p, acc)
-        return
-    st = np.float32(s_t)
-    scl32 = np.empty(nblk, np.float32)
-    _nv_scales(hi, st, scl32)
-    for k in range(nblk):
-        if not scl32[k] > 0:  # a scale of zero (or NaN where s_t = 0): the values underflow
-            scl32[k] = 0  # skipped by _nv_elements
-            for j in range(size):
-                v = abs(np.float64(rows[k, j]))
-                if v <= _F32_MAX and v > 0:
-                    acc[_B_UNDER] += 1
-                    acc[_B_ERR] += v * v
-    _nv_elements(rows, scl32, p, acc)
+def _tiles(rowlen: int, a: int, b: int, size: int) -> bool:  # pragma: no cover - compiled
+    """Whether blocks of ``size`` tile ``[a, b)`` of rows of ``rowlen``: the rows are a
+    multiple of ``size`` long and ``a``, ``b`` lie on block bounds."""
+    return rowlen % size == 0 and a % size == 0 and b % size == 0
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def _pair_bits(
+    hi16: np.ndarray, lo16: np.ndarray, hi32: np.ndarray, lo32: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """The maxima and minima bits of blocks of 32 (``hi32``, ``lo32``) from those of the
+    blocks of 16 (:func:`_block_bits`): the larger and the smaller of each pair (int32
+    compares of non-negative float bits order as the floats do)."""
+    h = hi16.reshape(hi32.size, 2)
+    lo = lo16.reshape(lo32.size, 2)
+    for k in range(hi32.size):
+        hi32[k] = max(h[k, 0], h[k, 1])
+        lo32[k] = min(lo[k, 0], lo[k, 1])
 
 
 @numba.njit(cache=True, nogil=True)
-def _blocks(x, a, b, rowlen, table, s_t, acc):  # pragma: no cover - compiled
-    """Partials (``acc``: formats x 5) of the blocks of each format that start in
-    ``x[a:b]``, ``x`` being one tensor's values with rows of ``rowlen`` elements (a block
-    may reach past ``b``, never past its row)."""
-    if rowlen == 0:
-        return
-    for k in range(table.shape[0]):
-        p = table[k]
-        size = int(p[_B_SIZE])
-        if rowlen % size == 0 and a % size == 0 and b % size == 0:
-            _tiled(x, a, b, size, p, s_t[k], acc[k])
-            continue
-        r = a // rowlen
-        o = (a - r * rowlen + size - 1) // size * size
+def _untiled(
+    x: np.ndarray, a: int, b: int, rowlen: int, p: np.ndarray, s_t: _F, acc: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """Partials (``acc``: 5) of format ``p``'s blocks that start in ``x[a:b]``, block by
+    block (:func:`_one_block`): where they do not tile it. ``x`` is one tensor's values in
+    rows of ``rowlen`` elements; a block may reach past ``b``, never past its row."""
+    size = int(p[_B_SIZE])
+    r = a // rowlen
+    o = (a - r * rowlen + size - 1) // size * size
+    if o >= rowlen:
+        r += 1
+        o = 0
+    st = r * rowlen + o
+    while st < b:
+        _one_block(x, st, min(st + size, r * rowlen + rowlen), p, s_t, acc)
+        o += size
         if o >= rowlen:
             r += 1
             o = 0
         st = r * rowlen + o
-        while st < b:
-            _one_block(x, st, min(st + size, r * rowlen + rowlen), p, s_t[k], acc[k])
-            o += size
-            if o >= rowlen:
-                r += 1
-                o = 0
-            st = r * rowlen + o
-
-
-@numba.njit(cache=True, nogil=True, parallel=True)
-def _run(x, starts, stops, pivots, over_at, part, hist, sub, blk):  # pragma: no cover - compiled
-    """:func:`_item` of the items ``x[starts[j]:stops[j]]`` with their pivots, into row
-    ``j`` of ``part``, ``hist`` and ``sub``, shared among ``numba.get_num_threads()``
-    threads (one thread costs about a microsecond more than a plain loop). With a
-    :class:`_Blocks` ``blk``, each item's blocks of its MX formats too, while the item is
-    in cache."""
-    bits = x.view(np.int32)
-    for j in numba.prange(starts.size):
-        a, b = starts[j], stops[j]
-        _item(x[a:b], bits[a:b], pivots[j], over_at, part[j], hist[j], sub[j])
-        if blk.table.shape[0]:
-            t0, t1 = blk.bases[j], blk.ends[j]
-            _blocks(x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, blk.s_t[j], blk.acc[j])
-
-
-@numba.njit(cache=True, nogil=True, parallel=True)
-def _run_blocks(x, starts, stops, blk):  # pragma: no cover - compiled
-    """The blocks of the items of ``x`` (as :func:`_run`) alone: NVFP4's pass, which needs
-    each tensor's largest magnitude before its first block."""
-    for j in numba.prange(starts.size):
-        t0, t1 = blk.bases[j], blk.ends[j]
-        a, b = starts[j] - t0, stops[j] - t0
-        _blocks(x[t0:t1], a, b, blk.rowlens[j], blk.table, blk.s_t[j], blk.acc[j])
 
 
 @numba.njit(cache=True, nogil=True)
-def _first_finite(x, starts, stops):  # pragma: no cover - compiled
+def _mx_tiled(
+    x: np.ndarray, a: int, b: int, p: np.ndarray, hi: np.ndarray, lo: np.ndarray, acc: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """The MX blocks that tile ``x[a:b]``, given the bits of their maxima and minima
+    (``hi``, ``lo``): the largest block ratio, the scales (loops over the blocks that
+    vectorize), then one vectorized loop over the elements; blocks whose scale is no normal
+    float32 take :func:`_one_block`."""
+    size = int(p[_B_SIZE])
+    nblk = (b - a) // size
+    acc[_B_RATIO] = _largest_ratio(hi, lo, acc[_B_RATIO])
+    inv = np.empty(nblk, np.int32)
+    scl = np.empty(nblk, np.int32)
+    if not _mx_scales(hi, _I32(p[_B_EMAX]), inv, scl):
+        for k in range(nblk):  # the float64 blocks
+            _one_block(x, a + k * size, a + k * size + size, p, 1.0, acc)
+        return
+    rows = x[a:b].reshape(nblk, size)  # one block a row: 2-D loops vectorize
+    _mx_elements(rows, inv.view(np.float32), scl.view(np.float32), p, acc)
+
+
+@numba.njit(cache=True, nogil=True)
+def _nv_tiled(
+    x: np.ndarray, a: int, b: int, p: np.ndarray, hi: np.ndarray, st: np.float32, acc: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """The NVFP4 blocks that tile ``x[a:b]`` but for their ratios (the first pass took
+    them), given the bits of their maxima ``hi`` (kept from the first pass) and the
+    tensor's scale ``st`` (float32): the block scales, then the elements."""
+    nblk = (b - a) // 16
+    div = np.empty(nblk, np.float32)
+    deq = np.empty(nblk, np.float32)
+    _nv_scales(hi, st, div, deq)
+    _nv_elements(x[a:b].reshape(nblk, 16), div, deq, p, acc)
+
+
+@numba.njit(cache=True, nogil=True)
+def _has_nv(table: np.ndarray) -> bool:  # pragma: no cover - compiled
+    """Whether the formats' table (:func:`_block_table`) holds NVFP4 (emax NaN)."""
+    for k in range(table.shape[0]):
+        if np.isnan(table[k, _B_EMAX]):
+            return True
+    return False
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_blocks(
+    x: np.ndarray, a: int, b: int, rowlen: int, table: np.ndarray, acc: np.ndarray, hi16: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """The first pass's share of the block formats (partials ``acc``: formats x 5) over
+    the blocks that start in ``x[a:b]``, ``x`` being one tensor's values in rows of
+    ``rowlen`` elements: MX formats whole, NVFP4's block ratios where its blocks tile the
+    item. With NVFP4, the maxima of the blocks of 16 are read once (their bits kept in
+    ``hi16``, ``(b - a) // 16`` long, for the second pass), and the MX blocks of 32 take
+    the larger of each pair; without it, the MX blocks read their own."""
+    if rowlen == 0:
+        return
+    t16 = _has_nv(table) and _tiles(rowlen, a, b, 16)
+    lo16 = np.empty(hi16.size if t16 else 0, np.int32)
+    if t16:
+        _block_bits(x[a:b].reshape(hi16.size, 16).view(np.int32), hi16, lo16)
+    hi32 = np.empty(0, np.int32)
+    lo32 = np.empty(0, np.int32)
+    for k in range(table.shape[0]):
+        p = table[k]
+        if np.isnan(p[_B_EMAX]):  # NVFP4: the rest needs the tensor's scale
+            if t16:
+                acc[k, _B_RATIO] = _largest_ratio(hi16, lo16, acc[k, _B_RATIO])
+            continue
+        size = int(p[_B_SIZE])
+        if not _tiles(rowlen, a, b, size):
+            _untiled(x, a, b, rowlen, p, 1.0, acc[k])
+            continue
+        if hi32.size == 0 and b > a:  # the maxima of the blocks of 32, for every MX format
+            hi32 = np.empty((b - a) // size, np.int32)
+            lo32 = np.empty(hi32.size, np.int32)
+            if t16 and size == 32:
+                _pair_bits(hi16, lo16, hi32, lo32)
+            else:
+                _block_bits(x[a:b].reshape(hi32.size, size).view(np.int32), hi32, lo32)
+        _mx_tiled(x, a, b, p, hi32, lo32, acc[k])
+
+
+@numba.njit(cache=True, nogil=True)
+def _second_blocks(
+    x: np.ndarray,
+    a: int,
+    b: int,
+    rowlen: int,
+    table: np.ndarray,
+    st: np.float32,
+    acc: np.ndarray,
+    hi16: np.ndarray,
+) -> None:  # pragma: no cover - compiled
+    """NVFP4's share of the second pass (see :func:`_first_blocks`), given the tensor's
+    scale ``st`` (float32): the tiled blocks from the maxima the first pass kept in
+    ``hi16``, the others block by block."""
+    if rowlen == 0:
+        return
+    for k in range(table.shape[0]):
+        p = table[k]
+        if not np.isnan(p[_B_EMAX]):
+            continue
+        if _tiles(rowlen, a, b, 16):
+            _nv_tiled(x, a, b, p, hi16, st, acc[k])
+        else:
+            _untiled(x, a, b, rowlen, p, st, acc[k])
+
+
+@numba.njit(cache=True, nogil=True)
+def _tensor_scales(
+    part: np.ndarray, seg: np.ndarray, st: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """NVFP4's tensor scale ``s_t = max|x| / (448 * 6)`` (float32; 1 without a non-zero
+    finite value) into ``st``, one per item, from the items' partials (``part``, as
+    :func:`_item` leaves them: the largest magnitude is the larger of the extrema's, from
+    their order keys) and their tensors (``seg``; the items of a tensor are consecutive
+    and all present)."""
+    n = seg.size
+    j = 0
+    while j < n:
+        e = j
+        m = np.float32(0)
+        while e < n and seg[e] == seg[j]:
+            for c in (_MIN, _MAX):
+                key = _I32(part[e, c])
+                v = abs(_f32_of(_I32(key ^ _I32(_I32(key >> _I32(31)) & _I32(0x7FFFFFFF)))))
+                if v > m:  # False for NaN (an item without a finite value)
+                    m = v
+            e += 1
+        s = m / np.float32(448.0 * 6.0) if m > 0 else np.float32(1.0)
+        for i in range(j, e):
+            st[i] = s
+        j = e
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _first_pass(
+    x: np.ndarray,
+    starts: np.ndarray,
+    stops: np.ndarray,
+    pivots: np.ndarray,
+    over_at: float,
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+    blk: _Blocks,
+) -> None:  # pragma: no cover - compiled
+    """:func:`_item` of the items ``x[starts[j]:stops[j]]`` with their pivots, into row
+    ``j`` of ``part``, ``hist`` and ``sub``, and their blocks' share of the first pass
+    (:func:`_first_blocks`), shared among ``numba.get_num_threads()`` threads."""
+    bits = x.view(np.int32)
+    nf = blk.table.shape[0]
+    for j in numba.prange(starts.size):
+        a, b = starts[j], stops[j]
+        _item(x[a:b], bits[a:b], pivots[j], over_at, part[j], hist[j], sub[j])
+        if nf:
+            t0, t1 = blk.bases[j], blk.ends[j]
+            h = blk.hi16[blk.hoff[j] : blk.hoff[j] + (b - a) // 16]
+            _first_blocks(x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, blk.acc[j], h)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _second_pass(
+    x: np.ndarray, starts: np.ndarray, stops: np.ndarray, st: np.ndarray, blk: _Blocks
+) -> None:  # pragma: no cover - compiled
+    """:func:`_second_blocks` of the items (as :func:`_first_pass`) with their tensors'
+    NVFP4 scales ``st``."""
+    for j in numba.prange(starts.size):
+        a, b = starts[j], stops[j]
+        t0, t1 = blk.bases[j], blk.ends[j]
+        h = blk.hi16[blk.hoff[j] : blk.hoff[j] + (b - a) // 16]
+        _second_blocks(x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, st[j], blk.acc[j], h)
+
+
+@numba.njit(cache=True, nogil=True)
+def _run(
+    x: np.ndarray,
+    starts: np.ndarray,
+    stops: np.ndarray,
+    pivots: np.ndarray,
+    over_at: float,
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+    blk: _Blocks,
+) -> None:  # pragma: no cover - compiled
+    """The items ``x[starts[j]:stops[j]]`` with their pivots, into row ``j`` of ``part``,
+    ``hist`` and ``sub``, shared among ``numba.get_num_threads()`` threads (one thread
+    costs about a microsecond more than a plain loop). With a :class:`_Blocks` ``blk``,
+    each item's blocks too, while the item is in cache: MX formats in the same pass;
+    NVFP4, which needs each tensor's largest magnitude before its first block, in a second
+    pass over these items once the first has found it (the items of a tensor are all
+    here), from the block maxima the first pass kept."""
+    _first_pass(x, starts, stops, pivots, over_at, part, hist, sub, blk)
+    if blk.table.shape[0] == 0 or not _has_nv(blk.table):
+        return
+    st = np.empty(starts.size, np.float32)
+    _tensor_scales(part, blk.seg, st)
+    _second_pass(x, starts, stops, st, blk)
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_finite(
+    x: np.ndarray, starts: np.ndarray, stops: np.ndarray
+) -> np.ndarray:  # pragma: no cover - compiled
     """The first finite value of each segment ``x[starts[j]:stops[j]]`` (0 if none)."""
     out = np.zeros(starts.size)
     for j in range(starts.size):
@@ -596,7 +872,18 @@ _NVALUES = N_CORE_VALUES
 
 
 @numba.njit(cache=True, nogil=True)
-def _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, nb, out, ok):  # pragma: no cover
+def _finish(
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+    item_seg: np.ndarray,
+    lens: np.ndarray,
+    field_bin: np.ndarray,
+    sub_bin: np.ndarray,
+    nb: int,
+    out: np.ndarray,
+    ok: np.ndarray,
+) -> None:  # pragma: no cover - compiled
     """Combines the items of each array and writes its summary vector to ``out`` (core
     fields, then the ``nb + 2`` exponent counts); ``ok`` marks the rows whose largest
     magnitude lies in :data:`SAFE_RANGE` (or is 0): the others' power sums are left to
@@ -669,14 +956,21 @@ def _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, nb, out, ok):  
 
 
 @numba.njit(cache=True, nogil=True)
-def _scaled_powers(x, s, out):  # pragma: no cover - compiled
+def _scaled_powers(x: np.ndarray, s: float, out: np.ndarray) -> None:  # pragma: no cover - compiled
     """Writes the power sums of ``|x| / s`` over the finite values to ``out``'s p1 .. p8:
     a second pass for arrays whose largest magnitude ``s`` lies outside :data:`SAFE_RANGE`."""
     _, _, out[_O_P1], out[_O_P2], out[_O_P4], out[_O_P8] = _float_sums(x, 0.0, 1.0 / s)
 
 
 @numba.njit(cache=True, nogil=True)
-def summary_serial(x, field_bin, sub_bin, nb, over_at, out):  # pragma: no cover - compiled
+def summary_serial(
+    x: np.ndarray,
+    field_bin: np.ndarray,
+    sub_bin: np.ndarray,
+    nb: int,
+    over_at: float,
+    out: np.ndarray,
+) -> None:  # pragma: no cover - compiled
     """The summary vector of one float32 array ``x`` into ``out`` on the calling thread,
     valid whatever its range (out-of-range arrays take a second, scaled pass).
 
@@ -714,7 +1008,9 @@ def summary_serial(x, field_bin, sub_bin, nb, over_at, out):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
-def split_serial(v, counts, values):  # pragma: no cover - compiled
+def split_serial(
+    v: np.ndarray, counts: np.ndarray, values: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """:func:`tandv.stats.summary.split_summary` of one summary ``v`` without custom
     statistics, for compiled callers (XLA's custom call): the leading and exponent counts
     into ``counts`` (``len(v) - N_CORE_VALUES`` of them) and the core values into
@@ -748,24 +1044,30 @@ _launch = threading.Lock()
 class _Blocks(NamedTuple):
     """What the kernel needs for the block-scaled formats of its items (row ``j`` each):
     the formats' parameters (:func:`_block_table`; no rows: none), the extent of the item's
-    tensor in the buffer (``bases``, ``ends``), its row length, the tensor's NVFP4 scale per
-    format, and the partials (items x formats x 5)."""
+    tensor in the buffer (``bases``, ``ends``), its row length, its tensor (``seg``: the
+    items of one tensor are consecutive), the offset (``hoff``) of its blocks' maxima in
+    ``hi16`` (one int32 per block of 16 of each item, kept from the first pass for NVFP4's
+    second; empty without NVFP4), and the partials (``acc``: items x formats x 5)."""
 
     table: np.ndarray
     bases: np.ndarray
     ends: np.ndarray
     rowlens: np.ndarray
-    s_t: np.ndarray
+    seg: np.ndarray
+    hoff: np.ndarray
+    hi16: np.ndarray
     acc: np.ndarray
 
     def rows(self, rows: slice) -> _Blocks:
-        """The items ``rows`` of these."""
+        """The items ``rows`` of these (``table`` and ``hi16`` are shared)."""
         return _Blocks(
             self.table,
             self.bases[rows],
             self.ends[rows],
             self.rowlens[rows],
-            self.s_t[rows],
+            self.seg[rows],
+            self.hoff[rows],
+            self.hi16,
             self.acc[rows],
         )
 
@@ -793,27 +1095,23 @@ def _run_all(
     sub: np.ndarray,
     threads: int,
     blk: _Blocks,
-    blocks_only: bool = False,
 ) -> None:
     """Runs every item of ``sources`` (``(x, starts, stops, pivots)``; rows numbered in
     order), on ``threads`` threads when there are at least two items' worth of elements.
     Threads come from numba's parallel loop, not a Python thread pool (stats/DESIGN.md
-    says why). The block formats of ``blk`` run in the same pass over each item; with
-    ``blocks_only``, they alone (NVFP4's pass)."""
+    says why). The block formats of ``blk`` run in the same call, source by source: a
+    source's NVFP4 pass follows its first pass, so that it finds the values still in the
+    cache where they fit, not after every other array's pass."""
     total = sum(int(sp[-1] - st[0]) for _, st, sp, _ in sources if st.size)
     with _numba_threads(threads, total):
         row = 0
         for x, st, sp, pv in sources:
             rows = slice(row, row + st.size)
             row += st.size
-            if blocks_only:
-                _run_blocks(x, st, sp, blk.rows(rows))
-            else:
-                _run(x, st, sp, pv, over_at, part[rows], hist[rows], sub[rows], blk.rows(rows))
+            _run(x, st, sp, pv, over_at, part[rows], hist[rows], sub[rows], blk.rows(rows))
 
 
-# issue 31: split after the block-format host kernel work lands
-def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 1) -> np.ndarray:  # noqa: PLR0915
+def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 1) -> np.ndarray:
     """Summary vectors of host arrays, all in one layout (custom statistics excluded, but
     for the block-scaled formats' columns that lead them: :func:`tandv.stats.blocks.
     block_formats_of`).
@@ -842,7 +1140,7 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
                 f"{', '.join(str(d) for d in HOST_DTYPES)}"
             )
         flats.append(_as_float32(a))
-    formats = block_formats_of(layout.extras)
+    formats = _formats_of(layout.extras)
     k = len(flats)
     out = np.zeros((k, layout.extras_start + len(BLOCK_COLUMNS) * len(formats)))
     if k == 0:
@@ -877,22 +1175,8 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     part[:, _PIVOT] = np.concatenate([src[3] for src in sources])
     fmt = layout.format
     base = np.concatenate(bases)
-    mx = [f for f in formats if f.emax is not None]
-    nv = [f for f in formats if f.emax is None]
-
-    def blocks(fs: list[BlockFormat]) -> _Blocks:
-        return _Blocks(
-            _block_table(fs),
-            base,
-            base + lens[item_seg],
-            rowlens[item_seg],
-            np.ones((n_items, len(fs))),
-            np.zeros((n_items, len(fs), len(BLOCK_COLUMNS))),
-        )
-
-    blk = blocks(mx)
-    items = [src[:4] for src in sources]
-    over_at = min(fmt.max, _F32_MAX)
+    starts = np.concatenate([src[1] for src in sources])
+    stops = np.concatenate([src[2] for src in sources])
     # NVFP4 needs the tensor's largest magnitude first: a second read. No smaller summary
     # of a block can stand in for it: before s_t is known, the block's scale s_b * s_t is
     # known only within E4M3's rounding (a factor 1 +- 2**-4 for a normal s_b, up to 2 for a
@@ -900,21 +1184,23 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     # count and error depend on where x / (s_b * s_t) falls against E2M1's midpoints (0.25,
     # 0.75, ..., 5) and 6, where any element may lie within that window; the error
     # s**2 sum(q**2) - 2 s sum(q |x|) + sum(x**2) needs every q, which moves with s. So
-    # exact counts need the block's values, that is, a second read. It follows the first
-    # source by source (a large array, or the buffer of the small ones), so that it finds
-    # the values still in the cache where they fit, not after every other array's pass.
-    blk_nv = blocks(nv) if nv else None
-    if blk_nv is None:
-        _run_all(items, over_at, part, hist, sub, threads, blk)
-    else:
-        row = 0
-        for item in items:
-            rows = slice(row, row + item[1].size)
-            row = rows.stop
-            _run_all([item], over_at, part[rows], hist[rows], sub[rows], threads, blk.rows(rows))
-            blk_nv.s_t[rows] = _tensor_scales(part[rows], item_seg[rows], k)[:, None]
-            nv_rows = blk_nv.rows(rows)
-            _run_all([item], 0.0, part[rows], hist[rows], sub[rows], threads, nv_rows, True)
+    # exact counts need the block's values, that is, a second read; the first pass keeps
+    # the blocks' maxima (1/16 of the values) for it.
+    nv = any(f.emax is None for f in formats)
+    per_item = (stops - starts) // 16 if nv else np.zeros(n_items, np.int64)
+    hoff = np.concatenate([[0], np.cumsum(per_item)[:-1]]).astype(np.int64)
+    blk = _Blocks(
+        _block_table(formats),
+        base,
+        base + lens[item_seg],
+        rowlens[item_seg],
+        item_seg,
+        hoff,
+        np.empty(int(per_item.sum()), np.int32),
+        np.zeros((n_items, len(formats), len(BLOCK_COLUMNS))),
+    )
+    over_at = min(fmt.max, _F32_MAX)
+    _run_all([src[:4] for src in sources], over_at, part, hist, sub, threads, blk)
     field_bin, sub_bin = _fold(fmt)
     ok = np.zeros(k, dtype=np.bool_)
     _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, fmt.num_bins, out, ok)
@@ -922,18 +1208,15 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
         _scaled_powers(flats[i], out[i, _O_MAXABS], out[i])
     if not formats:
         return out
-    acc = blk.acc
-    if blk_nv is not None:
-        acc = np.concatenate([acc, blk_nv.acc], axis=1)
-    cols = _block_columns(acc, item_seg, k)
-    where = {f.name: i for i, f in enumerate(mx + nv)}
-    order = [where[f.name] for f in formats]
-    out[:, layout.extras_start :] = cols[:, order].reshape(k, -1)
+    cols = _block_columns(blk.acc, item_seg, k)
+    out[:, layout.extras_start :] = cols.reshape(k, -1)
     return out
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
-def _centred_sums(x, mean, inv):  # pragma: no cover - compiled
+def _centred_sums(
+    x: np.ndarray, mean: float, inv: float
+) -> tuple[float, float, float, float, float]:  # pragma: no cover - compiled
     """float64 sums over the finite values of ``d = (x - mean) * inv`` to the powers 1..4,
     and their count (reassociated, so the sums vectorize; NaN and inf semantics kept)."""
     n = 0.0
@@ -955,7 +1238,9 @@ def _centred_sums(x, mean, inv):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def higher_serial(x, v, out):  # pragma: no cover - compiled
+def higher_serial(
+    x: np.ndarray, v: np.ndarray, out: np.ndarray
+) -> None:  # pragma: no cover - compiled
     """``out[0], out[1] = m3, m4`` of a flat array ``x`` given its summary vector ``v`` (the
     mean and largest magnitude are read from it), on the calling thread: the pass of
     :func:`host_higher_moments` for compiled callers (XLA's custom call)."""
@@ -989,28 +1274,13 @@ def host_higher_moments(arrays: Sequence[np.ndarray], summaries: np.ndarray) -> 
     return out
 
 
-def _tensor_scales(part: np.ndarray, seg: np.ndarray, k: int) -> np.ndarray:
-    """NVFP4's tensor scale ``s_t = max|x| / (448 * 6)`` (float32; 1 without a non-zero
-    finite value) of each item's array, from the items' partials (``part``, as
-    :func:`_item` leaves them; ``seg``, their arrays among ``k``), which must hold every
-    item of those arrays: the largest magnitude as :func:`_finish` takes it, from the
-    order keys of the extrema."""
-    keys = part[:, [_MIN, _MAX]].astype(np.int32)
-    ext = np.abs((keys ^ ((keys >> 31) & 0x7FFFFFFF)).view(np.float32))
-    item_max = np.fmax(ext[:, 0], ext[:, 1])  # NaN: no finite value (fmax takes the 0)
-    amax = np.zeros(k, np.float32)
-    np.fmax.at(amax, seg, item_max)
-    amax = amax[seg]
-    with np.errstate(under="ignore"):
-        return np.where(amax > 0, amax / np.float32(448.0 * 6.0), np.float32(1.0))
-
-
 def _block_columns(acc: np.ndarray, item_seg: np.ndarray, k: int) -> np.ndarray:
-    """The block formats' columns (``k`` arrays x formats x 5) from their items' partials:
-    sums added, the largest block ratio as its log2."""
+    """The block formats' columns (``k`` arrays x formats x 5) from their items' partials
+    (the items of an array are consecutive): sums added, the largest block ratio as its
+    log2."""
+    first = np.flatnonzero(np.diff(item_seg, prepend=-1))  # each array's first item
     merged = np.zeros((k, acc.shape[1], len(BLOCK_COLUMNS)))
-    np.add.at(merged, item_seg, acc)
-    ratio = np.zeros((k, acc.shape[1]))
-    np.maximum.at(ratio, item_seg, acc[:, :, _B_RATIO])
-    merged[:, :, _B_RATIO] = np.log2(np.maximum(ratio, 1.0))
+    merged[item_seg[first]] = np.add.reduceat(acc, first)
+    ratio = np.maximum.reduceat(acc[:, :, _B_RATIO], first)
+    merged[item_seg[first], :, _B_RATIO] = np.log2(np.maximum(ratio, 1.0))
     return merged
