@@ -40,6 +40,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"__main__"}),  # `python -m tandv`: the command line
 )
 
+
 def _module_name(path: Path) -> str:
     """``tandv/track/torch/tracker.py`` -> ``track.torch.tracker``; a package's
     ``__init__.py`` is named after the package (``""`` for tandv's own)."""
