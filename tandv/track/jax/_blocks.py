@@ -54,6 +54,7 @@ __all__ = [
     "block_words",
     "block_partials",
     "merge_partials",
+    "merge_two",
     "finish",
     "decode",
     "encoded_formats",
@@ -129,11 +130,13 @@ def _opaque(c: float, like: Any) -> Any:
     return jnp.where(like >= 0, jnp.float32(c), jnp.float32(1.0))
 
 
-def _nvfp4_scale(amax: Any, st: Any) -> Any:
+def _nvfp4_scale(amax: Any, st: Any, strict: bool = True) -> Any:
     """Each NVFP4 block's float32 scale ``s_b * s_t`` (0 where it is zero or undefined) from
     the bits of its maximum ``amax`` and the tensor scale ``st`` (float32), in the
     definition's order."""
-    third = jax.lax.optimization_barrier(_float(amax) / _opaque(6.0, amax))  # (see _opaque)
+    third = _float(amax) / _opaque(6.0, amax)  # (see _opaque)
+    if strict:
+        third = jax.lax.optimization_barrier(third)
     u = third / jnp.where(st > 0, st, 1.0)
     u = jnp.where((amax > 0) & (st > 0), jnp.minimum(u, 448.0), 0.0)
     n, g = _round_grid(_bits(u), 3, -6)
@@ -169,12 +172,16 @@ def _ratio_key(hi: Any, lo: Any) -> tuple[Any, Any, Any]:
     return e, words[0], words[1]
 
 
-def block_partials(bits: Any, f: BlockFormat, st: Any = None) -> dict[str, Any]:
+def block_partials(
+    bits: Any, f: BlockFormat, st: Any = None, strict: bool = True
+) -> dict[str, Any]:
     """Per block, the partial results of format ``f`` for ``bits`` (float32 bits, blocks along
     the last axis, NaN for padding): the three counts (int32), ``t`` the squared error in the
     unit ``2**g2`` (float32, with ``g2``), and the bits of the block's largest and smallest
     non-zero finite magnitude (0 and 0 where none). ``st``: NVFP4's tensor scale
-    (:func:`tensor_scale`)."""
+    (:func:`tensor_scale`). ``strict``: keep XLA's simplifier from rewriting the float32
+    divisions (optimization barriers; off in a Pallas kernel compiled for Triton, which
+    does not rewrite them)."""
     mag = bits & _MASK
     fin = mag < _INF
     m = jnp.where(fin, mag, 0)
@@ -187,7 +194,7 @@ def block_partials(bits: Any, f: BlockFormat, st: Any = None) -> dict[str, Any]:
         has = None
         g = s
     else:
-        scale = _nvfp4_scale(amax, st)
+        scale = _nvfp4_scale(amax, st, strict)
         sbits = _bits(scale)
         has = (sbits > 0)[..., None]
         k = -_floor_log2(jnp.maximum(jnp.where(sbits > 0, sbits, amax), 1))
@@ -195,7 +202,9 @@ def block_partials(bits: Any, f: BlockFormat, st: Any = None) -> dict[str, Any]:
         sk = _rescaled(sbits, k)[..., None]  # the scale * 2**k, in [1, 2)
         # XLA's simplifier makes a division by a broadcast a product by the broadcast
         # reciprocal (rounded): the barrier keeps the divisor an array of its own
-        sk = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.where(has, sk, 1.0), xk.shape))
+        sk = jnp.broadcast_to(jnp.where(has, sk, 1.0), xk.shape)
+        if strict:
+            sk = jax.lax.optimization_barrier(sk)
         y = jnp.where(has, xk / sk, 0.0)
         g = -k
     n, gq = _round_grid(_bits(y), f.mantissa, f.emin)
@@ -266,6 +275,23 @@ def merge_partials(p: dict[str, Any], axis: int = 0) -> dict[str, Any]:
         "g2": jnp.squeeze(top, axis),
         "hi": jnp.max(jnp.where(win, p["hi"], 0), axis=axis),
         "lo": jnp.max(jnp.where(win, p["lo"], 0), axis=axis),
+    }
+
+
+def merge_two(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two sets of partials merged element by element (as :func:`merge_partials` merges
+    along an axis; no stacking, which Pallas's Triton lowering lacks)."""
+    ea, eb = _sq_exp(a["t"], a["g2"]), _sq_exp(b["t"], b["g2"])
+    top = jnp.maximum(ea, eb)
+    top = jnp.where(top > -(2**30), top, 0)
+    t = _rescaled(_bits(a["t"]), a["g2"] - top) + _rescaled(_bits(b["t"]), b["g2"] - top)
+    take = _better(_key(b["hi"], b["lo"]), _key(a["hi"], a["lo"]))
+    return {
+        **{c: a[c] + b[c] for c in ("underflow", "subnormal", "saturated")},
+        "t": t,
+        "g2": top,
+        "hi": jnp.where(take, b["hi"], a["hi"]),
+        "lo": jnp.where(take, b["lo"], a["lo"]),
     }
 
 
