@@ -41,7 +41,17 @@ def _crafted() -> dict[str, np.ndarray]:
     # E4M3 mantissa and subnormal midpoints (amax 256, scale 1), E2M1's (amax 4 and 6),
     # NVFP4's (the tensor's 2688 makes s_t 1, the second row's 6 makes s_b 1)
     mid = np.zeros((3, 16), f)
-    mid[0, :6] = [256.0, 2.0**-7, 2.0**-10, 3 * 2.0**-10, 1 + 1 / 16, 1 + 3 / 16]
+    # (E5M2's scale is 2**-7 there: 2**-22 is a subnormal element, 3 * 2**-24 a midpoint)
+    mid[0, :8] = [
+        256.0,
+        2.0**-7,
+        2.0**-10,
+        3 * 2.0**-10,
+        1 + 1 / 16,
+        1 + 3 / 16,
+        2.0**-22,
+        3 * 2.0**-24,
+    ]
     mid[1, :9] = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25]
     mid[2, :2] = [2688.0, 1.0]
     nonfinite = np.array([[np.nan, np.inf, -np.inf, 256.0, 2.0**-10, -1.0], [np.nan] * 6], f)
@@ -156,9 +166,11 @@ def test_summaries_carry_the_columns() -> None:
 
 def test_float64_refused() -> None:
     lay = Layout(number_format("float32"), block_extras(("nvfp4",)))
-    with jax.experimental.enable_x64():
+    with jax.enable_x64(True):
         x = jnp.ones((4, 32), jnp.float64)
-        with pytest.raises(NotImplementedError, match="float64.*block_formats|block_formats.*float64"):
+        with pytest.raises(
+            NotImplementedError, match="float64.*block_formats|block_formats.*float64"
+        ):
             summarize_jax(x, lay)
 
 
@@ -185,7 +197,9 @@ def _model_run(tmp_path, formats: tuple[str, ...]) -> tuple[object, dict[str, np
         return jnp.sum(jnp.square(model.apply(p, v).astype(jnp.float32))) / 2
 
     step = jax.jit(jax.grad(loss))
-    with track(model_state=params, block_formats=formats, out=tmp_path / "log", verbose=False) as tr:
+    with track(
+        model_state=params, block_formats=formats, out=tmp_path / "log", verbose=False
+    ) as tr:
         grads = tr.intercept(step, params, x)
         tr.step(params, None, grads)
     df = tandv.read_parquet(tmp_path / "log")

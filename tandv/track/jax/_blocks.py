@@ -130,25 +130,83 @@ def _opaque(c: float, like: Any) -> Any:
     return jnp.where(like >= 0, jnp.float32(c), jnp.float32(1.0))
 
 
-def _nvfp4_scale(amax: Any, st: Any, strict: bool = True) -> Any:
-    """Each NVFP4 block's float32 scale ``s_b * s_t`` (0 where it is zero or undefined) from
-    the bits of its maximum ``amax`` and the tensor scale ``st`` (float32), in the
-    definition's order."""
-    third = _float(amax) / _opaque(6.0, amax)  # (see _opaque)
+def _div(a: Any, c: int, shift: int, strict: bool) -> Any:
+    """The float32 bits of ``a / (c * 2**shift)`` rounded to nearest-even, subnormal results
+    included (``a``: bits of a non-negative finite float32; ``c`` odd, below 32). A normal
+    result by the float32 division of ``a``'s significand (normal, so no flush), scaled back
+    by a power of two; a subnormal one on the subnormal grid by integer division, so it is
+    rounded once, as IEEE float32 rounds it."""
+    ma, ea = _significand(jnp.maximum(a, 1))
+    q = _float((ma & ((1 << _MB) - 1)) | (_BIAS << _MB)) / _opaque(float(c), a)  # in [1/c, 2)
     if strict:
-        third = jax.lax.optimization_barrier(third)
-    u = third / jnp.where(st > 0, st, 1.0)
-    u = jnp.where((amax > 0) & (st > 0), jnp.minimum(u, 448.0), 0.0)
+        q = jax.lax.optimization_barrier(q)
+    normal = _bits(q * _pow2(ea - shift))
+    t = ea - _MB + (_BIAS + _MB - 1) - shift  # the quotient in units of 2**-149 is ma * 2**t / c
+    num = jnp.left_shift(ma, jnp.clip(t, 0, 4))
+    den = jnp.left_shift(jnp.full_like(ma, c), jnp.clip(-t, 0, 25))
+    n = jax.lax.div(num, den)
+    rem = num - n * den
+    n = n + ((2 * rem > den) | ((2 * rem == den) & ((n & 1) == 1))).astype(_I32)
+    n = jnp.where(t < -25, 0, n)
+    limit = int(np.array(c * 2.0 ** (shift - 126), np.float32).view(np.int32))
+    return jnp.where(a == 0, 0, jnp.where(a < limit, n, normal))
+
+
+def _ilog2(p: Any) -> Any:
+    """``floor(log2 p)`` of a positive int32 (from the exponent of ``float(p)``, exact below
+    2**24; larger ones shifted first)."""
+    big = p >= (1 << 24)
+    v = jnp.where(big, p >> 7, p)
+    return (_bits(v.astype(_F32)) >> _MB) - _BIAS + jnp.where(big, 7, 0)
+
+
+def _mul(sb: Any, gb: Any, st: Any) -> Any:
+    """The float32 bits of ``sb * 2**gb * st`` rounded to nearest-even, subnormal results
+    included: ``sb`` a small integer (an E4M3 significand, below 2**5) and ``st`` the bits of
+    a positive finite float32; the product of the significands is exact in int32."""
+    mt, et = _significand(jnp.maximum(st, 1))
+    p = sb * mt  # < 2**29: the value is p * 2**(gb + et - 23)
+    e = gb + et - _MB
+    top = _ilog2(jnp.maximum(p, 1))
+    lead = top + e  # floor(log2) of the product
+    quantum = jnp.maximum(lead, 1 - _BIAS) - _MB
+    d = quantum - e
+    up_shift = jnp.clip(-d, 0, 30)
+    d = jnp.clip(d, 0, 30)
+    q = jnp.left_shift(p, up_shift) >> d
+    rem = p - jnp.left_shift(q, d)
+    half = jnp.left_shift(jnp.ones_like(d), jnp.maximum(d - 1, 0))
+    q = q + ((d > 0) & ((rem > half) | ((rem == half) & ((q & 1) == 1)))).astype(_I32)
+    normal = lead >= 1 - _BIAS
+    bits = jnp.where(normal, ((quantum + _MB + _BIAS) << _MB) + q - (1 << _MB), q)
+    return jnp.where((sb > 0) & (st > 0), bits, 0)
+
+
+def _nvfp4_scale(amax: Any, st: Any, strict: bool = True) -> Any:
+    """Each NVFP4 block's float32 scale ``s_b * s_t`` as bits (0 where it is zero or
+    undefined) from the bits of its maximum ``amax`` and of the tensor scale ``st``, in the
+    definition's order and float32 rounding, subnormals included (:func:`_div`,
+    :func:`_mul`)."""
+    third = _div(amax, 3, 1, strict)  # amax / 6
+    # third / s_t: both significands normal, then the power of two (a result too small to
+    # be normal rounds to zero in E4M3 anyway)
+    m3, e3 = _significand(jnp.maximum(third, 1))
+    mt, et = _significand(jnp.maximum(st, 1))
+    one = _BIAS << _MB
+    u = _float((m3 & ((1 << _MB) - 1)) | one) / _float((mt & ((1 << _MB) - 1)) | one)
+    if strict:
+        u = jax.lax.optimization_barrier(u)
+    u = u * _pow2(e3 - et)
+    u = jnp.where((third > 0) & (st > 0), jnp.minimum(u, 448.0), 0.0)
     n, g = _round_grid(_bits(u), 3, -6)
-    sb = n.astype(_F32) * _pow2(g)
-    scale = sb * st
-    return jnp.where((sb > 0) & (st > 0), scale, 0.0)
+    return _mul(n, g, st)
 
 
-def tensor_scale(amax_t: Any) -> Any:
-    """NVFP4's per-tensor scale ``s_t`` (float32) from the bits of the tensor's largest
-    finite magnitude: ``max |x| / 2688``, 1 where it is 0."""
-    return jnp.where(amax_t > 0, _float(amax_t) / _opaque(2688.0, amax_t), 1.0)
+def tensor_scale(amax_t: Any, strict: bool = True) -> Any:
+    """The bits of NVFP4's per-tensor scale ``s_t`` from the bits of the tensor's largest
+    finite magnitude: ``max |x| / 2688`` (subnormal results included, :func:`_div`), 1 where
+    it is 0."""
+    return jnp.where(amax_t > 0, _div(amax_t, 21, 7, strict), _bits(jnp.float32(1.0)))
 
 
 def _ratio_key(hi: Any, lo: Any) -> tuple[Any, Any, Any]:
@@ -194,8 +252,7 @@ def block_partials(
         has = None
         g = s
     else:
-        scale = _nvfp4_scale(amax, st, strict)
-        sbits = _bits(scale)
+        sbits = _nvfp4_scale(amax, st, strict)
         has = (sbits > 0)[..., None]
         k = -_floor_log2(jnp.maximum(jnp.where(sbits > 0, sbits, amax), 1))
         xk = _rescaled(m, k[..., None])  # x * 2**k, exact where it matters

@@ -639,7 +639,8 @@ def _program_blocks(n: int, rows: int) -> int:
 
 @partial(jax.jit, static_argnames=("fmt", "interpret"))
 def _format_words(x: Any, st: Any, fmt: BlockFormat, interpret: bool) -> tuple[Any, Any]:
-    """One format's words of ``x`` (see :mod:`._blocks`) by the Pallas kernel."""
+    """One format's words of ``x`` (see :mod:`._blocks`) by the Pallas kernel; ``st``: the
+    bits of NVFP4's tensor scale (:func:`._blocks.tensor_scale`)."""
     length = x.shape[-1] if x.ndim else 1
     rows = x.reshape(-1, length)
     if np.dtype(rows.dtype) not in KERNEL_DTYPES:
@@ -672,7 +673,7 @@ def _format_words(x: Any, st: Any, fmt: BlockFormat, interpret: bool) -> tuple[A
         ],
         interpret=interpret,
         compiler_params=None if interpret else plt.CompilerParams(num_warps=NUM_WARPS),
-    )(blocks, jnp.broadcast_to(jnp.asarray(st, jnp.float32), (16,)))
+    )(blocks, jnp.broadcast_to(jnp.asarray(st, jnp.int32), (16,)))
     parts = {c: ints[:, i] for i, c in enumerate(_BLOCK_INTS)}
     return finish(merge_partials({**parts, "t": floats[:, 0]}, axis=0))
 
