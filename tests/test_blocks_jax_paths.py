@@ -25,6 +25,7 @@ from tandv.track.jax._pallas import _format_words, pallas_blocks, pallas_summary
 from tandv.track.jax._summary import summarize_jax, to_vector  # noqa: E402
 
 FORMATS = [BLOCK_FORMATS[n] for n in NAMES]
+_words = jax.jit(lambda x: block_words(x, FORMATS))  # (compiled once per shape and dtype)
 
 
 def _crafted() -> dict[str, np.ndarray]:
@@ -106,7 +107,7 @@ def _as(a: np.ndarray, dtype: str) -> np.ndarray:
 @pytest.mark.parametrize("case", list(CRAFTED))
 def test_xla_crafted(case: str, dtype: str) -> None:
     a = _as(CRAFTED[case], dtype)
-    ints, floats = jax.jit(lambda x: block_words(x, FORMATS))(jnp.asarray(a))
+    ints, floats = _words(jnp.asarray(a))
     _assert_columns(_decoded(ints, floats, len(NAMES)), a, NAMES, (case, dtype))
 
 
@@ -149,7 +150,7 @@ def test_crafted_cases_reach_every_column() -> None:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_xla_random(seed: int) -> None:
     for a in _random_arrays(seed):
-        ints, floats = jax.jit(lambda x: block_words(x, FORMATS))(jnp.asarray(a))
+        ints, floats = _words(jnp.asarray(a))
         _assert_columns(_decoded(ints, floats, len(NAMES)), a, NAMES, a.shape)
 
 
