@@ -1,5 +1,6 @@
 """Block-scaled formats in the JAX tracker: the host kernel's columns for the arrays step()
-is given, against the numpy reference; the paths that lack them refuse."""
+is given, against the numpy reference; taps in loop bodies refuse (the device paths are
+tested in test_blocks_jax_paths.py)."""
 
 from __future__ import annotations
 
@@ -54,11 +55,26 @@ def test_step_arrays_equal_reference(tmp_path) -> None:
     assert checked == 4
 
 
-def test_taps_refuse(tmp_path) -> None:
+def test_loop_taps_refuse(tmp_path) -> None:
+    # a module inside a loop body (nn.scan) merges its iterations' summaries on the device,
+    # which does not merge the block formats' words yet: refused, naming the module
     import flax.linen as nn
 
-    model = nn.Dense(3)
-    x = jnp.ones((2, 33))
+    class Body(nn.Module):
+        @nn.compact
+        def __call__(self, c: jax.Array, _: None) -> tuple[jax.Array, None]:
+            return nn.Dense(4)(c), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            scan = nn.scan(
+                Body, variable_broadcast="params", split_rngs={"params": False}, length=2
+            )
+            return scan(name="loop")(x, None)[0]
+
+    model = Net()
+    x = jnp.ones((2, 4))
     params = model.init(jax.random.PRNGKey(0), x)
 
     def loss(p, x):
@@ -67,5 +83,5 @@ def test_taps_refuse(tmp_path) -> None:
     with track(
         model_state=params, block_formats=("nvfp4",), out=tmp_path / "log", verbose=False
     ) as tracker:
-        with pytest.raises(NotImplementedError, match="block_formats.*intercept"):
-            tracker.intercept(jax.grad(loss), params, x)
+        with pytest.raises(NotImplementedError, match="block_formats.*loop body"):
+            tracker.intercept(jax.jit(jax.grad(loss)), params, x)

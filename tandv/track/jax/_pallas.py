@@ -62,8 +62,19 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from ...stats.blocks import BlockFormat, block_formats_of
 from ...stats.formats import NumberFormat
-from ...stats.summary import POWERS, pack_parts, unpack_fields
+from ...stats.summary import N_CORE_VALUES, POWERS, VALUE_INDEX, Layout, pack_parts, unpack_fields
+from ._blocks import (
+    INT_WORDS,
+    block_partials,
+    check_blockable,
+    finish,
+    merge_partials,
+    merge_two,
+    tensor_scale,
+    with_words,
+)
 from ._summary import DeviceSummary, check_countable
 
 __all__ = [
@@ -72,6 +83,7 @@ __all__ = [
     "Fp8Code",
     "chunk_size",
     "fp8_code",
+    "pallas_blocks",
     "pallas_summary",
     "program_extent",
 ]
@@ -567,3 +579,128 @@ def pallas_summary(
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     return DeviceSummary(*_summary(x, fmt, num_counts, interpret, moments == 4))
+
+
+# ------------------------------------------------------------------ block-scaled formats
+def _tile_rows(size: int) -> int:
+    """Blocks of ``size`` elements a program's loop reads at a time (:data:`BLOCK`)."""
+    return BLOCK // size
+
+
+_BLOCK_INTS = ("underflow", "subnormal", "saturated", "hi", "lo", "g2")
+
+
+def _blocks_kernel(
+    x_ref: Any,
+    st_ref: Any,
+    ints_ref: Any,
+    floats_ref: Any,
+    *,
+    fmt: BlockFormat,
+    last: int,
+    tail: int,
+    chunk: int,
+    strict: bool,
+) -> None:
+    """One program of :func:`pallas_blocks`: its ``chunk`` blocks (``tail`` for the program
+    ``last``) of format ``fmt``, a tile of :func:`_tile_rows` blocks at a time; per lane
+    (a block position in the tile) the counts, the squared error in the unit of its largest
+    part and the pair of the largest ratio; then the lanes merged into one row."""
+    rows = _tile_rows(fmt.block)
+    limit = chunk - (pl.program_id(0) == last).astype(jnp.int32) * (chunk - tail)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (rows, fmt.block), 0)
+    st = jnp.max(st_ref[...])
+
+    def step(j: Any, state: dict[str, Any]) -> dict[str, Any]:
+        start = pl.multiple_of(j * rows, rows)
+        valid = start + lane < limit
+        x = plt.load(x_ref.at[pl.ds(start, rows), :], mask=valid, other=jnp.nan)
+        bits = _bits(x.astype(jnp.float32))
+        return merge_two(state, block_partials(bits, fmt, st, strict))
+
+    zeros = jnp.zeros((rows,), jnp.int32)
+    state0 = {
+        **{c: zeros for c in _BLOCK_INTS},
+        "t": jnp.zeros((rows,), jnp.float32),
+    }
+    state = jax.lax.fori_loop(0, -(-chunk // rows), step, state0)
+    out = merge_partials(state, axis=0)
+    ints_ref[...] = _row([out[c] for c in _BLOCK_INTS], jnp.int32)
+    floats_ref[...] = _row([out["t"]], jnp.float32)
+
+
+def _program_blocks(n: int, rows: int) -> int:
+    """Blocks per program for ``n`` blocks read ``rows`` at a time: a multiple of ``rows``,
+    at least 64 tiles (the rows a program writes are small beside what it reads), otherwise
+    enough for :data:`TARGET_PROGRAMS` programs."""
+    chunk = min(max(64 * rows, -(-n // TARGET_PROGRAMS)), max(n, 1))
+    return -(-chunk // rows) * rows
+
+
+@partial(jax.jit, static_argnames=("fmt", "interpret"))
+def _format_words(x: Any, st: Any, fmt: BlockFormat, interpret: bool) -> tuple[Any, Any]:
+    """One format's words of ``x`` (see :mod:`._blocks`) by the Pallas kernel; ``st``: the
+    bits of NVFP4's tensor scale (:func:`._blocks.tensor_scale`)."""
+    length = x.shape[-1] if x.ndim else 1
+    rows = x.reshape(-1, length)
+    if np.dtype(rows.dtype) not in KERNEL_DTYPES:
+        rows = rows.astype(jnp.float32)
+    pad = -length % fmt.block
+    if pad:  # each row to whole blocks: NaN, which every column leaves out (an XLA copy)
+        rows = jnp.pad(rows, ((0, 0), (0, pad)), constant_values=np.nan)
+    blocks = rows.reshape(-1, fmt.block)
+    n = blocks.shape[0]
+    chunk = _program_blocks(n, _tile_rows(fmt.block))
+    programs = max(1, -(-n // chunk))
+    tail = n - (programs - 1) * chunk
+    kernel = partial(
+        _blocks_kernel, fmt=fmt, last=programs - 1, tail=tail, chunk=chunk, strict=interpret
+    )
+    ints, floats = pl.pallas_call(
+        kernel,
+        grid=(programs,),
+        in_specs=[
+            pl.BlockSpec((chunk, fmt.block), lambda i: (i, 0)),
+            pl.BlockSpec((16,), lambda i: (0,)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, 8), lambda i: (i, 0)),
+            pl.BlockSpec((None, 8), lambda i: (i, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((programs, 8), jnp.int32),
+            jax.ShapeDtypeStruct((programs, 8), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=None if interpret else plt.CompilerParams(num_warps=NUM_WARPS),
+    )(blocks, jnp.broadcast_to(jnp.asarray(st, jnp.int32), (16,)))
+    parts = {c: ints[:, i] for i, c in enumerate(_BLOCK_INTS)}
+    return finish(merge_partials({**parts, "t": floats[:, 0]}, axis=0))
+
+
+def pallas_blocks(
+    summary: DeviceSummary, x: Any, layout: Layout, interpret: bool | None = None
+) -> DeviceSummary:
+    """``summary`` (of ``x``, by :func:`pallas_summary`) with the words of the block formats
+    that lead ``layout.extras`` (:mod:`._blocks`), computed by a second Pallas kernel that
+    reads ``x`` as rows of whole blocks (``(blocks, block size)``: block maxima are a
+    reduction along one axis of a tile). A second read of the array: NVFP4's tensor scale
+    needs the tensor's largest magnitude before any block, and the summary's ``max_abs``
+    gives it; rows whose length is not a multiple of the block size are padded first (an
+    XLA copy). Unchanged without block formats (traceable)."""
+    formats = block_formats_of(layout.extras)
+    if not formats:
+        return summary
+    check_blockable(x)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    if x.size == 0:
+        ints = jnp.zeros((len(formats) * INT_WORDS,), jnp.int32)
+        floats = jnp.zeros((len(formats),), jnp.float32)
+    else:
+        amax = _bits(summary.values[..., VALUE_INDEX["max_abs"]].astype(jnp.float32))
+        st = tensor_scale(amax)
+        words = [_format_words(x, st, f, interpret) for f in formats]
+        ints = jnp.concatenate([w[0] for w in words])
+        floats = jnp.stack([w[1] for w in words])
+    return DeviceSummary(*with_words(summary.counts, summary.values, ints, floats, N_CORE_VALUES))

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...stats.blocks import BLOCK_COLUMNS, block_formats_of
 from ...stats.summary import (
     COUNT_INDEX,
     N_CORE_VALUES,
@@ -34,6 +35,7 @@ from ...stats.summary import (
     pack_parts,
     unpack_fields,
 )
+from ._blocks import block_words, decode, with_words
 
 __all__ = [
     "DeviceSummary",
@@ -46,6 +48,7 @@ __all__ = [
     "merge_jax",
     "MAX_ELEMENTS",
     "check_countable",
+    "with_blocks",
 ]
 
 #: A custom statistic: a traceable function of the array returning a scalar.
@@ -128,9 +131,10 @@ def summarize_jax(
         x: a JAX array (any float dtype; it may be sharded, the summary is that of the
             global array).
         layout: the summary layout; its format decides the exponent range and the
-            underflow/overflow thresholds.
-        custom: functions for ``layout.extras``, by name, in the same order; each maps the
-            array to a scalar.
+            underflow/overflow thresholds; its block formats' columns (which lead its
+            extras) are computed here (:func:`with_blocks`).
+        custom: functions for the other ``layout.extras``, by name, in the same order;
+            each maps the array to a scalar.
 
     Returns:
         A :class:`DeviceSummary`; :func:`to_vector` of its host copy equals
@@ -149,7 +153,8 @@ def summarize_many_jax(
 
     The compiled program has the size of one summary whatever the number of arrays.
     """
-    names = [name for name, _ in layout.extras]
+    formats = block_formats_of(layout.extras)
+    names = [name for name, _ in layout.extras[len(BLOCK_COLUMNS) * len(formats) :]]
     if list(custom or {}) != names:
         raise ValueError(
             f"custom statistics {sorted(custom or {})} do not match the layout's extras {names}"
@@ -180,8 +185,20 @@ def summarize_many_jax(
         if layout.num_higher:
             extra = higher_moments_jax(a, got.values).astype(got.values.dtype)
             got = DeviceSummary(got.counts, append_extras(got.values, extra, jnp))
-        out.append(got)
+        out.append(with_blocks(got, a, layout))
     return out
+
+
+def with_blocks(summary: DeviceSummary, x: Any, layout: Layout) -> DeviceSummary:
+    """``summary`` (of ``x``: core values, custom statistics, ``m3``, ``m4``) with the words
+    of the block formats that lead ``layout.extras``, computed by XLA operations (see
+    :mod:`._blocks`; :func:`to_vector` turns them into the layout's columns); unchanged
+    without block formats (traceable)."""
+    formats = block_formats_of(layout.extras)
+    if not formats:
+        return summary
+    ints, floats = block_words(x, formats)
+    return DeviceSummary(*with_words(summary.counts, summary.values, ints, floats, N_CORE_VALUES))
 
 
 def higher_moments_jax(x: Any, values: Any) -> jax.Array:
@@ -581,5 +598,6 @@ def to_vector(summary: DeviceSummary, what: str = "a summary") -> np.ndarray:
             "iterations of a loop body together), more than its int32 counts hold. Leave "
             "it out of tracking with track(..., exclude=<a regex matching its name>)."
         )
-    values = np.asarray(summary.values, dtype=np.float64)
+    counts, values = decode(counts, np.asarray(summary.values), N_CORE_VALUES)
+    values = np.asarray(values, dtype=np.float64)
     return join_summary(counts.astype(np.float64), values, np)

@@ -30,7 +30,7 @@ from ._delivery import Probe
 from ._intercept import TrackedProgram, interception, jitted_core
 from ._mailbox import Mailboxes, MailRead, ProgramMailboxes
 from ._nnx import acquire_nnx, release_nnx, tag_nnx_paths, untag_nnx_paths
-from ._pallas import pallas_summary
+from ._pallas import pallas_blocks, pallas_summary
 from ._sink import ROOT_NAME, Report, register
 from ._state import Parts, gradients_of, is_nnx_module, is_nnx_optimizer, parts_of
 from ._summary import (
@@ -38,6 +38,7 @@ from ._summary import (
     DeviceSummary,
     summarize_jax,
     summarize_many_jax,
+    with_blocks,
     with_custom,
 )
 from ._taps import tap
@@ -159,6 +160,9 @@ class _TapSink:
         #: is traced once: its later calls say nothing).
         self.callbacks_seen = False
         self._merge_rules = list(merge_rules)
+        #: A layout with block formats' columns, where the tracker's layouts have them
+        #: (their words are not merged over a loop's iterations: :func:`_no_blocks`).
+        self.block_layout: Layout | None = None
         self._receive = weakref.WeakMethod(receive)  # a bound method of the tracker
 
     @property
@@ -175,6 +179,8 @@ class _TapSink:
         merge: bool = False,
     ) -> bool:
         rules = self._merge_rules if merge else None
+        if merge and self.block_layout is not None:
+            _no_blocks(self.block_layout, f"module {name!r}'s output inside a loop body (scan)")
         boxes = self.mailboxes if self.program is None else self.program
         return boxes.post(name, module_type, reports, arena, remat, rules)
 
@@ -288,6 +294,8 @@ class JaxTracker(TrackerCore[Sent]):
         self._summarize_xla = jax.jit(self._summarize, static_argnames="fused")
         self._summarize_cpu = jax.jit(self._summarize_in_program)
         self._sink = _TapSink(self._receive, [rule for _, rule in self._extras])
+        if self.options.block_extras:
+            self._sink.block_layout = self._layout("float32")
         self._token = next(_tokens)
         #: the tracked program of each jitted update seen (None: not one jitted function)
         self._programs: dict[Any, TrackedProgram | None] = {}
@@ -410,7 +418,6 @@ class JaxTracker(TrackerCore[Sent]):
         (XLA partitions its own operations over a sharded array; a kernel would need the
         whole array on each device)."""
         layout = self._layout(x.dtype)
-        _host_kernel_only(layout, "an array off the host kernel (an accelerator's, float64)")
         if jnp.dtype(x.dtype) == jnp.float64 or (
             self._path != "pallas" and (x.size < FUSED_SIZE or not fused)
         ):
@@ -420,7 +427,7 @@ class JaxTracker(TrackerCore[Sent]):
             core = pallas_summary(
                 a, layout.format, layout.num_counts, interpret=interpret, moments=layout.moments
             )
-            return with_custom(core, a, self._custom)
+            return pallas_blocks(with_custom(core, a, self._custom), a, layout, interpret)
 
         if self._path == "pallas":
             return kernel(x)
@@ -436,18 +443,16 @@ class JaxTracker(TrackerCore[Sent]):
         if jnp.dtype(x.dtype) == jnp.float64:
             return self._summarize(x)
         layout = self._layout(x.dtype)
-        _host_kernel_only(layout, "the taps of intercept() (activations, output gradients)")
         core = _ffi.ffi_summary(x, layout.format, layout.num_counts, layout.moments)
-        return with_custom(core, x, self._custom)
+        return with_blocks(with_custom(core, x, self._custom), x, layout)
 
     def _summarize_exact(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Traceable, on the CPU (not float64): counts, values (custom statistics appended)
         and the exact float64 core values as uint32 words of ``x``'s summary by the host
         kernel in the program (see :func:`._ffi.ffi_summary_exact`)."""
         layout = self._layout(x.dtype)
-        _host_kernel_only(layout, "an array given to step()")
         core, words = _ffi.ffi_summary_exact(x, layout.format, layout.num_counts, layout.moments)
-        summary = with_custom(core, x, self._custom)
+        summary = with_blocks(with_custom(core, x, self._custom), x, layout)
         return summary.counts, summary.values, words
 
     def _summarize_anywhere(self, x: jax.Array, fused: bool) -> DeviceSummary:
@@ -488,7 +493,7 @@ class JaxTracker(TrackerCore[Sent]):
             if plan is not None:
                 mesh, spec, _ = plan
                 layout = self._layout(arrays[i].dtype)
-                _host_kernel_only(layout, "a sharded array")
+                _no_blocks(layout, "an array split over several devices")
 
                 def local(a: jax.Array, layout: Layout = layout) -> tuple[jax.Array, jax.Array]:
                     summary = summarize_jax(a, layout, self._custom)
@@ -507,7 +512,6 @@ class JaxTracker(TrackerCore[Sent]):
         for dtype, idx in self._groups([arrays[i] for i in plain]):
             idx = [plain[i] for i in idx]
             layout = self._layout(dtype)
-            _host_kernel_only(layout, "an array off the host kernel (an accelerator's, float64)")
             # Large arrays run faster through their own program (no copy into a shared
             # block); small ones share one, which keeps compile time down. The host kernel
             # (on the CPU) takes each array on its own.
@@ -623,10 +627,9 @@ class JaxTracker(TrackerCore[Sent]):
     def _block_rows(self, arrays: list[jax.Array]) -> dict[int, np.ndarray]:
         """With ``block_formats``, the finished vectors of the arrays the host kernel can
         take (one CPU device, a dtype of :data:`HOST_DTYPES`, no custom statistics), by
-        index: only the host kernel computes the block formats' columns so far, and the
-        program that runs it inside (:meth:`_summarize_in_program`) does not, so these
-        arrays are read here, waiting for the update that computes them. The others go on
-        to :meth:`_summarize_many`, which refuses them (:func:`_host_kernel_only`)."""
+        index: the host kernel computes the block formats' columns in the pass that reads
+        them (float64), waiting for the update that computes them. The others go on to
+        :meth:`_summarize_many` (the block formats' words by XLA or the Pallas kernel)."""
         if self._custom or not self._host_kernel or not arrays:
             return {}
         if not block_formats_of(self._layout(arrays[0].dtype).extras):
@@ -1125,19 +1128,21 @@ def _picker(indices: list[int]) -> Callable[[list[Any]], list[Any]]:
     return lambda items: [items[i] for i in indices]
 
 
-def _host_kernel_only(layout: Layout, what: str) -> None:
-    """Refuses a summary of ``layout`` off the host kernel when it carries block formats'
-    columns: only the host kernel computes them in JAX so far (never a row without them).
+def _no_blocks(layout: Layout, what: str) -> None:
+    """Refuses a summary of ``layout`` where the block formats' columns cannot be computed
+    (never a row without them): a sharded array's shards would be summarized apart (blocks
+    cut where the last dimension is split, NVFP4's tensor scale taken per shard), and the
+    taps inside a loop body merge their iterations on the device, which does not merge the
+    block formats' words yet.
 
     Raises:
         NotImplementedError: naming ``what`` and what to do instead.
     """
     if block_formats_of(layout.extras):
         raise NotImplementedError(
-            f"track(block_formats=...): the JAX tracker computes the block formats' columns "
-            f"in its host kernel only, for the CPU arrays step() is given; {what} not yet. "
-            f"Call step() without intercept() (weights, gradients, optimizer state on the "
-            f"CPU), or leave block_formats out"
+            f"track(block_formats=...): the JAX tracker does not compute the block formats' "
+            f"columns of {what} yet. Exclude it (track(..., exclude=...)), or leave "
+            f"block_formats out"
         )
 
 

@@ -1,0 +1,459 @@
+"""Block-scaled formats' columns (:mod:`tandv.stats.blocks`) on the JAX device paths.
+
+JAX runs without 64-bit types, and float32 holds neither a count past 2**24, nor a
+``sq_err`` of values below about 1e-19 or above 1e19 (its terms underflow or overflow), nor
+the float64 ``log2`` a block range equals. So the device computes, per format, *words* from
+which the host finishes the five columns exactly (:func:`decode`):
+
+- in the int32 part of the summary (after the exponent counts): ``underflow``,
+  ``subnormal``, ``saturated`` (exact int32 counts), the bits of the largest and smallest
+  non-zero finite magnitude of the block with the largest ratio (found by an exact
+  comparison of the ratios, below) and ``sq_exp``; then one marker word, ``-1 - formats``;
+- in the float32 part (right after the core values): ``sq_scaled``, the squared error
+  divided by ``2**sq_exp`` (at most twice the number of blocks).
+
+The host computes ``block_range = log2(float64(hi) / float64(lo))`` (what the numpy
+reference computes for that block) and ``sq_err = sq_scaled * 2**sq_exp``.
+:func:`._summary.to_vector` recognizes such a summary by its negative last count (every
+count is otherwise non-negative) and decodes it into the layout's columns.
+
+Everything a count depends on is computed in integer arithmetic on the values' bits
+(XLA:CPU flushes float32 subnormals to zero in float arithmetic) or in float32 operations on
+normal numbers whose results are exact:
+
+- MX: the scale exponent ``s = floor(log2 amax) - emax`` from the bits of the block maximum;
+  ``x / 2**s`` rebuilt from the bits (exact); rounding to the element grid (nearest, ties
+  to even) by shifting the significand; the error ``q - x / 2**s`` is exact (Sterbenz).
+- NVFP4: the chain ``s_t``, ``amax_b / 6 / s_t``, its E4M3 rounding and ``s_b * s_t`` in
+  float32 as the definition says, per block; the element division ``x / scale`` as the
+  float32 division of ``x * 2**k`` by ``scale * 2**k`` (the same quotient, so the same
+  rounding, with both operands normal); the error ``q * scale - x`` in int32 (at most 30
+  bits). Where that chain meets float32 subnormals (tensors whose largest magnitude is below
+  about ``2**-100``), XLA:CPU flushes them: such tensors can differ from the reference.
+- Each block's squared error is a float32 sum in the block's own unit (``2**(2 s)``);
+  blocks are summed in the unit of the largest contribution, so no term overflows and none
+  that matters underflows (terms below ``2**-126`` of the largest are dropped).
+- Ratios ``amax / amin`` are compared exactly as ``(e, f)``: the power of two ``e`` and
+  the ratio of the significands ``f`` in ``[1, 2)``, whose 56 bits after the point come from
+  integer long division (two distinct ratios of 24-bit significands differ in the first 49).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...stats.blocks import BLOCK_COLUMNS, BlockFormat
+
+__all__ = [
+    "INT_WORDS",
+    "block_words",
+    "block_partials",
+    "merge_partials",
+    "merge_two",
+    "finish",
+    "decode",
+    "encoded_formats",
+]
+
+#: int32 words per format in a summary's counts part (see the module docstring).
+INT_WORDS = 6
+_MB, _BIAS, _MASK, _INF = 23, 127, 0x7FFFFFFF, 0x7F800000
+_I32, _F32 = jnp.int32, jnp.float32
+
+
+def _bits(x: Any) -> Any:
+    return jax.lax.bitcast_convert_type(x, _I32)
+
+
+def _float(b: Any) -> Any:
+    return jax.lax.bitcast_convert_type(jnp.asarray(b, _I32), _F32)
+
+
+def _floor_log2(m: Any) -> Any:
+    """Exact ``floor(log2 v)`` of the finite non-zero float32 magnitude with bits ``m``
+    (subnormals from the exponent field of ``float(m)``, exact as ``m < 2**23``)."""
+    efield = m >> _MB
+    sub = (_bits(m.astype(_F32)) >> _MB) - _BIAS - (_BIAS + _MB - 1)
+    return jnp.where(efield > 0, efield - _BIAS, sub)
+
+
+def _pow2(j: Any) -> Any:
+    """``2.0**j`` (float32) for integer ``j``: 0 below the normal range, clamped at the top."""
+    return jnp.where(j < 1 - _BIAS, 0.0, _float((jnp.clip(j, 1 - _BIAS, _BIAS) + _BIAS) << _MB))
+
+
+def _rescaled(m: Any, k: Any) -> Any:
+    """``v * 2**k`` of the magnitude bits ``m`` (float32, built from the integer
+    significand: exact where the result is at least about ``2**-103``, else 0)."""
+    efield = m >> _MB
+    normal = efield > 0
+    e = jnp.where(normal, efield - _BIAS, 1 - _BIAS)
+    full = jnp.where(normal, (m & ((1 << _MB) - 1)) | (1 << _MB), m)
+    return full.astype(_F32) * _pow2(e - _MB + k)
+
+
+def _significand(m: Any) -> tuple[Any, Any]:
+    """``(M, e)`` with ``v = M * 2**(e - 23)``, ``M`` in ``[2**23, 2**24)``, of the
+    non-zero finite magnitude bits ``m`` (subnormals normalized)."""
+    e = _floor_log2(jnp.maximum(m, 1))
+    normal = (m >> _MB) > 0
+    sub = jnp.left_shift(m, jnp.clip(_MB - (e + _BIAS + _MB - 1), 0, 31))
+    return jnp.where(normal, (m & ((1 << _MB) - 1)) | (1 << _MB), sub), e
+
+
+def _round_grid(yb: Any, mantissa: int, emin: int) -> tuple[Any, Any]:
+    """``(n, g)``: the float32 ``y >= 0`` (bits ``yb``; a subnormal counts as 0) rounded to
+    nearest-even onto the grid of an element format with ``mantissa`` bits and smallest
+    normal ``2**emin`` (no saturation), as ``n * 2**g``."""
+    normal = (yb >> _MB) > 0
+    ey = (yb >> _MB) - _BIAS
+    my = (yb & ((1 << _MB) - 1)) | (1 << _MB)
+    g = jnp.maximum(ey, emin) - mantissa
+    d = jnp.clip(g - ey + _MB, 1, 30)
+    q = my >> d
+    rem = my - (q << d)
+    half = jnp.left_shift(jnp.ones_like(d), d - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    return jnp.where(normal, q + up.astype(_I32), 0), g
+
+
+def _opaque(c: float, like: Any) -> Any:
+    """The float32 constant ``c`` as a value XLA cannot see is constant (``like`` is
+    non-negative int32): XLA's simplifier turns a division by a constant into a product by
+    its rounded reciprocal, and ``(a / b) / c`` into ``a / (b * c)``; neither is the
+    float32 division the definition asks for."""
+    return jnp.where(like >= 0, jnp.float32(c), jnp.float32(1.0))
+
+
+def _div(a: Any, c: int, shift: int, strict: bool) -> Any:
+    """The float32 bits of ``a / (c * 2**shift)`` rounded to nearest-even, subnormal results
+    included (``a``: bits of a non-negative finite float32; ``c`` odd, below 32). A normal
+    result by the float32 division of ``a``'s significand (normal, so no flush), scaled back
+    by a power of two; a subnormal one on the subnormal grid by integer division, so it is
+    rounded once, as IEEE float32 rounds it."""
+    ma, ea = _significand(jnp.maximum(a, 1))
+    q = _float((ma & ((1 << _MB) - 1)) | (_BIAS << _MB)) / _opaque(float(c), a)  # in [1/c, 2)
+    if strict:
+        q = jax.lax.optimization_barrier(q)
+    normal = _bits(q * _pow2(ea - shift))
+    t = ea - _MB + (_BIAS + _MB - 1) - shift  # the quotient in units of 2**-149 is ma * 2**t / c
+    num = jnp.left_shift(ma, jnp.clip(t, 0, 4))
+    den = jnp.left_shift(jnp.full_like(ma, c), jnp.clip(-t, 0, 25))
+    n = jax.lax.div(num, den)
+    rem = num - n * den
+    n = n + ((2 * rem > den) | ((2 * rem == den) & ((n & 1) == 1))).astype(_I32)
+    n = jnp.where(t < -25, 0, n)
+    limit = int(np.array(c * 2.0 ** (shift - 126), np.float32).view(np.int32))
+    return jnp.where(a == 0, 0, jnp.where(a < limit, n, normal))
+
+
+def _ilog2(p: Any) -> Any:
+    """``floor(log2 p)`` of a positive int32 (from the exponent of ``float(p)``, exact below
+    2**24; larger ones shifted first)."""
+    big = p >= (1 << 24)
+    v = jnp.where(big, p >> 7, p)
+    return (_bits(v.astype(_F32)) >> _MB) - _BIAS + jnp.where(big, 7, 0)
+
+
+def _mul(sb: Any, gb: Any, st: Any) -> Any:
+    """The float32 bits of ``sb * 2**gb * st`` rounded to nearest-even, subnormal results
+    included: ``sb`` a small integer (an E4M3 significand, below 2**5) and ``st`` the bits of
+    a positive finite float32; the product of the significands is exact in int32."""
+    mt, et = _significand(jnp.maximum(st, 1))
+    p = sb * mt  # < 2**29: the value is p * 2**(gb + et - 23)
+    e = gb + et - _MB
+    top = _ilog2(jnp.maximum(p, 1))
+    lead = top + e  # floor(log2) of the product
+    quantum = jnp.maximum(lead, 1 - _BIAS) - _MB
+    d = quantum - e
+    up_shift = jnp.clip(-d, 0, 30)
+    d = jnp.clip(d, 0, 30)
+    q = jnp.left_shift(p, up_shift) >> d
+    rem = p - jnp.left_shift(q, d)
+    half = jnp.left_shift(jnp.ones_like(d), jnp.maximum(d - 1, 0))
+    q = q + ((d > 0) & ((rem > half) | ((rem == half) & ((q & 1) == 1)))).astype(_I32)
+    normal = lead >= 1 - _BIAS
+    bits = jnp.where(normal, ((quantum + _MB + _BIAS) << _MB) + q - (1 << _MB), q)
+    return jnp.where((sb > 0) & (st > 0), bits, 0)
+
+
+def _nvfp4_scale(amax: Any, st: Any, strict: bool = True) -> Any:
+    """Each NVFP4 block's float32 scale ``s_b * s_t`` as bits (0 where it is zero or
+    undefined) from the bits of its maximum ``amax`` and of the tensor scale ``st``, in the
+    definition's order and float32 rounding, subnormals included (:func:`_div`,
+    :func:`_mul`)."""
+    third = _div(amax, 3, 1, strict)  # amax / 6
+    # third / s_t: both significands normal, then the power of two (a result too small to
+    # be normal rounds to zero in E4M3 anyway)
+    m3, e3 = _significand(jnp.maximum(third, 1))
+    mt, et = _significand(jnp.maximum(st, 1))
+    one = _BIAS << _MB
+    u = _float((m3 & ((1 << _MB) - 1)) | one) / _float((mt & ((1 << _MB) - 1)) | one)
+    if strict:
+        u = jax.lax.optimization_barrier(u)
+    u = u * _pow2(e3 - et)
+    u = jnp.where((third > 0) & (st > 0), jnp.minimum(u, 448.0), 0.0)
+    n, g = _round_grid(_bits(u), 3, -6)
+    return _mul(n, g, st)
+
+
+def tensor_scale(amax_t: Any, strict: bool = True) -> Any:
+    """The bits of NVFP4's per-tensor scale ``s_t`` from the bits of the tensor's largest
+    finite magnitude: ``max |x| / 2688`` (subnormal results included, :func:`_div`), 1 where
+    it is 0."""
+    return jnp.where(amax_t > 0, _div(amax_t, 21, 7, strict), _bits(jnp.float32(1.0)))
+
+
+def _ratio_key(hi: Any, lo: Any) -> tuple[Any, Any, Any]:
+    """An int32 triple whose lexicographic order is that of ``hi / lo`` (bits of non-zero
+    finite magnitudes): the power of two of the ratio, then 28 and 28 more bits of the ratio
+    of the significands (in ``[1, 2)``) after the point, by long division in int32."""
+    ma, ea = _significand(hi)
+    mb, eb = _significand(lo)
+    low = ma < mb
+    e = ea - eb - low.astype(_I32)
+    r = jnp.where(low, 2 * ma, ma) - mb  # the ratio's integer part is 1
+    words = []
+    for _ in range(2):
+        w = jnp.zeros_like(r)
+        for _ in range(4):  # 7 bits at a time: r < mb < 2**24, so r << 7 < 2**31
+            r = r << 7
+            digit = jax.lax.div(r, mb)
+            r = r - digit * mb
+            w = (w << 7) | digit
+        words.append(w)
+    return e, words[0], words[1]
+
+
+def block_partials(
+    bits: Any, f: BlockFormat, st: Any = None, strict: bool = True
+) -> dict[str, Any]:
+    """Per block, the partial results of format ``f`` for ``bits`` (float32 bits, blocks along
+    the last axis, NaN for padding): the three counts (int32), ``t`` the squared error in the
+    unit ``2**g2`` (float32, with ``g2``), and the bits of the block's largest and smallest
+    non-zero finite magnitude (0 and 0 where none). ``st``: NVFP4's tensor scale
+    (:func:`tensor_scale`). ``strict``: keep XLA's simplifier from rewriting the float32
+    divisions (optimization barriers; off in a Pallas kernel compiled for Triton, which
+    does not rewrite them)."""
+    mag = bits & _MASK
+    fin = mag < _INF
+    m = jnp.where(fin, mag, 0)
+    nz = m > 0
+    amax = jnp.max(m, axis=-1)
+    amin = jnp.min(jnp.where(nz, m, _INF), axis=-1)
+    if f.emax is not None:  # MX: a power-of-two scale
+        s = jnp.where(amax > 0, _floor_log2(jnp.maximum(amax, 1)) - f.emax, 0)
+        y = _rescaled(m, -s[..., None])  # exact
+        has = None
+        g = s
+    else:
+        sbits = _nvfp4_scale(amax, st, strict)
+        has = (sbits > 0)[..., None]
+        k = -_floor_log2(jnp.maximum(jnp.where(sbits > 0, sbits, amax), 1))
+        xk = _rescaled(m, k[..., None])  # x * 2**k, exact where it matters
+        sk = _rescaled(sbits, k)[..., None]  # the scale * 2**k, in [1, 2)
+        # XLA's simplifier makes a division by a broadcast a product by the broadcast
+        # reciprocal (rounded): the barrier keeps the divisor an array of its own
+        sk = jnp.broadcast_to(jnp.where(has, sk, 1.0), xk.shape)
+        if strict:
+            sk = jax.lax.optimization_barrier(sk)
+        y = jnp.where(has, xk / sk, 0.0)
+        g = -k
+    n, gq = _round_grid(_bits(y), f.mantissa, f.emin)
+    sat = fin & (y > f.max)
+    q = jnp.where(sat, f.max, n.astype(_F32) * _pow2(gq))
+    if has is None:
+        err = q - y  # exact: q within a factor 2 of y, or 0
+    else:
+        # q * scale - x times 2**(k + 25) in int32: q = n * 2**gq (n <= 3, or 6 saturated),
+        # scale * 2**k = ms * 2**-23, x * 2**k = mx * 2**(ex - 23) with ex in [-2, 4]
+        # where q > 0
+        n = jnp.where(sat, 3, n)
+        gq = jnp.where(sat, 1, gq)
+        ms = (_bits(sk) & ((1 << _MB) - 1)) | (1 << _MB)  # (1 where has is False: unused)
+        xb = _bits(xk)
+        mx = (xb & ((1 << _MB) - 1)) | (1 << _MB)
+        ex = (xb >> _MB) - _BIAS
+        lhs = jnp.left_shift(n * ms, jnp.clip(gq + 2, 0, 31))
+        rhs = jnp.left_shift(mx, jnp.clip(ex + 2, 0, 31))
+        exact = (lhs - rhs).astype(_F32) * 2.0**-25
+        err = jnp.where(has & (q > 0), exact, xk)
+    err = jnp.where(fin, err, 0.0)
+    qa = jnp.abs(q)
+    i32 = _I32
+    return {
+        "underflow": jnp.sum((nz & (qa == 0)).astype(i32), axis=-1),
+        "subnormal": jnp.sum((nz & (qa > 0) & (qa < f.smallest_normal)).astype(i32), axis=-1),
+        "saturated": jnp.sum(sat.astype(i32), axis=-1),
+        "t": jnp.sum(err * err, axis=-1),
+        "g2": 2 * g,
+        "hi": amax,
+        "lo": jnp.where(amax > 0, amin, 0),
+    }
+
+
+def _better(a: tuple[Any, ...], b: tuple[Any, ...]) -> Any:
+    """Where the ratio key ``a`` is larger than ``b`` (lexicographic)."""
+    return (a[0] > b[0]) | ((a[0] == b[0]) & ((a[1] > b[1]) | ((a[1] == b[1]) & (a[2] > b[2]))))
+
+
+def _key(hi: Any, lo: Any) -> tuple[Any, Any, Any]:
+    """:func:`_ratio_key`, ``(-1, -1, -1)`` where there is no non-zero value (``hi`` 0)."""
+    e, w1, w2 = _ratio_key(jnp.maximum(hi, 1), jnp.maximum(lo, 1))
+    has = hi > 0
+    return tuple(jnp.where(has, w, -1) for w in (e, w1, w2))  # type: ignore[return-value]
+
+
+def _sq_exp(t: Any, g2: Any) -> Any:
+    """The exponent of each block's squared error ``t * 2**g2`` (a very low one where 0)."""
+    tb = _bits(t)
+    return jnp.where(tb > 0, g2 + _floor_log2(jnp.maximum(tb, 1)), -(2**30))
+
+
+def merge_partials(p: dict[str, Any], axis: int = 0) -> dict[str, Any]:
+    """The partials ``p`` (:func:`block_partials`, or parts of them) reduced along ``axis``:
+    counts added, the squared errors summed in the unit of the largest (``t`` in the unit
+    ``2**g2``), the pair of the largest ratio kept."""
+    e = jnp.max(_sq_exp(p["t"], p["g2"]), axis=axis, keepdims=True)
+    top = jnp.where(e > -(2**30), e, 0)
+    t = jnp.sum(_rescaled(_bits(p["t"]), p["g2"] - top), axis=axis)
+    key = _key(p["hi"], p["lo"])
+    win = key[0] == jnp.max(key[0], axis=axis, keepdims=True)
+    for w in key[1:]:
+        win = win & (w == jnp.max(jnp.where(win, w, -1), axis=axis, keepdims=True))
+    return {
+        **{c: jnp.sum(p[c], axis=axis) for c in ("underflow", "subnormal", "saturated")},
+        "t": t,
+        "g2": jnp.squeeze(top, axis),
+        "hi": jnp.max(jnp.where(win, p["hi"], 0), axis=axis),
+        "lo": jnp.max(jnp.where(win, p["lo"], 0), axis=axis),
+    }
+
+
+def merge_two(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two sets of partials merged element by element (as :func:`merge_partials` merges
+    along an axis; no stacking, which Pallas's Triton lowering lacks)."""
+    ea, eb = _sq_exp(a["t"], a["g2"]), _sq_exp(b["t"], b["g2"])
+    top = jnp.maximum(ea, eb)
+    top = jnp.where(top > -(2**30), top, 0)
+    t = _rescaled(_bits(a["t"]), a["g2"] - top) + _rescaled(_bits(b["t"]), b["g2"] - top)
+    take = _better(_key(b["hi"], b["lo"]), _key(a["hi"], a["lo"]))
+    return {
+        **{c: a[c] + b[c] for c in ("underflow", "subnormal", "saturated")},
+        "t": t,
+        "g2": top,
+        "hi": jnp.where(take, b["hi"], a["hi"]),
+        "lo": jnp.where(take, b["lo"], a["lo"]),
+    }
+
+
+def finish(p: dict[str, Any]) -> tuple[Any, Any]:
+    """The int32 words and the float32 ``sq_scaled`` of one format from merged partials."""
+    ints = jnp.stack(
+        [p["underflow"], p["subnormal"], p["saturated"], p["hi"], p["lo"], p["g2"]], axis=-1
+    )
+    return ints.astype(_I32), p["t"].astype(_F32)
+
+
+def _block_bits(x: Any, size: int) -> Any:
+    """``x`` as float32 bits, blocks of ``size`` along the last axis ``(blocks, size)``, each
+    row of the last dimension padded with NaN (which every column leaves out)."""
+    length = x.shape[-1] if x.ndim else 1
+    rows = x.reshape(-1, length).astype(_F32)
+    pad = -length % size
+    if pad:
+        rows = jnp.pad(rows, ((0, 0), (0, pad)), constant_values=np.nan)
+    return _bits(rows.reshape(-1, size))
+
+
+def check_blockable(x: Any) -> None:
+    """Refuses a float64 array (whose values float32 would round): the device paths compute
+    the block formats' columns in float32 arithmetic."""
+    if jnp.dtype(x.dtype) == jnp.float64:
+        raise NotImplementedError(
+            "track(block_formats=...): the JAX device paths compute the block formats' "
+            "columns of float32, bfloat16, float16 and 8-bit float arrays; a float64 array "
+            "(jax_enable_x64) is not served. Leave block_formats out, or exclude the array "
+            "(track(..., exclude=...))."
+        )
+
+
+def block_words(x: Any, formats: Sequence[BlockFormat]) -> tuple[Any, Any]:
+    """The block formats' words of the array ``x`` by XLA operations (traceable): int32
+    ``(len(formats) * INT_WORDS,)`` and float32 ``(len(formats),)`` (see the module
+    docstring)."""
+    check_blockable(x)
+    ints, floats = [], []
+    if x.size == 0:
+        zeros = jnp.zeros((len(formats),), _F32)
+        return jnp.zeros((len(formats) * INT_WORDS,), _I32), zeros
+    st = None
+    if any(f.emax is None for f in formats):
+        mag = _bits(x.reshape(-1).astype(_F32)) & _MASK
+        st = tensor_scale(jnp.max(jnp.where(mag < _INF, mag, 0)))
+    for f in formats:
+        p = block_partials(_block_bits(x, f.block), f, st)
+        i, t = finish(merge_partials(p))
+        ints.append(i)
+        floats.append(t)
+    return jnp.concatenate(ints), jnp.stack(floats)
+
+
+def with_words(counts: Any, values: Any, ints: Any, floats: Any, n_core: int) -> tuple[Any, Any]:
+    """A summary's parts with the block words appended (``ints`` and the marker after the
+    counts, ``floats`` right after the ``n_core`` core values)."""
+    formats = floats.shape[-1]
+    marker = jnp.full(counts.shape[:-1] + (1,), -1 - formats, counts.dtype)
+    counts = jnp.concatenate([counts, ints.astype(counts.dtype), marker], axis=-1)
+    floats = floats.astype(values.dtype)
+    values = jnp.concatenate([values[..., :n_core], floats, values[..., n_core:]], axis=-1)
+    return counts, values
+
+
+def encoded_formats(counts: np.ndarray) -> int:
+    """How many formats' words a fetched summary's counts part ends with (0: none)."""
+    if counts.shape[-1] == 0:
+        return 0
+    last = np.asarray(counts[..., -1]).reshape(-1)
+    return int(-1 - last[0]) if last.size and last[0] < 0 else 0
+
+
+def decode(counts: np.ndarray, values: np.ndarray, n_core: int) -> tuple[np.ndarray, np.ndarray]:
+    """The parts of a fetched summary (or stack of them) with the block words replaced by
+    the layout's columns (float64 values: five per format after the core values), as
+    :func:`tandv.stats.summary.join_summary` expects them."""
+    k = encoded_formats(counts)
+    if not k:
+        return counts, values
+    words = counts[..., -1 - INT_WORDS * k : -1].reshape(counts.shape[:-1] + (k, INT_WORDS))
+    words = words.astype(np.int32)
+    sq = np.asarray(values[..., n_core : n_core + k], np.float64)
+    hi = words[..., 3].view(np.float32).astype(np.float64)
+    lo = words[..., 4].view(np.float32).astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rng = np.where(hi > 0, np.log2(hi / np.where(lo > 0, lo, 1.0)), 0.0)
+    cols = np.stack(
+        [
+            words[..., 0].astype(np.float64),
+            words[..., 1].astype(np.float64),
+            words[..., 2].astype(np.float64),
+            np.ldexp(sq, words[..., 5]),
+            rng,
+        ],
+        axis=-1,
+    )
+    assert cols.shape[-1] == len(BLOCK_COLUMNS)
+    values = np.concatenate(
+        [
+            np.asarray(values[..., :n_core], np.float64),
+            cols.reshape(cols.shape[:-2] + (-1,)),
+            np.asarray(values[..., n_core + k :], np.float64),
+        ],
+        axis=-1,
+    )
+    return counts[..., : -1 - INT_WORDS * k], values
