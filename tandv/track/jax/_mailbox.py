@@ -80,7 +80,10 @@ def _write(
                 n = _words(part).shape[0]
                 parts.append(_traced_unwords(old[at : at + n], part))
                 at += n
-            merged = merge_jax(DeviceSummary(*parts), s, merge)
+            if s.counts.ndim == 2:  # an array's segments (``_segments``): row by row
+                merged = jax.vmap(lambda a, b: merge_jax(a, b, merge))(DeviceSummary(*parts), s)
+            else:
+                merged = merge_jax(DeviceSummary(*parts), s, merge)
             words += [_words(jnp.where(times > 0, m, new)) for m, new in zip(merged, s)]
     arena[offset : offset + size] = jnp.concatenate([(times + 1).reshape(1), *words])
     return words

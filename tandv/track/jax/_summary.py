@@ -223,6 +223,7 @@ def with_custom(
         [jnp.asarray(fn(x), core.values.dtype).reshape(1) for fn in custom.values()]
     )
     v = core.values
+    extra = jnp.broadcast_to(extra, (*v.shape[:-1], extra.shape[0]))  # (on every segment's row)
     values = jnp.concatenate([v[..., :N_CORE_VALUES], extra, v[..., N_CORE_VALUES:]], axis=-1)
     return DeviceSummary(core.counts, values)
 

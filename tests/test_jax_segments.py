@@ -1,0 +1,280 @@
+"""Arrays past 2**31 - 1 elements (issue 28): summarized in segments of at most
+``SEGMENT_ELEMENTS`` elements on every JAX path (host kernel by FFI, XLA, Pallas), merged on
+the host in float64. Tested with the documented test hook ``SEGMENT_ELEMENTS(1000)``, so that
+arrays of a few thousand elements are cut, against the unsegmented results and the numpy
+reference; the real limit only by lowering abstract arrays (nothing allocated)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pandas as pd
+import pytest
+
+jax = pytest.importorskip("jax")
+import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+from tandv.schema import read_log  # noqa: E402
+from tandv.stats import Layout, summarize  # noqa: E402
+from tandv.stats.summary import COUNT_INDEX, HIGHER_STATS  # noqa: E402
+from tandv.track.jax import _ffi, _tracker, to_vector, track  # noqa: E402
+from tandv.track.jax._segments import (  # noqa: E402
+    SEGMENT_ELEMENTS,
+    core_layout,
+    merge_segments,
+    segment_count,
+    segmented,
+)
+from tandv.track.jax._summary import MAX_ELEMENTS, DeviceSummary, summarize_jax  # noqa: E402
+
+rng = np.random.default_rng(2028)
+LIMIT = 1000  # the test hook's segment length: arrays of a few thousand elements are cut
+SPECIALS = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, -3e-42, 1e4], np.float32)
+
+
+def _array(n: int, dtype=np.float32) -> np.ndarray:
+    """``n`` values: an offset normal (|mean| >> std), specials spread over the segments."""
+    x = (50.0 + rng.normal(size=n)).astype(np.float32)
+    x[rng.choice(n, SPECIALS.size, replace=False)] = SPECIALS
+    return x.astype(dtype)
+
+
+def _kernels() -> dict:
+    """Each kernel's core summary of one segment, by path."""
+    from tandv.track.jax._pallas import pallas_summary
+
+    def xla(a, layout):
+        return summarize_jax(a, layout)
+
+    def pallas(a, layout):
+        return pallas_summary(
+            a, layout.format, layout.num_counts, interpret=True, moments=layout.moments
+        )
+
+    def ffi(a, layout):
+        return _ffi.ffi_summary(a, layout.format, layout.num_counts, layout.moments)
+
+    out = {"xla": xla, "pallas": pallas}
+    if _ffi.available():
+        out["ffi"] = ffi
+    return out
+
+
+def _check(got: np.ndarray, want: np.ndarray, layout: Layout) -> None:
+    """Counts, extrema and exponent counts exactly; the other values to 1e-6."""
+    exact = [*range(8), *range(layout.counts_start, layout.extras_start)]
+    np.testing.assert_array_equal(got[exact], want[exact])
+    rest = [i for i in range(layout.size) if i not in exact]
+    np.testing.assert_allclose(got[rest], want[rest], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["xla", "pallas", "ffi"])
+@pytest.mark.parametrize("moments", [2, 4])
+def test_segments_merge_to_the_whole_arrays_summary(path, moments):
+    """Each kernel on an array cut in 3 segments (2500 elements, limit 1000): the segments'
+    rows merged on the host equal the uncut summary and the numpy reference, counts exactly
+    (numel, NaN, inf and zero counts, exponent counts), moments (m3, m4 too) to 1e-6; a
+    custom statistic is that of the whole array, not a merge of the segments'."""
+    kernels = _kernels()
+    if path not in kernels:
+        pytest.skip("no in-program host kernel on this machine")
+    kernel = kernels[path]
+    layout = Layout("float32", (("median", "mean"),), moments=moments)
+    custom = {"median": lambda a: jnp.nanmedian(a.astype(jnp.float32))}
+    x = _array(2500)
+
+    def summary(a):
+        return DeviceSummary(*segmented(lambda b: kernel(b, core_layout(layout)), a, custom))
+
+    whole = to_vector(jax.device_get(jax.jit(summary)(x)))
+    with SEGMENT_ELEMENTS(LIMIT):
+        assert segment_count(x.size) == 3
+        counts, values = jax.device_get(jax.jit(summary)(x))
+    assert counts.shape[0] == values.shape[0] == 3
+    np.testing.assert_array_equal(counts[:, COUNT_INDEX["numel"]], [834, 834, 832])
+    got = merge_segments(to_vector(DeviceSummary(counts, values)), layout)
+    base = summarize(x, moments=moments)[0]  # no extras: the median goes before m3, m4
+    at = layout.extras_start
+    ref = np.concatenate([base[:at], [np.nanmedian(x)], base[at:]])
+    _check(got, whole, layout)
+    _check(got, ref, layout)
+
+
+def test_segment_limit_is_checked_and_cuts_are_aligned():
+    """The hook refuses limits an int32 count cannot hold; at the real limit, segments
+    start at multiples of 1024 elements and are at most 2**31 - 1 long."""
+    from tandv.track.jax._segments import _cuts
+
+    for bad in (0, MAX_ELEMENTS + 1, 2.5):
+        with SEGMENT_ELEMENTS(bad), pytest.raises(ValueError, match="SEGMENT_ELEMENTS"):
+            segment_count(10)
+    for n in (2**31, 2**32 + 7, 3 * 2**31 - 5):
+        cuts = _cuts(n)
+        sizes = np.diff(cuts)
+        assert cuts[0] == 0 and cuts[-1] == n and (sizes <= MAX_ELEMENTS).all()
+        assert all(c % 1024 == 0 for c in cuts[:-1])
+        assert len(sizes) == -(-n // (MAX_ELEMENTS // 1024 * 1024))  # as few as fit
+    assert _cuts(MAX_ELEMENTS) == [0, MAX_ELEMENTS]
+
+
+class Wide(nn.Module):
+    """Outputs and parameters past the test limit: Dense_0's output (16 x 96 = 1536
+    elements), Dense_1's kernel (96 x 32 = 3072) and its Adam moments."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(96, name="Dense_0")(x))
+        return nn.Dense(32, name="Dense_1")(h)
+
+
+def _run(out, path: str, jit: bool, limit: int | None, monkeypatch) -> pd.DataFrame:
+    """Two tracked steps of :class:`Wide` (moments=4, percentiles) on ``path``, with the
+    segment limit ``limit`` (None: the real one), as a log sorted by tensor and step."""
+    monkeypatch.setattr(_tracker, "SUMMARY_PATH", path)
+    model, opt = Wide(), optax.adam(1e-2)
+    k1, k2 = jax.random.split(jax.random.key(0))
+    x, y = jax.random.normal(k1, (16, 5)), jax.random.normal(k2, (16, 32))
+    params = model.init(jax.random.key(1), x)
+    state = opt.init(params)
+
+    def update(p, s, x, y):
+        g = jax.grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, g
+
+    update = jax.jit(update) if jit else update
+    with SEGMENT_ELEMENTS(limit or MAX_ELEMENTS):
+        with track(
+            params, state, out=out, verbose=False, moments=4, percentiles=(10, 50, 90)
+        ) as tracker:
+            for _ in range(2):
+                params, state, grads = tracker.intercept(update, params, state, x, y)
+                tracker.step(params, state, grads)
+    df = read_log(out)
+    m = df["metadata"]
+    return df.set_index(pd.MultiIndex.from_frame(m[["name", "tensor_type", "step"]])).sort_index()
+
+
+@pytest.mark.parametrize(
+    "path, jit",
+    [("auto", True), ("auto", False), ("xla", True), ("xla", False), ("pallas", True)],
+)
+def test_tracked_rows_do_not_depend_on_segments(tmp_path, monkeypatch, path, jit):
+    """A tracked run whose module outputs, gradients, weights and optimizer state pass the
+    segment limit (taps in a tracked program or on the Python path, arrays summarized in
+    the program or at step()) writes the rows of a run without segments: counts exactly,
+    moments (skewness and kurtosis too) and percentiles to 1e-6."""
+    if path == "auto" and not _ffi.available():
+        pytest.skip("no in-program host kernel on this machine")
+    whole = _run(tmp_path / "whole", path, jit, None, monkeypatch)
+    cut = _run(tmp_path / "cut", path, jit, LIMIT, monkeypatch)
+    assert whole.index.equals(cut.index)
+    names = set(whole.index.get_level_values("name"))
+    assert {"Dense_0", "Dense_1.kernel"} <= names  # the arrays past the limit have rows
+    assert ("Dense_0", "Gradient", 1) in whole.index
+    counts = whole["exponent_counts"].columns
+    pd.testing.assert_frame_equal(cut["exponent_counts"][counts], whole["exponent_counts"])
+    stats = whole["scalar_stats"]
+    for col in stats.columns:
+        got, want = cut[("scalar_stats", col)].to_numpy(), stats[col].to_numpy()
+        if col in ("numel", "nan_count", "inf_count", "zero_count", "min", "max"):
+            np.testing.assert_array_equal(got, want, err_msg=col)
+        else:
+            # skewness and kurtosis: ratios of float32 sums of cubes and fourth powers (the
+            # XLA path's), which the two runs round apart
+            tol = 1e-5 if col in HIGHER_STATS else 1e-6
+            np.testing.assert_allclose(got, want, rtol=tol, atol=1e-6, err_msg=col)
+
+
+class Looped(nn.Module):
+    """A Dense applied in ``lax.scan``: its mailbox merges each iteration's segments."""
+
+    @nn.compact
+    def __call__(self, x):
+        head = nn.Dense(96, name="head")
+
+        def body(h, _):
+            return jnp.tanh(head(h))[:, :5], None
+
+        return jax.lax.scan(body, x, None, length=3)[0]
+
+
+def test_loop_body_segments_merge_per_iteration(tmp_path, monkeypatch):
+    """A module inside a scan body whose output passes the limit: each iteration's segment
+    rows merge into the mailbox row by row, and the host joins the segments: the rows of
+    a run without segments, which equal the numpy summary of all iterations' outputs."""
+    monkeypatch.setattr(_tracker, "SUMMARY_PATH", "xla")
+    model = Looped()
+    x = jax.random.normal(jax.random.key(0), (16, 5))
+    params = model.init(jax.random.key(1), x)
+
+    def update(p, x):
+        return jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2))(p)
+
+    logs = {}
+    for limit in (None, LIMIT):
+        out = tmp_path / str(limit)
+        with SEGMENT_ELEMENTS(limit or MAX_ELEMENTS):
+            with track(params, out=out, verbose=False) as tracker:
+                grads = tracker.intercept(jax.jit(update), params, x)
+                tracker.step(params, None, grads)
+        logs[limit] = read_log(out)
+    m = logs[None]["metadata"]
+    assert ((m["name"] == "head") & (m["tensor_type"] == "Activation")).any()
+    h, outs = x, []
+    for _ in range(3):
+        y = np.asarray(model.apply(params, h, method=lambda mdl, h: mdl.children["head"](h)))
+        outs.append(y)
+        h = jnp.tanh(y)[:, :5]
+    for limit, df in logs.items():
+        r = df[(df["metadata"]["name"] == "head") & (df["metadata"]["tensor_type"] == "Activation")]
+        assert int(r[("scalar_stats", "numel")].iloc[0]) == 3 * 16 * 96, limit
+    pd.testing.assert_frame_equal(logs[LIMIT], logs[None])
+
+
+def _lower(fn, n: int, dtype, platform: str) -> str:
+    """The text of ``fn`` lowered for ``platform`` on an abstract ``(n,)`` array."""
+    lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((n,), dtype)).lower(
+        lowering_platforms=(platform,)
+    )
+    return lowered.as_text()
+
+
+@pytest.mark.parametrize("path", ["xla", "pallas", "auto"])
+def test_arrays_past_int32_counts_lower_in_segments(monkeypatch, path):
+    """At the real limit, nothing allocated: an array of 2**32 + 5 bfloat16 elements is
+    traced and lowered (for CUDA; the host kernel for the CPU) as 3 segments of at most
+    2**31 - 1 elements, each summarized by the path's kernel, with int32 counts only per
+    segment; 2**31 - 1 elements stay one summary."""
+    if path == "auto" and not _ffi.available():
+        pytest.skip("no in-program host kernel on this machine")
+    monkeypatch.setattr(_tracker, "SUMMARY_PATH", path)
+    tracker = track(verbose=False)
+    n = 2**32 + 5
+    if path == "auto":
+        fn, platform = tracker._summarize_in_program, "cpu"
+    else:
+        fn, platform = tracker._summarize, "cuda"
+    shape = jax.eval_shape(fn, jax.ShapeDtypeStruct((n,), jnp.bfloat16))
+    assert shape.counts.shape[0] == 3 and shape.counts.dtype == jnp.int32
+    text = _lower(fn, n, jnp.bfloat16, platform)
+    kernel = "tandv" if path == "auto" else "triton" if path == "pallas" else "scatter"
+    assert kernel in text
+    assert jax.eval_shape(fn, jax.ShapeDtypeStruct((MAX_ELEMENTS,), jnp.bfloat16)).counts.ndim == 1
+    tracker.close()
+
+
+def test_step_arrays_past_the_limit_in_bfloat16(tmp_path, monkeypatch):
+    """bfloat16 weights past the limit given to step() alone (no intercept): each row equals
+    the numpy summary of the array, on the default path."""
+    x = _array(2100, ml_dtypes.bfloat16)
+    params = {"w": jnp.asarray(x), "b": jnp.asarray(_array(10, ml_dtypes.bfloat16))}
+    with SEGMENT_ELEMENTS(LIMIT):
+        with track(params, out=tmp_path / "log", verbose=False) as tracker:
+            tracker.step(params)
+    df = read_log(tmp_path / "log")
+    from test_jax_tracker import assert_row_matches
+
+    assert_row_matches(df, "w", "Weight", 0, x)
