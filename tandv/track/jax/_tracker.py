@@ -32,7 +32,7 @@ from ._mailbox import Mailboxes, MailRead, ProgramMailboxes
 from ._nnx import acquire_nnx, release_nnx, tag_nnx_paths, untag_nnx_paths
 from ._pallas import pallas_summary
 from ._segments import core_layout, is_segmented, segment_count, segmented
-from ._sink import ROOT_NAME, Report, register
+from ._sink import ROOT_NAME, Mailbox, Report, register
 from ._state import Parts, gradients_of, is_nnx_module, is_nnx_optimizer, parts_of
 from ._summary import (
     CustomStat,
@@ -149,7 +149,7 @@ class _TapSink:
         self, receive: Callable[[str, str, str, str, Any], None], merge_rules: Sequence[str]
     ) -> None:
         #: The arena and its mailboxes (the tracker prepares and reads them).
-        self.mailboxes = Mailboxes()
+        self.mailboxes = Mailboxes(merge_rules)
         #: The mailboxes of the tracked program being traced (None: the arena's, above).
         self.program: ProgramMailboxes | None = None
         #: The mailbox layout of each trace of a tracked program, by its serial.
@@ -159,7 +159,8 @@ class _TapSink:
         #: Whether any tap was ever traced to report by host callback (a compiled function
         #: is traced once: its later calls say nothing).
         self.callbacks_seen = False
-        self._merge_rules = list(merge_rules)
+        #: The merge rules of the tracker's custom statistics (a loop body's mailbox merges).
+        self.merge_rules = list(merge_rules)
         self._receive = weakref.WeakMethod(receive)  # a bound method of the tracker
 
     @property
@@ -175,9 +176,8 @@ class _TapSink:
         remat: bool = False,
         merge: bool = False,
     ) -> bool:
-        rules = self._merge_rules if merge else None
-        boxes = self.mailboxes if self.program is None else self.program
-        return boxes.post(name, module_type, reports, arena, remat, rules)
+        boxes: Mailbox = self.mailboxes if self.program is None else self.program
+        return boxes.post(name, module_type, reports, arena, remat, merge)
 
     def receive(
         self, name: str, module_type: str, tensor_type: str, dtype: str, summary: Any
@@ -814,7 +814,7 @@ class JaxTracker(TrackerCore[Sent]):
         outputs, the written words and the summaries of its float outputs
         (:meth:`_output_summaries`)."""
         self._where(self._call_args)  # the arrays of the call being traced
-        mail = ProgramMailboxes(next(_serials), program.capacity)
+        mail = ProgramMailboxes(next(_serials), program.capacity, self._sink.merge_rules)
         self._sink.program, callbacks = mail, self._sink.callbacks_used
         self._sink.callbacks_used = False
         self._applications = applications = _misuse.Applications(self._track_activations)
