@@ -321,3 +321,25 @@ def test_one_kernel_call_takes_at_most_one_segment(path):
     with pytest.raises(ValueError, match=r"has 2,147,483,648 elements.*in segments"):
         _lower(fn, 2**31, jnp.bfloat16, platform)
     _lower(fn, MAX_ELEMENTS, jnp.bfloat16, platform)
+
+
+def test_sharded_array_past_the_limit(tmp_path):
+    """A weight split over two devices whose shards each pass the limit: each shard's
+    segments are merged, then the shards (ShardRows with segment rows): the row equals the
+    numpy summary of the whole array."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.skip("needs two devices")
+    mesh = Mesh(np.array(devices[:2]), ("d",))
+    x = _array(2 * 2100).reshape(2, 2100)
+    w = jax.device_put(jnp.asarray(x), NamedSharding(mesh, PartitionSpec("d")))
+    with SEGMENT_ELEMENTS(LIMIT):
+        with track(
+            {"w": w}, out=tmp_path / "log", verbose=False, track_gradients=False, device_axis=False
+        ) as t:
+            t.step({"w": w})
+    from test_jax_tracker import assert_row_matches
+
+    assert_row_matches(read_log(tmp_path / "log"), "w", "Weight", 0, x)
