@@ -1,8 +1,14 @@
 """Overhead of the JAX tracker on a jitted Flax MLP or transformer update (CPU by default).
 
 Runs blocks of training steps without tracking, tracking everything every step, and
-tracking everything every 10th step, interleaved round by round so that machine noise hits
-all three alike, and reports each tracked variant's median block time over the untracked one.
+tracking everything every 10th step, interleaved round by round (in a rotating order, so
+that no variant always follows another) so that machine noise hits all three alike. A
+tracked block ends when its own background work has (its summaries' transfers, and the log
+writer's rows for the steps it handed over): work one block leaves running is not charged
+to the next block, of another variant. It reports each tracked variant's median block time
+over the untracked one, and the median of its per-round ratios to the untracked block of
+the same round (paired: robust to load that drifts over the run; the figure to quote for
+every=10, whose tracked steps add about a tenth of every=1's overhead).
 
     python benchmarks/jax_overhead.py [--width 512] [--depth 4] [--batch 256] [--rounds 15]
     python benchmarks/jax_overhead.py --model transformer --rounds 5 [--by-position 4]
@@ -201,6 +207,7 @@ def main() -> None:  # noqa: C901, PLR0915
                     if tracker is t1:
                         host.append(time.thread_time() - cpu)
             jax.block_until_ready(p)
+            settle(tracker)
             carry[name] = (p, s)
             return time.perf_counter() - start
 
@@ -218,8 +225,9 @@ def main() -> None:  # noqa: C901, PLR0915
         counters = Counters()
         times: dict[str, list[float]] = {name: [] for name in variants}
         cpu: dict[str, dict[str, float]] = {name: {} for name in variants}
-        for _ in range(args.rounds):
-            for name in variants:
+        order = list(variants)
+        for r in range(args.rounds):
+            for name in order[r % 3 :] + order[: r % 3]:
                 counters.active = name == "every=1"
                 before = thread_cpu()
                 times[name].append(block(name))
@@ -241,7 +249,11 @@ def main() -> None:  # noqa: C901, PLR0915
     for name in ("every=1", "every=10"):
         med = statistics.median(times[name])
         step_ms = 1e3 * med / args.block
-        print(f"  {name:9s}  median step {step_ms:8.3f} ms   ratio of medians {med / base:.3f}")
+        paired = statistics.median(t / u for t, u in zip(times[name], times["untracked"]))
+        print(
+            f"  {name:9s}  median step {step_ms:8.3f} ms   ratio of medians {med / base:.3f}"
+            f"   median paired ratio {paired:.3f}"
+        )
     tracked_steps = args.rounds * args.block
     print(
         f"  every=1: {counters.callbacks / tracked_steps:.2f} host callbacks, "
@@ -303,6 +315,17 @@ def drain(tracker) -> None:
         for _, _, sent in tracker._flights:
             if sent.transfer is not None and sent.transfer._device is not None:
                 jax.block_until_ready(sent.transfer._device)
+
+
+def settle(tracker) -> None:
+    """Wait for ``tracker``'s background work (None: nothing): its in-flight summaries
+    (:func:`drain`) and the rows its log writer thread was handed (not those still buffered:
+    they are handed over, and written, in a later block of the same tracker)."""
+    if tracker is not None:
+        drain(tracker)
+        recorder = tracker.recorder
+        if recorder is not None and recorder._thread is not None:
+            recorder._queue.join()
 
 
 def thread_cpu() -> dict[tuple[str, str], float]:

@@ -28,7 +28,7 @@ import jax
 from . import _intercept
 from ._scope import manual_keep, unbatched
 from ._sink import Report, sink_of
-from ._summary import DeviceSummary, check_countable
+from ._summary import DeviceSummary
 
 __all__ = ["Probe", "is_traced"]
 
@@ -55,9 +55,9 @@ class Probe:
         activations form one tensor), computed below every vmap so that it is one unbatched
         summary; ``keep`` is :func:`._scope.manual_keep` inside ``shard_map`` (else None).
         ``whole_batch=False``: the summary of ``x`` as the current trace sees it (one per
-        example under vmap), for host callbacks, which vmap calls once per example."""
+        example under vmap), for host callbacks, which vmap calls once per example. An
+        array past 2**31 - 1 elements has a summary of several rows (``_segments``)."""
         with unbatched(x) if whole_batch else contextlib.nullcontext(x) as whole:
-            check_countable(whole, f"the output or its cotangent of module {self.name!r}")
             return whole.dtype, self.summarize(whole), manual_keep(whole) if self.manual else None
 
     def report(self, tensor_type: str, x: Any, arena: Any = None, remat: bool = False) -> None:

@@ -129,6 +129,7 @@ def flatten(summaries: Sequence[Any]) -> list[Any]:
 def role(summary: Any, mail_type: type) -> str:
     """:data:`REPLICATED` for a tap's summary read from a global (replicated) mailbox arena
     (``mail_type``: the tracker's handle of a mailbox report), else :data:`LOCAL`."""
+    summary = getattr(summary, "inner", summary)  # (the segments of one: ``_transfer.Segments``)
     mail: Any = summary if isinstance(summary, mail_type) else None
     return REPLICATED if mail is not None and mail.read.replicated else LOCAL
 

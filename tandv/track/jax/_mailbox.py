@@ -80,7 +80,10 @@ def _write(
                 n = _words(part).shape[0]
                 parts.append(_traced_unwords(old[at : at + n], part))
                 at += n
-            merged = merge_jax(DeviceSummary(*parts), s, merge)
+            if s.counts.ndim == 2:  # an array's segments (``_segments``): row by row
+                merged = jax.vmap(lambda a, b: merge_jax(a, b, merge))(DeviceSummary(*parts), s)
+            else:
+                merged = merge_jax(DeviceSummary(*parts), s, merge)
             words += [_words(jnp.where(times > 0, m, new)) for m, new in zip(merged, s)]
     arena[offset : offset + size] = jnp.concatenate([(times + 1).reshape(1), *words])
     return words
@@ -125,9 +128,10 @@ class ProgramMailboxes:
     rest by callback and says so by :attr:`overflowed`, and the program is traced again with
     room for all)."""
 
-    def __init__(self, serial: int, capacity: int) -> None:
+    def __init__(self, serial: int, capacity: int, merge_rules: Sequence[str] = ()) -> None:
         self.serial = serial
         self.capacity = capacity
+        self._rules = list(merge_rules)  # the custom statistics', for loop bodies' merges
         self.arena = jax.new_ref(jnp.zeros(capacity, jnp.int32))
         self.boxes: list[_Box] = []
         self.used = 1  # word 0: the serial
@@ -145,17 +149,18 @@ class ProgramMailboxes:
         reports: Sequence[Report],
         arena: Any = None,
         remat: bool = False,
-        merge: Sequence[str] | None = None,
+        merge: bool = False,
     ) -> bool:
-        """As :meth:`Mailboxes.post`, into this trace's arena."""
+        """:meth:`._sink.Mailbox.post` into this trace's arena."""
         words = [w for _, _, s in reports for w in (_words(s.counts), _words(s.values))]
         size = 1 + sum(w.shape[0] for w in words)
         self.wanted += size
         if self.used + size > self.capacity:
             return False
         offset, self.used = self.used, self.used + size
-        words = _write(self.arena if arena is None else arena, offset, size, reports, words, merge)
-        self.boxes.append(_box(name, module_type, reports, words, offset, remat, merge))
+        rules = self._rules if merge else None
+        words = _write(self.arena if arena is None else arena, offset, size, reports, words, rules)
+        self.boxes.append(_box(name, module_type, reports, words, offset, remat, rules))
         return True
 
     def words(self) -> Any:
@@ -178,7 +183,8 @@ class Mailboxes:
     #: int32 words of the first arena (a float32 report takes ~300: room for ~200 of them).
     CAPACITY = 1 << 16
 
-    def __init__(self) -> None:
+    def __init__(self, merge_rules: Sequence[str] = ()) -> None:
+        self._rules = list(merge_rules)  # the custom statistics', for loop bodies' merges
         #: Bumped with every new arena; the tracker puts it in the jit cache key.
         self.generation = 0
         self._arena: Any = None
@@ -218,15 +224,12 @@ class Mailboxes:
         reports: Sequence[Report],
         arena: Any = None,
         remat: bool = False,
-        merge: Sequence[str] | None = None,
+        merge: bool = False,
     ) -> bool:
-        """Write ``reports`` (traced) to a new mailbox; False where the arena has no room left
-        (the caller then sends them by callback). ``arena``: the current arena as the traced
-        function sees it, when it was passed in as an argument (by default it is closed over).
-        ``remat``: written inside ``jax.checkpoint`` (a second write per step is expected).
-        ``merge``: inside a loop body, the write merges into what the mailbox holds
-        (:func:`merge_jax`; the custom statistics' merge rules), so the mailbox ends the
-        step with the summary of every iteration; else it replaces it."""
+        """:meth:`._sink.Mailbox.post`: write ``reports`` (traced) to a new mailbox of the
+        arena (closed over unless ``arena`` is given); inside a loop body (``merge``) the
+        write merges into what the mailbox holds (:func:`merge_jax`), so the mailbox ends the
+        step with the summary of every iteration."""
         words = [w for _, _, s in reports for w in (_words(s.counts), _words(s.values))]
         size = 1 + sum(w.shape[0] for w in words)
         with self._lock:
@@ -236,10 +239,11 @@ class Mailboxes:
             offset = self._used
             self._used += size
             arena, generation = self._arena if arena is None else arena, self.generation
-        words = _write(arena, offset, size, reports, words, merge)
+        rules = self._rules if merge else None
+        words = _write(arena, offset, size, reports, words, rules)
         with self._lock:
             if generation == self.generation:
-                self._boxes.append(_box(name, module_type, reports, words, offset, remat, merge))
+                self._boxes.append(_box(name, module_type, reports, words, offset, remat, rules))
         return True
 
     def read(self) -> MailRead | None:

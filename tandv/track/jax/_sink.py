@@ -17,14 +17,40 @@ from typing import Any, Protocol
 from ..common.options import ROOT_NAME
 from ._summary import DeviceSummary
 
-__all__ = ["ROOT_NAME", "Report", "TapSink", "register", "sink_of"]
+__all__ = ["ROOT_NAME", "Mailbox", "Report", "TapSink", "register", "sink_of"]
 
 #: One report of a tap: ``(tensor_type, dtype, summary)``, ``tensor_type`` ``"Activation"``
 #: or ``"Gradient"``, the summary traced (inside a program) or concrete (eager code).
 Report = tuple[str, Any, DeviceSummary]
 
 
-class TapSink(Protocol):
+class Mailbox(Protocol):
+    """Where a traced tap's reports are written: the one signature of ``post``, which the
+    tracker's sink (:class:`TapSink`), the tracker's arena (``_mailbox.Mailboxes``) and a
+    tracked program's arena (``_mailbox.ProgramMailboxes``) share."""
+
+    def post(
+        self,
+        name: str,
+        module_type: str,
+        reports: Sequence[Report],
+        arena: Any = None,
+        remat: bool = False,
+        merge: bool = False,
+    ) -> bool:
+        """Write traced ``reports`` of module output ``name`` into a new mailbox; False when
+        the arena has no room left (the tap then calls back instead).
+
+        ``arena``: the arena as the traced function received it (passed through a
+        ``custom_vjp``), None to close over the current one. ``remat``: the write lies inside
+        ``jax.checkpoint`` (written twice per step, as expected). ``merge``: the write lies in
+        a loop body and merges into the mailbox (``_summary.merge_jax``, with the merge rules
+        of the tracker's custom statistics, which the arena was made with) instead of
+        replacing it."""
+        ...
+
+
+class TapSink(Mailbox, Protocol):
     """The tracker as its taps see it.
 
     Three ways a report reaches the tracker, chosen by the tap (see ``_delivery``):
@@ -41,25 +67,6 @@ class TapSink(Protocol):
     def arena(self) -> Any:
         """The mailbox arena of the current intercepted call (a ``jax.Ref``), None when there
         is none (a tap then reports by callback)."""
-        ...
-
-    def post(
-        self,
-        name: str,
-        module_type: str,
-        reports: Sequence[Report],
-        arena: Any = None,
-        remat: bool = False,
-        merge: bool = False,
-    ) -> bool:
-        """Write traced ``reports`` of module output ``name`` into a new mailbox; False when
-        the arena has no room left (the tap then calls back instead).
-
-        ``arena``: the arena as the traced function received it (passed through a
-        ``custom_vjp``), None to close over :attr:`arena`. ``remat``: the write lies inside
-        ``jax.checkpoint`` (written twice per step, as expected). ``merge``: the write lies in
-        a loop body and merges into the mailbox by the tracker's merge rules (its custom
-        statistics' included) instead of replacing it."""
         ...
 
     def receive(

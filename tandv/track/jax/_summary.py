@@ -98,19 +98,20 @@ def _bits_for(dtype: Any) -> _Bits:
 
 
 #: The most elements one on-device summary covers: its counts are int32 (JAX runs without
-#: 64-bit integers unless ``jax_enable_x64`` is set), and a larger array's would wrap.
+#: 64-bit integers unless ``jax_enable_x64`` is set), and a larger array's would wrap. The
+#: tracker summarizes larger arrays in segments (``_segments``).
 MAX_ELEMENTS = 2**31 - 1
 
 
 def check_countable(x: Any, what: str = "an array") -> None:
     """Raises ``ValueError`` (at trace time: shapes are static) when ``x`` has more elements
-    than an on-device summary can count, instead of summaries with wrapped counts."""
+    than one on-device summary can count, instead of summaries with wrapped counts."""
     if x.size > MAX_ELEMENTS:
         raise ValueError(
             f"tandv: {what} of shape {tuple(x.shape)} ({x.dtype}) has {x.size:,} elements; "
-            f"a summary computed on the device counts at most 2**31 - 1 = {MAX_ELEMENTS:,} "
-            "(int32 counts). Leave it out of tracking with track(..., exclude=<a regex "
-            "matching its name>), or summarize it in parts of fewer elements."
+            f"one summary computed on the device counts at most 2**31 - 1 = {MAX_ELEMENTS:,} "
+            "(int32 counts). Summarize it in segments of fewer elements and merge them on "
+            "the host, as the tracker does (tandv.track.jax._segments.segmented)."
         )
 
 
@@ -240,6 +241,7 @@ def with_custom(
         [jnp.asarray(fn(x), core.values.dtype).reshape(1) for fn in custom.values()]
     )
     v = core.values
+    extra = jnp.broadcast_to(extra, (*v.shape[:-1], extra.shape[0]))  # (on every segment's row)
     values = jnp.concatenate([v[..., :N_CORE_VALUES], extra, v[..., N_CORE_VALUES:]], axis=-1)
     return DeviceSummary(core.counts, values)
 

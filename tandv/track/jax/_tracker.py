@@ -31,7 +31,8 @@ from ._intercept import TrackedProgram, interception, jitted_core
 from ._mailbox import Mailboxes, MailRead, ProgramMailboxes
 from ._nnx import acquire_nnx, release_nnx, tag_nnx_paths, untag_nnx_paths
 from ._pallas import pallas_blocks, pallas_summary
-from ._sink import ROOT_NAME, Report, register
+from ._segments import core_layout, is_segmented, segment_count, segmented
+from ._sink import ROOT_NAME, Mailbox, Report, register
 from ._state import Parts, gradients_of, is_nnx_module, is_nnx_optimizer, parts_of
 from ._summary import (
     CustomStat,
@@ -39,12 +40,12 @@ from ._summary import (
     summarize_jax,
     summarize_many_jax,
     with_blocks,
-    with_custom,
 )
 from ._taps import tap
 from ._transfer import (
     Batch,
     Mail,
+    Segments,
     Sent,
     ShardRows,
     StackRow,
@@ -149,7 +150,7 @@ class _TapSink:
         self, receive: Callable[[str, str, str, str, Any], None], merge_rules: Sequence[str]
     ) -> None:
         #: The arena and its mailboxes (the tracker prepares and reads them).
-        self.mailboxes = Mailboxes()
+        self.mailboxes = Mailboxes(merge_rules)
         #: The mailboxes of the tracked program being traced (None: the arena's, above).
         self.program: ProgramMailboxes | None = None
         #: The mailbox layout of each trace of a tracked program, by its serial.
@@ -159,7 +160,8 @@ class _TapSink:
         #: Whether any tap was ever traced to report by host callback (a compiled function
         #: is traced once: its later calls say nothing).
         self.callbacks_seen = False
-        self._merge_rules = list(merge_rules)
+        #: The merge rules of the tracker's custom statistics (a loop body's mailbox merges).
+        self.merge_rules = list(merge_rules)
         #: A layout with block formats' columns, where the tracker's layouts have them
         #: (their words are not merged over a loop's iterations: :func:`_no_blocks`).
         self.block_layout: Layout | None = None
@@ -178,11 +180,10 @@ class _TapSink:
         remat: bool = False,
         merge: bool = False,
     ) -> bool:
-        rules = self._merge_rules if merge else None
         if merge and self.block_layout is not None:
             _no_blocks(self.block_layout, f"module {name!r}'s output inside a loop body (scan)")
-        boxes = self.mailboxes if self.program is None else self.program
-        return boxes.post(name, module_type, reports, arena, remat, rules)
+        boxes: Mailbox = self.mailboxes if self.program is None else self.program
+        return boxes.post(name, module_type, reports, arena, remat, merge)
 
     def receive(
         self, name: str, module_type: str, tensor_type: str, dtype: str, summary: Any
@@ -387,7 +388,11 @@ class JaxTracker(TrackerCore[Sent]):
             else:
                 expanded.append((key, layout, s))
         # a mailbox the computation did not write holds no observation
-        pending = [p for p in expanded if not isinstance(p[2], Mail) or p[2].summary() is not None]
+        pending = [
+            (key, layout, Segments(s, layout) if _segmented(s) else s)
+            for key, layout, s in expanded
+            if not isinstance(s, Mail) or s.summary() is not None
+        ]
         if self._multi:  # how each row merges over the processes, for the rank merger
             self._roles = {key: _distributed.role(s, Mail) for key, _, s in pending}
         return pending
@@ -416,25 +421,65 @@ class JaxTracker(TrackerCore[Sent]):
         Pallas kernel (see :data:`SUMMARY_PATH`; float64 always takes XLA's). ``fused``:
         whether the kernel may serve in ``"auto"``, False for programs on several devices
         (XLA partitions its own operations over a sharded array; a kernel would need the
-        whole array on each device)."""
+        whole array on each device). An array past :data:`._segments.SEGMENT_ELEMENTS`
+        elements is summarized in segments (:func:`._segments.segmented`); the block formats'
+        words follow the custom statistics (:meth:`_with_blocks`)."""
+        core = functools.partial(self._core, fused=fused)
+        summary = DeviceSummary(*segmented(core, x, self._custom))
+        return self._with_blocks(summary, x, fused)
+
+    def _kernel_serves(self, x: jax.Array, fused: bool) -> bool:
+        """Whether the fused Pallas kernel may summarize ``x`` (else XLA's operations)."""
+        return jnp.dtype(x.dtype) != jnp.float64 and (
+            self._path == "pallas" or (x.size >= FUSED_SIZE and fused)
+        )
+
+    def _with_blocks(self, summary: DeviceSummary, x: jax.Array, fused: bool) -> DeviceSummary:
+        """``summary`` of ``x`` (custom statistics in it) with the words of the block formats
+        of ``x``'s layout: by the second Pallas kernel where the fused one serves (on CUDA),
+        else by XLA's operations; unchanged without block formats. An array summarized in
+        segments is refused with block formats (their words are of one whole array)."""
         layout = self._layout(x.dtype)
+        if not block_formats_of(layout.extras):
+            return summary
+        if segment_count(x.size) > 1:
+            _no_blocks(layout, f"an array of {x.size} elements (summarized in segments)")
+        if not self._kernel_serves(x, fused):
+            return with_blocks(summary, x, layout)
+        if self._path == "pallas":
+            return pallas_blocks(summary, x, layout)
+
+        def on(kernel: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
+            def blocks(a: jax.Array, c: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+                s = DeviceSummary(c, v)
+                got = pallas_blocks(s, a, layout, False) if kernel else with_blocks(s, a, layout)
+                return got.counts, got.values
+
+            return blocks
+
+        return DeviceSummary(
+            *jax.lax.platform_dependent(
+                x, summary.counts, summary.values, cuda=on(True), default=on(False)
+            )
+        )
+
+    def _core(self, x: jax.Array, fused: bool = True) -> DeviceSummary:
+        """:meth:`_summarize` of one segment, without custom statistics and block formats."""
+        layout = core_layout(self._layout(x.dtype))
         if jnp.dtype(x.dtype) == jnp.float64 or (
             self._path != "pallas" and (x.size < FUSED_SIZE or not fused)
         ):
-            return summarize_jax(x, layout, self._custom)
+            return summarize_jax(x, layout)
 
         def kernel(a: jax.Array, interpret: bool | None = None) -> DeviceSummary:
-            core = pallas_summary(
+            return pallas_summary(
                 a, layout.format, layout.num_counts, interpret=interpret, moments=layout.moments
             )
-            return pallas_blocks(with_custom(core, a, self._custom), a, layout, interpret)
 
         if self._path == "pallas":
             return kernel(x)
         return jax.lax.platform_dependent(
-            x,
-            cuda=lambda a: kernel(a, False),
-            default=lambda a: summarize_jax(a, layout, self._custom),
+            x, cuda=lambda a: kernel(a, False), default=lambda a: summarize_jax(a, layout)
         )
 
     def _summarize_in_program(self, x: jax.Array) -> DeviceSummary:
@@ -442,18 +487,30 @@ class JaxTracker(TrackerCore[Sent]):
         take the XLA path); custom statistics are XLA operations appended to its values."""
         if jnp.dtype(x.dtype) == jnp.float64:
             return self._summarize(x)
-        layout = self._layout(x.dtype)
-        core = _ffi.ffi_summary(x, layout.format, layout.num_counts, layout.moments)
-        return with_blocks(with_custom(core, x, self._custom), x, layout)
+        summary = DeviceSummary(*segmented(self._core_in_program, x, self._custom))
+        return self._with_blocks(summary, x, fused=False)
 
-    def _summarize_exact(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _core_in_program(self, x: jax.Array) -> DeviceSummary:
+        """:meth:`_summarize_in_program` of one segment (not float64), without custom
+        statistics."""
+        layout = self._layout(x.dtype)
+        return _ffi.ffi_summary(x, layout.format, layout.num_counts, layout.moments)
+
+    def _summarize_exact(self, x: jax.Array) -> tuple[jax.Array, ...]:
         """Traceable, on the CPU (not float64): counts, values (custom statistics appended)
         and the exact float64 core values as uint32 words of ``x``'s summary by the host
         kernel in the program (see :func:`._ffi.ffi_summary_exact`)."""
         layout = self._layout(x.dtype)
-        core, words = _ffi.ffi_summary_exact(x, layout.format, layout.num_counts, layout.moments)
-        summary = with_blocks(with_custom(core, x, self._custom), x, layout)
-        return summary.counts, summary.values, words
+
+        def core(a: jax.Array) -> tuple[jax.Array, ...]:
+            summary, words = _ffi.ffi_summary_exact(
+                a, layout.format, layout.num_counts, layout.moments
+            )
+            return (*summary, words)
+
+        counts, values, *rest = segmented(core, x, self._custom)
+        summary = self._with_blocks(DeviceSummary(counts, values), x, fused=False)
+        return (summary.counts, summary.values, *rest)
 
     def _summarize_anywhere(self, x: jax.Array, fused: bool) -> DeviceSummary:
         """Traceable summary of a step-time array: where the host kernel serves (the
@@ -461,9 +518,15 @@ class JaxTracker(TrackerCore[Sent]):
         (:meth:`_summarize_in_program`), else :meth:`_summarize`."""
         if not self._host_kernel:
             return self._summarize(x, fused)
-        return jax.lax.platform_dependent(
-            x, cpu=self._summarize_in_program, default=lambda a: self._summarize(a, fused)
-        )
+        if jnp.dtype(x.dtype) == jnp.float64:
+            return self._summarize(x, fused)
+
+        def core(a: jax.Array) -> DeviceSummary:
+            return jax.lax.platform_dependent(
+                a, cpu=self._core_in_program, default=lambda b: self._core(b, fused)
+            )
+
+        return self._with_blocks(DeviceSummary(*segmented(core, x, self._custom)), x, fused)
 
     @staticmethod
     def _groups(arrays: Sequence[Any]) -> list[tuple[str, list[int]]]:
@@ -496,8 +559,11 @@ class JaxTracker(TrackerCore[Sent]):
                 _no_blocks(layout, "an array split over several devices")
 
                 def local(a: jax.Array, layout: Layout = layout) -> tuple[jax.Array, jax.Array]:
-                    summary = summarize_jax(a, layout, self._custom)
-                    return summary.counts[None], summary.values[None]
+                    core = functools.partial(summarize_jax, layout=core_layout(layout))
+                    counts, values = segmented(core, a, self._custom)
+                    if counts.ndim == 1:  # one row per shard, else one per segment
+                        return counts[None], values[None]
+                    return counts, values
 
                 out.append(
                     jax.shard_map(
@@ -515,14 +581,16 @@ class JaxTracker(TrackerCore[Sent]):
             # Large arrays run faster through their own program (no copy into a shared
             # block); small ones share one, which keeps compile time down. The host kernel
             # (on the CPU) takes each array on its own.
+            # An array summarized in segments has a row per segment (see :meth:`_stacks`).
             if exact and jnp.dtype(arrays[idx[0]].dtype) != jnp.float64:
                 done = [self._summarize_exact(arrays[i]) for i in idx]
-                out.append(tuple(jnp.stack(part) for part in zip(*done)))
+                out.append(tuple(_rows_of(part) for part in zip(*done)))
                 continue
             small = [
                 i
                 for i in idx
                 if arrays[i].size < _OWN_PROGRAM_SIZE
+                and segment_count(arrays[i].size) == 1
                 and self._path != "pallas"
                 and not self._host_kernel
             ]
@@ -534,8 +602,8 @@ class JaxTracker(TrackerCore[Sent]):
                     parts[i] = self._summarize_anywhere(arrays[i], fused)
             out.append(
                 (
-                    jnp.stack([parts[i].counts for i in idx]),
-                    jnp.stack([parts[i].values for i in idx]),
+                    _rows_of([parts[i].counts for i in idx]),
+                    _rows_of([parts[i].values for i in idx]),
                 )
             )
         return out
@@ -572,12 +640,25 @@ class JaxTracker(TrackerCore[Sent]):
         stacks = iter(self._summarize_many(device, len(devices) <= 1, plans, exact))
         for i, plan in zip(rest, plans):
             if plan is not None:
-                rows[i] = ShardRows(next(stacks), plan[2], self._layout(arrays[i].dtype))
+                stack = next(stacks)
+                rows[i] = ShardRows(
+                    stack,
+                    plan[2],
+                    self._layout(arrays[i].dtype),
+                    stack[0].shape[0] // plan[0].devices.size,  # segments per shard
+                )
         plain = [i for i, plan in zip(rest, plans) if plan is None]
         for (_, idx), stack in zip(self._groups([arrays[i] for i in plain]), stacks):
-            for r, i in enumerate(idx):
-                rows[plain[i]] = StackRow(stack, r)
+            for (r, span), i in zip(_spans([arrays[plain[i]].size for i in idx]), idx):
+                rows[plain[i]] = self._stack_row(stack, r, span, arrays[plain[i]].dtype)
         return rows
+
+    def _stack_row(self, stack: tuple[Any, ...], r: int, span: int, dtype: Any) -> Any:
+        """The handle of an array's summary in rows ``r`` to ``r + span`` of ``stack`` (its
+        segments' when ``span > 1``, merged on the host)."""
+        if span == 1:
+            return StackRow(stack, r)
+        return Segments(StackRow(stack, slice(r, r + span)), self._layout(dtype))
 
     def _summarize_batch(self, arrays: list[Any]) -> tuple[list[Any] | None, Stacks | None]:
         """Summaries of a step's ``arrays`` (refused first where they are ``jax.pmap``
@@ -617,10 +698,10 @@ class JaxTracker(TrackerCore[Sent]):
     def _stacks(self, arrays: list[jax.Array], exact: bool) -> Stacks:
         """Traced: :meth:`_summaries` of arrays on one device, with each array's (stack,
         row) and dtype as the result's static data."""
-        rows = [(0, 0)] * len(arrays)
+        rows = [(0, 0, 1)] * len(arrays)
         for g, (_, idx) in enumerate(self._groups(arrays)):
-            for r, i in enumerate(idx):
-                rows[i] = (g, r)
+            for (r, span), i in zip(_spans([arrays[i].size for i in idx]), idx):
+                rows[i] = (g, r, span)
         stacks = self._summaries(arrays, True, (None,) * len(arrays), exact)
         return Stacks(stacks, tuple(rows), tuple(np.dtype(a.dtype) for a in arrays))
 
@@ -772,7 +853,7 @@ class JaxTracker(TrackerCore[Sent]):
         outputs, the written words and the summaries of its float outputs
         (:meth:`_output_summaries`)."""
         self._where(self._call_args)  # the arrays of the call being traced
-        mail = ProgramMailboxes(next(_serials), program.capacity)
+        mail = ProgramMailboxes(next(_serials), program.capacity, self._sink.merge_rules)
         self._sink.program, callbacks = mail, self._sink.callbacks_used
         self._sink.callbacks_used = False
         self._applications = applications = _misuse.Applications(self._track_activations)
@@ -1126,6 +1207,31 @@ def _picker(indices: list[int]) -> Callable[[list[Any]], list[Any]]:
         get = operator.itemgetter(*indices)
         return lambda items: list(get(items))
     return lambda items: [items[i] for i in indices]
+
+
+def _segmented(summary: Any) -> bool:
+    """Whether a tap's summary (a :class:`Mail` report, or delivered concrete) came in
+    segments (:mod:`._segments`), known from its counts' shape."""
+    if isinstance(summary, Mail):
+        return is_segmented(summary.read.boxes[summary.box].reports[summary.report][2].shape)
+    return isinstance(summary, DeviceSummary) and is_segmented(np.shape(summary.counts))
+
+
+def _rows_of(parts: Sequence[Any]) -> Any:
+    """The summaries' parts ``parts`` (one array's each: a row, or a stack of its segments'
+    rows) as one stack of rows."""
+    return jnp.concatenate([p if p.ndim == 2 else p[None] for p in parts])
+
+
+def _spans(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """``(first row, rows)`` in a stack (:func:`_rows_of`) of each array of ``sizes``
+    elements: one row, or one per segment (:func:`._segments.segment_count`)."""
+    spans, at = [], 0
+    for n in sizes:
+        k = segment_count(n)
+        spans.append((at, k))
+        at += k
+    return spans
 
 
 def _no_blocks(layout: Layout, what: str) -> None:

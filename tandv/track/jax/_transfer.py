@@ -25,11 +25,13 @@ from ...stats.summary import N_CORE_VALUES, Layout, merge_all
 from . import _distributed
 from ._ffi import exact_values
 from ._mailbox import MailRead
+from ._segments import merge_segments
 from ._summary import DeviceSummary, to_vector
 
 __all__ = [
     "StackRow",
     "ShardRows",
+    "Segments",
     "Mail",
     "Batch",
     "Stacks",
@@ -44,19 +46,30 @@ __all__ = [
 class StackRow(NamedTuple):
     """Row ``row`` of a stacked device summary ``(counts, values)`` of several tensors
     (``(counts, values, words)`` where the host kernel summarized them in the program: the
-    float64 core values as uint32 words, see :func:`._ffi.ffi_summary_exact`)."""
+    float64 core values as uint32 words, see :func:`._ffi.ffi_summary_exact`); a slice of
+    rows: an array's segments (inside :class:`Segments`)."""
 
     stack: tuple[Any, ...]
-    row: int
+    row: int | slice
+
+
+class Segments(NamedTuple):
+    """The summary of an array summarized in segments (:mod:`._segments`): ``inner``, a
+    handle whose host vectors are the segments' rows, merged on the host by ``layout``."""
+
+    inner: Any
+    layout: Layout
 
 
 class ShardRows(NamedTuple):
     """The summary of a sharded array: the rows ``rows`` of the stack of its shards'
-    summaries (one shard of each replicated group), merged on the host by ``layout``."""
+    summaries (one shard of each replicated group), merged on the host by ``layout``;
+    ``segments`` rows per shard where its shards are summarized in segments."""
 
     stack: tuple[Any, Any]
     rows: tuple[int, ...]
     layout: Layout
+    segments: int = 1
 
 
 def shard_plan(x: Any) -> tuple[Any, Any, tuple[int, ...]] | None:
@@ -107,12 +120,12 @@ class Stacks:
     """What a jitted call returns for a list of arrays on one device: the stacked summaries
     of each dtype group (``stacks``, device arrays) and, as static data of the pytree (set
     when the call is traced, returned by each call without any work on the arrays), each
-    array's ``(stack, row)`` in them and its dtype."""
+    array's ``(stack, row, rows)`` in them (``rows`` > 1: its segments') and its dtype."""
 
     def __init__(
         self,
         stacks: list[tuple[Any, ...]],
-        rows: tuple[tuple[int, int], ...],
+        rows: tuple[tuple[int, int, int], ...],
         dtypes: tuple[Any, ...],
         leaves: tuple[int, ...] = (),
     ) -> None:
@@ -154,7 +167,12 @@ class Batch(NamedTuple):
         if handles is None:
             assert self.stacks is not None
             stacks = self.stacks.stacks
-            handles = [StackRow(stacks[g], r) for g, r in self.stacks.rows]
+            handles = [
+                StackRow(stacks[g], r)
+                if span == 1
+                else Segments(StackRow(stacks[g], slice(r, r + span)), layout)
+                for (g, r, span), layout in zip(self.stacks.rows, self.layouts)
+            ]
         return list(zip(self.keys, self.layouts, handles))
 
 
@@ -233,6 +251,7 @@ def send(summaries: Sequence[Any]) -> Sent:
         else:
             loose.append(s)
     for s in _distributed.flatten(loose):
+        s = s.inner if isinstance(s, Segments) else s
         if isinstance(s, (StackRow, ShardRows)) and id(s.stack) not in stacks:
             stacks[id(s.stack)] = (s.stack, len(arrays))
             arrays += list(s.stack)
@@ -269,9 +288,15 @@ def to_host(summaries: list[Any], stacks: dict[int, tuple[Transfer, int]]) -> li
     for s in summaries:
         if isinstance(s, _distributed.LocalParts):  # this process's shards of a global array
             out.append(merge_all(to_host(list(s.parts), stacks), s.layout))
+        elif isinstance(s, Segments):
+            out.append(merge_segments(to_host([s.inner], stacks)[0], s.layout))
         elif isinstance(s, ShardRows):
-            rows = matrix(s.stack)
-            out.append(merge_all([rows[r] for r in s.rows], s.layout))
+            rows, k = matrix(s.stack), s.segments
+            shards = [
+                rows[r] if k == 1 else merge_segments(rows[r * k : (r + 1) * k], s.layout)
+                for r in s.rows
+            ]
+            out.append(merge_all(shards, s.layout))
         elif isinstance(s, StackRow):
             out.append(matrix(s.stack)[s.row])
         elif isinstance(s, np.ndarray):  # a vector finished on the host already
