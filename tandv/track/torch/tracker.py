@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 import torch
 from torch import nn
-from torch.compiler import is_compiling
+from torch.compiler import is_compiling, is_dynamo_compiling
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ...schema.columns import ACTIVATION, GRADIENT, OPTIMISER_STATE, WEIGHT
@@ -71,6 +71,7 @@ __all__ = ["Tracker", "track", "StatFn"]
 
 
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_weak = weakref.ref
 
 
 def in_backward() -> bool:
@@ -95,23 +96,9 @@ def _hooked(t: torch.Tensor, mark: tuple[int, str]) -> bool:
 #: a step (see Tracker.recorder), which then checks the memory they hold.
 _HOOK_ROWS = 1024
 
-#: Keys of the output-gradient hooks added by :func:`_add_grad_hook`: negative, so apart
-#: from torch's own (``RemovableHandle`` ids count up from 0).
+#: Keys of the output-gradient hooks the forward hooks add: negative, so apart from torch's
+#: own (``RemovableHandle`` ids count up from 0).
 _hook_ids = itertools.count(-1, -1)
-
-
-def _add_grad_hook(t: torch.Tensor, hook: Callable) -> None:
-    """``t.register_hook(hook)`` for a plain tensor that requires grad, without the
-    handle (never used: the hook lives and dies with ``t``): what ``Tensor.register_hook``
-    does for such a tensor, at a third of its cost (a forward hook registers one per
-    tracked output)."""
-    hooks = t._backward_hooks
-    if hooks is None:
-        hooks = t._backward_hooks = OrderedDict()
-        grad_fn = t.grad_fn
-        if grad_fn is not None:
-            grad_fn._register_hook_dict(t)
-    hooks[next(_hook_ids)] = hook
 
 
 class _HookSite:
@@ -255,6 +242,7 @@ class Tracker(TrackerCore[Flight | None]):
         self._last: tuple[weakref.ref[torch.Tensor], int, Layout, np.ndarray | Slot] | None = None
         self._workspace = Workspace()
         self._handles: list[Any] = []
+        self._weights_hook: Any = None  # (see _hook_weights)
         self._compiled: CompiledHooks | None = None
         self._active = False
         self._weights_done = False
@@ -360,6 +348,21 @@ class Tracker(TrackerCore[Flight | None]):
             if shard is None:
                 return None
             part = shard
+        if (
+            site is not None
+            and known[2] is not None
+            and (
+                site.launch is None
+                or site.dtype is not dtype
+                or site.launch.space.device != x.device
+            )
+            and part is x
+            and not self.stat_fns
+            and not (kind == GRADIENT and self.scaler is not None)
+        ):  # the launch of the site's later tensors (made here also when this one is reused
+            # below: a container returning its child's output takes the fast path next time)
+            site.dtype, site.key, site.layout, site.cuda = dtype, key, known[1], cuda
+            site.launch = self._workspace.hook_launch(known[2], known[1], x.device)
         last = self._last
         if last is not None and last[0]() is x and last[1] == x._version:
             # The same tensor again, unchanged: a container returning its last child's
@@ -376,15 +379,6 @@ class Tracker(TrackerCore[Flight | None]):
                 extras[LOSS_SCALE] = scale
         lay = self._layout(d.dtype, tuple(extras)) if extras else known[1]
         spec = known[2] if part is x else fused_spec(d, lay)
-        if (
-            site is not None
-            and spec is not None
-            and part is x
-            and not self.stat_fns
-            and not (kind == GRADIENT and self.scaler is not None)
-        ):
-            site.dtype, site.key, site.layout, site.cuda = dtype, key, lay, cuda
-            site.launch = self._workspace.hook_launch(spec, lay, x.device)
         summary = self._workspace.summary(d, lay, extras, spec)
         # (a weak reference: a dead tensor cannot be seen again, and a new tensor at the
         # same address is another object)
@@ -531,8 +525,7 @@ class Tracker(TrackerCore[Flight | None]):
                 entry = (site.key, last[2], last[3])
             else:
                 if site.cuda and torch.cuda.is_current_stream_capturing():
-                    what = "output gradient" if site.kind == GRADIENT else "output"
-                    raise _capture_error(f"the {what} of module {site.name!r}")
+                    raise _site_capture_error(site)
                 slot = launch.summarize(x)
                 if slot is None:  # not a tensor the launch reads
                     self._observe_slow(site, x)
@@ -774,7 +767,7 @@ class Tracker(TrackerCore[Flight | None]):
         return site
 
     # issue 31: split after the torch hook-path work lands
-    def _make_forward_hook(self, name: str, module: nn.Module) -> Callable:  # noqa: C901
+    def _make_forward_hook(self, name: str, module: nn.Module) -> Callable:  # noqa: C901, PLR0915
         want_act = self.kinds[ACTIVATION]
         want_grad = self.kinds[GRADIENT]
         ref = weakref.ref(self)
@@ -799,18 +792,10 @@ class Tracker(TrackerCore[Flight | None]):
                 got = sites[tname] = tr._site(tname, ACTIVATION, mod)
             return got
 
-        def hook(mod: nn.Module, args: Any, output: Any) -> None:
-            if is_compiling():  # inside a graph of a compiled wrapper: see _first_forward_hook
-                return
-            tr = ref()
-            if tr is None or not tr._active or not (mod.training or tr.track_eval):
-                return
-            if type(output) is torch.Tensor and _graph_task_id() == -1:
-                # the common case, without a call: one plain tensor, in a forward pass
-                if want_act:
-                    tr._observe_site(site, output)  # (a floating one only)
-                if grad_hook is not None and output.requires_grad:
-                    _add_grad_hook(output, grad_hook)
+        def others(tr: Tracker, mod: nn.Module, output: Any) -> None:
+            """The hook's other cases: a structured output, a tensor subclass, a forward
+            recomputed in a backward pass."""
+            if is_compiling():
                 return
             tensors: list[tuple[str, torch.Tensor]] = []
             if type(output) is torch.Tensor:
@@ -842,6 +827,55 @@ class Tracker(TrackerCore[Flight | None]):
                 if want_grad and t.requires_grad:
                     t.register_hook(grad_hook_of(tr, tname, mod))
 
+        def hook(mod: nn.Module, args: Any, output: Any) -> None:
+            # inside a graph of a compiled wrapper (see _first_forward_hook); dynamo's own
+            # test first, one frame where is_compiling() takes two: the other tracings
+            # is_compiling() tells (non-strict export) run on tensor subclasses, which
+            # others() asks it about
+            if is_dynamo_compiling():
+                return
+            tr = ref()
+            if tr is None or not tr._active or not (mod.training or tr.track_eval):
+                return
+            if type(output) is not torch.Tensor or _graph_task_id() != -1:
+                others(tr, mod, output)
+                return
+            # The common case: one plain tensor, in a forward pass. The output-gradient hook
+            # is added as Tensor.register_hook adds it to a plain tensor, without the handle
+            # (never used: the hook lives and dies with the tensor), and
+            # Tracker._observe_site is written out: each Python frame costs microseconds on
+            # the cold caches a hook runs on (see benchmarks/host_cost.py).
+            if grad_hook is not None and output.requires_grad:
+                hooks = output._backward_hooks
+                if hooks is None:
+                    hooks = output._backward_hooks = OrderedDict()
+                    grad_fn = output.grad_fn
+                    if grad_fn is not None:
+                        grad_fn._register_hook_dict(output)
+                hooks[next(_hook_ids)] = grad_hook
+            if not want_act:
+                return
+            launch = site.launch
+            if launch is None or output.dtype is not site.dtype:
+                tr._observe_slow(site, output)  # (a floating one only)
+                return
+            last = tr._last
+            if last is not None and last[0]() is output and last[1] == output._version:
+                entry = (site.key, last[2], last[3])  # (see _summary)
+            else:
+                if site.cuda and torch.cuda.is_current_stream_capturing():
+                    raise _site_capture_error(site)
+                slot = launch.summarize(output)
+                if slot is None:  # not a tensor the launch reads
+                    tr._observe_slow(site, output)
+                    return
+                tr._last = (_weak(output), output._version, site.layout, slot)
+                entry = (site.key, site.layout, slot)
+            rows = tr._hook_rows
+            rows.append(entry)
+            if len(rows) >= _HOOK_ROWS:  # (see _observe_site)
+                tr._hand_over()
+
         return hook
 
     def _make_grad_hook(self, name: str, module: nn.Module) -> Callable:
@@ -849,11 +883,32 @@ class Tracker(TrackerCore[Flight | None]):
         site = self._site(name, GRADIENT, module)
 
         def grad_hook(g: torch.Tensor) -> None:
-            if is_compiling():
+            if is_dynamo_compiling():  # (see the forward hook)
                 return
             tr = ref()
-            if tr is not None and tr._active and g is not None:
-                tr._observe_site(site, g)  # (a floating one only)
+            if tr is None or not tr._active or g is None:
+                return
+            # Tracker._observe_site written out (see the forward hook)
+            launch = site.launch
+            if launch is not None and g.dtype is site.dtype and type(g) is torch.Tensor:
+                last = tr._last
+                if last is not None and last[0]() is g and last[1] == g._version:
+                    entry = (site.key, last[2], last[3])  # (see _summary)
+                else:
+                    if site.cuda and torch.cuda.is_current_stream_capturing():
+                        raise _site_capture_error(site)
+                    slot = launch.summarize(g)
+                    if slot is None:  # not a tensor the launch reads
+                        tr._observe_slow(site, g)
+                        return
+                    tr._last = (_weak(g), g._version, site.layout, slot)
+                    entry = (site.key, site.layout, slot)
+                rows = tr._hook_rows
+                rows.append(entry)
+                if len(rows) >= _HOOK_ROWS:  # (see _observe_site)
+                    tr._hand_over()
+                return
+            tr._observe_slow(site, g)  # (a floating one only)
 
         setattr(grad_hook, _OUTPUT_GRAD_HOOK, (id(self), name))  # what _hooked looks for
         return grad_hook
@@ -877,6 +932,7 @@ class Tracker(TrackerCore[Flight | None]):
             and (mod.training or self.track_eval)
         ):
             self._capture_weights()
+            self._unhook_weights()
 
     def _optimizer_pre_hook(self, opt: Any, args: Any, kwargs: Any) -> Any:
         if not self._active:
@@ -919,10 +975,6 @@ class Tracker(TrackerCore[Flight | None]):
             for name, m in self._modules:
                 if self._selected(name, type(m)):
                     self._handles.append(m.register_forward_hook(self._make_forward_hook(name, m)))
-        if self.kinds[WEIGHT] and not self._is_compiled:
-            # (a compiled model's weights are captured before the optimizer update instead:
-            # dynamo would trace this hook and break the graph)
-            self._handles.append(register_module_forward_pre_hook(self._first_forward_hook))
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))
             self._handles.append(opt.register_step_post_hook(self._optimizer_post_hook))
@@ -937,6 +989,23 @@ class Tracker(TrackerCore[Flight | None]):
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._unhook_weights()
+
+    def _hook_weights(self) -> None:
+        """Install :meth:`_first_forward_hook` for the step under way (a scheduled one): it
+        removes itself once it has captured the step's weights (:meth:`_unhook_weights`), so
+        the step's other module calls do not call it. (Where the step's weights were
+        captured elsewhere, as under a compiled wrapper of the model, it stays: dynamo guards
+        on the global hooks, and a hook added and removed at every step would recompile the
+        wrapper's graph.) A compiled model's weights are captured before the optimizer
+        update instead: dynamo would trace this hook and break the graph."""
+        if self.kinds[WEIGHT] and not self._is_compiled and self._weights_hook is None:
+            self._weights_hook = register_module_forward_pre_hook(self._first_forward_hook)
+
+    def _unhook_weights(self) -> None:
+        if self._weights_hook is not None:
+            self._weights_hook.remove()
+            self._weights_hook = None
 
     # ------------------------------------------------------------------ adapter
 
@@ -1007,6 +1076,10 @@ class Tracker(TrackerCore[Flight | None]):
             self._install()
         elif not self._active and self._handles:
             self._remove()
+        if self._active:
+            self._hook_weights()
+        else:
+            self._unhook_weights()
 
     def step(self) -> None:
         """End the current training step (call it after the optimizer update).
@@ -1101,6 +1174,12 @@ def _capture_error(what: str) -> RuntimeError:
         f"exclude the captured modules (track(..., exclude=[...])), or capture an untracked "
         f"copy"
     )
+
+
+def _site_capture_error(site: _HookSite) -> RuntimeError:
+    """:func:`_capture_error` of a hook's tensor at ``site``."""
+    what = "output gradient" if site.kind == GRADIENT else "output"
+    return _capture_error(f"the {what} of module {site.name!r}")
 
 
 #: The statistic column of output-gradient rows that holds a tracked GradScaler's scale.
