@@ -622,7 +622,6 @@ class Workspace:
                         "captured: see track's `module` argument)"
                     )
                 space.used = 0
-                rows = space.rows[:used]
                 if device.type == "cpu":
                     # no device to copy and zero them in the background: the flight takes
                     # the rows themselves, the space a spare buffer of zeros, and whoever
@@ -631,6 +630,7 @@ class Workspace:
                     space.rows = space.take_spare()
                     continue
                 else:
+                    rows = space.rows[:used]
                     with _on(device):
                         space.join()  # after every stream that wrote the rows
                         # a buffer of its own (torch's caching pinned allocator reuses it
