@@ -27,8 +27,14 @@ charge a random hook with tens of milliseconds. What tandv adds to the collector
 printed instead: the garbage-collected objects each hook call leaves alive (its row's slot
 and entry, kept for the end of the step).
 
-Between hooks the model's own operations run, so a hook runs on cold caches: on a loaded
-machine it costs several times what the same hook costs called in a tight loop.
+Between hooks the model's own operations run, so a hook runs on cold caches: it costs
+several times (on a shared 2-core VM, 10-20 times) what the same hook costs called in a
+tight loop, and about in proportion to the Python frames and objects it touches, each
+fetched anew. Other processes on the machine make that cost vary from step to step, so
+each figure is a median over the timed steps: of each step's mean time per hook call, and
+of each step's time outside the hooks (the means over all steps are printed beside them;
+one slow step, as when the writer thread or another process took the core, moves a mean
+over 20 steps by several microseconds).
 
 The launch path per call: in a subprocess without the interpreter, the single-tensor
 kernel is compiled for sm_90 (no GPU needed) and launched through ``launch_one`` (tandv's
@@ -40,7 +46,7 @@ directly). ``--no-triton`` skips both.
 
 Usage::
 
-    PYTHONPATH=. python benchmarks/host_cost.py            # 20 steps after 3 of warm-up
+    PYTHONPATH=. python benchmarks/host_cost.py            # 30 steps after 12 of warm-up
     PYTHONPATH=. python benchmarks/host_cost.py --tiny     # seconds: the tests' mode
 
 The last two lines are ``host_us_per_observation: X`` and ``host_us_fixed_per_step: Y``.
@@ -143,6 +149,11 @@ class Clock:
         """Microseconds in ``kind``, less the clock's own cost."""
         return (self.ns[kind] - self.tare * self.calls[kind]) / 1e3
 
+    def snapshot(self) -> tuple[int, int, int, int]:
+        """The running totals (hook time and calls, per-step time and calls), to take one
+        step's share by difference."""
+        return self.ns["hook"], self.calls["hook"], self.ns["fixed"], self.calls["fixed"]
+
 
 def instrument(clock: Clock) -> None:
     """Time the tracker's hooks (per observation) and its per-step entry points."""
@@ -177,6 +188,9 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
     model, opt, data = _trainer(cfg, batch, 0, "cpu")
     observations = 0
     step_ms = []
+    # per timed step: its hooks' time per call, and its time outside the hooks (us)
+    per_call: list[float] = []
+    per_step: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         with track(model, opt, out=Path(tmp) / "log", verbose=False) as tracker:
             writer0 = 0.0
@@ -189,6 +203,7 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
                     gc.disable()  # see the module notes
                     writer0 = thread_cpu_s(tracker.recorder.stream.writer_thread)  # type: ignore[union-attr]
                 t0 = time.perf_counter()
+                before = clock.snapshot()
                 _step(model, opt, data, i)
                 if clock.on:  # the step's activations and output (not parameter) gradients
                     observations += sum(
@@ -201,6 +216,11 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
                 if clock.on:
                     clock.ns["fixed"] += time.thread_time_ns() - c0
                     clock.calls["fixed"] += 1
+                    ns, calls, fixed_ns, fixed_calls = (
+                        a - b for a, b in zip(clock.snapshot(), before)
+                    )
+                    per_call.append((ns - clock.tare * calls) / 1e3 / max(calls, 1))
+                    per_step.append((fixed_ns - clock.tare * fixed_calls) / 1e3)
                 step_ms.append((time.perf_counter() - t0) * 1e3)
             writer = thread_cpu_s(tracker.recorder.stream.writer_thread) - writer0  # type: ignore[union-attr]
             clock.on = False
@@ -209,9 +229,11 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
     return {
         "observations_per_step": observations / steps,
         "hook_calls_per_step": clock.calls["hook"] / steps,
-        "host_us_per_observation": clock.us("hook") / clock.calls["hook"],
+        "host_us_per_observation": statistics.median(per_call),
+        "host_us_per_observation_mean": clock.us("hook") / clock.calls["hook"],
         "objects_kept_per_hook_call": clock.kept["hook"] / clock.calls["hook"],
-        "host_us_fixed_per_step": clock.us("fixed") / steps,
+        "host_us_fixed_per_step": statistics.median(per_step),
+        "host_us_fixed_per_step_mean": clock.us("fixed") / steps,
         "writer_us_per_step": writer * 1e6 / steps,
         "launches_per_step": launches / (warmup + steps),
         "step_ms_median": statistics.median(step_ms[warmup:]),
@@ -314,7 +336,7 @@ def triton_worker(reps: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--steps", type=int, default=30, help="timed steps")
     p.add_argument(
         "--warmup",
         type=int,
@@ -356,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{r['objects_kept_per_hook_call']:.1f} garbage-collected objects; tracked step "
         f"{r['step_ms_median']:.1f} ms (median, the model's own CPU compute included); "
         f"writer thread {r['writer_us_per_step']:.0f} us CPU per step; "
-        f"clock cost {r['clock_tare_us']:.2f} us per timed call (subtracted)"
+        f"clock cost {r['clock_tare_us']:.2f} us per timed call (subtracted); means over "
+        f"all timed steps: {r['host_us_per_observation_mean']:.2f} us per hook call, "
+        f"{r['host_us_fixed_per_step_mean']:.0f} us per step"
     )
     print(f"host_us_per_observation: {r['host_us_per_observation']:.2f}")
     print(f"host_us_fixed_per_step: {r['host_us_fixed_per_step']:.0f}")

@@ -72,7 +72,8 @@ import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cache, cached_property
+from functools import cache, cached_property, reduce
+from operator import or_
 from typing import Any
 
 import ml_dtypes
@@ -1952,14 +1953,15 @@ def _table(
     rest depends on the sizes and offsets alone (:func:`_table_layout`), which stay when
     a loop's gradients come back at new addresses every step."""
     template, owner, scratch_parts = _table_layout(sizes, tuple(offsets), block, max_parts)
-    address = np.array(addresses, dtype=np.int64)
     table = template.copy()
-    table[:, 0] = address[owner]
+    # (few array operations: a table is rebuilt whenever the tensors move, as a CPU loop's
+    # gradients do every step, and each operation costs microseconds on cold caches)
+    table[:, 0] = addresses if owner.size == len(addresses) else np.take(addresses, owner)
     host_table = torch.from_numpy(table)
     if device.type == "cuda":  # pinned: the copy to the device does not wait
         host_table = host_table.pin_memory()
-    dev_table = host_table.to(device, non_blocking=True)
-    aligned = bool((address % 16 == 0).all())
+    dev_table = host_table.to(device, non_blocking=True) if device.type != "cpu" else host_table
+    aligned = not reduce(or_, addresses, 0) & 15  # every address a multiple of 16
     return dev_table, int(owner.size), scratch_parts, aligned
 
 

@@ -60,6 +60,9 @@ __all__ = ["Slot", "RowKind", "HookLaunch", "Flight", "Workspace", "to_host"]
 _F64 = torch.float64
 #: Initial rows buffer per device (float64 values; grows by doubling).
 _INITIAL = 1 << 16
+#: float64 values of one partial row in the scratch (``_fused.PART``; ``_fused`` imports
+#: Triton, which this module imports only when a tensor needs it)
+_PART = 16
 
 
 class RowKind:
@@ -142,6 +145,7 @@ class _Space:
         self.capacity = _INITIAL  # rows.numel()
         self.used = 0
         self.scratch = torch.empty(0, dtype=_F64, device=device)
+        self.scratch_size = 0  # scratch.numel()
         if self.cuda:
             # enough programs per tensor to fill the device a few times over
             sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -215,11 +219,12 @@ class _Space:
     def scratch_for(self, parts: int) -> torch.Tensor:
         """Scratch for ``parts`` partial rows (the buffer replaced is kept for the streams
         that read it: see :meth:`stream`)."""
-        need = parts * 16  # _fused.PART float64 values per partial row
+        need = parts * _PART
         if self.scratch.numel() < need:
             self.scratch = torch.empty(
                 max(need, 2 * self.scratch.numel()), dtype=_F64, device=self.device
             )
+            self.scratch_size = self.scratch.numel()
             if self.cuda:
                 s = torch.cuda.current_stream(self.device)
                 for w in (self.home, *self.writers):
@@ -260,6 +265,7 @@ class HookLaunch:
         "call",
         "compiled",
         "codes",
+        "runtime",
     )
 
     def __init__(self, space: _Space, spec: _fused.Spec, layout: Layout) -> None:
@@ -283,6 +289,7 @@ class HookLaunch:
         self.options = dict(list(self.consts.kwargs.items())[len(self.tail) :])
         # the raw current stream of a device, as Triton's launcher takes it
         self.stream: Any = None if fused.INTERPRETED else fused.driver.active.get_current_stream
+        self.runtime: Any = None if fused.INTERPRETED else fused.knobs.runtime  # (launch hooks)
         self.n = -1  # the element count the next five fields are for
         self.programs = self.tiles = self.scratch_parts = 0
         self.call: Any = None  # (interpreter) the kernel with its grid
@@ -301,7 +308,12 @@ class HookLaunch:
     def summarize(self, x: torch.Tensor) -> Slot | None:
         """Queue the summary of ``x`` (a plain tensor of the launch's dtype) into a fresh
         row and return its slot; ``None`` (nothing done) when ``x`` is not one this launch
-        reads: on another device, not dense, lazily negated or empty."""
+        reads: on another device, not dense, lazily negated or empty.
+
+        Every hook's path: one Python frame besides the launch itself (the scratch check
+        and the compiled kernel's call are written out here), and no tuple of arguments
+        built twice. On a cold cache each frame and object touched costs a few
+        microseconds (see ``benchmarks/host_cost.py``)."""
         n = x.numel()
         if n != self.n:
             if not n:
@@ -323,50 +335,47 @@ class HookLaunch:
             else:
                 off = space.reserve(size)
             rows = space.rows
-            scratch = space.scratch_for(self.scratch_parts) if self.scratch_parts else space.scratch
+            scratch = space.scratch
+            if self.scratch_parts and space.scratch_size < self.scratch_parts * _PART:
+                scratch = space.scratch_for(self.scratch_parts)
             lut = rows if self.lut is None else self.lut
             # (the kernel's arguments: a dense view of weight 1, no statistic copied in)
-            args: tuple[Any, ...] = (
-                x, n, self.tiles, rows, off, scratch, lut, self.fmax, 1.0, rows, 0, 1, 1, 0, 0, 0
-            )  # fmt: skip
-            if self.call is not None:  # Triton's interpreter
-                self.call(*args, *self.tail, **self.options)
+            call = self.call
+            if call is not None:  # Triton's interpreter
+                call(
+                    x, n, self.tiles, rows, off, scratch, lut, self.fmax, 1.0, rows, 0, 1, 1, 0,
+                    0, 0, *self.tail, **self.options
+                )  # fmt: skip
             else:
-                self._launch(x, args, rows, scratch, lut)
+                compiled = self.compiled[x.data_ptr() % 16 == 0]
+                runtime = self.runtime
+                if compiled is None or self.fused.launch_hooked(
+                    runtime.launch_enter_hook, runtime.launch_exit_hook
+                ):  # the first launch of this alignment, or a profiler's hooks to call
+                    self._launch(x, rows, off, scratch, lut)
+                else:  # the prebuilt launcher, called directly
+                    compiled.run(
+                        self.programs, 1, 1, self.stream(self.device), compiled.function,
+                        compiled.packed_metadata, None, None, None,
+                        x, n, self.tiles, rows, off, scratch, lut, self.fmax, 1.0, rows, 0, 1,
+                        1, 0, 0, 0, *self.tail,
+                    )  # fmt: skip
         return _new_tuple(Slot, (off, self.kind))
 
     def _launch(
-        self, x: torch.Tensor, args: tuple[Any, ...], rows: torch.Tensor, scratch: Any, lut: Any
+        self, x: torch.Tensor, rows: torch.Tensor, off: int, scratch: Any, lut: Any
     ) -> None:
-        """Launch the compiled kernel: directly by Triton's launcher once this pointer
-        alignment has been launched (the other buffers are whole allocations, 16-byte
-        aligned); the first time, and while a profiler's launch hooks are set, by
-        :func:`._fused._launch`."""
+        """Launch the compiled kernel by :func:`._fused._launch` (the first time for this
+        pointer alignment, and while a profiler's launch hooks are set), and keep the
+        compiled kernel for the direct calls of :meth:`summarize` (the other buffers are
+        whole allocations, 16-byte aligned)."""
         fused = self.fused
-        aligned = x.data_ptr() % 16 == 0
-        compiled = self.compiled[aligned]
-        runtime = fused.knobs.runtime
-        if compiled is None or fused.launch_hooked(
-            runtime.launch_enter_hook, runtime.launch_exit_hook
-        ):
-            ptrs = (x, rows, scratch, lut, rows)
-            got = fused._launch(fused._summarize_one, self.programs, args, self.consts, ptrs)
-            if got is not None:
-                self.compiled[aligned] = got
-            return
-        compiled.run(
-            self.programs,
-            1,
-            1,
-            self.stream(self.device),
-            compiled.function,
-            compiled.packed_metadata,
-            None,
-            None,
-            None,
-            *args,
-            *self.tail,
-        )
+        args: tuple[Any, ...] = (x, x.numel(), self.tiles, rows, off, scratch, lut, self.fmax)
+        args += (1.0, rows, 0, 1, 1, 0, 0, 0)
+        ptrs = (x, rows, scratch, lut, rows)
+        got = fused._launch(fused._summarize_one, self.programs, args, self.consts, ptrs)
+        if got is not None:
+            self.compiled[x.data_ptr() % 16 == 0] = got
 
 
 class Flight:
@@ -624,7 +633,6 @@ class Workspace:
                         "captured: see track's `module` argument)"
                     )
                 space.used = 0
-                rows = space.rows[:used]
                 if device.type == "cpu":
                     # no device to copy and zero them in the background: the flight takes
                     # the rows themselves, the space a spare buffer of zeros, and whoever
@@ -633,6 +641,7 @@ class Workspace:
                     space.rows = space.take_spare()
                     continue
                 else:
+                    rows = space.rows[:used]
                     with _on(device):
                         space.join()  # after every stream that wrote the rows
                         # a buffer of its own (torch's caching pinned allocator reuses it

@@ -38,14 +38,16 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Mapping as MappingABC
-from operator import attrgetter, itemgetter
+from functools import partial
+from itertools import chain
+from operator import attrgetter, is_, itemgetter, methodcaller
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import torch
 from torch import nn
-from torch.compiler import is_compiling
+from torch.compiler import is_compiling, is_dynamo_compiling
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ...schema.columns import ACTIVATION, GRADIENT, OPTIMISER_STATE, WEIGHT
@@ -71,6 +73,7 @@ __all__ = ["Tracker", "track", "StatFn"]
 
 
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_weak = weakref.ref
 
 
 def in_backward() -> bool:
@@ -95,23 +98,9 @@ def _hooked(t: torch.Tensor, mark: tuple[int, str]) -> bool:
 #: a step (see Tracker.recorder), which then checks the memory they hold.
 _HOOK_ROWS = 1024
 
-#: Keys of the output-gradient hooks added by :func:`_add_grad_hook`: negative, so apart
-#: from torch's own (``RemovableHandle`` ids count up from 0).
+#: Keys of the output-gradient hooks the forward hooks add: negative, so apart from torch's
+#: own (``RemovableHandle`` ids count up from 0).
 _hook_ids = itertools.count(-1, -1)
-
-
-def _add_grad_hook(t: torch.Tensor, hook: Callable) -> None:
-    """``t.register_hook(hook)`` for a plain tensor that requires grad, without the
-    handle (never used: the hook lives and dies with ``t``): what ``Tensor.register_hook``
-    does for such a tensor, at a third of its cost (a forward hook registers one per
-    tracked output)."""
-    hooks = t._backward_hooks
-    if hooks is None:
-        hooks = t._backward_hooks = OrderedDict()
-        grad_fn = t.grad_fn
-        if grad_fn is not None:
-            grad_fn._register_hook_dict(t)
-    hooks[next(_hook_ids)] = hook
 
 
 class _HookSite:
@@ -132,6 +121,44 @@ class _HookSite:
         self.layout: Any = None
         self.launch: HookLaunch | None = None
         self.cuda = False
+
+
+class _Batch:
+    """The names, kinds and owners of tensors summarized together at every step (a step's
+    weights, the gradients of one optimizer's parameters, the optimizer state), found once
+    and kept while they stay the same, with a :class:`_Plan` per combination of the
+    tensors' dtypes (see :meth:`Tracker._summaries_batch`)."""
+
+    __slots__ = ("names", "kinds", "owners", "plans")
+
+    def __init__(
+        self, names: Sequence[str], kinds: Sequence[str], owners: Sequence[nn.Module]
+    ) -> None:
+        self.names, self.kinds, self.owners = tuple(names), tuple(kinds), tuple(owners)
+        self.plans: dict[tuple[torch.dtype, ...], _Plan] = {}
+
+
+class _Plan:
+    """How a list of plain tensors is summarized: their row keys and layouts, the groups
+    of them sharing a layout (``(layout, indices)``), what the capture check names
+    (``first``), which of a batch's tensors are kept (``keep``: ``None``, all), and the last
+    entries made with the summaries they hold (``raws``), returned again when the
+    workspace hands back the same list of slots."""
+
+    __slots__ = ("keys", "layouts", "groups", "first", "keep", "no_extras", "raws", "entries")
+
+    def __init__(
+        self,
+        keys: list[TensorKey],
+        layouts: list[Layout],
+        groups: list[tuple[Layout, list[int]]],
+        first: str,
+    ) -> None:
+        self.keys, self.layouts, self.groups, self.first = keys, layouts, groups, first
+        self.keep: list[int] | None = None
+        self.no_extras: list[dict[str, Any]] = []
+        self.raws: Any = None
+        self.entries: list[tuple[TensorKey, Layout, Any]] = []
 
 
 class Tracker(TrackerCore[Flight | None]):
@@ -255,12 +282,13 @@ class Tracker(TrackerCore[Flight | None]):
         self._last: tuple[weakref.ref[torch.Tensor], int, Layout, np.ndarray | Slot] | None = None
         self._workspace = Workspace()
         self._handles: list[Any] = []
+        self._weights_hook: Any = None  # (see _hook_weights)
         self._compiled: CompiledHooks | None = None
         self._active = False
         self._weights_done = False
         #: gradients captured for the optimizer step under way, by optimizer (``None``: at
-        #: :meth:`step`), by parameter path; recorded when that step completes
-        self._grads: dict[int | None, dict[str, tuple[TensorKey, Layout, np.ndarray | Slot]]] = {}
+        #: :meth:`step`), one entry per parameter; recorded when that step completes
+        self._grads: dict[int | None, list[tuple[TensorKey, Layout, np.ndarray | Slot]]] = {}
         self._grad_rows = 0  # parameter-gradient observations recorded in the current step
         #: what a scheduled step has not yet recorded although asked: checked at each
         #: scheduled step until seen once, or told once (:meth:`_tell_unseen`)
@@ -275,22 +303,24 @@ class Tracker(TrackerCore[Flight | None]):
         # (name, kind, dtype) of a parameter, gradient or state -> its row key and its
         # layout without custom statistics: looked up once per tensor, not per step
         self._observed_keys: dict[tuple[str, str, torch.dtype], tuple[TensorKey, Layout]] = {}
-        # the optimizer state's tracked items, and what they were found from (see
-        # _state_items)
-        self._state_cache: tuple[tuple[int, ...], list[Any]] | None = None
+        # the optimizer state's batch and tensors (weak references), and what they were
+        # found from (see _state_batch)
+        self._state_cache: tuple[tuple[int, ...], _Batch, list[Any]] | None = None
         # the same for activations and output gradients, by (name, kind, dtype, on CUDA),
         # with the fused kernel's spec (None: another path)
         self._hook_keys: dict[
             tuple[str, str, torch.dtype, bool], tuple[TensorKey, Layout, Any]
         ] = {}
         self._weight_params: list[tuple[str, nn.Parameter, nn.Module]] | None = None
-        #: the row keys, layouts and groups of layouts of the items _summaries_plain has
-        #: seen, by their names, kinds and dtypes
-        self._batch_plans: dict[tuple[Any, ...], Any] = {}
-        # the selected parameters whose gradients are captured, by optimizer (see
-        # _grad_params), with what they were found from
+        self._weight_batch: _Batch | None = None  # (their batch and tensors)
+        self._weight_tensors: list[nn.Parameter] = []
+        #: the plans of the items _summaries_plain has seen, by their names, kinds and
+        #: dtypes
+        self._batch_plans: dict[tuple[Any, ...], _Plan] = {}
+        # the selected parameters whose gradients are captured and their batch, by
+        # optimizer (see _grad_params), with what they were found from
         self._grad_param_cache: dict[
-            int | None, tuple[tuple[Any, ...], list[tuple[str, torch.Tensor, nn.Module]]]
+            int | None, tuple[tuple[Any, ...], list[torch.Tensor], _Batch]
         ] = {}
         # the hooks' sites, by (name, kind): see _site
         self._sites: dict[tuple[str, str], _HookSite] = {}
@@ -360,6 +390,21 @@ class Tracker(TrackerCore[Flight | None]):
             if shard is None:
                 return None
             part = shard
+        if (
+            site is not None
+            and known[2] is not None
+            and (
+                site.launch is None
+                or site.dtype is not dtype
+                or site.launch.space.device != x.device
+            )
+            and part is x
+            and not self.stat_fns
+            and not (kind == GRADIENT and self.scaler is not None)
+        ):  # the launch of the site's later tensors (made here also when this one is reused
+            # below: a container returning its child's output takes the fast path next time)
+            site.dtype, site.key, site.layout, site.cuda = dtype, key, known[1], cuda
+            site.launch = self._workspace.hook_launch(known[2], known[1], x.device)
         last = self._last
         if last is not None and last[0]() is x and last[1] == x._version:
             # The same tensor again, unchanged: a container returning its last child's
@@ -376,15 +421,6 @@ class Tracker(TrackerCore[Flight | None]):
                 extras[LOSS_SCALE] = scale
         lay = self._layout(d.dtype, tuple(extras)) if extras else known[1]
         spec = known[2] if part is x else fused_spec(d, lay)
-        if (
-            site is not None
-            and spec is not None
-            and part is x
-            and not self.stat_fns
-            and not (kind == GRADIENT and self.scaler is not None)
-        ):
-            site.dtype, site.key, site.layout, site.cuda = dtype, key, lay, cuda
-            site.launch = self._workspace.hook_launch(spec, lay, x.device)
         summary = self._workspace.summary(d, lay, extras, spec)
         # (a weak reference: a dead tensor cannot be seen again, and a new tensor at the
         # same address is another object)
@@ -463,38 +499,96 @@ class Tracker(TrackerCore[Flight | None]):
         )
         plan = self._batch_plans.get(sig)
         if plan is None:
-            keys: list[TensorKey] = []
-            layouts: list[Layout] = []
-            for name, kind, owner, x in items:
-                ck = (name, kind, x.dtype)
-                known = self._observed_keys.get(ck)
-                if known is None:
-                    key = self._key(name, kind, module_type(owner), x.dtype)
-                    known = self._observed_keys[ck] = (key, self._layout(x.dtype, ()))
-                keys.append(known[0])
-                layouts.append(known[1])
-            by_layout: dict[int, tuple[Layout, list[int]]] = {}  # (layouts are cached)
-            for i, lay in enumerate(layouts):
-                by_layout.setdefault(id(lay), (lay, []))[1].append(i)
             if len(self._batch_plans) >= 64:  # (items that keep changing: found afresh)
                 self._batch_plans.clear()
-            plan = self._batch_plans[sig] = (keys, layouts, list(by_layout.values()))
-        keys, layouts, groups = plan
+            plan = self._batch_plans[sig] = self._plan(
+                sig[0], sig[1], tuple(map(_third, items)), sig[2]
+            )
+        return self._summarize_plan(plan, tensors)
+
+    def _summaries_batch(
+        self, batch: _Batch, tensors: list[Any]
+    ) -> list[tuple[TensorKey, Layout, np.ndarray | Slot]]:
+        """:meth:`_summaries` of ``batch``'s tensors, ``tensors`` (in its order; ``None``
+        and tensors not floating-point are skipped): a step's weights, gradients or
+        optimizer state. The items' names, kinds and owners are ``batch``'s, found once;
+        per step, the tensors' types and dtypes are read in two passes that run in C (no
+        Python loop per tensor), and where the rows come back the same (a training loop's
+        steady state), so do the returned entries."""
+        types = set(map(type, tensors))
+        if self._ranks is not None or self.stat_fns or not types <= _PLAIN_TYPES:
+            return self._summaries(
+                [
+                    (name, kind, owner, t)
+                    for name, kind, owner, t in zip(batch.names, batch.kinds, batch.owners, tensors)
+                    if t is not None and t.is_floating_point()
+                ]
+            )
+        dtypes = tuple(map(_dtype_of, tensors))
+        plan = batch.plans.get(dtypes)
+        if plan is None:
+            keep = [i for i, d in enumerate(dtypes) if d.is_floating_point]
+            if len(batch.plans) >= 8:  # (dtypes that keep changing: found afresh)
+                batch.plans.clear()
+            plan = batch.plans[dtypes] = self._plan(
+                tuple(batch.names[i] for i in keep),
+                tuple(batch.kinds[i] for i in keep),
+                tuple(batch.owners[i] for i in keep),
+                tuple(dtypes[i] for i in keep),
+            )
+            plan.keep = None if len(keep) == len(tensors) else keep
+        if plan.keep is not None:
+            tensors = [tensors[i] for i in plan.keep]
+        return self._summarize_plan(plan, tensors) if tensors else []
+
+    def _plan(
+        self,
+        names: tuple[str, ...],
+        kinds: tuple[str, ...],
+        owners: tuple[nn.Module, ...],
+        dtypes: tuple[torch.dtype, ...],
+    ) -> _Plan:
+        """The :class:`_Plan` of plain tensors of ``dtypes`` named ``names`` (of ``kinds``,
+        owned by ``owners``)."""
+        keys: list[TensorKey] = []
+        layouts: list[Layout] = []
+        for name, kind, owner, dtype in zip(names, kinds, owners, dtypes):
+            ck = (name, kind, dtype)
+            known = self._observed_keys.get(ck)
+            if known is None:
+                key = self._key(name, kind, module_type(owner), dtype)
+                known = self._observed_keys[ck] = (key, self._layout(dtype, ()))
+            keys.append(known[0])
+            layouts.append(known[1])
+        by_layout: dict[int, tuple[Layout, list[int]]] = {}  # (layouts are cached)
+        for i, lay in enumerate(layouts):
+            by_layout.setdefault(id(lay), (lay, []))[1].append(i)
+        first = f"{kinds[0]} {names[0]!r}" if names else ""
+        return _Plan(keys, layouts, list(by_layout.values()), first)
+
+    def _summarize_plan(
+        self, plan: _Plan, tensors: list[torch.Tensor]
+    ) -> list[tuple[TensorKey, Layout, np.ndarray | Slot]]:
+        """The entries of ``tensors`` (plain, of ``plan``'s items). They are not detached:
+        the fused kernel reads their memory, and the host and torch-op paths detach what
+        they compute on."""
         if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
-            name, kind = items[0][0], items[0][1]
-            raise _capture_error(f"{kind} {name!r}")
-        ds = [x.detach() if x.requires_grad else x for x in tensors]
-        no_extras: list[dict[str, Any]] = [{}] * len(ds)
-        raws: list[Any]
+            raise _capture_error(plan.first)
+        keys, layouts, groups = plan.keys, plan.layouts, plan.groups
+        if len(plan.no_extras) != len(tensors):
+            plan.no_extras = [{}] * len(tensors)
+        no_extras = plan.no_extras
         if len(groups) == 1:
-            raws = self._workspace.summaries(ds, layouts[0], no_extras)
-        else:
-            raws = [None] * len(ds)
-            for lay, idx in groups:
-                got = self._workspace.summaries([ds[i] for i in idx], lay, no_extras[: len(idx)])
-                for i, raw in zip(idx, got):
-                    raws[i] = raw
-        return list(zip(keys, layouts, raws))
+            raws = self._workspace.summaries(tensors, layouts[0], no_extras)
+            if raws is not plan.raws:  # (the same slots: the same entries)
+                plan.raws, plan.entries = raws, list(zip(keys, layouts, raws))
+            return plan.entries
+        merged: list[Any] = [None] * len(tensors)
+        for lay, idx in groups:
+            got = self._workspace.summaries([tensors[i] for i in idx], lay, no_extras[: len(idx)])
+            for i, raw in zip(idx, got):
+                merged[i] = raw
+        return list(zip(keys, layouts, merged))
 
     def _extras(self, d: torch.Tensor) -> dict[str, Any]:
         """The custom statistics of ``d``, by name."""
@@ -531,8 +625,7 @@ class Tracker(TrackerCore[Flight | None]):
                 entry = (site.key, last[2], last[3])
             else:
                 if site.cuda and torch.cuda.is_current_stream_capturing():
-                    what = "output gradient" if site.kind == GRADIENT else "output"
-                    raise _capture_error(f"the {what} of module {site.name!r}")
+                    raise _site_capture_error(site)
                 slot = launch.summarize(x)
                 if slot is None:  # not a tensor the launch reads
                     self._observe_slow(site, x)
@@ -587,18 +680,22 @@ class Tracker(TrackerCore[Flight | None]):
                 for full, p, owner in self._params
                 if self._selected(full, type(owner))
             ]
-        items = [
-            (full, WEIGHT, owner, p)
-            for full, p, owner in self._weight_params
-            if p.is_floating_point()
-        ]
+            self._weight_batch = _Batch(
+                list(map(_first, self._weight_params)),
+                [WEIGHT] * len(self._weight_params),
+                list(map(_third, self._weight_params)),
+            )
+            self._weight_tensors = list(map(_second, self._weight_params))
+        recorder = self.recorder
+        assert recorder is not None and self._weight_batch is not None
+        recorder.add_many(self._summaries_batch(self._weight_batch, self._weight_tensors))
         if self.track_buffers:
-            items += [
+            items = [
                 (full, WEIGHT, owner, getattr(owner, attr))
                 for full, owner, attr in self._buffers
                 if self._selected(full, type(owner)) and getattr(owner, attr, None) is not None
             ]
-        self.recorder.add_many(self._summaries(items))  # type: ignore[union-attr]
+            recorder.add_many(self._summaries(items))
 
     def _capture_grads(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Summarize the current ``.grad`` of each selected parameter that ``optimizer``
@@ -606,22 +703,24 @@ class Tracker(TrackerCore[Flight | None]):
         step under way: a later capture for the same step replaces them (the last look
         before the update defines them: after unscaling and clipping, after the closure's
         last call)."""
-        items = []
-        for full, p, owner in self._grad_params(optimizer):
-            g = p.grad
-            if g is not None and g.is_floating_point():
-                items.append((full, GRADIENT, owner, g))
-        captured = self._grads.setdefault(None if optimizer is None else id(optimizer), {})
-        for entry in self._summaries(items):
-            captured[entry[0].name] = entry
+        params, batch = self._grad_params(optimizer)
+        entries = self._summaries_batch(batch, list(map(_grad_of, params)))
+        key = None if optimizer is None else id(optimizer)
+        earlier = self._grads.get(key)
+        if earlier:  # replaced by name, in the order first captured
+            by_name = {entry[0].name: entry for entry in earlier}
+            by_name.update((entry[0].name, entry) for entry in entries)
+            entries = list(by_name.values())
+        self._grads[key] = entries
 
     def _grad_params(
         self, optimizer: torch.optim.Optimizer | None
-    ) -> list[tuple[str, torch.Tensor, nn.Module]]:
+    ) -> tuple[list[torch.Tensor], _Batch]:
         """The selected parameters whose gradients :meth:`_capture_grads` reads for
-        ``optimizer`` (``None``: those no tracked optimizer updates), with their paths and
-        owners: found again only when an optimizer's parameter lists change (told by the
-        identities of the lists and of the parameters in them), not at every capture."""
+        ``optimizer`` (``None``: those no tracked optimizer updates), with the batch of
+        their gradients' names and owners: found again only when an optimizer's parameter
+        lists change (told by the identities of the lists and of the parameters in them),
+        not at every capture."""
         opts = self.optimizers if optimizer is None else (optimizer,)
         signature = tuple(
             (id(g["params"]), *map(id, g["params"])) for opt in opts for g in opt.param_groups
@@ -629,7 +728,7 @@ class Tracker(TrackerCore[Flight | None]):
         cache_key = None if optimizer is None else id(optimizer)
         cached = self._grad_param_cache.get(cache_key)
         if cached is not None and cached[0] == signature:
-            return cached[1]
+            return cached[1], cached[2]
         params: list[tuple[str, torch.Tensor, nn.Module]]
         if optimizer is None:
             owned = {id(p) for opt in self.optimizers for p in _params_of(opt)}
@@ -644,8 +743,12 @@ class Tracker(TrackerCore[Flight | None]):
         params = [
             (full, p, owner) for full, p, owner in params if self._selected(full, type(owner))
         ]
-        self._grad_param_cache[cache_key] = (signature, params)
-        return params
+        tensors = list(map(_second, params))
+        batch = _Batch(
+            list(map(_first, params)), [GRADIENT] * len(params), list(map(_third, params))
+        )
+        self._grad_param_cache[cache_key] = (signature, tensors, batch)
+        return tensors, batch
 
     def _commit_grads(self, optimizer: int | None) -> None:
         """Record the gradients captured for the step of the optimizer whose ``id`` is
@@ -654,43 +757,48 @@ class Tracker(TrackerCore[Flight | None]):
         two observations, merged like micro-batches."""
         captured = self._grads.pop(optimizer, None)
         if captured and self.recorder is not None:
-            self.recorder.add_many(list(captured.values()))
+            self.recorder.add_many(captured)
             self._grad_rows += len(captured)
 
-    def _state_items(self) -> list[tuple[str, str, nn.Module, torch.Tensor]]:
-        """The selected optimizer state tensors, as :meth:`_summaries` takes them.
+    def _state_batch(self) -> tuple[_Batch, list[Any]]:
+        """The selected optimizer state tensors, as :meth:`_summaries_batch` takes them.
 
         Finding them walks every parameter's state through ``opt.state.get(p)``, which
         hashes each parameter with Python's ``Tensor.__hash__``, and tests every state
-        value: the list is kept while the optimizers hold the same state, told by the
-        identities of their parameter lists, parameters, state dicts and state values,
-        read without hashing a tensor. The tensors are held by weak references (the
-        tracker keeps no state alive): while they live, their identities are theirs, so
-        equal identities are the same tensors at the same places."""
+        value: the batch is kept while the optimizers hold the same state, told by the
+        identities of their parameter lists, parameters, state dicts and state values (and
+        the lengths of the lists and dicts), read in passes that run in C, without hashing a
+        tensor. The tensors are held by weak references (the tracker keeps no state alive):
+        while they live, their identities are theirs, so equal identities are the same
+        tensors at the same places."""
         sign: list[int] = []
         for opt in self.optimizers:
             sign.append(-1)  # (an optimizer's boundary)
-            for g in opt.param_groups:
-                sign.append(id(g["params"]))
-                sign.append(len(g["params"]))
-            for p, state in opt.state.items():
-                sign.append(id(p))
-                sign.append(id(state))
-                sign.extend(map(id, state.values()))
+            lists = list(map(_params_key, opt.param_groups))
+            sign += map(id, lists)
+            sign += map(len, lists)
+            states = list(opt.state.values())
+            sign += map(id, opt.state)
+            sign += map(id, states)
+            sign += map(len, states)
+            sign += map(id, chain.from_iterable(map(_values, states)))
         signature = tuple(sign)
         cached = self._state_cache
         if cached is not None and cached[0] == signature:
-            items = [(name, kind, owner, ref()) for name, kind, owner, ref in cached[1]]
-            if all(item[3] is not None for item in items):
-                return items
+            tensors = [ref() for ref in cached[2]]
+            if not any(map(_is_none, tensors)):
+                return cached[1], tensors
         items = [
-            (name, OPTIMISER_STATE, owner, value)
+            (name, value, owner)
             for name, value, owner in self._optimizer_state()
             if self._selected(name, type(owner))
         ]
-        refs = [(name, kind, owner, weakref.ref(value)) for name, kind, owner, value in items]
-        self._state_cache = (signature, refs)
-        return items
+        tensors = list(map(_second, items))
+        batch = _Batch(
+            list(map(_first, items)), [OPTIMISER_STATE] * len(items), list(map(_third, items))
+        )
+        self._state_cache = (signature, batch, [weakref.ref(t) for t in tensors])
+        return batch, tensors
 
     def _optimizer_state(self) -> Iterator[tuple[str, torch.Tensor, nn.Module]]:
         for oi, opt in enumerate(self.optimizers):
@@ -774,7 +882,7 @@ class Tracker(TrackerCore[Flight | None]):
         return site
 
     # issue 31: split after the torch hook-path work lands
-    def _make_forward_hook(self, name: str, module: nn.Module) -> Callable:  # noqa: C901
+    def _make_forward_hook(self, name: str, module: nn.Module) -> Callable:  # noqa: C901, PLR0915
         want_act = self.kinds[ACTIVATION]
         want_grad = self.kinds[GRADIENT]
         ref = weakref.ref(self)
@@ -799,18 +907,10 @@ class Tracker(TrackerCore[Flight | None]):
                 got = sites[tname] = tr._site(tname, ACTIVATION, mod)
             return got
 
-        def hook(mod: nn.Module, args: Any, output: Any) -> None:
-            if is_compiling():  # inside a graph of a compiled wrapper: see _first_forward_hook
-                return
-            tr = ref()
-            if tr is None or not tr._active or not (mod.training or tr.track_eval):
-                return
-            if type(output) is torch.Tensor and _graph_task_id() == -1:
-                # the common case, without a call: one plain tensor, in a forward pass
-                if want_act:
-                    tr._observe_site(site, output)  # (a floating one only)
-                if grad_hook is not None and output.requires_grad:
-                    _add_grad_hook(output, grad_hook)
+        def others(tr: Tracker, mod: nn.Module, output: Any) -> None:
+            """The hook's other cases: a structured output, a tensor subclass, a forward
+            recomputed in a backward pass."""
+            if is_compiling():
                 return
             tensors: list[tuple[str, torch.Tensor]] = []
             if type(output) is torch.Tensor:
@@ -842,6 +942,55 @@ class Tracker(TrackerCore[Flight | None]):
                 if want_grad and t.requires_grad:
                     t.register_hook(grad_hook_of(tr, tname, mod))
 
+        def hook(mod: nn.Module, args: Any, output: Any) -> None:
+            # inside a graph of a compiled wrapper (see _first_forward_hook); dynamo's own
+            # test first, one frame where is_compiling() takes two: the other tracings
+            # is_compiling() tells (non-strict export) run on tensor subclasses, which
+            # others() asks it about
+            if is_dynamo_compiling():
+                return
+            tr = ref()
+            if tr is None or not tr._active or not (mod.training or tr.track_eval):
+                return
+            if type(output) is not torch.Tensor or _graph_task_id() != -1:
+                others(tr, mod, output)
+                return
+            # The common case: one plain tensor, in a forward pass. The output-gradient hook
+            # is added as Tensor.register_hook adds it to a plain tensor, without the handle
+            # (never used: the hook lives and dies with the tensor), and
+            # Tracker._observe_site is written out: each Python frame costs microseconds on
+            # the cold caches a hook runs on (see benchmarks/host_cost.py).
+            if grad_hook is not None and output.requires_grad:
+                hooks = output._backward_hooks
+                if hooks is None:
+                    hooks = output._backward_hooks = OrderedDict()
+                    grad_fn = output.grad_fn
+                    if grad_fn is not None:
+                        grad_fn._register_hook_dict(output)
+                hooks[next(_hook_ids)] = grad_hook
+            if not want_act:
+                return
+            launch = site.launch
+            if launch is None or output.dtype is not site.dtype:
+                tr._observe_slow(site, output)  # (a floating one only)
+                return
+            last = tr._last
+            if last is not None and last[0]() is output and last[1] == output._version:
+                entry = (site.key, last[2], last[3])  # (see _summary)
+            else:
+                if site.cuda and torch.cuda.is_current_stream_capturing():
+                    raise _site_capture_error(site)
+                slot = launch.summarize(output)
+                if slot is None:  # not a tensor the launch reads
+                    tr._observe_slow(site, output)
+                    return
+                tr._last = (_weak(output), output._version, site.layout, slot)
+                entry = (site.key, site.layout, slot)
+            rows = tr._hook_rows
+            rows.append(entry)
+            if len(rows) >= _HOOK_ROWS:  # (see _observe_site)
+                tr._hand_over()
+
         return hook
 
     def _make_grad_hook(self, name: str, module: nn.Module) -> Callable:
@@ -849,11 +998,32 @@ class Tracker(TrackerCore[Flight | None]):
         site = self._site(name, GRADIENT, module)
 
         def grad_hook(g: torch.Tensor) -> None:
-            if is_compiling():
+            if is_dynamo_compiling():  # (see the forward hook)
                 return
             tr = ref()
-            if tr is not None and tr._active and g is not None:
-                tr._observe_site(site, g)  # (a floating one only)
+            if tr is None or not tr._active or g is None:
+                return
+            # Tracker._observe_site written out (see the forward hook)
+            launch = site.launch
+            if launch is not None and g.dtype is site.dtype and type(g) is torch.Tensor:
+                last = tr._last
+                if last is not None and last[0]() is g and last[1] == g._version:
+                    entry = (site.key, last[2], last[3])  # (see _summary)
+                else:
+                    if site.cuda and torch.cuda.is_current_stream_capturing():
+                        raise _site_capture_error(site)
+                    slot = launch.summarize(g)
+                    if slot is None:  # not a tensor the launch reads
+                        tr._observe_slow(site, g)
+                        return
+                    tr._last = (_weak(g), g._version, site.layout, slot)
+                    entry = (site.key, site.layout, slot)
+                rows = tr._hook_rows
+                rows.append(entry)
+                if len(rows) >= _HOOK_ROWS:  # (see _observe_site)
+                    tr._hand_over()
+                return
+            tr._observe_slow(site, g)  # (a floating one only)
 
         setattr(grad_hook, _OUTPUT_GRAD_HOOK, (id(self), name))  # what _hooked looks for
         return grad_hook
@@ -877,6 +1047,7 @@ class Tracker(TrackerCore[Flight | None]):
             and (mod.training or self.track_eval)
         ):
             self._capture_weights()
+            self._unhook_weights()
 
     def _optimizer_pre_hook(self, opt: Any, args: Any, kwargs: Any) -> Any:
         if not self._active:
@@ -919,10 +1090,6 @@ class Tracker(TrackerCore[Flight | None]):
             for name, m in self._modules:
                 if self._selected(name, type(m)):
                     self._handles.append(m.register_forward_hook(self._make_forward_hook(name, m)))
-        if self.kinds[WEIGHT] and not self._is_compiled:
-            # (a compiled model's weights are captured before the optimizer update instead:
-            # dynamo would trace this hook and break the graph)
-            self._handles.append(register_module_forward_pre_hook(self._first_forward_hook))
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))
             self._handles.append(opt.register_step_post_hook(self._optimizer_post_hook))
@@ -937,6 +1104,23 @@ class Tracker(TrackerCore[Flight | None]):
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._unhook_weights()
+
+    def _hook_weights(self) -> None:
+        """Install :meth:`_first_forward_hook` for the step under way (a scheduled one): it
+        removes itself once it has captured the step's weights (:meth:`_unhook_weights`), so
+        the step's other module calls do not call it. (Where the step's weights were
+        captured elsewhere, as under a compiled wrapper of the model, it stays: dynamo guards
+        on the global hooks, and a hook added and removed at every step would recompile the
+        wrapper's graph.) A compiled model's weights are captured before the optimizer
+        update instead: dynamo would trace this hook and break the graph."""
+        if self.kinds[WEIGHT] and not self._is_compiled and self._weights_hook is None:
+            self._weights_hook = register_module_forward_pre_hook(self._first_forward_hook)
+
+    def _unhook_weights(self) -> None:
+        if self._weights_hook is not None:
+            self._weights_hook.remove()
+            self._weights_hook = None
 
     # ------------------------------------------------------------------ adapter
 
@@ -1007,6 +1191,10 @@ class Tracker(TrackerCore[Flight | None]):
             self._install()
         elif not self._active and self._handles:
             self._remove()
+        if self._active:
+            self._hook_weights()
+        else:
+            self._unhook_weights()
 
     def step(self) -> None:
         """End the current training step (call it after the optimizer update).
@@ -1028,7 +1216,7 @@ class Tracker(TrackerCore[Flight | None]):
                 self._capture_grads(None)
                 self._commit_grads(None)
             if self.kinds[OPTIMISER_STATE]:
-                recorder.add_many(self._summaries(self._state_items()))
+                recorder.add_many(self._summaries_batch(*self._state_batch()))
             if self._unseen:
                 self._tell_unseen(recorder)
         self._end_step(self._active)
@@ -1143,8 +1331,12 @@ def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
 #: Tensor types that are never a DTensor (checked without a call).
 _PLAIN = (torch.Tensor, nn.Parameter)
 _PLAIN_TYPES = frozenset(_PLAIN)
-_first, _second, _fourth = itemgetter(0), itemgetter(1), itemgetter(3)
+_first, _second, _third, _fourth = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)
 _dtype_of = attrgetter("dtype")
+_grad_of = attrgetter("grad")
+_is_none = partial(is_, None)
+_params_key = itemgetter("params")
+_values = methodcaller("values")
 
 
 def _capture_error(what: str) -> RuntimeError:
@@ -1158,6 +1350,12 @@ def _capture_error(what: str) -> RuntimeError:
         f"exclude the captured modules (track(..., exclude=[...])), or capture an untracked "
         f"copy"
     )
+
+
+def _site_capture_error(site: _HookSite) -> RuntimeError:
+    """:func:`_capture_error` of a hook's tensor at ``site``."""
+    what = "output gradient" if site.kind == GRADIENT else "output"
+    return _capture_error(f"the {what} of module {site.name!r}")
 
 
 #: The statistic column of output-gradient rows that holds a tracked GradScaler's scale.

@@ -1,0 +1,68 @@
+"""A step's batches (issue 27): the weights, the parameter gradients and the optimizer state
+are each summarized together, with their names, row keys and layouts found once and the
+entries of a step kept for the next while the rows come back at the same places. The
+rows stay those of each tensor as it was used, summarized by the numpy reference, step
+after step, as gradients come and go and the optimizer's state tensors are replaced."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_torch_tracker import (
+    PARAMS,
+    any_path,  # noqa: F401 (the fixture: host and fused paths)
+    assert_row,
+    batch,
+    index,
+    make,
+)
+
+from tandv.schema import read_log
+from tandv.track.torch import track
+
+
+@pytest.mark.usefixtures("any_path")
+def test_batch_rows_follow_the_tensors_as_gradients_come_and_go_and_state_is_replaced(tmp_path):
+    """Steps 0-1 plain; step 2 without ``fc2.bias``'s gradient (set to ``None`` before the
+    update: no row, and Adam leaves its state alone); step 3 after ``load_state_dict`` gave
+    the optimizer new state tensors (the old ones kept alive, unchanged from step 2: their
+    values would be the wrong rows); step 4 plain again."""
+    net, opt = make(0)
+    used: list[dict[tuple[str, str], torch.Tensor]] = []
+    kept_alive = []
+    with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
+        for i in range(5):
+            step: dict[tuple[str, str], torch.Tensor] = {}
+            for name, p in net.named_parameters():
+                step[(name, "Weight")] = p.detach().clone()
+            x, y = batch(i)
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(net(x), y).backward()
+            if i == 2:
+                net.fc2.bias.grad = None
+            if i == 3:
+                kept_alive.append(opt.state_dict())  # (the state tensors of step 2)
+                opt.load_state_dict(copy.deepcopy(kept_alive[-1]))
+            for name, p in net.named_parameters():
+                if p.grad is not None:
+                    step[(name, "Gradient")] = p.grad.clone()
+            opt.step()
+            for name, p in net.named_parameters():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    step[(f"{name}.{key}", "Optimiser_State")] = opt.state[p][key].clone()
+            used.append(step)
+            tr.step()
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for k, step in enumerate(used):
+        for (name, kind), t in step.items():
+            assert_row(df, idx, (name, kind, k), [t])
+    assert ("fc2.bias", "Gradient", 2) not in idx
+    assert all((name, "Gradient", 2) in idx for name in PARAMS if name != "fc2.bias")
+    # the replaced state moved on at step 3: its rows are not those of the tensors kept
+    old = kept_alive[0]["state"][0]["exp_avg"]
+    new = used[3][("fc1.weight.exp_avg", "Optimiser_State")]
+    assert not torch.equal(old, new)
