@@ -4,7 +4,7 @@ On a GPU a small model's step is short and host-bound: what the tracker spends o
 host per hook and per step decides its overhead there. This script measures that time on
 the CPU. It trains the 4-layer GPT of ``benchmarks/overhead.py`` (d_model 256, seq 128,
 batch 8, AdamW) on CPU tensors with the fused path forced (as the tests force it:
-``TRITON_INTERPRET=1``, ``summary.HOST_PATH = False``, ``summary.FUSED_ON_CPU = True``),
+``TRITON_INTERPRET=1`` and ``summary.cpu_path("fused")``),
 and with the two Triton kernels replaced by no-ops called with the same arguments: every
 other thing tandv does (reserving rows, the launch code in ``_fused``, its custom
 statistics, the end-of-step copy and zeroing of the rows, finishing rows, merging, building

@@ -324,8 +324,8 @@ def settle(tracker) -> None:
     if tracker is not None:
         drain(tracker)
         recorder = tracker.recorder
-        if recorder is not None and recorder._thread is not None:
-            recorder._queue.join()
+        if recorder is not None:
+            recorder.stream.wait_written()
 
 
 def thread_cpu() -> dict[tuple[str, str], float]:

@@ -194,7 +194,7 @@ def test_write_error_surfaces_at_the_next_step(tmp_path):
     rec.writer.write = full
     for step in range(5):  # the fifth step hands the batch to the writer thread
         _record(rec, step)
-    rec.stream._queue.join()  # the write has failed by now
+    rec.stream.wait_written()  # the write has failed by now
     with pytest.raises(RuntimeError, match="writing the log .* failed") as err:
         _record(rec, 5)
     assert isinstance(err.value.__cause__, OSError)

@@ -345,9 +345,15 @@ class LogStream:
     def flush(self) -> None:
         """Write buffered rows now, and wait until they are on disk."""
         self._hand_over()
+        self.wait_written()
+        self.raise_if_failed()
+
+    def wait_written(self) -> None:
+        """Wait until the writer thread is done with every batch handed to it (rows still
+        buffered here are not handed over); a failed write is left for
+        :meth:`raise_if_failed`, so a test or benchmark can wait without it raising."""
         if self._thread is not None:
             self._queue.join()
-        self.raise_if_failed()
 
     def _hand_over(self) -> None:
         """Pass the buffered steps to the writer thread, which builds their rows and writes
