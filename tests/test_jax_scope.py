@@ -7,6 +7,8 @@ the function to update, instead of taps silently misreading where they lie (a lo
 mailbox written once per iteration, a ref closed over by a backward rule).
 """
 
+from pathlib import Path
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import tandv
 from tandv.track.jax import _scope
 from tandv.track.jax._scope import Scope, current_scope, is_batched, manual_keep, unbatched
 
@@ -190,3 +193,17 @@ def test_manual_keep_refuses_shard_map_without_varying_axes():
         jax.jit(unchecked)(jnp.arange(3.0))
     keep = jax.pmap(local, axis_name="d")(jnp.ones((2, 3)))
     assert np.asarray(keep).ravel().tolist() == [True, True], _update("manual_keep")
+
+
+def test_scope_is_the_only_reader_of_jax_private_modules():
+    package = Path(tandv.__file__).parent
+    readers = sorted(
+        str(p.relative_to(package))
+        for p in package.rglob("*.py")
+        if "jax._src" in p.read_text(encoding="utf-8")
+    )
+    assert readers == ["track/jax/_scope.py"]
+
+
+def test_distributed_client_is_none_without_jax_distributed():
+    assert _scope.distributed_client() is None

@@ -40,6 +40,7 @@ import numpy as np
 
 from ...stats.summary import Layout
 from ..common.distributed import LOCAL, REPLICATED
+from ._scope import distributed_client
 
 __all__ = [
     "LocalParts",
@@ -152,9 +153,7 @@ class KeyValueCollectives:
     read all the earlier ones)."""
 
     def __init__(self, timeout: float) -> None:
-        from jax._src import distributed
-
-        client = distributed.global_state.client
+        client = distributed_client()
         if client is None:
             raise RuntimeError(
                 "tandv: this JAX run has several processes but no jax.distributed client; "

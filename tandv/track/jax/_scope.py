@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import config as _config
 from jax._src import core as _core
+from jax._src import distributed as _distributed
 from jax._src import pmap as _pmap
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
@@ -212,3 +213,10 @@ def differentiated(x: Any) -> bool | None:
     if not isinstance(_trace_ctx.trace, _DIFF_TRACES):
         return None
     return isinstance(x, _DIFF_TRACERS)
+
+
+def distributed_client() -> Any:
+    """This process's client of the ``jax.distributed`` coordination service (None where
+    ``jax.distributed.initialize`` was not called): its key-value store carries the
+    cross-rank merge, and JAX has no public way to it."""
+    return _distributed.global_state.client
