@@ -17,7 +17,7 @@ import numpy as np
 from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...stats.blocks import block_formats_of
 from ...stats.formats import format_name
-from ...stats.summary import Layout
+from ...stats.summary import N_CORE_VALUES, Layout
 from ..common import TensorKey
 from ..common.core import TrackerCore
 from ..common.custom import StatFn
@@ -26,6 +26,7 @@ from ..common.factory import signature_of
 from ..common.options import TrackKwargs, TrackOptions
 from ..common.scalars import Capture
 from . import _distributed, _ffi, _misuse
+from ._blocks import with_words
 from ._delivery import Probe
 from ._intercept import TrackedProgram, interception, jitted_core
 from ._mailbox import Mailboxes, MailRead, ProgramMailboxes
@@ -38,7 +39,6 @@ from ._summary import (
     DeviceSummary,
     summarize_jax,
     summarize_many_jax,
-    with_blocks,
     with_custom,
 )
 from ._taps import tap
@@ -442,18 +442,35 @@ class JaxTracker(TrackerCore[Sent]):
         take the XLA path); custom statistics are XLA operations appended to its values."""
         if jnp.dtype(x.dtype) == jnp.float64:
             return self._summarize(x)
-        layout = self._layout(x.dtype)
-        core = _ffi.ffi_summary(x, layout.format, layout.num_counts, layout.moments)
-        return with_blocks(with_custom(core, x, self._custom), x, layout)
+        summary, _ = self._in_program(x, exact=False)
+        return summary
 
     def _summarize_exact(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Traceable, on the CPU (not float64): counts, values (custom statistics appended)
         and the exact float64 core values as uint32 words of ``x``'s summary by the host
         kernel in the program (see :func:`._ffi.ffi_summary_exact`)."""
-        layout = self._layout(x.dtype)
-        core, words = _ffi.ffi_summary_exact(x, layout.format, layout.num_counts, layout.moments)
-        summary = with_blocks(with_custom(core, x, self._custom), x, layout)
+        summary, words = self._in_program(x, exact=True)
         return summary.counts, summary.values, words
+
+    def _in_program(self, x: jax.Array, exact: bool) -> tuple[DeviceSummary, Any]:
+        """The summary of ``x`` (not float64) by the host kernel's custom call, block
+        formats' words included (computed in the same call), and where ``exact`` the exact
+        words (else None)."""
+        layout = self._layout(x.dtype)
+        fmt, counts, moments = layout.format, layout.num_counts, layout.moments
+        formats = block_formats_of(layout.extras)
+        if not formats:
+            if exact:
+                core, words = _ffi.ffi_summary_exact(x, fmt, counts, moments)
+                return with_custom(core, x, self._custom), words
+            return with_custom(_ffi.ffi_summary(x, fmt, counts, moments), x, self._custom), None
+        core, words, (ints, floats) = _ffi.ffi_summary_blocks(
+            x, fmt, counts, moments, formats, exact
+        )
+        s = with_custom(core, x, self._custom)
+        return DeviceSummary(
+            *with_words(s.counts, s.values, ints, floats, N_CORE_VALUES, True)
+        ), words
 
     def _summarize_anywhere(self, x: jax.Array, fused: bool) -> DeviceSummary:
         """Traceable summary of a step-time array: where the host kernel serves (the
