@@ -445,11 +445,11 @@ def decode(counts: np.ndarray, values: np.ndarray, n_core: int) -> tuple[np.ndar
     words = counts[..., -1 - INT_WORDS * k : -1].reshape(counts.shape[:-1] + (k, INT_WORDS))
     words = words.astype(np.int32)
     sq = np.asarray(values[..., n_core : n_core + k], np.float64)
-    hi = words[..., 3].view(np.float32).astype(np.float64)
-    lo = words[..., 4].view(np.float32).astype(np.float64)
     ratio = np.ascontiguousarray(words[..., 3:5]).view(np.float64)[..., 0]
     host = (counts[..., -1] <= -1 - HOST_MARK)[..., None]
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):  # (host words: hi, lo unused)
+        hi = words[..., 3].view(np.float32).astype(np.float64)
+        lo = words[..., 4].view(np.float32).astype(np.float64)
         rng = np.where(hi > 0, np.log2(hi / np.where(lo > 0, lo, 1.0)), 0.0)
         rng = np.where(host, np.log2(np.maximum(ratio, 1.0)), rng)
     cols = np.stack(
