@@ -43,6 +43,8 @@ __all__ = [
     "summary_serial",
     "split_serial",
     "serial_tables",
+    "blocks_serial",
+    "serial_block_table",
     "SAFE_RANGE",
     "HOST_DTYPES",
 ]
@@ -1022,6 +1024,36 @@ def split_serial(
         values[i] = v[_NLEAD + i]
     for i in range(counts.size - _NLEAD):
         counts[_NLEAD + i] = v[_NCORE + i]
+
+
+@numba.njit(cache=True, nogil=True)
+def blocks_serial(
+    x: np.ndarray, rowlen: int, table: np.ndarray, amax: float, acc: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """The block formats' partials of one flat float32 array ``x`` (rows of ``rowlen``
+    elements) added to ``acc`` (formats x 5: underflow, subnormal, saturated, squared
+    error, largest block ratio ``max / min``), on the calling thread: for compiled callers
+    (XLA's custom call), after :func:`summary_serial`, whose largest magnitude ``amax``
+    gives NVFP4's tensor scale. Chunk by chunk, as :func:`host_summaries` runs a large
+    array's items, each chunk's NVFP4 blocks while it is still in cache. ``table``:
+    :func:`serial_block_table`."""
+    n = x.size
+    nv = _has_nv(table)
+    f32 = np.float32
+    st = f32(amax) / f32(448.0 * 6.0) if amax > 0 else f32(1.0)
+    hi16 = np.empty(_CHUNK // 16 if nv else 0, np.int32)
+    for a in range(0, n, _CHUNK):
+        b = min(n, a + _CHUNK)
+        h = hi16[: (b - a) // 16] if nv else hi16
+        _first_blocks(x, a, b, rowlen, table, acc, h)
+        if nv:
+            _second_blocks(x, a, b, rowlen, table, st, acc, h)
+
+
+def serial_block_table(formats: tuple[BlockFormat, ...]) -> np.ndarray:
+    """The ``table`` argument of :func:`blocks_serial` for ``formats`` (float64, formats x
+    8; shared: read only)."""
+    return _block_table(tuple(formats))
 
 
 def serial_tables(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray, int, float]:

@@ -17,6 +17,11 @@ reference computes for that block) and ``sq_err = sq_scaled * 2**sq_exp``.
 :func:`._summary.to_vector` recognizes such a summary by its negative last count (every
 count is otherwise non-negative) and decodes it into the layout's columns.
 
+On XLA:CPU the host kernel computes the words in its custom call (:mod:`._ffi`), in the
+same layout but for one change, marked by the marker word ``-1 - HOST_MARK - formats``:
+in place of ``hi`` and ``lo``, the two words of the largest block ratio ``max / min`` as
+the kernel computed it in float64 (low word first), whose ``log2`` the host takes.
+
 Everything a count depends on is computed in integer arithmetic on the values' bits
 (XLA:CPU flushes float32 subnormals to zero in float arithmetic) or in float32 operations on
 normal numbers whose results are exact:
@@ -51,6 +56,7 @@ from ...stats.blocks import BLOCK_COLUMNS, BlockFormat
 
 __all__ = [
     "INT_WORDS",
+    "HOST_MARK",
     "block_words",
     "block_partials",
     "merge_partials",
@@ -62,6 +68,8 @@ __all__ = [
 
 #: int32 words per format in a summary's counts part (see the module docstring).
 INT_WORDS = 6
+#: Added to the marker's magnitude where the host kernel wrote the words (see above).
+HOST_MARK = 16
 _MB, _BIAS, _MASK, _INF = 23, 127, 0x7FFFFFFF, 0x7F800000
 _I32, _F32 = jnp.int32, jnp.float32
 
@@ -404,11 +412,15 @@ def block_words(x: Any, formats: Sequence[BlockFormat]) -> tuple[Any, Any]:
     return jnp.concatenate(ints), jnp.stack(floats)
 
 
-def with_words(counts: Any, values: Any, ints: Any, floats: Any, n_core: int) -> tuple[Any, Any]:
+def with_words(
+    counts: Any, values: Any, ints: Any, floats: Any, n_core: int, host: bool = False
+) -> tuple[Any, Any]:
     """A summary's parts with the block words appended (``ints`` and the marker after the
-    counts, ``floats`` right after the ``n_core`` core values)."""
+    counts, ``floats`` right after the ``n_core`` core values). ``host``: the words come
+    from the host kernel's custom call (the block ratio in place of ``hi`` and ``lo``)."""
     formats = floats.shape[-1]
-    marker = jnp.full(counts.shape[:-1] + (1,), -1 - formats, counts.dtype)
+    mark = -1 - formats - (HOST_MARK if host else 0)
+    marker = jnp.full(counts.shape[:-1] + (1,), mark, counts.dtype)
     counts = jnp.concatenate([counts, ints.astype(counts.dtype), marker], axis=-1)
     floats = floats.astype(values.dtype)
     values = jnp.concatenate([values[..., :n_core], floats, values[..., n_core:]], axis=-1)
@@ -420,7 +432,7 @@ def encoded_formats(counts: np.ndarray) -> int:
     if counts.shape[-1] == 0:
         return 0
     last = np.asarray(counts[..., -1]).reshape(-1)
-    return int(-1 - last[0]) if last.size and last[0] < 0 else 0
+    return int(-1 - last[0]) % HOST_MARK if last.size and last[0] < 0 else 0
 
 
 def decode(counts: np.ndarray, values: np.ndarray, n_core: int) -> tuple[np.ndarray, np.ndarray]:
@@ -433,10 +445,13 @@ def decode(counts: np.ndarray, values: np.ndarray, n_core: int) -> tuple[np.ndar
     words = counts[..., -1 - INT_WORDS * k : -1].reshape(counts.shape[:-1] + (k, INT_WORDS))
     words = words.astype(np.int32)
     sq = np.asarray(values[..., n_core : n_core + k], np.float64)
-    hi = words[..., 3].view(np.float32).astype(np.float64)
-    lo = words[..., 4].view(np.float32).astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    ratio = np.ascontiguousarray(words[..., 3:5]).view(np.float64)[..., 0]
+    host = (counts[..., -1] <= -1 - HOST_MARK)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):  # (host words: hi, lo unused)
+        hi = words[..., 3].view(np.float32).astype(np.float64)
+        lo = words[..., 4].view(np.float32).astype(np.float64)
         rng = np.where(hi > 0, np.log2(hi / np.where(lo > 0, lo, 1.0)), 0.0)
+        rng = np.where(host, np.log2(np.maximum(ratio, 1.0)), rng)
     cols = np.stack(
         [
             words[..., 0].astype(np.float64),

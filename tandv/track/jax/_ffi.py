@@ -29,6 +29,7 @@ values as uint32 words (their bits), so that step-time rows keep float64 moments
 from __future__ import annotations
 
 import ctypes
+import math
 import platform
 import threading
 import warnings
@@ -44,15 +45,25 @@ from numba import carray, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ...stats.blocks import BlockFormat
 from ...stats.formats import NumberFormat
-from ...stats.host import higher_serial, serial_tables, split_serial, summary_serial
-from ...stats.summary import N_CORE_VALUES, N_LEADING_COUNTS
+from ...stats.host import (
+    blocks_serial,
+    higher_serial,
+    serial_block_table,
+    serial_tables,
+    split_serial,
+    summary_serial,
+)
+from ...stats.summary import FIELD_INDEX, N_CORE_VALUES, N_LEADING_COUNTS
+from ._blocks import INT_WORDS, check_blockable
 from ._summary import DeviceSummary, check_countable
 
 __all__ = [
     "available",
     "ffi_summary",
     "ffi_summary_exact",
+    "ffi_summary_blocks",
     "exact_values",
     "TARGET",
     "SUPPORTED",
@@ -70,6 +81,9 @@ _LIST_SIZE = 40
 _BUFFER_SIZE = 48
 _NLEAD = N_LEADING_COUNTS
 _NVALUES = N_CORE_VALUES
+_MAXABS = FIELD_INDEX["max_abs"]  # in the host kernel's summary vector
+_INT_WORDS = INT_WORDS
+_TABLE_WIDTH = 8  # columns of serial_block_table's rows
 
 
 @intrinsic
@@ -151,6 +165,31 @@ def _buffer(address):  # pragma: no cover - compiled
     return b[3], n
 
 
+@numba.njit(cache=True, nogil=True)
+def _write_blocks(x, spec, nf, amax, ints_at, floats_at):  # pragma: no cover - compiled
+    """The block formats' words of ``x`` (``spec``: the row length, then the formats'
+    table; ``amax``: its largest finite magnitude) into the result buffers at ``ints_at``
+    (int32: the three counts, the largest block ratio's float64 as two words, the squared
+    error's exponent) and ``floats_at`` (float32: the squared error's significand)."""
+    acc = np.zeros((nf, 5))
+    blocks_serial(x, np.int64(spec[0]), spec[1:].reshape(nf, _TABLE_WIDTH), amax, acc)
+    data, _ = _buffer(ints_at)
+    ints = carray(_pointer(data), (nf, _INT_WORDS), np.int32)
+    data, _ = _buffer(floats_at)
+    floats = carray(_pointer(data), (nf,), np.float32)
+    ratio = np.empty(1)
+    pair = ratio.view(np.int32)
+    for f in range(nf):
+        for c in range(3):  # underflow, subnormal, saturated
+            ints[f, c] = np.int32(acc[f, c])
+        ratio[0] = acc[f, 4]
+        ints[f, 3] = pair[0]
+        ints[f, 4] = pair[1]
+        mant, exp = math.frexp(acc[f, 3])
+        ints[f, 5] = exp
+        floats[f] = np.float32(mant)
+
+
 def _handle(frame):  # pragma: no cover - compiled by available()
     """The FFI handler: XLA calls it with a pointer to its call frame; it returns a null
     ``XLA_FFI_Error*`` (success)."""
@@ -168,24 +207,35 @@ def _handle(frame):  # pragma: no cover - compiled by available()
     if carray(frame, (10,), np.int32)[8] != _EXECUTE:
         return _pointer(0)
     # The layout read here, checked where the frame says it: struct sizes (a later API may
-    # append fields, never move them), 4 arguments, 2 or 3 results. Otherwise nothing is
-    # written, and available()'s self-test turns the kernel off.
+    # append fields, never move them), 4 arguments and 2 or 3 results, or with block
+    # formats 5 arguments and 2 more results. Otherwise nothing is written, and
+    # available()'s self-test turns the kernel off.
+    nargs = words[7]
     nrets = words[12]
+    nblk = 2 if nargs == 5 else 0
     if (
         words[0] < _FRAME_SIZE
         or words[5] < _LIST_SIZE
         or words[10] < _LIST_SIZE
-        or words[7] != 4
-        or (nrets != 2 and nrets != 3)
+        or (nargs != 4 and nargs != 5)
+        or (nrets - nblk != 2 and nrets - nblk != 3)
     ):
         return _pointer(0)
-    args = carray(_pointer(words[9]), (4,), np.int64)
+    args = carray(_pointer(words[9]), (nargs,), np.int64)
     rets = carray(_pointer(words[14]), (nrets,), np.int64)
-    for i in range(4):
+    for i in range(nargs):
         if carray(_pointer(args[i]), (1,), np.int64)[0] < _BUFFER_SIZE:
             return _pointer(0)
     for i in range(nrets):
         if carray(_pointer(rets[i]), (1,), np.int64)[0] < _BUFFER_SIZE:
+            return _pointer(0)
+    if nblk:  # (rowlen, table) as float64 words; int32 and float32 words per format
+        data, m = _buffer(args[4])
+        spec = carray(_pointer(data), (m // 2,), np.float64)
+        nf = (m // 2 - 1) // _TABLE_WIDTH
+        _, m_ints = _buffer(rets[nrets - 2])
+        _, m_floats = _buffer(rets[nrets - 1])
+        if m != 2 * (1 + nf * _TABLE_WIDTH) or m_ints != nf * _INT_WORDS or m_floats != nf:
             return _pointer(0)
     data, n = _buffer(args[0])
     x = carray(_pointer(data), (n,), np.float32)
@@ -209,11 +259,13 @@ def _handle(frame):  # pragma: no cover - compiled by available()
         higher_serial(x, out, higher)
         values[_NVALUES] = higher[0]
         values[_NVALUES + 1] = higher[1]
-    if nrets == 3:  # the core values' float64 bits, two uint32 words each
+    if nrets - nblk == 3:  # the core values' float64 bits, two uint32 words each
         data, w = _buffer(rets[2])
         exact = carray(_pointer(data), (w // 2,), np.float64)
         for i in range(min(w // 2, _NVALUES)):
             exact[i] = out[_NLEAD + i]
+    if nblk:
+        _write_blocks(x, spec, nf, out[_MAXABS], rets[nrets - 2], rets[nrets - 1])
     _set_fp_control(control)
     return _pointer(0)
 
@@ -289,6 +341,29 @@ def _self_test() -> None:
             "its results on a test array differ from the host kernel's (an XLA FFI "
             "call frame this version of tandv does not know?)"
         )
+    # the block formats' words (five arguments, four results), rows of 4
+    from ...stats.blocks import BLOCK_FORMATS, block_extras
+    from ._blocks import with_words
+
+    names = ("mxfp8_e4m3", "nvfp4")
+    blayout = Layout(number_format("float32"), block_extras(names))
+    formats = tuple(BLOCK_FORMATS[n] for n in names)
+
+    def blocks(a: Any) -> DeviceSummary:
+        core, _, (ints, floats) = ffi_summary_blocks(
+            a, blayout.format, blayout.num_counts, 2, formats
+        )
+        return DeviceSummary(
+            *with_words(core.counts, core.values, ints, floats, N_CORE_VALUES, True)
+        )
+
+    rows = on_cpu.reshape(2, 4)
+    got = to_vector(jax.device_get(jax.jit(blocks)(rows)))
+    want = host_summaries([x.reshape(2, 4)], blayout)[0]
+    if not np.allclose(got, want, rtol=1e-6, atol=0, equal_nan=True):
+        raise RuntimeError(
+            "its block formats' columns on a test array differ from the host kernel's"
+        )
 
 
 _keep: list[Any] = []
@@ -300,12 +375,27 @@ def _tables(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return field_bin, sub_bin, np.array([nb, over_at], np.float32)
 
 
+@cache
+def _block_spec(formats: tuple[BlockFormat, ...], rowlen: int) -> np.ndarray:
+    """The handler's fifth argument: the row length and the formats' parameter table
+    (:func:`tandv.stats.host.serial_block_table`), float64 as uint32 words (a program
+    without x64 has no float64 arrays)."""
+    spec = np.concatenate([[float(rowlen)], serial_block_table(formats).reshape(-1)])
+    return spec.astype(np.float64).view(np.uint32)
+
+
 def _call(
-    x: Any, fmt: NumberFormat, num_counts: int, exact: bool, moments: int = 2
+    x: Any,
+    fmt: NumberFormat,
+    num_counts: int,
+    exact: bool,
+    moments: int = 2,
+    formats: tuple[BlockFormat, ...] = (),
 ) -> tuple[Any, ...]:
     """The custom call on ``x``: counts, values (with ``moments=4``, ``m3`` and ``m4`` after
-    the core values: the handler then makes the second pass) and, where ``exact``, the
-    exact words."""
+    the core values: the handler then makes the second pass), where ``exact`` the exact
+    words and, with block ``formats``, their int32 and float32 words (:mod:`._blocks`, the
+    host kernel's variant)."""
     check_countable(x)
     field_bin, sub_bin, params = _tables(fmt)
     results = [
@@ -314,15 +404,19 @@ def _call(
     ]
     if exact:
         results.append(jax.ShapeDtypeStruct((2 * N_CORE_VALUES,), jnp.uint32))
+    args = [
+        jnp.ravel(x).astype(jnp.float32),
+        jnp.asarray(field_bin),
+        jnp.asarray(sub_bin),
+        jnp.asarray(params),
+    ]
+    if formats:
+        check_blockable(x)
+        results.append(jax.ShapeDtypeStruct((len(formats) * INT_WORDS,), jnp.int32))
+        results.append(jax.ShapeDtypeStruct((len(formats),), jnp.float32))
+        args.append(jnp.asarray(_block_spec(tuple(formats), x.shape[-1] if x.ndim else 1)))
     call = jax.ffi.ffi_call(TARGET, tuple(results), vmap_method="sequential")
-    return tuple(
-        call(
-            jnp.ravel(x).astype(jnp.float32),
-            jnp.asarray(field_bin),
-            jnp.asarray(sub_bin),
-            jnp.asarray(params),
-        )
-    )
+    return tuple(call(*args))
 
 
 def ffi_summary(x: Any, fmt: NumberFormat, num_counts: int, moments: int = 2) -> DeviceSummary:
@@ -344,6 +438,23 @@ def ffi_summary_exact(
     words carry the float64 sums through it without turning x64 on."""
     counts, values, words = _call(x, fmt, num_counts, exact=True, moments=moments)
     return DeviceSummary(counts, values), words
+
+
+def ffi_summary_blocks(
+    x: Any,
+    fmt: NumberFormat,
+    num_counts: int,
+    moments: int,
+    formats: tuple[BlockFormat, ...],
+    exact: bool = False,
+) -> tuple[DeviceSummary, Any, tuple[Any, Any]]:
+    """:func:`ffi_summary` (``exact``: and the words of :func:`ffi_summary_exact`, else
+    None) and the block ``formats``' words (int32, float32) by the host kernel in the same
+    call (:func:`tandv.stats.host.blocks_serial`, after the core summary): for
+    :func:`._blocks.with_words` with ``host=True``. Float64 arrays are refused."""
+    got = _call(x, fmt, num_counts, exact=exact, moments=moments, formats=formats)
+    words = got[2] if exact else None
+    return DeviceSummary(got[0], got[1]), words, (got[-2], got[-1])
 
 
 def exact_values(words: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...stats.blocks import block_formats_of
 from ...stats.formats import format_name
-from ...stats.summary import Layout
+from ...stats.summary import N_CORE_VALUES, Layout
 from ..common import TensorKey
 from ..common.core import TrackerCore
 from ..common.custom import StatFn
@@ -26,6 +26,7 @@ from ..common.factory import signature_of
 from ..common.options import TrackKwargs, TrackOptions
 from ..common.scalars import Capture
 from . import _distributed, _ffi, _misuse
+from ._blocks import with_words
 from ._delivery import Probe
 from ._intercept import TrackedProgram, interception, jitted_core
 from ._mailbox import Mailboxes, MailRead, ProgramMailboxes
@@ -40,6 +41,7 @@ from ._summary import (
     summarize_jax,
     summarize_many_jax,
     with_blocks,
+    with_custom,
 )
 from ._taps import tap
 from ._transfer import (
@@ -487,8 +489,8 @@ class JaxTracker(TrackerCore[Sent]):
         take the XLA path); custom statistics are XLA operations appended to its values."""
         if jnp.dtype(x.dtype) == jnp.float64:
             return self._summarize(x)
-        summary = DeviceSummary(*segmented(self._core_in_program, x, self._custom))
-        return self._with_blocks(summary, x, fused=False)
+        summary, _ = self._in_program(x, exact=False)
+        return summary
 
     def _core_in_program(self, x: jax.Array) -> DeviceSummary:
         """:meth:`_summarize_in_program` of one segment (not float64), without custom
@@ -500,17 +502,35 @@ class JaxTracker(TrackerCore[Sent]):
         """Traceable, on the CPU (not float64): counts, values (custom statistics appended)
         and the exact float64 core values as uint32 words of ``x``'s summary by the host
         kernel in the program (see :func:`._ffi.ffi_summary_exact`)."""
+        summary, words = self._in_program(x, exact=True)
+        return (summary.counts, summary.values, *words)
+
+    def _in_program(self, x: jax.Array, exact: bool) -> tuple[DeviceSummary, tuple[Any, ...]]:
+        """The summary of ``x`` (not float64) by the host kernel's custom call, in segments
+        past :data:`._segments.SEGMENT_ELEMENTS` elements, with the block formats' words
+        computed in the same call (such an array is not cut: refused), and where ``exact``
+        the exact words (a one-part tuple; else empty)."""
         layout = self._layout(x.dtype)
+        fmt, counts, moments = layout.format, layout.num_counts, layout.moments
+        formats = block_formats_of(layout.extras)
+        if not formats:
+            if not exact:
+                return DeviceSummary(*segmented(self._core_in_program, x, self._custom)), ()
 
-        def core(a: jax.Array) -> tuple[jax.Array, ...]:
-            summary, words = _ffi.ffi_summary_exact(
-                a, layout.format, layout.num_counts, layout.moments
-            )
-            return (*summary, words)
+            def exact_core(a: jax.Array) -> tuple[jax.Array, ...]:
+                summary, words = _ffi.ffi_summary_exact(a, fmt, counts, moments)
+                return (*summary, words)
 
-        counts, values, *rest = segmented(core, x, self._custom)
-        summary = self._with_blocks(DeviceSummary(counts, values), x, fused=False)
-        return (summary.counts, summary.values, *rest)
+            c, v, *rest = segmented(exact_core, x, self._custom)
+            return DeviceSummary(c, v), tuple(rest)
+        if segment_count(x.size) > 1:
+            _no_blocks(layout, f"an array of {x.size} elements (summarized in segments)")
+        core, words, (ints, floats) = _ffi.ffi_summary_blocks(
+            x, fmt, counts, moments, formats, exact
+        )
+        s = with_custom(core, x, self._custom)
+        summary = DeviceSummary(*with_words(s.counts, s.values, ints, floats, N_CORE_VALUES, True))
+        return summary, (() if words is None else (words,))
 
     def _summarize_anywhere(self, x: jax.Array, fused: bool) -> DeviceSummary:
         """Traceable summary of a step-time array: where the host kernel serves (the
@@ -520,6 +540,10 @@ class JaxTracker(TrackerCore[Sent]):
             return self._summarize(x, fused)
         if jnp.dtype(x.dtype) == jnp.float64:
             return self._summarize(x, fused)
+        if block_formats_of(self._layout(x.dtype).extras):  # (in the custom call on the CPU)
+            return jax.lax.platform_dependent(
+                x, cpu=self._summarize_in_program, default=lambda a: self._summarize(a, fused)
+            )
 
         def core(a: jax.Array) -> DeviceSummary:
             return jax.lax.platform_dependent(
