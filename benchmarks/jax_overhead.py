@@ -146,6 +146,14 @@ def main() -> None:  # noqa: C901, PLR0915
         "on CUDA), xla (XLA's operations everywhere), pallas (the fused kernel for "
         "every array; interpreted, slowly, on the CPU)",
     )
+    ap.add_argument(
+        "--block-formats",
+        nargs="+",
+        default=(),
+        metavar="FORMAT",
+        help="also step a tracker (every step) with these block formats (e.g. mxfp8_e4m3 "
+        "nvfp4) and print its ratio to the every=1 tracker's step (block formats' cost)",
+    )
     args = ap.parse_args()
     _tracker.SUMMARY_PATH = args.summary
 
@@ -182,6 +190,14 @@ def main() -> None:  # noqa: C901, PLR0915
         t1 = track(params, state, out=Path(tmp) / "every1", verbose=False)
         t10 = track(params, state, out=Path(tmp) / "every10", every=10, verbose=False)
         variants = {"untracked": None, "every=1": t1, "every=10": t10}
+        if args.block_formats:
+            variants["blocks"] = track(
+                params,
+                state,
+                out=Path(tmp) / "blocks",
+                block_formats=tuple(args.block_formats),
+                verbose=False,
+            )
         carry = {name: (params, state) for name in variants}
 
         calls: dict[str, list[float]] = {name: [] for name in variants}
@@ -227,7 +243,7 @@ def main() -> None:  # noqa: C901, PLR0915
         cpu: dict[str, dict[str, float]] = {name: {} for name in variants}
         order = list(variants)
         for r in range(args.rounds):
-            for name in order[r % 3 :] + order[: r % 3]:
+            for name in order[r % len(order) :] + order[: r % len(order)]:
                 counters.active = name == "every=1"
                 before = thread_cpu()
                 times[name].append(block(name))
@@ -236,8 +252,9 @@ def main() -> None:  # noqa: C901, PLR0915
                     cpu[name][group] = cpu[name].get(group, 0.0) + seconds
                 counters.active = False
         positions = by_position(t10, update, carry, x, y, args.by_position)
-        t1.close()
-        t10.close()
+        for tracker in variants.values():
+            if tracker is not None:
+                tracker.close()
 
     base = statistics.median(times["untracked"])
     print(
@@ -253,6 +270,14 @@ def main() -> None:  # noqa: C901, PLR0915
         print(
             f"  {name:9s}  median step {step_ms:8.3f} ms   ratio of medians {med / base:.3f}"
             f"   median paired ratio {paired:.3f}"
+        )
+    if args.block_formats:
+        med = statistics.median(times["blocks"])
+        paired = statistics.median(t / u for t, u in zip(times["blocks"], times["every=1"]))
+        print(
+            f"  every=1 with block formats {' + '.join(args.block_formats)}: median step "
+            f"{1e3 * med / args.block:8.3f} ms, to every=1: ratio of medians "
+            f"{med / statistics.median(times['every=1']):.3f}, median paired ratio {paired:.3f}"
         )
     tracked_steps = args.rounds * args.block
     print(

@@ -352,12 +352,14 @@ def test_overhead_benchmark_tiny_mode():
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "jax_overhead.py"), "--width", "16"]
-        + ["--depth", "2", "--batch", "8", "--block", "10", "--rounds", "1"],
+        + ["--depth", "2", "--batch", "8", "--block", "10", "--rounds", "1"]
+        + ["--block-formats", "mxfp8_e4m3", "nvfp4"],
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
     )
+    assert "every=1 with block formats mxfp8_e4m3 + nvfp4: median step" in done.stdout
     last = done.stdout.strip().splitlines()[-2:]
     calls = re.fullmatch(r"python_calls_per_tracked_call: (\d+) \(untracked: (\d+)\)", last[0])
     assert calls, last
