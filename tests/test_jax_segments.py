@@ -343,3 +343,22 @@ def test_sharded_array_past_the_limit(tmp_path):
     from test_jax_tracker import assert_row_matches
 
     assert_row_matches(read_log(tmp_path / "log"), "w", "Weight", 0, x)
+
+
+def test_block_formats_refuse_an_array_summarized_in_segments(tmp_path, monkeypatch):
+    """Block formats' words are of one whole array: an array the tracker would cut into
+    segments (here on the XLA path; CPU arrays given to step() on the auto path are read by
+    the host kernel whole, uncut) is refused with block formats: a clear error naming it, no
+    row without them."""
+    monkeypatch.setattr(_tracker, "SUMMARY_PATH", "xla")
+    params = {"w": jnp.asarray(_array(2100)), "b": jnp.asarray(_array(10))}
+    with SEGMENT_ELEMENTS(LIMIT):
+        with pytest.raises(NotImplementedError, match="2100 elements"):
+            with track(
+                params,
+                out=tmp_path / "log",
+                verbose=False,
+                track_gradients=False,
+                block_formats=("mxfp8_e4m3",),
+            ) as tracker:
+                tracker.step(params)

@@ -444,8 +444,7 @@ class JaxTracker(TrackerCore[Sent]):
         layout = self._layout(x.dtype)
         if not block_formats_of(layout.extras):
             return summary
-        if segment_count(x.size) > 1:
-            _no_blocks(layout, f"an array of {x.size} elements (summarized in segments)")
+        _uncut(layout, x.size)
         if not self._kernel_serves(x, fused):
             return with_blocks(summary, x, layout)
         if self._path == "pallas":
@@ -523,8 +522,7 @@ class JaxTracker(TrackerCore[Sent]):
 
             c, v, *rest = segmented(exact_core, x, self._custom)
             return DeviceSummary(c, v), tuple(rest)
-        if segment_count(x.size) > 1:
-            _no_blocks(layout, f"an array of {x.size} elements (summarized in segments)")
+        _uncut(layout, x.size)
         core, words, (ints, floats) = _ffi.ffi_summary_blocks(
             x, fmt, counts, moments, formats, exact
         )
@@ -1256,6 +1254,13 @@ def _spans(sizes: Sequence[int]) -> list[tuple[int, int]]:
         spans.append((at, k))
         at += k
     return spans
+
+
+def _uncut(layout: Layout, size: int) -> None:
+    """Refuses (:func:`_no_blocks`) block formats on an array of ``size`` elements that is
+    summarized in segments: the block formats' words are of one whole array."""
+    if segment_count(size) > 1:
+        _no_blocks(layout, f"an array of {size} elements (summarized in segments)")
 
 
 def _no_blocks(layout: Layout, what: str) -> None:
