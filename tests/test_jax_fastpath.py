@@ -116,8 +116,8 @@ def steady_calls(tmp_path, depth):
 
     with track(params, opt.init(params), out=tmp_path / f"d{depth}", verbose=False) as tracker:
         # each step() records the step before it, no other: the same work at every step
-        tracker.in_flight_steps = 0
-        tracker._arrived = lambda transfer: False  # (not also the step itself, when done)
+        tracker._adapter.in_flight_steps = 0
+        tracker._adapter.arrived = lambda transfer: False  # (not also the step itself, when done)
         tracker.recorder.flush_seconds = float("inf")  # (nor the log's hand-over)
         p, s = params, opt.init(params)
         for _ in range(4):

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from tandv import read_log
+from tandv.stats.summary import summarize
+from tandv.track.common import TrackerCore
 from tandv.track.common import recorder as recorder_module
 from tandv.track.common.options import ROOT_NAME, TrackKwargs, TrackOptions
 
@@ -306,3 +308,118 @@ def test_a_jax_tracker_wraps_nnx_calls_only_while_its_log_is_open(tmp_path):
         never.close()  # closing a tracker that never started unwraps nothing of another's
         assert nnx.Linear.__call__ is not original
     assert nnx.Linear.__call__ is original
+
+
+class FakeTransfer:
+    """What :class:`FakeAdapter` sends for a step: copies of its summaries, "on their way"
+    until the test lets them arrive."""
+
+    def __init__(self, vectors: list[np.ndarray]) -> None:
+        self.vectors = vectors
+        self.landed = False
+
+
+class FakeAdapter:
+    """A framework adapter written here, against the :class:`Adapter` protocol alone: its
+    "device" summaries are numpy vectors, its transfer copies them, and it notes each call
+    the core makes."""
+
+    framework = "fake"
+    opens_lazily = False
+    defers_rows = False  # rows built at commit, on this thread: the calls' order is seen
+    in_flight_steps = 0
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.instant = False  # whether a step's transfer has arrived as soon as it is sent
+
+    def run_options(self) -> dict:
+        self.calls.append("run_options")
+        return {"fake_option": 7}
+
+    def rank_merger(self):
+        self.calls.append("rank_merger")
+        return None
+
+    def start(self) -> None:
+        self.calls.append("start")
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+    def send(self, pending):
+        self.calls.append("send")
+        sent = FakeTransfer([np.array(s, copy=True) for _, _, s in pending])
+        sent.landed = self.instant
+        return sent
+
+    def arrived(self, transfer: FakeTransfer) -> bool:
+        return transfer.landed
+
+    def observed(self, pending):
+        return pending
+
+    def to_host(self, summaries, transfer: FakeTransfer):
+        self.calls.append("to_host")
+        assert len(summaries) == len(transfer.vectors)
+        return transfer.vectors
+
+    def scalar_capture(self):
+        return None
+
+
+class FakeTracker(TrackerCore):
+    """A tracker of the fake framework: the core, the adapter, and a ``step`` that observes
+    named numpy arrays (summarized by the numpy reference) and ends the step."""
+
+    def step(self, **arrays: np.ndarray) -> None:
+        recorder = self._check_open("step")
+        recorded = self._scheduled(self.step_index)
+        if recorded:
+            for name, x in arrays.items():
+                layout = self._layout(x.dtype)
+                vector, made = summarize(x, layout.format, moments=layout.moments)
+                assert made == layout
+                recorder.add(self._key(name, "Activation", "Fake", x.dtype), layout, vector)
+        self._end_step(recorded)
+
+
+def test_a_fake_adapter_drives_the_core_from_open_to_close(tmp_path):
+    """The core calls only the adapter's protocol: a minimal adapter written in the test
+    runs open -> recorded and skipped steps -> close; a step lands when its transfer has
+    arrived, else at the next step's end or at close; and the rows in the log hold the
+    statistics of the arrays observed (against numpy), at their steps."""
+    adapter = FakeAdapter()
+    rng = np.random.default_rng(3)
+    data = [rng.normal(s, 1.0 + s, size=(4, 5)).astype(np.float32) for s in range(5)]
+    options = TrackOptions(out=tmp_path / "log", every=2, verbose=False)
+    tracker = FakeTracker(options, "Fake", "fake", adapter)
+    assert adapter.calls == []  # made: nothing started, no log
+    with tracker:
+        assert adapter.calls == ["rank_merger", "run_options", "start"]
+        tracker.step(h=data[0])  # recorded and sent, not arrived: it stays in flight
+        assert adapter.calls[-1] == "send"
+        tracker.step(h=data[1])  # not scheduled (every=2): dropped; step 0 lands now
+        assert adapter.calls[-2:] == ["send", "to_host"]
+        adapter.instant = True
+        tracker.step(h=data[2])  # arrived at once: lands at its own step's end
+        assert adapter.calls[-2:] == ["send", "to_host"] and adapter.calls.count("to_host") == 2
+        adapter.instant = False
+        tracker.step(h=data[3])
+        tracker.step(h=data[4])  # in flight until close
+        assert adapter.calls.count("to_host") == 2
+    assert adapter.calls[-3:] == ["send", "stop", "to_host"]
+    assert adapter.calls.count("start") == adapter.calls.count("stop") == 1
+    df = read_log(tmp_path / "log")
+    assert sorted(df[("metadata", "step")]) == [0, 2, 4]
+    assert set(df[("metadata", "name")]) == {"h"}
+    assert set(df[("metadata", "type")]) == {"Fake"}
+    assert set(df[("metadata", "tensor_type")]) == {"Activation"}
+    record = df.attrs["tandv"]
+    assert record["framework"] == "fake" and record["options"]["fake_option"] == 7
+    for _, row in df.iterrows():
+        x = data[int(row[("metadata", "step")])].astype(np.float64)
+        stats = row["scalar_stats"]
+        np.testing.assert_allclose(stats["mean"], x.mean(), rtol=1e-6)
+        np.testing.assert_allclose(stats["std"], x.std(), rtol=1e-5)
+        assert stats["max"] == x.max() and stats["min"] == x.min()

@@ -2,6 +2,7 @@
 build on, selection, schedules, step bookkeeping, rows, log IO."""
 
 from ...schema.io import read_log, read_parquet, read_pickle
+from .adapter import Adapter
 from .core import TrackerCore
 from .options import ROOT_NAME, TrackKwargs, TrackOptions
 from .recorder import StepRecorder
@@ -14,6 +15,7 @@ __all__ = [
     "TrackOptions",
     "TrackKwargs",
     "TrackerCore",
+    "Adapter",
     "ROOT_NAME",
     "read_log",
     "read_parquet",

@@ -1,13 +1,15 @@
 """What every tracker does the same way, whatever the framework: :class:`TrackerCore`.
 
-A tracker is this core plus a framework adapter (``tandv.track.torch.Tracker``,
-``tandv.track.jax.JaxTracker``, each a subclass). The core owns the lifecycle (the log opens
-when the ``with`` block starts, or at the first use of a tracker used without one; ``close``
-finishes it once), the step counter and the schedule, the selection of tensors, the caches
-of row keys and summary layouts, the steps whose summaries are on their way to the host
-(landed in order) and the log's record of how it was made. The adapter observes its
-framework's tensors, summarizes them into :attr:`recorder`, and moves a step's summaries to
-the host: the methods marked *adapter* below.
+A tracker is this core holding a framework adapter (:class:`~.adapter.Adapter`); the
+trackers users make (``tandv.track.torch.Tracker``, ``tandv.track.jax.JaxTracker``) are this
+core with their framework's adapter and their framework's API (``step``, ``intercept``). The
+core owns the lifecycle (the log opens when the ``with`` block starts, or at the first use of
+a tracker used without one; ``close`` finishes it once), the step counter and the schedule,
+the selection of tensors, the caches of row keys and summary layouts, the steps whose
+summaries are on their way to the host (landed in order) and the log's record of how it was
+made. It reads only its :class:`TrackOptions` and its adapter, which observes the
+framework's tensors (their summaries go into :attr:`recorder`) and moves a step's summaries
+to the host.
 """
 
 from __future__ import annotations
@@ -15,29 +17,22 @@ from __future__ import annotations
 import functools
 import sys
 from collections import deque
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
-
-import numpy as np
+from typing import Any, Generic, TypeVar
 
 from ...stats.formats import format_name
 from ...stats.formats import number_format as to_number_format
 from ...stats.summary import Layout
+from .adapter import Adapter, Observation, Transfer
 from .alerts import AlertError, AlertWatch
 from .distributed import RankMerger
 from .options import TrackOptions
 from .recorder import StepRecorder
 from .rows import TensorKey
-from .scalars import Capture
 from .stream import make_run_record
 
 __all__ = ["TrackerCore"]
 
-#: What an adapter's :meth:`TrackerCore._send` returns for a step: its summaries' transfer.
-Transfer = TypeVar("Transfer")
-#: One observation: its row's key, its summary's layout, and the summary (where it lies).
-Observation = tuple[TensorKey, Layout, Any]
 _Self = TypeVar("_Self", bound="TrackerCore[Any]")
 
 
@@ -51,23 +46,22 @@ class TrackerCore(Generic[Transfer]):
         recorder: the open log's :class:`StepRecorder` (``None`` before it opens).
     """
 
-    #: the framework, for the log's record (``"torch"``, ``"jax"``)
-    framework: ClassVar[str]
-    #: whether a tracker used without ``with`` opens its log at its first use; otherwise such
-    #: a use is an error (PyTorch's hooks must be in place before the step's forward pass)
-    opens_lazily: ClassVar[bool] = False
-    #: whether a landed step's summaries are moved to the host (:meth:`_to_host`), merged
-    #: and built into rows later on the log's writer thread, off the training thread (the
-    #: adapter's ``_to_host`` must then be safe to call there; a run over several ranks
-    #: merges on the training thread regardless)
-    defers_rows: ClassVar[bool] = False
-    #: ended steps that may stay in flight, not yet arrived, before the oldest is waited for
-    #: (over several ranks always 0: steps land at the same point on every rank)
-    in_flight_steps: ClassVar[int] = 0
+    #: the framework's adapter: given to the constructor, or set once by a tracker's own
+    #: constructor when its parts are made (before the log can open)
+    _adapter: Adapter[Transfer]
 
-    def __init__(self, options: TrackOptions, model: str, run_name: str) -> None:
+    def __init__(
+        self,
+        options: TrackOptions,
+        model: str,
+        run_name: str,
+        adapter: Adapter[Transfer] | None = None,
+    ) -> None:
         """``model``: the model's class name for the log's record; ``run_name``: the name of
-        the default log path when ``options.run_name`` is ``None``."""
+        the default log path when ``options.run_name`` is ``None``; ``adapter``: the
+        framework's adapter (``None``: the caller sets :attr:`_adapter` before any use)."""
+        if adapter is not None:
+            self._adapter = adapter
         self.options = options
         self._model = model
         self._run_name = options.run_name or run_name
@@ -83,54 +77,11 @@ class TrackerCore(Generic[Transfer]):
         self._layouts: dict[tuple[Any, tuple[str, ...]], Layout] = {}
         self._keys: dict[tuple[str, str, str, Any], TensorKey] = {}
         #: ended steps whose summaries are on their way to the host: (step, observations,
-        #: the step's transfer from :meth:`_send`), oldest first
+        #: the step's transfer from the adapter's ``send``), oldest first
         self._flights: deque[tuple[int, list[Observation], Transfer]] = deque()
         self._merger: RankMerger | None = None
         #: the alerts of ``on_nonfinite``/``alerts`` (``None``: none asked for)
         self._watch = AlertWatch.of(options.on_nonfinite, options.alerts)
-
-    # ------------------------------------------------------------------ adapter
-
-    def _run_options(self) -> dict[str, Any]:
-        """*Adapter*: the framework's own options (and facts about the run) for the log's
-        record, beside the shared ones."""
-        return {}
-
-    def _start(self) -> None:
-        """*Adapter*: start observing (install hooks), once the log is open."""
-
-    def _stop(self) -> None:
-        """*Adapter*: stop observing and release what the tracker holds (hooks, patches);
-        called once, by :meth:`close`, also when the start failed."""
-
-    def _send(self, pending: list[Observation]) -> Transfer:
-        """*Adapter*: start moving the summaries of a step's observations to the host, without
-        waiting; the result is handed back to :meth:`_to_host` when the step is recorded."""
-        raise NotImplementedError
-
-    def _arrived(self, transfer: Transfer) -> bool:
-        """*Adapter*: whether a step's transfer has reached the host (its rows can be built
-        without waiting). By default only a later step's end or closing records a step."""
-        return False
-
-    def _to_host(self, summaries: list[Any], transfer: Transfer) -> Sequence[np.ndarray]:
-        """*Adapter*: the host summary vectors of ``summaries``, from their ``transfer``."""
-        raise NotImplementedError
-
-    def _observed(self, pending: list[Observation]) -> list[Observation]:
-        """*Adapter*: those of a step's observations that took place (all by default). Called
-        where :meth:`_to_host` is (with :attr:`defers_rows`, on the writer thread)."""
-        return pending
-
-    def _rank_merger(self) -> RankMerger | None:
-        """*Adapter*: in a run over several ranks (processes), the merger that combines each
-        tracked step's summaries over them before rank 0 writes (``None``: one process).
-        Called when the log opens; it may be a collective."""
-        return None
-
-    def _scalar_capture(self) -> Capture | None:
-        """*Adapter*: how :meth:`log_scalars` reads a value of the framework (a tensor)."""
-        return None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -156,8 +107,8 @@ class TrackerCore(Generic[Transfer]):
 
     def _open(self) -> None:
         """Open the log (its folder is created and its path printed now) and start observing."""
-        options = self.options
-        self._merger = self._rank_merger()
+        options, adapter = self.options, self._adapter
+        self._merger = adapter.rank_merger()
         self.recorder = StepRecorder(
             options.out,
             options.out_format,
@@ -166,12 +117,12 @@ class TrackerCore(Generic[Transfer]):
             verbose=options.verbose,
             sinks=options.sinks,
             run=make_run_record(
-                self.framework,
+                adapter.framework,
                 self._model,
                 options.format,
                 {
                     **options.given(),
-                    **self._run_options(),
+                    **adapter.run_options(),
                     "merged_ranks": self._merger is not None,
                 },
             ),
@@ -182,7 +133,7 @@ class TrackerCore(Generic[Transfer]):
         if self._watch is not None:
             self._watch.path = str(self.out_path)
         try:
-            self._start()
+            adapter.start()
         except BaseException:
             self.close()  # a failed start leaves no hook behind
             raise
@@ -196,7 +147,7 @@ class TrackerCore(Generic[Transfer]):
                 f"is closed; create a new one with track(...)"
             )
         if self.recorder is None:
-            if not self.opens_lazily:
+            if not self._adapter.opens_lazily:
                 raise RuntimeError(
                     f"tracker.{method}() called outside the `with track(...)` block; use "
                     f"`with track(...) as tracker:` around the training loop"
@@ -224,7 +175,7 @@ class TrackerCore(Generic[Transfer]):
             return self.out_path
         self._closed = True
         try:
-            self._stop()
+            self._adapter.stop()
         finally:
             if self.recorder is not None:
                 self.recorder.discard()
@@ -261,7 +212,7 @@ class TrackerCore(Generic[Transfer]):
         assert recorder is not None
         if recorded:
             pending = recorder.take()
-            self._flights.append((self.step_index, pending, self._send(pending)))
+            self._flights.append((self.step_index, pending, self._adapter.send(pending)))
         else:
             recorder.discard()
         self._land()
@@ -275,12 +226,13 @@ class TrackerCore(Generic[Transfer]):
         lands (its merge is a collective) at the same point on every rank: at the next step's
         end, whether or not its transfer arrived earlier."""
         assert self.recorder is not None
+        adapter = self._adapter
         # alerts promise their error from the next step() (docs/alerts-compare.md): with a
         # watch, a step lands at the next step's end, not up to in_flight_steps later
-        lag = 0 if self._merger is not None or self._watch is not None else self.in_flight_steps
+        lag = 0 if self._merger is not None or self._watch is not None else adapter.in_flight_steps
         while self._flights:
             step, pending, transfer = self._flights[0]
-            early = self._merger is None and self._arrived(transfer)
+            early = self._merger is None and adapter.arrived(transfer)
             if not (wait or step < self.step_index - lag or early):
                 return
             self._flights.popleft()
@@ -288,10 +240,10 @@ class TrackerCore(Generic[Transfer]):
                 step,
                 pending,
                 # bound to this step's transfer (called by commit, or later on the writer
-                # thread with `defers_rows`, when the loop has moved on, as `_observed` is)
-                functools.partial(self._to_host, transfer=transfer),
-                defer=self.defers_rows,
-                observe=self._observed,
+                # thread with `defers_rows`, when the loop has moved on, as `observed` is)
+                functools.partial(adapter.to_host, transfer=transfer),
+                defer=adapter.defers_rows,
+                observe=adapter.observed,
             )
             if self._watch is not None and self._watch.due is not None:
                 return  # an alert stops the run at this step: later steps are not recorded
@@ -308,7 +260,7 @@ class TrackerCore(Generic[Transfer]):
         or log)``; ``viz.interactive`` and the HTML report draw them by themselves.
         """
         recorder = self._check_open("log_scalars")
-        recorder.log_scalars(step, scalars, self.step_index, self._scalar_capture())
+        recorder.log_scalars(step, scalars, self.step_index, self._adapter.scalar_capture())
 
     # ------------------------------------------------------------------ names and layouts
 

@@ -21,18 +21,17 @@ from ...stats.summary import N_CORE_VALUES, Layout
 from ..common import TensorKey
 from ..common.core import TrackerCore
 from ..common.custom import StatFn
-from ..common.distributed import LOCAL, RankMerger, Role
 from ..common.factory import signature_of
 from ..common.options import TrackKwargs, TrackOptions
-from ..common.scalars import Capture
 from . import _distributed, _ffi, _misuse
+from ._adapter import JaxAdapter
 from ._blocks import with_words
 from ._delivery import Probe
 from ._intercept import TrackedProgram, interception, jitted_core
 from ._mailbox import Mailboxes, MailRead, ProgramMailboxes
-from ._nnx import acquire_nnx, release_nnx, tag_nnx_paths, untag_nnx_paths
+from ._nnx import tag_nnx_paths
 from ._pallas import pallas_blocks, pallas_summary
-from ._segments import core_layout, is_segmented, segment_count, segmented
+from ._segments import core_layout, segment_count, segmented
 from ._sink import ROOT_NAME, Mailbox, Report, register
 from ._state import Parts, gradients_of, is_nnx_module, is_nnx_optimizer, parts_of
 from ._summary import (
@@ -52,9 +51,7 @@ from ._transfer import (
     ShardRows,
     StackRow,
     Stacks,
-    send,
     shard_plan,
-    to_host,
 )
 from .trees import (
     Leaf,
@@ -210,16 +207,8 @@ class JaxTracker(TrackerCore[Sent]):
         step_index: the index of the current step (the number of :meth:`step` calls so far).
     """
 
-    framework = "jax"
-    opens_lazily = True
-    #: a recorded step's summaries are read, its mailbox words decoded and its rows built on
-    #: the log's writer thread (``_observed`` and ``_to_host`` are numpy and device reads)
-    defers_rows = True
-    #: a step is recorded when its summaries have been computed (checked at each step's end),
-    #: or at the latest when this many later steps have ended (then ``step()`` waits for it):
-    #: the caller's loop runs ahead of the device as it would untracked (a step in flight
-    #: holds only its small summaries)
-    in_flight_steps = 32
+    #: the JAX adapter the core calls (made by :meth:`__init__`)
+    _adapter: JaxAdapter
 
     # issue 31: split after the jax fast-path work lands (composed tracker)
     def __init__(  # noqa: PLR0915
@@ -327,94 +316,20 @@ class JaxTracker(TrackerCore[Sent]):
         self._next_weights: tuple[Any, ...] | None = None
         #: the ``.update`` leaves of each list of parameter leaves (see :meth:`_updates`)
         self._update_leaves: dict[int, tuple[list[Leaf], list[Leaf]]] = {}
-        self._nnx_tagged: list[Any] = []
         # one process of several (jax.distributed): global arrays are summarized by their
         # shards here, and the steps merged over the processes (see ``_distributed``)
         self._multi = _distributed.multi_process()
+        self._adapter = JaxAdapter(opts, self._key, self._layout, self._multi, device_axis)
         #: whether the host kernel serves arrays on the CPU (it does not partition over
         #: processes; where it cannot be built, XLA's operations serve)
         self._host_kernel = self._path == "auto" and not self._multi and _ffi.available()
-        #: the role over the processes of each row of the step being recorded
-        self._roles: dict[TensorKey, Role] = {}
         register(self._token, self._sink)
-        self._nnx_acquired = False  # whether this tracker holds the nnx call wrapping
         self._trees = _misuse.StepTrees.given(model_state, optimizer_state)
         self._applications = _misuse.Applications(self._track_activations)
         if model_state is not None:
             self._learn_nnx_types(model_state)
             self._prepare_weights(parts_of(model_state), 0)
             self._keep_before(parts_of(model_state), 0)
-
-    # ------------------------------------------------------------------ adapter
-
-    def _run_options(self) -> dict[str, Any]:
-        return {"device_axis": bool(self._device_axis)}
-
-    def _start(self) -> None:
-        # nnx module classes are wrapped from when the log opens until it closes: a
-        # tracker that is made but never started patches nothing
-        acquire_nnx()
-        self._nnx_acquired = True
-
-    def _stop(self) -> None:
-        if self._nnx_acquired:
-            release_nnx()
-            self._nnx_acquired = False
-        untag_nnx_paths(self._nnx_tagged)
-        self._nnx_tagged = []
-
-    def _send(self, pending: list[Any]) -> Sent:
-        return send([p[2] for p in pending])
-
-    def _arrived(self, transfer: Sent) -> bool:
-        return transfer.arrived()
-
-    def _to_host(self, summaries: list[Any], transfer: Sent) -> list[np.ndarray]:
-        return to_host(summaries, transfer.stacks)
-
-    def _observed(self, pending: list[Any]) -> list[Any]:
-        expanded = []
-        for key, layout, s in pending:
-            if isinstance(s, Batch):  # a step's arrays, added as one observation
-                expanded += s.expand()
-                continue
-            if isinstance(s, Mail) and s.box < 0:  # a tracked program's words: its reports
-                for box, report, name, module_type, tensor_type, dtype in s.read.reports():
-                    expanded.append(
-                        (
-                            self._key(name, tensor_type, module_type, dtype),
-                            self._layout(dtype),
-                            Mail(s.read, box, report),
-                        )
-                    )
-            else:
-                expanded.append((key, layout, s))
-        # a mailbox the computation did not write holds no observation
-        pending = [
-            (key, layout, Segments(s, layout) if _segmented(s) else s)
-            for key, layout, s in expanded
-            if not isinstance(s, Mail) or s.summary() is not None
-        ]
-        if self._multi:  # how each row merges over the processes, for the rank merger
-            self._roles = {key: _distributed.role(s, Mail) for key, _, s in pending}
-        return pending
-
-    def _rank_merger(self) -> RankMerger | None:
-        opts = self.options
-        if opts.distributed is True and not self._multi:
-            raise RuntimeError(
-                "track(distributed=True): this JAX run has one process; call "
-                "jax.distributed.initialize(...) first, or pass distributed=None"
-            )
-        if not self._multi or opts.distributed is False:
-            return None
-        comm = _distributed.KeyValueCollectives(opts.dist_timeout)
-        return RankMerger(comm, lambda key: self._roles.get(key, LOCAL), rank_logs=opts.rank_logs)
-
-    def _scalar_capture(self) -> Capture:
-        from ._scalars import capture_jax
-
-        return capture_jax
 
     # ------------------------------------------------------------------ summaries
 
@@ -991,7 +906,7 @@ class JaxTracker(TrackerCore[Sent]):
         if is_nnx_module(model_state):
             from flax import nnx
 
-            self._nnx_tagged = tag_nnx_paths(model_state)
+            self._adapter.nnx_tagged = tag_nnx_paths(model_state)
             for path, node in nnx.iter_graph(model_state):
                 if isinstance(node, nnx.Module):
                     self._module_types.setdefault(".".join(map(str, path)) or ROOT_NAME, type(node))
@@ -1229,14 +1144,6 @@ def _picker(indices: list[int]) -> Callable[[list[Any]], list[Any]]:
         get = operator.itemgetter(*indices)
         return lambda items: list(get(items))
     return lambda items: [items[i] for i in indices]
-
-
-def _segmented(summary: Any) -> bool:
-    """Whether a tap's summary (a :class:`Mail` report, or delivered concrete) came in
-    segments (:mod:`._segments`), known from its counts' shape."""
-    if isinstance(summary, Mail):
-        return is_segmented(summary.read.boxes[summary.box].reports[summary.report][2].shape)
-    return isinstance(summary, DeviceSummary) and is_segmented(np.shape(summary.counts))
 
 
 def _rows_of(parts: Sequence[Any]) -> Any:

@@ -55,14 +55,13 @@ from ...stats.summary import Layout
 from ..common import TensorKey
 from ..common.core import TrackerCore
 from ..common.custom import StatFn
-from ..common.distributed import RankMerger
 from ..common.factory import signature_of
 from ..common.options import ROOT_NAME, TrackKwargs, TrackOptions
 from ..common.recorder import StepRecorder
-from ..common.scalars import Capture
+from ._adapter import TorchAdapter
 from ._compiled import CompiledHooks, compiled_root
-from ._distributed import TorchRanks, distributed_world, local_part, module_type, unwrap_ddp
-from ._workspace import Flight, HookLaunch, Slot, Workspace, to_host
+from ._distributed import TorchRanks, local_part, module_type, unwrap_ddp
+from ._workspace import Flight, HookLaunch, Slot, Workspace
 from .naming import flatten_outputs as _flatten
 from .summary import fused_spec
 
@@ -169,8 +168,8 @@ class Tracker(TrackerCore[Flight | None]):
     :func:`track` for the arguments.
     """
 
-    framework = "torch"
-    defers_rows = True  # a step's rows are finished on the writer thread (to_host is numpy)
+    #: the PyTorch adapter the core calls (made by :meth:`__init__`, last)
+    _adapter: TorchAdapter
 
     # issue 31: split after the torch tracker work lands (composed tracker, TrackOptions only)
     def __init__(  # noqa: C901, PLR0912, PLR0915
@@ -188,7 +187,7 @@ class Tracker(TrackerCore[Flight | None]):
     ) -> None:
         # this framework's options as given (first statement: locals() holds just the
         # arguments), for the log's record of how it was made
-        self._own_options = {
+        own_options = {
             k: v for k, v in locals().items() if k not in ("self", "module", "optimizer", "options")
         }
         if not isinstance(module, nn.Module):
@@ -207,7 +206,6 @@ class Tracker(TrackerCore[Flight | None]):
             type(module).__name__,
             re.sub(r"[^A-Za-z0-9_.-]+", "_", type(module).__name__.lower()),
         )
-        self._ranks: TorchRanks | None = None
         if optimizer is None:
             optimizers: tuple[torch.optim.Optimizer, ...] = ()
         elif isinstance(optimizer, (list, tuple)) or (
@@ -324,6 +322,20 @@ class Tracker(TrackerCore[Flight | None]):
         ] = {}
         # the hooks' sites, by (name, kind): see _site
         self._sites: dict[tuple[str, str], _HookSite] = {}
+        self._adapter = TorchAdapter(
+            self._workspace,
+            module,
+            opts,
+            {
+                **own_options,
+                "optimizers": [type(o).__name__ for o in optimizers],
+                # with a GradScaler, output gradients are in loss-scaled units
+                "loss_scaled_output_gradients": scaler is not None,
+                "compiled": self._is_compiled,
+            },
+            observe=self._start_observing,
+            unobserve=self._stop_observing,
+        )
 
     # ------------------------------------------------------------------ dry run
 
@@ -1122,59 +1134,27 @@ class Tracker(TrackerCore[Flight | None]):
             self._weights_hook.remove()
             self._weights_hook = None
 
-    # ------------------------------------------------------------------ adapter
+    # ------------------------------------------------------------------ observer
 
-    def _run_options(self) -> dict[str, Any]:
-        return {
-            **self._own_options,
-            "optimizers": [type(o).__name__ for o in self.optimizers],
-            # with a GradScaler, output gradients are in loss-scaled units
-            "loss_scaled_output_gradients": self.scaler is not None,
-            "compiled": self._is_compiled,
-        }
+    @property
+    def _ranks(self) -> TorchRanks | None:
+        """The run's ranks when its log opened over several processes (the adapter's)."""
+        return self._adapter.ranks
 
-    def _rank_merger(self) -> RankMerger | None:
-        opts = self.options
-        if opts.distributed is True and not distributed_world():
-            raise RuntimeError(
-                "track(distributed=True): torch.distributed is not initialized with more than "
-                "one rank; call torch.distributed.init_process_group first (torchrun), or pass "
-                "distributed=None"
-            )
-        if opts.distributed is not False and distributed_world():
-            # a collective: every rank enters its tracker (see track's `distributed`)
-            self._ranks = TorchRanks(opts.dist_timeout, opts.rank_logs)
-            return self._ranks.merger
-        return None
-
-    def _start(self) -> None:
-        # the first hook on a device finds its rows and 8-bit value tables there already
-        for device in {t.device for t in (*self.module.parameters(), *self.module.buffers())}:
-            self._workspace.prepare(device)
+    def _start_observing(self) -> None:
+        """The adapter's start, once the workspace is ready: the compiled model's hooks, and
+        the first step's."""
         if self._is_compiled:
             self._compiled = CompiledHooks(_Seam(self), self._wrapper)
         self._begin()
 
-    def _stop(self) -> None:
+    def _stop_observing(self) -> None:
+        """The adapter's stop: every hook removed (also after a failed start)."""
         self._active = False
         self._last = None
         self._remove()
         if self._compiled is not None:
             self._compiled.remove()
-
-    def _send(self, pending: list[Any]) -> Flight | None:
-        return self._workspace.end_step()
-
-    def _arrived(self, transfer: Flight | None) -> bool:
-        return transfer is None or transfer.ready()
-
-    def _to_host(self, summaries: list[Any], transfer: Flight | None) -> list[np.ndarray]:
-        return to_host(summaries, transfer)
-
-    def _scalar_capture(self) -> Capture:
-        from ._scalars import capture_torch
-
-        return capture_torch
 
     # ------------------------------------------------------------------ steps
 
