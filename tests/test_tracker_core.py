@@ -423,3 +423,36 @@ def test_a_fake_adapter_drives_the_core_from_open_to_close(tmp_path):
         np.testing.assert_allclose(stats["mean"], x.mean(), rtol=1e-6)
         np.testing.assert_allclose(stats["std"], x.std(), rtol=1e-5)
         assert stats["max"] == x.max() and stats["min"] == x.min()
+
+
+def test_the_core_reads_its_adapter_through_the_protocol_alone():
+    """``core.py`` reads of its adapter only what the ``Adapter`` protocol declares, and calls
+    no method of its own object that it does not define itself (no hook for a subclass to
+    override: a framework's part goes through the adapter). Read from the source, so a new
+    call of an undeclared member fails here before any framework runs it."""
+    import ast
+
+    from tandv.track.common import Adapter, TrackerCore, core
+
+    declared = {name for name in vars(Adapter) if not name.startswith("_")}
+    assert {"start", "stop", "send", "arrived", "to_host", "observed"} <= declared
+    own = {name for klass in TrackerCore.__mro__ for name in vars(klass)}
+    read, called = set(), set()
+    for node in ast.walk(ast.parse(inspect.getsource(core))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        value = node.value
+        if isinstance(value, ast.Name) and value.id == "adapter":
+            read.add(node.attr)
+        elif isinstance(value, ast.Attribute) and value.attr == "_adapter":
+            read.add(node.attr)
+    for node in ast.walk(ast.parse(inspect.getsource(core))):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self"
+        ):
+            called.add(node.func.attr)
+    assert read and read <= declared, f"undeclared adapter members read: {read - declared}"
+    assert called <= own, f"methods the core calls but does not define: {called - own}"
