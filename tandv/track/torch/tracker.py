@@ -206,6 +206,7 @@ class Tracker(TrackerCore[Flight | None]):
             type(module).__name__,
             re.sub(r"[^A-Za-z0-9_.-]+", "_", type(module).__name__.lower()),
         )
+        self._ranks: TorchRanks | None = None
         if optimizer is None:
             optimizers: tuple[torch.optim.Optimizer, ...] = ()
         elif isinstance(optimizer, (list, tuple)) or (
@@ -1136,14 +1137,11 @@ class Tracker(TrackerCore[Flight | None]):
 
     # ------------------------------------------------------------------ observer
 
-    @property
-    def _ranks(self) -> TorchRanks | None:
-        """The run's ranks when its log opened over several processes (the adapter's)."""
-        return self._adapter.ranks
-
     def _start_observing(self) -> None:
-        """The adapter's start, once the workspace is ready: the compiled model's hooks, and
-        the first step's."""
+        """The adapter's start, once the workspace is ready: the ranks of a run over several
+        processes (made by the adapter as the log opened: the hooks note each row's role
+        there), the compiled model's hooks, and the first step's."""
+        self._ranks = self._adapter.ranks
         if self._is_compiled:
             self._compiled = CompiledHooks(_Seam(self), self._wrapper)
         self._begin()
