@@ -386,7 +386,7 @@ class JaxTracker(TrackerCore[Sent]):
 
         All are summarized by one jitted call, dispatched without waiting (queued after the
         update that computes them, so a later donating update cannot take them first): on
-        the CPU by the host kernel inside the program (see :meth:`_summarize_anywhere`),
+        the CPU by the host kernel inside the program (see :class:`._kernels.SummaryKernels`),
         elsewhere by XLA's operations or the fused kernel. Stack rows (:class:`StackRow`,
         :class:`ShardRows`) that :func:`_to_host` fetches when the step is recorded."""
         if self._multi:  # global arrays: this process's shards
