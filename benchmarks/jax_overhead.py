@@ -60,7 +60,7 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from tandv.demos.jax_demo import Transformer  # noqa: E402
-from tandv.track.jax import _intercept, _tracker, _transfer, track  # noqa: E402
+from tandv.track.jax import _intercept, _transfer, track  # noqa: E402
 
 
 class Counters:
@@ -141,7 +141,7 @@ def main() -> None:  # noqa: C901, PLR0915
         "--summary",
         choices=("auto", "xla", "pallas"),
         default="auto",
-        help="the summary computation (tandv.track.jax._tracker.SUMMARY_PATH): auto (the "
+        help="the summary computation (sets TANDV_JAX_SUMMARY for the trackers): auto (the "
         "host kernel on the CPU; XLA, and the fused Pallas kernel for large arrays, "
         "on CUDA), xla (XLA's operations everywhere), pallas (the fused kernel for "
         "every array; interpreted, slowly, on the CPU)",
@@ -155,7 +155,7 @@ def main() -> None:  # noqa: C901, PLR0915
         "nvfp4) and print its ratio to the every=1 tracker's step (block formats' cost)",
     )
     args = ap.parse_args()
-    _tracker.SUMMARY_PATH = args.summary
+    os.environ["TANDV_JAX_SUMMARY"] = args.summary  # read by each tracker when made
 
     kx, ky, kp = jax.random.split(jax.random.key(0), 3)
     if args.model == "mlp":

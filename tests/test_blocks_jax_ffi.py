@@ -14,7 +14,8 @@ from test_blocks import COLS  # noqa: E402
 from test_blocks_jax_paths import CRAFTED, _as, _assert_columns  # noqa: E402
 
 import tandv  # noqa: E402
-from tandv.track.jax import _ffi, _tracker, track  # noqa: E402
+from tandv.track.jax import _ffi, track  # noqa: E402
+from tandv.track.jax._kernels import summary_path  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _ffi.available(), reason="no in-program kernel on this machine")
 FORMATS = ("mxfp8_e4m3", "nvfp4")
@@ -30,14 +31,14 @@ def test_cpu_taps_take_the_custom_call(tmp_path, monkeypatch) -> None:
         calls.append(args[4])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_tracker._ffi, "ffi_summary_blocks", counted)
+    monkeypatch.setattr(_ffi, "ffi_summary_blocks", counted)
     x = jnp.ones((4, 33), jnp.bfloat16)
     params = {"w": jnp.ones((2, 2))}
     with track(
         model_state=params, block_formats=FORMATS, out=tmp_path / "log", verbose=False
     ) as tr:
-        text = jax.jit(lambda a: tr._summarize_anywhere(a, True)).lower(x).as_text()
-        plain = jax.jit(lambda a: tr._summarize(a)).lower(x).as_text()
+        text = jax.jit(lambda a: tr._kernels._summarize_anywhere(a, True)).lower(x).as_text()
+        plain = jax.jit(lambda a: tr._kernels.summarize(a)).lower(x).as_text()
     assert text.count("tandv_summary_f32") == 1
     assert "bitcast_convert" not in text
     assert "bitcast_convert" in plain  # (the XLA path's words: what the check looks for)
@@ -85,7 +86,6 @@ def _crafted_run(tmp_path, dtype: str) -> tuple[object, dict[tuple[str, str], np
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tap_rows_equal_reference(dtype: str, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(_tracker, "SUMMARY_PATH", "auto")
     calls = []
     real = _ffi.ffi_summary_blocks
 
@@ -93,8 +93,9 @@ def test_tap_rows_equal_reference(dtype: str, tmp_path, monkeypatch) -> None:
         calls.append(tuple(args[0].shape))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_tracker._ffi, "ffi_summary_blocks", counted)
-    df, ref = _crafted_run(tmp_path, dtype)
+    monkeypatch.setattr(_ffi, "ffi_summary_blocks", counted)
+    with summary_path("auto"):
+        df, ref = _crafted_run(tmp_path, dtype)
     # every tap's summary by the custom call (traced once per shape: taps share the trace)
     assert {a.shape for a in ref.values()} <= set(calls)
     seen = set()

@@ -19,8 +19,9 @@ import tandv  # noqa: E402
 from tandv.stats.blocks import BLOCK_FORMATS, block_extras, block_stats  # noqa: E402
 from tandv.stats.formats import number_format  # noqa: E402
 from tandv.stats.summary import Layout, summarize  # noqa: E402
-from tandv.track.jax import _tracker, track  # noqa: E402
+from tandv.track.jax import track  # noqa: E402
 from tandv.track.jax._blocks import block_words, tensor_scale  # noqa: E402
+from tandv.track.jax._kernels import summary_path  # noqa: E402
 from tandv.track.jax._pallas import _format_words, pallas_blocks, pallas_summary  # noqa: E402
 from tandv.track.jax._summary import summarize_jax, to_vector  # noqa: E402
 
@@ -232,10 +233,10 @@ def _model_run(tmp_path, formats: tuple[str, ...]) -> tuple[object, dict[str, np
 
 
 @pytest.mark.parametrize("path", ["auto", "xla", "pallas"])
-def test_tracker_rows_equal_reference(path: str, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(_tracker, "SUMMARY_PATH", path)
+def test_tracker_rows_equal_reference(path: str, tmp_path) -> None:
     formats = ("mxfp8_e4m3", "nvfp4")
-    df, ref = _model_run(tmp_path, formats)
+    with summary_path(path):
+        df, ref = _model_run(tmp_path, formats)
     seen = set()
     for _, row in df.iterrows():
         key = (row.metadata["tensor_type"], row.metadata["name"])

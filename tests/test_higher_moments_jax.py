@@ -15,7 +15,7 @@ jnp = pytest.importorskip("jax.numpy")
 
 from tandv.schema import read_log  # noqa: E402
 from tandv.stats.summary import Layout, finalize, merge  # noqa: E402
-from tandv.track.jax import _ffi, _tracker  # noqa: E402
+from tandv.track.jax import _ffi, _kernels, _tracker  # noqa: E402
 from tandv.track.jax._pallas import pallas_summary  # noqa: E402
 from tandv.track.jax._summary import (  # noqa: E402
     DeviceSummary,
@@ -203,17 +203,17 @@ def _row(df, name: str, tt: str, step: int):
 
 
 @pytest.mark.parametrize("summary_path", ["auto", "xla", "pallas"])
-def test_jax_tracker_logs_exact_skew_and_kurtosis(tmp_path, monkeypatch, summary_path):
+def test_jax_tracker_logs_exact_skew_and_kurtosis(tmp_path, summary_path):
     """``track(moments=4)`` in the JAX tracker on each summary path (``auto``: the host
     kernel inside the program on the CPU): weights, gradients and activations (one of them
     64 x its spread) against scipy of the arrays the test takes itself. XLA's operations
     run in float32 (no x64): their core m2 and the third sums of small arrays whose cubes
     cancel are off by up to ~3e-6 of their values (measured on these gradients), so that
     path is held to 1e-5."""
-    monkeypatch.setattr(_tracker, "SUMMARY_PATH", summary_path)
     rtol = 1e-5 if summary_path == "xla" else RTOL
     w, xs = _setup()
-    df, record = _run_jax(w, xs, tmp_path / "jax")
+    with _kernels.summary_path(summary_path):
+        df, record = _run_jax(w, xs, tmp_path / "jax")
     for step, (params, grads, acts) in enumerate(record):
         for layer in ("Dense_0", "Dense_1"):
             for leaf in ("kernel", "bias"):

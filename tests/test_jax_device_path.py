@@ -20,7 +20,8 @@ from test_jax_tracker import assert_row_matches, data, row  # noqa: E402
 from tandv.schema import read_log  # noqa: E402
 from tandv.stats import Layout, summarize  # noqa: E402
 from tandv.stats.summary import merge  # noqa: E402
-from tandv.track.jax import _intercept, _tracker, _transfer, to_vector, track  # noqa: E402
+from tandv.track.jax import _ffi, _intercept, _transfer, to_vector, track  # noqa: E402
+from tandv.track.jax._kernels import FUSED_SIZE, summary_path  # noqa: E402
 from tandv.track.jax._mailbox import MailRead  # noqa: E402
 from tandv.track.jax._summary import DeviceSummary, merge_jax  # noqa: E402
 
@@ -30,12 +31,12 @@ rng = np.random.default_rng(3)
 @pytest.fixture
 def accelerator_path(monkeypatch):
     """Summaries in programs only (no host kernel), and every host callback counted."""
-    monkeypatch.setattr(_tracker, "SUMMARY_PATH", "xla")
-    monkeypatch.setattr(_tracker._ffi, "ffi_summary", None)  # must not be called
+    monkeypatch.setattr(_ffi, "ffi_summary", None)  # must not be called
     calls = []
     deliver = _intercept._deliver
     monkeypatch.setattr(_intercept, "_deliver", lambda *a: (calls.append(a[1]), deliver(*a)))
-    return calls
+    with summary_path("xla"):
+        yield calls
 
 
 PARTS = {
@@ -257,15 +258,17 @@ def test_step_does_not_wait_for_its_summaries(tmp_path, accelerator_path, monkey
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_low_precision_activations_on_the_fused_kernel(tmp_path, monkeypatch, dtype):
+def test_low_precision_activations_on_the_fused_kernel(tmp_path, dtype):
     """A bf16/fp16 model on the Pallas path (interpreted): its activation rows are those of
     the numpy reference on the same values, exponent counts exactly."""
-    monkeypatch.setattr(_tracker, "SUMMARY_PATH", "pallas")
     model = nn.Dense(8, dtype=dtype, param_dtype=dtype)
     x = jnp.asarray(data()[0], dtype)
     params = model.init(jax.random.key(2), x)
     fwd = jax.jit(lambda p, x: model.apply(p, x))
-    with track(out=tmp_path / "log", track_gradients=False, verbose=False) as tracker:
+    with (
+        summary_path("pallas"),
+        track(out=tmp_path / "log", track_gradients=False, verbose=False) as tracker,
+    ):
         out = tracker.intercept(fwd, params, x)
         tracker.step()
     assert_row_matches(
@@ -354,7 +357,7 @@ def test_sharded_arrays_are_summarized_where_they_lie(tmp_path, accelerator_path
         arrays = list(params.values())
         plans = tuple(_transfer.shard_plan(x) for x in arrays)
         assert [p[2] for p in plans] == [(0, 1), (0, 1), (0,)]  # one copy of the last is counted
-        hlo = tracker._summarize_many.lower(arrays, False, plans).compile().as_text()
+        hlo = tracker._kernels.summarize_many.lower(arrays, False, plans).compile().as_text()
         assert "all-reduce" not in hlo and "all-gather" not in hlo
         tracker.step(params)
     df = read_log(tmp_path / "log")
@@ -384,7 +387,7 @@ def test_tracked_step_lowers_for_cuda_without_host_callbacks(tmp_path, monkeypat
 
     monkeypatch.setattr(_ffi, "available", lambda: False)  # as on a GPU: no host kernel
     model, opt = Stack(), optax.adam(1e-3)
-    wide = nn.Dense(_tracker.FUSED_SIZE // 64)  # kernel, output and its gradient: fused
+    wide = nn.Dense(FUSED_SIZE // 64)  # kernel, output and its gradient: fused
     x = jnp.ones((64, 4))
     params = {
         "stack": model.init(jax.random.key(1), x),
@@ -414,7 +417,7 @@ def test_tracked_step_lowers_for_cuda_without_host_callbacks(tmp_path, monkeypat
         )
         leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(params)]
         summaries = (
-            jax.jit(tracker._summaries, static_argnums=(1, 2))
+            jax.jit(tracker._kernels.summaries, static_argnums=(1, 2))
             .trace(leaves, True, (None,) * len(leaves))
             .lower(lowering_platforms=("cuda",))
             .as_text()

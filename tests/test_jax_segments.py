@@ -19,7 +19,8 @@ import optax  # noqa: E402
 from tandv.schema import read_log  # noqa: E402
 from tandv.stats import Layout, summarize  # noqa: E402
 from tandv.stats.summary import COUNT_INDEX, HIGHER_STATS  # noqa: E402
-from tandv.track.jax import _ffi, _tracker, to_vector, track  # noqa: E402
+from tandv.track.jax import _ffi, to_vector, track  # noqa: E402
+from tandv.track.jax._kernels import summary_path  # noqa: E402
 from tandv.track.jax._segments import (  # noqa: E402
     SEGMENT_ELEMENTS,
     core_layout,
@@ -129,10 +130,9 @@ class Wide(nn.Module):
         return nn.Dense(32, name="Dense_1")(h)
 
 
-def _run(out, path: str, jit: bool, limit: int | None, monkeypatch, **options) -> pd.DataFrame:
+def _run(out, path: str, jit: bool, limit: int | None, **options) -> pd.DataFrame:
     """Two tracked steps of :class:`Wide` on ``path`` with ``options``, with the segment
     limit ``limit`` (None: the real one), as a log sorted by tensor and step."""
-    monkeypatch.setattr(_tracker, "SUMMARY_PATH", path)
     model, opt = Wide(), optax.adam(1e-2)
     k1, k2 = jax.random.split(jax.random.key(0))
     x, y = jax.random.normal(k1, (16, 5)), jax.random.normal(k2, (16, 32))
@@ -145,7 +145,7 @@ def _run(out, path: str, jit: bool, limit: int | None, monkeypatch, **options) -
         return optax.apply_updates(p, u), s, g
 
     update = jax.jit(update) if jit else update
-    with SEGMENT_ELEMENTS(limit or MAX_ELEMENTS):
+    with SEGMENT_ELEMENTS(limit or MAX_ELEMENTS), summary_path(path):
         with track(params, state, out=out, verbose=False, **options) as tracker:
             for _ in range(2):
                 params, state, grads = tracker.intercept(update, params, state, x, y)
@@ -168,15 +168,15 @@ HIGHER = {"moments": 4, "percentiles": (10, 50, 90)}
         ("pallas", True, {}),  # (interpreted: slow; its moments=4 in the test above)
     ],
 )
-def test_tracked_rows_do_not_depend_on_segments(tmp_path, monkeypatch, path, jit, options):
+def test_tracked_rows_do_not_depend_on_segments(tmp_path, path, jit, options):
     """A tracked run whose module outputs, gradients, weights and optimizer state pass the
     segment limit (taps in a tracked program or on the Python path, arrays summarized in
     the program or at step()) writes the rows of a run without segments: counts exactly,
     moments and percentiles to 1e-6, skewness and kurtosis (``moments=4``) to 1e-5."""
     if path == "auto" and not _ffi.available():
         pytest.skip("no in-program host kernel on this machine")
-    whole = _run(tmp_path / "whole", path, jit, None, monkeypatch, **options)
-    cut = _run(tmp_path / "cut", path, jit, LIMIT, monkeypatch, **options)
+    whole = _run(tmp_path / "whole", path, jit, None, **options)
+    cut = _run(tmp_path / "cut", path, jit, LIMIT, **options)
     assert whole.index.equals(cut.index)
     names = set(whole.index.get_level_values("name"))
     assert {"Dense_0", "Dense_1.kernel"} <= names  # the arrays past the limit have rows
@@ -212,11 +212,10 @@ class Looped(nn.Module):
         return scan(name="blocks")(x, None)[0]
 
 
-def test_loop_body_segments_merge_per_iteration(tmp_path, monkeypatch):
+def test_loop_body_segments_merge_per_iteration(tmp_path):
     """A module inside a scan body whose output passes the limit: each iteration's segment
     rows merge into the mailbox row by row, and the host joins the segments: the rows of a
     run without segments (the Activation row counts all 3 iterations' elements)."""
-    monkeypatch.setattr(_tracker, "SUMMARY_PATH", "xla")
     model = Looped()
     x = jax.random.normal(jax.random.key(0), (16, 96))
     params = model.init(jax.random.key(1), x)
@@ -227,7 +226,7 @@ def test_loop_body_segments_merge_per_iteration(tmp_path, monkeypatch):
     logs = {}
     for limit in (None, LIMIT):
         out = tmp_path / str(limit)
-        with SEGMENT_ELEMENTS(limit or MAX_ELEMENTS):
+        with SEGMENT_ELEMENTS(limit or MAX_ELEMENTS), summary_path("xla"):
             with track(params, out=out, verbose=False) as tracker:
                 grads = tracker.intercept(jax.jit(update), params, x)
                 tracker.step(params, None, grads)
@@ -248,7 +247,7 @@ def _lower(fn, n: int, dtype, platform: str) -> str:
 
 
 @pytest.mark.parametrize("path", ["xla", "pallas", "auto"])
-def test_arrays_past_int32_counts_lower_in_segments(monkeypatch, path):
+def test_arrays_past_int32_counts_lower_in_segments(path):
     """At the real limit, nothing allocated: an array of 2**32 + 5 bfloat16 elements is
     traced and lowered (for CUDA; the host kernel for the CPU) as 3 segments of at most
     2**31 - 1 elements, each summarized by the path's kernel, with int32 counts only per
@@ -256,13 +255,13 @@ def test_arrays_past_int32_counts_lower_in_segments(monkeypatch, path):
     if path == "auto" and not _ffi.available():
         pytest.skip("no in-program host kernel on this machine")
     # "pallas": the default path lowered for CUDA, which picks the fused kernel
-    monkeypatch.setattr(_tracker, "SUMMARY_PATH", "xla" if path == "xla" else "auto")
-    tracker = track(verbose=False)
+    with summary_path("xla" if path == "xla" else "auto"):
+        tracker = track(verbose=False)
     n = 2**32 + 5
     if path == "auto":
-        fn, platform = tracker._summarize_in_program, "cpu"
+        fn, platform = tracker._kernels.summarize_in_program, "cpu"
     else:
-        fn, platform = tracker._summarize, "cuda"
+        fn, platform = tracker._kernels.summarize, "cuda"
     shape = jax.eval_shape(fn, jax.ShapeDtypeStruct((n,), jnp.bfloat16))
     assert shape.counts.shape[0] == 3 and shape.counts.dtype == jnp.int32
     text = _lower(fn, n, jnp.bfloat16, platform)
@@ -277,18 +276,17 @@ def test_arrays_past_int32_counts_lower_in_segments(monkeypatch, path):
 
 
 @pytest.mark.parametrize("path", ["auto", "xla"])
-def test_step_arrays_past_the_limit(tmp_path, monkeypatch, path):
+def test_step_arrays_past_the_limit(tmp_path, path):
     """Weights past the limit given to step() alone (no intercept; bfloat16 and float32, so
     two stacks with segment rows beside a small array's row): each row equals the numpy
     summary of its array (the host kernel's exact float64 moments, or XLA's)."""
-    monkeypatch.setattr(_tracker, "SUMMARY_PATH", path)
     arrays = {
         "w": _array(2100, ml_dtypes.bfloat16),
         "b": _array(10, ml_dtypes.bfloat16),
         "v": _array(3100),
     }
     params = {k: jnp.asarray(v) for k, v in arrays.items()}
-    with SEGMENT_ELEMENTS(LIMIT):
+    with SEGMENT_ELEMENTS(LIMIT), summary_path(path):
         with track(params, out=tmp_path / "log", verbose=False, track_gradients=False) as tracker:
             tracker.step(params)
     df = read_log(tmp_path / "log")
@@ -345,14 +343,13 @@ def test_sharded_array_past_the_limit(tmp_path):
     assert_row_matches(read_log(tmp_path / "log"), "w", "Weight", 0, x)
 
 
-def test_block_formats_refuse_an_array_summarized_in_segments(tmp_path, monkeypatch):
+def test_block_formats_refuse_an_array_summarized_in_segments(tmp_path):
     """Block formats' words are of one whole array: an array the tracker would cut into
     segments (here on the XLA path; CPU arrays given to step() on the auto path are read by
     the host kernel whole, uncut) is refused with block formats: a clear error naming it, no
     row without them."""
-    monkeypatch.setattr(_tracker, "SUMMARY_PATH", "xla")
     params = {"w": jnp.asarray(_array(2100)), "b": jnp.asarray(_array(10))}
-    with SEGMENT_ELEMENTS(LIMIT):
+    with SEGMENT_ELEMENTS(LIMIT), summary_path("xla"):
         with pytest.raises(NotImplementedError, match="2100 elements"):
             with track(
                 params,

@@ -14,8 +14,8 @@ from flax import nnx  # noqa: E402
 
 from tandv.schema import read_log  # noqa: E402
 from tandv.stats import exponent_labels, finalize, summarize  # noqa: E402
-from tandv.track.jax import _tracker as jax_tracker_module  # noqa: E402
-from tandv.track.jax import track  # noqa: E402
+from tandv.track.jax import _ffi, track  # noqa: E402
+from tandv.track.jax._kernels import summary_path  # noqa: E402
 from tandv.track.jax.trees import optimizer_state_leaves  # noqa: E402
 
 EXACT_STATS = ["min", "max", "min_abs", "max_abs", "numel", "zero_count", "nan_count", "inf_count"]
@@ -146,9 +146,8 @@ def linen_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("linen")
     runs = {"jit": captured_run(tmp / "jit", True), "plain": captured_run(tmp / "plain", False)}
     for mode, path in (("device", "xla"), ("pallas", "pallas")):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(jax_tracker_module, "SUMMARY_PATH", path)
-            mp.setattr(jax_tracker_module._ffi, "ffi_summary", None)  # must not be called
+        with summary_path(path), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_ffi, "ffi_summary", None)  # must not be called
             runs[mode] = captured_run(tmp / mode, True)
     return runs
 
@@ -802,9 +801,7 @@ def test_host_kernel_reads_step_arrays_before_a_donating_update_can_reuse_them(t
         assert_row_matches(df, "w", "Weight", k, w)
 
 
-@pytest.mark.skipif(
-    not jax_tracker_module._ffi.available(), reason="no in-program kernel on this machine"
-)
+@pytest.mark.skipif(not _ffi.available(), reason="no in-program kernel on this machine")
 def test_step_time_rows_keep_the_host_kernels_float64_moments(tmp_path):
     """On the CPU the arrays given to ``step`` are summarized by the host kernel inside an
     XLA program, whose float outputs are float32 without x64. Their moments still come out

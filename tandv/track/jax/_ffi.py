@@ -33,8 +33,9 @@ import math
 import platform
 import threading
 import warnings
+from collections.abc import Callable
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -86,14 +87,24 @@ _INT_WORDS = INT_WORDS
 _TABLE_WIDTH = 8  # columns of serial_block_table's rows
 
 
-@intrinsic
-def _pointer(typingctx: Any, address: Any) -> Any:  # pragma: no cover - compiled
-    """An int64 address as a pointer (what ``carray`` reads from)."""
+#: A raw C pointer as compiled code holds it (numba's ``voidptr``): the handler's argument
+#: and result, and what :func:`_pointer` makes of an int64 address. Python never holds one.
+_VoidPointer = Any
+
+
+def _pointer_typing(typingctx: Any, address: Any) -> Any:  # pragma: no cover - compiled
+    """An int64 address as a pointer (what ``carray`` reads from): :func:`_pointer`."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
 
     return types.voidptr(types.int64), codegen
+
+
+# numba's stubs type a call of an intrinsic with its typing function's parameters
+# (``typingctx`` included) and as returning Never; compiled code calls it without the
+# context, so each (this one and the two below) is declared as that code sees it.
+_pointer = cast("Callable[[int], _VoidPointer]", intrinsic(_pointer_typing))
 
 
 # XLA:CPU runs its threads with subnormals read and written as zero (x86: the MXCSR's DAZ
@@ -108,9 +119,9 @@ _FLUSH_BITS = (1 << 6) | (1 << 15) if _X86 else (1 << 24) | (1 << 19)  # DAZ|FTZ
 _I64 = ir.IntType(64)
 
 
-@intrinsic
-def _fp_control(typingctx: Any) -> Any:  # pragma: no cover - compiled
-    """The floating-point control register (x86 MXCSR, ARM FPCR) as an int64."""
+def _fp_control_typing(typingctx: Any) -> Any:  # pragma: no cover - compiled
+    """The floating-point control register (x86 MXCSR, ARM FPCR) as an int64:
+    :func:`_fp_control`."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         if _X86:
@@ -130,9 +141,9 @@ def _fp_control(typingctx: Any) -> Any:  # pragma: no cover - compiled
     return types.int64(), codegen
 
 
-@intrinsic
-def _set_fp_control(typingctx: Any, value: Any) -> Any:  # pragma: no cover - compiled
-    """Sets the floating-point control register to ``value`` (from :func:`_fp_control`)."""
+def _set_fp_control_typing(typingctx: Any, value: Any) -> Any:  # pragma: no cover - compiled
+    """Sets the floating-point control register to ``value`` (from :func:`_fp_control`):
+    :func:`_set_fp_control`."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         if _X86:
@@ -154,8 +165,12 @@ def _set_fp_control(typingctx: Any, value: Any) -> Any:  # pragma: no cover - co
     return types.none(types.int64), codegen
 
 
+_fp_control = cast("Callable[[], int]", intrinsic(_fp_control_typing))
+_set_fp_control = cast("Callable[[int], None]", intrinsic(_set_fp_control_typing))
+
+
 @numba.njit(cache=True, nogil=True)
-def _buffer(address):  # pragma: no cover - compiled
+def _buffer(address: int) -> tuple[int, int]:  # pragma: no cover - compiled
     """``(data, element count)`` of the ``XLA_FFI_Buffer`` at ``address``."""
     b = carray(_pointer(address), (6,), np.int64)
     dims = carray(_pointer(b[5]), (max(b[4], 1),), np.int64)
@@ -166,7 +181,9 @@ def _buffer(address):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _write_blocks(x, spec, nf, amax, ints_at, floats_at):  # pragma: no cover - compiled
+def _write_blocks(  # pragma: no cover - compiled
+    x: np.ndarray, spec: np.ndarray, nf: int, amax: float, ints_at: int, floats_at: int
+) -> None:
     """The block formats' words of ``x`` (``spec``: the row length, then the formats'
     table; ``amax``: its largest finite magnitude) into the result buffers at ``ints_at``
     (int32: the three counts, the largest block ratio's float64 as two words, the squared
@@ -190,9 +207,10 @@ def _write_blocks(x, spec, nf, amax, ints_at, floats_at):  # pragma: no cover - 
         floats[f] = np.float32(mant)
 
 
-def _handle(frame):  # pragma: no cover - compiled by available()
+def _handle(frame: _VoidPointer) -> _VoidPointer:  # pragma: no cover - compiled by available()
     """The FFI handler: XLA calls it with a pointer to its call frame; it returns a null
-    ``XLA_FFI_Error*`` (success)."""
+    ``XLA_FFI_Error*`` (success). Compiled by ``numba.cfunc`` with the C signature
+    ``void *(void *)``; never called from Python."""
     words = carray(frame, (15,), np.int64)
     if words[1] != 0:  # an extension: XLA asks which FFI version we speak
         if carray(_pointer(words[1]), (4,), np.int32)[2] == _METADATA:

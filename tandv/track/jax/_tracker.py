@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -15,33 +14,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...schema.columns import GRADIENT, OPTIMISER_STATE, WEIGHT
-from ...stats.blocks import block_formats_of
-from ...stats.formats import format_name
-from ...stats.summary import N_CORE_VALUES, Layout
+from ...stats.summary import Layout
 from ..common import TensorKey
 from ..common.core import TrackerCore
 from ..common.custom import StatFn
 from ..common.factory import signature_of
 from ..common.options import TrackKwargs, TrackOptions
-from . import _distributed, _ffi, _misuse
+from . import _distributed, _misuse
 from ._adapter import JaxAdapter
-from ._blocks import with_words
 from ._delivery import Probe
 from ._intercept import TrackedProgram, interception, jitted_core
+from ._kernels import SummaryKernels, groups, no_blocks, row_spans
 from ._mailbox import Mailboxes, MailRead, ProgramMailboxes
 from ._nnx import tag_nnx_paths
-from ._pallas import pallas_blocks, pallas_summary
-from ._segments import core_layout, segment_count, segmented
 from ._sink import ROOT_NAME, Mailbox, Report, register
 from ._state import Parts, gradients_of, is_nnx_module, is_nnx_optimizer, parts_of
-from ._summary import (
-    CustomStat,
-    DeviceSummary,
-    summarize_jax,
-    summarize_many_jax,
-    with_blocks,
-    with_custom,
-)
+from ._summary import CustomStat
 from ._taps import tap
 from ._transfer import (
     Batch,
@@ -73,21 +61,6 @@ _tokens = itertools.count(1)
 _serials = itertools.count(1)
 #: Tracked programs a tracker keeps (more: the update is made anew at each call).
 _MAX_PROGRAMS = 64
-#: Arrays with at least this many elements are summarized by a program of their own.
-_OWN_PROGRAM_SIZE = 1 << 16
-#: Which summary computation serves, read when a tracker is made (tests set it to run the
-#: accelerators' path on the CPU), also from the environment variable ``TANDV_JAX_SUMMARY``:
-#:
-#: - ``"auto"``: on the CPU, the host kernel (inside the program for taps, reading the
-#:   buffers for step-time arrays); elsewhere XLA's summary operations, and on CUDA GPUs the
-#:   fused Pallas kernel for arrays of at least :data:`FUSED_SIZE` elements.
-#: - ``"xla"``: XLA's summary operations everywhere, all in programs (no host kernel).
-#: - ``"pallas"``: the fused Pallas kernel for every array everywhere (interpreted on the
-#:   CPU: slow, for tests), all in programs.
-SUMMARY_PATH = os.environ.get("TANDV_JAX_SUMMARY", "auto")
-_PATHS = ("auto", "xla", "pallas")
-#: Arrays with at least this many elements go through the fused kernel on CUDA GPUs.
-FUSED_SIZE = 1 << 16
 
 
 #: What JAX says when a batched value is written to an unbatched ref (a tap's mailbox under vmap).
@@ -162,7 +135,7 @@ class _TapSink:
         #: The merge rules of the tracker's custom statistics (a loop body's mailbox merges).
         self.merge_rules = list(merge_rules)
         #: A layout with block formats' columns, where the tracker's layouts have them
-        #: (their words are not merged over a loop's iterations: :func:`_no_blocks`).
+        #: (their words are not merged over a loop's iterations: :func:`._kernels.no_blocks`).
         self.block_layout: Layout | None = None
         self._receive = weakref.WeakMethod(receive)  # a bound method of the tracker
 
@@ -180,7 +153,7 @@ class _TapSink:
         merge: bool = False,
     ) -> bool:
         if merge and self.block_layout is not None:
-            _no_blocks(self.block_layout, f"module {name!r}'s output inside a loop body (scan)")
+            no_blocks(self.block_layout, f"module {name!r}'s output inside a loop body (scan)")
         boxes: Mailbox = self.mailboxes if self.program is None else self.program
         return boxes.post(name, module_type, reports, arena, remat, merge)
 
@@ -273,18 +246,6 @@ class JaxTracker(TrackerCore[Sent]):
         #: the row keys and layouts of a list of leaves of the names cache, by (its id,
         #: tensor type, the arrays' dtypes, module types known): see :meth:`_keys_of`
         self._keys_cache: dict[Any, tuple[list[Leaf], list[TensorKey], list[Layout]]] = {}
-        #: whether the host kernel summarizes step-time arrays on a device (in the program)
-        self._exact_on: dict[Any, bool] = {}
-        self._summarize_many = jax.jit(self._summaries, static_argnums=(1, 2, 3))
-        self._summarize_one_device = jax.jit(self._stacks, static_argnums=1)
-        # Taps call a jitted summary: compiled once per shape and dtype when the update runs
-        # eagerly, and traced once per shape (then inlined) when it is jitted. On the CPU it
-        # is the host kernel called from inside the program (see ``_ffi``).
-        if SUMMARY_PATH not in _PATHS:
-            raise ValueError(f"tandv: TANDV_JAX_SUMMARY={SUMMARY_PATH!r}: expected one of {_PATHS}")
-        self._path = SUMMARY_PATH
-        self._summarize_xla = jax.jit(self._summarize, static_argnames="fused")
-        self._summarize_cpu = jax.jit(self._summarize_in_program)
         self._sink = _TapSink(self._receive, [rule for _, rule in self._extras])
         if self.options.block_extras:
             self._sink.block_layout = self._layout("float32")
@@ -320,9 +281,10 @@ class JaxTracker(TrackerCore[Sent]):
         # shards here, and the steps merged over the processes (see ``_distributed``)
         self._multi = _distributed.multi_process()
         self._adapter = JaxAdapter(opts, self._key, self._layout, self._multi, device_axis)
-        #: whether the host kernel serves arrays on the CPU (it does not partition over
-        #: processes; where it cannot be built, XLA's operations serve)
-        self._host_kernel = self._path == "auto" and not self._multi and _ffi.available()
+        #: the summary kernels and the choice between them (the summary path is read now).
+        #: Taps call a jitted summary of it: compiled once per shape and dtype when the
+        #: update runs eagerly, and traced once per shape (then inlined) when it is jitted.
+        self._kernels = SummaryKernels(self._layout, self._custom, opts.moments, self._multi)
         register(self._token, self._sink)
         self._trees = _misuse.StepTrees.given(model_state, optimizer_state)
         self._applications = _misuse.Applications(self._track_activations)
@@ -333,224 +295,12 @@ class JaxTracker(TrackerCore[Sent]):
 
     # ------------------------------------------------------------------ summaries
 
-    def _summarize(self, x: jax.Array, fused: bool = True) -> DeviceSummary:
-        """Traceable summary of ``x`` off the host kernel: XLA's operations, or the fused
-        Pallas kernel (see :data:`SUMMARY_PATH`; float64 always takes XLA's). ``fused``:
-        whether the kernel may serve in ``"auto"``, False for programs on several devices
-        (XLA partitions its own operations over a sharded array; a kernel would need the
-        whole array on each device). An array past :data:`._segments.SEGMENT_ELEMENTS`
-        elements is summarized in segments (:func:`._segments.segmented`); the block formats'
-        words follow the custom statistics (:meth:`_with_blocks`)."""
-        core = functools.partial(self._core, fused=fused)
-        summary = DeviceSummary(*segmented(core, x, self._custom))
-        return self._with_blocks(summary, x, fused)
-
-    def _kernel_serves(self, x: jax.Array, fused: bool) -> bool:
-        """Whether the fused Pallas kernel may summarize ``x`` (else XLA's operations)."""
-        return jnp.dtype(x.dtype) != jnp.float64 and (
-            self._path == "pallas" or (x.size >= FUSED_SIZE and fused)
-        )
-
-    def _with_blocks(self, summary: DeviceSummary, x: jax.Array, fused: bool) -> DeviceSummary:
-        """``summary`` of ``x`` (custom statistics in it) with the words of the block formats
-        of ``x``'s layout: by the second Pallas kernel where the fused one serves (on CUDA),
-        else by XLA's operations; unchanged without block formats. An array summarized in
-        segments is refused with block formats (their words are of one whole array)."""
-        layout = self._layout(x.dtype)
-        if not block_formats_of(layout.extras):
-            return summary
-        _uncut(layout, x.size)
-        if not self._kernel_serves(x, fused):
-            return with_blocks(summary, x, layout)
-        if self._path == "pallas":
-            return pallas_blocks(summary, x, layout)
-
-        def on(kernel: bool) -> Callable[..., tuple[jax.Array, jax.Array]]:
-            def blocks(a: jax.Array, c: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-                s = DeviceSummary(c, v)
-                got = pallas_blocks(s, a, layout, False) if kernel else with_blocks(s, a, layout)
-                return got.counts, got.values
-
-            return blocks
-
-        return DeviceSummary(
-            *jax.lax.platform_dependent(
-                x, summary.counts, summary.values, cuda=on(True), default=on(False)
-            )
-        )
-
-    def _core(self, x: jax.Array, fused: bool = True) -> DeviceSummary:
-        """:meth:`_summarize` of one segment, without custom statistics and block formats."""
-        layout = core_layout(self._layout(x.dtype))
-        if jnp.dtype(x.dtype) == jnp.float64 or (
-            self._path != "pallas" and (x.size < FUSED_SIZE or not fused)
-        ):
-            return summarize_jax(x, layout)
-
-        def kernel(a: jax.Array, interpret: bool | None = None) -> DeviceSummary:
-            return pallas_summary(
-                a, layout.format, layout.num_counts, interpret=interpret, moments=layout.moments
-            )
-
-        if self._path == "pallas":
-            return kernel(x)
-        return jax.lax.platform_dependent(
-            x, cuda=lambda a: kernel(a, False), default=lambda a: summarize_jax(a, layout)
-        )
-
-    def _summarize_in_program(self, x: jax.Array) -> DeviceSummary:
-        """Traceable summary for XLA:CPU: the host kernel as a custom call (float64 arrays
-        take the XLA path); custom statistics are XLA operations appended to its values."""
-        if jnp.dtype(x.dtype) == jnp.float64:
-            return self._summarize(x)
-        summary, _ = self._in_program(x, exact=False)
-        return summary
-
-    def _core_in_program(self, x: jax.Array) -> DeviceSummary:
-        """:meth:`_summarize_in_program` of one segment (not float64), without custom
-        statistics."""
-        layout = self._layout(x.dtype)
-        return _ffi.ffi_summary(x, layout.format, layout.num_counts, layout.moments)
-
-    def _summarize_exact(self, x: jax.Array) -> tuple[jax.Array, ...]:
-        """Traceable, on the CPU (not float64): counts, values (custom statistics appended)
-        and the exact float64 core values as uint32 words of ``x``'s summary by the host
-        kernel in the program (see :func:`._ffi.ffi_summary_exact`)."""
-        summary, words = self._in_program(x, exact=True)
-        return (summary.counts, summary.values, *words)
-
-    def _in_program(self, x: jax.Array, exact: bool) -> tuple[DeviceSummary, tuple[Any, ...]]:
-        """The summary of ``x`` (not float64) by the host kernel's custom call, in segments
-        past :data:`._segments.SEGMENT_ELEMENTS` elements, with the block formats' words
-        computed in the same call (such an array is not cut: refused), and where ``exact``
-        the exact words (a one-part tuple; else empty)."""
-        layout = self._layout(x.dtype)
-        fmt, counts, moments = layout.format, layout.num_counts, layout.moments
-        formats = block_formats_of(layout.extras)
-        if not formats:
-            if not exact:
-                return DeviceSummary(*segmented(self._core_in_program, x, self._custom)), ()
-
-            def exact_core(a: jax.Array) -> tuple[jax.Array, ...]:
-                summary, words = _ffi.ffi_summary_exact(a, fmt, counts, moments)
-                return (*summary, words)
-
-            c, v, *rest = segmented(exact_core, x, self._custom)
-            return DeviceSummary(c, v), tuple(rest)
-        _uncut(layout, x.size)
-        core, words, (ints, floats) = _ffi.ffi_summary_blocks(
-            x, fmt, counts, moments, formats, exact
-        )
-        s = with_custom(core, x, self._custom)
-        summary = DeviceSummary(*with_words(s.counts, s.values, ints, floats, N_CORE_VALUES, True))
-        return summary, (() if words is None else (words,))
-
-    def _summarize_anywhere(self, x: jax.Array, fused: bool) -> DeviceSummary:
-        """Traceable summary of a step-time array: where the host kernel serves (the
-        ``auto`` path, one process), the program picks it when it is lowered for the CPU
-        (:meth:`_summarize_in_program`), else :meth:`_summarize`."""
-        if not self._host_kernel:
-            return self._summarize(x, fused)
-        if jnp.dtype(x.dtype) == jnp.float64:
-            return self._summarize(x, fused)
-        if block_formats_of(self._layout(x.dtype).extras):  # (in the custom call on the CPU)
-            return jax.lax.platform_dependent(
-                x, cpu=self._summarize_in_program, default=lambda a: self._summarize(a, fused)
-            )
-
-        def core(a: jax.Array) -> DeviceSummary:
-            return jax.lax.platform_dependent(
-                a, cpu=self._core_in_program, default=lambda b: self._core(b, fused)
-            )
-
-        return self._with_blocks(DeviceSummary(*segmented(core, x, self._custom)), x, fused)
-
-    @staticmethod
-    def _groups(arrays: Sequence[Any]) -> list[tuple[str, list[int]]]:
-        """Indices of ``arrays`` by dtype name, in first-seen order."""
-        groups: dict[str, list[int]] = {}
-        for i, x in enumerate(arrays):
-            groups.setdefault(format_name(x.dtype), []).append(i)
-        return list(groups.items())
-
-    def _summaries(
-        self, arrays: list[jax.Array], fused: bool, plans: tuple[Any, ...], exact: bool = False
-    ) -> list[tuple[jax.Array, ...]]:
-        """Traced: per dtype group, the stacked counts and values of its arrays' summaries
-        (stacked so that the host fetches a few arrays, not two per tensor); ``fused``: see
-        :meth:`_summarize`. Then, for each array with a :func:`shard_plan` in ``plans``,
-        the stacked summaries of its shards, each computed on the device that holds it (no
-        collective: the host merges them).
-
-        ``exact``: the arrays are in CPU memory and the host kernel serves them; it runs in
-        the program as a custom call, and the stacks of groups it summarizes have a third
-        part, its float64 core values as uint32 words (:func:`._ffi.ffi_summary_exact`),
-        so that these rows keep float64 moments without x64."""
-        from jax.sharding import PartitionSpec
-
-        out: list[tuple[jax.Array, ...]] = []
-        for i, plan in enumerate(plans):
-            if plan is not None:
-                mesh, spec, _ = plan
-                layout = self._layout(arrays[i].dtype)
-                _no_blocks(layout, "an array split over several devices")
-
-                def local(a: jax.Array, layout: Layout = layout) -> tuple[jax.Array, jax.Array]:
-                    core = functools.partial(summarize_jax, layout=core_layout(layout))
-                    counts, values = segmented(core, a, self._custom)
-                    if counts.ndim == 1:  # one row per shard, else one per segment
-                        return counts[None], values[None]
-                    return counts, values
-
-                out.append(
-                    jax.shard_map(
-                        local,
-                        mesh=mesh,
-                        in_specs=spec,
-                        out_specs=PartitionSpec(tuple(mesh.axis_names)),
-                        check_vma=False,
-                    )(arrays[i])
-                )
-        plain = [i for i, plan in enumerate(plans) if plan is None]
-        for dtype, idx in self._groups([arrays[i] for i in plain]):
-            idx = [plain[i] for i in idx]
-            layout = self._layout(dtype)
-            # Large arrays run faster through their own program (no copy into a shared
-            # block); small ones share one, which keeps compile time down. The host kernel
-            # (on the CPU) takes each array on its own.
-            # An array summarized in segments has a row per segment (see :meth:`_stacks`).
-            if exact and jnp.dtype(arrays[idx[0]].dtype) != jnp.float64:
-                done = [self._summarize_exact(arrays[i]) for i in idx]
-                out.append(tuple(_rows_of(part) for part in zip(*done)))
-                continue
-            small = [
-                i
-                for i in idx
-                if arrays[i].size < _OWN_PROGRAM_SIZE
-                and segment_count(arrays[i].size) == 1
-                and self._path != "pallas"
-                and not self._host_kernel
-            ]
-            parts = dict(
-                zip(small, summarize_many_jax([arrays[i] for i in small], layout, self._custom))
-            )
-            for i in idx:
-                if i not in parts:
-                    parts[i] = self._summarize_anywhere(arrays[i], fused)
-            out.append(
-                (
-                    _rows_of([parts[i].counts for i in idx]),
-                    _rows_of([parts[i].values for i in idx]),
-                )
-            )
-        return out
-
     def _summarize_arrays(self, arrays: list[jax.Array]) -> list[Any]:
         """Summaries of ``arrays``: one handle per array (see ``_transfer``).
 
         All are summarized by one jitted call, dispatched without waiting (queued after the
         update that computes them, so a later donating update cannot take them first): on
-        the CPU by the host kernel inside the program (see :meth:`_summarize_anywhere`),
+        the CPU by the host kernel inside the program (see :class:`._kernels.SummaryKernels`),
         elsewhere by XLA's operations or the fused kernel. Stack rows (:class:`StackRow`,
         :class:`ShardRows`) that :func:`_to_host` fetches when the step is recorded."""
         if self._multi:  # global arrays: this process's shards
@@ -565,7 +315,7 @@ class JaxTracker(TrackerCore[Sent]):
         if not arrays:
             return []
         rows: list[Any] = [None] * len(arrays)
-        for i, vector in self._block_rows(arrays).items():
+        for i, vector in self._kernels.block_rows(arrays).items():
             rows[i] = vector
         rest = [i for i, r in enumerate(rows) if r is None]
         if not rest:
@@ -573,8 +323,8 @@ class JaxTracker(TrackerCore[Sent]):
         device = [arrays[i] for i in rest]
         plans = tuple(shard_plan(x) for x in device)
         devices = _devices_of(device)
-        exact = self._host_kernel and {d.platform for d in devices} == {"cpu"}
-        stacks = iter(self._summarize_many(device, len(devices) <= 1, plans, exact))
+        exact = self._kernels.host_kernel and {d.platform for d in devices} == {"cpu"}
+        stacks = iter(self._kernels.summarize_many(device, len(devices) <= 1, plans, exact))
         for i, plan in zip(rest, plans):
             if plan is not None:
                 stack = next(stacks)
@@ -585,8 +335,8 @@ class JaxTracker(TrackerCore[Sent]):
                     stack[0].shape[0] // plan[0].devices.size,  # segments per shard
                 )
         plain = [i for i, plan in zip(rest, plans) if plan is None]
-        for (_, idx), stack in zip(self._groups([arrays[i] for i in plain]), stacks):
-            for (r, span), i in zip(_spans([arrays[plain[i]].size for i in idx]), idx):
+        for (_, idx), stack in zip(groups([arrays[i] for i in plain]), stacks):
+            for (r, span), i in zip(row_spans([arrays[plain[i]].size for i in idx]), idx):
                 rows[plain[i]] = self._stack_row(stack, r, span, arrays[plain[i]].dtype)
         return rows
 
@@ -625,51 +375,10 @@ class JaxTracker(TrackerCore[Sent]):
             and not self.options.block_extras  # (the host reads such arrays itself)
         ):
             device: Any = next(iter(devices))
-            exact = self._exact_on.get(device)
-            if exact is None:
-                exact = self._exact_on[device] = self._host_kernel and device.platform == "cpu"
-            return None, self._summarize_one_device(arrays, exact)
+            exact = self._kernels.exact_on(device)
+            return None, self._kernels.summarize_one_device(arrays, exact)
         self._check_not_stacked(arrays)
         return self._summarize_arrays(arrays), None
-
-    def _stacks(self, arrays: list[jax.Array], exact: bool) -> Stacks:
-        """Traced: :meth:`_summaries` of arrays on one device, with each array's (stack,
-        row) and dtype as the result's static data."""
-        rows = [(0, 0, 1)] * len(arrays)
-        for g, (_, idx) in enumerate(self._groups(arrays)):
-            for (r, span), i in zip(_spans([arrays[i].size for i in idx]), idx):
-                rows[i] = (g, r, span)
-        stacks = self._summaries(arrays, True, (None,) * len(arrays), exact)
-        return Stacks(stacks, tuple(rows), tuple(np.dtype(a.dtype) for a in arrays))
-
-    def _block_rows(self, arrays: list[jax.Array]) -> dict[int, np.ndarray]:
-        """With ``block_formats``, the finished vectors of the arrays the host kernel can
-        take (one CPU device, a dtype of :data:`HOST_DTYPES`, no custom statistics), by
-        index: the host kernel computes the block formats' columns in the pass that reads
-        them (float64), waiting for the update that computes them. The others go on to
-        :meth:`_summarize_many` (the block formats' words by XLA or the Pallas kernel)."""
-        if self._custom or not self._host_kernel or not arrays:
-            return {}
-        if not block_formats_of(self._layout(arrays[0].dtype).extras):
-            return {}
-        from ...stats.host import HOST_DTYPES, host_higher_moments, host_summaries
-
-        out: dict[int, np.ndarray] = {}
-        for dtype, idx in self._groups(arrays):
-            idx = [
-                i
-                for i in idx
-                if np.dtype(arrays[i].dtype) in HOST_DTYPES
-                and shard_plan(arrays[i]) is None
-                and all(d.platform == "cpu" for d in arrays[i].devices())
-            ]
-            if idx:
-                host = [np.asarray(arrays[i]) for i in idx]
-                vectors = host_summaries(host, self._layout(dtype))
-                if self.options.moments == 4:  # m3, m4 after the block formats' columns
-                    vectors = np.hstack([vectors, host_higher_moments(host, vectors)])
-                out.update(zip(idx, vectors))
-        return out
 
     def _owner_of(self, name: str) -> type | None:
         """The class of the module owning parameter ``name`` (``None`` while unknown)."""
@@ -778,7 +487,7 @@ class JaxTracker(TrackerCore[Sent]):
         at = tuple(i for i, x in enumerate(leaves) if is_float_array(x) and hasattr(x, "shape"))
         if not at:
             return None
-        made = self._stacks([leaves[i] for i in at], self._on_cpu)
+        made = self._kernels.stacks([leaves[i] for i in at], self._on_cpu)
         made.leaves = at
         return made
 
@@ -816,12 +525,7 @@ class JaxTracker(TrackerCore[Sent]):
         devices = _devices_of(call)
         # The update runs where its arrays are (JAX's default backend when it is given none).
         platforms = {d.platform for d in devices} or {jax.default_backend()}
-        self._on_cpu = (
-            platforms == {"cpu"}
-            and self._path == "auto"
-            and not self._multi  # XLA cannot partition the kernel over processes
-            and _ffi.available()
-        )
+        self._on_cpu = self._kernels.in_program_on(platforms)
         self._one_device = len(devices) <= 1
         return devices
 
@@ -874,9 +578,7 @@ class JaxTracker(TrackerCore[Sent]):
                         cls.__name__,
                         self._track_activations,
                         self._track_gradients,
-                        self._summarize_cpu
-                        if self._on_cpu
-                        else functools.partial(self._summarize_xla, fused=self._one_device),
+                        self._kernels.tap_summary(self._on_cpu, self._one_device),
                     )
                     leaf = tap(probe, leaf)
             wrapped.append(leaf)
@@ -1144,48 +846,6 @@ def _picker(indices: list[int]) -> Callable[[list[Any]], list[Any]]:
         get = operator.itemgetter(*indices)
         return lambda items: list(get(items))
     return lambda items: [items[i] for i in indices]
-
-
-def _rows_of(parts: Sequence[Any]) -> Any:
-    """The summaries' parts ``parts`` (one array's each: a row, or a stack of its segments'
-    rows) as one stack of rows."""
-    return jnp.concatenate([p if p.ndim == 2 else p[None] for p in parts])
-
-
-def _spans(sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """``(first row, rows)`` in a stack (:func:`_rows_of`) of each array of ``sizes``
-    elements: one row, or one per segment (:func:`._segments.segment_count`)."""
-    spans, at = [], 0
-    for n in sizes:
-        k = segment_count(n)
-        spans.append((at, k))
-        at += k
-    return spans
-
-
-def _uncut(layout: Layout, size: int) -> None:
-    """Refuses (:func:`_no_blocks`) block formats on an array of ``size`` elements that is
-    summarized in segments: the block formats' words are of one whole array."""
-    if segment_count(size) > 1:
-        _no_blocks(layout, f"an array of {size} elements (summarized in segments)")
-
-
-def _no_blocks(layout: Layout, what: str) -> None:
-    """Refuses a summary of ``layout`` where the block formats' columns cannot be computed
-    (never a row without them): a sharded array's shards would be summarized apart (blocks
-    cut where the last dimension is split, NVFP4's tensor scale taken per shard), and the
-    taps inside a loop body merge their iterations on the device, which does not merge the
-    block formats' words yet.
-
-    Raises:
-        NotImplementedError: naming ``what`` and what to do instead.
-    """
-    if block_formats_of(layout.extras):
-        raise NotImplementedError(
-            f"track(block_formats=...): the JAX tracker does not compute the block formats' "
-            f"columns of {what} yet. Exclude it (track(..., exclude=...)), or leave "
-            f"block_formats out"
-        )
 
 
 @signature_of(JaxTracker)

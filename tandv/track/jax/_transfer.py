@@ -271,7 +271,7 @@ def to_host(summaries: list[Any], stacks: dict[int, tuple[Transfer, int]]) -> li
     :func:`send`): step-time stacks (:class:`StackRow`, :class:`ShardRows`; ``stacks``:
     where each lies, :attr:`Sent.stacks`, converted once per stack), tap summaries from
     mailboxes (:class:`Mail`) or delivered directly, and vectors the host finished already
-    (the block formats' rows: ``JaxTracker._block_rows``)."""
+    (the block formats' rows: ``SummaryKernels.block_rows``)."""
     matrices: dict[int, np.ndarray] = {}
 
     def matrix(stack: tuple[Any, ...]) -> np.ndarray:
