@@ -36,6 +36,16 @@ of each step's time outside the hooks (the means over all steps are printed besi
 one slow step, as when the writer thread or another process took the core, moves a mean
 over 20 steps by several microseconds).
 
+``--difference`` checks the per-hook figure another way: an untracked copy of the model
+steps beside the tracked one (in turn, which of the pair goes first alternating), and the
+hooks' cost is also printed as the tracked forward and backward passes' CPU time, less the
+copy's, less the weights' capture timed inside them, per hook call (median over steps).
+That figure includes what the clock's figure leaves out (torch's calls of the hooks, and
+whatever the hooks cost the model's own operations after them, such as the caches they
+take), and varies more (it is the difference of two passes each hundreds of times longer
+than the hooks). Stepping the copy between the tracked steps changes what the caches hold
+when the tracked step runs, so the other figures of such a run are not those of a plain one.
+
 The launch path per call: in a subprocess without the interpreter, the single-tensor
 kernel is compiled for sm_90 (no GPU needed) and launched through ``launch_one`` (tandv's
 launch code, then the prebuilt launcher it keeps after a variant's first call) with only
@@ -48,6 +58,7 @@ Usage::
 
     PYTHONPATH=. python benchmarks/host_cost.py            # 30 steps after 12 of warm-up
     PYTHONPATH=. python benchmarks/host_cost.py --tiny     # seconds: the tests' mode
+    PYTHONPATH=. python benchmarks/host_cost.py --no-triton --difference  # the cross-check
 
 The last two lines are ``host_us_per_observation: X`` and ``host_us_fixed_per_step: Y``.
 """
@@ -63,6 +74,7 @@ if "--triton-worker" not in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -79,7 +91,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import PRESETS, _step, _trainer, config_of  # noqa: E402
+from overhead import PRESETS, _trainer, config_of  # noqa: E402
 
 from tandv.demos.torch_gpt import GPTConfig  # noqa: E402
 from tandv.track.torch import summary as kernel  # noqa: E402
@@ -120,9 +132,11 @@ class Clock:
         self.reset()
 
     def reset(self) -> None:
-        self.ns = {"hook": 0, "fixed": 0}
-        self.calls = {"hook": 0, "fixed": 0}
-        self.kept = {"hook": 0, "fixed": 0}
+        # "fixed": per-step entry points; "inside": those of them that run inside the
+        # forward pass (the weights' capture), kept apart for the difference figure
+        self.ns = {"hook": 0, "fixed": 0, "inside": 0}
+        self.calls = {"hook": 0, "fixed": 0, "inside": 0}
+        self.kept = {"hook": 0, "fixed": 0, "inside": 0}
         self.on = False
 
     def timed(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -149,10 +163,19 @@ class Clock:
         """Microseconds in ``kind``, less the clock's own cost."""
         return (self.ns[kind] - self.tare * self.calls[kind]) / 1e3
 
-    def snapshot(self) -> tuple[int, int, int, int]:
-        """The running totals (hook time and calls, per-step time and calls), to take one
-        step's share by difference."""
-        return self.ns["hook"], self.calls["hook"], self.ns["fixed"], self.calls["fixed"]
+    def snapshot(self) -> tuple[int, int, int, int, int, int]:
+        """The running totals (hook time and calls, per-step time and calls, and the part
+        of the latter inside the forward pass), to take one step's share by difference."""
+        fixed = self.ns["fixed"] + self.ns["inside"]
+        fixed_calls = self.calls["fixed"] + self.calls["inside"]
+        return (
+            self.ns["hook"],
+            self.calls["hook"],
+            fixed,
+            fixed_calls,
+            self.ns["inside"],
+            self.calls["inside"],
+        )
 
 
 def instrument(clock: Clock) -> None:
@@ -164,8 +187,8 @@ def instrument(clock: Clock) -> None:
     Tracker._make_grad_hook = lambda self, name, m: clock.timed(  # type: ignore[method-assign]
         "hook", make_grad(self, name, m)
     )
-    for name in ("_first_forward_hook", "_optimizer_pre_hook"):
-        setattr(Tracker, name, clock.timed("fixed", getattr(Tracker, name)))
+    Tracker._first_forward_hook = clock.timed("inside", Tracker._first_forward_hook)  # type: ignore[method-assign]
+    Tracker._optimizer_pre_hook = clock.timed("fixed", Tracker._optimizer_pre_hook)  # type: ignore[method-assign]
 
 
 def thread_cpu_s(thread: threading.Thread | None) -> float:
@@ -175,9 +198,28 @@ def thread_cpu_s(thread: threading.Thread | None) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, float]:
+def _timed_step(model: Any, opt: Any, data: torch.Tensor, i: int) -> int:
+    """:func:`overhead._step`, returning the thread's CPU time (ns) of its forward and
+    backward passes (where the hooks run; not the optimizer's update)."""
+    x = data[i % len(data)]
+    t0 = time.thread_time_ns()
+    loss = model.loss(x[:, :-1], x[:, 1:])
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    t = time.thread_time_ns() - t0
+    opt.step()
+    return t
+
+
+def host_cost(
+    cfg: GPTConfig, batch: int, steps: int, warmup: int, difference: bool = False
+) -> dict[str, float]:
     """Run ``warmup + steps`` tracked steps (every step scheduled) and return tandv's host
-    time per observation and per step, and the counts behind them."""
+    time per observation and per step, and the counts behind them. With ``difference``,
+    an untracked copy of the model steps beside the tracked one (in turn, the first of
+    the pair alternating) and the hooks' cost is also taken by difference: the tracked
+    forward and backward passes' CPU time, less the untracked copy's and less the
+    per-step entry points timed inside them, per hook call (see the module notes)."""
     from tandv.track.torch import _fused
 
     _fused._summarize_one = NoLaunch("_summarize_one")  # type: ignore[assignment]
@@ -186,6 +228,11 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
     clock = Clock()
     instrument(clock)
     model, opt, data = _trainer(cfg, batch, 0, "cpu")
+    bare = copy.deepcopy(model) if difference else None
+    bare_opt = torch.optim.AdamW(bare.parameters(), lr=1e-3) if bare is not None else None
+    # per timed step: the tracked forward and backward less the untracked copy's and less
+    # the per-step entry points timed inside them, per hook call (us)
+    per_call_diff: list[float] = []
     observations = 0
     step_ms = []
     # per timed step: its hooks' time per call, and its time outside the hooks (us)
@@ -202,9 +249,11 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
                     gc.collect()
                     gc.disable()  # see the module notes
                     writer0 = thread_cpu_s(tracker.recorder.stream.writer_thread)  # type: ignore[union-attr]
+                # (the untracked copy, first of the pair at odd steps: caches, the writer)
+                bare_ns = _timed_step(bare, bare_opt, data, i) if bare is not None and i % 2 else 0
                 t0 = time.perf_counter()
                 before = clock.snapshot()
-                _step(model, opt, data, i)
+                tracked_ns = _timed_step(model, opt, data, i)
                 if clock.on:  # the step's activations and output (not parameter) gradients
                     observations += sum(
                         k.tensor_type == "Activation"
@@ -216,12 +265,18 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
                 if clock.on:
                     clock.ns["fixed"] += time.thread_time_ns() - c0
                     clock.calls["fixed"] += 1
-                    ns, calls, fixed_ns, fixed_calls = (
+                    ns, calls, fixed_ns, fixed_calls, in_ns, in_calls = (
                         a - b for a, b in zip(clock.snapshot(), before)
                     )
                     per_call.append((ns - clock.tare * calls) / 1e3 / max(calls, 1))
                     per_step.append((fixed_ns - clock.tare * fixed_calls) / 1e3)
                 step_ms.append((time.perf_counter() - t0) * 1e3)
+                if bare is not None:
+                    if not i % 2:
+                        bare_ns = _timed_step(bare, bare_opt, data, i)
+                    if clock.on:
+                        inside = in_ns - clock.tare * in_calls
+                        per_call_diff.append((tracked_ns - bare_ns - inside) / 1e3 / max(calls, 1))
             writer = thread_cpu_s(tracker.recorder.stream.writer_thread) - writer0  # type: ignore[union-attr]
             clock.on = False
             gc.enable()
@@ -233,11 +288,14 @@ def host_cost(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict[str, 
         "host_us_per_observation_mean": clock.us("hook") / clock.calls["hook"],
         "objects_kept_per_hook_call": clock.kept["hook"] / clock.calls["hook"],
         "host_us_fixed_per_step": statistics.median(per_step),
-        "host_us_fixed_per_step_mean": clock.us("fixed") / steps,
+        "host_us_fixed_per_step_mean": (clock.us("fixed") + clock.us("inside")) / steps,
         "writer_us_per_step": writer * 1e6 / steps,
         "launches_per_step": launches / (warmup + steps),
         "step_ms_median": statistics.median(step_ms[warmup:]),
         "clock_tare_us": clock.tare / 1e3,
+        "difference_us_per_hook_call": (
+            statistics.median(per_call_diff) if per_call_diff else float("nan")
+        ),
     }
 
 
@@ -346,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--tiny", action="store_true", help="a 1-layer d_model 32 GPT, 3 steps")
     p.add_argument("--no-triton", action="store_true", help="skip Triton's launch time")
+    p.add_argument(
+        "--difference",
+        action="store_true",
+        help="also step an untracked copy and print the hooks' cost by difference",
+    )
     p.add_argument("--triton-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.triton_worker is not None:
@@ -370,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t['triton_run_us_per_call']:.2f} us; a hook's launch (row reserved, "
                 f"compiled kernel called directly): {t['hook_launch_us_per_call']:.2f} us"
             )
-    r = host_cost(cfg, size["batch"], args.steps, args.warmup)
+    r = host_cost(cfg, size["batch"], args.steps, args.warmup, args.difference)
     print(
         f"{r['observations_per_step']:.0f} activation/activation-gradient observations per "
         f"step, {r['launches_per_step']:.1f} kernel launches per step; "
@@ -382,6 +445,12 @@ def main(argv: list[str] | None = None) -> int:
         f"all timed steps: {r['host_us_per_observation_mean']:.2f} us per hook call, "
         f"{r['host_us_fixed_per_step_mean']:.0f} us per step"
     )
+    if args.difference:
+        print(
+            "by difference (tracked forward and backward CPU time less an untracked copy's "
+            "and less the weights' capture, per hook call; torch's own calls of the hooks "
+            f"included): {r['difference_us_per_hook_call']:.2f} us (median over steps)"
+        )
     print(f"host_us_per_observation: {r['host_us_per_observation']:.2f}")
     print(f"host_us_fixed_per_step: {r['host_us_fixed_per_step']:.0f}")
     return 0

@@ -23,11 +23,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_host_cost_benchmark_tiny_mode():
     """The benchmark runs (kernels replaced by no-ops), ends with its two figures, and the
-    tracker launched at most one kernel per activation or activation gradient plus 8."""
+    tracker launched at most one kernel per activation or activation gradient plus 8; its
+    cross-check by difference (an untracked copy stepping beside it) prints a figure."""
     pytest.importorskip("triton")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    script = str(ROOT / "benchmarks" / "host_cost.py")
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "host_cost.py"), "--tiny", "--no-triton"],
+        [sys.executable, script, "--tiny", "--no-triton", "--difference"],
         env=env,
         capture_output=True,
         text=True,
@@ -48,6 +50,9 @@ def test_host_cost_benchmark_tiny_mode():
     observations, launches = int(counts.group(1)), float(counts.group(2))
     assert observations > 10
     assert 0 < launches <= observations + 8
+    # a number (the CPU time of 3 tiny steps by difference may come out either side of 0)
+    diff = re.search(r"by difference \(.*\): (-?[0-9.]+) us", run.stdout)
+    assert diff, run.stdout
 
 
 def test_launch_path_worker_times_launch_one():
