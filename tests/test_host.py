@@ -169,3 +169,19 @@ def test_exponent_counts_in_pairs_at_the_window_edge(below, extra):
     # and against the raw fields: field f (1 .. 254, exponent f - 127) has bin f + 23
     start = len(CORE_FIELDS) + 24
     np.testing.assert_array_equal(rows[0, start : start + 254], fields[1:255])
+
+
+def test_kernel_benchmark_runs_in_its_tiny_mode(capsys):
+    """``benchmarks/host_kernel.py --tiny``: every row timed, the exponent counts checked
+    against numpy (in the pairs' window and outside it)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_kernel.py"
+    spec = importlib.util.spec_from_file_location("host_kernel_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "exponent counts" in out and "bfloat16" in out
+    assert float(out.strip().splitlines()[-1].split(": ")[1]) > 0
