@@ -185,3 +185,20 @@ def test_kernel_benchmark_runs_in_its_tiny_mode(capsys):
     out = capsys.readouterr().out
     assert "exponent counts" in out and "bfloat16" in out
     assert float(out.strip().splitlines()[-1].split(": ")[1]) > 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_array_takes_the_short_path_with_the_same_row(threads):
+    """A call with one array and no block formats (a hook's) skips the planning of many
+    arrays' items: each row still matches the reference, and equals bit for bit the row
+    the same array gets among others (same items, pivot and merge), the scaled pass for
+    magnitudes outside SAFE_RANGE included."""
+    arrays = mixed_arrays() + [
+        np.array([2.0**101, 1.0], np.float32),
+        (np.random.default_rng(2).standard_normal(70_000) * 1e-35).astype(np.float32),
+    ]
+    together = host.host_summaries(arrays, Layout("float8_e4m3fn"), threads=threads)
+    for a, row in zip(arrays, together):
+        alone = host.host_summaries([a], Layout("float8_e4m3fn"), threads=threads)
+        assert_rows_match([a], "float8_e4m3fn", alone)
+        np.testing.assert_array_equal(alone[0].view(np.int64), row.view(np.int64))
