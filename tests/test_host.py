@@ -143,3 +143,62 @@ def test_max_abs_of_zeros_is_positive_zero(dtype, values):
     ref, _ = summarize(a)
     i = CORE_FIELDS.index("max_abs")
     assert row[i] == 0.0 and not np.signbit(row[i]) and not np.signbit(ref[i])
+
+
+@pytest.mark.parametrize("below", [30, 31, 60])
+@pytest.mark.parametrize("extra", [0, 1, 2 * host._CHUNK - 16384])
+def test_exponent_counts_in_pairs_at_the_window_edge(below, extra):
+    """Items of at least _PAIRS_MIN elements count exponent fields in pairs, within a window
+    of 31 fields ending at the item's largest: a value 30 fields below the top is inside
+    it, 31 or more below falls out and the item is counted element by element. Both, with
+    zeros, subnormals, inf and NaN (fields 0 and 255) and odd sizes, give numpy's counts of
+    the exponent fields (in the float32 layout each field has its own bin)."""
+    rng = np.random.default_rng(below + extra)
+    n = host._PAIRS_MIN + extra
+    x = (rng.uniform(1.0, 2.0, n) * 2.0 ** rng.integers(-10, 11, n)).astype(np.float32)
+    x[::997] = 0.0
+    x[5::1999] = -3e-41  # subnormal
+    x[7::4001] = np.inf
+    x[9::5003] = np.nan
+    x[11] = 2.0 ** (10 - below)  # the largest finite field is that of 2**10
+    fields = np.bincount(((x.view(np.int32) >> 23) & 0xFF).astype(np.int64), minlength=256)
+    assert fields[137 - below] > 0 and fields[137] > 0
+    arrays = [x]
+    rows = host.host_summaries(arrays, Layout("float32"))
+    assert_rows_match(arrays, "float32", rows)
+    # and against the raw fields: field f (1 .. 254, exponent f - 127) has bin f + 23
+    start = len(CORE_FIELDS) + 24
+    np.testing.assert_array_equal(rows[0, start : start + 254], fields[1:255])
+
+
+def test_kernel_benchmark_runs_in_its_tiny_mode(capsys):
+    """``benchmarks/host_kernel.py --tiny``: every row timed, the exponent counts checked
+    against numpy (in the pairs' window and outside it)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_kernel.py"
+    spec = importlib.util.spec_from_file_location("host_kernel_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "exponent counts" in out and "bfloat16" in out
+    assert float(out.strip().splitlines()[-1].split(": ")[1]) > 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_array_takes_the_short_path_with_the_same_row(threads):
+    """A call with one array and no block formats (a hook's) skips the planning of many
+    arrays' items: each row still matches the reference, and equals bit for bit the row
+    the same array gets among others (same items, pivot and merge), the scaled pass for
+    magnitudes outside SAFE_RANGE included."""
+    arrays = mixed_arrays() + [
+        np.array([2.0**101, 1.0], np.float32),
+        (np.random.default_rng(2).standard_normal(70_000) * 1e-35).astype(np.float32),
+    ]
+    together = host.host_summaries(arrays, Layout("float8_e4m3fn"), threads=threads)
+    for a, row in zip(arrays, together):
+        alone = host.host_summaries([a], Layout("float8_e4m3fn"), threads=threads)
+        assert_rows_match([a], "float8_e4m3fn", alone)
+        np.testing.assert_array_equal(alone[0].view(np.int64), row.view(np.int64))
