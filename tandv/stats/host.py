@@ -496,9 +496,23 @@ def _mx_one(
     return _tally(a, t, _quantize(t, c[0], c[3], c[4]), sc, c[0], c[1], c[2])
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _mx_sq(b: np.int32, iv: np.float32, sc: np.float32, c: _GridC) -> float:  # pragma: no cover
+    """:func:`_mx_one`'s squared error alone, for blocks that count nothing."""
+    a = _magnitude(b)
+    d = np.float64(_fma32(_quantize(a * iv, c[0], c[3], c[4]), sc, -a))
+    return d * d
+
+
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
 def _mx_elements(
-    x: np.ndarray, inv: np.ndarray, scl: np.ndarray, p: np.ndarray, acc: np.ndarray
+    x: np.ndarray,
+    inv: np.ndarray,
+    scl: np.ndarray,
+    hi: np.ndarray,
+    lo: np.ndarray,
+    p: np.ndarray,
+    acc: np.ndarray,
 ) -> None:  # pragma: no cover - compiled
     """Adds the counts and squared errors of the MX blocks, the rows of ``x`` (float32,
     blocks x block size), scaled by ``inv`` and dequantized by ``scl`` (float32 powers of
@@ -510,8 +524,15 @@ def _mx_elements(
     (numba's int64 halves the lanes), one accumulator per position in the block, so that
     no block ends in a horizontal sum of the vector registers; :data:`_GROUP` blocks at a
     time, so that the accumulators leave memory once per group. ``reassoc`` lets the sums
-    vectorize; the rounding (:func:`_grid`, compiled without it) keeps IEEE semantics."""
+    vectorize; the rounding (:func:`_grid`, compiled without it) keeps IEEE semantics.
+
+    A group whose blocks' maxima and minima (``hi``, ``lo``: their bits) say that no
+    element saturates (``max * inv <= fmax``) and none underflows or becomes subnormal
+    (``min * inv`` at least the smallest scaled magnitude that rounds to a normal) skips
+    the counts (about a third of the work): most groups of MXFP8 blocks."""
     c = _grid_constants(p)
+    amax = hi.view(np.float32)
+    amin = lo.view(np.float32)
     b = x.view(np.int32)
     size = x.shape[1]
     under = np.zeros(size, np.int32)  # one accumulator per position in the block
@@ -522,6 +543,14 @@ def _mx_elements(
     for k in range(0, whole, _GROUP):
         i0, i1, i2, i3 = inv[k], inv[k + 1], inv[k + 2], inv[k + 3]
         s0, s1, s2, s3 = scl[k], scl[k + 1], scl[k + 2], scl[k + 3]
+        clean = True
+        for g in range(k, k + _GROUP):  # a block without a value: 0 and inf bits, clean
+            clean &= (amax[g] * inv[g] <= c[0]) & (amin[g] * inv[g] >= c[2])
+        if clean:
+            for j in range(size):
+                e = _mx_sq(b[k, j], i0, s0, c) + _mx_sq(b[k + 1, j], i1, s1, c)
+                err[j] += e + (_mx_sq(b[k + 2, j], i2, s2, c) + _mx_sq(b[k + 3, j], i3, s3, c))
+            continue
         for j in range(size):
             a0, b0, c0, d0 = _mx_one(b[k, j], i0, s0, c)
             a1, b1, c1, d1 = _mx_one(b[k + 1, j], i1, s1, c)
@@ -746,7 +775,7 @@ def _mx_tiled(
             _one_block(x, a + k * size, a + k * size + size, p, 1.0, acc)
         return
     rows = x[a:b].reshape(nblk, size)  # one block a row: 2-D loops vectorize
-    _mx_elements(rows, inv.view(np.float32), scl.view(np.float32), p, acc)
+    _mx_elements(rows, inv.view(np.float32), scl.view(np.float32), hi, lo, p, acc)
 
 
 @numba.njit(cache=True, nogil=True)
