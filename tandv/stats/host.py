@@ -500,7 +500,7 @@ def _mx_one(
 def _mx_sq(b: np.int32, iv: np.float32, sc: np.float32, c: _GridC) -> float:  # pragma: no cover
     """:func:`_mx_one`'s squared error alone, for blocks that count nothing."""
     a = _magnitude(b)
-    d = np.float64(_fma32(_quantize(a * iv, c[0], c[3], c[4]), sc, -a))
+    d: float = np.float64(_fma32(_quantize(a * iv, c[0], c[3], c[4]), sc, -a))
     return d * d
 
 
