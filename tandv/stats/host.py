@@ -1482,13 +1482,27 @@ def host_higher_moments(arrays: Sequence[np.ndarray], summaries: np.ndarray) -> 
     return out
 
 
+@numba.njit(cache=True, nogil=True)
+def _merge_items(
+    acc: np.ndarray, item_seg: np.ndarray, k: int
+) -> np.ndarray:  # pragma: no cover - compiled
+    """The items' partials (``acc``: items x formats x 5) merged per array (``item_seg``:
+    each item's array, ``k`` arrays): sums added, in item order, and the largest block
+    ratio kept. Compiled: a handful of numpy calls cost more than the loop, per call."""
+    merged = np.zeros((k, acc.shape[1], acc.shape[2]))
+    for j in range(item_seg.size):
+        r = item_seg[j]
+        for f in range(acc.shape[1]):
+            for c in range(_B_RATIO):
+                merged[r, f, c] += acc[j, f, c]
+            merged[r, f, _B_RATIO] = max(merged[r, f, _B_RATIO], acc[j, f, _B_RATIO])
+    return merged
+
+
 def _block_columns(acc: np.ndarray, item_seg: np.ndarray, k: int) -> np.ndarray:
     """The block formats' columns (``k`` arrays x formats x 5) from their items' partials
-    (the items of an array are consecutive): sums added, the largest block ratio as its
-    log2."""
-    first = np.flatnonzero(np.diff(item_seg, prepend=-1))  # each array's first item
-    merged = np.zeros((k, acc.shape[1], len(BLOCK_COLUMNS)))
-    merged[item_seg[first]] = np.add.reduceat(acc, first)
-    ratio = np.maximum.reduceat(acc[:, :, _B_RATIO], first)
-    merged[item_seg[first], :, _B_RATIO] = np.log2(np.maximum(ratio, 1.0))
+    (:func:`_merge_items`), the largest block ratio as its log2 (numpy's, as the
+    reference's)."""
+    merged = _merge_items(acc, item_seg, k)
+    merged[:, :, _B_RATIO] = np.log2(np.maximum(merged[:, :, _B_RATIO], 1.0))
     return merged
