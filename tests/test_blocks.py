@@ -315,3 +315,26 @@ def test_first_pass_block_maxima_serve_every_format(rowlen: int) -> None:
             for col, value in zip(COLS, g):
                 tol = 1e-6 if col == "sq_err" else 0.0
                 assert value == pytest.approx(ref[col], rel=tol, abs=0), (a.shape, name, col)
+
+
+@pytest.mark.parametrize("size", [16, 32])
+def test_block_range_among_close_ratios(size: int) -> None:
+    # The kernel divides only the blocks whose bits say their ratio may be the largest
+    # (the bits' difference is log2 of the ratio to within 0.09): blocks whose ratios
+    # differ by less than that, in any order of their mantissas, and a subnormal minimum
+    # (whose bits are no logarithm) must still give the reference's range exactly.
+    r = np.random.default_rng(size)
+    blocks = 2048
+    hi = np.ldexp(1.0 + r.random(blocks), 10)
+    lo = 1.0 + r.random(blocks)
+    x = np.full((blocks, size), 3.0)
+    x[:, 0] = hi
+    x[:, 1] = lo
+    tiny = x.copy()
+    tiny[5, 1] = 2.0**-140  # a subnormal minimum: the largest ratio, whatever its bits say
+    for arr in (x.astype(np.float32), tiny.astype(np.float32)):
+        name = "nvfp4" if size == 16 else "mxfp8_e4m3"
+        assert (
+            host_block_stats(arr.reshape(-1, 256), name)["block_range"]
+            == (block_stats(arr.reshape(-1, 256), name)["block_range"])
+        )

@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numba
 import numpy as np
+from llvmlite import ir as llvm_ir
+from numba import types
+from numba.extending import intrinsic
 
 from .blocks import BLOCK_COLUMNS, BlockFormat, block_formats_of
 from .formats import NumberFormat
@@ -386,6 +389,81 @@ def _round_element(a: _F, split: _F, subk: _F, normal: _F) -> _F:  # pragma: no 
     return qs if a < normal else qn
 
 
+def _f32_bits_typing(typingctx: object, v: types.Type) -> object:  # pragma: no cover - compiled
+    """The float32 whose bit pattern is the int32 ``v``: a bit cast, free in vector code
+    (unlike :func:`_f32_of`, which goes through an array)."""
+    if v != types.int32:
+        return None
+
+    def codegen(context: object, builder: object, sig: object, args: list[object]) -> object:
+        return builder.bitcast(args[0], context.get_value_type(types.float32))  # type: ignore[attr-defined]
+
+    return types.float32(types.int32), codegen
+
+
+#: Called from compiled code only (typed for mypy as a plain callable).
+_f32_bits: Callable[..., Any] = intrinsic(_f32_bits_typing)
+
+
+def _i32_bits_typing(typingctx: object, v: types.Type) -> object:  # pragma: no cover - compiled
+    """The bit pattern (int32) of the float32 ``v``: a bit cast."""
+    if v != types.float32:
+        return None
+
+    def codegen(context: object, builder: object, sig: object, args: list[object]) -> object:
+        return builder.bitcast(args[0], context.get_value_type(types.int32))  # type: ignore[attr-defined]
+
+    return types.int32(types.float32), codegen
+
+
+_i32_bits: Callable[..., Any] = intrinsic(_i32_bits_typing)
+
+
+@numba.njit(cache=True, nogil=True)
+def _grid(u: np.float32, c: np.float32) -> np.float32:  # pragma: no cover - compiled
+    """``u >= 0`` rounded to nearest-even onto multiples of ``ulp(c)``, for a power of two
+    ``c`` at least ``2**23`` times ``u``: ``u + c`` lies in ``c``'s binade, where the
+    addition rounds ``u`` to that spacing, and removing ``c`` again is exact. Compiled
+    without fastmath (reassociation would cancel ``c``), called from the element loops,
+    whose own flags do not reach it."""
+    q: np.float32 = (u + c) - c
+    return q
+
+
+#: :func:`_grid_constants`' result.
+_GridC = tuple[np.float32, np.float32, np.float32, np.int32, np.int32]
+
+
+@numba.njit(cache=True, nogil=True)
+def _grid_constants(p: np.ndarray) -> _GridC:  # pragma: no cover - compiled
+    """The element loops' constants for format ``p`` (a row of :func:`_block_table`): its
+    largest finite value; the largest scaled magnitude that rounds to zero (half the
+    smallest subnormal: a tie, to even) and the smallest that rounds to a normal (the
+    smallest normal less half the subnormal spacing: a tie, to the even normal), so that
+    a scaled magnitude's count is two compares; the bits of the smallest normal and the
+    exponent offset of :func:`_quantize`."""
+    f32 = np.float32
+    subk, normal = f32(p[_B_SUBK32]), f32(p[_B_NORMAL])  # subk: 2**(emin + 23 - m)
+    thr_u = subk * f32(2.0**-24)  # 2**(emin - m - 1)
+    nbits = _i32_bits(normal)
+    return f32(p[_B_MAX]), thr_u, normal - thr_u, nbits, _I32(_i32_bits(subk) - nbits)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _quantize(
+    t: np.float32, fmax: np.float32, nbits: np.int32, koff: np.int32
+) -> np.float32:  # pragma: no cover - compiled
+    """A scaled magnitude ``t >= 0`` (float32) rounded to nearest-even into the element
+    format, saturating at ``fmax``: :func:`_grid` with the power of two ``c`` whose spacing
+    is the element grid's at ``t`` (``2**(e - m)`` in a normal binade ``e``, the subnormal
+    spacing below the smallest normal, whose bits are ``nbits``; ``koff`` adds ``23 - m``
+    to the exponent field). Integer and bit operations on the vector lanes: no compare and
+    select between a normal and a subnormal rounding."""
+    u = min(t, fmax)
+    c = _f32_bits(_I32(max(_I32(_i32_bits(u) & _I32(0x7F800000)), nbits) + koff))
+    return _grid(u, c)
+
+
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _one_block(
     x: np.ndarray, s: int, e: int, p: np.ndarray, s_t: _F, acc: np.ndarray
@@ -477,36 +555,100 @@ def _block_bits(
 _GROUP = 4
 
 
+def _fma32_typing(
+    typingctx: object, a: types.Type, b: types.Type, c: types.Type
+) -> object:  # pragma: no cover - compiled
+    """``a * b + c`` (float32) rounded once (LLVM's ``fma``): exact but for that rounding,
+    whatever fastmath flags the caller has."""
+    if not all(v == types.float32 for v in (a, b, c)):
+        return None
+
+    def codegen(context: object, builder: object, sig: object, args: list[object]) -> object:
+        t = args[0].type  # type: ignore[attr-defined]
+        fnty = llvm_ir.FunctionType(t, [t, t, t])
+        f = builder.module.declare_intrinsic("llvm.fma", [t], fnty)  # type: ignore[attr-defined]
+        return builder.call(f, args)  # type: ignore[attr-defined]
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+_fma32: Callable[..., Any] = intrinsic(_fma32_typing)
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
-def _mx_one(
-    x: np.float32,
-    iv: np.float32,
-    sc: np.float32,
-    split: np.float32,
-    subk: np.float32,
-    normal: np.float32,
+def _tally(
+    a: np.float32,
+    t: np.float32,
+    q: np.float32,
+    deq: np.float32,
     fmax: np.float32,
+    thr_u: np.float32,
+    thr_n: np.float32,
 ) -> tuple[np.int32, np.int32, np.int32, float]:  # pragma: no cover - compiled
-    """One element ``x`` of an MX block scaled by ``iv`` and dequantized by ``sc``: whether
-    it saturates, underflows, becomes a subnormal, and its squared error (float64)."""
+    """What one element does, given its magnitude ``a`` (0 for inf and NaN, which so count
+    nothing and add no error), scaled magnitude ``t`` and element ``q``
+    (:func:`_quantize`), and its block's dequantizing scale ``deq``: whether it saturates
+    (``t > fmax``), underflows (``a > 0``, ``q`` 0: ``t <= thr_u``), becomes a subnormal
+    (``thr_u < t < thr_n``), and its squared error ``(q * deq - a)**2``: the difference in
+    one float32 rounding (:func:`_fma32`; exact where ``deq`` is a power of two), squared
+    exactly in float64."""
     f32 = np.float32
-    xj = abs(x)
-    fin = xj <= f32(_F32_MAX)
-    t = xj * iv
-    q = _round_element(min(t, fmax), split, subk, normal)
-    nz = fin & (xj > f32(0))
-    d = np.float64(q * sc - xj) if fin else 0.0
+    d = np.float64(_fma32(q, deq, -a))
     return (
-        _I32(fin & (t > fmax)),
-        _I32(nz & (q == f32(0))),
-        _I32(nz & (q > f32(0)) & (q < normal)),
+        _I32(t > fmax),
+        _I32((a > f32(0)) & (t <= thr_u)),
+        _I32((t > thr_u) & (t < thr_n)),
         d * d,
     )
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _magnitude(b: np.int32) -> np.float32:  # pragma: no cover - compiled
+    """The magnitude of the float32 with bits ``b``, 0 for inf and NaN."""
+    m = _I32(b & _I32(0x7FFFFFFF))
+    a: np.float32 = _f32_bits(m if m < _I32(0x7F800000) else _I32(0))
+    return a
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _mx_one(
+    b: np.int32, iv: np.float32, sc: np.float32, c: _GridC
+) -> tuple[np.int32, np.int32, np.int32, float]:  # pragma: no cover - compiled
+    """One element (bits ``b``) of an MX block scaled by ``iv``, dequantized by ``sc``;
+    ``c``: :func:`_grid_constants`."""
+    a = _magnitude(b)
+    t = a * iv
+    return _tally(a, t, _quantize(t, c[0], c[3], c[4]), sc, c[0], c[1], c[2])
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _mx_sq(b: np.int32, iv: np.float32, sc: np.float32, c: _GridC) -> float:  # pragma: no cover
+    """:func:`_mx_one`'s squared error alone, for blocks that count nothing."""
+    a = _magnitude(b)
+    d: float = np.float64(_fma32(_quantize(a * iv, c[0], c[3], c[4]), sc, -a))
+    return d * d
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _mx_sat(
+    b: np.int32, iv: np.float32, sc: np.float32, c: _GridC
+) -> tuple[np.int32, float]:  # pragma: no cover - compiled
+    """:func:`_mx_one`'s saturation and squared error, for blocks that count nothing else."""
+    a = _magnitude(b)
+    t = a * iv
+    d: float = np.float64(_fma32(_quantize(t, c[0], c[3], c[4]), sc, -a))
+    return _I32(t > c[0]), d * d
+
+
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
 def _mx_elements(
-    x: np.ndarray, inv: np.ndarray, scl: np.ndarray, p: np.ndarray, acc: np.ndarray
+    x: np.ndarray,
+    inv: np.ndarray,
+    scl: np.ndarray,
+    hi: np.ndarray,
+    lo: np.ndarray,
+    p: np.ndarray,
+    acc: np.ndarray,
 ) -> None:  # pragma: no cover - compiled
     """Adds the counts and squared errors of the MX blocks, the rows of ``x`` (float32,
     blocks x block size), scaled by ``inv`` and dequantized by ``scl`` (float32 powers of
@@ -518,15 +660,17 @@ def _mx_elements(
     (numba's int64 halves the lanes), one accumulator per position in the block, so that
     no block ends in a horizontal sum of the vector registers; :data:`_GROUP` blocks at a
     time, so that the accumulators leave memory once per group. ``reassoc`` lets the sums
-    vectorize; the rounding (:func:`_round_element`, compiled without it) keeps IEEE
-    semantics."""
-    f32 = np.float32
-    split, subk, normal, fmax = (
-        f32(p[_B_SPLIT32]),
-        f32(p[_B_SUBK32]),
-        f32(p[_B_NORMAL]),
-        f32(p[_B_MAX]),
-    )
+    vectorize; the rounding (:func:`_grid`, compiled without it) keeps IEEE semantics.
+
+    A group whose blocks' maxima and minima (``hi``, ``lo``: their bits) say that no
+    element saturates (``max * inv <= fmax``) and none underflows or becomes subnormal
+    (``min * inv`` at least the smallest scaled magnitude that rounds to a normal) skips
+    the counts (about a third of the work), and one whose minima say so counts only
+    saturation: most groups of MXFP8 blocks."""
+    c = _grid_constants(p)
+    amax = hi.view(np.float32)
+    amin = lo.view(np.float32)
+    b = x.view(np.int32)
     size = x.shape[1]
     under = np.zeros(size, np.int32)  # one accumulator per position in the block
     subn = np.zeros(size, np.int32)
@@ -536,18 +680,37 @@ def _mx_elements(
     for k in range(0, whole, _GROUP):
         i0, i1, i2, i3 = inv[k], inv[k + 1], inv[k + 2], inv[k + 3]
         s0, s1, s2, s3 = scl[k], scl[k + 1], scl[k + 2], scl[k + 3]
+        low = True  # no element underflows or becomes subnormal
+        high = True  # no element saturates
+        for g in range(k, k + _GROUP):  # a block without a value: 0 and inf bits, clean
+            low &= amin[g] * inv[g] >= c[2]
+            high &= amax[g] * inv[g] <= c[0]
+        if low and high:
+            for j in range(size):
+                e = _mx_sq(b[k, j], i0, s0, c) + _mx_sq(b[k + 1, j], i1, s1, c)
+                err[j] += e + (_mx_sq(b[k + 2, j], i2, s2, c) + _mx_sq(b[k + 3, j], i3, s3, c))
+            continue
+        if low:  # saturation alone
+            for j in range(size):
+                a0, d0 = _mx_sat(b[k, j], i0, s0, c)
+                a1, d1 = _mx_sat(b[k + 1, j], i1, s1, c)
+                a2, d2 = _mx_sat(b[k + 2, j], i2, s2, c)
+                a3, d3 = _mx_sat(b[k + 3, j], i3, s3, c)
+                sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
+                err[j] += (d0 + d1) + (d2 + d3)
+            continue
         for j in range(size):
-            a0, b0, c0, d0 = _mx_one(x[k, j], i0, s0, split, subk, normal, fmax)
-            a1, b1, c1, d1 = _mx_one(x[k + 1, j], i1, s1, split, subk, normal, fmax)
-            a2, b2, c2, d2 = _mx_one(x[k + 2, j], i2, s2, split, subk, normal, fmax)
-            a3, b3, c3, d3 = _mx_one(x[k + 3, j], i3, s3, split, subk, normal, fmax)
+            a0, b0, c0, d0 = _mx_one(b[k, j], i0, s0, c)
+            a1, b1, c1, d1 = _mx_one(b[k + 1, j], i1, s1, c)
+            a2, b2, c2, d2 = _mx_one(b[k + 2, j], i2, s2, c)
+            a3, b3, c3, d3 = _mx_one(b[k + 3, j], i3, s3, c)
             sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
             under[j] += _I32(_I32(b0 + b1) + _I32(b2 + b3))
             subn[j] += _I32(_I32(c0 + c1) + _I32(c2 + c3))
             err[j] += (d0 + d1) + (d2 + d3)
     for k in range(whole, x.shape[0]):
         for j in range(size):
-            a0, b0, c0, d0 = _mx_one(x[k, j], inv[k], scl[k], split, subk, normal, fmax)
+            a0, b0, c0, d0 = _mx_one(b[k, j], inv[k], scl[k], c)
             sat[j] += a0
             under[j] += b0
             subn[j] += c0
@@ -560,29 +723,18 @@ def _mx_elements(
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _nv_one(
-    x: np.float32,
-    s: np.float32,
-    s64: float,
-    split: np.float32,
-    subk: np.float32,
-    normal: np.float32,
-    fmax: np.float32,
+    b: np.int32, s: np.float32, deq: np.float32, c: _GridC
 ) -> tuple[np.int32, np.int32, np.int32, float]:  # pragma: no cover - compiled
-    """One element ``x`` of an NVFP4 block divided by ``s`` and dequantized by ``s64``:
-    whether it saturates, underflows, becomes a subnormal, and its squared error."""
-    f32 = np.float32
-    xj = abs(x)
-    fin = xj <= f32(_F32_MAX)
-    t = xj / s
-    q = _round_element(min(t, fmax), split, subk, normal)
-    nz = fin & (xj > f32(0))
-    d = np.float64(q) * s64 - np.float64(xj) if fin else 0.0
-    return (
-        _I32(fin & (t > fmax)),
-        _I32(nz & (q == f32(0))),
-        _I32(nz & (q > f32(0)) & (q < normal)),
-        d * d,
-    )
+    """One element (bits ``b``) of an NVFP4 block divided by ``s``, dequantized by
+    ``deq``; ``c``: :func:`_grid_constants`."""
+    a = _magnitude(b)
+    t = a / s
+    return _tally(a, t, _quantize(t, c[0], c[3], c[4]), deq, c[0], c[1], c[2])
+
+
+#: Below this block scale, NVFP4's float32 error could lose its precision to float32's
+#: subnormal range: :func:`_nv_tiled` takes such blocks in float64 (:func:`_one_block`).
+_NV_SMALL_SCALE = 2.0**-99
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
@@ -593,15 +745,14 @@ def _nv_elements(
     dequantized by ``deq`` (the same scales, but for blocks whose scale is zero: ``div``
     inf, so that each value becomes 0 and a non-zero one counts as underflow, and ``deq``
     0, so that its error is its square, as the definition says); the division is
-    float32's, as the definition says, and the error is taken in float64 (the scales are
-    no powers of two)."""
-    f32 = np.float32
-    split, subk, normal, fmax = (
-        f32(p[_B_SPLIT32]),
-        f32(p[_B_SUBK32]),
-        f32(p[_B_NORMAL]),
-        f32(p[_B_MAX]),
-    )
+    float32's, as the definition says. The error ``q * deq - |x|`` is rounded once to
+    float32 (relative error 2**-24, squares 2**-23: within the 1e-6 promised), and only
+    where it is 0, ``|x|`` itself, or at least float32's smallest normal: every ``deq``
+    is 0 or at least :data:`_NV_SMALL_SCALE` (the caller sees to it), so that a non-zero
+    difference of ``q * deq`` (``q`` a multiple of 1/2) and ``|x| >= deq / 4`` is a
+    multiple of ``2**-124``."""
+    c = _grid_constants(p)
+    b = x.view(np.int32)
     size = x.shape[1]
     under = np.zeros(size, np.int32)  # one accumulator per position in the block
     subn = np.zeros(size, np.int32)
@@ -610,21 +761,19 @@ def _nv_elements(
     whole = x.shape[0] // _GROUP * _GROUP
     for k in range(0, whole, _GROUP):
         s0, s1, s2, s3 = div[k], div[k + 1], div[k + 2], div[k + 3]
-        e0, e1 = np.float64(deq[k]), np.float64(deq[k + 1])
-        e2, e3 = np.float64(deq[k + 2]), np.float64(deq[k + 3])
+        e0, e1, e2, e3 = deq[k], deq[k + 1], deq[k + 2], deq[k + 3]
         for j in range(size):
-            a0, b0, c0, d0 = _nv_one(x[k, j], s0, e0, split, subk, normal, fmax)
-            a1, b1, c1, d1 = _nv_one(x[k + 1, j], s1, e1, split, subk, normal, fmax)
-            a2, b2, c2, d2 = _nv_one(x[k + 2, j], s2, e2, split, subk, normal, fmax)
-            a3, b3, c3, d3 = _nv_one(x[k + 3, j], s3, e3, split, subk, normal, fmax)
+            a0, b0, c0, d0 = _nv_one(b[k, j], s0, e0, c)
+            a1, b1, c1, d1 = _nv_one(b[k + 1, j], s1, e1, c)
+            a2, b2, c2, d2 = _nv_one(b[k + 2, j], s2, e2, c)
+            a3, b3, c3, d3 = _nv_one(b[k + 3, j], s3, e3, c)
             sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
             under[j] += _I32(_I32(b0 + b1) + _I32(b2 + b3))
             subn[j] += _I32(_I32(c0 + c1) + _I32(c2 + c3))
             err[j] += (d0 + d1) + (d2 + d3)
     for k in range(whole, x.shape[0]):
-        e0 = np.float64(deq[k])
         for j in range(size):
-            a0, b0, c0, d0 = _nv_one(x[k, j], div[k], e0, split, subk, normal, fmax)
+            a0, b0, c0, d0 = _nv_one(b[k, j], div[k], deq[k], c)
             sat[j] += a0
             under[j] += b0
             subn[j] += c0
@@ -635,19 +784,38 @@ def _nv_elements(
     acc[_B_ERR] += err.sum()
 
 
-@numba.njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "reassoc"})
+#: :func:`_largest_ratio`'s margin on the difference of a block's maximum's and minimum's
+#: bits, in units of 2**-23 binades: more than twice the largest gap between ``log2(1 +
+#: f)`` and ``f`` on [0, 1) (0.0861).
+_RATIO_MARGIN = 1 << 21
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _largest_ratio(
     hi: np.ndarray, lo: np.ndarray, ratio: float
 ) -> float:  # pragma: no cover - compiled
     """The largest of ``ratio`` and the blocks' ``max / min`` (float64; ``hi``, ``lo`` from
-    :func:`_block_bits`; blocks without a non-zero value give 0). Branch-free, so that it
-    vectorizes; no value is NaN or inf (a block without a non-zero value divides 0 by 1),
-    which the flags rely on; the division stays exact (no ``arcp``)."""
+    :func:`_block_bits`; blocks without a non-zero value give 0), with a division only
+    for the blocks that may hold it: the difference of the bits of two normal float32
+    (``hi - lo``) is ``2**23 * log2`` of their ratio to within ``2**23 * 0.0861``, so a block
+    whose difference falls more than :data:`_RATIO_MARGIN` below the largest cannot have
+    the largest ratio. A block whose minimum is subnormal (its bits no logarithm) is always
+    divided; the divisions are float64's, of float32 values: exact but for one rounding."""
+    n = hi.size
+    key = np.empty(n, np.int32)
+    best = _I32(-0x7FFFFFFF)
+    for k in range(n):
+        d = _I32(hi[k] - lo[k])  # a block without a non-zero value: 0 - inf bits < 0
+        sub = lo[k] < _I32(0x00800000)
+        key[k] = _I32(0x7FFFFFFF) if sub else d
+        best = max(best, _I32(-0x7FFFFFFF) if sub else d)
+    floor = _I32(best - _RATIO_MARGIN) if best > _I32(_RATIO_MARGIN - 0x7FFFFFFF) else best
     amax = hi.view(np.float32)
     amin = lo.view(np.float32)
-    for k in range(hi.size):
-        m = amin[k] if hi[k] > _I32(0) else np.float32(1.0)
-        ratio = max(ratio, np.float64(amax[k]) / np.float64(m))
+    for k in range(n):
+        if key[k] >= floor:
+            m = amin[k] if hi[k] > _I32(0) else np.float32(1.0)
+            ratio = max(ratio, np.float64(amax[k]) / np.float64(m))
     return ratio
 
 
@@ -755,7 +923,7 @@ def _mx_tiled(
             _one_block(x, a + k * size, a + k * size + size, p, 1.0, acc)
         return
     rows = x[a:b].reshape(nblk, size)  # one block a row: 2-D loops vectorize
-    _mx_elements(rows, inv.view(np.float32), scl.view(np.float32), p, acc)
+    _mx_elements(rows, inv.view(np.float32), scl.view(np.float32), hi, lo, p, acc)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -764,11 +932,19 @@ def _nv_tiled(
 ) -> None:  # pragma: no cover - compiled
     """The NVFP4 blocks that tile ``x[a:b]`` but for their ratios (the first pass took
     them), given the bits of their maxima ``hi`` (kept from the first pass) and the
-    tensor's scale ``st`` (float32): the block scales, then the elements."""
+    tensor's scale ``st`` (float32): the block scales, then the elements (block by block
+    in float64 where a scale is below :data:`_NV_SMALL_SCALE`)."""
     nblk = (b - a) // 16
     div = np.empty(nblk, np.float32)
     deq = np.empty(nblk, np.float32)
     _nv_scales(hi, st, div, deq)
+    small = False
+    for k in range(nblk):
+        small |= (deq[k] > np.float32(0)) & (deq[k] < np.float32(_NV_SMALL_SCALE))
+    if small:  # a tensor whose largest magnitude is below about 2**-80: in float64
+        for k in range(nblk):
+            _one_block(x, a + 16 * k, a + 16 * k + 16, p, st, acc)
+        return
     _nv_elements(x[a:b].reshape(nblk, 16), div, deq, p, acc)
 
 
@@ -1518,13 +1694,27 @@ def host_higher_moments(arrays: Sequence[np.ndarray], summaries: np.ndarray) -> 
     return out
 
 
+@numba.njit(cache=True, nogil=True)
+def _merge_items(
+    acc: np.ndarray, item_seg: np.ndarray, k: int
+) -> np.ndarray:  # pragma: no cover - compiled
+    """The items' partials (``acc``: items x formats x 5) merged per array (``item_seg``:
+    each item's array, ``k`` arrays): sums added, in item order, and the largest block
+    ratio kept. Compiled: a handful of numpy calls cost more than the loop, per call."""
+    merged = np.zeros((k, acc.shape[1], acc.shape[2]))
+    for j in range(item_seg.size):
+        r = item_seg[j]
+        for f in range(acc.shape[1]):
+            for c in range(_B_RATIO):
+                merged[r, f, c] += acc[j, f, c]
+            merged[r, f, _B_RATIO] = max(merged[r, f, _B_RATIO], acc[j, f, _B_RATIO])
+    return merged
+
+
 def _block_columns(acc: np.ndarray, item_seg: np.ndarray, k: int) -> np.ndarray:
     """The block formats' columns (``k`` arrays x formats x 5) from their items' partials
-    (the items of an array are consecutive): sums added, the largest block ratio as its
-    log2."""
-    first = np.flatnonzero(np.diff(item_seg, prepend=-1))  # each array's first item
-    merged = np.zeros((k, acc.shape[1], len(BLOCK_COLUMNS)))
-    merged[item_seg[first]] = np.add.reduceat(acc, first)
-    ratio = np.maximum.reduceat(acc[:, :, _B_RATIO], first)
-    merged[item_seg[first], :, _B_RATIO] = np.log2(np.maximum(ratio, 1.0))
+    (:func:`_merge_items`), the largest block ratio as its log2 (numpy's, as the
+    reference's)."""
+    merged = _merge_items(acc, item_seg, k)
+    merged[:, :, _B_RATIO] = np.log2(np.maximum(merged[:, :, _B_RATIO], 1.0))
     return merged
