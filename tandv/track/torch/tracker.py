@@ -62,7 +62,7 @@ from ..common.recorder import StepRecorder
 from ..common.scalars import Capture
 from ._compiled import CompiledHooks, compiled_root
 from ._distributed import TorchRanks, distributed_world, local_part, module_type, unwrap_ddp
-from ._workspace import Flight, HookLaunch, Slot, Workspace, to_host
+from ._workspace import BatchLaunch, Flight, HookLaunch, Slot, Workspace, to_host
 from .naming import flatten_outputs as _flatten
 from .summary import fused_spec
 
@@ -145,7 +145,19 @@ class _Plan:
     entries made with the summaries they hold (``raws``), returned again when the
     workspace hands back the same list of slots."""
 
-    __slots__ = ("keys", "layouts", "groups", "first", "keep", "no_extras", "raws", "entries")
+    __slots__ = (
+        "keys",
+        "layouts",
+        "groups",
+        "first",
+        "keep",
+        "no_extras",
+        "raws",
+        "entries",
+        "uniform",
+        "launch",
+        "prepared",
+    )
 
     def __init__(
         self,
@@ -159,6 +171,11 @@ class _Plan:
         self.no_extras: list[dict[str, Any]] = []
         self.raws: Any = None
         self.entries: list[tuple[TensorKey, Layout, Any]] = []
+        # the tensors are of one dtype, and the fused launch of them all (made at their
+        # first summary; ``None`` where they take another path)
+        self.uniform = False
+        self.launch: BatchLaunch | None = None
+        self.prepared = False  # (whether ``launch`` was looked for)
 
 
 class Tracker(TrackerCore[Flight | None]):
@@ -564,7 +581,9 @@ class Tracker(TrackerCore[Flight | None]):
         for i, lay in enumerate(layouts):
             by_layout.setdefault(id(lay), (lay, []))[1].append(i)
         first = f"{kinds[0]} {names[0]!r}" if names else ""
-        return _Plan(keys, layouts, list(by_layout.values()), first)
+        plan = _Plan(keys, layouts, list(by_layout.values()), first)
+        plan.uniform = len(set(dtypes)) == 1
+        return plan
 
     def _summarize_plan(
         self, plan: _Plan, tensors: list[torch.Tensor]
@@ -579,7 +598,18 @@ class Tracker(TrackerCore[Flight | None]):
             plan.no_extras = [{}] * len(tensors)
         no_extras = plan.no_extras
         if len(groups) == 1:
-            raws = self._workspace.summaries(tensors, layouts[0], no_extras)
+            raws = None
+            if plan.uniform and len(tensors) > 1:  # one launch, prepared (see BatchLaunch)
+                launch = plan.launch
+                if not plan.prepared or (
+                    launch is not None and launch.device != tensors[0].get_device()
+                ):
+                    launch = plan.launch = self._workspace.batch_launch(tensors[0], layouts[0])
+                    plan.prepared = True
+                if launch is not None:
+                    raws = launch.summarize(tensors)
+            if raws is None:
+                raws = self._workspace.summaries(tensors, layouts[0], no_extras)
             if raws is not plan.raws:  # (the same slots: the same entries)
                 plan.raws, plan.entries = raws, list(zip(keys, layouts, raws))
             return plan.entries
