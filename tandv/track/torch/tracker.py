@@ -598,7 +598,7 @@ class Tracker(TrackerCore[Flight | None]):
             plan.no_extras = [{}] * len(tensors)
         no_extras = plan.no_extras
         if len(groups) == 1:
-            raws = None
+            raws: Sequence[np.ndarray | Slot] | None = None
             if plan.uniform and len(tensors) > 1:  # one launch, prepared (see BatchLaunch)
                 launch = plan.launch
                 if not plan.prepared or (
