@@ -320,9 +320,9 @@ class Tracker(TrackerCore[Flight | None]):
         # (name, kind, dtype) of a parameter, gradient or state -> its row key and its
         # layout without custom statistics: looked up once per tensor, not per step
         self._observed_keys: dict[tuple[str, str, torch.dtype], tuple[TensorKey, Layout]] = {}
-        # the optimizer state's batch and tensors (weak references), and what they were
-        # found from (see _state_batch)
-        self._state_cache: tuple[tuple[int, ...], _Batch, list[Any]] | None = None
+        # the optimizer state's batch, what it was found from, where its tensors lie among
+        # the state values and weak references to them (see _state_batch)
+        self._state_cache: tuple[tuple[int, ...], _Batch, list[int], list[Any]] | None = None
         # the same for activations and output gradients, by (name, kind, dtype, on CUDA),
         # with the fused kernel's spec (None: another path)
         self._hook_keys: dict[
@@ -800,8 +800,10 @@ class Tracker(TrackerCore[Flight | None]):
         the lengths of the lists and dicts), read in passes that run in C, without hashing a
         tensor. The tensors are held by weak references (the tracker keeps no state alive):
         while they live, their identities are theirs, so equal identities are the same
-        tensors at the same places."""
+        tensors at the same places, and they are taken from the state values by their
+        positions there (no Python loop per tensor)."""
         sign: list[int] = []
+        values: list[Any] = []  # every state value, in the optimizers' order
         for opt in self.optimizers:
             sign.append(-1)  # (an optimizer's boundary)
             lists = list(map(_params_key, opt.param_groups))
@@ -811,13 +813,15 @@ class Tracker(TrackerCore[Flight | None]):
             sign += map(id, opt.state)
             sign += map(id, states)
             sign += map(len, states)
-            sign += map(id, chain.from_iterable(map(_values, states)))
+            values += chain.from_iterable(map(_values, states))
+        sign += map(id, values)
         signature = tuple(sign)
         cached = self._state_cache
         if cached is not None and cached[0] == signature:
-            tensors = [ref() for ref in cached[2]]
-            if not any(map(_is_none, tensors)):
-                return cached[1], tensors
+            # the batch's tensors, where they lie among the values; the same objects as
+            # those the batch was found for while those live (equal identities)
+            if not any(map(_is_none, map(_deref, cached[3]))):
+                return cached[1], list(map(values.__getitem__, cached[2]))
         items = [
             (name, value, owner)
             for name, value, owner in self._optimizer_state()
@@ -827,7 +831,13 @@ class Tracker(TrackerCore[Flight | None]):
         batch = _Batch(
             list(map(_first, items)), [OPTIMISER_STATE] * len(items), list(map(_third, items))
         )
-        self._state_cache = (signature, batch, [weakref.ref(t) for t in tensors])
+        at = {id(v): i for i, v in enumerate(values)}
+        self._state_cache = (
+            signature,
+            batch,
+            [at[id(t)] for t in tensors],
+            [weakref.ref(t) for t in tensors],
+        )
         return batch, tensors
 
     def _optimizer_state(self) -> Iterator[tuple[str, torch.Tensor, nn.Module]]:
@@ -1367,6 +1377,7 @@ _grad_of = attrgetter("grad")
 _is_none = partial(is_, None)
 _params_key = itemgetter("params")
 _values = methodcaller("values")
+_deref = weakref.ref.__call__
 
 
 def _capture_error(what: str) -> RuntimeError:
