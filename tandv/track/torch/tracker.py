@@ -752,9 +752,13 @@ class Tracker(TrackerCore[Flight | None]):
         lists change (told by the identities of the lists and of the parameters in them),
         not at every capture."""
         opts = self.optimizers if optimizer is None else (optimizer,)
-        signature = tuple(
-            (id(g["params"]), *map(id, g["params"])) for opt in opts for g in opt.param_groups
-        )
+        sign: list[int] = []
+        for opt in opts:  # (in passes that run in C)
+            lists = list(map(_params_key, opt.param_groups))
+            sign += map(id, lists)
+            sign += map(len, lists)
+            sign += map(id, chain.from_iterable(lists))
+        signature = tuple(sign)
         cache_key = None if optimizer is None else id(optimizer)
         cached = self._grad_param_cache.get(cache_key)
         if cached is not None and cached[0] == signature:
