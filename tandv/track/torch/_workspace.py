@@ -441,9 +441,9 @@ class BatchLaunch:
         takes the general path.
 
         The tests that tell that: every tensor's address, size and contiguity at every
-        call; its device and the negation bit only when the tensors are not the last
-        call's at the same addresses (a tensor keeps its device and is not made a
-        negated view in place)."""
+        call; its device, the negation bit and emptiness only when the tensors are not
+        the last call's at the same addresses with the same sizes (a tensor keeps its
+        device and is not made a negated view in place)."""
         ids = tuple(map(id, tensors))
         ptrs = tuple(map(_T.data_ptr, tensors))
         ns = tuple(map(_T.numel, tensors))
