@@ -21,6 +21,7 @@ from test_torch_tracker import (
 )
 
 from tandv.schema import read_log
+from tandv.track.torch import summary as kernel
 from tandv.track.torch import track
 
 
@@ -66,3 +67,37 @@ def test_batch_rows_follow_the_tensors_as_gradients_come_and_go_and_state_is_rep
     old = kept_alive[0]["state"][0]["exp_avg"]
     new = used[3][("fc1.weight.exp_avg", "Optimiser_State")]
     assert not torch.equal(old, new)
+
+
+def test_a_prepared_batch_notices_tensors_changed_in_place(tmp_path):
+    """The fused path keeps a batch's launch (its table and slots) while its tensors are
+    the same ones at the same addresses with the same sizes: a parameter whose data is
+    replaced (``p.data = ...``: a new address), shrunk where it lies (same address, fewer
+    elements) or made a transposed view of itself (same address and size, not contiguous)
+    between steps gets the rows of what it is at each step, by the numpy reference."""
+    net, _ = make(0)
+    used: list[dict[str, torch.Tensor]] = []
+    changes = {
+        2: ("fc1.weight", lambda w: w * 2.0),  # a new tensor (a new address)
+        3: ("fc2.bias", lambda b: b[:2]),  # the same address, fewer elements
+        4: ("fc1.weight", lambda w: w.t()),  # the same address and size, not contiguous
+        5: ("fc1.weight", lambda w: w.t()),  # contiguous again, at the same address
+    }
+    options = dict(track_activations=False, track_gradients=False, track_optimizer=False)
+    with (
+        kernel.cpu_path("fused"),
+        track(net, out=tmp_path / "log", verbose=False, **options) as tr,
+    ):
+        for i in range(6):
+            if i in changes:
+                name, change = changes[i]
+                p = net.get_parameter(name)
+                p.data = change(p.data)
+            used.append({n: p.detach().clone() for n, p in net.named_parameters()})
+            tr.step()  # (no forward: the weights are captured here)
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for k, step in enumerate(used):
+        for name, t in step.items():
+            assert_row(df, idx, (name, "Weight", k), [t])
+    assert int(df.iloc[idx[("fc2.bias", "Weight", 3)]][("scalar_stats", "numel")]) == 2

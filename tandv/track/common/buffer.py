@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,6 +28,12 @@ if TYPE_CHECKING:
     from .stream import LogStream
 
 __all__ = ["StepBuffer", "check_pending_bounds"]
+
+_key_of = itemgetter(0)
+_layout_of = itemgetter(1)
+_type_of = attrgetter("tensor_type")
+#: the tensor types of module rows (activations and their gradients, parameter gradients)
+_MODULE_ROWS = frozenset((ACTIVATION, GRADIENT))
 
 
 def _merged(
@@ -147,6 +154,7 @@ class StepBuffer:
         self._had_module_rows = False
         self._pending: list[tuple[TensorKey, Layout, Any]] = []
         self._sizes: dict[int, tuple[Layout, int]] = {}  # bytes of a summary, by id(layout)
+        self._bytes_by_id: dict[int, int] = {}  # the same bytes, by id(layout) alone
 
     def add(self, key: TensorKey, layout: Layout, summary: Any) -> None:
         """Record one observation of a tensor in the current step (a device summary).
@@ -169,13 +177,11 @@ class StepBuffer:
         """
         if not entries:
             return
-        nbytes = 0
-        layout: Any = None
-        size = 0
-        for _, lay, _ in entries:  # (a run of one layout costs one lookup)
-            if lay is not layout:
-                layout, size = lay, self._bytes_of(lay)
-            nbytes += size
+        # (in passes that run in C: a step's weights, gradients and state are hundreds)
+        try:
+            nbytes = sum(map(self._bytes_by_id.__getitem__, map(id, map(_layout_of, entries))))
+        except KeyError:  # a layout seen for the first time
+            nbytes = sum(self._bytes_of(lay) for _, lay, _ in entries)
         if self._pending_bytes + nbytes > self.warn_pending_bytes:
             for entry in entries:  # one at a time: the warning and the error as with add
                 self.add(*entry)
@@ -189,6 +195,8 @@ class StepBuffer:
         sized = self._sizes.get(id(layout))
         if sized is None or sized[0] is not layout:
             sized = self._sizes[id(layout)] = (layout, 8 * layout.size)
+            # (by the identity alone: the layout, kept in _sizes, keeps it)
+            self._bytes_by_id[id(layout)] = sized[1]
         return sized[1]
 
     def _check_pending(self) -> None:
@@ -258,7 +266,7 @@ class StepBuffer:
             RuntimeError: if writing an earlier batch failed (at the first step after it).
         """
         self.stream.raise_if_failed()
-        module_rows = any(k.tensor_type in (ACTIVATION, GRADIENT) for k, _, _ in pending)
+        module_rows = not _MODULE_ROWS.isdisjoint(map(_type_of, map(_key_of, pending)))
         if self._had_module_rows and not module_rows and not self._warned_empty_step:
             self._warned_empty_step = True
             warnings.warn(

@@ -34,8 +34,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from functools import cache
-from operator import attrgetter
+from functools import cache, reduce
+from operator import attrgetter, or_
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -55,7 +55,7 @@ from .summary import (
 if TYPE_CHECKING:  # the fused kernels import Triton: only when a tensor needs them
     from . import _fused
 
-__all__ = ["Slot", "RowKind", "HookLaunch", "Flight", "Workspace", "to_host"]
+__all__ = ["Slot", "RowKind", "HookLaunch", "BatchLaunch", "Flight", "Workspace", "to_host"]
 
 _F64 = torch.float64
 #: Initial rows buffer per device (float64 values; grows by doubling).
@@ -378,6 +378,152 @@ class HookLaunch:
             self.compiled[x.data_ptr() % 16 == 0] = got
 
 
+_T = torch.Tensor
+
+
+class BatchLaunch:
+    """The fused summaries of tensors summarized together at every step (a step's weights,
+    the gradients of one optimizer's parameters, the optimizer state): plain tensors of one
+    dtype on one device, each dense, not lazily negated and not empty, in one layout with
+    no custom statistic and no block format.
+
+    Made at the first such batch (:meth:`Workspace.batch_launch`), it keeps what its last
+    launch found: the tensors' identities, addresses and sizes, the row offset of the
+    first, the program table and the slots of the rows. A step whose tensors are the last
+    step's (weights, state) or lie where they lay (gradients that an allocator hands back
+    at the same addresses) then costs a few passes over the tensors that run in C, a row
+    reservation and the launch: no table, no slot, no Python loop per tensor."""
+
+    __slots__ = (
+        "fused",
+        "space",
+        "spec",
+        "layout",
+        "size",
+        "device",
+        "lut",
+        "fmax",
+        "kind",
+        "ids",
+        "ptrs",
+        "ns",
+        "at",
+        "table",
+        "template",
+        "slots",
+    )
+
+    def __init__(self, space: _Space, spec: _fused.Spec, layout: Layout) -> None:
+        fused = self.fused = _fused_module()
+        self.space, self.spec, self.layout = space, spec, layout
+        self.size = fused.row_size(spec, layout)
+        self.kind = RowKind(space.device, self.size, layout, spec)
+        self.device = space.device.index if space.cuda else -1  # (Tensor.get_device())
+        self.lut = fused._lut(spec, space.device, space.rows) if spec.lut is not None else None
+        self.fmax = fused._fmax(layout)
+        # the last launch's tensors (identities), addresses and sizes; where its rows began
+        # and on which stream: (first row offset, stream id)
+        self.ids: tuple[int, ...] = ()
+        self.ptrs: tuple[int, ...] = ()
+        self.ns: tuple[int, ...] = ()
+        self.at: tuple[int, int] = (-1, -1)
+        # (table on the device, programs, scratch rows, kernel variant)
+        self.table: tuple[torch.Tensor, int, int, Any] | None = None
+        # the table's columns that do not depend on the addresses, the programs per tensor
+        # (None: one each) and the scratch rows, for the last sizes and rows
+        self.template: tuple[np.ndarray, np.ndarray | None, int] | None = None
+        self.slots: list[Slot] = []
+
+    def summarize(self, tensors: Sequence[torch.Tensor]) -> list[Slot] | None:
+        """Queue the summaries of ``tensors`` (plain tensors of the launch's dtype, two or
+        more) into fresh rows, in order, and return their slots; ``None`` (nothing done)
+        when they are not all tensors this launch reads (see the class notes): the caller
+        takes the general path.
+
+        The tests that tell that: every tensor's address, size and contiguity at every
+        call; its device, the negation bit and emptiness only when the tensors are not
+        the last call's at the same addresses with the same sizes (a tensor keeps its
+        device and is not made a negated view in place)."""
+        ids = tuple(map(id, tensors))
+        ptrs = tuple(map(_T.data_ptr, tensors))
+        ns = tuple(map(_T.numel, tensors))
+        if not all(map(_T.is_contiguous, tensors)):
+            return None
+        if self.device < 0 and _summary.current_cpu_path() != "fused":
+            return None  # (a test switched the CPU path: the caller's path decides)
+        if (ids != self.ids or ptrs != self.ptrs or ns != self.ns) and (
+            any(map(_T.is_neg, tensors))
+            or set(map(_T.get_device, tensors)) != {self.device}
+            or not all(ns)
+        ):
+            return None
+        fused, space, size = self.fused, self.space, self.size
+        count = len(tensors)
+        with space.lock:  # the rows buffer may not be replaced before the launch
+            stream = 0
+            if space.cuda:
+                if torch.cuda.current_device() != self.device:
+                    return None  # (Triton launches on the current device)
+                space.stream()
+                stream = torch.cuda.current_stream(space.device).cuda_stream
+            first = space.reserve(size * count)
+            at = (first, stream)
+            table = self.table
+            if table is None or ptrs != self.ptrs or ns != self.ns or at != self.at:
+                table = self.table = self._table(ptrs, ns, first, at != self.at or ns != self.ns)
+                self.ptrs, self.ns, self.at = ptrs, ns, at
+            self.ids = ids
+            dev_table, programs, parts, consts = table
+            rows = space.rows
+            scratch = space.scratch_for(parts)
+            lut = rows if self.lut is None else self.lut
+            fused._launch(
+                fused._summarize_many,
+                programs,
+                (dev_table, rows, scratch, lut, self.fmax),
+                consts,
+                (dev_table, rows, scratch, lut),
+            )
+        return self.slots
+
+    def _table(
+        self, ptrs: tuple[int, ...], ns: tuple[int, ...], first: int, moved: bool
+    ) -> tuple[torch.Tensor, int, int, Any]:
+        """The launch's program table for tensors at ``ptrs`` of ``ns`` elements into rows
+        from ``first`` (``moved``: the sizes or rows differ from the last table's, so the
+        columns that do not depend on the addresses and the slots are found anew), its
+        program count, scratch rows and kernel variant. Rebuilt whenever the tensors move
+        (gradients may come back at new addresses every step): the address of each tensor
+        is written into its programs' rows of a copy of the cached columns, by a few array
+        operations."""
+        fused, space, size, count = self.fused, self.space, self.size, len(ptrs)
+        if moved or self.template is None:
+            offsets = tuple(range(first, first + size * count, size))
+            template, owner, parts = fused._table_layout(
+                ns, offsets, self.spec.block, space.max_parts
+            )
+            per = np.bincount(owner, minlength=count) if owner.size != count else None
+            self.template = (template, per, parts)
+            self.slots = [_new_tuple(Slot, (off, self.kind)) for off in offsets]
+        template, per, parts = self.template
+        # (few array operations: each costs microseconds on the cold caches between a
+        # step's model operations)
+        addr = np.fromiter(ptrs, np.int64, count)
+        table = template.copy()
+        table[:, 0] = addr if per is None else np.repeat(addr, per)
+        host = torch.from_numpy(table)
+        if space.cuda:  # pinned: the copy to the device does not wait
+            host = host.pin_memory().to(space.device, non_blocking=True)
+        aligned = not reduce(or_, ptrs, 0) & 15  # every address a multiple of 16
+        consts = fused._consts(
+            self.spec,
+            fused._over(self.spec, self.layout),
+            aligned=aligned,
+            hoff=fused._hoff(self.spec, self.layout),
+        )
+        return host, len(table), parts, consts
+
+
 class Flight:
     """A step's rows on their way to the host: per device, a host buffer of its own, the
     number of values and the event that marks the copy done (``None`` on the CPU)."""
@@ -442,6 +588,18 @@ class Workspace:
     def hook_launch(self, spec: _fused.Spec, layout: Layout, device: torch.device) -> HookLaunch:
         """A :class:`HookLaunch` of ``spec``'s tensors in ``layout`` on ``device``."""
         return HookLaunch(self._spaces.get(device) or self._space(device), spec, layout)
+
+    def batch_launch(self, tensor: torch.Tensor, layout: Layout) -> BatchLaunch | None:
+        """A :class:`BatchLaunch` of tensors like ``tensor`` (plain, of its dtype, on its
+        device) in ``layout``; ``None`` where such tensors do not take it: not the fused
+        path, or ``layout`` has custom statistics or block formats."""
+        if layout.extras:
+            return None
+        spec = fused_spec(tensor, layout)
+        if spec is None:
+            return None
+        device = tensor.device
+        return BatchLaunch(self._spaces.get(device) or self._space(device), spec, layout)
 
     def summary(
         self,

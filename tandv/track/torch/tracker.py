@@ -61,7 +61,7 @@ from ..common.recorder import StepRecorder
 from ._adapter import TorchAdapter
 from ._compiled import CompiledHooks, compiled_root
 from ._distributed import TorchRanks, local_part, module_type, unwrap_ddp
-from ._workspace import Flight, HookLaunch, Slot, Workspace
+from ._workspace import BatchLaunch, Flight, HookLaunch, Slot, Workspace
 from .naming import flatten_outputs as _flatten
 from .summary import fused_spec
 
@@ -144,7 +144,19 @@ class _Plan:
     entries made with the summaries they hold (``raws``), returned again when the
     workspace hands back the same list of slots."""
 
-    __slots__ = ("keys", "layouts", "groups", "first", "keep", "no_extras", "raws", "entries")
+    __slots__ = (
+        "keys",
+        "layouts",
+        "groups",
+        "first",
+        "keep",
+        "no_extras",
+        "raws",
+        "entries",
+        "uniform",
+        "launch",
+        "prepared",
+    )
 
     def __init__(
         self,
@@ -158,6 +170,11 @@ class _Plan:
         self.no_extras: list[dict[str, Any]] = []
         self.raws: Any = None
         self.entries: list[tuple[TensorKey, Layout, Any]] = []
+        # the tensors are of one dtype, and the fused launch of them all (made at their
+        # first summary; ``None`` where they take another path)
+        self.uniform = False
+        self.launch: BatchLaunch | None = None
+        self.prepared = False  # (whether ``launch`` was looked for)
 
 
 class Tracker(TrackerCore[Flight | None]):
@@ -302,9 +319,9 @@ class Tracker(TrackerCore[Flight | None]):
         # (name, kind, dtype) of a parameter, gradient or state -> its row key and its
         # layout without custom statistics: looked up once per tensor, not per step
         self._observed_keys: dict[tuple[str, str, torch.dtype], tuple[TensorKey, Layout]] = {}
-        # the optimizer state's batch and tensors (weak references), and what they were
-        # found from (see _state_batch)
-        self._state_cache: tuple[tuple[int, ...], _Batch, list[Any]] | None = None
+        # the optimizer state's batch, what it was found from, where its tensors lie among
+        # the state values and weak references to them (see _state_batch)
+        self._state_cache: tuple[tuple[int, ...], _Batch, list[int], list[Any]] | None = None
         # the same for activations and output gradients, by (name, kind, dtype, on CUDA),
         # with the fused kernel's spec (None: another path)
         self._hook_keys: dict[
@@ -577,7 +594,9 @@ class Tracker(TrackerCore[Flight | None]):
         for i, lay in enumerate(layouts):
             by_layout.setdefault(id(lay), (lay, []))[1].append(i)
         first = f"{kinds[0]} {names[0]!r}" if names else ""
-        return _Plan(keys, layouts, list(by_layout.values()), first)
+        plan = _Plan(keys, layouts, list(by_layout.values()), first)
+        plan.uniform = len(set(dtypes)) == 1
+        return plan
 
     def _summarize_plan(
         self, plan: _Plan, tensors: list[torch.Tensor]
@@ -592,7 +611,18 @@ class Tracker(TrackerCore[Flight | None]):
             plan.no_extras = [{}] * len(tensors)
         no_extras = plan.no_extras
         if len(groups) == 1:
-            raws = self._workspace.summaries(tensors, layouts[0], no_extras)
+            raws: Sequence[np.ndarray | Slot] | None = None
+            if plan.uniform and len(tensors) > 1:  # one launch, prepared (see BatchLaunch)
+                launch = plan.launch
+                if not plan.prepared or (
+                    launch is not None and launch.device != tensors[0].get_device()
+                ):
+                    launch = plan.launch = self._workspace.batch_launch(tensors[0], layouts[0])
+                    plan.prepared = True
+                if launch is not None:
+                    raws = launch.summarize(tensors)
+            if raws is None:
+                raws = self._workspace.summaries(tensors, layouts[0], no_extras)
             if raws is not plan.raws:  # (the same slots: the same entries)
                 plan.raws, plan.entries = raws, list(zip(keys, layouts, raws))
             return plan.entries
@@ -735,9 +765,13 @@ class Tracker(TrackerCore[Flight | None]):
         lists change (told by the identities of the lists and of the parameters in them),
         not at every capture."""
         opts = self.optimizers if optimizer is None else (optimizer,)
-        signature = tuple(
-            (id(g["params"]), *map(id, g["params"])) for opt in opts for g in opt.param_groups
-        )
+        sign: list[int] = []
+        for opt in opts:  # (in passes that run in C)
+            lists = list(map(_params_key, opt.param_groups))
+            sign += map(id, lists)
+            sign += map(len, lists)
+            sign += map(id, chain.from_iterable(lists))
+        signature = tuple(sign)
         cache_key = None if optimizer is None else id(optimizer)
         cached = self._grad_param_cache.get(cache_key)
         if cached is not None and cached[0] == signature:
@@ -783,8 +817,10 @@ class Tracker(TrackerCore[Flight | None]):
         the lengths of the lists and dicts), read in passes that run in C, without hashing a
         tensor. The tensors are held by weak references (the tracker keeps no state alive):
         while they live, their identities are theirs, so equal identities are the same
-        tensors at the same places."""
+        tensors at the same places, and they are taken from the state values by their
+        positions there (no Python loop per tensor)."""
         sign: list[int] = []
+        values: list[Any] = []  # every state value, in the optimizers' order
         for opt in self.optimizers:
             sign.append(-1)  # (an optimizer's boundary)
             lists = list(map(_params_key, opt.param_groups))
@@ -794,13 +830,15 @@ class Tracker(TrackerCore[Flight | None]):
             sign += map(id, opt.state)
             sign += map(id, states)
             sign += map(len, states)
-            sign += map(id, chain.from_iterable(map(_values, states)))
+            values += chain.from_iterable(map(_values, states))
+        sign += map(id, values)
         signature = tuple(sign)
         cached = self._state_cache
         if cached is not None and cached[0] == signature:
-            tensors = [ref() for ref in cached[2]]
-            if not any(map(_is_none, tensors)):
-                return cached[1], tensors
+            # the batch's tensors, where they lie among the values; the same objects as
+            # those the batch was found for while those live (equal identities)
+            if not any(map(_is_none, map(_deref, cached[3]))):
+                return cached[1], list(map(values.__getitem__, cached[2]))
         items = [
             (name, value, owner)
             for name, value, owner in self._optimizer_state()
@@ -810,7 +848,13 @@ class Tracker(TrackerCore[Flight | None]):
         batch = _Batch(
             list(map(_first, items)), [OPTIMISER_STATE] * len(items), list(map(_third, items))
         )
-        self._state_cache = (signature, batch, [weakref.ref(t) for t in tensors])
+        at = {id(v): i for i, v in enumerate(values)}
+        self._state_cache = (
+            signature,
+            batch,
+            [at[id(t)] for t in tensors],
+            [weakref.ref(t) for t in tensors],
+        )
         return batch, tensors
 
     def _optimizer_state(self) -> Iterator[tuple[str, torch.Tensor, nn.Module]]:
@@ -1315,6 +1359,7 @@ _grad_of = attrgetter("grad")
 _is_none = partial(is_, None)
 _params_key = itemgetter("params")
 _values = methodcaller("values")
+_deref = weakref.ref.__call__
 
 
 def _capture_error(what: str) -> RuntimeError:
