@@ -1,5 +1,5 @@
 """The JAX tracker's accelerator path, run on the CPU: summaries computed inside the compiled
-step (XLA's operations, ``SUMMARY_PATH = "xla"``), leaving it as data through mailboxes, with
+step (XLA's operations, ``summary_path("xla")``), leaving it as data through mailboxes, with
 no host callback, also from loop bodies, where each iteration's summary merges on device."""
 
 from __future__ import annotations
