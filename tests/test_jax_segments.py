@@ -196,11 +196,13 @@ def test_tracked_rows_do_not_depend_on_segments(tmp_path, monkeypatch, path, jit
 
 
 class Step(nn.Module):
-    """One iteration: a Dense whose output (16 x 96) passes the test limit."""
+    """One iteration: a Dense whose output (64 x 24 = 1536 elements) passes the test limit;
+    its kernel stacked over the iterations (3 x 24 x 24 = 1728) is cut in 2 only (a wide
+    kernel would be cut in dozens of segments, each one more summary to compile)."""
 
     @nn.compact
     def __call__(self, h, _):
-        return jnp.tanh(nn.Dense(96, name="Dense_0")(h)), None
+        return jnp.tanh(nn.Dense(24, name="Dense_0")(h)), None
 
 
 class Looped(nn.Module):
@@ -218,7 +220,7 @@ def test_loop_body_segments_merge_per_iteration(tmp_path, monkeypatch):
     run without segments (the Activation row counts all 3 iterations' elements)."""
     monkeypatch.setattr(_tracker, "SUMMARY_PATH", "xla")
     model = Looped()
-    x = jax.random.normal(jax.random.key(0), (16, 96))
+    x = jax.random.normal(jax.random.key(0), (64, 24))
     params = model.init(jax.random.key(1), x)
 
     def update(p, x):
@@ -235,7 +237,7 @@ def test_loop_body_segments_merge_per_iteration(tmp_path, monkeypatch):
     df = logs[None]
     m = df["metadata"]
     act = df[(m["name"] == "blocks.Dense_0") & (m["tensor_type"] == "Activation")]
-    assert int(act[("scalar_stats", "numel")].iloc[0]) == 3 * 16 * 96
+    assert int(act[("scalar_stats", "numel")].iloc[0]) == 3 * 64 * 24
     pd.testing.assert_frame_equal(logs[LIMIT], df)
 
 
