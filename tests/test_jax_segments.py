@@ -121,12 +121,13 @@ def test_segment_limit_is_checked_and_cuts_are_aligned():
 
 class Wide(nn.Module):
     """Outputs and parameters past the test limit: Dense_0's output (16 x 96 = 1536
-    elements), Dense_1's kernel (96 x 32 = 3072) and its Adam moments."""
+    elements, 2 segments), Dense_1's kernel (96 x 24 = 2304, 3 segments: a first, a middle
+    and a last) and its Adam moments (each segment is one more summary to compile)."""
 
     @nn.compact
     def __call__(self, x):
         h = nn.relu(nn.Dense(96, name="Dense_0")(x))
-        return nn.Dense(32, name="Dense_1")(h)
+        return nn.Dense(24, name="Dense_1")(h)
 
 
 def _run(out, path: str, jit: bool, limit: int | None, monkeypatch, **options) -> pd.DataFrame:
@@ -135,7 +136,7 @@ def _run(out, path: str, jit: bool, limit: int | None, monkeypatch, **options) -
     monkeypatch.setattr(_tracker, "SUMMARY_PATH", path)
     model, opt = Wide(), optax.adam(1e-2)
     k1, k2 = jax.random.split(jax.random.key(0))
-    x, y = jax.random.normal(k1, (16, 5)), jax.random.normal(k2, (16, 32))
+    x, y = jax.random.normal(k1, (16, 5)), jax.random.normal(k2, (16, 24))
     params = model.init(jax.random.key(1), x)
     state = opt.init(params)
 
