@@ -122,12 +122,13 @@ def test_segment_limit_is_checked_and_cuts_are_aligned():
 
 class Wide(nn.Module):
     """Outputs and parameters past the test limit: Dense_0's output (16 x 96 = 1536
-    elements), Dense_1's kernel (96 x 32 = 3072) and its Adam moments."""
+    elements, 2 segments), Dense_1's kernel (96 x 24 = 2304, 3 segments: a first, a middle
+    and a last) and its Adam moments (each segment is one more summary to compile)."""
 
     @nn.compact
     def __call__(self, x):
         h = nn.relu(nn.Dense(96, name="Dense_0")(x))
-        return nn.Dense(32, name="Dense_1")(h)
+        return nn.Dense(24, name="Dense_1")(h)
 
 
 def _run(out, path: str, jit: bool, limit: int | None, **options) -> pd.DataFrame:
@@ -135,7 +136,7 @@ def _run(out, path: str, jit: bool, limit: int | None, **options) -> pd.DataFram
     limit ``limit`` (None: the real one), as a log sorted by tensor and step."""
     model, opt = Wide(), optax.adam(1e-2)
     k1, k2 = jax.random.split(jax.random.key(0))
-    x, y = jax.random.normal(k1, (16, 5)), jax.random.normal(k2, (16, 32))
+    x, y = jax.random.normal(k1, (16, 5)), jax.random.normal(k2, (16, 24))
     params = model.init(jax.random.key(1), x)
     state = opt.init(params)
 
@@ -196,11 +197,13 @@ def test_tracked_rows_do_not_depend_on_segments(tmp_path, path, jit, options):
 
 
 class Step(nn.Module):
-    """One iteration: a Dense whose output (16 x 96) passes the test limit."""
+    """One iteration: a Dense whose output (64 x 24 = 1536 elements) passes the test limit;
+    its kernel stacked over the iterations (3 x 24 x 24 = 1728) is cut in 2 only (a wide
+    kernel would be cut in dozens of segments, each one more summary to compile)."""
 
     @nn.compact
     def __call__(self, h, _):
-        return jnp.tanh(nn.Dense(96, name="Dense_0")(h)), None
+        return jnp.tanh(nn.Dense(24, name="Dense_0")(h)), None
 
 
 class Looped(nn.Module):
@@ -217,7 +220,7 @@ def test_loop_body_segments_merge_per_iteration(tmp_path):
     rows merge into the mailbox row by row, and the host joins the segments: the rows of a
     run without segments (the Activation row counts all 3 iterations' elements)."""
     model = Looped()
-    x = jax.random.normal(jax.random.key(0), (16, 96))
+    x = jax.random.normal(jax.random.key(0), (64, 24))
     params = model.init(jax.random.key(1), x)
 
     def update(p, x):
@@ -234,7 +237,7 @@ def test_loop_body_segments_merge_per_iteration(tmp_path):
     df = logs[None]
     m = df["metadata"]
     act = df[(m["name"] == "blocks.Dense_0") & (m["tensor_type"] == "Activation")]
-    assert int(act[("scalar_stats", "numel")].iloc[0]) == 3 * 16 * 96
+    assert int(act[("scalar_stats", "numel")].iloc[0]) == 3 * 64 * 24
     pd.testing.assert_frame_equal(logs[LIMIT], df)
 
 
