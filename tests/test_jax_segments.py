@@ -166,7 +166,11 @@ HIGHER = {"moments": 4, "percentiles": (10, 50, 90)}
         ("auto", False, {}),
         ("xla", True, HIGHER),
         ("xla", False, {}),
-        ("pallas", True, {}),  # (interpreted: slow; its moments=4 in the test above)
+        # No Pallas case (35 s interpreted, the suite's slowest test): the tracker cuts every
+        # path's arrays by the same `segmented(core, ...)`, run here on XLA's and the host
+        # kernel's cores; the Pallas core in segments (moments 2 and 4) is checked against
+        # the uncut summary and numpy in test_segments_merge_to_the_whole_arrays_summary,
+        # and the Pallas path of a tracker in test_blocks_jax_paths / test_jax_tracker.
     ],
 )
 def test_tracked_rows_do_not_depend_on_segments(tmp_path, path, jit, options):
