@@ -389,34 +389,27 @@ def _round_element(a: _F, split: _F, subk: _F, normal: _F) -> _F:  # pragma: no 
     return qs if a < normal else qn
 
 
-def _f32_bits_typing(typingctx: object, v: types.Type) -> object:  # pragma: no cover - compiled
-    """The float32 whose bit pattern is the int32 ``v``: a bit cast, free in vector code
-    (unlike :func:`_f32_of`, which goes through an array)."""
-    if v != types.int32:
-        return None
+def _bitcast(source: types.Type, target: types.Type) -> Callable[..., Any]:
+    """A numba intrinsic that reinterprets a ``source`` value's bits as a ``target`` (both
+    32-bit): free in vector code (unlike :func:`_f32_of`, which goes through an array).
+    Called from compiled code only (typed for mypy as a plain callable)."""
 
-    def codegen(context: object, builder: object, sig: object, args: list[object]) -> object:
-        return builder.bitcast(args[0], context.get_value_type(types.float32))  # type: ignore[attr-defined]
+    def typing(typingctx: object, v: types.Type) -> object:  # pragma: no cover - compiled
+        if v != source:
+            return None
 
-    return types.float32(types.int32), codegen
+        def codegen(context: object, builder: object, sig: object, args: list[object]) -> object:
+            return builder.bitcast(args[0], context.get_value_type(target))  # type: ignore[attr-defined]
 
+        return target(source), codegen
 
-#: Called from compiled code only (typed for mypy as a plain callable).
-_f32_bits: Callable[..., Any] = intrinsic(_f32_bits_typing)
-
-
-def _i32_bits_typing(typingctx: object, v: types.Type) -> object:  # pragma: no cover - compiled
-    """The bit pattern (int32) of the float32 ``v``: a bit cast."""
-    if v != types.float32:
-        return None
-
-    def codegen(context: object, builder: object, sig: object, args: list[object]) -> object:
-        return builder.bitcast(args[0], context.get_value_type(types.int32))  # type: ignore[attr-defined]
-
-    return types.int32(types.float32), codegen
+    typing.__name__ = f"bitcast_{source}_to_{target}"
+    return intrinsic(typing)
 
 
-_i32_bits: Callable[..., Any] = intrinsic(_i32_bits_typing)
+#: The float32 whose bit pattern is an int32, and the bit pattern (int32) of a float32.
+_f32_bits = _bitcast(types.int32, types.float32)
+_i32_bits = _bitcast(types.float32, types.int32)
 
 
 @numba.njit(cache=True, nogil=True)
