@@ -10,8 +10,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-from test_blocks import COLS  # noqa: E402
-from test_blocks_jax_paths import CRAFTED, _as, _assert_columns  # noqa: E402
+from test_blocks_jax_paths import CRAFTED, _as, assert_rows_equal_reference  # noqa: E402
 
 import tandv  # noqa: E402
 from tandv.track.jax import _ffi, track  # noqa: E402
@@ -98,12 +97,4 @@ def test_tap_rows_equal_reference(dtype: str, tmp_path, monkeypatch) -> None:
         df, ref = _crafted_run(tmp_path, dtype)
     # every tap's summary by the custom call (traced once per shape: taps share the trace)
     assert {a.shape for a in ref.values()} <= set(calls)
-    seen = set()
-    for _, row in df.iterrows():
-        key = (row.metadata["tensor_type"], row.metadata["name"])
-        if key not in ref:
-            continue
-        got = np.array([[row.scalar_stats[f"{f}.{c}"] for c in COLS] for f in FORMATS])
-        _assert_columns(got, ref[key], FORMATS, (dtype, key))
-        seen.add(key)
-    assert set(ref) <= seen, set(ref) - seen
+    assert_rows_equal_reference(df, ref, FORMATS, dtype)

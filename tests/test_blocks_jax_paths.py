@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import pandas as pd
 import pytest
 
 jax = pytest.importorskip("jax")
@@ -237,12 +238,21 @@ def test_tracker_rows_equal_reference(path: str, tmp_path) -> None:
     formats = ("mxfp8_e4m3", "nvfp4")
     with summary_path(path):
         df, ref = _model_run(tmp_path, formats)
+    assert_rows_equal_reference(df, ref, formats, path)
+
+
+def assert_rows_equal_reference(
+    df: pd.DataFrame, ref: dict[tuple[str, str], np.ndarray], formats: tuple[str, ...], what: object
+) -> None:
+    """Each row of the log ``df`` named in ``ref`` (by (tensor type, name): the array the
+    row summarizes) carries the block formats' columns of the numpy reference, and every
+    array of ``ref`` has a row."""
     seen = set()
     for _, row in df.iterrows():
         key = (row.metadata["tensor_type"], row.metadata["name"])
         if key not in ref:
             continue
         got = np.array([[row.scalar_stats[f"{f}.{c}"] for c in COLS] for f in formats])
-        _assert_columns(got, ref[key], formats, (path, key))
+        _assert_columns(got, ref[key], formats, (what, key))
         seen.add(key)
     assert set(ref) <= seen, set(ref) - seen
