@@ -12,6 +12,9 @@
 #                                  # fused-kernel tests compiled on CUDA tensors,
 #                                  # the 4-layer model (every=1, every=10), the kernel alone
 #   bash benchmarks/gpu.sh gpt2    # GPU: the GPT-2-sized preset, and the torch.compile'd model
+#   bash benchmarks/gpu.sh budget  # GPU: one call for a 15-minute device budget (about 9
+#                                  # minutes): the CUDA-only tests, the 4-layer model, the kernel
+#                                  # alone, the block formats, GPT-2 size, the JAX transformer
 #   bash benchmarks/gpu.sh jax     # GPU: installs .gpu-wheels where flax is missing, the
 #                                  # JAX tests on the GPU and the transformer benchmark with
 #                                  # the Pallas kernel and with XLA's operations
@@ -104,8 +107,22 @@ jax)
   stage xla 150 python3 benchmarks/jax_overhead.py --model transformer --rounds 3 --block 10 \
     --summary xla
   ;;
+budget)
+  describe
+  stage tests 100 python3 -m pytest -q -n 8 -p no:benchmark -W ignore::DeprecationWarning \
+    -W ignore::FutureWarning tests/test_torch_fused.py tests/test_torch_summary.py \
+    tests/test_torch_memory.py tests/test_torch_host_cost.py tests/test_taiyi.py \
+    tests/test_blocks_fused.py tests/test_blocks_torch.py
+  stage overhead 110 python3 benchmarks/overhead.py --device cuda --steps 20
+  stage kernel 50 python3 benchmarks/fused_kernel.py --reps 10
+  stage host 40 python3 benchmarks/host_cost.py --steps 10
+  stage blocks 60 python3 benchmarks/overhead.py --device cuda --no-extras --steps 10 \
+    --block-formats mxfp8_e4m3 nvfp4
+  stage gpt2 100 python3 benchmarks/overhead.py --device cuda --preset gpt2-small --steps 8
+  stage jax 80 python3 benchmarks/jax_overhead.py --model transformer --rounds 3 --block 10
+  ;;
 *)
-  echo "usage: bash benchmarks/gpu.sh wheels|torch|gpt2|jax" >&2
+  echo "usage: bash benchmarks/gpu.sh wheels|torch|gpt2|jax|budget" >&2
   exit 2
   ;;
 esac

@@ -141,12 +141,13 @@ def test_a_tracked_step_costs_the_same_python_calls_for_any_model_size(tmp_path)
     no summarizing call of its own, and the rows of a step are one observation, expanded on
     the log's writer thread. An MLP of 1 and of 6 hidden layers (12 and 42 tracked arrays
     per step): the same Python calls on the training thread, but for a few that depend on
-    what the log's writer thread is doing at that moment (seen: 133 and 137 under load);
-    work per array would add at least one call for each of the 30 more arrays."""
+    what the log's writer thread is doing at that moment (seen: step() 133 and 137, the
+    tracked call 18 and 20, under load); work per array would add at least one call for each
+    of the 30 more arrays."""
     small = steady_calls(tmp_path, 1)
     large = steady_calls(tmp_path, 6)
     assert small[2] == large[2] == []  # no summarizing call in step()
-    assert large[0] == small[0], (small, large)
+    assert abs(large[0] - small[0]) <= 4, (small, large)
     assert abs(large[1] - small[1]) <= 8, (small, large)
 
 

@@ -515,6 +515,14 @@ def test_on_cuda_the_values_match_the_cpu_run():
             net(x.to(device)).square().sum().backward()
         mon.track()
         frames.append(mon.to_dataframe())
+    # fc1 maps 3 features to 4: fc2's input covariance is singular, and its smallest
+    # eigenvalue round-off that differs by device: a condition number through it is only
+    # known to be huge (seen on an H200: 1.6e14 on the CPU, 3.1e14 on CUDA)
+    cpu, cuda = (f["value"].to_numpy() for f in frames)
+    singular = cpu > 1e12
+    assert singular.sum() == 1 and (cuda[singular] > 1e12).all()
+    for f in frames:
+        f.loc[singular, "value"] = np.inf
     pd.testing.assert_frame_equal(frames[0], frames[1], rtol=1e-6)
 
 

@@ -226,38 +226,42 @@ class Monitor(TableWriter):
     def _compute(
         names: set[str], data: dict[str, list[jax.Array]], kernel: jax.Array | None
     ) -> dict[str, jax.Array]:
-        def matrix(xs: list[jax.Array]) -> jax.Array:
-            dt = jnp.promote_types(xs[0].dtype, jnp.float32)
-            return jnp.concatenate([x.reshape(-1, x.shape[-1]).astype(dt) for x in xs])
+        # float32 products in full precision: on GPUs and TPUs JAX's default precision rounds
+        # their inputs (TF32, bf16), which moved InputCovCondition80 by 3e-4 on an H200
+        with jax.default_matmul_precision("highest"):
 
-        out: dict[str, jax.Array] = {}
-        cov_names = [n for n in names if QUANTITIES[n].needs == "input_cov"]
-        if data["in"]:
-            x = matrix(data["in"])
-            if cov_names:
-                if x.shape[0] >= 2:
-                    eigs = jnp.clip(
-                        jnp.linalg.eigvalsh(jnp.cov(x, rowvar=False).reshape(x.shape[1], -1)), 0
-                    )[::-1]
-                    out.update(finalize_cov_eigs(eigs, cov_names))
-                else:
-                    out.update({n: jnp.array(jnp.nan, x.dtype) for n in cov_names})
-            if "InputMean" in names:
-                out["InputMean"] = x.mean()
-            if "InputSndNorm" in names:
-                out["InputSndNorm"] = jnp.sqrt(jnp.square(x).sum())
-        if data["out"]:
-            z = matrix(data["out"])
-            if "LinearDeadNeuronNum" in names:
-                out["LinearDeadNeuronNum"] = jnp.all(z <= 0, axis=0).sum().astype(z.dtype)
-            if "RankMe" in names:
-                out["RankMe"] = rankme_from_singular_values(
-                    jnp.linalg.svd(z, compute_uv=False), jnp
-                )
-        if "WeightNorm" in names and kernel is not None:
-            k = kernel.astype(jnp.promote_types(kernel.dtype, jnp.float32))
-            out["WeightNorm"] = jnp.sqrt(jnp.square(k).sum())
-        return out
+            def matrix(xs: list[jax.Array]) -> jax.Array:
+                dt = jnp.promote_types(xs[0].dtype, jnp.float32)
+                return jnp.concatenate([x.reshape(-1, x.shape[-1]).astype(dt) for x in xs])
+
+            out: dict[str, jax.Array] = {}
+            cov_names = [n for n in names if QUANTITIES[n].needs == "input_cov"]
+            if data["in"]:
+                x = matrix(data["in"])
+                if cov_names:
+                    if x.shape[0] >= 2:
+                        eigs = jnp.clip(
+                            jnp.linalg.eigvalsh(jnp.cov(x, rowvar=False).reshape(x.shape[1], -1)), 0
+                        )[::-1]
+                        out.update(finalize_cov_eigs(eigs, cov_names))
+                    else:
+                        out.update({n: jnp.array(jnp.nan, x.dtype) for n in cov_names})
+                if "InputMean" in names:
+                    out["InputMean"] = x.mean()
+                if "InputSndNorm" in names:
+                    out["InputSndNorm"] = jnp.sqrt(jnp.square(x).sum())
+            if data["out"]:
+                z = matrix(data["out"])
+                if "LinearDeadNeuronNum" in names:
+                    out["LinearDeadNeuronNum"] = jnp.all(z <= 0, axis=0).sum().astype(z.dtype)
+                if "RankMe" in names:
+                    out["RankMe"] = rankme_from_singular_values(
+                        jnp.linalg.svd(z, compute_uv=False), jnp
+                    )
+            if "WeightNorm" in names and kernel is not None:
+                k = kernel.astype(jnp.promote_types(kernel.dtype, jnp.float32))
+                out["WeightNorm"] = jnp.sqrt(jnp.square(k).sum())
+            return out
 
     def track(self, quantities: Mapping[str, Mapping[str, Any]], step: int | None = None) -> None:
         """Store the quantities :meth:`apply` returned for ``step`` (``None``: counting on
