@@ -44,6 +44,7 @@ import tempfile
 from typing import Any
 
 import torch
+import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
@@ -213,7 +214,8 @@ def main() -> None:
         built.clear()
         checked.clear()
     if "--table" in sys.argv:
-        print(f"sm_{ARCH}: kernel, dtype: registers, spill bytes, PTX v4 loads, loop 128-bit")
+        print(f"sm_{ARCH}, Triton {triton.__version__}: kernel, dtype: registers, spill bytes,")
+        print("PTX v4 loads, loop 128-bit", end=" ")
         print("loads, loop instructions / elements per warp = instructions per element")
         for r in report:
             print(
