@@ -14,10 +14,19 @@ How the steady-state figure is counted
 --------------------------------------
 The *steady-state loop* is the loop over a program's whole tiles: in the SASS, the span
 from the target of a backward branch to that branch, for the backward branch whose span
-holds the histogram's shared-memory atomics (``ATOMS.POPC.INC``; no other loop has
-them). Every instruction in the span but ``NOP`` counts once: the loop has no inner
-loop, and its only forward branches skip a few instructions, so this is the number of
-warp instructions a warp issues per tile, an upper bound. One tile gives each warp
+holds both loads of the tensor (``LDG``, but not the ``.STRONG`` volatile loads of the
+partial rows the last program merges) and float64 adds (``DADD``: each tile's moments
+merged into the slots'), the first such span in the code: the compiler lays the tile
+loop out first, and the spans after it that hold both are jumps across the merge of the
+partial rows (they hold its ``.STRONG`` loads, which the tile loop must not); the second
+read of a program with outliers (``_all_counts``) only counts. This holds under both of
+Triton's lowerings of ``tl.histogram`` (shared-memory atomics, Triton 3.9:
+``ATOMS.POPC.INC``; warp ballots and popcounts, Triton 3.6: ``VOTE.ANY``, ``POPC``).
+Every instruction in the span but ``NOP`` counts once: the loop has no inner loop, and
+its only forward branches skip a few instructions (the window's anchoring, a reduction
+across the program taken once, about 30 instructions counted here though skipped in the
+steady state), so this is the number of warp instructions a warp issues per tile, an
+upper bound. One tile gives each warp
 ``32 * K * VEC`` elements, so ``instructions_per_element = loop_instructions / (32 * K
 * VEC)``. The loop's 128-bit loads (``LDG.E.128``) and any spill traffic in it
 (``STL``/``LDL``) are counted in the same span.
@@ -35,6 +44,7 @@ import tempfile
 from typing import Any
 
 import torch
+import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
@@ -131,10 +141,13 @@ def steady_loop(code: list[tuple[int, str]]) -> list[str]:
         m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)\s*$", text)
         if m and int(m.group(1), 16) <= addr:
             body = [t for a, t in code if int(m.group(1), 16) <= a <= addr]
-            if any("ATOMS.POPC.INC" in t for t in body):
-                loops.append(body)
-    assert len(loops) == 1, f"expected one tile loop, found {len(loops)}"
-    return loops[0]
+            reads = any("LDG" in t and ".STRONG" not in t for t in body)
+            if reads and any(re.search(r"\bDADD\b", t) for t in body):
+                loops.append((int(m.group(1), 16), body))
+    assert loops, "found no tile loop"
+    first = min(loops, key=lambda loop: loop[0])[1]
+    assert not any(".STRONG" in t for t in first), "the first loop reads partial rows"
+    return first
 
 
 def figures(name: str, compiled: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -201,7 +214,8 @@ def main() -> None:
         built.clear()
         checked.clear()
     if "--table" in sys.argv:
-        print(f"sm_{ARCH}: kernel, dtype: registers, spill bytes, PTX v4 loads, loop 128-bit")
+        print(f"sm_{ARCH}, Triton {triton.__version__}: kernel, dtype: registers, spill bytes,")
+        print("PTX v4 loads, loop 128-bit", end=" ")
         print("loads, loop instructions / elements per warp = instructions per element")
         for r in report:
             print(

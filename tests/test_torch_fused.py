@@ -215,6 +215,58 @@ def test_float64_in_the_kernel():
     check(one(small, layout, 1), ref, layout)
 
 
+def _window_case(case: str, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of about five tiles (the last one partial) that probes the edges of the
+    kernel's window histogram (see ``_fused``'s notes on exponent counts)."""
+    block = _fused.spec_for(dtype).block
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5 * block - 9, generator=g, dtype=torch.float64)
+    if case == "relu":  # half zeros (and -0.0), the rest inside the window: no second read
+        x = torch.relu(x)
+        x[3] = -0.0
+    elif case == "far_below":  # normal values 2**-100 below the window, in tile 3
+        x[3 * block + 7] = 2.0**-100
+        x[3 * block + 8] = -(2.0**-90)
+    elif case == "subnormal":  # the compute type's subnormals, in tile 1 and the tail
+        tiny = 2.0**-1070 if dtype == torch.float64 else 2.0**-130
+        x[block + 1] = tiny
+        x[x.numel() - 2] = -3 * tiny
+    elif case == "jump":  # tile 2 within the headroom, tile 4 (the tail) far above it
+        x *= 1e-3
+        x[2 * block] = x[:block].abs().max() * 2.0 ** (_fused.HEADROOM.value - 2)
+        x[4 * block + 5] = 2.0**40
+    elif case == "zeros_first":  # the window anchored at tile 2 (the first non-zero)
+        x[: 2 * block] = 0.0
+        x[2 * block + 1] = 2.0**-30  # inside that window
+    elif case == "tiny_only":  # all normal, near the bottom: the window starts at field 1
+        x = (x.abs() + 0.5) * (2.0**-1000 if dtype == torch.float64 else 2.0**-115)
+    elif case == "nonfinite":  # inf and NaN are outliers in every window
+        x[block] = float("inf")
+        x[2 * block + 3] = float("nan")
+    return x.to(dtype).to(DEVICE)
+
+
+WINDOW_CASES = [
+    (case, dtype)
+    for case in ("relu", "far_below", "subnormal", "jump", "zeros_first", "tiny_only")
+    for dtype in (torch.float32, torch.bfloat16, torch.float64)
+] + [("nonfinite", torch.float16), ("nonfinite", torch.float32), ("relu", torch.float16)]
+
+
+@pytest.mark.parametrize(("case", "dtype"), WINDOW_CASES, ids=lambda v: str(v))
+def test_exponent_counts_at_the_edges_of_the_window(case, dtype):
+    """Exponent, zero, inf and NaN counts equal the reference exactly whether a program
+    keeps its narrow window histogram or reads its range again with the full one: values
+    far below the window, subnormals, a zero-heavy ReLU output, a tile whose largest
+    exponent jumps within and beyond the headroom, a window anchored late (leading zero
+    tiles) or at the bottom of the range; one program, and programs of two tiles of which
+    only some hold the outliers (their counts added by atomics)."""
+    x = _window_case(case, dtype)
+    ref, layout = reference(x)
+    for max_parts in (1, 3):
+        check(one(x, layout, max_parts), ref, layout)
+
+
 def test_kernel_writes_a_one_element_statistic():
     """``extra``: the kernel copies a 1-element device tensor (a GradScaler's scale) into
     its custom statistic column, for one program and for several."""

@@ -20,11 +20,28 @@ type); a block that raises it rescales the slot's sums by a power of two, exactl
 The slots are reduced across the program once, at its end.
 
 Non-finite values count as zeros in the moments (one select instead of per-element
-counting); :func:`finish_rows` removes them again from the NaN and inf counts. Those
-counts, the zero count and the counts of each exponent come from one histogram per
-program (``tl.histogram``: warp-aggregated shared-memory atomics), whose table the
-program adds to the tensor's row once. The dtype's exponent of every finite non-zero
-value is exact, subnormals included.
+counting); :func:`finish_rows` removes them again from the NaN and inf counts.
+
+Exponent counts
+---------------
+The zero count and the counts of each exponent come from a histogram per program
+(``tl.histogram``) of :data:`WINDOW` bins, whose table the program adds to the tensor's
+row once: bin ``k`` counts the normal values of exponent field ``top - k`` (for ``k <
+WINDOW - 2``), bin ``WINDOW - 1`` the zeros, bin ``WINDOW - 2`` everything else (values
+outside the window, subnormals, infinities and NaNs: *outliers*). The window's ``top`` is
+fixed per program: for a dtype of at most ``WINDOW - 2`` exponents (float16, the 8-bit
+formats but float8_e8m0fnu) the dtype's largest, else :data:`HEADROOM` fields above the largest magnitude of
+the program's first tile that has a non-zero finite value (one reduction across the
+program, once). A program that counted any outlier reads its range again and counts
+every element in a histogram of all the dtype's exponents and of zeros, infinities and
+NaNs (:func:`_all_counts`), exactly as a full histogram would, and adds that table
+instead. So the dtype's exponent of every finite non-zero value is exact, subnormals
+included, while the steady state stays narrow: Triton's two lowerings of
+``tl.histogram`` cost per element either one shared-memory atomic (Triton 3.9) or a
+warp ballot per bit of the bin index plus a popcount per bin a lane owns (Triton
+3.6: about 3.2 warp instructions per element on sm_90 with the 512 bins a float32
+histogram of every exponent takes, 1.4 with 64, key included; the rest of the loop is
+about 1.1).
 
 The moments are computed in float32 (float64 for float64 tensors) per block and
 accumulated in float64: relative error ~1e-7 per block, not per element.
@@ -148,6 +165,12 @@ ONE_PROGRAM = 4
 GROUP = SLOTS
 #: The table columns of :func:`launch_many`.
 _TABLE = 7
+#: Bins of a program's exponent histogram (a power of two): ``WINDOW - 2`` exponents,
+#: outliers, zeros (see the module notes).
+WINDOW = 64
+#: Exponent fields the window reaches above the first tile's largest magnitude: a later
+#: tile of values up to ``2**HEADROOM`` times larger keeps the narrow histogram.
+HEADROOM = tl.constexpr(8)
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _ADD = tl.standard._sum_combine
@@ -222,6 +245,33 @@ def _exponent(bits, SUB: tl.constexpr, MODE: tl.constexpr):
 
 
 @triton.jit
+def _field(bits, MODE: tl.constexpr):
+    """The exponent field (int32) of magnitudes given by their bits."""
+    if MODE == 4:
+        f = (bits >> 52).to(tl.int32)
+    else:
+        f = bits >> 23
+    return f
+
+
+@triton.jit
+def _anchor(x, MODE: tl.constexpr, WIN: tl.constexpr):
+    """The window's top field for a program whose first tile with a non-zero finite value
+    is ``x`` (0 when ``x`` has none): :data:`HEADROOM` fields above its largest magnitude,
+    at least ``WIN - 2`` (the window's fields stay normal) and below the field of inf and
+    NaN (which stay outliers). One reduction across the program."""
+    bits = _magnitude_bits(x, MODE)
+    big = tl.where(bits < _inf_bits(MODE), bits, 0)
+    big = tl.reduce(tl.reduce(tl.reduce(big, 2, _MAX), 0, _MAX), 0, _MAX)
+    if MODE == 4:
+        ftop = 2046
+    else:
+        ftop = 254
+    top = tl.minimum(tl.maximum(_field(big, MODE) + HEADROOM, WIN - 2), ftop)
+    return tl.where(big > 0, top, 0)
+
+
+@triton.jit
 def _load(ptr, addr, m, lut_ptr, MODE: tl.constexpr, MASKED: tl.constexpr):
     """Elements ``addr`` of a tensor in the compute type (exactly): float32 and float64 as
     they are, float16 converted, bfloat16 from its bits (the top half of a float32), 8-bit
@@ -281,12 +331,11 @@ def _step(  # noqa: PLR0915
     m,
     state,
     hist,
+    wtop,
     fmax,
     MODE: tl.constexpr,
     SUB: tl.constexpr,
-    DMIN: tl.constexpr,
-    NBD: tl.constexpr,
-    NBP: tl.constexpr,
+    WIN: tl.constexpr,
     OVER: tl.constexpr,
     MASKED: tl.constexpr,
     PER: tl.constexpr,
@@ -297,8 +346,9 @@ def _step(  # noqa: PLR0915
     C_E5M2: tl.constexpr,
     C_E2M1: tl.constexpr,
 ):
-    """The slots' ``state`` and the program's exponent counts ``hist`` with a tile ``x``
-    added (its elements where ``m`` when ``MASKED``); with ``HOFF`` (moments=4), the
+    """The slots' ``state`` and the program's window histogram ``hist`` (top field
+    ``wtop``, see the module notes) with a tile ``x`` added (its elements where ``m`` when
+    ``MASKED``); with ``HOFF`` (moments=4), the
     third and fourth centred sums too; with a ``C_*`` not 0, the MX formats' sums ``blk``
     (:func:`_mx_blocks`) too, the tile being whole blocks of 32 (rows of a multiple of 32).
 
@@ -393,21 +443,19 @@ def _step(  # noqa: PLR0915
     p4 = p4 * r4 + tl.reduce(tl.reduce(a4, 2, _ADD), 0, _ADD).to(tl.float64)
     p8 = p8 * (r4 * r4) + tl.reduce(tl.reduce(a4 * a4, 2, _ADD), 0, _ADD).to(tl.float64)
 
-    # exponent counts: bins [0, NBD) for the exponents; zeros, infinities and NaNs land
-    # in bins of their own as they are (the exponent formula gives inf and NaN the
-    # exponent one above the largest, zeros one far below the smallest, wrapped around by
-    # the mask: NBP leaves room, see Spec.keys); the mask also tells the compiler that
-    # the key is in range, which drops tl.histogram's bounds check around each atomic
-    key = (_exponent(bits, SUB, MODE) - DMIN + (bits > inf).to(tl.int32)) & (NBP - 1)
+    # the window histogram: field wtop - k in bin k, zeros in WIN - 1, the rest (fields
+    # outside the window, subnormals and zeros' field 0 below it, inf and NaN above it:
+    # wtop < their field) in WIN - 2 by an unsigned min; keys in [0, WIN) by construction
+    k = (wtop - _field(bits, MODE)).to(tl.uint32)
+    key = tl.where(bits == 0, WIN - 1, tl.minimum(k, WIN - 2).to(tl.int32))
     if MASKED:
         # masked-off elements go to zero's bin and are taken out of it after counting
         # (tl.histogram's own mask counted the wrong elements on an H200 with Triton 3.6,
         # while the interpreter counted right: the mask is not used)
-        zkey = (_exponent(tl.zeros([1], bits.dtype), SUB, MODE) - DMIN) & (NBP - 1)
-        key = tl.where(m, key, zkey[:, None, None])
+        key = tl.where(m, key, WIN - 1)
         kept = tl.reduce(tl.reduce(tl.reduce(m.to(tl.int32), 2, _ADD), 0, _ADD), 0, _ADD)
-        hist -= tl.where(tl.arange(0, NBP) == zkey, BLOCK - kept, 0)
-    hist += tl.histogram(tl.reshape(key, [BLOCK]), NBP)
+        hist -= tl.where(tl.arange(0, WIN) == WIN - 1, BLOCK - kept, 0)
+    hist += tl.histogram(tl.reshape(key, [BLOCK]), WIN)
     return (En, nt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over, m3, m4), hist, blk
 
 
@@ -421,9 +469,8 @@ def _scan(
     geo,
     MODE: tl.constexpr,
     SUB: tl.constexpr,
-    DMIN: tl.constexpr,
-    NBD: tl.constexpr,
-    NBP: tl.constexpr,
+    TOP: tl.constexpr,
+    WIN: tl.constexpr,
     VEC: tl.constexpr,
     K: tl.constexpr,
     SLOTS: tl.constexpr,
@@ -435,8 +482,10 @@ def _scan(
     C_E2M1: tl.constexpr,
 ):
     """The slots' states after elements ``[start, end)`` of a tensor (``start`` a multiple
-    of the tile), and their exponent counts: whole tiles unmasked, then the rest; and the
-    MX formats' sums (:func:`_mx_blocks`; 0 without)."""
+    of the tile), their window histogram and its top field (``TOP``, or anchored at the
+    first tile with a non-zero finite value when ``TOP`` is 0: see the module notes):
+    whole tiles unmasked, then the rest; and the MX formats' sums (:func:`_mx_blocks`; 0
+    without)."""
     BLOCK: tl.constexpr = K * SLOTS * VEC
     if MODE == 4:
         ct = tl.float64
@@ -464,7 +513,8 @@ def _scan(
         zero,
         zero,
     )
-    hist = tl.zeros([NBP], tl.int32)
+    hist = tl.zeros([WIN], tl.int32)
+    wtop = tl.full([], TOP, tl.int32)
     if C_E4M3 + C_E5M2 + C_E2M1:
         blk = _mx_zeros(BLOCK // 32)
     else:
@@ -474,17 +524,61 @@ def _scan(
         x, m = _tile(
             ptr, tl.multiple_of(off, BLOCK), end, lut_ptr, geo, MODE, VEC, K, SLOTS, False, STRIDED
         )
+        if TOP == 0:
+            if wtop == 0:
+                wtop = _anchor(x, MODE, WIN)
         state, hist, blk = _step(
-            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, False, K * VEC, BLOCK, HOFF,
+            x, m, state, hist, wtop, fmax, MODE, SUB, WIN, OVER, False, K * VEC, BLOCK, HOFF,
             blk, C_E4M3, C_E5M2, C_E2M1,
         )  # fmt: skip
     if full_end < end:
         x, m = _tile(ptr, full_end, end, lut_ptr, geo, MODE, VEC, K, SLOTS, True, STRIDED)
+        if TOP == 0:
+            if wtop == 0:
+                wtop = _anchor(x, MODE, WIN)
         state, hist, blk = _step(
-            x, m, state, hist, fmax, MODE, SUB, DMIN, NBD, NBP, OVER, True, K * VEC, BLOCK, HOFF,
+            x, m, state, hist, wtop, fmax, MODE, SUB, WIN, OVER, True, K * VEC, BLOCK, HOFF,
             blk, C_E4M3, C_E5M2, C_E2M1,
         )  # fmt: skip
-    return state, hist, blk
+    return state, hist, wtop, blk
+
+
+@triton.jit
+def _all_counts(
+    ptr,
+    start,
+    end,
+    lut_ptr,
+    geo,
+    MODE: tl.constexpr,
+    SUB: tl.constexpr,
+    DMIN: tl.constexpr,
+    NBP: tl.constexpr,
+    VEC: tl.constexpr,
+    K: tl.constexpr,
+    SLOTS: tl.constexpr,
+    STRIDED: tl.constexpr,
+):
+    """The counts of every exponent of the dtype and of zeros, infinities and NaNs among
+    elements ``[start, end)`` (the second read of a program that counted outliers): bins
+    ``[0, NBD)`` for the exponents; zeros, infinities and NaNs land in bins of their own as
+    they are (the exponent formula gives inf and NaN the exponent one above the largest,
+    zeros one far below the smallest, wrapped around by the mask: ``NBP`` leaves room, see
+    ``Spec.keys``)."""
+    BLOCK: tl.constexpr = K * SLOTS * VEC
+    hist = tl.zeros([NBP], tl.int32)
+    inf = _inf_bits(MODE)
+    zkey = (_exponent(tl.zeros([1], inf.dtype), SUB, MODE) - DMIN) & (NBP - 1)
+    for off in range(start, end, BLOCK):
+        x, m = _tile(ptr, off, end, lut_ptr, geo, MODE, VEC, K, SLOTS, True, STRIDED)
+        bits = _magnitude_bits(x, MODE)
+        key = (_exponent(bits, SUB, MODE) - DMIN + (bits > inf).to(tl.int32)) & (NBP - 1)
+        # masked-off elements into zero's bin, taken out after counting
+        key = tl.where(m, key, zkey[:, None, None])
+        kept = tl.reduce(tl.reduce(tl.reduce(m.to(tl.int32), 2, _ADD), 0, _ADD), 0, _ADD)
+        hist -= tl.where(tl.arange(0, NBP) == zkey, BLOCK - kept, 0)
+        hist += tl.histogram(tl.reshape(key, [BLOCK]), NBP)
+    return hist
 
 
 @triton.jit
@@ -573,6 +667,62 @@ def _store_fields(ptr, fields):
 
 
 @triton.jit
+def _add_counts(row, dest, hist, kept, wt, n_parts):
+    """Adds the counts ``hist`` (times ``wt``) to ``row + dest`` where ``kept``: stored by
+    a tensor's only program (the row is zeros), else by one atomic add per occupied bin
+    (read only by the host, after the kernel)."""
+    counts = hist.to(tl.float64) * wt
+    if n_parts == 1:
+        tl.store(row + dest, counts, mask=kept)
+    else:
+        tl.atomic_add(row + dest, counts, mask=kept & (hist != 0), sem="relaxed")
+
+
+@triton.jit
+def _window_counts(
+    row,
+    hist,
+    wtop,
+    wt,
+    n_parts,
+    MODE: tl.constexpr,
+    DMIN: tl.constexpr,
+    NBD: tl.constexpr,
+    WIN: tl.constexpr,
+):
+    """Adds a window histogram without outliers (top field ``wtop``) to the row: bin ``k``
+    (exponent ``wtop - k - bias``) after the header (``HEADER``: 17), zeros to the ZERO
+    field."""
+    k = tl.arange(0, WIN)
+    if MODE == 4:
+        idx = wtop - k - 1023 - DMIN
+    else:
+        idx = wtop - k - 127 - DMIN
+    dest = tl.where(k == WIN - 1, 2, 17 + idx)
+    kept = (k == WIN - 1) | ((k < WIN - 2) & (idx >= 0) & (idx < NBD))
+    _add_counts(row, dest, hist, kept, wt, n_parts)
+
+
+@triton.jit
+def _all_to_row(
+    row,
+    hist,
+    wt,
+    n_parts,
+    NBD: tl.constexpr,
+    NBP: tl.constexpr,
+    ZKEY: tl.constexpr,
+    IKEY: tl.constexpr,
+):
+    """Adds a histogram of :func:`_all_counts` to the row: exponents after the header,
+    then the ZERO, INF and NAN fields."""
+    bins = tl.arange(0, NBP)
+    dest = tl.where(bins < NBD, 17 + bins, tl.where(bins == ZKEY, 2, (bins == IKEY).to(tl.int32)))
+    kept = (bins < NBD) | (bins == ZKEY) | (bins == IKEY) | (bins == IKEY + 1)
+    _add_counts(row, dest, hist, kept, wt, n_parts)
+
+
+@triton.jit
 def _merge_parts(base, n_parts, GROUP: tl.constexpr, HOFF: tl.constexpr):
     """Fields ``OVER .. P8`` of the merge of the ``n_parts`` partial rows at ``base``
     (written by other programs: read past the caches), then ``m3``, ``m4`` (with ``HOFF``,
@@ -646,6 +796,8 @@ def _summarize(
     NBP: tl.constexpr,
     ZKEY: tl.constexpr,
     IKEY: tl.constexpr,
+    TOP: tl.constexpr,
+    WIN: tl.constexpr,
     VEC: tl.constexpr,
     K: tl.constexpr,
     SLOTS: tl.constexpr,
@@ -666,7 +818,7 @@ def _summarize(
     ``m4`` to ``row + HOFF`` and ``+ HOFF + 1`` (a partial row's first two fields); with a
     ``C_*`` not 0, that MX format's columns are added to the row at ``row + C_*`` (each
     program's, by atomics)."""
-    state, hist, blk = _scan(
+    state, hist, wtop, blk = _scan(
         ptr,
         start,
         end,
@@ -675,9 +827,8 @@ def _summarize(
         geo,
         MODE,
         SUB,
-        DMIN,
-        NBD,
-        NBP,
+        TOP,
+        WIN,
         VEC,
         K,
         SLOTS,
@@ -715,14 +866,14 @@ def _summarize(
         p4t * wt,
         p8t * wt,
     )
-    # the histogram's bins to the row: exponents after the header, then zero, inf, NaN
-    bins = tl.arange(0, NBP)
-    # HEADER + exponent, then the ZERO, INF and NAN fields
-    dest = tl.where(bins < NBD, 17 + bins, tl.where(bins == ZKEY, 2, (bins == IKEY).to(tl.int32)))
-    kept = (bins < NBD) | (bins == ZKEY) | (bins == IKEY) | (bins == IKEY + 1)
-    counts = hist.to(tl.float64) * wt
+    if tl.sum(tl.where(tl.arange(0, WIN) == WIN - 2, hist, 0)) == 0:
+        _window_counts(row, hist, wtop, wt, n_parts, MODE, DMIN, NBD, WIN)
+    else:  # outliers: every element counted again, by a histogram of all the keys
+        every = _all_counts(
+            ptr, start, end, lut_ptr, geo, MODE, SUB, DMIN, NBP, VEC, K, SLOTS, STRIDED
+        )
+        _all_to_row(row, every, wt, n_parts, NBD, NBP, ZKEY, IKEY)
     if n_parts == 1:
-        tl.store(row + dest, counts, mask=kept)
         _store_fields(row, fields)
         if EXT:
             tl.store(row + ext_off, tl.load(ext_ptr).to(tl.float64))
@@ -734,9 +885,6 @@ def _summarize(
         if HOFF:
             tl.store(part_ptr, m3t * wt)
             tl.store(part_ptr + 1, m4t * wt)
-        tl.atomic_add(
-            row + dest, counts, mask=kept & (hist != 0), sem="relaxed"
-        )  # read only by the host, after the kernel
         # every thread's stores before the counter's release (a barrier, then the atomic)
         tl.debug_barrier()
         done = tl.atomic_add(row + 16, 1.0, sem="acq_rel")  # COUNTER
@@ -776,6 +924,8 @@ def _summarize_one(
     NBP: tl.constexpr,
     ZKEY: tl.constexpr,
     IKEY: tl.constexpr,
+    TOP: tl.constexpr,
+    WIN: tl.constexpr,
     VEC: tl.constexpr,
     K: tl.constexpr,
     SLOTS: tl.constexpr,
@@ -820,6 +970,8 @@ def _summarize_one(
         NBP,
         ZKEY,
         IKEY,
+        TOP,
+        WIN,
         VEC,
         K,
         SLOTS,
@@ -867,6 +1019,8 @@ def _summarize_many(
     NBP: tl.constexpr,
     ZKEY: tl.constexpr,
     IKEY: tl.constexpr,
+    TOP: tl.constexpr,
+    WIN: tl.constexpr,
     VEC: tl.constexpr,
     K: tl.constexpr,
     SLOTS: tl.constexpr,
@@ -905,6 +1059,8 @@ def _summarize_many(
         NBP,
         ZKEY,
         IKEY,
+        TOP,
+        WIN,
         VEC,
         K,
         SLOTS,
@@ -1275,6 +1431,15 @@ class Spec:
             bins *= 2
 
     @cached_property
+    def window_top(self) -> int:
+        """The exponent field (of the compute type) of the window's first bin when every
+        exponent of the dtype fits in the window: ``WINDOW - 2`` fields ending at the
+        dtype's largest exponent; 0 when the kernel anchors the window at run time."""
+        if self.nbd > WINDOW - 2 or self.mode == 4:
+            return 0
+        return self.dmin + self.nbd - 1 + 127
+
+    @cached_property
     def per_thread(self) -> int:
         """Elements a thread reads per tile: :data:`PER_THREAD`, half as many of float64
         (twice the registers each)."""
@@ -1416,6 +1581,8 @@ def _consts(
         NBP=bins,
         ZKEY=zkey,
         IKEY=ikey,
+        TOP=spec.window_top,
+        WIN=WINDOW,
         VEC=spec.vec,
         K=spec.k,
         SLOTS=SLOTS,
