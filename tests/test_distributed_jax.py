@@ -52,7 +52,7 @@ def _worker(*args: object, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
