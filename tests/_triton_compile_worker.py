@@ -1,14 +1,16 @@
-"""Compile the fused Triton kernels for a CUDA GPU on a machine without one, through the
+"""Compile the fused Triton kernels for CUDA GPUs on a machine without one, through the
 real launch path, and print each compiled kernel's resources and static loop figures.
 
 Run by ``tests/test_torch_fused.py`` in a subprocess without ``TRITON_INTERPRET`` (the
-kernels are compiled, not interpreted) as ``python _triton_compile_worker.py ARCH``; the
-last line of its output is JSON. ``launch_one`` and ``launch_many`` are called on CPU
-tensors, and Triton's launcher, given a device of compute capability ARCH that compiles
-but never launches, specializes and compiles each kernel exactly as it would for those
-arguments on a GPU (argument types, 16-byte alignment, integers equal to 1). ptxas then
-reports registers and spills of each cubin, and ``cuobjdump -sass`` gives its machine
-code.
+kernels are compiled, not interpreted) as ``python _triton_compile_worker.py ARCH
+[ARCH ...]`` (one process for several architectures: each start imports torch and Triton
+again); the last line of its output is JSON, each architecture's figures under its
+number. ``launch_one`` and ``launch_many`` are called on CPU tensors, and Triton's
+launcher, given a device of compute capability ARCH that compiles but never launches,
+specializes and compiles each kernel exactly as it would for those arguments on a GPU
+(argument types, 16-byte alignment, integers equal to 1). ``cuobjdump`` then gives each
+cubin's registers (``-res-usage``: what ptxas wrote in it when Triton compiled) and its
+machine code (``-sass``).
 
 How the steady-state figure is counted
 --------------------------------------
@@ -31,7 +33,9 @@ upper bound. One tile gives each warp
 * VEC)``. The loop's 128-bit loads (``LDG.E.128``) and any spill traffic in it
 (``STL``/``LDL``) are counted in the same span.
 
-With ``--table`` it prints the figures as a table instead (for docs/cost-torch.md).
+With ``--table`` it also prints the figures as a table (for docs/cost-torch.md), with the
+spill bytes ptxas reports when it assembles each kernel's PTX again (``ptxas -v``; a
+second assembly, not needed for the test's figures).
 """
 
 from __future__ import annotations
@@ -53,7 +57,6 @@ from triton.runtime import driver
 from tandv.stats.summary import Layout
 from tandv.track.torch import _fused
 
-ARCH = int(sys.argv[1])
 DTYPES = (
     torch.float32,
     torch.bfloat16,
@@ -64,10 +67,14 @@ DTYPES = (
 
 
 class CompileOnlyDevice:
-    """What Triton's launcher asks of the active driver before it compiles."""
+    """What Triton's launcher asks of the active driver before it compiles, for a GPU of
+    compute capability ``arch``."""
+
+    def __init__(self, arch: int) -> None:
+        self.arch = arch
 
     def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", ARCH, 32)
+        return GPUTarget("cuda", self.arch, 32)
 
     def get_current_device(self) -> int:
         return 0
@@ -90,48 +97,45 @@ class CompileOnly:
         return compile_for
 
 
-def resources(ptx: str) -> dict[str, int]:
-    """Registers, stack frame and spill bytes of ``ptx`` assembled for ``ARCH`` (ptxas -v)."""
+def spills(ptx: str, arch: int) -> dict[str, int]:
+    """Spill bytes of ``ptx`` assembled again for ``arch`` (``ptxas -v``; for the table)."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
-        arch = f"sm_{ARCH}a" if ARCH >= 90 else f"sm_{ARCH}"
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
         run = subprocess.run(
-            [get_ptxas(ARCH).path, "-v", f"--gpu-name={arch}", f.name, "-o", "/dev/null"],
+            [get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", f.name, "-o", "/dev/null"],
             capture_output=True,
             text=True,
             check=True,
         )
     text = run.stdout + run.stderr
-
-    def last(pattern: str) -> int:
-        return int(re.findall(pattern, text)[-1])
-
     return {
-        "registers": last(r"Used (\d+) registers"),
-        "stack": last(r"(\d+) bytes stack frame"),
-        "spill_stores": last(r"(\d+) bytes spill stores"),
-        "spill_loads": last(r"(\d+) bytes spill loads"),
+        "spill_stores": int(re.findall(r"(\d+) bytes spill stores", text)[-1]),
+        "spill_loads": int(re.findall(r"(\d+) bytes spill loads", text)[-1]),
     }
 
 
-def sass(cubin: bytes) -> list[tuple[int, str]]:
-    """``(address, instruction)`` of each SASS instruction of ``cubin`` (cuobjdump)."""
+def disassemble(cubin: bytes) -> tuple[int, list[tuple[int, str]]]:
+    """The registers per thread ptxas recorded in ``cubin``, and the ``(address,
+    instruction)`` of each of its SASS instructions (one ``cuobjdump``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         text = subprocess.run(
-            [knobs.nvidia.cuobjdump.path, "-sass", f.name],
+            [knobs.nvidia.cuobjdump.path, "-res-usage", "-sass", f.name],
             capture_output=True,
             text=True,
             check=True,
         ).stdout
-    out = []
+    registers = re.search(r"\bREG:(\d+)", text)
+    assert registers is not None, "cuobjdump -res-usage printed no REG"
+    code = []
     for line in text.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
         if m and not m.group(2).startswith("NOP"):
-            out.append((int(m.group(1), 16), m.group(2)))
-    return out
+            code.append((int(m.group(1), 16), m.group(2)))
+    return int(registers.group(1)), code
 
 
 def steady_loop(code: list[tuple[int, str]]) -> list[str]:
@@ -153,12 +157,13 @@ def steady_loop(code: list[tuple[int, str]]) -> list[str]:
 def figures(name: str, compiled: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """A compiled kernel's resources, vector loads and steady-state loop figures."""
     ptx = compiled.asm["ptx"]
-    loop = steady_loop(sass(compiled.asm["cubin"]))
+    registers, code = disassemble(compiled.asm["cubin"])
+    loop = steady_loop(code)
     per_warp = 32 * kwargs["K"] * kwargs["VEC"]
     return {
         "kernel": name,
         "strided": bool(kwargs.get("STRIDED", False)),
-        **resources(ptx),
+        "registers": registers,
         "ptx_v4_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.", ptx)),
         "loop_instructions": len(loop),
         "loop_128bit_loads": sum("LDG.E.128" in t for t in loop),
@@ -168,12 +173,15 @@ def figures(name: str, compiled: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    assert not _fused.INTERPRETED, "run without TRITON_INTERPRET"
-    driver.set_active(CompileOnlyDevice())
+def compile_all(arch: int, table: bool) -> list[dict[str, Any]]:
+    """The figures of every kernel variant compiled for ``arch`` (with ``table``, ptxas's
+    spill bytes too)."""
+    driver.set_active(CompileOnlyDevice(arch))
     built: list[tuple[str, Any, dict[str, Any]]] = []
-    _fused._summarize_one = CompileOnly(_fused._summarize_one, built)
-    _fused._summarize_many = CompileOnly(_fused._summarize_many, built)
+    kernels = {name: getattr(_fused, name) for name in ("_summarize_one", "_summarize_many")}
+    for name, kernel in kernels.items():
+        kernel.device_caches.clear()  # each device's cache holds the target it compiles for
+        setattr(_fused, name, CompileOnly(kernel, built))
     launch, checked = _fused._launch, []
 
     def launch_checked(kernel: Any, programs: int, args: Any, consts: Any, ptrs: Any) -> None:
@@ -191,41 +199,63 @@ def main() -> None:
 
     _fused._launch = launch_checked
     report = []
-    # every dtype with the default moments; float32 also with moments=4 (m3, m4 in the pass)
-    for dtype, moments in [*((d, 2) for d in DTYPES), (torch.float32, 4)]:
-        spec = _fused.spec_for(dtype)
-        layout = Layout(str(dtype).removeprefix("torch."), moments=moments)
-        size = _fused.row_size(spec, layout)
-        rows = torch.zeros(3 * size, dtype=torch.float64)
-        scratch = torch.zeros(16 * _fused.PART, dtype=torch.float64)
-        # one program, and several programs merging their partial rows (16-byte aligned)
-        n_big = (_fused.ONE_PROGRAM + 3) * spec.block + 5
-        tensors = [torch.zeros(n, dtype=dtype) for n in (1000, n_big)]
-        _fused.launch_one(tensors[1], spec, layout, rows, 2 * size, scratch, 16)
-        _fused.launch_many(tensors, spec, layout, rows, [0, size], lambda k, s=scratch: s, 16)
-        if dtype == torch.float32 and moments == 2:  # a gappy view, read by its strides
-            gappy = torch.zeros(64, 3 * spec.block)[:, ::3]
-            _fused.launch_one(gappy, spec, layout, rows, 0, scratch, 16)
-        assert len(checked) == len(built) and all(checked), "launcher arguments differ"
-        for name, compiled, kwargs in built:
-            report.append(
-                {"dtype": str(dtype), "moments": moments, **figures(name, compiled, kwargs)}
-            )
-        built.clear()
-        checked.clear()
-    if "--table" in sys.argv:
-        print(f"sm_{ARCH}, Triton {triton.__version__}: kernel, dtype: registers, spill bytes,")
-        print("PTX v4 loads, loop 128-bit", end=" ")
-        print("loads, loop instructions / elements per warp = instructions per element")
-        for r in report:
-            print(
-                f"{r['kernel'] + (' (strided)' if r['strided'] else ''):30s} "
-                f"{r['dtype'] + (' moments=4' if r['moments'] == 4 else ''):30s} "
-                f"{r['registers']:4d} {r['spill_stores']:4d} {r['ptx_v4_loads']:3d} "
-                f"{r['loop_128bit_loads']:3d} {r['loop_instructions']:5d} / "
-                f"{r['elements_per_warp_per_tile']:4d} = {r['instructions_per_element']:.3f}"
-            )
-    print(json.dumps(report))
+    try:
+        # every dtype with the default moments; float32 also with moments=4 (m3, m4 too)
+        for dtype, moments in [*((d, 2) for d in DTYPES), (torch.float32, 4)]:
+            spec = _fused.spec_for(dtype)
+            layout = Layout(str(dtype).removeprefix("torch."), moments=moments)
+            size = _fused.row_size(spec, layout)
+            rows = torch.zeros(3 * size, dtype=torch.float64)
+            scratch = torch.zeros(16 * _fused.PART, dtype=torch.float64)
+            # one program, and several programs merging their partial rows (16-byte aligned)
+            n_big = (_fused.ONE_PROGRAM + 3) * spec.block + 5
+            tensors = [torch.zeros(n, dtype=dtype) for n in (1000, n_big)]
+            _fused.launch_one(tensors[1], spec, layout, rows, 2 * size, scratch, 16)
+            _fused.launch_many(tensors, spec, layout, rows, [0, size], lambda k, s=scratch: s, 16)
+            if dtype == torch.float32 and moments == 2:  # a gappy view, read by its strides
+                gappy = torch.zeros(64, 3 * spec.block)[:, ::3]
+                _fused.launch_one(gappy, spec, layout, rows, 0, scratch, 16)
+            assert len(checked) == len(built) and all(checked), "launcher arguments differ"
+            for name, compiled, kwargs in built:
+                row = {"dtype": str(dtype), "moments": moments, **figures(name, compiled, kwargs)}
+                if table:
+                    row |= spills(compiled.asm["ptx"], arch)
+                report.append(row)
+            built.clear()
+            checked.clear()
+    finally:
+        _fused._launch = launch
+        for name, kernel in kernels.items():
+            setattr(_fused, name, kernel)
+    return report
+
+
+def print_table(arch: int, report: list[dict[str, Any]]) -> None:
+    print(f"sm_{arch}, Triton {triton.__version__}: kernel, dtype: registers, spill bytes,")
+    print("PTX v4 loads, loop 128-bit", end=" ")
+    print("loads, loop instructions / elements per warp = instructions per element")
+    for r in report:
+        print(
+            f"{r['kernel'] + (' (strided)' if r['strided'] else ''):30s} "
+            f"{r['dtype'] + (' moments=4' if r['moments'] == 4 else ''):30s} "
+            f"{r['registers']:4d} {r['spill_stores']:4d} {r['ptx_v4_loads']:3d} "
+            f"{r['loop_128bit_loads']:3d} {r['loop_instructions']:5d} / "
+            f"{r['elements_per_warp_per_tile']:4d} = {r['instructions_per_element']:.3f}"
+        )
+
+
+def main() -> None:
+    assert not _fused.INTERPRETED, "run without TRITON_INTERPRET"
+    table = "--table" in sys.argv
+    archs = [int(a) for a in sys.argv[1:] if a != "--table"]
+    if not archs:
+        raise SystemExit("usage: python _triton_compile_worker.py ARCH [ARCH ...] [--table]")
+    reports = {}
+    for arch in archs:
+        reports[str(arch)] = compile_all(arch, table)
+        if table:
+            print_table(arch, reports[str(arch)])
+    print(json.dumps(reports))
 
 
 if __name__ == "__main__":

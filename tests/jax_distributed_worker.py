@@ -4,8 +4,13 @@ too (``fsdp``) sharded over every device of the run, or its batch split by a
 ``shard_map`` update that sums the gradients itself (``shard_map``), or unsharded on one
 device (``none``: the reference run over the same global batch).
 
-Run as ``python jax_distributed_worker.py MODE OUT DEVICES [PROCESSES PROCESS_ID PORT]``
-(OUT ``-``: the default log path); with PROCESSES > 1 the process joins a
+Run as ``python jax_distributed_worker.py RUNS OUT DEVICES [PROCESSES PROCESS_ID PORT]``.
+RUNS is a comma-separated list of runs made one after the other in this process (each
+start of JAX costs seconds of imports), each a MODE, or ``MODE:PATH`` to summarize on the
+summary path PATH (``TANDV_JAX_SUMMARY``'s values). Run ``R`` (``:`` written ``-``) logs to
+``OUT/R``; with OUT ``-`` it logs to the default path, in the folder ``R`` of the working
+directory. Before each run the process prints ``tandv-worker ID: run R``, so that a
+reader can split its output by run. With PROCESSES > 1 the process joins a
 ``jax.distributed`` run on 127.0.0.1:PORT with DEVICES CPU devices. With the environment
 variable ``DIE_AT=k``, process 1 stops at step k before calling ``tracker.step()`` and
 exits once process 0 has raised (a process that hangs, then dies; process 0 marks its
@@ -20,10 +25,11 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import jax
 
-MODE, OUT, DEVICES = sys.argv[1], sys.argv[2], int(sys.argv[3])
+RUNS, OUT, DEVICES = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3])
 PROCESSES, PROCESS_ID, PORT = (int(a) for a in sys.argv[4:7]) if len(sys.argv) > 4 else (1, 0, 0)
 STEPS = 3
 DIE_AT = int(os.environ.get("DIE_AT", "-1"))
@@ -46,7 +52,9 @@ if PROCESSES > 1:
         num_processes=PROCESSES,
         process_id=PROCESS_ID,
         initialization_timeout=60,
-        shutdown_timeout_seconds=10,
+        # with DIE_AT, process 0's shutdown barrier at exit waits for a process that is
+        # gone (it can only time out): a short wait ends the run sooner
+        shutdown_timeout_seconds=2 if DIE_AT >= 0 else 10,
     )
 
 import flax.linen as nn  # noqa: E402
@@ -58,6 +66,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from tandv.track.common.distributed import RankMerger  # noqa: E402
 from tandv.track.jax import track  # noqa: E402
+from tandv.track.jax._kernels import summary_path  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -83,27 +92,6 @@ host_batches = [(dyadic(rng, (16, 8), 2), dyadic(rng, (16, 4), 2)) for _ in rang
 # products round differently in a sharded matmul); gradients and momentum still change
 model, opt = MLP(), optax.sgd(0.0, momentum=0.5)
 
-if MODE == "none":
-    mesh = None
-    put_params = put_batch = jnp.asarray
-else:
-    mesh = Mesh(np.array(jax.devices()), ("d",))
-
-    def put(value, spec):
-        sharding = NamedSharding(mesh, spec)
-        return jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])
-
-    def put_params(value):
-        return put(value, P("d") if MODE == "fsdp" else P())
-
-    def put_batch(value):
-        return put(value, P("d"))
-
-
-params = jax.tree.map(put_params, host_params)
-state = opt.init(params)
-shardings = None if mesh is None else jax.tree.map(lambda a: a.sharding, (params, state))
-
 
 def update(params, state, x, y):
     def loss(p):
@@ -127,25 +115,11 @@ def local_update(params, state, x, y):
     return optax.apply_updates(params, updates), state, grads, value
 
 
-if mesh is None:
-    update = jax.jit(update)
-elif MODE == "shard_map":
-    update = jax.jit(
-        jax.shard_map(
-            local_update,
-            mesh=mesh,
-            in_specs=(P(), P(), P("d"), P("d")),
-            out_specs=(P(), P(), P(), P()),
-        )
-    )
-else:
-    update = jax.jit(update, out_shardings=(shardings[0], shardings[1], shardings[0], None))
-times = []
 merge_seconds: list[float] = []
 _merge = RankMerger.merge
 
 
-def timed_merge(self, step, entries):  # the exchange's cost, for the benchmark's report
+def timed_merge(self, step, entries):  # the exchange's cost, for the run's report
     start = time.perf_counter()
     try:
         return _merge(self, step, entries)
@@ -154,33 +128,85 @@ def timed_merge(self, step, entries):  # the exchange's cost, for the benchmark'
 
 
 RankMerger.merge = timed_merge
-with track(
-    params,
-    state,
-    out=None if OUT == "-" else OUT,
-    verbose=True,
-    dist_timeout=float(os.environ.get("DIST_TIMEOUT", "600")),
-) as tracker:
-    print(f"tandv-worker {PROCESS_ID}: out_path {tracker.out_path}", flush=True)
-    for k, (x, y) in enumerate(host_batches):
-        start = time.perf_counter()
-        params, state, grads, loss = tracker.intercept(
-            update, params, state, put_batch(x), put_batch(y)
+
+
+def placed(mode: str):
+    """The parameters, the optimizer state, the step's update and the batch's placement
+    of ``mode``."""
+    if mode == "none":
+        params = jax.tree.map(jnp.asarray, host_params)
+        return params, opt.init(params), jax.jit(update), jnp.asarray
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+
+    def put(value, spec):
+        sharding = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])
+
+    params = jax.tree.map(lambda v: put(v, P("d") if mode == "fsdp" else P()), host_params)
+    state = opt.init(params)
+    if mode == "shard_map":
+        step = jax.jit(
+            jax.shard_map(
+                local_update,
+                mesh=mesh,
+                in_specs=(P(), P(), P("d"), P("d")),
+                out_specs=(P(), P(), P(), P()),
+            )
         )
-        if k == DIE_AT and PROCESS_ID == 1:
-            # stop stepping (hung, as a process stuck elsewhere is), then die: process 0
-            # must give up waiting for this process's summaries on its own
-            deadline = time.monotonic() + 90
-            while not os.path.exists(DIED_MARK) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            os._exit(3)
-        tracker.log_scalars(loss=loss)
-        tracker.step(params, state, grads)
-        jax.block_until_ready(params)
-        times.append(time.perf_counter() - start)
-exchange = (
-    f"; exchange {sum(merge_seconds) / len(merge_seconds) * 1e3:.1f} ms/step"
-    if merge_seconds
-    else ""
-)
-print(f"tandv-worker {PROCESS_ID}: steps {[round(t * 1e3, 1) for t in times]} ms{exchange}")
+    else:
+        shardings = jax.tree.map(lambda a: a.sharding, (params, state))
+        step = jax.jit(update, out_shardings=(shardings[0], shardings[1], shardings[0], None))
+    return params, state, step, lambda value: put(value, P("d"))
+
+
+def run(mode: str, out: str | None) -> None:
+    """``STEPS`` tracked steps of ``mode`` logged to ``out`` (None: the default path)."""
+    params, state, step, put_batch = placed(mode)
+    times = []
+    merge_seconds.clear()
+    with track(
+        params,
+        state,
+        out=out,
+        verbose=True,
+        dist_timeout=float(os.environ.get("DIST_TIMEOUT", "600")),
+    ) as tracker:
+        print(f"tandv-worker {PROCESS_ID}: out_path {tracker.out_path}", flush=True)
+        for k, (x, y) in enumerate(host_batches):
+            start = time.perf_counter()
+            params, state, grads, loss = tracker.intercept(
+                step, params, state, put_batch(x), put_batch(y)
+            )
+            if k == DIE_AT and PROCESS_ID == 1:
+                # stop stepping (hung, as a process stuck elsewhere is), then die: process 0
+                # must give up waiting for this process's summaries on its own
+                deadline = time.monotonic() + 90
+                while not os.path.exists(DIED_MARK) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                os._exit(3)
+            tracker.log_scalars(loss=loss)
+            tracker.step(params, state, grads)
+            jax.block_until_ready(params)
+            times.append(time.perf_counter() - start)
+    exchange = (
+        f"; exchange {sum(merge_seconds) / len(merge_seconds) * 1e3:.1f} ms/step"
+        if merge_seconds
+        else ""
+    )
+    steps = [round(t * 1e3, 1) for t in times]
+    print(f"tandv-worker {PROCESS_ID}: steps {steps} ms{exchange}", flush=True)
+
+
+home = Path.cwd()
+for name in RUNS:
+    mode, _, path = name.partition(":")
+    folder = name.replace(":", "-")
+    print(f"tandv-worker {PROCESS_ID}: run {folder}", flush=True)
+    with summary_path(path or "auto"):
+        if OUT == "-":
+            (home / folder).mkdir(exist_ok=True)  # both processes share the folder
+            os.chdir(home / folder)
+            run(mode, None)
+            os.chdir(home)
+        else:
+            run(mode, str(Path(OUT) / folder))

@@ -11,6 +11,7 @@ order round differently)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -34,6 +35,7 @@ TYPES = {"Activation", "Gradient", "Weight", "Optimiser_State"}
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDV_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["PYTHONUNBUFFERED"] = "1"  # tandv's stderr and the worker's prints in their order
     env.pop("JAX_NUM_CPU_DEVICES", None)
     env.update(extra)
     return env
@@ -50,7 +52,7 @@ def _worker(*args: object, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -72,11 +74,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _processes(mode: str, out: str, cwd: Path, **env: str) -> list[tuple[int, str]]:
-    """Run ``mode`` as two processes of one ``jax.distributed`` run (one CPU device each)."""
+def _processes(runs: str, out: str, cwd: Path, **env: str) -> list[tuple[int, str]]:
+    """Make ``runs`` in two processes of one ``jax.distributed`` run (one CPU device each)."""
     port = _free_port()
-    procs = [_worker(mode, out, 1, 2, i, port, cwd=cwd, env=_env(**env)) for i in range(2)]
+    procs = [_worker(runs, out, 1, 2, i, port, cwd=cwd, env=_env(**env)) for i in range(2)]
     return [_finish(p) for p in procs]
+
+
+def _by_run(out: str, process: int) -> dict[str, str]:
+    """A worker's output split by run (it prints ``tandv-worker ID: run R`` before each)."""
+    parts = re.split(rf"^tandv-worker {process}: run (\S+)\n", out, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
 
 
 def _rows(path: Path):
@@ -107,35 +115,47 @@ def assert_same_log(want_path: Path, got_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """The one-device logs: with the default summary path (as a one-process run uses: on
-    the CPU a host kernel with float64 moments) and with XLA's summary operations (float32
-    moments, as the taps of a multi-process run use: the host kernel, a custom call, is
-    not partitioned over processes)."""
-    root = tmp_path_factory.mktemp("reference")
-    _run("none", root / "auto", 1, cwd=root)
-    _run("none", root / "xla", 1, cwd=root, TANDV_JAX_SUMMARY="xla")
+def one_process(tmp_path_factory):
+    """One process with two CPU devices, one run after the other (a JAX start per run
+    would cost seconds of imports each): the one-device references, with the default
+    summary path (as a one-process run uses: on the CPU a host kernel with float64
+    moments) in ``none`` and with XLA's summary operations (float32 moments, as the taps
+    of a multi-process run use: the host kernel, a custom call, is not partitioned over
+    processes) in ``none-xla``; then the runs on the 2-device mesh, in ``dp``, ``fsdp``
+    and ``shard_map``."""
+    root = tmp_path_factory.mktemp("one_process")
+    _run("none,none:xla,dp,fsdp,shard_map", root, 2, cwd=root)
     return root
 
 
 @pytest.mark.parametrize("mode", ["dp", "fsdp", "shard_map"])
-def test_two_devices_of_one_process_log_the_global_arrays(tmp_path, references, mode):
+def test_two_devices_of_one_process_log_the_global_arrays(one_process, mode):
     """Batch sharded over a 2-device mesh (dp), parameters and optimizer state too (fsdp),
     or split by a shard_map update (its taps report per device by callback): activations,
     gradients, weights and optimizer state equal the one-device run's."""
-    _run(mode, tmp_path / "log", 2, cwd=tmp_path)
-    assert_same_log(references / "auto", tmp_path / "log")
+    assert_same_log(one_process / "none", one_process / mode)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The three modes in two jax.distributed processes, one run after the other, each
+    logging to the default path in a folder of its own: the folder, and each process's
+    output by run."""
+    root = tmp_path_factory.mktemp("two_processes")
+    (code0, out0), (code1, out1) = _processes("dp,fsdp,shard_map", "-", root)
+    assert code0 == 0 and code1 == 0, out0[-3000:] + out1[-3000:]
+    return root, _by_run(out0, 0), _by_run(out1, 1)
 
 
 @pytest.mark.parametrize("mode", ["dp", "fsdp", "shard_map"])
-def test_two_processes_log_the_global_arrays_once(tmp_path, references, mode):
+def test_two_processes_log_the_global_arrays_once(one_process, two_processes, mode):
     """Two jax.distributed processes: process 0 writes one log (the default path, which
     both report) whose rows equal the one-device run's; process 1 writes and prints
     nothing of its own. Under shard_map each process's taps report its own device's part
     (LOCAL), which process 0 merges."""
-    (code0, out0), (code1, out1) = _processes(mode, "-", tmp_path)
-    assert code0 == 0 and code1 == 0, out0[-3000:] + out1[-3000:]
-    logs = list((tmp_path / "tandv_logs").iterdir())
+    root, outs0, outs1 = two_processes
+    out0, out1 = outs0[mode], outs1[mode]
+    logs = list((root / mode / "tandv_logs").iterdir())
     assert len(logs) == 1, logs
     assert f"tandv-worker 0: out_path tandv_logs/{logs[0].name}" in out0
     assert f"tandv-worker 1: out_path tandv_logs/{logs[0].name}" in out1
@@ -143,7 +163,7 @@ def test_two_processes_log_the_global_arrays_once(tmp_path, references, mode):
     # GSPMD partitions the taps' XLA summaries: the same float32 reductions as the
     # one-device XLA summary's. Under shard_map each device's shard is summarized apart and
     # the shards merge in float64, nearer the one-device host kernel's float64 moments.
-    assert_same_log(references / ("auto" if mode == "shard_map" else "xla"), logs[0])
+    assert_same_log(one_process / ("none" if mode == "shard_map" else "none-xla"), logs[0])
 
 
 def test_a_process_that_dies_does_not_hang_process_0(tmp_path):
@@ -166,7 +186,7 @@ def test_a_process_that_dies_does_not_hang_process_0(tmp_path):
     assert "RankFailure: tandv: rank 0 of 2: " in out0
     assert "(dist_timeout=4s): another rank raised, died" in out0
     assert time.monotonic() - start < 100
-    steps = set(_rows(tmp_path / "log").index.get_level_values(2))
+    steps = set(_rows(tmp_path / "log" / "dp").index.get_level_values(2))
     assert steps == {0}
 
 

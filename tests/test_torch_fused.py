@@ -448,8 +448,29 @@ def test_kernel_benchmark_runs_in_its_tiny_mode(capsys):
     assert "torch.float32" in out and "torch.bfloat16" in out and "error" in out
 
 
+@pytest.fixture(scope="module")
+def compiled_for_gpus() -> dict[str, list[dict]]:
+    """Each kernel variant compiled for sm_80 and for sm_90 by ``_triton_compile_worker``
+    (no GPU needed), in one subprocess (without the interpreter): its figures by
+    architecture."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    worker = Path(__file__).with_name("_triton_compile_worker.py")
+    run = subprocess.run(
+        [sys.executable, str(worker), "80", "90"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
 @pytest.mark.parametrize("arch", [80, 90])
-def test_kernels_compile_for_gpus_near_memory_speed(arch):
+def test_kernels_compile_for_gpus_near_memory_speed(compiled_for_gpus, arch):
     """The interpreter runs code the GPU compiler may refuse (a branch that changes a
     value's type, say): compile both kernels for every kernel dtype, for sm_80 and sm_90 (no
     GPU needed), through the real launch path so that Triton specializes them as it would on
@@ -458,19 +479,7 @@ def test_kernels_compile_for_gpus_near_memory_speed(arch):
     the loop over whole tiles costs at most 1.5 warp instructions per element and never
     touches local memory (a spill there would turn the one read of each tensor into
     extra memory traffic)."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    run = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("_triton_compile_worker.py")), str(arch)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.splitlines()[-1])
+    report = compiled_for_gpus[str(arch)]
     compiled = {(r["dtype"], r["kernel"], r["strided"], r["moments"]) for r in report}
     # 5 dtypes x (one tensor, a table of tensors), a strided view, float32 with moments=4
     assert len(compiled) == 13
