@@ -32,6 +32,8 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import functools
+import inspect
 import io
 import os
 import pstats
@@ -66,6 +68,36 @@ def entry_instructions(compiled_text: str) -> collections.Counter[str]:
     return found
 
 
+def cuda_ops(tracker: Any, update: Any, args: tuple) -> collections.Counter[str]:
+    """The operations of ``update`` lowered for CUDA (on any machine: no GPU is needed to
+    lower), by kind (``custom_call`` by target): with a ``tracker``, its tracked program
+    of ``update``, as the tracker would trace it for arrays on a GPU (the CPU's host kernel
+    off). Before XLA's fusion: each reduction, scatter, dot and Triton call is at least one
+    kernel, elementwise work fuses into them."""
+    if tracker is None:
+        text = update.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    else:
+        kernels = tracker._kernels
+        in_program_on = kernels.in_program_on
+        kernels.in_program_on = lambda platforms: False  # the taps' choice for a GPU
+        tracker._call_args = (args, {})
+        traced = inspect.unwrap(tracker._programs[update].call)  # (under jit and Timer)
+        fresh = jax.jit(lambda *a: traced(*a))  # a new trace: not the CPU's, cached
+        try:
+            text = fresh.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        finally:
+            tracker._call_args = None
+            kernels.in_program_on = in_program_on
+    found: collections.Counter[str] = collections.Counter(re.findall(r"stablehlo\.(\w+)", text))
+    del found["custom_call"]
+    found.update("custom_call " + t for t in re.findall(r"custom_call @([\w$.]+)", text))
+    return found
+
+
+#: Operations of a CUDA lowering that are (at least) a kernel each.
+_CUDA_KERNELS = ("reduce", "scatter", "dot_general", "concatenate", "sort", "while")
+
+
 def launches(found: collections.Counter[str]) -> int:
     """Instructions of :func:`entry_instructions` that run work (about one launch each)."""
     return sum(n for op, n in found.items() if op not in _FREE)
@@ -88,7 +120,7 @@ class Timer:
             finally:
                 spent.append(time.perf_counter_ns() - start)
 
-        setattr(owner, name, timed)
+        setattr(owner, name, functools.wraps(inner)(timed))
 
 
 def ms(ns: list[int] | list[float]) -> str:
@@ -107,9 +139,19 @@ def main() -> None:  # noqa: PLR0915
         default="auto",
         help="the summary path (TANDV_JAX_SUMMARY), as in benchmarks/jax_overhead.py",
     )
+    ap.add_argument(
+        "--cuda-ops",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also lower each tracked program for CUDA and count its kernel-making "
+        "operations (default: on a machine without a GPU)",
+    )
     ap.add_argument("--profile", type=int, default=12, help="cProfile lines (0: none)")
     args = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # (a time limit)
     os.environ["TANDV_JAX_SUMMARY"] = args.summary
+    if args.cuda_ops is None:
+        args.cuda_ops = jax.default_backend() == "cpu"
     what, update, params, state, x, y = setup(args)
     leaves = jax.tree_util.tree_leaves
     print(
@@ -220,6 +262,15 @@ def probe_variant(
     if args.profile and tracker is not None:
         profile(args.profile, lambda: tracker.step(*call(p, s, x, y)))
     jax.block_until_ready(p)
+    if args.cuda_ops:  # last: it traces the program anew
+        ops = cuda_ops(tracker, update, (p, s, x, y))
+        kernels = {k: ops[k] for k in _CUDA_KERNELS}
+        kernels |= {k: n for k, n in ops.items() if k.startswith("custom_call")}
+        print(
+            "    lowered for CUDA (before fusion): "
+            + ", ".join(f"{k} {n}" for k, n in kernels.items())
+            + f"; cuda_kernels_{variant}: {sum(kernels.values())}"
+        )
 
 
 def print_phases(
