@@ -88,10 +88,45 @@ def cuda_ops(tracker: Any, update: Any, args: tuple) -> collections.Counter[str]
         finally:
             tracker._call_args = None
             kernels.in_program_on = in_program_on
-    found: collections.Counter[str] = collections.Counter(re.findall(r"stablehlo\.(\w+)", text))
-    del found["custom_call"]
-    found.update("custom_call " + t for t in re.findall(r"custom_call @([\w$.]+)", text))
-    return found
+    return lowered_ops(text)
+
+
+#: A function's name in StableHLO text (quoted where it holds other characters).
+_NAME = r'"[^"]*"|[\w$.\-]+'
+
+
+def lowered_ops(text: str) -> collections.Counter[str]:
+    """The StableHLO operations a call of the ``main`` function of the module ``text`` runs,
+    by kind (``custom_call`` by target): each function's own operations, and those of the
+    functions it calls as many times as it calls them (JAX lowers each jitted function once
+    and calls it: a tap's summary is one function called by every tap of its shape). The
+    body of a loop counts once."""
+    own: dict[str, collections.Counter[str]] = {}
+    calls: dict[str, list[str]] = {}
+    name = ""
+    for line in text.splitlines():
+        m = re.match(rf"\s*func\.func (?:public |private )?@({_NAME})\(", line)
+        if m:
+            name = m.group(1)
+            own[name], calls[name] = collections.Counter(), []
+            continue
+        if not name:
+            continue
+        for op in re.findall(r"stablehlo\.(\w+)", line):
+            if op != "custom_call":
+                own[name][op] += 1
+        for target in re.findall(r"custom_call @([\w$.]+)", line):
+            own[name]["custom_call " + target] += 1
+        calls[name] += re.findall(rf"(?:func\.call|(?<![\w.])call) @({_NAME})\(", line)
+
+    @functools.cache
+    def total(fn: str) -> collections.Counter[str]:
+        found = collections.Counter(own.get(fn, {}))
+        for callee in calls.get(fn, []):
+            found.update(total(callee))
+        return found
+
+    return total("main")
 
 
 #: Operations of a CUDA lowering that are (at least) a kernel each.
