@@ -226,9 +226,11 @@ class SummaryKernels:
         return exact
 
     def _kernel_serves(self, x: jax.Array, fused: bool) -> bool:
-        """Whether the fused Pallas kernel may summarize ``x`` (else XLA's operations)."""
+        """Whether the fused Pallas kernel may summarize ``x`` (else XLA's operations): on
+        the ``"pallas"`` path, and on the ``"auto"`` path for large arrays (on CUDA GPUs,
+        picked when the program is lowered); never on the ``"xla"`` path."""
         return jnp.dtype(x.dtype) != jnp.float64 and (
-            self.path == "pallas" or (x.size >= FUSED_SIZE and fused)
+            self.path == "pallas" or (self.path == "auto" and x.size >= FUSED_SIZE and fused)
         )
 
     # ------------------------------------------------------------------ off the host kernel
@@ -276,9 +278,7 @@ class SummaryKernels:
     def _core(self, x: jax.Array, fused: bool = True) -> DeviceSummary:
         """:meth:`summarize` of one segment, without custom statistics and block formats."""
         layout = core_layout(self._layout(x.dtype))
-        if jnp.dtype(x.dtype) == jnp.float64 or (
-            self.path != "pallas" and (x.size < FUSED_SIZE or not fused)
-        ):
+        if not self._kernel_serves(x, fused):  # (the "xla" path lowered for CUDA took it)
             return summarize_jax(x, layout)
 
         def kernel(a: jax.Array, interpret: bool | None = None) -> DeviceSummary:
