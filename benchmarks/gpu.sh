@@ -14,7 +14,8 @@
 #   bash benchmarks/gpu.sh gpt2    # GPU: the GPT-2-sized preset, and the torch.compile'd model
 #   bash benchmarks/gpu.sh budget  # GPU: one call for a 15-minute device budget (about 9
 #                                  # minutes): the CUDA-only tests, the 4-layer model, the kernel
-#                                  # alone, the block formats, GPT-2 size, the JAX transformer
+#                                  # alone, the block formats, GPT-2 size, the JAX transformer's
+#                                  # host time by phase (jax_gpu_probe.py)
 #   bash benchmarks/gpu.sh jax     # GPU: installs .gpu-wheels where flax is missing, the
 #                                  # JAX tests on the GPU and the transformer benchmark with
 #                                  # the Pallas kernel and with XLA's operations
@@ -119,7 +120,9 @@ budget)
   stage blocks 60 python3 benchmarks/overhead.py --device cuda --no-extras --steps 10 \
     --block-formats mxfp8_e4m3 nvfp4
   stage gpt2 100 python3 benchmarks/overhead.py --device cuda --preset gpt2-small --steps 8
-  stage jax 80 python3 benchmarks/jax_overhead.py --model transformer --rounds 3 --block 10
+  # where a tracked JAX call's host time goes (the every=1/every=10 ratios: the jax stage;
+  # its 80 s here gave an empty budget-jax.txt on 2026-11-26)
+  stage probe 80 python3 benchmarks/jax_gpu_probe.py --steps 5
   ;;
 *)
   echo "usage: bash benchmarks/gpu.sh wheels|torch|gpt2|jax|budget" >&2

@@ -51,6 +51,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -108,55 +109,25 @@ class MLP(nn.Module):
         return nn.Dense(1)(x)
 
 
-# issue 31: split after the jax fast-path work lands
-def main() -> None:  # noqa: C901, PLR0915
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_model_arguments(ap: argparse.ArgumentParser, default_model: str = "mlp") -> None:
+    """The options that pick the benchmarked model (shared with ``jax_gpu_probe.py``)."""
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument(
-        "--block", type=int, default=20, help="steps per timed block (a multiple of 10)"
-    )
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument(
-        "--by-position",
-        type=int,
-        default=0,
-        metavar="CYCLES",
-        help="also time CYCLES cycles of 10 single steps of the every=10 tracker, each "
-        "step next to an untracked one, and report the median of each position in "
-        "the cycle (which steps cost what; block medians blur it)",
-    )
-    ap.add_argument(
         "--model",
         choices=("mlp", "transformer"),
-        default="mlp",
+        default=default_model,
         help="mlp: --width/--depth/--batch; transformer: the GPT-style decoder of the "
         "PyTorch benchmark (4 layers, d_model 256, 4 heads, MLP 1024, vocab 512, "
         "seq 128, batch 8)",
     )
-    ap.add_argument(
-        "--summary",
-        choices=("auto", "xla", "pallas"),
-        default="auto",
-        help="the summary computation (sets TANDV_JAX_SUMMARY for the trackers): auto (the "
-        "host kernel on the CPU; XLA, and the fused Pallas kernel for large arrays, "
-        "on CUDA), xla (XLA's operations everywhere), pallas (the fused kernel for "
-        "every array; interpreted, slowly, on the CPU)",
-    )
-    ap.add_argument(
-        "--block-formats",
-        nargs="+",
-        default=(),
-        metavar="FORMAT",
-        help="also step a tracker (every step) with these block formats (e.g. mxfp8_e4m3 "
-        "nvfp4) and print its ratio to the every=1 tracker's step (block formats' cost)",
-    )
-    args = ap.parse_args()
-    os.environ["TANDV_JAX_SUMMARY"] = args.summary  # read by each tracker when made
 
+
+def setup(args: argparse.Namespace) -> tuple[str, Any, Any, Any, Any, Any]:
+    """The benchmarked model of ``args`` (:func:`add_model_arguments`): what it is (in
+    words), its jitted update ``update(params, opt_state, x, y) -> (params, opt_state,
+    grads)``, its parameters and optimizer state, and one batch ``x, y``."""
     kx, ky, kp = jax.random.split(jax.random.key(0), 3)
     if args.model == "mlp":
         model, opt = MLP(args.width, args.depth), optax.adam(1e-3)
@@ -178,13 +149,58 @@ def main() -> None:  # noqa: C901, PLR0915
         what = "jitted Flax transformer update: 4 layers, d_model 256, 4 heads, seq 128, batch 8"
     params = model.init(kp, x)
     state = opt.init(params)
-    n_params = sum(a.size for a in jax.tree.leaves(params))
 
     @jax.jit
     def update(p, s, x, y):
         grads = jax.grad(loss)(p, x, y)
         updates, s = opt.update(grads, s, p)
         return optax.apply_updates(p, updates), s, grads
+
+    n_params = sum(a.size for a in jax.tree.leaves(params))
+    optimizer = "adam" if args.model == "mlp" else "adamw"
+    return f"{what}, {n_params:,} parameters, {optimizer}", update, params, state, x, y
+
+
+# issue 31: split after the jax fast-path work lands
+def main() -> None:  # noqa: C901, PLR0915
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_model_arguments(ap)
+    ap.add_argument(
+        "--block", type=int, default=20, help="steps per timed block (a multiple of 10)"
+    )
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument(
+        "--by-position",
+        type=int,
+        default=0,
+        metavar="CYCLES",
+        help="also time CYCLES cycles of 10 single steps of the every=10 tracker, each "
+        "step next to an untracked one, and report the median of each position in "
+        "the cycle (which steps cost what; block medians blur it)",
+    )
+    ap.add_argument(
+        "--summary",
+        choices=("auto", "xla", "pallas"),
+        default="auto",
+        help="the summary computation (sets TANDV_JAX_SUMMARY for the trackers): auto (the "
+        "host kernel on the CPU; XLA, and the fused Pallas kernel for large arrays, "
+        "on CUDA), xla (XLA's operations everywhere), pallas (the fused kernel for "
+        "every array; interpreted, slowly, on the CPU)",
+    )
+    ap.add_argument(
+        "--block-formats",
+        nargs="+",
+        default=(),
+        metavar="FORMAT",
+        help="also step a tracker (every step) with these block formats (e.g. mxfp8_e4m3 "
+        "nvfp4) and print its ratio to the every=1 tracker's step (block formats' cost)",
+    )
+    args = ap.parse_args()
+    os.environ["TANDV_JAX_SUMMARY"] = args.summary  # read by each tracker when made
+
+    what, update, params, state, x, y = setup(args)
 
     with tempfile.TemporaryDirectory() as tmp:
         t1 = track(params, state, out=Path(tmp) / "every1", verbose=False)
@@ -258,9 +274,8 @@ def main() -> None:  # noqa: C901, PLR0915
 
     base = statistics.median(times["untracked"])
     print(
-        f"{what}, {n_params:,} parameters, {'adam' if args.model == 'mlp' else 'adamw'}; "
-        f"{jax.devices()[0].platform}, "
-        f"{args.rounds} interleaved rounds of {args.block} steps"
+        f"{what}; {jax.devices()[0].platform}, {args.rounds} interleaved rounds of "
+        f"{args.block} steps"
     )
     print(f"  untracked  median step {1e3 * base / args.block:8.3f} ms")
     for name in ("every=1", "every=10"):

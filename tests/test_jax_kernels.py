@@ -67,3 +67,35 @@ def test_unknown_paths_are_refused_naming_the_choices(tmp_path, monkeypatch):
         track(out=tmp_path / "a", verbose=False)
     with summary_path("xla"):  # the hook wins over the environment
         track(out=tmp_path / "b", verbose=False).close()
+
+
+@pytest.mark.parametrize("path", ["auto", "xla"])
+def test_a_gpu_summarizes_small_arrays_with_the_kernels_of_one(path):
+    """Lowered for CUDA (where each reduction, scatter and matrix product is a kernel the
+    host launches at every call), the summaries of 12 small arrays hold as many of those
+    operations as the summaries of 2: they share one block and one batched exponent
+    count, on the default path too, where the CPU's host kernel is built but does not
+    serve a GPU's arrays (it summarized each array apart: about 18 kernels per array)."""
+    import re
+
+    from tandv.stats.summary import Layout
+    from tandv.track.jax._kernels import SummaryKernels
+
+    with summary_path(path):
+        kernels = SummaryKernels(lambda dtype: Layout(str(jnp.dtype(dtype))), {}, 2, False)
+    assert kernels.host_kernel == (path == "auto" and _ffi.available())
+
+    def launched(n: int) -> dict[str, int]:
+        arrays = [jax.ShapeDtypeStruct((3 + i, 5), jnp.float32) for i in range(n)]
+        text = (
+            jax.jit(kernels.summaries, static_argnums=(1, 2))
+            .trace(arrays, True, (None,) * n)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        ops = re.findall(r"stablehlo\.(reduce|scatter|dot_general|custom_call)\b", text)
+        return {op: ops.count(op) for op in set(ops)}
+
+    two, twelve = launched(2), launched(12)
+    assert two == twelve, (two, twelve)
+    assert two.get("dot_general", 0) == 1  # the exponent counts of all arrays

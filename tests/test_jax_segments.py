@@ -278,6 +278,8 @@ def test_arrays_past_int32_counts_lower_in_segments(path):
         assert f"tensor<{size}x" in text, size
     if path != "xla":  # the kernel: the host kernel's custom call, or Triton's
         assert ("tandv" if path == "auto" else "__gpu$xla.gpu.triton") in text
+    else:  # XLA's operations only, on a GPU too
+        assert "custom_call" not in text
     assert jax.eval_shape(fn, jax.ShapeDtypeStruct((MAX_ELEMENTS,), jnp.bfloat16)).counts.ndim == 1
     tracker.close()
 

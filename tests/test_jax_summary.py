@@ -40,15 +40,25 @@ PATHS = [
 def _accelerator_twin(layout):
     """summarize_jax as it runs on accelerators: exponent counts by one-hot matrix products
     (no scatter), which JAX picks on every platform but the CPU; forced here while tracing."""
+
+    def fn(a):
+        with _matmul_histograms():
+            return summarize_jax(a, layout)
+
+    return fn
+
+
+def _matmul_histograms():
+    """While tracing: the exponent counts by matrix products (what every platform but the
+    CPU lowers), on the CPU too."""
     from unittest import mock
 
     from tandv.track.jax import _summary
 
-    def fn(a):
-        with mock.patch.object(_summary, "_histogram", _summary.histogram_by_matmul):
-            return summarize_jax(a, layout)
+    def by_matmul(idx, row_seg, num, length):
+        return _summary.histograms_by_matmul(idx, row_seg, num, length)
 
-    return fn
+    return mock.patch.object(_summary, "_scatter_histograms", by_matmul)
 
 
 def _in_program(layout):
@@ -206,7 +216,13 @@ def test_matches_reference_property(x, fmt, path):
     assert_matches(x, fmt, path)
 
 
-def test_summarize_many_equals_one_by_one():
+@pytest.mark.parametrize("histograms", ["scatter", "matmul"])
+def test_summarize_many_equals_one_by_one(histograms):
+    """Several arrays summarized together, each as numpy summarizes it alone; with the
+    exponent counts of the CPU (a scatter per array) and of accelerators (one batched matrix
+    product for all arrays, whose rows are summed per array: arrays of several rows)."""
+    import contextlib
+
     from tandv.track.jax import summarize_many_jax
 
     arrays = [
@@ -214,9 +230,15 @@ def test_summarize_many_equals_one_by_one():
         SPECIALS,
         np.zeros((0,), np.float32),
         rng.normal(size=7).astype(np.float32) * 1e-39,
+        (rng.normal(size=2500) * np.exp(rng.normal(size=2500) * 8)).astype(np.float32),
+        rng.normal(size=1024).astype(np.float32) * 1e30,
     ]
     layout = Layout("float32")
-    many = jax.jit(lambda xs: summarize_many_jax(xs, layout))([jnp.asarray(a) for a in arrays])
+    with _matmul_histograms() if histograms == "matmul" else contextlib.nullcontext():
+        many = jax.jit(lambda xs: summarize_many_jax(xs, layout)).trace(
+            [jnp.asarray(a) for a in arrays]
+        )
+    many = many.lower().compile()([jnp.asarray(a) for a in arrays])
     for a, got in zip(arrays, jax.device_get(many)):
         ref = summarize(a)[0]
         got = to_vector(got)

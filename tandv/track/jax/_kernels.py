@@ -226,9 +226,11 @@ class SummaryKernels:
         return exact
 
     def _kernel_serves(self, x: jax.Array, fused: bool) -> bool:
-        """Whether the fused Pallas kernel may summarize ``x`` (else XLA's operations)."""
+        """Whether the fused Pallas kernel may summarize ``x`` (else XLA's operations): on
+        the ``"pallas"`` path, and on the ``"auto"`` path for large arrays (on CUDA GPUs,
+        picked when the program is lowered); never on the ``"xla"`` path."""
         return jnp.dtype(x.dtype) != jnp.float64 and (
-            self.path == "pallas" or (x.size >= FUSED_SIZE and fused)
+            self.path == "pallas" or (self.path == "auto" and x.size >= FUSED_SIZE and fused)
         )
 
     # ------------------------------------------------------------------ off the host kernel
@@ -276,9 +278,7 @@ class SummaryKernels:
     def _core(self, x: jax.Array, fused: bool = True) -> DeviceSummary:
         """:meth:`summarize` of one segment, without custom statistics and block formats."""
         layout = core_layout(self._layout(x.dtype))
-        if jnp.dtype(x.dtype) == jnp.float64 or (
-            self.path != "pallas" and (x.size < FUSED_SIZE or not fused)
-        ):
+        if not self._kernel_serves(x, fused):  # (the "xla" path lowered for CUDA took it)
             return summarize_jax(x, layout)
 
         def kernel(a: jax.Array, interpret: bool | None = None) -> DeviceSummary:
@@ -406,8 +406,12 @@ class SummaryKernels:
             idx = [plain[i] for i in idx]
             layout = self._layout(dtype)
             # Large arrays run faster through their own program (no copy into a shared
-            # block); small ones share one, which keeps compile time down. The host kernel
-            # (on the CPU) takes each array on its own.
+            # block); small ones share one, which keeps compile time down and, on a GPU,
+            # the kernels the host launches at each call: one summary's, not one per array
+            # (a 2-layer MLP's 24 outputs lowered for CUDA: 595 reductions, scatters,
+            # products and concatenations before, 109 shared; benchmarks/jax_gpu_probe.py).
+            # The host kernel (on the CPU: ``exact``) takes each array on its own; elsewhere
+            # it does not serve, whether or not it is built.
             # An array summarized in segments has a row per segment (see :meth:`stacks`).
             if exact and jnp.dtype(arrays[idx[0]].dtype) != jnp.float64:
                 done = [self._summarize_exact(arrays[i]) for i in idx]
@@ -419,7 +423,6 @@ class SummaryKernels:
                 if arrays[i].size < _OWN_PROGRAM_SIZE
                 and segment_count(arrays[i].size) == 1
                 and self.path != "pallas"
-                and not self.host_kernel
             ]
             parts = dict(
                 zip(small, summarize_many_jax([arrays[i] for i in small], layout, self._custom))

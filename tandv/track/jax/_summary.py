@@ -45,6 +45,7 @@ __all__ = [
     "with_custom",
     "CustomStat",
     "histogram_by_matmul",
+    "histograms_by_matmul",
     "merge_jax",
     "MAX_ELEMENTS",
     "check_countable",
@@ -299,19 +300,45 @@ def histogram_by_matmul(idx: Any, length: int) -> Any:
     measurements); a matrix product has no contention and runs on the matrix units. The
     one-hot factors are exact in bfloat16 and the products are accumulated in float32,
     exact for the at most ``ROW`` (< 2**24) values of a row; the row sums are int32."""
+    return histograms_by_matmul(idx, np.zeros(idx.shape[0], np.int32), 1, length)[0]
+
+
+def histograms_by_matmul(idx: Any, row_seg: np.ndarray, num: int, length: int) -> Any:
+    """:func:`histogram_by_matmul` of each of ``num`` arrays laid out in ``idx`` (``[rows,
+    ROW]``; row r belongs to array ``row_seg[r]``, sorted), ``[num, length]``: the rows'
+    matrix products are one batched product for all arrays, and each array's rows are
+    summed by one segment sum, so that a stack of arrays costs the kernels of one (on a
+    GPU each kernel is a launch the host pays for at every call; a product per array cost
+    a few launches per array)."""
     high = -(-length // _LOW)
     hi = jax.nn.one_hot(idx // _LOW, high, dtype=jnp.bfloat16)  # [rows, ROW, high]
     lo = jax.nn.one_hot(idx % _LOW, _LOW, dtype=jnp.bfloat16)  # [rows, ROW, _LOW]
     per_row = jnp.einsum("rnh,rnl->rhl", hi, lo, preferred_element_type=jnp.float32)
-    return per_row.astype(jnp.int32).sum(0).reshape(-1)[:length]
+    per_row = per_row.astype(jnp.int32).reshape(idx.shape[0], -1)
+    if num == 1:
+        return per_row.sum(0, keepdims=True)[:, :length]
+    seg = jnp.asarray(row_seg)
+    return jax.ops.segment_sum(per_row, seg, num, indices_are_sorted=True)[:, :length]
 
 
-def _platform_histogram(idx: Any, length: int) -> Any:
-    """:func:`_histogram` (a scatter: fast on XLA:CPU) on the CPU, and
-    :func:`histogram_by_matmul` on every other platform, chosen when JAX lowers the program
-    for the platform it runs on."""
+def _scatter_histograms(idx: Any, row_seg: np.ndarray, num: int, length: int) -> Any:
+    """:func:`_histogram` of each of the ``num`` arrays laid out in ``idx`` (as in
+    :func:`histograms_by_matmul`), ``[num, length]``: one small histogram per array (static
+    row ranges), as XLA:CPU scatters into a small histogram much faster than into one long
+    histogram of all arrays."""
+    starts = np.searchsorted(row_seg, np.arange(num + 1))
+    return jnp.stack([_histogram(idx[starts[i] : starts[i + 1]], length) for i in range(num)])
+
+
+def _platform_histograms(idx: Any, row_seg: np.ndarray, num: int, length: int) -> Any:
+    """The histograms of the ``num`` arrays laid out in ``idx``: by scatters
+    (:func:`_scatter_histograms`, fast on XLA:CPU) on the CPU, and by matrix products
+    (:func:`histograms_by_matmul`) on every other platform, chosen when JAX lowers the
+    program for the platform it runs on."""
     return jax.lax.platform_dependent(
-        idx, cpu=lambda i: _histogram(i, length), default=lambda i: histogram_by_matmul(i, length)
+        idx,
+        cpu=lambda i: _scatter_histograms(i, row_seg, num, length),
+        default=lambda i: histograms_by_matmul(i, row_seg, num, length),
     )
 
 
@@ -431,13 +458,8 @@ def _summarize_rows(  # noqa: PLR0915
     idx = jnp.where(under, 0, idx)
     idx = jnp.where(over, nbins - 1, idx)
     idx = jnp.where(nonzero | over, idx, nbins)  # zeros and NaN go to a dropped bin
-    # One small histogram per array (static row ranges): XLA:CPU scatters into a small
-    # histogram much faster than into one long histogram of all arrays.
-    starts = np.searchsorted(row_seg, np.arange(num + 1))
     idx = idx.astype(jnp.int32)
-    bins = jnp.stack(
-        [_platform_histogram(idx[starts[i] : starts[i + 1]], nbins + 1)[:nbins] for i in range(num)]
-    ).astype(jnp.int32)
+    bins = _platform_histograms(idx, row_seg, num, nbins + 1)[:, :nbins].astype(jnp.int32)
 
     core = {
         "numel": n_fin + n_nan + n_inf,
