@@ -35,7 +35,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from functools import cache, reduce
-from operator import attrgetter, or_
+from operator import attrgetter, itemgetter, or_
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -850,38 +850,58 @@ def _write_one(
 def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> list[np.ndarray]:
     """A step's summaries as finished layout vectors on the host: the host path's as they
     are, the :class:`Slot` s from their devices' rows (``flight``, waited for if needed);
-    rows of one dtype and layout are finished together. (The tracker calls it on the log's
-    writer thread.)"""
+    rows of one device, dtype and layout are finished together. (The tracker calls it on
+    the log's writer thread, where its time is taken from the training thread's share of
+    the interpreter: it loops in Python over the few row kinds, not the rows.)"""
     host = flight.wait() if flight is not None else {}
     out: list[Any] = list(summaries)
-    # by the identities of spec and layout (hashing them costs more than the rest)
-    groups: dict[tuple, tuple[Any, Layout, int, list[tuple[int, Slot]]]] = {}
-    for i, s in enumerate(summaries):
-        if type(s) is Slot:
-            gk = (id(s.spec), id(s.layout), s.size)
-            group = groups.get(gk)
-            if group is None:
-                group = groups[gk] = (s.spec, s.layout, s.size, [])
-            group[3].append((i, s))
-    for spec, layout, size, members in groups.values():
-        idx = [i for i, _ in members]
-        device = members[0][1].device
-        if all(s.device == device for _, s in members):  # one gather from the rows
-            at = np.fromiter((s.offset for _, s in members), np.int64, len(members))
-            rows = host[device][at[:, None] + np.arange(size)]
-        else:
-            rows = np.stack([host[s.device][s.offset : s.offset + size] for _, s in members])
-        if spec is None:
-            done = finish_raw(rows, np)
-        else:
-            from . import _fused
+    at = [i for i, s in enumerate(summaries) if type(s) is Slot]
+    if at:
+        slots = summaries if len(at) == len(summaries) else [summaries[i] for i in at]
+        kinds = list(map(_kind_of, slots))
+        offsets = np.fromiter(map(_offset_of, slots), np.int64, len(slots))
+        # the kinds' groups, by device and the identities of spec and layout (hashing them
+        # costs more than the rest): a kind is shared by the rows of many steps
+        group_of: dict[RowKind, int] = {}
+        groups: dict[tuple[Any, ...], tuple[RowKind, int]] = {}
+        for kind in dict.fromkeys(kinds):
+            gk = (kind.device, id(kind.spec), id(kind.layout), kind.size)
+            group_of[kind] = groups.setdefault(gk, (kind, len(groups)))[1]
+        gids = (
+            np.fromiter(map(group_of.__getitem__, kinds), np.intp, len(kinds))
+            if len(groups) > 1
+            else None
+        )
+        for kind, g in groups.values():
+            members = None if gids is None else np.flatnonzero(gids == g)
+            rows = _gather(
+                host[kind.device], offsets if members is None else offsets[members], kind.size
+            )
+            if kind.spec is None:
+                done = finish_raw(rows, np)
+            else:
+                from . import _fused
 
-            done = _fused.finish_rows(rows, spec, layout)
-        for i, v in zip(idx, done):
-            out[i] = v
+                done = _fused.finish_rows(rows, kind.spec, kind.layout)
+            if members is None and len(at) == len(out):
+                out = list(done)
+            else:
+                where = at if members is None else np.asarray(at)[members].tolist()
+                for i, v in zip(where, done):
+                    out[i] = v
     if flight is not None:
         flight.release()
     return out
+
+
+def _gather(values: np.ndarray, offsets: np.ndarray, size: int) -> np.ndarray:
+    """The rows of ``size`` values at ``offsets`` of the 1-D ``values``, as one array (one
+    contiguous copy per row, through a view that sees a row at every offset)."""
+    step = values.strides[0]
+    starts = np.lib.stride_tricks.as_strided(
+        values, shape=(len(values) - size + 1, size), strides=(step, step), writeable=False
+    )
+    return starts[offsets]
 
 
 def _scalar_on(
@@ -906,6 +926,8 @@ _fused_state: list[Any] = []
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types fused_spec may take
 _PLAIN_TYPES = frozenset(_PLAIN)
 _device_of = attrgetter("device")
+_offset_of = itemgetter(0)  # of a Slot
+_kind_of = itemgetter(1)
 _dtype_of = attrgetter("dtype")
 
 
