@@ -69,9 +69,11 @@ class RowKind:
     """What the rows of some slots hold: their device, row length, layout and the fused
     kernel's dtype spec (``None``: a raw vector of the torch-op path,
     :func:`tandv.track.torch.summary.finish_raw`). One per kind and device space, shared
-    by the slots of every step."""
+    by the slots of every step. ``group``: the kinds whose rows are finished together
+    (one device, and the same spec, layout and row length, by identity: hashing them costs
+    more than the rest)."""
 
-    __slots__ = ("device", "size", "layout", "spec")
+    __slots__ = ("device", "size", "layout", "spec", "group")
 
     def __init__(
         self, device: torch.device, size: int, layout: Layout, spec: _fused.Spec | None
@@ -80,6 +82,7 @@ class RowKind:
         self.size = size
         self.layout = layout
         self.spec = spec
+        self.group = (device, id(spec), id(layout), size)
 
 
 class Slot(tuple):
@@ -855,24 +858,24 @@ def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> li
     the interpreter: it loops in Python over the few row kinds, not the rows.)"""
     host = flight.wait() if flight is not None else {}
     out: list[Any] = list(summaries)
-    at = [i for i, s in enumerate(summaries) if type(s) is Slot]
-    if at:
-        slots = summaries if len(at) == len(summaries) else [summaries[i] for i in at]
+    types = set(map(type, summaries))
+    if Slot in types:
+        # the positions of the slots among the summaries (``None``: every one)
+        at = None if len(types) == 1 else [i for i, s in enumerate(summaries) if type(s) is Slot]
+        slots = summaries if at is None else [summaries[i] for i in at]
         kinds = list(map(_kind_of, slots))
         offsets = np.fromiter(map(_offset_of, slots), np.int64, len(slots))
-        # the kinds' groups, by device and the identities of spec and layout (hashing them
-        # costs more than the rest): a kind is shared by the rows of many steps
-        group_of: dict[RowKind, int] = {}
-        groups: dict[tuple[Any, ...], tuple[RowKind, int]] = {}
-        for kind in dict.fromkeys(kinds):
-            gk = (kind.device, id(kind.spec), id(kind.layout), kind.size)
-            group_of[kind] = groups.setdefault(gk, (kind, len(groups)))[1]
-        gids = (
-            np.fromiter(map(group_of.__getitem__, kinds), np.intp, len(kinds))
-            if len(groups) > 1
-            else None
-        )
-        for kind, g in groups.values():
+        distinct = list(dict.fromkeys(kinds))  # (by identity: a kind serves every step)
+        groups = list(dict.fromkeys(map(_group_of, distinct)))
+        gids = None
+        if len(groups) > 1:
+            number = {g: n for n, g in enumerate(groups)}
+            group_of = dict(zip(distinct, map(number.__getitem__, map(_group_of, distinct))))
+            gids = np.fromiter(map(group_of.__getitem__, kinds), np.intp, len(kinds))
+        first = dict(zip(map(_group_of, reversed(distinct)), reversed(distinct)))
+        positions = np.arange(len(slots)) if at is None else np.asarray(at)
+        for g, group in enumerate(groups):
+            kind = first[group]
             members = None if gids is None else np.flatnonzero(gids == g)
             rows = _gather(
                 host[kind.device], offsets if members is None else offsets[members], kind.size
@@ -883,12 +886,12 @@ def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> li
                 from . import _fused
 
                 done = _fused.finish_rows(rows, kind.spec, kind.layout)
-            if members is None and len(at) == len(out):
+            if members is None and at is None:
                 out = list(done)
-            else:
-                where = at if members is None else np.asarray(at)[members].tolist()
-                for i, v in zip(where, done):
-                    out[i] = v
+                continue
+            where = positions if members is None else positions[members]
+            for i, v in zip(where.tolist(), done):
+                out[i] = v
     if flight is not None:
         flight.release()
     return out
@@ -928,6 +931,7 @@ _PLAIN_TYPES = frozenset(_PLAIN)
 _device_of = attrgetter("device")
 _offset_of = itemgetter(0)  # of a Slot
 _kind_of = itemgetter(1)
+_group_of = attrgetter("group")  # of a RowKind
 _dtype_of = attrgetter("dtype")
 
 
