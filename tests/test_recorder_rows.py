@@ -206,3 +206,49 @@ def test_a_parameter_moved_into_the_optimizer_is_captured_once(fused_path, tmp_p
     ]
     assert rows[("metadata", "step")].tolist() == [0, 1, 2]
     assert rows[("scalar_stats", "numel")].tolist() == [12, 12, 12]
+
+
+def test_to_host_finishes_each_slot_as_its_own_row_would():
+    """A step's summaries of several row kinds (two dtypes, two layouts, a raw vector of the
+    torch-op path, a host vector in between), at offsets out of order and one row read
+    twice, come back in order, each as finishing its own row alone gives it."""
+    from tandv.stats.summary import Layout
+
+    device = torch.device("cpu")
+    rng = np.random.default_rng(5)
+    kinds = []
+    for dtype, fmt in ((torch.float32, "float32"), (torch.bfloat16, "float8_e4m3fn")):
+        spec = _fused.spec_for(dtype)
+        layout = Layout(fmt)
+        kinds.append(_workspace.RowKind(device, _fused.row_size(spec, layout), layout, spec))
+    raw_layout = Layout("float32")
+    raw_size = kernel.raw_device(torch.ones(4), raw_layout).numel()
+    kinds.append(_workspace.RowKind(device, raw_size, raw_layout, None))
+    # rows laid out one after another, then observed in another order
+    values = np.zeros(sum(k.size for k in kinds) * 3)
+    placed, off = [], 0
+    for i in range(7):
+        kind = kinds[i % 3]
+        row = values[off : off + kind.size]
+        if kind.spec is None:  # a raw vector of random values
+            row[:] = kernel.raw_device(torch.from_numpy(rng.standard_normal(20)), raw_layout)
+        else:  # a fused row: positive partial results, exponent counts
+            row[:] = rng.integers(1, 50, kind.size)
+            row[_fused.N_READ] = 10_000.0
+            row[_fused.OVER] = row[_fused.INF] = 0.0
+        placed.append(tuple.__new__(_workspace.Slot, (off, kind)))
+        off += kind.size
+    slots = [placed[i] for i in (4, 0, 2, 0, 5, 1, 6, 3)]  # placed[0] twice
+    vector = rng.standard_normal(9)
+    summaries = [*slots[:3], vector, *slots[3:]]
+    flight = _workspace.Flight([(device, torch.from_numpy(values.copy()), off, None)])
+    got = _workspace.to_host(summaries, flight)
+    assert len(got) == len(summaries) and got[3] is vector
+    for s, v in zip(slots, got[:3] + got[4:]):
+        row = values[s.offset : s.offset + s.size][None]
+        if s.spec is None:
+            want = kernel.finish_raw(row, np)[0]
+        else:
+            want = _fused.finish_rows(row, s.spec, s.layout)[0]
+        assert v.shape == want.shape
+        assert np.array_equal(v, want, equal_nan=True)

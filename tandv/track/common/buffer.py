@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,11 @@ __all__ = ["StepBuffer", "check_pending_bounds"]
 
 _key_of = itemgetter(0)
 _layout_of = itemgetter(1)
+_summary_of = itemgetter(2)
 _type_of = attrgetter("tensor_type")
+#: what one row of a step is (a tensor seen in several dtypes within a step has one row)
+_tensor_of = attrgetter("name", "tensor_type", "module_type")
+_float64 = partial(np.asarray, dtype=np.float64)
 #: the tensor types of module rows (activations and their gradients, parameter gradients)
 _MODULE_ROWS = frozenset((ACTIVATION, GRADIENT))
 
@@ -43,7 +48,10 @@ def _merged(
 ) -> list[tuple[TensorKey, Layout, np.ndarray]]:
     """A step's observations on the host (one ``to_host`` call), those of the same tensor
     merged into one summary."""
-    host = to_host([s for _, _, s in pending]) if pending else []
+    host = to_host(list(map(_summary_of, pending))) if pending else []
+    keys = list(map(_key_of, pending))
+    if len(set(keys)) == len(keys):  # one observation per tensor (the common case)
+        return list(zip(keys, map(_layout_of, pending), map(_float64, host)))
     groups: dict[TensorKey, tuple[Layout, list[np.ndarray]]] = {}
     for (key, layout, _), v in zip(pending, host):
         if key in groups and groups[key][0] != layout:
@@ -66,6 +74,8 @@ def _merge_dtypes(
     format, which the row's dtype names. An observation that cannot be re-binned exactly
     (formats that do not nest, or a summary that counted values outside its own format)
     keeps a row of its own, named ``<name>@<dtype>``."""
+    if len(set(map(_tensor_of, map(_key_of, entries)))) == len(entries):
+        return entries  # one dtype per tensor (the common case)
     by_tensor: dict[tuple[str, str, str], list[int]] = {}
     for i, (key, _, _) in enumerate(entries):
         by_tensor.setdefault((key.name, key.tensor_type, key.module_type), []).append(i)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,13 @@ __all__ = ["TensorKey", "Entries", "build_rows", "row_columns"]
 
 #: A step's merged host summaries: (row key, layout, summary vector) per row.
 Entries = list[tuple["TensorKey", Layout, np.ndarray]]
+
+_key_of = itemgetter(0)
+_layout_of = itemgetter(1)
+_name_of = attrgetter("name")
+_module_type_of = attrgetter("module_type")
+_tensor_type_of = attrgetter("tensor_type")
+_dtype_of = attrgetter("dtype")
 
 
 @dataclass(frozen=True)
@@ -84,15 +92,7 @@ def row_columns(
     )
     if steps.shape != (n,):
         raise ValueError(f"build_rows: {len(steps)} steps for {n} entries")
-    # by identity (hashing a Layout costs more than the rest; layouts are cached, and equal
-    # layouts in two groups give the same columns)
-    by_id: dict[int, tuple[Layout, list[int]]] = {}
-    for i, (_, layout, _) in enumerate(entries):
-        group = by_id.get(id(layout))
-        if group is None:
-            group = by_id[id(layout)] = (layout, [])
-        group[1].append(i)
-    groups = dict(by_id.values()) if len(by_id) == 1 else _by_layout(by_id)
+    groups = _groups(list(map(_layout_of, entries)))
     stat_names = list(DEFAULT_STATS)
     for layout in groups:
         higher = HIGHER_STATS if layout.num_higher else ()  # skew, kurtosis (moments=4)
@@ -106,7 +106,9 @@ def row_columns(
     stats.update({k: np.zeros(n, np.int64) for k in COUNT_STATS})
     counts = np.zeros((n, len(labels)), dtype=np.int64)
     for layout, rows in groups.items():
-        st, c = finalize_many(np.stack([entries[r][2] for r in rows]), layout)
+        # (concatenated, then shaped: np.stack costs two Python steps per row)
+        vectors = [entries[r][2] for r in rows]
+        st, c = finalize_many(np.concatenate(vectors).reshape(len(rows), layout.size), layout)
         if len(rows) == n:  # one layout (the common case): every row, no index
             for k, a in st.items():
                 stats[k][:] = a
@@ -128,16 +130,32 @@ def row_columns(
         at = [labels[lab] for lab in order]
         if at != list(range(len(labels))):
             counts = counts[:, at]
+    keys = list(map(_key_of, entries))
     return Rows(
-        names=[k.name for k, _, _ in entries],
-        types=[k.module_type for k, _, _ in entries],
-        tensor_types=[k.tensor_type for k, _, _ in entries],
+        names=list(map(_name_of, keys)),
+        types=list(map(_module_type_of, keys)),
+        tensor_types=list(map(_tensor_type_of, keys)),
         steps=steps,
-        dtypes=[k.dtype for k, _, _ in entries],
+        dtypes=list(map(_dtype_of, keys)),
         stats={k: stats[k] for k in stat_names},
         labels=order,
         counts=counts,
     )
+
+
+def _groups(layouts: list[Layout]) -> dict[Layout, list[int]]:
+    """The entries' indices by layout, in order; grouped by identity first (hashing a
+    Layout costs more than the rest; layouts are cached, and equal layouts in two groups
+    give the same columns)."""
+    if layouts and len(set(map(id, layouts))) == 1:  # one layout (the common case)
+        return {layouts[0]: list(range(len(layouts)))}
+    by_id: dict[int, tuple[Layout, list[int]]] = {}
+    for i, layout in enumerate(layouts):
+        group = by_id.get(id(layout))
+        if group is None:
+            group = by_id[id(layout)] = (layout, [])
+        group[1].append(i)
+    return dict(by_id.values()) if len(by_id) == 1 else _by_layout(by_id)
 
 
 def _by_layout(by_id: dict[int, tuple[Layout, list[int]]]) -> dict[Layout, list[int]]:

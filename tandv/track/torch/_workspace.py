@@ -35,7 +35,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from functools import cache, reduce
-from operator import attrgetter, or_
+from operator import attrgetter, itemgetter, or_
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -69,9 +69,11 @@ class RowKind:
     """What the rows of some slots hold: their device, row length, layout and the fused
     kernel's dtype spec (``None``: a raw vector of the torch-op path,
     :func:`tandv.track.torch.summary.finish_raw`). One per kind and device space, shared
-    by the slots of every step."""
+    by the slots of every step. ``group``: the kinds whose rows are finished together
+    (one device, and the same spec, layout and row length, by identity: hashing them costs
+    more than the rest)."""
 
-    __slots__ = ("device", "size", "layout", "spec")
+    __slots__ = ("device", "size", "layout", "spec", "group")
 
     def __init__(
         self, device: torch.device, size: int, layout: Layout, spec: _fused.Spec | None
@@ -80,6 +82,7 @@ class RowKind:
         self.size = size
         self.layout = layout
         self.spec = spec
+        self.group = (device, id(spec), id(layout), size)
 
 
 class Slot(tuple):
@@ -850,38 +853,58 @@ def _write_one(
 def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> list[np.ndarray]:
     """A step's summaries as finished layout vectors on the host: the host path's as they
     are, the :class:`Slot` s from their devices' rows (``flight``, waited for if needed);
-    rows of one dtype and layout are finished together. (The tracker calls it on the log's
-    writer thread.)"""
+    rows of one device, dtype and layout are finished together. (The tracker calls it on
+    the log's writer thread, where its time is taken from the training thread's share of
+    the interpreter: it loops in Python over the few row kinds, not the rows.)"""
     host = flight.wait() if flight is not None else {}
     out: list[Any] = list(summaries)
-    # by the identities of spec and layout (hashing them costs more than the rest)
-    groups: dict[tuple, tuple[Any, Layout, int, list[tuple[int, Slot]]]] = {}
-    for i, s in enumerate(summaries):
-        if type(s) is Slot:
-            gk = (id(s.spec), id(s.layout), s.size)
-            group = groups.get(gk)
-            if group is None:
-                group = groups[gk] = (s.spec, s.layout, s.size, [])
-            group[3].append((i, s))
-    for spec, layout, size, members in groups.values():
-        idx = [i for i, _ in members]
-        device = members[0][1].device
-        if all(s.device == device for _, s in members):  # one gather from the rows
-            at = np.fromiter((s.offset for _, s in members), np.int64, len(members))
-            rows = host[device][at[:, None] + np.arange(size)]
-        else:
-            rows = np.stack([host[s.device][s.offset : s.offset + size] for _, s in members])
-        if spec is None:
-            done = finish_raw(rows, np)
-        else:
-            from . import _fused
+    types = set(map(type, summaries))
+    if Slot in types:
+        # the positions of the slots among the summaries (``None``: every one)
+        at = None if len(types) == 1 else [i for i, s in enumerate(summaries) if type(s) is Slot]
+        slots = summaries if at is None else [summaries[i] for i in at]
+        kinds = list(map(_kind_of, slots))
+        offsets = np.fromiter(map(_offset_of, slots), np.int64, len(slots))
+        distinct = list(dict.fromkeys(kinds))  # (by identity: a kind serves every step)
+        groups = list(dict.fromkeys(map(_group_of, distinct)))
+        gids = None
+        if len(groups) > 1:
+            number = {g: n for n, g in enumerate(groups)}
+            group_of = dict(zip(distinct, map(number.__getitem__, map(_group_of, distinct))))
+            gids = np.fromiter(map(group_of.__getitem__, kinds), np.intp, len(kinds))
+        first = dict(zip(map(_group_of, reversed(distinct)), reversed(distinct)))
+        positions = np.arange(len(slots)) if at is None else np.asarray(at)
+        for g, group in enumerate(groups):
+            kind = first[group]
+            members = None if gids is None else np.flatnonzero(gids == g)
+            rows = _gather(
+                host[kind.device], offsets if members is None else offsets[members], kind.size
+            )
+            if kind.spec is None:
+                done = finish_raw(rows, np)
+            else:
+                from . import _fused
 
-            done = _fused.finish_rows(rows, spec, layout)
-        for i, v in zip(idx, done):
-            out[i] = v
+                done = _fused.finish_rows(rows, kind.spec, kind.layout)
+            if members is None and at is None:
+                out = list(done)
+                continue
+            where = positions if members is None else positions[members]
+            for i, v in zip(where.tolist(), done):
+                out[i] = v
     if flight is not None:
         flight.release()
     return out
+
+
+def _gather(values: np.ndarray, offsets: np.ndarray, size: int) -> np.ndarray:
+    """The rows of ``size`` values at ``offsets`` of the 1-D ``values``, as one array (one
+    contiguous copy per row, through a view that sees a row at every offset)."""
+    step = values.strides[0]
+    starts = np.lib.stride_tricks.as_strided(
+        values, shape=(len(values) - size + 1, size), strides=(step, step), writeable=False
+    )
+    return starts[offsets]
 
 
 def _scalar_on(
@@ -906,6 +929,9 @@ _fused_state: list[Any] = []
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types fused_spec may take
 _PLAIN_TYPES = frozenset(_PLAIN)
 _device_of = attrgetter("device")
+_offset_of = itemgetter(0)  # of a Slot
+_kind_of = itemgetter(1)
+_group_of = attrgetter("group")  # of a RowKind
 _dtype_of = attrgetter("dtype")
 
 
