@@ -60,16 +60,25 @@ def finished(summary: DeviceSummary) -> tuple[float, float]:
     return got["skew"], got["kurtosis"]
 
 
+# Each path is one jitted function for the whole file: a shape compiles once, whichever
+# test or parameter brings it (a new jit per call traced and compiled again every time).
+@jax.jit
 def _ffi_path(x):
-    return jax.jit(lambda a: _ffi.ffi_summary(a, LAYOUT.format, LAYOUT.num_counts, 4))(x)
+    return _ffi.ffi_summary(x, LAYOUT.format, LAYOUT.num_counts, 4)
 
 
-def _pallas_path(x):
+def _pallas_path(x):  # (its kernel is jitted, cached per shape)
     return pallas_summary(x, LAYOUT.format, LAYOUT.num_counts, interpret=True, moments=4)
 
 
+@jax.jit
 def _xla_path(x):
-    return jax.jit(lambda a: summarize_jax(a, LAYOUT))(x)
+    return summarize_jax(x, LAYOUT)
+
+
+@jax.jit
+def _merge3(a, b, c):
+    return merge_jax(merge_jax(a, b), c)
 
 
 PATHS = {"ffi": _ffi_path, "pallas": _pallas_path, "xla": _xla_path}
@@ -104,7 +113,7 @@ def test_parts_merge_on_device_and_on_the_host(path, mean):
     such summaries carries that into m3, ~1e-5 of the skewness at 1e4 x the spread.)"""
     x = data(20_000, mean, 1)
     parts = [path(p) for p in (x[:3000], x[3000:3001], x[3001:])]
-    merged = jax.jit(lambda a, b, c: merge_jax(merge_jax(a, b), c))(*parts)
+    merged = _merge3(*parts)
     check(*finished(merged), scipy_of(x))
     vs = [to_vector(jax.device_get(p)) for p in parts]
     got, _ = finalize(merge(merge(vs[0], vs[1], LAYOUT), vs[2], LAYOUT), LAYOUT)
@@ -119,7 +128,7 @@ def test_custom_statistics_go_before_m3_m4():
     layout = Layout("float32", (("peak", "max"),), moments=4)
     custom = {"peak": lambda a: jnp.max(a)}
     for fn in (_pallas_path, _xla_path):
-        core = fn(x) if fn is _pallas_path else summarize_jax(x, LAYOUT)
+        core = fn(x)
         s = with_custom(core, x, custom)
         v = to_vector(jax.device_get(s))
         assert v.shape == (layout.size,)
