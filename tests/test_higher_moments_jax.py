@@ -124,19 +124,24 @@ def test_custom_statistics_go_before_m3_m4():
     """The layout's order: core values, custom statistics, then m3 and m4 (each kernel
     returns m3, m4 after its core; ``with_custom`` inserts the custom statistics), and
     ``merge_jax`` merges both by their rules."""
-    x = data(5000, 2.0, 2)
+    # (the halves' lengths are those of test_parts_merge_on_device_and_on_the_host: the
+    # Pallas kernel compiled for them there runs here again)
+    x = data(20_000, 2.0, 2)
     layout = Layout("float32", (("peak", "max"),), moments=4)
     custom = {"peak": lambda a: jnp.max(a)}
+    # jitted as in a tracked program (op by op, each operation compiled for each shape)
+    add_custom = jax.jit(lambda core, a: with_custom(core, a, custom))
     for fn in (_pallas_path, _xla_path):
         core = fn(x)
-        s = with_custom(core, x, custom)
+        s = add_custom(core, x)
         v = to_vector(jax.device_get(s))
         assert v.shape == (layout.size,)
         assert v[layout.extras_start] == pytest.approx(float(x.max()))
         got, _ = finalize(v, layout)
         check(got["skew"], got["kurtosis"], scipy_of(x))
-    halves = [with_custom(_pallas_path(h), h, custom) for h in (x[:1000], x[1000:])]
-    v = to_vector(jax.device_get(merge_jax(*halves, rules=("max",))))
+    halves = [add_custom(_pallas_path(h), h) for h in (x[:3000], x[3000:])]
+    merged = jax.jit(lambda a, b: merge_jax(a, b, rules=("max",)))(*halves)
+    v = to_vector(jax.device_get(merged))
     assert v[layout.extras_start] == pytest.approx(float(x.max()))
     got, _ = finalize(v, layout)
     check(got["skew"], got["kurtosis"], scipy_of(x))
