@@ -208,6 +208,19 @@ def _run_jax(w, xs, out):
     return read_log(tr.out_path), record
 
 
+_JAX_RUNS: dict = {}
+
+
+def _jax_run(path: str, tmp_path_factory) -> tuple:
+    """:func:`_run_jax`'s log and record on summary path ``path``, run once per path for
+    the file (the trackers' comparison reads the ``auto`` run the tracker test made)."""
+    if path not in _JAX_RUNS:
+        w, xs = _setup()
+        with _kernels.summary_path(path):
+            _JAX_RUNS[path] = _run_jax(w, xs, tmp_path_factory.mktemp(f"jax_{path}"))
+    return _JAX_RUNS[path]
+
+
 def _row(df, name: str, tt: str, step: int):
     m = df["metadata"]
     sel = (m["name"] == name) & (m["tensor_type"] == tt) & (m["step"] == step)
@@ -217,7 +230,7 @@ def _row(df, name: str, tt: str, step: int):
 
 
 @pytest.mark.parametrize("summary_path", ["auto", "xla", "pallas"])
-def test_jax_tracker_logs_exact_skew_and_kurtosis(tmp_path, summary_path):
+def test_jax_tracker_logs_exact_skew_and_kurtosis(tmp_path_factory, summary_path):
     """``track(moments=4)`` in the JAX tracker on each summary path (``auto``: the host
     kernel inside the program on the CPU): weights, gradients and activations (one of them
     64 x its spread) against scipy of the arrays the test takes itself. XLA's operations
@@ -225,9 +238,7 @@ def test_jax_tracker_logs_exact_skew_and_kurtosis(tmp_path, summary_path):
     cancel are off by up to ~3e-6 of their values (measured on these gradients), so that
     path is held to 1e-5."""
     rtol = 1e-5 if summary_path == "xla" else RTOL
-    w, xs = _setup()
-    with _kernels.summary_path(summary_path):
-        df, record = _run_jax(w, xs, tmp_path / "jax")
+    df, record = _jax_run(summary_path, tmp_path_factory)
     for step, (params, grads, acts) in enumerate(record):
         for layer in ("Dense_0", "Dense_1"):
             for leaf in ("kernel", "bias"):
@@ -239,14 +250,14 @@ def test_jax_tracker_logs_exact_skew_and_kurtosis(tmp_path, summary_path):
             check(*_row(df, layer, "Activation", step), scipy_of(acts[layer]), rtol)
 
 
-def test_torch_and_jax_trackers_agree(tmp_path):
+def test_torch_and_jax_trackers_agree(tmp_path, tmp_path_factory):
     """The same model, weights and data (exact float32 arithmetic in both): the two trackers
     log the same skewness and kurtosis, and both equal scipy's."""
     torch = pytest.importorskip("torch")
     from tandv.track.torch import track as torch_track
 
     w, xs = _setup()
-    jdf, record = _run_jax(w, xs, tmp_path / "jax")
+    jdf, record = _jax_run("auto", tmp_path_factory)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
     with torch.no_grad():
         for i, layer in ((0, model[0]), (1, model[2])):
