@@ -60,16 +60,25 @@ def finished(summary: DeviceSummary) -> tuple[float, float]:
     return got["skew"], got["kurtosis"]
 
 
+# Each path is one jitted function for the whole file: a shape compiles once, whichever
+# test or parameter brings it (a new jit per call traced and compiled again every time).
+@jax.jit
 def _ffi_path(x):
-    return jax.jit(lambda a: _ffi.ffi_summary(a, LAYOUT.format, LAYOUT.num_counts, 4))(x)
+    return _ffi.ffi_summary(x, LAYOUT.format, LAYOUT.num_counts, 4)
 
 
-def _pallas_path(x):
+def _pallas_path(x):  # (its kernel is jitted, cached per shape)
     return pallas_summary(x, LAYOUT.format, LAYOUT.num_counts, interpret=True, moments=4)
 
 
+@jax.jit
 def _xla_path(x):
-    return jax.jit(lambda a: summarize_jax(a, LAYOUT))(x)
+    return summarize_jax(x, LAYOUT)
+
+
+@jax.jit
+def _merge3(a, b, c):
+    return merge_jax(merge_jax(a, b), c)
 
 
 PATHS = {"ffi": _ffi_path, "pallas": _pallas_path, "xla": _xla_path}
@@ -104,7 +113,7 @@ def test_parts_merge_on_device_and_on_the_host(path, mean):
     such summaries carries that into m3, ~1e-5 of the skewness at 1e4 x the spread.)"""
     x = data(20_000, mean, 1)
     parts = [path(p) for p in (x[:3000], x[3000:3001], x[3001:])]
-    merged = jax.jit(lambda a, b, c: merge_jax(merge_jax(a, b), c))(*parts)
+    merged = _merge3(*parts)
     check(*finished(merged), scipy_of(x))
     vs = [to_vector(jax.device_get(p)) for p in parts]
     got, _ = finalize(merge(merge(vs[0], vs[1], LAYOUT), vs[2], LAYOUT), LAYOUT)
@@ -115,19 +124,24 @@ def test_custom_statistics_go_before_m3_m4():
     """The layout's order: core values, custom statistics, then m3 and m4 (each kernel
     returns m3, m4 after its core; ``with_custom`` inserts the custom statistics), and
     ``merge_jax`` merges both by their rules."""
-    x = data(5000, 2.0, 2)
+    # (the halves' lengths are those of test_parts_merge_on_device_and_on_the_host: the
+    # Pallas kernel compiled for them there runs here again)
+    x = data(20_000, 2.0, 2)
     layout = Layout("float32", (("peak", "max"),), moments=4)
     custom = {"peak": lambda a: jnp.max(a)}
+    # jitted as in a tracked program (op by op, each operation compiled for each shape)
+    add_custom = jax.jit(lambda core, a: with_custom(core, a, custom))
     for fn in (_pallas_path, _xla_path):
-        core = fn(x) if fn is _pallas_path else summarize_jax(x, LAYOUT)
-        s = with_custom(core, x, custom)
+        core = fn(x)
+        s = add_custom(core, x)
         v = to_vector(jax.device_get(s))
         assert v.shape == (layout.size,)
         assert v[layout.extras_start] == pytest.approx(float(x.max()))
         got, _ = finalize(v, layout)
         check(got["skew"], got["kurtosis"], scipy_of(x))
-    halves = [with_custom(_pallas_path(h), h, custom) for h in (x[:1000], x[1000:])]
-    v = to_vector(jax.device_get(merge_jax(*halves, rules=("max",))))
+    halves = [add_custom(_pallas_path(h), h) for h in (x[:3000], x[3000:])]
+    merged = jax.jit(lambda a, b: merge_jax(a, b, rules=("max",)))(*halves)
+    v = to_vector(jax.device_get(merged))
     assert v[layout.extras_start] == pytest.approx(float(x.max()))
     got, _ = finalize(v, layout)
     check(got["skew"], got["kurtosis"], scipy_of(x))
@@ -194,6 +208,19 @@ def _run_jax(w, xs, out):
     return read_log(tr.out_path), record
 
 
+_JAX_RUNS: dict = {}
+
+
+def _jax_run(path: str, tmp_path_factory) -> tuple:
+    """:func:`_run_jax`'s log and record on summary path ``path``, run once per path for
+    the file (the trackers' comparison reads the ``auto`` run the tracker test made)."""
+    if path not in _JAX_RUNS:
+        w, xs = _setup()
+        with _kernels.summary_path(path):
+            _JAX_RUNS[path] = _run_jax(w, xs, tmp_path_factory.mktemp(f"jax_{path}"))
+    return _JAX_RUNS[path]
+
+
 def _row(df, name: str, tt: str, step: int):
     m = df["metadata"]
     sel = (m["name"] == name) & (m["tensor_type"] == tt) & (m["step"] == step)
@@ -203,7 +230,7 @@ def _row(df, name: str, tt: str, step: int):
 
 
 @pytest.mark.parametrize("summary_path", ["auto", "xla", "pallas"])
-def test_jax_tracker_logs_exact_skew_and_kurtosis(tmp_path, summary_path):
+def test_jax_tracker_logs_exact_skew_and_kurtosis(tmp_path_factory, summary_path):
     """``track(moments=4)`` in the JAX tracker on each summary path (``auto``: the host
     kernel inside the program on the CPU): weights, gradients and activations (one of them
     64 x its spread) against scipy of the arrays the test takes itself. XLA's operations
@@ -211,9 +238,7 @@ def test_jax_tracker_logs_exact_skew_and_kurtosis(tmp_path, summary_path):
     cancel are off by up to ~3e-6 of their values (measured on these gradients), so that
     path is held to 1e-5."""
     rtol = 1e-5 if summary_path == "xla" else RTOL
-    w, xs = _setup()
-    with _kernels.summary_path(summary_path):
-        df, record = _run_jax(w, xs, tmp_path / "jax")
+    df, record = _jax_run(summary_path, tmp_path_factory)
     for step, (params, grads, acts) in enumerate(record):
         for layer in ("Dense_0", "Dense_1"):
             for leaf in ("kernel", "bias"):
@@ -225,14 +250,14 @@ def test_jax_tracker_logs_exact_skew_and_kurtosis(tmp_path, summary_path):
             check(*_row(df, layer, "Activation", step), scipy_of(acts[layer]), rtol)
 
 
-def test_torch_and_jax_trackers_agree(tmp_path):
+def test_torch_and_jax_trackers_agree(tmp_path, tmp_path_factory):
     """The same model, weights and data (exact float32 arithmetic in both): the two trackers
     log the same skewness and kurtosis, and both equal scipy's."""
     torch = pytest.importorskip("torch")
     from tandv.track.torch import track as torch_track
 
     w, xs = _setup()
-    jdf, record = _run_jax(w, xs, tmp_path / "jax")
+    jdf, record = _jax_run("auto", tmp_path_factory)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
     with torch.no_grad():
         for i, layer in ((0, model[0]), (1, model[2])):
