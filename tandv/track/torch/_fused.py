@@ -30,18 +30,17 @@ row once: bin ``k`` counts the normal values of exponent field ``top - k`` (for 
 WINDOW - 2``), bin ``WINDOW - 1`` the zeros, bin ``WINDOW - 2`` everything else (values
 outside the window, subnormals, infinities and NaNs: *outliers*). The window's ``top`` is
 fixed per program: for a dtype of at most ``WINDOW - 2`` exponents (float16, the 8-bit
-formats but float8_e8m0fnu) the dtype's largest, else :data:`HEADROOM` fields above the largest magnitude of
-the program's first tile that has a non-zero finite value (one reduction across the
-program, once). A program that counted any outlier reads its range again and counts
-every element in a histogram of all the dtype's exponents and of zeros, infinities and
-NaNs (:func:`_all_counts`), exactly as a full histogram would, and adds that table
-instead. So the dtype's exponent of every finite non-zero value is exact, subnormals
-included, while the steady state stays narrow: Triton's two lowerings of
-``tl.histogram`` cost per element either one shared-memory atomic (Triton 3.9) or a
-warp ballot per bit of the bin index plus a popcount per bin a lane owns (Triton
-3.6: about 3.2 warp instructions per element on sm_90 with the 512 bins a float32
-histogram of every exponent takes, 1.4 with 64, key included; the rest of the loop is
-about 1.1).
+formats but float8_e8m0fnu) the dtype's largest, else :data:`HEADROOM` fields above the
+largest magnitude of the program's first tile that has a non-zero finite value (one
+reduction across the program, once). A program that counted any outlier reads its range
+again and counts every element in a histogram of all the dtype's exponents and of zeros,
+infinities and NaNs (:func:`_all_counts`), exactly as a full histogram would, and adds
+that table instead. So the dtype's exponent of every finite non-zero value is exact,
+subnormals included, while the steady state stays narrow: Triton's two lowerings of
+``tl.histogram`` cost per element either one shared-memory atomic (Triton 3.9) or a warp
+ballot per bit of the bin index plus a popcount per bin a lane owns (Triton 3.6: about
+3.2 warp instructions per element on sm_90 with the 512 bins a float32 histogram of every
+exponent takes, 1.4 with 64, key included; the rest of the loop is about 1.1).
 
 The moments are computed in float32 (float64 for float64 tensors) per block and
 accumulated in float64: relative error ~1e-7 per block, not per element.
