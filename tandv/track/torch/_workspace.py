@@ -855,42 +855,29 @@ def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> li
     are, the :class:`Slot` s from their devices' rows (``flight``, waited for if needed);
     rows of one device, dtype and layout are finished together. (The tracker calls it on
     the log's writer thread, where its time is taken from the training thread's share of
-    the interpreter: it loops in Python over the few row kinds, not the rows.)"""
+    the interpreter: a row costs a few builtin passes, the Python loop is over row kinds.)"""
     host = flight.wait() if flight is not None else {}
     out: list[Any] = list(summaries)
-    types = set(map(type, summaries))
-    if Slot in types:
-        # the positions of the slots among the summaries (``None``: every one)
-        at = None if len(types) == 1 else [i for i, s in enumerate(summaries) if type(s) is Slot]
-        slots = summaries if at is None else [summaries[i] for i in at]
+    positions = np.flatnonzero([type(s) is Slot for s in summaries])
+    if positions.size:
+        slots = [summaries[i] for i in positions.tolist()]
         kinds = list(map(_kind_of, slots))
         offsets = np.fromiter(map(_offset_of, slots), np.int64, len(slots))
-        distinct = list(dict.fromkeys(kinds))  # (by identity: a kind serves every step)
-        groups = list(dict.fromkeys(map(_group_of, distinct)))
-        gids = None
-        if len(groups) > 1:
-            number = {g: n for n, g in enumerate(groups)}
-            group_of = dict(zip(distinct, map(number.__getitem__, map(_group_of, distinct))))
-            gids = np.fromiter(map(group_of.__getitem__, kinds), np.intp, len(kinds))
-        first = dict(zip(map(_group_of, reversed(distinct)), reversed(distinct)))
-        positions = np.arange(len(slots)) if at is None else np.asarray(at)
-        for g, group in enumerate(groups):
-            kind = first[group]
-            members = None if gids is None else np.flatnonzero(gids == g)
-            rows = _gather(
-                host[kind.device], offsets if members is None else offsets[members], kind.size
-            )
+        # each group's number and first kind, by the few distinct kinds (a kind serves
+        # every step; kinds of one group share device, spec, layout and row length)
+        groups: dict[tuple, tuple[int, RowKind]] = {}
+        number = {k: groups.setdefault(k.group, (len(groups), k))[0] for k in dict.fromkeys(kinds)}
+        gids = np.fromiter(map(number.__getitem__, kinds), np.intp, len(kinds))
+        for g, kind in groups.values():
+            members = np.flatnonzero(gids == g)
+            rows = _gather(host[kind.device], offsets[members], kind.size)
             if kind.spec is None:
                 done = finish_raw(rows, np)
             else:
                 from . import _fused
 
                 done = _fused.finish_rows(rows, kind.spec, kind.layout)
-            if members is None and at is None:
-                out = list(done)
-                continue
-            where = positions if members is None else positions[members]
-            for i, v in zip(where.tolist(), done):
+            for i, v in zip(positions[members].tolist(), done):
                 out[i] = v
     if flight is not None:
         flight.release()
