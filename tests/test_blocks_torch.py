@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _benchmarks import load_benchmark  # noqa: E402
 from test_blocks import COLS, NAMES, _random_arrays  # noqa: E402
 
 import tandv  # noqa: E402
@@ -136,14 +137,9 @@ def test_shares_and_report(tmp_path) -> None:
 
 
 def test_block_cost_benchmark_tiny_mode(tmp_path: Path) -> None:
-    import importlib.util
     import json
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
-    spec = importlib.util.spec_from_file_location("overhead_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("overhead")
     cfg = bench.GPTConfig(vocab_size=32, seq_len=8, d_model=32, n_layers=1, n_heads=2, d_mlp=64)
     formats = ("mxfp8_e4m3", "nvfp4")
     r = bench.variant_cost(cfg, 2, 2, 1, 1, "cpu", block_formats=formats)

@@ -11,7 +11,6 @@ snippet a page includes exists.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -19,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _benchmarks import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -159,10 +159,7 @@ def test_the_benchmark_tables_are_the_rendered_results():
 
 def test_the_table_renderer_writes_ranges_pairs_and_notes():
     """The cell forms of benchmarks/tables.py, against hand-written expectations."""
-    spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "benchmarks" / "tables.py")
-    assert spec is not None and spec.loader is not None
-    tables = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tables)
+    tables = load_benchmark("tables")
     assert tables.cell([172, 180], "ms", 0) == "172-180 ms"
     assert tables.cell(1190, "ms", 0) == "1.19 s"
     assert tables.cell({"value": [1.3, 1.35], "paren": [1.25, 1.28], "runs": 4}, "", 2) == (
@@ -206,9 +203,6 @@ def test_the_overhead_benchmark_adds_its_run_to_a_results_file(tmp_path):
     assert printed, out.stdout
     assert row["every1"] == {"value": float(printed[1]), "paren": float(printed[2])}
     assert row["model"].startswith("1 layers, d_model 32") and row["untracked"] > 0
-    spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "benchmarks" / "tables.py")
-    assert spec is not None and spec.loader is not None
-    tables = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tables)
+    tables = load_benchmark("tables")
     table = tables.render(json.loads(results.read_text()), "torch_overhead")
     assert table.splitlines()[-1].startswith("| 1 layers, d_model 32")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from _benchmarks import load_benchmark
 
 from tandv.stats.host import host_higher_moments, host_summaries
 from tandv.stats.summary import (
@@ -136,14 +137,7 @@ def test_torch_paths_match_scipy_and_merge():
 
 
 def test_cost_benchmark_runs_in_tiny_mode():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parent.parent / "benchmarks" / "higher_moments.py"
-    spec = importlib.util.spec_from_file_location("higher_moments_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("higher_moments")
     r = bench.run((5000, 300), repeat=3)
     assert r["elements"] == 5300 and r["core_s"] > 0 and r["moments4_s"] > 0
 
@@ -151,16 +145,10 @@ def test_cost_benchmark_runs_in_tiny_mode():
 def test_step_cost_benchmark_runs_in_tiny_mode(capsys):
     """The training step with and without moments=4 (a tiny model, 3 steps): the printed
     ratio of medians is that of the printed medians."""
-    import importlib.util
     import re
-    from pathlib import Path
 
     pytest.importorskip("torch")
-    path = Path(__file__).parent.parent / "benchmarks" / "higher_moments.py"
-    spec = importlib.util.spec_from_file_location("higher_moments_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("higher_moments")
     assert bench.main(["--tiny", "--steps", "3", "--warmup", "1"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("tiny GPT on the CPU")

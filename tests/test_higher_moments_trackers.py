@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _benchmarks import load_benchmark
 
 from tandv.schema import read_log
 from tandv.stats.summary import Layout, finalize, summarize
@@ -196,15 +197,9 @@ def test_jax_summary_computes_m3_m4(mean, rtol):
 
 
 def test_overhead_benchmark_with_moments_runs_in_tiny_mode(capsys):
-    import importlib.util
     import re
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
-    spec = importlib.util.spec_from_file_location("overhead_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("overhead")
     tiny = "--layers 1 --d-model 16 --heads 2 --mlp 32 --vocab 32 --seq 8 --batch 2"
     argv = tiny.split() + "--steps 2 --warmup 1 --every 1 --moments".split()
     assert bench.main(argv) == 0

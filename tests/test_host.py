@@ -3,6 +3,7 @@
 import ml_dtypes
 import numpy as np
 import pytest
+from _benchmarks import load_benchmark
 
 from tandv.stats import host
 from tandv.stats.summary import CORE_FIELDS, Layout, summarize
@@ -174,13 +175,8 @@ def test_exponent_counts_in_pairs_at_the_window_edge(below, extra):
 def test_kernel_benchmark_runs_in_its_tiny_mode(capsys):
     """``benchmarks/host_kernel.py --tiny``: every row timed, the exponent counts checked
     against numpy (in the pairs' window and outside it)."""
-    import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_kernel.py"
-    spec = importlib.util.spec_from_file_location("host_kernel_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("host_kernel")
     assert bench.main(["--tiny"]) == 0
     out = capsys.readouterr().out
     assert "exponent counts" in out and "bfloat16" in out

@@ -23,6 +23,8 @@ from torch import nn
 
 pytest.importorskip("triton")
 
+from _benchmarks import load_benchmark  # noqa: E402
+
 from tandv.schema import read_log  # noqa: E402
 from tandv.stats.summary import CORE_FIELDS, Layout, summarize  # noqa: E402
 from tandv.track.torch import _fused, _workspace, track  # noqa: E402
@@ -437,12 +439,7 @@ def test_no_synchronization_inside_hooks_on_cuda():
 )
 def test_kernel_benchmark_runs_in_its_tiny_mode(capsys):
     """``benchmarks/fused_kernel.py --tiny``: the interpreter, checked against numpy."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fused_kernel.py"
-    spec = importlib.util.spec_from_file_location("fused_kernel_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("fused_kernel")
     assert bench.main(["--tiny"]) == 0
     out = capsys.readouterr().out
     assert "torch.float32" in out and "torch.bfloat16" in out and "error" in out
