@@ -448,13 +448,9 @@ def _step(  # noqa: PLR0915
     k = (wtop - _field(bits, MODE)).to(tl.uint32)
     key = tl.where(bits == 0, WIN - 1, tl.minimum(k, WIN - 2).to(tl.int32))
     if MASKED:
-        # masked-off elements go to zero's bin and are taken out of it after counting
-        # (tl.histogram's own mask counted the wrong elements on an H200 with Triton 3.6,
-        # while the interpreter counted right: the mask is not used)
-        key = tl.where(m, key, WIN - 1)
-        kept = tl.reduce(tl.reduce(tl.reduce(m.to(tl.int32), 2, _ADD), 0, _ADD), 0, _ADD)
-        hist -= tl.where(tl.arange(0, WIN) == WIN - 1, BLOCK - kept, 0)
-    hist += tl.histogram(tl.reshape(key, [BLOCK]), WIN)
+        hist += _masked_histogram(key, m, WIN - 1, WIN, BLOCK)
+    else:
+        hist += tl.histogram(tl.reshape(key, [BLOCK]), WIN)
     return (En, nt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over, m3, m4), hist, blk
 
 
@@ -567,17 +563,25 @@ def _all_counts(
     BLOCK: tl.constexpr = K * SLOTS * VEC
     hist = tl.zeros([NBP], tl.int32)
     inf = _inf_bits(MODE)
-    zkey = (_exponent(tl.zeros([1], inf.dtype), SUB, MODE) - DMIN) & (NBP - 1)
+    zkey = (_exponent(tl.zeros([1, 1, 1], inf.dtype), SUB, MODE) - DMIN) & (NBP - 1)
     for off in range(start, end, BLOCK):
         x, m = _tile(ptr, off, end, lut_ptr, geo, MODE, VEC, K, SLOTS, True, STRIDED)
         bits = _magnitude_bits(x, MODE)
         key = (_exponent(bits, SUB, MODE) - DMIN + (bits > inf).to(tl.int32)) & (NBP - 1)
-        # masked-off elements into zero's bin, taken out after counting
-        key = tl.where(m, key, zkey[:, None, None])
-        kept = tl.reduce(tl.reduce(tl.reduce(m.to(tl.int32), 2, _ADD), 0, _ADD), 0, _ADD)
-        hist -= tl.where(tl.arange(0, NBP) == zkey, BLOCK - kept, 0)
-        hist += tl.histogram(tl.reshape(key, [BLOCK]), NBP)
+        hist += _masked_histogram(key, m, zkey, NBP, BLOCK)
     return hist
+
+
+@triton.jit
+def _masked_histogram(key, m, spare, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """``tl.histogram`` of the ``[K, SLOTS, VEC]`` tile's ``key`` where ``m``, in ``NB``
+    bins: masked-off elements are counted in bin ``spare`` (a scalar or a ``[1, 1, 1]``
+    tile) and taken out of it. (``tl.histogram``'s own mask counted the wrong elements on
+    an H200 with Triton 3.6, while the interpreter counted right: it is not used.)"""
+    counts = tl.histogram(tl.reshape(tl.where(m, key, spare), [BLOCK]), NB)
+    off = BLOCK - tl.reduce(tl.reduce(tl.reduce(m.to(tl.int32), 2, _ADD), 0, _ADD), 0, _ADD)
+    bins = tl.arange(0, NB)[:, None, None]
+    return counts - tl.reduce(tl.reduce(tl.where(bins == spare, off, 0), 2, _ADD), 1, _ADD)
 
 
 @triton.jit
