@@ -15,7 +15,7 @@ less what a clock pair reads around an empty call): the forward hooks and output
 hooks (together, per hook call: ``host_us_per_observation``; in this model each call
 observes one activation or activation gradient), and, per step, everything else on the
 training thread (the global forward pre-hook that captures weights, the optimizer's
-pre-hook, ``tracker.step()``). The clock is read once before each reading starts, so that
+pre- and post-hooks, ``tracker.step()``). The clock is read once before each reading starts, so that
 its own first-call cost on cold caches is not charged to tandv. Not included: torch's cost
 of calling a Python hook at all (``Module.__call__``'s hook loop, autograd's call into
 Python), which any hook pays. The writer thread's CPU time per step is printed beside them.
@@ -189,6 +189,7 @@ def instrument(clock: Clock) -> None:
     )
     Tracker._first_forward_hook = clock.timed("inside", Tracker._first_forward_hook)  # type: ignore[method-assign]
     Tracker._optimizer_pre_hook = clock.timed("fixed", Tracker._optimizer_pre_hook)  # type: ignore[method-assign]
+    Tracker._optimizer_post_hook = clock.timed("fixed", Tracker._optimizer_post_hook)  # type: ignore[method-assign]
 
 
 def thread_cpu_s(thread: threading.Thread | None) -> float:
