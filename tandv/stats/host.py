@@ -1468,11 +1468,11 @@ def _summary_blocks_one(
     """:func:`_summary_one` with the block formats of ``table`` (:func:`_block_table`;
     ``x`` in rows of ``rowlen``), their partials into ``acc`` (items x formats x 5, zeros):
     :func:`host_summaries`' path for one array with block formats (a hook's tensor), which
-    skips the planning of many arrays' items (about 80 -> 15 microseconds a call). The
-    same items, pivot, passes and merge as that planning gives, so the same row: the
-    first pass's blocks with each item, NVFP4's second pass once the summary has the
-    tensor's largest magnitude (``max_abs``, a float32's value) from the maxima the first
-    kept."""
+    skips the planning of many arrays' items (91 -> 20 microseconds a call of a small
+    array). The same items, pivot, passes and merge as that planning gives, so the same
+    row: the first pass's blocks with each item, NVFP4's second pass once the summary has
+    the tensor's largest magnitude (``max_abs``, a float32's value) from the maxima the
+    first kept."""
     part, hist, sub, pivot = _one_start(x)
     items = part.shape[0]
     n = x.size
@@ -1627,7 +1627,7 @@ _LANE_MAX = 2 * _CHUNK
 def _lanes(sizes: list[int], lanes: int) -> tuple[np.ndarray, np.ndarray]:
     """The sources of ``sizes`` (elements) dealt to ``lanes`` lanes, the largest first to
     the least loaded lane: the sources' numbers, lane by lane (each lane's in order), and
-    where each lane's start (``lanes + 1`` offsets)."""
+    where each lane starts (``lanes + 1`` offsets)."""
     load = [0] * lanes
     dealt: list[list[int]] = [[] for _ in range(lanes)]
     for u in sorted(range(len(sizes)), key=lambda u: -sizes[u]):
