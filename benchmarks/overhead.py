@@ -28,7 +28,8 @@ Usage::
 With ``--block-formats`` or ``--moments`` three copies step in turn, untracked, tracked and
 tracked with that option, and the script prints both tracked copies' ratios to the
 untracked one and the option's ratio to the plain tracked copy, of wall-clock step times
-and of the process's CPU time per step.
+and of the process's CPU time per step; with ``--block-formats`` on the CPU, also what each
+format adds per value to the host kernel's summary of an array (one thread).
 
 With ``--compile`` both copies are compiled in place (``model.compile()``, inductor) and
 the tracker's hooks run inside the tracked copy's graph; the warm-up steps compile (a
@@ -201,6 +202,39 @@ def variant_cost(
         # the median of each iteration's ratio: the two tracked steps ran back to back
         "paired_variant_to_tracked": statistics.median(paired),
     }
+
+
+def formats_per_value(formats: list[str], repeat: int = 30) -> dict[str, float]:
+    """The host kernel's cost per value (ns, thread CPU time, one thread, the least of
+    ``repeat`` calls) of a (1024, 256) array of float32 Gaussian values (the size of an
+    activation of the small model; four chunks, 1 MiB, read from the cache after the first
+    call): its summary alone (``"summary"``), and what each of ``formats`` adds to it,
+    alone and all together (``"all"``), call costs included: the formats' own cost, which
+    the step ratios mix with the model's and the rest of the tracker's."""
+    import numpy as np
+
+    from tandv.stats.blocks import block_extras
+    from tandv.stats.host import host_summaries
+    from tandv.stats.summary import Layout
+
+    x = np.random.default_rng(0).standard_normal((1024, 256)).astype(np.float32)
+
+    def least(extras: tuple[tuple[str, str], ...]) -> float:
+        layout = Layout("float32", extras=extras)
+        host_summaries([x], layout)  # compiled before it is timed
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.thread_time()
+            host_summaries([x], layout)
+            best = min(best, time.thread_time() - t0)
+        return best * 1e9 / x.size
+
+    base = least(())
+    out = {"summary": base}
+    for name in formats:
+        out[name] = least(block_extras([name])) - base
+    out["all"] = least(block_extras(formats)) - base
+    return out
 
 
 def variant_row(
@@ -476,6 +510,15 @@ def run_variant(
                 argv,
                 variant_row(r, args.block_formats, every, load, load_after),
             )
+    if args.block_formats and args.device == "cpu":
+        ns = formats_per_value(args.block_formats)
+        print(
+            "host kernel, a (1024, 256) float32 array, one thread (thread CPU time, ns per "
+            "value): "
+            f"summary {ns.pop('summary'):.3f}; the formats add "
+            + ", ".join(f"{k} {v:.3f}" for k, v in ns.items()),
+            flush=True,
+        )
     return 0
 
 

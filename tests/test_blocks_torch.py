@@ -160,3 +160,5 @@ def test_block_cost_benchmark_tiny_mode(tmp_path: Path) -> None:
     assert row["formats"] == "mxfp8_e4m3 + nvfp4" and row["every"] == 1
     assert row["variant"] > 0 and row["tracked"] > 0 and row["ratio"]["value"] > 0
     assert len(row["load"]) == 2 and "--block-formats mxfp8_e4m3 nvfp4" in row["command"]
+    ns = bench.formats_per_value(list(formats), repeat=2)
+    assert set(ns) == {"summary", *formats, "all"} and ns["summary"] > 0

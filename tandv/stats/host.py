@@ -1107,6 +1107,86 @@ def _run(
     _second_pass(x, starts, stops, st, blk)
 
 
+def _address_typing(typingctx: object, address: types.Type) -> object:  # pragma: no cover
+    """An int64 address as a raw pointer, what ``numba.carray`` reads from."""
+    if address != types.int64:
+        return None
+
+    def codegen(context: object, builder: object, sig: object, args: list[object]) -> object:
+        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))  # type: ignore[attr-defined]
+
+    return types.voidptr(types.int64), codegen
+
+
+#: Compiled code's view of arrays it gets as addresses (:func:`_run_lanes`): a list of
+#: arrays costs 60-220 microseconds a call to pass in, an int64 array of addresses nothing.
+_address: Callable[..., Any] = intrinsic(_address_typing)
+
+
+@numba.njit(cache=True, nogil=True)
+def _run_unit(
+    x: np.ndarray,
+    r0: int,
+    r1: int,
+    starts: np.ndarray,
+    stops: np.ndarray,
+    over_at: float,
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+    blk: _Blocks,
+) -> None:  # pragma: no cover - compiled
+    """:func:`_run` of the items ``r0 .. r1 - 1`` (rows of ``part`` ..., offsets into
+    ``x``), whole tensors, on the calling thread: the same passes, in the same order, with
+    the same per-item results (pivots in ``part``)."""
+    bits = x.view(np.int32)
+    nf = blk.table.shape[0]
+    for j in range(r0, r1):
+        a, b = starts[j], stops[j]
+        _item(x[a:b], bits[a:b], part[j, _PIVOT], over_at, part[j], hist[j], sub[j])
+        if nf:
+            t0, t1 = blk.bases[j], blk.ends[j]
+            h = blk.hi16[blk.hoff[j] : blk.hoff[j] + (b - a) // 16]
+            _first_blocks(x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, blk.acc[j], h)
+    if nf == 0 or not _has_nv(blk.table):
+        return
+    st = np.empty(r1 - r0, np.float32)
+    _tensor_scales(part[r0:r1], blk.seg[r0:r1], st)
+    for j in range(r0, r1):
+        a, b = starts[j], stops[j]
+        t0, t1 = blk.bases[j], blk.ends[j]
+        h = blk.hi16[blk.hoff[j] : blk.hoff[j] + (b - a) // 16]
+        _second_blocks(
+            x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, st[j - r0], blk.acc[j], h
+        )
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _run_lanes(
+    addresses: np.ndarray,
+    sizes: np.ndarray,
+    first: np.ndarray,
+    last: np.ndarray,
+    lanes: np.ndarray,
+    starts: np.ndarray,
+    stops: np.ndarray,
+    over_at: float,
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+    blk: _Blocks,
+) -> None:  # pragma: no cover - compiled
+    """Sources (float32 buffers at ``addresses``, ``sizes`` elements, their items the rows
+    ``first[u] .. last[u] - 1``), each by :func:`_run_unit` on one thread: the sources
+    ``lanes[l] .. lanes[l + 1] - 1`` on lane ``l``, one lane a thread. For sources too
+    small to share among threads (an item or two), which :func:`_run` would run one at a
+    time on one thread while the others wait, and with a parallel launch each."""
+    for lane in numba.prange(lanes.size - 1):
+        for u in range(lanes[lane], lanes[lane + 1]):
+            x = numba.carray(_address(addresses[u]), (sizes[u],), np.float32)
+            _run_unit(x, first[u], last[u], starts, stops, over_at, part, hist, sub, blk)
+
+
 @numba.njit(cache=True, nogil=True)
 def _first_finite(
     x: np.ndarray, starts: np.ndarray, stops: np.ndarray
@@ -1373,6 +1453,50 @@ def _summary_one(
     _one_finish(x, part, hist, sub, field_bin, sub_bin, nb, out)
 
 
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _summary_blocks_one(
+    x: np.ndarray,
+    rowlen: int,
+    field_bin: np.ndarray,
+    sub_bin: np.ndarray,
+    nb: int,
+    over_at: float,
+    table: np.ndarray,
+    out: np.ndarray,
+    acc: np.ndarray,
+) -> None:  # pragma: no cover - compiled
+    """:func:`_summary_one` with the block formats of ``table`` (:func:`_block_table`;
+    ``x`` in rows of ``rowlen``), their partials into ``acc`` (items x formats x 5, zeros):
+    :func:`host_summaries`' path for one array with block formats (a hook's tensor), which
+    skips the planning of many arrays' items (91 -> 20 microseconds a call of a small
+    array). The same items, pivot, passes and merge as that planning gives, so the same
+    row: the first pass's blocks with each item, NVFP4's second pass once the summary has
+    the tensor's largest magnitude (``max_abs``, a float32's value) from the maxima the
+    first kept."""
+    part, hist, sub, pivot = _one_start(x)
+    items = part.shape[0]
+    n = x.size
+    nv = _has_nv(table)
+    per = _CHUNK // 16 if nv else 0
+    hi16 = np.empty(items * per, np.int32)
+    for j in numba.prange(items):
+        a = j * _CHUNK
+        b = min(n, a + _CHUNK)
+        _one_item(x, j, pivot, over_at, part, hist, sub)
+        h = hi16[j * per : j * per + ((b - a) // 16 if nv else 0)]
+        _first_blocks(x, a, b, rowlen, table, acc[j], h)
+    _one_finish(x, part, hist, sub, field_bin, sub_bin, nb, out)
+    if not nv:
+        return
+    amax = np.float32(out[_O_MAXABS])
+    st = amax / np.float32(448.0 * 6.0) if amax > 0 else np.float32(1.0)
+    for j in numba.prange(items):
+        a = j * _CHUNK
+        b = min(n, a + _CHUNK)
+        h = hi16[j * per : j * per + (b - a) // 16]
+        _second_blocks(x, a, b, rowlen, table, st, acc[j], h)
+
+
 @numba.njit(cache=True, nogil=True)
 def split_serial(
     v: np.ndarray, counts: np.ndarray, values: np.ndarray
@@ -1495,6 +1619,26 @@ def _numba_threads(threads: int, elements: int) -> Iterator[None]:
             numba.set_num_threads(before)
 
 
+#: Sources of at most this many elements run whole on one thread (:func:`_run_lanes`),
+#: beside other such sources on the other threads; larger ones share their items.
+_LANE_MAX = 2 * _CHUNK
+
+
+def _lanes(sizes: list[int], lanes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sources of ``sizes`` (elements) dealt to ``lanes`` lanes, the largest first to
+    the least loaded lane: the sources' numbers, lane by lane (each lane's in order), and
+    where each lane starts (``lanes + 1`` offsets)."""
+    load = [0] * lanes
+    dealt: list[list[int]] = [[] for _ in range(lanes)]
+    for u in sorted(range(len(sizes)), key=lambda u: -sizes[u]):
+        lane = load.index(min(load))
+        load[lane] += sizes[u]
+        dealt[lane].append(u)
+    order = np.array([u for d in dealt for u in sorted(d)], np.int64)
+    bounds = np.cumsum([0] + [len(d) for d in dealt]).astype(np.int64)
+    return order, bounds
+
+
 def _run_all(
     sources: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
     over_at: float,
@@ -1509,14 +1653,61 @@ def _run_all(
     Threads come from numba's parallel loop, not a Python thread pool (stats/DESIGN.md
     says why). The block formats of ``blk`` run in the same call, source by source: a
     source's NVFP4 pass follows its first pass, so that it finds the values still in the
-    cache where they fit, not after every other array's pass."""
+    cache where they fit, not after every other array's pass. Sources of at most
+    :data:`_LANE_MAX` elements run whole, each on one thread, all in one parallel launch
+    (:func:`_run_lanes`); the larger ones share their items among the threads, one launch
+    (two with NVFP4) a source."""
     total = sum(int(sp[-1] - st[0]) for _, st, sp, _ in sources if st.size)
+    rows = np.cumsum([0] + [st.size for _, st, _, _ in sources]).astype(np.int64)
+    small = [u for u, (x, st, _, _) in enumerate(sources) if st.size and x.size <= _LANE_MAX]
+    whole = set(small)
     with _numba_threads(threads, total):
-        row = 0
-        for x, st, sp, pv in sources:
-            rows = slice(row, row + st.size)
-            row += st.size
-            _run(x, st, sp, pv, over_at, part[rows], hist[rows], sub[rows], blk.rows(rows))
+        if small:
+            order, bounds = _lanes([sources[u][0].size for u in small], numba.get_num_threads())
+            units = [small[u] for u in order]
+            _run_lanes(
+                np.array([sources[u][0].ctypes.data for u in units], np.int64),
+                np.array([sources[u][0].size for u in units], np.int64),
+                rows[units],
+                rows[np.array(units) + 1],
+                bounds,
+                np.concatenate([st for _, st, _, _ in sources]),
+                np.concatenate([sp for _, _, sp, _ in sources]),
+                over_at,
+                part,
+                hist,
+                sub,
+                blk,
+            )
+        for u, (x, st, sp, pv) in enumerate(sources):
+            if u in whole:
+                continue
+            r = slice(rows[u], rows[u + 1])
+            _run(x, st, sp, pv, over_at, part[r], hist[r], sub[r], blk.rows(r))
+
+
+def _host_one(
+    x: np.ndarray,
+    shape: tuple[int, ...],
+    layout: Layout,
+    formats: tuple[BlockFormat, ...],
+    threads: int,
+    out: np.ndarray,
+) -> None:
+    """:func:`host_summaries`' row ``out`` of one array (flat float32 ``x`` of ``shape``)
+    by the one-array kernels, which skip the planning of many arrays' items."""
+    field_bin, sub_bin, nb, over_at = _tables(layout.format)
+    if not formats:
+        with _numba_threads(threads, x.size):
+            _summary_one(x, field_bin, sub_bin, nb, over_at, out)
+        return
+    acc = np.zeros((max(1, -(-x.size // _CHUNK)), len(formats), len(BLOCK_COLUMNS)))
+    rowlen = shape[-1] if shape else 1
+    table = _block_table(formats)
+    with _numba_threads(threads, x.size):
+        _summary_blocks_one(x, rowlen, field_bin, sub_bin, nb, over_at, table, out, acc)
+    cols = _block_columns(acc, np.zeros(acc.shape[0], np.int64), 1)
+    out[layout.extras_start :] = cols.reshape(-1)
 
 
 def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 1) -> np.ndarray:
@@ -1553,10 +1744,8 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     out = np.zeros((k, layout.extras_start + len(BLOCK_COLUMNS) * len(formats)))
     if k == 0:
         return out
-    if k == 1 and not formats:  # one tensor (a hook's): no planning of many arrays' items
-        field_bin, sub_bin, nb, over_at = _tables(layout.format)
-        with _numba_threads(threads, flats[0].size):
-            _summary_one(flats[0], field_bin, sub_bin, nb, over_at, out[0])
+    if k == 1:  # one tensor (a hook's): no planning of many arrays' items
+        _host_one(flats[0], arrays[0].shape, layout, formats, threads, out[0])
         return out
     lens = np.array([f.size for f in flats], dtype=np.int64)
     rowlens = np.array([a.shape[-1] if a.ndim else 1 for a in arrays], dtype=np.int64)
