@@ -1041,6 +1041,39 @@ def _tensor_scales(
         j = e
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _first_of_item(
+    x: np.ndarray,
+    bits: np.ndarray,
+    j: int,
+    a: int,
+    b: int,
+    pivot: float,
+    over_at: float,
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+    blk: _Blocks,
+) -> None:  # pragma: no cover - compiled
+    """The first pass over item ``j`` (``x[a:b]``, with its pivot): :func:`_item` into row
+    ``j`` of ``part``, ``hist`` and ``sub``, and its blocks' share (:func:`_first_blocks`)."""
+    _item(x[a:b], bits[a:b], pivot, over_at, part[j], hist[j], sub[j])
+    if blk.table.shape[0]:
+        t0, t1 = blk.bases[j], blk.ends[j]
+        h = blk.hi16[blk.hoff[j] : blk.hoff[j] + (b - a) // 16]
+        _first_blocks(x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, blk.acc[j], h)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _second_of_item(
+    x: np.ndarray, j: int, a: int, b: int, st: np.float32, blk: _Blocks
+) -> None:  # pragma: no cover - compiled
+    """NVFP4's second pass over item ``j`` (``x[a:b]``) with its tensor's scale ``st``."""
+    t0, t1 = blk.bases[j], blk.ends[j]
+    h = blk.hi16[blk.hoff[j] : blk.hoff[j] + (b - a) // 16]
+    _second_blocks(x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, st, blk.acc[j], h)
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _first_pass(
     x: np.ndarray,
@@ -1057,14 +1090,8 @@ def _first_pass(
     ``j`` of ``part``, ``hist`` and ``sub``, and their blocks' share of the first pass
     (:func:`_first_blocks`), shared among ``numba.get_num_threads()`` threads."""
     bits = x.view(np.int32)
-    nf = blk.table.shape[0]
     for j in numba.prange(starts.size):
-        a, b = starts[j], stops[j]
-        _item(x[a:b], bits[a:b], pivots[j], over_at, part[j], hist[j], sub[j])
-        if nf:
-            t0, t1 = blk.bases[j], blk.ends[j]
-            h = blk.hi16[blk.hoff[j] : blk.hoff[j] + (b - a) // 16]
-            _first_blocks(x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, blk.acc[j], h)
+        _first_of_item(x, bits, j, starts[j], stops[j], pivots[j], over_at, part, hist, sub, blk)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -1074,10 +1101,7 @@ def _second_pass(
     """:func:`_second_blocks` of the items (as :func:`_first_pass`) with their tensors'
     NVFP4 scales ``st``."""
     for j in numba.prange(starts.size):
-        a, b = starts[j], stops[j]
-        t0, t1 = blk.bases[j], blk.ends[j]
-        h = blk.hi16[blk.hoff[j] : blk.hoff[j] + (b - a) // 16]
-        _second_blocks(x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, st[j], blk.acc[j], h)
+        _second_of_item(x, j, starts[j], stops[j], st[j], blk)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -1140,25 +1164,16 @@ def _run_unit(
     ``x``), whole tensors, on the calling thread: the same passes, in the same order, with
     the same per-item results (pivots in ``part``)."""
     bits = x.view(np.int32)
-    nf = blk.table.shape[0]
     for j in range(r0, r1):
-        a, b = starts[j], stops[j]
-        _item(x[a:b], bits[a:b], part[j, _PIVOT], over_at, part[j], hist[j], sub[j])
-        if nf:
-            t0, t1 = blk.bases[j], blk.ends[j]
-            h = blk.hi16[blk.hoff[j] : blk.hoff[j] + (b - a) // 16]
-            _first_blocks(x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, blk.acc[j], h)
-    if nf == 0 or not _has_nv(blk.table):
+        _first_of_item(
+            x, bits, j, starts[j], stops[j], part[j, _PIVOT], over_at, part, hist, sub, blk
+        )
+    if blk.table.shape[0] == 0 or not _has_nv(blk.table):
         return
     st = np.empty(r1 - r0, np.float32)
     _tensor_scales(part[r0:r1], blk.seg[r0:r1], st)
     for j in range(r0, r1):
-        a, b = starts[j], stops[j]
-        t0, t1 = blk.bases[j], blk.ends[j]
-        h = blk.hi16[blk.hoff[j] : blk.hoff[j] + (b - a) // 16]
-        _second_blocks(
-            x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, st[j - r0], blk.acc[j], h
-        )
+        _second_of_item(x, j, starts[j], stops[j], st[j - r0], blk)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
