@@ -162,6 +162,28 @@ def test_xla_random(seed: int) -> None:
         _assert_columns(_decoded(ints, floats, len(NAMES)), a, NAMES, a.shape)
 
 
+def test_many_arrays_words_equal_the_reference_and_the_program_stays_one_size() -> None:
+    # block_words_many: the random arrays' words (float32 and bfloat16, partial blocks,
+    # 0-d, empty) equal the numpy reference, computed together; and the program of 12
+    # arrays is not 12 programs' size (one per array made it grow with the arrays)
+    from tandv.track.jax._blocks import block_words_many
+
+    arrays = _random_arrays(0)
+    ints, floats = jax.jit(lambda xs: block_words_many(xs, FORMATS))(
+        [jnp.asarray(a) for a in arrays]
+    )
+    for a, i, f in zip(arrays, np.asarray(ints), np.asarray(floats)):
+        _assert_columns(_decoded(i, f, len(NAMES)), a, NAMES, ("many", a.shape))
+
+    def size(k: int) -> int:
+        xs = [jnp.zeros((8, 33 + j), jnp.float32) for j in range(k)]  # 24 blocks each
+        text = jax.jit(lambda v: block_words_many(v, FORMATS[-1:])).lower(xs).as_text()
+        return text.count(" = ")
+
+    one, twelve = size(1), size(12)
+    assert twelve < 2 * one, (one, twelve)
+
+
 def test_summaries_carry_the_columns() -> None:
     # whole summaries (XLA; Pallas in interpret mode): the core fields as without block
     # formats, the columns in the layout's place, moments=4's m3, m4 after them

@@ -35,7 +35,7 @@ from ...stats.summary import (
     pack_parts,
     unpack_fields,
 )
-from ._blocks import block_words, decode, with_words
+from ._blocks import block_words, block_words_many, decode, with_words
 
 __all__ = [
     "DeviceSummary",
@@ -181,13 +181,20 @@ def summarize_many_jax(
     counts, values = _summarize_rows(
         block, np.asarray(row_seg, np.int32), np.asarray(pads, np.int32), layout, fb
     )
+    words = block_words_many(arrays, formats) if formats and len(arrays) > 1 else None
     out = []
     for i, a in enumerate(arrays):
         got = with_custom(DeviceSummary(counts[i], values[i]), a, custom)
         if layout.num_higher:
             extra = higher_moments_jax(a, got.values).astype(got.values.dtype)
             got = DeviceSummary(got.counts, append_extras(got.values, extra, jnp))
-        out.append(with_blocks(got, a, layout))
+        if words is None:
+            out.append(with_blocks(got, a, layout))
+        else:  # the arrays' words computed together (one program's size)
+            counts_i, values_i = with_words(
+                got.counts, got.values, words[0][i], words[1][i], N_CORE_VALUES
+            )
+            out.append(DeviceSummary(counts_i, values_i))
     return out
 
 
