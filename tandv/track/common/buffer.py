@@ -78,7 +78,7 @@ def _merge_dtypes(
         return entries  # one dtype per tensor (the common case)
     by_tensor: dict[tuple[str, str, str], list[int]] = {}
     for i, (key, _, _) in enumerate(entries):
-        by_tensor.setdefault((key.name, key.tensor_type, key.module_type), []).append(i)
+        by_tensor.setdefault(_tensor_of(key), []).append(i)
     if len(by_tensor) == len(entries):
         return entries
     out = []

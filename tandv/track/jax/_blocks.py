@@ -395,43 +395,30 @@ def check_blockable(x: Any) -> None:
 def block_words(x: Any, formats: Sequence[BlockFormat]) -> tuple[Any, Any]:
     """The block formats' words of the array ``x`` by XLA operations (traceable): int32
     ``(len(formats) * INT_WORDS,)`` and float32 ``(len(formats),)`` (see the module
-    docstring)."""
-    check_blockable(x)
-    ints, floats = [], []
-    if x.size == 0:
-        zeros = jnp.zeros((len(formats),), _F32)
-        return jnp.zeros((len(formats) * INT_WORDS,), _I32), zeros
-    st = None
-    if any(f.emax is None for f in formats):
-        mag = _bits(x.reshape(-1).astype(_F32)) & _MASK
-        st = tensor_scale(jnp.max(jnp.where(mag < _INF, mag, 0)))
-    for f in formats:
-        p = block_partials(_block_bits(x, f.block), f, st)
-        i, t = finish(merge_partials(p))
-        ints.append(i)
-        floats.append(t)
-    return jnp.concatenate(ints), jnp.stack(floats)
+    docstring); :func:`block_words_many` of the one array."""
+    ints, floats = block_words_many([x], formats)
+    return ints[0], floats[0]
 
 
-#: float32 bits of a quiet NaN: the padding of :func:`_block_bits` and of the stacks of
-#: :func:`block_words_many` (every column leaves NaN out).
+#: float32 bits of a quiet NaN: the padding of the stacks of :func:`block_words_many`
+#: (every column leaves NaN out, as in :func:`_block_bits`' rows).
 _NAN_BITS = int(np.array(np.nan, np.float32).view(np.int32))
 
 
 def block_words_many(arrays: Sequence[Any], formats: Sequence[BlockFormat]) -> tuple[Any, Any]:
-    """:func:`block_words` of each of ``arrays`` (traceable): int32 ``(len(arrays),
+    """The block formats' words of each of ``arrays`` (traceable): int32 ``(len(arrays),
     len(formats) * INT_WORDS)`` and float32 ``(len(arrays), len(formats))``, by a program
     whose size does not grow with the number of arrays.
 
-    Word by word, array by array, :func:`block_words` made the program grow with the arrays
+    Computed array by array, the words made the program grow with the arrays
     (20 small arrays with MXFP8 E4M3 and NVFP4: 35,679 operations against 2,247 for one; on a
     GPU each is about a kernel the host launches). Here, per format, the blocks of arrays
     whose block counts lie within one power of two are stacked into ``(arrays, blocks,
     size)``, the shorter ones padded with NaN blocks (whose partials are neutral), and their
     partials computed and merged once per stack; NVFP4's tensor scales are those stacks'
-    per-array maxima. Counts and block ranges equal :func:`block_words`' exactly; the
-    squared errors are the same float32 terms summed over a longer axis (the padding's zeros),
-    so their float32 sums may round differently (tested within 1e-6)."""
+    per-array maxima. An array's counts and block ranges do not depend on the arrays beside
+    it; its squared error is the same float32 terms summed over a longer axis (the padding's
+    zeros), so its float32 sum may round differently (tested within 1e-6)."""
     for a in arrays:
         check_blockable(a)
     k = len(arrays)

@@ -181,20 +181,19 @@ def summarize_many_jax(
     counts, values = _summarize_rows(
         block, np.asarray(row_seg, np.int32), np.asarray(pads, np.int32), layout, fb
     )
-    words = block_words_many(arrays, formats) if formats and len(arrays) > 1 else None
+    # the block formats' words of all arrays together (one program's size)
+    words = block_words_many(arrays, formats) if formats else None
     out = []
     for i, a in enumerate(arrays):
         got = with_custom(DeviceSummary(counts[i], values[i]), a, custom)
         if layout.num_higher:
             extra = higher_moments_jax(a, got.values).astype(got.values.dtype)
             got = DeviceSummary(got.counts, append_extras(got.values, extra, jnp))
-        if words is None:
-            out.append(with_blocks(got, a, layout))
-        else:  # the arrays' words computed together (one program's size)
-            counts_i, values_i = with_words(
-                got.counts, got.values, words[0][i], words[1][i], N_CORE_VALUES
+        if words is not None:
+            got = DeviceSummary(
+                *with_words(got.counts, got.values, words[0][i], words[1][i], N_CORE_VALUES)
             )
-            out.append(DeviceSummary(counts_i, values_i))
+        out.append(got)
     return out
 
 
