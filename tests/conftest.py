@@ -34,26 +34,32 @@ def _run_in_tmp(tmp_path, monkeypatch):
 
 
 # The files that take longest on a 2-core machine (process groups, compiled programs),
-# slowest first. `make test` runs the suite on pytest-xdist workers, a whole file at a
-# time in collection order (--dist loadfile --no-loadscope-reorder): begun first, a long
-# file does not keep one worker busy after the others have run out of files. The rest
-# keep their order after these; a name not found here orders nothing.
+# slowest first, from a CI run's per-file times (`pytest --junitxml`, test times summed
+# per file). `make test` runs the suite on pytest-xdist workers, a whole file at a time in
+# collection order (--dist loadfile --no-loadscope-reorder): begun first, a long file does
+# not keep one worker busy after the others have run out of files. The rest keep their
+# order after these; a name not found here orders nothing.
 SLOW_FILES = (
-    "test_jax_summary.py",
+    "test_blocks_jax_paths.py",
     "test_jax_tracker.py",
+    "test_jax_segments.py",
+    "test_jax_summary.py",
     "test_torch_tracker.py",
+    "test_higher_moments_jax.py",
     "test_distributed_jax.py",
-    "test_torch_fused.py",
-    "test_jax_transforms.py",
     "test_integrations.py",
-    "test_torch_summary.py",
+    "test_docs_examples.py",
     "test_report.py",
+    "test_blocks_fused.py",
     "test_jax_device_path.py",
+    "test_torch_fused.py",
+    "test_jax_fastpath.py",
     "test_jax_pallas_offsets.py",
     "test_torch_compile.py",
+    "test_jax_transforms.py",
+    "test_blocks_jax.py",
+    "test_torch_summary.py",
     "test_distributed_torch.py",
-    "test_jax_fastpath.py",
-    "test_log_integrity.py",
 )
 
 
