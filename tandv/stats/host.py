@@ -1053,12 +1053,12 @@ def _first_of_item(
     part: np.ndarray,
     hist: np.ndarray,
     sub: np.ndarray,
-    blk: _Blocks,
+    blk: _Blocks | None,
 ) -> None:  # pragma: no cover - compiled
     """The first pass over item ``j`` (``x[a:b]``, with its pivot): :func:`_item` into row
     ``j`` of ``part``, ``hist`` and ``sub``, and its blocks' share (:func:`_first_blocks`)."""
     _item(x[a:b], bits[a:b], pivot, over_at, part[j], hist[j], sub[j])
-    if blk.table.shape[0]:
+    if blk is not None:
         t0, t1 = blk.bases[j], blk.ends[j]
         h = blk.hi16[blk.hoff[j] : blk.hoff[j] + (b - a) // 16]
         _first_blocks(x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, blk.acc[j], h)
@@ -1084,7 +1084,7 @@ def _first_pass(
     part: np.ndarray,
     hist: np.ndarray,
     sub: np.ndarray,
-    blk: _Blocks,
+    blk: _Blocks | None,
 ) -> None:  # pragma: no cover - compiled
     """:func:`_item` of the items ``x[starts[j]:stops[j]]`` with their pivots, into row
     ``j`` of ``part``, ``hist`` and ``sub``, and their blocks' share of the first pass
@@ -1114,7 +1114,7 @@ def _run(
     part: np.ndarray,
     hist: np.ndarray,
     sub: np.ndarray,
-    blk: _Blocks,
+    blk: _Blocks | None,
 ) -> None:  # pragma: no cover - compiled
     """The items ``x[starts[j]:stops[j]]`` with their pivots, into row ``j`` of ``part``,
     ``hist`` and ``sub``, shared among ``numba.get_num_threads()`` threads (one thread
@@ -1124,7 +1124,9 @@ def _run(
     pass over these items once the first has found it (the items of a tensor are all
     here), from the block maxima the first pass kept."""
     _first_pass(x, starts, stops, pivots, over_at, part, hist, sub, blk)
-    if blk.table.shape[0] == 0 or not _has_nv(blk.table):
+    if blk is None:
+        return
+    if not _has_nv(blk.table):
         return
     st = np.empty(starts.size, np.float32)
     _tensor_scales(part, blk.seg, st)
@@ -1158,7 +1160,7 @@ def _run_unit(
     part: np.ndarray,
     hist: np.ndarray,
     sub: np.ndarray,
-    blk: _Blocks,
+    blk: _Blocks | None,
 ) -> None:  # pragma: no cover - compiled
     """:func:`_run` of the items ``r0 .. r1 - 1`` (rows of ``part`` ..., offsets into
     ``x``), whole tensors, on the calling thread: the same passes, in the same order, with
@@ -1168,7 +1170,9 @@ def _run_unit(
         _first_of_item(
             x, bits, j, starts[j], stops[j], part[j, _PIVOT], over_at, part, hist, sub, blk
         )
-    if blk.table.shape[0] == 0 or not _has_nv(blk.table):
+    if blk is None:
+        return
+    if not _has_nv(blk.table):
         return
     st = np.empty(r1 - r0, np.float32)
     _tensor_scales(part[r0:r1], blk.seg[r0:r1], st)
@@ -1189,7 +1193,7 @@ def _run_lanes(
     part: np.ndarray,
     hist: np.ndarray,
     sub: np.ndarray,
-    blk: _Blocks,
+    blk: _Blocks | None,
 ) -> None:  # pragma: no cover - compiled
     """Sources (float32 buffers at ``addresses``, ``sizes`` elements, their items the rows
     ``first[u] .. last[u] - 1``), each by :func:`_run_unit` on one thread: the sources
@@ -1615,6 +1619,33 @@ class _Blocks(NamedTuple):
         )
 
 
+def _blocks_of(
+    formats: tuple[BlockFormat, ...],
+    bases: np.ndarray,
+    ends: np.ndarray,
+    rowlens: np.ndarray,
+    seg: np.ndarray,
+    sizes: np.ndarray,
+) -> _Blocks | None:
+    """The :class:`_Blocks` of items of ``sizes`` elements for ``formats``, or None
+    without formats: the kernels are compiled for that None apart (their block-format
+    code pruned at typing time), so that a run without block formats never compiles it."""
+    if not formats:
+        return None
+    nv = any(f.emax is None for f in formats)
+    per_item = sizes // 16 if nv else np.zeros(sizes.size, np.int64)
+    return _Blocks(
+        _block_table(formats),
+        bases,
+        ends,
+        rowlens,
+        seg,
+        np.concatenate([[0], np.cumsum(per_item)[:-1]]).astype(np.int64),
+        np.empty(int(per_item.sum()), np.int32),
+        np.zeros((sizes.size, len(formats), len(BLOCK_COLUMNS))),
+    )
+
+
 @contextmanager
 def _numba_threads(threads: int, elements: int) -> Iterator[None]:
     """Runs the block with ``threads`` numba threads (fewer for less than two chunks of
@@ -1661,7 +1692,7 @@ def _run_all(
     hist: np.ndarray,
     sub: np.ndarray,
     threads: int,
-    blk: _Blocks,
+    blk: _Blocks | None,
 ) -> None:
     """Runs every item of ``sources`` (``(x, starts, stops, pivots)``; rows numbered in
     order), on ``threads`` threads when there are at least two items' worth of elements.
@@ -1698,7 +1729,17 @@ def _run_all(
             if u in whole:
                 continue
             r = slice(rows[u], rows[u + 1])
-            _run(x, st, sp, pv, over_at, part[r], hist[r], sub[r], blk.rows(r))
+            _run(
+                x,
+                st,
+                sp,
+                pv,
+                over_at,
+                part[r],
+                hist[r],
+                sub[r],
+                None if blk is None else blk.rows(r),
+            )
 
 
 def _host_one(
@@ -1803,18 +1844,8 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     # s**2 sum(q**2) - 2 s sum(q |x|) + sum(x**2) needs every q, which moves with s. So
     # exact counts need the block's values, that is, a second read; the first pass keeps
     # the blocks' maxima (1/16 of the values) for it.
-    nv = any(f.emax is None for f in formats)
-    per_item = (stops - starts) // 16 if nv else np.zeros(n_items, np.int64)
-    hoff = np.concatenate([[0], np.cumsum(per_item)[:-1]]).astype(np.int64)
-    blk = _Blocks(
-        _block_table(formats),
-        base,
-        base + lens[item_seg],
-        rowlens[item_seg],
-        item_seg,
-        hoff,
-        np.empty(int(per_item.sum()), np.int32),
-        np.zeros((n_items, len(formats), len(BLOCK_COLUMNS))),
+    blk = _blocks_of(
+        formats, base, base + lens[item_seg], rowlens[item_seg], item_seg, stops - starts
     )
     over_at = min(fmt.max, _F32_MAX)
     _run_all([src[:4] for src in sources], over_at, part, hist, sub, threads, blk)
@@ -1823,7 +1854,7 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, fmt.num_bins, out, ok)
     for i in np.flatnonzero(~ok):  # largest magnitude outside SAFE_RANGE
         _scaled_powers(flats[i], out[i, _O_MAXABS], out[i])
-    if not formats:
+    if blk is None:
         return out
     cols = _block_columns(blk.acc, item_seg, k)
     out[:, layout.extras_start :] = cols.reshape(k, -1)
