@@ -1180,6 +1180,31 @@ def _run_unit(
         _second_of_item(x, j, starts[j], stops[j], st[j - r0], blk)
 
 
+@numba.njit(cache=True, nogil=True)
+def _run_sources(
+    addresses: np.ndarray,
+    sizes: np.ndarray,
+    first: np.ndarray,
+    last: np.ndarray,
+    u0: int,
+    u1: int,
+    starts: np.ndarray,
+    stops: np.ndarray,
+    over_at: float,
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+    blk: _Blocks | None,
+) -> None:  # pragma: no cover - compiled
+    """Sources ``u0 .. u1 - 1`` (float32 buffers at ``addresses``, ``sizes`` elements,
+    their items the rows ``first[u] .. last[u] - 1``), each by :func:`_run_unit`, on the
+    calling thread: one lane of :func:`_run_lanes`, or every source of a call that has
+    one thread (no parallel launch, and no parallel code to compile)."""
+    for u in range(u0, u1):
+        x = numba.carray(_address(addresses[u]), (sizes[u],), np.float32)
+        _run_unit(x, first[u], last[u], starts, stops, over_at, part, hist, sub, blk)
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _run_lanes(
     addresses: np.ndarray,
@@ -1195,15 +1220,26 @@ def _run_lanes(
     sub: np.ndarray,
     blk: _Blocks | None,
 ) -> None:  # pragma: no cover - compiled
-    """Sources (float32 buffers at ``addresses``, ``sizes`` elements, their items the rows
-    ``first[u] .. last[u] - 1``), each by :func:`_run_unit` on one thread: the sources
+    """Sources (as :func:`_run_sources`), each whole on one thread: the sources
     ``lanes[l] .. lanes[l + 1] - 1`` on lane ``l``, one lane a thread. For sources too
     small to share among threads (an item or two), which :func:`_run` would run one at a
     time on one thread while the others wait, and with a parallel launch each."""
     for lane in numba.prange(lanes.size - 1):
-        for u in range(lanes[lane], lanes[lane + 1]):
-            x = numba.carray(_address(addresses[u]), (sizes[u],), np.float32)
-            _run_unit(x, first[u], last[u], starts, stops, over_at, part, hist, sub, blk)
+        _run_sources(
+            addresses,
+            sizes,
+            first,
+            last,
+            lanes[lane],
+            lanes[lane + 1],
+            starts,
+            stops,
+            over_at,
+            part,
+            hist,
+            sub,
+            blk,
+        )
 
 
 @numba.njit(cache=True, nogil=True)
@@ -1647,20 +1683,22 @@ def _blocks_of(
 
 
 @contextmanager
-def _numba_threads(threads: int, elements: int) -> Iterator[None]:
+def _numba_threads(threads: int, elements: int) -> Iterator[int]:
     """Runs the block with ``threads`` numba threads (fewer for less than two chunks of
-    ``elements``), one launch at a time, and restores the caller's setting."""
+    ``elements``), one launch at a time, and restores the caller's setting; gives the
+    block that number (with one, the block calls the serial kernels: no parallel launch,
+    and no parallel code compiled for a run that never needs more)."""
     with _launch:
         before = numba.get_num_threads()  # the caller's setting, restored below
         # numba.config sets its options with setattr at import time: invisible to mypy
         most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
         use = max(1, min(threads, most, elements // _CHUNK))
         if use == before:  # each set costs about 2 microseconds
-            yield
+            yield use
             return
         numba.set_num_threads(use)
         try:
-            yield
+            yield use
         finally:
             numba.set_num_threads(before)
 
@@ -1702,31 +1740,58 @@ def _run_all(
     cache where they fit, not after every other array's pass. Sources of at most
     :data:`_LANE_MAX` elements run whole, each on one thread, all in one parallel launch
     (:func:`_run_lanes`); the larger ones share their items among the threads, one launch
-    (two with NVFP4) a source."""
+    (two with NVFP4) a source. With one thread, every source runs whole in one serial
+    call (:func:`_run_sources`): the same items, passes and results."""
     total = sum(int(sp[-1] - st[0]) for _, st, sp, _ in sources if st.size)
     rows = np.cumsum([0] + [st.size for _, st, _, _ in sources]).astype(np.int64)
-    small = [u for u, (x, st, _, _) in enumerate(sources) if st.size and x.size <= _LANE_MAX]
-    whole = set(small)
-    with _numba_threads(threads, total):
-        if small:
-            order, bounds = _lanes([sources[u][0].size for u in small], numba.get_num_threads())
-            units = [small[u] for u in order]
-            _run_lanes(
-                np.array([sources[u][0].ctypes.data for u in units], np.int64),
-                np.array([sources[u][0].size for u in units], np.int64),
-                rows[units],
-                rows[np.array(units) + 1],
-                bounds,
-                np.concatenate([st for _, st, _, _ in sources]),
-                np.concatenate([sp for _, _, sp, _ in sources]),
-                over_at,
-                part,
-                hist,
-                sub,
-                blk,
-            )
+    with _numba_threads(threads, total) as use:
+        whole = [
+            u
+            for u, (x, st, _, _) in enumerate(sources)
+            if st.size and (use == 1 or x.size <= _LANE_MAX)
+        ]
+        done = set(whole)
+        if whole:
+            order, bounds = _lanes([sources[u][0].size for u in whole], use)
+            units = [whole[u] for u in order]
+            addresses = np.array([sources[u][0].ctypes.data for u in units], np.int64)
+            sizes = np.array([sources[u][0].size for u in units], np.int64)
+            first, last = rows[units], rows[np.array(units) + 1]
+            starts = np.concatenate([st for _, st, _, _ in sources])
+            stops = np.concatenate([sp for _, _, sp, _ in sources])
+            if use == 1:
+                _run_sources(
+                    addresses,
+                    sizes,
+                    first,
+                    last,
+                    0,
+                    len(units),
+                    starts,
+                    stops,
+                    over_at,
+                    part,
+                    hist,
+                    sub,
+                    blk,
+                )
+            else:
+                _run_lanes(
+                    addresses,
+                    sizes,
+                    first,
+                    last,
+                    bounds,
+                    starts,
+                    stops,
+                    over_at,
+                    part,
+                    hist,
+                    sub,
+                    blk,
+                )
         for u, (x, st, sp, pv) in enumerate(sources):
-            if u in whole:
+            if u in done:
                 continue
             r = slice(rows[u], rows[u + 1])
             _run(
@@ -1754,8 +1819,9 @@ def _host_one(
     by the one-array kernels, which skip the planning of many arrays' items."""
     field_bin, sub_bin, nb, over_at = _tables(layout.format)
     if not formats:
-        with _numba_threads(threads, x.size):
-            _summary_one(x, field_bin, sub_bin, nb, over_at, out)
+        with _numba_threads(threads, x.size) as use:
+            kernel = summary_serial if use == 1 else _summary_one
+            kernel(x, field_bin, sub_bin, nb, over_at, out)
         return
     acc = np.zeros((max(1, -(-x.size // _CHUNK)), len(formats), len(BLOCK_COLUMNS)))
     rowlen = shape[-1] if shape else 1
