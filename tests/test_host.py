@@ -208,7 +208,7 @@ def test_one_thread_runs_serially_with_the_same_bits(formats):
     """With one thread every source runs whole in one serial call (no parallel launch to
     compile or start); with two, the small sources share lanes and the large share their
     items: the same items, pivots and merges, so the same rows bit for bit, block formats'
-    columns included."""
+    columns included; and so do the one-array kernels (serial and parallel) of each."""
     rng = np.random.default_rng(17)
     # the first above _LANE_MAX (it shares its items), in rows of 64 (blocks tile them)
     arrays = [a[: a.size // 64 * 64].reshape(-1, 64) for a in mixed_arrays()[:3]]
@@ -224,8 +224,11 @@ def test_one_thread_runs_serially_with_the_same_bits(formats):
     two = host.host_summaries(arrays, layout, threads=2)
     assert one.shape[1] == layout.extras_start + 5 * len(formats)
     np.testing.assert_array_equal(one.view(np.int64), two.view(np.int64))
-    for a, row in zip(arrays, one):  # and each as the reference has it
+    for a, row in zip(arrays, one):  # each as the reference has it, and alone the same
         assert_rows_match([a.ravel()], "float8_e4m3fn", row[None, : layout.extras_start])
+        for threads in (1, 2):  # the one-array kernels, serial and parallel
+            alone = host.host_summaries([a], layout, threads=threads)[0]
+            np.testing.assert_array_equal(alone.view(np.int64), row.view(np.int64))
 
 
 def test_no_block_formats_compile_no_block_code():

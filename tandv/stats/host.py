@@ -1508,6 +1508,53 @@ def _summary_one(
     _one_finish(x, part, hist, sub, field_bin, sub_bin, nb, out)
 
 
+@numba.njit(cache=True, nogil=True)
+def _one_first(
+    x: np.ndarray,
+    j: int,
+    pivot: float,
+    over_at: float,
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+    rowlen: int,
+    table: np.ndarray,
+    acc: np.ndarray,
+    hi16: np.ndarray,
+    per: int,
+) -> None:  # pragma: no cover - compiled
+    """The first pass over item ``j`` of ``x`` (as :func:`_one_start` cuts it):
+    :func:`_one_item`, and its blocks' share (:func:`_first_blocks`) into ``acc[j]``,
+    keeping the maxima of its blocks of 16 in ``hi16`` (``per`` a chunk; 0: no NVFP4)."""
+    a = j * _CHUNK
+    b = min(x.size, a + _CHUNK)
+    _one_item(x, j, pivot, over_at, part, hist, sub)
+    h = hi16[j * per : j * per + min(per, (b - a) // 16)]
+    _first_blocks(x, a, b, rowlen, table, acc[j], h)
+
+
+@numba.njit(cache=True, nogil=True)
+def _one_second(
+    x: np.ndarray,
+    j: int,
+    rowlen: int,
+    table: np.ndarray,
+    amax: float,
+    acc: np.ndarray,
+    hi16: np.ndarray,
+    per: int,
+) -> None:  # pragma: no cover - compiled
+    """NVFP4's second pass over item ``j`` of ``x`` (:func:`_second_blocks`), its tensor's
+    scale from the largest magnitude ``amax`` (a float32's value), from the maxima that
+    :func:`_one_first` kept."""
+    a = j * _CHUNK
+    b = min(x.size, a + _CHUNK)
+    m = np.float32(amax)
+    st = m / np.float32(448.0 * 6.0) if m > 0 else np.float32(1.0)
+    h = hi16[j * per : j * per + (b - a) // 16]
+    _second_blocks(x, a, b, rowlen, table, st, acc[j], h)
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _summary_blocks_one(
     x: np.ndarray,
@@ -1529,27 +1576,41 @@ def _summary_blocks_one(
     the tensor's largest magnitude (``max_abs``, a float32's value) from the maxima the
     first kept."""
     part, hist, sub, pivot = _one_start(x)
-    items = part.shape[0]
-    n = x.size
-    nv = _has_nv(table)
-    per = _CHUNK // 16 if nv else 0
-    hi16 = np.empty(items * per, np.int32)
-    for j in numba.prange(items):
-        a = j * _CHUNK
-        b = min(n, a + _CHUNK)
-        _one_item(x, j, pivot, over_at, part, hist, sub)
-        h = hi16[j * per : j * per + ((b - a) // 16 if nv else 0)]
-        _first_blocks(x, a, b, rowlen, table, acc[j], h)
+    per = _CHUNK // 16 if _has_nv(table) else 0
+    hi16 = np.empty(part.shape[0] * per, np.int32)
+    for j in numba.prange(part.shape[0]):
+        _one_first(x, j, pivot, over_at, part, hist, sub, rowlen, table, acc, hi16, per)
     _one_finish(x, part, hist, sub, field_bin, sub_bin, nb, out)
-    if not nv:
+    if per == 0:
         return
-    amax = np.float32(out[_O_MAXABS])
-    st = amax / np.float32(448.0 * 6.0) if amax > 0 else np.float32(1.0)
-    for j in numba.prange(items):
-        a = j * _CHUNK
-        b = min(n, a + _CHUNK)
-        h = hi16[j * per : j * per + (b - a) // 16]
-        _second_blocks(x, a, b, rowlen, table, st, acc[j], h)
+    for j in numba.prange(part.shape[0]):
+        _one_second(x, j, rowlen, table, out[_O_MAXABS], acc, hi16, per)
+
+
+@numba.njit(cache=True, nogil=True)
+def _summary_blocks_serial(
+    x: np.ndarray,
+    rowlen: int,
+    field_bin: np.ndarray,
+    sub_bin: np.ndarray,
+    nb: int,
+    over_at: float,
+    table: np.ndarray,
+    out: np.ndarray,
+    acc: np.ndarray,
+) -> None:  # pragma: no cover - compiled
+    """:func:`_summary_blocks_one` on the calling thread (a call with one thread: no
+    parallel launch, and no parallel code compiled for a run that never needs it)."""
+    part, hist, sub, pivot = _one_start(x)
+    per = _CHUNK // 16 if _has_nv(table) else 0
+    hi16 = np.empty(part.shape[0] * per, np.int32)
+    for j in range(part.shape[0]):
+        _one_first(x, j, pivot, over_at, part, hist, sub, rowlen, table, acc, hi16, per)
+    _one_finish(x, part, hist, sub, field_bin, sub_bin, nb, out)
+    if per == 0:
+        return
+    for j in range(part.shape[0]):
+        _one_second(x, j, rowlen, table, out[_O_MAXABS], acc, hi16, per)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -1826,8 +1887,9 @@ def _host_one(
     acc = np.zeros((max(1, -(-x.size // _CHUNK)), len(formats), len(BLOCK_COLUMNS)))
     rowlen = shape[-1] if shape else 1
     table = _block_table(formats)
-    with _numba_threads(threads, x.size):
-        _summary_blocks_one(x, rowlen, field_bin, sub_bin, nb, over_at, table, out, acc)
+    with _numba_threads(threads, x.size) as use:
+        with_blocks = _summary_blocks_serial if use == 1 else _summary_blocks_one
+        with_blocks(x, rowlen, field_bin, sub_bin, nb, over_at, table, out, acc)
     cols = _block_columns(acc, np.zeros(acc.shape[0], np.int64), 1)
     out[layout.extras_start :] = cols.reshape(-1)
 
