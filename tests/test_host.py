@@ -1,11 +1,14 @@
 """The compiled host kernel (tandv.stats.host) against the numpy reference summarize."""
 
 import ml_dtypes
+import numba
 import numpy as np
 import pytest
 from _benchmarks import load_benchmark
 
 from tandv.stats import host
+from tandv.stats.blocks import block_extras
+from tandv.stats.formats import number_format
 from tandv.stats.summary import CORE_FIELDS, Layout, summarize
 
 EXACT = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "min_abs", "max_abs")
@@ -198,3 +201,49 @@ def test_one_array_takes_the_short_path_with_the_same_row(threads):
         alone = host.host_summaries([a], Layout("float8_e4m3fn"), threads=threads)
         assert_rows_match([a], "float8_e4m3fn", alone)
         np.testing.assert_array_equal(alone[0].view(np.int64), row.view(np.int64))
+
+
+@pytest.mark.parametrize("formats", [(), ("mxfp8_e4m3", "nvfp4")])
+def test_one_thread_runs_serially_with_the_same_bits(formats):
+    """With one thread every source runs whole in one serial call (no parallel launch to
+    compile or start); with two, the small sources share lanes and the large share their
+    items: the same items, pivots and merges, so the same rows bit for bit, block formats'
+    columns included; and so do the one-array kernels (serial and parallel) of each."""
+    rng = np.random.default_rng(17)
+    # the first above _LANE_MAX (it shares its items), in rows of 64 (blocks tile them)
+    arrays = [a[: a.size // 64 * 64].reshape(-1, 64) for a in mixed_arrays()[:3]]
+    arrays += [
+        rng.standard_normal((8, 64)).astype(np.float32),
+        rng.standard_normal((5, 40)).astype(np.float32),  # rows that blocks do not tile
+        rng.standard_normal((4, 96)).astype(ml_dtypes.bfloat16),
+        (rng.standard_normal((64, 1024)) * 1e-3).astype(np.float32),  # a lane of its own
+    ]
+    assert arrays[0].size > host._LANE_MAX
+    layout = Layout(number_format("float8_e4m3fn"), block_extras(formats))
+    one = host.host_summaries(arrays, layout, threads=1)
+    two = host.host_summaries(arrays, layout, threads=2)
+    assert one.shape[1] == layout.extras_start + 5 * len(formats)
+    np.testing.assert_array_equal(one.view(np.int64), two.view(np.int64))
+    for a, row in zip(arrays, one):  # each as the reference has it, and alone the same
+        assert_rows_match([a.ravel()], "float8_e4m3fn", row[None, : layout.extras_start])
+        for threads in (1, 2):  # the one-array kernels, serial and parallel
+            alone = host.host_summaries([a], layout, threads=threads)[0]
+            np.testing.assert_array_equal(alone.view(np.int64), row.view(np.int64))
+
+
+def test_no_block_formats_compile_no_block_code():
+    """Without block formats the kernels get None for the blocks, and numba prunes the
+    block-format branches at typing time: their code (about two thirds of a cold
+    compile) is not compiled for a run that asks for none. Checked on a fresh, uncached
+    compile of the per-source kernel: it calls the item kernel, never the blocks'."""
+    fresh = numba.njit(nogil=True)(host._run_unit.py_func)
+    x = np.ones(100, np.float32)
+    part = np.zeros((1, host._NPART))
+    part[0, host._PIVOT] = 1.0
+    hist = np.zeros((1, 4, 256), np.int64)
+    sub = np.zeros((1, host._NSUB), np.int64)
+    fresh(x, 0, 1, np.array([0]), np.array([100]), 448.0, part, hist, sub, None)
+    assert hist[:, :, 127].sum() == 100  # it ran: a hundred ones, exponent field 127
+    llvm = "".join(fresh.inspect_llvm().values())
+    assert "_item" in llvm
+    assert "_first_blocks" not in llvm and "_tensor_scales" not in llvm

@@ -308,8 +308,9 @@ def _exponent_counts(
 
 @numba.njit(cache=True, nogil=True)
 def _f32_of(b: int | np.int32) -> np.float32:  # pragma: no cover - compiled
-    """The float32 whose bit pattern is the int32 ``b``."""
-    f: np.float32 = np.full(1, b, np.int32).view(np.float32)[0]
+    """The float32 whose bit pattern is the int32 ``b`` (:data:`_f32_bits`, which compiles
+    quicker than a one-element array's view)."""
+    f: np.float32 = _f32_bits(_I32(b))
     return f
 
 
@@ -391,8 +392,8 @@ def _round_element(a: _F, split: _F, subk: _F, normal: _F) -> _F:  # pragma: no 
 
 def _bitcast(source: types.Type, target: types.Type) -> Callable[..., Any]:
     """A numba intrinsic that reinterprets a ``source`` value's bits as a ``target`` (both
-    32-bit): free in vector code (unlike :func:`_f32_of`, which goes through an array).
-    Called from compiled code only (typed for mypy as a plain callable)."""
+    32-bit): free in vector code. Called from compiled code only (typed for mypy as a
+    plain callable)."""
 
     def typing(typingctx: object, v: types.Type) -> object:  # pragma: no cover - compiled
         if v != source:
@@ -1053,12 +1054,12 @@ def _first_of_item(
     part: np.ndarray,
     hist: np.ndarray,
     sub: np.ndarray,
-    blk: _Blocks,
+    blk: _Blocks | None,
 ) -> None:  # pragma: no cover - compiled
     """The first pass over item ``j`` (``x[a:b]``, with its pivot): :func:`_item` into row
     ``j`` of ``part``, ``hist`` and ``sub``, and its blocks' share (:func:`_first_blocks`)."""
     _item(x[a:b], bits[a:b], pivot, over_at, part[j], hist[j], sub[j])
-    if blk.table.shape[0]:
+    if blk is not None:
         t0, t1 = blk.bases[j], blk.ends[j]
         h = blk.hi16[blk.hoff[j] : blk.hoff[j] + (b - a) // 16]
         _first_blocks(x[t0:t1], a - t0, b - t0, blk.rowlens[j], blk.table, blk.acc[j], h)
@@ -1084,7 +1085,7 @@ def _first_pass(
     part: np.ndarray,
     hist: np.ndarray,
     sub: np.ndarray,
-    blk: _Blocks,
+    blk: _Blocks | None,
 ) -> None:  # pragma: no cover - compiled
     """:func:`_item` of the items ``x[starts[j]:stops[j]]`` with their pivots, into row
     ``j`` of ``part``, ``hist`` and ``sub``, and their blocks' share of the first pass
@@ -1114,7 +1115,7 @@ def _run(
     part: np.ndarray,
     hist: np.ndarray,
     sub: np.ndarray,
-    blk: _Blocks,
+    blk: _Blocks | None,
 ) -> None:  # pragma: no cover - compiled
     """The items ``x[starts[j]:stops[j]]`` with their pivots, into row ``j`` of ``part``,
     ``hist`` and ``sub``, shared among ``numba.get_num_threads()`` threads (one thread
@@ -1124,7 +1125,9 @@ def _run(
     pass over these items once the first has found it (the items of a tensor are all
     here), from the block maxima the first pass kept."""
     _first_pass(x, starts, stops, pivots, over_at, part, hist, sub, blk)
-    if blk.table.shape[0] == 0 or not _has_nv(blk.table):
+    if blk is None:
+        return
+    if not _has_nv(blk.table):
         return
     st = np.empty(starts.size, np.float32)
     _tensor_scales(part, blk.seg, st)
@@ -1158,7 +1161,7 @@ def _run_unit(
     part: np.ndarray,
     hist: np.ndarray,
     sub: np.ndarray,
-    blk: _Blocks,
+    blk: _Blocks | None,
 ) -> None:  # pragma: no cover - compiled
     """:func:`_run` of the items ``r0 .. r1 - 1`` (rows of ``part`` ..., offsets into
     ``x``), whole tensors, on the calling thread: the same passes, in the same order, with
@@ -1168,12 +1171,39 @@ def _run_unit(
         _first_of_item(
             x, bits, j, starts[j], stops[j], part[j, _PIVOT], over_at, part, hist, sub, blk
         )
-    if blk.table.shape[0] == 0 or not _has_nv(blk.table):
+    if blk is None:
+        return
+    if not _has_nv(blk.table):
         return
     st = np.empty(r1 - r0, np.float32)
     _tensor_scales(part[r0:r1], blk.seg[r0:r1], st)
     for j in range(r0, r1):
         _second_of_item(x, j, starts[j], stops[j], st[j - r0], blk)
+
+
+@numba.njit(cache=True, nogil=True)
+def _run_sources(
+    addresses: np.ndarray,
+    sizes: np.ndarray,
+    first: np.ndarray,
+    last: np.ndarray,
+    u0: int,
+    u1: int,
+    starts: np.ndarray,
+    stops: np.ndarray,
+    over_at: float,
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+    blk: _Blocks | None,
+) -> None:  # pragma: no cover - compiled
+    """Sources ``u0 .. u1 - 1`` (float32 buffers at ``addresses``, ``sizes`` elements,
+    their items the rows ``first[u] .. last[u] - 1``), each by :func:`_run_unit`, on the
+    calling thread: one lane of :func:`_run_lanes`, or every source of a call that has
+    one thread (no parallel launch, and no parallel code to compile)."""
+    for u in range(u0, u1):
+        x = numba.carray(_address(addresses[u]), (sizes[u],), np.float32)
+        _run_unit(x, first[u], last[u], starts, stops, over_at, part, hist, sub, blk)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -1189,17 +1219,28 @@ def _run_lanes(
     part: np.ndarray,
     hist: np.ndarray,
     sub: np.ndarray,
-    blk: _Blocks,
+    blk: _Blocks | None,
 ) -> None:  # pragma: no cover - compiled
-    """Sources (float32 buffers at ``addresses``, ``sizes`` elements, their items the rows
-    ``first[u] .. last[u] - 1``), each by :func:`_run_unit` on one thread: the sources
+    """Sources (as :func:`_run_sources`), each whole on one thread: the sources
     ``lanes[l] .. lanes[l + 1] - 1`` on lane ``l``, one lane a thread. For sources too
     small to share among threads (an item or two), which :func:`_run` would run one at a
     time on one thread while the others wait, and with a parallel launch each."""
     for lane in numba.prange(lanes.size - 1):
-        for u in range(lanes[lane], lanes[lane + 1]):
-            x = numba.carray(_address(addresses[u]), (sizes[u],), np.float32)
-            _run_unit(x, first[u], last[u], starts, stops, over_at, part, hist, sub, blk)
+        _run_sources(
+            addresses,
+            sizes,
+            first,
+            last,
+            lanes[lane],
+            lanes[lane + 1],
+            starts,
+            stops,
+            over_at,
+            part,
+            hist,
+            sub,
+            blk,
+        )
 
 
 @numba.njit(cache=True, nogil=True)
@@ -1468,6 +1509,53 @@ def _summary_one(
     _one_finish(x, part, hist, sub, field_bin, sub_bin, nb, out)
 
 
+@numba.njit(cache=True, nogil=True)
+def _one_first(
+    x: np.ndarray,
+    j: int,
+    pivot: float,
+    over_at: float,
+    part: np.ndarray,
+    hist: np.ndarray,
+    sub: np.ndarray,
+    rowlen: int,
+    table: np.ndarray,
+    acc: np.ndarray,
+    hi16: np.ndarray,
+    per: int,
+) -> None:  # pragma: no cover - compiled
+    """The first pass over item ``j`` of ``x`` (as :func:`_one_start` cuts it):
+    :func:`_one_item`, and its blocks' share (:func:`_first_blocks`) into ``acc[j]``,
+    keeping the maxima of its blocks of 16 in ``hi16`` (``per`` a chunk; 0: no NVFP4)."""
+    a = j * _CHUNK
+    b = min(x.size, a + _CHUNK)
+    _one_item(x, j, pivot, over_at, part, hist, sub)
+    h = hi16[j * per : j * per + min(per, (b - a) // 16)]
+    _first_blocks(x, a, b, rowlen, table, acc[j], h)
+
+
+@numba.njit(cache=True, nogil=True)
+def _one_second(
+    x: np.ndarray,
+    j: int,
+    rowlen: int,
+    table: np.ndarray,
+    amax: float,
+    acc: np.ndarray,
+    hi16: np.ndarray,
+    per: int,
+) -> None:  # pragma: no cover - compiled
+    """NVFP4's second pass over item ``j`` of ``x`` (:func:`_second_blocks`), its tensor's
+    scale from the largest magnitude ``amax`` (a float32's value), from the maxima that
+    :func:`_one_first` kept."""
+    a = j * _CHUNK
+    b = min(x.size, a + _CHUNK)
+    m = np.float32(amax)
+    st = m / np.float32(448.0 * 6.0) if m > 0 else np.float32(1.0)
+    h = hi16[j * per : j * per + (b - a) // 16]
+    _second_blocks(x, a, b, rowlen, table, st, acc[j], h)
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _summary_blocks_one(
     x: np.ndarray,
@@ -1489,27 +1577,41 @@ def _summary_blocks_one(
     the tensor's largest magnitude (``max_abs``, a float32's value) from the maxima the
     first kept."""
     part, hist, sub, pivot = _one_start(x)
-    items = part.shape[0]
-    n = x.size
-    nv = _has_nv(table)
-    per = _CHUNK // 16 if nv else 0
-    hi16 = np.empty(items * per, np.int32)
-    for j in numba.prange(items):
-        a = j * _CHUNK
-        b = min(n, a + _CHUNK)
-        _one_item(x, j, pivot, over_at, part, hist, sub)
-        h = hi16[j * per : j * per + ((b - a) // 16 if nv else 0)]
-        _first_blocks(x, a, b, rowlen, table, acc[j], h)
+    per = _CHUNK // 16 if _has_nv(table) else 0
+    hi16 = np.empty(part.shape[0] * per, np.int32)
+    for j in numba.prange(part.shape[0]):
+        _one_first(x, j, pivot, over_at, part, hist, sub, rowlen, table, acc, hi16, per)
     _one_finish(x, part, hist, sub, field_bin, sub_bin, nb, out)
-    if not nv:
+    if per == 0:
         return
-    amax = np.float32(out[_O_MAXABS])
-    st = amax / np.float32(448.0 * 6.0) if amax > 0 else np.float32(1.0)
-    for j in numba.prange(items):
-        a = j * _CHUNK
-        b = min(n, a + _CHUNK)
-        h = hi16[j * per : j * per + (b - a) // 16]
-        _second_blocks(x, a, b, rowlen, table, st, acc[j], h)
+    for j in numba.prange(part.shape[0]):
+        _one_second(x, j, rowlen, table, out[_O_MAXABS], acc, hi16, per)
+
+
+@numba.njit(cache=True, nogil=True)
+def _summary_blocks_serial(
+    x: np.ndarray,
+    rowlen: int,
+    field_bin: np.ndarray,
+    sub_bin: np.ndarray,
+    nb: int,
+    over_at: float,
+    table: np.ndarray,
+    out: np.ndarray,
+    acc: np.ndarray,
+) -> None:  # pragma: no cover - compiled
+    """:func:`_summary_blocks_one` on the calling thread (a call with one thread: no
+    parallel launch, and no parallel code compiled for a run that never needs it)."""
+    part, hist, sub, pivot = _one_start(x)
+    per = _CHUNK // 16 if _has_nv(table) else 0
+    hi16 = np.empty(part.shape[0] * per, np.int32)
+    for j in range(part.shape[0]):
+        _one_first(x, j, pivot, over_at, part, hist, sub, rowlen, table, acc, hi16, per)
+    _one_finish(x, part, hist, sub, field_bin, sub_bin, nb, out)
+    if per == 0:
+        return
+    for j in range(part.shape[0]):
+        _one_second(x, j, rowlen, table, out[_O_MAXABS], acc, hi16, per)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -1615,21 +1717,50 @@ class _Blocks(NamedTuple):
         )
 
 
+def _blocks_of(
+    formats: tuple[BlockFormat, ...],
+    bases: np.ndarray,
+    ends: np.ndarray,
+    rowlens: np.ndarray,
+    seg: np.ndarray,
+    sizes: np.ndarray,
+) -> _Blocks | None:
+    """The :class:`_Blocks` of items of ``sizes`` elements for ``formats``, or None
+    without formats: the kernels are compiled for that None apart (their block-format
+    code pruned at typing time), so that a run without block formats never compiles it."""
+    if not formats:
+        return None
+    nv = any(f.emax is None for f in formats)
+    per_item = sizes // 16 if nv else np.zeros(sizes.size, np.int64)
+    return _Blocks(
+        _block_table(formats),
+        bases,
+        ends,
+        rowlens,
+        seg,
+        np.concatenate([[0], np.cumsum(per_item)[:-1]]).astype(np.int64),
+        np.empty(int(per_item.sum()), np.int32),
+        np.zeros((sizes.size, len(formats), len(BLOCK_COLUMNS))),
+    )
+
+
 @contextmanager
-def _numba_threads(threads: int, elements: int) -> Iterator[None]:
+def _numba_threads(threads: int, elements: int) -> Iterator[int]:
     """Runs the block with ``threads`` numba threads (fewer for less than two chunks of
-    ``elements``), one launch at a time, and restores the caller's setting."""
+    ``elements``), one launch at a time, and restores the caller's setting; gives the
+    block that number (with one, the block calls the serial kernels: no parallel launch,
+    and no parallel code compiled for a run that never needs more)."""
     with _launch:
         before = numba.get_num_threads()  # the caller's setting, restored below
         # numba.config sets its options with setattr at import time: invisible to mypy
         most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
         use = max(1, min(threads, most, elements // _CHUNK))
         if use == before:  # each set costs about 2 microseconds
-            yield
+            yield use
             return
         numba.set_num_threads(use)
         try:
-            yield
+            yield use
         finally:
             numba.set_num_threads(before)
 
@@ -1661,7 +1792,7 @@ def _run_all(
     hist: np.ndarray,
     sub: np.ndarray,
     threads: int,
-    blk: _Blocks,
+    blk: _Blocks | None,
 ) -> None:
     """Runs every item of ``sources`` (``(x, starts, stops, pivots)``; rows numbered in
     order), on ``threads`` threads when there are at least two items' worth of elements.
@@ -1671,34 +1802,71 @@ def _run_all(
     cache where they fit, not after every other array's pass. Sources of at most
     :data:`_LANE_MAX` elements run whole, each on one thread, all in one parallel launch
     (:func:`_run_lanes`); the larger ones share their items among the threads, one launch
-    (two with NVFP4) a source."""
+    (two with NVFP4) a source. With one thread, every source runs whole in one serial
+    call (:func:`_run_sources`): the same items, passes and results."""
     total = sum(int(sp[-1] - st[0]) for _, st, sp, _ in sources if st.size)
     rows = np.cumsum([0] + [st.size for _, st, _, _ in sources]).astype(np.int64)
-    small = [u for u, (x, st, _, _) in enumerate(sources) if st.size and x.size <= _LANE_MAX]
-    whole = set(small)
-    with _numba_threads(threads, total):
-        if small:
-            order, bounds = _lanes([sources[u][0].size for u in small], numba.get_num_threads())
-            units = [small[u] for u in order]
-            _run_lanes(
-                np.array([sources[u][0].ctypes.data for u in units], np.int64),
-                np.array([sources[u][0].size for u in units], np.int64),
-                rows[units],
-                rows[np.array(units) + 1],
-                bounds,
-                np.concatenate([st for _, st, _, _ in sources]),
-                np.concatenate([sp for _, _, sp, _ in sources]),
-                over_at,
-                part,
-                hist,
-                sub,
-                blk,
-            )
+    with _numba_threads(threads, total) as use:
+        whole = [
+            u
+            for u, (x, st, _, _) in enumerate(sources)
+            if st.size and (use == 1 or x.size <= _LANE_MAX)
+        ]
+        done = set(whole)
+        if whole:
+            order, bounds = _lanes([sources[u][0].size for u in whole], use)
+            units = [whole[u] for u in order]
+            addresses = np.array([sources[u][0].ctypes.data for u in units], np.int64)
+            sizes = np.array([sources[u][0].size for u in units], np.int64)
+            first, last = rows[units], rows[np.array(units) + 1]
+            starts = np.concatenate([st for _, st, _, _ in sources])
+            stops = np.concatenate([sp for _, _, sp, _ in sources])
+            if use == 1:
+                _run_sources(
+                    addresses,
+                    sizes,
+                    first,
+                    last,
+                    0,
+                    len(units),
+                    starts,
+                    stops,
+                    over_at,
+                    part,
+                    hist,
+                    sub,
+                    blk,
+                )
+            else:
+                _run_lanes(
+                    addresses,
+                    sizes,
+                    first,
+                    last,
+                    bounds,
+                    starts,
+                    stops,
+                    over_at,
+                    part,
+                    hist,
+                    sub,
+                    blk,
+                )
         for u, (x, st, sp, pv) in enumerate(sources):
-            if u in whole:
+            if u in done:
                 continue
             r = slice(rows[u], rows[u + 1])
-            _run(x, st, sp, pv, over_at, part[r], hist[r], sub[r], blk.rows(r))
+            _run(
+                x,
+                st,
+                sp,
+                pv,
+                over_at,
+                part[r],
+                hist[r],
+                sub[r],
+                None if blk is None else blk.rows(r),
+            )
 
 
 def _host_one(
@@ -1713,14 +1881,16 @@ def _host_one(
     by the one-array kernels, which skip the planning of many arrays' items."""
     field_bin, sub_bin, nb, over_at = _tables(layout.format)
     if not formats:
-        with _numba_threads(threads, x.size):
-            _summary_one(x, field_bin, sub_bin, nb, over_at, out)
+        with _numba_threads(threads, x.size) as use:
+            kernel = summary_serial if use == 1 else _summary_one
+            kernel(x, field_bin, sub_bin, nb, over_at, out)
         return
     acc = np.zeros((max(1, -(-x.size // _CHUNK)), len(formats), len(BLOCK_COLUMNS)))
     rowlen = shape[-1] if shape else 1
     table = _block_table(formats)
-    with _numba_threads(threads, x.size):
-        _summary_blocks_one(x, rowlen, field_bin, sub_bin, nb, over_at, table, out, acc)
+    with _numba_threads(threads, x.size) as use:
+        with_blocks = _summary_blocks_serial if use == 1 else _summary_blocks_one
+        with_blocks(x, rowlen, field_bin, sub_bin, nb, over_at, table, out, acc)
     cols = _block_columns(acc, np.zeros(acc.shape[0], np.int64), 1)
     out[layout.extras_start :] = cols.reshape(-1)
 
@@ -1803,18 +1973,8 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     # s**2 sum(q**2) - 2 s sum(q |x|) + sum(x**2) needs every q, which moves with s. So
     # exact counts need the block's values, that is, a second read; the first pass keeps
     # the blocks' maxima (1/16 of the values) for it.
-    nv = any(f.emax is None for f in formats)
-    per_item = (stops - starts) // 16 if nv else np.zeros(n_items, np.int64)
-    hoff = np.concatenate([[0], np.cumsum(per_item)[:-1]]).astype(np.int64)
-    blk = _Blocks(
-        _block_table(formats),
-        base,
-        base + lens[item_seg],
-        rowlens[item_seg],
-        item_seg,
-        hoff,
-        np.empty(int(per_item.sum()), np.int32),
-        np.zeros((n_items, len(formats), len(BLOCK_COLUMNS))),
+    blk = _blocks_of(
+        formats, base, base + lens[item_seg], rowlens[item_seg], item_seg, stops - starts
     )
     over_at = min(fmt.max, _F32_MAX)
     _run_all([src[:4] for src in sources], over_at, part, hist, sub, threads, blk)
@@ -1823,7 +1983,7 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
     _finish(part, hist, sub, item_seg, lens, field_bin, sub_bin, fmt.num_bins, out, ok)
     for i in np.flatnonzero(~ok):  # largest magnitude outside SAFE_RANGE
         _scaled_powers(flats[i], out[i, _O_MAXABS], out[i])
-    if not formats:
+    if blk is None:
         return out
     cols = _block_columns(blk.acc, item_seg, k)
     out[:, layout.extras_start :] = cols.reshape(k, -1)
