@@ -46,7 +46,7 @@ normal numbers whose results are exact:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -239,49 +239,66 @@ def _ratio_key(hi: Any, lo: Any) -> tuple[Any, Any, Any]:
     return e, words[0], words[1]
 
 
-def block_partials(
-    bits: Any, f: BlockFormat, st: Any = None, strict: bool = True
-) -> dict[str, Any]:
-    """Per block, the partial results of format ``f`` for ``bits`` (float32 bits, blocks along
-    the last axis, NaN for padding): the three counts (int32), ``t`` the squared error in the
-    unit ``2**g2`` (float32, with ``g2``), and the bits of the block's largest and smallest
-    non-zero finite magnitude (0 and 0 where none). ``st``: NVFP4's tensor scale
-    (:func:`tensor_scale`). ``strict``: keep XLA's simplifier from rewriting the float32
-    divisions (optimization barriers; off in a Pallas kernel compiled for Triton, which
-    does not rewrite them)."""
-    mag = bits & _MASK
-    fin = mag < _INF
-    m = jnp.where(fin, mag, 0)
+class _Consts(NamedTuple):
+    """The constants of element formats, as Python numbers (one format) or arrays with a
+    leading format axis (several formats computed together): mantissa bits, the exponent
+    of the smallest normal, the largest finite value, the smallest normal value, and
+    whether the scale is NVFP4's (an E4M3 number rather than a power of two)."""
+
+    mantissa: Any
+    emin: Any
+    top: Any
+    smallest: Any
+    nv: Any
+
+    @staticmethod
+    def of(formats: Sequence[BlockFormat], ndim: int = 0) -> _Consts:
+        """One format's constants as numbers (``ndim`` 0), else the formats' constants as
+        arrays of shape ``(len(formats),) + (1,) * ndim``."""
+        if not ndim:
+            (f,) = formats
+            return _Consts(f.mantissa, f.emin, f.max, f.smallest_normal, f.emax is None)
+
+        def col(values: list[Any], dtype: Any) -> Any:
+            return np.asarray(values, dtype).reshape((len(formats),) + (1,) * ndim)
+
+        return _Consts(
+            col([f.mantissa for f in formats], np.int32),
+            col([f.emin for f in formats], np.int32),
+            col([f.max for f in formats], np.float32),
+            col([f.smallest_normal for f in formats], np.float32),
+            col([f.emax is None for f in formats], np.bool_),
+        )
+
+
+def _elements(
+    m: Any, fin: Any, k: Any, sk: Any, has: Any, c: _Consts, strict: bool
+) -> tuple[Any, Any, Any, Any]:
+    """Per element (magnitude bits ``m``, ``fin`` where finite): whether it underflows,
+    is a subnormal element, saturates, and its error ``q * scale - x`` in the unit
+    ``2**-k``. The scale is ``sk * 2**-k`` (``sk`` in ``[1, 2)``, broadcast along the last
+    axis; ``None``: 1, a power-of-two scale), 0 where ``has`` is False. ``c``: the element
+    format's constants (:class:`_Consts`, arrays where several formats are computed as one).
+    """
     nz = m > 0
-    amax = jnp.max(m, axis=-1)
-    amin = jnp.min(jnp.where(nz, m, _INF), axis=-1)
-    if f.emax is not None:  # MX: a power-of-two scale
-        s = jnp.where(amax > 0, _floor_log2(jnp.maximum(amax, 1)) - f.emax, 0)
-        y = _rescaled(m, -s[..., None])  # exact
-        has = None
-        g = s
+    xk = _rescaled(m, k)  # x * 2**k: exact for a power-of-two scale, normal where it matters
+    if sk is None:
+        y = xk
     else:
-        sbits = _nvfp4_scale(amax, st, strict)
-        has = (sbits > 0)[..., None]
-        k = -_floor_log2(jnp.maximum(jnp.where(sbits > 0, sbits, amax), 1))
-        xk = _rescaled(m, k[..., None])  # x * 2**k, exact where it matters
-        sk = _rescaled(sbits, k)[..., None]  # the scale * 2**k, in [1, 2)
         # XLA's simplifier makes a division by a broadcast a product by the broadcast
         # reciprocal (rounded): the barrier keeps the divisor an array of its own
         sk = jnp.broadcast_to(jnp.where(has, sk, 1.0), xk.shape)
         if strict:
             sk = jax.lax.optimization_barrier(sk)
         y = jnp.where(has, xk / sk, 0.0)
-        g = -k
-    n, gq = _round_grid(_bits(y), f.mantissa, f.emin)
-    sat = fin & (y > f.max)
-    q = jnp.where(sat, f.max, n.astype(_F32) * _pow2(gq))
-    if has is None:
-        err = q - y  # exact: q within a factor 2 of y, or 0
-    else:
-        # q * scale - x times 2**(k + 25) in int32: q = n * 2**gq (n <= 3, or 6 saturated),
-        # scale * 2**k = ms * 2**-23, x * 2**k = mx * 2**(ex - 23) with ex in [-2, 4]
-        # where q > 0
+    n, gq = _round_grid(_bits(y), c.mantissa, c.emin)
+    sat = fin & (y > c.top)
+    q = jnp.where(sat, c.top, n.astype(_F32) * _pow2(gq))
+    err = q - y  # a power-of-two scale: exact, q within a factor 2 of y, or 0
+    if sk is not None:
+        # NVFP4: q * scale - x times 2**(k + 25) in int32: q = n * 2**gq (n <= 3, or 6
+        # saturated), scale * 2**k = ms * 2**-23, x * 2**k = mx * 2**(ex - 23) with ex in
+        # [-2, 4] where q > 0
         n = jnp.where(sat, 3, n)
         gq = jnp.where(sat, 1, gq)
         ms = (_bits(sk) & ((1 << _MB) - 1)) | (1 << _MB)  # (1 where has is False: unused)
@@ -291,16 +308,49 @@ def block_partials(
         lhs = jnp.left_shift(n * ms, jnp.clip(gq + 2, 0, 31))
         rhs = jnp.left_shift(mx, jnp.clip(ex + 2, 0, 31))
         exact = (lhs - rhs).astype(_F32) * 2.0**-25
-        err = jnp.where(has & (q > 0), exact, xk)
+        err = jnp.where(c.nv, jnp.where(has & (q > 0), exact, xk), err)
     err = jnp.where(fin, err, 0.0)
     qa = jnp.abs(q)
+    return nz & (qa == 0), nz & (qa > 0) & (qa < c.smallest), sat, err
+
+
+def _nvfp4_k(sbits: Any, amax: Any) -> Any:
+    """The power of two ``k`` that brings NVFP4's block scale (bits ``sbits``; where it is
+    0, the block maximum ``amax``) into ``[1, 2)``."""
+    return -_floor_log2(jnp.maximum(jnp.where(sbits > 0, sbits, amax), 1))
+
+
+def block_partials(
+    bits: Any, f: BlockFormat, st: Any = None, strict: bool = True
+) -> dict[str, Any]:
+    """Per block, the partial results of format ``f`` for ``bits`` (float32 bits, blocks along
+    the last axis, NaN for padding): the three counts (int32), ``t`` the squared error in the
+    unit ``2**g2`` (float32, with ``g2``), and the bits of the block's largest and smallest
+    non-zero finite magnitude (0 and 0 where none). ``st``: NVFP4's tensor scale
+    (:func:`tensor_scale`). ``strict``: keep XLA's simplifier from rewriting the float32
+    divisions (optimization barriers; off in a Pallas kernel compiled for Triton, which
+    does not rewrite them). (:func:`block_words_many` computes all formats together.)"""
+    mag = bits & _MASK
+    fin = mag < _INF
+    m = jnp.where(fin, mag, 0)
+    amax = jnp.max(m, axis=-1)
+    amin = jnp.min(jnp.where(m > 0, m, _INF), axis=-1)
+    if f.emax is not None:  # MX: a power-of-two scale
+        k = jnp.where(amax > 0, f.emax - _floor_log2(jnp.maximum(amax, 1)), 0)
+        sk = has = None
+    else:
+        sbits = _nvfp4_scale(amax, st, strict)
+        k = _nvfp4_k(sbits, amax)
+        has = (sbits > 0)[..., None]
+        sk = _rescaled(sbits, k)[..., None]  # the scale * 2**k, in [1, 2)
+    under, sub, sat, err = _elements(m, fin, k[..., None], sk, has, _Consts.of([f]), strict)
     i32 = _I32
     return {
-        "underflow": jnp.sum((nz & (qa == 0)).astype(i32), axis=-1),
-        "subnormal": jnp.sum((nz & (qa > 0) & (qa < f.smallest_normal)).astype(i32), axis=-1),
+        "underflow": jnp.sum(under.astype(i32), axis=-1),
+        "subnormal": jnp.sum(sub.astype(i32), axis=-1),
         "saturated": jnp.sum(sat.astype(i32), axis=-1),
         "t": jnp.sum(err * err, axis=-1),
-        "g2": 2 * g,
+        "g2": -2 * k,
         "hi": amax,
         "lo": jnp.where(amax > 0, amin, 0),
     }
@@ -324,24 +374,34 @@ def _sq_exp(t: Any, g2: Any) -> Any:
     return jnp.where(tb > 0, g2 + _floor_log2(jnp.maximum(tb, 1)), -(2**30))
 
 
-def merge_partials(p: dict[str, Any], axis: int = 0) -> dict[str, Any]:
-    """The partials ``p`` (:func:`block_partials`, or parts of them) reduced along ``axis``:
-    counts added, the squared errors summed in the unit of the largest (``t`` in the unit
-    ``2**g2``), the pair of the largest ratio kept."""
+def _merge_errors(p: dict[str, Any], axis: int) -> dict[str, Any]:
+    """The counts of the partials ``p`` added along ``axis``, the squared errors summed in
+    the unit of the largest (``t`` in the unit ``2**g2``)."""
     e = jnp.max(_sq_exp(p["t"], p["g2"]), axis=axis, keepdims=True)
     top = jnp.where(e > -(2**30), e, 0)
     t = jnp.sum(_rescaled(_bits(p["t"]), p["g2"] - top), axis=axis)
-    key = _key(p["hi"], p["lo"])
-    win = key[0] == jnp.max(key[0], axis=axis, keepdims=True)
-    for w in key[1:]:
-        win = win & (w == jnp.max(jnp.where(win, w, -1), axis=axis, keepdims=True))
     return {
         **{c: jnp.sum(p[c], axis=axis) for c in ("underflow", "subnormal", "saturated")},
         "t": t,
         "g2": jnp.squeeze(top, axis),
-        "hi": jnp.max(jnp.where(win, p["hi"], 0), axis=axis),
-        "lo": jnp.max(jnp.where(win, p["lo"], 0), axis=axis),
     }
+
+
+def _merge_ranges(hi: Any, lo: Any, axis: int) -> tuple[Any, Any]:
+    """The pair ``(hi, lo)`` of the largest ratio along ``axis`` (exact, :func:`_key`)."""
+    key = _key(hi, lo)
+    win = key[0] == jnp.max(key[0], axis=axis, keepdims=True)
+    for w in key[1:]:
+        win = win & (w == jnp.max(jnp.where(win, w, -1), axis=axis, keepdims=True))
+    return jnp.max(jnp.where(win, hi, 0), axis=axis), jnp.max(jnp.where(win, lo, 0), axis=axis)
+
+
+def merge_partials(p: dict[str, Any], axis: int = 0) -> dict[str, Any]:
+    """The partials ``p`` (:func:`block_partials`, or parts of them) reduced along ``axis``:
+    counts added, the squared errors summed in the unit of the largest (``t`` in the unit
+    ``2**g2``), the pair of the largest ratio kept."""
+    hi, lo = _merge_ranges(p["hi"], p["lo"], axis)
+    return {**_merge_errors(p, axis), "hi": hi, "lo": lo}
 
 
 def merge_two(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -405,62 +465,126 @@ def block_words(x: Any, formats: Sequence[BlockFormat]) -> tuple[Any, Any]:
 _NAN_BITS = int(np.array(np.nan, np.float32).view(np.int32))
 
 
+def _stack_words(
+    stack: Any, formats: Sequence[BlockFormat], strict: bool = True
+) -> tuple[Any, Any]:
+    """The words of each of the formats for each array of ``stack`` (float32 bits ``(arrays,
+    blocks, size)``, ``size`` the largest block size of ``formats``, NaN for padding): int32
+    ``(arrays, len(formats) * INT_WORDS)`` and float32 ``(arrays, len(formats))``.
+
+    One program for all the formats: the elements are read as sub-blocks of the smallest
+    block size (NVFP4's 16 within MX's 32), and the scales, the rounding, the counts and
+    the squared errors are computed once with the formats as a leading axis (their
+    constants arrays along it, :class:`_Consts`); the block maxima and minima, the
+    largest ratio among them, and the power of two of the MX scales once per block size
+    (shared by the MX formats)."""
+    sizes = sorted({f.block for f in formats})
+    sub, size = sizes[0], sizes[-1]
+    arrays, n = stack.shape[0], stack.shape[1]
+    r = size // sub
+    mag = (stack & _MASK).reshape(arrays, n, r, sub)
+    fin = mag < _INF
+    m = jnp.where(fin, mag, 0)
+    # per sub-block, then per block of the largest size (broadcast over its sub-blocks)
+    amax = {sub: jnp.max(m, axis=-1)}
+    amin = {sub: jnp.min(jnp.where(m > 0, m, _INF), axis=-1)}
+    if r > 1:
+        amax[size] = jnp.broadcast_to(jnp.max(amax[sub], -1, keepdims=True), amax[sub].shape)
+        amin[size] = jnp.broadcast_to(jnp.min(amin[sub], -1, keepdims=True), amin[sub].shape)
+    ks, sks, hass = [], [], []
+    for f in formats:
+        a = amax[f.block]
+        if f.emax is not None:  # MX: a power-of-two scale
+            ks.append(jnp.where(a > 0, f.emax - _floor_log2(jnp.maximum(a, 1)), 0))
+            sks.append(jnp.ones(a.shape, _F32))
+            hass.append(jnp.ones(a.shape, bool))
+        else:
+            st = tensor_scale(jnp.max(a, axis=(1, 2)), strict)[:, None, None]
+            sbits = _nvfp4_scale(a, st, strict)
+            ks.append(_nvfp4_k(sbits, a))
+            sks.append(_rescaled(sbits, ks[-1]))  # the scale * 2**k, in [1, 2)
+            hass.append(sbits > 0)
+    k = jnp.stack(ks)[..., None]
+    nv = any(f.emax is None for f in formats)
+    sk = jnp.stack(sks)[..., None] if nv else None
+    has = jnp.stack(hass)[..., None] if nv else None
+    c = _Consts.of(formats, 4)
+    under, subn, sat, err = _elements(m[None], fin[None], k, sk, has, c, strict)
+    counts = jnp.sum(jnp.stack([under, subn, sat]).astype(_I32), axis=-1)
+    parts = {
+        "underflow": counts[0],
+        "subnormal": counts[1],
+        "saturated": counts[2],
+        "t": jnp.sum(err * err, axis=-1),
+        "g2": -2 * k[..., 0],
+    }  # (formats, arrays, blocks, sub-blocks)
+    flat = {c: v.reshape(len(formats), arrays, n * r) for c, v in parts.items()}
+    merged = _merge_errors(flat, axis=-1)  # (formats, arrays)
+    # the largest ratio once per block size
+    his = jnp.stack([amax[b] for b in sizes]).reshape(len(sizes), arrays, n * r)
+    los = jnp.stack([jnp.where(amax[b] > 0, amin[b], 0) for b in sizes])
+    hi, lo = _merge_ranges(his, los.reshape(his.shape), axis=-1)  # (sizes, arrays)
+    level = [sizes.index(f.block) for f in formats]
+    ints, t = finish(
+        {**merged, "hi": jnp.stack([hi[j] for j in level]), "lo": jnp.stack([lo[j] for j in level])}
+    )  # (formats, arrays, INT_WORDS), (formats, arrays)
+    return jnp.swapaxes(ints, 0, 1).reshape(arrays, -1), t.T
+
+
 def block_words_many(arrays: Sequence[Any], formats: Sequence[BlockFormat]) -> tuple[Any, Any]:
     """The block formats' words of each of ``arrays`` (traceable): int32 ``(len(arrays),
     len(formats) * INT_WORDS)`` and float32 ``(len(arrays), len(formats))``, by a program
-    whose size does not grow with the number of arrays.
+    whose size grows neither with the number of arrays nor much with the formats.
 
     Computed array by array, the words made the program grow with the arrays
     (20 small arrays with MXFP8 E4M3 and NVFP4: 35,679 operations against 2,247 for one; on a
-    GPU each is about a kernel the host launches). Here, per format, the blocks of arrays
-    whose block counts lie within one power of two are stacked into ``(arrays, blocks,
-    size)``, the shorter ones padded with NaN blocks (whose partials are neutral), and their
-    partials computed and merged once per stack; NVFP4's tensor scales are those stacks'
-    per-array maxima. An array's counts and block ranges do not depend on the arrays beside
-    it; its squared error is the same float32 terms summed over a longer axis (the padding's
-    zeros), so its float32 sum may round differently (tested within 1e-6)."""
+    GPU each is about a kernel the host launches). Here the blocks (of the largest block
+    size among ``formats``) of arrays whose block counts lie within one power of two are
+    stacked into ``(arrays, blocks, size)``, the shorter ones padded with NaN blocks (whose
+    partials are neutral), and all formats' words computed once per stack
+    (:func:`_stack_words`); NVFP4's tensor scales are those stacks' per-array maxima. An
+    array's counts and block ranges do not depend on the arrays beside it; its squared error
+    is the same float32 terms summed over a longer axis (the padding's zeros), so its
+    float32 sum may round differently (tested within 1e-6)."""
     for a in arrays:
         check_blockable(a)
-    k = len(arrays)
-    ints, floats = [], []
-    for f in formats:
-        stacks: dict[int, list[int]] = {}
-        blocks = []
-        for i, a in enumerate(arrays):
-            length = a.shape[-1] if a.ndim else 1
-            count = (a.size // length) * -(-length // f.block) if a.size else 0
-            blocks.append(count)
-            if count:
-                stacks.setdefault(count.bit_length(), []).append(i)
-        empty = [i for i in range(k) if not blocks[i]]
-        order = [i for members in stacks.values() for i in members] + empty
-        words, errors = [], []
-        for members in stacks.values():
-            most = max(blocks[i] for i in members)
-            stack = jnp.stack(
-                [
-                    jnp.pad(
-                        _block_bits(arrays[i], f.block),
-                        ((0, most - blocks[i]), (0, 0)),
-                        constant_values=_NAN_BITS,
-                    )
-                    for i in members
-                ]
-            )
-            st = None
-            if f.emax is None:
-                mag = stack & _MASK
-                st = tensor_scale(jnp.max(jnp.where(mag < _INF, mag, 0), axis=(1, 2)))[:, None]
-            i_words, t = finish(merge_partials(block_partials(stack, f, st), axis=1))
-            words.append(i_words)
-            errors.append(t)
-        if empty:
-            words.append(jnp.zeros((len(empty), INT_WORDS), _I32))
-            errors.append(jnp.zeros((len(empty),), _F32))
+    if not formats:
+        raise ValueError("block_words_many: formats is empty; give at least one BlockFormat")
+    size = max(f.block for f in formats)
+    stacks: dict[int, list[int]] = {}
+    blocks = []
+    for i, a in enumerate(arrays):
+        length = a.shape[-1] if a.ndim else 1
+        count = (a.size // length) * -(-length // size) if a.size else 0
+        blocks.append(count)
+        if count:
+            stacks.setdefault(count.bit_length(), []).append(i)
+    empty = [i for i, b in enumerate(blocks) if not b]
+    order = [i for members in stacks.values() for i in members] + empty
+    words, errors = [], []
+    for members in stacks.values():
+        most = max(blocks[i] for i in members)
+        stack = jnp.stack(
+            [
+                jnp.pad(
+                    _block_bits(arrays[i], size),
+                    ((0, most - blocks[i]), (0, 0)),
+                    constant_values=_NAN_BITS,
+                )
+                for i in members
+            ]
+        )
+        i_words, t = _stack_words(stack, formats)
+        words.append(i_words)
+        errors.append(t)
+    if empty:
+        words.append(jnp.zeros((len(empty), len(formats) * INT_WORDS), _I32))
+        errors.append(jnp.zeros((len(empty), len(formats)), _F32))
+    ints, floats = jnp.concatenate(words), jnp.concatenate(errors)
+    if order != sorted(order):
         back = np.argsort(np.asarray(order))  # rows in the arrays' order
-        ints.append(jnp.concatenate(words)[back])
-        floats.append(jnp.concatenate(errors)[back])
-    return jnp.concatenate(ints, axis=-1), jnp.stack(floats, axis=-1)
+        ints, floats = ints[back], floats[back]
+    return ints, floats
 
 
 def with_words(
