@@ -115,52 +115,6 @@ def _significand(m: Any) -> tuple[Any, Any]:
     return jnp.where(normal, (m & ((1 << _MB) - 1)) | (1 << _MB), sub), e
 
 
-def _round_grid(yb: Any, mantissa: int, emin: int) -> tuple[Any, Any]:
-    """``(n, g)``: the float32 ``y >= 0`` (bits ``yb``; a subnormal counts as 0) rounded to
-    nearest-even onto the grid of an element format with ``mantissa`` bits and smallest
-    normal ``2**emin`` (no saturation), as ``n * 2**g``."""
-    normal = (yb >> _MB) > 0
-    ey = (yb >> _MB) - _BIAS
-    my = (yb & ((1 << _MB) - 1)) | (1 << _MB)
-    g = jnp.maximum(ey, emin) - mantissa
-    d = jnp.clip(g - ey + _MB, 1, 30)
-    q = my >> d
-    rem = my - (q << d)
-    half = jnp.left_shift(jnp.ones_like(d), d - 1)
-    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
-    return jnp.where(normal, q + up.astype(_I32), 0), g
-
-
-def _opaque(c: float, like: Any) -> Any:
-    """The float32 constant ``c`` as a value XLA cannot see is constant (``like`` is
-    non-negative int32): XLA's simplifier turns a division by a constant into a product by
-    its rounded reciprocal, and ``(a / b) / c`` into ``a / (b * c)``; neither is the
-    float32 division the definition asks for."""
-    return jnp.where(like >= 0, jnp.float32(c), jnp.float32(1.0))
-
-
-def _div(a: Any, c: int, shift: int, strict: bool) -> Any:
-    """The float32 bits of ``a / (c * 2**shift)`` rounded to nearest-even, subnormal results
-    included (``a``: bits of a non-negative finite float32; ``c`` odd, below 32). A normal
-    result by the float32 division of ``a``'s significand (normal, so no flush), scaled back
-    by a power of two; a subnormal one on the subnormal grid by integer division, so it is
-    rounded once, as IEEE float32 rounds it."""
-    ma, ea = _significand(jnp.maximum(a, 1))
-    q = _float((ma & ((1 << _MB) - 1)) | (_BIAS << _MB)) / _opaque(float(c), a)  # in [1/c, 2)
-    if strict:
-        q = jax.lax.optimization_barrier(q)
-    normal = _bits(q * _pow2(ea - shift))
-    t = ea - _MB + (_BIAS + _MB - 1) - shift  # the quotient in units of 2**-149 is ma * 2**t / c
-    num = jnp.left_shift(ma, jnp.clip(t, 0, 4))
-    den = jnp.left_shift(jnp.full_like(ma, c), jnp.clip(-t, 0, 25))
-    n = jax.lax.div(num, den)
-    rem = num - n * den
-    n = n + ((2 * rem > den) | ((2 * rem == den) & ((n & 1) == 1))).astype(_I32)
-    n = jnp.where(t < -25, 0, n)
-    limit = int(np.array(c * 2.0 ** (shift - 126), np.float32).view(np.int32))
-    return jnp.where(a == 0, 0, jnp.where(a < limit, n, normal))
-
-
 def _ilog2(p: Any) -> Any:
     """``floor(log2 p)`` of a positive int32 (from the exponent of ``float(p)``, exact below
     2**24; larger ones shifted first)."""
@@ -169,25 +123,67 @@ def _ilog2(p: Any) -> Any:
     return (_bits(v.astype(_F32)) >> _MB) - _BIAS + jnp.where(big, 7, 0)
 
 
+def _round_int(
+    n: Any, e: Any, mantissa: Any, emin: Any, sticky: Any = None, lead: Any = None
+) -> tuple[Any, Any]:
+    """``(q, g)``: the value ``(n + f) * 2**e`` rounded to nearest-even onto the grid of a
+    format with ``mantissa`` bits and smallest normal ``2**emin`` (no saturation), as
+    ``q * 2**g``; ``n`` an int32 in ``[2**mantissa, 2**30)`` (or 0), ``f`` in ``[0, 1)``
+    non-zero where ``sticky``; ``lead``: ``floor(log2 n) + e`` where the caller knows it.
+    The one rounding of the module: the element formats' (the scaled elements, NVFP4's E4M3
+    block scale) and float32's (``mantissa`` 23, ``emin`` -126: subnormal results
+    included, which XLA:CPU's float arithmetic would flush)."""
+    if lead is None:
+        lead = _ilog2(jnp.maximum(n, 1)) + e
+    g = jnp.maximum(lead, emin) - mantissa
+    d = jnp.clip(g - e, 0, 31)  # the bits dropped (at least 1 where any is non-zero)
+    q = n >> d
+    rem = n - (q << d)
+    half = jnp.left_shift(1, jnp.maximum(d - 1, 0))
+    odd = (q & 1) == 1
+    if sticky is not None:
+        odd = odd | sticky
+    up = (d > 0) & ((rem > half) | ((rem == half) & odd))
+    return q + up.astype(_I32), g
+
+
+def _f32_bits(n: Any, e: Any, sticky: Any = None) -> Any:
+    """The float32 bits of ``(n + f) * 2**e`` rounded to nearest-even (:func:`_round_int`
+    onto float32's grid; ``n`` 0 gives 0)."""
+    q, g = _round_int(n, e, _MB, 1 - _BIAS, sticky)
+    # the exponent field is g + 150 for a normal result; a subnormal one has g = -149 and
+    # q below 2**23 (q = 2**23, rounded up to the smallest normal, gives its bits too)
+    return jnp.where(n > 0, ((g + _BIAS + _MB) << _MB) + q - (1 << _MB), 0)
+
+
+def _round_grid(yb: Any, mantissa: Any, emin: Any) -> tuple[Any, Any]:
+    """``(n, g)``: the float32 ``y >= 0`` (bits ``yb``; a subnormal counts as 0) rounded to
+    nearest-even onto the grid of an element format with ``mantissa`` bits and smallest
+    normal ``2**emin`` (no saturation), as ``n * 2**g`` (:func:`_round_int`)."""
+    ey = (yb >> _MB) - _BIAS
+    my = (yb & ((1 << _MB) - 1)) | (1 << _MB)
+    n, g = _round_int(my, ey - _MB, mantissa, emin, lead=ey)
+    return jnp.where(ey > -_BIAS, n, 0), g
+
+
+def _div(a: Any, c: int, shift: int) -> Any:
+    """The float32 bits of ``a / (c * 2**shift)`` rounded to nearest-even, subnormal results
+    included (``a``: bits of a non-negative finite float32; ``c`` odd, below 32): the
+    significand times ``2**6`` divided by ``c`` in int32 (a quotient of at least 25 bits,
+    the remainder the sticky part), rounded once by :func:`_f32_bits`."""
+    ma, ea = _significand(jnp.maximum(a, 1))
+    num = ma << 6
+    n = jax.lax.div(num, jnp.int32(c))
+    bits = _f32_bits(n, ea - _MB - 6 - shift, num - n * c > 0)
+    return jnp.where(a == 0, 0, bits)
+
+
 def _mul(sb: Any, gb: Any, st: Any) -> Any:
     """The float32 bits of ``sb * 2**gb * st`` rounded to nearest-even, subnormal results
     included: ``sb`` a small integer (an E4M3 significand, below 2**5) and ``st`` the bits of
     a positive finite float32; the product of the significands is exact in int32."""
     mt, et = _significand(jnp.maximum(st, 1))
-    p = sb * mt  # < 2**29: the value is p * 2**(gb + et - 23)
-    e = gb + et - _MB
-    top = _ilog2(jnp.maximum(p, 1))
-    lead = top + e  # floor(log2) of the product
-    quantum = jnp.maximum(lead, 1 - _BIAS) - _MB
-    d = quantum - e
-    up_shift = jnp.clip(-d, 0, 30)
-    d = jnp.clip(d, 0, 30)
-    q = jnp.left_shift(p, up_shift) >> d
-    rem = p - jnp.left_shift(q, d)
-    half = jnp.left_shift(jnp.ones_like(d), jnp.maximum(d - 1, 0))
-    q = q + ((d > 0) & ((rem > half) | ((rem == half) & ((q & 1) == 1)))).astype(_I32)
-    normal = lead >= 1 - _BIAS
-    bits = jnp.where(normal, ((quantum + _MB + _BIAS) << _MB) + q - (1 << _MB), q)
+    bits = _f32_bits(sb * mt, gb + et - _MB)  # sb * mt < 2**29
     return jnp.where((sb > 0) & (st > 0), bits, 0)
 
 
@@ -196,7 +192,7 @@ def _nvfp4_scale(amax: Any, st: Any, strict: bool = True) -> Any:
     undefined) from the bits of its maximum ``amax`` and of the tensor scale ``st``, in the
     definition's order and float32 rounding, subnormals included (:func:`_div`,
     :func:`_mul`)."""
-    third = _div(amax, 3, 1, strict)  # amax / 6
+    third = _div(amax, 3, 1)  # amax / 6
     # third / s_t: both significands normal, then the power of two (a result too small to
     # be normal rounds to zero in E4M3 anyway)
     m3, e3 = _significand(jnp.maximum(third, 1))
@@ -211,11 +207,11 @@ def _nvfp4_scale(amax: Any, st: Any, strict: bool = True) -> Any:
     return _mul(n, g, st)
 
 
-def tensor_scale(amax_t: Any, strict: bool = True) -> Any:
+def tensor_scale(amax_t: Any) -> Any:
     """The bits of NVFP4's per-tensor scale ``s_t`` from the bits of the tensor's largest
     finite magnitude: ``max |x| / 2688`` (subnormal results included, :func:`_div`), 1 where
     it is 0."""
-    return jnp.where(amax_t > 0, _div(amax_t, 21, 7, strict), _bits(jnp.float32(1.0)))
+    return jnp.where(amax_t > 0, _div(amax_t, 21, 7), _bits(jnp.float32(1.0)))
 
 
 def _ratio_key(hi: Any, lo: Any) -> tuple[Any, Any, Any]:
@@ -499,8 +495,10 @@ def _stack_words(
             sks.append(jnp.ones(a.shape, _F32))
             hass.append(jnp.ones(a.shape, bool))
         else:
-            st = tensor_scale(jnp.max(a, axis=(1, 2)), strict)[:, None, None]
-            sbits = _nvfp4_scale(a, st, strict)
+            st = tensor_scale(jnp.max(a, axis=(1, 2)))[:, None, None]
+            # (the barrier: XLA would otherwise fuse the scale's chain into each of its
+            # three uses, compiling it three times)
+            sbits = jax.lax.optimization_barrier(_nvfp4_scale(a, st, strict))
             ks.append(_nvfp4_k(sbits, a))
             sks.append(_rescaled(sbits, ks[-1]))  # the scale * 2**k, in [1, 2)
             hass.append(sbits > 0)
@@ -510,12 +508,19 @@ def _stack_words(
     has = jnp.stack(hass)[..., None] if nv else None
     c = _Consts.of(formats, 4)
     under, subn, sat, err = _elements(m[None], fin[None], k, sk, has, c, strict)
-    counts = jnp.sum(jnp.stack([under, subn, sat]).astype(_I32), axis=-1)
+    # one reduction of the four (one fusion: XLA would otherwise compile the elements'
+    # chain into each reduction)
+    under, subn, sat, t = jax.lax.reduce(
+        (under.astype(_I32), subn.astype(_I32), sat.astype(_I32), err * err),
+        (np.int32(0), np.int32(0), np.int32(0), np.float32(0)),
+        lambda a, b: tuple(u + v for u, v in zip(a, b)),
+        (m.ndim,),
+    )
     parts = {
-        "underflow": counts[0],
-        "subnormal": counts[1],
-        "saturated": counts[2],
-        "t": jnp.sum(err * err, axis=-1),
+        "underflow": under,
+        "subnormal": subn,
+        "saturated": sat,
+        "t": t,
         "g2": -2 * k[..., 0],
     }  # (formats, arrays, blocks, sub-blocks)
     flat = {c: v.reshape(len(formats), arrays, n * r) for c, v in parts.items()}
