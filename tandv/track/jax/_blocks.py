@@ -246,6 +246,7 @@ class _Consts(NamedTuple):
     top: Any
     smallest: Any
     nv: Any
+    emax: Any
 
     @staticmethod
     def of(formats: Sequence[BlockFormat], ndim: int = 0) -> _Consts:
@@ -253,7 +254,7 @@ class _Consts(NamedTuple):
         arrays of shape ``(len(formats),) + (1,) * ndim``."""
         if not ndim:
             (f,) = formats
-            return _Consts(f.mantissa, f.emin, f.max, f.smallest_normal, f.emax is None)
+            return _Consts(f.mantissa, f.emin, f.max, f.smallest_normal, f.emax is None, f.emax)
 
         def col(values: list[Any], dtype: Any) -> Any:
             return np.asarray(values, dtype).reshape((len(formats),) + (1,) * ndim)
@@ -264,6 +265,7 @@ class _Consts(NamedTuple):
             col([f.max for f in formats], np.float32),
             col([f.smallest_normal for f in formats], np.float32),
             col([f.emax is None for f in formats], np.bool_),
+            col([f.emax or 0 for f in formats], np.int32),
         )
 
 
@@ -487,33 +489,34 @@ def _stack_words(
     if r > 1:
         amax[size] = jnp.broadcast_to(jnp.max(amax[sub], -1, keepdims=True), amax[sub].shape)
         amin[size] = jnp.broadcast_to(jnp.min(amin[sub], -1, keepdims=True), amin[sub].shape)
-    ks, sks, hass = [], [], []
-    for f in formats:
-        a = amax[f.block]
-        if f.emax is not None:  # MX: a power-of-two scale
-            ks.append(jnp.where(a > 0, f.emax - _floor_log2(jnp.maximum(a, 1)), 0))
-            sks.append(jnp.ones(a.shape, _F32))
-            hass.append(jnp.ones(a.shape, bool))
-        else:
-            st = tensor_scale(jnp.max(a, axis=(1, 2)))[:, None, None]
-            # (the barrier: XLA would otherwise fuse the scale's chain into each of its
-            # three uses, compiling it three times)
-            sbits = jax.lax.optimization_barrier(_nvfp4_scale(a, st, strict))
-            ks.append(_nvfp4_k(sbits, a))
-            sks.append(_rescaled(sbits, ks[-1]))  # the scale * 2**k, in [1, 2)
-            hass.append(sbits > 0)
-    k = jnp.stack(ks)[..., None]
-    nv = any(f.emax is None for f in formats)
-    sk = jnp.stack(sks)[..., None] if nv else None
-    has = jnp.stack(hass)[..., None] if nv else None
     c = _Consts.of(formats, 4)
+    # the scales as one expression along the formats (no stack of per-format arrays: XLA
+    # fuses a scale's chain into each of its uses, so each use would compile it again)
+    mx = amax[size] if any(f.emax is not None for f in formats) else amax[sub]
+    k = jnp.where(mx > 0, c.emax[..., 0] - _floor_log2(jnp.maximum(mx, 1)), 0)
+    sk = has = None
+    if any(f.emax is None for f in formats):  # NVFP4: an E4M3 scale of blocks of 16
+        a = amax[sub]
+        sbits = _nvfp4_scale(a, tensor_scale(jnp.max(a, axis=(1, 2)))[:, None, None], strict)
+        k_nv = _nvfp4_k(sbits, a)
+        nv = c.nv[..., 0]
+        k = jnp.where(nv, k_nv, k)
+        sk = jnp.where(nv, _rescaled(sbits, k_nv), 1.0)[..., None]  # the scale * 2**k
+        has = (~nv | (sbits > 0))[..., None]
+    k = jnp.broadcast_to(k, (len(formats),) + m.shape[:-1])[..., None]
     under, subn, sat, err = _elements(m[None], fin[None], k, sk, has, c, strict)
-    # one reduction of the four (one fusion: XLA would otherwise compile the elements'
-    # chain into each reduction)
-    under, subn, sat, t = jax.lax.reduce(
-        (under.astype(_I32), subn.astype(_I32), sat.astype(_I32), err * err),
-        (np.int32(0), np.int32(0), np.int32(0), np.float32(0)),
-        lambda a, b: tuple(u + v for u, v in zip(a, b)),
+    # one reduction of the four and of the unit (one fusion: XLA would otherwise compile the
+    # elements' chain, and the scales' it contains, into each reduction)
+    under, subn, sat, t, g2 = jax.lax.reduce(
+        (
+            under.astype(_I32),
+            subn.astype(_I32),
+            sat.astype(_I32),
+            err * err,
+            jnp.broadcast_to(-2 * k, err.shape),
+        ),
+        (np.int32(0), np.int32(0), np.int32(0), np.float32(0), np.int32(-(2**30))),
+        lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], jnp.maximum(a[4], b[4])),
         (m.ndim,),
     )
     parts = {
@@ -521,9 +524,9 @@ def _stack_words(
         "subnormal": subn,
         "saturated": sat,
         "t": t,
-        "g2": -2 * k[..., 0],
+        "g2": g2,
     }  # (formats, arrays, blocks, sub-blocks)
-    flat = {c: v.reshape(len(formats), arrays, n * r) for c, v in parts.items()}
+    flat = {w: v.reshape(len(formats), arrays, n * r) for w, v in parts.items()}
     merged = _merge_errors(flat, axis=-1)  # (formats, arrays)
     # the largest ratio once per block size
     his = jnp.stack([amax[b] for b in sizes]).reshape(len(sizes), arrays, n * r)
