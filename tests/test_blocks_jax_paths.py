@@ -284,3 +284,10 @@ def assert_rows_equal_reference(
         _assert_columns(got, ref[key], formats, (what, key))
         seen.add(key)
     assert set(ref) <= seen, set(ref) - seen
+
+
+def test_many_arrays_without_formats_refused() -> None:
+    from tandv.track.jax._blocks import block_words_many
+
+    with pytest.raises(ValueError, match="formats is empty"):
+        block_words_many([jnp.ones((2, 32), jnp.float32)], [])

@@ -30,23 +30,30 @@ normal numbers whose results are exact:
   ``x / 2**s`` rebuilt from the bits (exact); rounding to the element grid (nearest, ties
   to even) by shifting the significand; the error ``q - x / 2**s`` is exact (Sterbenz).
 - NVFP4: the chain ``s_t``, ``amax_b / 6 / s_t``, its E4M3 rounding and ``s_b * s_t`` in
-  float32 as the definition says, per block; the element division ``x / scale`` as the
+  float32 as the definition says, per block (the divisions by 6 and 2688 and the product
+  in int32, rounded as float32 rounds them by :func:`_round_int`, the module's one rounding,
+  which rounds the E4M3 scale and the elements too); the element division ``x / scale`` as the
   float32 division of ``x * 2**k`` by ``scale * 2**k`` (the same quotient, so the same
   rounding, with both operands normal); the error ``q * scale - x`` in int32 (at most 30
   bits). Where that chain meets float32 subnormals (tensors whose largest magnitude is below
   about ``2**-100``), XLA:CPU flushes them: such tensors can differ from the reference.
-- Each block's squared error is a float32 sum in the block's own unit (``2**(2 s)``);
+- Each block's squared error is a float32 sum in the block's own unit (``2**(2 s)``; in
+  :func:`block_words_many`, per 16 elements where NVFP4 is among the formats);
   blocks are summed in the unit of the largest contribution, so no term overflows and none
   that matters underflows (terms below ``2**-126`` of the largest are dropped).
 - Ratios ``amax / amin`` are compared exactly as ``(e, f)``: the power of two ``e`` and
   the ratio of the significands ``f`` in ``[1, 2)``, whose 56 bits after the point come from
   integer long division (two distinct ratios of 24-bit significands differ in the first 49).
+
+By XLA's operations (:func:`block_words_many`) all the formats are one computation, the
+formats a leading axis (:func:`_stack_words`): the program is about half the size of one
+computation per format, and XLA:CPU compiles it in less than half the time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -115,52 +122,6 @@ def _significand(m: Any) -> tuple[Any, Any]:
     return jnp.where(normal, (m & ((1 << _MB) - 1)) | (1 << _MB), sub), e
 
 
-def _round_grid(yb: Any, mantissa: int, emin: int) -> tuple[Any, Any]:
-    """``(n, g)``: the float32 ``y >= 0`` (bits ``yb``; a subnormal counts as 0) rounded to
-    nearest-even onto the grid of an element format with ``mantissa`` bits and smallest
-    normal ``2**emin`` (no saturation), as ``n * 2**g``."""
-    normal = (yb >> _MB) > 0
-    ey = (yb >> _MB) - _BIAS
-    my = (yb & ((1 << _MB) - 1)) | (1 << _MB)
-    g = jnp.maximum(ey, emin) - mantissa
-    d = jnp.clip(g - ey + _MB, 1, 30)
-    q = my >> d
-    rem = my - (q << d)
-    half = jnp.left_shift(jnp.ones_like(d), d - 1)
-    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
-    return jnp.where(normal, q + up.astype(_I32), 0), g
-
-
-def _opaque(c: float, like: Any) -> Any:
-    """The float32 constant ``c`` as a value XLA cannot see is constant (``like`` is
-    non-negative int32): XLA's simplifier turns a division by a constant into a product by
-    its rounded reciprocal, and ``(a / b) / c`` into ``a / (b * c)``; neither is the
-    float32 division the definition asks for."""
-    return jnp.where(like >= 0, jnp.float32(c), jnp.float32(1.0))
-
-
-def _div(a: Any, c: int, shift: int, strict: bool) -> Any:
-    """The float32 bits of ``a / (c * 2**shift)`` rounded to nearest-even, subnormal results
-    included (``a``: bits of a non-negative finite float32; ``c`` odd, below 32). A normal
-    result by the float32 division of ``a``'s significand (normal, so no flush), scaled back
-    by a power of two; a subnormal one on the subnormal grid by integer division, so it is
-    rounded once, as IEEE float32 rounds it."""
-    ma, ea = _significand(jnp.maximum(a, 1))
-    q = _float((ma & ((1 << _MB) - 1)) | (_BIAS << _MB)) / _opaque(float(c), a)  # in [1/c, 2)
-    if strict:
-        q = jax.lax.optimization_barrier(q)
-    normal = _bits(q * _pow2(ea - shift))
-    t = ea - _MB + (_BIAS + _MB - 1) - shift  # the quotient in units of 2**-149 is ma * 2**t / c
-    num = jnp.left_shift(ma, jnp.clip(t, 0, 4))
-    den = jnp.left_shift(jnp.full_like(ma, c), jnp.clip(-t, 0, 25))
-    n = jax.lax.div(num, den)
-    rem = num - n * den
-    n = n + ((2 * rem > den) | ((2 * rem == den) & ((n & 1) == 1))).astype(_I32)
-    n = jnp.where(t < -25, 0, n)
-    limit = int(np.array(c * 2.0 ** (shift - 126), np.float32).view(np.int32))
-    return jnp.where(a == 0, 0, jnp.where(a < limit, n, normal))
-
-
 def _ilog2(p: Any) -> Any:
     """``floor(log2 p)`` of a positive int32 (from the exponent of ``float(p)``, exact below
     2**24; larger ones shifted first)."""
@@ -169,25 +130,67 @@ def _ilog2(p: Any) -> Any:
     return (_bits(v.astype(_F32)) >> _MB) - _BIAS + jnp.where(big, 7, 0)
 
 
+def _round_int(
+    n: Any, e: Any, mantissa: Any, emin: Any, sticky: Any = None, lead: Any = None
+) -> tuple[Any, Any]:
+    """``(q, g)``: the value ``(n + f) * 2**e`` rounded to nearest-even onto the grid of a
+    format with ``mantissa`` bits and smallest normal ``2**emin`` (no saturation), as
+    ``q * 2**g``; ``n`` an int32 in ``[2**mantissa, 2**30)`` (or 0), ``f`` in ``[0, 1)``
+    non-zero where ``sticky``; ``lead``: ``floor(log2 n) + e`` where the caller knows it.
+    The one rounding of the module: the element formats' (the scaled elements, NVFP4's E4M3
+    block scale) and float32's (``mantissa`` 23, ``emin`` -126: subnormal results
+    included, which XLA:CPU's float arithmetic would flush)."""
+    if lead is None:
+        lead = _ilog2(jnp.maximum(n, 1)) + e
+    g = jnp.maximum(lead, emin) - mantissa
+    d = jnp.clip(g - e, 0, 31)  # the bits dropped (at least 1 where any is non-zero)
+    q = n >> d
+    rem = n - (q << d)
+    half = jnp.left_shift(1, jnp.maximum(d - 1, 0))
+    odd = (q & 1) == 1
+    if sticky is not None:
+        odd = odd | sticky
+    up = (d > 0) & ((rem > half) | ((rem == half) & odd))
+    return q + up.astype(_I32), g
+
+
+def _f32_bits(n: Any, e: Any, sticky: Any = None) -> Any:
+    """The float32 bits of ``(n + f) * 2**e`` rounded to nearest-even (:func:`_round_int`
+    onto float32's grid; ``n`` 0 gives 0)."""
+    q, g = _round_int(n, e, _MB, 1 - _BIAS, sticky)
+    # the exponent field is g + 150 for a normal result; a subnormal one has g = -149 and
+    # q below 2**23 (q = 2**23, rounded up to the smallest normal, gives its bits too)
+    return jnp.where(n > 0, ((g + _BIAS + _MB) << _MB) + q - (1 << _MB), 0)
+
+
+def _round_grid(yb: Any, mantissa: Any, emin: Any) -> tuple[Any, Any]:
+    """``(n, g)``: the float32 ``y >= 0`` (bits ``yb``; a subnormal counts as 0) rounded to
+    nearest-even onto the grid of an element format with ``mantissa`` bits and smallest
+    normal ``2**emin`` (no saturation), as ``n * 2**g`` (:func:`_round_int`)."""
+    ey = (yb >> _MB) - _BIAS
+    my = (yb & ((1 << _MB) - 1)) | (1 << _MB)
+    n, g = _round_int(my, ey - _MB, mantissa, emin, lead=ey)
+    return jnp.where(ey > -_BIAS, n, 0), g
+
+
+def _div(a: Any, c: int, shift: int) -> Any:
+    """The float32 bits of ``a / (c * 2**shift)`` rounded to nearest-even, subnormal results
+    included (``a``: bits of a non-negative finite float32; ``c`` odd, below 32): the
+    significand times ``2**6`` divided by ``c`` in int32 (a quotient of at least 25 bits,
+    the remainder the sticky part), rounded once by :func:`_f32_bits`."""
+    ma, ea = _significand(jnp.maximum(a, 1))
+    num = ma << 6
+    n = jax.lax.div(num, jnp.int32(c))
+    bits = _f32_bits(n, ea - _MB - 6 - shift, num - n * c > 0)
+    return jnp.where(a == 0, 0, bits)
+
+
 def _mul(sb: Any, gb: Any, st: Any) -> Any:
     """The float32 bits of ``sb * 2**gb * st`` rounded to nearest-even, subnormal results
     included: ``sb`` a small integer (an E4M3 significand, below 2**5) and ``st`` the bits of
     a positive finite float32; the product of the significands is exact in int32."""
     mt, et = _significand(jnp.maximum(st, 1))
-    p = sb * mt  # < 2**29: the value is p * 2**(gb + et - 23)
-    e = gb + et - _MB
-    top = _ilog2(jnp.maximum(p, 1))
-    lead = top + e  # floor(log2) of the product
-    quantum = jnp.maximum(lead, 1 - _BIAS) - _MB
-    d = quantum - e
-    up_shift = jnp.clip(-d, 0, 30)
-    d = jnp.clip(d, 0, 30)
-    q = jnp.left_shift(p, up_shift) >> d
-    rem = p - jnp.left_shift(q, d)
-    half = jnp.left_shift(jnp.ones_like(d), jnp.maximum(d - 1, 0))
-    q = q + ((d > 0) & ((rem > half) | ((rem == half) & ((q & 1) == 1)))).astype(_I32)
-    normal = lead >= 1 - _BIAS
-    bits = jnp.where(normal, ((quantum + _MB + _BIAS) << _MB) + q - (1 << _MB), q)
+    bits = _f32_bits(sb * mt, gb + et - _MB)  # sb * mt < 2**29
     return jnp.where((sb > 0) & (st > 0), bits, 0)
 
 
@@ -196,7 +199,7 @@ def _nvfp4_scale(amax: Any, st: Any, strict: bool = True) -> Any:
     undefined) from the bits of its maximum ``amax`` and of the tensor scale ``st``, in the
     definition's order and float32 rounding, subnormals included (:func:`_div`,
     :func:`_mul`)."""
-    third = _div(amax, 3, 1, strict)  # amax / 6
+    third = _div(amax, 3, 1)  # amax / 6
     # third / s_t: both significands normal, then the power of two (a result too small to
     # be normal rounds to zero in E4M3 anyway)
     m3, e3 = _significand(jnp.maximum(third, 1))
@@ -211,11 +214,11 @@ def _nvfp4_scale(amax: Any, st: Any, strict: bool = True) -> Any:
     return _mul(n, g, st)
 
 
-def tensor_scale(amax_t: Any, strict: bool = True) -> Any:
+def tensor_scale(amax_t: Any) -> Any:
     """The bits of NVFP4's per-tensor scale ``s_t`` from the bits of the tensor's largest
     finite magnitude: ``max |x| / 2688`` (subnormal results included, :func:`_div`), 1 where
     it is 0."""
-    return jnp.where(amax_t > 0, _div(amax_t, 21, 7, strict), _bits(jnp.float32(1.0)))
+    return jnp.where(amax_t > 0, _div(amax_t, 21, 7), _bits(jnp.float32(1.0)))
 
 
 def _ratio_key(hi: Any, lo: Any) -> tuple[Any, Any, Any]:
@@ -239,49 +242,68 @@ def _ratio_key(hi: Any, lo: Any) -> tuple[Any, Any, Any]:
     return e, words[0], words[1]
 
 
-def block_partials(
-    bits: Any, f: BlockFormat, st: Any = None, strict: bool = True
-) -> dict[str, Any]:
-    """Per block, the partial results of format ``f`` for ``bits`` (float32 bits, blocks along
-    the last axis, NaN for padding): the three counts (int32), ``t`` the squared error in the
-    unit ``2**g2`` (float32, with ``g2``), and the bits of the block's largest and smallest
-    non-zero finite magnitude (0 and 0 where none). ``st``: NVFP4's tensor scale
-    (:func:`tensor_scale`). ``strict``: keep XLA's simplifier from rewriting the float32
-    divisions (optimization barriers; off in a Pallas kernel compiled for Triton, which
-    does not rewrite them)."""
-    mag = bits & _MASK
-    fin = mag < _INF
-    m = jnp.where(fin, mag, 0)
+class _Consts(NamedTuple):
+    """The constants of element formats, as Python numbers (one format) or arrays with a
+    leading format axis (several formats computed together): mantissa bits, the exponent
+    of the smallest normal, the largest finite value, the smallest normal value, and
+    whether the scale is NVFP4's (an E4M3 number rather than a power of two)."""
+
+    mantissa: Any
+    emin: Any
+    top: Any
+    smallest: Any
+    nv: Any
+    emax: Any
+
+    @staticmethod
+    def of(formats: Sequence[BlockFormat], ndim: int = 0) -> _Consts:
+        """One format's constants as numbers (``ndim`` 0), else the formats' constants as
+        arrays of shape ``(len(formats),) + (1,) * ndim``."""
+        if not ndim:
+            (f,) = formats
+            return _Consts(f.mantissa, f.emin, f.max, f.smallest_normal, f.emax is None, f.emax)
+
+        def col(values: list[Any], dtype: Any) -> Any:
+            return np.asarray(values, dtype).reshape((len(formats),) + (1,) * ndim)
+
+        return _Consts(
+            col([f.mantissa for f in formats], np.int32),
+            col([f.emin for f in formats], np.int32),
+            col([f.max for f in formats], np.float32),
+            col([f.smallest_normal for f in formats], np.float32),
+            col([f.emax is None for f in formats], np.bool_),
+            col([f.emax or 0 for f in formats], np.int32),
+        )
+
+
+def _elements(
+    m: Any, fin: Any, k: Any, sk: Any, has: Any, c: _Consts, strict: bool
+) -> tuple[Any, Any, Any, Any]:
+    """Per element (magnitude bits ``m``, ``fin`` where finite): whether it underflows,
+    is a subnormal element, saturates, and its error ``q * scale - x`` in the unit
+    ``2**-k``. The scale is ``sk * 2**-k`` (``sk`` in ``[1, 2)``, broadcast along the last
+    axis; ``None``: 1, a power-of-two scale), 0 where ``has`` is False. ``c``: the element
+    format's constants (:class:`_Consts`, arrays where several formats are computed as one).
+    """
     nz = m > 0
-    amax = jnp.max(m, axis=-1)
-    amin = jnp.min(jnp.where(nz, m, _INF), axis=-1)
-    if f.emax is not None:  # MX: a power-of-two scale
-        s = jnp.where(amax > 0, _floor_log2(jnp.maximum(amax, 1)) - f.emax, 0)
-        y = _rescaled(m, -s[..., None])  # exact
-        has = None
-        g = s
+    xk = _rescaled(m, k)  # x * 2**k: exact for a power-of-two scale, normal where it matters
+    if sk is None:
+        y = xk
     else:
-        sbits = _nvfp4_scale(amax, st, strict)
-        has = (sbits > 0)[..., None]
-        k = -_floor_log2(jnp.maximum(jnp.where(sbits > 0, sbits, amax), 1))
-        xk = _rescaled(m, k[..., None])  # x * 2**k, exact where it matters
-        sk = _rescaled(sbits, k)[..., None]  # the scale * 2**k, in [1, 2)
         # XLA's simplifier makes a division by a broadcast a product by the broadcast
         # reciprocal (rounded): the barrier keeps the divisor an array of its own
         sk = jnp.broadcast_to(jnp.where(has, sk, 1.0), xk.shape)
         if strict:
             sk = jax.lax.optimization_barrier(sk)
         y = jnp.where(has, xk / sk, 0.0)
-        g = -k
-    n, gq = _round_grid(_bits(y), f.mantissa, f.emin)
-    sat = fin & (y > f.max)
-    q = jnp.where(sat, f.max, n.astype(_F32) * _pow2(gq))
-    if has is None:
-        err = q - y  # exact: q within a factor 2 of y, or 0
-    else:
-        # q * scale - x times 2**(k + 25) in int32: q = n * 2**gq (n <= 3, or 6 saturated),
-        # scale * 2**k = ms * 2**-23, x * 2**k = mx * 2**(ex - 23) with ex in [-2, 4]
-        # where q > 0
+    n, gq = _round_grid(_bits(y), c.mantissa, c.emin)
+    sat = fin & (y > c.top)
+    q = jnp.where(sat, c.top, n.astype(_F32) * _pow2(gq))
+    err = q - y  # a power-of-two scale: exact, q within a factor 2 of y, or 0
+    if sk is not None:
+        # NVFP4: q * scale - x times 2**(k + 25) in int32: q = n * 2**gq (n <= 3, or 6
+        # saturated), scale * 2**k = ms * 2**-23, x * 2**k = mx * 2**(ex - 23) with ex in
+        # [-2, 4] where q > 0
         n = jnp.where(sat, 3, n)
         gq = jnp.where(sat, 1, gq)
         ms = (_bits(sk) & ((1 << _MB) - 1)) | (1 << _MB)  # (1 where has is False: unused)
@@ -291,16 +313,49 @@ def block_partials(
         lhs = jnp.left_shift(n * ms, jnp.clip(gq + 2, 0, 31))
         rhs = jnp.left_shift(mx, jnp.clip(ex + 2, 0, 31))
         exact = (lhs - rhs).astype(_F32) * 2.0**-25
-        err = jnp.where(has & (q > 0), exact, xk)
+        err = jnp.where(c.nv, jnp.where(has & (q > 0), exact, xk), err)
     err = jnp.where(fin, err, 0.0)
     qa = jnp.abs(q)
+    return nz & (qa == 0), nz & (qa > 0) & (qa < c.smallest), sat, err
+
+
+def _nvfp4_k(sbits: Any, amax: Any) -> Any:
+    """The power of two ``k`` that brings NVFP4's block scale (bits ``sbits``; where it is
+    0, the block maximum ``amax``) into ``[1, 2)``."""
+    return -_floor_log2(jnp.maximum(jnp.where(sbits > 0, sbits, amax), 1))
+
+
+def block_partials(
+    bits: Any, f: BlockFormat, st: Any = None, strict: bool = True
+) -> dict[str, Any]:
+    """Per block, the partial results of format ``f`` for ``bits`` (float32 bits, blocks along
+    the last axis, NaN for padding): the three counts (int32), ``t`` the squared error in the
+    unit ``2**g2`` (float32, with ``g2``), and the bits of the block's largest and smallest
+    non-zero finite magnitude (0 and 0 where none). ``st``: NVFP4's tensor scale
+    (:func:`tensor_scale`). ``strict``: keep XLA's simplifier from rewriting the float32
+    divisions (optimization barriers; off in a Pallas kernel compiled for Triton, which
+    does not rewrite them). (:func:`block_words_many` computes all formats together.)"""
+    mag = bits & _MASK
+    fin = mag < _INF
+    m = jnp.where(fin, mag, 0)
+    amax = jnp.max(m, axis=-1)
+    amin = jnp.min(jnp.where(m > 0, m, _INF), axis=-1)
+    if f.emax is not None:  # MX: a power-of-two scale
+        k = jnp.where(amax > 0, f.emax - _floor_log2(jnp.maximum(amax, 1)), 0)
+        sk = has = None
+    else:
+        sbits = _nvfp4_scale(amax, st, strict)
+        k = _nvfp4_k(sbits, amax)
+        has = (sbits > 0)[..., None]
+        sk = _rescaled(sbits, k)[..., None]  # the scale * 2**k, in [1, 2)
+    under, sub, sat, err = _elements(m, fin, k[..., None], sk, has, _Consts.of([f]), strict)
     i32 = _I32
     return {
-        "underflow": jnp.sum((nz & (qa == 0)).astype(i32), axis=-1),
-        "subnormal": jnp.sum((nz & (qa > 0) & (qa < f.smallest_normal)).astype(i32), axis=-1),
+        "underflow": jnp.sum(under.astype(i32), axis=-1),
+        "subnormal": jnp.sum(sub.astype(i32), axis=-1),
         "saturated": jnp.sum(sat.astype(i32), axis=-1),
         "t": jnp.sum(err * err, axis=-1),
-        "g2": 2 * g,
+        "g2": -2 * k,
         "hi": amax,
         "lo": jnp.where(amax > 0, amin, 0),
     }
@@ -324,24 +379,34 @@ def _sq_exp(t: Any, g2: Any) -> Any:
     return jnp.where(tb > 0, g2 + _floor_log2(jnp.maximum(tb, 1)), -(2**30))
 
 
-def merge_partials(p: dict[str, Any], axis: int = 0) -> dict[str, Any]:
-    """The partials ``p`` (:func:`block_partials`, or parts of them) reduced along ``axis``:
-    counts added, the squared errors summed in the unit of the largest (``t`` in the unit
-    ``2**g2``), the pair of the largest ratio kept."""
+def _merge_errors(p: dict[str, Any], axis: int) -> dict[str, Any]:
+    """The counts of the partials ``p`` added along ``axis``, the squared errors summed in
+    the unit of the largest (``t`` in the unit ``2**g2``)."""
     e = jnp.max(_sq_exp(p["t"], p["g2"]), axis=axis, keepdims=True)
     top = jnp.where(e > -(2**30), e, 0)
     t = jnp.sum(_rescaled(_bits(p["t"]), p["g2"] - top), axis=axis)
-    key = _key(p["hi"], p["lo"])
-    win = key[0] == jnp.max(key[0], axis=axis, keepdims=True)
-    for w in key[1:]:
-        win = win & (w == jnp.max(jnp.where(win, w, -1), axis=axis, keepdims=True))
     return {
         **{c: jnp.sum(p[c], axis=axis) for c in ("underflow", "subnormal", "saturated")},
         "t": t,
         "g2": jnp.squeeze(top, axis),
-        "hi": jnp.max(jnp.where(win, p["hi"], 0), axis=axis),
-        "lo": jnp.max(jnp.where(win, p["lo"], 0), axis=axis),
     }
+
+
+def _merge_ranges(hi: Any, lo: Any, axis: int) -> tuple[Any, Any]:
+    """The pair ``(hi, lo)`` of the largest ratio along ``axis`` (exact, :func:`_key`)."""
+    key = _key(hi, lo)
+    win = key[0] == jnp.max(key[0], axis=axis, keepdims=True)
+    for w in key[1:]:
+        win = win & (w == jnp.max(jnp.where(win, w, -1), axis=axis, keepdims=True))
+    return jnp.max(jnp.where(win, hi, 0), axis=axis), jnp.max(jnp.where(win, lo, 0), axis=axis)
+
+
+def merge_partials(p: dict[str, Any], axis: int = 0) -> dict[str, Any]:
+    """The partials ``p`` (:func:`block_partials`, or parts of them) reduced along ``axis``:
+    counts added, the squared errors summed in the unit of the largest (``t`` in the unit
+    ``2**g2``), the pair of the largest ratio kept."""
+    hi, lo = _merge_ranges(p["hi"], p["lo"], axis)
+    return {**_merge_errors(p, axis), "hi": hi, "lo": lo}
 
 
 def merge_two(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -405,62 +470,136 @@ def block_words(x: Any, formats: Sequence[BlockFormat]) -> tuple[Any, Any]:
 _NAN_BITS = int(np.array(np.nan, np.float32).view(np.int32))
 
 
+def _stack_words(
+    stack: Any, formats: Sequence[BlockFormat], strict: bool = True
+) -> tuple[Any, Any]:
+    """The words of each of the formats for each array of ``stack`` (float32 bits ``(arrays,
+    blocks, size)``, ``size`` the largest block size of ``formats``, NaN for padding): int32
+    ``(arrays, len(formats) * INT_WORDS)`` and float32 ``(arrays, len(formats))``.
+
+    One program for all the formats: the elements are read as sub-blocks of the smallest
+    block size (NVFP4's 16 within MX's 32), and the scales, the rounding, the counts and
+    the squared errors are computed once with the formats as a leading axis (their
+    constants arrays along it, :class:`_Consts`); the block maxima and minima, the
+    largest ratio among them, and the power of two of the MX scales once per block size
+    (shared by the MX formats)."""
+    sizes = sorted({f.block for f in formats})
+    sub, size = sizes[0], sizes[-1]
+    arrays, n = stack.shape[0], stack.shape[1]
+    r = size // sub
+    mag = (stack & _MASK).reshape(arrays, n, r, sub)
+    fin = mag < _INF
+    m = jnp.where(fin, mag, 0)
+    # per sub-block, then per block of the largest size (broadcast over its sub-blocks)
+    amax = {sub: jnp.max(m, axis=-1)}
+    amin = {sub: jnp.min(jnp.where(m > 0, m, _INF), axis=-1)}
+    if r > 1:
+        amax[size] = jnp.broadcast_to(jnp.max(amax[sub], -1, keepdims=True), amax[sub].shape)
+        amin[size] = jnp.broadcast_to(jnp.min(amin[sub], -1, keepdims=True), amin[sub].shape)
+    c = _Consts.of(formats, 4)
+    # the scales as one expression along the formats (no stack of per-format arrays: XLA
+    # fuses a scale's chain into each of its uses, so each use would compile it again)
+    mx = amax[size] if any(f.emax is not None for f in formats) else amax[sub]
+    k = jnp.where(mx > 0, c.emax[..., 0] - _floor_log2(jnp.maximum(mx, 1)), 0)
+    sk = has = None
+    if any(f.emax is None for f in formats):  # NVFP4: an E4M3 scale of blocks of 16
+        a = amax[sub]
+        sbits = _nvfp4_scale(a, tensor_scale(jnp.max(a, axis=(1, 2)))[:, None, None], strict)
+        k_nv = _nvfp4_k(sbits, a)
+        nv = c.nv[..., 0]
+        k = jnp.where(nv, k_nv, k)
+        sk = jnp.where(nv, _rescaled(sbits, k_nv), 1.0)[..., None]  # the scale * 2**k
+        has = (~nv | (sbits > 0))[..., None]
+    k = jnp.broadcast_to(k, (len(formats),) + m.shape[:-1])[..., None]
+    under, subn, sat, err = _elements(m[None], fin[None], k, sk, has, c, strict)
+    # one reduction of the four and of the unit (one fusion: XLA would otherwise compile the
+    # elements' chain, and the scales' it contains, into each reduction)
+    under, subn, sat, t, g2 = jax.lax.reduce(
+        (
+            under.astype(_I32),
+            subn.astype(_I32),
+            sat.astype(_I32),
+            err * err,
+            jnp.broadcast_to(-2 * k, err.shape),
+        ),
+        (np.int32(0), np.int32(0), np.int32(0), np.float32(0), np.int32(-(2**30))),
+        lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], jnp.maximum(a[4], b[4])),
+        (m.ndim,),
+    )
+    parts = {
+        "underflow": under,
+        "subnormal": subn,
+        "saturated": sat,
+        "t": t,
+        "g2": g2,
+    }  # (formats, arrays, blocks, sub-blocks)
+    flat = {w: v.reshape(len(formats), arrays, n * r) for w, v in parts.items()}
+    merged = _merge_errors(flat, axis=-1)  # (formats, arrays)
+    # the largest ratio once per block size
+    his = jnp.stack([amax[b] for b in sizes]).reshape(len(sizes), arrays, n * r)
+    los = jnp.stack([jnp.where(amax[b] > 0, amin[b], 0) for b in sizes])
+    hi, lo = _merge_ranges(his, los.reshape(his.shape), axis=-1)  # (sizes, arrays)
+    level = [sizes.index(f.block) for f in formats]
+    ints, t = finish(
+        {**merged, "hi": jnp.stack([hi[j] for j in level]), "lo": jnp.stack([lo[j] for j in level])}
+    )  # (formats, arrays, INT_WORDS), (formats, arrays)
+    return jnp.swapaxes(ints, 0, 1).reshape(arrays, -1), t.T
+
+
 def block_words_many(arrays: Sequence[Any], formats: Sequence[BlockFormat]) -> tuple[Any, Any]:
     """The block formats' words of each of ``arrays`` (traceable): int32 ``(len(arrays),
     len(formats) * INT_WORDS)`` and float32 ``(len(arrays), len(formats))``, by a program
-    whose size does not grow with the number of arrays.
+    whose size grows neither with the number of arrays nor much with the formats.
 
     Computed array by array, the words made the program grow with the arrays
     (20 small arrays with MXFP8 E4M3 and NVFP4: 35,679 operations against 2,247 for one; on a
-    GPU each is about a kernel the host launches). Here, per format, the blocks of arrays
-    whose block counts lie within one power of two are stacked into ``(arrays, blocks,
-    size)``, the shorter ones padded with NaN blocks (whose partials are neutral), and their
-    partials computed and merged once per stack; NVFP4's tensor scales are those stacks'
-    per-array maxima. An array's counts and block ranges do not depend on the arrays beside
-    it; its squared error is the same float32 terms summed over a longer axis (the padding's
-    zeros), so its float32 sum may round differently (tested within 1e-6)."""
+    GPU each is about a kernel the host launches). Here the blocks (of the largest block
+    size among ``formats``) of arrays whose block counts lie within one power of two are
+    stacked into ``(arrays, blocks, size)``, the shorter ones padded with NaN blocks (whose
+    partials are neutral), and all formats' words computed once per stack
+    (:func:`_stack_words`); NVFP4's tensor scales are those stacks' per-array maxima. An
+    array's counts and block ranges do not depend on the arrays beside it; its squared error
+    is the same float32 terms summed over a longer axis (the padding's zeros), so its
+    float32 sum may round differently (tested within 1e-6)."""
     for a in arrays:
         check_blockable(a)
-    k = len(arrays)
-    ints, floats = [], []
-    for f in formats:
-        stacks: dict[int, list[int]] = {}
-        blocks = []
-        for i, a in enumerate(arrays):
-            length = a.shape[-1] if a.ndim else 1
-            count = (a.size // length) * -(-length // f.block) if a.size else 0
-            blocks.append(count)
-            if count:
-                stacks.setdefault(count.bit_length(), []).append(i)
-        empty = [i for i in range(k) if not blocks[i]]
-        order = [i for members in stacks.values() for i in members] + empty
-        words, errors = [], []
-        for members in stacks.values():
-            most = max(blocks[i] for i in members)
-            stack = jnp.stack(
-                [
-                    jnp.pad(
-                        _block_bits(arrays[i], f.block),
-                        ((0, most - blocks[i]), (0, 0)),
-                        constant_values=_NAN_BITS,
-                    )
-                    for i in members
-                ]
-            )
-            st = None
-            if f.emax is None:
-                mag = stack & _MASK
-                st = tensor_scale(jnp.max(jnp.where(mag < _INF, mag, 0), axis=(1, 2)))[:, None]
-            i_words, t = finish(merge_partials(block_partials(stack, f, st), axis=1))
-            words.append(i_words)
-            errors.append(t)
-        if empty:
-            words.append(jnp.zeros((len(empty), INT_WORDS), _I32))
-            errors.append(jnp.zeros((len(empty),), _F32))
+    if not formats:
+        raise ValueError("block_words_many: formats is empty; give at least one BlockFormat")
+    size = max(f.block for f in formats)
+    stacks: dict[int, list[int]] = {}
+    blocks = []
+    for i, a in enumerate(arrays):
+        length = a.shape[-1] if a.ndim else 1
+        count = (a.size // length) * -(-length // size) if a.size else 0
+        blocks.append(count)
+        if count:
+            stacks.setdefault(count.bit_length(), []).append(i)
+    empty = [i for i, b in enumerate(blocks) if not b]
+    order = [i for members in stacks.values() for i in members] + empty
+    words, errors = [], []
+    for members in stacks.values():
+        most = max(blocks[i] for i in members)
+        stack = jnp.stack(
+            [
+                jnp.pad(
+                    _block_bits(arrays[i], size),
+                    ((0, most - blocks[i]), (0, 0)),
+                    constant_values=_NAN_BITS,
+                )
+                for i in members
+            ]
+        )
+        i_words, t = _stack_words(stack, formats)
+        words.append(i_words)
+        errors.append(t)
+    if empty:
+        words.append(jnp.zeros((len(empty), len(formats) * INT_WORDS), _I32))
+        errors.append(jnp.zeros((len(empty), len(formats)), _F32))
+    ints, floats = jnp.concatenate(words), jnp.concatenate(errors)
+    if order != sorted(order):
         back = np.argsort(np.asarray(order))  # rows in the arrays' order
-        ints.append(jnp.concatenate(words)[back])
-        floats.append(jnp.concatenate(errors)[back])
-    return jnp.concatenate(ints, axis=-1), jnp.stack(floats, axis=-1)
+        ints, floats = ints[back], floats[back]
+    return ints, floats
 
 
 def with_words(
