@@ -163,9 +163,14 @@ def _rescaled(m: Any, k: Any) -> Any:
     return full.astype(jnp.float32) * _pow2(e - _MB + k)
 
 
-def _row(values: list[Any], dtype: Any, width: int = 8) -> Any:
-    """The scalars ``values`` as one vector of ``width`` (built by selection: Triton has no
-    stack)."""
+def _row(values: list[Any], dtype: Any, width: int = 8, interpret: bool = False) -> Any:
+    """The scalars ``values`` as one vector of ``width``: built by selection for Triton
+    (which has no stack), as one concatenation where Pallas interprets the kernel (XLA
+    would copy the chain of selections into each reader of a column: a fifth of the
+    interpreted kernel's optimized program)."""
+    if interpret:
+        pad = jnp.zeros((width - len(values),), dtype)
+        return jnp.concatenate([jnp.stack([v.astype(dtype) for v in values]), pad])
     lane = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
     out = jnp.zeros((width,), dtype)
     for j, v in enumerate(values):
@@ -298,6 +303,7 @@ def _program(  # noqa: PLR0915
     over_bits: int,
     fp8: Fp8Code | None,
     higher: bool,
+    interpret: bool,
 ) -> None:
     """One program's body: the first ``limit`` elements of its chunk of ``chunk``,
     :data:`BLOCK` at a time (the loop runs ``chunk / BLOCK`` times, reads from ``limit`` on
@@ -305,7 +311,8 @@ def _program(  # noqa: PLR0915
     ``fp8``: the input holds the raw codes of an 8-bit float format, decoded here.
     ``higher`` (``moments=4``): each lane also sums the cubes and fourth powers of its
     differences from its shift, moved with the shift binomially, and the moments row ends
-    with the program's ``m3``, ``m4``."""
+    with the program's ``m3``, ``m4``. ``interpret``: Pallas interprets the kernel (see
+    :func:`_row`)."""
     lane = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
     lows = jax.lax.broadcasted_iota(jnp.int32, (_LOW, BLOCK), 0)
     highs = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, high), 1)
@@ -412,7 +419,7 @@ def _program(  # noqa: PLR0915
         "mag_min": jnp.min(ints[5]),
         "mag_max": amax,
     }
-    ints_ref[...] = _row([row[c] for c in _INT_COLUMNS], jnp.int32)
+    ints_ref[...] = _row([row[c] for c in _INT_COLUMNS], jnp.int32, interpret=interpret)
 
     # the lanes' moments at the program's scale (its largest magnitude), by Chan's formula
     big_k = _scale(amax)
@@ -448,7 +455,8 @@ def _program(  # noqa: PLR0915
         out["mean_lo"] = lo
         out["m2"] = jnp.sum(m2 * (r * r)) + jnp.sum(lane_c * dev_h * dev_h)  # likewise
         columns = _HIGHER_COLUMNS
-    moments_ref[...] = _row([out[c] for c in columns], jnp.float32, 16 if higher else 8)
+    width = 16 if higher else 8
+    moments_ref[...] = _row([out[c] for c in columns], jnp.float32, width, interpret)
     hist_ref[...] = table
 
 
@@ -507,7 +515,9 @@ def _kernel_input(x: Any) -> Any:
     return flat
 
 
-def _body(fmt: NumberFormat, nbins: int, dtype: Any, higher: bool) -> dict[str, Any]:
+def _body(
+    fmt: NumberFormat, nbins: int, dtype: Any, higher: bool, interpret: bool
+) -> dict[str, Any]:
     """The static arguments of :func:`_program` but ``chunk``, for arrays of ``dtype`` (before
     :func:`_kernel_input`: 8-bit floats are decoded in the kernel)."""
     return {
@@ -518,6 +528,7 @@ def _body(fmt: NumberFormat, nbins: int, dtype: Any, higher: bool) -> dict[str, 
         "under_bits": _bits_of(fmt.underflow_threshold),
         "over_bits": _bits_of(fmt.overflow_threshold),
         "higher": higher,
+        "interpret": interpret,
     }
 
 
@@ -558,7 +569,7 @@ def _summary(
     x: Any, fmt: NumberFormat, num_counts: int, interpret: bool, higher: bool
 ) -> tuple[Any, Any]:
     flat = _kernel_input(x)
-    body = _body(fmt, num_counts, x.dtype, higher)
+    body = _body(fmt, num_counts, x.dtype, higher, interpret)
     n = flat.shape[0]
     chunk = chunk_size(n, flat.dtype.itemsize, body["high"])
     programs, tail = program_extent(n, chunk)
@@ -584,7 +595,7 @@ def _shared_summaries(
     read up to the array's size), the same rows as each array's own grid, merged per
     array."""
     flats = [_kernel_input(a) for a in arrays]
-    body = _body(fmt, num_counts, arrays[0].dtype, higher)
+    body = _body(fmt, num_counts, arrays[0].dtype, higher, interpret)
     sizes = [f.shape[0] for f in flats]
     chunk = chunk_size(max(sizes), flats[0].dtype.itemsize, body["high"])
     stacked = jnp.stack([jnp.pad(f, (0, chunk - f.shape[0])) for f in flats])
