@@ -609,17 +609,18 @@ def _shared_summaries(
         higher,
         interpret,
     )
-    return [
-        _merge_blocks(ints[i : i + 1], hist[i : i + 1], moments[i : i + 1], n, num_counts, higher)
-        for i, n in enumerate(sizes)
-    ]
+    # the epilogue of each array (one row each) as one vectorized program: written out per
+    # array it was most of the program (24 arrays: 18,000 lines of optimized HLO, not 4,300)
+    merge = jax.vmap(partial(_merge_blocks, nbins=num_counts, higher=higher))
+    counts, values = merge(ints[:, None], hist[:, None], moments[:, None], size_rows[:, 0])
+    return [(counts[i], values[i]) for i in range(len(sizes))]
 
 
 def _merge_blocks(
-    ints: Any, hist: Any, moments: Any, n: int, nbins: int, higher: bool = False
+    ints: Any, hist: Any, moments: Any, n: Any, nbins: int, higher: bool = False
 ) -> tuple[Any, Any]:
-    """The summary's counts and values from the per-program rows (XLA, small arrays); with
-    ``higher``, the values end with ``m3``, ``m4``."""
+    """The summary's counts and values from the per-program rows (XLA, small arrays) of
+    an array of ``n`` elements; with ``higher``, the values end with ``m3``, ``m4``."""
     col = unpack_fields(ints, _INT_COLUMNS)
     mom = unpack_fields(moments, _HIGHER_COLUMNS if higher else _MOMENT_COLUMNS)
     n_nan, n_inf, n_zero, n_fin = (jnp.sum(col[c]) for c in ("nan", "inf", "zero", "finite"))
