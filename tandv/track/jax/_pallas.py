@@ -685,10 +685,11 @@ def pallas_summary(
 def _own_chunk(x: Any, num_counts: int) -> int | None:
     """The chunk of :func:`_summary`'s grid for ``x`` where that grid is one program (the
     array fits its chunk), else None."""
-    flat = _kernel_input(x)
-    n = flat.shape[0]
-    chunk = chunk_size(n, flat.dtype.itemsize, _high(num_counts))
-    return chunk if program_extent(n, chunk)[0] == 1 else None
+    dtype = np.dtype(x.dtype)
+    # the bytes of an element as the kernel reads it (see _kernel_input)
+    itemsize = dtype.itemsize if fp8_code(dtype) is not None or dtype in KERNEL_DTYPES else 4
+    chunk = chunk_size(x.size, itemsize, _high(num_counts))
+    return chunk if program_extent(x.size, chunk)[0] == 1 else None
 
 
 def pallas_summaries(
