@@ -29,6 +29,12 @@ A small XLA epilogue merges the rows into the :class:`._summary.DeviceSummary` l
 counts add, extrema reduce, and the moments are brought from each program's scale to the
 array's (factors ``2**(K - k)``, exact powers of two) and merged by Chan's formula.
 
+Small arrays of one dtype that each fill one program of the same chunk can share one
+grid (:func:`pallas_summaries`: a program per array, its size read from an input rather
+than fixed in the program) and one epilogue vectorized over them: the same rows as their
+own calls, in one kernel rather than one per array (each kernel is a program to compile:
+about a second apiece on XLA:CPU when interpreted).
+
 Values are rescaled in the integer domain (``|x| = m * 2**(e - 23)`` rebuilt as
 ``float(m) * 2**(e - 23 + k)``), so subnormal inputs count exactly on any backend, and
 exponents are read without ``clz`` (subnormals: from ``float(m)``'s exponent field), which
