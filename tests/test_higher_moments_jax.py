@@ -124,9 +124,10 @@ def test_custom_statistics_go_before_m3_m4():
     """The layout's order: core values, custom statistics, then m3 and m4 (each kernel
     returns m3, m4 after its core; ``with_custom`` inserts the custom statistics), and
     ``merge_jax`` merges both by their rules."""
-    # (the halves' lengths are those of test_parts_merge_on_device_and_on_the_host: the
-    # Pallas kernel compiled for them there runs here again)
-    x = data(20_000, 2.0, 2)
+    # (the halves' lengths are those of test_parts_merge_on_device_and_on_the_host's first
+    # and last parts, 3000 and 16999: the Pallas kernel compiled for them there runs here
+    # again; its grid is specialized to the length)
+    x = data(19_999, 2.0, 2)
     layout = Layout("float32", (("peak", "max"),), moments=4)
     custom = {"peak": lambda a: jnp.max(a)}
     # jitted as in a tracked program (op by op, each operation compiled for each shape)

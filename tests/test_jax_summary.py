@@ -247,6 +247,39 @@ def test_summarize_many_equals_one_by_one(histograms):
         np.testing.assert_allclose(got[MOMENTS], ref[MOMENTS], rtol=2e-5, atol=1e-6)
 
 
+def test_fused_kernel_shares_calls_between_small_arrays_with_the_same_results():
+    """pallas_summaries: small arrays whose chunks match share one kernel call (a program
+    each), and each summary is bit for bit the one of the array's own call, and numpy's."""
+    from tandv.track.jax._pallas import chunk_size, pallas_summaries, pallas_summary
+
+    arrays = [
+        rng.normal(size=(3, 4)).astype(np.float32),
+        SPECIALS,
+        np.zeros((0,), np.float32),
+        rng.normal(size=7).astype(np.float32) * 1e-39,
+        rng.normal(size=130).astype(np.float32) + 1000,  # these two: a chunk of 256
+        (rng.normal(size=250) * np.exp(rng.normal(size=250) * 8)).astype(np.float32),
+    ]
+    layout = Layout("float32")
+    assert {chunk_size(a.size, 4, 16) for a in arrays} == {128, 256}
+    fmt, counts = layout.format, layout.num_counts
+    xs = [jnp.asarray(a) for a in arrays]
+    shared = jax.jit(lambda xs: pallas_summaries(xs, fmt, counts, interpret=True))
+    calls = str(shared.trace(xs).jaxpr).count("pallas_call")
+    assert calls == 2  # one per chunk size, not one per array
+    own = jax.jit(lambda xs: [pallas_summary(x, fmt, counts, interpret=True) for x in xs])
+    for a, got, want in zip(arrays, jax.device_get(shared(xs)), jax.device_get(own(xs))):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(
+                np.asarray(g).view(np.uint32), np.asarray(w).view(np.uint32)
+            )
+        ref = summarize(a)[0]
+        got = to_vector(got)
+        np.testing.assert_array_equal(got[EXACT], ref[EXACT])
+        np.testing.assert_array_equal(got[layout.counts_start :], ref[layout.counts_start :])
+        np.testing.assert_allclose(got[MOMENTS[1:]], ref[MOMENTS[1:]], rtol=2e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("fmt", [None, "float8_e4m3fn"])
 def test_large_array_counted_in_pairs(fmt, path):

@@ -31,7 +31,7 @@ from ...stats.formats import format_name
 from ...stats.summary import N_CORE_VALUES, Layout
 from . import _ffi
 from ._blocks import with_words
-from ._pallas import pallas_blocks, pallas_summary
+from ._pallas import pallas_blocks, pallas_summaries, pallas_summary
 from ._segments import core_layout, segment_count, segmented
 from ._summary import (
     CustomStat,
@@ -427,6 +427,8 @@ class SummaryKernels:
             parts = dict(
                 zip(small, summarize_many_jax([arrays[i] for i in small], layout, self._custom))
             )
+            if self.path == "pallas":  # small arrays share the kernel's calls
+                parts.update(self._pallas_many([arrays[i] for i in idx], idx, fused))
             for i in idx:
                 if i not in parts:
                     parts[i] = self._summarize_anywhere(arrays[i], fused)
@@ -436,6 +438,33 @@ class SummaryKernels:
                     _rows_of([parts[i].values for i in idx]),
                 )
             )
+        return out
+
+    def _pallas_many(
+        self, arrays: list[jax.Array], idx: list[int], fused: bool
+    ) -> dict[int, DeviceSummary]:
+        """On the ``"pallas"`` path, :meth:`summarize` of the arrays of one dtype group that
+        fit one segment (not float64), by index: their core summaries by
+        :func:`._pallas.pallas_summaries`, which gives small arrays of similar sizes one
+        kernel call (the same summaries as one call each, in fewer, smaller programs)."""
+        whole = [
+            k
+            for k, a in enumerate(arrays)
+            if segment_count(a.size) == 1 and jnp.dtype(a.dtype) != jnp.float64
+        ]
+        if not whole:
+            return {}
+        layout = core_layout(self._layout(arrays[whole[0]].dtype))
+        cores = pallas_summaries(
+            [arrays[k] for k in whole],
+            layout.format,
+            layout.num_counts,
+            moments=layout.moments,
+        )
+        out = {}
+        for k, core in zip(whole, cores):
+            summary = with_custom(core, arrays[k], self._custom)
+            out[idx[k]] = self._with_blocks(summary, arrays[k], fused)
         return out
 
     def stacks(self, arrays: list[jax.Array], exact: bool) -> Stacks:

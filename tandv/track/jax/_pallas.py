@@ -29,6 +29,12 @@ A small XLA epilogue merges the rows into the :class:`._summary.DeviceSummary` l
 counts add, extrema reduce, and the moments are brought from each program's scale to the
 array's (factors ``2**(K - k)``, exact powers of two) and merged by Chan's formula.
 
+Small arrays of one dtype that each fill one program of the same chunk can share one
+grid (:func:`pallas_summaries`: a program per array, its size read from an input rather
+than fixed in the program) and one epilogue vectorized over them: the same rows as their
+own calls, in one kernel rather than one per array (each kernel is a program to compile:
+about a second apiece on XLA:CPU when interpreted).
+
 Values are rescaled in the integer domain (``|x| = m * 2**(e - 23)`` rebuilt as
 ``float(m) * 2**(e - 23 + k)``), so subnormal inputs count exactly on any backend, and
 exponents are read without ``clz`` (subnormals: from ``float(m)``'s exponent field), which
@@ -84,6 +90,7 @@ __all__ = [
     "chunk_size",
     "fp8_code",
     "pallas_blocks",
+    "pallas_summaries",
     "pallas_summary",
     "program_extent",
 ]
@@ -162,9 +169,14 @@ def _rescaled(m: Any, k: Any) -> Any:
     return full.astype(jnp.float32) * _pow2(e - _MB + k)
 
 
-def _row(values: list[Any], dtype: Any, width: int = 8) -> Any:
-    """The scalars ``values`` as one vector of ``width`` (built by selection: Triton has no
-    stack)."""
+def _row(values: list[Any], dtype: Any, width: int = 8, interpret: bool = False) -> Any:
+    """The scalars ``values`` as one vector of ``width``: built by selection for Triton
+    (which has no stack), as one concatenation where Pallas interprets the kernel (XLA
+    would copy the chain of selections into each reader of a column: a fifth of the
+    interpreted kernel's optimized program)."""
+    if interpret:
+        pad = jnp.zeros((width - len(values),), dtype)
+        return jnp.concatenate([jnp.stack([v.astype(dtype) for v in values]), pad])
     lane = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
     out = jnp.zeros((width,), dtype)
     for j, v in enumerate(values):
@@ -255,8 +267,7 @@ def program_extent(n: int, chunk: int) -> tuple[int, int]:
     return programs, n - (programs - 1) * chunk
 
 
-# issue 31: split after the jax _pallas work lands
-def _kernel(  # noqa: PLR0915
+def _kernel(
     x_ref: Any,
     ints_ref: Any,
     hist_ref: Any,
@@ -265,6 +276,32 @@ def _kernel(  # noqa: PLR0915
     last: int,
     tail: int,
     chunk: int,
+    **body: Any,
+) -> None:
+    """One program of one array's grid: its chunk of ``chunk`` elements (``tail`` for the
+    program ``last``) into one row of each output (:func:`_program`)."""
+    # elements of this chunk to read: offsets into the chunk only, never into the array
+    limit = chunk - (pl.program_id(0) == last).astype(jnp.int32) * (chunk - tail)
+    _program(x_ref, ints_ref, hist_ref, moments_ref, limit, chunk=chunk, **body)
+
+
+def _shared_kernel(
+    x_ref: Any, size_ref: Any, ints_ref: Any, hist_ref: Any, moments_ref: Any, **body: Any
+) -> None:
+    """One program of :func:`pallas_summaries`' grid: one whole small array, a row of the
+    stacked input, whose size is in its row of ``size_ref`` (16 copies: a vector load)."""
+    _program(x_ref, ints_ref, hist_ref, moments_ref, jnp.max(size_ref[...]), **body)
+
+
+# issue 31: split after the jax _pallas work lands
+def _program(  # noqa: PLR0915
+    x_ref: Any,
+    ints_ref: Any,
+    hist_ref: Any,
+    moments_ref: Any,
+    limit: Any,
+    *,
+    chunk: int,
     nbins: int,
     high: int,
     min_exponent: int,
@@ -272,16 +309,17 @@ def _kernel(  # noqa: PLR0915
     over_bits: int,
     fp8: Fp8Code | None,
     higher: bool,
+    interpret: bool,
 ) -> None:
-    """One program: its chunk of ``chunk`` elements (``tail`` for the program ``last``),
-    :data:`BLOCK` at a time, into one row of each output (see the module docstring).
+    """One program's body: the first ``limit`` elements of its chunk of ``chunk``,
+    :data:`BLOCK` at a time (the loop runs ``chunk / BLOCK`` times, reads from ``limit`` on
+    masked), into one row of each output (see the module docstring).
     ``fp8``: the input holds the raw codes of an 8-bit float format, decoded here.
     ``higher`` (``moments=4``): each lane also sums the cubes and fourth powers of its
     differences from its shift, moved with the shift binomially, and the moments row ends
-    with the program's ``m3``, ``m4``."""
+    with the program's ``m3``, ``m4``. ``interpret``: Pallas interprets the kernel (see
+    :func:`_row`)."""
     lane = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
-    # elements of this chunk to read: offsets into the chunk only, never into the array
-    limit = chunk - (pl.program_id(0) == last).astype(jnp.int32) * (chunk - tail)
     lows = jax.lax.broadcasted_iota(jnp.int32, (_LOW, BLOCK), 0)
     highs = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, high), 1)
 
@@ -387,7 +425,7 @@ def _kernel(  # noqa: PLR0915
         "mag_min": jnp.min(ints[5]),
         "mag_max": amax,
     }
-    ints_ref[...] = _row([row[c] for c in _INT_COLUMNS], jnp.int32)
+    ints_ref[...] = _row([row[c] for c in _INT_COLUMNS], jnp.int32, interpret=interpret)
 
     # the lanes' moments at the program's scale (its largest magnitude), by Chan's formula
     big_k = _scale(amax)
@@ -423,7 +461,8 @@ def _kernel(  # noqa: PLR0915
         out["mean_lo"] = lo
         out["m2"] = jnp.sum(m2 * (r * r)) + jnp.sum(lane_c * dev_h * dev_h)  # likewise
         columns = _HIGHER_COLUMNS
-    moments_ref[...] = _row([out[c] for c in columns], jnp.float32, 16 if higher else 8)
+    width = 16 if higher else 8
+    moments_ref[...] = _row([out[c] for c in columns], jnp.float32, width, interpret)
     hist_ref[...] = table
 
 
@@ -464,41 +503,57 @@ def _bits_of(value: float) -> int:
         return int(np.array(value, np.float32).view(np.int32))
 
 
-@partial(jax.jit, static_argnames=("fmt", "num_counts", "interpret", "higher"))
-def _summary(
-    x: Any, fmt: NumberFormat, num_counts: int, interpret: bool, higher: bool
-) -> tuple[Any, Any]:
-    nbins = num_counts
-    # bins plus the dropped one, as high x _LOW with high >= 16 (Triton's smallest dot)
+def _high(nbins: int) -> int:
+    """Rows of the histogram's table: bins plus the dropped one, as ``high x _LOW`` with
+    ``high >= 16`` (Triton's smallest dot), a power of two."""
     high = max(16, -(-(nbins + 1) // _LOW))
-    high = 1 << (high - 1).bit_length()
+    return 1 << (high - 1).bit_length()
+
+
+def _kernel_input(x: Any) -> Any:
+    """``x`` flattened as the kernel reads it: 8-bit floats as their raw codes (a bitcast:
+    no copy; decoded in the kernel), dtypes outside :data:`KERNEL_DTYPES` as float32."""
     flat = jnp.ravel(x)
-    fp8 = fp8_code(flat.dtype)
-    if fp8 is not None:  # the raw codes, decoded in the kernel (a bitcast: no copy)
-        flat = jax.lax.bitcast_convert_type(flat, jnp.uint8)
-    elif np.dtype(flat.dtype) not in KERNEL_DTYPES:
-        flat = flat.astype(jnp.float32)
-    n = flat.shape[0]
-    chunk = chunk_size(n, flat.dtype.itemsize, high)
-    programs, tail = program_extent(n, chunk)
-    kernel = partial(
-        _kernel,
-        last=programs - 1,
-        tail=tail,
-        fp8=fp8,
-        chunk=chunk,
-        nbins=nbins,
-        high=high,
-        min_exponent=fmt.min_exponent,
-        under_bits=_bits_of(fmt.underflow_threshold),
-        over_bits=_bits_of(fmt.overflow_threshold),
-        higher=higher,
-    )
+    if fp8_code(flat.dtype) is not None:
+        return jax.lax.bitcast_convert_type(flat, jnp.uint8)
+    if np.dtype(flat.dtype) not in KERNEL_DTYPES:
+        return flat.astype(jnp.float32)
+    return flat
+
+
+def _body(
+    fmt: NumberFormat, nbins: int, dtype: Any, higher: bool, interpret: bool
+) -> dict[str, Any]:
+    """The static arguments of :func:`_program` but ``chunk``, for arrays of ``dtype`` (before
+    :func:`_kernel_input`: 8-bit floats are decoded in the kernel)."""
+    return {
+        "fp8": fp8_code(dtype),
+        "nbins": nbins,
+        "high": _high(nbins),
+        "min_exponent": fmt.min_exponent,
+        "under_bits": _bits_of(fmt.underflow_threshold),
+        "over_bits": _bits_of(fmt.overflow_threshold),
+        "higher": higher,
+        "interpret": interpret,
+    }
+
+
+def _call(
+    kernel: Any,
+    inputs: list[Any],
+    in_specs: list[Any],
+    programs: int,
+    high: int,
+    higher: bool,
+    interpret: bool,
+) -> tuple[Any, Any, Any]:
+    """The kernel's grid of ``programs``, each writing its row of ``ints``, ``hist`` and
+    ``moments`` (16 wide with ``higher``)."""
     width = 16 if higher else 8
     ints, hist, moments = pl.pallas_call(
         kernel,
         grid=(programs,),
-        in_specs=[pl.BlockSpec((chunk,), lambda i: (i,))],
+        in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, 8), lambda i: (i, 0)),
             pl.BlockSpec((None, _LOW, high), lambda i: (i, 0, 0)),
@@ -511,15 +566,67 @@ def _summary(
         ],
         interpret=interpret,
         compiler_params=None if interpret else plt.CompilerParams(num_warps=NUM_WARPS),
-    )(flat if n else jnp.zeros(1, flat.dtype))
-    return _merge_blocks(ints, hist, moments, n, nbins, higher)
+    )(*inputs)
+    return ints, hist, moments
+
+
+@partial(jax.jit, static_argnames=("fmt", "num_counts", "interpret", "higher"))
+def _summary(
+    x: Any, fmt: NumberFormat, num_counts: int, interpret: bool, higher: bool
+) -> tuple[Any, Any]:
+    flat = _kernel_input(x)
+    body = _body(fmt, num_counts, x.dtype, higher, interpret)
+    n = flat.shape[0]
+    chunk = chunk_size(n, flat.dtype.itemsize, body["high"])
+    programs, tail = program_extent(n, chunk)
+    kernel = partial(_kernel, last=programs - 1, tail=tail, chunk=chunk, **body)
+    ints, hist, moments = _call(
+        kernel,
+        [flat if n else jnp.zeros(1, flat.dtype)],
+        [pl.BlockSpec((chunk,), lambda i: (i,))],
+        programs,
+        body["high"],
+        higher,
+        interpret,
+    )
+    return _merge_blocks(ints, hist, moments, n, num_counts, higher)
+
+
+@partial(jax.jit, static_argnames=("fmt", "num_counts", "interpret", "higher"))
+def _shared_summaries(
+    arrays: list[Any], fmt: NumberFormat, num_counts: int, interpret: bool, higher: bool
+) -> list[tuple[Any, Any]]:
+    """:func:`_summary` of several arrays of one dtype that each fill one program of the
+    same chunk: one grid, a program per array (its row of the stacked, zero-padded input,
+    read up to the array's size), the same rows as each array's own grid, merged per
+    array."""
+    flats = [_kernel_input(a) for a in arrays]
+    body = _body(fmt, num_counts, arrays[0].dtype, higher, interpret)
+    sizes = [f.shape[0] for f in flats]
+    chunk = chunk_size(max(sizes), flats[0].dtype.itemsize, body["high"])
+    stacked = jnp.stack([jnp.pad(f, (0, chunk - f.shape[0])) for f in flats])
+    size_rows = jnp.broadcast_to(jnp.asarray(sizes, jnp.int32)[:, None], (len(sizes), 16))
+    ints, hist, moments = _call(
+        partial(_shared_kernel, chunk=chunk, **body),
+        [stacked, size_rows],
+        [pl.BlockSpec((None, chunk), lambda i: (i, 0)), pl.BlockSpec((None, 16), lambda i: (i, 0))],
+        len(flats),
+        body["high"],
+        higher,
+        interpret,
+    )
+    # the epilogue of each array (one row each) as one vectorized program: written out per
+    # array it was most of the program (24 arrays: 18,000 lines of optimized HLO, not 4,300)
+    merge = jax.vmap(partial(_merge_blocks, nbins=num_counts, higher=higher))
+    counts, values = merge(ints[:, None], hist[:, None], moments[:, None], size_rows[:, 0])
+    return [(counts[i], values[i]) for i in range(len(sizes))]
 
 
 def _merge_blocks(
-    ints: Any, hist: Any, moments: Any, n: int, nbins: int, higher: bool = False
+    ints: Any, hist: Any, moments: Any, n: Any, nbins: int, higher: bool = False
 ) -> tuple[Any, Any]:
-    """The summary's counts and values from the per-program rows (XLA, small arrays); with
-    ``higher``, the values end with ``m3``, ``m4``."""
+    """The summary's counts and values from the per-program rows (XLA, small arrays) of
+    an array of ``n`` elements; with ``higher``, the values end with ``m3``, ``m4``."""
     col = unpack_fields(ints, _INT_COLUMNS)
     mom = unpack_fields(moments, _HIGHER_COLUMNS if higher else _MOMENT_COLUMNS)
     n_nan, n_inf, n_zero, n_fin = (jnp.sum(col[c]) for c in ("nan", "inf", "zero", "finite"))
@@ -579,6 +686,50 @@ def pallas_summary(
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     return DeviceSummary(*_summary(x, fmt, num_counts, interpret, moments == 4))
+
+
+def _own_chunk(x: Any, num_counts: int) -> int | None:
+    """The chunk of :func:`_summary`'s grid for ``x`` where that grid is one program (the
+    array fits its chunk), else None."""
+    dtype = np.dtype(x.dtype)
+    # the bytes of an element as the kernel reads it (see _kernel_input)
+    itemsize = dtype.itemsize if fp8_code(dtype) is not None or dtype in KERNEL_DTYPES else 4
+    chunk = chunk_size(x.size, itemsize, _high(num_counts))
+    return chunk if program_extent(x.size, chunk)[0] == 1 else None
+
+
+def pallas_summaries(
+    arrays: list[Any],
+    fmt: NumberFormat,
+    num_counts: int,
+    interpret: bool | None = None,
+    moments: int = 2,
+) -> list[DeviceSummary]:
+    """:func:`pallas_summary` of each of ``arrays`` (one dtype; traceable), the same
+    summaries: arrays that each fill one program of the same chunk (small arrays: sizes
+    within one :data:`BLOCK` of each other) share one kernel call, a program per array,
+    so that a program holds one kernel per chunk size rather than one per array (each is
+    compiled: about a second apiece for XLA:CPU when interpreted); the others take their
+    own."""
+    for a in arrays:
+        check_countable(a)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    higher = moments == 4
+    shared: dict[int, list[int]] = {}
+    for i, a in enumerate(arrays):
+        chunk = _own_chunk(a, num_counts)
+        if chunk is not None:
+            shared.setdefault(chunk, []).append(i)
+    out: dict[int, DeviceSummary] = {}
+    for idx in shared.values():
+        if len(idx) > 1:
+            got = _shared_summaries([arrays[i] for i in idx], fmt, num_counts, interpret, higher)
+            out.update((i, DeviceSummary(*g)) for i, g in zip(idx, got))
+    return [
+        out[i] if i in out else pallas_summary(a, fmt, num_counts, interpret, moments)
+        for i, a in enumerate(arrays)
+    ]
 
 
 # ------------------------------------------------------------------ block-scaled formats
