@@ -40,26 +40,26 @@ def _run_in_tmp(tmp_path, monkeypatch):
 # not keep one worker busy after the others have run out of files. The rest keep their
 # order after these; a name not found here orders nothing.
 SLOW_FILES = (
-    "test_jax_segments.py",
     "test_blocks_jax_paths.py",
-    "test_jax_summary.py",
-    "test_distributed_jax.py",
     "test_jax_tracker.py",
+    "test_jax_segments.py",
+    "test_jax_summary.py",
     "test_torch_tracker.py",
+    "test_higher_moments_jax.py",
+    "test_distributed_jax.py",
     "test_integrations.py",
+    "test_docs_examples.py",
+    "test_report.py",
     "test_blocks_fused.py",
     "test_jax_device_path.py",
     "test_torch_fused.py",
     "test_jax_fastpath.py",
-    "test_torch_compile.py",
-    "test_report.py",
-    "test_higher_moments_jax.py",
-    "test_docs_examples.py",
     "test_jax_pallas_offsets.py",
+    "test_torch_compile.py",
     "test_jax_transforms.py",
-    "test_torch_summary.py",
     "test_blocks_jax.py",
-    "test_blocks.py",
+    "test_torch_summary.py",
+    "test_distributed_torch.py",
 )
 
 
