@@ -417,18 +417,20 @@ class SummaryKernels:
                 done = [self._summarize_exact(arrays[i]) for i in idx]
                 out.append(tuple(_rows_of(part) for part in zip(*done)))
                 continue
-            small = [
-                i
-                for i in idx
-                if arrays[i].size < _OWN_PROGRAM_SIZE
-                and segment_count(arrays[i].size) == 1
-                and self.path != "pallas"
-            ]
-            parts = dict(
-                zip(small, summarize_many_jax([arrays[i] for i in small], layout, self._custom))
-            )
             if self.path == "pallas":  # small arrays share the kernel's calls
-                parts.update(self._pallas_many([arrays[i] for i in idx], idx, fused))
+                parts = self._pallas_many([arrays[i] for i in idx], idx, fused)
+            else:
+                small = [
+                    i
+                    for i in idx
+                    if arrays[i].size < _OWN_PROGRAM_SIZE and segment_count(arrays[i].size) == 1
+                ]
+                parts = dict(
+                    zip(
+                        small,
+                        summarize_many_jax([arrays[i] for i in small], layout, self._custom),
+                    )
+                )
             for i in idx:
                 if i not in parts:
                     parts[i] = self._summarize_anywhere(arrays[i], fused)
