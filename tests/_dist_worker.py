@@ -7,13 +7,13 @@ torchrun for several checks: each start costs three processes importing torch), 
 ``ddp``
     the model under DistributedDataParallel, tracked with ``rank_logs`` into ``OUT/ddp``;
     then again with the default ``out`` (cwd ``OUT/default``), each rank noting the path
-    its tracker reports in ``OUT/default_path<rank>.txt``.
+    its tracker reports in ``OUT/default_path<rank>.txt`` and how many process groups it
+    has before, inside and after the tracker in ``OUT/groups<rank>.txt``.
 ``fsdp``
     the model with ``fully_shard`` on each Linear and the root, tracked into ``OUT/fsdp``.
 ``fail``
-    rank 1 raises before its first ``tracker.step()``; rank 0 notes the error it gets and
-    how long it took in ``OUT/fail0.txt``. It leaves the process group broken: it comes
-    last.
+    rank 1 fails before a step, hanging or raising (see :func:`fail`); rank 0 notes the
+    error it gets and how long it took in ``OUT/fail0_<case>.txt``. It comes last.
 
 Each rank feeds its half of the same global batches as :func:`reference` (a single
 process with gradient accumulation over the two halves, loss ``mean / WORLD`` each), with
@@ -83,6 +83,14 @@ def _sum_hook(state, bucket):  # DDP: sum the gradients over the ranks instead o
     return fut.then(lambda f: f.value()[0])
 
 
+def _groups() -> int:
+    """How many process groups this process has registered (torch's private registry: no
+    public call counts them)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return len(c10d._world.pg_map)
+
+
 def ddp(out: Path, rank: int) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -98,9 +106,13 @@ def ddp(out: Path, rank: int) -> None:
             (out / "default").mkdir(exist_ok=True)
             os.chdir(out / "default")
             kwargs = {"run_name": "ddp"}
+        groups = [_groups()]
         with track(model, opt, verbose=True, **kwargs) as tracker:
+            groups.append(_groups())
             train(model, opt, tracker, [rank])
+        groups.append(_groups())
         if where == "default":
+            (out / f"groups{rank}.txt").write_text(" ".join(map(str, groups)))
             (out / f"default_path{rank}.txt").write_text(str(Path(tracker.out_path).resolve()))
             (out / f"writes_log{rank}.txt").write_text(str(tracker.writes_log))
 
@@ -125,36 +137,54 @@ def fsdp(out: Path, rank: int) -> None:
         train(model, opt, tracker, [rank], scale=1.0)
 
 
+def _await(path: Path, seconds: float) -> None:
+    """Wait until ``path`` exists, for at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def fail(out: Path, rank: int) -> None:
+    """Two tracked runs of 3 steps in which rank 1 fails before step 3, each into
+    ``OUT/fail_<case>``, rank 0 noting the error it gets and how long it took in
+    ``OUT/fail0_<case>.txt``:
+
+    ``hang``: rank 1 stays in its tracker without calling ``tracker.step()`` until rank 0
+    has noted its error: rank 0 must give up after ``dist_timeout`` (5 s).
+    ``raise``: rank 1 raises out of its tracker (which closes it) and then waits, alive,
+    until rank 0 has noted its error: rank 0 must fail at once, well before its
+    ``dist_timeout`` (60 s), as the closed tracker destroyed its gloo group.
+    """
     from tandv.track.torch import track
 
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    timeout = 5.0
-    started = time.monotonic()
-    try:
-        with track(model, opt, out=out / "fail", verbose=False, dist_timeout=timeout) as tr:
-            train(model, opt, tr, [rank])  # step 0 merges: both ranks are still there
-            started = time.monotonic()
-            x, y = batch(0, rank)
-            (model(x) - y).square().mean().backward()
-            if rank == 1:
-                raise KeyError("rank 1 fails before its step")
-            opt.step()
-            tr.step()  # rank 0 waits for rank 1 here
-    except KeyError:
-        if rank != 1:
-            raise
-        # alive but gone from the run until rank 0 has timed out and noted it (its
-        # fail0.txt), for at most timeout + 5 s: waiting longer waits for nothing
-        deadline = time.monotonic() + timeout + 5
-        while not (out / "fail0.txt").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return
-    except RuntimeError as e:
-        (out / f"fail{rank}.txt").write_text(f"{time.monotonic() - started:.3f}\n{e}")
-        return
-    (out / f"fail{rank}.txt").write_text("no error")
+    for case, timeout in (("hang", 5.0), ("raise", 60.0)):
+        noted = out / f"fail0_{case}.txt"
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        started = time.monotonic()
+        try:
+            with track(
+                model, opt, out=out / f"fail_{case}", verbose=False, dist_timeout=timeout
+            ) as tr:
+                train(model, opt, tr, [rank])  # steps 0-2 merge: both ranks are there
+                started = time.monotonic()
+                x, y = batch(0, rank)
+                (model(x) - y).square().mean().backward()
+                if rank == 1:
+                    if case == "hang":  # inside the tracker, for at most timeout + 5 s
+                        _await(noted, timeout + 5)
+                    raise KeyError("rank 1 fails before its step")
+                opt.step()
+                tr.step()  # rank 0 waits for rank 1 here
+        except KeyError:
+            if rank != 1:
+                raise
+            _await(noted, timeout + 5)  # alive, but gone from the run
+            continue
+        except RuntimeError as e:
+            noted.write_text(f"{time.monotonic() - started:.3f}\n{e}")
+            continue
+        noted.write_text("no error")
 
 
 def main() -> None:
@@ -162,15 +192,14 @@ def main() -> None:
 
     scenarios, out = sys.argv[1].split(","), Path(sys.argv[2]).resolve()
     if "fail" in scenarios[:-1]:
-        raise SystemExit("_dist_worker.py: 'fail' leaves the process group broken: put it last")
+        raise SystemExit("_dist_worker.py: the ranks leave 'fail' at different times: put it last")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     for scenario in scenarios:
         {"ddp": ddp, "fsdp": fsdp, "fail": fail}[scenario](out, rank)
         if scenario != "fail":
             dist.barrier()
-    if scenarios[-1] != "fail":
-        dist.destroy_process_group()
+    dist.destroy_process_group()  # tandv's failed groups are gone; the default one is sound
 
 
 if __name__ == "__main__":

@@ -122,3 +122,7 @@ if __name__ == "__main__":
     framework, out = sys.argv[1], Path(sys.argv[2])
     rank, seen = {"lightning": lightning, "hf": hf}[framework](out)
     torch.save(seen, out / f"spy{rank}.pt")
+    # a gloo group that ran collectives and is left to the interpreter's exit can abort the
+    # process there (Lightning destroys its groups at exit only under NCCL)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -171,6 +171,16 @@ def test_ddp_default_out_is_one_log_written_by_rank_0(dist_run):
 
 
 @needs_gloo
+def test_the_tracker_destroys_its_gloo_group_when_it_closes(dist_run):
+    """Each rank's tracker adds one process group (its gloo group) and destroys it at
+    close: a gloo group left to the interpreter's exit can abort the process there."""
+    out, _ = dist_run
+    for r in range(worker.WORLD):
+        before, inside, after = map(int, (out / f"groups{r}.txt").read_text().split())
+        assert (inside, after) == (before + 1, before)
+
+
+@needs_gloo
 def test_fsdp2_rows_equal_the_unsharded_model(dist_run, reference):
     pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) needs torch>=2.6")
     from torch.distributed.fsdp import fully_shard  # noqa: F401
@@ -203,13 +213,27 @@ def test_fsdp2_rows_equal_the_unsharded_model(dist_run, reference):
 
 
 @needs_gloo
-def test_a_rank_raising_makes_the_other_fail_within_the_timeout(dist_run):
+def test_a_rank_that_stops_stepping_makes_the_other_fail_after_the_timeout(dist_run):
     out, _ = dist_run
-    elapsed, message = (out / "fail0.txt").read_text().split("\n", 1)
+    elapsed, message = (out / "fail0_hang.txt").read_text().split("\n", 1)
     assert "dist_timeout=5s" in message and "rank 0 of 2" in message, message
-    assert "step 3" in message, message
+    # a step merges at the next step's end, which rank 1 never reaches: step 2 fails
+    assert "step 2" in message, message
     assert 4.0 < float(elapsed) < 5.0 + 10.0  # waited for the timeout, not for ever
-    log = read_parquet(out / "fail")  # the steps before stay readable
+    log = read_parquet(out / "fail_hang")  # the steps before stay readable
+    assert sorted(set(log[METADATA]["step"])) == [0, 1]
+
+
+@needs_gloo
+def test_a_rank_that_raises_out_of_its_tracker_makes_the_other_fail_at_once(dist_run):
+    """The raising rank's tracker closes and destroys its gloo group: the other rank's
+    collective fails then (while the raising process lives on), not after dist_timeout."""
+    out, _ = dist_run
+    elapsed, message = (out / "fail0_raise.txt").read_text().split("\n", 1)
+    assert "dist_timeout=60s" in message and "rank 0 of 2" in message, message
+    assert "step 3" in message, message
+    assert float(elapsed) < 10.0
+    log = read_parquet(out / "fail_raise")
     assert sorted(set(log[METADATA]["step"])) == [0, 1, 2]
 
 

@@ -183,7 +183,11 @@ class TrackerCore(Generic[Transfer]):
                     self._land(wait=True)
                 finally:
                     self._flights.clear()
-                    self.out_path = self.recorder.close()
+                    try:
+                        self.out_path = self.recorder.close()
+                    finally:
+                        if self._merger is not None:
+                            self._merger.close()
         self._raise_alert()
         return self.out_path
 

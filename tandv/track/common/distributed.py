@@ -103,6 +103,11 @@ class Collectives(Protocol):
         """Rank ``src``'s ``text`` on every rank."""
         ...
 
+    def close(self) -> None:
+        """Release what the collectives hold (idempotent); called once the tracker's log
+        is finished, after the last merge."""
+        ...
+
 
 class RankMismatchError(RuntimeError):
     """The ranks disagree on the rows of a step (raised on every rank)."""
@@ -306,3 +311,8 @@ class RankMerger:
         except (RankFailure, RankMismatchError) as e:
             self._failed = e
             raise
+
+    def close(self) -> None:
+        """Release the collectives (idempotent): the tracker calls it when its log is
+        finished, after the last merge."""
+        self.comm.close()

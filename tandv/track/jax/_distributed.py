@@ -217,3 +217,8 @@ class KeyValueCollectives:
             self._stale.append(self._key(call, self.rank))
             return text
         return self._get(call, src).decode()
+
+    def close(self) -> None:
+        """Nothing to release: the collectives are keys in the key-value store of
+        ``jax.distributed``, whose client the program owns (the keys of the last call stay,
+        as another process may still be reading them)."""
