@@ -575,24 +575,26 @@ def _tally(
     t: np.float32,
     q: np.float32,
     deq: np.float32,
+    pw: np.float32,
     fmax: np.float32,
     thr_u: np.float32,
     thr_n: np.float32,
-) -> tuple[np.int32, np.int32, np.int32, float]:  # pragma: no cover - compiled
+) -> tuple[np.int32, np.int32, np.int32, np.float32]:  # pragma: no cover - compiled
     """What one element does, given its magnitude ``a`` (0 for inf and NaN, which so count
     nothing and add no error), scaled magnitude ``t`` and element ``q``
-    (:func:`_quantize`), and its block's dequantizing scale ``deq``: whether it saturates
-    (``t > fmax``), underflows (``a > 0``, ``q`` 0: ``t <= thr_u``), becomes a subnormal
-    (``thr_u < t < thr_n``), and its squared error ``(q * deq - a)**2``: the difference in
-    one float32 rounding (:func:`_fma32`; exact where ``deq`` is a power of two), squared
-    exactly in float64."""
+    (:func:`_quantize`), and its block's dequantizing scale ``deq`` times the tensor's
+    power of two ``pw`` (:func:`_normalizer`): whether it saturates (``t > fmax``),
+    underflows (``a > 0``, ``q`` 0: ``t <= thr_u``), becomes a subnormal (``thr_u < t <
+    thr_n``), and its error ``(q * deq - a) * pw``: the difference in one float32 rounding
+    (:func:`_fma32`; exact where ``deq`` is a power of two), which the element loops square
+    in float32 (see :func:`_mx_elements`)."""
     f32 = np.float32
-    d = np.float64(_fma32(q, deq, -a))
+    d: np.float32 = _fma32(q, deq, -(a * pw))
     return (
         _I32(t > fmax),
         _I32((a > f32(0)) & (t <= thr_u)),
         _I32((t > thr_u) & (t < thr_n)),
-        d * d,
+        d,
     )
 
 
@@ -606,32 +608,35 @@ def _magnitude(b: np.int32) -> np.float32:  # pragma: no cover - compiled
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _mx_one(
-    b: np.int32, iv: np.float32, sc: np.float32, c: _GridC
-) -> tuple[np.int32, np.int32, np.int32, float]:  # pragma: no cover - compiled
-    """One element (bits ``b``) of an MX block scaled by ``iv``, dequantized by ``sc``;
-    ``c``: :func:`_grid_constants`."""
+    b: np.int32, iv: np.float32, sc: np.float32, pw: np.float32, c: _GridC
+) -> tuple[np.int32, np.int32, np.int32, np.float32]:  # pragma: no cover - compiled
+    """One element (bits ``b``) of an MX block scaled by ``iv``, dequantized by ``sc /
+    pw`` (``sc``: the block's scale times the tensor's power of two ``pw``); ``c``:
+    :func:`_grid_constants`."""
     a = _magnitude(b)
     t = a * iv
-    return _tally(a, t, _quantize(t, c[0], c[3], c[4]), sc, c[0], c[1], c[2])
+    return _tally(a, t, _quantize(t, c[0], c[3], c[4]), sc, pw, c[0], c[1], c[2])
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _mx_sq(b: np.int32, iv: np.float32, sc: np.float32, c: _GridC) -> float:  # pragma: no cover
-    """:func:`_mx_one`'s squared error alone, for blocks that count nothing."""
+def _mx_err(
+    b: np.int32, iv: np.float32, sc: np.float32, pw: np.float32, c: _GridC
+) -> np.float32:  # pragma: no cover - compiled
+    """:func:`_mx_one`'s error alone, for blocks that count nothing."""
     a = _magnitude(b)
-    d: float = np.float64(_fma32(_quantize(a * iv, c[0], c[3], c[4]), sc, -a))
-    return d * d
+    d: np.float32 = _fma32(_quantize(a * iv, c[0], c[3], c[4]), sc, -(a * pw))
+    return d
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _mx_sat(
-    b: np.int32, iv: np.float32, sc: np.float32, c: _GridC
-) -> tuple[np.int32, float]:  # pragma: no cover - compiled
-    """:func:`_mx_one`'s saturation and squared error, for blocks that count nothing else."""
+    b: np.int32, iv: np.float32, sc: np.float32, pw: np.float32, c: _GridC
+) -> tuple[np.int32, np.float32]:  # pragma: no cover - compiled
+    """:func:`_mx_one`'s saturation and error, for blocks that count nothing else."""
     a = _magnitude(b)
     t = a * iv
-    d: float = np.float64(_fma32(_quantize(t, c[0], c[3], c[4]), sc, -a))
-    return _I32(t > c[0]), d * d
+    d: np.float32 = _fma32(_quantize(t, c[0], c[3], c[4]), sc, -(a * pw))
+    return _I32(t > c[0]), d
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
@@ -639,22 +644,29 @@ def _mx_elements(
     x: np.ndarray,
     inv: np.ndarray,
     scl: np.ndarray,
+    pw: np.float32,
     hi: np.ndarray,
     lo: np.ndarray,
     p: np.ndarray,
     acc: np.ndarray,
 ) -> None:  # pragma: no cover - compiled
-    """Adds the counts and squared errors of the MX blocks, the rows of ``x`` (float32,
-    blocks x block size), scaled by ``inv`` and dequantized by ``scl`` (float32 powers of
-    two, one per block), to ``acc``. All in float32 (vector lanes), and exact: ``x * inv``
-    is exact wherever it is not far below the element's smallest subnormal (where it rounds
-    to zero either way), and the error ``q * scl - |x|`` is exact too (the rounding error of
-    a rounding to a coarser grid is a float32; the caller keeps blocks whose scale is not a
-    normal float32 away), so only its square is taken in float64. Counts add in int32
-    (numba's int64 halves the lanes), one accumulator per position in the block, so that
-    no block ends in a horizontal sum of the vector registers; :data:`_GROUP` blocks at a
-    time, so that the accumulators leave memory once per group. ``reassoc`` lets the sums
-    vectorize; the rounding (:func:`_grid`, compiled without it) keeps IEEE semantics.
+    """Adds the counts and the squared errors times ``pw**2`` of the MX blocks, the rows
+    of ``x`` (float32, blocks x block size), scaled by ``inv`` and dequantized by ``scl /
+    pw`` (``scl``: float32 powers of two, one per block, times the tensor's power of two
+    ``pw``, :func:`_normalizer`), to ``acc``. All in float32 (vector lanes): ``x * inv`` is
+    exact wherever it is not far below the element's smallest subnormal (where it rounds to
+    zero either way), and the error ``(q * scl / pw - |x|) * pw`` is exact too (the
+    rounding error of a rounding to a coarser grid is a float32; the caller keeps blocks
+    whose scale is not a normal float32 away) but where it is below float32's normals
+    (errors under ``2**-126`` of the tensor's largest magnitude). A group's squares add in
+    float32 (relative error at most ``2**-22``) before one conversion to float64, and
+    squares under ``2**-126`` (errors under ``2**-63`` of the largest magnitude) lose
+    their precision: :func:`_squares_kept` tells the caller whether the total is still
+    within ``2**-20`` of the exact sum. Counts add in int32 (numba's int64 halves the
+    lanes), one accumulator per position in the block, so that no block ends in a
+    horizontal sum of the vector registers; :data:`_GROUP` blocks at a time, so that the
+    accumulators leave memory once per group. ``reassoc`` lets the sums vectorize; the
+    rounding (:func:`_grid`, compiled without it) keeps IEEE semantics.
 
     A group whose blocks' maxima and minima (``hi``, ``lo``: their bits) say that no
     element saturates (``max * inv <= fmax``) and none underflows or becomes subnormal
@@ -681,34 +693,37 @@ def _mx_elements(
             high &= amax[g] * inv[g] <= c[0]
         if low and high:
             for j in range(size):
-                e = _mx_sq(b[k, j], i0, s0, c) + _mx_sq(b[k + 1, j], i1, s1, c)
-                err[j] += e + (_mx_sq(b[k + 2, j], i2, s2, c) + _mx_sq(b[k + 3, j], i3, s3, c))
+                d0 = _mx_err(b[k, j], i0, s0, pw, c)
+                d1 = _mx_err(b[k + 1, j], i1, s1, pw, c)
+                d2 = _mx_err(b[k + 2, j], i2, s2, pw, c)
+                d3 = _mx_err(b[k + 3, j], i3, s3, pw, c)
+                err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
             continue
         if low:  # saturation alone
             for j in range(size):
-                a0, d0 = _mx_sat(b[k, j], i0, s0, c)
-                a1, d1 = _mx_sat(b[k + 1, j], i1, s1, c)
-                a2, d2 = _mx_sat(b[k + 2, j], i2, s2, c)
-                a3, d3 = _mx_sat(b[k + 3, j], i3, s3, c)
+                a0, d0 = _mx_sat(b[k, j], i0, s0, pw, c)
+                a1, d1 = _mx_sat(b[k + 1, j], i1, s1, pw, c)
+                a2, d2 = _mx_sat(b[k + 2, j], i2, s2, pw, c)
+                a3, d3 = _mx_sat(b[k + 3, j], i3, s3, pw, c)
                 sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
-                err[j] += (d0 + d1) + (d2 + d3)
+                err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
             continue
         for j in range(size):
-            a0, b0, c0, d0 = _mx_one(b[k, j], i0, s0, c)
-            a1, b1, c1, d1 = _mx_one(b[k + 1, j], i1, s1, c)
-            a2, b2, c2, d2 = _mx_one(b[k + 2, j], i2, s2, c)
-            a3, b3, c3, d3 = _mx_one(b[k + 3, j], i3, s3, c)
+            a0, b0, c0, d0 = _mx_one(b[k, j], i0, s0, pw, c)
+            a1, b1, c1, d1 = _mx_one(b[k + 1, j], i1, s1, pw, c)
+            a2, b2, c2, d2 = _mx_one(b[k + 2, j], i2, s2, pw, c)
+            a3, b3, c3, d3 = _mx_one(b[k + 3, j], i3, s3, pw, c)
             sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
             under[j] += _I32(_I32(b0 + b1) + _I32(b2 + b3))
             subn[j] += _I32(_I32(c0 + c1) + _I32(c2 + c3))
-            err[j] += (d0 + d1) + (d2 + d3)
+            err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
     for k in range(whole, x.shape[0]):
         for j in range(size):
-            a0, b0, c0, d0 = _mx_one(b[k, j], inv[k], scl[k], c)
+            a0, b0, c0, d0 = _mx_one(b[k, j], inv[k], scl[k], pw, c)
             sat[j] += a0
             under[j] += b0
             subn[j] += c0
-            err[j] += d0
+            err[j] += np.float64(d0 * d0)
     acc[_B_UNDER] += under.sum()
     acc[_B_SUBN] += subn.sum()
     acc[_B_SAT] += sat.sum()
@@ -717,13 +732,14 @@ def _mx_elements(
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _nv_one(
-    b: np.int32, s: np.float32, deq: np.float32, c: _GridC
-) -> tuple[np.int32, np.int32, np.int32, float]:  # pragma: no cover - compiled
-    """One element (bits ``b``) of an NVFP4 block divided by ``s``, dequantized by
-    ``deq``; ``c``: :func:`_grid_constants`."""
+    b: np.int32, s: np.float32, deq: np.float32, pw: np.float32, c: _GridC
+) -> tuple[np.int32, np.int32, np.int32, np.float32]:  # pragma: no cover - compiled
+    """One element (bits ``b``) of an NVFP4 block divided by ``s``, dequantized by ``deq
+    / pw`` (``deq``: the block's scale times the tensor's power of two ``pw``); ``c``:
+    :func:`_grid_constants`."""
     a = _magnitude(b)
     t = a / s
-    return _tally(a, t, _quantize(t, c[0], c[3], c[4]), deq, c[0], c[1], c[2])
+    return _tally(a, t, _quantize(t, c[0], c[3], c[4]), deq, pw, c[0], c[1], c[2])
 
 
 #: Below this block scale, NVFP4's float32 error could lose its precision to float32's
@@ -733,18 +749,25 @@ _NV_SMALL_SCALE = 2.0**-99
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
 def _nv_elements(
-    x: np.ndarray, div: np.ndarray, deq: np.ndarray, p: np.ndarray, acc: np.ndarray
+    x: np.ndarray,
+    div: np.ndarray,
+    deq: np.ndarray,
+    pw: np.float32,
+    p: np.ndarray,
+    acc: np.ndarray,
 ) -> None:  # pragma: no cover - compiled
     """As :func:`_mx_elements` for NVFP4 blocks divided by the float32 scales ``div`` and
-    dequantized by ``deq`` (the same scales, but for blocks whose scale is zero: ``div``
-    inf, so that each value becomes 0 and a non-zero one counts as underflow, and ``deq``
-    0, so that its error is its square, as the definition says); the division is
-    float32's, as the definition says. The error ``q * deq - |x|`` is rounded once to
-    float32 (relative error 2**-24, squares 2**-23: within the 1e-6 promised), and only
-    where it is 0, ``|x|`` itself, or at least float32's smallest normal: every ``deq``
-    is 0 or at least :data:`_NV_SMALL_SCALE` (the caller sees to it), so that a non-zero
-    difference of ``q * deq`` (``q`` a multiple of 1/2) and ``|x| >= deq / 4`` is a
-    multiple of ``2**-124``."""
+    dequantized by ``deq / pw`` (``deq``: the same scales times ``pw``, but for blocks
+    whose scale is zero: ``div`` inf, so that each value becomes 0 and a non-zero one
+    counts as underflow, and ``deq`` 0, so that its error is its square, as the
+    definition says); the division is float32's, as the definition says. The error
+    ``(q * deq / pw - |x|) * pw`` is rounded once to float32 (relative error 2**-24,
+    squares 2**-23: within the 1e-6 promised), and only where it is 0, ``|x| * pw``
+    itself, or at least float32's smallest normal: every ``deq / pw`` is 0 or at least
+    :data:`_NV_SMALL_SCALE` (the caller sees to it), so that a non-zero difference of ``q
+    * deq / pw`` (``q`` a multiple of 1/2) and ``|x| >= deq / pw / 4`` is a multiple of
+    ``2**-124`` before the scaling by ``pw``, whose result is normal but where it is
+    under ``2**-126`` of the tensor's largest magnitude."""
     c = _grid_constants(p)
     b = x.view(np.int32)
     size = x.shape[1]
@@ -757,21 +780,21 @@ def _nv_elements(
         s0, s1, s2, s3 = div[k], div[k + 1], div[k + 2], div[k + 3]
         e0, e1, e2, e3 = deq[k], deq[k + 1], deq[k + 2], deq[k + 3]
         for j in range(size):
-            a0, b0, c0, d0 = _nv_one(b[k, j], s0, e0, c)
-            a1, b1, c1, d1 = _nv_one(b[k + 1, j], s1, e1, c)
-            a2, b2, c2, d2 = _nv_one(b[k + 2, j], s2, e2, c)
-            a3, b3, c3, d3 = _nv_one(b[k + 3, j], s3, e3, c)
+            a0, b0, c0, d0 = _nv_one(b[k, j], s0, e0, pw, c)
+            a1, b1, c1, d1 = _nv_one(b[k + 1, j], s1, e1, pw, c)
+            a2, b2, c2, d2 = _nv_one(b[k + 2, j], s2, e2, pw, c)
+            a3, b3, c3, d3 = _nv_one(b[k + 3, j], s3, e3, pw, c)
             sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
             under[j] += _I32(_I32(b0 + b1) + _I32(b2 + b3))
             subn[j] += _I32(_I32(c0 + c1) + _I32(c2 + c3))
-            err[j] += (d0 + d1) + (d2 + d3)
+            err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
     for k in range(whole, x.shape[0]):
         for j in range(size):
-            a0, b0, c0, d0 = _nv_one(b[k, j], div[k], deq[k], c)
+            a0, b0, c0, d0 = _nv_one(b[k, j], div[k], deq[k], pw, c)
             sat[j] += a0
             under[j] += b0
             subn[j] += c0
-            err[j] += d0
+            err[j] += np.float64(d0 * d0)
     acc[_B_UNDER] += under.sum()
     acc[_B_SUBN] += subn.sum()
     acc[_B_SAT] += sat.sum()
@@ -900,13 +923,56 @@ def _untiled(
 
 
 @numba.njit(cache=True, nogil=True)
+def _normalizer(hi: np.ndarray) -> np.float32:  # pragma: no cover - compiled
+    """The power of two ``pw`` that brings the largest of the block maxima (``hi``: their
+    bits) into [1, 2) (2**126 and 2**-126 at the ends of float32's range; 0 where all are
+    0: no element then counts or adds an error). The element loops take the errors times
+    ``pw``: an exact scaling but where it falls below float32's normals, so that the
+    squares of the errors that matter (those above ``2**-63`` of the largest magnitude)
+    are normal float32."""
+    m = _I32(0)
+    for k in range(hi.size):
+        m = max(m, hi[k])
+    e = min(max(_I32(m >> _I32(23)), _I32(1)), _I32(253))  # biased exponent, kept in range
+    pw: np.float32 = _f32_bits(_I32(_I32(_I32(254) - e) << _I32(23)))
+    return pw if m > _I32(0) else np.float32(0.0)
+
+
+#: The least sum of the normalized squares (:func:`_normalizer`) per element that
+#: :func:`_squares_kept` accepts: each square that falls below float32's normals loses
+#: at most ``2**-149``, so a sum of at least this many times the element count is within
+#: ``2**-29`` of the exact one.
+_KEPT_PER_ELEMENT = 2.0**-120
+
+
+@numba.njit(cache=True, nogil=True)
+def _squares_kept(
+    part: np.ndarray, n: int, pw: np.float32, acc: np.ndarray
+) -> bool:  # pragma: no cover - compiled
+    """Adds the element loops' partials ``part`` (counts, and squared errors times
+    ``pw**2``) of ``n`` elements to ``acc`` and returns True, unless their squares lost
+    precision to float32's subnormals (their sum below :data:`_KEPT_PER_ELEMENT` per
+    element, which the tensors of nearly exact values reach): then it returns False, and
+    the caller takes the blocks again in float64."""
+    if not part[_B_ERR] >= n * _KEPT_PER_ELEMENT:
+        return False
+    w = np.float64(pw)
+    acc[_B_UNDER] += part[_B_UNDER]
+    acc[_B_SUBN] += part[_B_SUBN]
+    acc[_B_SAT] += part[_B_SAT]
+    acc[_B_ERR] += part[_B_ERR] / (w * w)
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
 def _mx_tiled(
     x: np.ndarray, a: int, b: int, p: np.ndarray, hi: np.ndarray, lo: np.ndarray, acc: np.ndarray
 ) -> None:  # pragma: no cover - compiled
     """The MX blocks that tile ``x[a:b]``, given the bits of their maxima and minima
     (``hi``, ``lo``): the largest block ratio, the scales (loops over the blocks that
-    vectorize), then one vectorized loop over the elements; blocks whose scale is no normal
-    float32 take :func:`_one_block`."""
+    vectorize), then one vectorized loop over the elements, with the errors scaled by
+    :func:`_normalizer`; all blocks take :func:`_one_block` where a scale is no normal
+    float32 or the squares lost precision (:func:`_squares_kept`)."""
     size = int(p[_B_SIZE])
     nblk = (b - a) // size
     acc[_B_RATIO] = _largest_ratio(hi, lo, acc[_B_RATIO])
@@ -917,7 +983,14 @@ def _mx_tiled(
             _one_block(x, a + k * size, a + k * size + size, p, 1.0, acc)
         return
     rows = x[a:b].reshape(nblk, size)  # one block a row: 2-D loops vectorize
-    _mx_elements(rows, inv.view(np.float32), scl.view(np.float32), hi, lo, p, acc)
+    pw = _normalizer(hi)
+    if pw == np.float32(0.0):
+        return
+    part = np.zeros(5)
+    _mx_elements(rows, inv.view(np.float32), scl.view(np.float32) * pw, pw, hi, lo, p, part)
+    if not _squares_kept(part, b - a, pw, acc):  # the float64 blocks
+        for k in range(nblk):
+            _one_block(x, a + k * size, a + k * size + size, p, 1.0, acc)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -926,8 +999,9 @@ def _nv_tiled(
 ) -> None:  # pragma: no cover - compiled
     """The NVFP4 blocks that tile ``x[a:b]`` but for their ratios (the first pass took
     them), given the bits of their maxima ``hi`` (kept from the first pass) and the
-    tensor's scale ``st`` (float32): the block scales, then the elements (block by block
-    in float64 where a scale is below :data:`_NV_SMALL_SCALE`)."""
+    tensor's scale ``st`` (float32): the block scales, then the elements, with the errors
+    scaled by :func:`_normalizer` (block by block in float64 where a scale is below
+    :data:`_NV_SMALL_SCALE` or the squares lost precision, :func:`_squares_kept`)."""
     nblk = (b - a) // 16
     div = np.empty(nblk, np.float32)
     deq = np.empty(nblk, np.float32)
@@ -939,7 +1013,14 @@ def _nv_tiled(
         for k in range(nblk):
             _one_block(x, a + 16 * k, a + 16 * k + 16, p, st, acc)
         return
-    _nv_elements(x[a:b].reshape(nblk, 16), div, deq, p, acc)
+    pw = _normalizer(hi)
+    if pw == np.float32(0.0):
+        return
+    part = np.zeros(5)
+    _nv_elements(x[a:b].reshape(nblk, 16), div, deq * pw, pw, p, part)
+    if not _squares_kept(part, b - a, pw, acc):  # the float64 blocks
+        for k in range(nblk):
+            _one_block(x, a + 16 * k, a + 16 * k + 16, p, st, acc)
 
 
 @numba.njit(cache=True, nogil=True)
