@@ -175,11 +175,10 @@ def _random_arrays(seed: int) -> list[np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_host_kernel_equals_reference_on_random_arrays(seed: int) -> None:
-    arrays = _random_arrays(seed)
+def _assert_rows_equal_reference(arrays: list[np.ndarray], rows: np.ndarray) -> None:
+    """Each host row's block columns equal :func:`block_stats` of its array: counts and
+    ranges exactly, ``sq_err`` within the documented 1e-6."""
     lay = _layout()
-    rows = host_summaries(arrays, lay, threads=2)
     for a, row in zip(arrays, rows):
         got = row[lay.extras_start :].reshape(len(NAMES), len(COLS))
         for name, g in zip(NAMES, got):
@@ -187,7 +186,15 @@ def test_host_kernel_equals_reference_on_random_arrays(seed: int) -> None:
             for col, value in zip(COLS, g):
                 tol = 1e-6 if col == "sq_err" else 0.0
                 assert value == pytest.approx(ref[col], rel=tol, abs=0), (a.shape, name, col)
-            # the random arrays exercise every column somewhere
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_host_kernel_equals_reference_on_random_arrays(seed: int) -> None:
+    arrays = _random_arrays(seed)
+    lay = _layout()
+    rows = host_summaries(arrays, lay, threads=2)
+    _assert_rows_equal_reference(arrays, rows)
+    # the random arrays exercise every column somewhere
     total = np.abs(rows[:, lay.extras_start :]).reshape(len(arrays), len(NAMES), -1).sum((0, 1))
     assert (total > 0).all()
 
@@ -247,14 +254,7 @@ def test_tiled_rows_over_the_whole_float32_range(seed: int) -> None:
     # smallest blocks is not lost in that of the largest)
     bands = [x[e_blk[:, 0] == e] for e in range(-149, 125)]
     arrays = [x.reshape(64, -1)] + [b for b in bands if len(b)]
-    rows = host_summaries(arrays, _layout())
-    for arr, row in zip(arrays, rows):
-        got = row[_layout().extras_start :].reshape(len(NAMES), len(COLS))
-        for name, g in zip(NAMES, got):
-            ref = block_stats(arr, name)
-            for col, value in zip(COLS, g):
-                tol = 1e-6 if col == "sq_err" else 0.0
-                assert value == pytest.approx(ref[col], rel=tol, abs=0), (name, col)
+    _assert_rows_equal_reference(arrays, host_summaries(arrays, _layout()))
 
 
 def test_nearly_exact_arrays_keep_their_tiny_error() -> None:
@@ -265,14 +265,8 @@ def test_nearly_exact_arrays_keep_their_tiny_error() -> None:
     r = np.random.default_rng(5)
     x = np.ldexp(1.0, r.integers(-2, 1, (64, 64))).astype(np.float32)
     x.reshape(-1)[r.integers(0, x.size, 12)] = np.float32(2.0**-80)
-    row = host_summaries([x], _layout())[0]
-    got = row[_layout().extras_start :].reshape(len(NAMES), len(COLS))
-    for name, g in zip(NAMES, got):
-        ref = block_stats(x, name)
-        assert ref["sq_err"] > 0
-        for col, value in zip(COLS, g):
-            tol = 1e-6 if col == "sq_err" else 0.0
-            assert value == pytest.approx(ref[col], rel=tol, abs=0), (name, col)
+    assert all(block_stats(x, name)["sq_err"] > 0 for name in NAMES)
+    _assert_rows_equal_reference([x], host_summaries([x], _layout()))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -324,15 +318,7 @@ def test_first_pass_block_maxima_serve_every_format(rowlen: int) -> None:
     arrays = [*small, small[0].astype(ml_dtypes.bfloat16)]
     if rowlen > 1:  # (the reference takes seconds over 196K rows of one value)
         arrays += [big, big.astype(ml_dtypes.bfloat16)]
-    lay = _layout()
-    rows = host_summaries(arrays, lay, threads=2)
-    for a, row in zip(arrays, rows):
-        got = row[lay.extras_start :].reshape(len(NAMES), len(COLS))
-        for name, g in zip(NAMES, got):
-            ref = block_stats(a, name)
-            for col, value in zip(COLS, g):
-                tol = 1e-6 if col == "sq_err" else 0.0
-                assert value == pytest.approx(ref[col], rel=tol, abs=0), (a.shape, name, col)
+    _assert_rows_equal_reference(arrays, host_summaries(arrays, _layout(), threads=2))
 
 
 @pytest.mark.parametrize("size", [16, 32])
