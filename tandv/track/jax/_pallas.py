@@ -71,8 +71,15 @@ from jax.experimental.pallas import triton as plt
 from ...stats.blocks import BlockFormat, block_formats_of
 from ...stats.formats import NumberFormat
 from ...stats.summary import N_CORE_VALUES, POWERS, VALUE_INDEX, Layout, pack_parts, unpack_fields
-from ._blocks import (
+from ._blocks import (  # the float32 bit helpers serve both the XLA and the Pallas code
+    _BIAS,
+    _MASK,
+    _MB,
     INT_WORDS,
+    _bits,
+    _float,
+    _floor_log2,
+    _pow2,
     block_partials,
     check_blockable,
     finish,
@@ -106,8 +113,6 @@ NUM_WARPS = 4
 #: Input dtypes the kernel reads in their own type; 8-bit floats are read as their raw codes
 #: (:func:`fp8_code`), others are widened to float32 first.
 KERNEL_DTYPES = frozenset({np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)})
-_MB, _BIAS = 23, 127  # float32 mantissa bits, exponent bias
-_MASK = 0x7FFFFFFF
 _INF = 0x7F800000
 _QNAN = 0x7FC00000
 _KEY_NINF = int(np.int32(np.array(-np.inf, np.float32).view(np.int32) ^ _MASK))  # order key of -inf
@@ -127,30 +132,9 @@ _MOMENT_COLUMNS = ("k", "mean", "m2", "p1", "p2", "p4", "p8")
 _HIGHER_COLUMNS = (*_MOMENT_COLUMNS, "m3", "m4", "mean_lo")
 
 
-def _bits(x: Any) -> Any:
-    return jax.lax.bitcast_convert_type(x, jnp.int32)
-
-
-def _float(b: Any) -> Any:
-    return jax.lax.bitcast_convert_type(jnp.asarray(b, jnp.int32), jnp.float32)
-
-
 def _order_key(b: Any) -> Any:
     """Involution mapping float32 bits to an int32 whose order is the floats' order."""
     return b ^ ((b >> 31) & _MASK)
-
-
-def _floor_log2(m: Any) -> Any:
-    """Exact ``floor(log2 |x|)`` of a finite non-zero magnitude ``m`` (bits): subnormals'
-    from the exponent field of ``float(m)`` (exact: ``m < 2**23``), without ``clz``."""
-    efield = m >> _MB
-    sub = (_bits(m.astype(jnp.float32)) >> _MB) - _BIAS - (_BIAS + _MB - 1)
-    return jnp.where(efield > 0, efield - _BIAS, sub)
-
-
-def _pow2(j: Any) -> Any:
-    """``2.0**j`` for integer ``j`` (0 below the normal range, clamped at the top)."""
-    return jnp.where(j < 1 - _BIAS, 0.0, _float((jnp.clip(j, 1 - _BIAS, _BIAS) + _BIAS) << _MB))
 
 
 def _scale(amax: Any) -> Any:
