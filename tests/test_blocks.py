@@ -322,6 +322,34 @@ def test_first_pass_block_maxima_serve_every_format(rowlen: int) -> None:
 
 
 @pytest.mark.parametrize("size", [16, 32])
+@pytest.mark.parametrize("blocks", [7, 8, 61])
+def test_block_maxima_and_minima_of_random_bits(size: int, blocks: int) -> None:
+    # any int32 pattern: zeros and -0, subnormals, inf and NaN of both signs; the kernel's
+    # tiles of 8 blocks, the blocks after the last tile, and a strided view (no tiles)
+    from tandv.stats.host import _block_bits
+
+    r = np.random.default_rng(size * 100 + blocks)
+    bits = r.integers(-(2**31), 2**31, (blocks, size), dtype=np.int64).astype(np.int32)
+    bits[r.random(bits.shape) < 0.3] = 0
+    bits[r.random(bits.shape) < 0.05] = np.int32(-(2**31))
+    for special in (0x7F800000, 0x7FC00000, 0x00000001):
+        bits[r.random(bits.shape) < 0.03] = special
+    bits[1] = 0  # a block without a non-zero value
+    bits[2] = 0x7F800000  # only inf
+    bits[3, ::2] = 0x7FC00001  # NaN beside finite values
+    m = bits & 0x7FFFFFFF
+    finite = m < 0x7F800000
+    want_hi = np.where(finite, m, 0).max(axis=1)
+    want_lo = np.where(finite & (m > 0), m, 0x7F800000).min(axis=1)
+    for view in (bits, np.repeat(bits, 2, axis=0)[::2]):
+        hi = np.empty(blocks, np.int32)
+        lo = np.empty(blocks, np.int32)
+        _block_bits(view, hi, lo)
+        np.testing.assert_array_equal(hi, want_hi)
+        np.testing.assert_array_equal(lo, want_lo)
+
+
+@pytest.mark.parametrize("size", [16, 32])
 def test_block_range_among_close_ratios(size: int) -> None:
     # The kernel divides only the blocks whose bits say their ratio may be the largest
     # (the bits' difference is log2 of the ratio to within 0.09): blocks whose ratios

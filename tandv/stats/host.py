@@ -523,19 +523,126 @@ def _one_block(
     acc[_B_ERR] += err
 
 
+_V8 = llvm_ir.VectorType(llvm_ir.IntType(32), 8)
+
+
+def _pick(builder: Any, x: Any, y: Any, larger: bool) -> Any:
+    """The lane-wise larger (or smaller) of two int32 vectors (LLVM makes it one
+    ``pmaxsd``/``pminsd``)."""
+    return builder.select(builder.icmp_signed(">" if larger else "<", x, y), x, y)
+
+
+def _lanes_of(builder: Any, vectors: list[Any], larger: bool) -> Any:
+    """One vector whose lane ``t`` is the largest (smallest) lane of ``vectors[t]`` (8 int32
+    vectors of 8 lanes): three rounds that each halve the vectors by pairing the lower and
+    the upper halves of two (shuffles), where reducing each vector alone would take three
+    shuffle rounds per vector."""
+    i32 = llvm_ir.IntType(32)
+    level = vectors
+    for lower, upper in (
+        ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]),
+        ([0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]),
+        ([0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]),
+    ):
+        lo_mask = llvm_ir.Constant(llvm_ir.VectorType(i32, 8), lower)
+        hi_mask = llvm_ir.Constant(llvm_ir.VectorType(i32, 8), upper)
+        level = [
+            _pick(
+                builder,
+                builder.shuffle_vector(level[i], level[i + 1], lo_mask),
+                builder.shuffle_vector(level[i], level[i + 1], hi_mask),
+                larger,
+            )
+            for i in range(0, len(level), 2)
+        ]
+    return level[0]
+
+
+def _tile_bits(per: int) -> Callable[..., Any]:
+    """A numba intrinsic ``(src, hi, lo) -> bool`` over 8 consecutive blocks of ``8 * per``
+    int32 float bits at address ``src``: the bits of each block's largest magnitude into
+    the 8 int32 at ``hi`` and of its smallest non-zero one (the inf pattern if none, inf
+    and NaN left out) into those at ``lo``; True when a block's largest magnitude is inf
+    or NaN (the caller then takes that maximum again without them). Branch-free vector
+    code: the magnitudes' maxima, and the minima of ``(m - 1) & 0x7FFFFFFF``, which sends
+    0 to the top and keeps the order of the rest (inf and NaN above every finite value),
+    each reduced across the 8 blocks at once (:func:`_lanes_of`)."""
+
+    def typing(typingctx: object, src: types.Type, hi: types.Type, lo: types.Type) -> object:
+        if not (src == hi == lo == types.int64):  # pragma: no cover - compiled
+            return None
+
+        def codegen(
+            context: object, b: Any, sig: object, args: list[Any]
+        ) -> Any:  # pragma: no cover
+            i64 = llvm_ir.IntType(64)
+            at = b.inttoptr(args[0], _V8.as_pointer())
+            magnitude = llvm_ir.Constant(_V8, [0x7FFFFFFF] * 8)
+            one = llvm_ir.Constant(_V8, [1] * 8)
+            top = llvm_ir.Constant(_V8, [0x7F7FFFFF] * 8)  # the largest finite, less 1
+            largest, smallest = [], []
+            for t in range(8):
+                ms = [
+                    b.and_(
+                        b.load(b.gep(at, [llvm_ir.Constant(i64, per * t + v)]), align=4), magnitude
+                    )
+                    for v in range(per)
+                ]
+                us = [b.and_(b.sub(m, one), magnitude) for m in ms]
+                while len(ms) > 1:
+                    ms = [_pick(b, ms[i], ms[i + 1], True) for i in range(0, len(ms), 2)]
+                    us = [_pick(b, us[i], us[i + 1], False) for i in range(0, len(us), 2)]
+                largest.append(ms[0])
+                smallest.append(us[0])
+            hi = _lanes_of(b, largest, True)
+            lo = b.add(_pick(b, _lanes_of(b, smallest, False), top, False), one)
+            b.store(hi, b.inttoptr(args[1], _V8.as_pointer()), align=4)
+            b.store(lo, b.inttoptr(args[2], _V8.as_pointer()), align=4)
+            flags = b.bitcast(b.icmp_signed(">", hi, top), llvm_ir.IntType(8))
+            return b.icmp_unsigned("!=", flags, llvm_ir.Constant(llvm_ir.IntType(8), 0))
+
+        return types.boolean(types.int64, types.int64, types.int64), codegen
+
+    typing.__name__ = f"tile_bits_{8 * per}"
+    return intrinsic(typing)
+
+
+_tile_bits_16 = _tile_bits(2)
+_tile_bits_32 = _tile_bits(4)
+
+
 @numba.njit(cache=True, nogil=True, fastmath=_FAST)
 def _block_bits(
     bits: np.ndarray, hi: np.ndarray, lo: np.ndarray
 ) -> None:  # pragma: no cover - compiled
     """The bits of the largest finite magnitude (``hi``) and of the smallest non-zero one
     (``lo``; the inf pattern if none) of each block, a row of ``bits`` (int32, blocks x
-    block size). int32 compares vectorize, as in :func:`_bit_reductions`; the 2-D indices
-    (loop counters, known non-negative) let LLVM vectorize the row loop, where flat indices
-    ``a + k * size + j`` kept it scalar (numba's negative-index wrap-around)."""
-    for k in range(bits.shape[0]):
+    block size). Blocks of 16 and 32 of contiguous arrays go 8 at a time through
+    :func:`_tile_bits` (0.18 -> 0.10 ns per value for blocks of 16: each block's own
+    reductions ended in two horizontal reductions of the vector registers, which cost more
+    than its elements); the rest, and a tile's maxima that are inf or NaN, take the loop
+    below (int32 compares that vectorize; the 2-D indices, loop counters known
+    non-negative, let LLVM vectorize the row loop)."""
+    n, size = bits.shape
+    dense = bits.strides == (4 * size, 4) and hi.strides == lo.strides == (4,)
+    tiles = n // 8 * 8 if dense and (size == 16 or size == 32) else 0
+    src, at_hi, at_lo = bits.ctypes.data, hi.ctypes.data, lo.ctypes.data
+    for k in range(0, tiles, 8):
+        if size == 16:
+            fix = _tile_bits_16(src + k * 64, at_hi + k * 4, at_lo + k * 4)
+        else:
+            fix = _tile_bits_32(src + k * 128, at_hi + k * 4, at_lo + k * 4)
+        if fix:  # a block holds inf or NaN: its largest finite magnitude
+            for t in range(k, k + 8):
+                mx = _I32(0)
+                for j in range(size):
+                    m = _I32(bits[t, j] & _I32(0x7FFFFFFF))
+                    mx = max(mx, m if m < _I32(0x7F800000) else _I32(0))
+                hi[t] = mx
+    for k in range(tiles, n):
         mx = _I32(0)
         mn = _I32(0x7F800000)
-        for j in range(bits.shape[1]):
+        for j in range(size):
             m = _I32(bits[k, j] & _I32(0x7FFFFFFF))
             fin = m < _I32(0x7F800000)
             mx = max(mx, m if fin else _I32(0))
