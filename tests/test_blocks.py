@@ -370,3 +370,18 @@ def test_block_range_among_close_ratios(size: int) -> None:
             host_block_stats(arr.reshape(-1, 256), name)["block_range"]
             == (block_stats(arr.reshape(-1, 256), name)["block_range"])
         )
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_inf_and_nan_in_the_vectorized_element_loops(bad: float) -> None:
+    # Gaussian rows a multiple of 32, in float32's normal range, take the vectorized
+    # element loops, which first run without testing for inf and NaN and run again with
+    # the test when the sum of the squared errors comes out inf or NaN: a few such values
+    # (in one 64K item of two; and in a row of its own) must count as the reference says
+    r = np.random.default_rng(11)
+    x = r.standard_normal((1024, 128)).astype(np.float32)
+    x[r.integers(0, 512, 3), r.integers(0, 128, 3)] = bad
+    y = r.standard_normal((4, 64)).astype(np.float32)
+    y[1, 5] = bad
+    arrays = [x, y, x.astype(ml_dtypes.bfloat16)]
+    _assert_rows_equal_reference(arrays, host_summaries(arrays, _layout()))

@@ -687,22 +687,18 @@ def _tally(
     thr_u: np.float32,
     thr_n: np.float32,
 ) -> tuple[np.int32, np.int32, np.int32, np.float32]:  # pragma: no cover - compiled
-    """What one element does, given its magnitude ``a`` (0 for inf and NaN, which so count
-    nothing and add no error), scaled magnitude ``t`` and element ``q``
-    (:func:`_quantize`), and its block's dequantizing scale ``deq`` times the tensor's
-    power of two ``pw`` (:func:`_normalizer`): whether it saturates (``t > fmax``),
-    underflows (``a > 0``, ``q`` 0: ``t <= thr_u``), becomes a subnormal (``thr_u < t <
-    thr_n``), and its error ``(q * deq - a) * pw``: the difference in one float32 rounding
-    (:func:`_fma32`; exact where ``deq`` is a power of two), which the element loops square
-    in float32 (see :func:`_mx_elements`)."""
-    f32 = np.float32
+    """What one element does, given its magnitude ``a`` (0 for inf and NaN where the
+    element loop checks, so that they count nothing and add no error), scaled magnitude
+    ``t`` and element ``q`` (:func:`_quantize`), and its block's dequantizing scale ``deq``
+    times the tensor's power of two ``pw`` (:func:`_normalizer`): whether it saturates
+    (``t > fmax``), whether it is non-zero and rounds to zero (``t <= thr_u``) or to
+    below the smallest normal (``t < thr_n``: the subnormals are the difference of the
+    two, which share the non-zero test), and its error ``(q * deq - a) * pw``: the
+    difference in one float32 rounding (:func:`_fma32`; exact where ``deq`` is a power of
+    two), which the element loops square in float32 (see :func:`_mx_elements`)."""
+    nz = _i32_bits(a) > _I32(0)  # an integer test: one vector instruction
     d: np.float32 = _fma32(q, deq, -(a * pw))
-    return (
-        _I32(t > fmax),
-        _I32((a > f32(0)) & (t <= thr_u)),
-        _I32((t > thr_u) & (t < thr_n)),
-        d,
-    )
+    return _I32(t > fmax), _I32(nz & (t <= thr_u)), _I32(nz & (t < thr_n)), d
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -714,39 +710,129 @@ def _magnitude(b: np.int32) -> np.float32:  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def _abs_of(b: np.int32, check: bool) -> np.float32:  # pragma: no cover - compiled
+    """The magnitude of the float32 with bits ``b``: :func:`_magnitude` where ``check``,
+    else ``|x|`` itself, inf and NaN included (one instruction less per element; the
+    element loops pass a constant, which the compiler folds)."""
+    a: np.float32 = _magnitude(b) if check else _f32_bits(_I32(b & _I32(0x7FFFFFFF)))
+    return a
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _mx_one(
-    b: np.int32, iv: np.float32, sc: np.float32, pw: np.float32, c: _GridC
+    b: np.int32, iv: np.float32, sc: np.float32, pw: np.float32, c: _GridC, check: bool
 ) -> tuple[np.int32, np.int32, np.int32, np.float32]:  # pragma: no cover - compiled
     """One element (bits ``b``) of an MX block scaled by ``iv``, dequantized by ``sc /
     pw`` (``sc``: the block's scale times the tensor's power of two ``pw``); ``c``:
-    :func:`_grid_constants`."""
-    a = _magnitude(b)
+    :func:`_grid_constants`; ``check``: :func:`_abs_of`."""
+    a = _abs_of(b, check)
     t = a * iv
     return _tally(a, t, _quantize(t, c[0], c[3], c[4]), sc, pw, c[0], c[1], c[2])
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _mx_err(
-    b: np.int32, iv: np.float32, sc: np.float32, pw: np.float32, c: _GridC
+    b: np.int32, iv: np.float32, sc: np.float32, pw: np.float32, c: _GridC, check: bool
 ) -> np.float32:  # pragma: no cover - compiled
     """:func:`_mx_one`'s error alone, for blocks that count nothing."""
-    a = _magnitude(b)
+    a = _abs_of(b, check)
     d: np.float32 = _fma32(_quantize(a * iv, c[0], c[3], c[4]), sc, -(a * pw))
     return d
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _mx_sat(
-    b: np.int32, iv: np.float32, sc: np.float32, pw: np.float32, c: _GridC
+    b: np.int32, iv: np.float32, sc: np.float32, pw: np.float32, c: _GridC, check: bool
 ) -> tuple[np.int32, np.float32]:  # pragma: no cover - compiled
     """:func:`_mx_one`'s saturation and error, for blocks that count nothing else."""
-    a = _magnitude(b)
+    a = _abs_of(b, check)
     t = a * iv
     d: np.float32 = _fma32(_quantize(t, c[0], c[3], c[4]), sc, -(a * pw))
     return _I32(t > c[0]), d
 
 
-@numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
+#: The block sizes of the MX formats and of NVFP4: the element loops' inner loops run
+#: over a constant count, which the compiler unrolls into whole vectors.
+_MX_BLOCK = 32
+_NV_BLOCK = 16
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _mx_loop(
+    x: np.ndarray,
+    inv: np.ndarray,
+    scl: np.ndarray,
+    pw: np.float32,
+    hi: np.ndarray,
+    lo: np.ndarray,
+    p: np.ndarray,
+    acc: np.ndarray,
+    check: bool,
+) -> None:  # pragma: no cover - compiled
+    """:func:`_mx_elements`' loop, with or without the test for inf and NaN (``check``,
+    a constant at each call)."""
+    c = _grid_constants(p)
+    amax = hi.view(np.float32)
+    amin = lo.view(np.float32)
+    b = x.view(np.int32)
+    tiny = np.zeros(_MX_BLOCK, np.int32)  # one accumulator per position in the block
+    low = np.zeros(_MX_BLOCK, np.int32)
+    sat = np.zeros(_MX_BLOCK, np.int32)
+    err = np.zeros(_MX_BLOCK)
+    # each block's class, in a loop over the blocks that vectorizes: 1 where no element
+    # underflows or becomes subnormal, 2 where none saturates (a block without a value:
+    # 0 and inf bits, both)
+    clean = np.empty(x.shape[0], np.int32)
+    for k in range(x.shape[0]):
+        clean[k] = _I32(amin[k] * inv[k] >= c[2]) | _I32(_I32(amax[k] * inv[k] <= c[0]) << 1)
+    whole = x.shape[0] // _GROUP * _GROUP
+    for k in range(0, whole, _GROUP):
+        i0, i1, i2, i3 = inv[k], inv[k + 1], inv[k + 2], inv[k + 3]
+        s0, s1, s2, s3 = scl[k], scl[k + 1], scl[k + 2], scl[k + 3]
+        both = clean[k] & clean[k + 1] & clean[k + 2] & clean[k + 3]
+        clean_low = (both & 1) != 0  # no element underflows or becomes subnormal
+        clean_high = (both & 2) != 0  # no element saturates
+        if clean_low and clean_high:
+            for j in range(_MX_BLOCK):
+                d0 = _mx_err(b[k, j], i0, s0, pw, c, check)
+                d1 = _mx_err(b[k + 1, j], i1, s1, pw, c, check)
+                d2 = _mx_err(b[k + 2, j], i2, s2, pw, c, check)
+                d3 = _mx_err(b[k + 3, j], i3, s3, pw, c, check)
+                err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
+            continue
+        if clean_low:  # saturation alone
+            for j in range(_MX_BLOCK):
+                a0, d0 = _mx_sat(b[k, j], i0, s0, pw, c, check)
+                a1, d1 = _mx_sat(b[k + 1, j], i1, s1, pw, c, check)
+                a2, d2 = _mx_sat(b[k + 2, j], i2, s2, pw, c, check)
+                a3, d3 = _mx_sat(b[k + 3, j], i3, s3, pw, c, check)
+                sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
+                err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
+            continue
+        for j in range(_MX_BLOCK):
+            a0, b0, c0, d0 = _mx_one(b[k, j], i0, s0, pw, c, check)
+            a1, b1, c1, d1 = _mx_one(b[k + 1, j], i1, s1, pw, c, check)
+            a2, b2, c2, d2 = _mx_one(b[k + 2, j], i2, s2, pw, c, check)
+            a3, b3, c3, d3 = _mx_one(b[k + 3, j], i3, s3, pw, c, check)
+            sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
+            tiny[j] += _I32(_I32(b0 + b1) + _I32(b2 + b3))
+            low[j] += _I32(_I32(c0 + c1) + _I32(c2 + c3))
+            err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
+    for k in range(whole, x.shape[0]):
+        for j in range(_MX_BLOCK):
+            a0, b0, c0, d0 = _mx_one(b[k, j], inv[k], scl[k], pw, c, check)
+            sat[j] += a0
+            tiny[j] += b0
+            low[j] += c0
+            err[j] += np.float64(d0 * d0)
+    u = tiny.sum()
+    acc[_B_UNDER] += u
+    acc[_B_SUBN] += low.sum() - u
+    acc[_B_SAT] += sat.sum()
+    acc[_B_ERR] += err.sum()
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
 def _mx_elements(
     x: np.ndarray,
     inv: np.ndarray,
@@ -758,93 +844,52 @@ def _mx_elements(
     acc: np.ndarray,
 ) -> None:  # pragma: no cover - compiled
     """Adds the counts and the squared errors times ``pw**2`` of the MX blocks, the rows
-    of ``x`` (float32, blocks x block size), scaled by ``inv`` and dequantized by ``scl /
-    pw`` (``scl``: float32 powers of two, one per block, times the tensor's power of two
-    ``pw``, :func:`_normalizer`), to ``acc``. All in float32 (vector lanes): ``x * inv`` is
-    exact wherever it is not far below the element's smallest subnormal (where it rounds to
-    zero either way), and the error ``(q * scl / pw - |x|) * pw`` is exact too (the
-    rounding error of a rounding to a coarser grid is a float32; the caller keeps blocks
-    whose scale is not a normal float32 away) but where it is below float32's normals
-    (errors under ``2**-126`` of the tensor's largest magnitude). A group's squares add in
-    float32 (relative error at most ``2**-22``) before one conversion to float64, and
-    squares under ``2**-126`` (errors under ``2**-63`` of the largest magnitude) lose
-    their precision: :func:`_squares_kept` tells the caller whether the total is still
-    within ``2**-20`` of the exact sum. Counts add in int32 (numba's int64 halves the
-    lanes), one accumulator per position in the block, so that no block ends in a
-    horizontal sum of the vector registers; :data:`_GROUP` blocks at a time, so that the
-    accumulators leave memory once per group. ``reassoc`` lets the sums vectorize; the
-    rounding (:func:`_grid`, compiled without it) keeps IEEE semantics.
+    of ``x`` (float32, blocks x :data:`_MX_BLOCK`), scaled by ``inv`` and dequantized by
+    ``scl / pw`` (``scl``: float32 powers of two, one per block, times the tensor's power
+    of two ``pw``, :func:`_normalizer`), to ``acc``. All in float32 (vector lanes): ``x *
+    inv`` is exact wherever it is not far below the element's smallest subnormal (where it
+    rounds to zero either way), and the error ``(q * scl / pw - |x|) * pw`` is exact too
+    (the rounding error of a rounding to a coarser grid is a float32; the caller keeps
+    blocks whose scale is not a normal float32 away) but where it is below float32's
+    normals (errors under ``2**-126`` of the tensor's largest magnitude). A group's
+    squares add in float32 (``contract`` fuses them into FMAs: relative error at most
+    ``2**-22``) before one conversion to float64, and squares under ``2**-126`` (errors
+    under ``2**-63`` of the largest magnitude) lose their precision: :func:`_squares_kept`
+    tells the caller whether the total is still within ``2**-20`` of the exact sum.
+    Counts add in int32 (numba's int64 halves the lanes), one accumulator per position in
+    the block, so that no block ends in a horizontal sum of the vector registers;
+    :data:`_GROUP` blocks at a time, so that the accumulators leave memory once per group.
+    ``reassoc`` lets the sums vectorize; the rounding (:func:`_grid`, compiled without
+    it) keeps IEEE semantics; ``error_model="numpy"`` drops numba's checks for a division
+    by zero (no division here, but the flag is shared with :func:`_nv_elements`).
+
+    The loop first runs without testing for inf and NaN: such an element's error is
+    itself inf or NaN (``-(|x| * pw)`` with ``pw > 0``), and so is the sum of the squares;
+    only then does it run again with the test (:func:`_abs_of`), so that the tensors
+    without them (nearly all) save an instruction per element.
 
     A group whose blocks' maxima and minima (``hi``, ``lo``: their bits) say that no
     element saturates (``max * inv <= fmax``) and none underflows or becomes subnormal
     (``min * inv`` at least the smallest scaled magnitude that rounds to a normal) skips
     the counts (about a third of the work), and one whose minima say so counts only
     saturation: most groups of MXFP8 blocks."""
-    c = _grid_constants(p)
-    amax = hi.view(np.float32)
-    amin = lo.view(np.float32)
-    b = x.view(np.int32)
-    size = x.shape[1]
-    under = np.zeros(size, np.int32)  # one accumulator per position in the block
-    subn = np.zeros(size, np.int32)
-    sat = np.zeros(size, np.int32)
-    err = np.zeros(size)
-    whole = x.shape[0] // _GROUP * _GROUP
-    for k in range(0, whole, _GROUP):
-        i0, i1, i2, i3 = inv[k], inv[k + 1], inv[k + 2], inv[k + 3]
-        s0, s1, s2, s3 = scl[k], scl[k + 1], scl[k + 2], scl[k + 3]
-        low = True  # no element underflows or becomes subnormal
-        high = True  # no element saturates
-        for g in range(k, k + _GROUP):  # a block without a value: 0 and inf bits, clean
-            low &= amin[g] * inv[g] >= c[2]
-            high &= amax[g] * inv[g] <= c[0]
-        if low and high:
-            for j in range(size):
-                d0 = _mx_err(b[k, j], i0, s0, pw, c)
-                d1 = _mx_err(b[k + 1, j], i1, s1, pw, c)
-                d2 = _mx_err(b[k + 2, j], i2, s2, pw, c)
-                d3 = _mx_err(b[k + 3, j], i3, s3, pw, c)
-                err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
-            continue
-        if low:  # saturation alone
-            for j in range(size):
-                a0, d0 = _mx_sat(b[k, j], i0, s0, pw, c)
-                a1, d1 = _mx_sat(b[k + 1, j], i1, s1, pw, c)
-                a2, d2 = _mx_sat(b[k + 2, j], i2, s2, pw, c)
-                a3, d3 = _mx_sat(b[k + 3, j], i3, s3, pw, c)
-                sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
-                err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
-            continue
-        for j in range(size):
-            a0, b0, c0, d0 = _mx_one(b[k, j], i0, s0, pw, c)
-            a1, b1, c1, d1 = _mx_one(b[k + 1, j], i1, s1, pw, c)
-            a2, b2, c2, d2 = _mx_one(b[k + 2, j], i2, s2, pw, c)
-            a3, b3, c3, d3 = _mx_one(b[k + 3, j], i3, s3, pw, c)
-            sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
-            under[j] += _I32(_I32(b0 + b1) + _I32(b2 + b3))
-            subn[j] += _I32(_I32(c0 + c1) + _I32(c2 + c3))
-            err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
-    for k in range(whole, x.shape[0]):
-        for j in range(size):
-            a0, b0, c0, d0 = _mx_one(b[k, j], inv[k], scl[k], pw, c)
-            sat[j] += a0
-            under[j] += b0
-            subn[j] += c0
-            err[j] += np.float64(d0 * d0)
-    acc[_B_UNDER] += under.sum()
-    acc[_B_SUBN] += subn.sum()
-    acc[_B_SAT] += sat.sum()
-    acc[_B_ERR] += err.sum()
+    part = np.zeros(4)
+    _mx_loop(x, inv, scl, pw, hi, lo, p, part, False)
+    if not np.isfinite(part[_B_ERR]):  # an inf or NaN in the blocks: again, with the test
+        part[:] = 0.0
+        _mx_loop(x, inv, scl, pw, hi, lo, p, part, True)
+    for i in range(4):
+        acc[i] += part[i]
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _nv_one(
-    b: np.int32, s: np.float32, deq: np.float32, pw: np.float32, c: _GridC
+    b: np.int32, s: np.float32, deq: np.float32, pw: np.float32, c: _GridC, check: bool
 ) -> tuple[np.int32, np.int32, np.int32, np.float32]:  # pragma: no cover - compiled
     """One element (bits ``b``) of an NVFP4 block divided by ``s``, dequantized by ``deq
     / pw`` (``deq``: the block's scale times the tensor's power of two ``pw``); ``c``:
-    :func:`_grid_constants`."""
-    a = _magnitude(b)
+    :func:`_grid_constants`; ``check``: :func:`_abs_of`."""
+    a = _abs_of(b, check)
     t = a / s
     return _tally(a, t, _quantize(t, c[0], c[3], c[4]), deq, pw, c[0], c[1], c[2])
 
@@ -854,7 +899,52 @@ def _nv_one(
 _NV_SMALL_SCALE = 2.0**-99
 
 
-@numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
+@numba.njit(cache=True, nogil=True, inline="always")
+def _nv_loop(
+    x: np.ndarray,
+    div: np.ndarray,
+    deq: np.ndarray,
+    pw: np.float32,
+    p: np.ndarray,
+    acc: np.ndarray,
+    check: bool,
+) -> None:  # pragma: no cover - compiled
+    """:func:`_nv_elements`' loop, with or without the test for inf and NaN (``check``,
+    a constant at each call)."""
+    c = _grid_constants(p)
+    b = x.view(np.int32)
+    tiny = np.zeros(_NV_BLOCK, np.int32)  # one accumulator per position in the block
+    low = np.zeros(_NV_BLOCK, np.int32)
+    sat = np.zeros(_NV_BLOCK, np.int32)
+    err = np.zeros(_NV_BLOCK)
+    whole = x.shape[0] // _GROUP * _GROUP
+    for k in range(0, whole, _GROUP):
+        s0, s1, s2, s3 = div[k], div[k + 1], div[k + 2], div[k + 3]
+        e0, e1, e2, e3 = deq[k], deq[k + 1], deq[k + 2], deq[k + 3]
+        for j in range(_NV_BLOCK):
+            a0, b0, c0, d0 = _nv_one(b[k, j], s0, e0, pw, c, check)
+            a1, b1, c1, d1 = _nv_one(b[k + 1, j], s1, e1, pw, c, check)
+            a2, b2, c2, d2 = _nv_one(b[k + 2, j], s2, e2, pw, c, check)
+            a3, b3, c3, d3 = _nv_one(b[k + 3, j], s3, e3, pw, c, check)
+            sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
+            tiny[j] += _I32(_I32(b0 + b1) + _I32(b2 + b3))
+            low[j] += _I32(_I32(c0 + c1) + _I32(c2 + c3))
+            err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
+    for k in range(whole, x.shape[0]):
+        for j in range(_NV_BLOCK):
+            a0, b0, c0, d0 = _nv_one(b[k, j], div[k], deq[k], pw, c, check)
+            sat[j] += a0
+            tiny[j] += b0
+            low[j] += c0
+            err[j] += np.float64(d0 * d0)
+    u = tiny.sum()
+    acc[_B_UNDER] += u
+    acc[_B_SUBN] += low.sum() - u
+    acc[_B_SAT] += sat.sum()
+    acc[_B_ERR] += err.sum()
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
 def _nv_elements(
     x: np.ndarray,
     div: np.ndarray,
@@ -863,49 +953,27 @@ def _nv_elements(
     p: np.ndarray,
     acc: np.ndarray,
 ) -> None:  # pragma: no cover - compiled
-    """As :func:`_mx_elements` for NVFP4 blocks divided by the float32 scales ``div`` and
-    dequantized by ``deq / pw`` (``deq``: the same scales times ``pw``, but for blocks
-    whose scale is zero: ``div`` inf, so that each value becomes 0 and a non-zero one
-    counts as underflow, and ``deq`` 0, so that its error is its square, as the
-    definition says); the division is float32's, as the definition says. The error
-    ``(q * deq / pw - |x|) * pw`` is rounded once to float32 (relative error 2**-24,
-    squares 2**-23: within the 1e-6 promised), and only where it is 0, ``|x| * pw``
-    itself, or at least float32's smallest normal: every ``deq / pw`` is 0 or at least
-    :data:`_NV_SMALL_SCALE` (the caller sees to it), so that a non-zero difference of ``q
-    * deq / pw`` (``q`` a multiple of 1/2) and ``|x| >= deq / pw / 4`` is a multiple of
-    ``2**-124`` before the scaling by ``pw``, whose result is normal but where it is
-    under ``2**-126`` of the tensor's largest magnitude."""
-    c = _grid_constants(p)
-    b = x.view(np.int32)
-    size = x.shape[1]
-    under = np.zeros(size, np.int32)  # one accumulator per position in the block
-    subn = np.zeros(size, np.int32)
-    sat = np.zeros(size, np.int32)
-    err = np.zeros(size)
-    whole = x.shape[0] // _GROUP * _GROUP
-    for k in range(0, whole, _GROUP):
-        s0, s1, s2, s3 = div[k], div[k + 1], div[k + 2], div[k + 3]
-        e0, e1, e2, e3 = deq[k], deq[k + 1], deq[k + 2], deq[k + 3]
-        for j in range(size):
-            a0, b0, c0, d0 = _nv_one(b[k, j], s0, e0, pw, c)
-            a1, b1, c1, d1 = _nv_one(b[k + 1, j], s1, e1, pw, c)
-            a2, b2, c2, d2 = _nv_one(b[k + 2, j], s2, e2, pw, c)
-            a3, b3, c3, d3 = _nv_one(b[k + 3, j], s3, e3, pw, c)
-            sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
-            under[j] += _I32(_I32(b0 + b1) + _I32(b2 + b3))
-            subn[j] += _I32(_I32(c0 + c1) + _I32(c2 + c3))
-            err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
-    for k in range(whole, x.shape[0]):
-        for j in range(size):
-            a0, b0, c0, d0 = _nv_one(b[k, j], div[k], deq[k], pw, c)
-            sat[j] += a0
-            under[j] += b0
-            subn[j] += c0
-            err[j] += np.float64(d0 * d0)
-    acc[_B_UNDER] += under.sum()
-    acc[_B_SUBN] += subn.sum()
-    acc[_B_SAT] += sat.sum()
-    acc[_B_ERR] += err.sum()
+    """As :func:`_mx_elements` for NVFP4 blocks (rows of :data:`_NV_BLOCK`) divided by
+    the float32 scales ``div`` and dequantized by ``deq / pw`` (``deq``: the same scales
+    times ``pw``, but for blocks whose scale is zero: ``div`` inf, so that each value
+    becomes 0 and a non-zero one counts as underflow, and ``deq`` 0, so that its error is
+    its square, as the definition says); the division is float32's, as the definition
+    says (``error_model="numpy"``: without numba's test for a zero divisor, which ``div``
+    never holds). The error ``(q * deq / pw - |x|) * pw`` is rounded once to float32
+    (relative error 2**-24, squares 2**-23: within the 1e-6 promised), and only where it
+    is 0, ``|x| * pw`` itself, or at least float32's smallest normal: every ``deq / pw``
+    is 0 or at least :data:`_NV_SMALL_SCALE` (the caller sees to it), so that a non-zero
+    difference of ``q * deq / pw`` (``q`` a multiple of 1/2) and ``|x| >= deq / pw / 4``
+    is a multiple of ``2**-124`` before the scaling by ``pw``, whose result is normal but
+    where it is under ``2**-126`` of the tensor's largest magnitude. Inf and NaN as in
+    :func:`_mx_elements`: an error inf or NaN, then the loop again with the test."""
+    part = np.zeros(4)
+    _nv_loop(x, div, deq, pw, p, part, False)
+    if not np.isfinite(part[_B_ERR]):  # an inf or NaN in the blocks: again, with the test
+        part[:] = 0.0
+        _nv_loop(x, div, deq, pw, p, part, True)
+    for i in range(4):
+        acc[i] += part[i]
 
 
 #: :func:`_largest_ratio`'s margin on the difference of a block's maximum's and minimum's
@@ -1079,13 +1147,14 @@ def _mx_tiled(
     (``hi``, ``lo``): the largest block ratio, the scales (loops over the blocks that
     vectorize), then one vectorized loop over the elements, with the errors scaled by
     :func:`_normalizer`; all blocks take :func:`_one_block` where a scale is no normal
-    float32 or the squares lost precision (:func:`_squares_kept`)."""
+    float32, the squares lost precision (:func:`_squares_kept`), or the blocks are not
+    :data:`_MX_BLOCK` long (every MX format's are)."""
     size = int(p[_B_SIZE])
     nblk = (b - a) // size
     acc[_B_RATIO] = _largest_ratio(hi, lo, acc[_B_RATIO])
     inv = np.empty(nblk, np.int32)
     scl = np.empty(nblk, np.int32)
-    if not _mx_scales(hi, _I32(p[_B_EMAX]), inv, scl):
+    if size != _MX_BLOCK or not _mx_scales(hi, _I32(p[_B_EMAX]), inv, scl):
         for k in range(nblk):  # the float64 blocks
             _one_block(x, a + k * size, a + k * size + size, p, 1.0, acc)
         return
