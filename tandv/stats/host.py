@@ -687,8 +687,8 @@ def _tally(
     thr_u: np.float32,
     thr_n: np.float32,
 ) -> tuple[np.int32, np.int32, np.int32, np.float32]:  # pragma: no cover - compiled
-    """What one element does, given its magnitude ``a`` (0 for inf and NaN where the
-    element loop checks, so that they count nothing and add no error), scaled magnitude
+    """What one element does, given its magnitude ``a`` (inf and NaN make the error inf or
+    NaN: see :func:`_finite_of`), scaled magnitude
     ``t`` and element ``q`` (:func:`_quantize`), and its block's dequantizing scale ``deq``
     times the tensor's power of two ``pw`` (:func:`_normalizer`): whether it saturates
     (``t > fmax``), whether it is non-zero and rounds to zero (``t <= thr_u``) or to
@@ -701,51 +701,57 @@ def _tally(
     return _I32(t > fmax), _I32(nz & (t <= thr_u)), _I32(nz & (t < thr_n)), d
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _magnitude(b: np.int32) -> np.float32:  # pragma: no cover - compiled
-    """The magnitude of the float32 with bits ``b``, 0 for inf and NaN."""
-    m = _I32(b & _I32(0x7FFFFFFF))
-    a: np.float32 = _f32_bits(m if m < _I32(0x7F800000) else _I32(0))
-    return a
+@numba.njit(cache=True, nogil=True)
+def _finite_of(x: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """A copy of the float32 rows ``x`` with inf and NaN replaced by 0 (which count nothing
+    and add no error, as the definition leaves them out): what the element loops run on
+    again where their first run met inf or NaN."""
+    b = x.view(np.int32)
+    out = np.empty_like(b)
+    for k in range(b.shape[0]):
+        for j in range(b.shape[1]):
+            v = b[k, j]
+            out[k, j] = v if _I32(v & _I32(0x7FFFFFFF)) < _I32(0x7F800000) else _I32(0)
+    return out.view(np.float32)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _abs_of(b: np.int32, check: bool) -> np.float32:  # pragma: no cover - compiled
-    """The magnitude of the float32 with bits ``b``: :func:`_magnitude` where ``check``,
-    else ``|x|`` itself, inf and NaN included (one instruction less per element; the
-    element loops pass a constant, which the compiler folds)."""
-    a: np.float32 = _magnitude(b) if check else _f32_bits(_I32(b & _I32(0x7FFFFFFF)))
+def _abs_bits(b: np.int32) -> np.float32:  # pragma: no cover - compiled
+    """``|x|`` of the float32 with bits ``b``, inf and NaN included (the element loops'
+    sums then come out inf or NaN, and the loops run again on :func:`_finite_of`'s copy):
+    one instruction less per element than sending them to 0 here."""
+    a: np.float32 = _f32_bits(_I32(b & _I32(0x7FFFFFFF)))
     return a
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _mx_one(
-    b: np.int32, iv: np.float32, sc: np.float32, pw: np.float32, c: _GridC, check: bool
+    b: np.int32, iv: np.float32, sc: np.float32, pw: np.float32, c: _GridC
 ) -> tuple[np.int32, np.int32, np.int32, np.float32]:  # pragma: no cover - compiled
     """One element (bits ``b``) of an MX block scaled by ``iv``, dequantized by ``sc /
     pw`` (``sc``: the block's scale times the tensor's power of two ``pw``); ``c``:
-    :func:`_grid_constants`; ``check``: :func:`_abs_of`."""
-    a = _abs_of(b, check)
+    :func:`_grid_constants`."""
+    a = _abs_bits(b)
     t = a * iv
     return _tally(a, t, _quantize(t, c[0], c[3], c[4]), sc, pw, c[0], c[1], c[2])
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _mx_err(
-    b: np.int32, iv: np.float32, sc: np.float32, pw: np.float32, c: _GridC, check: bool
+    b: np.int32, iv: np.float32, sc: np.float32, pw: np.float32, c: _GridC
 ) -> np.float32:  # pragma: no cover - compiled
     """:func:`_mx_one`'s error alone, for blocks that count nothing."""
-    a = _abs_of(b, check)
+    a = _abs_bits(b)
     d: np.float32 = _fma32(_quantize(a * iv, c[0], c[3], c[4]), sc, -(a * pw))
     return d
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _mx_sat(
-    b: np.int32, iv: np.float32, sc: np.float32, pw: np.float32, c: _GridC, check: bool
+    b: np.int32, iv: np.float32, sc: np.float32, pw: np.float32, c: _GridC
 ) -> tuple[np.int32, np.float32]:  # pragma: no cover - compiled
     """:func:`_mx_one`'s saturation and error, for blocks that count nothing else."""
-    a = _abs_of(b, check)
+    a = _abs_bits(b)
     t = a * iv
     d: np.float32 = _fma32(_quantize(t, c[0], c[3], c[4]), sc, -(a * pw))
     return _I32(t > c[0]), d
@@ -757,7 +763,7 @@ _MX_BLOCK = 32
 _NV_BLOCK = 16
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
 def _mx_loop(
     x: np.ndarray,
     inv: np.ndarray,
@@ -767,10 +773,9 @@ def _mx_loop(
     lo: np.ndarray,
     p: np.ndarray,
     acc: np.ndarray,
-    check: bool,
 ) -> None:  # pragma: no cover - compiled
-    """:func:`_mx_elements`' loop, with or without the test for inf and NaN (``check``,
-    a constant at each call)."""
+    """:func:`_mx_elements`' loop (one compiled function, called again on a finite copy
+    where needed: inlined twice it doubled the elements' compile time)."""
     c = _grid_constants(p)
     amax = hi.view(np.float32)
     amin = lo.view(np.float32)
@@ -794,33 +799,33 @@ def _mx_loop(
         clean_high = (both & 2) != 0  # no element saturates
         if clean_low and clean_high:
             for j in range(_MX_BLOCK):
-                d0 = _mx_err(b[k, j], i0, s0, pw, c, check)
-                d1 = _mx_err(b[k + 1, j], i1, s1, pw, c, check)
-                d2 = _mx_err(b[k + 2, j], i2, s2, pw, c, check)
-                d3 = _mx_err(b[k + 3, j], i3, s3, pw, c, check)
+                d0 = _mx_err(b[k, j], i0, s0, pw, c)
+                d1 = _mx_err(b[k + 1, j], i1, s1, pw, c)
+                d2 = _mx_err(b[k + 2, j], i2, s2, pw, c)
+                d3 = _mx_err(b[k + 3, j], i3, s3, pw, c)
                 err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
             continue
         if clean_low:  # saturation alone
             for j in range(_MX_BLOCK):
-                a0, d0 = _mx_sat(b[k, j], i0, s0, pw, c, check)
-                a1, d1 = _mx_sat(b[k + 1, j], i1, s1, pw, c, check)
-                a2, d2 = _mx_sat(b[k + 2, j], i2, s2, pw, c, check)
-                a3, d3 = _mx_sat(b[k + 3, j], i3, s3, pw, c, check)
+                a0, d0 = _mx_sat(b[k, j], i0, s0, pw, c)
+                a1, d1 = _mx_sat(b[k + 1, j], i1, s1, pw, c)
+                a2, d2 = _mx_sat(b[k + 2, j], i2, s2, pw, c)
+                a3, d3 = _mx_sat(b[k + 3, j], i3, s3, pw, c)
                 sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
                 err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
             continue
         for j in range(_MX_BLOCK):
-            a0, b0, c0, d0 = _mx_one(b[k, j], i0, s0, pw, c, check)
-            a1, b1, c1, d1 = _mx_one(b[k + 1, j], i1, s1, pw, c, check)
-            a2, b2, c2, d2 = _mx_one(b[k + 2, j], i2, s2, pw, c, check)
-            a3, b3, c3, d3 = _mx_one(b[k + 3, j], i3, s3, pw, c, check)
+            a0, b0, c0, d0 = _mx_one(b[k, j], i0, s0, pw, c)
+            a1, b1, c1, d1 = _mx_one(b[k + 1, j], i1, s1, pw, c)
+            a2, b2, c2, d2 = _mx_one(b[k + 2, j], i2, s2, pw, c)
+            a3, b3, c3, d3 = _mx_one(b[k + 3, j], i3, s3, pw, c)
             sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
             tiny[j] += _I32(_I32(b0 + b1) + _I32(b2 + b3))
             low[j] += _I32(_I32(c0 + c1) + _I32(c2 + c3))
             err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
     for k in range(whole, x.shape[0]):
         for j in range(_MX_BLOCK):
-            a0, b0, c0, d0 = _mx_one(b[k, j], inv[k], scl[k], pw, c, check)
+            a0, b0, c0, d0 = _mx_one(b[k, j], inv[k], scl[k], pw, c)
             sat[j] += a0
             tiny[j] += b0
             low[j] += c0
@@ -865,8 +870,8 @@ def _mx_elements(
 
     The loop first runs without testing for inf and NaN: such an element's error is
     itself inf or NaN (``-(|x| * pw)`` with ``pw > 0``), and so is the sum of the squares;
-    only then does it run again with the test (:func:`_abs_of`), so that the tensors
-    without them (nearly all) save an instruction per element.
+    only then does it run again, on a copy with them replaced by 0 (:func:`_finite_of`),
+    so that the tensors without them (nearly all) save an instruction per element.
 
     A group whose blocks' maxima and minima (``hi``, ``lo``: their bits) say that no
     element saturates (``max * inv <= fmax``) and none underflows or becomes subnormal
@@ -874,22 +879,22 @@ def _mx_elements(
     the counts (about a third of the work), and one whose minima say so counts only
     saturation: most groups of MXFP8 blocks."""
     part = np.zeros(4)
-    _mx_loop(x, inv, scl, pw, hi, lo, p, part, False)
-    if not np.isfinite(part[_B_ERR]):  # an inf or NaN in the blocks: again, with the test
+    _mx_loop(x, inv, scl, pw, hi, lo, p, part)
+    if not np.isfinite(part[_B_ERR]):  # an inf or NaN in the blocks: again, without them
         part[:] = 0.0
-        _mx_loop(x, inv, scl, pw, hi, lo, p, part, True)
+        _mx_loop(_finite_of(x), inv, scl, pw, hi, lo, p, part)
     for i in range(4):
         acc[i] += part[i]
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _nv_one(
-    b: np.int32, s: np.float32, deq: np.float32, pw: np.float32, c: _GridC, check: bool
+    b: np.int32, s: np.float32, deq: np.float32, pw: np.float32, c: _GridC
 ) -> tuple[np.int32, np.int32, np.int32, np.float32]:  # pragma: no cover - compiled
     """One element (bits ``b``) of an NVFP4 block divided by ``s``, dequantized by ``deq
     / pw`` (``deq``: the block's scale times the tensor's power of two ``pw``); ``c``:
-    :func:`_grid_constants`; ``check``: :func:`_abs_of`."""
-    a = _abs_of(b, check)
+    :func:`_grid_constants`."""
+    a = _abs_bits(b)
     t = a / s
     return _tally(a, t, _quantize(t, c[0], c[3], c[4]), deq, pw, c[0], c[1], c[2])
 
@@ -899,7 +904,7 @@ def _nv_one(
 _NV_SMALL_SCALE = 2.0**-99
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
 def _nv_loop(
     x: np.ndarray,
     div: np.ndarray,
@@ -907,10 +912,8 @@ def _nv_loop(
     pw: np.float32,
     p: np.ndarray,
     acc: np.ndarray,
-    check: bool,
 ) -> None:  # pragma: no cover - compiled
-    """:func:`_nv_elements`' loop, with or without the test for inf and NaN (``check``,
-    a constant at each call)."""
+    """:func:`_nv_elements`' loop (see :func:`_mx_loop`)."""
     c = _grid_constants(p)
     b = x.view(np.int32)
     tiny = np.zeros(_NV_BLOCK, np.int32)  # one accumulator per position in the block
@@ -922,17 +925,17 @@ def _nv_loop(
         s0, s1, s2, s3 = div[k], div[k + 1], div[k + 2], div[k + 3]
         e0, e1, e2, e3 = deq[k], deq[k + 1], deq[k + 2], deq[k + 3]
         for j in range(_NV_BLOCK):
-            a0, b0, c0, d0 = _nv_one(b[k, j], s0, e0, pw, c, check)
-            a1, b1, c1, d1 = _nv_one(b[k + 1, j], s1, e1, pw, c, check)
-            a2, b2, c2, d2 = _nv_one(b[k + 2, j], s2, e2, pw, c, check)
-            a3, b3, c3, d3 = _nv_one(b[k + 3, j], s3, e3, pw, c, check)
+            a0, b0, c0, d0 = _nv_one(b[k, j], s0, e0, pw, c)
+            a1, b1, c1, d1 = _nv_one(b[k + 1, j], s1, e1, pw, c)
+            a2, b2, c2, d2 = _nv_one(b[k + 2, j], s2, e2, pw, c)
+            a3, b3, c3, d3 = _nv_one(b[k + 3, j], s3, e3, pw, c)
             sat[j] += _I32(_I32(a0 + a1) + _I32(a2 + a3))
             tiny[j] += _I32(_I32(b0 + b1) + _I32(b2 + b3))
             low[j] += _I32(_I32(c0 + c1) + _I32(c2 + c3))
             err[j] += np.float64((d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3))
     for k in range(whole, x.shape[0]):
         for j in range(_NV_BLOCK):
-            a0, b0, c0, d0 = _nv_one(b[k, j], div[k], deq[k], pw, c, check)
+            a0, b0, c0, d0 = _nv_one(b[k, j], div[k], deq[k], pw, c)
             sat[j] += a0
             tiny[j] += b0
             low[j] += c0
@@ -966,12 +969,12 @@ def _nv_elements(
     difference of ``q * deq / pw`` (``q`` a multiple of 1/2) and ``|x| >= deq / pw / 4``
     is a multiple of ``2**-124`` before the scaling by ``pw``, whose result is normal but
     where it is under ``2**-126`` of the tensor's largest magnitude. Inf and NaN as in
-    :func:`_mx_elements`: an error inf or NaN, then the loop again with the test."""
+    :func:`_mx_elements`: an error inf or NaN, then the loop again on a finite copy."""
     part = np.zeros(4)
-    _nv_loop(x, div, deq, pw, p, part, False)
-    if not np.isfinite(part[_B_ERR]):  # an inf or NaN in the blocks: again, with the test
+    _nv_loop(x, div, deq, pw, p, part)
+    if not np.isfinite(part[_B_ERR]):  # an inf or NaN in the blocks: again, without them
         part[:] = 0.0
-        _nv_loop(x, div, deq, pw, p, part, True)
+        _nv_loop(_finite_of(x), div, deq, pw, p, part)
     for i in range(4):
         acc[i] += part[i]
 
