@@ -620,9 +620,8 @@ def _block_bits(
     block size). Blocks of 16 and 32 of contiguous arrays go 8 at a time through
     :func:`_tile_bits` (0.18 -> 0.10 ns per value for blocks of 16: each block's own
     reductions ended in two horizontal reductions of the vector registers, which cost more
-    than its elements); the rest, and a tile's maxima that are inf or NaN, take the loop
-    below (int32 compares that vectorize; the 2-D indices, loop counters known
-    non-negative, let LLVM vectorize the row loop)."""
+    than its elements); the rest, and the tiles with inf or NaN, take
+    :func:`_block_bits_rows`."""
     n, size = bits.shape
     dense = bits.strides == (4 * size, 4) and hi.strides == lo.strides == (4,)
     tiles = n // 8 * 8 if dense and (size == 16 or size == 32) else 0
@@ -632,17 +631,22 @@ def _block_bits(
             fix = _tile_bits_16(src + k * 64, at_hi + k * 4, at_lo + k * 4)
         else:
             fix = _tile_bits_32(src + k * 128, at_hi + k * 4, at_lo + k * 4)
-        if fix:  # a block holds inf or NaN: its largest finite magnitude
-            for t in range(k, k + 8):
-                mx = _I32(0)
-                for j in range(size):
-                    m = _I32(bits[t, j] & _I32(0x7FFFFFFF))
-                    mx = max(mx, m if m < _I32(0x7F800000) else _I32(0))
-                hi[t] = mx
-    for k in range(tiles, n):
+        if fix:  # a block holds inf or NaN: the tile again, without them
+            _block_bits_rows(bits, hi, lo, k, k + 8)
+    _block_bits_rows(bits, hi, lo, tiles, n)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_FAST)
+def _block_bits_rows(
+    bits: np.ndarray, hi: np.ndarray, lo: np.ndarray, k0: int, k1: int
+) -> None:  # pragma: no cover - compiled
+    """:func:`_block_bits` of the blocks ``k0:k1``, one at a time: int32 compares that
+    vectorize (the 2-D indices, loop counters known non-negative, let LLVM vectorize the
+    row loop)."""
+    for k in range(k0, k1):
         mx = _I32(0)
         mn = _I32(0x7F800000)
-        for j in range(size):
+        for j in range(bits.shape[1]):
             m = _I32(bits[k, j] & _I32(0x7FFFFFFF))
             fin = m < _I32(0x7F800000)
             mx = max(mx, m if fin else _I32(0))
@@ -757,6 +761,20 @@ def _mx_sat(
     return _I32(t > c[0]), d
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _add_partials(
+    tiny: np.ndarray, low: np.ndarray, sat: np.ndarray, err: np.ndarray, acc: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """Adds the element loops' per-position accumulators to the partials ``acc``: the
+    values that round to zero (underflow), those that round below the smallest normal
+    less the former (subnormal), the saturated ones and the squared errors."""
+    u = tiny.sum()
+    acc[_B_UNDER] += u
+    acc[_B_SUBN] += low.sum() - u
+    acc[_B_SAT] += sat.sum()
+    acc[_B_ERR] += err.sum()
+
+
 #: The block sizes of the MX formats and of NVFP4: the element loops' inner loops run
 #: over a constant count, which the compiler unrolls into whole vectors.
 _MX_BLOCK = 32
@@ -764,7 +782,7 @@ _NV_BLOCK = 16
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
-def _mx_loop(
+def _mx_elements(
     x: np.ndarray,
     inv: np.ndarray,
     scl: np.ndarray,
@@ -774,8 +792,37 @@ def _mx_loop(
     p: np.ndarray,
     acc: np.ndarray,
 ) -> None:  # pragma: no cover - compiled
-    """:func:`_mx_elements`' loop (one compiled function, called again on a finite copy
-    where needed: inlined twice it doubled the elements' compile time)."""
+    """Adds the counts and the squared errors times ``pw**2`` of the MX blocks, the rows
+    of ``x`` (float32, blocks x :data:`_MX_BLOCK`), scaled by ``inv`` and dequantized by
+    ``scl / pw`` (``scl``: float32 powers of two, one per block, times the tensor's power
+    of two ``pw``, :func:`_normalizer`), to ``acc``. All in float32 (vector lanes): ``x *
+    inv`` is exact wherever it is not far below the element's smallest subnormal (where it
+    rounds to zero either way), and the error ``(q * scl / pw - |x|) * pw`` is exact too
+    (the rounding error of a rounding to a coarser grid is a float32; the caller keeps
+    blocks whose scale is not a normal float32 away) but where it is below float32's
+    normals (errors under ``2**-126`` of the tensor's largest magnitude). A group's
+    squares add in float32 (``contract`` fuses them into FMAs: relative error at most
+    ``2**-22``) before one conversion to float64, and squares under ``2**-126`` (errors
+    under ``2**-63`` of the largest magnitude) lose their precision: :func:`_squares_kept`
+    tells the caller whether the total is still within ``2**-20`` of the exact sum.
+    Counts add in int32 (numba's int64 halves the lanes), one accumulator per position in
+    the block, so that no block ends in a horizontal sum of the vector registers;
+    :data:`_GROUP` blocks at a time, so that the accumulators leave memory once per group.
+    ``reassoc`` lets the sums vectorize; the rounding (:func:`_grid`, compiled without
+    it) keeps IEEE semantics; ``error_model="numpy"`` drops numba's checks for a division
+    by zero (no division here, but the flag is shared with :func:`_nv_elements`).
+
+    The loop does not test for inf and NaN: such an element's error is itself inf or NaN
+    (``-(|x| * pw)`` with ``pw > 0``), and so is the sum of the squares; only then does
+    the caller run it again, on a copy with them replaced by 0 (:func:`_finite_of`), so
+    that the tensors without them (nearly all) save an instruction per element. One
+    compiled function: inlined twice, it doubled the elements' compile time.
+
+    A group whose blocks' maxima and minima (``hi``, ``lo``: their bits) say that no
+    element saturates (``max * inv <= fmax``) and none underflows or becomes subnormal
+    (``min * inv`` at least the smallest scaled magnitude that rounds to a normal) skips
+    the counts (about a third of the work), and one whose minima say so counts only
+    saturation: most groups of MXFP8 blocks."""
     c = _grid_constants(p)
     amax = hi.view(np.float32)
     amin = lo.view(np.float32)
@@ -830,61 +877,7 @@ def _mx_loop(
             tiny[j] += b0
             low[j] += c0
             err[j] += np.float64(d0 * d0)
-    u = tiny.sum()
-    acc[_B_UNDER] += u
-    acc[_B_SUBN] += low.sum() - u
-    acc[_B_SAT] += sat.sum()
-    acc[_B_ERR] += err.sum()
-
-
-@numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
-def _mx_elements(
-    x: np.ndarray,
-    inv: np.ndarray,
-    scl: np.ndarray,
-    pw: np.float32,
-    hi: np.ndarray,
-    lo: np.ndarray,
-    p: np.ndarray,
-    acc: np.ndarray,
-) -> None:  # pragma: no cover - compiled
-    """Adds the counts and the squared errors times ``pw**2`` of the MX blocks, the rows
-    of ``x`` (float32, blocks x :data:`_MX_BLOCK`), scaled by ``inv`` and dequantized by
-    ``scl / pw`` (``scl``: float32 powers of two, one per block, times the tensor's power
-    of two ``pw``, :func:`_normalizer`), to ``acc``. All in float32 (vector lanes): ``x *
-    inv`` is exact wherever it is not far below the element's smallest subnormal (where it
-    rounds to zero either way), and the error ``(q * scl / pw - |x|) * pw`` is exact too
-    (the rounding error of a rounding to a coarser grid is a float32; the caller keeps
-    blocks whose scale is not a normal float32 away) but where it is below float32's
-    normals (errors under ``2**-126`` of the tensor's largest magnitude). A group's
-    squares add in float32 (``contract`` fuses them into FMAs: relative error at most
-    ``2**-22``) before one conversion to float64, and squares under ``2**-126`` (errors
-    under ``2**-63`` of the largest magnitude) lose their precision: :func:`_squares_kept`
-    tells the caller whether the total is still within ``2**-20`` of the exact sum.
-    Counts add in int32 (numba's int64 halves the lanes), one accumulator per position in
-    the block, so that no block ends in a horizontal sum of the vector registers;
-    :data:`_GROUP` blocks at a time, so that the accumulators leave memory once per group.
-    ``reassoc`` lets the sums vectorize; the rounding (:func:`_grid`, compiled without
-    it) keeps IEEE semantics; ``error_model="numpy"`` drops numba's checks for a division
-    by zero (no division here, but the flag is shared with :func:`_nv_elements`).
-
-    The loop first runs without testing for inf and NaN: such an element's error is
-    itself inf or NaN (``-(|x| * pw)`` with ``pw > 0``), and so is the sum of the squares;
-    only then does it run again, on a copy with them replaced by 0 (:func:`_finite_of`),
-    so that the tensors without them (nearly all) save an instruction per element.
-
-    A group whose blocks' maxima and minima (``hi``, ``lo``: their bits) say that no
-    element saturates (``max * inv <= fmax``) and none underflows or becomes subnormal
-    (``min * inv`` at least the smallest scaled magnitude that rounds to a normal) skips
-    the counts (about a third of the work), and one whose minima say so counts only
-    saturation: most groups of MXFP8 blocks."""
-    part = np.zeros(4)
-    _mx_loop(x, inv, scl, pw, hi, lo, p, part)
-    if not np.isfinite(part[_B_ERR]):  # an inf or NaN in the blocks: again, without them
-        part[:] = 0.0
-        _mx_loop(_finite_of(x), inv, scl, pw, hi, lo, p, part)
-    for i in range(4):
-        acc[i] += part[i]
+    _add_partials(tiny, low, sat, err, acc)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -905,7 +898,7 @@ _NV_SMALL_SCALE = 2.0**-99
 
 
 @numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
-def _nv_loop(
+def _nv_elements(
     x: np.ndarray,
     div: np.ndarray,
     deq: np.ndarray,
@@ -913,7 +906,20 @@ def _nv_loop(
     p: np.ndarray,
     acc: np.ndarray,
 ) -> None:  # pragma: no cover - compiled
-    """:func:`_nv_elements`' loop (see :func:`_mx_loop`)."""
+    """As :func:`_mx_elements` for NVFP4 blocks (rows of :data:`_NV_BLOCK`) divided by
+    the float32 scales ``div`` and dequantized by ``deq / pw`` (``deq``: the same scales
+    times ``pw``, but for blocks whose scale is zero: ``div`` inf, so that each value
+    becomes 0 and a non-zero one counts as underflow, and ``deq`` 0, so that its error is
+    its square, as the definition says); the division is float32's, as the definition
+    says (``error_model="numpy"``: without numba's test for a zero divisor, which ``div``
+    never holds). The error ``(q * deq / pw - |x|) * pw`` is rounded once to float32
+    (relative error 2**-24, squares 2**-23: within the 1e-6 promised), and only where it
+    is 0, ``|x| * pw`` itself, or at least float32's smallest normal: every ``deq / pw``
+    is 0 or at least :data:`_NV_SMALL_SCALE` (the caller sees to it), so that a non-zero
+    difference of ``q * deq / pw`` (``q`` a multiple of 1/2) and ``|x| >= deq / pw / 4``
+    is a multiple of ``2**-124`` before the scaling by ``pw``, whose result is normal but
+    where it is under ``2**-126`` of the tensor's largest magnitude. Inf and NaN as in
+    :func:`_mx_elements`: an error inf or NaN, then the caller's run on a finite copy."""
     c = _grid_constants(p)
     b = x.view(np.int32)
     tiny = np.zeros(_NV_BLOCK, np.int32)  # one accumulator per position in the block
@@ -940,43 +946,7 @@ def _nv_loop(
             tiny[j] += b0
             low[j] += c0
             err[j] += np.float64(d0 * d0)
-    u = tiny.sum()
-    acc[_B_UNDER] += u
-    acc[_B_SUBN] += low.sum() - u
-    acc[_B_SAT] += sat.sum()
-    acc[_B_ERR] += err.sum()
-
-
-@numba.njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
-def _nv_elements(
-    x: np.ndarray,
-    div: np.ndarray,
-    deq: np.ndarray,
-    pw: np.float32,
-    p: np.ndarray,
-    acc: np.ndarray,
-) -> None:  # pragma: no cover - compiled
-    """As :func:`_mx_elements` for NVFP4 blocks (rows of :data:`_NV_BLOCK`) divided by
-    the float32 scales ``div`` and dequantized by ``deq / pw`` (``deq``: the same scales
-    times ``pw``, but for blocks whose scale is zero: ``div`` inf, so that each value
-    becomes 0 and a non-zero one counts as underflow, and ``deq`` 0, so that its error is
-    its square, as the definition says); the division is float32's, as the definition
-    says (``error_model="numpy"``: without numba's test for a zero divisor, which ``div``
-    never holds). The error ``(q * deq / pw - |x|) * pw`` is rounded once to float32
-    (relative error 2**-24, squares 2**-23: within the 1e-6 promised), and only where it
-    is 0, ``|x| * pw`` itself, or at least float32's smallest normal: every ``deq / pw``
-    is 0 or at least :data:`_NV_SMALL_SCALE` (the caller sees to it), so that a non-zero
-    difference of ``q * deq / pw`` (``q`` a multiple of 1/2) and ``|x| >= deq / pw / 4``
-    is a multiple of ``2**-124`` before the scaling by ``pw``, whose result is normal but
-    where it is under ``2**-126`` of the tensor's largest magnitude. Inf and NaN as in
-    :func:`_mx_elements`: an error inf or NaN, then the loop again on a finite copy."""
-    part = np.zeros(4)
-    _nv_loop(x, div, deq, pw, p, part)
-    if not np.isfinite(part[_B_ERR]):  # an inf or NaN in the blocks: again, without them
-        part[:] = 0.0
-        _nv_loop(_finite_of(x), div, deq, pw, p, part)
-    for i in range(4):
-        acc[i] += part[i]
+    _add_partials(tiny, low, sat, err, acc)
 
 
 #: :func:`_largest_ratio`'s margin on the difference of a block's maximum's and minimum's
@@ -1165,8 +1135,12 @@ def _mx_tiled(
     pw = _normalizer(hi)
     if pw == np.float32(0.0):
         return
+    iv, sc = inv.view(np.float32), scl.view(np.float32) * pw
     part = np.zeros(5)
-    _mx_elements(rows, inv.view(np.float32), scl.view(np.float32) * pw, pw, hi, lo, p, part)
+    _mx_elements(rows, iv, sc, pw, hi, lo, p, part)
+    if not np.isfinite(part[_B_ERR]):  # an inf or NaN in the blocks: again, without them
+        part[:] = 0.0
+        _mx_elements(_finite_of(rows), iv, sc, pw, hi, lo, p, part)
     if not _squares_kept(part, b - a, pw, acc):  # the float64 blocks
         for k in range(nblk):
             _one_block(x, a + k * size, a + k * size + size, p, 1.0, acc)
@@ -1195,8 +1169,12 @@ def _nv_tiled(
     pw = _normalizer(hi)
     if pw == np.float32(0.0):
         return
+    rows, dq = x[a:b].reshape(nblk, 16), deq * pw
     part = np.zeros(5)
-    _nv_elements(x[a:b].reshape(nblk, 16), div, deq * pw, pw, p, part)
+    _nv_elements(rows, div, dq, pw, p, part)
+    if not np.isfinite(part[_B_ERR]):  # an inf or NaN in the blocks: again, without them
+        part[:] = 0.0
+        _nv_elements(_finite_of(rows), div, dq, pw, p, part)
     if not _squares_kept(part, b - a, pw, acc):  # the float64 blocks
         for k in range(nblk):
             _one_block(x, a + 16 * k, a + 16 * k + 16, p, st, acc)
