@@ -9,8 +9,8 @@ one hook-sized observation (Python and Triton's launch, no device wait).
 
 ``--tiny`` runs a few small tensors in Triton's interpreter on the CPU (no GPU figure:
 it checks the benchmark's own path and the results against the numpy reference), as the
-test suite does. ``--warps``, ``--per-thread`` and ``--maxnreg`` override the kernel's
-tile for tuning.
+test suite does. ``--warps``, ``--per-thread``, ``--maxnreg`` and ``--parts`` (the most
+programs per tensor) override the kernel's tile and split for tuning.
 
 Usage::
 
@@ -40,16 +40,19 @@ def _one(
     fused.launch_one(x, fused.spec_for(x.dtype), layout, rows, off, scratch, parts)
 
 
-def device_seconds(x: torch.Tensor, fused: Any, reps: int) -> tuple[float, float]:
+def device_seconds(
+    x: torch.Tensor, fused: Any, reps: int, parts: int | None = None
+) -> tuple[float, float]:
     """Device seconds per call of the fused kernel and of ``x.sum()`` on ``x`` (CUDA graph
-    replays of ``reps`` calls; each kernel call writes a zeroed row of its own)."""
+    replays of ``reps`` calls; each kernel call writes a zeroed row of its own); ``parts``:
+    the most programs a tensor is split among (default: the tracker's, 2 per SM)."""
     from tandv.stats.summary import Layout
+    from tandv.track.torch.summary import fused_programs
 
     spec = fused.spec_for(x.dtype)
     layout = Layout(str(x.dtype).removeprefix("torch."))
     size = fused.row_size(spec, layout)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    parts = min(4 * sms, 1024)
+    parts = parts or fused_programs(x.device)
     rows = torch.zeros(reps * size, dtype=torch.float64, device=x.device)
     scratch = torch.empty(
         max(1, fused.scratch_rows(x.numel(), parts, spec)) * fused.PART,
@@ -88,7 +91,8 @@ def gpu(args: argparse.Namespace, fused: Any) -> None:
 
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {fused.NUM_WARPS} warps, "
-        f"{fused.PER_THREAD} elements per thread and tile, register cap {fused.MAXNREG}"
+        f"{fused.PER_THREAD} elements per thread and tile, register cap {fused.MAXNREG}, "
+        f"at most {args.parts or '2 per SM'} programs per tensor"
     )
     g = torch.Generator(device="cuda").manual_seed(0)
     sizes = [1 << k for k in range(18, 29, 2) if (1 << k) <= args.numel]
@@ -98,7 +102,7 @@ def gpu(args: argparse.Namespace, fused: Any) -> None:
     for dtype, n in cases:
         x = torch.randn(n, device="cuda", generator=g).to(dtype)
         nbytes = n * x.element_size()
-        t_fused, t_sum = device_seconds(x, fused, args.reps)
+        t_fused, t_sum = device_seconds(x, fused, args.reps, args.parts)
         print(
             f"{str(dtype):22s} {n:>11d} elements  fused {nbytes / t_fused / 1e12:6.3f} TB/s "
             f"({t_fused * 1e6:8.1f} us)   sum {nbytes / t_sum / 1e12:6.3f} TB/s"
@@ -158,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warps", type=int, default=None)
     p.add_argument("--per-thread", type=int, default=None, help="elements per thread and tile")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap (0: none)")
+    p.add_argument("--parts", type=int, default=None, help="most programs per tensor")
     args = p.parse_args(argv)
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported

@@ -170,6 +170,8 @@ def figures(name: str, compiled: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         "loop_spill_instructions": sum(t.split()[0] in ("STL", "LDL") or "LDL." in t for t in loop),
         "elements_per_warp_per_tile": per_warp,
         "instructions_per_element": round(len(loop) / per_warp, 3),
+        # how Triton lowered tl.histogram (see the module notes)
+        "histogram": "ballots" if any("VOTE.ANY" in t for t in loop) else "shared atomics",
     }
 
 

@@ -47,6 +47,7 @@ from .summary import (
     custom_names,
     extras_vector,
     finish_raw,
+    fused_programs,
     fused_spec,
     host_vectors,
     raw_device,
@@ -149,15 +150,12 @@ class _Space:
         self.used = 0
         self.scratch = torch.empty(0, dtype=_F64, device=device)
         self.scratch_size = 0  # scratch.numel()
+        self.max_parts = fused_programs(device)
         if self.cuda:
-            # enough programs per tensor to fill the device a few times over
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            self.max_parts = min(4 * sms, 1024)
             # the stream the buffers were allocated on, and the others that wrote the rows
             # this step (see the module notes)
             self.home: Any = torch.cuda.current_stream(device)
         else:
-            self.max_parts = 16  # Triton's interpreter: one program at a time
             self.home = None
         self.writers: list[Any] = []
         self.lock = threading.RLock()  # held from a reservation through its launch

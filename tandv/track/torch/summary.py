@@ -260,7 +260,7 @@ def summarize_torch(
         from . import _fused
 
         rows = torch.zeros(_fused.row_size(spec, layout), dtype=torch.float64, device=x.device)
-        max_parts = 16 if x.device.type == "cpu" else 1024
+        max_parts = fused_programs(x.device)
         if x.numel():
             scratch = torch.empty(
                 max(1, _fused.scratch_rows(x.numel(), max_parts)) * _fused.PART,
@@ -570,6 +570,18 @@ def host_vectors(
 
 
 _fused_state: dict[str, Any] = {}
+
+
+def fused_programs(device: torch.device) -> int:
+    """The most programs the fused kernel splits one tensor among on ``device``: two per SM
+    on a GPU. (On an H200 with Triton 3.6, four per SM split a 1M-4M element float32 tensor
+    into programs of one tile, more than one wave, and read it 1.2-1.5x slower: 22.1 vs
+    15.0 us at 1M; at 268M elements four per SM read 1.023 TB/s against 0.947, see
+    docs/cost-torch.md.) 16 on the CPU, where Triton's interpreter runs one program at a
+    time."""
+    if device.type != "cuda":
+        return 16
+    return min(2 * torch.cuda.get_device_properties(device).multi_processor_count, 1024)
 
 
 def fused_spec(x: torch.Tensor, layout: Layout | None = None) -> Any:
