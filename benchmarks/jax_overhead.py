@@ -161,8 +161,8 @@ def setup(args: argparse.Namespace) -> tuple[str, Any, Any, Any, Any, Any]:
     return f"{what}, {n_params:,} parameters, {optimizer}", update, params, state, x, y
 
 
-# issue 31: split after the jax fast-path work lands
-def main() -> None:  # noqa: C901, PLR0915
+def _parser() -> argparse.ArgumentParser:
+    """The command line: the model (``add_model_arguments``), the timing and the variants."""
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -197,81 +197,103 @@ def main() -> None:  # noqa: C901, PLR0915
         help="also step a tracker (every step) with these block formats (e.g. mxfp8_e4m3 "
         "nvfp4) and print its ratio to the every=1 tracker's step (block formats' cost)",
     )
-    args = ap.parse_args()
-    os.environ["TANDV_JAX_SUMMARY"] = args.summary  # read by each tracker when made
+    return ap
 
-    what, update, params, state, x, y = setup(args)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        t1 = track(params, state, out=Path(tmp) / "every1", verbose=False)
-        t10 = track(params, state, out=Path(tmp) / "every10", every=10, verbose=False)
-        variants = {"untracked": None, "every=1": t1, "every=10": t10}
+class _Run:
+    """The trackers of one run beside the untracked update, each stepping its own copy of
+    the parameters, and what their timed blocks of steps measured."""
+
+    def __init__(self, args, update, params, state, x, y, tmp: Path) -> None:
+        self.args, self.update, self.x, self.y = args, update, x, y
+        self.t1 = track(params, state, out=tmp / "every1", verbose=False)
+        self.t10 = track(params, state, out=tmp / "every10", every=10, verbose=False)
+        self.variants = {"untracked": None, "every=1": self.t1, "every=10": self.t10}
         if args.block_formats:
-            variants["blocks"] = track(
+            self.variants["blocks"] = track(
                 params,
                 state,
-                out=Path(tmp) / "blocks",
+                out=tmp / "blocks",
                 block_formats=tuple(args.block_formats),
                 verbose=False,
             )
-        carry = {name: (params, state) for name in variants}
+        self.carry = {name: (params, state) for name in self.variants}
+        self.calls: dict[str, list[float]] = {name: [] for name in self.variants}
+        self.steps: dict[str, list[float]] = {name: [] for name in self.variants}
+        self.host: list[float] = []  # main-thread CPU seconds of intercept + step(), every=1
 
-        calls: dict[str, list[float]] = {name: [] for name in variants}
-        steps: dict[str, list[float]] = {name: [] for name in variants}
-        host: list[float] = []  # main-thread CPU seconds of intercept + step(), every=1
+    def block(self, name: str) -> float:
+        """Wall seconds of ``--block`` steps of variant ``name``, its summaries settled."""
+        tracker = self.variants[name]
+        p, s = self.carry[name]
+        start = time.perf_counter()
+        for _ in range(self.args.block):
+            called = time.perf_counter()
+            if tracker is None:
+                p, s, g = self.update(p, s, self.x, self.y)
+                self.calls[name].append(time.perf_counter() - called)
+            else:
+                cpu = time.thread_time()
+                p, s, g = tracker.intercept(self.update, p, s, self.x, self.y)
+                stepped = time.perf_counter()
+                self.calls[name].append(stepped - called)
+                tracker.step(p, s, g)
+                self.steps[name].append(time.perf_counter() - stepped)
+                if tracker is self.t1:
+                    self.host.append(time.thread_time() - cpu)
+        jax.block_until_ready(p)
+        settle(tracker)
+        self.carry[name] = (p, s)
+        return time.perf_counter() - start
 
-        def block(name: str) -> float:
-            tracker = variants[name]
-            p, s = carry[name]
-            start = time.perf_counter()
-            for _ in range(args.block):
-                called = time.perf_counter()
-                if tracker is None:
-                    p, s, g = update(p, s, x, y)
-                    calls[name].append(time.perf_counter() - called)
-                else:
-                    cpu = time.thread_time()
-                    p, s, g = tracker.intercept(update, p, s, x, y)
-                    stepped = time.perf_counter()
-                    calls[name].append(stepped - called)
-                    tracker.step(p, s, g)
-                    steps[name].append(time.perf_counter() - stepped)
-                    if tracker is t1:
-                        host.append(time.thread_time() - cpu)
-            jax.block_until_ready(p)
-            settle(tracker)
-            carry[name] = (p, s)
-            return time.perf_counter() - start
+    def warm_up(self) -> None:
+        """One block of each variant (compiles every version), its timings dropped."""
+        for name in self.variants:
+            self.block(name)
+            self.calls[name].clear()
+            self.steps[name].clear()
+        self.host.clear()
 
-        for name in variants:  # warm-up: compile every version
-            block(name)
-            calls[name].clear()
-            steps[name].clear()
-        host.clear()
-        untracked_calls, tracked_calls = [], []
-        for _ in range(3):  # tracked calls of t1's steps: counted, then each step ended
-            untracked_calls.append(count_calls(update, *carry["untracked"], x, y)[0])
-            n, out = count_calls(t1.intercept, update, *carry["every=1"], x, y)
-            tracked_calls.append(n)
-            t1.step(*out)
-        counters = Counters()
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        cpu: dict[str, dict[str, float]] = {name: {} for name in variants}
-        order = list(variants)
-        for r in range(args.rounds):
+    def python_calls(self) -> tuple[int, int]:
+        """The fewest Python calls of an untracked and of a tracked update call (3 each;
+        each tracked step then ended)."""
+        untracked, tracked = [], []
+        for _ in range(3):
+            untracked.append(count_calls(self.update, *self.carry["untracked"], self.x, self.y)[0])
+            n, out = count_calls(
+                self.t1.intercept, self.update, *self.carry["every=1"], self.x, self.y
+            )
+            tracked.append(n)
+            self.t1.step(*out)
+        return min(untracked), min(tracked)
+
+    def rounds(
+        self, counters: Counters
+    ) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+        """``--rounds`` rounds of one block per variant, the order rotated each round: the
+        blocks' wall seconds and each variant's CPU seconds by thread group."""
+        times: dict[str, list[float]] = {name: [] for name in self.variants}
+        cpu: dict[str, dict[str, float]] = {name: {} for name in self.variants}
+        order = list(self.variants)
+        for r in range(self.args.rounds):
             for name in order[r % len(order) :] + order[: r % len(order)]:
                 counters.active = name == "every=1"
                 before = thread_cpu()
-                times[name].append(block(name))
-                drain(variants[name])  # this block's summaries are charged to it
+                times[name].append(self.block(name))
+                drain(self.variants[name])  # this block's summaries are charged to it
                 for group, seconds in thread_cpu_delta(before, thread_cpu()).items():
                     cpu[name][group] = cpu[name].get(group, 0.0) + seconds
                 counters.active = False
-        positions = by_position(t10, update, carry, x, y, args.by_position)
-        for tracker in variants.values():
+        return times, cpu
+
+    def close(self) -> None:
+        for tracker in self.variants.values():
             if tracker is not None:
                 tracker.close()
 
+
+def _report_steps(args, what: str, times: dict[str, list[float]]) -> None:
+    """The step times and ratios of the variants."""
     base = statistics.median(times["untracked"])
     print(
         f"{what}; {jax.devices()[0].platform}, {args.rounds} interleaved rounds of "
@@ -294,6 +316,10 @@ def main() -> None:  # noqa: C901, PLR0915
             f"{1e3 * med / args.block:8.3f} ms, to every=1: ratio of medians "
             f"{med / statistics.median(times['every=1']):.3f}, median paired ratio {paired:.3f}"
         )
+
+
+def _report_host(args, run: _Run, counters: Counters, cpu: dict[str, dict[str, float]]) -> None:
+    """Per tracked step: callbacks, compilations, transfers, host time, CPU by thread."""
     tracked_steps = args.rounds * args.block
     print(
         f"  every=1: {counters.callbacks / tracked_steps:.2f} host callbacks, "
@@ -301,6 +327,7 @@ def main() -> None:  # noqa: C901, PLR0915
         f"{counters.transfers / tracked_steps:.2f} device-to-host transfers per tracked step "
         f"(after warm-up); summaries: {args.summary}"
     )
+    calls, steps = run.calls, run.steps
     print(
         "  host time until the update call returns (median; on accelerators the dispatch, "
         f"on the CPU partly the run): untracked {1e3 * statistics.median(calls['untracked']):.3f}"
@@ -310,13 +337,33 @@ def main() -> None:  # noqa: C901, PLR0915
         "and the device waits for the host)"
     )
     if cpu["untracked"]:
-        steps = args.rounds * args.block
         for name in ("untracked", "every=1"):
             top = sorted(cpu[name].items(), key=lambda kv: -kv[1])
             print(
                 f"  CPU per step by thread, {name}: "
-                + ", ".join(f"{group} {1e3 * sec / steps:.2f} ms" for group, sec in top if sec)
+                + ", ".join(
+                    f"{group} {1e3 * sec / tracked_steps:.2f} ms" for group, sec in top if sec
+                )
             )
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    os.environ["TANDV_JAX_SUMMARY"] = args.summary  # read by each tracker when made
+
+    what, update, params, state, x, y = setup(args)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = _Run(args, update, params, state, x, y, Path(tmp))
+        run.warm_up()
+        untracked_calls, tracked_calls = run.python_calls()
+        counters = Counters()
+        times, cpu = run.rounds(counters)
+        positions = by_position(run.t10, update, run.carry, x, y, args.by_position)
+        run.close()
+
+    _report_steps(args, what, times)
+    _report_host(args, run, counters, cpu)
     if positions:
         tracked, untracked = positions
         print(
@@ -325,10 +372,8 @@ def main() -> None:  # noqa: C901, PLR0915
             + ", ".join(f"{1e3 * t:.1f}" for t in tracked)
             + f"; sum over one cycle / 10 untracked: {sum(tracked) / (10 * untracked):.3f}"
         )
-    print(
-        f"python_calls_per_tracked_call: {min(tracked_calls)} (untracked: {min(untracked_calls)})"
-    )
-    print(f"host_ms_per_tracked_step: {1e3 * statistics.median(host):.3f}")
+    print(f"python_calls_per_tracked_call: {tracked_calls} (untracked: {untracked_calls})")
+    print(f"host_ms_per_tracked_step: {1e3 * statistics.median(run.host):.3f}")
 
 
 def count_calls(fn, *args):

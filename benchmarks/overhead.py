@@ -522,8 +522,8 @@ def run_variant(
     return 0
 
 
-# issue 31: benchmarks: split main into one function per mode
-def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
+def _parser() -> argparse.ArgumentParser:
+    """The command line: the model's shape, the steps, and which measurement."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument(
@@ -570,39 +570,22 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
         help="also add this run's ratios as a row of this results file (e.g. "
         "benchmarks/results/torch_overhead.json; benchmarks/tables.py renders it for the docs)",
     )
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available")
-    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {os.cpu_count()} CPUs"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {where}")
-    if args.memory:
-        tiny = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_mlp=64)
-        # +5: not a multiple of flush_every, so closing has buffered rows to write
-        res = memory_and_close(tiny, 2, args.long_steps + 5, max(args.long_steps // 10, 10) + 5)
-        print(f"tiny GPT {tiny}:")
-        for k, v in res.items():
-            print(f"  {k}: {v:.4g}")
-        return 0
+    return p
+
+
+def _model(args: argparse.Namespace) -> tuple[GPTConfig, int]:
+    """The model's shape (the preset, with the size options over it) and batch."""
     size = dict(PRESETS[args.preset])
     for name in size:
         given = getattr(args, name.replace("-", "_"))
         if given is not None:
             size[name] = given
-    cfg = config_of(size)
-    batch = size["batch"]
-    variant: dict[str, Any] = {}
-    if args.block_formats:
-        variant["block_formats"] = tuple(args.block_formats)
-    if args.moments:
-        variant["moments"] = 4
-    print(
-        f"{cfg}, batch {batch}, AdamW, {args.device}"
-        + (", both compiled (model.compile())" if args.compile else "")
-    )
-    if variant:
-        return run_variant(args, argv, cfg, batch, variant)
+    return config_of(size), size["batch"]
+
+
+def _ratios(args: argparse.Namespace, argv: list[str] | None, cfg: GPTConfig, batch: int) -> None:
+    """Tracked against untracked, for each ``--every``; with ``--results``, a row of the
+    results file."""
     measured: dict[str, Any] = {}
     for every in args.every:
         r = overhead(cfg, batch, args.steps, args.warmup, every, args.device, args.compile)
@@ -625,40 +608,75 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
             )
     if args.results:
         record(args.results, cfg, argv, measured)
+
+
+def _gpu_extras(cfg: GPTConfig, batch: int) -> None:
+    """On a GPU: launches per step, peak memory, and the floor of one read pass."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    r = launches_and_memory(cfg, batch)
+    extra = (r["launches_tracked"] - r["launches_untracked"]) / r["tracked_activations_and_grads"]
+    print(
+        f"launches per step: tracked {r['launches_tracked']:.0f}, untracked "
+        f"{r['launches_untracked']:.0f} ({extra:.2f} extra per tracked "
+        "activation or activation "
+        f"gradient, {r['tracked_activations_and_grads']:.0f} of them)"
+    )
+    print(
+        f"peak GPU memory of a step: tracked {r['peak_gib_tracked']:.3f} GiB, untracked "
+        f"{r['peak_gib_untracked']:.3f} GiB -> "
+        f"ratio {r['peak_gib_tracked'] / r['peak_gib_untracked']:.4f}",
+        flush=True,
+    )
+    gc.collect()
+    torch.cuda.empty_cache()
+    f = floor(cfg, batch)
+    print(
+        f"floor: one read pass (torch._foreach_norm) over the {f['tensors']} tensors "
+        "a tracked step "
+        f"summarizes ({f['gib']:.2f} GiB): {f['read_ms']:.2f} ms ({f['read_gbps']:.0f} GB/s) "
+        "on a "
+        f"{f['step_ms']:.1f} ms step -> {f['floor_ratio']:.3f}x"
+    )
+    print(
+        "fused kernel alone over the same tensors: "
+        f"{f['fused_ms']:.2f} ms ({f['fused_gbps']:.0f} GB/s) "
+        f"-> {f['fused_ratio']:.3f}x"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {os.cpu_count()} CPUs"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {where}")
+    if args.memory:
+        tiny = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_mlp=64)
+        # +5: not a multiple of flush_every, so closing has buffered rows to write
+        res = memory_and_close(tiny, 2, args.long_steps + 5, max(args.long_steps // 10, 10) + 5)
+        print(f"tiny GPT {tiny}:")
+        for k, v in res.items():
+            print(f"  {k}: {v:.4g}")
+        return 0
+    cfg, batch = _model(args)
+    variant: dict[str, Any] = {}
+    if args.block_formats:
+        variant["block_formats"] = tuple(args.block_formats)
+    if args.moments:
+        variant["moments"] = 4
+    print(
+        f"{cfg}, batch {batch}, AdamW, {args.device}"
+        + (", both compiled (model.compile())" if args.compile else "")
+    )
+    if variant:
+        return run_variant(args, argv, cfg, batch, variant)
+    _ratios(args, argv, cfg, batch)
     if args.device == "cuda" and not args.no_extras and not args.compile:
-        gc.collect()
-        torch.cuda.empty_cache()
-        r = launches_and_memory(cfg, batch)
-        extra = (r["launches_tracked"] - r["launches_untracked"]) / r[
-            "tracked_activations_and_grads"
-        ]
-        print(
-            f"launches per step: tracked {r['launches_tracked']:.0f}, untracked "
-            f"{r['launches_untracked']:.0f} ({extra:.2f} extra per tracked "
-            "activation or activation "
-            f"gradient, {r['tracked_activations_and_grads']:.0f} of them)"
-        )
-        print(
-            f"peak GPU memory of a step: tracked {r['peak_gib_tracked']:.3f} GiB, untracked "
-            f"{r['peak_gib_untracked']:.3f} GiB -> "
-            f"ratio {r['peak_gib_tracked'] / r['peak_gib_untracked']:.4f}",
-            flush=True,
-        )
-        gc.collect()
-        torch.cuda.empty_cache()
-        f = floor(cfg, batch)
-        print(
-            f"floor: one read pass (torch._foreach_norm) over the {f['tensors']} tensors "
-            "a tracked step "
-            f"summarizes ({f['gib']:.2f} GiB): {f['read_ms']:.2f} ms ({f['read_gbps']:.0f} GB/s) "
-            "on a "
-            f"{f['step_ms']:.1f} ms step -> {f['floor_ratio']:.3f}x"
-        )
-        print(
-            "fused kernel alone over the same tensors: "
-            f"{f['fused_ms']:.2f} ms ({f['fused_gbps']:.0f} GB/s) "
-            f"-> {f['fused_ratio']:.3f}x"
-        )
+        _gpu_extras(cfg, batch)
     return 0
 
 
