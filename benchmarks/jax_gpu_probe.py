@@ -162,7 +162,8 @@ def ms(ns: list[int] | list[float]) -> str:
     return f"{statistics.median(ns) / 1e6:8.3f}" if ns else "     n/a"
 
 
-def main() -> None:  # noqa: PLR0915
+def _parser() -> argparse.ArgumentParser:
+    """The command line: the model (``add_model_arguments``), the steps, the summary path."""
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -182,7 +183,21 @@ def main() -> None:  # noqa: PLR0915
         "operations (default: on a machine without a GPU)",
     )
     ap.add_argument("--profile", type=int, default=12, help="cProfile lines (0: none)")
-    args = ap.parse_args()
+    return ap
+
+
+def _print_kinds(counts: dict[str, collections.Counter[str]]) -> None:
+    """The compiled entry instructions of each variant by kind, and their launches."""
+    print("  compiled entry instructions by kind (about one launch each on a GPU):")
+    kinds = sorted({op for c in counts.values() for op in c if op not in _FREE})
+    for op in sorted(kinds, key=lambda o: -counts.get("tracked", counts["untracked"])[o]):
+        print(f"    {op:22s}" + "".join(f" {name} {c[op]:6d}" for name, c in counts.items()))
+    for name, c in counts.items():
+        print(f"kernels_{name}: {launches(c)}")
+
+
+def main() -> None:
+    args = _parser().parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # (a time limit)
     os.environ["TANDV_JAX_SUMMARY"] = args.summary
     if args.cuda_ops is None:
@@ -213,12 +228,7 @@ def main() -> None:  # noqa: PLR0915
             probe_variant(variant, tracker, update, params, state, x, y, args, counts)
             if tracker is not None:
                 tracker.close()
-    print("  compiled entry instructions by kind (about one launch each on a GPU):")
-    kinds = sorted({op for c in counts.values() for op in c if op not in _FREE})
-    for op in sorted(kinds, key=lambda o: -counts.get("tracked", counts["untracked"])[o]):
-        print(f"    {op:22s}" + "".join(f" {name} {c[op]:6d}" for name, c in counts.items()))
-    for name, c in counts.items():
-        print(f"kernels_{name}: {launches(c)}")
+    _print_kinds(counts)
 
 
 def probe_variant(
