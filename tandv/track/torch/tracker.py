@@ -122,6 +122,81 @@ class _HookSite:
         self.cuda = False
 
 
+def _grad_hook_of(hooks: dict[str, Callable], tr: Tracker, tname: str, mod: nn.Module) -> Callable:
+    """The output-gradient hook of tensor ``tname`` (of module ``mod``) in ``hooks``, made
+    at its first sight."""
+    h = hooks.get(tname)
+    if h is None:
+        h = hooks[tname] = tr._make_grad_hook(tname, mod)
+    return h
+
+
+def _site_of(sites: dict[str, _HookSite], tr: Tracker, tname: str, mod: nn.Module) -> _HookSite:
+    """The activation site of tensor ``tname`` (of module ``mod``) in ``sites``, made at its
+    first sight."""
+    got = sites.get(tname)
+    if got is None:
+        got = sites[tname] = tr._site(tname, ACTIVATION, mod)
+    return got
+
+
+def _other_outputs(
+    name: str,
+    site: _HookSite,
+    grad_hook: Callable | None,
+    want_act: bool,
+    want_grad: bool,
+) -> Callable[[Tracker, nn.Module, Any], None]:
+    """What the forward hook of module ``name`` does in its other cases (a structured
+    output, a tensor subclass, a forward recomputed in a backward pass): a function of the
+    tracker, the module and its output. ``site`` and ``grad_hook`` are the hook's own for
+    ``name``; those of the tensors inside a structured output (``name[i]``) are made at
+    their first sight and kept here."""
+    # per output name (``name``, or ``name[i]`` inside a structured output), made once:
+    # the activation's site and the output gradient's hook
+    sites: dict[str, _HookSite] = {name: site}
+    grad_hooks: dict[str, Callable] = {}
+    if grad_hook is not None:
+        grad_hooks[name] = grad_hook
+
+    def others(tr: Tracker, mod: nn.Module, output: Any) -> None:
+        """The hook's other cases: a structured output, a tensor subclass, a forward
+        recomputed in a backward pass."""
+        if is_compiling():
+            return
+        tensors: list[tuple[str, torch.Tensor]] = []
+        if type(output) is torch.Tensor:
+            if output.is_floating_point():
+                tensors.append((name, output))
+        else:
+            _flatten(output, name, tensors)
+        if in_backward():
+            # activation checkpointing recomputing the forward: its activations were seen
+            # already. Reentrant checkpointing ran the first forward without grad, so the
+            # output gradients flow through these recomputed outputs (non-reentrant
+            # checkpointing never backpropagates through them: their hooks stay silent).
+            # A tensor passing through the block (an input returned, as T5 returns its
+            # position_bias) was hooked in the first forward: not again, neither the
+            # tensor itself (non-reentrant) nor reentrant's detached copy of it (a leaf,
+            # which sees only the block's share of the gradient).
+            if want_grad:
+                for tname, t in tensors:
+                    if (
+                        t.requires_grad
+                        and t.grad_fn is not None
+                        and not _hooked(t, (id(tr), tname))
+                    ):
+                        t.register_hook(_grad_hook_of(grad_hooks, tr, tname, mod))
+            return
+        for tname, t in tensors:
+            if want_act:
+                tr._observe_site(_site_of(sites, tr, tname, mod), t)
+            if want_grad and t.requires_grad:
+                t.register_hook(_grad_hook_of(grad_hooks, tr, tname, mod))
+
+    return others
+
+
 class _Batch:
     """The names, kinds and owners of tensors summarized together at every step (a step's
     weights, the gradients of one optimizer's parameters, the optimizer state), found once
@@ -188,8 +263,7 @@ class Tracker(TrackerCore[Flight | None]):
     #: the PyTorch adapter the core calls (made by :meth:`__init__`, last)
     _adapter: TorchAdapter
 
-    # issue 31: split after the torch tracker work lands (composed tracker, TrackOptions only)
-    def __init__(  # noqa: C901, PLR0912, PLR0915
+    def __init__(
         self,
         module: nn.Module,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
@@ -224,14 +298,7 @@ class Tracker(TrackerCore[Flight | None]):
             re.sub(r"[^A-Za-z0-9_.-]+", "_", type(module).__name__.lower()),
         )
         self._ranks: TorchRanks | None = None
-        if optimizer is None:
-            optimizers: tuple[torch.optim.Optimizer, ...] = ()
-        elif isinstance(optimizer, (list, tuple)) or (
-            not hasattr(optimizer, "step") and hasattr(optimizer, "__iter__")
-        ):
-            optimizers = tuple(_unwrap_optimizer(o) for o in optimizer)
-        else:
-            optimizers = (_unwrap_optimizer(optimizer),)
+        optimizers = _optimizers_of(optimizer)
         if not isinstance(root_name, str) or not root_name:
             raise ValueError(f"root_name={root_name!r}: expected a non-empty string")
         self.module = module
@@ -256,6 +323,27 @@ class Tracker(TrackerCore[Flight | None]):
                 "track(track_updates=True): updates are taken around the optimizer's step; "
                 "pass the optimizer: track(model, optimizer, track_updates=True)"
             )
+        self._take_scaler(scaler)
+        self._name_tensors(module, root_name)
+        self._new_caches()
+        self._adapter = TorchAdapter(
+            self._workspace,
+            module,
+            opts,
+            {
+                **own_options,
+                "optimizers": [type(o).__name__ for o in optimizers],
+                # with a GradScaler, output gradients are in loss-scaled units
+                "loss_scaled_output_gradients": scaler is not None,
+                "compiled": self._is_compiled,
+            },
+            observe=self._start_observing,
+            unobserve=self._stop_observing,
+        )
+
+    def _take_scaler(self, scaler: Any) -> None:
+        """Keep ``scaler`` (a GradScaler or ``None``), checked: its scale fills the
+        ``loss_scale`` column of output-gradient rows, merged by its maximum."""
         if scaler is not None and not callable(getattr(scaler, "unscale_", None)):
             raise TypeError(
                 f"track(scaler=...): expected a torch.amp.GradScaler (with .unscale_); "
@@ -270,7 +358,9 @@ class Tracker(TrackerCore[Flight | None]):
                 )
             self._merge_rules[LOSS_SCALE] = "max"
 
-        # Names from identity: module path -> module, parameter object -> full path.
+    def _name_tensors(self, module: nn.Module, root_name: str) -> None:
+        """Names from identity, found once: module path -> module, parameter object -> full
+        path, and the floating buffers."""
         self._module_ids = frozenset(id(m) for m in module.modules())
         self._modules: list[tuple[str, nn.Module]] = []
         self._param_names: dict[int, tuple[str, nn.Module]] = {}
@@ -295,6 +385,11 @@ class Tracker(TrackerCore[Flight | None]):
             for b, v in m.named_buffers(recurse=False)
             if v is not None and v.is_floating_point()
         ]
+
+    def _new_caches(self) -> None:
+        """The tracker's state while it runs, empty: the workspace, the hooks' handles, the
+        gradients and observations of the step under way, and the caches that make each
+        tensor's row key, layout and launch once."""
         self._last: tuple[weakref.ref[torch.Tensor], int, Layout, np.ndarray | Slot] | None = None
         self._workspace = Workspace()
         self._handles: list[Any] = []
@@ -340,20 +435,6 @@ class Tracker(TrackerCore[Flight | None]):
         ] = {}
         # the hooks' sites, by (name, kind): see _site
         self._sites: dict[tuple[str, str], _HookSite] = {}
-        self._adapter = TorchAdapter(
-            self._workspace,
-            module,
-            opts,
-            {
-                **own_options,
-                "optimizers": [type(o).__name__ for o in optimizers],
-                # with a GradScaler, output gradients are in loss-scaled units
-                "loss_scaled_output_gradients": scaler is not None,
-                "compiled": self._is_compiled,
-            },
-            observe=self._start_observing,
-            unobserve=self._stop_observing,
-        )
 
     # ------------------------------------------------------------------ dry run
 
@@ -938,66 +1019,16 @@ class Tracker(TrackerCore[Flight | None]):
             site = self._sites[(name, kind)] = _HookSite(name, kind, owner)
         return site
 
-    # issue 31: split after the torch hook-path work lands
-    def _make_forward_hook(self, name: str, module: nn.Module) -> Callable:  # noqa: C901, PLR0915
-        want_act = self.kinds[ACTIVATION]
-        want_grad = self.kinds[GRADIENT]
+    def _make_forward_hook(self, name: str, module: nn.Module) -> Callable:
+        """The forward hook of module ``name``: its output's activation and output-gradient
+        hook, written out for the common case (one plain tensor, in a forward pass); the
+        rest goes to :func:`_other_outputs`. It holds the tracker weakly (the module's hooks
+        keep it: it must not keep the tracker)."""
+        want_act, want_grad = self.kinds[ACTIVATION], self.kinds[GRADIENT]
         ref = weakref.ref(self)
-        # per output name (``name``, or ``name[i]`` inside a structured output), made once:
-        # the activation's site and the output gradient's hook
-        sites: dict[str, _HookSite] = {name: self._site(name, ACTIVATION, module)}
-        grad_hooks: dict[str, Callable] = {}
-        site = sites[name]
+        site = self._site(name, ACTIVATION, module)
         grad_hook = self._make_grad_hook(name, module) if want_grad else None
-        if grad_hook is not None:
-            grad_hooks[name] = grad_hook
-
-        def grad_hook_of(tr: Tracker, tname: str, mod: nn.Module) -> Callable:
-            h = grad_hooks.get(tname)
-            if h is None:
-                h = grad_hooks[tname] = tr._make_grad_hook(tname, mod)
-            return h
-
-        def site_of(tr: Tracker, tname: str, mod: nn.Module) -> _HookSite:
-            got = sites.get(tname)
-            if got is None:
-                got = sites[tname] = tr._site(tname, ACTIVATION, mod)
-            return got
-
-        def others(tr: Tracker, mod: nn.Module, output: Any) -> None:
-            """The hook's other cases: a structured output, a tensor subclass, a forward
-            recomputed in a backward pass."""
-            if is_compiling():
-                return
-            tensors: list[tuple[str, torch.Tensor]] = []
-            if type(output) is torch.Tensor:
-                if output.is_floating_point():
-                    tensors.append((name, output))
-            else:
-                _flatten(output, name, tensors)
-            if in_backward():
-                # activation checkpointing recomputing the forward: its activations were seen
-                # already. Reentrant checkpointing ran the first forward without grad, so the
-                # output gradients flow through these recomputed outputs (non-reentrant
-                # checkpointing never backpropagates through them: their hooks stay silent).
-                # A tensor passing through the block (an input returned, as T5 returns its
-                # position_bias) was hooked in the first forward: not again, neither the
-                # tensor itself (non-reentrant) nor reentrant's detached copy of it (a leaf,
-                # which sees only the block's share of the gradient).
-                if want_grad:
-                    for tname, t in tensors:
-                        if (
-                            t.requires_grad
-                            and t.grad_fn is not None
-                            and not _hooked(t, (id(tr), tname))
-                        ):
-                            t.register_hook(grad_hook_of(tr, tname, mod))
-                return
-            for tname, t in tensors:
-                if want_act:
-                    tr._observe_site(site_of(tr, tname, mod), t)
-                if want_grad and t.requires_grad:
-                    t.register_hook(grad_hook_of(tr, tname, mod))
+        others = _other_outputs(name, site, grad_hook, want_act, want_grad)
 
         def hook(mod: nn.Module, args: Any, output: Any) -> None:
             # inside a graph of a compiled wrapper (see _first_forward_hook); dynamo's own
@@ -1404,6 +1435,18 @@ def _unwrap_optimizer(opt: Any) -> torch.optim.Optimizer:
         f"track(optimizer=...): expected a torch.optim.Optimizer (or a wrapper of one "
         f"holding it as .optimizer), or a list of them; got {type(seen).__name__}"
     )
+
+
+def _optimizers_of(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
+    """``track``'s ``optimizer`` argument as a tuple of the optimizers hooks go on: none, one,
+    or a sequence of them, each unwrapped (:func:`_unwrap_optimizer`)."""
+    if optimizer is None:
+        return ()
+    if isinstance(optimizer, (list, tuple)) or (
+        not hasattr(optimizer, "step") and hasattr(optimizer, "__iter__")
+    ):
+        return tuple(_unwrap_optimizer(o) for o in optimizer)
+    return (_unwrap_optimizer(optimizer),)
 
 
 @signature_of(Tracker)
