@@ -341,18 +341,23 @@ def _finite(x, m, bits, inf, amin, MASKED: tl.constexpr):
 def _extrema(
     xf, m, amax, mn, mx, over, fmax, MODE: tl.constexpr, OVER: tl.constexpr, MASKED: tl.constexpr
 ):
-    """The slots' largest finite magnitude ``amax`` (and its bits), signed extrema ``mn``,
-    ``mx`` and, with ``OVER``, count of magnitudes above the format's ``fmax``, with the
+    """The slots' signed extrema ``mn``, ``mx``, largest finite magnitude ``amax`` (and
+    its bits) and, with ``OVER``, count of magnitudes above the format's ``fmax``, with the
     finite tile ``xf`` added (non-finite values read as 0 in the extrema: patched on the
-    host, see :func:`finish_rows`)."""
-    amax = tl.maximum(amax, tl.reduce(tl.reduce(tl.abs(xf), 2, _MAX), 0, _MAX))
-    top = _magnitude_bits(amax, MODE)
+    host, see :func:`finish_rows`). The tile's largest magnitude per slot comes from its
+    extrema, ``max(hi, -lo)``, a few operations per slot instead of one per element; it is
+    clamped at 0 for a slot whose elements are all masked off (``lo = inf``, ``hi = -inf``)
+    and made positive, a zero's ``+0`` as ``|x|`` gives."""
     if MASKED:
-        mn = tl.minimum(mn, tl.reduce(tl.reduce(tl.where(m, xf, float("inf")), 2, _MIN), 0, _MIN))
-        mx = tl.maximum(mx, tl.reduce(tl.reduce(tl.where(m, xf, float("-inf")), 2, _MAX), 0, _MAX))
+        lo = tl.reduce(tl.reduce(tl.where(m, xf, float("inf")), 2, _MIN), 0, _MIN)
+        hi = tl.reduce(tl.reduce(tl.where(m, xf, float("-inf")), 2, _MAX), 0, _MAX)
     else:
-        mn = tl.minimum(mn, tl.reduce(tl.reduce(xf, 2, _MIN), 0, _MIN))
-        mx = tl.maximum(mx, tl.reduce(tl.reduce(xf, 2, _MAX), 0, _MAX))
+        lo = tl.reduce(tl.reduce(xf, 2, _MIN), 0, _MIN)
+        hi = tl.reduce(tl.reduce(xf, 2, _MAX), 0, _MAX)
+    mn = tl.minimum(mn, lo)
+    mx = tl.maximum(mx, hi)
+    amax = tl.maximum(amax, tl.abs(tl.maximum(tl.maximum(hi, -lo), 0.0)))
+    top = _magnitude_bits(amax, MODE)
     if OVER:
         over += tl.reduce(tl.reduce((tl.abs(xf) > fmax).to(tl.int32), 2, _ADD), 0, _ADD)
     return amax, top, mn, mx, over
