@@ -116,6 +116,35 @@ def test_tiles_merge_moments_when_mean_dwarfs_spread():
     check(one(x, layout, 1), ref, layout)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_max_abs_is_the_largest_finite_magnitude_with_its_bits(dtype, monkeypatch):
+    """``max_abs`` (taken per slot from the tile's signed extrema) is the largest finite
+    ``|x|`` to the bit: for values all negative, for zeros of both signs (``+0``, as
+    ``|x|`` gives), with infinities and NaN left out, and where the last tile's slots are
+    partly or wholly masked off; from one program and from several."""
+    monkeypatch.setattr(_fused, "ONE_PROGRAM", 0)  # split from the second tile on
+    _fused.clear_caches()
+    block = _fused.spec_for(dtype).block
+    g = torch.Generator().manual_seed(11)
+    cases = {
+        "negative": -0.5 - torch.rand(2 * block + 7, generator=g, dtype=torch.float64),
+        "negative zeros": torch.full((block + 3,), -0.0, dtype=torch.float64),
+        "zeros and non-finite": torch.tensor([-0.0, -float("inf"), float("nan"), 0.0] * 5),
+        "mixed signs": torch.randn(3 * block - 1, generator=g, dtype=torch.float64) * 1e3,
+    }
+    i = CORE_FIELDS.index("max_abs")
+    for name, x in cases.items():
+        x = x.to(dtype)
+        arr = x.numpy()
+        want = np.float64(np.abs(arr[np.isfinite(arr)]).max())
+        ref, layout = reference(x.to(DEVICE))
+        for max_parts in (1, 2):
+            got = one(x.to(DEVICE), layout, max_parts)
+            assert np.float64(got[i]).tobytes() == want.tobytes(), (name, max_parts, got[i], want)
+            check(got, ref, layout)
+    _fused.clear_caches()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blocks_spanning_every_exponent_of_the_dtype(dtype):
     """One block holding every exponent of the dtype (subnormals included), in both signs,

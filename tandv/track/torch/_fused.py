@@ -324,8 +324,134 @@ def _tile(
 
 
 @triton.jit
-# issue 31: a Triton kernel body: one straight-line program
-def _step(  # noqa: PLR0915
+def _finite(x, m, bits, inf, amin, MASKED: tl.constexpr):
+    """The tile ``x`` with its non-finite (and, when ``MASKED``, masked-off) elements read
+    as 0, and the slots' smallest magnitude bits ``amin`` with the tile's (non-finite
+    values lie above inf: clipped at the end)."""
+    fin = bits < inf
+    if MASKED:
+        fin = fin & m
+        amin = tl.minimum(amin, tl.reduce(tl.reduce(tl.where(m, bits, inf), 2, _MIN), 0, _MIN))
+    else:
+        amin = tl.minimum(amin, tl.reduce(tl.reduce(bits, 2, _MIN), 0, _MIN))
+    return tl.where(fin, x, 0.0), amin
+
+
+@triton.jit
+def _extrema(
+    xf, m, amax, mn, mx, over, fmax, MODE: tl.constexpr, OVER: tl.constexpr, MASKED: tl.constexpr
+):
+    """The slots' signed extrema ``mn``, ``mx``, largest finite magnitude ``amax`` (and
+    its bits) and, with ``OVER``, count of magnitudes above the format's ``fmax``, with the
+    finite tile ``xf`` added (non-finite values read as 0 in the extrema: patched on the
+    host, see :func:`finish_rows`). The tile's largest magnitude per slot comes from its
+    extrema, ``max(hi, -lo)``, a few operations per slot instead of one per element; it is
+    clamped at 0 for a slot whose elements are all masked off (``lo = inf``, ``hi = -inf``)
+    and made positive, a zero's ``+0`` as ``|x|`` gives."""
+    if MASKED:
+        lo = tl.reduce(tl.reduce(tl.where(m, xf, float("inf")), 2, _MIN), 0, _MIN)
+        hi = tl.reduce(tl.reduce(tl.where(m, xf, float("-inf")), 2, _MAX), 0, _MAX)
+    else:
+        lo = tl.reduce(tl.reduce(xf, 2, _MIN), 0, _MIN)
+        hi = tl.reduce(tl.reduce(xf, 2, _MAX), 0, _MAX)
+    mn = tl.minimum(mn, lo)
+    mx = tl.maximum(mx, hi)
+    amax = tl.maximum(amax, tl.abs(tl.maximum(tl.maximum(hi, -lo), 0.0)))
+    top = _magnitude_bits(amax, MODE)
+    if OVER:
+        over += tl.reduce(tl.reduce((tl.abs(xf) > fmax).to(tl.int32), 2, _ADD), 0, _ADD)
+    return amax, top, mn, mx, over
+
+
+@triton.jit
+def _rescaled(xf, E, top, SUB: tl.constexpr, MODE: tl.constexpr):
+    """The slots' new scale ``En`` (every magnitude so far, ``top`` the bits of the
+    largest, below ``2**En``), the tile ``xf / 2**En`` in two factors that each stay normal
+    in the compute type, and ``r = 2**(E - En)``, the factor on the slots' old sums: powers
+    of two, so rescaling is exact."""
+    En = tl.maximum(E, _exponent(top, SUB, MODE) + 1)
+    h = En >> 1
+    q = (xf * _pow2(-h, MODE)[None, :, None]) * _pow2(h - En, MODE)[None, :, None]
+    return En, q, _pow2_f64(E - En)
+
+
+@triton.jit
+def _block_moments(q, m, MASKED: tl.constexpr, PER: tl.constexpr):
+    """Each slot's block of ``q``: its count ``nb``, its mean ``mb`` from a float64 sum
+    (the mean may be far smaller than the spread), that mean rounded to the compute type
+    ``c`` and its offset ``off = mb - c``, the deviations ``d = q - c`` (0 where masked
+    off) and ``d2 = d * d``, their float64 sum ``s2`` and the centred sum ``m2b``
+    (corrected for c's offset, exactly: ``sum (q - c)**2 = m2b + nb * off**2``)."""
+    s = tl.reduce(tl.reduce(q.to(tl.float64), 2, _ADD), 0, _ADD)
+    if MASKED:
+        nb = tl.reduce(tl.reduce(m.to(tl.float32), 2, _ADD), 0, _ADD)
+        mb = s / tl.maximum(nb, 1.0)
+        c = mb.to(q.dtype)
+        d = tl.where(m, q - c[None, :, None], 0.0)
+    else:
+        nb = tl.full(q.shape[1:2], PER, tl.float32)
+        mb = s * (1.0 / PER)  # PER elements per slot, a power of two: exact
+        c = mb.to(q.dtype)
+        d = q - c[None, :, None]
+    off = mb - c.to(tl.float64)
+    d2 = d * d
+    s2 = tl.reduce(tl.reduce(d2, 2, _ADD), 0, _ADD).to(tl.float64)
+    m2b = tl.maximum(s2 - nb * off * off, 0.0)
+    return nb, mb, c, off, d, d2, s2, m2b
+
+
+@triton.jit
+def _shifted_higher(m2, m3, m4, cnt, r, r2, r4, mean, delta, w, nb, c, off, d, d2, s2):
+    """The slots' third and fourth centred sums ``m3``, ``m4`` (scaled by ``r``) with the
+    block's merged, about the new mean: the slot's shifted by ``u`` (its old mean
+    ``mean`` less the new), the block's from its float32 sums of ``d = q - c`` shifted by
+    ``t = c -`` the new mean (binomially; ``sum d = nb * off``); ``u`` and ``t`` are
+    within the spread."""
+    c2 = m2 * r2
+    c3 = m3 * (r2 * r)
+    na = cnt.to(tl.float64)
+    u = -delta * w
+    t = c.to(tl.float64) - (mean + delta * w)
+    s1 = nb * off
+    s3 = tl.reduce(tl.reduce(d2 * d, 2, _ADD), 0, _ADD).to(tl.float64)
+    s4 = tl.reduce(tl.reduce(d2 * d2, 2, _ADD), 0, _ADD).to(tl.float64)
+    m3 = c3 + u * (3.0 * c2 + na * u * u) + s3 + t * (3.0 * s2 + t * (3.0 * s1 + nb * t))
+    m4 = (
+        m4 * r4
+        + u * (4.0 * c3 + u * (6.0 * c2 + na * u * u))
+        + s4
+        + t * (4.0 * s3 + t * (6.0 * s2 + t * (4.0 * s1 + nb * t)))
+    )
+    return m3, m4
+
+
+@triton.jit
+def _window(
+    bits,
+    m,
+    wtop,
+    hist,
+    MODE: tl.constexpr,
+    WIN: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The program's window histogram ``hist`` with the tile's keys added (the tile's
+    magnitudes as ``bits``, those where ``m`` when ``MASKED``): field ``wtop - k`` in bin
+    ``k``, zeros in ``WIN - 1``, the rest (fields outside the window, subnormals and zeros'
+    field 0 below it, inf and NaN above it: ``wtop`` < their field) in ``WIN - 2`` by an
+    unsigned min; keys in ``[0, WIN)`` by construction."""
+    k = (wtop - _field(bits, MODE)).to(tl.uint32)
+    key = tl.where(bits == 0, WIN - 1, tl.minimum(k, WIN - 2).to(tl.int32))
+    if MASKED:
+        hist += _masked_histogram(key, m, WIN - 1, WIN, BLOCK)
+    else:
+        hist += tl.histogram(tl.reshape(key, [BLOCK]), WIN)
+    return hist
+
+
+@triton.jit
+def _step(
     x,
     m,
     state,
@@ -350,65 +476,25 @@ def _step(  # noqa: PLR0915
     ``MASKED``); with ``HOFF`` (moments=4), the
     third and fourth centred sums too; with a ``C_*`` not 0, the MX formats' sums ``blk``
     (:func:`_mx_blocks`) too, the tile being whole blocks of 32 (rows of a multiple of 32).
+    Each part is a jit function of its own, which Triton inlines: one straight-line
+    program.
 
     (Reductions call ``tl.reduce`` with Triton's own combine functions rather than
     ``tl.sum`` and the like: the same code compiled, and many times faster in the
     interpreter, which patches its language module on every call of a jit function.)"""
     E, cnt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over, m3, m4 = state
     bits = _magnitude_bits(x, MODE)
-    inf = _inf_bits(MODE)
-    fin = bits < inf
-    if MASKED:
-        fin = fin & m
-        amin = tl.minimum(amin, tl.reduce(tl.reduce(tl.where(m, bits, inf), 2, _MIN), 0, _MIN))
-    else:
-        amin = tl.minimum(
-            amin, tl.reduce(tl.reduce(bits, 2, _MIN), 0, _MIN)
-        )  # non-finite: above inf, clipped at the end
-    xf = tl.where(fin, x, 0.0)
+    xf, amin = _finite(x, m, bits, _inf_bits(MODE), amin, MASKED)
     if C_E4M3 + C_E5M2 + C_E2M1:  # MX blocks: 32 consecutive elements of the tile each
         blk = _mx_blocks(
             tl.reshape(tl.abs(xf), [BLOCK // 32, 32]).to(tl.float32), blk, C_E4M3, C_E5M2, C_E2M1
         )
-    amax = tl.maximum(amax, tl.reduce(tl.reduce(tl.abs(xf), 2, _MAX), 0, _MAX))
-    top = _magnitude_bits(amax, MODE)  # the slot's largest finite magnitude so far
-    # extrema with non-finite values read as 0 (patched on the host, see finish_rows)
-    if MASKED:
-        mn = tl.minimum(mn, tl.reduce(tl.reduce(tl.where(m, xf, float("inf")), 2, _MIN), 0, _MIN))
-        mx = tl.maximum(mx, tl.reduce(tl.reduce(tl.where(m, xf, float("-inf")), 2, _MAX), 0, _MAX))
-    else:
-        mn = tl.minimum(mn, tl.reduce(tl.reduce(xf, 2, _MIN), 0, _MIN))
-        mx = tl.maximum(mx, tl.reduce(tl.reduce(xf, 2, _MAX), 0, _MAX))
-    if OVER:
-        over += tl.reduce(tl.reduce((tl.abs(xf) > fmax).to(tl.int32), 2, _ADD), 0, _ADD)
-
-    # the slot's scale: every magnitude so far below 2**E; x / 2**E in two factors that
-    # each stay normal in the compute type; powers of two, so rescaling is exact
-    En = tl.maximum(E, _exponent(top, SUB, MODE) + 1)
-    h = En >> 1
-    q = (xf * _pow2(-h, MODE)[None, :, None]) * _pow2(h - En, MODE)[None, :, None]
-    r = _pow2_f64(E - En)
+    amax, top, mn, mx, over = _extrema(xf, m, amax, mn, mx, over, fmax, MODE, OVER, MASKED)
+    En, q, r = _rescaled(xf, E, top, SUB, MODE)
     r2 = r * r
     r4 = r2 * r2
-
-    # the block's moments: its mean from a float64 sum (the mean may be far smaller than
-    # the spread), the centred sum from deviations of the mean rounded to float32, c,
-    # corrected for c's offset (exact: sum (q - c)**2 = m2 + nb * (mean - c)**2)
-    s = tl.reduce(tl.reduce(q.to(tl.float64), 2, _ADD), 0, _ADD)
-    if MASKED:
-        nb = tl.reduce(tl.reduce(m.to(tl.float32), 2, _ADD), 0, _ADD)
-        mb = s / tl.maximum(nb, 1.0)
-        c = mb.to(q.dtype)
-        d = tl.where(m, q - c[None, :, None], 0.0)
-    else:
-        nb = tl.full(q.shape[1:2], PER, tl.float32)
-        mb = s * (1.0 / PER)  # PER elements per slot, a power of two: exact
-        c = mb.to(q.dtype)
-        d = q - c[None, :, None]
-    off = mb - c.to(tl.float64)
-    d2 = d * d
-    s2 = tl.reduce(tl.reduce(d2, 2, _ADD), 0, _ADD).to(tl.float64)
-    m2b = tl.maximum(s2 - nb * off * off, 0.0)
+    # the block's moments merged into the slot's by Chan's formula (scaled by r)
+    nb, mb, c, off, d, d2, s2, m2b = _block_moments(q, m, MASKED, PER)
     a = tl.abs(q)
     a2 = a * a
     a4 = a2 * a2
@@ -417,40 +503,14 @@ def _step(  # noqa: PLR0915
     mean = mean * r
     delta = mb - mean
     if HOFF:
-        # the third and fourth sums about the new mean: the slot's shifted by u (its old
-        # mean less the new), the block's from its float32 sums of d = q - c shifted by
-        # t = c - the new mean (binomially; sum d = nb * off); u and t are within the spread
-        c2 = m2 * r2
-        c3 = m3 * (r2 * r)
-        na = cnt.to(tl.float64)
-        u = -delta * w
-        t = c.to(tl.float64) - (mean + delta * w)
-        s1 = nb * off
-        s3 = tl.reduce(tl.reduce(d2 * d, 2, _ADD), 0, _ADD).to(tl.float64)
-        s4 = tl.reduce(tl.reduce(d2 * d2, 2, _ADD), 0, _ADD).to(tl.float64)
-        m3 = c3 + u * (3.0 * c2 + na * u * u) + s3 + t * (3.0 * s2 + t * (3.0 * s1 + nb * t))
-        m4 = (
-            m4 * r4
-            + u * (4.0 * c3 + u * (6.0 * c2 + na * u * u))
-            + s4
-            + t * (4.0 * s3 + t * (6.0 * s2 + t * (4.0 * s1 + nb * t)))
-        )
+        m3, m4 = _shifted_higher(m2, m3, m4, cnt, r, r2, r4, mean, delta, w, nb, c, off, d, d2, s2)
     m2 = m2 * r2 + m2b + delta * delta * (cnt.to(tl.float64) * w)
     mean = mean + delta * w
     p1 = p1 * r + tl.reduce(tl.reduce(a, 2, _ADD), 0, _ADD).to(tl.float64)
     p2 = p2 * r2 + tl.reduce(tl.reduce(a2, 2, _ADD), 0, _ADD).to(tl.float64)
     p4 = p4 * r4 + tl.reduce(tl.reduce(a4, 2, _ADD), 0, _ADD).to(tl.float64)
     p8 = p8 * (r4 * r4) + tl.reduce(tl.reduce(a4 * a4, 2, _ADD), 0, _ADD).to(tl.float64)
-
-    # the window histogram: field wtop - k in bin k, zeros in WIN - 1, the rest (fields
-    # outside the window, subnormals and zeros' field 0 below it, inf and NaN above it:
-    # wtop < their field) in WIN - 2 by an unsigned min; keys in [0, WIN) by construction
-    k = (wtop - _field(bits, MODE)).to(tl.uint32)
-    key = tl.where(bits == 0, WIN - 1, tl.minimum(k, WIN - 2).to(tl.int32))
-    if MASKED:
-        hist += _masked_histogram(key, m, WIN - 1, WIN, BLOCK)
-    else:
-        hist += tl.histogram(tl.reshape(key, [BLOCK]), WIN)
+    hist = _window(bits, m, wtop, hist, MODE, WIN, MASKED, BLOCK)
     return (En, nt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over, m3, m4), hist, blk
 
 
