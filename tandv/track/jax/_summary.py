@@ -23,6 +23,7 @@ import numpy as np
 from ...stats.blocks import BLOCK_COLUMNS, block_formats_of
 from ...stats.summary import (
     COUNT_INDEX,
+    FIELD_RULES,
     N_CORE_VALUES,
     POWERS,
     VALUE_FIELDS,
@@ -546,10 +547,77 @@ def _summarize_rows(
     return pack_parts(core, bins, xp=jnp)
 
 
-# issue 31: split after the jax moments work lands (FIELD_RULES table)
-def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> DeviceSummary:  # noqa: PLR0915
+def _merge_value(rule: str, a: Any, b: Any, fb: _Bits) -> Any:
+    """Two summaries' values merged by a value-by-value ``rule`` (of
+    :data:`tandv.stats.summary.FIELD_RULES` for a core field, of
+    :data:`tandv.stats.summary.MERGE_RULES` but ``"mean"`` for a custom statistic):
+    ``"sum"`` adds; ``"min"`` / ``"max"`` compare the values' order keys (exact where
+    XLA:CPU's float comparisons treat subnormals as zero)."""
+    if rule == "sum":
+        return a + b
+    if rule not in ("min", "max"):
+        raise ValueError(f"merge_jax: merge rule {rule!r} does not merge value by value")
+    pick = jnp.minimum if rule == "min" else jnp.maximum
+    ka = fb.order_key(jax.lax.bitcast_convert_type(a, fb.int_dtype))
+    kb = fb.order_key(jax.lax.bitcast_convert_type(b, fb.int_dtype))
+    return fb.as_float(fb.order_key(pick(ka, kb)))
+
+
+def _merge_counts(ca: Any, cb: Any) -> Any:
+    """Two summaries' counts added (every count's rule is ``"sum"``). The counts are int32:
+    a union of more than :data:`MAX_ELEMENTS` elements (a loop's iterations together) would
+    wrap them. Its numel becomes -1, stays -1 through later merges, and :func:`to_vector`
+    refuses it (every other count is at most numel, so numel alone can tell)."""
+    numel = COUNT_INDEX["numel"]
+    too_many = (ca[numel] < 0) | (cb[numel] < 0) | (ca[numel] > MAX_ELEMENTS - cb[numel])
+    counts = ca + cb
+    return counts.at[numel].set(jnp.where(too_many, -1, counts[numel]))
+
+
+def _n_finite(counts: Any, dtype: Any) -> Any:
+    """A summary's finite elements (numel less NaN and inf) from its counts, as ``dtype``."""
+    c = COUNT_INDEX
+    return (counts[c["numel"]] - counts[c["nan_count"]] - counts[c["inf_count"]]).astype(dtype)
+
+
+def _over(s: Any, fb: _Bits) -> Callable[[Any], Any]:
+    """``v -> v / s``, computed in the integer domain (``v * 2**k`` rebuilt from its bits
+    over ``s * 2**k`` in ``[1, 2)``): exact for subnormal ``s`` and ``v``, which XLA:CPU's
+    float division flushes to zero."""
+    s_bits = jax.lax.bitcast_convert_type(s, fb.int_dtype) & fb.magnitude_mask
+    k = jnp.where(s_bits > 0, -fb.floor_log2(s_bits), 0)
+    s_scaled = jnp.where(s_bits > 0, fb.rescaled(s_bits, k), 1)
+
+    def over_s(v: Any) -> Any:
+        b = jax.lax.bitcast_convert_type(v, fb.int_dtype)
+        r = fb.rescaled(b & fb.magnitude_mask, k) / s_scaled
+        return jnp.where(b < 0, -r, r)
+
+    return over_s
+
+
+def _merge_extras(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str], fb: _Bits) -> list[Any]:
+    """The custom statistics of two summaries merged by their ``rules``: ``"mean"``
+    weighted by each summary's numel, the others value by value (:func:`_merge_value`)."""
+    va, vb = a.values, b.values
+    numel = COUNT_INDEX["numel"]
+    wa, wb = a.counts[numel].astype(va.dtype), b.counts[numel].astype(va.dtype)
+    extras = []
+    for i, rule in enumerate(rules, N_CORE_VALUES):
+        if rule != "mean":
+            extras.append(_merge_value(rule, va[i], vb[i], fb))
+            continue
+        total = wa + wb
+        extras.append(
+            jnp.where(total > 0, (va[i] * wa + vb[i] * wb) / jnp.where(total > 0, total, 1), 0)
+        )
+    return extras
+
+
+def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> DeviceSummary:
     """The summary of the union of two arrays' elements from their summaries, on device
-    (traceable): :func:`tandv.stats.summary.merge` in the summaries' own float type.
+    (traceable): :func:`tandv.stats.summary.merge` in the summaries' own float type, field
+    by field as :data:`tandv.stats.summary.FIELD_RULES` says.
 
     Counts, extrema and exponent counts merge exactly; the mean, the centred second moment
     (Chan's update) and the power sums are rescaled from each part's largest magnitude to
@@ -561,7 +629,6 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
     Why on device: a tap inside a loop body (``lax.scan``, ``nn.scan``) writes its mailbox
     once per iteration, and each write merges into what the mailbox holds, so one summary
     of all iterations leaves the program."""
-    ca, cb = a.counts, b.counts
     va, vb = a.values, b.values
     higher = va.shape[-1] - N_CORE_VALUES - len(rules)
     if higher not in (0, 2) or vb.shape[-1] != va.shape[-1]:
@@ -570,105 +637,32 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
             f"{len(rules)} custom statistics; expected {N_CORE_VALUES + len(rules)} "
             f"(or 2 more, m3 and m4 of moments=4) in both"
         )
-    counts = ca + cb
-    numel, nan, inf = COUNT_INDEX["numel"], COUNT_INDEX["nan_count"], COUNT_INDEX["inf_count"]
-    # The counts are int32: a union of more than MAX_ELEMENTS elements (a loop's iterations
-    # together) would wrap them. Its numel becomes -1, stays -1 through later merges, and
-    # to_vector refuses it (every other count is at most numel, so numel alone can tell).
-    too_many = (ca[numel] < 0) | (cb[numel] < 0) | (ca[numel] > MAX_ELEMENTS - cb[numel])
-    counts = counts.at[numel].set(jnp.where(too_many, -1, counts[numel]))
-    na = (ca[numel] - ca[nan] - ca[inf]).astype(va.dtype)
-    nb = (cb[numel] - cb[nan] - cb[inf]).astype(va.dtype)
-    n = na + nb
-    xa, xb = unpack_fields(va, VALUE_FIELDS), unpack_fields(vb, VALUE_FIELDS)
-    # Extrema compared as bit patterns (order keys): exact where XLA:CPU's float comparisons
-    # treat subnormals as zero.
     fb = _bits_for(va.dtype)
-    width = np.dtype(fb.int_dtype).itemsize * 8
-
-    def key(v: Any) -> Any:  # involution: float bits -> integers in the floats' order
-        b = jax.lax.bitcast_convert_type(v, fb.int_dtype)
-        return b ^ ((b >> (width - 1)) & fb.magnitude_mask)
-
-    def unkey(k: Any) -> Any:
-        return jax.lax.bitcast_convert_type(k ^ ((k >> (width - 1)) & fb.magnitude_mask), va.dtype)
-
-    def lower(name: str) -> Any:
-        return unkey(jnp.minimum(key(xa[name]), key(xb[name])))
-
-    def upper(name: str) -> Any:
-        return unkey(jnp.maximum(key(xa[name]), key(xb[name])))
-
-    s = upper("max_abs")
-    # Ratios to s in the integer domain (v * 2**k rebuilt from its bits, s * 2**k in [1, 2)):
-    # exact for subnormal s and v, which XLA:CPU's float division flushes to zero.
-    idt, mb, bias, mask = fb.int_dtype, fb.mantissa_bits, fb.exponent_bias, fb.magnitude_mask
-
-    def rescaled(m: Any, k: Any) -> Any:  # |v| * 2**k from the magnitude bits m (0 below normal)
-        efield = m >> mb
-        normal = efield > 0
-        full = jnp.where(normal, (m & ((1 << mb) - 1)) | (1 << mb), m)
-        j = jnp.where(normal, efield - bias, 1 - bias) - mb + k
-        pow2 = jax.lax.bitcast_convert_type(
-            ((jnp.clip(j, 1 - bias, bias) + bias) << mb).astype(idt), va.dtype
-        )
-        return full.astype(va.dtype) * jnp.where(j < 1 - bias, 0, pow2)
-
-    s_bits = jax.lax.bitcast_convert_type(s, idt) & mask
-    efield = s_bits >> mb
-    floor_log2 = jnp.where(
-        efield > 0, efield - bias, (width - 1 - jax.lax.clz(s_bits)) - (bias + mb - 1)
-    )
-    k = jnp.where(s_bits > 0, -floor_log2, 0)
-    s_scaled = jnp.where(s_bits > 0, rescaled(s_bits, k), 1)
-
-    def over_s(v: Any) -> Any:  # v / s
-        b = jax.lax.bitcast_convert_type(v, idt)
-        r = rescaled(b & mask, k) / s_scaled
-        return jnp.where(b < 0, -r, r)
-
+    counts = _merge_counts(a.counts, b.counts)
+    na, nb = _n_finite(a.counts, va.dtype), _n_finite(b.counts, va.dtype)
+    xa, xb = unpack_fields(va, VALUE_FIELDS), unpack_fields(vb, VALUE_FIELDS)
+    # the extrema ("min", "max"); then the moments and power sums on the merged scale s
+    core = {
+        name: _merge_value(FIELD_RULES[name], xa[name], xb[name], fb)
+        for name in VALUE_FIELDS
+        if FIELD_RULES[name] not in ("moment", "power")
+    }
+    s = core["max_abs"]
+    over_s = _over(s, fb)
     ra, rb = over_s(xa["max_abs"]), over_s(xb["max_abs"])
     delta = over_s(xb["mean"]) - over_s(xa["mean"])  # scaled before subtracting: no overflow
+    n = na + nb
     has = n > 0
     safe = jnp.where(has, n, 1)
-    ma, m2a = xa["mean"], xa["m2"]
-    core = {
-        "min": lower("min"),
-        "max": upper("max"),
-        "min_abs": lower("min_abs"),
-        "max_abs": s,
-        "mean": jnp.where(has, ma + delta * (nb / safe) * s, ma),
-        "m2": jnp.where(has, m2a * ra**2 + xb["m2"] * rb**2 + delta**2 * (na * (nb / safe)), m2a),
-        **{f"p{k}": xa[f"p{k}"] * ra**k + xb[f"p{k}"] * rb**k for k in POWERS},
-    }
-    extras = []
-    wa, wb = ca[numel].astype(va.dtype), cb[numel].astype(va.dtype)
-    for j, rule in enumerate(rules):
-        i = N_CORE_VALUES + j
-        if rule == "min":
-            extras.append(unkey(jnp.minimum(key(va[i]), key(vb[i]))))
-        elif rule == "max":
-            extras.append(unkey(jnp.maximum(key(va[i]), key(vb[i]))))
-        elif rule == "sum":
-            extras.append(va[i] + vb[i])
-        else:
-            total = wa + wb
-            extras.append(
-                jnp.where(total > 0, (va[i] * wa + vb[i] * wb) / jnp.where(total > 0, total, 1), 0)
-            )
+    ma, m2a, m2b = xa["mean"], xa["m2"] * ra**2, xb["m2"] * rb**2
+    core["mean"] = jnp.where(has, ma + delta * (nb / safe) * s, ma)
+    core["m2"] = jnp.where(has, m2a + m2b + delta**2 * (na * (nb / safe)), xa["m2"])
+    core.update({f"p{k}": xa[f"p{k}"] * ra**k + xb[f"p{k}"] * rb**k for k in POWERS})
+    extras = _merge_extras(a, b, rules, fb)
     if higher:  # Pébay's update, the sums rescaled to the merged scale like m2's
         i3 = N_CORE_VALUES + len(rules)
-        m3, m4 = merge_higher(
-            na,
-            nb,
-            delta,
-            m2a * ra**2,
-            va[i3] * ra**3,
-            va[i3 + 1] * ra**4,
-            xb["m2"] * rb**2,
-            vb[i3] * rb**3,
-            vb[i3 + 1] * rb**4,
-        )
+        a3, a4, b3, b4 = va[i3] * ra**3, va[i3 + 1] * ra**4, vb[i3] * rb**3, vb[i3 + 1] * rb**4
+        m3, m4 = merge_higher(na, nb, delta, m2a, a3, a4, m2b, b3, b4)
         extras += [jnp.where(has, m3, va[i3]), jnp.where(has, m4, va[i3 + 1])]
     values = pack_fields(core, VALUE_FIELDS, jnp)
     if extras:
