@@ -380,11 +380,12 @@ def _platform_histograms(idx: Any, row_seg: np.ndarray, num: int, length: int) -
     """The histograms of the ``num`` arrays laid out in ``idx``: by scatters
     (:func:`_scatter_histograms`, fast on XLA:CPU) on the CPU, and by matrix products
     (:func:`histograms_by_matmul`) on every other platform, chosen when JAX lowers the
-    program for the platform it runs on."""
+    program for the platform it runs on. Both int32 (the branches must agree: with
+    ``jax_enable_x64`` a scatter counts in int64, a segment sum of products in int32)."""
     return jax.lax.platform_dependent(
         idx,
-        cpu=lambda i: _scatter_histograms(i, row_seg, num, length),
-        default=lambda i: histograms_by_matmul(i, row_seg, num, length),
+        cpu=lambda i: _scatter_histograms(i, row_seg, num, length).astype(jnp.int32),
+        default=lambda i: histograms_by_matmul(i, row_seg, num, length).astype(jnp.int32),
     )
 
 
