@@ -148,6 +148,8 @@ def test_custom_statistics_go_before_m3_m4():
     check(got["skew"], got["kurtosis"], scipy_of(x))
     with pytest.raises(ValueError, match="merge_jax: values of"):
         merge_jax(*halves)  # the custom statistic's rule not given
+    with pytest.raises(ValueError, match="merge rule 'median' does not merge value by value"):
+        merge_jax(*halves, rules=("median",))  # not one of MERGE_RULES
 
 
 # ------------------------------------------------------------------ the trackers

@@ -247,6 +247,25 @@ def test_summarize_many_equals_one_by_one(histograms):
         np.testing.assert_allclose(got[MOMENTS], ref[MOMENTS], rtol=2e-5, atol=1e-6)
 
 
+def test_summarize_many_float64_arrays_with_x64():
+    """With jax_enable_x64, several float64 arrays summarized together (the exponent
+    counts' two platform branches count in one integer type), each as numpy summarizes it:
+    float64 subnormals and the float64 format's exponent range."""
+    from tandv.track.jax import summarize_many_jax
+
+    arrays = [rng.normal(size=1500) * 1e-310, np.array([np.nan, -np.inf, 0.0, 2.0**1000, -3.5])]
+    layout = Layout("float64")
+    with jax.enable_x64(True):
+        many = jax.jit(lambda xs: summarize_many_jax(xs, layout))([jnp.asarray(a) for a in arrays])
+        many = jax.device_get(many)
+    for a, got in zip(arrays, many):
+        ref = summarize(a, "float64")[0]
+        got = to_vector(got)
+        np.testing.assert_array_equal(got[EXACT], ref[EXACT])
+        np.testing.assert_array_equal(got[layout.counts_start :], ref[layout.counts_start :])
+        np.testing.assert_allclose(got[MOMENTS], ref[MOMENTS], rtol=1e-12, atol=1e-12)
+
+
 def test_fused_kernel_shares_calls_between_small_arrays_with_the_same_results():
     """pallas_summaries: small arrays whose chunks match share one kernel call (a program
     each), and each summary is bit for bit the one of the array's own call, and numpy's."""

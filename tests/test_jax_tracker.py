@@ -602,6 +602,16 @@ def test_step_argument_errors(tmp_path):
         tracker.step()
 
 
+def test_track_refuses_arguments_that_do_not_fit(tmp_path):
+    """track() names the argument and what to pass: a device_axis that is not a bool, and
+    track_updates without the parameters whose differences the updates are."""
+    params = {"w": jnp.ones((2, 3))}
+    with pytest.raises(TypeError, match=r"track\(device_axis='yes'\): expected True, False"):
+        track(params, out=tmp_path / "a", device_axis="yes", verbose=False)
+    with pytest.raises(ValueError, match=r"track_updates=True.*pass model_state"):
+        track(out=tmp_path / "b", track_updates=True, verbose=False)
+
+
 def test_include_exclude_number_format_and_custom_stats(tmp_path):
     model, opt = MLP(), optax.sgd(0.1)
     x, y = data()

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache, partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -277,129 +277,113 @@ def _shared_kernel(
     _program(x_ref, ints_ref, hist_ref, moments_ref, jnp.max(size_ref[...]), **body)
 
 
-# issue 31: split after the jax _pallas work lands
-def _program(  # noqa: PLR0915
-    x_ref: Any,
-    ints_ref: Any,
-    hist_ref: Any,
-    moments_ref: Any,
-    limit: Any,
-    *,
-    chunk: int,
-    nbins: int,
-    high: int,
-    min_exponent: int,
-    under_bits: int,
-    over_bits: int,
-    fp8: Fp8Code | None,
-    higher: bool,
-    interpret: bool,
-) -> None:
-    """One program's body: the first ``limit`` elements of its chunk of ``chunk``,
-    :data:`BLOCK` at a time (the loop runs ``chunk / BLOCK`` times, reads from ``limit`` on
-    masked), into one row of each output (see the module docstring).
-    ``fp8``: the input holds the raw codes of an 8-bit float format, decoded here.
-    ``higher`` (``moments=4``): each lane also sums the cubes and fourth powers of its
-    differences from its shift, moved with the shift binomially, and the moments row ends
-    with the program's ``m3``, ``m4``. ``interpret``: Pallas interprets the kernel (see
-    :func:`_row`)."""
-    lane = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
-    lows = jax.lax.broadcasted_iota(jnp.int32, (_LOW, BLOCK), 0)
-    highs = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, high), 1)
+class _Lanes(NamedTuple):
+    """One pass of a program's loop, lane by lane: which of its :data:`BLOCK` elements are
+    read (``valid``), their float32 bits and magnitude bits, and their class."""
 
-    def step(j: Any, state: tuple[Any, ...]) -> tuple[Any, ...]:
-        (nan_n, inf_n, zero_n, key_lo, key_hi, mag_lo, mag_hi), moments, table = state
-        start = pl.multiple_of(j * BLOCK, BLOCK)
-        # the last program reads past the end: masked
-        valid = start + lane < limit
-        x = plt.load(x_ref.at[pl.ds(start, BLOCK)], mask=valid, other=0)
-        bits = (
-            _bits(x.astype(jnp.float32)) if fp8 is None else _decode_fp8(x.astype(jnp.int32), fp8)
-        )
-        mag = bits & _MASK
-        nan = valid & (mag > _INF)
-        inf = valid & (mag == _INF)
-        fin = valid & (mag < _INF)
-        nonzero = fin & (mag != 0)
-        key = _order_key(bits)
-        ints = (
-            nan_n + nan.astype(jnp.int32),
-            inf_n + inf.astype(jnp.int32),
-            zero_n + (fin & (mag == 0)).astype(jnp.int32),
-            jnp.minimum(key_lo, jnp.where(fin, key, _INF)),
-            jnp.maximum(key_hi, jnp.where(fin, key, _KEY_NINF)),
-            jnp.minimum(mag_lo, jnp.where(fin, mag, _INF)),
-            jnp.maximum(mag_hi, jnp.where(fin, mag, 0)),
-        )
-        e = _floor_log2(jnp.maximum(mag, 1))
+    valid: Any
+    bits: Any
+    mag: Any
+    nan: Any
+    inf: Any
+    fin: Any
+    nonzero: Any
 
-        # each lane's moments of its values times 2**k, k from its largest magnitude so far:
-        # the sums of the values' differences from a shift c and of their squares, and the
-        # power sums of |x|. The state moves to a new scale by exact powers of two, and c
-        # to the lane's first value, then to its mean before each value by the exact move
-        # rounding allows (the residue stays in s1): s1 stays small beside the spread, and
-        # s2 - s1**2 / n does not cancel, whatever the values' offset (Welford's update
-        # loses the spread of values that vary only in their last bits, about 2% of the
-        # deviation of 1000 + N(0, 1e-3) in float32)
-        count, k, c, s1, s2, *powers = moments[:9]
-        k_new = jnp.where(nonzero, jnp.minimum(k, -e), k)
-        r = _pow2(k_new - k)
-        xs = jnp.where(fin, _rescaled(mag, k_new), 0.0)
-        xs = jnp.where(bits < 0, -xs, xs)
-        c = c * r
-        s1 = s1 * r
-        s2 = s2 * (r * r)
-        n_old = count.astype(jnp.float32)
-        c_new = jnp.where(count == 0, xs, c + s1 / jnp.maximum(n_old, 1.0))
-        h = c_new - c  # exact (c_new is c or near it), or times n_old = 0
-        nh = n_old * h
-        if higher:  # the sums of cubes and fourth powers about c_new (binomially)
-            s3, s4 = moments[9] * (r * r * r), moments[10] * (r * r * (r * r))
-            s4 = s4 - h * (4.0 * s3 - h * (6.0 * s2 - h * (4.0 * s1 - nh)))
-            s3 = s3 - h * (3.0 * s2 - h * (3.0 * s1 - nh))
-        s2 = s2 - 2.0 * h * s1 + nh * h
-        s1 = s1 - nh
-        c = c_new
-        d = jnp.where(fin, xs - c, 0.0)
-        s1 = s1 + d
-        d2 = d * d
-        s2 = s2 + d2
-        count = count + fin.astype(jnp.int32)
-        u = jnp.abs(xs)
-        u2 = u * u
-        u4 = u2 * u2
-        powers = [
-            s * _pow2(p * (k_new - k)) + v for p, s, v in zip(POWERS, powers, (u, u2, u4, u4 * u4))
-        ]
-        moments = (count, k_new, c, s1, s2, *powers)
-        if higher:
-            moments = (*moments, s3 + d2 * d, s4 + d2 * d2)
 
-        # exponent counts: bin 0 underflow, nbins - 1 overflow, nbins dropped (zeros, NaN,
-        # padding); onehot(low)^T @ onehot(high): with the 16 low values as the product's
-        # rows, each warp holds one 16 x BLOCK operand (with the high part as rows, one per
-        # 16 of them: the float64 format's 256 spilled)
-        over = valid & ~nan & ((mag > over_bits) | inf)
-        under = nonzero & ~over & (mag < under_bits)
-        idx = jnp.clip(e - min_exponent + 1, 1, nbins - 2)
-        idx = jnp.where(under, 0, idx)
-        idx = jnp.where(over, nbins - 1, idx)
-        idx = jnp.where(nonzero | over, idx, nbins)
-        lo_t = ((idx % _LOW)[None, :] == lows).astype(_ONEHOT)
-        hi = ((idx // _LOW)[:, None] == highs).astype(_ONEHOT)
-        table = table + jnp.dot(lo_t, hi, preferred_element_type=jnp.int32)
-        return ints, moments, table
+def _lanes(x_ref: Any, start: Any, valid: Any, fp8: Fp8Code | None) -> _Lanes:
+    """The :data:`BLOCK` elements from ``start`` (those not ``valid`` masked: the last
+    program reads past the end), as float32 bits (8-bit floats decoded from their codes)."""
+    x = plt.load(x_ref.at[pl.ds(start, BLOCK)], mask=valid, other=0)
+    bits = _bits(x.astype(jnp.float32)) if fp8 is None else _decode_fp8(x.astype(jnp.int32), fp8)
+    mag = bits & _MASK
+    nan = valid & (mag > _INF)
+    inf = valid & (mag == _INF)
+    fin = valid & (mag < _INF)
+    return _Lanes(valid, bits, mag, nan, inf, fin, fin & (mag != 0))
 
-    zeros = jnp.zeros((BLOCK,), jnp.int32)
-    fzeros = jnp.zeros((BLOCK,), jnp.float32)
-    ints0 = (zeros, zeros, zeros, zeros + _INF, zeros + _KEY_NINF, zeros + _INF, zeros)
-    moments0 = (zeros, zeros + _NO_SCALE, *([fzeros] * (9 if higher else 7)))
-    table0 = jnp.zeros((_LOW, high), jnp.int32)
-    ints, moments, table = jax.lax.fori_loop(0, chunk // BLOCK, step, (ints0, moments0, table0))
+
+def _count_lanes(ints: tuple[Any, ...], v: _Lanes) -> tuple[Any, ...]:
+    """Each lane's NaN, inf and zero counts and its extrema (order keys of the finite
+    values, bits of their magnitudes) with the pass ``v`` added."""
+    nan_n, inf_n, zero_n, key_lo, key_hi, mag_lo, mag_hi = ints
+    key = _order_key(v.bits)
+    return (
+        nan_n + v.nan.astype(jnp.int32),
+        inf_n + v.inf.astype(jnp.int32),
+        zero_n + (v.fin & (v.mag == 0)).astype(jnp.int32),
+        jnp.minimum(key_lo, jnp.where(v.fin, key, _INF)),
+        jnp.maximum(key_hi, jnp.where(v.fin, key, _KEY_NINF)),
+        jnp.minimum(mag_lo, jnp.where(v.fin, v.mag, _INF)),
+        jnp.maximum(mag_hi, jnp.where(v.fin, v.mag, 0)),
+    )
+
+
+def _moment_lanes(moments: tuple[Any, ...], v: _Lanes, e: Any, higher: bool) -> tuple[Any, ...]:
+    """Each lane's moments with the pass ``v`` added (``e``: the floor of the values'
+    log2), on the lane's scale ``2**k`` from its largest magnitude so far.
+
+    The sums of the values' differences from a shift c and of their squares, and the power
+    sums of |x|. The state moves to a new scale by exact powers of two, and c to the lane's
+    first value, then to its mean before each value by the exact move rounding allows (the
+    residue stays in s1): s1 stays small beside the spread, and s2 - s1**2 / n does not
+    cancel, whatever the values' offset (Welford's update loses the spread of values that
+    vary only in their last bits, about 2% of the deviation of 1000 + N(0, 1e-3) in
+    float32). With ``higher``, the sums of cubes and fourth powers too."""
     count, k, c, s1, s2, *powers = moments[:9]
+    k_new = jnp.where(v.nonzero, jnp.minimum(k, -e), k)
+    r = _pow2(k_new - k)
+    xs = jnp.where(v.fin, _rescaled(v.mag, k_new), 0.0)
+    xs = jnp.where(v.bits < 0, -xs, xs)
+    c = c * r
+    s1 = s1 * r
+    s2 = s2 * (r * r)
+    n_old = count.astype(jnp.float32)
+    c_new = jnp.where(count == 0, xs, c + s1 / jnp.maximum(n_old, 1.0))
+    h = c_new - c  # exact (c_new is c or near it), or times n_old = 0
+    nh = n_old * h
+    if higher:  # the sums of cubes and fourth powers about c_new (binomially)
+        s3, s4 = moments[9] * (r * r * r), moments[10] * (r * r * (r * r))
+        s4 = s4 - h * (4.0 * s3 - h * (6.0 * s2 - h * (4.0 * s1 - nh)))
+        s3 = s3 - h * (3.0 * s2 - h * (3.0 * s1 - nh))
+    s2 = s2 - 2.0 * h * s1 + nh * h
+    s1 = s1 - nh
+    c = c_new
+    d = jnp.where(v.fin, xs - c, 0.0)
+    s1 = s1 + d
+    d2 = d * d
+    s2 = s2 + d2
+    count = count + v.fin.astype(jnp.int32)
+    u = jnp.abs(xs)
+    u2 = u * u
+    u4 = u2 * u2
+    powers = [
+        s * _pow2(p * (k_new - k)) + w for p, s, w in zip(POWERS, powers, (u, u2, u4, u4 * u4))
+    ]
+    out = (count, k_new, c, s1, s2, *powers)
+    if higher:
+        out = (*out, s3 + d2 * d, s4 + d2 * d2)
+    return out
+
+
+def _bin_index(
+    v: _Lanes, e: Any, *, nbins: int, min_exponent: int, under_bits: int, over_bits: int
+) -> Any:
+    """Each lane's exponent bin: 0 underflow, ``nbins - 1`` overflow, ``nbins`` dropped
+    (zeros, NaN, padding)."""
+    over = v.valid & ~v.nan & ((v.mag > over_bits) | v.inf)
+    under = v.nonzero & ~over & (v.mag < under_bits)
+    idx = jnp.clip(e - min_exponent + 1, 1, nbins - 2)
+    idx = jnp.where(under, 0, idx)
+    idx = jnp.where(over, nbins - 1, idx)
+    return jnp.where(v.nonzero | over, idx, nbins)
+
+
+def _int_row(ints: tuple[Any, ...], count: Any) -> dict[str, Any]:
+    """The program's counts and extrema (:data:`_INT_COLUMNS`) from its lanes' (``count``:
+    each lane's finite values)."""
     amax = jnp.max(ints[6])
     n_fin = jnp.sum(count)
-    row = {
+    return {
         "nan": jnp.sum(ints[0]),
         "inf": jnp.sum(ints[1]),
         "zero": jnp.sum(ints[2]),
@@ -409,9 +393,13 @@ def _program(  # noqa: PLR0915
         "mag_min": jnp.min(ints[5]),
         "mag_max": amax,
     }
-    ints_ref[...] = _row([row[c] for c in _INT_COLUMNS], jnp.int32, interpret=interpret)
 
-    # the lanes' moments at the program's scale (its largest magnitude), by Chan's formula
+
+def _moment_row(moments: tuple[Any, ...], amax: Any, n_fin: Any, higher: bool) -> dict[str, Any]:
+    """The program's moments (:data:`_MOMENT_COLUMNS`, with ``higher``
+    :data:`_HIGHER_COLUMNS`): its lanes' merged at the program's scale (from ``amax``, the
+    bits of its largest magnitude) by Chan's formula."""
+    count, k, c, s1, s2, *powers = moments[:9]
     big_k = _scale(amax)
     has = count > 0
     lane_n = jnp.maximum(count, 1).astype(jnp.float32)
@@ -431,7 +419,6 @@ def _program(  # noqa: PLR0915
             for p, s in zip(POWERS, powers)
         },
     }
-    columns: tuple[str, ...] = _MOMENT_COLUMNS
     if higher:  # the lanes' centred sums (about their means), then shifted to the program's
         e = s1 / lane_n
         s3, s4 = moments[9], moments[10]
@@ -444,9 +431,74 @@ def _program(  # noqa: PLR0915
         out["m3"], out["m4"] = _shifted(lane_c, dev_h, m2 * (r * r), m3 * r**3, m4 * r**4)
         out["mean_lo"] = lo
         out["m2"] = jnp.sum(m2 * (r * r)) + jnp.sum(lane_c * dev_h * dev_h)  # likewise
-        columns = _HIGHER_COLUMNS
-    width = 16 if higher else 8
-    moments_ref[...] = _row([out[c] for c in columns], jnp.float32, width, interpret)
+    return out
+
+
+def _program(
+    x_ref: Any,
+    ints_ref: Any,
+    hist_ref: Any,
+    moments_ref: Any,
+    limit: Any,
+    *,
+    chunk: int,
+    nbins: int,
+    high: int,
+    min_exponent: int,
+    under_bits: int,
+    over_bits: int,
+    fp8: Fp8Code | None,
+    higher: bool,
+    interpret: bool,
+) -> None:
+    """One program's body: the first ``limit`` elements of its chunk of ``chunk``,
+    :data:`BLOCK` at a time (the loop runs ``chunk / BLOCK`` times, reads from ``limit`` on
+    masked), into one row of each output (see the module docstring): per lane, counts and
+    extrema (:func:`_count_lanes`) and moments (:func:`_moment_lanes`), and for the block
+    the exponent counts (:func:`_bin_index`), then the lanes reduced to the rows
+    (:func:`_int_row`, :func:`_moment_row`).
+    ``fp8``: the input holds the raw codes of an 8-bit float format, decoded here.
+    ``higher`` (``moments=4``): each lane also sums the cubes and fourth powers of its
+    differences from its shift, moved with the shift binomially, and the moments row ends
+    with the program's ``m3``, ``m4``. ``interpret``: Pallas interprets the kernel (see
+    :func:`_row`)."""
+    lane = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
+    lows = jax.lax.broadcasted_iota(jnp.int32, (_LOW, BLOCK), 0)
+    highs = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, high), 1)
+    bins = {
+        "nbins": nbins,
+        "min_exponent": min_exponent,
+        "under_bits": under_bits,
+        "over_bits": over_bits,
+    }
+
+    def step(j: Any, state: tuple[Any, ...]) -> tuple[Any, ...]:
+        ints, moments, table = state
+        start = pl.multiple_of(j * BLOCK, BLOCK)
+        v = _lanes(x_ref, start, start + lane < limit, fp8)
+        ints = _count_lanes(ints, v)
+        e = _floor_log2(jnp.maximum(v.mag, 1))
+        moments = _moment_lanes(moments, v, e, higher)
+        # the exponent counts as onehot(low)^T @ onehot(high): with the 16 low values as
+        # the product's rows, each warp holds one 16 x BLOCK operand (with the high part as
+        # rows, one per 16 of them: the float64 format's 256 spilled)
+        idx = _bin_index(v, e, **bins)
+        lo_t = ((idx % _LOW)[None, :] == lows).astype(_ONEHOT)
+        hi = ((idx // _LOW)[:, None] == highs).astype(_ONEHOT)
+        table = table + jnp.dot(lo_t, hi, preferred_element_type=jnp.int32)
+        return ints, moments, table
+
+    zeros = jnp.zeros((BLOCK,), jnp.int32)
+    fzeros = jnp.zeros((BLOCK,), jnp.float32)
+    ints0 = (zeros, zeros, zeros, zeros + _INF, zeros + _KEY_NINF, zeros + _INF, zeros)
+    moments0 = (zeros, zeros + _NO_SCALE, *([fzeros] * (9 if higher else 7)))
+    table0 = jnp.zeros((_LOW, high), jnp.int32)
+    ints, moments, table = jax.lax.fori_loop(0, chunk // BLOCK, step, (ints0, moments0, table0))
+    row = _int_row(ints, moments[0])
+    ints_ref[...] = _row([row[c] for c in _INT_COLUMNS], jnp.int32, interpret=interpret)
+    out = _moment_row(moments, row["mag_max"], row["finite"], higher)
+    columns = _HIGHER_COLUMNS if higher else _MOMENT_COLUMNS
+    moments_ref[...] = _row([out[c] for c in columns], jnp.float32, 16 if higher else 8, interpret)
     hist_ref[...] = table
 
 

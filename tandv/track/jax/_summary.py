@@ -23,6 +23,7 @@ import numpy as np
 from ...stats.blocks import BLOCK_COLUMNS, block_formats_of
 from ...stats.summary import (
     COUNT_INDEX,
+    FIELD_RULES,
     N_CORE_VALUES,
     POWERS,
     VALUE_FIELDS,
@@ -85,6 +86,45 @@ class _Bits(NamedTuple):
         """Bit pattern of ``value`` rounded to this type (clamped: beyond range -> inf / 0)."""
         with np.errstate(over="ignore", under="ignore"):
             return int(np.array(value, self.float_dtype).view(self.int_dtype))
+
+    @property
+    def width(self) -> int:
+        """Bits of the type."""
+        return np.dtype(self.int_dtype).itemsize * 8
+
+    def as_float(self, b: Any) -> Any:
+        """The floats of the bit patterns ``b``."""
+        return jax.lax.bitcast_convert_type(jnp.asarray(b, self.int_dtype), self.float_dtype)
+
+    def order_key(self, b: Any) -> Any:
+        """Involution mapping the floats' bit patterns ``b`` to integers in the floats' order
+        (and back): extrema compare exactly as integers, where XLA:CPU's float comparisons
+        treat subnormals as zero."""
+        return b ^ ((b >> (self.width - 1)) & self.magnitude_mask)
+
+    def floor_log2(self, m: Any) -> Any:
+        """Exact ``floor(log2|x|)`` of the magnitude bits ``m`` of finite non-zero floats."""
+        mb, bias = self.mantissa_bits, self.exponent_bias
+        efield = m >> mb
+        sub = (self.width - 1 - jax.lax.clz(m)) - (bias + mb - 1)
+        return jnp.where(efield > 0, efield - bias, sub)
+
+    def rescaled(self, m: Any, k: Any) -> Any:
+        """``|x| * 2**k`` of the magnitude bits ``m``, rebuilt in the integer domain as
+        ``float(mantissa) * 2**(e - mantissa_bits + k)`` (0 where that is below the
+        normal range): dividing a subnormal on XLA:CPU would flush it to zero."""
+        mb, bias = self.mantissa_bits, self.exponent_bias
+        efield = m >> mb
+        normal = efield > 0
+        e_unb = jnp.where(normal, efield - bias, 1 - bias)
+        m_full = jnp.where(normal, (m & ((1 << mb) - 1)) | (1 << mb), m)
+        j = e_unb - mb + k
+        pow2 = jnp.where(
+            j < 1 - bias,
+            0,
+            self.as_float((jnp.clip(j, 1 - bias, bias) + bias).astype(self.int_dtype) << mb),
+        )
+        return m_full.astype(self.float_dtype) * pow2
 
 
 _F32 = _Bits(np.float32, np.int32, 23, 127)
@@ -340,153 +380,245 @@ def _platform_histograms(idx: Any, row_seg: np.ndarray, num: int, length: int) -
     """The histograms of the ``num`` arrays laid out in ``idx``: by scatters
     (:func:`_scatter_histograms`, fast on XLA:CPU) on the CPU, and by matrix products
     (:func:`histograms_by_matmul`) on every other platform, chosen when JAX lowers the
-    program for the platform it runs on."""
+    program for the platform it runs on. Both int32 (the branches must agree: with
+    ``jax_enable_x64`` a scatter counts in int64, a segment sum of products in int32)."""
     return jax.lax.platform_dependent(
         idx,
-        cpu=lambda i: _scatter_histograms(i, row_seg, num, length),
-        default=lambda i: histograms_by_matmul(i, row_seg, num, length),
+        cpu=lambda i: _scatter_histograms(i, row_seg, num, length).astype(jnp.int32),
+        default=lambda i: histograms_by_matmul(i, row_seg, num, length).astype(jnp.int32),
     )
 
 
-# issue 31: split after the jax _summary work (higher moments) lands
-def _summarize_rows(  # noqa: PLR0915
-    block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: Layout, fb: _Bits
-) -> tuple[Any, Any]:
-    """Counts ``[num, N_LEADING_COUNTS + bins]`` and values ``[num, N_CORE_VALUES]`` (the
-    parts of :func:`tandv.stats.summary.split_summary`) of the arrays laid out in ``block``
-    (``[rows, ROW]``; row r belongs to array ``row_seg[r]``, padded with ``pads`` NaNs)."""
-    cdt, idt = fb.float_dtype, fb.int_dtype
-    width = np.dtype(idt).itemsize * 8
-    mb, bias, mask = fb.mantissa_bits, fb.exponent_bias, fb.magnitude_mask
-    num = len(pads)
-    seg = jnp.asarray(row_seg)
+class _RowSegments(NamedTuple):
+    """Which of ``num`` arrays each row of a block of rows belongs to: row ``r`` to array
+    ``row_seg[r]`` (sorted; ``seg``: the same on the device)."""
 
-    def per_array(v: Any, kind: str) -> Any:  # combine per-row partials into per-array values
-        if num == 1:  # a plain reduction: no scatter
+    row_seg: np.ndarray
+    num: int
+    seg: Any
+
+    def per_array(self, v: Any, kind: str) -> Any:
+        """Per-row partials ``v`` combined into one value per array (``kind``: ``"sum"`` or
+        ``"min"``)."""
+        if self.num == 1:  # a plain reduction: no scatter
             return (jnp.sum if kind == "sum" else jnp.min)(v, axis=0, keepdims=True)
         op = jax.ops.segment_sum if kind == "sum" else jax.ops.segment_min
-        return op(v, seg, num_segments=num, indices_are_sorted=True)
+        return op(v, self.seg, num_segments=self.num, indices_are_sorted=True)
 
-    def per_row(v: Any) -> Any:  # one value per array -> broadcastable per row
-        return v[:, None] if num == 1 else v[seg][:, None]
+    def per_row(self, v: Any) -> Any:
+        """One value per array, broadcastable against the rows."""
+        return v[:, None] if self.num == 1 else v[self.seg][:, None]
 
-    # Classification, extrema and exponents are computed on the bit patterns: integer
-    # operations are exact where float ones are not (XLA:CPU treats subnormal inputs as
-    # zero in float comparisons and arithmetic).
-    bits = jax.lax.bitcast_convert_type(block, idt)
-    mag = bits & mask  # |x| as bits; for non-negative floats, integer order == float order
+
+class _Classes(NamedTuple):
+    """The elements of a block of rows as bit patterns (``bits``), magnitude bits, and their
+    class. Classification, extrema and exponents are computed on the bit patterns: integer
+    operations are exact where float ones are not (XLA:CPU treats subnormal inputs as zero
+    in float comparisons and arithmetic)."""
+
+    bits: Any
+    mag: Any
+    nan: Any
+    inf: Any
+    fin: Any
+    zero: Any
+    nonzero: Any
+
+
+def _classify(block: Any, fb: _Bits) -> _Classes:
+    """The :class:`_Classes` of the elements of ``block``."""
+    bits = jax.lax.bitcast_convert_type(block, fb.int_dtype)
+    mag = bits & fb.magnitude_mask  # for non-negative floats, integer order == float order
     inf_bits = fb.inf_bits
     nan = mag > inf_bits
     inf = mag == inf_bits
     fin = mag < inf_bits
     zero = mag == 0
-    nonzero = fin & ~zero
+    return _Classes(bits, mag, nan, inf, fin, zero, fin & ~zero)
 
-    def as_float(b: Any) -> Any:
-        return jax.lax.bitcast_convert_type(jnp.asarray(b, idt), cdt)
 
-    def order_key(b: Any) -> Any:  # involution mapping float bits to an order-preserving int
-        return b ^ ((b >> (width - 1)) & mask)
-
-    def floor_log2(m: Any) -> Any:  # exact floor(log2|x|) of a finite non-zero magnitude
-        efield = m >> mb
-        sub = (width - 1 - jax.lax.clz(m)) - (bias + mb - 1)
-        return jnp.where(efield > 0, efield - bias, sub)
-
-    key = order_key(bits)
-    key_ninf = order_key(np.array(inf_bits | ~mask, idt))
+def _counts_and_extrema(
+    v: _Classes, rows: _RowSegments, pads: np.ndarray, fb: _Bits
+) -> tuple[list[Any], dict[str, Any], Any]:
+    """``([nan, inf, zero, finite] counts, {min, max, min_abs, max_abs}, max_abs's bits)``
+    of each array: counts summed and extrema reduced as integers (order keys, magnitude
+    bits) along the rows, then per array. Arrays without a finite value get the neutral
+    extrema (+inf, -inf, +inf, 0) whatever the reductions' identity elements."""
+    inf_bits = fb.inf_bits
+    key = fb.order_key(v.bits)
+    key_ninf = fb.order_key(np.array(inf_bits | ~fb.magnitude_mask, fb.int_dtype))
     # Maxima as minima of the bitwise complement (exact, no overflow).
     one = jnp.ones((), jnp.int32)
     r_nan, r_inf, r_zero, r_kmin, r_nkmax, r_amin, r_namax = _reduce_rows(
         [
-            (jnp.where(nan, one, 0), "sum"),
-            (jnp.where(inf, one, 0), "sum"),
-            (jnp.where(zero, one, 0), "sum"),
-            (jnp.where(fin, key, inf_bits), "min"),
-            (~jnp.where(fin, key, key_ninf), "min"),
-            (jnp.where(fin, mag, inf_bits), "min"),
-            (~jnp.where(fin, mag, 0), "min"),
+            (jnp.where(v.nan, one, 0), "sum"),
+            (jnp.where(v.inf, one, 0), "sum"),
+            (jnp.where(v.zero, one, 0), "sum"),
+            (jnp.where(v.fin, key, inf_bits), "min"),
+            (~jnp.where(v.fin, key, key_ninf), "min"),
+            (jnp.where(v.fin, v.mag, inf_bits), "min"),
+            (~jnp.where(v.fin, v.mag, 0), "min"),
         ]
     )
-    n_nan = per_array(r_nan, "sum") - jnp.asarray(pads)
-    n_inf, n_zero = per_array(r_inf, "sum"), per_array(r_zero, "sum")
+    n_nan = rows.per_array(r_nan, "sum") - jnp.asarray(pads)
+    n_inf, n_zero = rows.per_array(r_inf, "sum"), rows.per_array(r_zero, "sum")
     n_fin = (
-        jnp.asarray([int(c) for c in np.bincount(row_seg, minlength=num)], jnp.int32) * ROW
+        jnp.asarray([int(c) for c in np.bincount(rows.row_seg, minlength=rows.num)], jnp.int32)
+        * ROW
         - jnp.asarray(pads)
         - n_nan
         - n_inf
     )
-    # Arrays without a finite value get the neutral extrema (+inf, -inf, +inf, 0) whatever
-    # the reductions' identity elements.
-    neutral = jnp.array([inf_bits, ~key_ninf, inf_bits, ~0], idt)
-    ext = jnp.stack([per_array(r, "min") for r in (r_kmin, r_nkmax, r_amin, r_namax)], axis=1)
+    neutral = jnp.array([inf_bits, ~key_ninf, inf_bits, ~0], fb.int_dtype)
+    ext = jnp.stack([rows.per_array(r, "min") for r in (r_kmin, r_nkmax, r_amin, r_namax)], axis=1)
     ext = jnp.where(n_fin[:, None] > 0, ext, neutral)
-    vmin, vmax = as_float(order_key(ext[:, 0])), as_float(order_key(~ext[:, 1]))
-    min_abs, s_mag = as_float(ext[:, 2]), ~ext[:, 3]
-    s = as_float(s_mag)
+    extrema = {
+        "min": fb.as_float(fb.order_key(ext[:, 0])),
+        "max": fb.as_float(fb.order_key(~ext[:, 1])),
+        "min_abs": fb.as_float(ext[:, 2]),
+    }
+    s_mag = ~ext[:, 3]
+    extrema["max_abs"] = fb.as_float(s_mag)
+    return [n_nan, n_inf, n_zero, n_fin], extrema, s_mag
 
-    # Moments are sums over x / s. Dividing a subnormal by s on XLA:CPU would flush it to
-    # zero, so x is first rescaled by 2**k (k = -floor(log2 s)) in the integer domain:
-    # |x| = m * 2**(e - mb) is rebuilt as float(m) * 2**(e - mb + k), all normal numbers.
-    def rescaled(m: Any, k: Any) -> Any:
-        efield = m >> mb
-        normal = efield > 0
-        e_unb = jnp.where(normal, efield - bias, 1 - bias)
-        m_full = jnp.where(normal, (m & ((1 << mb) - 1)) | (1 << mb), m)
-        j = e_unb - mb + k
-        pow2 = jnp.where(
-            j < 1 - bias, 0, as_float((jnp.clip(j, 1 - bias, bias) + bias).astype(idt) << mb)
-        )
-        return m_full.astype(cdt) * pow2
 
-    k_arr = jnp.where(s_mag > 0, -floor_log2(s_mag), 0)
-    s_scaled = jnp.where(s_mag > 0, rescaled(s_mag, k_arr), 1)  # s * 2**k, in [1, 2)
-    xs = jnp.where(fin, rescaled(mag, per_row(k_arr)), 0)
-    xs = jnp.where(bits < 0, -xs, xs)  # x * 2**k
-    n = jnp.maximum(n_fin, 1).astype(cdt)
-    mean_k = per_array(jnp.sum(xs, axis=1), "sum") / n
+def _scaled_moments(
+    v: _Classes, n_fin: Any, s_mag: Any, s: Any, rows: _RowSegments, fb: _Bits
+) -> dict[str, Any]:
+    """Each array's mean, ``m2`` and power sums of ``|x| / s`` (``s``: its largest
+    magnitude, of bits ``s_mag``), from sums over ``x * 2**k`` (``k = -floor(log2 s)``,
+    :meth:`_Bits.rescaled`: no subnormal flushed to zero)."""
+    k_arr = jnp.where(s_mag > 0, -fb.floor_log2(s_mag), 0)
+    s_scaled = jnp.where(s_mag > 0, fb.rescaled(s_mag, k_arr), 1)  # s * 2**k, in [1, 2)
+    xs = jnp.where(v.fin, fb.rescaled(v.mag, rows.per_row(k_arr)), 0)
+    xs = jnp.where(v.bits < 0, -xs, xs)  # x * 2**k
+    n = jnp.maximum(n_fin, 1).astype(fb.float_dtype)
+    mean_k = rows.per_array(jnp.sum(xs, axis=1), "sum") / n
     # Deviations are taken before dividing by s_scaled, so values close to the mean
     # subtract exactly; the corrected two-pass term removes the rounding error of mean_k.
-    d = jnp.where(fin, xs - per_row(mean_k), 0)
-    u = jnp.abs(xs) / per_row(s_scaled)  # |x| / s
+    d = jnp.where(v.fin, xs - rows.per_row(mean_k), 0)
+    u = jnp.abs(xs) / rows.per_row(s_scaled)  # |x| / s
     sums = [
-        per_array(r, "sum")
+        rows.per_array(r, "sum")
         for r in _reduce_rows([(d * d, "sum"), (d, "sum"), *[(u**k, "sum") for k in POWERS]])
     ]
     m2 = (sums[0] - sums[1] ** 2 / n) / (s_scaled * s_scaled)
-    mean = mean_k / s_scaled * s
+    return {
+        "mean": mean_k / s_scaled * s,
+        "m2": m2,
+        **{f"p{k}": p for k, p in zip(POWERS, sums[2:])},
+    }
 
+
+def _exponent_counts(v: _Classes, layout: Layout, rows: _RowSegments, fb: _Bits) -> Any:
+    """Each array's exponent counts (``[num, layout.num_counts]``): underflow, each
+    exponent, overflow; zeros and NaN go to a dropped bin."""
     fmt = layout.format
     nbins = layout.num_counts
-    over = ~nan & ((mag > fb.bits_of(fmt.overflow_threshold)) | inf)
-    under = nonzero & ~over & (mag < fb.bits_of(fmt.underflow_threshold))
-    idx = jnp.clip(floor_log2(mag) - fmt.min_exponent + 1, 1, nbins - 2)
+    over = ~v.nan & ((v.mag > fb.bits_of(fmt.overflow_threshold)) | v.inf)
+    under = v.nonzero & ~over & (v.mag < fb.bits_of(fmt.underflow_threshold))
+    idx = jnp.clip(fb.floor_log2(v.mag) - fmt.min_exponent + 1, 1, nbins - 2)
     idx = jnp.where(under, 0, idx)
     idx = jnp.where(over, nbins - 1, idx)
-    idx = jnp.where(nonzero | over, idx, nbins)  # zeros and NaN go to a dropped bin
+    idx = jnp.where(v.nonzero | over, idx, nbins)
     idx = idx.astype(jnp.int32)
-    bins = _platform_histograms(idx, row_seg, num, nbins + 1)[:, :nbins].astype(jnp.int32)
+    bins = _platform_histograms(idx, rows.row_seg, rows.num, nbins + 1)
+    return bins[:, :nbins].astype(jnp.int32)
 
+
+def _summarize_rows(
+    block: Any, row_seg: np.ndarray, pads: np.ndarray, layout: Layout, fb: _Bits
+) -> tuple[Any, Any]:
+    """Counts ``[num, N_LEADING_COUNTS + bins]`` and values ``[num, N_CORE_VALUES]`` (the
+    parts of :func:`tandv.stats.summary.split_summary`) of the arrays laid out in ``block``
+    (``[rows, ROW]``; row r belongs to array ``row_seg[r]``, padded with ``pads`` NaNs)."""
+    rows = _RowSegments(row_seg, len(pads), jnp.asarray(row_seg))
+    v = _classify(block, fb)
+    (n_nan, n_inf, n_zero, n_fin), extrema, s_mag = _counts_and_extrema(v, rows, pads, fb)
+    moments = _scaled_moments(v, n_fin, s_mag, extrema["max_abs"], rows, fb)
+    bins = _exponent_counts(v, layout, rows, fb)
     core = {
         "numel": n_fin + n_nan + n_inf,
         "nan_count": n_nan,
         "inf_count": n_inf,
         "zero_count": n_zero,
-        "min": vmin,
-        "max": vmax,
-        "min_abs": min_abs,
-        "max_abs": s,
-        "mean": mean,
-        "m2": m2,
-        **{f"p{k}": p for k, p in zip(POWERS, sums[2:])},
+        **extrema,
+        **moments,
     }
     return pack_parts(core, bins, xp=jnp)
 
 
-# issue 31: split after the jax moments work lands (FIELD_RULES table)
-def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> DeviceSummary:  # noqa: PLR0915
+def _merge_value(rule: str, a: Any, b: Any, fb: _Bits) -> Any:
+    """Two summaries' values merged by a value-by-value ``rule`` (of
+    :data:`tandv.stats.summary.FIELD_RULES` for a core field, of
+    :data:`tandv.stats.summary.MERGE_RULES` but ``"mean"`` for a custom statistic):
+    ``"sum"`` adds; ``"min"`` / ``"max"`` compare the values' order keys (exact where
+    XLA:CPU's float comparisons treat subnormals as zero)."""
+    if rule == "sum":
+        return a + b
+    if rule not in ("min", "max"):
+        raise ValueError(f"merge_jax: merge rule {rule!r} does not merge value by value")
+    pick = jnp.minimum if rule == "min" else jnp.maximum
+    ka = fb.order_key(jax.lax.bitcast_convert_type(a, fb.int_dtype))
+    kb = fb.order_key(jax.lax.bitcast_convert_type(b, fb.int_dtype))
+    return fb.as_float(fb.order_key(pick(ka, kb)))
+
+
+def _merge_counts(ca: Any, cb: Any) -> Any:
+    """Two summaries' counts added (every count's rule is ``"sum"``). The counts are int32:
+    a union of more than :data:`MAX_ELEMENTS` elements (a loop's iterations together) would
+    wrap them. Its numel becomes -1, stays -1 through later merges, and :func:`to_vector`
+    refuses it (every other count is at most numel, so numel alone can tell)."""
+    numel = COUNT_INDEX["numel"]
+    too_many = (ca[numel] < 0) | (cb[numel] < 0) | (ca[numel] > MAX_ELEMENTS - cb[numel])
+    counts = ca + cb
+    return counts.at[numel].set(jnp.where(too_many, -1, counts[numel]))
+
+
+def _n_finite(counts: Any, dtype: Any) -> Any:
+    """A summary's finite elements (numel less NaN and inf) from its counts, as ``dtype``."""
+    c = COUNT_INDEX
+    return (counts[c["numel"]] - counts[c["nan_count"]] - counts[c["inf_count"]]).astype(dtype)
+
+
+def _over(s: Any, fb: _Bits) -> Callable[[Any], Any]:
+    """``v -> v / s``, computed in the integer domain (``v * 2**k`` rebuilt from its bits
+    over ``s * 2**k`` in ``[1, 2)``): exact for subnormal ``s`` and ``v``, which XLA:CPU's
+    float division flushes to zero."""
+    s_bits = jax.lax.bitcast_convert_type(s, fb.int_dtype) & fb.magnitude_mask
+    k = jnp.where(s_bits > 0, -fb.floor_log2(s_bits), 0)
+    s_scaled = jnp.where(s_bits > 0, fb.rescaled(s_bits, k), 1)
+
+    def over_s(v: Any) -> Any:
+        b = jax.lax.bitcast_convert_type(v, fb.int_dtype)
+        r = fb.rescaled(b & fb.magnitude_mask, k) / s_scaled
+        return jnp.where(b < 0, -r, r)
+
+    return over_s
+
+
+def _merge_extras(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str], fb: _Bits) -> list[Any]:
+    """The custom statistics of two summaries merged by their ``rules``: ``"mean"``
+    weighted by each summary's numel, the others value by value (:func:`_merge_value`)."""
+    va, vb = a.values, b.values
+    numel = COUNT_INDEX["numel"]
+    wa, wb = a.counts[numel].astype(va.dtype), b.counts[numel].astype(va.dtype)
+    extras = []
+    for i, rule in enumerate(rules, N_CORE_VALUES):
+        if rule != "mean":
+            extras.append(_merge_value(rule, va[i], vb[i], fb))
+            continue
+        total = wa + wb
+        extras.append(
+            jnp.where(total > 0, (va[i] * wa + vb[i] * wb) / jnp.where(total > 0, total, 1), 0)
+        )
+    return extras
+
+
+def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> DeviceSummary:
     """The summary of the union of two arrays' elements from their summaries, on device
-    (traceable): :func:`tandv.stats.summary.merge` in the summaries' own float type.
+    (traceable): :func:`tandv.stats.summary.merge` in the summaries' own float type, field
+    by field as :data:`tandv.stats.summary.FIELD_RULES` says.
 
     Counts, extrema and exponent counts merge exactly; the mean, the centred second moment
     (Chan's update) and the power sums are rescaled from each part's largest magnitude to
@@ -498,7 +630,6 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
     Why on device: a tap inside a loop body (``lax.scan``, ``nn.scan``) writes its mailbox
     once per iteration, and each write merges into what the mailbox holds, so one summary
     of all iterations leaves the program."""
-    ca, cb = a.counts, b.counts
     va, vb = a.values, b.values
     higher = va.shape[-1] - N_CORE_VALUES - len(rules)
     if higher not in (0, 2) or vb.shape[-1] != va.shape[-1]:
@@ -507,105 +638,32 @@ def merge_jax(a: DeviceSummary, b: DeviceSummary, rules: Sequence[str] = ()) -> 
             f"{len(rules)} custom statistics; expected {N_CORE_VALUES + len(rules)} "
             f"(or 2 more, m3 and m4 of moments=4) in both"
         )
-    counts = ca + cb
-    numel, nan, inf = COUNT_INDEX["numel"], COUNT_INDEX["nan_count"], COUNT_INDEX["inf_count"]
-    # The counts are int32: a union of more than MAX_ELEMENTS elements (a loop's iterations
-    # together) would wrap them. Its numel becomes -1, stays -1 through later merges, and
-    # to_vector refuses it (every other count is at most numel, so numel alone can tell).
-    too_many = (ca[numel] < 0) | (cb[numel] < 0) | (ca[numel] > MAX_ELEMENTS - cb[numel])
-    counts = counts.at[numel].set(jnp.where(too_many, -1, counts[numel]))
-    na = (ca[numel] - ca[nan] - ca[inf]).astype(va.dtype)
-    nb = (cb[numel] - cb[nan] - cb[inf]).astype(va.dtype)
-    n = na + nb
-    xa, xb = unpack_fields(va, VALUE_FIELDS), unpack_fields(vb, VALUE_FIELDS)
-    # Extrema compared as bit patterns (order keys): exact where XLA:CPU's float comparisons
-    # treat subnormals as zero.
     fb = _bits_for(va.dtype)
-    width = np.dtype(fb.int_dtype).itemsize * 8
-
-    def key(v: Any) -> Any:  # involution: float bits -> integers in the floats' order
-        b = jax.lax.bitcast_convert_type(v, fb.int_dtype)
-        return b ^ ((b >> (width - 1)) & fb.magnitude_mask)
-
-    def unkey(k: Any) -> Any:
-        return jax.lax.bitcast_convert_type(k ^ ((k >> (width - 1)) & fb.magnitude_mask), va.dtype)
-
-    def lower(name: str) -> Any:
-        return unkey(jnp.minimum(key(xa[name]), key(xb[name])))
-
-    def upper(name: str) -> Any:
-        return unkey(jnp.maximum(key(xa[name]), key(xb[name])))
-
-    s = upper("max_abs")
-    # Ratios to s in the integer domain (v * 2**k rebuilt from its bits, s * 2**k in [1, 2)):
-    # exact for subnormal s and v, which XLA:CPU's float division flushes to zero.
-    idt, mb, bias, mask = fb.int_dtype, fb.mantissa_bits, fb.exponent_bias, fb.magnitude_mask
-
-    def rescaled(m: Any, k: Any) -> Any:  # |v| * 2**k from the magnitude bits m (0 below normal)
-        efield = m >> mb
-        normal = efield > 0
-        full = jnp.where(normal, (m & ((1 << mb) - 1)) | (1 << mb), m)
-        j = jnp.where(normal, efield - bias, 1 - bias) - mb + k
-        pow2 = jax.lax.bitcast_convert_type(
-            ((jnp.clip(j, 1 - bias, bias) + bias) << mb).astype(idt), va.dtype
-        )
-        return full.astype(va.dtype) * jnp.where(j < 1 - bias, 0, pow2)
-
-    s_bits = jax.lax.bitcast_convert_type(s, idt) & mask
-    efield = s_bits >> mb
-    floor_log2 = jnp.where(
-        efield > 0, efield - bias, (width - 1 - jax.lax.clz(s_bits)) - (bias + mb - 1)
-    )
-    k = jnp.where(s_bits > 0, -floor_log2, 0)
-    s_scaled = jnp.where(s_bits > 0, rescaled(s_bits, k), 1)
-
-    def over_s(v: Any) -> Any:  # v / s
-        b = jax.lax.bitcast_convert_type(v, idt)
-        r = rescaled(b & mask, k) / s_scaled
-        return jnp.where(b < 0, -r, r)
-
+    counts = _merge_counts(a.counts, b.counts)
+    na, nb = _n_finite(a.counts, va.dtype), _n_finite(b.counts, va.dtype)
+    xa, xb = unpack_fields(va, VALUE_FIELDS), unpack_fields(vb, VALUE_FIELDS)
+    # the extrema ("min", "max"); then the moments and power sums on the merged scale s
+    core = {
+        name: _merge_value(FIELD_RULES[name], xa[name], xb[name], fb)
+        for name in VALUE_FIELDS
+        if FIELD_RULES[name] not in ("moment", "power")
+    }
+    s = core["max_abs"]
+    over_s = _over(s, fb)
     ra, rb = over_s(xa["max_abs"]), over_s(xb["max_abs"])
     delta = over_s(xb["mean"]) - over_s(xa["mean"])  # scaled before subtracting: no overflow
+    n = na + nb
     has = n > 0
     safe = jnp.where(has, n, 1)
-    ma, m2a = xa["mean"], xa["m2"]
-    core = {
-        "min": lower("min"),
-        "max": upper("max"),
-        "min_abs": lower("min_abs"),
-        "max_abs": s,
-        "mean": jnp.where(has, ma + delta * (nb / safe) * s, ma),
-        "m2": jnp.where(has, m2a * ra**2 + xb["m2"] * rb**2 + delta**2 * (na * (nb / safe)), m2a),
-        **{f"p{k}": xa[f"p{k}"] * ra**k + xb[f"p{k}"] * rb**k for k in POWERS},
-    }
-    extras = []
-    wa, wb = ca[numel].astype(va.dtype), cb[numel].astype(va.dtype)
-    for j, rule in enumerate(rules):
-        i = N_CORE_VALUES + j
-        if rule == "min":
-            extras.append(unkey(jnp.minimum(key(va[i]), key(vb[i]))))
-        elif rule == "max":
-            extras.append(unkey(jnp.maximum(key(va[i]), key(vb[i]))))
-        elif rule == "sum":
-            extras.append(va[i] + vb[i])
-        else:
-            total = wa + wb
-            extras.append(
-                jnp.where(total > 0, (va[i] * wa + vb[i] * wb) / jnp.where(total > 0, total, 1), 0)
-            )
+    ma, m2a, m2b = xa["mean"], xa["m2"] * ra**2, xb["m2"] * rb**2
+    core["mean"] = jnp.where(has, ma + delta * (nb / safe) * s, ma)
+    core["m2"] = jnp.where(has, m2a + m2b + delta**2 * (na * (nb / safe)), xa["m2"])
+    core.update({f"p{k}": xa[f"p{k}"] * ra**k + xb[f"p{k}"] * rb**k for k in POWERS})
+    extras = _merge_extras(a, b, rules, fb)
     if higher:  # Pébay's update, the sums rescaled to the merged scale like m2's
         i3 = N_CORE_VALUES + len(rules)
-        m3, m4 = merge_higher(
-            na,
-            nb,
-            delta,
-            m2a * ra**2,
-            va[i3] * ra**3,
-            va[i3 + 1] * ra**4,
-            xb["m2"] * rb**2,
-            vb[i3] * rb**3,
-            vb[i3 + 1] * rb**4,
-        )
+        a3, a4, b3, b4 = va[i3] * ra**3, va[i3 + 1] * ra**4, vb[i3] * rb**3, vb[i3 + 1] * rb**4
+        m3, m4 = merge_higher(na, nb, delta, m2a, a3, a4, m2b, b3, b4)
         extras += [jnp.where(has, m3, va[i3]), jnp.where(has, m4, va[i3 + 1])]
     values = pack_fields(core, VALUE_FIELDS, jnp)
     if extras:

@@ -110,6 +110,39 @@ def _custom_stats(fns: Sequence[StatFn]) -> dict[str, CustomStat]:
     return custom
 
 
+def _check_states(
+    model_state: Any, optimizer_state: Any, device_axis: Any, track_updates: bool
+) -> None:
+    """Refuses arguments of :func:`track` that do not fit together, saying what to pass."""
+    if optimizer_state is not None and model_state is None:
+        raise ValueError(
+            "track(): optimizer_state was given without model_state; optimizer-state leaves "
+            "are named after the parameters they mirror, so pass model_state too"
+        )
+    if model_state is not None and not param_leaves(parts_of(model_state).params)[0]:
+        raise ValueError(
+            f"track(): model_state has no floating-point leaves to track (got "
+            f"{type(model_state).__name__}); pass the parameters, e.g. the dict from "
+            f"model.init(...) or an nnx module"
+        )
+    if device_axis is not None and not isinstance(device_axis, bool):
+        raise TypeError(f"track(device_axis={device_axis!r}): expected True, False or None")
+    if (
+        model_state is not None
+        and optimizer_state is not None
+        and parts_of(model_state).opt_state is not None
+    ):
+        raise ValueError(
+            f"track(): model_state ({type(model_state).__name__}) holds the optimizer state "
+            f"already (its opt_state); leave optimizer_state out"
+        )
+    if track_updates and model_state is None:
+        raise ValueError(
+            "track(track_updates=True): updates are differences of the parameters given to "
+            "track() and step(); pass model_state"
+        )
+
+
 class _TapSink:
     """The tracker as its taps see it (implements :class:`._sink.TapSink`): the mailbox
     arena, the merge rules of the tracker's custom statistics, whether a tap of the current
@@ -183,8 +216,7 @@ class JaxTracker(TrackerCore[Sent]):
     #: the JAX adapter the core calls (made by :meth:`__init__`)
     _adapter: JaxAdapter
 
-    # issue 31: split after the jax fast-path work lands (composed tracker)
-    def __init__(  # noqa: PLR0915
+    def __init__(
         self,
         model_state: Any = None,
         optimizer_state: Any = None,
@@ -194,19 +226,7 @@ class JaxTracker(TrackerCore[Sent]):
     ) -> None:
         opts = TrackOptions.of(options)
         super().__init__(opts, type(model_state).__name__, "jax")
-        if optimizer_state is not None and model_state is None:
-            raise ValueError(
-                "track(): optimizer_state was given without model_state; optimizer-state leaves "
-                "are named after the parameters they mirror, so pass model_state too"
-            )
-        if model_state is not None and not param_leaves(parts_of(model_state).params)[0]:
-            raise ValueError(
-                f"track(): model_state has no floating-point leaves to track (got "
-                f"{type(model_state).__name__}); pass the parameters, e.g. the dict from "
-                f"model.init(...) or an nnx module"
-            )
-        if device_axis is not None and not isinstance(device_axis, bool):
-            raise TypeError(f"track(device_axis={device_axis!r}): expected True, False or None")
+        _check_states(model_state, optimizer_state, device_axis, opts.track_updates)
         fns = opts.stat_fns
         if opts.percentile_columns:
             from ._percentiles import percentile_stat
@@ -220,20 +240,6 @@ class JaxTracker(TrackerCore[Sent]):
         self._track_gradients = opts.track_gradients
         self._has_model = model_state is not None
         self._has_optimizer = optimizer_state is not None  # given apart from model_state
-        if (
-            model_state is not None
-            and optimizer_state is not None
-            and parts_of(model_state).opt_state is not None
-        ):
-            raise ValueError(
-                f"track(): model_state ({type(model_state).__name__}) holds the optimizer state "
-                f"already (its opt_state); leave optimizer_state out"
-            )
-        if opts.track_updates and model_state is None:
-            raise ValueError(
-                "track(track_updates=True): updates are differences of the parameters given to "
-                "track() and step(); pass model_state"
-            )
         self._track_updates = opts.track_updates
         # the parameters of the current step (names, arrays), kept when its update is tracked
         self._before: tuple[list[Leaf], list[Any]] | None = None
