@@ -33,6 +33,14 @@ upper bound. One tile gives each warp
 * VEC)``. The loop's 128-bit loads (``LDG.E.128``) and any spill traffic in it
 (``STL``/``LDL``) are counted in the same span.
 
+The block-format kernels (``_blocks_one``, ``_blocks_many``: a second read of a tensor
+for the block-scaled formats' columns) are compiled too, in each variant ``launch_blocks``
+and the batch path pick for float32, bfloat16 and float8 tensors: every block format on
+dense rows (vector loads) and on rows of 33 elements (read by their strides), NVFP4 alone
+on dense rows (the summary kernel computed the MX formats in its pass). Their rows give
+``kernel`` and ``formats``, their registers, instructions and the local-memory (spill)
+instructions anywhere in their code; they have no tile-loop figures.
+
 With ``--table`` it also prints the figures as a table (for docs/cost-torch.md), with the
 spill bytes ptxas reports when it assembles each kernel's PTX again (``ptxas -v``; a
 second assembly, not needed for the test's figures).
@@ -54,6 +62,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.runtime import driver
 
+from tandv.stats.blocks import block_extras
 from tandv.stats.summary import Layout
 from tandv.track.torch import _fused
 
@@ -64,6 +73,8 @@ DTYPES = (
     torch.float8_e4m3fn,  # the other 8-bit formats compile the same code
     torch.float64,
 )
+#: the dtypes whose block kernels are compiled (float16 reads as bfloat16 does, 16 bits)
+BLOCK_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 
 
 class CompileOnlyDevice:
@@ -175,12 +186,42 @@ def figures(name: str, compiled: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def block_figures(name: str, compiled: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A compiled block kernel's resources: registers, instructions (``NOP`` aside) and
+    local-memory loads and stores (spills) anywhere in its code."""
+    registers, code = disassemble(compiled.asm["cubin"])
+    columns = ("C_E4M3", "C_E5M2", "C_E2M1", "C_NV")
+    formats = [f for f, c in zip(_fused._BLOCK_KERNEL_FORMATS, columns) if kwargs[c]]
+    return {
+        "kernel": name,
+        "formats": "+".join(formats),
+        "strided": not kwargs["DENSE"],
+        "registers": registers,
+        "instructions": len(code),
+        "spill_instructions": sum(bool(re.search(r"\b(STL|LDL)\b", t)) for _, t in code),
+    }
+
+
+def launch_block_variants(dtype: torch.dtype) -> None:
+    """Launch the block kernels (see the module notes) as ``launch_blocks`` and the batch
+    path (``_launch_blocks_many``) do for ``dtype``'s tensors with every block format."""
+    spec = _fused.spec_for(dtype)
+    layout = Layout(str(dtype).removeprefix("torch."), block_extras(_fused._BLOCK_KERNEL_FORMATS))
+    rows = torch.zeros(_fused.row_size(spec, layout), dtype=torch.float64)
+    dense, ragged = torch.zeros(8, 64, dtype=dtype), torch.zeros(8, 33, dtype=dtype)
+    for x, mx_done in ((dense, False), (ragged, False), (dense, True)):
+        _fused.launch_blocks(x, spec, layout, rows, 0, 16, mx_done=mx_done)
+        flat = x.view(torch.uint8) if spec.mode == 3 else x  # (as launch_many passes it)
+        _fused._launch_blocks_many([flat, flat], spec, layout, rows, [0, 0], 16, mx_done, 0)
+
+
 def compile_all(arch: int, table: bool) -> list[dict[str, Any]]:
     """The figures of every kernel variant compiled for ``arch`` (with ``table``, ptxas's
     spill bytes too)."""
     driver.set_active(CompileOnlyDevice(arch))
     built: list[tuple[str, Any, dict[str, Any]]] = []
-    kernels = {name: getattr(_fused, name) for name in ("_summarize_one", "_summarize_many")}
+    names = ("_summarize_one", "_summarize_many", "_blocks_one", "_blocks_many")
+    kernels = {name: getattr(_fused, name) for name in names}
     for name, kernel in kernels.items():
         kernel.device_caches.clear()  # each device's cache holds the target it compiles for
         setattr(_fused, name, CompileOnly(kernel, built))
@@ -201,6 +242,18 @@ def compile_all(arch: int, table: bool) -> list[dict[str, Any]]:
 
     _fused._launch = launch_checked
     report = []
+
+    def collect(dtype: torch.dtype, moments: int, figures_of: Any) -> None:
+        """The rows of the kernels built since the last call (``figures_of``: their figures)."""
+        assert len(checked) == len(built) and all(checked), "launcher arguments differ"
+        for name, compiled, kwargs in built:
+            row = {"dtype": str(dtype), "moments": moments, **figures_of(name, compiled, kwargs)}
+            if table:
+                row |= spills(compiled.asm["ptx"], arch)
+            report.append(row)
+        built.clear()
+        checked.clear()
+
     try:
         # every dtype with the default moments; float32 also with moments=4 (m3, m4 too)
         for dtype, moments in [*((d, 2) for d in DTYPES), (torch.float32, 4)]:
@@ -217,14 +270,10 @@ def compile_all(arch: int, table: bool) -> list[dict[str, Any]]:
             if dtype == torch.float32 and moments == 2:  # a gappy view, read by its strides
                 gappy = torch.zeros(64, 3 * spec.block)[:, ::3]
                 _fused.launch_one(gappy, spec, layout, rows, 0, scratch, 16)
-            assert len(checked) == len(built) and all(checked), "launcher arguments differ"
-            for name, compiled, kwargs in built:
-                row = {"dtype": str(dtype), "moments": moments, **figures(name, compiled, kwargs)}
-                if table:
-                    row |= spills(compiled.asm["ptx"], arch)
-                report.append(row)
-            built.clear()
-            checked.clear()
+            collect(dtype, moments, figures)
+        for dtype in BLOCK_DTYPES:
+            launch_block_variants(dtype)
+            collect(dtype, 2, block_figures)
     finally:
         _fused._launch = launch
         for name, kernel in kernels.items():
@@ -237,6 +286,13 @@ def print_table(arch: int, report: list[dict[str, Any]]) -> None:
     print("PTX v4 loads, loop 128-bit", end=" ")
     print("loads, loop instructions / elements per warp = instructions per element")
     for r in report:
+        if "formats" in r:  # a block kernel
+            print(
+                f"{r['kernel'] + (' (strided)' if r['strided'] else ''):30s} "
+                f"{r['dtype'] + ' ' + r['formats']:30s} {r['registers']:4d} "
+                f"{r['spill_stores']:4d} (instructions: {r['instructions']})"
+            )
+            continue
         print(
             f"{r['kernel'] + (' (strided)' if r['strided'] else ''):30s} "
             f"{r['dtype'] + (' moments=4' if r['moments'] == 4 else ''):30s} "

@@ -511,7 +511,7 @@ def test_kernels_compile_for_gpus_near_memory_speed(compiled_for_gpus, arch):
     element and the target is missed (2.2-2.5 measured, sm_80 and sm_90; on an H200 that
     Triton's float32 kernel read 0.95-1.02 TB/s at 268M elements): the bound there, 2.6,
     only guards against a regression."""
-    report = compiled_for_gpus[str(arch)]
+    report = [r for r in compiled_for_gpus[str(arch)] if "formats" not in r]
     compiled = {(r["dtype"], r["kernel"], r["strided"], r["moments"]) for r in report}
     # 5 dtypes x (one tensor, a table of tensors), a strided view, float32 with moments=4
     assert len(compiled) == 13
@@ -526,6 +526,24 @@ def test_kernels_compile_for_gpus_near_memory_speed(compiled_for_gpus, arch):
                 assert r["registers"] <= _fused.MAXNREG, r  # 3 programs of 256 threads per SM
             else:  # m3, m4 too: their float64 update per tile (no register cap, no spills)
                 assert r["instructions_per_element"] <= (2.75 if ballots else 1.7), r
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_block_kernels_compile_for_gpus_without_spills(compiled_for_gpus, arch):
+    """The block-format kernels (the second read for the block-scaled formats' columns)
+    compile for sm_80 and sm_90 in every variant the launchers pick for float32, bfloat16
+    and float8 tensors, and no variant touches local memory: a spill anywhere (their tile
+    loop is most of their code) would add memory traffic to a read meant to run at memory
+    speed."""
+    report = [r for r in compiled_for_gpus[str(arch)] if "formats" in r]
+    compiled = {(r["dtype"], r["kernel"], r["strided"], r["formats"]) for r in report}
+    # 3 dtypes x (one tensor, a table of tensors) x (every format on dense rows and on rows
+    # read by their strides, NVFP4 alone on dense rows)
+    assert len(compiled) == 18
+    assert {r["formats"] for r in report} == {"+".join(_fused._BLOCK_KERNEL_FORMATS), "nvfp4"}
+    for r in report:
+        print(r)
+        assert 0 < r["registers"] <= 255 and r["spill_instructions"] == 0, r
 
 
 def test_launch_many_reuses_its_table_only_for_the_same_tensors():

@@ -1292,8 +1292,78 @@ def _mx_columns(row, acc, C_E4M3: tl.constexpr, C_E5M2: tl.constexpr, C_E2M1: tl
 
 
 @triton.jit
-# a Triton kernel body: one straight-line program
-def _blocks(  # noqa: PLR0915
+def _nv_zeros(NB: tl.constexpr):
+    """NVFP4's per-block sums of :func:`_nv_blocks` for tiles of ``NB`` blocks of 32 (``2 NB``
+    blocks of 16), zero."""
+    zi = tl.zeros([2 * NB], tl.int32)
+    zf = tl.zeros([2 * NB], tl.float64)
+    return (zi, zi, zi, zf, zf)
+
+
+@triton.jit
+def _nv_blocks(a, acc, s_t, st_ok):
+    """``acc``, NVFP4's sums per block of 16 (underflow, subnormal, saturated, squared
+    error, the largest max/min ratio), with the ``[blocks, 32]`` tile of magnitudes ``a``
+    added (:func:`_nv_tile`, tensor scale ``s_t`` and ``st_ok``: :func:`_tensor_scale`)."""
+    un, sn, tn, en, rnv = acc
+    du, ds, dt, de, dr = _nv_tile(tl.reshape(a, [2 * a.shape[0], 16]), s_t, st_ok)
+    return (un + du, sn + ds, tn + dt, en + de, tl.maximum(rnv, dr))
+
+
+@triton.jit
+def _nv_columns(row, acc, C_NV: tl.constexpr):
+    """Adds a program's NVFP4 sums (:func:`_nv_blocks`) to the row ``row`` (if ``C_NV``)."""
+    if C_NV:
+        un, sn, tn, en, rnv = acc
+        _add_columns(row + C_NV, un, sn, tn, en, rnv)
+
+
+@triton.jit
+def _tensor_scale(row):
+    """NVFP4's tensor scale ``s_t``: the tensor's largest magnitude (``MAX_ABS`` in its row
+    ``row``, written by the summary kernel) over ``6 * 448``; and ``st_ok``, whether that
+    is above 0 (where it is not, ``s_t`` is 1 and :func:`_nv_tile` gives every block the
+    scale 0)."""
+    amax_t = tl.load(row + 7).to(tl.float32)  # MAX_ABS
+    st_ok = amax_t > 0
+    s_t = tl.math.div_rn(tl.where(st_ok, amax_t, 2688.0), 2688.0)
+    st_ok = s_t > 0  # (a tensor maximum below 2688 * 2**-149 gives 0)
+    return tl.where(st_ok, s_t, 1.0), st_ok
+
+
+@triton.jit
+def _block_tile(
+    ptr,
+    t0,
+    j,
+    length,
+    per_row,
+    b_end,
+    rs,
+    cs,
+    lut_ptr,
+    MODE: tl.constexpr,
+    NB: tl.constexpr,
+    DENSE: tl.constexpr,
+):
+    """The ``[NB, 32]`` tile of magnitudes of blocks ``t0`` to ``t0 + NB`` (the layout and
+    arguments of :func:`_blocks`; ``j``: ``[1, 32]``, 0 to 31), 0 for an element masked
+    off (block ``b_end`` and after, past its row's end) and for an infinite or NaN one."""
+    b = t0 + tl.arange(0, NB).to(tl.int64)[:, None]
+    r = b // per_row
+    col = (b - r * per_row) * 32 + j
+    if DENSE:  # whole blocks of consecutive elements, DENSE-aligned: vector loads
+        m = tl.broadcast_to(b < b_end, [NB, 32])
+        x = _load(ptr, r * rs * DENSE + col, m, lut_ptr, MODE, True)  # rs: in DENSE units
+    else:
+        m = (b < b_end) & (col < length)
+        x = _load(ptr, r * rs + col * cs, m, lut_ptr, MODE, True)
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.where(m & (bits < 0x7F800000), tl.abs(x), 0.0)
+
+
+@triton.jit
+def _blocks(
     ptr,
     length,
     per_row,
@@ -1321,42 +1391,25 @@ def _blocks(  # noqa: PLR0915
     computed). ``DENSE``: the element stride is 1 and the row length a multiple of 32 and
     of ``DENSE`` (16 bytes of elements; ``rs`` is then in units of ``DENSE``), so that the
     compiler reads each block's elements by vector loads (a mask per block row, not per
-    element). The program adds its sums to the row (atomics; the row starts at zero)."""
+    element). Each tile's magnitudes (:func:`_block_tile`) add to the MX formats' sums per
+    block (:func:`_mx_blocks`) and NVFP4's (:func:`_nv_blocks`, with the tensor scale of
+    :func:`_tensor_scale`); the program then adds its sums to the row (atomics; the row
+    starts at zero)."""
     MX: tl.constexpr = C_E4M3 + C_E5M2 + C_E2M1
-    amax_t = tl.load(row + 7).to(tl.float32)  # MAX_ABS, written by the summary kernel
-    st_ok = amax_t > 0
-    s_t = tl.math.div_rn(tl.where(st_ok, amax_t, 2688.0), 2688.0)
-    st_ok = s_t > 0  # (a tensor maximum below 2688 * 2**-149 gives 0)
-    s_t = tl.where(st_ok, s_t, 1.0)
-    zi2 = tl.zeros([2 * NB], tl.int32)
-    zf2 = tl.zeros([2 * NB], tl.float64)
-    acc = (_mx_zeros(NB), (zi2, zi2, zi2, zf2, zf2))
+    s_t, st_ok = _tensor_scale(row)
+    acc = (_mx_zeros(NB), _nv_zeros(NB))
     j = tl.arange(0, 32)[None, :]
     for t0 in range(b0, b_end, NB):
-        b = t0 + tl.arange(0, NB).to(tl.int64)[:, None]
-        r = b // per_row
-        col = (b - r * per_row) * 32 + j
-        if DENSE:  # whole blocks of consecutive elements, DENSE-aligned: vector loads
-            m = tl.broadcast_to(b < b_end, [NB, 32])
-            x = _load(ptr, r * rs * DENSE + col, m, lut_ptr, MODE, True)  # rs: in DENSE units
-        else:
-            m = (b < b_end) & (col < length)
-            x = _load(ptr, r * rs + col * cs, m, lut_ptr, MODE, True)
-        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        a = tl.where(m & (bits < 0x7F800000), tl.abs(x), 0.0)
+        a = _block_tile(ptr, t0, j, length, per_row, b_end, rs, cs, lut_ptr, MODE, NB, DENSE)
         mx, nv = acc
         if MX:
             mx = _mx_blocks(a, mx, C_E4M3, C_E5M2, C_E2M1)
         if C_NV:
-            un, sn, tn, en, rnv = nv
-            du, ds, dt, de, dr = _nv_tile(tl.reshape(a, [2 * NB, 16]), s_t, st_ok)
-            nv = (un + du, sn + ds, tn + dt, en + de, tl.maximum(rnv, dr))
+            nv = _nv_blocks(a, nv, s_t, st_ok)
         acc = (mx, nv)
     mx, nv = acc
     _mx_columns(row, mx, C_E4M3, C_E5M2, C_E2M1)
-    if C_NV:
-        un, sn, tn, en, rnv = nv
-        _add_columns(row + C_NV, un, sn, tn, en, rnv)
+    _nv_columns(row, nv, C_NV)
 
 
 @triton.jit(do_not_specialize=["length", "per_row", "blocks", "per_prog", "rs", "cs", "row_off"])
