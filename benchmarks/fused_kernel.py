@@ -9,8 +9,9 @@ one hook-sized observation (Python and Triton's launch, no device wait).
 
 ``--tiny`` runs a few small tensors in Triton's interpreter on the CPU (no GPU figure:
 it checks the benchmark's own path and the results against the numpy reference), as the
-test suite does. ``--warps``, ``--per-thread``, ``--maxnreg`` and ``--parts`` (the most
-programs per tensor) override the kernel's tile and split for tuning.
+test suite does. ``--warps``, ``--per-thread``, ``--maxnreg`` and ``--parts`` or
+``--parts-per-sm`` (the most programs per tensor) override the kernel's tile and split for
+tuning.
 
 Usage::
 
@@ -163,7 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-thread", type=int, default=None, help="elements per thread and tile")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap (0: none)")
     p.add_argument("--parts", type=int, default=None, help="most programs per tensor")
+    p.add_argument(
+        "--parts-per-sm",
+        type=int,
+        default=None,
+        help="most programs per tensor, per SM of the GPU (instead of --parts)",
+    )
     args = p.parse_args(argv)
+    if args.parts_per_sm is not None:
+        if args.parts is not None or args.parts_per_sm < 1:
+            p.error("--parts-per-sm: a positive count, instead of --parts (not with it)")
+        if torch.cuda.is_available():
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            args.parts = args.parts_per_sm * sms
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
     elif not torch.cuda.is_available():

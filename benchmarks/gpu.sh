@@ -14,7 +14,7 @@
 #   bash benchmarks/gpu.sh gpt2    # GPU: the GPT-2-sized preset, and the torch.compile'd model
 #   bash benchmarks/gpu.sh budget  # GPU: one call for a 15-minute device budget (about 9
 #                                  # minutes): the CUDA-only tests, the 4-layer model, the kernel
-#                                  # alone, the block formats, GPT-2 size, the JAX transformer's
+#                                  # alone (and split 3 per SM), the block formats, GPT-2 size, the JAX transformer's
 #                                  # host time by phase (jax_gpu_probe.py)
 #   bash benchmarks/gpu.sh jax     # GPU: installs .gpu-wheels where flax is missing, the
 #                                  # JAX tests on the GPU and the transformer benchmark with
@@ -119,6 +119,8 @@ budget)
     tests/test_blocks_fused.py tests/test_blocks_torch.py
   stage overhead 60 python3 benchmarks/overhead.py --device cuda --steps 20
   stage kernel 40 python3 benchmarks/fused_kernel.py --reps 10
+  # one wave at 80 registers (3 programs per SM) against the default 2: not measured yet
+  stage split 40 python3 benchmarks/fused_kernel.py --reps 10 --parts-per-sm 3
   stage host 40 python3 benchmarks/host_cost.py --steps 10
   stage blocks 50 python3 benchmarks/overhead.py --device cuda --no-extras --steps 10 \
     --block-formats mxfp8_e4m3 nvfp4
