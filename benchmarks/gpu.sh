@@ -14,8 +14,8 @@
 #   bash benchmarks/gpu.sh gpt2    # GPU: the GPT-2-sized preset, and the torch.compile'd model
 #   bash benchmarks/gpu.sh budget  # GPU: one call for a 15-minute device budget (about 9
 #                                  # minutes): the CUDA-only tests, the 4-layer model, the kernel
-#                                  # alone (and split 3 per SM), the block formats, GPT-2 size, the JAX transformer's
-#                                  # host time by phase (jax_gpu_probe.py)
+#                                  # alone (and split 3 per SM), the block formats, GPT-2 size,
+#                                  # the JAX transformer's host time by phase (jax_gpu_probe.py)
 #   bash benchmarks/gpu.sh jax     # GPU: installs .gpu-wheels where flax is missing, the
 #                                  # JAX tests on the GPU and the transformer benchmark with
 #                                  # the Pallas kernel and with XLA's operations
