@@ -127,8 +127,8 @@ budget)
   stage gpt2 80 python3 benchmarks/overhead.py --device cuda --preset gpt2-small --steps 8
   # where a tracked JAX call's host time goes (the every=1/every=10 ratios: the jax stage;
   # 80 s here gave an empty budget-jax.txt on 2026-11-26, 90 s only the untracked call's
-  # figures later that day)
-  stage probe 200 python3 benchmarks/jax_gpu_probe.py --steps 5
+  # figures later that day; the stages' limits add up to 590 s, within one 600 s command)
+  stage probe 180 python3 benchmarks/jax_gpu_probe.py --steps 5
   ;;
 *)
   echo "usage: bash benchmarks/gpu.sh wheels|torch|gpt2|jax|budget" >&2

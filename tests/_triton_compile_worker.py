@@ -35,7 +35,7 @@ upper bound. One tile gives each warp
 
 The block-format kernels (``_blocks_one``, ``_blocks_many``: a second read of a tensor
 for the block-scaled formats' columns) are compiled too, in each variant ``launch_blocks``
-and the batch path pick for float32, bfloat16 and float8 tensors: every block format on
+and the batch path pick for float32 tensors (:data:`BLOCK_DTYPES`): every block format on
 dense rows (vector loads) and on rows of 33 elements (read by their strides), NVFP4 alone
 on dense rows (the summary kernel computed the MX formats in its pass). Their rows give
 ``kernel`` and ``formats``, their registers, instructions and the local-memory (spill)
@@ -180,12 +180,18 @@ def figures(name: str, compiled: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         "ptx_v4_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.", ptx)),
         "loop_instructions": len(loop),
         "loop_128bit_loads": sum("LDG.E.128" in t for t in loop),
-        "loop_spill_instructions": sum(t.split()[0] in ("STL", "LDL") or "LDL." in t for t in loop),
+        "loop_spill_instructions": sum(map(_spill, loop)),
         "elements_per_warp_per_tile": per_warp,
         "instructions_per_element": round(len(loop) / per_warp, 3),
         # how Triton lowered tl.histogram (see the module notes)
         "histogram": "ballots" if any("VOTE.ANY" in t for t in loop) else "shared atomics",
     }
+
+
+def _spill(instruction: str) -> bool:
+    """Whether a SASS instruction reads or writes local memory (``STL``, ``LDL`` and their
+    variants such as ``STL.64`` or ``LDL.LU``, predicated or not): spill traffic."""
+    return re.search(r"\b(STL|LDL)\b", instruction) is not None
 
 
 def block_figures(name: str, compiled: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -200,7 +206,7 @@ def block_figures(name: str, compiled: Any, kwargs: dict[str, Any]) -> dict[str,
         "strided": not kwargs["DENSE"],
         "registers": registers,
         "instructions": len(code),
-        "spill_instructions": sum(bool(re.search(r"\b(STL|LDL)\b", t)) for _, t in code),
+        "spill_instructions": sum(_spill(t) for _, t in code),
     }
 
 

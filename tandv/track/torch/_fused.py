@@ -1358,8 +1358,7 @@ def _block_tile(
     else:
         m = (b < b_end) & (col < length)
         x = _load(ptr, r * rs + col * cs, m, lut_ptr, MODE, True)
-    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    return tl.where(m & (bits < 0x7F800000), tl.abs(x), 0.0)
+    return tl.where(m & (_magnitude_bits(x, 0) < _inf_bits(0)), tl.abs(x), 0.0)
 
 
 @triton.jit
@@ -1556,22 +1555,14 @@ class Spec:
         return self.dmin + self.nbd - 1 + 127
 
     @cached_property
-    def per_thread(self) -> int:
-        """Elements a thread reads per tile: :data:`PER_THREAD`, whatever the dtype. (Float64
-        read half as many until an H200 (Triton 3.6) read 16M float64 elements in 126 us
-        with 8 per thread against 166 us with 4; 148-162 registers under Triton 3.9, 255
-        under 3.6, no spill in the loop either way.)"""
-        return PER_THREAD
-
-    @cached_property
     def vec(self) -> int:
         """Elements of one load: 16 bytes, 8 bytes of 8-bit formats."""
-        return min(16 // self.dtype.itemsize, self.per_thread)
+        return min(16 // self.dtype.itemsize, PER_THREAD)
 
     @cached_property
     def k(self) -> int:
         """Loads per thread and tile."""
-        return self.per_thread // self.vec
+        return PER_THREAD // self.vec
 
     @cached_property
     def maxnreg(self) -> int | None:
