@@ -4,6 +4,17 @@ import os
 
 import pytest
 
+# XLA's CPU compiler at LLVM's -O0: the JAX tests compile about 1,200 programs, and XLA's
+# backend compile is most of their time on 2 cores; -O0 takes about a quarter off it. The
+# programs XLA runs are its optimized HLO either way (the HLO passes still run; only the
+# machine code is less tuned), and XLA's CPU code does no fast-math at any level, so the
+# results are the same values. Set before JAX starts its CPU backend, and inherited by the
+# processes the distributed tests start. A flag the caller set wins.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
+
 # JAX must see two CPU devices for the sharding tests; this has to happen before
 # the first JAX operation anywhere in the session.
 try:
