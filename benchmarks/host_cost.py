@@ -54,11 +54,19 @@ by a no-op; the time per call is that Python launch path, not the driver's. It a
 a hook's launch (``HookLaunch.summarize``: a row reserved, then the compiled kernel called
 directly). ``--no-triton`` skips both.
 
+``--floor`` runs the same model twice more with tandv's forward hooks replaced by stand-ins
+(:data:`FLOOR_HOOKS`): an empty hook, and one that asks its output the seven questions
+tandv's fast path asks of every tensor and does nothing else. Their figures are what a
+Python hook costs at these sites on this machine's caches now, so the tracker's figure can
+be read against them in one run (machines, and one machine from hour to hour, differ by
+2-3 times in all three).
+
 Usage::
 
     PYTHONPATH=. python benchmarks/host_cost.py            # 30 steps after 12 of warm-up
     PYTHONPATH=. python benchmarks/host_cost.py --tiny     # seconds: the tests' mode
     PYTHONPATH=. python benchmarks/host_cost.py --no-triton --difference  # the cross-check
+    PYTHONPATH=. python benchmarks/host_cost.py --no-triton --floor  # and its floor here
 
 The last two lines are ``host_us_per_observation: X`` and ``host_us_fixed_per_step: Y``.
 """
@@ -82,6 +90,7 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+import warnings  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -178,9 +187,22 @@ class Clock:
         )
 
 
-def instrument(clock: Clock) -> None:
-    """Time the tracker's hooks (per observation) and its per-step entry points."""
-    make_fwd, make_grad = Tracker._make_forward_hook, Tracker._make_grad_hook
+def instrument(clock: Clock, floor: str | None = None) -> Callable[[], None]:
+    """Time the tracker's hooks (per observation) and its per-step entry points; with
+    ``floor``, the forward hooks are :data:`FLOOR_HOOKS`' instead of tandv's (see
+    :func:`host_cost`). Returns what puts the tracker's methods back."""
+    names = (
+        "_make_forward_hook",
+        "_make_grad_hook",
+        "_first_forward_hook",
+        "_optimizer_pre_hook",
+        "_optimizer_post_hook",
+    )
+    saved = {name: getattr(Tracker, name) for name in names}
+    make_fwd, make_grad = saved["_make_forward_hook"], saved["_make_grad_hook"]
+    if floor is not None:
+        hook = FLOOR_HOOKS[floor]
+        make_fwd = lambda self, name, m: hook  # noqa: E731
     Tracker._make_forward_hook = lambda self, name, m: clock.timed(  # type: ignore[method-assign]
         "hook", make_fwd(self, name, m)
     )
@@ -190,6 +212,32 @@ def instrument(clock: Clock) -> None:
     Tracker._first_forward_hook = clock.timed("inside", Tracker._first_forward_hook)  # type: ignore[method-assign]
     Tracker._optimizer_pre_hook = clock.timed("fixed", Tracker._optimizer_pre_hook)  # type: ignore[method-assign]
     Tracker._optimizer_post_hook = clock.timed("fixed", Tracker._optimizer_post_hook)  # type: ignore[method-assign]
+
+    def restore() -> None:
+        for name, method in saved.items():
+            setattr(Tracker, name, method)
+
+    return restore
+
+
+def _empty_hook(mod: Any, args: Any, output: Any) -> None:
+    """A forward hook that does nothing: what any Python hook pays at these sites."""
+
+
+def _queries_hook(mod: Any, args: Any, output: Any) -> None:
+    """A forward hook that asks its output what tandv's fast path asks of every tensor
+    (type, dtype, size, device, layout, negation bit, version) and does nothing else."""
+    if type(output) is torch.Tensor:
+        output.dtype, output.numel(), output.get_device()  # noqa: B018
+        output.is_contiguous(), output.is_neg(), output._version  # noqa: B018
+
+
+#: ``--floor``'s hooks, put in place of tandv's forward hooks (no output-gradient hooks
+#: then: tandv's forward hooks add those).
+FLOOR_HOOKS: dict[str, Callable[[Any, Any, Any], None]] = {
+    "empty": _empty_hook,
+    "queries": _queries_hook,
+}
 
 
 def thread_cpu_s(thread: threading.Thread | None) -> float:
@@ -213,21 +261,32 @@ def _timed_step(model: Any, opt: Any, data: torch.Tensor, i: int) -> int:
 
 
 def host_cost(
-    cfg: GPTConfig, batch: int, steps: int, warmup: int, difference: bool = False
+    cfg: GPTConfig,
+    batch: int,
+    steps: int,
+    warmup: int,
+    difference: bool = False,
+    floor: str | None = None,
 ) -> dict[str, float]:
     """Run ``warmup + steps`` tracked steps (every step scheduled) and return tandv's host
     time per observation and per step, and the counts behind them. With ``difference``,
     an untracked copy of the model steps beside the tracked one (in turn, the first of
     the pair alternating) and the hooks' cost is also taken by difference: the tracked
     forward and backward passes' CPU time, less the untracked copy's and less the
-    per-step entry points timed inside them, per hook call (see the module notes)."""
+    per-step entry points timed inside them, per hook call (see the module notes).
+
+    With ``floor`` (a key of :data:`FLOOR_HOOKS`), the same run with the forward hooks
+    replaced by that stand-in: the host time per hook call of a hook that does (nearly)
+    nothing, at the same sites and on the same cold caches, to read the tracker's figure
+    against on the same machine (the output-gradient hooks, which tandv's forward hooks
+    add, are not there)."""
     from tandv.track.torch import _fused
 
     _fused._summarize_one = NoLaunch("_summarize_one")  # type: ignore[assignment]
     _fused._summarize_many = NoLaunch("_summarize_many")  # type: ignore[assignment]
     kernel.cpu_path("fused")  # (for the rest of the process)
     clock = Clock()
-    instrument(clock)
+    restore = instrument(clock, floor)
     model, opt, data = _trainer(cfg, batch, 0, "cpu")
     bare = copy.deepcopy(model) if difference else None
     bare_opt = torch.optim.AdamW(bare.parameters(), lr=1e-3) if bare is not None else None
@@ -281,6 +340,7 @@ def host_cost(
             writer = thread_cpu_s(tracker.recorder.stream.writer_thread) - writer0  # type: ignore[union-attr]
             clock.on = False
             gc.enable()
+    restore()
     launches = _fused._summarize_one.calls + _fused._summarize_many.calls  # type: ignore[attr-defined]
     return {
         "observations_per_step": observations / steps,
@@ -410,6 +470,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also step an untracked copy and print the hooks' cost by difference",
     )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run with the forward hooks replaced by an empty hook and by one that "
+        "only asks its tensor what tandv asks: the floor of the per-hook figure here",
+    )
     p.add_argument("--triton-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.triton_worker is not None:
@@ -451,6 +517,20 @@ def main(argv: list[str] | None = None) -> int:
             "by difference (tracked forward and backward CPU time less an untracked copy's "
             "and less the weights' capture, per hook call; torch's own calls of the hooks "
             f"included): {r['difference_us_per_hook_call']:.2f} us (median over steps)"
+        )
+    if args.floor:
+        with warnings.catch_warnings():  # (the stand-ins record no activation: expected)
+            warnings.filterwarnings("ignore", "tandv: step .* recorded no activation")
+            floors = {
+                name: host_cost(cfg, size["batch"], args.steps, args.warmup, floor=name)
+                for name in FLOOR_HOOKS
+            }
+        print(
+            "floor, the same run with stand-ins for tandv's forward hooks (median per hook "
+            "call, same clock): an empty hook "
+            f"{floors['empty']['host_us_per_observation']:.2f} us; a hook asking its "
+            "tensor's type, dtype, size, device, contiguity, negation bit and version "
+            f"{floors['queries']['host_us_per_observation']:.2f} us"
         )
     print(f"host_us_per_observation: {r['host_us_per_observation']:.2f}")
     print(f"host_us_fixed_per_step: {r['host_us_fixed_per_step']:.0f}")

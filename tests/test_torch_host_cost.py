@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _benchmarks import load_benchmark
 from torch import nn
 
 from tandv.track.torch import _workspace, track
@@ -24,12 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_host_cost_benchmark_tiny_mode():
     """The benchmark runs (kernels replaced by no-ops), ends with its two figures, and the
     tracker launched at most one kernel per activation or activation gradient plus 8; its
-    cross-check by difference (an untracked copy stepping beside it) prints a figure."""
+    cross-check by difference (an untracked copy stepping beside it) prints a figure, and
+    its floor (stand-ins for tandv's forward hooks) figures below tandv's."""
     pytest.importorskip("triton")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
     script = str(ROOT / "benchmarks" / "host_cost.py")
     run = subprocess.run(
-        [sys.executable, script, "--tiny", "--no-triton", "--difference"],
+        [sys.executable, script, "--tiny", "--no-triton", "--difference", "--floor"],
         env=env,
         capture_output=True,
         text=True,
@@ -53,6 +55,41 @@ def test_host_cost_benchmark_tiny_mode():
     # a number (the CPU time of 3 tiny steps by difference may come out either side of 0)
     diff = re.search(r"by difference \(.*\): (-?[0-9.]+) us", run.stdout)
     assert diff, run.stdout
+    # --floor: the stand-in hooks ran and cost less than tandv's (several times less)
+    floor = re.search(r"an empty hook (-?[0-9.]+) us; .* version (-?[0-9.]+) us", run.stdout)
+    assert floor, run.stdout
+    assert max(float(floor.group(1)), float(floor.group(2))) < float(x.group(1))
+
+
+def test_instrument_puts_the_tracker_back_and_floor_hooks_replace_the_forward_hooks():
+    """``instrument(clock, floor)`` (``--floor``'s runs): tandv's forward hook factory
+    gives the stand-in, timed; its restore puts every method back, so the benchmark's
+    runs in one process do not time each other's wrappers."""
+    bench = load_benchmark("host_cost")
+    from tandv.track.torch.tracker import Tracker
+
+    names = (
+        "_make_forward_hook",
+        "_make_grad_hook",
+        "_first_forward_hook",
+        "_optimizer_pre_hook",
+        "_optimizer_post_hook",
+    )
+    before = {name: getattr(Tracker, name) for name in names}
+    calls = []
+    bench.FLOOR_HOOKS["spy"] = lambda mod, args, output: calls.append(output)
+    clock = bench.Clock()
+    restore = bench.instrument(clock, "spy")
+    try:
+        hook = Tracker._make_forward_hook(None, "a", nn.Linear(2, 2))
+        clock.on = True
+        out = torch.ones(2)
+        hook(None, (), out)
+    finally:
+        restore()
+        del bench.FLOOR_HOOKS["spy"]
+    assert calls == [out] and clock.calls["hook"] == 1
+    assert {name: getattr(Tracker, name) for name in names} == before
 
 
 def test_launch_path_worker_times_launch_one():
