@@ -187,18 +187,21 @@ class Clock:
         )
 
 
+#: The tracker's methods :func:`instrument` replaces (and puts back).
+INSTRUMENTED = (
+    "_make_forward_hook",
+    "_make_grad_hook",
+    "_first_forward_hook",
+    "_optimizer_pre_hook",
+    "_optimizer_post_hook",
+)
+
+
 def instrument(clock: Clock, floor: str | None = None) -> Callable[[], None]:
     """Time the tracker's hooks (per observation) and its per-step entry points; with
     ``floor``, the forward hooks are :data:`FLOOR_HOOKS`' instead of tandv's (see
     :func:`host_cost`). Returns what puts the tracker's methods back."""
-    names = (
-        "_make_forward_hook",
-        "_make_grad_hook",
-        "_first_forward_hook",
-        "_optimizer_pre_hook",
-        "_optimizer_post_hook",
-    )
-    saved = {name: getattr(Tracker, name) for name in names}
+    saved = {name: getattr(Tracker, name) for name in INSTRUMENTED}
     make_fwd, make_grad = saved["_make_forward_hook"], saved["_make_grad_hook"]
     if floor is not None:
         hook = FLOOR_HOOKS[floor]
