@@ -290,60 +290,66 @@ def host_cost(
     kernel.cpu_path("fused")  # (for the rest of the process)
     clock = Clock()
     restore = instrument(clock, floor)
-    model, opt, data = _trainer(cfg, batch, 0, "cpu")
-    bare = copy.deepcopy(model) if difference else None
-    bare_opt = torch.optim.AdamW(bare.parameters(), lr=1e-3) if bare is not None else None
-    # per timed step: the tracked forward and backward less the untracked copy's and less
-    # the per-step entry points timed inside them, per hook call (us)
-    per_call_diff: list[float] = []
-    observations = 0
-    step_ms = []
-    # per timed step: its hooks' time per call, and its time outside the hooks (us)
-    per_call: list[float] = []
-    per_step: list[float] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        with track(model, opt, out=Path(tmp) / "log", verbose=False) as tracker:
-            writer0 = 0.0
-            for i in range(warmup + steps):
-                if i == warmup:
-                    clock.reset()
-                    clock.on = True
-                    params = {name for name, _, _ in tracker._params}
-                    gc.collect()
-                    gc.disable()  # see the module notes
-                    writer0 = thread_cpu_s(tracker.recorder.stream.writer_thread)  # type: ignore[union-attr]
-                # (the untracked copy, first of the pair at odd steps: caches, the writer)
-                bare_ns = _timed_step(bare, bare_opt, data, i) if bare is not None and i % 2 else 0
-                t0 = time.perf_counter()
-                before = clock.snapshot()
-                tracked_ns = _timed_step(model, opt, data, i)
-                if clock.on:  # the step's activations and output (not parameter) gradients
-                    observations += sum(
-                        k.tensor_type == "Activation"
-                        or (k.tensor_type == "Gradient" and k.name not in params)
-                        for k, _, _ in tracker.recorder.buffer.pending  # type: ignore[union-attr]
+    try:
+        model, opt, data = _trainer(cfg, batch, 0, "cpu")
+        bare = copy.deepcopy(model) if difference else None
+        bare_opt = torch.optim.AdamW(bare.parameters(), lr=1e-3) if bare is not None else None
+        # per timed step: the tracked forward and backward less the untracked copy's and less
+        # the per-step entry points timed inside them, per hook call (us)
+        per_call_diff: list[float] = []
+        observations = 0
+        step_ms = []
+        # per timed step: its hooks' time per call, and its time outside the hooks (us)
+        per_call: list[float] = []
+        per_step: list[float] = []
+        with tempfile.TemporaryDirectory() as tmp:
+            with track(model, opt, out=Path(tmp) / "log", verbose=False) as tracker:
+                writer0 = 0.0
+                for i in range(warmup + steps):
+                    if i == warmup:
+                        clock.reset()
+                        clock.on = True
+                        params = {name for name, _, _ in tracker._params}
+                        gc.collect()
+                        gc.disable()  # see the module notes
+                        writer0 = thread_cpu_s(tracker.recorder.stream.writer_thread)  # type: ignore[union-attr]
+                    # (the untracked copy, first of the pair at odd steps: caches, the writer)
+                    bare_ns = (
+                        _timed_step(bare, bare_opt, data, i) if bare is not None and i % 2 else 0
                     )
-                    c0 = time.thread_time_ns()
-                tracker.step()
-                if clock.on:
-                    clock.ns["fixed"] += time.thread_time_ns() - c0
-                    clock.calls["fixed"] += 1
-                    ns, calls, fixed_ns, fixed_calls, in_ns, in_calls = (
-                        a - b for a, b in zip(clock.snapshot(), before)
-                    )
-                    per_call.append((ns - clock.tare * calls) / 1e3 / max(calls, 1))
-                    per_step.append((fixed_ns - clock.tare * fixed_calls) / 1e3)
-                step_ms.append((time.perf_counter() - t0) * 1e3)
-                if bare is not None:
-                    if not i % 2:
-                        bare_ns = _timed_step(bare, bare_opt, data, i)
+                    t0 = time.perf_counter()
+                    before = clock.snapshot()
+                    tracked_ns = _timed_step(model, opt, data, i)
+                    if clock.on:  # the step's activations and output (not parameter) gradients
+                        observations += sum(
+                            k.tensor_type == "Activation"
+                            or (k.tensor_type == "Gradient" and k.name not in params)
+                            for k, _, _ in tracker.recorder.buffer.pending  # type: ignore[union-attr]
+                        )
+                        c0 = time.thread_time_ns()
+                    tracker.step()
                     if clock.on:
-                        inside = in_ns - clock.tare * in_calls
-                        per_call_diff.append((tracked_ns - bare_ns - inside) / 1e3 / max(calls, 1))
-            writer = thread_cpu_s(tracker.recorder.stream.writer_thread) - writer0  # type: ignore[union-attr]
-            clock.on = False
-            gc.enable()
-    restore()
+                        clock.ns["fixed"] += time.thread_time_ns() - c0
+                        clock.calls["fixed"] += 1
+                        ns, calls, fixed_ns, fixed_calls, in_ns, in_calls = (
+                            a - b for a, b in zip(clock.snapshot(), before)
+                        )
+                        per_call.append((ns - clock.tare * calls) / 1e3 / max(calls, 1))
+                        per_step.append((fixed_ns - clock.tare * fixed_calls) / 1e3)
+                    step_ms.append((time.perf_counter() - t0) * 1e3)
+                    if bare is not None:
+                        if not i % 2:
+                            bare_ns = _timed_step(bare, bare_opt, data, i)
+                        if clock.on:
+                            inside = in_ns - clock.tare * in_calls
+                            per_call_diff.append(
+                                (tracked_ns - bare_ns - inside) / 1e3 / max(calls, 1)
+                            )
+                writer = thread_cpu_s(tracker.recorder.stream.writer_thread) - writer0  # type: ignore[union-attr]
+                clock.on = False
+                gc.enable()
+    finally:
+        restore()  # (the next run in this process times tandv's own methods)
     launches = _fused._summarize_one.calls + _fused._summarize_many.calls  # type: ignore[attr-defined]
     return {
         "observations_per_step": observations / steps,
