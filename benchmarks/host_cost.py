@@ -82,6 +82,7 @@ if "--triton-worker" not in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -91,7 +92,7 @@ import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -187,7 +188,7 @@ class Clock:
         )
 
 
-#: The tracker's methods :func:`instrument` replaces (and puts back).
+#: The tracker's methods :func:`instrumented` replaces (and puts back).
 INSTRUMENTED = (
     "_make_forward_hook",
     "_make_grad_hook",
@@ -197,10 +198,12 @@ INSTRUMENTED = (
 )
 
 
-def instrument(clock: Clock, floor: str | None = None) -> Callable[[], None]:
-    """Time the tracker's hooks (per observation) and its per-step entry points; with
-    ``floor``, the forward hooks are :data:`FLOOR_HOOKS`' instead of tandv's (see
-    :func:`host_cost`). Returns what puts the tracker's methods back."""
+@contextlib.contextmanager
+def instrumented(clock: Clock, floor: str | None = None) -> Iterator[None]:
+    """Within the block, the tracker's hooks (per observation) and its per-step entry
+    points are timed; with ``floor``, the forward hooks are :data:`FLOOR_HOOKS`' instead
+    of tandv's (see :func:`host_cost`). The tracker's methods are put back at the block's
+    end, so the next run in this process times tandv's own methods."""
     saved = {name: getattr(Tracker, name) for name in INSTRUMENTED}
     make_fwd, make_grad = saved["_make_forward_hook"], saved["_make_grad_hook"]
     if floor is not None:
@@ -215,12 +218,11 @@ def instrument(clock: Clock, floor: str | None = None) -> Callable[[], None]:
     Tracker._first_forward_hook = clock.timed("inside", Tracker._first_forward_hook)  # type: ignore[method-assign]
     Tracker._optimizer_pre_hook = clock.timed("fixed", Tracker._optimizer_pre_hook)  # type: ignore[method-assign]
     Tracker._optimizer_post_hook = clock.timed("fixed", Tracker._optimizer_post_hook)  # type: ignore[method-assign]
-
-    def restore() -> None:
+    try:
+        yield
+    finally:
         for name, method in saved.items():
             setattr(Tracker, name, method)
-
-    return restore
 
 
 def _empty_hook(mod: Any, args: Any, output: Any) -> None:
@@ -229,7 +231,7 @@ def _empty_hook(mod: Any, args: Any, output: Any) -> None:
 
 def _queries_hook(mod: Any, args: Any, output: Any) -> None:
     """A forward hook that asks its output what tandv's fast path asks of every tensor
-    (type, dtype, size, device, layout, negation bit, version) and does nothing else."""
+    (type, dtype, size, device, contiguity, negation bit, version) and does nothing else."""
     if type(output) is torch.Tensor:
         output.dtype, output.numel(), output.get_device()  # noqa: B018
         output.is_contiguous(), output.is_neg(), output._version  # noqa: B018
@@ -289,67 +291,59 @@ def host_cost(
     _fused._summarize_many = NoLaunch("_summarize_many")  # type: ignore[assignment]
     kernel.cpu_path("fused")  # (for the rest of the process)
     clock = Clock()
-    restore = instrument(clock, floor)
-    try:
-        model, opt, data = _trainer(cfg, batch, 0, "cpu")
-        bare = copy.deepcopy(model) if difference else None
-        bare_opt = torch.optim.AdamW(bare.parameters(), lr=1e-3) if bare is not None else None
-        # per timed step: the tracked forward and backward less the untracked copy's and less
-        # the per-step entry points timed inside them, per hook call (us)
-        per_call_diff: list[float] = []
-        observations = 0
-        step_ms = []
-        # per timed step: its hooks' time per call, and its time outside the hooks (us)
-        per_call: list[float] = []
-        per_step: list[float] = []
-        with tempfile.TemporaryDirectory() as tmp:
-            with track(model, opt, out=Path(tmp) / "log", verbose=False) as tracker:
-                writer0 = 0.0
-                for i in range(warmup + steps):
-                    if i == warmup:
-                        clock.reset()
-                        clock.on = True
-                        params = {name for name, _, _ in tracker._params}
-                        gc.collect()
-                        gc.disable()  # see the module notes
-                        writer0 = thread_cpu_s(tracker.recorder.stream.writer_thread)  # type: ignore[union-attr]
-                    # (the untracked copy, first of the pair at odd steps: caches, the writer)
-                    bare_ns = (
-                        _timed_step(bare, bare_opt, data, i) if bare is not None and i % 2 else 0
+    model, opt, data = _trainer(cfg, batch, 0, "cpu")
+    bare = copy.deepcopy(model) if difference else None
+    bare_opt = torch.optim.AdamW(bare.parameters(), lr=1e-3) if bare is not None else None
+    # per timed step: the tracked forward and backward less the untracked copy's and less
+    # the per-step entry points timed inside them, per hook call (us)
+    per_call_diff: list[float] = []
+    observations = 0
+    step_ms = []
+    # per timed step: its hooks' time per call, and its time outside the hooks (us)
+    per_call: list[float] = []
+    per_step: list[float] = []
+    with instrumented(clock, floor), tempfile.TemporaryDirectory() as tmp:
+        with track(model, opt, out=Path(tmp) / "log", verbose=False) as tracker:
+            writer0 = 0.0
+            for i in range(warmup + steps):
+                if i == warmup:
+                    clock.reset()
+                    clock.on = True
+                    params = {name for name, _, _ in tracker._params}
+                    gc.collect()
+                    gc.disable()  # see the module notes
+                    writer0 = thread_cpu_s(tracker.recorder.stream.writer_thread)  # type: ignore[union-attr]
+                # (the untracked copy, first of the pair at odd steps: caches, the writer)
+                bare_ns = _timed_step(bare, bare_opt, data, i) if bare is not None and i % 2 else 0
+                t0 = time.perf_counter()
+                before = clock.snapshot()
+                tracked_ns = _timed_step(model, opt, data, i)
+                if clock.on:  # the step's activations and output (not parameter) gradients
+                    observations += sum(
+                        k.tensor_type == "Activation"
+                        or (k.tensor_type == "Gradient" and k.name not in params)
+                        for k, _, _ in tracker.recorder.buffer.pending  # type: ignore[union-attr]
                     )
-                    t0 = time.perf_counter()
-                    before = clock.snapshot()
-                    tracked_ns = _timed_step(model, opt, data, i)
-                    if clock.on:  # the step's activations and output (not parameter) gradients
-                        observations += sum(
-                            k.tensor_type == "Activation"
-                            or (k.tensor_type == "Gradient" and k.name not in params)
-                            for k, _, _ in tracker.recorder.buffer.pending  # type: ignore[union-attr]
-                        )
-                        c0 = time.thread_time_ns()
-                    tracker.step()
+                    c0 = time.thread_time_ns()
+                tracker.step()
+                if clock.on:
+                    clock.ns["fixed"] += time.thread_time_ns() - c0
+                    clock.calls["fixed"] += 1
+                    ns, calls, fixed_ns, fixed_calls, in_ns, in_calls = (
+                        a - b for a, b in zip(clock.snapshot(), before)
+                    )
+                    per_call.append((ns - clock.tare * calls) / 1e3 / max(calls, 1))
+                    per_step.append((fixed_ns - clock.tare * fixed_calls) / 1e3)
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+                if bare is not None:
+                    if not i % 2:
+                        bare_ns = _timed_step(bare, bare_opt, data, i)
                     if clock.on:
-                        clock.ns["fixed"] += time.thread_time_ns() - c0
-                        clock.calls["fixed"] += 1
-                        ns, calls, fixed_ns, fixed_calls, in_ns, in_calls = (
-                            a - b for a, b in zip(clock.snapshot(), before)
-                        )
-                        per_call.append((ns - clock.tare * calls) / 1e3 / max(calls, 1))
-                        per_step.append((fixed_ns - clock.tare * fixed_calls) / 1e3)
-                    step_ms.append((time.perf_counter() - t0) * 1e3)
-                    if bare is not None:
-                        if not i % 2:
-                            bare_ns = _timed_step(bare, bare_opt, data, i)
-                        if clock.on:
-                            inside = in_ns - clock.tare * in_calls
-                            per_call_diff.append(
-                                (tracked_ns - bare_ns - inside) / 1e3 / max(calls, 1)
-                            )
-                writer = thread_cpu_s(tracker.recorder.stream.writer_thread) - writer0  # type: ignore[union-attr]
-                clock.on = False
-                gc.enable()
-    finally:
-        restore()  # (the next run in this process times tandv's own methods)
+                        inside = in_ns - clock.tare * in_calls
+                        per_call_diff.append((tracked_ns - bare_ns - inside) / 1e3 / max(calls, 1))
+            writer = thread_cpu_s(tracker.recorder.stream.writer_thread) - writer0  # type: ignore[union-attr]
+            clock.on = False
+            gc.enable()
     launches = _fused._summarize_one.calls + _fused._summarize_many.calls  # type: ignore[attr-defined]
     return {
         "observations_per_step": observations / steps,

@@ -541,7 +541,6 @@ def test_block_kernels_compile_for_gpus_without_spills(compiled_for_gpus, arch):
     assert len(compiled) == 6
     assert {r["formats"] for r in report} == {"+".join(_fused._BLOCK_KERNEL_FORMATS), "nvfp4"}
     for r in report:
-        print(r)
         assert 0 < r["registers"] <= 255 and r["spill_instructions"] == 0, r
 
 

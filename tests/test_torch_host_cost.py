@@ -61,9 +61,9 @@ def test_host_cost_benchmark_tiny_mode():
     assert max(float(floor.group(1)), float(floor.group(2))) < float(x.group(1))
 
 
-def test_instrument_puts_the_tracker_back_and_floor_hooks_replace_the_forward_hooks():
-    """``instrument(clock, floor)`` (``--floor``'s runs): tandv's forward hook factory
-    gives the stand-in, timed; its restore puts every method back, so the benchmark's
+def test_instrumented_puts_the_tracker_back_and_floor_hooks_replace_the_forward_hooks():
+    """``instrumented(clock, floor)`` (``--floor``'s runs): within it, tandv's forward hook
+    factory gives the stand-in, timed; at its end every method is back, so the benchmark's
     runs in one process do not time each other's wrappers."""
     bench = load_benchmark("host_cost")
     from tandv.track.torch.tracker import Tracker
@@ -74,14 +74,13 @@ def test_instrument_puts_the_tracker_back_and_floor_hooks_replace_the_forward_ho
     calls = []
     bench.FLOOR_HOOKS["spy"] = lambda mod, args, output: calls.append(output)
     clock = bench.Clock()
-    restore = bench.instrument(clock, "spy")
     try:
-        hook = Tracker._make_forward_hook(None, "a", nn.Linear(2, 2))
-        clock.on = True
-        out = torch.ones(2)
-        hook(None, (), out)
+        with bench.instrumented(clock, "spy"):
+            hook = Tracker._make_forward_hook(None, "a", nn.Linear(2, 2))
+            clock.on = True
+            out = torch.ones(2)
+            hook(None, (), out)
     finally:
-        restore()
         del bench.FLOOR_HOOKS["spy"]
     assert calls == [out] and clock.calls["hook"] == 1
     assert {name: getattr(Tracker, name) for name in names} == before
