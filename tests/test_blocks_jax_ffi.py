@@ -16,7 +16,7 @@ import tandv  # noqa: E402
 from tandv.track.jax import _ffi, track  # noqa: E402
 from tandv.track.jax._kernels import summary_path  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not _ffi.available(), reason="no in-program kernel on this machine")
+pytestmark = pytest.mark.in_program_kernel
 FORMATS = ("mxfp8_e4m3", "nvfp4")
 
 

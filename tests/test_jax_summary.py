@@ -28,12 +28,7 @@ PATHS = [
     "xla",
     "matmul",
     "pallas",
-    pytest.param(
-        "ffi",
-        marks=pytest.mark.skipif(
-            not _ffi.available(), reason="no in-program kernel on this machine"
-        ),
-    ),
+    pytest.param("ffi", marks=pytest.mark.in_program_kernel),
 ]
 
 

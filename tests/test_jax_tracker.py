@@ -811,7 +811,7 @@ def test_host_kernel_reads_step_arrays_before_a_donating_update_can_reuse_them(t
         assert_row_matches(df, "w", "Weight", k, w)
 
 
-@pytest.mark.skipif(not _ffi.available(), reason="no in-program kernel on this machine")
+@pytest.mark.in_program_kernel
 def test_step_time_rows_keep_the_host_kernels_float64_moments(tmp_path):
     """On the CPU the arrays given to ``step`` are summarized by the host kernel inside an
     XLA program, whose float outputs are float32 without x64. Their moments still come out
