@@ -25,6 +25,7 @@ def test_cpu_taps_take_the_custom_call(tmp_path, monkeypatch) -> None:
     # formats' argument, none of the bit operations of the XLA block words
     calls = []
     real = _ffi.ffi_summary_blocks
+    assert _ffi.available(blocks=True)  # (built before counting: its self-test calls it)
 
     def counted(*args, **kwargs):
         calls.append(args[4])
@@ -39,6 +40,7 @@ def test_cpu_taps_take_the_custom_call(tmp_path, monkeypatch) -> None:
         text = jax.jit(lambda a: tr._kernels._summarize_anywhere(a, True)).lower(x).as_text()
         plain = jax.jit(lambda a: tr._kernels.summarize(a)).lower(x).as_text()
     assert text.count("tandv_summary_f32") == 1
+    assert _ffi.BLOCKS_TARGET in text  # (the block formats' handler: TARGET + "_blocks")
     assert "bitcast_convert" not in text
     assert "bitcast_convert" in plain  # (the XLA path's words: what the check looks for)
     assert [tuple(f.name for f in c) for c in calls] == [FORMATS]
@@ -87,6 +89,7 @@ def _crafted_run(tmp_path, dtype: str) -> tuple[object, dict[tuple[str, str], np
 def test_tap_rows_equal_reference(dtype: str, tmp_path, monkeypatch) -> None:
     calls = []
     real = _ffi.ffi_summary_blocks
+    assert _ffi.available(blocks=True)  # (built before counting: its self-test calls it)
 
     def counted(*args, **kwargs):
         calls.append(tuple(args[0].shape))
@@ -98,3 +101,53 @@ def test_tap_rows_equal_reference(dtype: str, tmp_path, monkeypatch) -> None:
     # every tap's summary by the custom call (traced once per shape: taps share the trace)
     assert {a.shape for a in ref.values()} <= set(calls)
     assert_rows_equal_reference(df, ref, FORMATS, dtype)
+
+
+def test_only_runs_with_block_formats_build_their_handler(monkeypatch) -> None:
+    """The block formats' handler is built (compiled, registered, self-tested: on a cold
+    numba cache about two thirds of the in-program kernel's build) only where block formats
+    are asked for: by a tracker whose layouts carry them (the first build of a process
+    then serves the plain target too: one build, not two), or at the first trace of
+    ``ffi_summary_blocks`` where none asked before; a handler that cannot be built is
+    refused there with an error, not called."""
+    from tandv.stats.blocks import BLOCK_FORMATS, block_extras
+    from tandv.stats.summary import Layout
+    from tandv.track.jax._kernels import SummaryKernels
+
+    built: list[tuple[bool, bool]] = []  # (blocks, plain_too) of each build
+    works = {False: True, True: True}
+
+    def build(blocks: bool, plain_too: bool = False) -> bool:
+        built.append((blocks, plain_too))
+        return works[blocks]
+
+    def kernels(*extras: tuple[str, str]) -> SummaryKernels:
+        return SummaryKernels(lambda d: Layout(str(jnp.dtype(d)), extras), {}, 2, False)
+
+    monkeypatch.setattr(_ffi, "_build", build)
+    with summary_path("auto"):
+        monkeypatch.setattr(_ffi, "_built", {})  # a process that has built neither handler
+        assert kernels().host_kernel and built == [(False, False)]
+        assert kernels(*block_extras(FORMATS)).host_kernel
+        assert built == [(False, False), (True, False)]
+        built.clear()
+        monkeypatch.setattr(_ffi, "_built", {})  # block formats first: one build serves both
+        assert kernels(*block_extras(FORMATS)).host_kernel and kernels().host_kernel
+        assert built == [(True, True)]
+
+    layout = Layout("float32", block_extras(FORMATS))
+    formats = tuple(BLOCK_FORMATS[n] for n in FORMATS)
+
+    def blocks(a):
+        return _ffi.ffi_summary_blocks(a, layout.format, layout.num_counts, 2, formats)
+
+    x = jnp.ones((2, 32), jnp.float32)
+    built.clear()
+    monkeypatch.setattr(_ffi, "_built", {False: True})  # the plain handler only, so far
+    assert _ffi.BLOCKS_TARGET in jax.jit(blocks).lower(x).as_text()
+    assert built == [(True, False)]
+    works[True] = False
+    monkeypatch.setattr(_ffi, "_built", {False: True})
+    with pytest.raises(RuntimeError, match="block formats handler could not be built"):
+        jax.jit(lambda a: blocks(a)).lower(x)  # (a new function: traced again)
+    assert built == [(True, False), (True, False)]

@@ -67,11 +67,16 @@ __all__ = [
     "ffi_summary_blocks",
     "exact_values",
     "TARGET",
+    "BLOCKS_TARGET",
     "SUPPORTED",
 ]
 
 #: The custom-call target's name.
 TARGET = "tandv_summary_f32"
+#: The target of the summary with the block formats' words (a handler of its own: its
+#: compile, and its self-test's reference, take about two thirds of a cold build, which a
+#: run without block formats never pays).
+BLOCKS_TARGET = "tandv_summary_f32_blocks"
 _EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
 _METADATA = 1  # XLA_FFI_Extension_Metadata
 # Bytes of the structs as this module reads them: XLA_FFI_CallFrame through its results
@@ -207,10 +212,13 @@ def _write_blocks(  # pragma: no cover - compiled
         floats[f] = np.float32(mant)
 
 
-def _handle(frame: _VoidPointer) -> _VoidPointer:  # pragma: no cover - compiled by available()
-    """The FFI handler: XLA calls it with a pointer to its call frame; it returns a null
-    ``XLA_FFI_Error*`` (success). Compiled by ``numba.cfunc`` with the C signature
-    ``void *(void *)``; never called from Python."""
+@numba.njit(cache=True, nogil=True, inline="always")
+def _serve(frame: _VoidPointer, blocks: int | None) -> None:  # pragma: no cover - compiled
+    """What both FFI handlers do with XLA's call frame ``frame``: answer the version query,
+    or read the arguments and write the results. ``blocks``: ``None`` in the plain handler
+    (4 arguments; numba prunes every ``blocks is not None`` branch where the argument's
+    type is None, so its compile has none of the block formats' code), an int in the
+    full handler (4 arguments, or with block formats 5 arguments and 2 more results)."""
     words = carray(frame, (15,), np.int64)
     if words[1] != 0:  # an extension: XLA asks which FFI version we speak
         if carray(_pointer(words[1]), (4,), np.int32)[2] == _METADATA:
@@ -221,40 +229,40 @@ def _handle(frame: _VoidPointer) -> _VoidPointer:  # pragma: no cover - compiled
             metadata[6] = api[8]  # major version
             metadata[7] = api[9]  # minor version
             metadata[8] = 0  # traits
-        return _pointer(0)
+        return
     if carray(frame, (10,), np.int32)[8] != _EXECUTE:
-        return _pointer(0)
+        return
     # The layout read here, checked where the frame says it: struct sizes (a later API may
-    # append fields, never move them), 4 arguments and 2 or 3 results, or with block
-    # formats 5 arguments and 2 more results. Otherwise nothing is written, and
+    # append fields, never move them), 4 arguments and 2 or 3 results, or in the block
+    # formats' handler 5 arguments and 2 more results. Otherwise nothing is written, and
     # available()'s self-test turns the kernel off.
     nargs = words[7]
     nrets = words[12]
-    nblk = 2 if nargs == 5 else 0
+    nblk = 2 if blocks is not None and nargs == 5 else 0
     if (
         words[0] < _FRAME_SIZE
         or words[5] < _LIST_SIZE
         or words[10] < _LIST_SIZE
-        or (nargs != 4 and nargs != 5)
+        or nargs != 4 + nblk // 2
         or (nrets - nblk != 2 and nrets - nblk != 3)
     ):
-        return _pointer(0)
+        return
     args = carray(_pointer(words[9]), (nargs,), np.int64)
     rets = carray(_pointer(words[14]), (nrets,), np.int64)
     for i in range(nargs):
         if carray(_pointer(args[i]), (1,), np.int64)[0] < _BUFFER_SIZE:
-            return _pointer(0)
+            return
     for i in range(nrets):
         if carray(_pointer(rets[i]), (1,), np.int64)[0] < _BUFFER_SIZE:
-            return _pointer(0)
-    if nblk:  # (rowlen, table) as float64 words; int32 and float32 words per format
+            return
+    if blocks is not None and nblk:  # (rowlen, table): float64 words; int32, float32 words
         data, m = _buffer(args[4])
         spec = carray(_pointer(data), (m // 2,), np.float64)
         nf = (m // 2 - 1) // _TABLE_WIDTH
         _, m_ints = _buffer(rets[nrets - 2])
         _, m_floats = _buffer(rets[nrets - 1])
         if m != 2 * (1 + nf * _TABLE_WIDTH) or m_ints != nf * _INT_WORDS or m_floats != nf:
-            return _pointer(0)
+            return
     data, n = _buffer(args[0])
     x = carray(_pointer(data), (n,), np.float32)
     data, m = _buffer(args[1])
@@ -282,28 +290,55 @@ def _handle(frame: _VoidPointer) -> _VoidPointer:  # pragma: no cover - compiled
         exact = carray(_pointer(data), (w // 2,), np.float64)
         for i in range(min(w // 2, _NVALUES)):
             exact[i] = out[_NLEAD + i]
-    if nblk:
+    if blocks is not None and nblk:
         _write_blocks(x, spec, nf, out[_MAXABS], rets[nrets - 2], rets[nrets - 1])
     _set_fp_control(control)
+
+
+def _handle(frame: _VoidPointer) -> _VoidPointer:  # pragma: no cover - compiled by available()
+    """The FFI handler of :data:`TARGET`: XLA calls it with a pointer to its call frame;
+    it returns a null ``XLA_FFI_Error*`` (success). Compiled by ``numba.cfunc`` with the C
+    signature ``void *(void *)``; never called from Python."""
+    _serve(frame, None)
+    return _pointer(0)
+
+
+def _handle_blocks(frame: _VoidPointer) -> _VoidPointer:  # pragma: no cover - compiled
+    """The FFI handler of :data:`BLOCKS_TARGET` (see :func:`_handle`), which serves
+    :data:`TARGET`'s calls too: compiled only when a run asks for block formats
+    (``available(blocks=True)``), and then, where the plain handler was not built before,
+    registered as both targets (one build, not two)."""
+    _serve(frame, 0)
     return _pointer(0)
 
 
 _lock = threading.Lock()
-_built: list[bool] = []  # [whether the target is registered], once tried
+#: whether each handler's target is registered (by ``blocks``), once tried
+_built: dict[bool, bool] = {}
 
 
-def available() -> bool:
-    """Whether the in-program kernel can serve on this machine: its handler compiles (numba
-    caches it: seconds once per install) and XLA accepts it as a custom-call target. Tried
-    once per process; a failure is reported in a warning, and JAX's taps on the CPU then use
-    XLA's summary operations (the same results, about twice as slow)."""
+def available(blocks: bool = False) -> bool:
+    """Whether the in-program kernel can serve on this machine (with ``blocks``, also for
+    block formats): its handler compiles and XLA accepts it as a custom-call target. Each
+    handler is tried once per process, when first asked for; a failure is reported in a
+    warning, and JAX's taps on the CPU then use XLA's summary operations (the same results,
+    about twice as slow). numba caches the compiled handlers: on a cold cache (a 2-core
+    machine) the plain one takes about 12 s to build and the block formats' one about 30 s
+    (25 s more after the plain one); then half a second."""
     with _lock:
-        if not _built:
-            _built.append(_build())
-        return _built[0]
+        if blocks and not _built:  # the block formats' handler serves both targets
+            _built[False] = _built[True] = _build(True, plain_too=True)
+        if False not in _built:
+            _built[False] = _build(False)
+        if blocks and True not in _built:
+            _built[True] = _built[False] and _build(True)
+        return _built[False] and (not blocks or _built[True])
 
 
-def _build() -> bool:
+def _build(blocks: bool, plain_too: bool = False) -> bool:
+    """Compile a handler (``blocks``: the block formats' one; ``plain_too``: registered as
+    :data:`TARGET` too), register it with XLA and test it; False, with a warning, where any
+    of that fails."""
     if not SUPPORTED:
         warnings.warn(
             f"tandv: no in-program summary kernel for {platform.machine()!r} processors; "
@@ -313,15 +348,23 @@ def _build() -> bool:
         )
         return False
     try:
-        handler = numba.cfunc(types.voidptr(types.voidptr), cache=True, nogil=True)(_handle)
+        compile_handler = numba.cfunc(types.voidptr(types.voidptr), cache=True, nogil=True)
+        handler = compile_handler(_handle_blocks if blocks else _handle)
         new_capsule = ctypes.pythonapi.PyCapsule_New
         new_capsule.restype = ctypes.py_object
         new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
-        jax.ffi.register_ffi_target(
-            TARGET, new_capsule(handler.address, None, None), platform="cpu"
-        )
+        targets = [BLOCKS_TARGET] if blocks else []
+        targets += [TARGET] if plain_too or not blocks else []
+        for target in targets:
+            jax.ffi.register_ffi_target(
+                target, new_capsule(handler.address, None, None), platform="cpu"
+            )
         _keep.append(handler)  # the compiled code must outlive every program that calls it
-        _self_test()
+        _built[blocks] = True  # (registered: the self-tests call it)
+        if TARGET in targets:
+            _self_test()
+        if blocks:
+            _self_test_blocks()
     except Exception as e:  # noqa: BLE001 - numba and XLA raise many kinds; all mean "cannot"
         warnings.warn(
             f"tandv: the in-program summary kernel could not be built ({type(e).__name__}: {e}); "
@@ -359,9 +402,20 @@ def _self_test() -> None:
             "its results on a test array differ from the host kernel's (an XLA FFI "
             "call frame this version of tandv does not know?)"
         )
-    # the block formats' words (five arguments, four results), rows of 4
+
+
+def _self_test_blocks() -> None:
+    """:func:`_self_test` of the block formats' handler: their words (five arguments, four
+    results), rows of 4."""
     from ...stats.blocks import BLOCK_FORMATS, block_extras
+    from ...stats.formats import number_format
+    from ...stats.host import host_summaries
+    from ...stats.summary import Layout
     from ._blocks import with_words
+    from ._summary import to_vector
+
+    x = np.array([-3.5, 0.0, 1e-45, np.inf, np.nan, 7.25, -0.125, 2.0**60], np.float32)
+    on_cpu = jax.device_put(x, jax.devices("cpu")[0])
 
     names = ("mxfp8_e4m3", "nvfp4")
     blayout = Layout(number_format("float32"), block_extras(names))
@@ -433,7 +487,15 @@ def _call(
         results.append(jax.ShapeDtypeStruct((len(formats) * INT_WORDS,), jnp.int32))
         results.append(jax.ShapeDtypeStruct((len(formats),), jnp.float32))
         args.append(jnp.asarray(_block_spec(tuple(formats), x.shape[-1] if x.ndim else 1)))
-    call = jax.ffi.ffi_call(TARGET, tuple(results), vmap_method="sequential")
+    # the block formats' handler, built here at the first such trace where no one asked
+    # for it before (available(blocks=True), as the trackers do when they choose the path)
+    if formats and not _built.get(True) and not available(blocks=True):
+        raise RuntimeError(
+            "tandv: the in-program kernel's block formats handler could not be built (see "
+            "the warning): check available(blocks=True) before choosing this path"
+        )
+    target = BLOCKS_TARGET if formats else TARGET
+    call = jax.ffi.ffi_call(target, tuple(results), vmap_method="sequential")
     return tuple(call(*args))
 
 

@@ -193,8 +193,10 @@ class SummaryKernels:
         #: the summary path (:func:`summary_path`), read once
         self.path: SummaryPath = current_summary_path()
         #: whether the host kernel serves arrays on the CPU (it does not partition over
-        #: processes; where it cannot be built, XLA's operations serve)
-        self.host_kernel = self.path == "auto" and not multi and _ffi.available()
+        #: processes; where it cannot be built, XLA's operations serve): its handler with
+        #: the block formats' words too where the layouts carry block formats
+        blocks = bool(block_formats_of(layout(jnp.dtype(jnp.float32)).extras))
+        self.host_kernel = self.path == "auto" and not multi and _ffi.available(blocks)
         #: whether the host kernel summarizes step-time arrays on a device (in the program)
         self._exact_on: dict[Any, bool] = {}
         self.summarize_xla = jax.jit(self.summarize, static_argnames="fused")
