@@ -52,7 +52,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Skip an ``in_program_kernel`` test where that kernel cannot be built, asked when the
     test runs rather than at collection: on a cold numba cache the kernel's first build
-    compiles for about 30 s, and asked at collection every xdist worker paid it at the same
+    compiles for 11-31 s, and asked at collection every xdist worker paid it at the same
     time (both cores, before any test ran); asked here, one worker builds it and the other
     loads it from numba's cache."""
     if item.get_closest_marker("in_program_kernel") is not None:
