@@ -385,7 +385,8 @@ def test_tracked_step_lowers_for_cuda_without_host_callbacks(tmp_path, monkeypat
     with pytest.raises(ValueError, match="lowering platform cuda"):  # what this test relies on
         jax.jit(with_callback).trace(jnp.ones(3)).lower(lowering_platforms=("cuda",))
 
-    monkeypatch.setattr(_ffi, "available", lambda: False)  # as on a GPU: no host kernel
+    # as on a GPU: no host kernel
+    monkeypatch.setattr(_ffi, "available", lambda blocks=False: False)
     model, opt = Stack(), optax.adam(1e-3)
     wide = nn.Dense(FUSED_SIZE // 64)  # kernel, output and its gradient: fused
     x = jnp.ones((64, 4))
