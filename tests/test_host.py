@@ -247,3 +247,35 @@ def test_no_block_formats_compile_no_block_code():
     llvm = "".join(fresh.inspect_llvm().values())
     assert "_item" in llvm
     assert "_first_blocks" not in llvm and "_tensor_scales" not in llvm
+
+
+def test_a_long_compile_of_the_kernels_is_announced_once(monkeypatch, capfd):
+    """A compile of tandv's numba kernels (a new install's first step) that runs past
+    ``NOTICE_AFTER_S`` prints one line saying what is happening and that it happens once;
+    a short one, one of another package's functions, and every later one print nothing.
+    Driven by numba's own compile events, as its dispatcher broadcasts them around a
+    compile (nested for a kernel's callees)."""
+    import time
+
+    from numba.core import event
+
+    from tandv.stats import _compile_notice as notice
+
+    def compile_of(dispatcher, seconds: float) -> None:
+        data = dict(dispatcher=dispatcher, args=(), return_type=None)
+        with event.trigger_event("numba:compile", data=data):
+            with event.trigger_event("numba:compile", data=data):  # (a callee)
+                time.sleep(seconds)
+
+    monkeypatch.setattr(notice.listener, "said", False)  # (as in a process that said nothing)
+    monkeypatch.setattr(notice, "NOTICE_AFTER_S", 5.0)
+    compile_of(host._f32_of, 0.0)  # short: done before the notice is due
+    time.sleep(0.1)
+    assert capfd.readouterr().err == ""
+    monkeypatch.setattr(notice, "NOTICE_AFTER_S", 0.05)
+    compile_of(numba.njit(lambda v: v), 0.5)  # not tandv's
+    assert capfd.readouterr().err == ""
+    compile_of(host._f32_of, 1.0)
+    assert capfd.readouterr().err == notice.NOTICE + "\n"
+    compile_of(host._f32_of, 0.5)  # said once per process
+    assert capfd.readouterr().err == ""

@@ -35,6 +35,7 @@ from llvmlite import ir as llvm_ir
 from numba import types
 from numba.extending import intrinsic
 
+from . import _compile_notice  # noqa: F401 - says so when the kernels below compile long
 from .blocks import BLOCK_COLUMNS, BlockFormat, block_formats_of
 from .formats import NumberFormat
 from .summary import FIELD_INDEX, HIGHER_FIELDS, N_CORE, N_CORE_VALUES, N_LEADING_COUNTS, Layout
