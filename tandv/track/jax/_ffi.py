@@ -23,7 +23,8 @@ two bin tables (int32) and ``(num_bins, over_at)`` as float32. Results: the summ
 :class:`._summary.DeviceSummary` parts, int32 counts and float32 values, the types of the
 XLA path, so either path can serve any tap; optionally a third, the kernel's float64 core
 values as uint32 words (their bits), so that step-time rows keep float64 moments
-(:func:`ffi_summary_exact`).
+(:func:`ffi_summary_exact`). With block formats, a fifth argument and two more results,
+served by a second handler (:data:`BLOCKS_TARGET`) built only for runs that ask for them.
 """
 
 from __future__ import annotations
@@ -323,8 +324,8 @@ def available(blocks: bool = False) -> bool:
     handler is tried once per process, when first asked for; a failure is reported in a
     warning, and JAX's taps on the CPU then use XLA's summary operations (the same results,
     about twice as slow). numba caches the compiled handlers: on a cold cache (a 2-core
-    machine) the plain one takes about 12 s to build and the block formats' one about 30 s
-    (25 s more after the plain one); then half a second."""
+    machine) the plain one takes about 11 s to build and the block formats' one about 31 s
+    (21 s more after the plain one); then half a second."""
     with _lock:
         if blocks and not _built:  # the block formats' handler serves both targets
             _built[False] = _built[True] = _build(True, plain_too=True)
