@@ -5,6 +5,11 @@ Two identical models train side by side in one process; their steps are interlea
 script prints the ratio of median step times (and of means, which for ``every > 1``
 include the amortized cost of the scheduled steps).
 
+On the CPU it also prints the host kernel's share of a tracked step: the wall-clock time
+of its calls (``tandv.stats.host.host_summaries``, as the tracker calls it), median over
+the timed tracked steps, and the elements it read per step. On this model it is about all
+of what tracking adds (docs/cost-torch.md).
+
 On a GPU (``--device cuda``) it also prints, from the same run:
 
 - kernel launches per tracked and untracked step (torch profiler), and the extra
@@ -40,6 +45,7 @@ breaks and the graphs compiled after the warm-up (both should be 0).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import importlib.util
@@ -49,7 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +64,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tandv.demos.torch_gpt import GPT, GPTConfig  # noqa: E402
+from tandv.track.torch import summary as torch_summary  # noqa: E402
 from tandv.track.torch import track  # noqa: E402
 
 PRESETS = {
@@ -97,6 +104,29 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def host_kernel_clock() -> Iterator[list[float]]:
+    """Within the block, the host kernel's calls by the PyTorch tracker are timed (wall
+    clock: its threads' work is what the step waits for); yields ``[seconds, elements]``,
+    summed since the block began or was last zeroed. The kernel is put back at the end."""
+    real = torch_summary.host_summaries
+    total = [0.0, 0.0]
+
+    def timed(arrays: Any, layout: Any, threads: int = 1) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return real(arrays, layout, threads)
+        finally:
+            total[0] += time.perf_counter() - t0
+            total[1] += sum(a.size for a in arrays)
+
+    torch_summary.host_summaries = timed
+    try:
+        yield total
+    finally:
+        torch_summary.host_summaries = real
+
+
 def overhead(
     cfg: GPTConfig,
     batch: int,
@@ -107,7 +137,8 @@ def overhead(
     compile: bool = False,
 ) -> dict[str, float]:
     """Interleaved tracked/untracked step times; returns medians, means and their ratios
-    (with ``compile``, also the graph breaks and the graphs compiled after the warm-up)."""
+    (with ``compile``, also the graph breaks and the graphs compiled after the warm-up; on
+    the CPU, the host kernel's median time per tracked step and its elements per step)."""
     m_a, o_a, data = _trainer(cfg, batch, 0, device)
     m_b = copy.deepcopy(m_a)
     o_b = torch.optim.AdamW(m_b.parameters(), lr=1e-3)
@@ -115,18 +146,22 @@ def overhead(
         m_a.compile()
         m_b.compile()
     tracked, plain = [], []
+    kernel: list[tuple[float, float]] = []  # (seconds, elements) per tracked step
     graphs_after_warmup = 0.0
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, host_kernel_clock() as clock:
         with track(m_a, o_a, every=every, out=Path(tmp) / "log", verbose=False) as tracker:
             for i in range(warmup + steps):
                 if compile and i == warmup:
                     graphs_after_warmup = -_compile_count("unique_graphs")
                 _sync(device)
+                clock[:] = [0.0, 0.0]
                 t0 = time.perf_counter()
                 _step(m_a, o_a, data, i)
                 tracker.step()
                 _sync(device)
                 t1 = time.perf_counter()
+                if i >= warmup:
+                    kernel.append((clock[0], clock[1]))
                 _step(m_b, o_b, data, i)
                 _sync(device)
                 t2 = time.perf_counter()
@@ -143,6 +178,9 @@ def overhead(
         "mean_plain_ms": mean_p * 1e3,
         "ratio_mean": mean_t / mean_p,
     }
+    if device == "cpu":
+        out["median_host_kernel_ms"] = statistics.median(k[0] for k in kernel) * 1e3
+        out["host_kernel_elements_per_step"] = statistics.median(k[1] for k in kernel)
     if compile:
         out["graphs_after_warmup"] = graphs_after_warmup + _compile_count("unique_graphs")
         out["graph_breaks"] = float(sum(_compile_counters()["graph_break"].values()))
@@ -600,6 +638,13 @@ def _ratios(args: argparse.Namespace, argv: list[str] | None, cfg: GPTConfig, ba
             f"ratio of means {r['ratio_mean']:.3f}",
             flush=True,
         )
+        if r.get("host_kernel_elements_per_step"):  # (the CPU; none on unscheduled steps)
+            ms, n = r["median_host_kernel_ms"], r["host_kernel_elements_per_step"]
+            print(
+                f"  in the host kernel: {ms:.1f} ms of the tracked step (median), "
+                f"{n / 1e6:.2f} M elements, {ms * 1e6 / n:.2f} ns per element",
+                flush=True,
+            )
         if args.compile:
             print(
                 f"  graph breaks {r['graph_breaks']:.0f}, graphs compiled after the warm-up "

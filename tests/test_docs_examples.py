@@ -202,6 +202,11 @@ def test_the_overhead_benchmark_adds_its_run_to_a_results_file(tmp_path):
     )
     assert printed, out.stdout
     assert row["every1"] == {"value": float(printed[1]), "paren": float(printed[2])}
+    # the host kernel's share of the tracked step (every=1: every step reads its tensors)
+    step = re.search(r"every=1: tracked ([\d.]+) ms", out.stdout)
+    kernel = re.search(r"in the host kernel: ([\d.]+) ms .*, ([\d.]+) M elements", out.stdout)
+    assert step and kernel, out.stdout
+    assert 0 < float(kernel[1]) <= float(step[1]) and float(kernel[2]) > 0
     assert row["model"].startswith("1 layers, d_model 32") and row["untracked"] > 0
     tables = load_benchmark("tables")
     table = tables.render(json.loads(results.read_text()), "torch_overhead")
