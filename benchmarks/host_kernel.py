@@ -64,13 +64,13 @@ def item_rows(
 ) -> list[tuple[str, float]]:
     """ns per element of each pass on one item of ``item`` elements in cache, and of the
     whole item pass over an array of ``big`` elements, item by item."""
-    x = _activations(item, rng)
+    x = host._as_float32(_activations(item, rng))  # (read-only, as the kernels get it)
     bits = x.view(np.int32)
     hist = np.zeros((4, 256), np.int64)
     part = np.zeros(host._NPART)
     sub = np.zeros(host._NSUB, np.int64)
     _, _, low, _, _, _, _, amax = host._bit_reductions(bits)
-    top = (int(amax) >> 23) & 0xFF
+    top, low = (int(amax) >> 23) & 0xFF, np.int32(low)  # (the types _item passes)
     rows = [
         ("bit reductions", ns_per_element(lambda: host._bit_reductions(bits), item, repeat)),
         ("float sums", ns_per_element(lambda: host._finite_sums(x, 0.1), item, repeat)),
@@ -83,7 +83,7 @@ def item_rows(
             ns_per_element(lambda: host._item(x, bits, 0.1, 3.4e38, part, hist, sub), item, repeat),
         ),
     ]
-    y = _activations(big, rng)
+    y = host._as_float32(_activations(big, rng))
     ybits = y.view(np.int32)
 
     def items() -> None:
@@ -114,10 +114,10 @@ def check(rng: np.random.Generator) -> None:
     for scale, fill in ((1.0, 0.0), (1e30, 1e-30)):  # zeros in the window; 1e-30 outside it
         x = _activations(host._PAIRS_MIN + 3, rng) * np.float32(scale)
         x[::7] = fill
-        bits = x.view(np.int32)
+        bits = host._as_float32(x).view(np.int32)
         _, _, low, _, _, _, _, amax = host._bit_reductions(bits)
         hist = np.zeros((4, 256), np.int64)
-        host._exponent_counts(bits, hist, (int(amax) >> 23) & 0xFF, low)
+        host._exponent_counts(bits, hist, (int(amax) >> 23) & 0xFF, np.int32(low))
         want = np.bincount(((bits >> 23) & 0xFF).astype(np.int64), minlength=256)
         if not np.array_equal(hist.sum(axis=0), want):
             raise AssertionError(f"exponent counts differ from numpy's (scale {scale})")

@@ -342,6 +342,7 @@ def test_block_maxima_and_minima_of_random_bits(size: int, blocks: int) -> None:
     want_hi = np.where(finite, m, 0).max(axis=1)
     want_lo = np.where(finite & (m > 0), m, 0x7F800000).min(axis=1)
     for view in (bits, np.repeat(bits, 2, axis=0)[::2]):
+        view.flags.writeable = False  # (as the kernels get their input: see host._read_only)
         hi = np.empty(blocks, np.int32)
         lo = np.empty(blocks, np.int32)
         _block_bits(view, hi, lo)

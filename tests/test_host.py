@@ -237,7 +237,7 @@ def test_no_block_formats_compile_no_block_code():
     compile) is not compiled for a run that asks for none. Checked on a fresh, uncached
     compile of the per-source kernel: it calls the item kernel, never the blocks'."""
     fresh = numba.njit(nogil=True)(host._run_unit.py_func)
-    x = np.ones(100, np.float32)
+    x = host._as_float32(np.ones(100, np.float32))  # (as the kernels get it: its callees cached)
     part = np.zeros((1, host._NPART))
     part[0, host._PIVOT] = 1.0
     hist = np.zeros((1, 4, 256), np.int64)

@@ -33,6 +33,7 @@ import numba
 import numpy as np
 from llvmlite import ir as llvm_ir
 from numba import types
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 from . import _compile_notice  # noqa: F401 - says so when the kernels below compile long
@@ -51,6 +52,7 @@ __all__ = [
     "serial_block_table",
     "SAFE_RANGE",
     "HOST_DTYPES",
+    "frozen",
 ]
 
 #: The largest magnitude of an array must lie in this range (or be 0) for the unscaled
@@ -85,6 +87,11 @@ _CHUNK = 1 << 16
 #: (per-call costs dominate below it).
 _SMALL = 1 << 12
 _F32_MAX = float(np.finfo(np.float32).max)
+#: The scale ``s_t`` the MX formats pass to the block loops (only NVFP4 reads it, as a
+#: float32): a float32 like NVFP4's, so that each loop is compiled for one argument type
+#: (numba compiles a function once per argument types; so the parallel loops' indices,
+#: unsigned, are passed on as int64).
+_ONE = np.float32(1.0)
 
 
 # The kernel is three loops over each item, not one: one loop doing everything compiles to
@@ -1130,7 +1137,7 @@ def _mx_tiled(
     scl = np.empty(nblk, np.int32)
     if size != _MX_BLOCK or not _mx_scales(hi, _I32(p[_B_EMAX]), inv, scl):
         for k in range(nblk):  # the float64 blocks
-            _one_block(x, a + k * size, a + k * size + size, p, 1.0, acc)
+            _one_block(x, a + k * size, a + k * size + size, p, _ONE, acc)
         return
     rows = x[a:b].reshape(nblk, size)  # one block a row: 2-D loops vectorize
     pw = _normalizer(hi)
@@ -1141,10 +1148,10 @@ def _mx_tiled(
     _mx_elements(rows, iv, sc, pw, hi, lo, p, part)
     if not np.isfinite(part[_B_ERR]):  # an inf or NaN in the blocks: again, without them
         part[:] = 0.0
-        _mx_elements(_finite_of(rows), iv, sc, pw, hi, lo, p, part)
+        _mx_elements(frozen(_finite_of(rows)), iv, sc, pw, hi, lo, p, part)
     if not _squares_kept(part, b - a, pw, acc):  # the float64 blocks
         for k in range(nblk):
-            _one_block(x, a + k * size, a + k * size + size, p, 1.0, acc)
+            _one_block(x, a + k * size, a + k * size + size, p, _ONE, acc)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -1175,7 +1182,7 @@ def _nv_tiled(
     _nv_elements(rows, div, dq, pw, p, part)
     if not np.isfinite(part[_B_ERR]):  # an inf or NaN in the blocks: again, without them
         part[:] = 0.0
-        _nv_elements(_finite_of(rows), div, dq, pw, p, part)
+        _nv_elements(frozen(_finite_of(rows)), div, dq, pw, p, part)
     if not _squares_kept(part, b - a, pw, acc):  # the float64 blocks
         for k in range(nblk):
             _one_block(x, a + 16 * k, a + 16 * k + 16, p, st, acc)
@@ -1216,7 +1223,7 @@ def _first_blocks(
             continue
         size = int(p[_B_SIZE])
         if not _tiles(rowlen, a, b, size):
-            _untiled(x, a, b, rowlen, p, 1.0, acc[k])
+            _untiled(x, a, b, rowlen, p, _ONE, acc[k])
             continue
         if hi32.size == 0 and b > a:  # the maxima of the blocks of 32, for every MX format
             hi32 = np.empty((b - a) // size, np.int32)
@@ -1331,7 +1338,11 @@ def _first_pass(
     (:func:`_first_blocks`), shared among ``numba.get_num_threads()`` threads."""
     bits = x.view(np.int32)
     for j in numba.prange(starts.size):
-        _first_of_item(x, bits, j, starts[j], stops[j], pivots[j], over_at, part, hist, sub, blk)
+        # (numba hands the loop body its arrays writable: read-only again, see frozen)
+        x_j, bits_j = frozen(x), frozen(bits)
+        _first_of_item(
+            x_j, bits_j, j, starts[j], stops[j], pivots[j], over_at, part, hist, sub, blk
+        )
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -1341,7 +1352,7 @@ def _second_pass(
     """:func:`_second_blocks` of the items (as :func:`_first_pass`) with their tensors'
     NVFP4 scales ``st``."""
     for j in numba.prange(starts.size):
-        _second_of_item(x, j, starts[j], stops[j], st[j], blk)
+        _second_of_item(frozen(x), j, starts[j], stops[j], st[j], blk)  # (see _first_pass)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -1387,6 +1398,23 @@ def _address_typing(typingctx: object, address: types.Type) -> object:  # pragma
 #: Compiled code's view of arrays it gets as addresses (:func:`_run_lanes`): a list of
 #: arrays costs 60-220 microseconds a call to pass in, an int64 array of addresses nothing.
 _address: Callable[..., Any] = intrinsic(_address_typing)
+
+
+def _frozen_typing(typingctx: object, arr: types.Type) -> object:  # pragma: no cover
+    """The same array, typed read-only (a writable and a read-only array have one data
+    model: the value passes through unchanged)."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context: object, builder: object, sig: Any, args: list[object]) -> object:
+        return impl_ret_borrowed(context, builder, sig.return_type, args[0])  # type: ignore[no-untyped-call]
+
+    return arr.copy(readonly=True)(arr), codegen
+
+
+#: Compiled code's read-only view of an array it made or took by address: the kernels'
+#: inputs are read-only everywhere (see :func:`_read_only`), so each compiles once.
+frozen: Callable[..., Any] = intrinsic(_frozen_typing)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -1441,7 +1469,7 @@ def _run_sources(
     calling thread: one lane of :func:`_run_lanes`, or every source of a call that has
     one thread (no parallel launch, and no parallel code to compile)."""
     for u in range(u0, u1):
-        x = numba.carray(_address(addresses[u]), (sizes[u],), np.float32)
+        x = frozen(numba.carray(_address(addresses[u]), (sizes[u],), np.float32))
         _run_unit(x, first[u], last[u], starts, stops, over_at, part, hist, sub, blk)
 
 
@@ -1503,29 +1531,47 @@ def _widen_bf16(half: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover 
         out[i] = np.uint32(half[i]) << np.uint32(16)
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a``.
+
+    numba compiles a kernel once per argument type, and an array's writeable flag is part
+    of its type: a JAX array's memory is read-only, a torch tensor's is not. The kernels
+    only read their input, so every input reaches them read-only, and each kernel is
+    compiled once, not twice (the host kernel's three test files compiled 105 signatures,
+    30 of them a second time for writable arrays; 66 now, with the other types unified)."""
+    if not a.flags.writeable:
+        return a
+    view: np.ndarray = a.view()
+    view.flags.writeable = False
+    return view
+
+
 def _as_float32(a: np.ndarray) -> np.ndarray:
-    """A flat float32 view (float32 input) or widened copy (narrower floats) of ``a``."""
+    """A flat, read-only float32 view (float32 input) or widened copy (narrower floats)
+    of ``a`` (read-only: see :func:`_read_only`)."""
     a = np.ascontiguousarray(a).reshape(-1)
     if a.dtype == np.float32:
-        return a
+        return _read_only(a)
     if a.dtype == ml_dtypes.bfloat16:  # the top half of a float32: a shift, no rounding
         # one compiled pass into one new array (numpy's astype and shift: two passes, two
         # arrays): 0.16 -> 0.07 ns per element
         out = np.empty(a.size, np.uint32)
-        _widen_bf16(a.view(np.uint16), out)
-        return out.view(np.float32)
-    return a.astype(np.float32)
+        _widen_bf16(_read_only(a.view(np.uint16)), out)
+        return _read_only(out.view(np.float32))
+    return _read_only(a.astype(np.float32))
 
 
 @cache
 def _fold(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray]:
     """The layout count bin of each float32 exponent field and of each subnormal
     exponent (-149 .. -127). Fields 0 (zeros and subnormals, the latter counted apart) and
-    255 (inf, counted apart, and NaN) go to the discard bin ``num_bins + 2``."""
+    255 (inf, counted apart, and NaN) go to the discard bin ``num_bins + 2``. int32, as
+    the in-program kernel gets them from JAX: one type for every caller, one compile."""
     nb = fmt.num_bins
 
     def bins(exp: np.ndarray) -> np.ndarray:
-        return np.where(exp < fmt.min_exponent, 0, exp - fmt.min_exponent + 1).clip(max=nb + 1)
+        b = np.where(exp < fmt.min_exponent, 0, exp - fmt.min_exponent + 1).clip(max=nb + 1)
+        return b.astype(np.int32)
 
     field = bins(np.arange(256) - 127)
     field[0] = field[255] = nb + 2
@@ -1744,7 +1790,7 @@ def _summary_one(
     (about 50 -> 15 microseconds a call). The same items, pivot and merge, so the same row."""
     part, hist, sub, pivot = _one_start(x)
     for j in numba.prange(part.shape[0]):
-        _one_item(x, j, pivot, over_at, part, hist, sub)
+        _one_item(x, np.int64(j), pivot, over_at, part, hist, sub)
     _one_finish(x, part, hist, sub, field_bin, sub_bin, nb, out)
 
 
@@ -1819,12 +1865,12 @@ def _summary_blocks_one(
     per = _CHUNK // 16 if _has_nv(table) else 0
     hi16 = np.empty(part.shape[0] * per, np.int32)
     for j in numba.prange(part.shape[0]):
-        _one_first(x, j, pivot, over_at, part, hist, sub, rowlen, table, acc, hi16, per)
+        _one_first(x, np.int64(j), pivot, over_at, part, hist, sub, rowlen, table, acc, hi16, per)
     _one_finish(x, part, hist, sub, field_bin, sub_bin, nb, out)
     if per == 0:
         return
     for j in numba.prange(part.shape[0]):
-        _one_second(x, j, rowlen, table, out[_O_MAXABS], acc, hi16, per)
+        _one_second(x, np.int64(j), rowlen, table, out[_O_MAXABS], acc, hi16, per)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -2190,7 +2236,7 @@ def host_summaries(arrays: Sequence[np.ndarray], layout: Layout, threads: int = 
         idx = np.flatnonzero(small)
         sp = np.cumsum(lens[idx])
         st = sp - lens[idx]
-        x = np.concatenate([flats[i] for i in idx]) if idx.size > 1 else flats[idx[0]]
+        x = _read_only(np.concatenate([flats[i] for i in idx])) if idx.size > 1 else flats[idx[0]]
         sources.append((x, st, sp, _first_finite(x, st, sp), idx))
         bases.append(st)
     item_seg = np.concatenate([src[4] for src in sources])

@@ -51,6 +51,7 @@ from ...stats.blocks import BlockFormat
 from ...stats.formats import NumberFormat
 from ...stats.host import (
     blocks_serial,
+    frozen,
     higher_serial,
     serial_block_table,
     serial_tables,
@@ -265,7 +266,7 @@ def _serve(frame: _VoidPointer, blocks: int | None) -> None:  # pragma: no cover
         if m != 2 * (1 + nf * _TABLE_WIDTH) or m_ints != nf * _INT_WORDS or m_floats != nf:
             return
     data, n = _buffer(args[0])
-    x = carray(_pointer(data), (n,), np.float32)
+    x = frozen(carray(_pointer(data), (n,), np.float32))  # (the host path's type: one compile)
     data, m = _buffer(args[1])
     field_bin = carray(_pointer(data), (m,), np.int32)
     data, m = _buffer(args[2])
