@@ -8,7 +8,9 @@ include the amortized cost of the scheduled steps).
 On the CPU it also prints the host kernel's share of a tracked step: the wall-clock time
 of its calls (``tandv.stats.host.host_summaries``, as the tracker calls it), median over
 the timed tracked steps, and the elements it read per step. On this model it is about all
-of what tracking adds (docs/cost-torch.md).
+of what tracking adds (docs/cost-torch.md). Then the same calls (arrays of the same shapes)
+made back to back outside the step, where nothing else runs: the kernel's own floor, and
+the ratio it alone would give.
 
 On a GPU (``--device cuda``) it also prints, from the same run:
 
@@ -49,6 +51,7 @@ import contextlib
 import copy
 import gc
 import importlib.util
+import math
 import os
 import statistics
 import subprocess
@@ -59,6 +62,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -105,12 +109,14 @@ def _sync(device: str) -> None:
 
 
 @contextlib.contextmanager
-def host_kernel_clock() -> Iterator[list[float]]:
+def host_kernel_clock() -> Iterator[list[Any]]:
     """Within the block, the host kernel's calls by the PyTorch tracker are timed (wall
-    clock: its threads' work is what the step waits for); yields ``[seconds, elements]``,
-    summed since the block began or was last zeroed. The kernel is put back at the end."""
+    clock: its threads' work is what the step waits for); yields ``[seconds, elements,
+    calls]``, summed since the block began or was last zeroed (``calls``: each call's
+    array shapes and dtypes, layout and threads, for :func:`host_kernel_floor`). The
+    kernel is put back at the end."""
     real = torch_summary.host_summaries
-    total = [0.0, 0.0]
+    total: list[Any] = [0.0, 0.0, []]
 
     def timed(arrays: Any, layout: Any, threads: int = 1) -> Any:
         t0 = time.perf_counter()
@@ -119,12 +125,33 @@ def host_kernel_clock() -> Iterator[list[float]]:
         finally:
             total[0] += time.perf_counter() - t0
             total[1] += sum(a.size for a in arrays)
+            total[2].append(([(a.shape, a.dtype) for a in arrays], layout, threads))
 
     torch_summary.host_summaries = timed
     try:
         yield total
     finally:
         torch_summary.host_summaries = real
+
+
+def host_kernel_floor(calls: list[Any], reps: int = 5) -> float:
+    """Seconds the host kernel takes for one step's ``calls`` (as
+    :func:`host_kernel_clock` records them) made back to back, outside the step, on arrays
+    of the same shapes and dtypes (normal values): the least of ``reps`` runs. What the
+    kernel costs when nothing but it runs: against the untracked step, the lowest ratio
+    tracking every tensor can reach on this machine with this kernel."""
+    rng = np.random.default_rng(0)
+    made = [
+        ([rng.standard_normal(shape).astype(dtype) for shape, dtype in arrays], layout, threads)
+        for arrays, layout, threads in calls
+    ]
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for arrays, layout, threads in made:
+            torch_summary.host_summaries(arrays, layout, threads)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def overhead(
@@ -147,6 +174,7 @@ def overhead(
         m_b.compile()
     tracked, plain = [], []
     kernel: list[tuple[float, float]] = []  # (seconds, elements) per tracked step
+    calls: list[Any] = []  # the last tracked step's kernel calls (see host_kernel_clock)
     graphs_after_warmup = 0.0
     with tempfile.TemporaryDirectory() as tmp, host_kernel_clock() as clock:
         with track(m_a, o_a, every=every, out=Path(tmp) / "log", verbose=False) as tracker:
@@ -154,7 +182,7 @@ def overhead(
                 if compile and i == warmup:
                     graphs_after_warmup = -_compile_count("unique_graphs")
                 _sync(device)
-                clock[:] = [0.0, 0.0]
+                clock[:] = [0.0, 0.0, []]
                 t0 = time.perf_counter()
                 _step(m_a, o_a, data, i)
                 tracker.step()
@@ -162,6 +190,7 @@ def overhead(
                 t1 = time.perf_counter()
                 if i >= warmup:
                     kernel.append((clock[0], clock[1]))
+                    calls = clock[2] or calls
                 _step(m_b, o_b, data, i)
                 _sync(device)
                 t2 = time.perf_counter()
@@ -181,6 +210,8 @@ def overhead(
     if device == "cpu":
         out["median_host_kernel_ms"] = statistics.median(k[0] for k in kernel) * 1e3
         out["host_kernel_elements_per_step"] = statistics.median(k[1] for k in kernel)
+        if calls:
+            out["host_kernel_floor_ms"] = host_kernel_floor(calls) * 1e3
     if compile:
         out["graphs_after_warmup"] = graphs_after_warmup + _compile_count("unique_graphs")
         out["graph_breaks"] = float(sum(_compile_counters()["graph_break"].values()))
@@ -643,6 +674,13 @@ def _ratios(args: argparse.Namespace, argv: list[str] | None, cfg: GPTConfig, ba
             print(
                 f"  in the host kernel: {ms:.1f} ms of the tracked step (median), "
                 f"{n / 1e6:.2f} M elements, {ms * 1e6 / n:.2f} ns per element",
+                flush=True,
+            )
+            floor, plain = r["host_kernel_floor_ms"], r["median_plain_ms"]
+            print(
+                f"  the same calls back to back, outside the step: {floor:.1f} ms "
+                f"({floor * 1e6 / n:.2f} ns per element): a floor of "
+                f"{(plain + floor) / plain:.3f} for the ratio",
                 flush=True,
             )
         if args.compile:

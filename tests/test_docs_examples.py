@@ -207,6 +207,12 @@ def test_the_overhead_benchmark_adds_its_run_to_a_results_file(tmp_path):
     kernel = re.search(r"in the host kernel: ([\d.]+) ms .*, ([\d.]+) M elements", out.stdout)
     assert step and kernel, out.stdout
     assert 0 < float(kernel[1]) <= float(step[1]) and float(kernel[2]) > 0
+    # the same calls outside the step, and the ratio they alone would give
+    floor = re.search(r"outside the step: ([\d.]+) ms .*a floor of ([\d.]+) for", out.stdout)
+    untracked = re.search(r"untracked ([\d.]+) ms", out.stdout)
+    assert floor and untracked, out.stdout
+    want = (float(untracked[1]) + float(floor[1])) / float(untracked[1])
+    assert float(floor[1]) > 0 and float(floor[2]) == pytest.approx(want, abs=2e-3)
     assert row["model"].startswith("1 layers, d_model 32") and row["untracked"] > 0
     tables = load_benchmark("tables")
     table = tables.render(json.loads(results.read_text()), "torch_overhead")
