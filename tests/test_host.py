@@ -279,3 +279,46 @@ def test_a_long_compile_of_the_kernels_is_announced_once(monkeypatch, capfd):
     assert capfd.readouterr().err == notice.NOTICE + "\n"
     compile_of(host._f32_of, 0.5)  # said once per process
     assert capfd.readouterr().err == ""
+
+
+_NRT_SCRIPT = """
+import numpy as np
+from numba.core.runtime import rtsys
+from tandv.stats import host
+from tandv.stats.blocks import block_extras
+from tandv.stats.formats import number_format
+from tandv.stats.summary import Layout
+
+layout = Layout(number_format("float8_e4m3fn"), block_extras(["mxfp8_e4m3", "nvfp4"]))
+x = np.random.default_rng(0).standard_normal((300, 1024)).astype(np.float32)
+x[5, 7] = np.inf  # blocks with an inf: their second element pass (a new array, frozen)
+arrays = [x, np.ones((3, 64), np.float32), np.ones(70000, np.float32)]
+
+def calls():
+    for threads in (1, 2):
+        host.host_summaries(arrays, layout, threads)  # by address (frozen carrays)
+        host.host_summaries([x], layout, threads)  # one array, parallel loops
+
+calls()  # (compiled, or loaded from the cache)
+before = rtsys.get_allocation_stats()
+calls()
+after = rtsys.get_allocation_stats()
+print(after.alloc - before.alloc, after.free - before.free)
+"""
+
+
+def test_read_only_views_in_compiled_code_free_what_they_hold():
+    """``host.frozen`` retypes an array read-only in compiled code and holds a reference
+    to it: every array the kernels allocate is freed again (numba's allocation counters,
+    which only count when ``NUMBA_NRT_STATS`` is set as the process starts)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_NRT_STATS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", _NRT_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    allocated, freed = map(int, run.stdout.split())
+    assert allocated > 0 and freed == allocated
