@@ -87,10 +87,10 @@ _CHUNK = 1 << 16
 #: (per-call costs dominate below it).
 _SMALL = 1 << 12
 _F32_MAX = float(np.finfo(np.float32).max)
-#: The scale ``s_t`` the MX formats pass to the block loops (only NVFP4 reads it, as a
-#: float32): a float32 like NVFP4's, so that each loop is compiled for one argument type
-#: (numba compiles a function once per argument types; so the parallel loops' indices,
-#: unsigned, are passed on as int64).
+#: The scale ``s_t`` the MX formats pass to the block loops, which only NVFP4 reads (as a
+#: float32): a float32 as NVFP4's, so that each loop is compiled for one argument type
+#: (numba compiles a function once per argument types; for the same reason the parallel
+#: loops pass their index, unsigned there, on as an int64).
 _ONE = np.float32(1.0)
 
 
@@ -1338,11 +1338,7 @@ def _first_pass(
     (:func:`_first_blocks`), shared among ``numba.get_num_threads()`` threads."""
     bits = x.view(np.int32)
     for j in numba.prange(starts.size):
-        # (numba hands the loop body its arrays writable: read-only again, see frozen)
-        x_j, bits_j = frozen(x), frozen(bits)
-        _first_of_item(
-            x_j, bits_j, j, starts[j], stops[j], pivots[j], over_at, part, hist, sub, blk
-        )
+        _first_of_item(x, bits, j, starts[j], stops[j], pivots[j], over_at, part, hist, sub, blk)
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -1352,7 +1348,7 @@ def _second_pass(
     """:func:`_second_blocks` of the items (as :func:`_first_pass`) with their tensors'
     NVFP4 scales ``st``."""
     for j in numba.prange(starts.size):
-        _second_of_item(frozen(x), j, starts[j], stops[j], st[j], blk)  # (see _first_pass)
+        _second_of_item(x, j, starts[j], stops[j], st[j], blk)
 
 
 @numba.njit(cache=True, nogil=True)
