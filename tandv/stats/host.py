@@ -1943,23 +1943,11 @@ def serial_block_table(formats: tuple[BlockFormat, ...]) -> np.ndarray:
 
 
 @cache
-def _tables(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray, int, float]:
-    """The arguments after ``x`` of :func:`summary_serial` for format ``fmt`` (shared:
-    read only)."""
-    field_bin, sub_bin = _fold(fmt)
-    return field_bin, sub_bin, fmt.num_bins, min(fmt.max, _F32_MAX)
-
-
 def serial_tables(fmt: NumberFormat) -> tuple[np.ndarray, np.ndarray, int, float]:
     """The arguments after ``x`` of :func:`summary_serial` for format ``fmt``:
-    ``(field_bin, sub_bin, nb, over_at)``, the tables as int32."""
+    ``(field_bin, sub_bin, nb, over_at)``, the tables int32 (shared: read only)."""
     field_bin, sub_bin = _fold(fmt)
-    return (
-        field_bin.astype(np.int32),
-        sub_bin.astype(np.int32),
-        fmt.num_bins,
-        min(fmt.max, _F32_MAX),
-    )
+    return field_bin, sub_bin, fmt.num_bins, min(fmt.max, _F32_MAX)
 
 
 #: numba's simplest threading layer (workqueue, used when no OpenMP or TBB runtime is
@@ -2160,7 +2148,7 @@ def _host_one(
 ) -> None:
     """:func:`host_summaries`' row ``out`` of one array (flat float32 ``x`` of ``shape``)
     by the one-array kernels, which skip the planning of many arrays' items."""
-    field_bin, sub_bin, nb, over_at = _tables(layout.format)
+    field_bin, sub_bin, nb, over_at = serial_tables(layout.format)
     if not formats:
         with _numba_threads(threads, x.size) as use:
             kernel = summary_serial if use == 1 else _summary_one
