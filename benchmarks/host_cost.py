@@ -85,6 +85,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import copy  # noqa: E402
 import gc  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -92,11 +93,17 @@ import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
+from collections import OrderedDict  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import (  # noqa: E402
+    TorchDispatchMode,
+    _disable_current_modes,
+)
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -122,6 +129,94 @@ class NoLaunch:
 
     def launch(self, *args: Any, **kwargs: Any) -> None:
         self.calls += 1
+
+
+def _shape_key(a: Any) -> Any:
+    """What of an operation's argument decides its outputs' shapes: a tensor's size,
+    strides, dtype and device; any other argument itself."""
+    if isinstance(a, torch.Tensor):
+        return (a.shape, a.stride(), a.dtype, a.device)
+    return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else repr(a)
+
+
+class NoCompute(TorchDispatchMode):
+    """The model's operations with their arithmetic left out (``--host-only``): as on a GPU
+    host, where they are kernels the device runs, the host dispatches each operation and
+    allocates its outputs, and touches none of the data, so what the caches hold when a
+    hook runs is what dispatching left there, not the model's tensors.
+
+    Each operation returns tensors of its outputs' sizes, strides and dtypes, allocated
+    and never written (found once per operation and argument shapes, on meta tensors);
+    an in-place operation returns its argument as it was. Run for real: views (they
+    compute nothing), operations on tensors of at most one element (the optimizer's step
+    count and the scalars read from it) and any an output of which meta tensors cannot
+    tell. The values are garbage from the first step, which the host path never reads
+    (the benchmark's kernels are no-ops too). tandv's own entry points run outside the
+    mode (see :func:`instrumented`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # (operation, argument shapes) -> the outputs' (size, stride, dtype) and structure,
+        # or None: run for real
+        self.outputs: dict[Any, Any] = {}
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        if func.is_view or all(t.numel() <= 1 for t in tensors):
+            return func(*args, **kwargs)
+        schema = func._schema
+        if schema.is_mutable:  # in place (or into out=): the written arguments, unchanged
+            written = [
+                args[i] if i < len(args) else kwargs[a.name]
+                for i, a in enumerate(schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write and
+                (i < len(args) or a.name in kwargs)
+            ]  # fmt: skip
+            if not schema.returns:
+                return None
+            return written[0] if len(schema.returns) == 1 else tuple(written)
+        key = (func, tuple(map(_shape_key, flat)))
+        if key not in self.outputs:
+            self.outputs[key] = self._meta_outputs(func, args, kwargs)
+        found = self.outputs[key]
+        if found is None:
+            return func(*args, **kwargs)
+        leaves, spec = found
+        device = tensors[0].device
+        return tree_unflatten(
+            [
+                torch.empty_strided(size, stride, dtype=dtype, device=device)
+                if size is not None else value
+                for size, stride, dtype, value in leaves
+            ],
+            spec,
+        )  # fmt: skip
+
+    @staticmethod
+    def _meta_outputs(func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        """The outputs' sizes, strides and dtypes (or the value, for an output that is not
+        a tensor) and their structure, from the operation run on meta tensors; None where
+        that fails."""
+
+        def meta(a: Any) -> Any:
+            return a.to("meta") if isinstance(a, torch.Tensor) else a
+
+        try:
+            out = func(*tree_map(meta, args), **tree_map(meta, kwargs))
+        except Exception:  # (no meta kernel, or a data-dependent output size)
+            return None
+        leaves, spec = tree_flatten(out)
+        if not any(isinstance(t, torch.Tensor) for t in leaves):
+            return None
+        return [
+            (t.shape, t.stride(), t.dtype, None)
+            if isinstance(t, torch.Tensor) else (None, None, None, t)
+            for t in leaves
+        ], spec  # fmt: skip
 
 
 class Clock:
@@ -198,26 +293,45 @@ INSTRUMENTED = (
 )
 
 
+def _outside_modes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run with no dispatch mode (:class:`NoCompute`) in force: tandv's own
+    operations compute, as its device work would on a GPU (outside the timed call)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    return run
+
+
 @contextlib.contextmanager
-def instrumented(clock: Clock, floor: str | None = None) -> Iterator[None]:
+def instrumented(clock: Clock, floor: str | None = None, host_only: bool = False) -> Iterator[None]:
     """Within the block, the tracker's hooks (per observation) and its per-step entry
     points are timed; with ``floor``, the forward hooks are :data:`FLOOR_HOOKS`' instead
-    of tandv's (see :func:`host_cost`). The tracker's methods are put back at the block's
-    end, so the next run in this process times tandv's own methods."""
+    of tandv's (see :func:`host_cost`); with ``host_only``, each of them runs outside
+    :class:`NoCompute`. The tracker's methods are put back at the block's end, so the
+    next run in this process times tandv's own methods."""
     saved = {name: getattr(Tracker, name) for name in INSTRUMENTED}
     make_fwd, make_grad = saved["_make_forward_hook"], saved["_make_grad_hook"]
     if floor is not None:
         hook = FLOOR_HOOKS[floor]
         make_fwd = lambda self, name, m: hook  # noqa: E731
-    Tracker._make_forward_hook = lambda self, name, m: clock.timed(  # type: ignore[method-assign]
+        global _floor_gradient_hook
+        _floor_gradient_hook = clock.timed("hook", _gradient_queries)
+    outside = _outside_modes if host_only else (lambda fn: fn)
+
+    def timed(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return outside(clock.timed(kind, fn))
+
+    Tracker._make_forward_hook = lambda self, name, m: timed(  # type: ignore[method-assign]
         "hook", make_fwd(self, name, m)
     )
-    Tracker._make_grad_hook = lambda self, name, m: clock.timed(  # type: ignore[method-assign]
+    Tracker._make_grad_hook = lambda self, name, m: timed(  # type: ignore[method-assign]
         "hook", make_grad(self, name, m)
     )
-    Tracker._first_forward_hook = clock.timed("inside", Tracker._first_forward_hook)  # type: ignore[method-assign]
-    Tracker._optimizer_pre_hook = clock.timed("fixed", Tracker._optimizer_pre_hook)  # type: ignore[method-assign]
-    Tracker._optimizer_post_hook = clock.timed("fixed", Tracker._optimizer_post_hook)  # type: ignore[method-assign]
+    Tracker._first_forward_hook = timed("inside", Tracker._first_forward_hook)  # type: ignore[method-assign]
+    Tracker._optimizer_pre_hook = timed("fixed", Tracker._optimizer_pre_hook)  # type: ignore[method-assign]
+    Tracker._optimizer_post_hook = timed("fixed", Tracker._optimizer_post_hook)  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -237,11 +351,42 @@ def _queries_hook(mod: Any, args: Any, output: Any) -> None:
         output.is_contiguous(), output.is_neg(), output._version  # noqa: B018
 
 
+def _gradient_queries(g: Any) -> None:
+    """The output-gradient hook of :func:`_gradient_hook`: asks its gradient the same."""
+    if type(g) is torch.Tensor:
+        g.dtype, g.numel(), g.get_device()  # noqa: B018
+        g.is_contiguous(), g.is_neg(), g._version  # noqa: B018
+
+
+#: :func:`_gradient_queries`, timed by the run's clock (set by :func:`instrumented`)
+_floor_gradient_hook: Callable[[Any], None] = _gradient_queries
+_floor_hook_ids = itertools.count(-1, -1)
+
+
+def _gradient_hook(mod: Any, args: Any, output: Any) -> None:
+    """:func:`_queries_hook`, and the output-gradient hook :func:`_gradient_queries` added
+    as tandv adds its own (the tensor's hook dictionary, registered with its autograd
+    node): the least a hook that tracks activations and their gradients does, at tandv's
+    sites and with tandv's number of hook calls."""
+    if type(output) is torch.Tensor:
+        output.dtype, output.numel(), output.get_device()  # noqa: B018
+        output.is_contiguous(), output.is_neg(), output._version  # noqa: B018
+        if output.requires_grad:
+            hooks = output._backward_hooks
+            if hooks is None:
+                hooks = output._backward_hooks = OrderedDict()
+                grad_fn = output.grad_fn
+                if grad_fn is not None:
+                    grad_fn._register_hook_dict(output)
+            hooks[next(_floor_hook_ids)] = _floor_gradient_hook
+
+
 #: ``--floor``'s hooks, put in place of tandv's forward hooks (no output-gradient hooks
-#: then: tandv's forward hooks add those).
+#: then, but those the stand-in adds: tandv's forward hooks add them).
 FLOOR_HOOKS: dict[str, Callable[[Any, Any, Any], None]] = {
     "empty": _empty_hook,
     "queries": _queries_hook,
+    "gradient": _gradient_hook,
 }
 
 
@@ -252,16 +397,20 @@ def thread_cpu_s(thread: threading.Thread | None) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def _timed_step(model: Any, opt: Any, data: torch.Tensor, i: int) -> int:
+def _timed_step(
+    model: Any, opt: Any, data: torch.Tensor, i: int, mode: NoCompute | None = None
+) -> int:
     """:func:`overhead._step`, returning the thread's CPU time (ns) of its forward and
-    backward passes (where the hooks run; not the optimizer's update)."""
+    backward passes (where the hooks run; not the optimizer's update); with ``mode``, the
+    model's and the optimizer's operations compute nothing (``--host-only``)."""
     x = data[i % len(data)]
-    t0 = time.thread_time_ns()
-    loss = model.loss(x[:, :-1], x[:, 1:])
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    t = time.thread_time_ns() - t0
-    opt.step()
+    with mode if mode is not None else contextlib.nullcontext():
+        t0 = time.thread_time_ns()
+        loss = model.loss(x[:, :-1], x[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        t = time.thread_time_ns() - t0
+        opt.step()
     return t
 
 
@@ -272,6 +421,7 @@ def host_cost(
     warmup: int,
     difference: bool = False,
     floor: str | None = None,
+    host_only: bool = False,
 ) -> dict[str, float]:
     """Run ``warmup + steps`` tracked steps (every step scheduled) and return tandv's host
     time per observation and per step, and the counts behind them. With ``difference``,
@@ -284,7 +434,10 @@ def host_cost(
     replaced by that stand-in: the host time per hook call of a hook that does (nearly)
     nothing, at the same sites and on the same cold caches, to read the tracker's figure
     against on the same machine (the output-gradient hooks, which tandv's forward hooks
-    add, are not there)."""
+    add, are there only where the stand-in adds them).
+
+    With ``host_only``, the model's and the optimizer's operations compute nothing
+    (:class:`NoCompute`): the host's work and caches of a GPU step."""
     from tandv.track.torch import _fused
 
     _fused._summarize_one = NoLaunch("_summarize_one")  # type: ignore[assignment]
@@ -302,7 +455,8 @@ def host_cost(
     # per timed step: its hooks' time per call, and its time outside the hooks (us)
     per_call: list[float] = []
     per_step: list[float] = []
-    with instrumented(clock, floor), tempfile.TemporaryDirectory() as tmp:
+    mode = NoCompute() if host_only else None
+    with instrumented(clock, floor, host_only), tempfile.TemporaryDirectory() as tmp:
         with track(model, opt, out=Path(tmp) / "log", verbose=False) as tracker:
             writer0 = 0.0
             for i in range(warmup + steps):
@@ -314,10 +468,12 @@ def host_cost(
                     gc.disable()  # see the module notes
                     writer0 = thread_cpu_s(tracker.recorder.stream.writer_thread)  # type: ignore[union-attr]
                 # (the untracked copy, first of the pair at odd steps: caches, the writer)
-                bare_ns = _timed_step(bare, bare_opt, data, i) if bare is not None and i % 2 else 0
+                bare_ns = (
+                    _timed_step(bare, bare_opt, data, i, mode) if bare is not None and i % 2 else 0
+                )
                 t0 = time.perf_counter()
                 before = clock.snapshot()
-                tracked_ns = _timed_step(model, opt, data, i)
+                tracked_ns = _timed_step(model, opt, data, i, mode)
                 if clock.on:  # the step's activations and output (not parameter) gradients
                     observations += sum(
                         k.tensor_type == "Activation"
@@ -337,7 +493,7 @@ def host_cost(
                 step_ms.append((time.perf_counter() - t0) * 1e3)
                 if bare is not None:
                     if not i % 2:
-                        bare_ns = _timed_step(bare, bare_opt, data, i)
+                        bare_ns = _timed_step(bare, bare_opt, data, i, mode)
                     if clock.on:
                         inside = in_ns - clock.tare * in_calls
                         per_call_diff.append((tracked_ns - bare_ns - inside) / 1e3 / max(calls, 1))
@@ -479,6 +635,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also run with the forward hooks replaced by an empty hook and by one that "
         "only asks its tensor what tandv asks: the floor of the per-hook figure here",
     )
+    p.add_argument(
+        "--host-only",
+        action="store_true",
+        help="the model's operations allocate their outputs and compute nothing, as on a "
+        "GPU host (its caches between hooks): every figure is for that run",
+    )
     p.add_argument("--triton-worker", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.triton_worker is not None:
@@ -494,6 +656,11 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, {os.cpu_count()} CPUs"
     )
     print(f"{cfg}, batch {size['batch']}, AdamW; fused path forced, kernels replaced by no-ops")
+    if args.host_only:
+        print(
+            "host only: the model's and the optimizer's operations allocate their outputs "
+            "and compute nothing (as on a GPU host)"
+        )
     if not args.no_triton:
         t = triton_launch_us(200 if args.tiny else 5000)
         if t:
@@ -503,13 +670,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t['triton_run_us_per_call']:.2f} us; a hook's launch (row reserved, "
                 f"compiled kernel called directly): {t['hook_launch_us_per_call']:.2f} us"
             )
-    r = host_cost(cfg, size["batch"], args.steps, args.warmup, args.difference)
+    r = host_cost(
+        cfg, size["batch"], args.steps, args.warmup, args.difference, host_only=args.host_only
+    )
     print(
         f"{r['observations_per_step']:.0f} activation/activation-gradient observations per "
         f"step, {r['launches_per_step']:.1f} kernel launches per step; "
         f"{r['hook_calls_per_step']:.0f} hook calls per step, each leaving "
         f"{r['objects_kept_per_hook_call']:.1f} garbage-collected objects; tracked step "
-        f"{r['step_ms_median']:.1f} ms (median, the model's own CPU compute included); "
+        f"{r['step_ms_median']:.1f} ms (median, the model's own CPU "
+        f"{'dispatch, no compute' if args.host_only else 'compute'} included); "
         f"writer thread {r['writer_us_per_step']:.0f} us CPU per step; "
         f"clock cost {r['clock_tare_us']:.2f} us per timed call (subtracted); means over "
         f"all timed steps: {r['host_us_per_observation_mean']:.2f} us per hook call, "
@@ -525,7 +695,14 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():  # (the stand-ins record no activation: expected)
             warnings.filterwarnings("ignore", "tandv: step .* recorded no activation")
             floors = {
-                name: host_cost(cfg, size["batch"], args.steps, args.warmup, floor=name)
+                name: host_cost(
+                    cfg,
+                    size["batch"],
+                    args.steps,
+                    args.warmup,
+                    floor=name,
+                    host_only=args.host_only,
+                )
                 for name in FLOOR_HOOKS
             }
         print(
@@ -533,7 +710,9 @@ def main(argv: list[str] | None = None) -> int:
             "call, same clock): an empty hook "
             f"{floors['empty']['host_us_per_observation']:.2f} us; a hook asking its "
             "tensor's type, dtype, size, device, contiguity, negation bit and version "
-            f"{floors['queries']['host_us_per_observation']:.2f} us"
+            f"{floors['queries']['host_us_per_observation']:.2f} us; that hook adding an "
+            "output-gradient hook as tandv does, which asks its gradient the same, "
+            f"{floors['gradient']['host_us_per_observation']:.2f} us"
         )
     print(f"host_us_per_observation: {r['host_us_per_observation']:.2f}")
     print(f"host_us_fixed_per_step: {r['host_us_fixed_per_step']:.0f}")

@@ -56,9 +56,70 @@ def test_host_cost_benchmark_tiny_mode():
     diff = re.search(r"by difference \(.*\): (-?[0-9.]+) us", run.stdout)
     assert diff, run.stdout
     # --floor: the stand-in hooks ran and cost less than tandv's (several times less)
-    floor = re.search(r"an empty hook (-?[0-9.]+) us; .* version (-?[0-9.]+) us", run.stdout)
+    floor = re.search(
+        r"an empty hook (-?[0-9.]+) us; .* version (-?[0-9.]+) us; .* the same, (-?[0-9.]+) us",
+        run.stdout,
+    )
     assert floor, run.stdout
-    assert max(float(floor.group(1)), float(floor.group(2))) < float(x.group(1))
+    assert max(map(float, floor.groups())) < float(x.group(1))
+
+
+def test_host_cost_benchmark_host_only_tiny_mode():
+    """``--host-only`` (the model's operations compute nothing, as on a GPU host): the
+    run says so, the tracker observes and launches as in the plain run, and the two
+    figures end it."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    script = str(ROOT / "benchmarks" / "host_cost.py")
+    run = subprocess.run(
+        [sys.executable, script, "--tiny", "--no-triton", "--host-only"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "host only: the model's and the optimizer's operations" in run.stdout
+    counts = re.search(
+        r"(\d+) activation/activation-gradient observations per step, "
+        r"([0-9.]+) kernel launches per step",
+        run.stdout,
+    )
+    assert counts, run.stdout
+    observations, launches = int(counts.group(1)), float(counts.group(2))
+    assert observations > 10 and 0 < launches <= observations + 8
+    lines = run.stdout.strip().splitlines()
+    assert re.fullmatch(r"host_us_per_observation: [0-9.]+", lines[-2]), lines[-2:]
+    assert re.fullmatch(r"host_us_fixed_per_step: [0-9.]+", lines[-1]), lines[-2:]
+
+
+def test_no_compute_mode_allocates_outputs_and_computes_nothing():
+    """:class:`NoCompute`, the model of ``--host-only``: an operation's outputs have the
+    sizes, strides and dtypes of its real outputs; an in-place operation returns its
+    argument unchanged; views alias their base; one-element operations and those whose
+    outputs meta tensors cannot tell (a data-dependent size) compute for real."""
+    bench = load_benchmark("host_cost")
+    a = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    b = torch.ones(4, 5, dtype=torch.float32)
+    expect = a @ b
+    with bench.NoCompute() as mode:
+        got = a @ b
+        again = a @ b  # (its shapes from the cache)
+        same = a.add_(1.0)
+        view = a.t()
+        count = torch.zeros(())
+        count += 1
+        found = torch.nonzero(torch.tensor([0.0, 2.0, 0.0, 3.0]))
+        half = a.to(torch.bfloat16)
+    for out in (got, again):
+        assert out.shape == expect.shape and out.stride() == expect.stride()
+        assert out.dtype == expect.dtype and out.data_ptr() != a.data_ptr()
+    assert len(mode.outputs) >= 2  # (matmul's shapes kept once, the cast's)
+    assert same is a and torch.equal(a, torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert view.data_ptr() == a.data_ptr() and view.shape == (4, 3)
+    assert count.item() == 1.0
+    assert found.tolist() == [[1], [3]]
+    assert half.dtype == torch.bfloat16 and half.shape == (3, 4)
 
 
 def test_instrumented_puts_the_tracker_back_and_floor_hooks_replace_the_forward_hooks():
