@@ -519,6 +519,72 @@ def host_cost(
     }
 
 
+#: ``--tiny``'s model (a preset's keys, as :data:`overhead.PRESETS` gives them)
+TINY = dict(layers=1, d_model=32, heads=2, mlp=64, vocab=64, seq=16, batch=2)
+
+
+def per_step_floor(
+    cfg: GPTConfig, batch: int, steps: int, warmup: int, host_only: bool = False
+) -> tuple[float, int]:
+    """The floor of ``host_us_fixed_per_step``: the same training, untracked, with
+    stand-ins at tandv's per-step points that ask each tensor a tracker summarizes there
+    its address and size (what launching a kernel that reads it needs, and nothing
+    else): the weights at the step's first module call, the gradients at the optimizer's
+    pre-hook, the optimizer state (gathered from ``optimizer.state``) after the update.
+    Returns the median over the timed steps of each step's thread CPU time in them (us),
+    and the tensors asked per step."""
+    model, opt, data = _trainer(cfg, batch, 0, "cpu")
+    params = list(model.parameters())
+    asked = [0, 0]  # (ns, tensors) in the step under way
+    weights_due = [True]
+
+    def ask(tensors: list[torch.Tensor]) -> None:
+        t0 = time.thread_time_ns()
+        tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(torch.Tensor.numel, tensors))
+        asked[0] += time.thread_time_ns() - t0
+        asked[1] += len(tensors)
+
+    def weights(mod: Any, args: Any) -> None:
+        if weights_due[0]:
+            weights_due[0] = False
+            ask(params)
+
+    def state() -> list[torch.Tensor]:
+        return [
+            v
+            for s in opt.state.values()
+            for v in s.values()
+            if type(v) is torch.Tensor and v.dim() > 0
+        ]
+
+    handles = [
+        torch.nn.modules.module.register_module_forward_pre_hook(weights),
+        opt.register_step_pre_hook(lambda o, a, k: ask([p.grad for p in params])),
+    ]
+    mode = NoCompute() if host_only else None
+    per: list[float] = []
+    count = 0
+    gc.collect()
+    gc.disable()  # (as in host_cost)
+    try:
+        for i in range(warmup + steps):
+            asked[:] = [0, 0]
+            _timed_step(model, opt, data, i, mode)
+            t0 = time.thread_time_ns()
+            found = state()  # (the gathering counts: a tracker does it too)
+            asked[0] += time.thread_time_ns() - t0
+            ask(found)
+            weights_due[0] = True
+            if i >= warmup:
+                per.append(asked[0] / 1e3)
+                count = asked[1]
+    finally:
+        gc.enable()
+        for h in handles:
+            h.remove()
+    return statistics.median(per), count
+
+
 def triton_launch_us(reps: int) -> dict[str, float]:
     """Triton's Python launch path per call (see the module notes), measured in a
     subprocess without the interpreter; empty when Triton's CUDA backend is missing."""
@@ -649,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     size = dict(PRESETS["small"])
     if args.tiny:
-        size.update(layers=1, d_model=32, heads=2, mlp=64, vocab=64, seq=16, batch=2)
+        size.update(TINY)
         args.steps, args.warmup = 3, 2
     cfg = config_of(size)
     print(
@@ -713,6 +779,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{floors['queries']['host_us_per_observation']:.2f} us; that hook adding an "
             "output-gradient hook as tandv does, which asks its gradient the same, "
             f"{floors['gradient']['host_us_per_observation']:.2f} us"
+        )
+        step_floor, tensors = per_step_floor(
+            cfg, size["batch"], args.steps, args.warmup, args.host_only
+        )
+        print(
+            "floor per step, the same training untracked with stand-ins at tandv's per-step "
+            f"points asking each of the step's {tensors} weights, gradients and optimizer "
+            f"state tensors its address and size (median, same clock): {step_floor:.0f} us"
         )
     print(f"host_us_per_observation: {r['host_us_per_observation']:.2f}")
     print(f"host_us_fixed_per_step: {r['host_us_fixed_per_step']:.0f}")

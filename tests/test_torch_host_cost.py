@@ -62,6 +62,19 @@ def test_host_cost_benchmark_tiny_mode():
     )
     assert floor, run.stdout
     assert max(map(float, floor.groups())) < float(x.group(1))
+    # and per step: each weight, gradient and state tensor asked its address and size
+    step_floor = re.search(
+        r"floor per step, .* the step's (\d+) weights, .*: ([0-9.]+) us", run.stdout
+    )
+    assert step_floor, run.stdout
+    tensors = int(step_floor.group(1))
+    bench = load_benchmark("host_cost")
+    model, opt, _ = bench._trainer(
+        bench.config_of({**bench.PRESETS["small"], **bench.TINY}), 2, 0, "cpu"
+    )
+    params = sum(1 for _ in model.parameters())
+    assert tensors == 4 * params  # weights, gradients, AdamW's two moments (not its step)
+    assert 0 < float(step_floor.group(2)) < float(y.group(1))
 
 
 def test_host_cost_benchmark_host_only_tiny_mode():
