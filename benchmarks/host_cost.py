@@ -87,6 +87,7 @@ import copy  # noqa: E402
 import gc  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -115,17 +116,26 @@ from tandv.track.torch import summary as kernel  # noqa: E402
 from tandv.track.torch import track  # noqa: E402
 from tandv.track.torch.tracker import Tracker  # noqa: E402
 
+#: A function of C that takes any arguments and does nothing with them: the kernels'
+#: stand-in in timed runs, whose own call then costs next to nothing (no Python frame), so
+#: that what the clock reads is tandv's (the launch's own cost is the separate launch-path
+#: figure).
+_NO_OP: Callable[..., Any] = "".format
+
 
 class NoLaunch:
     """Stands for a Triton kernel: ``kernel[grid](*args, **kwargs)`` takes the launch's
-    arguments and does nothing (no device work, on the CPU or anywhere)."""
+    arguments and does nothing (no device work, on the CPU or anywhere). With
+    ``counting``, the launches are counted (by a Python function, whose frame a timed run
+    would charge to tandv's hooks); else the launch is :data:`_NO_OP`."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, counting: bool = False) -> None:
         self.__name__ = name
         self.calls = 0
+        self.counting = counting
 
-    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
-        return self.launch
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
+        return self.launch if self.counting else _NO_OP
 
     def launch(self, *args: Any, **kwargs: Any) -> None:
         self.calls += 1
@@ -422,6 +432,7 @@ def host_cost(
     difference: bool = False,
     floor: str | None = None,
     host_only: bool = False,
+    count_launches: bool = False,
 ) -> dict[str, float]:
     """Run ``warmup + steps`` tracked steps (every step scheduled) and return tandv's host
     time per observation and per step, and the counts behind them. With ``difference``,
@@ -437,11 +448,13 @@ def host_cost(
     add, are there only where the stand-in adds them).
 
     With ``host_only``, the model's and the optimizer's operations compute nothing
-    (:class:`NoCompute`): the host's work and caches of a GPU step."""
+    (:class:`NoCompute`): the host's work and caches of a GPU step. With
+    ``count_launches``, the kernels' stand-ins count their launches (``launches_per_step``;
+    NaN without), at the price of a Python frame per launch in the timed figures."""
     from tandv.track.torch import _fused
 
-    _fused._summarize_one = NoLaunch("_summarize_one")  # type: ignore[assignment]
-    _fused._summarize_many = NoLaunch("_summarize_many")  # type: ignore[assignment]
+    one = _fused._summarize_one = NoLaunch("_summarize_one", count_launches)  # type: ignore[assignment]
+    many = _fused._summarize_many = NoLaunch("_summarize_many", count_launches)  # type: ignore[assignment]
     kernel.cpu_path("fused")  # (for the rest of the process)
     clock = Clock()
     model, opt, data = _trainer(cfg, batch, 0, "cpu")
@@ -500,7 +513,7 @@ def host_cost(
             writer = thread_cpu_s(tracker.recorder.stream.writer_thread) - writer0  # type: ignore[union-attr]
             clock.on = False
             gc.enable()
-    launches = _fused._summarize_one.calls + _fused._summarize_many.calls  # type: ignore[attr-defined]
+    launches = one.calls + many.calls if count_launches else math.nan
     return {
         "observations_per_step": observations / steps,
         "hook_calls_per_step": clock.calls["hook"] / steps,
@@ -739,9 +752,12 @@ def main(argv: list[str] | None = None) -> int:
     r = host_cost(
         cfg, size["batch"], args.steps, args.warmup, args.difference, host_only=args.host_only
     )
+    # the launches, counted in a short run of their own (the timed run's stand-ins do not
+    # count: see NoLaunch)
+    counted = host_cost(cfg, size["batch"], 1, 1, host_only=args.host_only, count_launches=True)
     print(
         f"{r['observations_per_step']:.0f} activation/activation-gradient observations per "
-        f"step, {r['launches_per_step']:.1f} kernel launches per step; "
+        f"step, {counted['launches_per_step']:.1f} kernel launches per step; "
         f"{r['hook_calls_per_step']:.0f} hook calls per step, each leaving "
         f"{r['objects_kept_per_hook_call']:.1f} garbage-collected objects; tracked step "
         f"{r['step_ms_median']:.1f} ms (median, the model's own CPU "
