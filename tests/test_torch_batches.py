@@ -101,3 +101,36 @@ def test_a_prepared_batch_notices_tensors_changed_in_place(tmp_path):
         for name, t in step.items():
             assert_row(df, idx, (name, "Weight", k), [t])
     assert int(df.iloc[idx[("fc2.bias", "Weight", 3)]][("scalar_stats", "numel")]) == 2
+
+
+@pytest.mark.usefixtures("any_path")
+def test_state_rows_follow_a_value_moved_to_another_parameters_state(tmp_path):
+    """The optimizer state's batch is kept while the state holds the same tensors in the
+    same order under the same parameters. After step 1's update, ``fc1.bias``'s
+    ``exp_avg_sq`` is moved to the front of ``fc2.weight``'s state (a new dict, as
+    ``moved``): the flattened values keep their order (the two parameters' states lie
+    next to each other), but the tensor is now another parameter's, so step 1's rows name
+    it ``fc2.weight.moved`` and ``fc1.bias`` has no ``exp_avg_sq`` row there."""
+    net, opt = make(0)
+    params = dict(net.named_parameters())
+    moved = None
+    with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
+        for i in range(2):
+            x, y = batch(i)
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+            if i == 1:
+                order = [id(p) for p in opt.state]
+                a, b = params["fc1.bias"], params["fc2.weight"]
+                assert order.index(id(b)) == order.index(id(a)) + 1  # (neighbours)
+                moved = opt.state[a].pop("exp_avg_sq")
+                opt.state[b] = {"moved": moved, **opt.state[b]}
+                moved = moved.clone()
+            tr.step()
+    df = read_log(tr.out_path)
+    idx = index(df)
+    assert ("fc1.bias.exp_avg_sq", "Optimiser_State", 0) in idx
+    assert ("fc1.bias.exp_avg_sq", "Optimiser_State", 1) not in idx
+    assert ("fc2.weight.moved", "Optimiser_State", 0) not in idx
+    assert_row(df, idx, ("fc2.weight.moved", "Optimiser_State", 1), [moved])
