@@ -543,24 +543,28 @@ def per_step_floor(
     stand-ins at tandv's per-step points that ask each tensor a tracker summarizes there
     its address and size (what launching a kernel that reads it needs, and nothing
     else): the weights at the step's first module call, the gradients at the optimizer's
-    pre-hook, the optimizer state (gathered from ``optimizer.state``) after the update.
-    Returns the median over the timed steps of each step's thread CPU time in them (us),
-    and the tensors asked per step."""
+    pre-hook, the optimizer state (its tensors of one or more dimensions, gathered from
+    ``optimizer.state``) after the update. Gathering them is on the clock too (reading
+    ``.grad`` makes each gradient's Python object). Returns the median over the timed
+    steps of each step's thread CPU time in them (us), and the tensors asked per step."""
     model, opt, data = _trainer(cfg, batch, 0, "cpu")
     params = list(model.parameters())
     asked = [0, 0]  # (ns, tensors) in the step under way
     weights_due = [True]
 
-    def ask(tensors: list[torch.Tensor]) -> None:
+    def ask(tensors: Callable[[], list[torch.Tensor]]) -> None:
+        """Gather the tensors (``tensors()``: reading each gradient makes its Python
+        object) and ask each its address and size, on the clock."""
         t0 = time.thread_time_ns()
-        tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(torch.Tensor.numel, tensors))
+        found = tensors()
+        tuple(map(torch.Tensor.data_ptr, found)), tuple(map(torch.Tensor.numel, found))
         asked[0] += time.thread_time_ns() - t0
-        asked[1] += len(tensors)
+        asked[1] += len(found)
 
     def weights(mod: Any, args: Any) -> None:
         if weights_due[0]:
             weights_due[0] = False
-            ask(params)
+            ask(lambda: params)
 
     def state() -> list[torch.Tensor]:
         return [
@@ -572,7 +576,7 @@ def per_step_floor(
 
     handles = [
         torch.nn.modules.module.register_module_forward_pre_hook(weights),
-        opt.register_step_pre_hook(lambda o, a, k: ask([p.grad for p in params])),
+        opt.register_step_pre_hook(lambda o, a, k: ask(lambda: [p.grad for p in params])),
     ]
     mode = NoCompute() if host_only else None
     per: list[float] = []
@@ -583,10 +587,7 @@ def per_step_floor(
         for i in range(warmup + steps):
             asked[:] = [0, 0]
             _timed_step(model, opt, data, i, mode)
-            t0 = time.thread_time_ns()
-            found = state()  # (the gathering counts: a tracker does it too)
-            asked[0] += time.thread_time_ns() - t0
-            ask(found)
+            ask(state)
             weights_due[0] = True
             if i >= warmup:
                 per.append(asked[0] / 1e3)
