@@ -10,7 +10,8 @@
 #                                  # into .gpu-wheels/ (gitignored; carry it along)
 #   bash benchmarks/gpu.sh torch   # GPU: installs .gpu-wheels where pytest is missing, the
 #                                  # fused-kernel tests compiled on CUDA tensors,
-#                                  # the 4-layer model (every=1, every=10), the kernel alone
+#                                  # the 4-layer model (every=1, every=10), the kernel alone,
+#                                  # the host cost with the model's arithmetic left out
 #   bash benchmarks/gpu.sh gpt2    # GPU: the GPT-2-sized preset, and the torch.compile'd model
 #   bash benchmarks/gpu.sh budget  # GPU: one call for a 15-minute device budget (about 9
 #                                  # minutes): the CUDA-only tests, the 4-layer model, the kernel
@@ -93,6 +94,9 @@ torch)
   stage tests 200 python3 -m pytest -q tests/test_torch_fused.py tests/test_torch_summary.py
   stage overhead 240 python3 benchmarks/overhead.py --device cuda
   stage kernel 100 python3 benchmarks/fused_kernel.py
+  # the hooks' host time on the GPU host's CPU, the model's arithmetic left out (the
+  # caches a GPU step leaves the host), with its floors
+  stage host-only 50 python3 benchmarks/host_cost.py --steps 10 --host-only --floor --no-triton
   ;;
 gpt2)
   describe
