@@ -215,11 +215,17 @@ def test_matches_reference_property(x, fmt, path):
 def test_summarize_many_equals_one_by_one(histograms):
     """Several arrays summarized together, each as numpy summarizes it alone; with the
     exponent counts of the CPU (a scatter per array) and of accelerators (one batched matrix
-    product for all arrays, whose rows are summed per array: arrays of several rows)."""
+    product for all arrays, whose rows are summed per array: arrays of several rows).
+
+    The moments are XLA's float32 sums, within about ``n * 2**-24`` of numpy's float64
+    ones for a sum of ``n`` positive terms (the second moment of the heavy-tailed array
+    came within 4.7e-5 of numpy's over 300 seeds, where that bound is 1.5e-4); the data is
+    the test's own (a module-level generator's would depend on which tests ran first)."""
     import contextlib
 
     from tandv.track.jax import summarize_many_jax
 
+    rng = np.random.default_rng(215)
     arrays = [
         rng.normal(size=(3, 4)).astype(np.float32),
         SPECIALS,
@@ -239,7 +245,8 @@ def test_summarize_many_equals_one_by_one(histograms):
         got = to_vector(got)
         np.testing.assert_array_equal(got[EXACT], ref[EXACT])
         np.testing.assert_array_equal(got[layout.counts_start :], ref[layout.counts_start :])
-        np.testing.assert_allclose(got[MOMENTS], ref[MOMENTS], rtol=2e-5, atol=1e-6)
+        rtol = max(2e-5, a.size * 2.0**-24)
+        np.testing.assert_allclose(got[MOMENTS], ref[MOMENTS], rtol=rtol, atol=1e-6)
 
 
 def test_summarize_many_float64_arrays_with_x64():
