@@ -1209,7 +1209,7 @@ def _first_blocks(
     the larger of each pair; without it, the MX blocks read their own."""
     if rowlen == 0:
         return
-    t16 = _has_nv(table) and _tiles(rowlen, a, b, 16)
+    t16 = _has_nv(table) and _tiles(rowlen, a, b, np.int64(16))
     lo16 = np.empty(hi16.size if t16 else 0, np.int32)
     if t16:
         _block_bits(x[a:b].reshape(hi16.size, 16).view(np.int32), hi16, lo16)
@@ -1255,7 +1255,7 @@ def _second_blocks(
         p = table[k]
         if not np.isnan(p[_B_EMAX]):
             continue
-        if _tiles(rowlen, a, b, 16):
+        if _tiles(rowlen, a, b, np.int64(16)):
             _nv_tiled(x, a, b, p, hi16, st, acc[k])
         else:
             _untiled(x, a, b, rowlen, p, st, acc[k])
