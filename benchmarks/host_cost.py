@@ -381,7 +381,7 @@ def _gradient_hook(mod: Any, args: Any, output: Any) -> None:
     if type(output) is torch.Tensor:
         output.dtype, output.numel(), output.get_device()  # noqa: B018
         output.is_contiguous(), output.is_neg(), output._version  # noqa: B018
-        if output.requires_grad:
+        if output.requires_grad:  # (the tracker's forward hook's lines, as written there)
             hooks = output._backward_hooks
             if hooks is None:
                 hooks = output._backward_hooks = OrderedDict()

@@ -22,16 +22,15 @@ from tandv.track.torch import _workspace, track
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_host_cost_benchmark_tiny_mode():
-    """The benchmark runs (kernels replaced by no-ops), ends with its two figures, and the
-    tracker launched at most one kernel per activation or activation gradient plus 8; its
-    cross-check by difference (an untracked copy stepping beside it) prints a figure, and
-    its floor (stand-ins for tandv's forward hooks) figures below tandv's."""
-    pytest.importorskip("triton")
+def _tiny_run(*flags: str) -> tuple[str, float, float]:
+    """The benchmark's tiny mode with ``flags`` (kernels replaced by no-ops): its output,
+    which ends with its two figures, and those figures, after checking that the tracker
+    observed more than 10 tensors a step and launched at most one kernel per activation or
+    activation gradient plus 8."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
     script = str(ROOT / "benchmarks" / "host_cost.py")
     run = subprocess.run(
-        [sys.executable, script, "--tiny", "--no-triton", "--difference", "--floor"],
+        [sys.executable, script, "--tiny", "--no-triton", *flags],
         env=env,
         capture_output=True,
         text=True,
@@ -52,21 +51,28 @@ def test_host_cost_benchmark_tiny_mode():
     observations, launches = int(counts.group(1)), float(counts.group(2))
     assert observations > 10
     assert 0 < launches <= observations + 8
+    return run.stdout, float(x.group(1)), float(y.group(1))
+
+
+def test_host_cost_benchmark_tiny_mode():
+    """The benchmark runs (see :func:`_tiny_run`); its cross-check by difference (an
+    untracked copy stepping beside it) prints a figure, and its floors (stand-ins for
+    tandv's forward hooks, and for its per-step work) figure below tandv's."""
+    pytest.importorskip("triton")
+    out, x, y = _tiny_run("--difference", "--floor")
     # a number (the CPU time of 3 tiny steps by difference may come out either side of 0)
-    diff = re.search(r"by difference \(.*\): (-?[0-9.]+) us", run.stdout)
-    assert diff, run.stdout
+    diff = re.search(r"by difference \(.*\): (-?[0-9.]+) us", out)
+    assert diff, out
     # --floor: the stand-in hooks ran and cost less than tandv's (several times less)
     floor = re.search(
         r"an empty hook (-?[0-9.]+) us; .* version (-?[0-9.]+) us; .* the same, (-?[0-9.]+) us",
-        run.stdout,
+        out,
     )
-    assert floor, run.stdout
-    assert max(map(float, floor.groups())) < float(x.group(1))
+    assert floor, out
+    assert max(map(float, floor.groups())) < x
     # and per step: each weight, gradient and state tensor asked its address and size
-    step_floor = re.search(
-        r"floor per step, .* the step's (\d+) weights, .*: ([0-9.]+) us", run.stdout
-    )
-    assert step_floor, run.stdout
+    step_floor = re.search(r"floor per step, .* the step's (\d+) weights, .*: ([0-9.]+) us", out)
+    assert step_floor, out
     tensors = int(step_floor.group(1))
     bench = load_benchmark("host_cost")
     model, opt, _ = bench._trainer(
@@ -74,36 +80,15 @@ def test_host_cost_benchmark_tiny_mode():
     )
     params = sum(1 for _ in model.parameters())
     assert tensors == 4 * params  # weights, gradients, AdamW's two moments (not its step)
-    assert 0 < float(step_floor.group(2)) < float(y.group(1))
+    assert 0 < float(step_floor.group(2)) < y
 
 
 def test_host_cost_benchmark_host_only_tiny_mode():
     """``--host-only`` (the model's operations compute nothing, as on a GPU host): the
-    run says so, the tracker observes and launches as in the plain run, and the two
-    figures end it."""
+    run says so, and observes and launches as the plain run does (see :func:`_tiny_run`)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
-    script = str(ROOT / "benchmarks" / "host_cost.py")
-    run = subprocess.run(
-        [sys.executable, script, "--tiny", "--no-triton", "--host-only"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "host only: the model's and the optimizer's operations" in run.stdout
-    counts = re.search(
-        r"(\d+) activation/activation-gradient observations per step, "
-        r"([0-9.]+) kernel launches per step",
-        run.stdout,
-    )
-    assert counts, run.stdout
-    observations, launches = int(counts.group(1)), float(counts.group(2))
-    assert observations > 10 and 0 < launches <= observations + 8
-    lines = run.stdout.strip().splitlines()
-    assert re.fullmatch(r"host_us_per_observation: [0-9.]+", lines[-2]), lines[-2:]
-    assert re.fullmatch(r"host_us_fixed_per_step: [0-9.]+", lines[-1]), lines[-2:]
+    out, _, _ = _tiny_run("--host-only")
+    assert "host only: the model's and the optimizer's operations" in out
 
 
 def test_no_compute_mode_allocates_outputs_and_computes_nothing():
