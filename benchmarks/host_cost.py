@@ -54,19 +54,28 @@ by a no-op; the time per call is that Python launch path, not the driver's. It a
 a hook's launch (``HookLaunch.summarize``: a row reserved, then the compiled kernel called
 directly). ``--no-triton`` skips both.
 
-``--floor`` runs the same model twice more with tandv's forward hooks replaced by stand-ins
-(:data:`FLOOR_HOOKS`): an empty hook, and one that asks its output the seven questions
-tandv's fast path asks of every tensor and does nothing else. Their figures are what a
-Python hook costs at these sites on this machine's caches now, so the tracker's figure can
-be read against them in one run (machines, and one machine from hour to hour, differ by
-2-3 times in all three).
+``--floor`` runs the same model three times more with tandv's forward hooks replaced by
+stand-ins (:data:`FLOOR_HOOKS`): an empty hook; one that asks its output the seven
+questions tandv's fast path asks of every tensor and does nothing else; and one that also
+adds an output-gradient hook as tandv does, which asks its gradient the same (the least a
+hook tracking activations and their gradients does, with tandv's number of hook calls).
+Then once more untracked, with stand-ins at tandv's per-step points that gather the step's
+weights, gradients and optimizer state and ask each tensor its address and size
+(:func:`per_step_floor`). Their figures are what such work costs at these sites on this
+machine's caches now, so the tracker's figures can be read against them in one run
+(machines, and one machine from hour to hour, differ by 2-3 times in all of them).
+
+``--host-only`` makes every figure that of a run whose model computes nothing
+(:class:`NoCompute`): the host's side of a GPU step, whose caches the model's data never
+passes through.
 
 Usage::
 
     PYTHONPATH=. python benchmarks/host_cost.py            # 30 steps after 12 of warm-up
     PYTHONPATH=. python benchmarks/host_cost.py --tiny     # seconds: the tests' mode
     PYTHONPATH=. python benchmarks/host_cost.py --no-triton --difference  # the cross-check
-    PYTHONPATH=. python benchmarks/host_cost.py --no-triton --floor  # and its floor here
+    PYTHONPATH=. python benchmarks/host_cost.py --no-triton --floor  # and its floors here
+    PYTHONPATH=. python benchmarks/host_cost.py --no-triton --floor --host-only  # a GPU host's
 
 The last two lines are ``host_us_per_observation: X`` and ``host_us_fixed_per_step: Y``.
 """
