@@ -332,15 +332,16 @@ def instrumented(clock: Clock, floor: str | None = None, host_only: bool = False
     next run in this process times tandv's own methods."""
     saved = {name: getattr(Tracker, name) for name in INSTRUMENTED}
     make_fwd, make_grad = saved["_make_forward_hook"], saved["_make_grad_hook"]
-    if floor is not None:
-        hook = FLOOR_HOOKS[floor]
-        make_fwd = lambda self, name, m: hook  # noqa: E731
-        global _floor_gradient_hook
-        _floor_gradient_hook = clock.timed("hook", _gradient_queries)
     outside = _outside_modes if host_only else (lambda fn: fn)
 
     def timed(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         return outside(clock.timed(kind, fn))
+
+    if floor is not None:
+        hook = FLOOR_HOOKS[floor]
+        make_fwd = lambda self, name, m: hook  # noqa: E731
+        global _floor_gradient_hook
+        _floor_gradient_hook = timed("hook", _gradient_queries)  # (as tandv's are wrapped)
 
     Tracker._make_forward_hook = lambda self, name, m: timed(  # type: ignore[method-assign]
         "hook", make_fwd(self, name, m)
