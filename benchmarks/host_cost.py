@@ -57,8 +57,8 @@ directly). ``--no-triton`` skips both.
 ``--floor`` runs the same model three times more with tandv's forward hooks replaced by
 stand-ins (:data:`FLOOR_HOOKS`): an empty hook; one that asks its output the seven
 questions tandv's fast path asks of every tensor and does nothing else; and one that also
-adds an output-gradient hook as tandv does, which asks its gradient the same (the least a
-hook tracking activations and their gradients does, with tandv's number of hook calls).
+adds an output-gradient hook as tandv does, which asks its gradient the same (what
+tandv's hooks do before they reserve a row and launch, with tandv's number of hook calls).
 Then once more untracked, with stand-ins at tandv's per-step points that gather the step's
 weights, gradients and optimizer state and ask each tensor its address and size
 (:func:`per_step_floor`). Their figures are what such work costs at these sites on this
@@ -386,8 +386,8 @@ _floor_hook_ids = itertools.count(-1, -1)
 def _gradient_hook(mod: Any, args: Any, output: Any) -> None:
     """:func:`_queries_hook`, and the output-gradient hook :func:`_gradient_queries` added
     as tandv adds its own (the tensor's hook dictionary, registered with its autograd
-    node): the least a hook that tracks activations and their gradients does, at tandv's
-    sites and with tandv's number of hook calls."""
+    node): what tandv's hooks do before they reserve a row and launch, at tandv's sites
+    and with tandv's number of hook calls."""
     if type(output) is torch.Tensor:
         output.dtype, output.numel(), output.get_device()  # noqa: B018
         output.is_contiguous(), output.is_neg(), output._version  # noqa: B018
