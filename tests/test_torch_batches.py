@@ -2,11 +2,14 @@
 are each summarized together, with their names, row keys and layouts found once and the
 entries of a step kept for the next while the rows come back at the same places. The
 rows stay those of each tensor as it was used, summarized by the numpy reference, step
-after step, as gradients come and go and the optimizer's state tensors are replaced."""
+after step, as gradients come and go, the optimizer's state tensors are replaced, and the
+model's parameters are replaced or its layers added."""
 
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -134,3 +137,165 @@ def test_state_rows_follow_a_value_moved_to_another_parameters_state(tmp_path):
     assert ("fc1.bias.exp_avg_sq", "Optimiser_State", 1) not in idx
     assert ("fc2.weight.moved", "Optimiser_State", 0) not in idx
     assert_row(df, idx, ("fc2.weight.moved", "Optimiser_State", 1), [moved])
+
+
+def _position(params: list[torch.Tensor], p: torch.Tensor) -> int:
+    """Where ``p`` itself is in ``params`` (``list.index`` compares tensors' values)."""
+    return next(k for k, q in enumerate(params) if q is p)
+
+
+@pytest.mark.usefixtures("any_path")
+def test_rows_follow_a_parameter_replaced_between_steps(tmp_path):
+    """Step 2 starts with ``fc1.weight`` replaced by a new parameter (and in the optimizer
+    in its place): its weight, gradient and state rows from step 2 are the new tensor's,
+    by the numpy reference (they were the old one's, which the tracker kept alive), and
+    the tracker no longer holds the old parameter."""
+    net, opt = make(0)
+    used: list[dict[tuple[str, str], torch.Tensor]] = []
+    old_ref = None
+    with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
+        for i in range(4):
+            if i == 2:
+                old = net.fc1.weight
+                old_ref = weakref.ref(old)
+                new = torch.nn.Parameter(torch.linspace(-3.0, 5.0, old.numel()).reshape(old.shape))
+                net.fc1.weight = new
+                group = opt.param_groups[0]["params"]
+                group[_position(group, old)] = new
+                opt.state.pop(old, None)
+                del old, new, group
+            step: dict[tuple[str, str], torch.Tensor] = {}
+            for name, p in net.named_parameters():
+                step[(name, "Weight")] = p.detach().clone()
+            x, y = batch(i)
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(net(x), y).backward()
+            for name, p in net.named_parameters():
+                step[(name, "Gradient")] = p.grad.clone()
+            opt.step()
+            for name, p in net.named_parameters():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    step[(f"{name}.{key}", "Optimiser_State")] = opt.state[p][key].clone()
+            used.append(step)
+            tr.step()
+        gc.collect()
+        assert old_ref is not None and old_ref() is None  # (nothing keeps the old one)
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for k, step in enumerate(used):
+        for (name, kind), t in step.items():
+            assert_row(df, idx, (name, kind, k), [t])
+    row = df.iloc[idx[("fc1.weight", "Weight", 2)]]
+    assert row[("scalar_stats", "max")] == 5.0  # (the new values: a check of the reference)
+
+
+class Stack(torch.nn.Module):
+    """Layers applied in turn: a model that grows by appending one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.usefixtures("any_path")
+def test_rows_follow_a_layer_added_between_steps(tmp_path):
+    """A layer appended (and its parameters given to the optimizer) before step 2 has
+    activation, output-gradient, weight and gradient rows from step 2 on, by the numpy
+    reference of what the test's own hooks saw; none before."""
+    net = Stack()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    seen: dict[tuple[str, str, int], torch.Tensor] = {}
+    now = [0]  # the step under way, for the test's own hooks
+    with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
+        for i in range(4):
+            now[0] = i
+            if i == 2:
+                net.layers.append(torch.nn.Linear(6, 6))
+                opt.add_param_group({"params": list(net.layers[2].parameters())})
+                layer = net.layers[2]
+
+                def keep(mod, args, out):
+                    seen[("layers.2", "Activation", now[0])] = out.detach().clone()
+                    out.register_hook(
+                        lambda g: seen.__setitem__(("layers.2", "Gradient", now[0]), g.clone())
+                    )
+
+                layer.register_forward_hook(keep)
+            if i >= 2:
+                seen[("layers.2.weight", "Weight", i)] = net.layers[2].weight.detach().clone()
+            x, _ = batch(i)
+            opt.zero_grad(set_to_none=True)
+            net(x).pow(2).mean().backward()
+            if i >= 2:
+                seen[("layers.2.weight", "Gradient", i)] = net.layers[2].weight.grad.clone()
+            opt.step()
+            tr.step()
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for key, t in seen.items():
+        assert_row(df, idx, key, [t])
+    for i in (0, 1):
+        assert not [k for k in idx if k[0].startswith("layers.2") and k[2] == i]
+    assert {k[1] for k in idx if k[0].startswith("layers.2") and k[2] == 3} >= {
+        "Activation",
+        "Gradient",
+        "Weight",
+    }
+
+
+@pytest.mark.usefixtures("any_path")
+def test_rows_follow_parameters_changed_without_a_registration(tmp_path):
+    """Changes PyTorch's registration hooks do not report: before step 2, ``fc1.bias`` put
+    straight into ``fc1._parameters`` (as ``Module._apply`` does in PyTorch's overwrite
+    mode); before step 3, ``fc2.bias`` set to ``None``. Step 2's rows are the new bias's,
+    step 3 has no ``fc2.bias`` row, and the tracker holds neither old bias."""
+    net, opt = make(0)
+    used: list[dict[tuple[str, str], torch.Tensor]] = []
+    released = []
+    group = opt.param_groups[0]["params"]
+    with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
+        for i in range(4):
+            if i == 2:
+                old = net.fc1.bias
+                new = torch.nn.Parameter(torch.arange(old.numel(), dtype=old.dtype) - 2.5)
+                net.fc1._parameters["bias"] = new
+                group[_position(group, old)] = new
+                opt.state.pop(old, None)
+                released.append(weakref.ref(old))
+                del old, new
+            if i == 3:
+                old = net.fc2.bias
+                net.fc2.bias = None
+                del group[_position(group, old)]
+                opt.state.pop(old, None)
+                released.append(weakref.ref(old))
+                del old
+            step: dict[tuple[str, str], torch.Tensor] = {}
+            for name, p in net.named_parameters():
+                step[(name, "Weight")] = p.detach().clone()
+            x, y = batch(i)
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(net(x), y).backward()
+            for name, p in net.named_parameters():
+                step[(name, "Gradient")] = p.grad.clone()
+            opt.step()
+            for name, p in net.named_parameters():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    step[(f"{name}.{key}", "Optimiser_State")] = opt.state[p][key].clone()
+            used.append(step)
+            tr.step()
+        gc.collect()
+        assert [r() for r in released] == [None, None]
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for k, step in enumerate(used):
+        for (name, kind), t in step.items():
+            assert_row(df, idx, (name, kind, k), [t])
+    assert not [key for key in idx if key[0].startswith("fc2.bias") and key[2] == 3]
+    assert df.iloc[idx[("fc1.bias", "Weight", 2)]][("scalar_stats", "min")] == -2.5

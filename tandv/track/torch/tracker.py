@@ -48,7 +48,12 @@ import pandas as pd
 import torch
 from torch import nn
 from torch.compiler import is_compiling, is_dynamo_compiling
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_forward_pre_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from ...schema.columns import ACTIVATION, GRADIENT, OPTIMISER_STATE, WEIGHT
 from ...stats.summary import Layout
@@ -359,11 +364,13 @@ class Tracker(TrackerCore[Flight | None]):
             self._merge_rules[LOSS_SCALE] = "max"
 
     def _name_tensors(self, module: nn.Module, root_name: str) -> None:
-        """Names from identity, found once: module path -> module, parameter object -> full
-        path, and the floating buffers."""
+        """Names from identity: module path -> module, parameter object -> full path, and
+        the floating buffers. Found at the start, and again after the model gained or
+        replaced a parameter, buffer or submodule (see :meth:`_watch_structure`)."""
         self._module_ids = frozenset(id(m) for m in module.modules())
         self._modules: list[tuple[str, nn.Module]] = []
         self._param_names: dict[int, tuple[str, nn.Module]] = {}
+        homes: dict[int, tuple[dict[str, Any], str]] = {}  # the owner's dict and key
         for mpath, m in module.named_modules():
             # containers without a forward (ModuleList, ModuleDict) never produce outputs
             if type(m).forward is not nn.Module.forward:
@@ -373,10 +380,18 @@ class Tracker(TrackerCore[Flight | None]):
                 if id(p) not in self._param_names:
                     full = f"{mpath}.{pname}" if mpath else pname
                     self._param_names[id(p)] = (full, m)
+                    homes[id(p)] = (m._parameters, pname)
         self._params: list[tuple[str, nn.Parameter, nn.Module]] = []
         for full, p in module.named_parameters():
             owner = self._param_names[id(p)][1]
             self._params.append((full, p, owner))
+        # each parameter's place in its owner's `_parameters`, in the order of _params, for
+        # _params_moved
+        self._param_homes = (
+            [homes[id(p)][0] for _, p, _ in self._params],
+            [homes[id(p)][1] for _, p, _ in self._params],
+            [p for _, p, _ in self._params],
+        )
         # floating buffers (BatchNorm's running statistics): (path, owner, attribute), read
         # from the owner at each capture (a module may replace a buffer tensor)
         self._buffers = [
@@ -435,6 +450,11 @@ class Tracker(TrackerCore[Flight | None]):
         ] = {}
         # the hooks' sites, by (name, kind): see _site
         self._sites: dict[tuple[str, str], _HookSite] = {}
+        #: set when a module of the model registered a parameter, buffer or submodule
+        #: (see _watch_structure): the names are found again before they are next used
+        self._renamed = False
+        self._rehook_due = False  # (names found again, the module hooks not yet replaced)
+        self._structure_handles: list[Any] = []
 
     # ------------------------------------------------------------------ dry run
 
@@ -794,8 +814,25 @@ class Tracker(TrackerCore[Flight | None]):
         if self._recorder is not None:
             self._recorder.add_many(rows)
 
-    def _capture_weights(self) -> None:
+    def _params_moved(self) -> bool:
+        """Whether a parameter found at the last naming is no longer where it was: its
+        module's ``_parameters`` holds another one under its name, or none. That covers
+        what the registration hooks cannot see (``del module.weight``, a parameter put
+        straight into the dictionary, as ``Module._apply`` does in PyTorch's overwrite
+        mode), in two passes that run in C (a dictionary lookup and an identity test per
+        parameter), once per scheduled step."""
+        dicts, names, params = self._param_homes
+        return not all(map(is_, map(dict.get, dicts, names), params))
+
+    def _capture_weights(self, rehook: bool = False) -> None:
+        """The step's weights (once per scheduled step, its first capture): first the
+        model's changes are followed (see :meth:`_refresh_names`; ``rehook`` from the
+        step's first module call, before any module's hooks run)."""
         self._weights_done = True
+        if self._params_moved():
+            self._renamed = True
+        if self._renamed or (rehook and self._rehook_due):
+            self._refresh_names(rehook)
         if not self.kinds[WEIGHT]:
             return
         if self._weight_params is None:  # the selection is made once
@@ -845,6 +882,8 @@ class Tracker(TrackerCore[Flight | None]):
         their gradients' names and owners: found again only when an optimizer's parameter
         lists change (told by the identities of the lists and of the parameters in them),
         not at every capture."""
+        if self._renamed:
+            self._refresh_names()
         opts = self.optimizers if optimizer is None else (optimizer,)
         sign: list[int] = []
         for opt in opts:  # (in passes that run in C)
@@ -907,6 +946,8 @@ class Tracker(TrackerCore[Flight | None]):
         references (the tracker keeps no state alive): while they live, their identities are
         theirs, so equal identities are the same tensors at the same places, and they are
         taken from the state values by their positions there (no Python loop per tensor)."""
+        if self._renamed:
+            self._refresh_names()
         sign: list[int] = []
         values: list[Any] = []  # every state value, in the optimizers' order
         for opt in self.optimizers:
@@ -1140,7 +1181,7 @@ class Tracker(TrackerCore[Flight | None]):
             and id(mod) in self._module_ids
             and (mod.training or self.track_eval)
         ):
-            self._capture_weights()
+            self._capture_weights(rehook=True)
             self._unhook_weights()
 
     def _optimizer_pre_hook(self, opt: Any, args: Any, kwargs: Any) -> Any:
@@ -1218,6 +1259,56 @@ class Tracker(TrackerCore[Flight | None]):
 
     # ------------------------------------------------------------------ observer
 
+    def _watch_structure(self) -> None:
+        """Notice when a module of the tracked model registers a parameter, buffer or
+        submodule (``module.weight = nn.Parameter(...)``, ``register_buffer``, a layer
+        added, pruning, parametrization): PyTorch's global registration hooks mark the
+        names stale, and :meth:`_refresh_names` finds them again before their next use.
+        Without it the tracker would go on summarizing a replaced parameter (and keep it
+        alive) under the new one's name, and miss what was added. The hooks cost nothing
+        per step; they run only when something registers (a parameter deleted without
+        another registered in its place, ``del module.weight``, is not seen)."""
+        ref = weakref.ref(self)  # (global hooks: they must not keep the tracker)
+
+        def registered(module: nn.Module, name: str, value: Any) -> None:
+            tr = ref()
+            if tr is not None and id(module) in tr._module_ids:
+                tr._renamed = True
+
+        self._structure_handles = [
+            register_module_parameter_registration_hook(registered),
+            register_module_buffer_registration_hook(registered),
+            register_module_module_registration_hook(registered),
+        ]
+
+    def _refresh_names(self, rehook: bool = False) -> None:
+        """After the model's structure changed (:attr:`_renamed`): its tensors named
+        again and every cache made from the names dropped (the weights', gradients' and
+        state's batches, the row keys, the hooks' sites). With ``rehook``, the module hooks
+        of a scheduled eager step are put on the modules as they are now, once after each
+        such change; it is asked for only between steps and before a step's first module
+        call, never while PyTorch calls the hooks being replaced."""
+        if self._renamed:
+            self._renamed = False
+            self._name_tensors(self.module, self.root_name)
+            self._weight_params = self._weight_batch = None
+            self._weight_tensors = []
+            self._grad_param_cache.clear()
+            self._state_cache = None
+            self._batch_plans.clear()
+            self._observed_keys.clear()
+            self._hook_keys.clear()
+            self._sites.clear()  # (hooks in place keep theirs until they are replaced)
+            self._rehook_due = True
+        if rehook and self._rehook_due:
+            self._rehook_due = False
+            if self._handles and not self._is_compiled:
+                weights_hooked = self._weights_hook is not None
+                self._remove()
+                self._install()
+                if weights_hooked:
+                    self._hook_weights()
+
     def _start_observing(self) -> None:
         """The adapter's start, once the workspace is ready: the ranks of a run over several
         processes (made by the adapter as the log opened: the hooks note each row's role
@@ -1225,6 +1316,7 @@ class Tracker(TrackerCore[Flight | None]):
         self._ranks = self._adapter.ranks
         if self._is_compiled:
             self._compiled = CompiledHooks(_Seam(self), self._wrapper)
+        self._watch_structure()
         self._begin()
 
     def _stop_observing(self) -> None:
@@ -1232,6 +1324,9 @@ class Tracker(TrackerCore[Flight | None]):
         self._active = False
         self._last = None
         self._remove()
+        for h in self._structure_handles:
+            h.remove()
+        self._structure_handles = []
         if self._compiled is not None:
             self._compiled.remove()
 
@@ -1246,6 +1341,8 @@ class Tracker(TrackerCore[Flight | None]):
         self._grads = {}
         self._grad_rows = 0
         self._last = None
+        if self._renamed or self._rehook_due:
+            self._refresh_names(rehook=True)
         if self._active and not self._handles:
             self._install()
         elif not self._active and self._handles:
