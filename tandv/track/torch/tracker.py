@@ -1260,14 +1260,15 @@ class Tracker(TrackerCore[Flight | None]):
     # ------------------------------------------------------------------ observer
 
     def _watch_structure(self) -> None:
-        """Notice when a module of the tracked model registers a parameter, buffer or
-        submodule (``module.weight = nn.Parameter(...)``, ``register_buffer``, a layer
-        added, pruning, parametrization): PyTorch's global registration hooks mark the
-        names stale, and :meth:`_refresh_names` finds them again before their next use.
-        Without it the tracker would go on summarizing a replaced parameter (and keep it
-        alive) under the new one's name, and miss what was added. The hooks cost nothing
-        per step; they run only when something registers (a parameter deleted without
-        another registered in its place, ``del module.weight``, is not seen)."""
+        """Notice when a module of the tracked model registers a parameter, a submodule
+        or (with ``track_buffers``) a buffer: ``module.weight = nn.Parameter(...)``, a
+        layer added, pruning, a parametrization. PyTorch's global registration hooks mark
+        the names stale, and :meth:`_refresh_names` finds them again before their next
+        use. Without it the tracker would go on summarizing a replaced parameter (and keep
+        it alive) under the new one's name, and miss what was added. The hooks cost
+        nothing per step: they run only when something registers. What registers nothing
+        (``del module.weight``, ``module.bias = None``, a parameter put straight into
+        ``_parameters``) :meth:`_params_moved` finds."""
         ref = weakref.ref(self)  # (global hooks: they must not keep the tracker)
 
         def registered(module: nn.Module, name: str, value: Any) -> None:
@@ -1277,9 +1278,11 @@ class Tracker(TrackerCore[Flight | None]):
 
         self._structure_handles = [
             register_module_parameter_registration_hook(registered),
-            register_module_buffer_registration_hook(registered),
             register_module_module_registration_hook(registered),
         ]
+        if self.track_buffers:  # (else buffers are not tracked: a cache some modules
+            # register during their forward, as rotary embeddings do, changes nothing)
+            self._structure_handles.append(register_module_buffer_registration_hook(registered))
 
     def _refresh_names(self, rehook: bool = False) -> None:
         """After the model's structure changed (:attr:`_renamed`): its tensors named
