@@ -28,28 +28,26 @@ from tandv.track.torch import summary as kernel
 from tandv.track.torch import track
 
 
-@pytest.mark.usefixtures("any_path")
-def test_batch_rows_follow_the_tensors_as_gradients_come_and_go_and_state_is_replaced(tmp_path):
-    """Steps 0-1 plain; step 2 without ``fc2.bias``'s gradient (set to ``None`` before the
-    update: no row, and Adam leaves its state alone); step 3 after ``load_state_dict`` gave
-    the optimizer new state tensors (the old ones kept alive, unchanged from step 2: their
-    values would be the wrong rows); step 4 plain again."""
-    net, opt = make(0)
+def _train_changing(tmp_path, net, opt, steps: int = 4, before=None, after_backward=None):
+    """Train ``net`` tracked for ``steps`` steps, calling ``before(i)`` before step
+    ``i``'s forward and ``after_backward(i)`` between its backward pass and the update,
+    and check that every weight, gradient and Adam-moment row is the numpy reference's
+    summary of the tensor the test itself read at that step (a parameter without a
+    gradient has no gradient row to check). Returns the log, its index and what was
+    read, after a collection (so that what only the tracker could keep is gone)."""
     used: list[dict[tuple[str, str], torch.Tensor]] = []
-    kept_alive = []
     with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
-        for i in range(5):
+        for i in range(steps):
+            if before is not None:
+                before(i)
             step: dict[tuple[str, str], torch.Tensor] = {}
             for name, p in net.named_parameters():
                 step[(name, "Weight")] = p.detach().clone()
             x, y = batch(i)
             opt.zero_grad(set_to_none=True)
             F.mse_loss(net(x), y).backward()
-            if i == 2:
-                net.fc2.bias.grad = None
-            if i == 3:
-                kept_alive.append(opt.state_dict())  # (the state tensors of step 2)
-                opt.load_state_dict(copy.deepcopy(kept_alive[-1]))
+            if after_backward is not None:
+                after_backward(i)
             for name, p in net.named_parameters():
                 if p.grad is not None:
                     step[(name, "Gradient")] = p.grad.clone()
@@ -59,11 +57,32 @@ def test_batch_rows_follow_the_tensors_as_gradients_come_and_go_and_state_is_rep
                     step[(f"{name}.{key}", "Optimiser_State")] = opt.state[p][key].clone()
             used.append(step)
             tr.step()
+        gc.collect()
     df = read_log(tr.out_path)
     idx = index(df)
     for k, step in enumerate(used):
         for (name, kind), t in step.items():
             assert_row(df, idx, (name, kind, k), [t])
+    return df, idx, used
+
+
+@pytest.mark.usefixtures("any_path")
+def test_batch_rows_follow_the_tensors_as_gradients_come_and_go_and_state_is_replaced(tmp_path):
+    """Steps 0-1 plain; step 2 without ``fc2.bias``'s gradient (set to ``None`` before the
+    update: no row, and Adam leaves its state alone); step 3 after ``load_state_dict`` gave
+    the optimizer new state tensors (the old ones kept alive, unchanged from step 2: their
+    values would be the wrong rows); step 4 plain again."""
+    net, opt = make(0)
+    kept_alive = []
+
+    def after_backward(i: int) -> None:
+        if i == 2:
+            net.fc2.bias.grad = None
+        if i == 3:
+            kept_alive.append(opt.state_dict())  # (the state tensors of step 2)
+            opt.load_state_dict(copy.deepcopy(kept_alive[-1]))
+
+    _, idx, used = _train_changing(tmp_path, net, opt, steps=5, after_backward=after_backward)
     assert ("fc2.bias", "Gradient", 2) not in idx
     assert all((name, "Gradient", 2) in idx for name in PARAMS if name != "fc2.bias")
     # the replaced state moved on at step 3: its rows are not those of the tensors kept
@@ -151,40 +170,20 @@ def test_rows_follow_a_parameter_replaced_between_steps(tmp_path):
     by the numpy reference (they were the old one's, which the tracker kept alive), and
     the tracker no longer holds the old parameter."""
     net, opt = make(0)
-    used: list[dict[tuple[str, str], torch.Tensor]] = []
-    old_ref = None
-    with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
-        for i in range(4):
-            if i == 2:
-                old = net.fc1.weight
-                old_ref = weakref.ref(old)
-                new = torch.nn.Parameter(torch.linspace(-3.0, 5.0, old.numel()).reshape(old.shape))
-                net.fc1.weight = new
-                group = opt.param_groups[0]["params"]
-                group[_position(group, old)] = new
-                opt.state.pop(old, None)
-                del old, new, group
-            step: dict[tuple[str, str], torch.Tensor] = {}
-            for name, p in net.named_parameters():
-                step[(name, "Weight")] = p.detach().clone()
-            x, y = batch(i)
-            opt.zero_grad(set_to_none=True)
-            F.mse_loss(net(x), y).backward()
-            for name, p in net.named_parameters():
-                step[(name, "Gradient")] = p.grad.clone()
-            opt.step()
-            for name, p in net.named_parameters():
-                for key in ("exp_avg", "exp_avg_sq"):
-                    step[(f"{name}.{key}", "Optimiser_State")] = opt.state[p][key].clone()
-            used.append(step)
-            tr.step()
-        gc.collect()
-        assert old_ref is not None and old_ref() is None  # (nothing keeps the old one)
-    df = read_log(tr.out_path)
-    idx = index(df)
-    for k, step in enumerate(used):
-        for (name, kind), t in step.items():
-            assert_row(df, idx, (name, kind, k), [t])
+    released = []
+
+    def change(i: int) -> None:
+        if i == 2:
+            old = net.fc1.weight
+            new = torch.nn.Parameter(torch.linspace(-3.0, 5.0, old.numel()).reshape(old.shape))
+            net.fc1.weight = new
+            group = opt.param_groups[0]["params"]
+            group[_position(group, old)] = new
+            opt.state.pop(old, None)
+            released.append(weakref.ref(old))
+
+    df, idx, _ = _train_changing(tmp_path, net, opt, before=change)
+    assert [r() for r in released] == [None]  # (nothing keeps the old one)
     row = df.iloc[idx[("fc1.weight", "Weight", 2)]]
     assert row[("scalar_stats", "max")] == 5.0  # (the new values: a check of the reference)
 
@@ -256,46 +255,25 @@ def test_rows_follow_parameters_changed_without_a_registration(tmp_path):
     mode); before step 3, ``fc2.bias`` set to ``None``. Step 2's rows are the new bias's,
     step 3 has no ``fc2.bias`` row, and the tracker holds neither old bias."""
     net, opt = make(0)
-    used: list[dict[tuple[str, str], torch.Tensor]] = []
     released = []
     group = opt.param_groups[0]["params"]
-    with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
-        for i in range(4):
-            if i == 2:
-                old = net.fc1.bias
-                new = torch.nn.Parameter(torch.arange(old.numel(), dtype=old.dtype) - 2.5)
-                net.fc1._parameters["bias"] = new
-                group[_position(group, old)] = new
-                opt.state.pop(old, None)
-                released.append(weakref.ref(old))
-                del old, new
-            if i == 3:
-                old = net.fc2.bias
-                net.fc2.bias = None
-                del group[_position(group, old)]
-                opt.state.pop(old, None)
-                released.append(weakref.ref(old))
-                del old
-            step: dict[tuple[str, str], torch.Tensor] = {}
-            for name, p in net.named_parameters():
-                step[(name, "Weight")] = p.detach().clone()
-            x, y = batch(i)
-            opt.zero_grad(set_to_none=True)
-            F.mse_loss(net(x), y).backward()
-            for name, p in net.named_parameters():
-                step[(name, "Gradient")] = p.grad.clone()
-            opt.step()
-            for name, p in net.named_parameters():
-                for key in ("exp_avg", "exp_avg_sq"):
-                    step[(f"{name}.{key}", "Optimiser_State")] = opt.state[p][key].clone()
-            used.append(step)
-            tr.step()
-        gc.collect()
-        assert [r() for r in released] == [None, None]
-    df = read_log(tr.out_path)
-    idx = index(df)
-    for k, step in enumerate(used):
-        for (name, kind), t in step.items():
-            assert_row(df, idx, (name, kind, k), [t])
+
+    def change(i: int) -> None:
+        if i == 2:
+            old = net.fc1.bias
+            new = torch.nn.Parameter(torch.arange(old.numel(), dtype=old.dtype) - 2.5)
+            net.fc1._parameters["bias"] = new
+            group[_position(group, old)] = new
+            opt.state.pop(old, None)
+            released.append(weakref.ref(old))
+        if i == 3:
+            old = net.fc2.bias
+            net.fc2.bias = None
+            del group[_position(group, old)]
+            opt.state.pop(old, None)
+            released.append(weakref.ref(old))
+
+    df, idx, _ = _train_changing(tmp_path, net, opt, before=change)
+    assert [r() for r in released] == [None, None]
     assert not [key for key in idx if key[0].startswith("fc2.bias") and key[2] == 3]
     assert df.iloc[idx[("fc1.bias", "Weight", 2)]][("scalar_stats", "min")] == -2.5
