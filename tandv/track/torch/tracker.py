@@ -426,6 +426,16 @@ class Tracker(TrackerCore[Flight | None]):
             )
             if wanted
         }
+        self._name_caches()
+        #: set when a module of the model registered a parameter, buffer or submodule
+        #: (see _watch_structure): the names are found again before they are next used
+        self._renamed = False
+        self._rehook_due = False  # (names found again, the module hooks not yet replaced)
+        self._structure_handles: list[Any] = []
+
+    def _name_caches(self) -> None:
+        """The caches made from the model's names, empty: at the start, and again whenever
+        the names are found again (:meth:`_refresh_names`)."""
         # (name, kind, dtype) of a parameter, gradient or state -> its row key and its
         # layout without custom statistics: looked up once per tensor, not per step
         self._observed_keys: dict[tuple[str, str, torch.dtype], tuple[TensorKey, Layout]] = {}
@@ -450,11 +460,6 @@ class Tracker(TrackerCore[Flight | None]):
         ] = {}
         # the hooks' sites, by (name, kind): see _site
         self._sites: dict[tuple[str, str], _HookSite] = {}
-        #: set when a module of the model registered a parameter, buffer or submodule
-        #: (see _watch_structure): the names are found again before they are next used
-        self._renamed = False
-        self._rehook_due = False  # (names found again, the module hooks not yet replaced)
-        self._structure_handles: list[Any] = []
 
     # ------------------------------------------------------------------ dry run
 
@@ -1294,14 +1299,7 @@ class Tracker(TrackerCore[Flight | None]):
         if self._renamed:
             self._renamed = False
             self._name_tensors(self.module, self.root_name)
-            self._weight_params = self._weight_batch = None
-            self._weight_tensors = []
-            self._grad_param_cache.clear()
-            self._state_cache = None
-            self._batch_plans.clear()
-            self._observed_keys.clear()
-            self._hook_keys.clear()
-            self._sites.clear()  # (hooks in place keep theirs until they are replaced)
+            self._name_caches()  # (hooks in place keep their sites until they are replaced)
             self._rehook_due = True
         if rehook and self._rehook_due:
             self._rehook_due = False
