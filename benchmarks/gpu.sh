@@ -14,9 +14,10 @@
 #                                  # the host cost with the model's arithmetic left out
 #   bash benchmarks/gpu.sh gpt2    # GPU: the GPT-2-sized preset, and the torch.compile'd model
 #   bash benchmarks/gpu.sh budget  # GPU: one call for a 15-minute device budget (about 9
-#                                  # minutes): the CUDA-only tests, the 4-layer model, the kernel
-#                                  # alone (and split 3 per SM), the block formats, GPT-2 size,
-#                                  # the JAX transformer's host time by phase (jax_gpu_probe.py)
+#                                  # minutes): the CUDA-only tests, the 4-layer model, the host
+#                                  # cost (host-only, with floors), the kernel alone (and split
+#                                  # 3 per SM), GPT-2 size, the torch.compile'd 4-layer model
+#   bash benchmarks/gpu.sh probe   # GPU: the JAX transformer's host time by phase
 #   bash benchmarks/gpu.sh jax     # GPU: installs .gpu-wheels where flax is missing, the
 #                                  # JAX tests on the GPU and the transformer benchmark with
 #                                  # the Pallas kernel and with XLA's operations
@@ -121,17 +122,23 @@ budget)
     -W ignore::FutureWarning tests/test_torch_fused.py tests/test_torch_summary.py \
     tests/test_torch_memory.py tests/test_torch_host_cost.py tests/test_taiyi.py \
     tests/test_blocks_fused.py tests/test_blocks_torch.py
-  stage overhead 60 python3 benchmarks/overhead.py --device cuda --steps 20
+  # 30 steps: the 4-layer step's median moved by 0.1-0.2 between runs of 20 on 2026-11-26
+  stage overhead 100 python3 benchmarks/overhead.py --device cuda --steps 30
+  # the hooks' host time on this machine's CPU as a GPU step leaves it, with its floors,
+  # and Triton's launch path on the real driver
+  stage host-only 60 python3 benchmarks/host_cost.py --steps 10 --host-only --floor
   stage kernel 40 python3 benchmarks/fused_kernel.py --reps 10
   # one wave at 80 registers (3 programs per SM) against the default 2: not measured yet
   stage split 40 python3 benchmarks/fused_kernel.py --reps 10 --parts-per-sm 3
-  stage host 40 python3 benchmarks/host_cost.py --steps 10
-  stage blocks 50 python3 benchmarks/overhead.py --device cuda --no-extras --steps 10 \
-    --block-formats mxfp8_e4m3 nvfp4
-  stage gpt2 80 python3 benchmarks/overhead.py --device cuda --preset gpt2-small --steps 8
-  # where a tracked JAX call's host time goes (the every=1/every=10 ratios: the jax stage;
-  # 80 s here gave an empty budget-jax.txt on 2026-11-26, 90 s only the untracked call's
-  # figures later that day; the stages' limits add up to 590 s, within one 600 s command)
+  stage gpt2 90 python3 benchmarks/overhead.py --device cuda --preset gpt2-small --steps 8
+  # last: its compile time on that machine is not known (the stages' limits add up to 550 s,
+  # within one 600 s command)
+  stage compile 120 python3 benchmarks/overhead.py --device cuda --compile --every 1 10 \
+    --steps 15
+  ;;
+probe)
+  describe
+  # 80 s gave an empty output on 2026-11-26, 90 s only the untracked call's figures
   stage probe 180 python3 benchmarks/jax_gpu_probe.py --steps 5
   ;;
 *)
