@@ -1,8 +1,11 @@
 """Test session setup shared by every test file."""
 
+import importlib.metadata
 import os
 
 import pytest
+from packaging.version import Version
+
 
 # XLA's CPU compiler set for compile speed: the JAX tests compile about 1,200 programs, and
 # XLA's backend compile is most of their time on 2 cores. LLVM at -O0 takes about a quarter
@@ -13,10 +16,23 @@ import pytest
 # less tuned. Set before JAX starts its CPU backend, and inherited by the processes
 # the distributed tests start. A flag the caller set in XLA_FLAGS wins (e.g.
 # XLA_FLAGS=--xla_cpu_use_fusion_emitters=true runs the suite on XLA's default emitters).
-_XLA_TEST_FLAGS = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
+# XLA ends the process at an unknown flag, and jaxlib 0.11 no longer knows the emitters'
+# (seen on 0.11.2 on a GPU machine, 2026-11-27: every JAX test's worker died): it is set
+# only for the jaxlib versions that have it.
+def _xla_test_flags() -> dict[str, str]:
+    flags = {"xla_backend_optimization_level": "0"}
+    try:
+        jaxlib = Version(importlib.metadata.version("jaxlib"))
+    except importlib.metadata.PackageNotFoundError:
+        return flags
+    if jaxlib.release < (0, 11):
+        flags["xla_cpu_use_fusion_emitters"] = "false"
+    return flags
+
+
 _flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
-    [_flags, *(f"--{k}={v}" for k, v in _XLA_TEST_FLAGS.items() if k not in _flags)]
+    [_flags, *(f"--{k}={v}" for k, v in _xla_test_flags().items() if k not in _flags)]
 ).strip()
 
 # JAX must see two CPU devices for the sharding tests; this has to happen before
