@@ -174,6 +174,7 @@ class Log(list):
 class FakeStream:
     def __init__(self, name: str, log: Log) -> None:
         self.name, self.log = name, log
+        self.cuda_stream = name  # (the raw handle's stand-in)
 
     def wait_stream(self, other: FakeStream) -> None:
         self.log.append(("wait", self.name, other.name))
@@ -210,6 +211,9 @@ def space(monkeypatch):
     sp.scratch = FakeBuffer("scratch", log, 0)
     sp.current = [sp.home]
     sp.log = log
+    sp.index = 0
+    sp.raw_stream = lambda index: sp.current[0].cuda_stream
+    sp.ordered = {sp.home.cuda_stream}
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: sp.current[0])
     return sp
 

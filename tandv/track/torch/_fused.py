@@ -102,7 +102,7 @@ from triton.runtime import driver
 
 from ...stats.blocks import BLOCK_COLUMNS, block_formats_of
 from ...stats.formats import number_format
-from ...stats.summary import Layout, append_extras, pack_summary
+from ...stats.summary import CORE_FIELDS, N_CORE, Layout, append_extras, pack_summary
 
 if "mask" not in inspect.signature(tl.histogram).parameters:
     raise ImportError(
@@ -2337,8 +2337,15 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
         # same exact integer sums as ``hist @ fold`` without its multiply-adds over the
         # whole 0/1 matrix (a BLAS call that took most of a step's finishing), and the
         # one-exponent runs copied as slices (``np.add.reduceat`` over them cost the writer
-        # thread about a millisecond per step of 300 rows)
-        counts = np.zeros((hist.shape[0], fold.shape[1]))
+        # thread about a millisecond per step of 300 rows). The summaries are written
+        # into one array, column block by column block, rather than packed from parts
+        # (their stack and concatenation were half of this function's time on the writer
+        # thread, whose interpreter time a GPU step's host thread waits for)
+        out = np.empty((hist.shape[0], layout.size))
+        for i, name in enumerate(CORE_FIELDS):
+            out[:, i] = core[name]
+        counts = out[:, N_CORE : layout.extras_start]
+        counts[...] = 0.0
         for first, end, to, summed in _fold_runs(spec, layout.format.name):
             if summed:
                 counts[:, to] = hist[:, first:end].sum(axis=1)
@@ -2361,7 +2368,10 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
         at = [len(BLOCK_COLUMNS) * i + len(BLOCK_COLUMNS) - 1 for i in range(n_formats)]
         ratio = extras[:, at]
         extras[:, at] = xp.log2(xp.where(ratio > 1.0, ratio, 1.0))
-    out = pack_summary(core, counts, extras, xp)
+    if xp is np:
+        out[:, layout.extras_start : layout.higher_start] = extras
+    else:
+        out = pack_summary(core, counts, extras, xp)
     if not layout.num_higher:
         return out
     # m3, m4 likewise: the z zeros taken out by Pebay's update backwards (the finite part
@@ -2377,8 +2387,13 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
         - 6.0 * dn * dn * z * z * a2
         + 4.0 * dn * z * m3
     )
-    higher = xp.stack([xp.where(has, m3, 0.0) * (r2 * r), xp.where(has, m4, 0.0) * (r2 * r2)], 1)
-    return append_extras(out, higher, xp)
+    m3 = xp.where(has, m3, 0.0) * (r2 * r)
+    m4 = xp.where(has, m4, 0.0) * (r2 * r2)
+    if xp is np:
+        out[:, layout.higher_start] = m3
+        out[:, layout.higher_start + 1] = m4
+        return out
+    return append_extras(out, xp.stack([m3, m4], 1), xp)
 
 
 @cache

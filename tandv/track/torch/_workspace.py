@@ -32,7 +32,7 @@ tracker refuses tracking inside a capture (:func:`capturing`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from functools import cache, reduce
 from operator import attrgetter, itemgetter, or_
@@ -151,13 +151,25 @@ class _Space:
         self.scratch = torch.empty(0, dtype=_F64, device=device)
         self.scratch_size = 0  # scratch.numel()
         self.max_parts = fused_programs(device)
+        # the current device's index and stream's raw handle (``cudaStream_t``, what Triton
+        # launches on), asked through torch's C functions: a hook asks both, and
+        # ``torch.cuda.current_stream``'s Python path and Stream object took about 5 of a
+        # hook's microseconds on an H200's host (cProfile of the 4-layer model's step)
+        self.current_device: Callable[[], int] | None = None
+        self.raw_stream: Callable[[int], int] | None = None
+        self.index = -1
         if self.cuda:
             # the stream the buffers were allocated on, and the others that wrote the rows
             # this step (see the module notes)
             self.home: Any = torch.cuda.current_stream(device)
+            self.index = self.home.device_index
+            self.current_device = torch._C._cuda_getDevice
+            self.raw_stream = torch._C._cuda_getCurrentRawStream
         else:
             self.home = None
         self.writers: list[Any] = []
+        # the raw handles of the home stream and of the writers: the streams already ordered
+        self.ordered: set[int] = set() if self.home is None else {self.home.cuda_stream}
         self.lock = threading.RLock()  # held from a reservation through its launch
         # zeroed buffers handed back by finished flights (CPU: see Workspace.end_step)
         self.spares: list[torch.Tensor] = []
@@ -170,19 +182,18 @@ class _Space:
                 return spare
         return torch.zeros(self.capacity, dtype=_F64, device=self.device)
 
-    def stream(self) -> Any:
-        """The current stream, which the next launch uses, once it may write the rows:
+    def stream(self) -> None:
+        """Make the current stream, which the next launch uses, ready to write the rows:
         ordered after the rows' zeroing and growth (on the home stream) the first time it
-        writes them, and marked as a reader of the buffers (``None`` on the CPU)."""
-        if not self.cuda:
-            return None
+        writes them this step, and marked as a reader of the buffers (nothing on the CPU)."""
+        if not self.cuda or self.raw_stream(self.index) in self.ordered:  # type: ignore[misc]
+            return
         s = torch.cuda.current_stream(self.device)
-        if s != self.home and s not in self.writers:
-            s.wait_stream(self.home)
-            self.rows.record_stream(s)
-            self.scratch.record_stream(s)
-            self.writers.append(s)
-        return s
+        s.wait_stream(self.home)
+        self.rows.record_stream(s)
+        self.scratch.record_stream(s)
+        self.writers.append(s)
+        self.ordered.add(s.cuda_stream)
 
     def join(self) -> None:
         """Make the current stream wait for every stream that wrote the rows this step,
@@ -199,6 +210,7 @@ class _Space:
             self.scratch.record_stream(s)
         self.home = s
         self.writers = []
+        self.ordered = {s.cuda_stream}
 
     def reserve(self, size: int) -> int:
         """The offset of ``size`` fresh (zero) row values (hooks may run on several
@@ -327,7 +339,7 @@ class HookLaunch:
         space, size = self.space, self.size
         with space.lock:  # the rows buffer may not be replaced before the launch
             if space.cuda:
-                if torch.cuda.current_device() != self.device:
+                if space.current_device() != self.device:  # type: ignore[misc]
                     return None  # (Triton launches on the current device)
                 space.stream()
             off = space.used
@@ -463,10 +475,10 @@ class BatchLaunch:
         with space.lock:  # the rows buffer may not be replaced before the launch
             stream = 0
             if space.cuda:
-                if torch.cuda.current_device() != self.device:
+                if space.current_device() != self.device:  # type: ignore[misc]
                     return None  # (Triton launches on the current device)
                 space.stream()
-                stream = torch.cuda.current_stream(space.device).cuda_stream
+                stream = space.raw_stream(space.index)  # type: ignore[misc]
             first = space.reserve(size * count)
             at = (first, stream)
             table = self.table
