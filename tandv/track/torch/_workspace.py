@@ -442,9 +442,12 @@ class BatchLaunch:
         self.at: tuple[int, int] = (-1, -1)
         # (table on the device, programs, scratch rows, kernel variant)
         self.table: tuple[torch.Tensor, int, int, Any] | None = None
-        # the table's columns that do not depend on the addresses, the programs per tensor
-        # (None: one each) and the scratch rows, for the last sizes and rows
-        self.template: tuple[np.ndarray, np.ndarray | None, int] | None = None
+        # for the last sizes and rows: the host table (its address column rewritten at each
+        # rebuild), each program's tensor (None: one program each), the scratch rows, the
+        # table as a tensor, and the kernel variants by alignment
+        self.template: (
+            tuple[np.ndarray, np.ndarray | None, int, torch.Tensor, dict[bool, Any]] | None
+        ) = None
         self.slots: list[Slot] = []
 
     def summarize(self, tensors: Sequence[torch.Tensor]) -> list[Slot] | None:
@@ -507,33 +510,42 @@ class BatchLaunch:
         columns that do not depend on the addresses and the slots are found anew), its
         program count, scratch rows and kernel variant. Rebuilt whenever the tensors move
         (gradients may come back at new addresses every step): the address of each tensor
-        is written into its programs' rows of a copy of the cached columns, by a few array
+        is written into its programs' rows of the launch's own table, by a few array
         operations."""
         fused, space, size, count = self.fused, self.space, self.size, len(ptrs)
         if moved or self.template is None:
             offsets = tuple(range(first, first + size * count, size))
-            template, owner, parts = fused._table_layout(
+            layout, owner, parts = fused._table_layout(
                 ns, offsets, self.spec.block, space.max_parts
             )
-            per = np.bincount(owner, minlength=count) if owner.size != count else None
-            self.template = (template, per, parts)
+            # the launches' own table (the cached layout copied once), which each rebuild
+            # writes the addresses into: the kernel reads it before the next rebuild on the
+            # CPU, and on a GPU from the pinned copy made of it
+            table = layout.copy()
+            self.template = (
+                table,
+                owner if owner.size != count else None,
+                parts,
+                torch.from_numpy(table),
+                {},
+            )
             self.slots = [_new_tuple(Slot, (off, self.kind)) for off in offsets]
-        template, per, parts = self.template
+        table, owner, parts, host, consts_by = self.template
         # (few array operations: each costs microseconds on the cold caches between a
         # step's model operations)
         addr = np.fromiter(ptrs, np.int64, count)
-        table = template.copy()
-        table[:, 0] = addr if per is None else np.repeat(addr, per)
-        host = torch.from_numpy(table)
+        table[:, 0] = addr if owner is None else addr[owner]
         if space.cuda:  # pinned: the copy to the device does not wait
             host = host.pin_memory().to(space.device, non_blocking=True)
         aligned = not reduce(or_, ptrs, 0) & 15  # every address a multiple of 16
-        consts = fused._consts(
-            self.spec,
-            fused._over(self.spec, self.layout),
-            aligned=aligned,
-            hoff=fused._hoff(self.spec, self.layout),
-        )
+        consts = consts_by.get(aligned)
+        if consts is None:
+            consts = consts_by[aligned] = fused._consts(
+                self.spec,
+                fused._over(self.spec, self.layout),
+                aligned=aligned,
+                hoff=fused._hoff(self.spec, self.layout),
+            )
         return host, len(table), parts, consts
 
 
