@@ -752,14 +752,8 @@ class Tracker(TrackerCore[Flight | None]):
             extras.update(got)
         return extras
 
-    def _observe(self, name: str, kind: str, owner: nn.Module, x: torch.Tensor) -> None:
-        assert self.recorder is not None
-        entry = self._summary(name, kind, owner, x)
-        if entry is not None:
-            self.recorder.add(*entry)
-
     def _observe_site(self, site: _HookSite, x: torch.Tensor) -> None:
-        """:meth:`_observe` of a hook's tensor ``x`` at ``site``: by the site's fused launch
+        """The observation of a hook's tensor ``x`` at ``site``: by the site's fused launch
         when it reads ``x`` (see :class:`_HookSite`), else by :meth:`_summary`.
 
         The hot path of every hook: it asks ``x`` for its dtype, device, layout, size and
@@ -1471,7 +1465,8 @@ class _Seam:
         if tr is not None:
             if fresh:
                 tr._last = None
-            tr._observe(name, kind, owner, x)
+            # the eager hooks' path: the site's fused launch, made at its first tensor
+            tr._observe_site(tr._site(name, kind, owner), x)
 
     def record(self, items: Sequence[tuple[str, str, nn.Module, torch.Tensor]]) -> None:
         tr = self._ref()
