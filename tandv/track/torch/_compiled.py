@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+from torch._higher_order_ops import effects as _effects
 
 from ...schema.columns import ACTIVATION, GRADIENT
 from .naming import flatten_outputs
@@ -61,11 +62,6 @@ _numbers = itertools.count()
 _ALIAS = "alias"
 
 
-@torch.library.custom_op(
-    "tandv::observe",
-    mutates_args=(),
-    tags=(torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else (),
-)
 def observe(
     x: torch.Tensor,
     tracker: int,
@@ -78,14 +74,14 @@ def observe(
     """Summarize ``x`` (the output, or its gradient, of module ``module`` of tracker
     ``tracker``; ``kind`` its tensor type) into the tracker's current step, as the eager
     hooks would; with ``kind="alias"``, record instead that the output gradient
-    ``(module, name)`` is that of ``(first_module, first_name)``."""
+    ``(module, name)`` is that of ``(first_module, first_name)``. The kernel of the
+    operator ``tandv::observe``, which compiled graphs call."""
     ref = _HOOKS.get(tracker)
     hooks = ref() if ref is not None else None
     if hooks is not None:
         hooks.observe(x, module, name, kind, first_module, first_name)
 
 
-@observe.register_fake
 def _observe_fake(
     x: torch.Tensor,
     tracker: int,
@@ -98,8 +94,26 @@ def _observe_fake(
     return None
 
 
-# Effectful: the compiler keeps the call (it returns nothing) and keeps the order.
-observe.register_effect(torch._library.effects.EffectType.ORDERED)
+# The operator, defined by its schema and kernels rather than by torch.library.custom_op,
+# whose kernel under autograd is a Python function that dispatches the call again (about
+# half of an observation's host time in a compiled graph, by cProfile on the CPU). It
+# returns nothing, so autograd has nothing to record: the autograd keys fall through (in C)
+# to the kernel of the tensor's device, ours, or, while the graph is traced, to the fake
+# kernel. Effectful: the compiler keeps the call (it returns nothing) and keeps the order.
+_LIB = torch.library.Library("tandv", "DEF")
+_LIB.define(
+    "observe(Tensor x, int tracker, int module, str name, str kind, int first_module=-1, "
+    "str first_name='') -> ()",
+    tags=(torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else (),
+)
+_LIB.impl("observe", observe, "CompositeExplicitAutograd")
+_LIB.impl("observe", torch.library.fallthrough_kernel, "Autograd")
+torch.library.register_fake("tandv::observe", _observe_fake, lib=_LIB)
+# (by the function Library's and custom_op's registrations call; it takes the overload in
+# torch 2.11, the GPU machine's, and 2.13)
+_effects._register_effectful_op(
+    torch.ops.tandv.observe.default, torch._library.effects.EffectType.ORDERED
+)
 
 
 class Switch:
