@@ -329,3 +329,36 @@ def test_activation_checkpointing_inside_the_graph(tmp_path):
         "root": 8 * 2,
     }
     assert_same_log(logs[1], logs[0])
+
+
+def test_the_observe_operator_reaches_its_kernel_once_and_never_under_tracing(monkeypatch):
+    """``tandv::observe`` outside a compiled graph: on a tensor that requires grad it runs
+    its kernel once, with its arguments, records nothing for autograd (its autograd keys
+    fall through) and returns nothing; under fake tensors (what dynamo and AOT autograd
+    trace with) it never reaches the kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tandv.track.torch import _compiled
+
+    calls = []
+
+    class Hooks:
+        def observe(self, *args):
+            calls.append(args)
+
+    hooks = Hooks()
+    monkeypatch.setitem(_compiled._HOOKS, -7, lambda: hooks)
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    assert torch.ops.tandv.observe(y, -7, 4, "fc", "Activation") is None
+    assert len(calls) == 1
+    got, *rest = calls[0]
+    assert got is y and rest == [4, "fc", "Activation", -1, ""]
+    y.sum().backward()  # the call left the graph as it was
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+    with torch.no_grad():
+        torch.ops.tandv.observe(y, -7, 5, "g", "Gradient", 1, "h")
+    assert calls[1][1:] == (5, "g", "Gradient", 1, "h")
+    with FakeTensorMode() as mode:
+        torch.ops.tandv.observe(mode.from_tensor(y), -7, 4, "fc", "Activation")
+    assert len(calls) == 2
