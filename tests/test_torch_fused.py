@@ -561,3 +561,27 @@ def test_launch_many_reuses_its_table_only_for_the_same_tensors():
         for i, t in enumerate(tensors):
             check(got[i], reference(t, "float32")[0], layout)
     _fused.clear_caches()
+
+
+def test_the_overhead_benchmark_s_large_split_changes_large_tensors_only():
+    """``benchmarks/overhead.py --large-split 3``: tensors of 2**24 elements or more are
+    split among up to 3 programs per SM, smaller ones as the library splits them, and the
+    scratch rows follow the split (one per program of a split tensor)."""
+    bench = load_benchmark("overhead")
+    sms, block = 132, _fused.spec_for(torch.float32).block
+    split = bench.large_split(_fused._parts, sms, 3)
+    for n in (1 << 20, (1 << 24) - 1):  # below: the library's own split
+        assert split(n, 2 * sms, block) == _fused._parts(n, 2 * sms, block)
+    # 2**24 elements, 8,192 tiles of 2,048: 21 tiles a program (8,192 / 396 rounded up),
+    # 391 programs (at 2 per SM: 32 tiles, 256 programs); 3 * 2**26, 98,304 tiles: 249
+    # tiles a program, 395 programs
+    assert split(1 << 24, 2 * sms, block) == (391, 21 * block)
+    assert _fused._parts(1 << 24, 2 * sms, block) == (256, 32 * block)
+    assert split(3 << 26, 2 * sms, block) == (395, 249 * block)
+    plain = _fused._parts
+    try:
+        _fused._parts = split
+        assert _fused.scratch_rows(1 << 24, 2 * sms) == 391
+        assert _fused.scratch_rows(1 << 20, 2 * sms) == 256  # 512 tiles, 2 each
+    finally:
+        _fused._parts = plain
