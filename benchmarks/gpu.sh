@@ -16,7 +16,8 @@
 #   bash benchmarks/gpu.sh budget  # GPU: one call for a 15-minute device budget (about 9
 #                                  # minutes): the CUDA-only tests, the 4-layer model, the host
 #                                  # cost (host-only, with floors), the kernel alone (and split
-#                                  # 3 per SM), GPT-2 size, the torch.compile'd 4-layer model
+#                                  # 3 per SM), GPT-2 size (also with tensors from 16M
+#                                  # elements split 3 per SM), the torch.compile'd 4-layer model
 #   bash benchmarks/gpu.sh probe   # GPU: the JAX transformer's host time by phase
 #   bash benchmarks/gpu.sh jax     # GPU: installs .gpu-wheels where flax is missing, the
 #                                  # JAX tests on the GPU and the transformer benchmark with
