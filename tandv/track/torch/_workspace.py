@@ -155,16 +155,14 @@ class _Space:
         # launches on), asked through torch's C functions: a hook asks both, and
         # ``torch.cuda.current_stream``'s Python path and Stream object took about 5 of a
         # hook's microseconds on an H200's host (cProfile of the 4-layer model's step)
-        self.current_device: Callable[[], int] | None = None
-        self.raw_stream: Callable[[int], int] | None = None
         self.index = -1
         if self.cuda:
             # the stream the buffers were allocated on, and the others that wrote the rows
             # this step (see the module notes)
             self.home: Any = torch.cuda.current_stream(device)
             self.index = self.home.device_index
-            self.current_device = torch._C._cuda_getDevice
-            self.raw_stream = torch._C._cuda_getCurrentRawStream
+            self.current_device: Callable[[], int] = torch._C._cuda_getDevice
+            self.raw_stream: Callable[[int], int] = torch._C._cuda_getCurrentRawStream
         else:
             self.home = None
         self.writers: list[Any] = []
@@ -182,18 +180,22 @@ class _Space:
                 return spare
         return torch.zeros(self.capacity, dtype=_F64, device=self.device)
 
-    def stream(self) -> None:
-        """Make the current stream, which the next launch uses, ready to write the rows:
-        ordered after the rows' zeroing and growth (on the home stream) the first time it
-        writes them this step, and marked as a reader of the buffers (nothing on the CPU)."""
-        if not self.cuda or self.raw_stream(self.index) in self.ordered:  # type: ignore[misc]
-            return
-        s = torch.cuda.current_stream(self.device)
-        s.wait_stream(self.home)
-        self.rows.record_stream(s)
-        self.scratch.record_stream(s)
-        self.writers.append(s)
-        self.ordered.add(s.cuda_stream)
+    def stream(self) -> int:
+        """The raw handle of the current stream, which the next launch uses, made ready to
+        write the rows: ordered after the rows' zeroing and growth (on the home stream) the
+        first time it writes them this step, and marked as a reader of the buffers (0, and
+        nothing done, on the CPU)."""
+        if not self.cuda:
+            return 0
+        raw = self.raw_stream(self.index)
+        if raw not in self.ordered:
+            s = torch.cuda.current_stream(self.device)
+            s.wait_stream(self.home)
+            self.rows.record_stream(s)
+            self.scratch.record_stream(s)
+            self.writers.append(s)
+            self.ordered.add(raw)
+        return raw
 
     def join(self) -> None:
         """Make the current stream wait for every stream that wrote the rows this step,
@@ -339,7 +341,7 @@ class HookLaunch:
         space, size = self.space, self.size
         with space.lock:  # the rows buffer may not be replaced before the launch
             if space.cuda:
-                if space.current_device() != self.device:  # type: ignore[misc]
+                if space.current_device() != self.device:
                     return None  # (Triton launches on the current device)
                 space.stream()
             off = space.used
@@ -476,12 +478,9 @@ class BatchLaunch:
         fused, space, size = self.fused, self.space, self.size
         count = len(tensors)
         with space.lock:  # the rows buffer may not be replaced before the launch
-            stream = 0
-            if space.cuda:
-                if space.current_device() != self.device:  # type: ignore[misc]
-                    return None  # (Triton launches on the current device)
-                space.stream()
-                stream = space.raw_stream(space.index)  # type: ignore[misc]
+            if space.cuda and space.current_device() != self.device:
+                return None  # (Triton launches on the current device)
+            stream = space.stream()
             first = space.reserve(size * count)
             at = (first, stream)
             table = self.table
