@@ -184,7 +184,13 @@ def figures(name: str, compiled: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         "elements_per_warp_per_tile": per_warp,
         "instructions_per_element": round(len(loop) / per_warp, 3),
         # how Triton lowered tl.histogram (see the module notes)
-        "histogram": "ballots" if any("VOTE.ANY" in t for t in loop) else "shared atomics",
+        "histogram": (
+            "ballots"
+            if any("VOTE.ANY" in t for t in loop)
+            else "shared atomics"
+            if any("ATOMS" in t for t in loop)
+            else "none"
+        ),
     }
 
 

@@ -24,23 +24,29 @@ counting); :func:`finish_rows` removes them again from the NaN and inf counts.
 
 Exponent counts
 ---------------
-The zero count and the counts of each exponent come from a histogram per program
-(``tl.histogram``) of :data:`WINDOW` bins, whose table the program adds to the tensor's
-row once: bin ``k`` counts the normal values of exponent field ``top - k`` (for ``k <
-WINDOW - 2``), bin ``WINDOW - 1`` the zeros, bin ``WINDOW - 2`` everything else (values
-outside the window, subnormals, infinities and NaNs: *outliers*). The window's ``top`` is
-fixed per program: for a dtype of at most ``WINDOW - 2`` exponents (float16, the 8-bit
-formats but float8_e8m0fnu) the dtype's largest, else :data:`HEADROOM` fields above the
-largest magnitude of the program's first tile that has a non-zero finite value (one
-reduction across the program, once). A program that counted any outlier reads its range
-again and counts every element in a histogram of all the dtype's exponents and of zeros,
-infinities and NaNs (:func:`_all_counts`), exactly as a full histogram would, and adds
-that table instead. So the dtype's exponent of every finite non-zero value is exact,
-subnormals included, while the steady state stays narrow: Triton's two lowerings of
-``tl.histogram`` cost per element either one shared-memory atomic (Triton 3.9) or a warp
-ballot per bit of the bin index plus a popcount per bin a lane owns (Triton 3.6: about
-3.2 warp instructions per element on sm_90 with the 512 bins a float32 histogram of every
-exponent takes, 1.4 with 64, key included; the rest of the loop is about 1.1).
+The zero count and the counts of each exponent come from a histogram per program of
+:data:`WINDOW` bins, whose table the program adds to the tensor's row once: bin ``k``
+counts the normal values of exponent field ``top - k`` (for ``k < WINDOW - 2``), bin
+``WINDOW - 1`` the zeros, bin ``WINDOW - 2`` everything else (values outside the window,
+subnormals, infinities and NaNs: *outliers*). The window's ``top`` is fixed per program: for
+a dtype of at most ``WINDOW - 2`` exponents (float16, the 8-bit formats but
+float8_e8m0fnu) the dtype's largest, else :data:`HEADROOM` fields above the largest
+magnitude of the program's first tile that has a non-zero finite value (one reduction
+across the program, once). A program that counted any outlier reads its range again and
+counts every element in a histogram of all the dtype's exponents and of zeros, infinities
+and NaNs (:func:`_all_counts`), exactly as a full histogram would, and adds that table
+instead. So the dtype's exponent of every finite non-zero value is exact, subnormals
+included, while the steady state stays narrow.
+
+Compiled for an NVIDIA GPU, a program counts in a table of its own in shared memory
+(:data:`SHARED_COUNTS`; declared, zeroed, added to and read by a few lines of inline PTX):
+one shared-memory atomic per element, which the assembler aggregates per warp
+(``ATOMS.POPC.INC``), a barrier after zeroing and one before reading, once per program.
+``tl.histogram`` (the interpreter's path, and AMD's) costs more on the GPU: Triton 3.6
+lowers it to a warp ballot per bit of the bin index plus a popcount per bin a lane owns
+(about 2.5 warp instructions per float32 element on sm_90 with 64 bins, key and moments
+included, against 1.3 with the table), Triton 3.9 to shared atomics, but with the table
+zeroed and two barriers per tile.
 
 The moments are computed in float32 (float64 for float64 tensors) per block and
 accumulated in float64: relative error ~1e-7 per block, not per element.
@@ -426,6 +432,67 @@ def _shifted_higher(m2, m3, m4, cnt, r, r2, r4, mean, delta, w, nb, c, off, d, d
 
 
 @triton.jit
+def _smem_declare(MODE: tl.constexpr):
+    """Declares the program's table of counts in shared memory (CUDA only; see the module
+    notes): 513 words (4,097 for float64), room for :func:`_all_counts`'s ``NBP`` bins and a
+    spare word after them. Called once, before any other ``_smem_*`` function: the
+    assembler reads the declaration before the code that names it."""
+    one = tl.zeros([1], tl.int32)
+    if MODE == 4:
+        tl.inline_asm_elementwise(
+            ".shared .align 16 .b32 tandv_counts[4097];\n\tmov.u32 $0, 0;",
+            "=r,r", [one], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    else:
+        tl.inline_asm_elementwise(
+            ".shared .align 16 .b32 tandv_counts[513];\n\tmov.u32 $0, 0;",
+            "=r,r", [one], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def _smem_zero(NB: tl.constexpr):
+    """Zeroes words ``[0, NB]`` of the table of counts, then a barrier: no thread counts
+    before every word is zero (nor zeroes before every thread read the last counts: the
+    caller's barrier)."""
+    tl.inline_asm_elementwise(
+        "{\n\t.reg .u32 a;\n\tmov.u32 a, tandv_counts;\n\tmad.lo.u32 a, $1, 4, a;\n\t"
+        "st.shared.u32 [a], 0;\n\tmov.u32 $0, 0;\n\t}",
+        "=r,r", [tl.arange(0, NB)], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+    tl.inline_asm_elementwise(
+        "{\n\t.reg .u32 a;\n\tmov.u32 a, tandv_counts;\n\tmad.lo.u32 a, $1, 4, a;\n\t"
+        "st.shared.u32 [a], 0;\n\tmov.u32 $0, 0;\n\t}",
+        "=r,r", [tl.full([1], NB, tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+    tl.debug_barrier()
+
+
+@triton.jit
+def _smem_count(key):
+    """Adds one to word ``key`` of the table of counts for each element of ``key``: one
+    shared-memory atomic per element (``red.shared.add``, which the assembler turns into a
+    warp-aggregated ``ATOMS.POPC.INC``)."""
+    tl.inline_asm_elementwise(
+        "{\n\t.reg .u32 a;\n\tmov.u32 a, tandv_counts;\n\tmad.lo.u32 a, $1, 4, a;\n\t"
+        "red.shared.add.u32 [a], 1;\n\tmov.u32 $0, 0;\n\t}",
+        "=r,r", [key], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _smem_read(NB: tl.constexpr):
+    """Words ``[0, NB)`` of the table of counts, after a barrier (every thread's atomics
+    done)."""
+    tl.debug_barrier()
+    return tl.inline_asm_elementwise(
+        "{\n\t.reg .u32 a;\n\tmov.u32 a, tandv_counts;\n\tmad.lo.u32 a, $1, 4, a;\n\t"
+        "ld.shared.u32 $0, [a];\n\t}",
+        "=r,r", [tl.arange(0, NB)], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def _window(
     bits,
     m,
@@ -435,6 +502,7 @@ def _window(
     WIN: tl.constexpr,
     MASKED: tl.constexpr,
     BLOCK: tl.constexpr,
+    SMEM: tl.constexpr,
 ):
     """The program's window histogram ``hist`` with the tile's keys added (the tile's
     magnitudes as ``bits``, those where ``m`` when ``MASKED``): field ``wtop - k`` in bin
@@ -443,7 +511,11 @@ def _window(
     unsigned min; keys in ``[0, WIN)`` by construction."""
     k = (wtop - _field(bits, MODE)).to(tl.uint32)
     key = tl.where(bits == 0, WIN - 1, tl.minimum(k, WIN - 2).to(tl.int32))
-    if MASKED:
+    if SMEM:  # counted in shared memory (masked-off elements in word WIN, never read)
+        if MASKED:
+            key = tl.where(m, key, WIN)
+        _smem_count(key)
+    elif MASKED:
         hist += _masked_histogram(key, m, WIN - 1, WIN, BLOCK)
     else:
         hist += tl.histogram(tl.reshape(key, [BLOCK]), WIN)
@@ -470,6 +542,7 @@ def _step(
     C_E4M3: tl.constexpr,
     C_E5M2: tl.constexpr,
     C_E2M1: tl.constexpr,
+    SMEM: tl.constexpr,
 ):
     """The slots' ``state`` and the program's window histogram ``hist`` (top field
     ``wtop``, see the module notes) with a tile ``x`` added (its elements where ``m`` when
@@ -510,7 +583,7 @@ def _step(
     p2 = p2 * r2 + tl.reduce(tl.reduce(a2, 2, _ADD), 0, _ADD).to(tl.float64)
     p4 = p4 * r4 + tl.reduce(tl.reduce(a4, 2, _ADD), 0, _ADD).to(tl.float64)
     p8 = p8 * (r4 * r4) + tl.reduce(tl.reduce(a4 * a4, 2, _ADD), 0, _ADD).to(tl.float64)
-    hist = _window(bits, m, wtop, hist, MODE, WIN, MASKED, BLOCK)
+    hist = _window(bits, m, wtop, hist, MODE, WIN, MASKED, BLOCK, SMEM)
     return (En, nt, mean, m2, p1, p2, p4, p8, mn, mx, amin, amax, over, m3, m4), hist, blk
 
 
@@ -535,6 +608,7 @@ def _scan(
     C_E4M3: tl.constexpr,
     C_E5M2: tl.constexpr,
     C_E2M1: tl.constexpr,
+    SMEM: tl.constexpr,
 ):
     """The slots' states after elements ``[start, end)`` of a tensor (``start`` a multiple
     of the tile), their window histogram and its top field (``TOP``, or anchored at the
@@ -569,6 +643,9 @@ def _scan(
         zero,
     )
     hist = tl.zeros([WIN], tl.int32)
+    if SMEM:
+        _smem_declare(MODE)
+        _smem_zero(WIN)
     wtop = tl.full([], TOP, tl.int32)
     if C_E4M3 + C_E5M2 + C_E2M1:
         blk = _mx_zeros(BLOCK // 32)
@@ -584,7 +661,7 @@ def _scan(
                 wtop = _anchor(x, MODE, WIN)
         state, hist, blk = _step(
             x, m, state, hist, wtop, fmax, MODE, SUB, WIN, OVER, False, K * VEC, BLOCK, HOFF,
-            blk, C_E4M3, C_E5M2, C_E2M1,
+            blk, C_E4M3, C_E5M2, C_E2M1, SMEM,
         )  # fmt: skip
     if full_end < end:
         x, m = _tile(ptr, full_end, end, lut_ptr, geo, MODE, VEC, K, SLOTS, True, STRIDED)
@@ -593,8 +670,10 @@ def _scan(
                 wtop = _anchor(x, MODE, WIN)
         state, hist, blk = _step(
             x, m, state, hist, wtop, fmax, MODE, SUB, WIN, OVER, True, K * VEC, BLOCK, HOFF,
-            blk, C_E4M3, C_E5M2, C_E2M1,
+            blk, C_E4M3, C_E5M2, C_E2M1, SMEM,
         )  # fmt: skip
+    if SMEM:
+        hist = _smem_read(WIN)
     return state, hist, wtop, blk
 
 
@@ -613,6 +692,7 @@ def _all_counts(
     K: tl.constexpr,
     SLOTS: tl.constexpr,
     STRIDED: tl.constexpr,
+    SMEM: tl.constexpr,
 ):
     """The counts of every exponent of the dtype and of zeros, infinities and NaNs among
     elements ``[start, end)`` (the second read of a program that counted outliers): bins
@@ -622,13 +702,21 @@ def _all_counts(
     ``Spec.keys``)."""
     BLOCK: tl.constexpr = K * SLOTS * VEC
     hist = tl.zeros([NBP], tl.int32)
+    if SMEM:  # (after a barrier: every thread has read the window's counts)
+        tl.debug_barrier()
+        _smem_zero(NBP)
     inf = _inf_bits(MODE)
     zkey = (_exponent(tl.zeros([1, 1, 1], inf.dtype), SUB, MODE) - DMIN) & (NBP - 1)
     for off in range(start, end, BLOCK):
         x, m = _tile(ptr, off, end, lut_ptr, geo, MODE, VEC, K, SLOTS, True, STRIDED)
         bits = _magnitude_bits(x, MODE)
         key = (_exponent(bits, SUB, MODE) - DMIN + (bits > inf).to(tl.int32)) & (NBP - 1)
-        hist += _masked_histogram(key, m, zkey, NBP, BLOCK)
+        if SMEM:  # masked-off elements in word NBP, never read
+            _smem_count(tl.where(m, key, NBP))
+        else:
+            hist += _masked_histogram(key, m, zkey, NBP, BLOCK)
+    if SMEM:
+        hist = _smem_read(NBP)
     return hist
 
 
@@ -872,6 +960,7 @@ def _summarize(
     C_E4M3: tl.constexpr,
     C_E5M2: tl.constexpr,
     C_E2M1: tl.constexpr,
+    SMEM: tl.constexpr,
 ):
     """One program's share ``[start, end)`` of a tensor whose row is at ``row``; with
     ``n_parts > 1`` programs, its partial row goes to ``part_ptr`` and the last program
@@ -901,6 +990,7 @@ def _summarize(
         C_E4M3,
         C_E5M2,
         C_E2M1,
+        SMEM,
     )
     if C_E4M3 + C_E5M2 + C_E2M1:
         _mx_columns(row, blk, C_E4M3, C_E5M2, C_E2M1)
@@ -933,7 +1023,7 @@ def _summarize(
         _window_counts(row, hist, wtop, wt, n_parts, MODE, DMIN, NBD, WIN)
     else:  # outliers: every element counted again, by a histogram of all the keys
         every = _all_counts(
-            ptr, start, end, lut_ptr, geo, MODE, SUB, DMIN, NBP, VEC, K, SLOTS, STRIDED
+            ptr, start, end, lut_ptr, geo, MODE, SUB, DMIN, NBP, VEC, K, SLOTS, STRIDED, SMEM
         )
         _all_to_row(row, every, wt, n_parts, NBD, NBP, ZKEY, IKEY)
     if n_parts == 1:
@@ -1000,6 +1090,7 @@ def _summarize_one(
     C_E4M3: tl.constexpr,
     C_E5M2: tl.constexpr,
     C_E2M1: tl.constexpr,
+    SMEM: tl.constexpr,
 ):
     """One tensor ``x_ptr`` of ``n`` elements, ``tiles`` tiles per program, into the row
     at ``rows_ptr + row_off``; ``STRIDED``: the elements of the view of sizes ``(., s1,
@@ -1046,6 +1137,7 @@ def _summarize_one(
         C_E4M3,
         C_E5M2,
         C_E2M1,
+        SMEM,
     )
 
 
@@ -1094,6 +1186,7 @@ def _summarize_many(
     C_E4M3: tl.constexpr,
     C_E5M2: tl.constexpr,
     C_E2M1: tl.constexpr,
+    SMEM: tl.constexpr,
 ):
     """Many tensors of one dtype: program ``i`` reads row ``i`` of the table ``(address,
     start, end, row offset, part, parts, first part)``; ``ALIGNED``: every address is a
@@ -1135,6 +1228,7 @@ def _summarize_many(
         C_E4M3,
         C_E5M2,
         C_E2M1,
+        SMEM,
     )
 
 
@@ -1498,6 +1592,10 @@ def _blocks_many(
 #: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when this module
 #: was imported), which reads CPU tensors; compiled kernels read CUDA tensors.
 INTERPRETED = not isinstance(_summarize_one, triton.runtime.JITFunction)
+#: Whether the summary kernels count exponents in a table of their own in shared memory
+#: (inline PTX: compiled for NVIDIA GPUs) rather than by ``tl.histogram`` (the
+#: interpreter, and ROCm's builds of torch, whose Triton compiles for AMD GPUs).
+SHARED_COUNTS = not INTERPRETED and torch.version.hip is None
 
 
 # ---------------------------------------------------------------------------- host side
@@ -1704,6 +1802,7 @@ def _consts(
     kw["GROUP"] = GROUP
     kw["HOFF"] = hoff
     kw.update(zip(("C_E4M3", "C_E5M2", "C_E2M1"), mx))
+    kw["SMEM"] = SHARED_COUNTS
     tail = tuple(kw.values())
     # no register cap for a gappy view (its index arithmetic would spill) nor with m3, m4
     # (their float64 state and update: ~120 registers, 2 programs per SM, no spills) nor
