@@ -39,6 +39,9 @@ _tensor_of = attrgetter("name", "tensor_type", "module_type")
 _float64 = partial(np.asarray, dtype=np.float64)
 #: the tensor types of module rows (activations and their gradients, parameter gradients)
 _MODULE_ROWS = frozenset((ACTIVATION, GRADIENT))
+#: Tuples of entries whose sizes StepBuffer.add_many keeps (all dropped when one more
+#: comes: a tracker hands a few, the same at every step)
+_TUPLES_SIZED = 16
 
 
 def _merged(
@@ -165,6 +168,8 @@ class StepBuffer:
         self._pending: list[tuple[TensorKey, Layout, Any]] = []
         self._sizes: dict[int, tuple[Layout, int]] = {}  # bytes of a summary, by id(layout)
         self._bytes_by_id: dict[int, int] = {}  # the same bytes, by id(layout) alone
+        # tuples of entries added (by id) with the bytes of their summaries (see add_many)
+        self._tuple_bytes: dict[int, tuple[tuple[Any, ...], int]] = {}
 
     def add(self, key: TensorKey, layout: Layout, summary: Any) -> None:
         """Record one observation of a tensor in the current step (a device summary).
@@ -182,22 +187,41 @@ class StepBuffer:
         """:meth:`add` of several observations (``(key, layout, summary)`` each) at once: a
         step's parameters, gradients or optimizer state.
 
+        A tuple of entries is sized once while it is added again (a tracker hands the same
+        tuple of a step's weights, gradients or state at every step where their summaries
+        land in the same places): its entries and their layouts cannot change.
+
         Raises:
             RuntimeError: as :meth:`add`.
         """
         if not entries:
             return
-        # (in passes that run in C: a step's weights, gradients and state are hundreds)
-        try:
-            nbytes = sum(map(self._bytes_by_id.__getitem__, map(id, map(_layout_of, entries))))
-        except KeyError:  # a layout seen for the first time
-            nbytes = sum(self._bytes_of(lay) for _, lay, _ in entries)
+        if type(entries) is tuple:
+            known = self._tuple_bytes.get(id(entries))
+            if known is not None and known[0] is entries:
+                nbytes = known[1]
+            else:
+                nbytes = self._nbytes(entries)
+                if len(self._tuple_bytes) >= _TUPLES_SIZED:  # (tuples that keep changing)
+                    self._tuple_bytes.clear()
+                # (the tuple kept with its size: its id is not another's while it is here)
+                self._tuple_bytes[id(entries)] = (entries, nbytes)
+        else:
+            nbytes = self._nbytes(entries)
         if self._pending_bytes + nbytes > self.warn_pending_bytes:
             for entry in entries:  # one at a time: the warning and the error as with add
                 self.add(*entry)
             return
         self._pending_bytes += nbytes
         self._pending.extend(entries)
+
+    def _nbytes(self, entries: Sequence[tuple[TensorKey, Layout, Any]]) -> int:
+        """The bytes of the summaries of ``entries``."""
+        # (in passes that run in C: a step's weights, gradients and state are hundreds)
+        try:
+            return sum(map(self._bytes_by_id.__getitem__, map(id, map(_layout_of, entries))))
+        except KeyError:  # a layout seen for the first time
+            return sum(self._bytes_of(lay) for _, lay, _ in entries)
 
     def _bytes_of(self, layout: Layout) -> int:
         """The bytes of one summary in ``layout`` (found once per layout, by identity:

@@ -34,8 +34,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from functools import cache, reduce
-from operator import attrgetter, itemgetter, or_
+from functools import cache
+from math import gcd
+from operator import attrgetter, itemgetter, methodcaller
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -445,60 +446,76 @@ class BatchLaunch:
         # (table on the device, programs, scratch rows, kernel variant)
         self.table: tuple[torch.Tensor, int, int, Any] | None = None
         # for the last sizes and rows: the host table (its address column rewritten at each
-        # rebuild), each program's tensor (None: one program each), the scratch rows, the
-        # table as a tensor, and the kernel variants by alignment
-        self.template: (
-            tuple[np.ndarray, np.ndarray | None, int, torch.Tensor, dict[bool, Any]] | None
-        ) = None
+        # rebuild), what repeats each tensor's address for its programs (an itemgetter of
+        # each program's tensor; None: one program each), the scratch rows, the table as a
+        # tensor, and the kernel variants by alignment
+        self.template: tuple[np.ndarray, Any, int, torch.Tensor, dict[bool, Any]] | None = None
         self.slots: list[Slot] = []
 
-    def summarize(self, tensors: Sequence[torch.Tensor]) -> list[Slot] | None:
+    def summarize(self, tensors: Sequence[torch.Tensor], fixed: bool = False) -> list[Slot] | None:
         """Queue the summaries of ``tensors`` (plain tensors of the launch's dtype, two or
         more) into fresh rows, in order, and return their slots; ``None`` (nothing done)
         when they are not all tensors this launch reads (see the class notes): the caller
-        takes the general path.
+        takes the general path. ``fixed``: the caller passes the same objects, in the same
+        order, at every call (a step's weights, the optimizer state), so their identities
+        are not read.
 
         The tests that tell that: every tensor's address, size and contiguity at every
         call; its device, the negation bit and emptiness only when the tensors are not
         the last call's at the same addresses with the same sizes (a tensor keeps its
         device and is not made a negated view in place)."""
-        ids = tuple(map(id, tensors))
+        ids = self.ids if fixed else tuple(map(id, tensors))
         ptrs = tuple(map(_T.data_ptr, tensors))
         ns = tuple(map(_T.numel, tensors))
         if not all(map(_T.is_contiguous, tensors)):
             return None
-        if self.device < 0 and _summary.current_cpu_path() != "fused":
+        if self.device < 0 and _summary._cpu_path != "fused":
             return None  # (a test switched the CPU path: the caller's path decides)
-        if (ids != self.ids or ptrs != self.ptrs or ns != self.ns) and (
+        same = ptrs == self.ptrs
+        if (not same or ids != self.ids or ns != self.ns) and (
             any(map(_T.is_neg, tensors))
             or set(map(_T.get_device, tensors)) != {self.device}
             or not all(ns)
         ):
             return None
-        fused, space, size = self.fused, self.space, self.size
-        count = len(tensors)
+        space = self.space
+        need = self.size * len(tensors)
         with space.lock:  # the rows buffer may not be replaced before the launch
             if space.cuda and space.current_device() != self.device:
                 return None  # (Triton launches on the current device)
             stream = space.stream()
-            first = space.reserve(size * count)
+            first = space.used  # (the reservation written out: see HookLaunch.summarize)
+            if first + need <= space.capacity:
+                space.used = first + need
+            else:
+                space.reserve(need)
             at = (first, stream)
-            table = self.table
-            if table is None or ptrs != self.ptrs or ns != self.ns or at != self.at:
-                table = self.table = self._table(ptrs, ns, first, at != self.at or ns != self.ns)
+            if at != self.at or ns != self.ns:  # other rows or sizes: the table made anew
+                self.table = self._table(ptrs, ns, first, True)
                 self.ptrs, self.ns, self.at = ptrs, ns, at
+            elif not same:  # the tensors moved: their addresses written into the table
+                self.table = self._table(ptrs, ns, first, False)
+                self.ptrs = ptrs
             self.ids = ids
-            dev_table, programs, parts, consts = table
+            dev_table, programs, parts, consts = self.table  # type: ignore[misc]
             rows = space.rows
-            scratch = space.scratch_for(parts)
+            scratch = space.scratch
+            if space.scratch_size < parts * _PART:
+                scratch = space.scratch_for(parts)
             lut = rows if self.lut is None else self.lut
-            fused._launch(
-                fused._summarize_many,
-                programs,
-                (dev_table, rows, scratch, lut, self.fmax),
-                consts,
-                (dev_table, rows, scratch, lut),
-            )
+            fused = self.fused
+            if fused.INTERPRETED:  # (fused._launch's first line, without its frame)
+                fused._summarize_many[(programs,)](
+                    dev_table, rows, scratch, lut, self.fmax, **consts.kwargs
+                )
+            else:
+                fused._launch(
+                    fused._summarize_many,
+                    programs,
+                    (dev_table, rows, scratch, lut, self.fmax),
+                    consts,
+                    (dev_table, rows, scratch, lut),
+                )
         return self.slots
 
     def _table(
@@ -509,11 +526,13 @@ class BatchLaunch:
         columns that do not depend on the addresses and the slots are found anew), its
         program count, scratch rows and kernel variant. Rebuilt whenever the tensors move
         (gradients may come back at new addresses every step): the address of each tensor
-        is written into its programs' rows of the launch's own table, by a few array
-        operations."""
-        fused, space, size, count = self.fused, self.space, self.size, len(ptrs)
+        is written into its programs' rows of the launch's own table, by one array
+        operation (each costs microseconds on the cold caches between a step's model
+        operations: a Python pass that repeats the addresses of tensors split among
+        several programs, then one assignment of the column)."""
+        fused, space, count = self.fused, self.space, len(ptrs)
         if moved or self.template is None:
-            offsets = tuple(range(first, first + size * count, size))
+            offsets = tuple(range(first, first + self.size * count, self.size))
             layout, owner, parts = fused._table_layout(
                 ns, offsets, self.spec.block, space.max_parts
             )
@@ -523,20 +542,17 @@ class BatchLaunch:
             table = layout.copy()
             self.template = (
                 table,
-                owner if owner.size != count else None,
+                itemgetter(*owner.tolist()) if owner.size != count else None,
                 parts,
                 torch.from_numpy(table),
                 {},
             )
             self.slots = [_new_tuple(Slot, (off, self.kind)) for off in offsets]
-        table, owner, parts, host, consts_by = self.template
-        # (few array operations: each costs microseconds on the cold caches between a
-        # step's model operations)
-        addr = np.fromiter(ptrs, np.int64, count)
-        table[:, 0] = addr if owner is None else addr[owner]
+        table, repeat, parts, host, consts_by = self.template
+        table[:, 0] = ptrs if repeat is None else repeat(ptrs)
         if space.cuda:  # pinned: the copy to the device does not wait
             host = host.pin_memory().to(space.device, non_blocking=True)
-        aligned = not reduce(or_, ptrs, 0) & 15  # every address a multiple of 16
+        aligned = not gcd(*ptrs) & 15  # every address a multiple of 16
         consts = consts_by.get(aligned)
         if consts is None:
             consts = consts_by[aligned] = fused._consts(
@@ -552,12 +568,15 @@ class Flight:
     """A step's rows on their way to the host: per device, a host buffer of its own, the
     number of values and the event that marks the copy done (``None`` on the CPU)."""
 
-    def __init__(self, copies: list[tuple[torch.device, torch.Tensor, int, Any]]) -> None:
+    def __init__(
+        self, copies: list[tuple[torch.device, torch.Tensor, int, Any]], events: Sequence[Any] = ()
+    ) -> None:
         self._copies = copies
+        self._events = events  # (the copies' CUDA events, to ask without a Python loop)
 
     def ready(self) -> bool:
         """Whether every copy has landed (never waits)."""
-        return all(not isinstance(ev, torch.cuda.Event) or ev.query() for *_, ev in self._copies)
+        return all(map(_query, self._events))
 
     def wait(self) -> dict[torch.device, np.ndarray]:
         """Each device's rows on the host (waits for copies still under way)."""
@@ -803,12 +822,13 @@ class Workspace:
         """Start the copy of this step's rows to the host (see the module notes)."""
         # (device, host rows, values used, the copy's event or the CPU space to hand back to)
         copies: list[tuple[torch.device, torch.Tensor, int, Any]] = []
+        events: list[Any] = []
         for device, space in self._spaces.items():
             with space.lock:
                 used = space.used
                 if not used:
                     continue
-                if capturing(device):
+                if space.cuda and torch.cuda.is_current_stream_capturing():  # (capturing())
                     raise RuntimeError(
                         "tandv: tracker.step() was called inside a CUDA graph capture; end "
                         "the step outside the captured region (tracked steps cannot be "
@@ -833,10 +853,11 @@ class Workspace:
                         ev = torch.cuda.Event()
                         ev.record()
                     copies.append((device, host, used, ev))
+                    events.append(ev)
                 rows.zero_()
         if not copies:
             return None
-        return Flight(copies)
+        return Flight(copies, events)
 
 
 def _write_one(
@@ -941,6 +962,7 @@ _offset_of = itemgetter(0)  # of a Slot
 _kind_of = itemgetter(1)
 _group_of = attrgetter("group")  # of a RowKind
 _dtype_of = attrgetter("dtype")
+_query = methodcaller("query")  # (of a CUDA event)
 
 
 def _uniform(tensors: Sequence[torch.Tensor]) -> bool:

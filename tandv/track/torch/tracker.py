@@ -38,7 +38,6 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Mapping as MappingABC
-from functools import partial
 from itertools import chain
 from operator import attrgetter, is_, itemgetter, methodcaller
 from typing import TYPE_CHECKING, Any
@@ -48,9 +47,9 @@ import pandas as pd
 import torch
 from torch import nn
 from torch.compiler import is_compiling, is_dynamo_compiling
+from torch.nn.modules import module as _torch_module
 from torch.nn.modules.module import (
     register_module_buffer_registration_hook,
-    register_module_forward_pre_hook,
     register_module_module_registration_hook,
     register_module_parameter_registration_hook,
 )
@@ -206,15 +205,22 @@ class _Batch:
     """The names, kinds and owners of tensors summarized together at every step (a step's
     weights, the gradients of one optimizer's parameters, the optimizer state), found once
     and kept while they stay the same, with a :class:`_Plan` per combination of the
-    tensors' dtypes (see :meth:`Tracker._summaries_batch`)."""
+    tensors' dtypes (see :meth:`Tracker._summaries_batch`). ``fixed``: its tensors are the
+    same objects at every step (the weights, and the optimizer state: their batch is found
+    anew when they change), so a batch launch need not read their identities."""
 
-    __slots__ = ("names", "kinds", "owners", "plans")
+    __slots__ = ("names", "kinds", "owners", "plans", "fixed")
 
     def __init__(
-        self, names: Sequence[str], kinds: Sequence[str], owners: Sequence[nn.Module]
+        self,
+        names: Sequence[str],
+        kinds: Sequence[str],
+        owners: Sequence[nn.Module],
+        fixed: bool = False,
     ) -> None:
         self.names, self.kinds, self.owners = tuple(names), tuple(kinds), tuple(owners)
         self.plans: dict[tuple[torch.dtype, ...], _Plan] = {}
+        self.fixed = fixed
 
 
 class _Plan:
@@ -222,7 +228,8 @@ class _Plan:
     of them sharing a layout (``(layout, indices)``), what the capture check names
     (``first``), which of a batch's tensors are kept (``keep``: ``None``, all), and the last
     entries made with the summaries they hold (``raws``), returned again when the
-    workspace hands back the same list of slots."""
+    workspace hands back the same list of slots (a tuple: the recorder sizes it once, see
+    :meth:`~tandv.track.common.buffer.StepBuffer.add_many`)."""
 
     __slots__ = (
         "keys",
@@ -249,7 +256,7 @@ class _Plan:
         self.keep: list[int] | None = None
         self.no_extras: list[dict[str, Any]] = []
         self.raws: Any = None
-        self.entries: list[tuple[TensorKey, Layout, Any]] = []
+        self.entries: tuple[tuple[TensorKey, Layout, Any], ...] = ()
         # the tensors are of one dtype, and the fused launch of them all (made at their
         # first summary; ``None`` where they take another path)
         self.uniform = False
@@ -408,13 +415,13 @@ class Tracker(TrackerCore[Flight | None]):
         self._last: tuple[weakref.ref[torch.Tensor], int, Layout, np.ndarray | Slot] | None = None
         self._workspace = Workspace()
         self._handles: list[Any] = []
-        self._weights_hook: Any = None  # (see _hook_weights)
+        self._weights_hook: int | None = None  # its key (see _hook_weights)
         self._compiled: CompiledHooks | None = None
         self._active = False
         self._weights_done = False
         #: gradients captured for the optimizer step under way, by optimizer (``None``: at
         #: :meth:`step`), one entry per parameter; recorded when that step completes
-        self._grads: dict[int | None, list[tuple[TensorKey, Layout, np.ndarray | Slot]]] = {}
+        self._grads: dict[int | None, Sequence[tuple[TensorKey, Layout, np.ndarray | Slot]]] = {}
         self._grad_rows = 0  # parameter-gradient observations recorded in the current step
         #: what a scheduled step has not yet recorded although asked: checked at each
         #: scheduled step until seen once, or told once (:meth:`_tell_unseen`)
@@ -439,9 +446,13 @@ class Tracker(TrackerCore[Flight | None]):
         # (name, kind, dtype) of a parameter, gradient or state -> its row key and its
         # layout without custom statistics: looked up once per tensor, not per step
         self._observed_keys: dict[tuple[str, str, torch.dtype], tuple[TensorKey, Layout]] = {}
-        # the optimizer state's batch, what it was found from, where its tensors lie among
-        # the state values and weak references to them (see _state_batch)
-        self._state_cache: tuple[tuple[int, ...], _Batch, list[int], list[Any]] | None = None
+        # the optimizer state's batch, what it was found from, what takes its tensors from
+        # the state values (by their positions there) and the weak references to them that
+        # died (see _state_batch; the references themselves are _state_refs)
+        self._state_cache: (
+            tuple[tuple[int, ...], _Batch, Callable[[list[Any]], Sequence[Any]], list[Any]] | None
+        ) = None
+        self._state_refs: list[weakref.ref[Any]] = []
         # the same for activations and output gradients, by (name, kind, dtype, on CUDA),
         # with the fused kernel's spec (None: another path)
         self._hook_keys: dict[
@@ -565,7 +576,7 @@ class Tracker(TrackerCore[Flight | None]):
 
     def _summaries(
         self, items: Sequence[tuple[str, str, nn.Module, torch.Tensor]]
-    ) -> list[tuple[TensorKey, Layout, np.ndarray | Slot]]:
+    ) -> Sequence[tuple[TensorKey, Layout, np.ndarray | Slot]]:
         """:meth:`_summary` of several distinct tensors (parameters, their gradients,
         optimizer state) at once: tensors sharing a layout are reduced together (one host
         kernel call for the CPU tensors, one fused launch per device and dtype)."""
@@ -620,7 +631,7 @@ class Tracker(TrackerCore[Flight | None]):
 
     def _summaries_plain(
         self, items: Sequence[tuple[str, str, nn.Module, torch.Tensor]]
-    ) -> list[tuple[TensorKey, Layout, np.ndarray | Slot]] | None:
+    ) -> Sequence[tuple[TensorKey, Layout, np.ndarray | Slot]] | None:
         """:meth:`_summaries` of plain tensors (no subclass) without custom statistics on
         one process, with the row keys and layouts of the items' names, kinds and dtypes
         found once (:attr:`_batch_plans`) rather than item by item at every step; ``None``
@@ -643,8 +654,8 @@ class Tracker(TrackerCore[Flight | None]):
         return self._summarize_plan(plan, tensors)
 
     def _summaries_batch(
-        self, batch: _Batch, tensors: list[Any]
-    ) -> list[tuple[TensorKey, Layout, np.ndarray | Slot]]:
+        self, batch: _Batch, tensors: Sequence[Any]
+    ) -> Sequence[tuple[TensorKey, Layout, np.ndarray | Slot]]:
         """:meth:`_summaries` of ``batch``'s tensors, ``tensors`` (in its order; ``None``
         and tensors not floating-point are skipped): a step's weights, gradients or
         optimizer state. The items' names, kinds and owners are ``batch``'s, found once;
@@ -675,7 +686,7 @@ class Tracker(TrackerCore[Flight | None]):
             plan.keep = None if len(keep) == len(tensors) else keep
         if plan.keep is not None:
             tensors = [tensors[i] for i in plan.keep]
-        return self._summarize_plan(plan, tensors) if tensors else []
+        return self._summarize_plan(plan, tensors, batch.fixed) if tensors else []
 
     def _plan(
         self,
@@ -705,11 +716,11 @@ class Tracker(TrackerCore[Flight | None]):
         return plan
 
     def _summarize_plan(
-        self, plan: _Plan, tensors: list[torch.Tensor]
-    ) -> list[tuple[TensorKey, Layout, np.ndarray | Slot]]:
-        """The entries of ``tensors`` (plain, of ``plan``'s items). They are not detached:
-        the fused kernel reads their memory, and the host and torch-op paths detach what
-        they compute on."""
+        self, plan: _Plan, tensors: Sequence[torch.Tensor], fixed: bool = False
+    ) -> Sequence[tuple[TensorKey, Layout, np.ndarray | Slot]]:
+        """The entries of ``tensors`` (plain, of ``plan``'s items; ``fixed``: the same
+        objects at every call, see :class:`_Batch`). They are not detached: the fused kernel
+        reads their memory, and the host and torch-op paths detach what they compute on."""
         if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
             raise _capture_error(plan.first)
         keys, layouts, groups = plan.keys, plan.layouts, plan.groups
@@ -726,11 +737,11 @@ class Tracker(TrackerCore[Flight | None]):
                     launch = plan.launch = self._workspace.batch_launch(tensors[0], layouts[0])
                     plan.prepared = True
                 if launch is not None:
-                    raws = launch.summarize(tensors)
+                    raws = launch.summarize(tensors, fixed)
             if raws is None:
                 raws = self._workspace.summaries(tensors, layouts[0], no_extras)
             if raws is not plan.raws:  # (the same slots: the same entries)
-                plan.raws, plan.entries = raws, list(zip(keys, layouts, raws))
+                plan.raws, plan.entries = raws, tuple(zip(keys, layouts, raws))
             return plan.entries
         merged: list[Any] = [None] * len(tensors)
         for lay, idx in groups:
@@ -844,9 +855,12 @@ class Tracker(TrackerCore[Flight | None]):
                 list(map(_first, self._weight_params)),
                 [WEIGHT] * len(self._weight_params),
                 list(map(_third, self._weight_params)),
+                fixed=True,
             )
             self._weight_tensors = list(map(_second, self._weight_params))
-        recorder = self.recorder
+        if self._hook_rows:  # (the recorder property's handover, written out)
+            self._hand_over()
+        recorder = self._recorder
         assert recorder is not None and self._weight_batch is not None
         recorder.add_many(self._summaries_batch(self._weight_batch, self._weight_tensors))
         if self.track_buffers:
@@ -864,7 +878,8 @@ class Tracker(TrackerCore[Flight | None]):
         before the update defines them: after unscaling and clipping, after the closure's
         last call)."""
         params, batch = self._grad_params(optimizer)
-        entries = self._summaries_batch(batch, list(map(_grad_of, params)))
+        # (none: every parameter is an optimizer's, at step() with optimizer None)
+        entries = self._summaries_batch(batch, list(map(_grad_of, params))) if params else []
         key = None if optimizer is None else id(optimizer)
         earlier = self._grads.get(key)
         if earlier:  # replaced by name, in the order first captured
@@ -922,11 +937,13 @@ class Tracker(TrackerCore[Flight | None]):
         no tracked optimizer updates): an optimizer stepping twice in a tracked step gives
         two observations, merged like micro-batches."""
         captured = self._grads.pop(optimizer, None)
-        if captured and self.recorder is not None:
-            self.recorder.add_many(captured)
-            self._grad_rows += len(captured)
+        if captured:
+            recorder = self.recorder
+            if recorder is not None:
+                recorder.add_many(captured)
+                self._grad_rows += len(captured)
 
-    def _state_batch(self) -> tuple[_Batch, list[Any]]:
+    def _state_batch(self) -> tuple[_Batch, Sequence[Any]]:
         """The selected optimizer state tensors, as :meth:`_summaries_batch` takes them.
 
         Finding them walks every parameter's state through ``opt.state.get(p)``, which
@@ -944,7 +961,9 @@ class Tracker(TrackerCore[Flight | None]):
         object, the two passes cost ~20 microseconds a step). The tensors are held by weak
         references (the tracker keeps no state alive): while they live, their identities are
         theirs, so equal identities are the same tensors at the same places, and they are
-        taken from the state values by their positions there (no Python loop per tensor)."""
+        taken from the state values by their positions there (one ``itemgetter`` call). A
+        tensor's death is told by its weak reference's callback, not by asking each
+        reference at each step."""
         if self._renamed:
             self._refresh_names()
         sign: list[int] = []
@@ -956,16 +975,18 @@ class Tracker(TrackerCore[Flight | None]):
             sign += map(len, lists)
             sign += map(id, opt.state)
             states = list(opt.state.values())
-            values += chain.from_iterable(map(_values, states))
+            try:  # (dict.values, a method of C, where methodcaller costs twice its time)
+                values += chain.from_iterable(map(dict.values, states))
+            except TypeError:  # a state that is another mapping
+                values += chain.from_iterable(map(_values, states))
             sign += map(len, states)
         sign += map(id, values)
         signature = tuple(sign)
         cached = self._state_cache
-        if cached is not None and cached[0] == signature:
+        if cached is not None and cached[0] == signature and not cached[3]:
             # the batch's tensors, where they lie among the values; the same objects as
             # those the batch was found for while those live (equal identities)
-            if not any(map(_is_none, map(_deref, cached[3]))):
-                return cached[1], list(map(values.__getitem__, cached[2]))
+            return cached[1], cached[2](values)
         items = [
             (name, value, owner)
             for name, value, owner in self._optimizer_state()
@@ -973,15 +994,15 @@ class Tracker(TrackerCore[Flight | None]):
         ]
         tensors = list(map(_second, items))
         batch = _Batch(
-            list(map(_first, items)), [OPTIMISER_STATE] * len(items), list(map(_third, items))
+            list(map(_first, items)),
+            [OPTIMISER_STATE] * len(items),
+            list(map(_third, items)),
+            fixed=True,
         )
         at = {id(v): i for i, v in enumerate(values)}
-        self._state_cache = (
-            signature,
-            batch,
-            [at[id(t)] for t in tensors],
-            [weakref.ref(t) for t in tensors],
-        )
+        died: list[Any] = []  # (a weak reference of each tensor that died, by its callback)
+        self._state_refs = [weakref.ref(t, died.append) for t in tensors]
+        self._state_cache = (signature, batch, _taker([at[id(t)] for t in tensors]), died)
         return batch, tensors
 
     def _optimizer_state(self) -> Iterator[tuple[str, torch.Tensor, nn.Module]]:
@@ -1249,11 +1270,19 @@ class Tracker(TrackerCore[Flight | None]):
         wrapper's graph.) A compiled model's weights are captured before the optimizer
         update instead: dynamo would trace this hook and break the graph."""
         if self.kinds[WEIGHT] and not self._is_compiled and self._weights_hook is None:
-            self._weights_hook = register_module_forward_pre_hook(self._first_forward_hook)
+            # put into torch's dictionary of global forward pre-hooks as
+            # register_module_forward_pre_hook puts it, under a key of tandv's (negative:
+            # apart from torch's handles' ids), without its RemovableHandle: added and removed
+            # at every scheduled step, on the training thread's clock (the handle's frames and
+            # weak reference cost microseconds on the cold caches between the model's
+            # operations)
+            key = next(_hook_ids)
+            _torch_module._global_forward_pre_hooks[key] = self._first_forward_hook
+            self._weights_hook = key
 
     def _unhook_weights(self) -> None:
         if self._weights_hook is not None:
-            self._weights_hook.remove()
+            _torch_module._global_forward_pre_hooks.pop(self._weights_hook, None)
             self._weights_hook = None
 
     # ------------------------------------------------------------------ observer
@@ -1486,10 +1515,16 @@ _PLAIN_TYPES = frozenset(_PLAIN)
 _first, _second, _third, _fourth = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)
 _dtype_of = attrgetter("dtype")
 _grad_of = attrgetter("grad")
-_is_none = partial(is_, None)
 _params_key = itemgetter("params")
 _values = methodcaller("values")
-_deref = weakref.ref.__call__
+
+
+def _taker(positions: list[int]) -> Callable[[list[Any]], Sequence[Any]]:
+    """What takes the items at ``positions`` of a list, as a sequence: for two or more, an
+    ``itemgetter`` (one call of C, no Python loop per item)."""
+    if len(positions) >= 2:
+        return itemgetter(*positions)
+    return lambda values: tuple(values[i] for i in positions)
 
 
 def _capture_error(what: str) -> RuntimeError:
