@@ -481,9 +481,12 @@ class BatchLaunch:
         space = self.space
         need = self.size * len(tensors)
         with space.lock:  # the rows buffer may not be replaced before the launch
-            if space.cuda and space.current_device() != self.device:
-                return None  # (Triton launches on the current device)
-            stream = space.stream()
+            if space.cuda:
+                if space.current_device() != self.device:
+                    return None  # (Triton launches on the current device)
+                stream = space.stream()
+            else:
+                stream = 0  # (space.stream() on the CPU)
             first = space.used  # (the reservation written out: see HookLaunch.summarize)
             if first + need <= space.capacity:
                 space.used = first + need

@@ -393,7 +393,7 @@ class Tracker(TrackerCore[Flight | None]):
             owner = self._param_names[id(p)][1]
             self._params.append((full, p, owner))
         # each parameter's place in its owner's `_parameters`, in the order of _params, for
-        # _params_moved
+        # the check that a parameter moved (_capture_weights)
         self._param_homes = (
             [homes[id(p)][0] for _, p, _ in self._params],
             [homes[id(p)][1] for _, p, _ in self._params],
@@ -661,7 +661,9 @@ class Tracker(TrackerCore[Flight | None]):
         optimizer state. The items' names, kinds and owners are ``batch``'s, found once;
         per step, the tensors' types and dtypes are read in two passes that run in C (no
         Python loop per tensor), and where the rows come back the same (a training loop's
-        steady state), so do the returned entries."""
+        steady state), so do the returned entries. The plan's batch launch, once made, is
+        called here (:meth:`_summarize_plan` when it declines the tensors: that one makes
+        it, and takes the other paths)."""
         types = set(map(type, tensors))
         if self._ranks is not None or self.stat_fns or not types <= _PLAIN_TYPES:
             return self._summaries(
@@ -686,6 +688,15 @@ class Tracker(TrackerCore[Flight | None]):
             plan.keep = None if len(keep) == len(tensors) else keep
         if plan.keep is not None:
             tensors = [tensors[i] for i in plan.keep]
+        launch = plan.launch
+        if launch is not None:  # (of plain tensors of one dtype, two or more: one group)
+            if launch.space.cuda and torch.cuda.is_current_stream_capturing():
+                raise _capture_error(plan.first)
+            raws = launch.summarize(tensors, batch.fixed)
+            if raws is not None:
+                if raws is not plan.raws:  # (the same slots: the same entries)
+                    plan.raws, plan.entries = raws, tuple(zip(plan.keys, plan.layouts, raws))
+                return plan.entries
         return self._summarize_plan(plan, tensors, batch.fixed) if tensors else []
 
     def _plan(
@@ -824,22 +835,19 @@ class Tracker(TrackerCore[Flight | None]):
         if self._recorder is not None:
             self._recorder.add_many(rows)
 
-    def _params_moved(self) -> bool:
-        """Whether a parameter found at the last naming is no longer where it was: its
-        module's ``_parameters`` holds another one under its name, or none. That covers
-        what the registration hooks cannot see (``del module.weight``, a parameter put
-        straight into the dictionary, as ``Module._apply`` does in PyTorch's overwrite
-        mode), in two passes that run in C (a dictionary lookup and an identity test per
-        parameter), once per scheduled step."""
-        dicts, names, params = self._param_homes
-        return not all(map(is_, map(dict.get, dicts, names), params))
-
     def _capture_weights(self, rehook: bool = False) -> None:
         """The step's weights (once per scheduled step, its first capture): first the
         model's changes are followed (see :meth:`_refresh_names`; ``rehook`` from the
         step's first module call, before any module's hooks run)."""
         self._weights_done = True
-        if self._params_moved():
+        # whether a parameter found at the last naming is no longer where it was: its
+        # module's ``_parameters`` holds another one under its name, or none. That covers
+        # what the registration hooks cannot see (``del module.weight``, a parameter put
+        # straight into the dictionary, as ``Module._apply`` does in PyTorch's overwrite
+        # mode), in two passes that run in C (a dictionary lookup and an identity test per
+        # parameter)
+        dicts, names, params = self._param_homes
+        if not all(map(is_, map(dict.get, dicts, names), params)):
             self._renamed = True
         if self._renamed or (rehook and self._rehook_due):
             self._refresh_names(rehook)
@@ -1296,7 +1304,7 @@ class Tracker(TrackerCore[Flight | None]):
         it alive) under the new one's name, and miss what was added. The hooks cost
         nothing per step: they run only when something registers. What registers nothing
         (``del module.weight``, ``module.bias = None``, a parameter put straight into
-        ``_parameters``) :meth:`_params_moved` finds."""
+        ``_parameters``) :meth:`_capture_weights` finds."""
         ref = weakref.ref(self)  # (global hooks: they must not keep the tracker)
 
         def registered(module: nn.Module, name: str, value: Any) -> None:
