@@ -464,7 +464,6 @@ class BatchLaunch:
         call; its device, the negation bit and emptiness only when the tensors are not
         the last call's at the same addresses with the same sizes (a tensor keeps its
         device and is not made a negated view in place)."""
-        ids = self.ids if fixed else tuple(map(id, tensors))
         ptrs = tuple(map(_T.data_ptr, tensors))
         ns = tuple(map(_T.numel, tensors))
         if not all(map(_T.is_contiguous, tensors)):
@@ -472,6 +471,10 @@ class BatchLaunch:
         if self.device < 0 and _summary._cpu_path != "fused":
             return None  # (a test switched the CPU path: the caller's path decides)
         same = ptrs == self.ptrs
+        # the identities, read only where they decide something: of tensors at the last
+        # call's addresses (moved tensors are tested whatever they are; () matches no
+        # later call's, so the tensors there are tested again)
+        ids = self.ids if fixed else tuple(map(id, tensors)) if same else ()
         if (not same or ids != self.ids or ns != self.ns) and (
             any(map(_T.is_neg, tensors))
             or set(map(_T.get_device, tensors)) != {self.device}
