@@ -450,7 +450,7 @@ class Tracker(TrackerCore[Flight | None]):
         # the state values (by their positions there) and the weak references to them that
         # died (see _state_batch; the references themselves are _state_refs)
         self._state_cache: (
-            tuple[tuple[int, ...], _Batch, Callable[[list[Any]], Sequence[Any]], list[Any]] | None
+            tuple[list[int], _Batch, Callable[[list[Any]], Sequence[Any]], list[Any]] | None
         ) = None
         self._state_refs: list[weakref.ref[Any]] = []
         # the same for activations and output gradients, by (name, kind, dtype, on CUDA),
@@ -466,9 +466,7 @@ class Tracker(TrackerCore[Flight | None]):
         self._batch_plans: dict[tuple[Any, ...], _Plan] = {}
         # the selected parameters whose gradients are captured and their batch, by
         # optimizer (see _grad_params), with what they were found from
-        self._grad_param_cache: dict[
-            int | None, tuple[tuple[Any, ...], list[torch.Tensor], _Batch]
-        ] = {}
+        self._grad_param_cache: dict[int | None, tuple[list[int], list[torch.Tensor], _Batch]] = {}
         # the hooks' sites, by (name, kind): see _site
         self._sites: dict[tuple[str, str], _HookSite] = {}
 
@@ -879,14 +877,17 @@ class Tracker(TrackerCore[Flight | None]):
             ]
             recorder.add_many(self._summaries(items))
 
-    def _capture_grads(self, optimizer: torch.optim.Optimizer | None) -> None:
+    def _capture_grads(
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        found: tuple[list[torch.Tensor], _Batch] | None = None,
+    ) -> None:
         """Summarize the current ``.grad`` of each selected parameter that ``optimizer``
         updates (``None``: of those no tracked optimizer updates), as the gradients of its
         step under way: a later capture for the same step replaces them (the last look
         before the update defines them: after unscaling and clipping, after the closure's
-        last call)."""
-        params, batch = self._grad_params(optimizer)
-        # (none: every parameter is an optimizer's, at step() with optimizer None)
+        last call). ``found``: what :meth:`_grad_params` just gave for ``optimizer``."""
+        params, batch = self._grad_params(optimizer) if found is None else found
         entries = self._summaries_batch(batch, list(map(_grad_of, params))) if params else []
         key = None if optimizer is None else id(optimizer)
         earlier = self._grads.get(key)
@@ -913,10 +914,9 @@ class Tracker(TrackerCore[Flight | None]):
             sign += map(id, lists)
             sign += map(len, lists)
             sign += map(id, chain.from_iterable(lists))
-        signature = tuple(sign)
         cache_key = None if optimizer is None else id(optimizer)
         cached = self._grad_param_cache.get(cache_key)
-        if cached is not None and cached[0] == signature:
+        if cached is not None and cached[0] == sign:  # (the list: no tuple made of it)
             return cached[1], cached[2]
         params: list[tuple[str, torch.Tensor, nn.Module]]
         if optimizer is None:
@@ -936,7 +936,7 @@ class Tracker(TrackerCore[Flight | None]):
         batch = _Batch(
             list(map(_first, params)), [GRADIENT] * len(params), list(map(_third, params))
         )
-        self._grad_param_cache[cache_key] = (signature, tensors, batch)
+        self._grad_param_cache[cache_key] = (sign, tensors, batch)
         return tensors, batch
 
     def _commit_grads(self, optimizer: int | None) -> None:
@@ -989,9 +989,8 @@ class Tracker(TrackerCore[Flight | None]):
                 values += chain.from_iterable(map(_values, states))
             sign += map(len, states)
         sign += map(id, values)
-        signature = tuple(sign)
         cached = self._state_cache
-        if cached is not None and cached[0] == signature and not cached[3]:
+        if cached is not None and cached[0] == sign and not cached[3]:  # (no tuple made)
             # the batch's tensors, where they lie among the values; the same objects as
             # those the batch was found for while those live (equal identities)
             return cached[1], cached[2](values)
@@ -1010,7 +1009,7 @@ class Tracker(TrackerCore[Flight | None]):
         at = {id(v): i for i, v in enumerate(values)}
         died: list[Any] = []  # (a weak reference of each tensor that died, by its callback)
         self._state_refs = [weakref.ref(t, died.append) for t in tensors]
-        self._state_cache = (signature, batch, _taker([at[id(t)] for t in tensors]), died)
+        self._state_cache = (sign, batch, _taker([at[id(t)] for t in tensors]), died)
         return batch, tensors
 
     def _optimizer_state(self) -> Iterator[tuple[str, torch.Tensor, nn.Module]]:
@@ -1401,8 +1400,10 @@ class Tracker(TrackerCore[Flight | None]):
                 # parameters no tracked optimizer updates, as they are now
                 for opt in list(self._grads):
                     self._commit_grads(opt)
-                self._capture_grads(None)
-                self._commit_grads(None)
+                found = self._grad_params(None)
+                if found[0]:  # (none where every parameter is an optimizer's)
+                    self._capture_grads(None, found)
+                    self._commit_grads(None)
             if self.kinds[OPTIMISER_STATE]:
                 recorder.add_many(self._summaries_batch(*self._state_batch()))
             if self._unseen:
