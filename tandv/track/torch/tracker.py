@@ -983,9 +983,11 @@ class Tracker(TrackerCore[Flight | None]):
             sign += map(len, lists)
             sign += map(id, opt.state)
             states = list(opt.state.values())
+            n = len(values)
             try:  # (dict.values, a method of C, where methodcaller costs twice its time)
                 values += chain.from_iterable(map(dict.values, states))
-            except TypeError:  # a state that is another mapping
+            except TypeError:  # a state that is another mapping (from its first value again)
+                del values[n:]
                 values += chain.from_iterable(map(_values, states))
             sign += map(len, states)
         sign += map(id, values)
