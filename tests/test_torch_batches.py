@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from test_torch_tracker import (
     PARAMS,
+    _interpreted_only,
     any_path,  # noqa: F401 (the fixture: host and fused paths)
     assert_row,
     batch,
@@ -97,6 +98,7 @@ def test_a_prepared_batch_notices_tensors_changed_in_place(tmp_path):
     replaced (``p.data = ...``: a new address), shrunk where it lies (same address, fewer
     elements) or made a transposed view of itself (same address and size, not contiguous)
     between steps gets the rows of what it is at each step, by the numpy reference."""
+    _interpreted_only("fused")
     net, _ = make(0)
     used: list[dict[str, torch.Tensor]] = []
     changes = {
