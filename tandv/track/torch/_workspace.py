@@ -446,10 +446,11 @@ class BatchLaunch:
         # (table on the device, programs, scratch rows, kernel variant)
         self.table: tuple[torch.Tensor, int, int, Any] | None = None
         # for the last sizes and rows: the host table (its address column rewritten at each
-        # rebuild), what repeats each tensor's address for its programs (an itemgetter of
-        # each program's tensor; None: one program each), the scratch rows, the table as a
-        # tensor, and the kernel variants by alignment
-        self.template: tuple[np.ndarray, Any, int, torch.Tensor, dict[bool, Any]] | None = None
+        # rebuild), each program's tensor (an index array; None: one program each), the
+        # scratch rows, the table as a tensor, and the kernel variants by alignment
+        self.template: (
+            tuple[np.ndarray, np.ndarray | None, int, torch.Tensor, dict[bool, Any]] | None
+        ) = None
         self.slots: list[Slot] = []
 
     def summarize(self, tensors: Sequence[torch.Tensor], fixed: bool = False) -> list[Slot] | None:
@@ -532,10 +533,10 @@ class BatchLaunch:
         columns that do not depend on the addresses and the slots are found anew), its
         program count, scratch rows and kernel variant. Rebuilt whenever the tensors move
         (gradients may come back at new addresses every step): the address of each tensor
-        is written into its programs' rows of the launch's own table, by one array
-        operation (each costs microseconds on the cold caches between a step's model
-        operations: a Python pass that repeats the addresses of tensors split among
-        several programs, then one assignment of the column)."""
+        is written into its programs' rows of the launch's own table by two array
+        operations (each costs microseconds on the cold caches between a step's model
+        operations): the tensors' addresses made an array, then indexed by each program's
+        tensor into the column."""
         fused, space, count = self.fused, self.space, len(ptrs)
         if moved or self.template is None:
             offsets = tuple(range(first, first + self.size * count, self.size))
@@ -548,14 +549,18 @@ class BatchLaunch:
             table = layout.copy()
             self.template = (
                 table,
-                itemgetter(*owner.tolist()) if owner.size != count else None,
+                owner if owner.size != count else None,
                 parts,
                 torch.from_numpy(table),
                 {},
             )
             self.slots = [_new_tuple(Slot, (off, self.kind)) for off in offsets]
-        table, repeat, parts, host, consts_by = self.template
-        table[:, 0] = ptrs if repeat is None else repeat(ptrs)
+        table, owner, parts, host, consts_by = self.template
+        if owner is None:
+            table[:, 0] = ptrs
+        else:  # (the tensors' addresses as an array, then one per program: a tensor split
+            # among many programs would otherwise repeat its address as a Python int)
+            table[:, 0] = np.array(ptrs, dtype=np.int64)[owner]
         if space.cuda:  # pinned: the copy to the device does not wait
             host = host.pin_memory().to(space.device, non_blocking=True)
         aligned = not gcd(*ptrs) & 15  # every address a multiple of 16
