@@ -1163,6 +1163,7 @@ def _typed(addr, MODE: tl.constexpr, ALIGNED: tl.constexpr):
 @triton.jit
 def _summarize_many(
     table_ptr,
+    addr_ptr,
     rows_ptr,
     scratch_ptr,
     lut_ptr,
@@ -1188,14 +1189,15 @@ def _summarize_many(
     C_E2M1: tl.constexpr,
     SMEM: tl.constexpr,
 ):
-    """Many tensors of one dtype: program ``i`` reads row ``i`` of the table ``(address,
-    start, end, row offset, part, parts, first part)``; ``ALIGNED``: every address is a
-    multiple of 16 bytes."""
+    """Many tensors of one dtype: program ``i`` reads row ``i`` of the table ``(tensor,
+    start, end, row offset, part, parts, first part)`` and the tensor's address at
+    ``addr_ptr + tensor`` (the table stays while the tensors move: only their addresses
+    are written again); ``ALIGNED``: every address is a multiple of 16 bytes."""
     t = table_ptr + tl.program_id(0) * 7
     part = tl.load(t + 4)
     first = tl.load(t + 6)
     _summarize(
-        _typed(tl.load(t), MODE, ALIGNED),
+        _typed(tl.load(addr_ptr + tl.load(t)), MODE, ALIGNED),
         tl.multiple_of(tl.load(t + 1), K * SLOTS * VEC),
         tl.load(t + 2),
         rows_ptr + tl.load(t + 3),
@@ -2172,7 +2174,7 @@ def launch_many(
         if len(_tables) >= _TABLES_KEPT:
             _tables.clear()
         table = _tables[key] = _table(addresses, ns, offs, spec.block, max_parts, device)
-    dev_table, programs, scratch_parts, aligned = table
+    dev_table, dev_addrs, programs, scratch_parts, aligned = table
     scratch = scratch_for(scratch_parts)
     lut = _lut(spec, device, rows)
     mx = bool(layout.extras) and all(_mx_in_pass(t, spec, layout) for t in flats)
@@ -2184,8 +2186,8 @@ def launch_many(
             spec, _over(spec, layout), aligned=aligned, hoff=_hoff(spec, layout), mx=cols
         )
         plan = _plans_many[plan_key] = (consts, _fmax(layout), spec, layout)
-    args = (dev_table, rows, scratch, lut, plan[1])
-    _launch(_summarize_many, programs, args, plan[0], (dev_table, rows, scratch, lut))
+    args = (dev_table, dev_addrs, rows, scratch, lut, plan[1])
+    _launch(_summarize_many, programs, args, plan[0], (dev_table, dev_addrs, rows, scratch, lut))
     if layout.extras and _names_of(layout.extras):
         _launch_blocks_many(flats, spec, layout, rows, offs, max_parts, mx, stream)
 
@@ -2311,7 +2313,7 @@ def _split_many(
 #: (and, with a caching allocator, gradients at the same addresses) into the same rows
 #: every step, so the table is built and copied to the device once. A table depends on
 #: nothing else; it is only read by the kernel, never written after its copy.
-_tables: dict[tuple[Any, ...], tuple[torch.Tensor, int, int, bool]] = {}
+_tables: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, int, int, bool]] = {}
 #: Tables kept at most (all are dropped when one more is needed: a loop that keeps
 #: changing its tensors' addresses rebuilds its few tables each step, as without a cache).
 _TABLES_KEPT = 64
@@ -2326,30 +2328,28 @@ def _table(
     block: int,
     max_parts: int,
     device: torch.device,
-) -> tuple[torch.Tensor, int, int, bool]:
+) -> tuple[torch.Tensor, torch.Tensor, int, int, bool]:
     """launch_many's table of programs for tensors at ``addresses`` of ``sizes`` elements
-    summarized into rows at ``offsets``, on ``device``: ``(table, programs, scratch rows,
-    every address 16-byte aligned)``. Only the address column is filled per table: the
-    rest depends on the sizes and offsets alone (:func:`_table_layout`), which stay when
-    a loop's gradients come back at new addresses every step."""
+    summarized into rows at ``offsets``, on ``device``: ``(table, addresses, programs,
+    scratch rows, every address 16-byte aligned)``. The table depends on the sizes and
+    offsets alone (:func:`_table_layout`), the addresses are an array of their own: a
+    loop's gradients come back at new addresses every step on the CPU."""
     template, owner, scratch_parts = _table_layout(sizes, tuple(offsets), block, max_parts)
-    table = template.copy()
-    # (few array operations: a table is rebuilt whenever the tensors move, as a CPU loop's
-    # gradients do every step, and each operation costs microseconds on cold caches)
-    table[:, 0] = addresses if owner.size == len(addresses) else np.take(addresses, owner)
-    host_table = torch.from_numpy(table)
-    if device.type == "cuda":  # pinned: the copy to the device does not wait
-        host_table = host_table.pin_memory()
-    dev_table = host_table.to(device, non_blocking=True) if device.type != "cpu" else host_table
+    table = torch.from_numpy(template)  # (the cached layout: read, never written)
+    addrs = torch.tensor(addresses, dtype=torch.int64)
+    if device.type == "cuda":  # pinned: the copies to the device do not wait
+        table = table.pin_memory().to(device, non_blocking=True)
+        addrs = addrs.pin_memory().to(device, non_blocking=True)
     aligned = not reduce(or_, addresses, 0) & 15  # every address a multiple of 16
-    return dev_table, int(owner.size), scratch_parts, aligned
+    return table, addrs, int(owner.size), scratch_parts, aligned
 
 
 def _table_layout(
     sizes: tuple[int, ...], offsets: tuple[int, ...], block: int, max_parts: int
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """The columns of a :func:`_table` that do not depend on the addresses (column 0 left
-    zero), the tensor of each program, and the scratch rows (cached: the last few)."""
+    """A :func:`_table` (column 0: the tensor of each program, whose address the kernel
+    reads from an array of the tensors' addresses), the tensor of each program, and the
+    scratch rows (cached: the last few; not to be written)."""
     key = (sizes, offsets, block, max_parts)
     got = _table_layouts.get(key)
     if got is not None:
@@ -2364,6 +2364,7 @@ def _table_layout(
     multi = parts > 1
     scratch_first = np.cumsum(np.where(multi, parts, 0)) - np.where(multi, parts, 0)
     table = np.zeros((owner.size, _TABLE), dtype=np.int64)
+    table[:, 0] = owner
     table[:, 1] = part * per[owner]
     table[:, 2] = np.minimum(table[:, 1] + per[owner], ns[owner])
     table[:, 3] = np.asarray(offsets, dtype=np.int64)[owner]

@@ -443,13 +443,13 @@ class BatchLaunch:
         self.ptrs: tuple[int, ...] = ()
         self.ns: tuple[int, ...] = ()
         self.at: tuple[int, int] = (-1, -1)
-        # (table on the device, programs, scratch rows, kernel variant)
-        self.table: tuple[torch.Tensor, int, int, Any] | None = None
-        # for the last sizes and rows: the host table (its address column rewritten at each
-        # rebuild), each program's tensor (an index array; None: one program each), the
-        # scratch rows, the table as a tensor, and the kernel variants by alignment
+        # (table and addresses on the device, programs, scratch rows, kernel variant)
+        self.table: tuple[torch.Tensor, torch.Tensor, int, int, Any] | None = None
+        # for the last sizes and rows: the table on the device, the tensors' addresses (an
+        # array written at each move) and that array as a tensor, the programs, the scratch
+        # rows, and the kernel variants by alignment
         self.template: (
-            tuple[np.ndarray, np.ndarray | None, int, torch.Tensor, dict[bool, Any]] | None
+            tuple[torch.Tensor, np.ndarray, torch.Tensor, int, int, dict[bool, Any]] | None
         ) = None
         self.slots: list[Slot] = []
 
@@ -504,7 +504,7 @@ class BatchLaunch:
                 self.table = self._table(ptrs, ns, first, False)
                 self.ptrs = ptrs
             self.ids = ids
-            dev_table, programs, parts, consts = self.table  # type: ignore[misc]
+            dev_table, dev_addrs, programs, parts, consts = self.table  # type: ignore[misc]
             rows = space.rows
             scratch = space.scratch
             if space.scratch_size < parts * _PART:
@@ -513,55 +513,43 @@ class BatchLaunch:
             fused = self.fused
             if fused.INTERPRETED:  # (fused._launch's first line, without its frame)
                 fused._summarize_many[(programs,)](
-                    dev_table, rows, scratch, lut, self.fmax, **consts.kwargs
+                    dev_table, dev_addrs, rows, scratch, lut, self.fmax, **consts.kwargs
                 )
             else:
                 fused._launch(
                     fused._summarize_many,
                     programs,
-                    (dev_table, rows, scratch, lut, self.fmax),
+                    (dev_table, dev_addrs, rows, scratch, lut, self.fmax),
                     consts,
-                    (dev_table, rows, scratch, lut),
+                    (dev_table, dev_addrs, rows, scratch, lut),
                 )
         return self.slots
 
     def _table(
         self, ptrs: tuple[int, ...], ns: tuple[int, ...], first: int, moved: bool
-    ) -> tuple[torch.Tensor, int, int, Any]:
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int, Any]:
         """The launch's program table for tensors at ``ptrs`` of ``ns`` elements into rows
-        from ``first`` (``moved``: the sizes or rows differ from the last table's, so the
-        columns that do not depend on the addresses and the slots are found anew), its
-        program count, scratch rows and kernel variant. Rebuilt whenever the tensors move
-        (gradients may come back at new addresses every step): the address of each tensor
-        is written into its programs' rows of the launch's own table by two array
-        operations (each costs microseconds on the cold caches between a step's model
-        operations): the tensors' addresses made an array, then indexed by each program's
-        tensor into the column."""
+        from ``first``, the array of their addresses the kernel reads with it, its program
+        count, scratch rows and kernel variant. The table depends on the sizes and rows
+        alone: made (and on a GPU copied there) when they change (``moved``), with the
+        slots. The addresses are written again whenever the tensors move (gradients may
+        come back at new addresses every step): one array of a word per tensor, where
+        writing them into the table would touch each of its programs' rows (hundreds of
+        cache lines, each a miss on the cold caches between a step's model operations)."""
         fused, space, count = self.fused, self.space, len(ptrs)
         if moved or self.template is None:
             offsets = tuple(range(first, first + self.size * count, self.size))
-            layout, owner, parts = fused._table_layout(
-                ns, offsets, self.spec.block, space.max_parts
-            )
-            # the launches' own table (the cached layout copied once), which each rebuild
-            # writes the addresses into: the kernel reads it before the next rebuild on the
-            # CPU, and on a GPU from the pinned copy made of it
-            table = layout.copy()
-            self.template = (
-                table,
-                owner if owner.size != count else None,
-                parts,
-                torch.from_numpy(table),
-                {},
-            )
+            layout, _, parts = fused._table_layout(ns, offsets, self.spec.block, space.max_parts)
+            table = torch.from_numpy(layout)  # (the cached layout: read, never written)
+            if space.cuda:  # pinned: the copy to the device does not wait
+                table = table.pin_memory().to(space.device, non_blocking=True)
+            addrs = np.empty(count, dtype=np.int64)
+            self.template = (table, addrs, torch.from_numpy(addrs), len(layout), parts, {})
             self.slots = [_new_tuple(Slot, (off, self.kind)) for off in offsets]
-        table, owner, parts, host, consts_by = self.template
-        if owner is None:
-            table[:, 0] = ptrs
-        else:  # (the tensors' addresses as an array, then one per program: a tensor split
-            # among many programs would otherwise repeat its address as a Python int)
-            table[:, 0] = np.array(ptrs, dtype=np.int64)[owner]
-        if space.cuda:  # pinned: the copy to the device does not wait
+        table, addrs, host, programs, parts, consts_by = self.template
+        # (on the CPU the kernel reads the array before the next move; a GPU its copy)
+        addrs[:] = ptrs
+        if space.cuda:
             host = host.pin_memory().to(space.device, non_blocking=True)
         aligned = not gcd(*ptrs) & 15  # every address a multiple of 16
         consts = consts_by.get(aligned)
@@ -572,7 +560,7 @@ class BatchLaunch:
                 aligned=aligned,
                 hoff=fused._hoff(self.spec, self.layout),
             )
-        return host, len(table), parts, consts
+        return table, host, programs, parts, consts
 
 
 class Flight:
