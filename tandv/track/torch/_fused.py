@@ -66,8 +66,8 @@ row. A larger one is split among programs of whole tiles, up to one tile each (a
 with one atomic add per occupied bin, writes its other partials to a scratch row, and
 counts itself done on an atomic counter; the last program merges the partial rows into
 the tensor's row. So one launch per tensor (or per batch of tensors: :func:`launch_many`
-takes a table of addresses), no second stage, no memset per launch (the caller zeroes
-the row buffer once per step).
+takes a table of programs and the tensors' addresses), no second stage, no memset per
+launch (the caller zeroes the row buffer once per step).
 
 Views are read where they lie: a permuted dense tensor as its memory, a gappy one
 (``x[:, ::2]``, a slice of columns) by its strides, and a broadcast dimension (stride 0,
@@ -1778,7 +1778,7 @@ def _consts(
     are counted; ``strided``, a gappy view (1: offsets below 2**31, 2: larger; no
     register cap: its index arithmetic would
     spill); ``ext``, a statistic is copied in; ``aligned`` (:func:`launch_many` only):
-    every address of the table is 16-byte aligned; ``hoff``: the third and fourth moments
+    every tensor address it reads is 16-byte aligned; ``hoff``: the third and fourth moments
     are computed into the row at ``hoff`` (:func:`_hoff`; 0: not computed); ``mx``: the row
     columns of the MX formats computed in the pass (``C_E4M3, C_E5M2, C_E2M1``; 0: not)."""
     bins, zkey, ikey = spec.keys
