@@ -108,7 +108,7 @@ from triton.runtime import driver
 
 from ...stats.blocks import BLOCK_COLUMNS, block_formats_of
 from ...stats.formats import number_format
-from ...stats.summary import CORE_FIELDS, N_CORE, Layout, append_extras, pack_summary
+from ...stats.summary import CORE_FIELDS, Layout
 
 if "mask" not in inspect.signature(tl.histogram).parameters:
     raise ImportError(
@@ -452,18 +452,14 @@ def _smem_declare(MODE: tl.constexpr):
 
 @triton.jit
 def _smem_zero(NB: tl.constexpr):
-    """Zeroes words ``[0, NB]`` of the table of counts, then a barrier: no thread counts
+    """Zeroes words ``[0, NB)`` of the table of counts (not the spare word after them,
+    which takes masked-off elements and is never read), then a barrier: no thread counts
     before every word is zero (nor zeroes before every thread read the last counts: the
     caller's barrier)."""
     tl.inline_asm_elementwise(
         "{\n\t.reg .u32 a;\n\tmov.u32 a, tandv_counts;\n\tmad.lo.u32 a, $1, 4, a;\n\t"
         "st.shared.u32 [a], 0;\n\tmov.u32 $0, 0;\n\t}",
         "=r,r", [tl.arange(0, NB)], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-    tl.inline_asm_elementwise(
-        "{\n\t.reg .u32 a;\n\tmov.u32 a, tandv_counts;\n\tmad.lo.u32 a, $1, 4, a;\n\t"
-        "st.shared.u32 [a], 0;\n\tmov.u32 $0, 0;\n\t}",
-        "=r,r", [tl.full([1], NB, tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
     )  # fmt: skip
     tl.debug_barrier()
 
@@ -2432,19 +2428,22 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
     }
     fold, above = _fold(spec, layout.format.name)
     hist = rows[:, HEADER : HEADER + spec.nbd]
+    # the summaries are written into one array, column block by column block, rather than
+    # packed from parts (their stack and concatenation were half of this function's time
+    # on the writer thread, whose interpreter time a GPU step's host thread waits for)
+    if xp is np:
+        out = np.empty((hist.shape[0], layout.size))
+    else:
+        out = rows.new_empty((hist.shape[0], layout.size))
+    for i, name in enumerate(CORE_FIELDS):
+        out[:, i] = core[name]
+    counts = out[:, layout.exponent_counts]
     if xp is np:
         # the fold as runs of adjacent dtype exponents (each format bin takes one run): the
         # same exact integer sums as ``hist @ fold`` without its multiply-adds over the
         # whole 0/1 matrix (a BLAS call that took most of a step's finishing), and the
         # one-exponent runs copied as slices (``np.add.reduceat`` over them cost the writer
-        # thread about a millisecond per step of 300 rows). The summaries are written
-        # into one array, column block by column block, rather than packed from parts
-        # (their stack and concatenation were half of this function's time on the writer
-        # thread, whose interpreter time a GPU step's host thread waits for)
-        out = np.empty((hist.shape[0], layout.size))
-        for i, name in enumerate(CORE_FIELDS):
-            out[:, i] = core[name]
-        counts = out[:, N_CORE : layout.extras_start]
+        # thread about a millisecond per step of 300 rows)
         counts[...] = 0.0
         for first, end, to, summed in _fold_runs(spec, layout.format.name):
             if summed:
@@ -2453,7 +2452,7 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
                 counts[:, to : to + end - first] = hist[:, first:end]
         beyond = hist[:, above:].sum(axis=1)
     else:
-        counts = hist @ torch.from_numpy(fold).to(rows.device)
+        counts[...] = hist @ torch.from_numpy(fold).to(rows.device)
         beyond = hist[:, above:].sum(dim=1)
     # the kernel counted every finite value above the format's max; those whose exponent
     # is the format's top one (float8_e4m3fn: 448 < x < 512) sit in the top bin: move them
@@ -2468,10 +2467,7 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
         at = [len(BLOCK_COLUMNS) * i + len(BLOCK_COLUMNS) - 1 for i in range(n_formats)]
         ratio = extras[:, at]
         extras[:, at] = xp.log2(xp.where(ratio > 1.0, ratio, 1.0))
-    if xp is np:
-        out[:, layout.extras_start : layout.higher_start] = extras
-    else:
-        out = pack_summary(core, counts, extras, xp)
+    out[:, layout.extra_values] = extras
     if not layout.num_higher:
         return out
     # m3, m4 likewise: the z zeros taken out by Pebay's update backwards (the finite part
@@ -2487,13 +2483,9 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
         - 6.0 * dn * dn * z * z * a2
         + 4.0 * dn * z * m3
     )
-    m3 = xp.where(has, m3, 0.0) * (r2 * r)
-    m4 = xp.where(has, m4, 0.0) * (r2 * r2)
-    if xp is np:
-        out[:, layout.higher_start] = m3
-        out[:, layout.higher_start + 1] = m4
-        return out
-    return append_extras(out, xp.stack([m3, m4], 1), xp)
+    out[:, layout.higher_start] = xp.where(has, m3, 0.0) * (r2 * r)
+    out[:, layout.higher_start + 1] = xp.where(has, m4, 0.0) * (r2 * r2)
+    return out
 
 
 @cache

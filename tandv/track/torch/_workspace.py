@@ -567,11 +567,11 @@ class Flight:
     """A step's rows on their way to the host: per device, a host buffer of its own, the
     number of values and the event that marks the copy done (``None`` on the CPU)."""
 
-    def __init__(
-        self, copies: list[tuple[torch.device, torch.Tensor, int, Any]], events: Sequence[Any] = ()
-    ) -> None:
+    def __init__(self, copies: list[tuple[torch.device, torch.Tensor, int, Any]]) -> None:
         self._copies = copies
-        self._events = events  # (the copies' CUDA events, to ask without a Python loop)
+        # the copies' CUDA events (on the CPU the last item is the space to hand the rows
+        # back to), kept apart so that ready() asks them without a Python loop
+        self._events = [c[3] for c in copies if isinstance(c[3], torch.cuda.Event)]
 
     def ready(self) -> bool:
         """Whether every copy has landed (never waits)."""
@@ -821,7 +821,6 @@ class Workspace:
         """Start the copy of this step's rows to the host (see the module notes)."""
         # (device, host rows, values used, the copy's event or the CPU space to hand back to)
         copies: list[tuple[torch.device, torch.Tensor, int, Any]] = []
-        events: list[Any] = []
         for device, space in self._spaces.items():
             with space.lock:
                 used = space.used
@@ -852,11 +851,10 @@ class Workspace:
                         ev = torch.cuda.Event()
                         ev.record()
                     copies.append((device, host, used, ev))
-                    events.append(ev)
                 rows.zero_()
         if not copies:
             return None
-        return Flight(copies, events)
+        return Flight(copies)
 
 
 def _write_one(

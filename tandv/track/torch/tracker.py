@@ -864,9 +864,7 @@ class Tracker(TrackerCore[Flight | None]):
                 fixed=True,
             )
             self._weight_tensors = list(map(_second, self._weight_params))
-        if self._hook_rows:  # (the recorder property's handover, written out)
-            self._hand_over()
-        recorder = self._recorder
+        recorder = self.recorder
         assert recorder is not None and self._weight_batch is not None
         recorder.add_many(self._summaries_batch(self._weight_batch, self._weight_tensors))
         if self.track_buffers:
@@ -877,18 +875,16 @@ class Tracker(TrackerCore[Flight | None]):
             ]
             recorder.add_many(self._summaries(items))
 
-    def _capture_grads(
-        self,
-        optimizer: torch.optim.Optimizer | None,
-        found: tuple[list[torch.Tensor], _Batch] | None = None,
-    ) -> None:
+    def _capture_grads(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Summarize the current ``.grad`` of each selected parameter that ``optimizer``
         updates (``None``: of those no tracked optimizer updates), as the gradients of its
         step under way: a later capture for the same step replaces them (the last look
         before the update defines them: after unscaling and clipping, after the closure's
-        last call). ``found``: what :meth:`_grad_params` just gave for ``optimizer``."""
-        params, batch = self._grad_params(optimizer) if found is None else found
-        entries = self._summaries_batch(batch, list(map(_grad_of, params))) if params else []
+        last call)."""
+        params, batch = self._grad_params(optimizer)
+        if not params:  # (none where every parameter is an optimizer's, for ``None``)
+            return
+        entries = self._summaries_batch(batch, list(map(_grad_of, params)))
         key = None if optimizer is None else id(optimizer)
         earlier = self._grads.get(key)
         if earlier:  # replaced by name, in the order first captured
@@ -1402,10 +1398,8 @@ class Tracker(TrackerCore[Flight | None]):
                 # parameters no tracked optimizer updates, as they are now
                 for opt in list(self._grads):
                     self._commit_grads(opt)
-                found = self._grad_params(None)
-                if found[0]:  # (none where every parameter is an optimizer's)
-                    self._capture_grads(None, found)
-                    self._commit_grads(None)
+                self._capture_grads(None)
+                self._commit_grads(None)
             if self.kinds[OPTIMISER_STATE]:
                 recorder.add_many(self._summaries_batch(*self._state_batch()))
             if self._unseen:
