@@ -4,6 +4,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -354,6 +355,35 @@ def test_forgotten_step_warns_then_raises(tmp_path):
     rec.commit(1, rec.take(), lambda xs: xs)
     rec.close()
     assert list(read_parquet(tmp_path / "log")[("metadata", "step")]) == [0, 1]
+
+
+def test_bounded_hook_rows_warn_at_their_exact_size(tmp_path):
+    """Entries added with ``most`` (a tracker's hook rows) are counted at that bound only
+    while it cannot reach the warning: past it the count is exact, so the warning comes at
+    the same observation as when every entry is sized."""
+    v, layout = summarize(np.arange(1, 9, dtype=np.float32))
+    per = 8 * layout.size
+    rec = StepRecorder(
+        tmp_path / "log", verbose=False, warn_pending_bytes=10 * per, max_pending_bytes=20 * per
+    )
+    rec.add_many([(key("a"), layout, v)] * 2, 4 * per)  # counted as 8 summaries, 2 exact
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none while the exact count is at most 10
+        for _ in range(8):
+            rec.add(key("a"), layout, v)
+    with pytest.warns(RuntimeWarning, match=r"11 tensor observations \(0 MiB"):
+        rec.add(key("a"), layout, v)
+    rec.commit(0, rec.take(), lambda xs: xs)
+    # a bound that could pass the warning is not used: the entries are sized
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rec.add_many([(key("b"), layout, v)] * 9, 4 * per)
+        rec.add(key("b"), layout, v)
+    with pytest.raises(RuntimeError, match=r"21 tensor observations"):  # (warned once before)
+        rec.add_many([(key("b"), layout, v)] * 11, 4 * per)
+    rec.commit(1, rec.take(), lambda xs: xs)
+    rec.close()
+    assert len(read_parquet(tmp_path / "log")) == 2
 
 
 def test_second_step_call_without_activations_warns(tmp_path):

@@ -162,6 +162,7 @@ class StepBuffer:
         self.warn_pending_bytes = warn_pending_bytes
         self.max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0
+        self._bounded = False  # whether _pending_bytes counts entries at an upper bound
         self._warned_pending = False
         self._warned_empty_step = False
         self._had_module_rows = False
@@ -178,24 +179,40 @@ class StepBuffer:
             RuntimeError: when the observations waiting for the end of the step pass
                 ``max_pending_bytes`` (``tracker.step()`` is not being called).
         """
-        self._pending_bytes += self._bytes_of(layout)
+        nbytes = self._bytes_of(layout)
+        if self._bounded and self._pending_bytes + nbytes > self.warn_pending_bytes:
+            self._settle()
+        self._pending_bytes += nbytes
         if self._pending_bytes > self.warn_pending_bytes:
             self._check_pending()
         self._pending.append((key, layout, summary))
 
-    def add_many(self, entries: Sequence[tuple[TensorKey, Layout, Any]]) -> None:
+    def add_many(
+        self, entries: Sequence[tuple[TensorKey, Layout, Any]], most: int | None = None
+    ) -> None:
         """:meth:`add` of several observations (``(key, layout, summary)`` each) at once: a
-        step's parameters, gradients or optimizer state.
+        step's parameters, gradients or optimizer state, or the observations of its hooks.
 
         A tuple of entries is sized once while it is added again (a tracker hands the same
         tuple of a step's weights, gradients or state at every step where their summaries
-        land in the same places): its entries and their layouts cannot change.
+        land in the same places): its entries and their layouts cannot change. ``most``:
+        bytes that no entry's summary exceeds (the tracker's largest layout): while the
+        step's total stays under ``warn_pending_bytes`` even with every entry that large,
+        the entries are counted at that size, not sized one by one (a hook's observations
+        are new entries at every step); the total is made exact when it nears the bound.
 
         Raises:
             RuntimeError: as :meth:`add`.
         """
         if not entries:
             return
+        if most is not None:
+            bound = len(entries) * most
+            if self._pending_bytes + bound <= self.warn_pending_bytes:
+                self._pending_bytes += bound
+                self._bounded = True
+                self._pending.extend(entries)
+                return
         if type(entries) is tuple:
             known = self._tuple_bytes.get(id(entries))
             if known is not None and known[0] is entries:
@@ -208,12 +225,21 @@ class StepBuffer:
                 self._tuple_bytes[id(entries)] = (entries, nbytes)
         else:
             nbytes = self._nbytes(entries)
+        if self._bounded and self._pending_bytes + nbytes > self.warn_pending_bytes:
+            self._settle()
         if self._pending_bytes + nbytes > self.warn_pending_bytes:
             for entry in entries:  # one at a time: the warning and the error as with add
                 self.add(*entry)
             return
         self._pending_bytes += nbytes
         self._pending.extend(entries)
+
+    def _settle(self) -> None:
+        """Make the step's total exact where entries were counted at an upper bound
+        (``most`` of :meth:`add_many`): near ``warn_pending_bytes``, before a warning or an
+        error could rest on it."""
+        self._pending_bytes = self._nbytes(self._pending)
+        self._bounded = False
 
     def _nbytes(self, entries: Sequence[tuple[TensorKey, Layout, Any]]) -> int:
         """The bytes of the summaries of ``entries``."""
@@ -258,6 +284,7 @@ class StepBuffer:
         """Drop the current step's observations (a step that will not be recorded)."""
         self._pending = []
         self._pending_bytes = 0
+        self._bounded = False
 
     @property
     def pending(self) -> Sequence[tuple[TensorKey, Layout, Any]]:
@@ -274,6 +301,7 @@ class StepBuffer:
         :meth:`commit` once their summaries can reach the host without waiting)."""
         pending, self._pending = self._pending, []
         self._pending_bytes = 0
+        self._bounded = False
         return pending
 
     def commit(

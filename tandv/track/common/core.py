@@ -75,6 +75,9 @@ class TrackerCore(Generic[Transfer]):
         self._extra_names: tuple[str, ...] = ()
         self._selection: dict[tuple[str, type | None], bool] = {}
         self._layouts: dict[tuple[Any, tuple[str, ...]], Layout] = {}
+        # the bytes of the largest summary of any layout made so far: no observation's exceeds
+        # it (a bound that sizes a step's hook observations without a pass over them)
+        self._most_bytes = 0
         self._keys: dict[tuple[str, str, str, Any], TensorKey] = {}
         #: ended steps whose summaries are on their way to the host: (step, observations,
         #: the step's transfer from the adapter's ``send``), oldest first
@@ -293,6 +296,7 @@ class TrackerCore(Generic[Transfer]):
                 + tuple((name, self._merge_rules.get(name, "mean")) for name in extras),
                 self.options.moments,
             )
+            self._most_bytes = max(self._most_bytes, 8 * layout.size)
         return layout
 
     def _key(self, name: str, kind: str, module_type: str, dtype: Any) -> TensorKey:

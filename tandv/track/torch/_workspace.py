@@ -833,7 +833,7 @@ class Workspace:
                         "captured: see track's `module` argument)"
                     )
                 space.used = 0
-                if device.type == "cpu":
+                if not space.cuda:
                     # no device to copy and zero them in the background: the flight takes
                     # the rows themselves, the space a spare buffer of zeros, and whoever
                     # finishes the flight (the writer thread) zeroes these and returns them

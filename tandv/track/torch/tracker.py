@@ -831,7 +831,8 @@ class Tracker(TrackerCore[Flight | None]):
         """Add the hooks' observations kept in :attr:`_hook_rows` to the recorder."""
         rows, self._hook_rows = self._hook_rows, []
         if self._recorder is not None:
-            self._recorder.add_many(rows)
+            # (every row's layout is one of _layout's: none is larger than _most_bytes)
+            self._recorder.add_many(rows, self._most_bytes)
 
     def _capture_weights(self, rehook: bool = False) -> None:
         """The step's weights (once per scheduled step, its first capture): first the
