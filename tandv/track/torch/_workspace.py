@@ -472,11 +472,12 @@ class BatchLaunch:
         if self.device < 0 and _summary._cpu_path != "fused":
             return None  # (a test switched the CPU path: the caller's path decides)
         same = ptrs == self.ptrs
+        sized = ns == self.ns
         # the identities, read only where they decide something: of tensors at the last
         # call's addresses (moved tensors are tested whatever they are; () matches no
         # later call's, so the tensors there are tested again)
         ids = self.ids if fixed else tuple(map(id, tensors)) if same else ()
-        if (not same or ids != self.ids or ns != self.ns) and (
+        if (not same or not sized or ids != self.ids) and (
             any(map(_T.is_neg, tensors))
             or set(map(_T.get_device, tensors)) != {self.device}
             or not all(ns)
@@ -497,7 +498,7 @@ class BatchLaunch:
             else:
                 space.reserve(need)
             at = (first, stream)
-            if at != self.at or ns != self.ns:  # other rows or sizes: the table made anew
+            if not sized or at != self.at:  # other sizes or rows: the table made anew
                 self.table = self._table(ptrs, ns, first, True)
                 self.ptrs, self.ns, self.at = ptrs, ns, at
             elif not same:  # the tensors moved: their addresses written into the table

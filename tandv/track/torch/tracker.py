@@ -876,15 +876,15 @@ class Tracker(TrackerCore[Flight | None]):
             ]
             recorder.add_many(self._summaries(items))
 
-    def _capture_grads(self, optimizer: torch.optim.Optimizer | None) -> None:
+    def _capture_grads(self, optimizer: torch.optim.Optimizer | None) -> bool:
         """Summarize the current ``.grad`` of each selected parameter that ``optimizer``
         updates (``None``: of those no tracked optimizer updates), as the gradients of its
         step under way: a later capture for the same step replaces them (the last look
         before the update defines them: after unscaling and clipping, after the closure's
-        last call)."""
+        last call). Returns whether there was any such parameter."""
         params, batch = self._grad_params(optimizer)
         if not params:  # (none where every parameter is an optimizer's, for ``None``)
-            return
+            return False
         entries = self._summaries_batch(batch, list(map(_grad_of, params)))
         key = None if optimizer is None else id(optimizer)
         earlier = self._grads.get(key)
@@ -893,6 +893,7 @@ class Tracker(TrackerCore[Flight | None]):
             by_name.update((entry[0].name, entry) for entry in entries)
             entries = list(by_name.values())
         self._grads[key] = entries
+        return True
 
     def _grad_params(
         self, optimizer: torch.optim.Optimizer | None
@@ -1397,10 +1398,11 @@ class Tracker(TrackerCore[Flight | None]):
             if self.kinds[GRADIENT]:
                 # captures of steps the GradScaler skipped, then the gradients of the
                 # parameters no tracked optimizer updates, as they are now
-                for opt in list(self._grads):
-                    self._commit_grads(opt)
-                self._capture_grads(None)
-                self._commit_grads(None)
+                if self._grads:
+                    for opt in list(self._grads):
+                        self._commit_grads(opt)
+                if self._capture_grads(None):
+                    self._commit_grads(None)
             if self.kinds[OPTIMISER_STATE]:
                 recorder.add_many(self._summaries_batch(*self._state_batch()))
             if self._unseen:
