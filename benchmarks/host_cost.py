@@ -61,7 +61,8 @@ adds an output-gradient hook as tandv does, which asks its gradient the same (wh
 tandv's hooks do before they reserve a row and launch, with tandv's number of hook calls).
 Then once more untracked, with stand-ins at tandv's per-step points that gather the step's
 weights, gradients and optimizer state and ask each tensor its address and size
-(:func:`per_step_floor`). Their figures are what such work costs at these sites on this
+(:func:`per_step_floor`), and again asking each the five questions tandv's batches ask of
+every tensor at every step. Their figures are what such work costs at these sites on this
 machine's caches now, so the tracker's figures can be read against them in one run
 (machines, and one machine from hour to hour, differ by 2-3 times in all of them).
 
@@ -97,6 +98,7 @@ import gc  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import operator  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -127,6 +129,8 @@ from tandv.track.torch.tracker import Tracker  # noqa: E402
 
 #: A function of C that takes any arguments and does nothing with them: the kernels'
 #: stand-in in timed runs, whose own call then costs next to nothing (no Python frame), so
+_dtype_of = operator.attrgetter("dtype")
+
 #: that what the clock reads is tandv's (the launch's own cost is the separate launch-path
 #: figure).
 _NO_OP: Callable[..., Any] = "".format
@@ -547,7 +551,12 @@ TINY = dict(layers=1, d_model=32, heads=2, mlp=64, vocab=64, seq=16, batch=2)
 
 
 def per_step_floor(
-    cfg: GPTConfig, batch: int, steps: int, warmup: int, host_only: bool = False
+    cfg: GPTConfig,
+    batch: int,
+    steps: int,
+    warmup: int,
+    host_only: bool = False,
+    questions: bool = False,
 ) -> tuple[float, int]:
     """The floor of ``host_us_fixed_per_step``: the same training, untracked, with
     stand-ins at tandv's per-step points that ask each tensor a tracker summarizes there
@@ -555,8 +564,11 @@ def per_step_floor(
     else): the weights at the step's first module call, the gradients at the optimizer's
     pre-hook, the optimizer state (its tensors of one or more dimensions, gathered from
     ``optimizer.state``) after the update. Gathering them is on the clock too (reading
-    ``.grad`` makes each gradient's Python object). Returns the median over the timed
-    steps of each step's thread CPU time in them (us), and the tensors asked per step."""
+    ``.grad`` makes each gradient's Python object). With ``questions``, each tensor is
+    asked the five questions tandv asks of every tensor of a batch at every step, in its
+    passes (type, dtype, address, size, contiguity: what a ``.data`` assignment can change
+    at the same address). Returns the median over the timed steps of each step's thread
+    CPU time in them (us), and the tensors asked per step."""
     model, opt, data = _trainer(cfg, batch, 0, "cpu")
     params = list(model.parameters())
     asked = [0, 0]  # (ns, tensors) in the step under way
@@ -567,7 +579,11 @@ def per_step_floor(
         object) and ask each its address and size, on the clock."""
         t0 = time.thread_time_ns()
         found = tensors()
+        if questions:
+            set(map(type, found)), tuple(map(_dtype_of, found))
         tuple(map(torch.Tensor.data_ptr, found)), tuple(map(torch.Tensor.numel, found))
+        if questions:
+            all(map(torch.Tensor.is_contiguous, found))
         asked[0] += time.thread_time_ns() - t0
         asked[1] += len(found)
 
@@ -814,6 +830,13 @@ def main(argv: list[str] | None = None) -> int:
             "floor per step, the same training untracked with stand-ins at tandv's per-step "
             f"points asking each of the step's {tensors} weights, gradients and optimizer "
             f"state tensors its address and size (median, same clock): {step_floor:.0f} us"
+        )
+        asked, _ = per_step_floor(
+            cfg, size["batch"], args.steps, args.warmup, args.host_only, questions=True
+        )
+        print(
+            "floor per step asking each of them what tandv asks every step (type, dtype, "
+            f"address, size, contiguity; median, same clock): {asked:.0f} us"
         )
     print(f"host_us_per_observation: {r['host_us_per_observation']:.2f}")
     print(f"host_us_fixed_per_step: {r['host_us_fixed_per_step']:.0f}")
