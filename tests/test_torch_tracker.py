@@ -369,6 +369,53 @@ def test_schedules(options, steps):
         assert set(df[df[("metadata", "step")] == k][("metadata", "tensor_type")]) == set(KINDS)
 
 
+def test_scheduled_steps_reuse_their_module_hooks_and_follow_a_replaced_module(tmp_path):
+    """With a schedule the module hooks are put in place at every scheduled step and taken
+    away after it: the same hook functions each time (made once, until the model
+    changes), none left on an unscheduled step, and a module replaced between two
+    scheduled steps is hooked in its predecessor's place (the old module keeps no hook;
+    the rows of the scheduled steps are right, by the numpy reference)."""
+    net, opt = make()
+    seen: dict[tuple[str, str, int], torch.Tensor] = {}
+
+    def hooks_of(m: nn.Module) -> list:
+        return list(m._forward_hooks.values())
+
+    placed = []
+    old = net.fc2
+    with track(net, opt, out=tmp_path / "log", verbose=False, every=2) as tr:
+        for i in range(6):
+            if i == 3:  # an unscheduled step: the next scheduled one hooks the new layer
+                net.fc2 = nn.Linear(8, 3)
+                opt.add_param_group({"params": list(net.fc2.parameters())})
+            if i % 2 == 0:
+                placed.append({n: hooks_of(m) for n, m in net.named_modules()})
+            else:
+                assert all(not m._forward_hooks for m in net.modules())
+            x, y = batch(i)
+            opt.zero_grad()
+            out = net.fc1(x)
+            pred = net.fc2(net.act(out))
+            seen[("fc1", "Activation", i)] = out.detach().clone()
+            seen[("fc2", "Activation", i)] = pred.detach().clone()
+            F.mse_loss(pred, y).backward()
+            opt.step()
+            tr.step()
+    assert all(not m._forward_hooks for m in [*net.modules(), old])
+    # one hook per module at each scheduled step: the same function at steps 0 and 2; made
+    # again after the model changed (its names found again), the new fc2's among them
+    for name in ("fc1", "act", "fc2"):
+        assert [len(p[name]) for p in placed] == [1, 1, 1]
+        assert placed[0][name][0] is placed[1][name][0]
+        assert placed[2][name][0] is not placed[1][name][0]
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for key, t in seen.items():
+        if key[2] % 2 == 0:  # (step 4's fc2 row: the new layer's output)
+            assert_row(df, idx, key, [t])
+    assert {k[2] for k in idx if k[0] == "fc2" and k[1] == "Activation"} == {0, 2, 4}
+
+
 def test_unscheduled_steps_run_without_hooks(monkeypatch):
     """Hooks exist only during scheduled steps, and nothing is summarized outside them."""
     calls = []

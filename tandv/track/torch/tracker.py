@@ -415,6 +415,9 @@ class Tracker(TrackerCore[Flight | None]):
         self._last: tuple[weakref.ref[torch.Tensor], int, Layout, np.ndarray | Slot] | None = None
         self._workspace = Workspace()
         self._handles: list[Any] = []
+        # the module forward hooks in place: each module's hook dictionary and the key
+        # the hook has there (see _install)
+        self._module_hooks: list[tuple[dict[int, Callable], int]] = []
         self._weights_hook: int | None = None  # its key (see _hook_weights)
         self._compiled: CompiledHooks | None = None
         self._active = False
@@ -469,6 +472,9 @@ class Tracker(TrackerCore[Flight | None]):
         self._grad_param_cache: dict[int | None, tuple[list[int], list[torch.Tensor], _Batch]] = {}
         # the hooks' sites, by (name, kind): see _site
         self._sites: dict[tuple[str, str], _HookSite] = {}
+        # each module's forward hook, made at its first install, by the module's name: the
+        # module, the hook's key in its hook dictionary, the hook (see _install)
+        self._forward_hook_cache: dict[str, tuple[nn.Module, int, Callable]] = {}
 
     # ------------------------------------------------------------------ dry run
 
@@ -1247,11 +1253,24 @@ class Tracker(TrackerCore[Flight | None]):
     def _install(self) -> None:
         """Hooks exist only while a scheduled step runs: unscheduled steps run the user's
         own code (a module with no hooks takes PyTorch's fast call path). A compiled
-        model's module hooks stay for the tracker's life instead (:mod:`._compiled`)."""
+        model's module hooks stay for the tracker's life instead (:mod:`._compiled`).
+
+        A module's forward hook is made once (until the names are found again) and put
+        into the module's hook dictionary as ``register_forward_hook`` puts it, under a key
+        of tandv's (negative: apart from torch's handles' ids), without a
+        ``RemovableHandle``: with a schedule (``every=10``) the hooks are added and removed
+        around every scheduled step, and new closures and handles for each module cost
+        about half a millisecond of a scheduled step on the 2-core CPU."""
         if (self.kinds[ACTIVATION] or self.kinds[GRADIENT]) and not self._is_compiled:
+            cache = self._forward_hook_cache
             for name, m in self._modules:
                 if self._selected(name, type(m)):
-                    self._handles.append(m.register_forward_hook(self._make_forward_hook(name, m)))
+                    got = cache.get(name)
+                    if got is None or got[0] is not m:
+                        got = cache[name] = (m, next(_hook_ids), self._make_forward_hook(name, m))
+                    hooks = m._forward_hooks
+                    hooks[got[1]] = got[2]
+                    self._module_hooks.append((hooks, got[1]))
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._optimizer_pre_hook))
             self._handles.append(opt.register_step_post_hook(self._optimizer_post_hook))
@@ -1263,10 +1282,17 @@ class Tracker(TrackerCore[Flight | None]):
             self._handles.append(_CaptureAfterUnscale(self))
 
     def _remove(self) -> None:
+        for hooks, key in self._module_hooks:
+            hooks.pop(key, None)
+        self._module_hooks = []
         for h in self._handles:
             h.remove()
         self._handles = []
         self._unhook_weights()
+
+    def _installed(self) -> bool:
+        """Whether the scheduled step's hooks are in place (:meth:`_install`)."""
+        return bool(self._handles or self._module_hooks)
 
     def _hook_weights(self) -> None:
         """Install :meth:`_first_forward_hook` for the step under way (a scheduled one): it
@@ -1333,7 +1359,7 @@ class Tracker(TrackerCore[Flight | None]):
             self._rehook_due = True
         if rehook and self._rehook_due:
             self._rehook_due = False
-            if self._handles and not self._is_compiled:
+            if self._installed() and not self._is_compiled:
                 weights_hooked = self._weights_hook is not None
                 self._remove()
                 self._install()
@@ -1374,9 +1400,10 @@ class Tracker(TrackerCore[Flight | None]):
         self._last = None
         if self._renamed or self._rehook_due:
             self._refresh_names(rehook=True)
-        if self._active and not self._handles:
+        installed = self._installed()
+        if self._active and not installed:
             self._install()
-        elif not self._active and self._handles:
+        elif not self._active and installed:
             self._remove()
         if self._active:
             self._hook_weights()
