@@ -129,11 +129,11 @@ from tandv.track.torch.tracker import Tracker  # noqa: E402
 
 #: A function of C that takes any arguments and does nothing with them: the kernels'
 #: stand-in in timed runs, whose own call then costs next to nothing (no Python frame), so
-_dtype_of = operator.attrgetter("dtype")
-
 #: that what the clock reads is tandv's (the launch's own cost is the separate launch-path
 #: figure).
 _NO_OP: Callable[..., Any] = "".format
+#: A tensor's dtype, asked as tandv's batches ask it (one pass of C over a list).
+_dtype_of = operator.attrgetter("dtype")
 
 
 class NoLaunch:

@@ -1425,9 +1425,8 @@ class Tracker(TrackerCore[Flight | None]):
             if self.kinds[GRADIENT]:
                 # captures of steps the GradScaler skipped, then the gradients of the
                 # parameters no tracked optimizer updates, as they are now
-                if self._grads:
-                    for opt in list(self._grads):
-                        self._commit_grads(opt)
+                for opt in list(self._grads):
+                    self._commit_grads(opt)
                 if self._capture_grads(None):
                     self._commit_grads(None)
             if self.kinds[OPTIMISER_STATE]:
