@@ -416,6 +416,47 @@ def test_scheduled_steps_reuse_their_module_hooks_and_follow_a_replaced_module(t
     assert {k[2] for k in idx if k[0] == "fc2" and k[1] == "Activation"} == {0, 2, 4}
 
 
+class _ToDouble(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.double()
+
+
+def test_a_forgotten_step_warns_at_the_exact_observation(tmp_path):
+    """The tracker hands its rows over counted at its largest layout (here float64's) while
+    that bound cannot reach ``warn_pending_bytes``: the warning still comes at the first
+    observation whose exact bytes (float32 and float64 rows mixed) pass it. (The fused
+    path: its hooks keep their rows and hand them over together.)"""
+    _interpreted_only("fused")
+    net = nn.Sequential(nn.Linear(4, 4), _ToDouble())
+    with (
+        kernel.cpu_path("fused"),
+        track(net, out=tmp_path / "log", track_weights=False, verbose=False) as tr,
+    ):
+        with torch.no_grad():
+            net(torch.randn(2, 4))
+        rec = tr.recorder
+        assert rec is not None
+        sizes = [8 * lay.size for _, lay, _ in rec.buffer.pending]  # (a forward's rows)
+        assert len(set(sizes)) == 2  # float32 and float64 rows
+        warn = 20 * max(sizes) + 1  # (several hand-overs counted at the bound first)
+        rec.buffer.warn_pending_bytes = warn
+        rec.buffer.max_pending_bytes = 1000 * max(sizes)
+        total, expected = sum(sizes), None
+        n = len(sizes)
+        while expected is None:  # the exact count at which the warning is due
+            for b in sizes:
+                total += b
+                n += 1
+                if total > warn:
+                    expected = n
+                    break
+        with pytest.warns(RuntimeWarning, match=rf"^tandv: {expected} tensor observations"):
+            with torch.no_grad():
+                for _ in range(expected // len(sizes) + 1):
+                    net(torch.randn(2, 4))
+                    assert tr.recorder is rec  # (hands the hooks' rows over)
+
+
 def test_unscheduled_steps_run_without_hooks(monkeypatch):
     """Hooks exist only during scheduled steps, and nothing is summarized outside them."""
     calls = []

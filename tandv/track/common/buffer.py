@@ -39,9 +39,6 @@ _tensor_of = attrgetter("name", "tensor_type", "module_type")
 _float64 = partial(np.asarray, dtype=np.float64)
 #: the tensor types of module rows (activations and their gradients, parameter gradients)
 _MODULE_ROWS = frozenset((ACTIVATION, GRADIENT))
-#: Tuples of entries whose sizes StepBuffer.add_many keeps (all dropped when one more
-#: comes: a tracker hands a few, the same at every step)
-_TUPLES_SIZED = 16
 
 
 def _merged(
@@ -169,8 +166,6 @@ class StepBuffer:
         self._pending: list[tuple[TensorKey, Layout, Any]] = []
         self._sizes: dict[int, tuple[Layout, int]] = {}  # bytes of a summary, by id(layout)
         self._bytes_by_id: dict[int, int] = {}  # the same bytes, by id(layout) alone
-        # tuples of entries added (by id) with the bytes of their summaries (see add_many)
-        self._tuple_bytes: dict[int, tuple[tuple[Any, ...], int]] = {}
 
     def add(self, key: TensorKey, layout: Layout, summary: Any) -> None:
         """Record one observation of a tensor in the current step (a device summary).
@@ -193,13 +188,11 @@ class StepBuffer:
         """:meth:`add` of several observations (``(key, layout, summary)`` each) at once: a
         step's parameters, gradients or optimizer state, or the observations of its hooks.
 
-        A tuple of entries is sized once while it is added again (a tracker hands the same
-        tuple of a step's weights, gradients or state at every step where their summaries
-        land in the same places): its entries and their layouts cannot change. ``most``:
-        bytes that no entry's summary exceeds (the tracker's largest layout): while the
-        step's total stays under ``warn_pending_bytes`` even with every entry that large,
-        the entries are counted at that size, not sized one by one (a hook's observations
-        are new entries at every step); the total is made exact when it nears the bound.
+        ``most``: bytes that no entry's summary exceeds (the tracker's largest layout).
+        While the step's total stays under ``warn_pending_bytes`` even with every entry
+        that large, the entries are counted at that size rather than sized one by one
+        (hundreds a step, each a lookup); the total is made exact when it nears the bound.
+        ``None``: the entries are sized.
 
         Raises:
             RuntimeError: as :meth:`add`.
@@ -213,18 +206,7 @@ class StepBuffer:
                 self._bounded = True
                 self._pending.extend(entries)
                 return
-        if type(entries) is tuple:
-            known = self._tuple_bytes.get(id(entries))
-            if known is not None and known[0] is entries:
-                nbytes = known[1]
-            else:
-                nbytes = self._nbytes(entries)
-                if len(self._tuple_bytes) >= _TUPLES_SIZED:  # (tuples that keep changing)
-                    self._tuple_bytes.clear()
-                # (the tuple kept with its size: its id is not another's while it is here)
-                self._tuple_bytes[id(entries)] = (entries, nbytes)
-        else:
-            nbytes = self._nbytes(entries)
+        nbytes = self._nbytes(entries)
         if self._bounded and self._pending_bytes + nbytes > self.warn_pending_bytes:
             self._settle()
         if self._pending_bytes + nbytes > self.warn_pending_bytes:

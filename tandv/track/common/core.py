@@ -75,8 +75,9 @@ class TrackerCore(Generic[Transfer]):
         self._extra_names: tuple[str, ...] = ()
         self._selection: dict[tuple[str, type | None], bool] = {}
         self._layouts: dict[tuple[Any, tuple[str, ...]], Layout] = {}
-        # the bytes of the largest summary of any layout made so far: no observation's exceeds
-        # it (a bound that sizes a step's hook observations without a pass over them)
+        # the bytes of the largest summary of any layout made so far: every observation's
+        # layout is one of _layout's, so none exceeds it (the step buffer's bound, see
+        # StepBuffer.add_many)
         self._most_bytes = 0
         self._keys: dict[tuple[str, str, str, Any], TensorKey] = {}
         #: ended steps whose summaries are on their way to the host: (step, observations,

@@ -94,8 +94,8 @@ import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cache, cached_property, reduce
-from operator import or_
+from functools import cache, cached_property
+from math import gcd
 from typing import Any
 
 import ml_dtypes
@@ -2267,10 +2267,7 @@ def _block_table(
     table[:, 4] = np.minimum(table[:, 3] + per_prog[owner], blocks[owner])
     table[:, 5] = (length // vec if dense else length)[owner]
     table[:, 6] = np.asarray(offsets, dtype=np.int64)[owner]
-    host = torch.from_numpy(table)
-    if device.type == "cuda":  # pinned: the copy to the device does not wait
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True), int(owner.size), dense
+    return _to_device(torch.from_numpy(table), device), int(owner.size), dense
 
 
 def _split_many(
@@ -2331,13 +2328,23 @@ def _table(
     offsets alone (:func:`_table_layout`), the addresses are an array of their own: a
     loop's gradients come back at new addresses every step on the CPU."""
     template, owner, scratch_parts = _table_layout(sizes, tuple(offsets), block, max_parts)
-    table = torch.from_numpy(template)  # (the cached layout: read, never written)
-    addrs = torch.tensor(addresses, dtype=torch.int64)
-    if device.type == "cuda":  # pinned: the copies to the device do not wait
-        table = table.pin_memory().to(device, non_blocking=True)
-        addrs = addrs.pin_memory().to(device, non_blocking=True)
-    aligned = not reduce(or_, addresses, 0) & 15  # every address a multiple of 16
-    return table, addrs, int(owner.size), scratch_parts, aligned
+    table = _to_device(torch.from_numpy(template), device)  # (the cached layout: never written)
+    addrs = _to_device(torch.tensor(addresses, dtype=torch.int64), device)
+    return table, addrs, int(owner.size), scratch_parts, _aligned(addresses)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor that a kernel on ``device`` reads (a launch table, the tensors'
+    addresses): itself on the CPU; on a GPU its copy from pinned memory, which does not
+    wait."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _aligned(addresses: Sequence[int]) -> bool:
+    """Whether every address is a multiple of 16 bytes (an ``aligned`` launch's loads)."""
+    return not gcd(*addresses) & 15
 
 
 def _table_layout(

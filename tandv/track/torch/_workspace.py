@@ -26,7 +26,8 @@ new work while that stream may still read it.
 
 CUDA graphs. A summary captured into a graph would be replayed into the rows of the step
 captured, not those of the step replayed, and the step's copy would never see it; the
-tracker refuses tracking inside a capture (:func:`capturing`).
+tracker refuses tracking inside a capture (a launch onto a CUDA space, and the end of a
+step, first ask ``torch.cuda.is_current_stream_capturing()``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from functools import cache
-from math import gcd
 from operator import attrgetter, itemgetter, methodcaller
 from typing import TYPE_CHECKING, Any
 
@@ -133,11 +133,6 @@ class Slot(tuple):
 
 
 _new_tuple = tuple.__new__
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether work queued now on ``device`` would be captured into a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class _Space:
@@ -512,18 +507,13 @@ class BatchLaunch:
                 scratch = space.scratch_for(parts)
             lut = rows if self.lut is None else self.lut
             fused = self.fused
-            if fused.INTERPRETED:  # (fused._launch's first line, without its frame)
-                fused._summarize_many[(programs,)](
-                    dev_table, dev_addrs, rows, scratch, lut, self.fmax, **consts.kwargs
-                )
-            else:
-                fused._launch(
-                    fused._summarize_many,
-                    programs,
-                    (dev_table, dev_addrs, rows, scratch, lut, self.fmax),
-                    consts,
-                    (dev_table, dev_addrs, rows, scratch, lut),
-                )
+            fused._launch(
+                fused._summarize_many,
+                programs,
+                (dev_table, dev_addrs, rows, scratch, lut, self.fmax),
+                consts,
+                (dev_table, dev_addrs, rows, scratch, lut),
+            )
         return self.slots
 
     def _table(
@@ -541,18 +531,15 @@ class BatchLaunch:
         if moved or self.template is None:
             offsets = tuple(range(first, first + self.size * count, self.size))
             layout, _, parts = fused._table_layout(ns, offsets, self.spec.block, space.max_parts)
-            table = torch.from_numpy(layout)  # (the cached layout: read, never written)
-            if space.cuda:  # pinned: the copy to the device does not wait
-                table = table.pin_memory().to(space.device, non_blocking=True)
+            table = fused._to_device(torch.from_numpy(layout), space.device)  # (never written)
             addrs = np.empty(count, dtype=np.int64)
             self.template = (table, addrs, torch.from_numpy(addrs), len(layout), parts, {})
             self.slots = [_new_tuple(Slot, (off, self.kind)) for off in offsets]
         table, addrs, host, programs, parts, consts_by = self.template
         # (on the CPU the kernel reads the array before the next move; a GPU its copy)
         addrs[:] = ptrs
-        if space.cuda:
-            host = host.pin_memory().to(space.device, non_blocking=True)
-        aligned = not gcd(*ptrs) & 15  # every address a multiple of 16
+        host = fused._to_device(host, space.device)
+        aligned = fused._aligned(ptrs)
         consts = consts_by.get(aligned)
         if consts is None:
             consts = consts_by[aligned] = fused._consts(
@@ -827,7 +814,7 @@ class Workspace:
                 used = space.used
                 if not used:
                     continue
-                if space.cuda and torch.cuda.is_current_stream_capturing():  # (capturing())
+                if space.cuda and torch.cuda.is_current_stream_capturing():
                     raise RuntimeError(
                         "tandv: tracker.step() was called inside a CUDA graph capture; end "
                         "the step outside the captured region (tracked steps cannot be "

@@ -228,8 +228,7 @@ class _Plan:
     of them sharing a layout (``(layout, indices)``), what the capture check names
     (``first``), which of a batch's tensors are kept (``keep``: ``None``, all), and the last
     entries made with the summaries they hold (``raws``), returned again when the
-    workspace hands back the same list of slots (a tuple: the recorder sizes it once, see
-    :meth:`~tandv.track.common.buffer.StepBuffer.add_many`)."""
+    workspace hands back the same list of slots."""
 
     __slots__ = (
         "keys",
@@ -837,7 +836,6 @@ class Tracker(TrackerCore[Flight | None]):
         """Add the hooks' observations kept in :attr:`_hook_rows` to the recorder."""
         rows, self._hook_rows = self._hook_rows, []
         if self._recorder is not None:
-            # (every row's layout is one of _layout's: none is larger than _most_bytes)
             self._recorder.add_many(rows, self._most_bytes)
 
     def _capture_weights(self, rehook: bool = False) -> None:
@@ -873,14 +871,16 @@ class Tracker(TrackerCore[Flight | None]):
             self._weight_tensors = list(map(_second, self._weight_params))
         recorder = self.recorder
         assert recorder is not None and self._weight_batch is not None
-        recorder.add_many(self._summaries_batch(self._weight_batch, self._weight_tensors))
+        recorder.add_many(
+            self._summaries_batch(self._weight_batch, self._weight_tensors), self._most_bytes
+        )
         if self.track_buffers:
             items = [
                 (full, WEIGHT, owner, getattr(owner, attr))
                 for full, owner, attr in self._buffers
                 if self._selected(full, type(owner)) and getattr(owner, attr, None) is not None
             ]
-            recorder.add_many(self._summaries(items))
+            recorder.add_many(self._summaries(items), self._most_bytes)
 
     def _capture_grads(self, optimizer: torch.optim.Optimizer | None) -> bool:
         """Summarize the current ``.grad`` of each selected parameter that ``optimizer``
@@ -952,7 +952,7 @@ class Tracker(TrackerCore[Flight | None]):
         if captured:
             recorder = self.recorder
             if recorder is not None:
-                recorder.add_many(captured)
+                recorder.add_many(captured, self._most_bytes)
                 self._grad_rows += len(captured)
 
     def _state_batch(self) -> tuple[_Batch, Sequence[Any]]:
@@ -1430,7 +1430,7 @@ class Tracker(TrackerCore[Flight | None]):
                 if self._capture_grads(None):
                     self._commit_grads(None)
             if self.kinds[OPTIMISER_STATE]:
-                recorder.add_many(self._summaries_batch(*self._state_batch()))
+                recorder.add_many(self._summaries_batch(*self._state_batch()), self._most_bytes)
             if self._unseen:
                 self._tell_unseen(recorder)
         self._end_step(self._active)
@@ -1534,7 +1534,7 @@ class _Seam:
     def record(self, items: Sequence[tuple[str, str, nn.Module, torch.Tensor]]) -> None:
         tr = self._ref()
         if tr is not None and tr.recorder is not None:
-            tr.recorder.add_many(tr._summaries(items))
+            tr.recorder.add_many(tr._summaries(items), tr._most_bytes)
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
