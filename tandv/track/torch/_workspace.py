@@ -538,7 +538,8 @@ class BatchLaunch:
         table, addrs, host, programs, parts, consts_by = self.template
         # (on the CPU the kernel reads the array before the next move; a GPU its copy)
         addrs[:] = ptrs
-        host = fused._to_device(host, space.device)
+        if space.cuda:  # (not asked of the device: its first use in a step costs ~10 us)
+            host = fused._to_device(host, space.device)
         aligned = fused._aligned(ptrs)
         consts = consts_by.get(aligned)
         if consts is None:
@@ -555,11 +556,14 @@ class Flight:
     """A step's rows on their way to the host: per device, a host buffer of its own, the
     number of values and the event that marks the copy done (``None`` on the CPU)."""
 
-    def __init__(self, copies: list[tuple[torch.device, torch.Tensor, int, Any]]) -> None:
+    def __init__(
+        self, copies: list[tuple[torch.device, torch.Tensor, int, Any]], events: Sequence[Any] = ()
+    ) -> None:
         self._copies = copies
         # the copies' CUDA events (on the CPU the last item is the space to hand the rows
-        # back to), kept apart so that ready() asks them without a Python loop
-        self._events = [c[3] for c in copies if isinstance(c[3], torch.cuda.Event)]
+        # back to), kept apart so that ready() asks them without a Python loop; given by
+        # the maker, which knows them (none on the CPU)
+        self._events = events
 
     def ready(self) -> bool:
         """Whether every copy has landed (never waits)."""
@@ -809,6 +813,7 @@ class Workspace:
         """Start the copy of this step's rows to the host (see the module notes)."""
         # (device, host rows, values used, the copy's event or the CPU space to hand back to)
         copies: list[tuple[torch.device, torch.Tensor, int, Any]] = []
+        events: list[Any] = []  # (the CUDA copies')
         for device, space in self._spaces.items():
             with space.lock:
                 used = space.used
@@ -839,10 +844,11 @@ class Workspace:
                         ev = torch.cuda.Event()
                         ev.record()
                     copies.append((device, host, used, ev))
+                    events.append(ev)
                 rows.zero_()
         if not copies:
             return None
-        return Flight(copies)
+        return Flight(copies, events)
 
 
 def _write_one(
