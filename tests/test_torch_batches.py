@@ -251,6 +251,40 @@ def test_rows_follow_a_layer_added_between_steps(tmp_path):
 
 
 @pytest.mark.usefixtures("any_path")
+def test_gradient_rows_are_those_of_what_each_optimizer_updated(tmp_path):
+    """The parameters an optimizer updated in a step are those its lists held at its
+    update, whatever they hold at ``tracker.step()``: ``fc2``'s group added after step 1's
+    update was not updated then, so its gradients are captured at ``tracker.step()`` (as
+    those of a parameter no optimizer holds); the group dropped after step 2's update was
+    updated, so its gradients are captured once, by the optimizer's hook, not a second
+    time at ``tracker.step()``. Every step has one gradient row per parameter, the numpy
+    reference's summary of the gradient the test read."""
+    net, _ = make(0)
+    opt = torch.optim.SGD(net.fc1.parameters(), lr=0.1)
+    seen: dict[tuple[str, str, int], torch.Tensor] = {}
+    with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
+        for i in range(4):
+            x, y = batch(i)
+            opt.zero_grad(set_to_none=True)
+            net.zero_grad(set_to_none=True)
+            F.mse_loss(net(x), y).backward()
+            for name, p in net.named_parameters():
+                seen[(name, "Gradient", i)] = p.grad.clone()
+            opt.step()
+            if i == 1:
+                opt.add_param_group({"params": list(net.fc2.parameters())})
+            if i == 2:
+                del opt.param_groups[1]
+            tr.step()
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for key, t in seen.items():
+        assert_row(df, idx, key, [t])  # (a gradient counted twice has twice its numel)
+    gradient_rows = [k for k in idx if k[1] == "Gradient" and k[0] in PARAMS]
+    assert len(gradient_rows) == 4 * len(PARAMS)
+
+
+@pytest.mark.usefixtures("any_path")
 def test_rows_follow_parameters_changed_without_a_registration(tmp_path):
     """Changes PyTorch's registration hooks do not report: before step 2, ``fc1.bias`` put
     straight into ``fc1._parameters`` (as ``Module._apply`` does in PyTorch's overwrite

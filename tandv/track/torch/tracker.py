@@ -428,6 +428,9 @@ class Tracker(TrackerCore[Flight | None]):
         #: :meth:`step`), one entry per parameter; recorded when that step completes
         self._grads: dict[int | None, Sequence[tuple[TensorKey, Layout, np.ndarray | Slot]]] = {}
         self._grad_rows = 0  # parameter-gradient observations recorded in the current step
+        # each optimizer's parameter lists at its last gradient capture of the current step
+        # (see _optimizer_sign), by its id: the parameters it updated
+        self._signs: dict[int, list[int]] = {}
         #: what a scheduled step has not yet recorded although asked: checked at each
         #: scheduled step until seen once, or told once (:meth:`_tell_unseen`)
         self._unseen = {
@@ -910,24 +913,39 @@ class Tracker(TrackerCore[Flight | None]):
         """The selected parameters whose gradients :meth:`_capture_grads` reads for
         ``optimizer`` (``None``: those no tracked optimizer updates), with the batch of
         their gradients' names and owners: found again only when an optimizer's parameter
-        lists change (told by the identities of the lists and of the parameters in them),
-        not at every capture."""
+        lists change (told by :func:`_optimizer_sign`), not at every capture.
+
+        An optimizer's lists are read at each of its captures; ``None`` (at
+        ``tracker.step()``) takes each optimizer's lists as its last capture of the step
+        read them (an optimizer that captured none this step: as they are now). So the
+        parameters an optimizer updated this step are those left out at ``tracker.step()``,
+        whatever its lists became since: a parameter group added after its update is not
+        yet updated, and its gradients are captured at ``tracker.step()``; a parameter
+        dropped after its update is not captured a second time. (It also spares
+        ``tracker.step()`` reading the lists again.)"""
         if self._renamed:
             self._refresh_names()
-        opts = self.optimizers if optimizer is None else (optimizer,)
-        sign: list[int] = []
-        for opt in opts:  # (in passes that run in C)
-            lists = list(map(_params_key, opt.param_groups))
-            sign += map(id, lists)
-            sign += map(len, lists)
-            sign += map(id, chain.from_iterable(lists))
+        sign: list[int]
+        if optimizer is not None:
+            sign = self._signs[id(optimizer)] = _optimizer_sign(optimizer)
+        else:
+            sign = []
+            for opt in self.optimizers:
+                got = self._signs.get(id(opt))
+                sign += _optimizer_sign(opt) if got is None else got
         cache_key = None if optimizer is None else id(optimizer)
         cached = self._grad_param_cache.get(cache_key)
         if cached is not None and cached[0] == sign:  # (the list: no tuple made of it)
             return cached[1], cached[2]
         params: list[tuple[str, torch.Tensor, nn.Module]]
         if optimizer is None:
-            owned = {id(p) for opt in self.optimizers for p in _params_of(opt)}
+            owned: set[int] = set()
+            for opt in self.optimizers:
+                got = self._signs.get(id(opt))
+                if got is None:
+                    owned.update(map(id, _params_of(opt)))
+                else:  # (the parameters' identities follow the lists' and their lengths)
+                    owned.update(got[1 + 2 * got[0] :])
             params = [(full, p, owner) for full, p, owner in self._params if id(p) not in owned]
         else:
             names = self._param_names
@@ -1400,6 +1418,7 @@ class Tracker(TrackerCore[Flight | None]):
         self._weights_done = False
         self._grads = {}
         self._grad_rows = 0
+        self._signs = {}
         self._last = None
         if self._renamed or self._rehook_due:
             self._refresh_names(rehook=True)
@@ -1538,6 +1557,18 @@ class _Seam:
         tr = self._ref()
         if tr is not None and tr.recorder is not None:
             tr.recorder.add_many(tr._summaries(items), tr._most_bytes)
+
+
+def _optimizer_sign(optimizer: torch.optim.Optimizer) -> list[int]:
+    """What tells whether ``optimizer`` updates other parameters than before: the number of
+    its parameter lists, their identities, their lengths and the identities of the
+    parameters in them, in that order (in passes that run in C)."""
+    lists = list(map(_params_key, optimizer.param_groups))
+    sign = [len(lists)]
+    sign += map(id, lists)
+    sign += map(len, lists)
+    sign += map(id, chain.from_iterable(lists))
+    return sign
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
