@@ -402,6 +402,24 @@ def test_second_step_call_without_activations_warns(tmp_path):
     rec.close()
 
 
+def test_a_step_with_module_rows_among_others_does_not_warn(tmp_path):
+    """Module rows that do not open the sequence they were added in (a weight first) still
+    count: no warning at step 1, which has them as step 0 did; step 2 has none and warns."""
+    v, layout = summarize(np.arange(1, 9, dtype=np.float32))
+    rec = StepRecorder(tmp_path / "log", verbose=False)
+    mixed = [(key("w", "Weight"), layout, v), (key("a", "Activation"), layout, v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in (0, 1):
+            rec.add_many(mixed)
+            rec.add(key("s", "Optimiser_State"), layout, v)
+            rec.commit(step, rec.take(), lambda xs: xs)
+    rec.add_many(mixed[:1])
+    with pytest.warns(RuntimeWarning, match=r"step 2 observed no activation or gradient"):
+        rec.commit(2, rec.take(), lambda xs: xs)
+    rec.close()
+
+
 @pytest.mark.parametrize("module", ["tandv.track.torch", "tandv.track.jax"])
 def test_track_names_every_option_and_documents_each(module):
     import importlib

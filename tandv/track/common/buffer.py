@@ -122,6 +122,14 @@ def check_pending_bounds(warn_pending_bytes: int, max_pending_bytes: int) -> Non
         )
 
 
+class _Taken(list[tuple[TensorKey, Layout, Any]]):
+    """A step's observations as :meth:`StepBuffer.take` hands them over, with whether any
+    of them is a module row."""
+
+    __slots__ = ("module_rows",)
+    module_rows: bool
+
+
 class StepBuffer:
     """The observations of the step under way, and how a committed step becomes entries of
     the log stream (see the module's documentation).
@@ -292,8 +300,14 @@ class StepBuffer:
     def take(self) -> list[tuple[TensorKey, Layout, Any]]:
         """The current step's observations, handed to the caller (who passes them to
         :meth:`commit` once their summaries can reach the host without waiting)."""
-        pending = list(chain.from_iterable(self._chunks))
-        self._chunks = []
+        chunks, self._chunks = self._chunks, []
+        pending = _Taken(chain.from_iterable(chunks))
+        # whether a module row is among them (commit warns of a step without any): told
+        # by the sequences' first entries where one is (the hooks' hand over theirs), the
+        # entries all read only where none is
+        pending.module_rows = not _MODULE_ROWS.isdisjoint(
+            map(_type_of, map(_key_of, map(_key_of, chunks)))
+        ) or not _MODULE_ROWS.isdisjoint(map(_type_of, map(_key_of, pending)))
         self._pending_bytes = 0
         self._bounded = False
         return pending
@@ -322,7 +336,9 @@ class StepBuffer:
             RuntimeError: if writing an earlier batch failed (at the first step after it).
         """
         self.stream.raise_if_failed()
-        module_rows = not _MODULE_ROWS.isdisjoint(map(_type_of, map(_key_of, pending)))
+        module_rows = getattr(pending, "module_rows", None)
+        if module_rows is None:  # (not a list take() made)
+            module_rows = not _MODULE_ROWS.isdisjoint(map(_type_of, map(_key_of, pending)))
         if self._had_module_rows and not module_rows and not self._warned_empty_step:
             self._warned_empty_step = True
             warnings.warn(
