@@ -402,6 +402,43 @@ def test_second_step_call_without_activations_warns(tmp_path):
     rec.close()
 
 
+def test_each_step_gets_exactly_its_own_observations_whatever_the_last_step_had(tmp_path):
+    """The step buffer writes a step's observations into room the last step left: steps of
+    3, then 5 (more than the room), then 2 (fewer) observations, a discarded step between,
+    each get exactly theirs, in order, with their own values (the numpy reference)."""
+    rng = np.random.default_rng(0)
+    rec = StepRecorder(tmp_path / "log", verbose=False)
+    want: dict[int, list[tuple[str, float]]] = {}
+    plan = {0: 3, 1: 5, 2: 0, 3: 2}  # (step 2 is discarded after 4 observations)
+    for step, n in plan.items():
+        arrays = [rng.standard_normal(16).astype(np.float32) for _ in range(n or 4)]
+        entries = []
+        for i, a in enumerate(arrays):
+            v, layout = summarize(a)
+            entries.append((key(f"s{step}.{i}"), layout, v))
+        rec.add(*entries[0])  # (one alone, the rest together)
+        rec.add_many(entries[1:])
+        assert [k.name for k, _, _ in rec.buffer.pending] == [
+            f"s{step}.{i}" for i in range(len(entries))
+        ]
+        if n == 0:
+            rec.discard()
+            assert not rec.buffer.pending
+            continue
+        want[step] = [
+            (f"s{step}.{i}", float(a.astype(np.float64).max())) for i, a in enumerate(arrays)
+        ]
+        rec.commit(step, rec.take(), lambda xs: xs)
+    rec.close()
+    df = read_parquet(tmp_path / "log")
+    got: dict[int, list[tuple[str, float]]] = {}
+    for name, step, mx in zip(
+        df[("metadata", "name")], df[("metadata", "step")], df[("scalar_stats", "max")]
+    ):
+        got.setdefault(int(step), []).append((name, float(mx)))
+    assert got == want
+
+
 def test_a_step_with_module_rows_among_others_does_not_warn(tmp_path):
     """Module rows that do not open the sequence they were added in (a weight first) still
     count: no warning at step 1, which has them as step 0 did; step 2 has none and warns."""
