@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
-from itertools import islice, repeat
+from itertools import chain
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
@@ -122,10 +122,9 @@ def check_pending_bounds(warn_pending_bytes: int, max_pending_bytes: int) -> Non
         )
 
 
-class _Taken(list[Any]):
-    """A step's observations (``(key, layout, summary)`` each; before the step is taken,
-    followed by ``None`` where there is room for more), and once :meth:`StepBuffer.take`
-    hands them over, whether any of them is a module row."""
+class _Taken(list[tuple[TensorKey, Layout, Any]]):
+    """A step's observations as :meth:`StepBuffer.take` hands them over, with whether any
+    of them is a module row."""
 
     __slots__ = ("module_rows",)
     module_rows: bool
@@ -173,15 +172,12 @@ class StepBuffer:
         self._warned_pending = False
         self._warned_empty_step = False
         self._had_module_rows = False
-        # the step's observations, in order: the first _fill items of _pending, a list
-        # made by the last take() with room for as many as that step had (None beyond), so
-        # that a step like it writes them in place. A list grown to hundreds of entries
-        # would be reallocated in the hooks and the optimizer's hooks, where the first
+        # the step's observations as the sequences they came in (add_many's, kept as they
+        # are; one tuple per add): joined once, by take(). A list grown to hundreds of
+        # entries would be reallocated in the hooks and the optimizer's hooks, and the first
         # allocation past Python's small-object sizes after the model's own operations
-        # cost 18-23 us on the 2-core CPU
-        self._pending = _Taken()
-        self._fill = 0
-        self._module_head = False  # whether a sequence added this step opened with a module row
+        # costs ~18 us on the 2-core CPU (the C allocator tidies what they freed)
+        self._chunks: list[Sequence[tuple[TensorKey, Layout, Any]]] = []
         self._sizes: dict[int, tuple[Layout, int]] = {}  # bytes of a summary, by id(layout)
         self._bytes_by_id: dict[int, int] = {}  # the same bytes, by id(layout) alone
 
@@ -198,7 +194,7 @@ class StepBuffer:
         self._pending_bytes += nbytes
         if self._pending_bytes > self.warn_pending_bytes:
             self._check_pending()
-        self._put(((key, layout, summary),))
+        self._chunks.append(((key, layout, summary),))
 
     def add_many(
         self, entries: Sequence[tuple[TensorKey, Layout, Any]], most: int | None = None
@@ -212,6 +208,9 @@ class StepBuffer:
         (hundreds a step, each a lookup); the total is made exact when it nears the bound.
         ``None``: the entries are sized.
 
+        ``entries`` is kept, not copied, until the step is taken: the caller must not
+        change it afterwards (the tracker passes tuples it reuses and lists it drops).
+
         Raises:
             RuntimeError: as :meth:`add`.
         """
@@ -222,7 +221,7 @@ class StepBuffer:
             if self._pending_bytes + bound <= self.warn_pending_bytes:
                 self._pending_bytes += bound
                 self._bounded = True
-                self._put(entries)
+                self._chunks.append(entries)
                 return
         nbytes = self._nbytes(entries)
         if self._bounded and self._pending_bytes + nbytes > self.warn_pending_bytes:
@@ -232,21 +231,7 @@ class StepBuffer:
                 self.add(*entry)
             return
         self._pending_bytes += nbytes
-        self._put(entries)
-
-    def _put(self, entries: Sequence[tuple[TensorKey, Layout, Any]]) -> None:
-        """Append ``entries`` (one or more) to the step's observations, in the room the last
-        step left where there is enough."""
-        pending, fill = self._pending, self._fill
-        end = fill + len(entries)
-        if end <= len(pending):
-            pending[fill:end] = entries
-        else:
-            del pending[fill:]
-            pending += entries
-        self._fill = end
-        if not self._module_head:
-            self._module_head = entries[0][0].tensor_type in _MODULE_ROWS
+        self._chunks.append(entries)
 
     def _settle(self) -> None:
         """Make the step's total exact where entries were counted at an upper bound
@@ -274,7 +259,7 @@ class StepBuffer:
         return sized[1]
 
     def _check_pending(self) -> None:
-        n, mib = self._fill + 1, self._pending_bytes / 2**20
+        n, mib = sum(map(len, self._chunks)) + 1, self._pending_bytes / 2**20
         what = (
             f"{n} tensor observations ({mib:.0f} MiB of summaries) are waiting for the end of "
             f"a step in the log {str(self.stream.path)!r}"
@@ -296,10 +281,7 @@ class StepBuffer:
 
     def discard(self) -> None:
         """Drop the current step's observations (a step that will not be recorded)."""
-        if self._fill:  # (none to drop at an unscheduled step)
-            self._pending = _Taken(repeat(None, len(self._pending)))
-            self._fill = 0
-            self._module_head = False
+        self._chunks = []
         self._pending_bytes = 0
         self._bounded = False
 
@@ -307,27 +289,25 @@ class StepBuffer:
     def pending(self) -> Sequence[tuple[TensorKey, Layout, Any]]:
         """The current step's observations so far, in order (to read, not to change: the
         host-cost benchmark counts them)."""
-        return self._pending[: self._fill]
+        return list(chain.from_iterable(self._chunks))
 
     def has_pending_type(self, tensor_type: str) -> bool:
         """Whether an observation of ``tensor_type`` awaits the end of the step."""
-        entries = islice(self._pending, self._fill)
-        return any(key.tensor_type == tensor_type for key, _, _ in entries)
+        return any(
+            key.tensor_type == tensor_type for key, _, _ in chain.from_iterable(self._chunks)
+        )
 
     def take(self) -> list[tuple[TensorKey, Layout, Any]]:
         """The current step's observations, handed to the caller (who passes them to
         :meth:`commit` once their summaries can reach the host without waiting)."""
-        pending, fill = self._pending, self._fill
-        del pending[fill:]  # (the room not used)
+        chunks, self._chunks = self._chunks, []
+        pending = _Taken(chain.from_iterable(chunks))
         # whether a module row is among them (commit warns of a step without any): told
-        # by the added sequences' first entries where one is (the hooks' hand over theirs),
-        # the entries all read only where none is
-        pending.module_rows = self._module_head or not _MODULE_ROWS.isdisjoint(
-            map(_type_of, map(_key_of, pending))
-        )
-        self._pending = _Taken(repeat(None, fill))  # (room for a step like this one)
-        self._fill = 0
-        self._module_head = False
+        # by the sequences' first entries where one is (the hooks' hand over theirs), the
+        # entries all read only where none is
+        pending.module_rows = not _MODULE_ROWS.isdisjoint(
+            map(_type_of, map(_key_of, map(_key_of, chunks)))
+        ) or not _MODULE_ROWS.isdisjoint(map(_type_of, map(_key_of, pending)))
         self._pending_bytes = 0
         self._bounded = False
         return pending

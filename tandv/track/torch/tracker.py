@@ -98,10 +98,10 @@ def _hooked(t: torch.Tensor, mark: tuple[int, str]) -> bool:
 
 
 #: Hook observations kept at most before they are handed to the recorder in the middle of
-#: a step (see Tracker.recorder), which then checks the memory they hold. 64: the list's
-#: item array stays within Python's small-object allocator (512 bytes); past it, each
-#: growth inside a hook asks the C allocator, whose first call after the model's own
-#: operations cost 18-23 us on the 2-core CPU.
+#: a step (see Tracker.recorder), which then checks the memory they hold and keeps the list
+#: as it is. 64: the list's item array stays within Python's small-object allocator (512
+#: bytes); past it, each growth inside a hook asks the C allocator, whose first call after
+#: the model's own operations costs ~18 us on the 2-core CPU.
 _HOOK_ROWS = 64
 
 #: Keys of the output-gradient hooks the forward hooks add: negative, so apart from torch's
