@@ -808,7 +808,7 @@ class Tracker(TrackerCore[Flight | None]):
                 entry = (site.key, site.layout, slot)
             rows = self._hook_rows
             rows.append(entry)
-            if len(rows) >= _HOOK_ROWS:  # (tracker.step() is not being called: see recorder)
+            if len(rows) >= _HOOK_ROWS:  # (handed over in small lists: see _HOOK_ROWS)
                 self._hand_over()
             return
         self._observe_slow(site, x)
@@ -944,8 +944,8 @@ class Tracker(TrackerCore[Flight | None]):
                 got = self._signs.get(id(opt))
                 if got is None:
                     owned.update(map(id, _params_of(opt)))
-                else:  # (the parameters' identities follow the lists' and their lengths)
-                    owned.update(got[1 + 2 * got[0] :])
+                else:
+                    owned.update(_signed_params(got))
             params = [(full, p, owner) for full, p, owner in self._params if id(p) not in owned]
         else:
             names = self._param_names
@@ -1569,6 +1569,12 @@ def _optimizer_sign(optimizer: torch.optim.Optimizer) -> list[int]:
     sign += map(len, lists)
     sign += map(id, chain.from_iterable(lists))
     return sign
+
+
+def _signed_params(sign: list[int]) -> list[int]:
+    """The identities of the parameters in an :func:`_optimizer_sign` (after the lists'
+    identities and lengths)."""
+    return sign[1 + 2 * sign[0] :]
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
