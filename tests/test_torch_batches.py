@@ -27,6 +27,8 @@ from test_torch_tracker import (
 from tandv.schema import read_log
 from tandv.track.torch import summary as kernel
 from tandv.track.torch import track
+from tandv.track.torch import tracker as tracker_module
+from tandv.track.torch._workspace import BatchLaunch, tensor_guard
 
 
 def _train_changing(tmp_path, net, opt, steps: int = 4, before=None, after_backward=None):
@@ -92,13 +94,18 @@ def test_batch_rows_follow_the_tensors_as_gradients_come_and_go_and_state_is_rep
     assert not torch.equal(old, new)
 
 
-def test_a_prepared_batch_notices_tensors_changed_in_place(tmp_path):
+@pytest.mark.parametrize("guarded", [True, False], ids=["guard", "no-guard"])
+def test_a_prepared_batch_notices_tensors_changed_in_place(tmp_path, monkeypatch, guarded):
     """The fused path keeps a batch's launch (its table and slots) while its tensors are
     the same ones at the same addresses with the same sizes: a parameter whose data is
     replaced (``p.data = ...``: a new address), shrunk where it lies (same address, fewer
-    elements) or made a transposed view of itself (same address and size, not contiguous)
-    between steps gets the rows of what it is at each step, by the numpy reference."""
+    elements), made a transposed view of itself (same address and size, not contiguous)
+    or a lazily negated one (same address, size and strides) between steps gets the rows
+    of what it is at each step, by the numpy reference. With the tensor guard that
+    spares a steady state's questions, and without it (a torch that has none)."""
     _interpreted_only("fused")
+    if not guarded:
+        monkeypatch.setattr(tracker_module, "tensor_guard", lambda tensors: None)
     net, _ = make(0)
     used: list[dict[str, torch.Tensor]] = []
     changes = {
@@ -106,13 +113,15 @@ def test_a_prepared_batch_notices_tensors_changed_in_place(tmp_path):
         3: ("fc2.bias", lambda b: b[:2]),  # the same address, fewer elements
         4: ("fc1.weight", lambda w: w.t()),  # the same address and size, not contiguous
         5: ("fc1.weight", lambda w: w.t()),  # contiguous again, at the same address
+        7: ("fc1.weight", torch._neg_view),  # negated lazily: the same address and strides
+        8: ("fc1.weight", torch._neg_view),  # not negated again
     }
     options = dict(track_activations=False, track_gradients=False, track_optimizer=False)
     with (
         kernel.cpu_path("fused"),
         track(net, out=tmp_path / "log", verbose=False, **options) as tr,
     ):
-        for i in range(6):
+        for i in range(10):
             if i in changes:
                 name, change = changes[i]
                 p = net.get_parameter(name)
@@ -125,6 +134,61 @@ def test_a_prepared_batch_notices_tensors_changed_in_place(tmp_path):
         for name, t in step.items():
             assert_row(df, idx, (name, "Weight", k), [t])
     assert int(df.iloc[idx[("fc2.bias", "Weight", 3)]][("scalar_stats", "numel")]) == 2
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass (a tensor's class may be assigned in place)."""
+
+
+def test_a_tensor_guard_fails_at_every_change_a_batch_launch_depends_on():
+    """:func:`tensor_guard` passes the tensors it was made of, and tensors like them (other
+    objects, other addresses), and fails at each change the batch launch would otherwise
+    ask each tensor about: strides (a transposed view of itself at the same address),
+    size, dtype, lazy negation, the Python class, ``requires_grad``, one object passed
+    twice, or something that is not a tensor."""
+    a, b, p = torch.randn(4, 5), torch.randn(4, 5), torch.nn.Parameter(torch.randn(3))
+    check = tensor_guard([a, b, p])
+    assert check is not None, "this torch has no usable TensorGuards"
+    assert check(a, b, p)
+    assert check(a.clone(), b * 2, torch.nn.Parameter(torch.ones(3)))  # others like them
+    sub = b.clone()
+    sub.__class__ = _Sub
+    changed = {
+        "strides": (a, b.t().contiguous().t(), p),
+        "size": (a, b[:3], p),
+        "dtype": (a, b.double(), p),
+        "lazy negation": (a, torch._neg_view(b), p),
+        "class": (a, sub, p),
+        "plain tensor for a parameter": (a, b, p.detach()),
+        "requires_grad": (a, b, torch.nn.Parameter(torch.randn(3), requires_grad=False)),
+        "one object twice": (a, a, p),
+        "not a tensor": (a, None, p),
+    }
+    for what, args in changed.items():
+        assert not check(*args), what
+
+
+def test_a_steady_state_batch_asks_its_tensors_only_their_addresses(tmp_path, monkeypatch):
+    """In a plain loop on the fused path, from the second step on, every batch (weights,
+    gradients, optimizer state) passes its :func:`tensor_guard` and its launch is handed
+    the sizes (it reads only the addresses), and the rows stay the numpy reference's."""
+    _interpreted_only("fused")
+    calls: list[tuple[int, bool]] = []
+    original = BatchLaunch.summarize
+
+    def spy(self, tensors, sizes=None):
+        calls.append((len(tensors), sizes is not None))
+        return original(self, tensors, sizes)
+
+    monkeypatch.setattr(BatchLaunch, "summarize", spy)
+    net, opt = make(0)
+    with kernel.cpu_path("fused"):
+        _train_changing(tmp_path, net, opt, steps=4)
+    # a step's weights, gradients and state (both moments of each parameter): a launch each
+    n = len(PARAMS)
+    assert [count for count, _ in calls] == [n, n, 2 * n] * 4
+    assert not any(guarded for _, guarded in calls[:3])  # (the first: no guard yet)
+    assert all(guarded for _, guarded in calls[6:]), calls
 
 
 @pytest.mark.usefixtures("any_path")

@@ -58,7 +58,16 @@ from .summary import (
 if TYPE_CHECKING:  # the fused kernels import Triton: only when a tensor needs them
     from . import _fused
 
-__all__ = ["Slot", "RowKind", "HookLaunch", "BatchLaunch", "Flight", "Workspace", "to_host"]
+__all__ = [
+    "Slot",
+    "RowKind",
+    "HookLaunch",
+    "BatchLaunch",
+    "Flight",
+    "Workspace",
+    "tensor_guard",
+    "to_host",
+]
 
 _F64 = torch.float64
 #: Initial rows buffer per device (float64 values; grows by doubling).
@@ -400,11 +409,12 @@ class BatchLaunch:
     no custom statistic and no block format.
 
     Made at the first such batch (:meth:`Workspace.batch_launch`), it keeps what its last
-    launch found: the tensors' identities, addresses and sizes, the row offset of the
-    first, the program table and the slots of the rows. A step whose tensors are the last
-    step's (weights, state) or lie where they lay (gradients that an allocator hands back
-    at the same addresses) then costs a few passes over the tensors that run in C, a row
-    reservation and the launch: no table, no slot, no Python loop per tensor."""
+    launch found: the tensors' addresses and sizes, the row offset of the first, the
+    program table and the slots of the rows. A step whose tensors lie where the last
+    step's lay, with their sizes (weights and state; gradients that an allocator hands
+    back at the same addresses) then costs a pass over the tensors that runs in C (their
+    addresses, after the caller's :func:`tensor_guard`), a row reservation and the launch:
+    no table, no slot, no Python loop per tensor."""
 
     __slots__ = (
         "fused",
@@ -416,7 +426,6 @@ class BatchLaunch:
         "lut",
         "fmax",
         "kind",
-        "ids",
         "ptrs",
         "ns",
         "at",
@@ -433,9 +442,8 @@ class BatchLaunch:
         self.device = space.device.index if space.cuda else -1  # (Tensor.get_device())
         self.lut = fused._lut(spec, space.device, space.rows) if spec.lut is not None else None
         self.fmax = fused._fmax(layout)
-        # the last launch's tensors (identities), addresses and sizes; where its rows began
-        # and on which stream: (first row offset, stream id)
-        self.ids: tuple[int, ...] = ()
+        # the last launch's tensors' addresses and sizes; where its rows began and on which
+        # stream: (first row offset, stream id)
         self.ptrs: tuple[int, ...] = ()
         self.ns: tuple[int, ...] = ()
         self.at: tuple[int, int] = (-1, -1)
@@ -452,36 +460,36 @@ class BatchLaunch:
         ) = None
         self.slots: list[Slot] = []
 
-    def summarize(self, tensors: Sequence[torch.Tensor], fixed: bool = False) -> list[Slot] | None:
+    def summarize(
+        self, tensors: Sequence[torch.Tensor], sizes: tuple[int, ...] | None = None
+    ) -> list[Slot] | None:
         """Queue the summaries of ``tensors`` (plain tensors of the launch's dtype, two or
         more) into fresh rows, in order, and return their slots; ``None`` (nothing done)
         when they are not all tensors this launch reads (see the class notes): the caller
-        takes the general path. ``fixed``: the caller passes the same objects, in the same
-        order, at every call (a step's weights, the optimizer state), so their identities
-        are not read.
+        takes the general path.
 
-        The tests that tell that: every tensor's address, size and contiguity at every
-        call; its device, the negation bit and emptiness only when the tensors are not
-        the last call's at the same addresses with the same sizes (a tensor keeps its
-        device and is not made a negated view in place)."""
+        ``sizes``: the tensors' element counts, from a caller whose :func:`tensor_guard`
+        of tensors this launch took has just passed for them (their types, dtypes,
+        devices, lazy negation, sizes and strides are those tensors'): then only their
+        addresses are read. Else every tensor is asked its address, size, contiguity,
+        negation bit and device (a parameter may become a transposed or negated view of
+        itself at the same address, ``p.data = p.data.t()``)."""
         ptrs = tuple(map(_T.data_ptr, tensors))
-        ns = tuple(map(_T.numel, tensors))
-        if not all(map(_T.is_contiguous, tensors)):
-            return None
         if self.device < 0 and _summary._cpu_path != "fused":
             return None  # (a test switched the CPU path: the caller's path decides)
+        if sizes is not None:
+            ns = sizes
+        else:
+            ns = tuple(map(_T.numel, tensors))
+            if (
+                not all(map(_T.is_contiguous, tensors))
+                or any(map(_T.is_neg, tensors))
+                or set(map(_T.get_device, tensors)) != {self.device}
+                or not all(ns)
+            ):
+                return None
         same = ptrs == self.ptrs
         sized = ns == self.ns
-        # the identities, read only where they decide something: of tensors at the last
-        # call's addresses (moved tensors are tested whatever they are; () matches no
-        # later call's, so the tensors there are tested again)
-        ids = self.ids if fixed else tuple(map(id, tensors)) if same else ()
-        if (not same or not sized or ids != self.ids) and (
-            any(map(_T.is_neg, tensors))
-            or set(map(_T.get_device, tensors)) != {self.device}
-            or not all(ns)
-        ):
-            return None
         space = self.space
         need = self.size * len(tensors)
         with space.lock:  # the rows buffer may not be replaced before the launch
@@ -503,7 +511,6 @@ class BatchLaunch:
             elif not same:  # the tensors moved: their addresses written into the table
                 self.table = self._table(ptrs, ns, first, False)
                 self.ptrs = ptrs
-            self.ids = ids
             dev_table, dev_addrs, programs, parts, consts = self.table  # type: ignore[misc]
             rows = space.rows
             scratch = space.scratch
@@ -972,6 +979,51 @@ def _uniform(tensors: Sequence[torch.Tensor]) -> bool:
         and len(set(map(_dtype_of, tensors))) == 1
         and len(set(map(_device_of, tensors))) == 1
     )
+
+
+def tensor_guard(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | None:
+    """A check that tensors passed to it (as arguments, in order) are distinct objects of
+    the exact Python types, dtypes, devices, dispatch keys (lazy negation and conjugation
+    among them), sizes, strides and ``requires_grad`` of ``tensors`` now: the guard
+    TorchDynamo puts on compiled code's tensor inputs, which reads them all in one call of
+    C++ (about as long as one Python question per tensor, where a batch launch would ask
+    five). ``None`` where this torch has no such guard that passes :func:`_guard_type`'s
+    test (the caller asks the tensors itself)."""
+    guards = _guard_type()
+    if guards is None:
+        return None
+    check: Callable[..., bool] = guards(
+        *tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None
+    ).check
+    return check
+
+
+@cache
+def _guard_type() -> Any:
+    """TorchDynamo's ``TensorGuards`` (``dynamic_dims_*=None``: every size and stride is
+    checked), where it tells apart every change :func:`tensor_guard` promises to tell
+    (tried once on small CPU tensors); else ``None``. It is torch's private API: a torch
+    whose guard checks less, or has another signature, is not used."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards as guards
+
+        TensorGuards: Any = guards  # (its stub declares no tensor arguments)
+        a, b, p = torch.zeros(2, 3), torch.zeros(2, 3), torch.nn.Parameter(torch.zeros(3))
+        check = TensorGuards(a, b, p, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
+        changed = (
+            (a.t().contiguous().t(), b, p),  # strides
+            (a[:1], b, p),  # sizes
+            (a.double(), b, p),  # dtype
+            (torch._neg_view(a), b, p),  # lazy negation
+            (a, b, p.detach()),  # type
+            (a, b, torch.nn.Parameter(torch.zeros(3), requires_grad=False)),  # requires_grad
+            (a, a, p),  # one object twice
+        )
+        if check(a, b, p) is True and not any(check(*args) for args in changed):
+            return TensorGuards
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        pass
+    return None
 
 
 def _fused_module() -> Any:
