@@ -474,7 +474,7 @@ class Tracker(TrackerCore[Flight | None]):
         self._batch_plans: dict[tuple[Any, ...], _Plan] = {}
         # the selected parameters whose gradients are captured and their batch, by
         # optimizer (see _grad_params), with what they were found from
-        self._grad_param_cache: dict[int | None, tuple[list[int], list[torch.Tensor], _Batch]] = {}
+        self._grad_param_cache: dict[int | None, tuple[list[Any], list[torch.Tensor], _Batch]] = {}
         # the hooks' sites, by (name, kind): see _site
         self._sites: dict[tuple[str, str], _HookSite] = {}
         # each module's forward hook, made at its first install, by the module's name: the
@@ -959,27 +959,26 @@ class Tracker(TrackerCore[Flight | None]):
         ``tracker.step()`` reading the lists again.)"""
         if self._renamed:
             self._refresh_names()
-        sign: list[int]
-        if optimizer is not None:
-            sign = self._signs[id(optimizer)] = _optimizer_sign(optimizer)
-        else:
-            sign = []
-            for opt in self.optimizers:
-                got = self._signs.get(id(opt))
-                sign += _optimizer_sign(opt) if got is None else got
+        sign: list[Any]
         cache_key = None if optimizer is None else id(optimizer)
         cached = self._grad_param_cache.get(cache_key)
-        if cached is not None and cached[0] == sign:  # (the list: no tuple made of it)
-            return cached[1], cached[2]
+        if optimizer is not None:
+            sign = _optimizer_sign(optimizer)
+            if cached is not None and cached[0] == sign:  # (the list: no tuple made of it)
+                # (the cached list itself: the None capture's key finds it by identity)
+                self._signs[id(optimizer)] = cached[0]
+                return cached[1], cached[2]
+            self._signs[id(optimizer)] = sign
+        else:  # each optimizer's sign (lists of the same objects: compared by identity)
+            signs = [self._signs.get(id(opt)) or _optimizer_sign(opt) for opt in self.optimizers]
+            sign = signs
+            if cached is not None and cached[0] == sign:
+                return cached[1], cached[2]
         params: list[tuple[str, torch.Tensor, nn.Module]]
         if optimizer is None:
             owned: set[int] = set()
-            for opt in self.optimizers:
-                got = self._signs.get(id(opt))
-                if got is None:
-                    owned.update(map(id, _params_of(opt)))
-                else:
-                    owned.update(_signed_params(got))
+            for got in signs:
+                owned.update(_signed_params(got))
             params = [(full, p, owner) for full, p, owner in self._params if id(p) not in owned]
         else:
             names = self._param_names
