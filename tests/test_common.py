@@ -457,6 +457,25 @@ def test_a_step_with_module_rows_among_others_does_not_warn(tmp_path):
     rec.close()
 
 
+def test_a_taken_step_is_its_observations_in_the_order_they_were_added(tmp_path):
+    """``take()`` hands the step over as the sequences it was added in, unjoined: read as
+    one sequence (length, iteration, indexing, slicing) it is every observation in the
+    order of the adds, and the recorder starts the next step empty."""
+    v, layout = summarize(np.arange(1, 9, dtype=np.float32))
+    rec = StepRecorder(tmp_path / "log", verbose=False)
+    want = [(key(f"t{i}", "Activation"), layout, v) for i in range(7)]
+    rec.add_many(tuple(want[:3]))
+    rec.add(*want[3])
+    rec.add_many(want[4:])
+    taken = rec.take()
+    assert len(taken) == 7 and bool(taken)
+    assert list(taken) == want and list(taken) == want  # (read twice: the same)
+    assert [taken[i] for i in range(7)] == want and taken[-1] == want[-1]
+    assert taken[2:5] == want[2:5]
+    assert not rec.take()  # (nothing added since)
+    rec.close()
+
+
 @pytest.mark.parametrize("module", ["tandv.track.torch", "tandv.track.jax"])
 def test_track_names_every_option_and_documents_each(module):
     import importlib

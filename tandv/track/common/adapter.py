@@ -86,7 +86,7 @@ class Adapter(Protocol[Transfer]):
         start that did not happen."""
         ...
 
-    def send(self, pending: list[Observation]) -> Transfer:
+    def send(self, pending: Sequence[Observation]) -> Transfer:
         """Start moving the summaries of a recorded step's observations to the host, and
         return at once: no host synchronization, no waiting for the device (the loop runs
         on while the copy lands). Called at the step's end, on the training thread."""
@@ -98,7 +98,7 @@ class Adapter(Protocol[Transfer]):
         to a later step's end (or ``close``), which then waits in :meth:`to_host`."""
         ...
 
-    def observed(self, pending: list[Observation]) -> list[Observation]:
+    def observed(self, pending: Sequence[Observation]) -> Sequence[Observation]:
         """Those of a step's observations that took place, as the rows' observations
         (an adapter may stand one placeholder for many, or drop what was not computed);
         called where :meth:`to_host` is, just before it."""

@@ -13,11 +13,11 @@ them rows on disk.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from itertools import chain
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -44,7 +44,7 @@ _MODULE_ROWS = frozenset((ACTIVATION, GRADIENT))
 
 def _merged(
     step: int,
-    pending: list[tuple[TensorKey, Layout, Any]],
+    pending: Sequence[tuple[TensorKey, Layout, Any]],
     to_host: Callable[[list[Any]], Sequence[np.ndarray]],
 ) -> list[tuple[TensorKey, Layout, np.ndarray]]:
     """A step's observations on the host (one ``to_host`` call), those of the same tensor
@@ -122,12 +122,37 @@ def check_pending_bounds(warn_pending_bytes: int, max_pending_bytes: int) -> Non
         )
 
 
-class _Taken(list[tuple[TensorKey, Layout, Any]]):
-    """A step's observations as :meth:`StepBuffer.take` hands them over, with whether any
-    of them is a module row."""
+class Taken(Sequence[tuple[TensorKey, Layout, Any]]):
+    """A step's observations as :meth:`StepBuffer.take` hands them over, in order: the
+    sequences they were added in, joined only where they are read (a deferred step's, on
+    the writer thread: joining hundreds of entries at the end of the step costs the
+    training thread ~5 us on the 2-core CPU), with their count and whether any of them is
+    a module row."""
 
-    __slots__ = ("module_rows",)
-    module_rows: bool
+    __slots__ = ("chunks", "entries", "module_rows", "_joined")
+
+    def __init__(
+        self, chunks: list[Sequence[tuple[TensorKey, Layout, Any]]], module_rows: bool
+    ) -> None:
+        self.chunks = chunks
+        self.entries = sum(map(len, chunks))
+        self.module_rows = module_rows
+        self._joined: list[tuple[TensorKey, Layout, Any]] | None = None
+
+    def __len__(self) -> int:
+        return self.entries
+
+    def __iter__(self) -> Iterator[tuple[TensorKey, Layout, Any]]:
+        return chain.from_iterable(self.chunks)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[TensorKey, Layout, Any]: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[tuple[TensorKey, Layout, Any]]: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        if self._joined is None:
+            self._joined = list(self)
+        return self._joined[index]
 
 
 class StepBuffer:
@@ -297,28 +322,27 @@ class StepBuffer:
             key.tensor_type == tensor_type for key, _, _ in chain.from_iterable(self._chunks)
         )
 
-    def take(self) -> list[tuple[TensorKey, Layout, Any]]:
+    def take(self) -> Taken:
         """The current step's observations, handed to the caller (who passes them to
         :meth:`commit` once their summaries can reach the host without waiting)."""
         chunks, self._chunks = self._chunks, []
-        pending = _Taken(chain.from_iterable(chunks))
         # whether a module row is among them (commit warns of a step without any): told
         # by the sequences' first entries where one is (the hooks' hand over theirs), the
         # entries all read only where none is
-        pending.module_rows = not _MODULE_ROWS.isdisjoint(
+        module_rows = not _MODULE_ROWS.isdisjoint(
             map(_type_of, map(_key_of, map(_key_of, chunks)))
-        ) or not _MODULE_ROWS.isdisjoint(map(_type_of, map(_key_of, pending)))
+        ) or not _MODULE_ROWS.isdisjoint(map(_type_of, map(_key_of, chain.from_iterable(chunks))))
         self._pending_bytes = 0
         self._bounded = False
-        return pending
+        return Taken(chunks, module_rows)
 
     def commit(
         self,
         step: int,
-        pending: list[tuple[TensorKey, Layout, Any]],
+        pending: Sequence[tuple[TensorKey, Layout, Any]],
         to_host: Callable[[list[Any]], Sequence[np.ndarray]],
         defer: bool = False,
-        observe: Callable[[list[Any]], list[Any]] | None = None,
+        observe: Callable[[Sequence[Any]], Sequence[Any]] | None = None,
     ) -> int:
         """Record observations taken (:meth:`take`) at step ``step``: move their summaries
         to the host with one ``to_host`` call, merge observations of the same tensor, and

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -82,7 +83,7 @@ class TrackerCore(Generic[Transfer]):
         self._keys: dict[tuple[str, str, str, Any], TensorKey] = {}
         #: ended steps whose summaries are on their way to the host: (step, observations,
         #: the step's transfer from the adapter's ``send``), oldest first
-        self._flights: deque[tuple[int, list[Observation], Transfer]] = deque()
+        self._flights: deque[tuple[int, Sequence[Observation], Transfer]] = deque()
         self._merger: RankMerger | None = None
         #: the alerts of ``on_nonfinite``/``alerts`` (``None``: none asked for)
         self._watch = AlertWatch.of(options.on_nonfinite, options.alerts)

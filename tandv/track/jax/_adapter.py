@@ -11,7 +11,7 @@ several processes (:mod:`._distributed`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -106,13 +106,13 @@ class JaxAdapter:
         untag_nnx_paths(self.nnx_tagged)
         self.nnx_tagged = []
 
-    def send(self, pending: list[Observation]) -> Sent:
+    def send(self, pending: Sequence[Observation]) -> Sent:
         return send([p[2] for p in pending])
 
     def arrived(self, transfer: Sent) -> bool:
         return transfer.arrived()
 
-    def observed(self, pending: list[Observation]) -> list[Observation]:
+    def observed(self, pending: Sequence[Observation]) -> Sequence[Observation]:
         expanded: list[Observation] = []
         for key, layout, s in pending:
             if isinstance(s, Batch):  # a step's arrays, added as one observation

@@ -11,7 +11,7 @@ the tracker's own options.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -95,13 +95,13 @@ class TorchAdapter:
     def stop(self) -> None:
         self._unobserve()
 
-    def send(self, pending: list[Observation]) -> Flight | None:
+    def send(self, pending: Sequence[Observation]) -> Flight | None:
         return self.workspace.end_step()
 
     def arrived(self, transfer: Flight | None) -> bool:
         return transfer is None or transfer.ready()
 
-    def observed(self, pending: list[Observation]) -> list[Observation]:
+    def observed(self, pending: Sequence[Observation]) -> Sequence[Observation]:
         return pending  # every observation of a recorded step took place
 
     def to_host(self, summaries: list[Any], transfer: Flight | None) -> list[np.ndarray]:
