@@ -61,10 +61,11 @@ adds an output-gradient hook as tandv does, which asks its gradient the same (wh
 tandv's hooks do before they reserve a row and launch, with tandv's number of hook calls).
 Then once more untracked, with stand-ins at tandv's per-step points that gather the step's
 weights, gradients and optimizer state and ask each tensor its address and size
-(:func:`per_step_floor`), and again asking each the five questions tandv's batches ask of
-every tensor at every step. Their figures are what such work costs at these sites on this
-machine's caches now, so the tracker's figures can be read against them in one run
-(machines, and one machine from hour to hour, differ by 2-3 times in all of them).
+(:func:`per_step_floor`), and again asking each what tandv's batches ask of every tensor
+at every step (a guard's check of what a ``.data`` assignment can change, then the
+address). Their figures are what such work costs at these sites on this machine's caches
+now, so the tracker's figures can be read against them in one run (machines, and one
+machine from hour to hour, differ by 2-3 times in all of them).
 
 ``--host-only`` makes every figure that of a run whose model computes nothing
 (:class:`NoCompute`): the host's side of a GPU step, whose caches the model's data never
@@ -125,6 +126,7 @@ from overhead import PRESETS, _trainer, config_of  # noqa: E402
 from tandv.demos.torch_gpt import GPTConfig  # noqa: E402
 from tandv.track.torch import summary as kernel  # noqa: E402
 from tandv.track.torch import track  # noqa: E402
+from tandv.track.torch._workspace import tensor_guard  # noqa: E402
 from tandv.track.torch.tracker import Tracker  # noqa: E402
 
 #: A function of C that takes any arguments and does nothing with them: the kernels'
@@ -565,32 +567,42 @@ def per_step_floor(
     pre-hook, the optimizer state (its tensors of one or more dimensions, gathered from
     ``optimizer.state``) after the update. Gathering them is on the clock too (reading
     ``.grad`` makes each gradient's Python object). With ``questions``, each tensor is
-    asked the five questions tandv asks of every tensor of a batch at every step, in its
-    passes (type, dtype, address, size, contiguity: what a ``.data`` assignment can change
-    at the same address). Returns the median over the timed steps of each step's thread
-    CPU time in them (us), and the tensors asked per step."""
+    asked what tandv's batches ask of every tensor at every step, as they ask it: its
+    type, dtype, device, dispatch keys, sizes and strides (what a ``.data`` assignment can
+    change at the same address) by a ``tensor_guard`` of the site's tensors (made at the
+    site's first call, off the clock), then its address. Returns the median over the timed
+    steps of each step's thread CPU time in them (us), and the tensors asked per step."""
     model, opt, data = _trainer(cfg, batch, 0, "cpu")
     params = list(model.parameters())
     asked = [0, 0]  # (ns, tensors) in the step under way
     weights_due = [True]
+    guards: dict[str, Callable[..., bool] | None] = {}  # (questions: each site's guard)
 
-    def ask(tensors: Callable[[], list[torch.Tensor]]) -> None:
+    def ask(site: str, tensors: Callable[[], list[torch.Tensor]]) -> None:
         """Gather the tensors (``tensors()``: reading each gradient makes its Python
         object) and ask each its address and size, on the clock."""
         t0 = time.thread_time_ns()
         found = tensors()
         if questions:
-            set(map(type, found)), tuple(map(_dtype_of, found))
-        tuple(map(torch.Tensor.data_ptr, found)), tuple(map(torch.Tensor.numel, found))
-        if questions:
-            all(map(torch.Tensor.is_contiguous, found))
+            if site not in guards:
+                t1 = time.thread_time_ns()
+                guards[site] = tensor_guard(found)
+                t0 += time.thread_time_ns() - t1
+            check = guards[site]
+            if check is None or not check(*found):  # (what a batch asks without its guard)
+                set(map(type, found)), tuple(map(_dtype_of, found))
+                all(map(torch.Tensor.is_contiguous, found)), any(map(torch.Tensor.is_neg, found))
+                tuple(map(torch.Tensor.numel, found))
+            tuple(map(torch.Tensor.data_ptr, found))
+        else:
+            tuple(map(torch.Tensor.data_ptr, found)), tuple(map(torch.Tensor.numel, found))
         asked[0] += time.thread_time_ns() - t0
         asked[1] += len(found)
 
     def weights(mod: Any, args: Any) -> None:
         if weights_due[0]:
             weights_due[0] = False
-            ask(lambda: params)
+            ask("weights", lambda: params)
 
     def state() -> list[torch.Tensor]:
         return [
@@ -602,7 +614,9 @@ def per_step_floor(
 
     handles = [
         torch.nn.modules.module.register_module_forward_pre_hook(weights),
-        opt.register_step_pre_hook(lambda o, a, k: ask(lambda: [p.grad for p in params])),
+        opt.register_step_pre_hook(
+            lambda o, a, k: ask("gradients", lambda: [p.grad for p in params])
+        ),
     ]
     mode = NoCompute() if host_only else None
     per: list[float] = []
@@ -613,7 +627,7 @@ def per_step_floor(
         for i in range(warmup + steps):
             asked[:] = [0, 0]
             _timed_step(model, opt, data, i, mode)
-            ask(state)
+            ask("state", state)
             weights_due[0] = True
             if i >= warmup:
                 per.append(asked[0] / 1e3)
@@ -835,8 +849,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg, size["batch"], args.steps, args.warmup, args.host_only, questions=True
         )
         print(
-            "floor per step asking each of them what tandv asks every step (type, dtype, "
-            f"address, size, contiguity; median, same clock): {asked:.0f} us"
+            "floor per step asking each of them what tandv asks every step (a guard's check "
+            "of their types, dtypes, devices, dispatch keys, sizes and strides, then their "
+            f"addresses; median, same clock): {asked:.0f} us"
         )
     print(f"host_us_per_observation: {r['host_us_per_observation']:.2f}")
     print(f"host_us_fixed_per_step: {r['host_us_fixed_per_step']:.0f}")

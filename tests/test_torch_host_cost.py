@@ -81,7 +81,7 @@ def test_host_cost_benchmark_tiny_mode():
     params = sum(1 for _ in model.parameters())
     assert tensors == 4 * params  # weights, gradients, AdamW's two moments (not its step)
     assert 0 < float(step_floor.group(2)) < y
-    # and again with the five questions tandv asks of each (a positive time)
+    # and again with what tandv asks of each (a positive time)
     asked = re.search(r"floor per step asking each of them what tandv asks .*: ([0-9.]+) us", out)
     assert asked and float(asked.group(1)) > 0, out
 
