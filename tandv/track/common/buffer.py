@@ -373,7 +373,8 @@ class StepBuffer:
                 stacklevel=3,
             )
         self._had_module_rows |= module_rows
-        if not pending and self.merger is None:
+        count = len(pending)
+        if not count and self.merger is None:
             return 0
         if defer and self.merger is None and self.inspect is None:
 
@@ -382,7 +383,7 @@ class StepBuffer:
                 return _merge_dtypes(_merged(step, observed, to_host))
 
             self.stream.append(step, later)
-            return len(pending)
+            return count
         if observe is not None:
             pending = observe(pending)
         local = _merged(step, pending, to_host)

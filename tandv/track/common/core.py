@@ -151,15 +151,17 @@ class TrackerCore(Generic[Transfer]):
                 f"tracker.{method}() called outside the `with track(...)` block: the tracker "
                 f"is closed; create a new one with track(...)"
             )
-        if self.recorder is None:
+        recorder = self.recorder  # (a property on some trackers: read once)
+        if recorder is None:
             if not self._adapter.opens_lazily:
                 raise RuntimeError(
                     f"tracker.{method}() called outside the `with track(...)` block; use "
                     f"`with track(...) as tracker:` around the training loop"
                 )
             self._open()
-        assert self.recorder is not None
-        return self.recorder
+            recorder = self.recorder
+        assert recorder is not None
+        return recorder
 
     @property
     def writes_log(self) -> bool:
@@ -234,7 +236,8 @@ class TrackerCore(Generic[Transfer]):
         work queued, so it does not go idle), or with ``wait``. Over several ranks a step
         lands (its merge is a collective) at the same point on every rank: at the next step's
         end, whether or not its transfer arrived earlier."""
-        assert self.recorder is not None
+        recorder = self.recorder
+        assert recorder is not None
         adapter = self._adapter
         # alerts promise their error from the next step() (docs/alerts-compare.md): with a
         # watch, a step lands at the next step's end, not up to in_flight_steps later
@@ -245,7 +248,7 @@ class TrackerCore(Generic[Transfer]):
             if not (wait or step < self.step_index - lag or early):
                 return
             self._flights.popleft()
-            self.recorder.commit(
+            recorder.commit(
                 step,
                 pending,
                 # bound to this step's transfer (called by commit, or later on the writer
