@@ -168,6 +168,26 @@ def test_a_tensor_guard_fails_at_every_change_a_batch_launch_depends_on():
         assert not check(*args), what
 
 
+def test_the_guard_is_tried_again_after_a_context_that_refused_its_test(monkeypatch):
+    """The guard's test (which makes small tensors) run inside a dispatch mode that refuses
+    every operation gives no guard for that batch, and is not taken as the answer: outside
+    the mode the next try finds the guard."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tandv.track.torch import _workspace
+
+    class Refuse(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            raise RuntimeError(f"refused: {func}")
+
+    monkeypatch.setattr(_workspace, "_guard_found", [])
+    a, b = torch.randn(3), torch.randn(3)
+    with Refuse():
+        assert tensor_guard([a, b]) is None
+    check = tensor_guard([a, b])
+    assert check is not None and check(a, b) and not check(a, a)
+
+
 def test_a_steady_state_batch_asks_its_tensors_only_their_addresses(tmp_path, monkeypatch):
     """In a plain loop on the fused path, from the second step on, every batch (weights,
     gradients, optimizer state) passes its :func:`tensor_guard` and its launch is handed

@@ -998,18 +998,26 @@ def tensor_guard(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | None:
     return check
 
 
-@cache
+_guard_found: list[Any] = []  # (_guard_type's answer, once it has one)
+
+
 def _guard_type() -> Any:
     """TorchDynamo's ``TensorGuards`` (``dynamic_dims_*=None``: every size and stride is
     checked), where it tells apart every change :func:`tensor_guard` promises to tell
-    (tried once on small CPU tensors); else ``None``. It is torch's private API: a torch
-    whose guard checks less, or has another signature, is not used."""
+    (tried on small CPU tensors, once); else ``None``. It is torch's private API: a torch
+    that lacks it, or whose guard takes other arguments or checks less, is not used. A try
+    that raises for another reason (a context the step runs in, such as a dispatch mode
+    that refuses these operations) is not taken as the answer: the next batch tries again."""
+    if _guard_found:
+        return _guard_found[0]
     try:
         from torch._C._dynamo.guards import TensorGuards as guards
-
-        TensorGuards: Any = guards  # (its stub declares no tensor arguments)
+    except ImportError:
+        _guard_found.append(None)
+        return None
+    TensorGuards: Any = guards  # (its stub declares no tensor arguments)
+    try:
         a, b, p = torch.zeros(2, 3), torch.zeros(2, 3), torch.nn.Parameter(torch.zeros(3))
-        check = TensorGuards(a, b, p, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
         changed = (
             (a.t().contiguous().t(), b, p),  # strides
             (a[:1], b, p),  # sizes
@@ -1019,11 +1027,15 @@ def _guard_type() -> Any:
             (a, b, torch.nn.Parameter(torch.zeros(3), requires_grad=False)),  # requires_grad
             (a, a, p),  # one object twice
         )
-        if check(a, b, p) is True and not any(check(*args) for args in changed):
-            return TensorGuards
-    except (ImportError, AttributeError, TypeError, RuntimeError):
-        pass
-    return None
+    except Exception:  # (the context, not the guard: tried again later)
+        return None
+    try:
+        check = TensorGuards(a, b, p, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
+        works = check(a, b, p) is True and not any(check(*args) for args in changed)
+    except (TypeError, AttributeError, RuntimeError):  # (another signature)
+        works = False
+    _guard_found.append(TensorGuards if works else None)
+    return _guard_found[0]
 
 
 def _fused_module() -> Any:
