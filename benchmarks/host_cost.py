@@ -52,7 +52,8 @@ launch code, then the prebuilt launcher it keeps after a variant's first call) w
 Triton's final C launcher (which packs the arguments and calls ``cuLaunchKernel``) replaced
 by a no-op; the time per call is that Python launch path, not the driver's. It also times
 a hook's launch (``HookLaunch.summarize``: a row reserved, then the compiled kernel called
-directly). ``--no-triton`` skips both.
+directly) and a batch's (``BatchLaunch.summarize`` of 53 tensors whose guard has passed).
+``--no-triton`` skips them.
 
 ``--floor`` runs the same model three times more with tandv's forward hooks replaced by
 stand-ins (:data:`FLOOR_HOOKS`): an empty hook; one that asks its output the seven
@@ -658,14 +659,18 @@ def triton_launch_us(reps: int) -> dict[str, float]:
 
 
 def triton_worker(reps: int) -> None:
-    """The subprocess of :func:`triton_launch_us`: compile ``_summarize_one`` for float32
-    on sm_90, then time ``kernel[grid](...)`` with the C launcher a no-op."""
+    """The subprocess of :func:`triton_launch_us`: compile ``_summarize_one`` and
+    ``_summarize_many`` for float32 on sm_90, then time ``kernel[grid](...)``, a hook's
+    launch and a batch's with the C launcher a no-op (it keeps the last call's arguments:
+    a batch's later launches, which call the compiled kernel directly, must hand it what
+    Triton's own binding handed it at the first)."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
     from tandv.stats.summary import Layout
     from tandv.track.torch import _fused
-    from tandv.track.torch._workspace import Workspace
+    from tandv.track.torch import summary as kernel
+    from tandv.track.torch._workspace import BatchLaunch, Workspace
 
     assert not _fused.INTERPRETED, "run without TRITON_INTERPRET"
 
@@ -689,7 +694,10 @@ def triton_worker(reps: int) -> None:
 
         @staticmethod
         def launcher_cls(src: Any, metadata: Any) -> Callable[..., None]:
-            return lambda *args: None
+            def launch(*args: Any) -> None:
+                last[:] = args
+
+            return launch
 
         def get_current_target(self) -> GPUTarget:
             return GPUTarget("cuda", 90, 32)
@@ -700,6 +708,7 @@ def triton_worker(reps: int) -> None:
         def get_current_stream(self, device: int | None = None) -> int:
             return 0
 
+    last: list[Any] = []  # (the C launcher's last arguments)
     driver.set_active(CompileOnlyDevice())
     spec = _fused.spec_for(torch.float32)
     layout = Layout("float32")
@@ -720,14 +729,37 @@ def triton_worker(reps: int) -> None:
         hook.space.used = 0  # (the same row every time: the buffer does not grow)
         assert hook.summarize(x) is not None
 
+    # a step's batch (53 tensors, as the benchmark model's weights): their sizes known
+    # from the batch's guard, so only their addresses are read
+    tensors = [torch.zeros(4096) for _ in range(53)]
+    sizes = tuple(t.numel() for t in tensors)
+    space = Workspace()._space(x.device)
+    many = BatchLaunch(space, spec, layout)
+
+    def batch_launch() -> None:
+        space.used = 0
+        assert many.summarize(tensors, sizes) is not None
+
     out = {}
-    for name, fn in (("triton_run_us_per_call", launch), ("hook_launch_us_per_call", hook_launch)):
-        for _ in range(100):  # compiles, then the prebuilt launcher serves
-            fn()
-        t0 = time.thread_time_ns()
-        for _ in range(reps):
-            fn()
-        out[name] = (time.thread_time_ns() - t0) / 1e3 / reps
+    with kernel.cpu_path("fused"):  # (CPU tensors stand for a device's)
+        batch_launch()  # the first launch: Triton binds the arguments itself
+        bound = list(last)
+        batch_launch()  # the next: the compiled kernel, called directly
+        # (the same arguments but the launch metadata and the launch hooks, which Triton
+        # passes as it finds them and the direct call as None where no profiler set any)
+        assert bound[:6] + bound[9:] == last[:6] + last[9:], (bound, last)
+        assert many.launchers, "the batch's launch never kept its compiled kernel"
+        for name, fn in (
+            ("triton_run_us_per_call", launch),
+            ("hook_launch_us_per_call", hook_launch),
+            ("batch_launch_us_per_call", batch_launch),
+        ):
+            for _ in range(100):  # compiles, then the prebuilt launcher serves
+                fn()
+            t0 = time.thread_time_ns()
+            for _ in range(reps):
+                fn()
+            out[name] = (time.thread_time_ns() - t0) / 1e3 / reps
     assert hook.compiled != [None, None], "the hook's launch never reached the compiled kernel"
     print(json.dumps(out))
 
@@ -788,7 +820,10 @@ def main(argv: list[str] | None = None) -> int:
                 "launch path per call (launch_one of a compiled sm_90 kernel through its "
                 "prebuilt launcher; Triton's C launcher and cuLaunchKernel excluded): "
                 f"{t['triton_run_us_per_call']:.2f} us; a hook's launch (row reserved, "
-                f"compiled kernel called directly): {t['hook_launch_us_per_call']:.2f} us"
+                f"compiled kernel called directly): {t['hook_launch_us_per_call']:.2f} us; "
+                "a batch's launch (53 tensors whose guard passed: addresses read, rows "
+                "reserved, compiled kernel called directly): "
+                f"{t['batch_launch_us_per_call']:.2f} us"
             )
     r = host_cost(
         cfg, size["batch"], args.steps, args.warmup, args.difference, host_only=args.host_only

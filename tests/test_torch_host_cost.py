@@ -150,10 +150,12 @@ def test_instrumented_puts_the_tracker_back_and_floor_hooks_replace_the_forward_
 
 def test_launch_path_worker_times_launch_one():
     """The benchmark's launch-path figures: ``launch_one`` of a kernel compiled for sm_90,
-    and a hook's launch (``HookLaunch.summarize``, the compiled kernel called through
-    Triton's launcher), with Triton's C launcher a no-op (no GPU needed), give a positive
-    time per call. Run so that a change of the launch code's signatures cannot leave the
-    figures unmeasured (or the hooks' compiled-kernel path unexercised)."""
+    a hook's launch (``HookLaunch.summarize``, the compiled kernel called through
+    Triton's launcher) and a batch's (``BatchLaunch.summarize``), with Triton's C launcher
+    a no-op (no GPU needed), give a positive time per call. Run so that a change of the
+    launch code's signatures cannot leave the figures unmeasured (or the hooks' and the
+    batches' compiled-kernel paths unexercised): the worker also checks that a batch's
+    direct launch hands the C launcher what Triton's own binding handed it."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
@@ -166,7 +168,8 @@ def test_launch_path_worker_times_launch_one():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.splitlines()[-1])
-    assert set(got) == {"triton_run_us_per_call", "hook_launch_us_per_call"}, got
+    want = {"triton_run_us_per_call", "hook_launch_us_per_call", "batch_launch_us_per_call"}
+    assert set(got) == want, got
     assert all(v > 0 for v in got.values()), got
 
 
