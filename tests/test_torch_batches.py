@@ -166,6 +166,7 @@ def test_a_tensor_guard_fails_at_every_change_a_batch_launch_depends_on():
     }
     for what, args in changed.items():
         assert not check(*args), what
+    assert tensor_guard([a, None]) is None  # (what it cannot guard: no guard, no error)
 
 
 def test_the_guard_is_tried_again_after_a_context_that_refused_its_test(monkeypatch):

@@ -1020,9 +1020,12 @@ def tensor_guard(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | None:
     guards = _guard_type()
     if guards is None:
         return None
-    check: Callable[..., bool] = guards(
-        *tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None
-    ).check
+    try:
+        check: Callable[..., bool] = guards(
+            *tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None
+        ).check
+    except (TypeError, RuntimeError):  # (a tensor it does not take: asked one by one)
+        return None
     return check
 
 
