@@ -432,7 +432,7 @@ class BatchLaunch:
         "table",
         "template",
         "slots",
-        "launchers",
+        "variants",
         "stream",
         "runtime",
     )
@@ -451,23 +451,20 @@ class BatchLaunch:
         self.ns: tuple[int, ...] = ()
         self.at: tuple[int, int] = (-1, -1)
         # (table and addresses on the device, programs, scratch rows, kernel variant)
-        self.table: tuple[torch.Tensor, torch.Tensor, int, int, Any] | None = None
+        self.table: tuple[torch.Tensor, torch.Tensor, int, int, list[Any]] | None = None
         # for the last sizes and rows: the table on the device, the tensors' addresses (an
         # array written at each move) and that array as a tensor, the programs, the scratch
-        # rows, and the kernel variants by alignment
+        # rows
         self.template: (
-            tuple[
-                torch.Tensor, ctypes.Array[ctypes.c_int64], torch.Tensor, int, int, dict[bool, Any]
-            ]
-            | None
+            tuple[torch.Tensor, ctypes.Array[ctypes.c_int64], torch.Tensor, int, int] | None
         ) = None
         self.slots: list[Slot] = []
-        # (compiled kernels) each kernel variant's compiled kernel, by the variant's id,
-        # after its first launch: later launches call Triton's launcher directly, as a
-        # hook's do. Its other pointer arguments are whole allocations (the table and the
-        # addresses on the device, the rows, the scratch, the value table), so the one
-        # alignment that varies, the tensors', is already the variant's
-        self.launchers: dict[int, tuple[Any, Any]] = {}
+        # the kernel variants by the tensors' 16-byte alignment: [compile-time arguments,
+        # compiled kernel once launched (compiled kernels: later launches call Triton's
+        # launcher directly, as a hook's do)]. The other pointer arguments are whole
+        # allocations (the table and the addresses on the device, the rows, the scratch,
+        # the value table), so the tensors' alignment is the only one that varies
+        self.variants: dict[bool, list[Any]] = {}
         # the raw current stream of a device, as Triton's launcher takes it; launch hooks
         self.stream: Any = None if fused.INTERPRETED else fused.driver.active.get_current_stream
         self.runtime: Any = None if fused.INTERPRETED else fused.knobs.runtime
@@ -523,31 +520,26 @@ class BatchLaunch:
             elif not same:  # the tensors moved: their addresses written into the table
                 self.table = self._table(ptrs, ns, first, False)
                 self.ptrs = ptrs
-            dev_table, dev_addrs, programs, parts, consts = self.table  # type: ignore[misc]
+            dev_table, dev_addrs, programs, parts, variant = self.table  # type: ignore[misc]
             rows = space.rows
             scratch = space.scratch
             if space.scratch_size < parts * _PART:
                 scratch = space.scratch_for(parts)
             lut = rows if self.lut is None else self.lut
             fused = self.fused
-            got = self.launchers.get(id(consts))
+            consts, compiled = variant
             runtime = self.runtime
-            if (
-                got is None
-                or got[0] is not consts
-                or fused.launch_hooked(runtime.launch_enter_hook, runtime.launch_exit_hook)
+            if compiled is None or fused.launch_hooked(
+                runtime.launch_enter_hook, runtime.launch_exit_hook
             ):  # the interpreter, a variant's first launch, or a profiler's hooks to call
-                compiled = fused._launch(
+                variant[1] = fused._launch(
                     fused._summarize_many,
                     programs,
                     (dev_table, dev_addrs, rows, scratch, lut, self.fmax),
                     consts,
                     (dev_table, dev_addrs, rows, scratch, lut),
                 )
-                if compiled is not None:
-                    self.launchers[id(consts)] = (consts, compiled)
             else:  # the compiled kernel, called directly (see _fused._launch)
-                compiled = got[1]
                 compiled.run(
                     programs, 1, 1, self.stream(self.device), compiled.function,
                     compiled.packed_metadata, None, None, None,
@@ -557,15 +549,16 @@ class BatchLaunch:
 
     def _table(
         self, ptrs: tuple[int, ...], ns: tuple[int, ...], first: int, moved: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, int, int, Any]:
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int, list[Any]]:
         """The launch's program table for tensors at ``ptrs`` of ``ns`` elements into rows
         from ``first``, the array of their addresses the kernel reads with it, its program
-        count, scratch rows and kernel variant. The table depends on the sizes and rows
-        alone: made (and on a GPU copied there) when they change (``moved``), with the
-        slots. The addresses are written again whenever the tensors move (gradients may
-        come back at new addresses every step): one array of a word per tensor, where
-        writing them into the table would touch each of its programs' rows (hundreds of
-        cache lines, each a miss on the cold caches between a step's model operations)."""
+        count, scratch rows and kernel variant (see ``variants``). The table depends on
+        the sizes and rows alone: made (and on a GPU copied there) when they change
+        (``moved``), with the slots. The addresses are written again whenever the
+        tensors move (gradients may come back at new addresses every step): one array of a
+        word per tensor, where writing them into the table would touch each of its
+        programs' rows (hundreds of cache lines, each a miss on the cold caches between a
+        step's model operations)."""
         fused, space, count = self.fused, self.space, len(ptrs)
         if moved or self.template is None:
             offsets = tuple(range(first, first + self.size * count, self.size))
@@ -575,24 +568,25 @@ class BatchLaunch:
             # numpy's on the cold caches of a step's end, ~10 of ~27 us on the 2-core CPU)
             addrs = (ctypes.c_int64 * count)()
             host = torch.frombuffer(addrs, dtype=torch.int64)
-            self.template = (table, addrs, host, len(layout), parts, {})
+            self.template = (table, addrs, host, len(layout), parts)
             self.slots = [_new_tuple(Slot, (off, self.kind)) for off in offsets]
-        table, addrs, host, programs, parts, consts_by = self.template
+        table, addrs, host, programs, parts = self.template
         # (on the CPU the kernel reads the array before the next move; a GPU its copy. A
         # tuple is as good as the list that typeshed's stub names: no list is made)
         addrs[:] = ptrs  # type: ignore[call-overload]
         if space.cuda:  # (not asked of the device: its first use in a step costs ~10 us)
             host = fused._to_device(host, space.device)
         aligned = fused._aligned(ptrs)
-        consts = consts_by.get(aligned)
-        if consts is None:
-            consts = consts_by[aligned] = fused._consts(
+        variant = self.variants.get(aligned)
+        if variant is None:
+            consts = fused._consts(
                 self.spec,
                 fused._over(self.spec, self.layout),
                 aligned=aligned,
                 hoff=fused._hoff(self.spec, self.layout),
             )
-        return table, host, programs, parts, consts
+            variant = self.variants[aligned] = [consts, None]
+        return table, host, programs, parts, variant
 
 
 class Flight:

@@ -265,6 +265,13 @@ class _Plan:
         self.launch: BatchLaunch | None = None
         self.prepared = False  # (whether ``launch`` was looked for)
 
+    def entries_for(self, raws: Any) -> tuple[tuple[TensorKey, Layout, Any], ...]:
+        """The entries of the summaries ``raws`` (the last ones again where the workspace
+        handed back the same slots: the same object)."""
+        if raws is not self.raws:
+            self.raws, self.entries = raws, tuple(zip(self.keys, self.layouts, raws))
+        return self.entries
+
 
 class Tracker(TrackerCore[Flight | None]):
     """Tracks one module (and optionally its optimizers) during training.
@@ -680,20 +687,49 @@ class Tracker(TrackerCore[Flight | None]):
         plan's launch, which then reads their addresses alone. That spares four of the five
         questions asked of each of the step's hundreds of tensors (about 0.1 microseconds
         each on the 2-core CPU)."""
-        if batch.guard is not None:
-            guarded = self._summaries_guarded(batch.guard, tensors)
-            if guarded is not None:
-                return guarded
+        guard = batch.guard
+        sizes: tuple[int, ...] | None
+        # (a guard is made only where the launch took the tensors: never with several ranks
+        # or custom statistics, which a tracker keeps for its life)
+        if guard is not None and guard[0](*tensors):
+            plan, sizes = guard[1], guard[2]
+        else:
+            batch.guard = sizes = None
+            found = self._batch_plan(batch, tensors)
+            if found is None:
+                return self._summaries(
+                    [
+                        (name, kind, owner, t)
+                        for name, kind, owner, t in zip(
+                            batch.names, batch.kinds, batch.owners, tensors
+                        )
+                        if t is not None and t.is_floating_point()
+                    ]
+                )
+            plan = found
+            if plan.keep is not None:
+                tensors = [tensors[i] for i in plan.keep]
+        launch = plan.launch
+        if launch is not None:  # (of plain tensors of one dtype, two or more: one group)
+            if launch.space.cuda and torch.cuda.is_current_stream_capturing():
+                raise _capture_error(plan.first)
+            raws = launch.summarize(tensors, sizes)
+            if raws is not None:
+                if sizes is None and plan.keep is None:  # (every item a tensor it took)
+                    check = tensor_guard(tensors)
+                    if check is not None:
+                        batch.guard = (check, plan, launch.ns)
+                return plan.entries_for(raws)
             batch.guard = None
+        return self._summarize_plan(plan, tensors) if tensors else []
+
+    def _batch_plan(self, batch: _Batch, tensors: Sequence[Any]) -> _Plan | None:
+        """The plan of ``batch``'s ``tensors`` by their dtypes, made at their first step
+        (told by two passes that run in C); ``None`` where they take the general path
+        (not all plain tensors, custom statistics, several ranks)."""
         types = set(map(type, tensors))
         if self._ranks is not None or self.stat_fns or not types <= _PLAIN_TYPES:
-            return self._summaries(
-                [
-                    (name, kind, owner, t)
-                    for name, kind, owner, t in zip(batch.names, batch.kinds, batch.owners, tensors)
-                    if t is not None and t.is_floating_point()
-                ]
-            )
+            return None
         dtypes = tuple(map(_dtype_of, tensors))
         plan = batch.plans.get(dtypes)
         if plan is None:
@@ -707,41 +743,7 @@ class Tracker(TrackerCore[Flight | None]):
                 tuple(dtypes[i] for i in keep),
             )
             plan.keep = None if len(keep) == len(tensors) else keep
-        if plan.keep is not None:
-            tensors = [tensors[i] for i in plan.keep]
-        launch = plan.launch
-        if launch is not None:  # (of plain tensors of one dtype, two or more: one group)
-            if launch.space.cuda and torch.cuda.is_current_stream_capturing():
-                raise _capture_error(plan.first)
-            raws = launch.summarize(tensors)
-            if raws is not None:
-                if plan.keep is None:  # (every item a tensor the launch took)
-                    check = tensor_guard(tensors)
-                    if check is not None:
-                        batch.guard = (check, plan, launch.ns)
-                if raws is not plan.raws:  # (the same slots: the same entries)
-                    plan.raws, plan.entries = raws, tuple(zip(plan.keys, plan.layouts, raws))
-                return plan.entries
-        return self._summarize_plan(plan, tensors) if tensors else []
-
-    def _summaries_guarded(
-        self, guard: tuple[Callable[..., bool], _Plan, tuple[int, ...]], tensors: Sequence[Any]
-    ) -> Sequence[tuple[TensorKey, Layout, Slot]] | None:
-        """:meth:`_summaries_batch` of tensors that pass a batch's ``guard`` (its check,
-        the plan of the tensors it was made of, their sizes): their launch reads only
-        their addresses. ``None`` where they do not pass, or the launch declines them."""
-        check, plan, sizes = guard
-        launch = plan.launch
-        if launch is None or self._ranks is not None or self.stat_fns or not check(*tensors):
-            return None
-        if launch.space.cuda and torch.cuda.is_current_stream_capturing():
-            raise _capture_error(plan.first)
-        raws = launch.summarize(tensors, sizes)
-        if raws is None:
-            return None
-        if raws is not plan.raws:  # (the same slots: the same entries)
-            plan.raws, plan.entries = raws, tuple(zip(plan.keys, plan.layouts, raws))
-        return plan.entries
+        return plan
 
     def _plan(
         self,
@@ -795,9 +797,7 @@ class Tracker(TrackerCore[Flight | None]):
                     raws = launch.summarize(tensors)
             if raws is None:
                 raws = self._workspace.summaries(tensors, layouts[0], no_extras)
-            if raws is not plan.raws:  # (the same slots: the same entries)
-                plan.raws, plan.entries = raws, tuple(zip(keys, layouts, raws))
-            return plan.entries
+            return plan.entries_for(raws)
         merged: list[Any] = [None] * len(tensors)
         for lay, idx in groups:
             got = self._workspace.summaries([tensors[i] for i in idx], lay, no_extras[: len(idx)])
