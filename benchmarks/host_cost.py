@@ -763,6 +763,19 @@ def triton_worker(reps: int) -> None:
                 fn()
             out[name] = (time.thread_time_ns() - t0) / 1e3 / reps
     assert hook.compiled != [None, None], "the hook's launch never reached the compiled kernel"
+    # launch_one's prebuilt launchers are told apart by pointer alignment: a view 4 bytes
+    # into the tensor gets a kernel of its own, and its later launches (the prebuilt
+    # launcher) hand Triton's launcher what Triton's binding handed it at the first
+    with kernel.cpu_path("fused"):
+        kept, off = dict(_fused._launchers), x[1:]
+        _fused.launch_one(off, spec, layout, rows, 0, scratch, 64)
+        bound = list(last)
+        _fused.launch_one(off, spec, layout, rows, 0, scratch, 64)
+        assert bound[:6] + bound[9:] == last[:6] + last[9:], (bound, last)
+        added = [v for k, v in _fused._launchers.items() if k not in kept]
+        assert len(added) == 1 and all(added[0] is not v for v in kept.values()), (
+            "a misaligned tensor did not get a launcher of its own"
+        )
     print(json.dumps(out))
 
 

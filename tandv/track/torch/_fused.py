@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache, cached_property
@@ -1810,6 +1811,8 @@ def _consts(
     return _Consts(kw, tail)
 
 
+_dtype = operator.attrgetter("dtype")
+
 #: Prebuilt launchers: the compiled kernel of each variant, device and pointer alignment.
 _launchers: dict[tuple[Any, ...], Any] = {}
 
@@ -1829,19 +1832,23 @@ def _launch(
     kernel directly, keyed by everything Triton specializes these kernels on: the variant
     (compile-time arguments), the device, and the element type and 16-byte alignment of
     each pointer ``ptrs`` (every integer argument is ``do_not_specialize``, floats never
-    are)."""
+    are). The kernel is keyed by its identity (the module's kernels live as long as the
+    module): a Triton kernel's own hash is a Python method that takes a lock, about a
+    microsecond a launch."""
     if INTERPRETED:
         kernel[(programs,)](*args, **consts.kwargs)
         return None
-    device = ptrs[0].device.index
-    key = (kernel, consts, device, *((t.dtype, t.data_ptr() % 16 == 0) for t in ptrs))
+    aligned = 0  # (bit i from the right: pointer i from the end is 16-byte aligned)
+    for address in map(torch.Tensor.data_ptr, ptrs):
+        aligned += aligned + (address % 16 == 0)
+    key = (id(kernel), consts, ptrs[0].device.index, *map(_dtype, ptrs), aligned)
     compiled = _launchers.get(key)
     if compiled is None:
         compiled = kernel[(programs,)](*args, **consts.kwargs)
         if compiled is not None:  # (None: a compile-only stand-in)
             _launchers[key] = compiled
         return compiled
-    stream = driver.active.get_current_stream(device)
+    stream = driver.active.get_current_stream(key[2])
     full = (*args, *consts.tail)
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     if launch_hooked(enter, leave):
