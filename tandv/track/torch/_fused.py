@@ -1841,14 +1841,15 @@ def _launch(
     aligned = 0  # (bit i from the right: pointer i from the end is 16-byte aligned)
     for address in map(torch.Tensor.data_ptr, ptrs):
         aligned += aligned + (address % 16 == 0)
-    key = (id(kernel), consts, ptrs[0].device.index, *map(_dtype, ptrs), aligned)
+    device = ptrs[0].device.index
+    key = (id(kernel), consts, device, *map(_dtype, ptrs), aligned)
     compiled = _launchers.get(key)
     if compiled is None:
         compiled = kernel[(programs,)](*args, **consts.kwargs)
         if compiled is not None:  # (None: a compile-only stand-in)
             _launchers[key] = compiled
         return compiled
-    stream = driver.active.get_current_stream(key[2])
+    stream = driver.active.get_current_stream(device)
     full = (*args, *consts.tail)
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     if launch_hooked(enter, leave):
