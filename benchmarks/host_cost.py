@@ -658,6 +658,18 @@ def triton_launch_us(reps: int) -> dict[str, float]:
     return json.loads(run.stdout.splitlines()[-1])
 
 
+def _bound_then_direct(launch: Callable[[], None], last: list[Any]) -> None:
+    """Launch twice: at the first Triton binds the arguments itself, at the second the kept
+    compiled kernel is called directly; both must hand Triton's C launcher (which keeps its
+    arguments in ``last``) the same arguments, but the launch metadata and the launch hooks
+    (Triton passes them as it finds them, the direct call ``None`` where no profiler set
+    any)."""
+    launch()
+    bound = list(last)
+    launch()
+    assert bound[:6] + bound[9:] == last[:6] + last[9:], (bound, last)
+
+
 def triton_worker(reps: int) -> None:
     """The subprocess of :func:`triton_launch_us`: compile ``_summarize_one`` and
     ``_summarize_many`` for float32 on sm_90, then time ``kernel[grid](...)``, a hook's
@@ -742,12 +754,7 @@ def triton_worker(reps: int) -> None:
 
     out = {}
     with kernel.cpu_path("fused"):  # (CPU tensors stand for a device's)
-        batch_launch()  # the first launch: Triton binds the arguments itself
-        bound = list(last)
-        batch_launch()  # the next: the compiled kernel, called directly
-        # (the same arguments but the launch metadata and the launch hooks, which Triton
-        # passes as it finds them and the direct call as None where no profiler set any)
-        assert bound[:6] + bound[9:] == last[:6] + last[9:], (bound, last)
+        _bound_then_direct(batch_launch, last)
         assert any(v[1] is not None for v in many.variants.values()), (
             "the batch's launch never kept its compiled kernel"
         )
@@ -768,10 +775,7 @@ def triton_worker(reps: int) -> None:
     # launcher) hand Triton's launcher what Triton's binding handed it at the first
     with kernel.cpu_path("fused"):
         kept, off = dict(_fused._launchers), x[1:]
-        _fused.launch_one(off, spec, layout, rows, 0, scratch, 64)
-        bound = list(last)
-        _fused.launch_one(off, spec, layout, rows, 0, scratch, 64)
-        assert bound[:6] + bound[9:] == last[:6] + last[9:], (bound, last)
+        _bound_then_direct(lambda: _fused.launch_one(off, spec, layout, rows, 0, scratch, 64), last)
         added = [v for k, v in _fused._launchers.items() if k not in kept]
         assert len(added) == 1 and all(added[0] is not v for v in kept.values()), (
             "a misaligned tensor did not get a launcher of its own"
