@@ -248,7 +248,7 @@ def test_rows_of_one_tensor_in_two_dtypes_merge_into_the_widest_or_stay_apart():
     """The recorder merges a tensor's float16 and float32 summaries of one step into the
     float32 layout exactly; a summary it cannot re-bin exactly keeps a row named by dtype."""
     from tandv.stats.summary import merge_all, summarize
-    from tandv.track.common.buffer import _merge_dtypes
+    from tandv.track.common.buffer import _KeyChecks, _merge_dtypes
 
     a = np.array([1.5, -2.0, 0.0, 6.0e-5, np.inf], dtype=np.float16)
     b = np.array([3.0e-30, -7.0, 1e30], dtype=np.float32)
@@ -256,15 +256,43 @@ def test_rows_of_one_tensor_in_two_dtypes_merge_into_the_widest_or_stay_apart():
     vb, lb = summarize(b)
     ka = TensorKey("fc", "Activation", "Linear", "float16")
     kb = TensorKey("fc", "Activation", "Linear", "float32")
-    ((key, layout, v),) = _merge_dtypes([(ka, la, va), (kb, lb, vb)])
+    ((key, layout, v),) = _merge_dtypes([(ka, la, va), (kb, lb, vb)], _KeyChecks())
     assert key == kb and layout == lb
     want = merge_all([summarize(a.astype(np.float32), "float32")[0], vb], lb)
     np.testing.assert_array_equal(v, want)
     # a float16-format summary that counted an underflow cannot be re-binned exactly
     vc, lc = summarize(np.array([1e-9, 2.0], dtype=np.float32), "float16")
     kc = TensorKey("fc", "Activation", "Linear", "float16")
-    got = _merge_dtypes([(kc, lc, vc), (kb, lb, vb)])
+    got = _merge_dtypes([(kc, lc, vc), (kb, lb, vb)], _KeyChecks())
     assert sorted(k.name for k, _, _ in got) == ["fc", "fc@float16"]
+
+
+def test_key_checks_answer_by_the_keys_not_by_the_last_answer():
+    """The step buffer's checks of a step's keys remember the last list that passed: a
+    later list equal to it passes without a set (equal keys of other objects too), and one
+    that differs anywhere is checked again, so a repeated tensor after steps without one
+    is still merged."""
+    from tandv.stats.summary import merge_all, summarize
+    from tandv.track.common.buffer import _KeyChecks, _merged
+
+    checks = _KeyChecks()
+    ka = TensorKey("fc", "Activation", "Linear", "float32")
+    kb = TensorKey("out", "Activation", "Linear", "float32")
+    assert checks.all_distinct([ka, kb]) and checks.one_dtype_each([ka, kb])
+    again = [TensorKey("fc", "Activation", "Linear", "float32"), kb]  # equal, not identical
+    assert checks.all_distinct(again) and checks.distinct is again
+    assert not checks.all_distinct([ka, ka]) and checks.distinct is again
+    assert not checks.one_dtype_each([ka, TensorKey("fc", "Activation", "Linear", "bfloat16")])
+    # the merge itself: a step with a repeated key after a step without one
+    x, y = np.array([1.0, -2.0], np.float32), np.array([4.0, 8.0, 0.5], np.float32)
+    (vx, lay), (vy, _) = summarize(x), summarize(y)
+    rows = np.stack([vx, vy])  # (a 2-D array of rows, as the fused path's to_host gives)
+    first = _merged(0, [(ka, lay, 0), (kb, lay, 1)], lambda s: rows[s], checks)
+    assert [k for k, _, _ in first] == [ka, kb]
+    np.testing.assert_array_equal(first[1][2], vy)
+    (merged,) = _merged(1, [(ka, lay, 0), (ka, lay, 1)], lambda s: rows[s], checks)
+    np.testing.assert_array_equal(merged[2], merge_all([vx, vy], lay))
+    np.testing.assert_allclose(merged[2], summarize(np.concatenate([x, y]))[0], rtol=1e-12)
 
 
 # ----------------------------------------------------- log paths and forgotten steps (issue 15)

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from pandas.testing import assert_frame_equal
 from torch import nn
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -19,7 +20,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from tandv.schema import SchemaError, read_parquet, validate  # noqa: E402
 from tandv.schema.writer import PartWriter, Rows  # noqa: E402
 from tandv.stats.summary import summarize  # noqa: E402
-from tandv.track.common.rows import TensorKey, build_rows, row_columns  # noqa: E402
+from tandv.track.common.rows import Scratch, TensorKey, build_rows, row_columns  # noqa: E402
 from tandv.track.torch import _fused, _workspace, track  # noqa: E402
 from tandv.track.torch import summary as kernel  # noqa: E402
 
@@ -83,6 +84,20 @@ def test_rows_go_to_parquet_as_their_dataframe_would(tmp_path):
     assert np.array_equal(
         back[("scalar_stats", "numel")].to_numpy(), frame[("scalar_stats", "numel")].to_numpy()
     )
+
+
+def test_rows_stacked_in_a_kept_scratch_are_the_rows_of_a_fresh_stack():
+    """The writer thread stacks each batch's summaries in one buffer it keeps: the rows
+    built there equal those built in a fresh array, and stay so when the next batch
+    overwrites the buffer (no column is a view of it)."""
+    steps, got = batch()
+    later = entries(11, [f"layer{i}" for i in range(len(got))])
+    scratch = Scratch()
+    first = row_columns(steps, got, scratch)
+    second = row_columns(steps, later, scratch)
+    assert_frame_equal(first.frame(), build_rows(steps, got))
+    assert_frame_equal(second.frame(), build_rows(steps, later))
+    assert not first.frame().equals(second.frame())
 
 
 def test_rows_that_break_the_schema_get_validates_error(tmp_path):

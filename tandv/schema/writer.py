@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -200,7 +201,11 @@ class Rows:
         for c, values in self.stats.items():
             arrays.append(pa.array(values))
             names.append(f"{SCALAR_STATS}.{c}")
-        keep: np.ndarray = np.asarray(self.counts.any(axis=0))
+        keep: np.ndarray = (
+            self._column_bits != 0
+            if self.counts.dtype == np.int64
+            else np.asarray(self.counts.any(axis=0))
+        )
         kept = [
             j for j, label in enumerate(self.labels) if keep[j] or label in (UNDERFLOW, OVERFLOW)
         ]
@@ -213,6 +218,14 @@ class Rows:
             arrays.append(block.slice(i * n, n))
             names.append(f"{EXPONENT_COUNTS}.{self.labels[j]}")
         return pa.Table.from_arrays(arrays, names=names)
+
+    @cached_property
+    def _column_bits(self) -> np.ndarray:
+        """Per exponent column, the bitwise OR of its int64 counts: nonzero where the column
+        holds a count, negative where one is negative. One pass over the counts (the widest
+        part of the rows) tells :meth:`conforms` and :meth:`table` both."""
+        bits: np.ndarray = np.bitwise_or.reduce(self.counts, axis=0)
+        return bits
 
     def conforms(self) -> bool:
         """Whether the rows certainly pass :func:`~tandv.schema.validate.validate`, told
@@ -233,7 +246,7 @@ class Rows:
             return False
         if self.steps.dtype != np.int64 or (n and self.steps.min() < 0):
             return False
-        if self.counts.dtype != np.int64 or (self.counts.size and self.counts.min() < 0):
+        if self.counts.dtype != np.int64 or (self.counts.size and self._column_bits.min() < 0):
             return False
         if not self.stats or not all(
             type(k) is str and k and v.dtype.kind in "if" and v.shape == (n,)

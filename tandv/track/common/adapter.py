@@ -104,10 +104,13 @@ class Adapter(Protocol[Transfer]):
         called where :meth:`to_host` is, just before it."""
         ...
 
-    def to_host(self, summaries: list[Any], transfer: Transfer) -> Sequence[np.ndarray]:
+    def to_host(
+        self, summaries: list[Any], transfer: Transfer
+    ) -> Sequence[np.ndarray] | np.ndarray:
         """The host summary vectors of ``summaries`` (from :meth:`observed`), read from their
-        ``transfer``, waiting for it where it has not arrived. With :attr:`defers_rows`
-        called on the log's writer thread."""
+        ``transfer``, waiting for it where it has not arrived: a sequence of vectors, or a
+        2-D float64 array of them (one row each). With :attr:`defers_rows` called on the
+        log's writer thread."""
         ...
 
     def scalar_capture(self) -> Capture | None:

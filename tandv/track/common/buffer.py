@@ -42,17 +42,53 @@ _float64 = partial(np.asarray, dtype=np.float64)
 _MODULE_ROWS = frozenset((ACTIVATION, GRADIENT))
 
 
+class _KeyChecks:
+    """The last list of a step's row keys found to hold no tensor twice, and the last found
+    to hold no tensor in two dtypes. A step's keys are most often the same objects in the
+    same order as the step before's, which a list comparison (identity first, in C) tells
+    in a fraction of the time a set of them takes (hundreds of keys a step, on the log's
+    writer thread).
+
+    Each answer is a property of the list's contents alone, so a list equal to a checked
+    one has it too; each is kept as one attribute, which the writer thread and the
+    training thread (a step committed where it ends) may both set, either being right."""
+
+    __slots__ = ("distinct", "one_dtype")
+
+    def __init__(self) -> None:
+        self.distinct: list[TensorKey] = []
+        self.one_dtype: list[TensorKey] = []
+
+    def all_distinct(self, keys: list[TensorKey]) -> bool:
+        """Whether no key of ``keys`` is there twice."""
+        if keys == self.distinct or len(set(keys)) == len(keys):
+            self.distinct = keys
+            return True
+        return False
+
+    def one_dtype_each(self, keys: list[TensorKey]) -> bool:
+        """Whether no tensor (name, tensor type, module type) has two keys in ``keys``."""
+        if keys == self.one_dtype or len(set(map(_tensor_of, keys))) == len(keys):
+            self.one_dtype = keys
+            return True
+        return False
+
+
 def _merged(
     step: int,
     pending: Sequence[tuple[TensorKey, Layout, Any]],
-    to_host: Callable[[list[Any]], Sequence[np.ndarray]],
+    to_host: Callable[[list[Any]], Sequence[np.ndarray] | np.ndarray],
+    checks: _KeyChecks,
 ) -> list[tuple[TensorKey, Layout, np.ndarray]]:
     """A step's observations on the host (one ``to_host`` call), those of the same tensor
     merged into one summary."""
     host = to_host(list(map(_summary_of, pending))) if pending else []
     keys = list(map(_key_of, pending))
-    if len(set(keys)) == len(keys):  # one observation per tensor (the common case)
-        return list(zip(keys, map(_layout_of, pending), map(_float64, host)))
+    if checks.all_distinct(keys):  # one observation per tensor (the common case)
+        # (a float64 array of rows, as the fused path's to_host gives, is iterated as it
+        # is: its rows are the vectors, with no conversion call per row)
+        vectors = host if _float64_rows(host) else map(_float64, host)
+        return list(zip(keys, map(_layout_of, pending), vectors))
     groups: dict[TensorKey, tuple[Layout, list[np.ndarray]]] = {}
     for (key, layout, _), v in zip(pending, host):
         if key in groups and groups[key][0] != layout:
@@ -67,15 +103,20 @@ def _merged(
     ]
 
 
+def _float64_rows(host: Any) -> bool:
+    """Whether ``host`` is a 2-D float64 numpy array (its rows are summary vectors)."""
+    return type(host) is np.ndarray and host.ndim == 2 and host.dtype == np.float64
+
+
 def _merge_dtypes(
-    entries: list[tuple[TensorKey, Layout, np.ndarray]],
+    entries: list[tuple[TensorKey, Layout, np.ndarray]], checks: _KeyChecks
 ) -> list[tuple[TensorKey, Layout, np.ndarray]]:
     """One row per tensor even when it was seen in several dtypes within a step (a shared
     module fed float32 and bfloat16): the observations merge into the layout of the widest
     format, which the row's dtype names. An observation that cannot be re-binned exactly
     (formats that do not nest, or a summary that counted values outside its own format)
     keeps a row of its own, named ``<name>@<dtype>``."""
-    if len(set(map(_tensor_of, map(_key_of, entries)))) == len(entries):
+    if checks.one_dtype_each(list(map(_key_of, entries))):
         return entries  # one dtype per tensor (the common case)
     by_tensor: dict[tuple[str, str, str], list[int]] = {}
     for i, (key, _, _) in enumerate(entries):
@@ -205,6 +246,7 @@ class StepBuffer:
         self._chunks: list[Sequence[tuple[TensorKey, Layout, Any]]] = []
         self._sizes: dict[int, tuple[Layout, int]] = {}  # bytes of a summary, by id(layout)
         self._bytes_by_id: dict[int, int] = {}  # the same bytes, by id(layout) alone
+        self._checks = _KeyChecks()  # (the common case's answers, by the keys of a step)
 
     def add(self, key: TensorKey, layout: Layout, summary: Any) -> None:
         """Record one observation of a tensor in the current step (a device summary).
@@ -340,7 +382,7 @@ class StepBuffer:
         self,
         step: int,
         pending: Sequence[tuple[TensorKey, Layout, Any]],
-        to_host: Callable[[list[Any]], Sequence[np.ndarray]],
+        to_host: Callable[[list[Any]], Sequence[np.ndarray] | np.ndarray],
         defer: bool = False,
         observe: Callable[[Sequence[Any]], Sequence[Any]] | None = None,
     ) -> int:
@@ -377,16 +419,17 @@ class StepBuffer:
         if not count and self.merger is None:
             return 0
         if defer and self.merger is None and self.inspect is None:
+            checks = self._checks
 
             def later() -> list[tuple[TensorKey, Layout, np.ndarray]]:
                 observed = pending if observe is None else observe(pending)
-                return _merge_dtypes(_merged(step, observed, to_host))
+                return _merge_dtypes(_merged(step, observed, to_host, checks), checks)
 
             self.stream.append(step, later)
             return count
         if observe is not None:
             pending = observe(pending)
-        local = _merged(step, pending, to_host)
+        local = _merged(step, pending, to_host, self._checks)
         if self.inspect is not None:
             self.inspect(step, local)
         if self.merger is not None:
@@ -394,11 +437,11 @@ class StepBuffer:
             if rank_log is not None:  # written whatever becomes of the merge
                 rank_log.raise_if_failed()
                 if local:
-                    rank_log.append(step, _merge_dtypes(local))
+                    rank_log.append(step, _merge_dtypes(local, self._checks))
             # before rows of several dtypes of one tensor merge: the rank merge is by key
             local = self.merger.merge(step, local)
             if not local:  # the writer's merge (on another rank), or a step with no rows
                 return 0
-        entries = _merge_dtypes(local)
+        entries = _merge_dtypes(local, self._checks)
         self.stream.append(step, entries)
         return len(entries)

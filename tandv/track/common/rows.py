@@ -27,7 +27,7 @@ from ...stats.summary import (
     finalize_many,
 )
 
-__all__ = ["TensorKey", "Entries", "build_rows", "row_columns"]
+__all__ = ["TensorKey", "Entries", "Scratch", "build_rows", "row_columns"]
 
 #: A step's merged host summaries: (row key, layout, summary vector) per row.
 Entries = list[tuple["TensorKey", Layout, np.ndarray]]
@@ -79,11 +79,32 @@ def build_rows(
     return row_columns(step, entries).frame()
 
 
+class Scratch:
+    """A float64 buffer that :func:`row_columns` stacks a batch's summaries in, kept from
+    one batch to the next by its caller (the log's writer thread): a fresh array of a
+    batch's summaries (megabytes) is new memory each time, which the kernel maps in page
+    by page, at a cost of the order of the copy itself."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0)
+
+    def take(self, size: int) -> np.ndarray:
+        """``size`` float64 values of the buffer (grown when it is smaller)."""
+        if self._buffer.size < size:
+            self._buffer = np.empty(size)
+        return self._buffer[:size]
+
+
 def row_columns(
-    step: int | Sequence[int] | np.ndarray, entries: Sequence[tuple[TensorKey, Layout, np.ndarray]]
+    step: int | Sequence[int] | np.ndarray,
+    entries: Sequence[tuple[TensorKey, Layout, np.ndarray]],
+    scratch: Scratch | None = None,
 ) -> Rows:
     """:func:`build_rows` as plain columns (:class:`~tandv.schema.writer.Rows`), which
-    the log's writer stores without a DataFrame."""
+    the log's writer stores without a DataFrame. ``scratch``: where the summaries are
+    stacked (none of the rows' columns is a view of it); ``None``: a new array."""
     n = len(entries)
     steps = (
         np.full(n, step, dtype=np.int64)
@@ -108,7 +129,11 @@ def row_columns(
     for layout, rows in groups.items():
         # (concatenated, then shaped: np.stack costs two Python steps per row)
         vectors = [entries[r][2] for r in rows]
-        st, c = finalize_many(np.concatenate(vectors).reshape(len(rows), layout.size), layout)
+        stacked = None if scratch is None else scratch.take(len(rows) * layout.size)
+        stacked = np.concatenate(vectors, out=stacked)
+        # (finalize_many's statistics and counts are arrays of their own, never views of
+        # the stack, which the next batch overwrites)
+        st, c = finalize_many(stacked.reshape(len(rows), layout.size), layout)
         if len(rows) == n:  # one layout (the common case): every row, no index
             for k, a in st.items():
                 stats[k][:] = a

@@ -35,7 +35,7 @@ from ...schema.writer import (
     prepare_directory,
     release_claim,
 )
-from .rows import Entries, build_rows, row_columns
+from .rows import Entries, Scratch, build_rows, row_columns
 from .scalars import Capture, Pending, ScalarRecorder, check_scalar_args, plain_scalar
 
 if TYPE_CHECKING:
@@ -375,6 +375,7 @@ class LogStream:
         self._last_flush = time.monotonic()
 
     def _write_loop(self) -> None:
+        scratch = Scratch()  # (the batches' summaries, stacked in the same memory each time)
         while True:
             batch = self._queue.get()
             try:
@@ -388,6 +389,7 @@ class LogStream:
                             [len(entries) for _, entries in done],
                         ),
                         [entry for _, entries in done for entry in entries],
+                        scratch,
                     )
                     assert self.writer is not None  # only the writing rank buffers rows
                     self.writer.write(rows)

@@ -104,7 +104,9 @@ class TorchAdapter:
     def observed(self, pending: Sequence[Observation]) -> Sequence[Observation]:
         return pending  # every observation of a recorded step took place
 
-    def to_host(self, summaries: list[Any], transfer: Flight | None) -> list[np.ndarray]:
+    def to_host(
+        self, summaries: list[Any], transfer: Flight | None
+    ) -> list[np.ndarray] | np.ndarray:
         return to_host(summaries, transfer)
 
     def scalar_capture(self) -> Capture:

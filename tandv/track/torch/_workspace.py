@@ -920,13 +920,29 @@ def _write_one(
         space.rows[a : a + len(names)].copy_(extras_vector(extras, names, space.device))
 
 
-def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> list[np.ndarray]:
+def to_host(
+    summaries: Sequence[np.ndarray | Slot], flight: Flight | None
+) -> list[np.ndarray] | np.ndarray:
     """A step's summaries as finished layout vectors on the host: the host path's as they
     are, the :class:`Slot` s from their devices' rows (``flight``, waited for if needed);
     rows of one device, dtype and layout are finished together. (The tracker calls it on
     the log's writer thread, where its time is taken from the training thread's share of
-    the interpreter: a row costs a few builtin passes, the Python loop is over row kinds.)"""
+    the interpreter: a row costs a few builtin passes, the Python loop is over row kinds.)
+
+    Where every summary is a slot and all are finished together (a step of one dtype and
+    layout, the common case), the result is the float64 array of the finished rows, one
+    row per summary in order: a sequence of vectors as the list is, without a Python
+    object per row until a reader asks for one."""
     host = flight.wait() if flight is not None else {}
+    if summaries and set(map(type, summaries)) == _SLOT_ONLY:
+        distinct = set(map(_kind_of, summaries))
+        if len({k.group for k in distinct}) == 1:
+            kind = next(iter(distinct))
+            offsets = np.fromiter(map(_offset_of, summaries), np.int64, len(summaries))
+            rows = _finished(_gather(host[kind.device], offsets, kind.size), kind)
+            if flight is not None:
+                flight.release()
+            return rows
     out: list[Any] = list(summaries)
     positions = np.flatnonzero([type(s) is Slot for s in summaries])
     if positions.size:
@@ -940,18 +956,21 @@ def to_host(summaries: Sequence[np.ndarray | Slot], flight: Flight | None) -> li
         gids = np.fromiter(map(number.__getitem__, kinds), np.intp, len(kinds))
         for g, kind in groups.values():
             members = np.flatnonzero(gids == g)
-            rows = _gather(host[kind.device], offsets[members], kind.size)
-            if kind.spec is None:
-                done = finish_raw(rows, np)
-            else:
-                from . import _fused
-
-                done = _fused.finish_rows(rows, kind.spec, kind.layout)
+            done = _finished(_gather(host[kind.device], offsets[members], kind.size), kind)
             for i, v in zip(positions[members].tolist(), done):
                 out[i] = v
     if flight is not None:
         flight.release()
     return out
+
+
+def _finished(rows: np.ndarray, kind: RowKind) -> np.ndarray:
+    """The layout vectors of ``rows`` (2-D, gathered from a device's rows) of ``kind``."""
+    if kind.spec is None:
+        return finish_raw(rows, np)
+    from . import _fused
+
+    return _fused.finish_rows(rows, kind.spec, kind.layout)
 
 
 def _gather(values: np.ndarray, offsets: np.ndarray, size: int) -> np.ndarray:
@@ -987,6 +1006,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types fused_spec may take
 _PLAIN_TYPES = frozenset(_PLAIN)
 _device_of = attrgetter("device")
 _offset_of = itemgetter(0)  # of a Slot
+_SLOT_ONLY = {Slot}
 _kind_of = itemgetter(1)
 _group_of = attrgetter("group")  # of a RowKind
 _dtype_of = attrgetter("dtype")
