@@ -125,7 +125,8 @@ def row_columns(
             labels.setdefault(lab, len(labels))
     stats = {k: np.full(n, np.nan) for k in stat_names if k not in COUNT_STATS}
     stats.update({k: np.zeros(n, np.int64) for k in COUNT_STATS})
-    counts = np.zeros((n, len(labels)), dtype=np.int64)
+    # (a batch of one layout takes finalize_many's counts as they are: no array here)
+    counts = np.zeros((n, len(labels)) if len(groups) > 1 else (0, 0), dtype=np.int64)
     for layout, rows in groups.items():
         # (concatenated, then shaped: np.stack costs two Python steps per row)
         vectors = [entries[r][2] for r in rows]
@@ -137,11 +138,7 @@ def row_columns(
         if len(rows) == n:  # one layout (the common case): every row, no index
             for k, a in st.items():
                 stats[k][:] = a
-            cols = [labels[lab] for lab in exponent_labels(layout.format)]
-            if cols == list(range(len(labels))):
-                counts = c
-            else:
-                counts[:, cols] = c
+            counts = c  # (the labels are this layout's, in its order)
             continue
         idx = np.asarray(rows, dtype=np.intp)
         for k, a in st.items():

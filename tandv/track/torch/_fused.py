@@ -2441,7 +2441,7 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
         "p4": col[P4] * r2 * r2,
         "p8": col[P8] * (r2 * r2) ** 2,
     }
-    fold, above = _fold(spec, layout.format.name)
+    fold, above, runs, unwritten = _folding(spec, layout)
     hist = rows[:, HEADER : HEADER + spec.nbd]
     # the summaries are written into one array, column block by column block, rather than
     # packed from parts (their stack and concatenation were half of this function's time
@@ -2459,8 +2459,8 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
         # whole 0/1 matrix (a BLAS call that took most of a step's finishing), and the
         # one-exponent runs copied as slices (``np.add.reduceat`` over them cost the writer
         # thread about a millisecond per step of 300 rows)
-        counts[...] = 0.0
-        for first, end, to, summed in _fold_runs(spec, layout.format.name):
+        counts[:, unwritten] = 0.0
+        for first, end, to, summed in runs:
             if summed:
                 counts[:, to] = hist[:, first:end].sum(axis=1)
             else:
@@ -2501,6 +2501,30 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
     out[:, layout.higher_start] = xp.where(has, m3, 0.0) * (r2 * r)
     out[:, layout.higher_start + 1] = xp.where(has, m4, 0.0) * (r2 * r2)
     return out
+
+
+#: :func:`_folding`'s answers by (id(spec), id(layout)), with the two (kept alive by it)
+_foldings: dict[tuple[int, int], tuple[Spec, Layout, Any]] = {}
+
+
+def _folding(
+    spec: Spec, layout: Layout
+) -> tuple[np.ndarray, int, tuple[tuple[int, int, int, bool], ...], np.ndarray]:
+    """:func:`_fold` and :func:`_fold_runs` of ``spec`` and ``layout``'s format, and the
+    format's count bins no run writes (zero in every row), found by the identities of the
+    two: finishing a step's rows asks once per row kind, and hashing a Spec (a torch
+    dtype among its fields) costs about ten microseconds on the writer thread."""
+    got = _foldings.get((id(spec), id(layout)))
+    if got is None or got[0] is not spec or got[1] is not layout:
+        fold, above = _fold(spec, layout.format.name)
+        runs = _fold_runs(spec, layout.format.name)
+        written = np.zeros(fold.shape[1], bool)
+        for first, end, to, summed in runs:
+            written[to : to + (1 if summed else end - first)] = True
+        unwritten = np.flatnonzero(~written)
+        got = _foldings[(id(spec), id(layout))] = (spec, layout, (fold, above, runs, unwritten))
+    folding: tuple[np.ndarray, int, tuple[tuple[int, int, int, bool], ...], np.ndarray] = got[2]
+    return folding
 
 
 @cache
