@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -172,6 +173,66 @@ def test_finishing_rows_on_the_host_folds_as_the_device_does(dtype, fmt):
     np.testing.assert_allclose(host, device, rtol=1e-12, equal_nan=True)
 
 
+@pytest.mark.parametrize(
+    "dtype, fmt, extras",
+    [
+        (torch.float32, "float32", ()),
+        (torch.float32, "bfloat16", ()),
+        (torch.float16, "float32", (("peak", "max"), ("scale", "mean"))),
+        (torch.bfloat16, "float8_e4m3fn", ()),
+        (torch.float64, "float64", ()),
+    ],
+)
+def test_compiled_finishing_gives_numpys_summaries_bit_for_bit(dtype, fmt, extras):
+    """The writer thread finishes a step's rows in one compiled call, reading each where it
+    lies in the step's buffer; numpy's ``finish_rows`` of the same rows gathered is the
+    reference: the same values, every bit, in rows that exercise each branch (no element,
+    only NaN and inf, non-finite values read as zeros and no zero, a zero maximum, counts
+    above the format's top exponent, 2**E at float64's end)."""
+    from tandv.stats.summary import Layout
+    from tandv.track.torch import _finish
+
+    spec = _fused.spec_for(dtype)
+    layout = Layout(fmt, extras=extras)
+    assert _finish.takes(spec, layout)
+    size = _fused.row_size(spec, layout)
+    rng = np.random.default_rng(5)
+    n = 12
+    rows = rng.standard_normal((n, size)) * 10.0 ** rng.integers(-5, 5, (n, 1))
+    counts = [_fused.N_READ, _fused.NAN, _fused.INF, _fused.ZERO, _fused.OVER]
+    rows[:, counts] = rng.integers(0, 4, (n, len(counts)))
+    rows[:, _fused.N_READ] += 50.0
+    rows[:, _fused.MAX_ABS] = np.abs(rows[:, _fused.MAX_ABS])
+    rows[5, _fused.MAX_ABS] = 1.7e308 if dtype == torch.float64 else 3.0e38
+    # the kernel's scale: 2**E about the largest magnitude
+    rows[:, _fused.SCALE_EXP] = np.ceil(np.log2(rows[:, _fused.MAX_ABS]))
+    rows[:, _fused.HEADER : _fused.HEADER + spec.nbd] = rng.integers(0, 9, (n, spec.nbd))
+    rows[0, counts] = 0.0  # no element
+    rows[1, _fused.N_READ] = rows[1, _fused.NAN] + rows[1, _fused.INF]  # only NaN and inf
+    rows[2, [_fused.NAN, _fused.ZERO, _fused.MIN]] = (2.0, 0.0, 0.5)  # patched minimum
+    rows[3, [_fused.INF, _fused.ZERO, _fused.MAX]] = (1.0, 0.0, -0.25)  # patched maximum
+    rows[4, [_fused.MAX_ABS, _fused.SCALE_EXP]] = 0.0
+    # the rows where a step's buffer holds them: out of order, with gaps
+    offsets = (rng.permutation(n) * (size + 7) + 3).astype(np.int64)
+    values = rng.standard_normal(int(offsets.max()) + size + 5)
+    for r, o in enumerate(offsets):
+        values[o : o + size] = rows[r]
+    got = _finish.finish_at(values, offsets, spec, layout)
+    want = _fused.finish_rows(rows, spec, layout)
+    assert got.shape == want.shape == (n, layout.size)
+    np.testing.assert_array_equal(got.view(np.int64), want.view(np.int64))
+
+
+def test_compiled_finishing_leaves_block_formats_and_higher_moments_to_numpy():
+    from tandv.stats.blocks import block_extras
+    from tandv.stats.summary import Layout
+    from tandv.track.torch import _finish
+
+    spec = _fused.spec_for(torch.float32)
+    assert not _finish.takes(spec, Layout("float32", moments=4))
+    assert not _finish.takes(spec, Layout("float32", extras=block_extras(["mxfp8_e4m3"])))
+
+
 @pytest.fixture
 def fused_path():
     with kernel.cpu_path("fused"):
@@ -196,6 +257,39 @@ def test_plain_batches_summarize_as_the_general_path(fused_path, monkeypatch, tm
     assert [(k, lay) for k, lay, _ in fast] == [(k, lay) for k, lay, _ in slow]
     for a, b in zip(fast_host, slow_host):
         assert np.array_equal(a, b, equal_nan=True)
+
+
+def test_the_trackers_start_loads_the_finishing_its_writer_calls(fused_path, tmp_path):
+    """A tracker on the fused path loads the compiled finishing of rows when it starts (its
+    first load in a process holds the interpreter ~0.3 s: not mid-training in the writer),
+    in the one specialization the writer then calls; the rows it finishes are numpy's."""
+    from tandv.track.torch import _finish
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    calls: list[tuple[Any, ...]] = []
+    finish = _finish._finish
+
+    def spy(*args: Any) -> None:
+        calls.append(args)
+        finish(*args)
+
+    try:
+        with track(net, opt, verbose=False, out=tmp_path / "log") as tr:
+            assert len(finish.signatures) == 1  # loaded at the start
+            signatures = list(finish.signatures)
+            _finish._finish = spy
+            for _ in range(3):
+                net(torch.randn(5, 8)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                tr.step()
+    finally:
+        _finish._finish = finish
+    assert len(calls) == 3 and finish.signatures == signatures  # no other one compiled
+    log = read_parquet(tmp_path / "log")
+    assert len(log) == sum(len(args[1]) for args in calls)  # every row finished there
 
 
 def test_a_parameter_moved_into_the_optimizer_is_captured_once(fused_path, tmp_path):

@@ -643,8 +643,16 @@ class Workspace:
 
     def prepare(self, device: torch.device) -> None:
         """Make ready what the first summary on ``device`` needs, outside any hook: its row
-        buffer, and the value tables of the 8-bit formats on the device (their copy from the
-        host waits for the device, which a hook must not do)."""
+        buffer, the value tables of the 8-bit formats on the device (their copy from the
+        host waits for the device, which a hook must not do), and, for a device whose rows
+        take the fused kernel, the compiled finishing of its rows on the host (loading it
+        holds the interpreter for about a third of a second, once per process: at the
+        tracker's start rather than in the writer thread's first batch, mid-training)."""
+        if fused_spec(torch.empty(0, device=device)) is None:
+            return
+        from . import _finish
+
+        _finish.warm()
         if device.type != "cuda":
             return
         self._space(device)
@@ -939,7 +947,7 @@ def to_host(
         if len({k.group for k in distinct}) == 1:
             kind = next(iter(distinct))
             offsets = np.fromiter(map(_offset_of, summaries), np.int64, len(summaries))
-            rows = _finished(_gather(host[kind.device], offsets, kind.size), kind)
+            rows = _finished(host[kind.device], offsets, kind)
             if flight is not None:
                 flight.release()
             return rows
@@ -956,7 +964,7 @@ def to_host(
         gids = np.fromiter(map(number.__getitem__, kinds), np.intp, len(kinds))
         for g, kind in groups.values():
             members = np.flatnonzero(gids == g)
-            done = _finished(_gather(host[kind.device], offsets[members], kind.size), kind)
+            done = _finished(host[kind.device], offsets[members], kind)
             for i, v in zip(positions[members].tolist(), done):
                 out[i] = v
     if flight is not None:
@@ -964,13 +972,18 @@ def to_host(
     return out
 
 
-def _finished(rows: np.ndarray, kind: RowKind) -> np.ndarray:
-    """The layout vectors of ``rows`` (2-D, gathered from a device's rows) of ``kind``."""
+def _finished(values: np.ndarray, offsets: np.ndarray, kind: RowKind) -> np.ndarray:
+    """The layout vectors (float64, one row each) of the rows of ``kind`` at ``offsets`` of
+    ``values`` (a device's rows on the host): the fused kernel's rows in one compiled call
+    where :func:`~tandv.track.torch._finish.takes` them, the others gathered, then
+    finished with numpy."""
     if kind.spec is None:
-        return finish_raw(rows, np)
-    from . import _fused
+        return finish_raw(_gather(values, offsets, kind.size), np)
+    from . import _finish, _fused
 
-    return _fused.finish_rows(rows, kind.spec, kind.layout)
+    if _finish.takes(kind.spec, kind.layout):
+        return _finish.finish_at(values, offsets, kind.spec, kind.layout)
+    return _fused.finish_rows(_gather(values, offsets, kind.size), kind.spec, kind.layout)
 
 
 def _gather(values: np.ndarray, offsets: np.ndarray, size: int) -> np.ndarray:
