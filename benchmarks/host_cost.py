@@ -18,7 +18,11 @@ training thread (the global forward pre-hook that captures weights, the optimize
 pre- and post-hooks, ``tracker.step()``). The clock is read once before each reading starts, so that
 its own first-call cost on cold caches is not charged to tandv. Not included: torch's cost
 of calling a Python hook at all (``Module.__call__``'s hook loop, autograd's call into
-Python), which any hook pays. The writer thread's CPU time per step is printed beside them.
+Python), which any hook pays. The writer thread's CPU time per step is printed beside them,
+and the training thread's time per step not running (its wall time less its CPU time):
+the time it waited for the interpreter while the writer thread held it (on a GPU host,
+where cores are plenty, what the writer costs the step), or, on a busy machine, for a
+core.
 
 Python's cyclic garbage collector is paused during the timed steps: a collection runs in
 whatever code allocates when it falls due, and a full one walks every object of the
@@ -485,6 +489,7 @@ def host_cost(
     # per timed step: its hooks' time per call, and its time outside the hooks (us)
     per_call: list[float] = []
     per_step: list[float] = []
+    waited: list[float] = []  # per timed step: its wall time less its CPU time (us)
     mode = NoCompute() if host_only else None
     with instrumented(clock, floor, host_only), tempfile.TemporaryDirectory() as tmp:
         with track(model, opt, out=Path(tmp) / "log", verbose=False) as tracker:
@@ -501,7 +506,7 @@ def host_cost(
                 bare_ns = (
                     _timed_step(bare, bare_opt, data, i, mode) if bare is not None and i % 2 else 0
                 )
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.thread_time_ns()
                 before = clock.snapshot()
                 tracked_ns = _timed_step(model, opt, data, i, mode)
                 if clock.on:  # the step's activations and output (not parameter) gradients
@@ -521,6 +526,8 @@ def host_cost(
                     per_call.append((ns - clock.tare * calls) / 1e3 / max(calls, 1))
                     per_step.append((fixed_ns - clock.tare * fixed_calls) / 1e3)
                 step_ms.append((time.perf_counter() - t0) * 1e3)
+                if clock.on:  # the step's time not running (waiting for the interpreter)
+                    waited.append(step_ms[-1] * 1e3 - (time.thread_time_ns() - cpu0) / 1e3)
                 if bare is not None:
                     if not i % 2:
                         bare_ns = _timed_step(bare, bare_opt, data, i, mode)
@@ -540,6 +547,8 @@ def host_cost(
         "host_us_fixed_per_step": statistics.median(per_step),
         "host_us_fixed_per_step_mean": (clock.us("fixed") + clock.us("inside")) / steps,
         "writer_us_per_step": writer * 1e6 / steps,
+        "waited_us_per_step": statistics.mean(waited),
+        "waited_us_most": max(waited),
         "launches_per_step": launches / (warmup + steps),
         "step_ms_median": statistics.median(step_ms[warmup:]),
         "clock_tare_us": clock.tare / 1e3,
@@ -857,7 +866,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{r['objects_kept_per_hook_call']:.1f} garbage-collected objects; tracked step "
         f"{r['step_ms_median']:.1f} ms (median, the model's own CPU "
         f"{'dispatch, no compute' if args.host_only else 'compute'} included); "
-        f"writer thread {r['writer_us_per_step']:.0f} us CPU per step; "
+        f"writer thread {r['writer_us_per_step']:.0f} us CPU per step, the training thread "
+        f"not running (waiting for the interpreter the writer held, or for a core) "
+        f"{r['waited_us_per_step']:.0f} us per step (mean; {r['waited_us_most']:.0f} in the "
+        f"step that waited most); "
         f"clock cost {r['clock_tare_us']:.2f} us per timed call (subtracted); means over "
         f"all timed steps: {r['host_us_per_observation_mean']:.2f} us per hook call, "
         f"{r['host_us_fixed_per_step_mean']:.0f} us per step"
