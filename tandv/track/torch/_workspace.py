@@ -617,10 +617,12 @@ class Flight:
 
     def release(self) -> None:
         """Done with the rows: a CPU space's buffer, taken by the flight, is zeroed and
-        handed back to its space as a spare."""
+        handed back to its space as a spare. (Zeroed by numpy, one thread: torch's
+        ``zero_`` would take torch's thread pool, which the training thread's operations
+        use, from the writer thread.)"""
         for _, host, used, space in self._copies:
             if isinstance(space, _Space):
-                host[:used].zero_()
+                host[:used].numpy().fill(0.0)
                 space.spares.append(host)
         self._copies = []
 
