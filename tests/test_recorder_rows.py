@@ -87,18 +87,43 @@ def test_rows_go_to_parquet_as_their_dataframe_would(tmp_path):
     )
 
 
-def test_rows_stacked_in_a_kept_scratch_are_the_rows_of_a_fresh_stack():
-    """The writer thread stacks each batch's summaries in one buffer it keeps: the rows
-    built there equal those built in a fresh array, and stay so when the next batch
-    overwrites the buffer (no column is a view of it)."""
+def test_rows_built_in_a_kept_scratch_are_the_rows_of_fresh_arrays():
+    """The writer thread stacks each batch's summaries, and rounds a one-layout batch's
+    counts, in memory it keeps: the rows built there equal those built in fresh arrays;
+    their statistics are arrays of their own (the next batch leaves them as they were),
+    their counts are the scratch's (reused by the next batch, after the writer has written
+    the rows)."""
     steps, got = batch()
     later = entries(11, [f"layer{i}" for i in range(len(got))])
     scratch = Scratch()
     first = row_columns(steps, got, scratch)
+    first_frame = first.frame()
+    stats = {k: v.copy() for k, v in first.stats.items()}
     second = row_columns(steps, later, scratch)
-    assert_frame_equal(first.frame(), build_rows(steps, got))
+    assert_frame_equal(first_frame, build_rows(steps, got))
     assert_frame_equal(second.frame(), build_rows(steps, later))
-    assert not first.frame().equals(second.frame())
+    assert not first_frame.equals(second.frame())
+    for k, v in first.stats.items():
+        np.testing.assert_array_equal(v, stats[k])
+    # one layout: its counts were rounded into the scratch, and are again
+    one = [e for e in got if e[1] is got[0][1]]
+    a = row_columns(np.arange(len(one)), one, scratch)
+    b = row_columns(np.arange(len(one)), one, scratch)
+    assert np.shares_memory(a.counts, b.counts)
+    np.testing.assert_array_equal(b.counts, row_columns(np.arange(len(one)), one).counts)
+
+
+def test_finalize_many_rounds_counts_into_the_array_given():
+    from tandv.stats.summary import finalize_many
+
+    v, layout = summarize(np.array([1.0, -3.0, 0.25, 1e-30], np.float32))
+    rows = np.stack([v, v])
+    out = np.full((2, layout.num_counts), -1, np.int64)
+    st, counts = finalize_many(rows, layout, counts_out=out)
+    assert counts is out
+    np.testing.assert_array_equal(out, finalize_many(rows, layout)[1])
+    with pytest.raises(ValueError, match=r"counts_out.*int64 array of shape \(2, "):
+        finalize_many(rows, layout, counts_out=np.zeros((2, 3), np.int64))
 
 
 def test_rows_that_break_the_schema_get_validates_error(tmp_path):

@@ -852,7 +852,10 @@ def _group_extras(
 
 
 def finalize_many(
-    v: np.ndarray, layout: Layout | None = None, moments: int = 2
+    v: np.ndarray,
+    layout: Layout | None = None,
+    moments: int = 2,
+    counts_out: np.ndarray | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """:func:`finalize` of a stack of summaries of one layout (rows of ``v``), vectorized.
 
@@ -860,10 +863,14 @@ def finalize_many(
     every column after the core (as :func:`merge_groups` and :func:`unfinalize_many` make
     them from a log's exponent columns), and with ``moments=4`` end with ``m3``, ``m4``.
 
+    ``counts_out``: an int64 array of ``(rows, num_counts)`` to round the exponent counts
+    into (the log's writer keeps one from batch to batch: a fresh one is megabytes of new
+    memory each time); ``None``: a new array.
+
     Returns:
         ``(stats, counts)``: ``stats`` maps each statistic name to an array over the rows
         (int64 for counts, float64 otherwise); ``counts`` is the ``(rows, num_counts)`` int64
-        array of exponent counts.
+        array of exponent counts (``counts_out`` where given).
     """
     v = np.atleast_2d(np.asarray(v, dtype=np.float64))
     col = unpack_fields(v)
@@ -899,7 +906,16 @@ def finalize_many(
     for j, (name, _) in enumerate(extras):
         stats[name] = v[:, ends + j].copy()
     # rounded straight into int64 (one pass over the counts, the widest part of a row)
-    counts = np.empty((v.shape[0], ends - N_CORE), dtype=np.int64)
+    shape = (v.shape[0], ends - N_CORE)
+    if counts_out is None:
+        counts = np.empty(shape, dtype=np.int64)
+    elif counts_out.shape != shape or counts_out.dtype != np.int64:
+        raise ValueError(
+            f"finalize_many(counts_out=...): expected an int64 array of shape {shape}; got "
+            f"{counts_out.dtype} {counts_out.shape}"
+        )
+    else:
+        counts = counts_out
     np.rint(v[:, N_CORE:ends], out=counts, casting="unsafe")
     return stats, counts
 
