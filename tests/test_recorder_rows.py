@@ -113,6 +113,50 @@ def test_rows_built_in_a_kept_scratch_are_the_rows_of_fresh_arrays():
     np.testing.assert_array_equal(b.counts, row_columns(np.arange(len(one)), one).counts)
 
 
+def test_step_period_finds_blocks_of_one_step_with_the_same_values():
+    from tandv.schema.writer import step_period
+
+    names = ["a", "b", "c"]
+    steps = np.repeat(np.array([4, 5, 7], np.int64), 3)
+    assert step_period(steps, names * 3, ["x"] * 9) == 3
+    assert step_period(steps[:3], names) == 3  # one step: one block
+    assert step_period(steps, names * 2 + ["a", "c", "b"]) == 0  # another order
+    assert step_period(steps, tuple(names * 3)) == 0  # not a list: not read
+    assert step_period(np.array([4, 4, 5, 5, 5, 7], np.int64), names * 2) == 0  # sizes
+    assert step_period(np.array([4, 5, 5, 4, 5, 5], np.int64), ["a", "b"] * 3) == 0
+    assert step_period(np.zeros(0, np.int64), []) == 0
+
+
+def test_rows_in_blocks_of_one_step_are_checked_and_written_as_any_rows(tmp_path):
+    """Rows of steps that logged the same tensors (the writer's common batch) build and
+    check each block's strings once; the part holds what the general path writes, and
+    conforms() still says no to what validate rejects inside that shape."""
+    steps, got = batch()  # three steps, the same six tensors in the same order
+    rows = row_columns(steps, got)
+    assert rows._period == 6 and rows.conforms()
+    general = Rows(**{**_fields(rows), "names": tuple(rows.names)})  # (not a list: no period)
+    assert general._period == 0
+    assert rows.table().schema.equals(general.table().schema)
+    assert_frame_equal(rows.table().to_pandas(), general.table().to_pandas())
+    cases = {
+        # a step's block logged twice: a repeated (name, tensor_type, step)
+        "repeated step": {"steps": np.repeat(np.array([0, 3, 0], np.int64), 6)},
+        # a tensor twice within each block
+        "repeated row": {"names": ["layer0", "layer1", "layer0", *rows.names[3:6]] * 3},
+        # an unknown dtype in one block only: no period, the full check
+        "one block's dtype": {"dtypes": [*rows.dtypes[:12], "float33", *rows.dtypes[13:]]},
+    }
+    for what, change in cases.items():
+        broken = Rows(**{**_fields(rows), **change})
+        assert not broken.conforms(), what
+        with pytest.raises(SchemaError):
+            validate(broken.frame())
+
+
+def _fields(rows: Rows) -> dict[str, Any]:
+    return {f: getattr(rows, f) for f in Rows.__dataclass_fields__}
+
+
 def test_finalize_many_rounds_counts_into_the_array_given():
     from tandv.stats.summary import finalize_many
 

@@ -142,6 +142,31 @@ def check_suffix(path: Path, out_format: str) -> None:
         )
 
 
+def step_period(steps: np.ndarray, *columns: Sequence[Any]) -> int:
+    """The length ``p`` of the blocks rows come in when each block is one step's and holds
+    the same values of ``columns`` in the same order as the first (a batch of steps that
+    each logged the same tensors, a training loop's steady state); 0 where they do not
+    (or there are no rows). The steps are compared by numpy, each column block by block
+    by a list comparison, which compares each value's identity first: a few microseconds
+    for thousands of rows, where building or checking every row's strings costs hundreds.
+    Columns that are not lists give 0."""
+    n = len(steps)
+    if not n or not all(type(c) is list and len(c) == n for c in columns):
+        return 0
+    later = np.flatnonzero(steps != steps[0])
+    p = int(later[0]) if later.size else n
+    if n % p:
+        return 0
+    blocks = steps.reshape(n // p, p)
+    if not (blocks == blocks[:, :1]).all():
+        return 0
+    for c in columns:
+        first = c[:p]
+        if any(c[i : i + p] != first for i in range(p, n, p)):
+            return 0
+    return p
+
+
 @dataclass(frozen=True)
 class Rows:
     """Log rows as plain columns, before any DataFrame: what a tracker's recorder builds
@@ -195,8 +220,14 @@ class Rows:
         values as :func:`~tandv.schema.io.write_parquet` stores for :meth:`frame`."""
         arrays: list[pa.Array] = []
         names: list[str] = []
+        p, n = self._period, len(self)
         for c, values in self._meta().items():
-            arrays.append(pa.array(values) if c == "step" else pa.array(values, pa.string()))
+            if c == "step":
+                arrays.append(pa.array(values))
+            elif p and n > p:  # one block's strings, repeated (see step_period)
+                arrays.append(pa.concat_arrays([pa.array(values[:p], pa.string())] * (n // p)))
+            else:
+                arrays.append(pa.array(values, pa.string()))
             names.append(f"{METADATA}.{c}")
         for c, values in self.stats.items():
             arrays.append(pa.array(values))
@@ -212,12 +243,17 @@ class Rows:
         # the kept columns alone (most exponent columns are empty: transposing them all cost
         # the writer thread more than the rest of the table), one contiguous run each of
         # one Arrow array (an Arrow array per numpy column costs ~10 us each, per part)
-        n = len(self)
         block = pa.array(self.counts.T[kept].reshape(-1))
         for i, j in enumerate(kept):
             arrays.append(block.slice(i * n, n))
             names.append(f"{EXPONENT_COUNTS}.{self.labels[j]}")
         return pa.Table.from_arrays(arrays, names=names)
+
+    @cached_property
+    def _period(self) -> int:
+        """:func:`step_period` of the rows' steps and string columns: the rows' strings
+        repeat every so many rows, one step per block (0: they do not)."""
+        return step_period(self.steps, self.names, self.types, self.tensor_types, self.dtypes)
 
     @cached_property
     def _column_bits(self) -> np.ndarray:
@@ -234,15 +270,24 @@ class Rows:
         numeric statistics, no repeated column and no repeated (name, tensor_type, step)).
         ``False`` says only that the full check must decide."""
         n = len(self)
-        string_cols = (self.names, self.types, self.tensor_types, self.dtypes)
+        string_cols: tuple[Sequence[str], ...] = (
+            self.names,
+            self.types,
+            self.tensor_types,
+            self.dtypes,
+        )
         if any(len(c) != n for c in string_cols) or self.counts.shape != (n, len(self.labels)):
             return False
+        p = self._period  # (a block's strings are every block's: each is asked once)
+        if p:
+            string_cols = tuple(c[:p] for c in string_cols)
         for col in string_cols:
             if not all(type(v) is str for v in set(col)):
                 return False
-        if not set(self.tensor_types) <= set(TENSOR_TYPES):
+        _, _, tensor_types, dtypes = string_cols
+        if not set(tensor_types) <= set(TENSOR_TYPES):
             return False
-        if not all(_float_dtype_name(d) for d in set(self.dtypes)):
+        if not all(_float_dtype_name(d) for d in set(dtypes)):
             return False
         if self.steps.dtype != np.int64 or (n and self.steps.min() < 0):
             return False
@@ -261,6 +306,10 @@ class Rows:
             or not all(is_exponent_label(x) or x in (UNDERFLOW, OVERFLOW) for x in labels)
         ):
             return False
+        if p:  # one step per block: distinct blocks' steps, distinct rows within a block
+            firsts = self.steps[::p]
+            names, _, tensor_types, _ = string_cols
+            return len(np.unique(firsts)) == len(firsts) and len(set(zip(names, tensor_types))) == p
         return len(set(zip(self.names, self.tensor_types, self.steps.tolist()))) == n
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from ...schema.columns import OVERFLOW, TENSOR_TYPES, UNDERFLOW
-from ...schema.writer import Rows
+from ...schema.writer import Rows, step_period
 from ...stats.summary import (
     COUNT_STATS,
     DEFAULT_STATS,
@@ -170,12 +170,15 @@ def row_columns(
         if at != list(range(len(labels))):
             counts = counts[:, at]
     keys = list(map(_key_of, entries))
+    # (steps that logged the same tensors in the same order: one step's strings, repeated)
+    period = step_period(steps, keys)
+    block, times = (keys[:period], n // period) if period else (keys, 1)
     return Rows(
-        names=list(map(_name_of, keys)),
-        types=list(map(_module_type_of, keys)),
-        tensor_types=list(map(_tensor_type_of, keys)),
+        names=list(map(_name_of, block)) * times,
+        types=list(map(_module_type_of, block)) * times,
+        tensor_types=list(map(_tensor_type_of, block)) * times,
         steps=steps,
-        dtypes=list(map(_dtype_of, keys)),
+        dtypes=list(map(_dtype_of, block)) * times,
         stats={k: stats[k] for k in stat_names},
         labels=order,
         counts=counts,
