@@ -170,6 +170,26 @@ def test_finalize_many_rounds_counts_into_the_array_given():
         finalize_many(rows, layout, counts_out=np.zeros((2, 3), np.int64))
 
 
+def test_parts_encode_the_metadata_by_dictionary_and_the_numbers_plainly(tmp_path):
+    """A part's metadata columns (names, types, steps: repeated from row to row) are
+    dictionary-encoded; its statistics and counts are not (building dictionaries of values
+    that seldom repeat cost most of a write); the part reads back as the rows."""
+    steps, got = batch()
+    rows = row_columns(steps, got)
+    w = PartWriter(tmp_path / "log")
+    w.write(rows)
+    (part,) = (tmp_path / "log").glob("*.parquet")
+    meta = pq.ParquetFile(part).metadata
+    group = meta.row_group(0)
+    for i in range(meta.num_columns):
+        column = group.column(i)
+        dictionary = any("DICTIONARY" in e for e in column.encodings)
+        assert dictionary == column.path_in_schema.startswith("metadata."), column
+    back = read_parquet(tmp_path / "log")
+    assert back[("metadata", "name")].tolist() == list(rows.names)
+    np.testing.assert_array_equal(back[("scalar_stats", "mean")], rows.stats["mean"])
+
+
 def test_rows_that_break_the_schema_get_validates_error(tmp_path):
     """Rows the fast check cannot vouch for are checked as a DataFrame: a repeated
     (name, tensor_type, step) is refused with the error validate gives."""

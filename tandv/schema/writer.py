@@ -29,7 +29,6 @@ import ml_dtypes
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from .columns import (
     EXPONENT_COUNTS,
@@ -42,7 +41,6 @@ from .columns import (
 )
 from .io import (
     PICKLE_SUFFIXES,
-    ROW_GROUP_ROWS,
     RUN_ATTR,
     atomic_write,
     concat_logs,
@@ -51,6 +49,7 @@ from .io import (
     pickle_bytes,
     seal_part,
     write_parquet,
+    write_part_table,
 )
 from .validate import is_exponent_label, validate
 
@@ -421,9 +420,7 @@ class PartWriter(LogWriter):
         table = seal_part(rows.table(), self.run)
         atomic_write(
             self.path / f"part-{self._parts:06d}.parquet",
-            lambda tmp: pq.write_table(
-                table, tmp, row_group_size=ROW_GROUP_ROWS, write_page_checksum=True
-            ),
+            lambda tmp: write_part_table(table, tmp),
         )
         self._parts += 1
         self.rows_written += len(rows)
