@@ -139,23 +139,24 @@ def row_columns(
             labels.setdefault(lab, len(labels))
     stats = {k: np.full(n, np.nan) for k in stat_names if k not in COUNT_STATS}
     stats.update({k: np.zeros(n, np.int64) for k in COUNT_STATS})
-    # (a batch of one layout takes finalize_many's counts as they are: no array here)
-    counts = np.zeros((n, len(labels)) if len(groups) > 1 else (0, 0), dtype=np.int64)
+    # one layout (the common case): its rows are every row, and finalize_many's counts are
+    # the rows' counts as they are (rounded into the scratch where there is one); several:
+    # each layout's counts go into one array of every label
+    one = len(groups) == 1
+    counts = np.zeros((0, 0) if one else (n, len(labels)), dtype=np.int64)
     for layout, rows in groups.items():
         # (concatenated, then shaped: np.stack costs two Python steps per row)
         vectors = [entries[r][2] for r in rows]
         stacked = None if scratch is None else scratch.stack(len(rows) * layout.size)
         stacked = np.concatenate(vectors, out=stacked)
-        kept = None
-        if scratch is not None and len(groups) == 1:
-            kept = scratch.counts(len(rows), layout.num_counts)
+        kept = scratch.counts(n, layout.num_counts) if one and scratch is not None else None
         # (finalize_many's statistics are arrays of their own, never views of the stack,
         # which the next batch overwrites)
         st, c = finalize_many(stacked.reshape(len(rows), layout.size), layout, counts_out=kept)
-        if len(rows) == n:  # one layout (the common case): every row, no index
+        if one:  # (the labels are this layout's, in its order)
             for k, a in st.items():
                 stats[k][:] = a
-            counts = c  # (the labels are this layout's, in its order)
+            counts = c
             continue
         idx = np.asarray(rows, dtype=np.intp)
         for k, a in st.items():

@@ -14,8 +14,6 @@ thread is the bottleneck, and each call hands the lock over and back). One call 
 
 from __future__ import annotations
 
-from typing import Any
-
 import numba
 import numpy as np
 import torch
@@ -63,7 +61,7 @@ def finish_at(
     float64 ``values`` (a step's rows on the host), rows of ``spec``'s tensors in
     ``layout`` (:func:`takes` must hold): :func:`~tandv.track.torch._fused.finish_rows`
     of the gathered rows, value for value."""
-    _, above, runs, unwritten = _fused._folding(spec, layout)
+    _, above, _, runs, unwritten = _fused._folding(spec, layout)
     out = np.empty((len(offsets), layout.size))
     _finish(
         values,
@@ -72,7 +70,7 @@ def finish_at(
         _fused.HEADER,
         spec.nbd,
         above,
-        _runs_array(runs),
+        runs,
         unwritten,
         layout.counts_start,
         layout.format.num_bins,
@@ -90,18 +88,6 @@ def warm() -> None:
     assert spec is not None
     layout = Layout(number_format("float32"))
     finish_at(np.zeros(_fused.row_size(spec, layout)), np.zeros(1, np.int64), spec, layout)
-
-
-_run_arrays: dict[int, tuple[Any, np.ndarray]] = {}
-
-
-def _runs_array(runs: tuple[tuple[int, int, int, bool], ...]) -> np.ndarray:
-    """The fold's runs as an int64 array ``(first, end, bin, summed)`` per row (by the
-    identity of the cached tuple)."""
-    got = _run_arrays.get(id(runs))
-    if got is None or got[0] is not runs:
-        got = _run_arrays[id(runs)] = (runs, np.array(runs, dtype=np.int64).reshape(-1, 4))
-    return got[1]
 
 
 @numba.njit(cache=True, nogil=True)

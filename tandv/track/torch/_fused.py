@@ -2441,7 +2441,7 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
         "p4": col[P4] * r2 * r2,
         "p8": col[P8] * (r2 * r2) ** 2,
     }
-    fold, above, runs, unwritten = _folding(spec, layout)
+    fold, above, runs, _, unwritten = _folding(spec, layout)
     hist = rows[:, HEADER : HEADER + spec.nbd]
     # the summaries are written into one array, column block by column block, rather than
     # packed from parts (their stack and concatenation were half of this function's time
@@ -2507,23 +2507,33 @@ def finish_rows(rows: Any, spec: Spec, layout: Layout, xp: Any = np) -> Any:
 _foldings: dict[tuple[int, int], tuple[Spec, Layout, Any]] = {}
 
 
-def _folding(
-    spec: Spec, layout: Layout
-) -> tuple[np.ndarray, int, tuple[tuple[int, int, int, bool], ...], np.ndarray]:
-    """:func:`_fold` and :func:`_fold_runs` of ``spec`` and ``layout``'s format, and the
-    format's count bins no run writes (zero in every row), found by the identities of the
-    two: finishing a step's rows asks once per row kind, and hashing a Spec (a torch
-    dtype among its fields) costs about ten microseconds on the writer thread."""
+#: What :func:`_folding` gives: the fold matrix, the first dtype exponent above the
+#: format, the runs (:func:`_fold_runs`), the same runs as an int64 array of rows (what
+#: compiled code reads), and the format's count bins no run writes.
+_Folding = tuple[np.ndarray, int, tuple[tuple[int, int, int, bool], ...], np.ndarray, np.ndarray]
+
+
+def _folding(spec: Spec, layout: Layout) -> _Folding:
+    """:func:`_fold` and :func:`_fold_runs` of ``spec`` and ``layout``'s format, the runs
+    as an array, and the format's count bins no run writes (zero in every row), found by
+    the identities of the two: finishing a step's rows asks once per row kind, and hashing
+    a Spec (a torch dtype among its fields) costs about ten microseconds on the writer
+    thread."""
     got = _foldings.get((id(spec), id(layout)))
     if got is None or got[0] is not spec or got[1] is not layout:
         fold, above = _fold(spec, layout.format.name)
         runs = _fold_runs(spec, layout.format.name)
+        table = np.array(runs, dtype=np.int64).reshape(-1, 4)
         written = np.zeros(fold.shape[1], bool)
         for first, end, to, summed in runs:
             written[to : to + (1 if summed else end - first)] = True
         unwritten = np.flatnonzero(~written)
-        got = _foldings[(id(spec), id(layout))] = (spec, layout, (fold, above, runs, unwritten))
-    folding: tuple[np.ndarray, int, tuple[tuple[int, int, int, bool], ...], np.ndarray] = got[2]
+        got = _foldings[(id(spec), id(layout))] = (
+            spec,
+            layout,
+            (fold, above, runs, table, unwritten),
+        )
+    folding: _Folding = got[2]
     return folding
 
 
