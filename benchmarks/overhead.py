@@ -31,6 +31,7 @@ Usage::
     python benchmarks/overhead.py --compile --every 1 10          # both models model.compile()'d
     python benchmarks/overhead.py --block-formats mxfp8_e4m3 nvfp4  # cost of block_formats
     python benchmarks/overhead.py --every 1 --moments             # the cost of moments=4
+    python benchmarks/overhead.py --kernel-calls                  # CPU: the host kernel by call
 
 With ``--block-formats`` or ``--moments`` three copies step in turn, untracked, tracked and
 tracked with that option, and the script prints both tracked copies' ratios to the
@@ -216,6 +217,72 @@ def overhead(
         out["graphs_after_warmup"] = graphs_after_warmup + _compile_count("unique_graphs")
         out["graph_breaks"] = float(sum(_compile_counters()["graph_break"].values()))
     return out
+
+
+def kernel_calls(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> list[dict[str, Any]]:
+    """Where a tracked CPU step's host-kernel time goes, by kind of call: each call of
+    ``host_summaries`` timed inside the step (wall clock), then made again at once on the
+    same arrays, and the last step's calls made once more after the loop, on the
+    tracker's own arrays (outside any step). One row per kind of call (the count of arrays
+    and the first one's shape): calls and elements per step, and ns per element of the
+    medians over the timed steps, summed over the step's calls of that kind. The first
+    figure against the second tells what a call pays for arrays not in cache; against the
+    third, what the step around it costs the call."""
+    model, opt, data = _trainer(cfg, batch, 0, "cpu")
+    real = torch_summary.host_summaries
+    step_calls: list[tuple[tuple[int, tuple[int, ...]], int, float, float]] = []
+    last: list[Any] = []
+
+    def timed(arrays: Any, layout: Any, threads: int = 1) -> Any:
+        t0 = time.perf_counter()
+        out = real(arrays, layout, threads)
+        t1 = time.perf_counter()
+        real(arrays, layout, threads)
+        t2 = time.perf_counter()
+        kind = (len(arrays), tuple(arrays[0].shape))
+        step_calls.append((kind, sum(a.size for a in arrays), t1 - t0, t2 - t1))
+        last.append((list(arrays), layout, threads))
+        return out
+
+    per_call: dict[int, list[tuple[tuple[int, tuple[int, ...]], int, float, float]]] = {}
+    after: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        with track(model, opt, out=Path(tmp) / "log", verbose=False) as tracker:
+            torch_summary.host_summaries = timed
+            try:
+                for i in range(warmup + steps):
+                    step_calls.clear()
+                    last.clear()
+                    _step(model, opt, data, i)
+                    tracker.step()
+                    if i >= warmup:
+                        for j, call in enumerate(step_calls):
+                            per_call.setdefault(j, []).append(call)
+            finally:
+                torch_summary.host_summaries = real
+            for arrays, layout, threads in last:  # (the gradients still held: none zeroed)
+                best = math.inf
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    real(arrays, layout, threads)
+                    best = min(best, time.perf_counter() - t0)
+                after.append(best)
+    rows: dict[tuple[int, tuple[int, ...]], dict[str, Any]] = {}
+    for j, got in sorted(per_call.items()):
+        kind, n = got[0][0], got[0][1]
+        row = rows.setdefault(
+            kind, {"arrays": kind[0], "shape": kind[1], "calls": 0, "elements": 0,
+                   "first_s": 0.0, "again_s": 0.0, "after_s": 0.0},
+        )  # fmt: skip
+        row["calls"] += 1
+        row["elements"] += n
+        row["first_s"] += statistics.median(c[2] for c in got)
+        row["again_s"] += statistics.median(c[3] for c in got)
+        row["after_s"] += after[j] if j < len(after) else math.nan
+    for row in rows.values():
+        for key in ("first", "again", "after"):
+            row[f"{key}_ns"] = row.pop(f"{key}_s") * 1e9 / row["elements"]
+    return sorted(rows.values(), key=lambda r: -r["elements"] * r["first_ns"])
 
 
 def variant_cost(
@@ -639,6 +706,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--memory", action="store_true", help="measure RSS growth and close time instead"
     )
+    p.add_argument(
+        "--kernel-calls",
+        action="store_true",
+        help="CPU, instead: the host kernel's time per kind of call, inside the tracked step, "
+        "again at once, and after the loop",
+    )
     p.add_argument("--long-steps", type=int, default=1000)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument(
@@ -782,6 +855,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {k}: {v:.4g}")
         return 0
     cfg, batch = _model(args)
+    if args.kernel_calls:
+        if args.device != "cpu":
+            p.error("--kernel-calls: the host kernel runs for CPU tensors (--device cpu)")
+        print(f"{cfg}, batch {batch}, AdamW, cpu: the host kernel per kind of call")
+        print("arrays  first shape       calls  M elements  ns per element: in the step, "
+              "again, after the loop")  # fmt: skip
+        for r in kernel_calls(cfg, batch, args.steps, args.warmup):
+            print(
+                f"{r['arrays']:6d}  {str(r['shape']):16s}  {r['calls']:5d}  "
+                f"{r['elements'] / 1e6:10.2f}  {r['first_ns']:.3f}, {r['again_ns']:.3f}, "
+                f"{r['after_ns']:.3f}"
+            )
+        return 0
     variant: dict[str, Any] = {}
     if args.block_formats:
         variant["block_formats"] = tuple(args.block_formats)

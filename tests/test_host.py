@@ -1,5 +1,7 @@
 """The compiled host kernel (tandv.stats.host) against the numpy reference summarize."""
 
+import math
+
 import ml_dtypes
 import numba
 import numpy as np
@@ -184,6 +186,27 @@ def test_kernel_benchmark_runs_in_its_tiny_mode(capsys):
     out = capsys.readouterr().out
     assert "exponent counts" in out and "bfloat16" in out
     assert float(out.strip().splitlines()[-1].split(": ")[1]) > 0
+
+
+def test_overhead_benchmark_times_the_kernel_by_call_in_tiny_mode(capsys):
+    """``benchmarks/overhead.py --kernel-calls`` on a tiny GPT: the batches of a step
+    (weights, gradients, the two Adam moments) read four times the model's parameters,
+    each activation hook one tensor, and every figure is a time."""
+    import torch
+
+    bench = load_benchmark("overhead")
+    tiny = "--layers 1 --d-model 16 --heads 2 --mlp 32 --vocab 32 --seq 8 --batch 2"
+    cfg, batch = bench._model(bench._parser().parse_args(tiny.split()))
+    rows = bench.kernel_calls(cfg, batch, steps=2, warmup=1)
+    torch.manual_seed(0)
+    params = sum(p.numel() for p in bench.GPT(cfg).parameters())
+    assert sum(r["elements"] for r in rows if r["arrays"] > 1) == 4 * params
+    hooks = [r for r in rows if r["arrays"] == 1]
+    assert hooks and all(r["elements"] == r["calls"] * math.prod(r["shape"]) for r in hooks)
+    for r in rows:
+        assert all(0 < r[k] < 1e6 for k in ("first_ns", "again_ns", "after_ns")), r
+    assert bench.main(tiny.split() + "--steps 2 --warmup 1 --kernel-calls".split()) == 0
+    assert "ns per element: in the step, again, after the loop" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("threads", [1, 2])
