@@ -82,8 +82,14 @@ def test_host_cost_benchmark_tiny_mode():
     assert tensors == 4 * params  # weights, gradients, AdamW's two moments (not its step)
     assert 0 < float(step_floor.group(2)) < y
     # and again with what tandv asks of each (a positive time)
-    asked = re.search(r"floor per step asking each of them what tandv asks .*: ([0-9.]+) us", out)
+    asked = re.search(
+        r"floor per step asking each of them what tandv asks .*?: ([0-9.]+) us; "
+        r"tandv's step above it: (-?[0-9]+) us",
+        out,
+    )
     assert asked and float(asked.group(1)) > 0, out
+    # the difference of the printed step figure and that floor (rounded: within 1 us)
+    assert abs(int(asked.group(2)) - (y - float(asked.group(1)))) <= 1, out
 
 
 def test_host_cost_benchmark_host_only_tiny_mode():
