@@ -223,15 +223,16 @@ def kernel_calls(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> list[di
     """Where a tracked CPU step's host-kernel time goes, by kind of call: each call of
     ``host_summaries`` timed inside the step (wall clock), then made again at once on the
     same arrays, and the last step's calls made once more after the loop, on the
-    tracker's own arrays (outside any step). One row per kind of call (the count of arrays
-    and the first one's shape): calls and elements per step, and ns per element of the
-    medians over the timed steps, summed over the step's calls of that kind. The first
-    figure against the second tells what a call pays for arrays not in cache; against the
-    third, what the step around it costs the call."""
+    tracker's own arrays (outside any step; the least of 5). One row per kind of call (the
+    count of arrays and the first one's shape): its calls and elements in the last step,
+    and ns per element of its calls' time per step (the median over the timed steps, and
+    after the loop the last step's). The first figure against the second tells what a
+    call pays for arrays not in cache; against the third, what the step around it costs
+    the call."""
     model, opt, data = _trainer(cfg, batch, 0, "cpu")
     real = torch_summary.host_summaries
-    step_calls: list[tuple[tuple[int, tuple[int, ...]], int, float, float]] = []
-    last: list[Any] = []
+    Kind = tuple[int, tuple[int, ...]]
+    step_calls: list[tuple[Kind, int, float, float, Any]] = []
 
     def timed(arrays: Any, layout: Any, threads: int = 1) -> Any:
         t0 = time.perf_counter()
@@ -240,48 +241,50 @@ def kernel_calls(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> list[di
         real(arrays, layout, threads)
         t2 = time.perf_counter()
         kind = (len(arrays), tuple(arrays[0].shape))
-        step_calls.append((kind, sum(a.size for a in arrays), t1 - t0, t2 - t1))
-        last.append((list(arrays), layout, threads))
+        call = (list(arrays), layout, threads)
+        step_calls.append((kind, sum(a.size for a in arrays), t1 - t0, t2 - t1, call))
         return out
 
-    per_call: dict[int, list[tuple[tuple[int, tuple[int, ...]], int, float, float]]] = {}
-    after: list[float] = []
+    first: dict[Kind, list[float]] = {}
+    again: dict[Kind, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         with track(model, opt, out=Path(tmp) / "log", verbose=False) as tracker:
             torch_summary.host_summaries = timed
             try:
                 for i in range(warmup + steps):
                     step_calls.clear()
-                    last.clear()
                     _step(model, opt, data, i)
                     tracker.step()
                     if i >= warmup:
-                        for j, call in enumerate(step_calls):
-                            per_call.setdefault(j, []).append(call)
+                        sums: dict[Kind, list[float]] = {}
+                        for kind, _, t_first, t_again, _ in step_calls:
+                            got = sums.setdefault(kind, [0.0, 0.0])
+                            got[0] += t_first
+                            got[1] += t_again
+                        for kind, (t_first, t_again) in sums.items():
+                            first.setdefault(kind, []).append(t_first)
+                            again.setdefault(kind, []).append(t_again)
             finally:
                 torch_summary.host_summaries = real
-            for arrays, layout, threads in last:  # (the gradients still held: none zeroed)
-                best = math.inf
+            rows: dict[Kind, dict[str, Any]] = {}
+            for kind, n, _, _, (arrays, layout, threads) in step_calls:  # the last step's
+                best = math.inf  # (its gradients still held: none zeroed since)
                 for _ in range(5):
                     t0 = time.perf_counter()
                     real(arrays, layout, threads)
                     best = min(best, time.perf_counter() - t0)
-                after.append(best)
-    rows: dict[tuple[int, tuple[int, ...]], dict[str, Any]] = {}
-    for j, got in sorted(per_call.items()):
-        kind, n = got[0][0], got[0][1]
-        row = rows.setdefault(
-            kind, {"arrays": kind[0], "shape": kind[1], "calls": 0, "elements": 0,
-                   "first_s": 0.0, "again_s": 0.0, "after_s": 0.0},
-        )  # fmt: skip
-        row["calls"] += 1
-        row["elements"] += n
-        row["first_s"] += statistics.median(c[2] for c in got)
-        row["again_s"] += statistics.median(c[3] for c in got)
-        row["after_s"] += after[j] if j < len(after) else math.nan
-    for row in rows.values():
-        for key in ("first", "again", "after"):
-            row[f"{key}_ns"] = row.pop(f"{key}_s") * 1e9 / row["elements"]
+                row = rows.setdefault(
+                    kind, {"arrays": kind[0], "shape": kind[1], "calls": 0, "elements": 0,
+                           "after_s": 0.0},
+                )  # fmt: skip
+                row["calls"] += 1
+                row["elements"] += n
+                row["after_s"] += best
+    for kind, row in rows.items():
+        per_ns = 1e9 / row["elements"]
+        row["first_ns"] = statistics.median(first[kind]) * per_ns
+        row["again_ns"] = statistics.median(again[kind]) * per_ns
+        row["after_ns"] = row.pop("after_s") * per_ns
     return sorted(rows.values(), key=lambda r: -r["elements"] * r["first_ns"])
 
 
@@ -858,6 +861,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernel_calls:
         if args.device != "cpu":
             p.error("--kernel-calls: the host kernel runs for CPU tensors (--device cpu)")
+        if args.steps < 1:
+            p.error(f"--kernel-calls: --steps must be at least 1 (got {args.steps})")
         print(f"{cfg}, batch {batch}, AdamW, cpu: the host kernel per kind of call")
         print("arrays  first shape       calls  M elements  ns per element: in the step, "
               "again, after the loop")  # fmt: skip
