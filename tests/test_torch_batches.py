@@ -245,6 +245,33 @@ def test_state_rows_follow_a_value_moved_to_another_parameters_state(tmp_path):
     assert_row(df, idx, ("fc2.weight.moved", "Optimiser_State", 1), [moved])
 
 
+def test_state_rows_follow_a_key_renamed_over_the_same_value(tmp_path):
+    """After step 1's update every parameter's last state entry, ``exp_avg_sq``, is put
+    back under another key (``v``): the same tensors, in the same order, under the same
+    parameters, so only the key tells. Step 1's rows name them by the new key."""
+    net, opt = make(0)
+    renamed = {}
+    with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
+        for i in range(2):
+            x, y = batch(i)
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+            if i == 1:
+                for name, p in net.named_parameters():
+                    state = opt.state[p]
+                    assert list(state)[-1] == "exp_avg_sq"  # (the last: the order is kept)
+                    state["v"] = state.pop("exp_avg_sq")
+                    renamed[name] = state["v"].clone()
+            tr.step()
+    df = read_log(tr.out_path)
+    idx = index(df)
+    for name, value in renamed.items():
+        assert (f"{name}.exp_avg_sq", "Optimiser_State", 0) in idx
+        assert (f"{name}.exp_avg_sq", "Optimiser_State", 1) not in idx
+        assert_row(df, idx, (f"{name}.v", "Optimiser_State", 1), [value])
+
+
 def _position(params: list[torch.Tensor], p: torch.Tensor) -> int:
     """Where ``p`` itself is in ``params`` (``list.index`` compares tensors' values)."""
     return next(k for k, q in enumerate(params) if q is p)

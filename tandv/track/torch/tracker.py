@@ -465,7 +465,7 @@ class Tracker(TrackerCore[Flight | None]):
         # the state values (by their positions there) and the weak references to them that
         # died (see _state_batch; the references themselves are _state_refs)
         self._state_cache: (
-            tuple[list[int], _Batch, Callable[[list[Any]], Sequence[Any]], list[Any]] | None
+            tuple[list[Any], _Batch, Callable[[list[Any]], Sequence[Any]], list[Any]] | None
         ) = None
         self._state_refs: list[weakref.ref[Any]] = []
         # the same for activations and output gradients, by (name, kind, dtype, on CUDA),
@@ -1021,7 +1021,9 @@ class Tracker(TrackerCore[Flight | None]):
         sequence changes with any change of which tensors the state holds or of their order
         (a value added, removed or replaced; a state dict added, removed or replaced by one
         holding other values), the parameters' and the lengths' with any change of whose
-        state a value is; a dict replaced by one holding the same values changes nothing the
+        state a value is; the dicts' keys themselves (strings, compared by identity first,
+        and kept by the sign), which name the rows, with a value put back under another
+        key; a dict replaced by one holding the same keys and values changes nothing the
         batch depends on, so the dicts' own identities are not read (the lengths are read
         after the values, when the dicts are in cache: read first, each dict a separate
         object, the two passes cost ~20 microseconds a step). The tensors are held by weak
@@ -1032,7 +1034,7 @@ class Tracker(TrackerCore[Flight | None]):
         reference at each step."""
         if self._renamed:
             self._refresh_names()
-        sign: list[int] = []
+        sign: list[Any] = []
         values: list[Any] = []  # every state value, in the optimizers' order
         for opt in self.optimizers:
             sign.append(-1)  # (an optimizer's boundary)
@@ -1048,6 +1050,7 @@ class Tracker(TrackerCore[Flight | None]):
                 del values[n:]
                 values += chain.from_iterable(map(_values, states))
             sign += map(len, states)
+            sign += chain.from_iterable(states)  # the keys themselves, which name the rows
         sign += map(id, values)
         cached = self._state_cache
         if cached is not None and cached[0] == sign and not cached[3]:  # (no tuple made)
