@@ -212,6 +212,22 @@ def test_a_steady_state_batch_asks_its_tensors_only_their_addresses(tmp_path, mo
     assert all(guarded for _, guarded in calls[6:]), calls
 
 
+def _state_changed_after_update(tmp_path, net, opt, change):
+    """Two tracked steps of ``net``, ``change()`` called after step 1's update (before
+    ``tracker.step()`` summarizes the state); the log and its index."""
+    with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
+        for i in range(2):
+            x, y = batch(i)
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+            if i == 1:
+                change()
+            tr.step()
+    df = read_log(tr.out_path)
+    return df, index(df)
+
+
 @pytest.mark.usefixtures("any_path")
 def test_state_rows_follow_a_value_moved_to_another_parameters_state(tmp_path):
     """The optimizer state's batch is kept while the state holds the same tensors in the
@@ -222,50 +238,40 @@ def test_state_rows_follow_a_value_moved_to_another_parameters_state(tmp_path):
     it ``fc2.weight.moved`` and ``fc1.bias`` has no ``exp_avg_sq`` row there."""
     net, opt = make(0)
     params = dict(net.named_parameters())
-    moved = None
-    with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
-        for i in range(2):
-            x, y = batch(i)
-            opt.zero_grad(set_to_none=True)
-            F.mse_loss(net(x), y).backward()
-            opt.step()
-            if i == 1:
-                order = [id(p) for p in opt.state]
-                a, b = params["fc1.bias"], params["fc2.weight"]
-                assert order.index(id(b)) == order.index(id(a)) + 1  # (neighbours)
-                moved = opt.state[a].pop("exp_avg_sq")
-                opt.state[b] = {"moved": moved, **opt.state[b]}
-                moved = moved.clone()
-            tr.step()
-    df = read_log(tr.out_path)
-    idx = index(df)
+    moved = []
+
+    def move() -> None:
+        order = [id(p) for p in opt.state]
+        a, b = params["fc1.bias"], params["fc2.weight"]
+        assert order.index(id(b)) == order.index(id(a)) + 1  # (neighbours)
+        value = opt.state[a].pop("exp_avg_sq")
+        opt.state[b] = {"moved": value, **opt.state[b]}
+        moved.append(value.clone())
+
+    df, idx = _state_changed_after_update(tmp_path, net, opt, move)
     assert ("fc1.bias.exp_avg_sq", "Optimiser_State", 0) in idx
     assert ("fc1.bias.exp_avg_sq", "Optimiser_State", 1) not in idx
     assert ("fc2.weight.moved", "Optimiser_State", 0) not in idx
-    assert_row(df, idx, ("fc2.weight.moved", "Optimiser_State", 1), [moved])
+    assert_row(df, idx, ("fc2.weight.moved", "Optimiser_State", 1), moved)
 
 
+@pytest.mark.usefixtures("any_path")
 def test_state_rows_follow_a_key_renamed_over_the_same_value(tmp_path):
     """After step 1's update every parameter's last state entry, ``exp_avg_sq``, is put
     back under another key (``v``): the same tensors, in the same order, under the same
     parameters, so only the key tells. Step 1's rows name them by the new key."""
     net, opt = make(0)
     renamed = {}
-    with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
-        for i in range(2):
-            x, y = batch(i)
-            opt.zero_grad(set_to_none=True)
-            F.mse_loss(net(x), y).backward()
-            opt.step()
-            if i == 1:
-                for name, p in net.named_parameters():
-                    state = opt.state[p]
-                    assert list(state)[-1] == "exp_avg_sq"  # (the last: the order is kept)
-                    state["v"] = state.pop("exp_avg_sq")
-                    renamed[name] = state["v"].clone()
-            tr.step()
-    df = read_log(tr.out_path)
-    idx = index(df)
+
+    def rename() -> None:
+        for name, p in net.named_parameters():
+            state = opt.state[p]
+            assert list(state)[-1] == "exp_avg_sq"  # (the last: the order is kept)
+            state["v"] = state.pop("exp_avg_sq")
+            renamed[name] = state["v"].clone()
+
+    df, idx = _state_changed_after_update(tmp_path, net, opt, rename)
+    assert renamed
     for name, value in renamed.items():
         assert (f"{name}.exp_avg_sq", "Optimiser_State", 0) in idx
         assert (f"{name}.exp_avg_sq", "Optimiser_State", 1) not in idx
