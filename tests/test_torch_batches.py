@@ -278,6 +278,33 @@ def test_state_rows_follow_a_key_renamed_over_the_same_value(tmp_path):
         assert_row(df, idx, (f"{name}.v", "Optimiser_State", 1), [value])
 
 
+def test_a_state_key_that_is_not_a_string_names_its_rows_as_a_string(tmp_path):
+    """A state value under a key that is not a string (here a tensor, a new one at each
+    step: comparing two of them gives no single truth value) is still summarized, under
+    the key's string, at every step; the batch found again when the key changes."""
+    net, opt = make(0)
+    p = dict(net.named_parameters())["fc1.bias"]
+    values = []
+    with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
+        for i in range(3):
+            x, y = batch(i)
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+            state = opt.state[p]
+            for key in [k for k in state if isinstance(k, torch.Tensor)]:
+                del state[key]
+            value = torch.full((4,), float(i + 1))
+            state[torch.tensor([1.0, 2.0])] = value
+            values.append(value.clone())
+            tr.step()
+    df = read_log(tr.out_path)
+    idx = index(df)
+    name = f"fc1.bias.{torch.tensor([1.0, 2.0])}"
+    for i, value in enumerate(values):
+        assert_row(df, idx, (name, "Optimiser_State", i), [value])
+
+
 def _position(params: list[torch.Tensor], p: torch.Tensor) -> int:
     """Where ``p`` itself is in ``params`` (``list.index`` compares tensors' values)."""
     return next(k for k, q in enumerate(params) if q is p)

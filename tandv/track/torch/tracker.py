@@ -1053,10 +1053,15 @@ class Tracker(TrackerCore[Flight | None]):
             sign += chain.from_iterable(states)  # the keys themselves, which name the rows
         sign += map(id, values)
         cached = self._state_cache
-        if cached is not None and cached[0] == sign and not cached[3]:  # (no tuple made)
-            # the batch's tensors, where they lie among the values; the same objects as
-            # those the batch was found for while those live (equal identities)
-            return cached[1], cached[2](values)
+        if cached is not None:
+            try:  # (a key that is not a string, compared with another, may refuse a bool)
+                same = cached[0] == sign and not cached[3]  # (no tuple made)
+            except (RuntimeError, TypeError, ValueError):
+                same = False
+            if same:
+                # the batch's tensors, where they lie among the values; the same objects as
+                # those the batch was found for while those live (equal identities)
+                return cached[1], cached[2](values)
         items = [
             (name, value, owner)
             for name, value, owner in self._optimizer_state()
