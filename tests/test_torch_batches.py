@@ -212,17 +212,16 @@ def test_a_steady_state_batch_asks_its_tensors_only_their_addresses(tmp_path, mo
     assert all(guarded for _, guarded in calls[6:]), calls
 
 
-def _state_changed_after_update(tmp_path, net, opt, change):
-    """Two tracked steps of ``net``, ``change()`` called after step 1's update (before
-    ``tracker.step()`` summarizes the state); the log and its index."""
+def _state_changed_after_update(tmp_path, net, opt, change, steps: int = 2):
+    """``steps`` tracked steps of ``net``, ``change(i)`` called after step ``i``'s update
+    (before ``tracker.step()`` summarizes the state); the log and its index."""
     with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
-        for i in range(2):
+        for i in range(steps):
             x, y = batch(i)
             opt.zero_grad(set_to_none=True)
             F.mse_loss(net(x), y).backward()
             opt.step()
-            if i == 1:
-                change()
+            change(i)
             tr.step()
     df = read_log(tr.out_path)
     return df, index(df)
@@ -240,7 +239,9 @@ def test_state_rows_follow_a_value_moved_to_another_parameters_state(tmp_path):
     params = dict(net.named_parameters())
     moved = []
 
-    def move() -> None:
+    def move(i: int) -> None:
+        if i != 1:
+            return
         order = [id(p) for p in opt.state]
         a, b = params["fc1.bias"], params["fc2.weight"]
         assert order.index(id(b)) == order.index(id(a)) + 1  # (neighbours)
@@ -263,7 +264,9 @@ def test_state_rows_follow_a_key_renamed_over_the_same_value(tmp_path):
     net, opt = make(0)
     renamed = {}
 
-    def rename() -> None:
+    def rename(i: int) -> None:
+        if i != 1:
+            return
         for name, p in net.named_parameters():
             state = opt.state[p]
             assert list(state)[-1] == "exp_avg_sq"  # (the last: the order is kept)
@@ -285,21 +288,16 @@ def test_a_state_key_that_is_not_a_string_names_its_rows_as_a_string(tmp_path):
     net, opt = make(0)
     p = dict(net.named_parameters())["fc1.bias"]
     values = []
-    with track(net, opt, out=tmp_path / "log", verbose=False) as tr:
-        for i in range(3):
-            x, y = batch(i)
-            opt.zero_grad(set_to_none=True)
-            F.mse_loss(net(x), y).backward()
-            opt.step()
-            state = opt.state[p]
-            for key in [k for k in state if isinstance(k, torch.Tensor)]:
-                del state[key]
-            value = torch.full((4,), float(i + 1))
-            state[torch.tensor([1.0, 2.0])] = value
-            values.append(value.clone())
-            tr.step()
-    df = read_log(tr.out_path)
-    idx = index(df)
+
+    def new_key(i: int) -> None:
+        state = opt.state[p]
+        for key in [k for k in state if isinstance(k, torch.Tensor)]:
+            del state[key]
+        value = torch.full((4,), float(i + 1))
+        state[torch.tensor([1.0, 2.0])] = value
+        values.append(value.clone())
+
+    df, idx = _state_changed_after_update(tmp_path, net, opt, new_key, steps=3)
     name = f"fc1.bias.{torch.tensor([1.0, 2.0])}"
     for i, value in enumerate(values):
         assert_row(df, idx, (name, "Optimiser_State", i), [value])
