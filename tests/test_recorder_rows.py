@@ -283,7 +283,7 @@ def test_compiled_finishing_gives_numpys_summaries_bit_for_bit(dtype, fmt, extra
 
     spec = _fused.spec_for(dtype)
     layout = Layout(fmt, extras=extras)
-    assert _finish.takes(spec, layout)
+    assert _finish.takes(layout)
     size = _fused.row_size(spec, layout)
     rng = np.random.default_rng(5)
     n = 12
@@ -317,9 +317,8 @@ def test_compiled_finishing_leaves_block_formats_and_higher_moments_to_numpy():
     from tandv.stats.summary import Layout
     from tandv.track.torch import _finish
 
-    spec = _fused.spec_for(torch.float32)
-    assert not _finish.takes(spec, Layout("float32", moments=4))
-    assert not _finish.takes(spec, Layout("float32", extras=block_extras(["mxfp8_e4m3"])))
+    assert not _finish.takes(Layout("float32", moments=4))
+    assert not _finish.takes(Layout("float32", extras=block_extras(["mxfp8_e4m3"])))
 
 
 @pytest.fixture

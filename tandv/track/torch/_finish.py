@@ -48,9 +48,10 @@ _AT = np.array(
 )
 
 
-def takes(spec: _fused.Spec, layout: Layout) -> bool:
-    """Whether :func:`finish_at` finishes rows of ``spec`` in ``layout``: all but those
-    with block formats (their ratio columns take a logarithm) or higher moments."""
+def takes(layout: Layout) -> bool:
+    """Whether :func:`finish_at` finishes rows in ``layout`` (of any tensor's spec): all
+    but those with block formats (their ratio columns take a logarithm) or higher
+    moments."""
     return not layout.num_higher and not _fused._names_of(layout.extras)
 
 

@@ -983,7 +983,7 @@ def _finished(values: np.ndarray, offsets: np.ndarray, kind: RowKind) -> np.ndar
         return finish_raw(_gather(values, offsets, kind.size), np)
     from . import _finish, _fused
 
-    if _finish.takes(kind.spec, kind.layout):
+    if _finish.takes(kind.layout):
         return _finish.finish_at(values, offsets, kind.spec, kind.layout)
     return _fused.finish_rows(_gather(values, offsets, kind.size), kind.spec, kind.layout)
 
